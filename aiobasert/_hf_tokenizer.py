@@ -1,0 +1,104 @@
+"""An HF ``tokenizers`` tokenizer.json equivalent to a bundle's GGUF-style tokenizer fields.
+
+The reference engine's C tokenizer (native/src/tokenizer.c) encodes from the ``tokenizer`` object of a
+.base header (docs/BUNDLE.md). The parity tests hand the JSON built here to HF ``tokenizers`` and compare
+ids, so this mapping states what "equivalent" means:
+
+- model: byte-level BPE over the vocabulary and merges as stored (GGUF keeps the GPT-2 byte-level text),
+  no unk token, no byte fallback, merges applied even when a whole word is in the vocabulary;
+- pre-tokenizer: ``smollm`` splits every digit off, then applies the GPT-2 ByteLevel regex; ``gpt2`` /
+  ``default`` only the regex;
+- added tokens: every CONTROL (type 3, special) and USER_DEFINED (type 4, not special) token, matched
+  verbatim in the raw text (normalized=false, no lstrip/rstrip/single_word);
+- decoder: ByteLevel.
+
+BOS/EOS are not part of tokenizer.json (HF keeps them in tokenizer_config.json); nothing is added
+around the encoded text, as in the engine, where the caller decides about BOS.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+TOKEN_TYPE_NORMAL = 1
+TOKEN_TYPE_CONTROL = 3
+TOKEN_TYPE_USER_DEFINED = 4
+
+_BYTE_LEVEL: dict[str, Any] = {
+    "type": "ByteLevel",
+    "add_prefix_space": False,
+    "trim_offsets": True,
+    "use_regex": True,
+}
+
+
+def _pre_tokenizer(pre: str) -> dict[str, Any]:
+    if pre == "smollm":
+        return {"type": "Sequence", "pretokenizers": [{"type": "Digits", "individual_digits": True}, _BYTE_LEVEL]}
+    if pre in ("gpt2", "default"):
+        return dict(_BYTE_LEVEL)
+    raise ValueError(f"unsupported tokenizer.ggml.pre {pre!r} (supported: smollm, gpt2, default)")
+
+
+def _str_list(tok: Mapping[str, Any], key: str) -> list[str]:
+    value = tok.get(key, [])
+    if not isinstance(value, Sequence) or isinstance(value, str) or not all(isinstance(v, str) for v in value):
+        raise ValueError(f"{key} must be a list of strings")
+    return list(value)
+
+
+def hf_tokenizer_json(tok: Mapping[str, Any]) -> str:
+    """Return the tokenizer.json text equivalent to the GGUF-style fields in ``tok``."""
+    model = tok.get("tokenizer.ggml.model", "gpt2")
+    if model != "gpt2":
+        raise ValueError(f"tokenizer.ggml.model {model!r} is not a byte-level BPE (gpt2) tokenizer")
+    tokens = _str_list(tok, "tokenizer.ggml.tokens")
+    if not tokens:
+        raise ValueError("tokenizer.ggml.tokens is empty")
+    merges = _str_list(tok, "tokenizer.ggml.merges")
+    types_value = tok.get("tokenizer.ggml.token_type")
+    types = [TOKEN_TYPE_NORMAL] * len(tokens) if types_value is None else [int(t) for t in types_value]
+    if len(types) != len(tokens):
+        raise ValueError(f"{len(types)} token types for {len(tokens)} tokens")
+    pre = str(tok.get("tokenizer.ggml.pre", "default"))
+
+    vocab: dict[str, int] = {}
+    added_tokens: list[dict[str, Any]] = []
+    for token_id, (text, token_type) in enumerate(zip(tokens, types)):
+        vocab.setdefault(text, token_id)  # the first id of a duplicated text wins, as in the engine
+        if token_type in (TOKEN_TYPE_CONTROL, TOKEN_TYPE_USER_DEFINED) and text and vocab[text] == token_id:
+            added_tokens.append({
+                "id": token_id,
+                "content": text,
+                "single_word": False,
+                "lstrip": False,
+                "rstrip": False,
+                "normalized": False,
+                "special": token_type == TOKEN_TYPE_CONTROL,
+            })
+
+    document: dict[str, Any] = {
+        "version": "1.0",
+        "truncation": None,
+        "padding": None,
+        "added_tokens": added_tokens,
+        "normalizer": None,
+        "pre_tokenizer": _pre_tokenizer(pre),
+        "post_processor": None,
+        "decoder": dict(_BYTE_LEVEL),
+        "model": {
+            "type": "BPE",
+            "dropout": None,
+            "unk_token": None,
+            "continuing_subword_prefix": None,
+            "end_of_word_suffix": None,
+            "fuse_unk": False,
+            "byte_fallback": False,
+            "ignore_merges": False,
+            "vocab": vocab,
+            "merges": merges,
+        },
+    }
+    return json.dumps(document, ensure_ascii=False)

@@ -1,0 +1,150 @@
+"""Scheduling policy for continuous batching: no FFI, no asyncio, no threads.
+
+The engine thread asks `plan()` once per step and carries the plan out. The
+policy (in the spirit of vLLM's scheduler and llama.cpp's server slots):
+
+* Admission is strictly FIFO: a request gets a lane when one is free, in the
+  order requests arrived, at most `max_batch_size` lanes at once. The wait
+  queue is bounded (`max_queue`): past it `EngineOverloadedError`, never a
+  silent drop.
+* Every running decode lane advances one token every step; a lane whose
+  consumer has fallen `max_buffered_tokens` behind is paused (it keeps its lane
+  and its KV) until the consumer catches up, so a slow reader costs nobody else.
+* Prompt tokens share a per-step budget (`prefill_budget`), handed out to the
+  lanes still prefilling in admission order, so a long prompt is prefilled in
+  chunks over several steps while running streams keep decoding (vllm #1026),
+  and a cancel lands between chunks (tabbyAPI #383).
+* Prefix-cache seeding is tried at admission for prompts longer than a page;
+  the KV of a finished lane (prompt + output) is published for reuse.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from .errors import ContextLengthExceededError, EngineOverloadedError
+
+
+@dataclass(eq=False)
+class LaneState:
+    """What the policy knows about one request. Owned by the engine thread."""
+
+    rid: str
+    prompt_len: int
+    max_new_tokens: int
+    prefilled: int = 0
+    """Prompt tokens already in the KV (prefilled or seeded from the cache)."""
+    generated: int = 0
+    unread: int = 0
+    """Tokens delivered to the consumer and not yet read."""
+    admitted: bool = False
+    cancelled: bool = False
+
+    @property
+    def prefilling(self) -> bool:
+        return self.prefilled < self.prompt_len
+
+
+class Batcher:
+    """FIFO admission, chunked prefill under a token budget, lane packing."""
+
+    def __init__(
+        self,
+        *,
+        max_batch_size: int,
+        max_context: int,
+        prefill_budget: int,
+        max_queue: int = 1024,
+        max_buffered_tokens: int = 256,
+        page_size: int = 16,
+        prefix_cache: bool = False,
+    ) -> None:
+        if max_batch_size < 1 or max_context < 2 or prefill_budget < 1 or max_queue < 1:
+            raise ValueError("batcher limits must be positive")
+        self.max_batch_size = max_batch_size
+        self.max_context = max_context
+        self.prefill_budget = prefill_budget
+        self.max_queue = max_queue
+        self.max_buffered_tokens = max(1, max_buffered_tokens)
+        self.page_size = page_size
+        self.prefix_cache = prefix_cache
+        self.waiting: deque[LaneState] = deque()
+        self.running: list[LaneState] = []
+
+    # ---- admission control ----------------------------------------------------------
+
+    def resolve_max_tokens(self, prompt_len: int, max_tokens: int | None) -> int:
+        """The generation budget of a request, or ContextLengthExceededError.
+
+        The KV holds prompt + all generated tokens but the last, so a request
+        fits when prompt_len + max_tokens - 1 <= max_context.
+        """
+        if prompt_len < 1:
+            raise ValueError("a prompt needs at least one token")
+        room = self.max_context - prompt_len + 1
+        if max_tokens is None:
+            if room < 1:
+                raise ContextLengthExceededError(prompt_len, 1, self.max_context)
+            return room
+        if max_tokens > room:
+            raise ContextLengthExceededError(prompt_len, max_tokens, self.max_context)
+        return max_tokens
+
+    def enqueue(self, lane: LaneState) -> None:
+        if len(self.waiting) >= self.max_queue:
+            raise EngineOverloadedError(
+                f"request queue is full ({self.max_queue} waiting); retry later or raise max_queue"
+            )
+        self.waiting.append(lane)
+
+    def remove(self, lane: LaneState) -> None:
+        """Forget a lane (finished, cancelled or failed), wherever it is."""
+        if lane.admitted:
+            self.running.remove(lane)
+        else:
+            self.waiting.remove(lane)
+
+    def should_match_prefix(self, lane: LaneState) -> bool:
+        # a match always leaves one token to prefill, so it needs > one page
+        return self.prefix_cache and lane.prompt_len > self.page_size
+
+    def should_publish_prefix(self, lane: LaneState, kv_tokens: int) -> bool:
+        return self.prefix_cache and not lane.cancelled and kv_tokens >= self.page_size
+
+    # ---- the plan ---------------------------------------------------------------------
+
+    def is_paused(self, lane: LaneState) -> bool:
+        return lane.unread >= self.max_buffered_tokens
+
+    def has_runnable_work(self) -> bool:
+        if self.waiting and len(self.running) < self.max_batch_size:
+            return True
+        return any(not self.is_paused(lane) for lane in self.running)
+
+    def admit(self) -> list[LaneState]:
+        """Move waiting requests into free lanes, FIFO. The engine then creates
+        their sequences (and seeds cached prefixes) before `schedule()`."""
+        admitted: list[LaneState] = []
+        while self.waiting and len(self.running) < self.max_batch_size:
+            lane = self.waiting.popleft()
+            lane.admitted = True
+            self.running.append(lane)
+            admitted.append(lane)
+        return admitted
+
+    def schedule(self) -> list[tuple[LaneState, int]]:
+        """The rows of the next fused step: (lane, tokens fed), 1 for a decode
+        lane, a chunk within the prefill budget for a prefilling one."""
+        rows: list[tuple[LaneState, int]] = []
+        budget = self.prefill_budget
+        for lane in self.running:  # admission order: FIFO for the prefill budget too
+            if lane.prefilling:
+                if budget <= 0:
+                    continue
+                chunk = min(lane.prompt_len - lane.prefilled, budget)
+                budget -= chunk
+                rows.append((lane, chunk))
+            elif not self.is_paused(lane):
+                rows.append((lane, 1))
+        return rows

@@ -1,0 +1,422 @@
+"""Reader and writer for the `.base` model bundle subset of docs/BUNDLE.md.
+
+Layout: ``b"BASE"``, format version (u32 LE), header length (u64 LE), the
+canonical JSON header, zero padding to the next 64 KiB file offset, then the
+tensor blob. Tensor offsets are relative to the blob start and aligned by
+compute region (``accelerator``/``cpu`` 64 B, ``gpu`` 16 KiB by default).
+
+The writer streams: :class:`BundleWriter` lays out every tensor from its
+shape and dtype up front, writes the header, then takes the arrays one at a
+time, so a converter never holds more than one dequantized tensor in memory.
+Files are written to a temporary name in the target directory and renamed
+into place, so readers never see a partial bundle.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+import tempfile
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from pathlib import Path
+from types import TracebackType
+from typing import Any, Final, Literal
+
+import msgspec
+import numpy as np
+import numpy.typing as npt
+
+__all__ = [
+    "BASERT_VERSION",
+    "BLOB_ALIGNMENT",
+    "FORMAT_VERSION",
+    "MAGIC",
+    "Bundle",
+    "BundleError",
+    "BundleWriter",
+    "Progress",
+    "TensorEntry",
+    "TensorInfo",
+    "bf16_to_f32",
+    "canonical_json",
+    "f32_to_bf16",
+    "read_bundle",
+    "write_bundle",
+]
+
+MAGIC: Final = b"BASE"
+FORMAT_VERSION: Final = 1
+#: The BaseRT release whose bundle format this module writes (header field `baserT_version`).
+BASERT_VERSION: Final = "0.4.6"
+BLOB_ALIGNMENT: Final = 1 << 16
+_PREFIX = struct.Struct("<4sIQ")
+_COPY_CHUNK = 1 << 24
+
+DType = Literal["f32", "f16", "bf16"]
+Region = Literal["accelerator", "gpu", "cpu"]
+
+_ITEMSIZE: Final[dict[str, int]] = {"f32": 4, "f16": 2, "bf16": 2}
+# Storage dtype of each bundle dtype (bf16 has no numpy dtype: raw uint16 bits).
+_STORAGE: Final[dict[str, np.dtype[Any]]] = {
+    "f32": np.dtype("<f4"),
+    "f16": np.dtype("<f2"),
+    "bf16": np.dtype("<u2"),
+}
+DEFAULT_ALIGNMENT: Final[dict[str, int]] = {"accel_align_log2": 6, "gpu_page_log2": 14, "cpu_align_log2": 6}
+_REGION_ALIGN_KEY: Final[dict[str, str]] = {
+    "accelerator": "accel_align_log2",
+    "gpu": "gpu_page_log2",
+    "cpu": "cpu_align_log2",
+}
+
+#: Progress callback: (bytes done, bytes total).
+Progress = Callable[[int, int], object]
+
+
+class BundleError(ValueError):
+    """A `.base` file is malformed; the message names the file and the reason."""
+
+    def __init__(self, path: str | os.PathLike[str], reason: str) -> None:
+        super().__init__(f"{os.fspath(path)}: {reason}")
+        self.path = Path(path)
+        self.reason = reason
+
+
+class TensorInfo(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
+    """One entry of the header's `tensors` list."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    offset: int
+    length: int
+    compute_region: str = "gpu"
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+def canonical_json(obj: Any) -> bytes:
+    """The header encoding the format requires: sorted keys, no spaces, UTF-8."""
+    text = json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+    return text.encode("utf-8")
+
+
+def f32_to_bf16(values: npt.ArrayLike) -> npt.NDArray[np.uint16]:
+    """Round float32 values to bfloat16 bits (round to nearest even; NaN stays NaN)."""
+    bits = np.ascontiguousarray(values, dtype=np.float32).view(np.uint32)
+    rounded = (bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)
+    nan = (bits & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000)
+    out = np.where(nan, (bits >> np.uint32(16)) | np.uint32(0x0040), rounded)
+    return out.astype(np.uint16)
+
+
+def bf16_to_f32(bits: npt.NDArray[np.uint16]) -> npt.NDArray[np.float32]:
+    return (bits.astype(np.uint32) << np.uint32(16)).view(np.float32)
+
+
+def _align_up(value: int, alignment: int) -> int:
+    return -(-value // alignment) * alignment
+
+
+def _region_alignment(alignment: Mapping[str, Any], region: str) -> int:
+    key = _REGION_ALIGN_KEY.get(region)
+    if key is None:
+        raise ValueError(f"unknown compute_region {region!r} (expected one of {sorted(_REGION_ALIGN_KEY)})")
+    log2 = alignment.get(key, DEFAULT_ALIGNMENT[key])
+    if not isinstance(log2, int) or isinstance(log2, bool) or not 0 <= log2 <= 16:
+        raise ValueError(f"alignment.{key} must be an integer in 0..16, got {log2!r}")
+    return 1 << log2
+
+
+def _dtype_of(array: np.ndarray[Any, Any]) -> str:
+    if array.dtype == np.float32:
+        return "f32"
+    if array.dtype == np.float16:
+        return "f16"
+    raise ValueError(
+        f"cannot infer a bundle dtype from numpy {array.dtype}: pass float32, float16, "
+        "or uint16 bits with dtype 'bf16'"
+    )
+
+
+class TensorEntry(msgspec.Struct, frozen=True):
+    """What the writer needs to lay a tensor out before seeing its data."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    compute_region: str = "gpu"
+
+
+def _layout(entries: Sequence[TensorEntry], alignment: Mapping[str, Any]) -> list[TensorInfo]:
+    infos: list[TensorInfo] = []
+    seen: set[str] = set()
+    cursor = 0
+    for entry in entries:
+        if entry.name in seen:
+            raise ValueError(f"duplicate tensor name {entry.name!r}")
+        seen.add(entry.name)
+        if entry.dtype not in _ITEMSIZE:
+            raise ValueError(f"tensor {entry.name!r}: unsupported dtype {entry.dtype!r}")
+        if any(dim < 0 for dim in entry.shape):
+            raise ValueError(f"tensor {entry.name!r}: negative dimension in shape {entry.shape}")
+        offset = _align_up(cursor, _region_alignment(alignment, entry.compute_region))
+        length = math.prod(entry.shape) * _ITEMSIZE[entry.dtype]
+        infos.append(TensorInfo(entry.name, entry.dtype, tuple(entry.shape), offset, length, entry.compute_region))
+        cursor = offset + length
+    return infos
+
+
+class BundleWriter:
+    """Streams a bundle to disk: header first, then tensors in layout order.
+
+    Use as a context manager; the file appears at `path` only when the block
+    exits normally after every tensor was written.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        header: Mapping[str, Any],
+        entries: Sequence[TensorEntry],
+        *,
+        progress: Progress | None = None,
+    ) -> None:
+        if "tensors" in header:
+            raise ValueError("header must not contain 'tensors': the writer lays them out")
+        self.path = Path(path)
+        full_header = dict(header)
+        full_header.setdefault("alignment", dict(DEFAULT_ALIGNMENT))
+        self.infos = _layout(entries, full_header["alignment"])
+        full_header["tensors"] = [msgspec.structs.asdict(info) for info in self.infos]
+        self.header = full_header
+        header_bytes = canonical_json(full_header)
+        self._blob_start = _align_up(_PREFIX.size + len(header_bytes), BLOB_ALIGNMENT)
+        self._next = 0
+        self._written = 0
+        self._total = sum(info.length for info in self.infos)
+        self._progress = progress
+
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{self.path.name}.", suffix=".tmp", dir=self.path.parent)
+        self._tmp = Path(tmp)
+        self._file = os.fdopen(fd, "wb")
+        try:
+            self._file.write(_PREFIX.pack(MAGIC, FORMAT_VERSION, len(header_bytes)))
+            self._file.write(header_bytes)
+            self._pad_to(self._blob_start)
+        except BaseException:
+            self._abort()
+            raise
+
+    def _pad_to(self, absolute_offset: int) -> None:
+        gap = absolute_offset - self._file.tell()
+        if gap < 0:
+            raise AssertionError("bundle layout went backwards")
+        self._file.write(bytes(gap))
+
+    def write(self, name: str, array: npt.ArrayLike) -> None:
+        """Write the next tensor; `name`, shape and dtype must match its layout entry."""
+        if self._next >= len(self.infos):
+            raise ValueError(f"tensor {name!r}: every laid-out tensor was already written")
+        info = self.infos[self._next]
+        if name != info.name:
+            raise ValueError(f"tensor {name!r} written out of order: expected {info.name!r}")
+        data = np.asarray(array)
+        storage = _STORAGE[info.dtype]
+        if data.dtype.kind != storage.kind or data.dtype.itemsize != storage.itemsize:
+            raise ValueError(f"tensor {name!r}: array dtype {data.dtype} does not store bundle dtype {info.dtype}")
+        if tuple(data.shape) != info.shape:
+            raise ValueError(f"tensor {name!r}: array shape {data.shape} != laid-out shape {info.shape}")
+        data = np.ascontiguousarray(data, dtype=storage)  # also fixes byte order
+        self._pad_to(self._blob_start + info.offset)
+        flat = data.reshape(-1).view(np.uint8)
+        for start in range(0, flat.size, _COPY_CHUNK):
+            self._file.write(flat[start : start + _COPY_CHUNK].data)
+        self._next += 1
+        self._written += info.length
+        if self._progress is not None:
+            self._progress(self._written, self._total)
+
+    def close(self) -> None:
+        """Finish the file and move it into place."""
+        if self._next != len(self.infos):
+            missing = ", ".join(info.name for info in self.infos[self._next :][:5])
+            self._abort()
+            raise ValueError(f"bundle closed before every tensor was written (next missing: {missing})")
+        try:
+            self._file.flush()
+            os.fsync(self._file.fileno())
+            self._file.close()
+            os.chmod(self._tmp, 0o644)
+            os.replace(self._tmp, self.path)
+        except BaseException:
+            self._abort()
+            raise
+
+    def _abort(self) -> None:
+        self._file.close()
+        self._tmp.unlink(missing_ok=True)
+
+    def __enter__(self) -> BundleWriter:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self._abort()
+
+
+def write_bundle(
+    path: str | os.PathLike[str],
+    header: Mapping[str, Any],
+    tensors: Iterable[tuple[str, npt.ArrayLike, str] | tuple[str, npt.ArrayLike, str, str]],
+    *,
+    progress: Progress | None = None,
+) -> None:
+    """Write a bundle from in-memory arrays.
+
+    Each tensor is ``(name, array, compute_region)``; the dtype follows the
+    array (float32 -> "f32", float16 -> "f16"). bfloat16 has no numpy dtype:
+    pass its uint16 bits as ``(name, bits, compute_region, "bf16")``.
+    `header` is everything but `tensors`; `alignment` defaults to the spec's.
+    """
+    arrays: list[np.ndarray[Any, Any]] = []
+    entries: list[TensorEntry] = []
+    for item in tensors:
+        name, array, region = item[0], np.asarray(item[1]), item[2]
+        dtype = item[3] if len(item) == 4 else _dtype_of(array)
+        arrays.append(array)
+        entries.append(TensorEntry(name, tuple(array.shape), dtype, region))
+    with BundleWriter(path, header, entries, progress=progress) as writer:
+        for entry, array in zip(entries, arrays, strict=True):
+            writer.write(entry.name, array)
+
+
+class Bundle:
+    """A `.base` file opened read-only; tensors are views over one memory map."""
+
+    def __init__(self, path: Path, header: dict[str, Any], infos: dict[str, TensorInfo], blob_start: int) -> None:
+        self.path = path
+        self.header = header
+        self.tensors = infos
+        self.blob_start = blob_start
+        self._map: np.memmap[Any, np.dtype[np.uint8]] | None = None
+
+    @property
+    def config(self) -> dict[str, Any]:
+        config = self.header.get("config")
+        return config if isinstance(config, dict) else {}
+
+    @property
+    def tokenizer(self) -> dict[str, Any]:
+        tokenizer = self.header.get("tokenizer")
+        return tokenizer if isinstance(tokenizer, dict) else {}
+
+    def _memmap(self) -> np.memmap[Any, np.dtype[np.uint8]]:
+        if self._map is None:
+            self._map = np.memmap(self.path, dtype=np.uint8, mode="r")
+        return self._map
+
+    def raw(self, name: str) -> npt.NDArray[Any]:
+        """The stored data, read-only: float32, float16, or uint16 bits for bf16."""
+        info = self.tensors.get(name)
+        if info is None:
+            raise KeyError(f"{self.path}: no tensor named {name!r}")
+        start = self.blob_start + info.offset
+        data = np.asarray(self._memmap()[start : start + info.length])
+        return data.view(_STORAGE[info.dtype]).reshape(info.shape)
+
+    def tensor(self, name: str) -> npt.NDArray[np.float32]:
+        """The tensor as read-only float32 (a zero-copy view when stored as f32)."""
+        data = self.raw(name)
+        dtype = self.tensors[name].dtype
+        if dtype == "f32":
+            return data
+        out = bf16_to_f32(data) if dtype == "bf16" else data.astype(np.float32)
+        out.flags.writeable = False
+        return out
+
+    def close(self) -> None:
+        """Drop this object's memory map (views handed out keep theirs alive)."""
+        self._map = None
+
+    def __enter__(self) -> Bundle:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+
+def read_bundle(path: str | os.PathLike[str]) -> Bundle:
+    """Open and validate a bundle; raises :class:`BundleError` naming the file and the problem."""
+    path = Path(path)
+    with open(path, "rb") as file:
+        file_size = os.fstat(file.fileno()).st_size
+        prefix = file.read(_PREFIX.size)
+        if len(prefix) < _PREFIX.size:
+            if prefix and not MAGIC.startswith(prefix[:4]):
+                raise BundleError(path, f"bad magic {prefix[:4]!r} (not a .base bundle)")
+            raise BundleError(path, f"truncated: {file_size} bytes, shorter than the {_PREFIX.size}-byte prefix")
+        magic, version, header_len = _PREFIX.unpack(prefix)
+        if magic != MAGIC:
+            raise BundleError(path, f"bad magic {magic!r} (not a .base bundle)")
+        if version != FORMAT_VERSION:
+            raise BundleError(path, f"unsupported format version {version} (this reader knows {FORMAT_VERSION})")
+        if header_len > file_size - _PREFIX.size:
+            raise BundleError(
+                path, f"truncated: header length {header_len} exceeds the {file_size - _PREFIX.size} bytes left"
+            )
+        header_bytes = file.read(header_len)
+    try:
+        header = msgspec.json.decode(header_bytes)
+    except msgspec.DecodeError as exc:
+        raise BundleError(path, f"header is not valid JSON: {exc}") from None
+    if not isinstance(header, dict):
+        raise BundleError(path, f"header must be a JSON object, got {type(header).__name__}")
+    try:
+        tensor_list = msgspec.convert(header.get("tensors"), list[TensorInfo])
+    except msgspec.ValidationError as exc:
+        raise BundleError(path, f"bad tensor table: {exc}") from None
+    alignment = header.get("alignment", DEFAULT_ALIGNMENT)
+    if not isinstance(alignment, dict):
+        raise BundleError(path, "header 'alignment' must be an object")
+
+    blob_start = _align_up(_PREFIX.size + header_len, BLOB_ALIGNMENT)
+    blob_size = file_size - blob_start
+    infos: dict[str, TensorInfo] = {}
+    for info in tensor_list:
+        where = f"tensor {info.name!r}"
+        if info.name in infos:
+            raise BundleError(path, f"duplicate {where}")
+        if info.dtype not in _ITEMSIZE:
+            raise BundleError(path, f"{where}: unsupported dtype {info.dtype!r}")
+        if any(dim < 0 for dim in info.shape):
+            raise BundleError(path, f"{where}: negative dimension in shape {list(info.shape)}")
+        if info.length != info.numel * _ITEMSIZE[info.dtype]:
+            raise BundleError(
+                path, f"{where}: length {info.length} != {info.numel} x {_ITEMSIZE[info.dtype]} bytes ({info.dtype})"
+            )
+        try:
+            align = _region_alignment(alignment, info.compute_region)
+        except ValueError as exc:
+            raise BundleError(path, f"{where}: {exc}") from None
+        if info.offset < 0 or info.offset % align:
+            raise BundleError(path, f"{where}: offset {info.offset} is not {align}-byte aligned")
+        if info.offset + info.length > blob_size:
+            raise BundleError(
+                path,
+                f"truncated or corrupt: {where} spans blob bytes {info.offset}..{info.offset + info.length} "
+                f"but the blob holds {max(blob_size, 0)}",
+            )
+        infos[info.name] = info
+    return Bundle(path, header, infos, blob_start)

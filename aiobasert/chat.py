@@ -1,0 +1,97 @@
+"""Chat prompts: render the model's Jinja chat template into encodable pieces.
+
+The template is rendered with every message content replaced by a sentinel;
+the rendered text is then split at the sentinels into framing pieces (the
+template's own text: role headers, turn markers) and content pieces (the
+client's text). `baseRT_encode_pieces` parses markers only in framing, so a
+message that quotes `<|im_end|>` stays text and cannot forge a turn, while
+the pieces still tokenize as one text.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sequence
+from functools import lru_cache
+from typing import Any
+
+from jinja2 import TemplateError
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from .errors import InvalidRequestError
+from .types import ChatMessage
+
+# ChatML, for bundles without a template of their own.
+DEFAULT_TEMPLATE = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content']"
+    " + '<|im_end|>' + '\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+_SENTINEL = "\x00\x01{}\x01\x00"
+_SENTINEL_RE = re.compile("\x00\x01(\\d+)\x01\x00")
+
+
+def _raise_exception(message: str) -> None:
+    raise InvalidRequestError(f"chat template refused the conversation: {message}")
+
+
+@lru_cache(maxsize=8)
+def _compile(template: str) -> Any:
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    env.globals["raise_exception"] = _raise_exception
+    return env.from_string(template)
+
+
+def _as_message(m: ChatMessage | Mapping[str, str], i: int) -> ChatMessage:
+    if isinstance(m, ChatMessage):
+        role, content = m.role, m.content
+    elif isinstance(m, Mapping):
+        role, content = m.get("role"), m.get("content")  # type: ignore[assignment]
+    else:
+        raise InvalidRequestError(f"message {i} must be a ChatMessage or a mapping, not {type(m).__name__}")
+    if not isinstance(role, str) or not role:
+        raise InvalidRequestError(f"message {i} needs a non-empty string 'role'")
+    if not isinstance(content, str):
+        raise InvalidRequestError(f"message {i} needs a string 'content'")
+    if "\x00" in content or "\x00" in role:
+        raise InvalidRequestError(f"message {i} contains a NUL character")
+    return ChatMessage(role=role, content=content)
+
+
+def render_chat(
+    template: str,
+    messages: Sequence[ChatMessage | Mapping[str, str]],
+    *,
+    add_generation_prompt: bool = True,
+    bos_token: str = "",
+    eos_token: str = "",
+) -> list[tuple[str, bool]]:
+    """Render `messages` into (text, is_content) pieces for `baseRT_encode_pieces`."""
+    if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence) or not messages:
+        raise InvalidRequestError("messages must be a non-empty list of {role, content} messages")
+    msgs = [_as_message(m, i) for i, m in enumerate(messages)]
+    try:
+        rendered = _compile(template or DEFAULT_TEMPLATE).render(
+            messages=[{"role": m.role, "content": _SENTINEL.format(i)} for i, m in enumerate(msgs)],
+            add_generation_prompt=add_generation_prompt,
+            bos_token=bos_token,
+            eos_token=eos_token,
+        )
+    except TemplateError as exc:
+        raise InvalidRequestError(f"chat template failed: {exc}") from None
+    pieces: list[tuple[str, bool]] = []
+    pos = 0
+    for match in _SENTINEL_RE.finditer(rendered):
+        if match.start() > pos:
+            pieces.append((rendered[pos : match.start()], False))
+        idx = int(match.group(1))
+        if idx >= len(msgs):
+            raise InvalidRequestError("chat template produced an unknown message reference")
+        if msgs[idx].content:
+            pieces.append((msgs[idx].content, True))
+        pos = match.end()
+    if pos < len(rendered):
+        pieces.append((rendered[pos:], False))
+    if not pieces:
+        raise InvalidRequestError("chat template rendered nothing")
+    return pieces

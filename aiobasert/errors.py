@@ -1,0 +1,134 @@
+"""Typed exceptions.
+
+Engine failures carry the engine's own message and `BaseRTErrorCode`; SDK-level
+refusals (bad parameters, context overflow, overload, closed engine) are raised
+in the caller's coroutine before anything reaches the engine.
+"""
+
+from __future__ import annotations
+
+from enum import IntEnum
+
+
+class ErrorCode(IntEnum):
+    """`BaseRTErrorCode` (ABI 1). May gain values; never repurposed."""
+
+    OK = 0
+    UNKNOWN = 1
+    INVALID_ARGUMENT = 2
+    FILE_NOT_FOUND = 3
+    INVALID_FORMAT = 4
+    UNSUPPORTED = 5
+    OUT_OF_MEMORY = 6
+    GPU = 7
+    GENERATION_FAILED = 8
+
+
+class AioBaseRTError(Exception):
+    """Root of every exception this package raises."""
+
+
+class EngineError(AioBaseRTError):
+    """A call into libbaseRT failed; `code` and `message` are the engine's."""
+
+    code: ErrorCode = ErrorCode.UNKNOWN
+
+    def __init__(self, message: str, *, code: int | None = None, function: str | None = None) -> None:
+        if code is not None:
+            try:
+                self.code = ErrorCode(code)
+            except ValueError:  # a code from a newer engine: keep the number
+                self.code = ErrorCode.UNKNOWN
+        self.raw_code = code if code is not None else int(self.code)
+        self.message = message
+        self.function = function
+        where = f"{function}: " if function else ""
+        super().__init__(f"{where}{message} [{self.code.name}]")
+
+
+class InvalidArgumentError(EngineError, ValueError):
+    code = ErrorCode.INVALID_ARGUMENT
+
+
+class ModelFileNotFoundError(EngineError, FileNotFoundError):
+    code = ErrorCode.FILE_NOT_FOUND
+
+
+class InvalidFormatError(EngineError):
+    """The model file exists but is truncated, corrupt or not a `.base` bundle."""
+
+    code = ErrorCode.INVALID_FORMAT
+
+
+class UnsupportedError(EngineError):
+    code = ErrorCode.UNSUPPORTED
+
+
+class EngineOutOfMemoryError(EngineError, MemoryError):
+    code = ErrorCode.OUT_OF_MEMORY
+
+
+class GPUError(EngineError):
+    code = ErrorCode.GPU
+
+
+class GenerationFailedError(EngineError):
+    code = ErrorCode.GENERATION_FAILED
+
+
+_BY_CODE: dict[int, type[EngineError]] = {
+    int(ErrorCode.INVALID_ARGUMENT): InvalidArgumentError,
+    int(ErrorCode.FILE_NOT_FOUND): ModelFileNotFoundError,
+    int(ErrorCode.INVALID_FORMAT): InvalidFormatError,
+    int(ErrorCode.UNSUPPORTED): UnsupportedError,
+    int(ErrorCode.OUT_OF_MEMORY): EngineOutOfMemoryError,
+    int(ErrorCode.GPU): GPUError,
+    int(ErrorCode.GENERATION_FAILED): GenerationFailedError,
+}
+
+
+def engine_error(code: int, message: str, function: str | None = None) -> EngineError:
+    """The typed exception for an engine error code."""
+    cls = _BY_CODE.get(int(code), EngineError)
+    return cls(message or "(the engine gave no message)", code=code, function=function)
+
+
+class LibraryError(AioBaseRTError):
+    """libbaseRT could not be found or loaded, or speaks another ABI."""
+
+
+class AbiMismatchError(LibraryError):
+    """The loaded libbaseRT reports an ABI number other than the one supported."""
+
+
+class InvalidRequestError(AioBaseRTError, ValueError):
+    """A request was refused before reaching the engine (bad prompt or parameter)."""
+
+
+class InvalidSamplingParamsError(InvalidRequestError):
+    """A sampling parameter is out of range or of the wrong type."""
+
+
+class ContextLengthExceededError(InvalidRequestError):
+    """prompt + max_tokens does not fit the engine's context window."""
+
+    def __init__(self, prompt_tokens: int, max_tokens: int, max_context: int) -> None:
+        self.prompt_tokens = prompt_tokens
+        self.max_tokens = max_tokens
+        self.max_context = max_context
+        super().__init__(
+            f"prompt of {prompt_tokens} tokens + max_tokens {max_tokens} = "
+            f"{prompt_tokens + max_tokens} exceeds the context window of {max_context} tokens"
+        )
+
+
+class EngineOverloadedError(AioBaseRTError):
+    """The request queue is full; the request was not accepted (nothing was lost)."""
+
+
+class EngineClosedError(AioBaseRTError):
+    """The engine is closed or closing and takes no new requests."""
+
+
+class ThreadAffinityError(AioBaseRTError, AssertionError):
+    """Debug mode: a thread other than the engine thread entered libbaseRT."""

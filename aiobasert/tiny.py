@@ -1,0 +1,422 @@
+"""Tiny random llama bundles with a real byte-level BPE vocabulary, for tests.
+
+The weights are random (seeded) but scaled so activations stay in a sane
+range; the vocabulary is real: the 256 GPT-2 byte tokens plus merges learned
+by a small deterministic BPE trainer over an embedded multilingual corpus,
+pre-tokenized exactly as SmolLM2's "smollm" pre-tokenizer does (each digit on
+its own, then the GPT-2 split), so the engine's tokenizer is exercised the
+same way as with the real model.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import heapq
+import json
+import unicodedata
+from collections import Counter
+from collections.abc import Iterator
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Final, Literal
+
+import numpy as np
+import numpy.typing as npt
+
+from .bundle import BASERT_VERSION, DEFAULT_ALIGNMENT, f32_to_bf16, write_bundle
+
+__all__ = [
+    "CHATML_TEMPLATE",
+    "SPECIAL_TOKENS",
+    "TinyVocab",
+    "build_tiny_model",
+    "bytes_to_unicode",
+    "pretokenize",
+    "tiny_vocab",
+]
+
+SPECIAL_TOKENS: Final = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+BOS_ID: Final = 1
+EOS_ID: Final = 2
+TOKEN_NORMAL: Final = 1
+TOKEN_CONTROL: Final = 3
+TIED_EMBEDDINGS_FLAG: Final = 0x400
+
+#: SmolLM2-135M-Instruct's chat template (ChatML with a default system prompt).
+CHATML_TEMPLATE: Final = (
+    "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
+    "{{ '<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n' }}"
+    "{% endif %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+# Training text for the tiny vocabulary: English prose, code, a few other
+# languages and scripts, numbers and emoji, so merges cover the usual cases
+# (leading-space words, indentation runs, multi-byte UTF-8) without being big.
+_CORPUS: Final = """\
+The quick brown fox jumps over the lazy dog. The dog sleeps in the sun, and the fox runs into the forest.
+Once upon a time, there was a little model that wanted to talk. It read the text again and again,
+and slowly it learned the words: the, and, of, to, in, is, that, it, was, for, on, with, as, this.
+Streaming tokens one at a time lets the reader see the answer while the model is still thinking.
+Hello, world! How are you today? I am fine, thank you. What is the capital of France? It is Paris.
+Please write a short story about a robot who learns to paint. The robot painted the sky blue.
+In 2024 the team shipped version 3.14.159 with 42 fixes, 7 features and 1000 tests passing.
+Call 555-0123 or write to support@example.com before 10:30 on 12/05/2025.
+She said that the weather would be better tomorrow, so they planned a walk along the river.
+When the session ends, the server closes the stream and returns the remaining tokens to the pool.
+There are three things to remember: keep it simple, test everything, and never trust the input.
+Question: Which planet is known as the red planet? Answer: Mars is known as the red planet.
+
+def generate(model, prompt, max_tokens=128):
+    tokens = model.encode(prompt)
+    for step in range(max_tokens):
+        logits = model.forward(tokens)
+        next_token = int(logits.argmax())
+        if next_token == model.eos_token_id:
+            break
+        tokens.append(next_token)
+    return model.decode(tokens)
+
+async def stream(session, text):
+    async with session.generate(text) as events:
+        async for event in events:
+            print(event.text, end="", flush=True)
+
+class Tokenizer:
+    def __init__(self, vocab: dict[str, int], merges: list[tuple[str, str]]) -> None:
+        self.vocab = vocab
+        self.merges = {pair: rank for rank, pair in enumerate(merges)}
+
+    def encode(self, text: str) -> list[int]:
+        return [self.vocab[piece] for piece in self.split(text)]
+
+for (int i = 0; i < n; i++) { sum += x[i] * w[i]; }
+if (rc != 0) { fprintf(stderr, "error: %s\n", message); return -1; }
+{"role": "user", "content": "Hi there!"}, {"role": "assistant", "content": "Hello! How can I help?"}
+
+Le renard brun saute par-dessus le chien paresseux. C'est la vie, n'est-ce pas ? Où est la gare ?
+Der schnelle braune Fuchs springt über den faulen Hund. Grüße aus München und Köln!
+El rápido zorro marrón salta sobre el perro perezoso. ¿Dónde está la biblioteca? ¡Hola, mañana!
+Быстрая коричневая лиса прыгает через ленивую собаку. Привет, мир!
+敏捷的棕色狐狸跳过了懒狗。你好，世界！今天天气很好。
+素早い茶色の狐がのろまな犬を飛び越える。こんにちは、世界！ありがとう。
+빠른 갈색 여우가 게으른 개를 뛰어넘습니다. 안녕하세요, 세계!
+Γρήγορη καφέ αλεπού. مرحبا بالعالم. שלום עולם. नमस्ते दुनिया।
+Emoji time: 😀 😂 🎉 👍 🚀 ❤️ 👨‍👩‍👧 🇫🇷 — the end… “quoted” ‘text’ «guillemets».
+"""
+
+_TARGET_VOCAB: Final = 768
+
+
+@functools.cache
+def bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible byte -> printable character table."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    table = {b: chr(b) for b in printable}
+    extra = 0
+    for b in range(256):
+        if b not in table:
+            table[b] = chr(256 + extra)
+            extra += 1
+    return table
+
+
+def _is_space(ch: str) -> bool:
+    # Unicode White_Space, as regex `\s` (str.isspace also accepts \x1c-\x1f).
+    return ch.isspace() and not "\x1c" <= ch <= "\x1f"
+
+
+_CONTRACTIONS: Final = ("s", "t", "re", "ve", "m", "ll", "d")
+_LETTER, _NUMBER, _OTHER, _SPACE = range(4)
+
+
+def _char_class(ch: str) -> int:
+    if _is_space(ch):
+        return _SPACE
+    category = unicodedata.category(ch)
+    if category.startswith("L"):
+        return _LETTER
+    return _NUMBER if category.startswith("N") else _OTHER
+
+
+def _gpt2_split(text: str) -> Iterator[str]:
+    """The GPT-2 pre-tokenizer regex, hand-written because `re` has no \\p{L}:
+    's|'t|'re|'ve|'m|'ll|'d| ?\\p{L}+| ?\\p{N}+| ?[^\\s\\p{L}\\p{N}]+|\\s+(?!\\S)|\\s+"""
+    n = len(text)
+    i = 0
+    while i < n:
+        if text[i] == "'":
+            suffix = next((s for s in _CONTRACTIONS if text.startswith(s, i + 1)), None)
+            if suffix is not None:
+                yield text[i : i + 1 + len(suffix)]
+                i += 1 + len(suffix)
+                continue
+        start = i
+        if text[i] == " " and i + 1 < n and not _is_space(text[i + 1]):
+            i += 1  # the optional leading space of a letter / number / symbol run
+        cls = _char_class(text[i])
+        if cls == _SPACE:
+            j = i
+            while j < n and _is_space(text[j]):
+                j += 1
+            # \s+(?!\S): leave the last space to prefix the next word, unless
+            # the run is a single character or reaches the end of the text.
+            end = j if j == n or j - i == 1 else j - 1
+            yield text[i:end]
+            i = end
+            continue
+        i += 1
+        while i < n and _char_class(text[i]) == cls:
+            i += 1
+        yield text[start:i]
+
+
+def pretokenize(text: str) -> list[str]:
+    """SmolLM2's "smollm" pre-tokenizer: every digit alone, then the GPT-2 split
+    within the runs between digits."""
+    pieces: list[str] = []
+    run_start = 0
+    for i, ch in enumerate(text):
+        if unicodedata.category(ch).startswith("N"):
+            pieces.extend(_gpt2_split(text[run_start:i]))
+            pieces.append(ch)
+            run_start = i + 1
+    pieces.extend(_gpt2_split(text[run_start:]))
+    return pieces
+
+
+class TinyVocab:
+    """A byte-level BPE vocabulary in GGUF form (tokens, token types, merges)."""
+
+    def __init__(self, tokens: tuple[str, ...], token_types: tuple[int, ...], merges: tuple[str, ...]) -> None:
+        self.tokens = tokens
+        self.token_types = token_types
+        self.merges = merges
+
+
+def _train_merges(words: Counter[tuple[str, ...]], max_merges: int) -> list[tuple[str, str]]:
+    """Deterministic BPE: repeatedly merge the most frequent adjacent pair (ties:
+    the lexicographically smallest), counting pairs only inside pre-tokens."""
+    symbols = [list(word) for word in words]
+    freqs = list(words.values())
+    pair_counts: Counter[tuple[str, str]] = Counter()
+    where: dict[tuple[str, str], set[int]] = {}
+
+    def account(index: int, sign: int) -> None:
+        word = symbols[index]
+        for pair in zip(word, word[1:]):
+            pair_counts[pair] += sign * freqs[index]
+            if sign > 0:
+                where.setdefault(pair, set()).add(index)
+
+    for index in range(len(symbols)):
+        account(index, +1)
+    heap = [(-count, pair) for pair, count in pair_counts.items()]
+    heapq.heapify(heap)
+
+    merges: list[tuple[str, str]] = []
+    while heap and len(merges) < max_merges:
+        neg_count, pair = heapq.heappop(heap)
+        if -neg_count != pair_counts[pair]:
+            continue  # stale entry; the current count was pushed separately
+        if -neg_count < 2:
+            break
+        merges.append(pair)
+        left, right = pair
+        for index in sorted(where.pop(pair, ())):
+            account(index, -1)
+            word, merged = symbols[index], []
+            k = 0
+            while k < len(word):
+                if k + 1 < len(word) and word[k] == left and word[k + 1] == right:
+                    merged.append(left + right)
+                    k += 2
+                else:
+                    merged.append(word[k])
+                    k += 1
+            symbols[index] = merged
+            account(index, +1)
+            for new_pair in zip(merged, merged[1:]):
+                heapq.heappush(heap, (-pair_counts[new_pair], new_pair))
+        del pair_counts[pair]
+    return merges
+
+
+@functools.lru_cache(maxsize=4)
+def tiny_vocab(kind: Literal["bpe", "bytes"] = "bpe") -> TinyVocab:
+    """The tiny models' vocabulary: specials (ids 0..2), the 256 byte tokens in
+    GPT-2 order, then (for "bpe") the merged tokens in merge order."""
+    byte_chars = bytes_to_unicode()
+    tokens = [*SPECIAL_TOKENS, *sorted(byte_chars.values())]
+    merges: list[tuple[str, str]] = []
+    if kind == "bpe":
+        words: Counter[tuple[str, ...]] = Counter()
+        for piece in pretokenize(_CORPUS):
+            words[tuple(byte_chars[b] for b in piece.encode("utf-8"))] += 1
+        merges = _train_merges(words, _TARGET_VOCAB - len(tokens))
+        known = set(tokens)
+        for left, right in merges:
+            if left + right not in known:  # two merge paths can build the same string
+                known.add(left + right)
+                tokens.append(left + right)
+    elif kind != "bytes":
+        raise ValueError(f"unknown vocab kind {kind!r} (expected 'bpe' or 'bytes')")
+    types = [TOKEN_CONTROL] * len(SPECIAL_TOKENS) + [TOKEN_NORMAL] * (len(tokens) - len(SPECIAL_TOKENS))
+    return TinyVocab(tuple(tokens), tuple(types), tuple(f"{a} {b}" for a, b in merges))
+
+
+_Tensor = tuple[str, npt.NDArray[Any], str, str]
+
+
+def _stored(name: str, values: npt.NDArray[np.float32], region: str, dtype: str) -> _Tensor:
+    """A write_bundle entry holding `values` in bundle dtype `dtype`."""
+    if dtype == "f16":
+        return name, values.astype(np.float16), region, "f16"
+    if dtype == "bf16":
+        return name, f32_to_bf16(values), region, "bf16"
+    return name, values, region, "f32"
+
+
+def build_tiny_model(
+    path: str | Path,
+    *,
+    n_layers: int = 2,
+    dim: int = 64,
+    n_heads: int = 4,
+    n_kv_heads: int = 2,
+    ffn_dim: int = 128,
+    max_position_embeddings: int = 2048,
+    seed: int = 0,
+    dtype: Literal["f32", "f16", "bf16"] = "f32",
+    tied: bool = True,
+    vocab: Literal["bpe", "bytes"] = "bpe",
+    eos_bias: float = 0.0,
+) -> Path:
+    """Write a random-weight llama bundle to `path` and return the path.
+
+    `eos_bias` (untied models only) shifts the EOS logit by roughly that many
+    nats at every position: large positive values make generation stop almost
+    at once, large negative ones make EOS practically never sampled. It works
+    through a constant residual channel (channel 0) that attention and MLP do
+    not read or write, which only `lm_head`'s EOS row looks at.
+    """
+    if dim % n_heads or (dim // n_heads) % 2:
+        raise ValueError(f"dim {dim} must split into {n_heads} heads of an even size")
+    if n_kv_heads <= 0 or n_heads % n_kv_heads:
+        raise ValueError(f"n_heads {n_heads} must be a multiple of n_kv_heads {n_kv_heads}")
+    if dtype not in ("f32", "f16", "bf16"):
+        raise ValueError(f"dtype must be 'f32', 'f16' or 'bf16', got {dtype!r}")
+    if eos_bias and tied:
+        raise ValueError("eos_bias needs an untied lm_head (tied=False)")
+    path = Path(path)
+    head_dim = dim // n_heads
+    q_dim, kv_dim = n_heads * head_dim, n_kv_heads * head_dim
+    words = tiny_vocab(vocab)
+    n_vocab = len(words.tokens)
+    rng = np.random.default_rng(seed)
+
+    def normal(shape: tuple[int, ...], std: float) -> npt.NDArray[np.float32]:
+        return (rng.standard_normal(shape, dtype=np.float32) * np.float32(std)).astype(np.float32)
+
+    def norm_weight() -> npt.NDArray[np.float32]:
+        return (1.0 + normal((dim,), 0.1)).astype(np.float32)
+
+    # Inputs to every projection are RMS-normalised (rms ~1), so std 1/sqrt(fan_in)
+    # keeps q/k/v/gate/up at unit scale; the residual writers are halved.
+    embed = normal((n_vocab, dim), 0.25)
+    lm_head = None if tied else normal((n_vocab, dim), 0.25)
+    final_norm = norm_weight()
+    layers: list[dict[str, npt.NDArray[np.float32]]] = []
+    for _ in range(n_layers):
+        layers.append(
+            {
+                "input_norm": norm_weight(),
+                "self_attn.q_proj": normal((q_dim, dim), dim**-0.5),
+                "self_attn.k_proj": normal((kv_dim, dim), dim**-0.5),
+                "self_attn.v_proj": normal((kv_dim, dim), dim**-0.5),
+                "self_attn.o_proj": normal((dim, q_dim), 0.5 * q_dim**-0.5),
+                "post_attn_norm": norm_weight(),
+                "mlp.gate_proj": normal((ffn_dim, dim), dim**-0.5),
+                "mlp.up_proj": normal((ffn_dim, dim), dim**-0.5),
+                "mlp.down_proj": normal((dim, ffn_dim), 0.5 * ffn_dim**-0.5),
+            }
+        )
+    if eos_bias:
+        assert lm_head is not None
+        # Channel 0 holds a constant about the size of the residual stream's
+        # rms, so after the final rmsnorm it reads ~1 at every position.
+        embed[:, 0] = np.float32(0.5)
+        for layer in layers:
+            layer["input_norm"][0] = layer["post_attn_norm"][0] = 0.0
+            layer["self_attn.o_proj"][0, :] = layer["mlp.down_proj"][0, :] = 0.0
+        final_norm[0] = 1.0
+        lm_head[:, 0] = 0.0
+        lm_head[EOS_ID, 0] = np.float32(eos_bias)
+
+    # Norms stay f32 ("gpu" region); embeddings and projections take `dtype`.
+    tensors = [_stored("embed_tokens.weight", embed, "gpu", dtype)]
+    for i, layer in enumerate(layers):
+        for key, values in layer.items():
+            if key.endswith("norm"):
+                tensors.append(_stored(f"layers.{i}.{key}.weight", values, "gpu", "f32"))
+            else:
+                tensors.append(_stored(f"layers.{i}.{key}.weight", values, "accelerator", dtype))
+    tensors.append(_stored("final_norm.weight", final_norm, "gpu", "f32"))
+    if lm_head is not None:
+        tensors.append(_stored("lm_head.weight", lm_head, "gpu", dtype))
+
+    recipe: dict[str, Any] = dict(
+        n_layers=n_layers, dim=dim, n_heads=n_heads, n_kv_heads=n_kv_heads, ffn_dim=ffn_dim,
+        max_position_embeddings=max_position_embeddings, seed=seed, dtype=dtype, tied=tied,
+        vocab=vocab, eos_bias=eos_bias,
+    )
+    header = {
+        "schema": 1,
+        "arch": "llama",
+        "quant_scheme": dtype,
+        "min_hw": "cpu",
+        "created": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "baserT_version": BASERT_VERSION,
+        # A synthetic bundle's source is its recipe: hash that, so two builds
+        # with the same parameters carry the same identity.
+        "source": {
+            "format": "synthetic",
+            "sha256": hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest(),
+            "filename": "aiobasert.tiny",
+        },
+        "alignment": dict(DEFAULT_ALIGNMENT),
+        "flags": f"0x{TIED_EMBEDDINGS_FLAG if tied else 0:08x}",
+        "config": {
+            "hidden_size": dim,
+            "num_hidden_layers": n_layers,
+            "num_attention_heads": n_heads,
+            "num_key_value_heads": n_kv_heads,
+            "head_dim": head_dim,
+            "intermediate_size": ffn_dim,
+            "vocab_size": n_vocab,
+            "max_position_embeddings": max_position_embeddings,
+            "rope_theta": 10000.0,
+            "rms_norm_eps": 1e-5,
+            "tie_word_embeddings": tied,
+            "bos_token_id": BOS_ID,
+            "eos_token_id": EOS_ID,
+            "eos_token_ids": [],
+        },
+        "tokenizer": {
+            "tokenizer_type": "gguf",
+            "tokenizer.ggml.model": "gpt2",
+            "tokenizer.ggml.pre": "smollm",
+            "tokenizer.ggml.tokens": list(words.tokens),
+            "tokenizer.ggml.token_type": list(words.token_types),
+            "tokenizer.ggml.merges": list(words.merges),
+            "tokenizer.ggml.bos_token_id": BOS_ID,
+            "tokenizer.ggml.eos_token_id": EOS_ID,
+            "tokenizer.ggml.padding_token_id": EOS_ID,
+            "tokenizer.ggml.add_bos_token": False,
+            "tokenizer.chat_template": CHATML_TEMPLATE,
+        },
+        "metadata": {"tokenizer.chat_template": CHATML_TEMPLATE, "aiobasert.tiny": recipe},
+    }
+    write_bundle(path, header, tensors)
+    return path

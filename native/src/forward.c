@@ -1,0 +1,261 @@
+/* The llama forward over a packed batch of rows (docs/BUNDLE.md).
+ *
+ * Lane i contributes lanes[i].n consecutive positions starting at its
+ * sequence's length. Rows are processed in slices of at most `chunk` rows;
+ * within a slice every layer runs as one batched matmul per weight, so the
+ * weights stream from memory once per slice whatever the number of lanes.
+ * Every per-row value is computed by the same operations in the same order
+ * whatever slice or batch it lands in (see mathops.h), which makes batched,
+ * chunked and prefix-seeded runs bit-identical to single, one-shot, cold ones.
+ * Attention reads K/V back from the pool, so a row sees exactly the values an
+ * earlier slice, an earlier step or a seeded prefix block stored. */
+
+#include "runtime.h"
+
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+int rt_forward_init(rt_model *m) {
+    rt_runtime *rt = m->rt;
+    const BaseRTModelConfig *c = &m->cfg;
+    size_t C = (size_t)m->prefill_chunk;
+    size_t half = c->head_dim / 2;
+    int n_threads = rt_threads_count(rt->threads);
+    rt->chunk = m->prefill_chunk;
+    rt->max_lanes = m->max_batch_size > 1 ? m->max_batch_size : 1;
+    struct {
+        void **p;
+        size_t bytes;
+    } allocs[] = {
+        {(void **)&rt->x, C * c->dim * sizeof(float)},
+        {(void **)&rt->xb, C * c->dim * sizeof(float)},
+        {(void **)&rt->q, C * c->q_dim * sizeof(float)},
+        {(void **)&rt->k, C * c->kv_dim * sizeof(float)},
+        {(void **)&rt->v, C * c->kv_dim * sizeof(float)},
+        {(void **)&rt->att, C * c->q_dim * sizeof(float)},
+        {(void **)&rt->hb, C * c->ffn_dim * sizeof(float)},
+        {(void **)&rt->hb2, C * c->ffn_dim * sizeof(float)},
+        {(void **)&rt->row_lane, C * sizeof(int)},
+        {(void **)&rt->row_pos, C * sizeof(int)},
+        {(void **)&rt->att_scores, (size_t)n_threads * c->max_seq_len * sizeof(float)},
+        {(void **)&rt->rope_cos, (size_t)c->max_seq_len * half * sizeof(float)},
+        {(void **)&rt->rope_sin, (size_t)c->max_seq_len * half * sizeof(float)},
+        {(void **)&rt->final_h, (size_t)rt->max_lanes * c->dim * sizeof(float)},
+    };
+    for (size_t i = 0; i < sizeof allocs / sizeof allocs[0]; i++) {
+        *allocs[i].p = malloc(allocs[i].bytes ? allocs[i].bytes : 1);
+        if (!*allocs[i].p) {
+            rt_set_error(BASERT_ERR_OUT_OF_MEMORY, "forward scratch: cannot allocate %zu bytes", allocs[i].bytes);
+            return BASERT_ERR_OUT_OF_MEMORY;
+        }
+        rt->bytes += allocs[i].bytes;
+    }
+    /* Adjacent-pair RoPE: pair i of a head rotates by pos * theta^(-2i/head_dim).
+     * Angles in double, rounded once to f32. */
+    for (uint32_t pos = 0; pos < c->max_seq_len; pos++) {
+        for (size_t i = 0; i < half; i++) {
+            double freq = pow((double)c->rope_theta, -2.0 * (double)i / (double)c->head_dim);
+            double angle = (double)pos * freq;
+            rt->rope_cos[pos * half + i] = (float)cos(angle);
+            rt->rope_sin[pos * half + i] = (float)sin(angle);
+        }
+    }
+    return BASERT_OK;
+}
+
+void rt_forward_free(rt_model *m) {
+    rt_runtime *rt = m->rt;
+    float *fs[] = {rt->x, rt->xb, rt->q, rt->k, rt->v, rt->att, rt->hb, rt->hb2,
+                   rt->att_scores, rt->rope_cos, rt->rope_sin, rt->final_h};
+    for (size_t i = 0; i < sizeof fs / sizeof fs[0]; i++) free(fs[i]);
+    free(rt->row_lane);
+    free(rt->row_pos);
+}
+
+/* ---- row-wise ops ---------------------------------------------------------- */
+
+static void rmsnorm(float *out, const float *x, const float *w, int n, float eps) {
+    double ss = 0.0;
+    for (int i = 0; i < n; i++) ss += (double)x[i] * (double)x[i];
+    float scale = (float)(1.0 / sqrt(ss / n + (double)eps));
+    for (int i = 0; i < n; i++) out[i] = (x[i] * scale) * w[i];
+}
+
+static void rope(float *vec, int n_heads, int head_dim, const float *cos_row, const float *sin_row) {
+    int half = head_dim / 2;
+    for (int h = 0; h < n_heads; h++) {
+        float *v = vec + (size_t)h * head_dim;
+        for (int i = 0; i < half; i++) {
+            float a = v[2 * i], b = v[2 * i + 1], c = cos_row[i], s = sin_row[i];
+            v[2 * i] = a * c - b * s;
+            v[2 * i + 1] = a * s + b * c;
+        }
+    }
+}
+
+/* ---- attention ------------------------------------------------------------- */
+
+typedef struct {
+    rt_model *m;
+    const rt_lane *lanes;
+    int layer, rows;
+} attn_job;
+
+/* One (row, head): causal softmax attention over positions [0, pos] of the
+ * row's lane, read from the pool in position order. */
+static void attend(rt_model *m, const rt_seq *s, int layer, int pos, int head, const float *q, float *out,
+                   float *scores) {
+    const rt_runtime *rt = m->rt;
+    int hd = (int)m->cfg.head_dim, kv_dim = (int)m->cfg.kv_dim;
+    int kv_off = head / (int)(m->cfg.n_heads / m->cfg.n_kv_heads) * hd;
+    const float *kl = rt->k_pool + (size_t)layer * rt->layer_stride;
+    const float *vl = rt->v_pool + (size_t)layer * rt->layer_stride;
+    float scale = 1.0f / sqrtf((float)hd);
+    int n = pos + 1;
+
+    float mx = -INFINITY;
+    for (int t = 0; t < n; t++) {
+        size_t row = (size_t)s->blocks[t / RT_PAGE_SIZE] * RT_PAGE_SIZE + (size_t)(t % RT_PAGE_SIZE);
+        float sc = rt_dot(q, kl + row * kv_dim + kv_off, hd) * scale;
+        scores[t] = sc;
+        if (sc > mx) mx = sc;
+    }
+    float sum = 0.0f;
+    for (int t = 0; t < n; t++) {
+        float e = expf(scores[t] - mx);
+        scores[t] = e;
+        sum += e;
+    }
+    memset(out, 0, (size_t)hd * sizeof(float));
+    for (int t = 0; t < n; t++) {
+        size_t row = (size_t)s->blocks[t / RT_PAGE_SIZE] * RT_PAGE_SIZE + (size_t)(t % RT_PAGE_SIZE);
+        const float *v = vl + row * kv_dim + kv_off;
+        float p = scores[t];
+        for (int d = 0; d < hd; d++) out[d] += p * v[d];
+    }
+    float inv = 1.0f / sum;
+    for (int d = 0; d < hd; d++) out[d] *= inv;
+}
+
+static void attn_task(void *ctx, int tid, int nt) {
+    const attn_job *j = ctx;
+    rt_model *m = j->m;
+    rt_runtime *rt = m->rt;
+    int n_heads = (int)m->cfg.n_heads, hd = (int)m->cfg.head_dim, q_dim = (int)m->cfg.q_dim;
+    int items = j->rows * n_heads;
+    int i0 = (int)((int64_t)items * tid / nt), i1 = (int)((int64_t)items * (tid + 1) / nt);
+    float *scores = rt->att_scores + (size_t)tid * m->cfg.max_seq_len;
+    for (int it = i0; it < i1; it++) {
+        int r = it / n_heads, h = it % n_heads;
+        const float *q = rt->q + (size_t)r * q_dim + (size_t)h * hd;
+        float *out = rt->att + (size_t)r * q_dim + (size_t)h * hd;
+        attend(m, j->lanes[rt->row_lane[r]].seq, j->layer, rt->row_pos[r], h, q, out, scores);
+    }
+}
+
+/* ---- one slice of rows through all layers ---------------------------------- */
+
+static void forward_slice(rt_model *m, const rt_lane *lanes, int R) {
+    rt_runtime *rt = m->rt;
+    const BaseRTModelConfig *c = &m->cfg;
+    int dim = (int)c->dim, q_dim = (int)c->q_dim, kv_dim = (int)c->kv_dim, ffn = (int)c->ffn_dim;
+    int hd = (int)c->head_dim, half = hd / 2;
+
+    double attn_work = 0;
+    for (int r = 0; r < R; r++) attn_work += (double)(rt->row_pos[r] + 1);
+    attn_work *= (double)c->n_heads * hd;
+
+    for (uint32_t l = 0; l < c->n_layers; l++) {
+        const rt_layer *L = &m->layers[l];
+        for (int r = 0; r < R; r++)
+            rmsnorm(rt->xb + (size_t)r * dim, rt->x + (size_t)r * dim, L->attn_norm, dim, c->norm_eps);
+        rt_mm_target qkv[3] = {
+            {L->wq, rt->q, q_dim, (size_t)q_dim},
+            {L->wk, rt->k, kv_dim, (size_t)kv_dim},
+            {L->wv, rt->v, kv_dim, (size_t)kv_dim},
+        };
+        rt_matmul(rt->threads, rt->xb, (size_t)dim, R, dim, qkv, 3);
+
+        float *kl = rt->k_pool + (size_t)l * rt->layer_stride;
+        float *vl = rt->v_pool + (size_t)l * rt->layer_stride;
+        for (int r = 0; r < R; r++) {
+            int pos = rt->row_pos[r];
+            const float *cs = rt->rope_cos + (size_t)pos * half, *sn = rt->rope_sin + (size_t)pos * half;
+            float *qr = rt->q + (size_t)r * q_dim, *kr = rt->k + (size_t)r * kv_dim;
+            rope(qr, (int)c->n_heads, hd, cs, sn);
+            rope(kr, (int)c->n_kv_heads, hd, cs, sn);
+            const rt_seq *s = lanes[rt->row_lane[r]].seq;
+            size_t slot = (size_t)s->blocks[pos / RT_PAGE_SIZE] * RT_PAGE_SIZE + (size_t)(pos % RT_PAGE_SIZE);
+            memcpy(kl + slot * kv_dim, kr, (size_t)kv_dim * sizeof(float));
+            memcpy(vl + slot * kv_dim, rt->v + (size_t)r * kv_dim, (size_t)kv_dim * sizeof(float));
+        }
+
+        attn_job aj = {m, lanes, (int)l, R};
+        int nt = attn_work < 32768.0 ? 1 : rt_threads_count(rt->threads);
+        rt_threads_run(rt->threads, attn_task, &aj, nt);
+
+        rt_mm_target o = {L->wo, rt->xb, dim, (size_t)dim};
+        rt_matmul(rt->threads, rt->att, (size_t)q_dim, R, q_dim, &o, 1);
+        for (size_t i = 0; i < (size_t)R * dim; i++) rt->x[i] += rt->xb[i];
+
+        for (int r = 0; r < R; r++)
+            rmsnorm(rt->xb + (size_t)r * dim, rt->x + (size_t)r * dim, L->ffn_norm, dim, c->norm_eps);
+        rt_mm_target gu[2] = {
+            {L->w_gate, rt->hb, ffn, (size_t)ffn},
+            {L->w_up, rt->hb2, ffn, (size_t)ffn},
+        };
+        rt_matmul(rt->threads, rt->xb, (size_t)dim, R, dim, gu, 2);
+        for (size_t i = 0; i < (size_t)R * ffn; i++) {
+            float g = rt->hb[i];
+            rt->hb[i] = (g / (1.0f + expf(-g))) * rt->hb2[i];
+        }
+        rt_mm_target d = {L->w_down, rt->xb, dim, (size_t)dim};
+        rt_matmul(rt->threads, rt->hb, (size_t)ffn, R, ffn, &d, 1);
+        for (size_t i = 0; i < (size_t)R * dim; i++) rt->x[i] += rt->xb[i];
+    }
+}
+
+void rt_forward(rt_model *m, const rt_lane *lanes, int n_lanes, float *logits, double *pooled) {
+    rt_runtime *rt = m->rt;
+    int dim = (int)m->cfg.dim;
+    int lane = 0, off = 0;
+    while (lane < n_lanes) {
+        /* Pack the next slice: consecutive rows of consecutive lanes. */
+        int R = 0;
+        while (R < rt->chunk && lane < n_lanes) {
+            const rt_lane *ln = &lanes[lane];
+            int take = ln->n - off < rt->chunk - R ? ln->n - off : rt->chunk - R;
+            for (int k = 0; k < take; k++, R++) {
+                rt->row_lane[R] = lane;
+                rt->row_pos[R] = ln->seq->length + off + k;
+                memcpy(rt->x + (size_t)R * dim, m->tok_embd + (size_t)ln->tokens[off + k] * dim,
+                       (size_t)dim * sizeof(float));
+            }
+            off += take;
+            if (off == ln->n) {
+                lane++;
+                off = 0;
+            }
+        }
+        forward_slice(m, lanes, R);
+        for (int r = 0; r < R; r++) {
+            const rt_lane *ln = &lanes[rt->row_lane[r]];
+            const float *h = rt->x + (size_t)r * dim;
+            if (rt->row_pos[r] == ln->seq->length + ln->n - 1)
+                memcpy(rt->final_h + (size_t)rt->row_lane[r] * dim, h, (size_t)dim * sizeof(float));
+            if (pooled) {
+                rmsnorm(rt->xb, h, m->final_norm, dim, m->cfg.norm_eps);
+                for (int i = 0; i < dim; i++) pooled[i] += (double)rt->xb[i];
+            }
+        }
+    }
+    for (int i = 0; i < n_lanes; i++) lanes[i].seq->length += lanes[i].n;
+    if (!logits) return;
+    for (int i = 0; i < n_lanes; i++) {
+        float *h = rt->final_h + (size_t)i * dim;
+        rmsnorm(h, h, m->final_norm, dim, m->cfg.norm_eps);
+    }
+    rt_mm_target head = {m->lm_head, logits, (int)m->cfg.vocab_size, (size_t)m->cfg.vocab_size};
+    rt_matmul(rt->threads, rt->final_h, (size_t)dim, n_lanes, dim, &head, 1);
+}

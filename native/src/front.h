@@ -1,0 +1,36 @@
+#pragma once
+/* Private declarations shared by the front files (loader.c, api_model.c,
+ * api_tokenizer.c, sampling.c). Not used by the runtime or the tokenizer. */
+
+#include "internal.h"
+
+/* ---- live-handle registry (api_model.c) ---------------------------------
+ * Every model and decode-stream handle is registered while alive, so a check
+ * never dereferences a freed or foreign pointer: double frees and
+ * use-after-free of a handle are reported as INVALID_ARGUMENT. */
+bool rt_handle_register(const void *h);
+void rt_handle_unregister(const void *h);
+bool rt_handle_is_live(const void *h);
+/* rt_model_check without touching the error state (pure queries). */
+rt_model *rt_model_lookup(baseRT_model_t model);
+
+/* ---- loader (loader.c) -------------------------------------------------- */
+/* Load a bundle for entry point `fn`. opts may be NULL (defaults). Returns
+ * NULL with the error set. */
+rt_model *rt_load(const char *fn, const char *path, int max_context, const BaseRTLoadOptions *opts,
+                  bool tokenizer_only);
+/* Free everything the loader allocated (not the runtime state). NULL-safe. */
+void rt_model_destroy(rt_model *m);
+
+/* What suggest_max_context needs from a bundle, from its header alone. */
+typedef struct {
+    int trained_context;
+    uint64_t weight_bytes;        /* resident f32 weights */
+    uint64_t kv_bytes_per_token;  /* one lane: n_layers * 2 * kv_dim * sizeof(float) */
+} rt_bundle_budget;
+/* BASERT_OK, or the error code (error state set). */
+int rt_bundle_read_budget(const char *fn, const char *path, rt_bundle_budget *out);
+
+/* ---- model API (api_model.c) -------------------------------------------- */
+/* The capability descriptor JSON for a loaded model; NULL on allocation failure. */
+char *rt_build_capability_descriptor(const rt_model *m);

@@ -1,0 +1,779 @@
+/* The .base reader (docs/BUNDLE.md): preamble, header JSON, config, tensor
+ * table, tokenizer metadata, and f32 weights. Every field is validated
+ * against the file before use: a missing, truncated, corrupt or foreign
+ * bundle is an error naming the path and the reason, never a crash. */
+
+#include "front.h"
+#include "json.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#define BASE_PREAMBLE 16
+#define BASE_BLOB_ALIGN ((uint64_t)64 * 1024)
+#define BASE_MAX_TENSORS (1 << 20)
+#define RT_DEFAULT_CONTEXT 2048
+#define RT_DEFAULT_PREFILL_CHUNK 256
+#define RT_MIN_PREFILL_CHUNK 16
+#define RT_MAX_PREFILL_CHUNK 4096
+#define IDENTITY_BYTES ((size_t)1 << 20)
+
+enum { DT_F32, DT_F16, DT_BF16 };
+
+typedef struct {
+    const char *name;
+    int dtype;
+    int ndim;
+    int64_t shape[4];
+    uint64_t n_elems;
+    uint64_t offset, length; /* offset relative to the blob */
+} tensor_entry;
+
+typedef struct {
+    const char *fn, *path;
+    const unsigned char *map;
+    size_t size;
+    uint64_t blob_start;
+    json_doc *doc;
+    const json_value *hdr;
+} bundle;
+
+/* The llama layout: slot 0 embed, 1 final norm, 2 lm_head, then 9 per layer. */
+enum { SLOT_EMBED, SLOT_FINAL_NORM, SLOT_LM_HEAD, SLOT_LAYER0 };
+static const char *const LAYER_SUFFIX[9] = {
+    "input_norm.weight",    "self_attn.q_proj.weight", "self_attn.k_proj.weight",
+    "self_attn.v_proj.weight", "self_attn.o_proj.weight", "post_attn_norm.weight",
+    "mlp.gate_proj.weight", "mlp.up_proj.weight",      "mlp.down_proj.weight",
+};
+
+static __attribute__((format(printf, 3, 4))) int bundle_fail(const bundle *b, BaseRTErrorCode code,
+                                                             const char *fmt, ...) {
+    char msg[768];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(msg, sizeof msg, fmt, ap);
+    va_end(ap);
+    rt_set_error(code, "%s: %s: %s", b->fn, b->path, msg);
+    return code;
+}
+
+static void bundle_close(bundle *b) {
+    json_free(b->doc);
+    b->doc = NULL;
+    if (b->map) munmap((void *)b->map, b->size);
+    b->map = NULL;
+}
+
+/* Map the file and parse the preamble and header JSON. */
+static int bundle_open(bundle *b, const char *fn, const char *path) {
+    memset(b, 0, sizeof *b);
+    b->fn = fn;
+    b->path = path;
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0) {
+        int e = errno;
+        BaseRTErrorCode code = (e == ENOENT || e == ENOTDIR || e == ENAMETOOLONG || e == ELOOP || e == EACCES ||
+                                e == EPERM)
+                                   ? BASERT_ERR_FILE_NOT_FOUND
+                                   : BASERT_ERR_UNKNOWN;
+        return bundle_fail(b, code, "cannot open: %s", strerror(e));
+    }
+    struct stat st;
+    if (fstat(fd, &st) != 0) {
+        int e = errno;
+        close(fd);
+        return bundle_fail(b, BASERT_ERR_UNKNOWN, "cannot stat: %s", strerror(e));
+    }
+    if (S_ISDIR(st.st_mode)) {
+        close(fd);
+        return bundle_fail(b, BASERT_ERR_INVALID_FORMAT, "is a directory, not a .base bundle");
+    }
+    if (!S_ISREG(st.st_mode)) {
+        close(fd);
+        return bundle_fail(b, BASERT_ERR_INVALID_FORMAT, "not a regular file");
+    }
+    if (st.st_size == 0) {
+        close(fd);
+        return bundle_fail(b, BASERT_ERR_INVALID_FORMAT, "empty file, not a .base bundle");
+    }
+    if ((uint64_t)st.st_size < BASE_PREAMBLE) {
+        close(fd);
+        return bundle_fail(b, BASERT_ERR_INVALID_FORMAT, "truncated: %lld bytes, shorter than the 16-byte preamble",
+                           (long long)st.st_size);
+    }
+    if ((uint64_t)st.st_size > SIZE_MAX) {
+        close(fd);
+        return bundle_fail(b, BASERT_ERR_UNSUPPORTED, "file too large to map");
+    }
+    b->size = (size_t)st.st_size;
+    void *map = mmap(NULL, b->size, PROT_READ, MAP_PRIVATE, fd, 0);
+    int e = errno;
+    close(fd);
+    if (map == MAP_FAILED) {
+        b->size = 0;
+        return bundle_fail(b, BASERT_ERR_OUT_OF_MEMORY, "cannot map the file: %s", strerror(e));
+    }
+    b->map = map;
+
+    if (memcmp(b->map, "BASE", 4) != 0) return bundle_fail(b, BASERT_ERR_INVALID_FORMAT, "bad magic: not a .base bundle");
+    uint32_t version = (uint32_t)b->map[4] | (uint32_t)b->map[5] << 8 | (uint32_t)b->map[6] << 16 |
+                       (uint32_t)b->map[7] << 24;
+    if (version != 1)
+        return bundle_fail(b, BASERT_ERR_INVALID_FORMAT, "format_version %u is not supported (expected 1)", version);
+    uint64_t header_len = 0;
+    for (int i = 0; i < 8; i++) header_len |= (uint64_t)b->map[8 + i] << (8 * i);
+    if (header_len == 0) return bundle_fail(b, BASERT_ERR_INVALID_FORMAT, "header_len is 0");
+    if (header_len > b->size - BASE_PREAMBLE)
+        return bundle_fail(b, BASERT_ERR_INVALID_FORMAT,
+                           "truncated: the header needs %llu bytes after the preamble, the file has %zu",
+                           (unsigned long long)header_len, b->size - BASE_PREAMBLE);
+    char jerr[160];
+    b->doc = json_parse((const char *)b->map + BASE_PREAMBLE, (size_t)header_len, jerr, sizeof jerr);
+    if (!b->doc) return bundle_fail(b, BASERT_ERR_INVALID_FORMAT, "corrupt header JSON: %s", jerr);
+    b->hdr = json_root(b->doc);
+    if (b->hdr->type != JSON_OBJECT)
+        return bundle_fail(b, BASERT_ERR_INVALID_FORMAT, "the header JSON is not an object");
+    uint64_t end = BASE_PREAMBLE + header_len;
+    b->blob_start = (end + BASE_BLOB_ALIGN - 1) / BASE_BLOB_ALIGN * BASE_BLOB_ALIGN;
+    return BASERT_OK;
+}
+
+/* ---- config ---------------------------------------------------------------- */
+
+typedef struct {
+    BaseRTModelConfig cfg;
+    int trained_context;
+    int tie; /* -1 = unspecified */
+    bool has_bos, has_eos;
+    uint32_t bos_id, eos_id;
+} parsed_config;
+
+static int cfg_uint(const bundle *b, const json_value *cfg, const char *key, bool required, uint32_t dflt,
+                    uint32_t lo, uint32_t hi, uint32_t *out) {
+    const json_value *v = json_get(cfg, key);
+    if (!v || v->type == JSON_NULL) {
+        if (required) return bundle_fail(b, BASERT_ERR_INVALID_FORMAT, "config.%s is missing", key);
+        *out = dflt;
+        return BASERT_OK;
+    }
+    int64_t x;
+    if (!json_int64(v, &x) || x < (int64_t)lo || x > (int64_t)hi)
+        return bundle_fail(b, BASERT_ERR_INVALID_FORMAT, "config.%s must be an integer in [%u, %u]", key, lo, hi);
+    *out = (uint32_t)x;
+    return BASERT_OK;
+}
+
+static int cfg_float(const bundle *b, const json_value *cfg, const char *key, double dflt, double lo, double hi,
+                     float *out) {
+    const json_value *v = json_get(cfg, key);
+    double x = dflt;
+    if (v && v->type != JSON_NULL && (!json_number(v, &x) || !isfinite(x) || x <= lo || x > hi))
+        return bundle_fail(b, BASERT_ERR_INVALID_FORMAT, "config.%s must be a number in (%g, %g]", key, lo, hi);
+    *out = (float)x;
+    return BASERT_OK;
+}
+
+static int parse_config(const bundle *b, parsed_config *pc) {
+    memset(pc, 0, sizeof *pc);
+    const json_value *c = json_get(b->hdr, "config");
+    if (!c || c->type != JSON_OBJECT) return bundle_fail(b, BASERT_ERR_INVALID_FORMAT, "the header has no config object");
+    BaseRTModelConfig *cfg = &pc->cfg;
+    uint32_t trained = 0;
+    int rc;
+    if ((rc = cfg_uint(b, c, "hidden_size", true, 0, 1, 1u << 16, &cfg->dim)) ||
+        (rc = cfg_uint(b, c, "num_hidden_layers", true, 0, 1, 1024, &cfg->n_layers)) ||
+        (rc = cfg_uint(b, c, "num_attention_heads", true, 0, 1, 1024, &cfg->n_heads)) ||
+        (rc = cfg_uint(b, c, "num_key_value_heads", false, cfg->n_heads, 1, 1024, &cfg->n_kv_heads)) ||
+        (rc = cfg_uint(b, c, "intermediate_size", true, 0, 1, 1u << 20, &cfg->ffn_dim)) ||
+        (rc = cfg_uint(b, c, "vocab_size", true, 0, 1, 1u << 24, &cfg->vocab_size)) ||
+        (rc = cfg_uint(b, c, "max_position_embeddings", true, 0, 1, 1u << 24, &trained)) ||
+        (rc = cfg_float(b, c, "rope_theta", 10000.0, 0.0, 1e12, &cfg->rope_theta)) ||
+        (rc = cfg_float(b, c, "rms_norm_eps", 1e-5, 0.0, 1.0, &cfg->norm_eps)))
+        return rc;
+    uint32_t head_dim_default = cfg->dim % cfg->n_heads == 0 ? cfg->dim / cfg->n_heads : 0;
+    if ((rc = cfg_uint(b, c, "head_dim", head_dim_default == 0, head_dim_default, 2, 1024, &cfg->head_dim)))
+        return rc;
+    if (cfg->head_dim % 2 != 0)
+        return bundle_fail(b, BASERT_ERR_INVALID_FORMAT, "config.head_dim %u is odd (RoPE rotates pairs)", cfg->head_dim);
+    if (cfg->n_kv_heads > cfg->n_heads || cfg->n_heads % cfg->n_kv_heads != 0)
+        return bundle_fail(b, BASERT_ERR_INVALID_FORMAT,
+                           "config.num_attention_heads %u is not a multiple of num_key_value_heads %u", cfg->n_heads,
+                           cfg->n_kv_heads);
+    cfg->q_dim = cfg->n_heads * cfg->head_dim;
+    cfg->kv_dim = cfg->n_kv_heads * cfg->head_dim;
+    if (cfg->q_dim > (1u << 20))
+        return bundle_fail(b, BASERT_ERR_INVALID_FORMAT, "config: num_attention_heads * head_dim is too large");
+    snprintf(cfg->architecture, sizeof cfg->architecture, "llama");
+    pc->trained_context = (int)trained;
+
+    const json_value *tie = json_get(c, "tie_word_embeddings");
+    bool tb;
+    pc->tie = json_bool(tie, &tb) ? (int)tb : -1;
+
+    /* bos/eos: integers, or (HF style) a list whose first entry is primary. */
+    int64_t x;
+    const json_value *bos = json_get(c, "bos_token_id");
+    if (json_at(bos, 0)) bos = json_at(bos, 0);
+    if (json_int64(bos, &x) && x >= 0 && x < (int64_t)cfg->vocab_size) {
+        pc->has_bos = true;
+        pc->bos_id = (uint32_t)x;
+    } else if (bos && bos->type != JSON_NULL) {
+        return bundle_fail(b, BASERT_ERR_INVALID_FORMAT, "config.bos_token_id is not a token id below vocab_size");
+    }
+    const json_value *eos = json_get(c, "eos_token_id");
+    if (json_at(eos, 0)) eos = json_at(eos, 0);
+    if (json_int64(eos, &x) && x >= 0 && x < (int64_t)cfg->vocab_size) {
+        pc->has_eos = true;
+        pc->eos_id = (uint32_t)x;
+    } else if (eos && eos->type != JSON_NULL) {
+        return bundle_fail(b, BASERT_ERR_INVALID_FORMAT, "config.eos_token_id is not a token id below vocab_size");
+    }
+    return BASERT_OK;
+}
+
+/* ---- tensor table ------------------------------------------------------------ */
+
+static int parse_tensor(const bundle *b, const json_value *t, size_t index, tensor_entry *out) {
+    memset(out, 0, sizeof *out);
+    out->name = json_string(json_get(t, "name"));
+    if (!out->name || !out->name[0])
+        return bundle_fail(b, BASERT_ERR_INVALID_FORMAT, "tensors[%zu] has no name", index);
+    const char *name = out->name;
+    const char *dtype = json_string(json_get(t, "dtype"));
+    if (!dtype) return bundle_fail(b, BASERT_ERR_INVALID_FORMAT, "tensor '%s' has no dtype", name);
+    uint64_t esize;
+    if (strcmp(dtype, "f32") == 0) out->dtype = DT_F32, esize = 4;
+    else if (strcmp(dtype, "f16") == 0) out->dtype = DT_F16, esize = 2;
+    else if (strcmp(dtype, "bf16") == 0) out->dtype = DT_BF16, esize = 2;
+    else
+        return bundle_fail(b, BASERT_ERR_UNSUPPORTED,
+                           "tensor '%s' has dtype '%s'; the reference engine reads f32, f16 and bf16", name, dtype);
+    const json_value *shape = json_get(t, "shape");
+    size_t nd = json_count(shape);
+    if (!shape || shape->type != JSON_ARRAY || nd < 1 || nd > 4)
+        return bundle_fail(b, BASERT_ERR_INVALID_FORMAT, "tensor '%s' has no valid shape (1 to 4 dims)", name);
+    out->ndim = (int)nd;
+    uint64_t n = 1;
+    for (size_t i = 0; i < nd; i++) {
+        int64_t d;
+        if (!json_int64(json_at(shape, i), &d) || d < 0 || d > ((int64_t)1 << 40))
+            return bundle_fail(b, BASERT_ERR_INVALID_FORMAT, "tensor '%s' has an invalid shape entry", name);
+        out->shape[i] = d;
+        if (d && n > UINT64_MAX / 8 / (uint64_t)d)
+            return bundle_fail(b, BASERT_ERR_INVALID_FORMAT, "tensor '%s' shape overflows", name);
+        n *= (uint64_t)d;
+    }
+    out->n_elems = n;
+    int64_t off, len;
+    if (!json_int64(json_get(t, "offset"), &off) || off < 0)
+        return bundle_fail(b, BASERT_ERR_INVALID_FORMAT, "tensor '%s' has no valid offset", name);
+    if (!json_int64(json_get(t, "length"), &len) || len < 0)
+        return bundle_fail(b, BASERT_ERR_INVALID_FORMAT, "tensor '%s' has no valid length", name);
+    out->offset = (uint64_t)off;
+    out->length = (uint64_t)len;
+    if (n * esize != out->length)
+        return bundle_fail(b, BASERT_ERR_INVALID_FORMAT,
+                           "tensor '%s': length %llu does not match its shape (%llu elements of %s)", name,
+                           (unsigned long long)out->length, (unsigned long long)n, dtype);
+    /* offset, length < 2^63 each: the sums below cannot wrap. */
+    uint64_t end = b->blob_start + out->offset + out->length;
+    if (b->blob_start + out->offset < b->blob_start || end > b->size)
+        return bundle_fail(b, BASERT_ERR_INVALID_FORMAT,
+                           "truncated or inconsistent: tensor '%s' spans bytes [%llu, %llu) of a %zu-byte file", name,
+                           (unsigned long long)(b->blob_start + out->offset), (unsigned long long)end, b->size);
+    return BASERT_OK;
+}
+
+/* Slot of a tensor name in the llama layout; -1 for a name outside it. */
+static long tensor_slot(const char *name, uint32_t n_layers) {
+    if (strcmp(name, "embed_tokens.weight") == 0) return SLOT_EMBED;
+    if (strcmp(name, "final_norm.weight") == 0) return SLOT_FINAL_NORM;
+    if (strcmp(name, "lm_head.weight") == 0) return SLOT_LM_HEAD;
+    if (strncmp(name, "layers.", 7) != 0) return -1;
+    const char *p = name + 7;
+    if (*p < '0' || *p > '9' || (*p == '0' && p[1] != '.')) return -1;
+    unsigned long layer = 0;
+    while (*p >= '0' && *p <= '9') {
+        layer = layer * 10 + (unsigned long)(*p - '0');
+        if (layer >= n_layers) return -1;
+        p++;
+    }
+    if (*p != '.') return -1;
+    p++;
+    for (int k = 0; k < 9; k++)
+        if (strcmp(p, LAYER_SUFFIX[k]) == 0) return SLOT_LAYER0 + (long)layer * 9 + k;
+    return -1;
+}
+
+static bool shape_is(const tensor_entry *t, int ndim, uint32_t d0, uint32_t d1) {
+    if (t->ndim != ndim || t->shape[0] != (int64_t)d0) return false;
+    return ndim == 1 || t->shape[1] == (int64_t)d1;
+}
+
+static int check_shape(const bundle *b, const tensor_entry *t, int ndim, uint32_t d0, uint32_t d1) {
+    if (shape_is(t, ndim, d0, d1)) return BASERT_OK;
+    if (ndim == 1)
+        return bundle_fail(b, BASERT_ERR_INVALID_FORMAT, "tensor '%s' must have shape [%u] for this config", t->name,
+                           d0);
+    return bundle_fail(b, BASERT_ERR_INVALID_FORMAT, "tensor '%s' must have shape [%u, %u] for this config", t->name,
+                       d0, d1);
+}
+
+/* Validate the whole table; slots[] receives the llama tensors. */
+static int parse_tensors(const bundle *b, const BaseRTModelConfig *cfg, int tie, tensor_entry **entries_out,
+                         tensor_entry ***slots_out) {
+    *entries_out = NULL;
+    *slots_out = NULL;
+    const json_value *arr = json_get(b->hdr, "tensors");
+    if (!arr || arr->type != JSON_ARRAY) return bundle_fail(b, BASERT_ERR_INVALID_FORMAT, "the header has no tensors array");
+    size_t n = json_count(arr);
+    if (n > BASE_MAX_TENSORS) return bundle_fail(b, BASERT_ERR_INVALID_FORMAT, "too many tensors (%zu)", n);
+    size_t n_slots = SLOT_LAYER0 + (size_t)cfg->n_layers * 9;
+    tensor_entry *entries = calloc(n ? n : 1, sizeof *entries);
+    tensor_entry **slots = calloc(n_slots, sizeof *slots);
+    if (!entries || !slots) {
+        free(entries);
+        free(slots);
+        return bundle_fail(b, BASERT_ERR_OUT_OF_MEMORY, "out of memory reading the tensor table");
+    }
+    *entries_out = entries;
+    *slots_out = slots;
+    for (size_t i = 0; i < n; i++) {
+        const json_value *t = json_at(arr, i);
+        if (t->type != JSON_OBJECT)
+            return bundle_fail(b, BASERT_ERR_INVALID_FORMAT, "tensors[%zu] is not an object", i);
+        int rc = parse_tensor(b, t, i, &entries[i]);
+        if (rc) return rc;
+        long slot = tensor_slot(entries[i].name, cfg->n_layers);
+        if (slot < 0)
+            return bundle_fail(b, BASERT_ERR_UNSUPPORTED,
+                               "tensor '%s' is not part of the llama layout the reference engine runs",
+                               entries[i].name);
+        if (slots[slot]) return bundle_fail(b, BASERT_ERR_INVALID_FORMAT, "tensor '%s' appears twice", entries[i].name);
+        slots[slot] = &entries[i];
+    }
+
+    static const char *const TOP_NAMES[3] = {"embed_tokens.weight", "final_norm.weight", "lm_head.weight"};
+    for (int s = 0; s < SLOT_LAYER0; s++) {
+        bool needed = s != SLOT_LM_HEAD || tie == 0;
+        if (!slots[s] && needed)
+            return bundle_fail(b, BASERT_ERR_INVALID_FORMAT, "missing tensor '%s'%s", TOP_NAMES[s],
+                               s == SLOT_LM_HEAD ? " (config.tie_word_embeddings is false)" : "");
+    }
+    int rc;
+    if ((rc = check_shape(b, slots[SLOT_EMBED], 2, cfg->vocab_size, cfg->dim)) ||
+        (rc = check_shape(b, slots[SLOT_FINAL_NORM], 1, cfg->dim, 0)) ||
+        (slots[SLOT_LM_HEAD] && (rc = check_shape(b, slots[SLOT_LM_HEAD], 2, cfg->vocab_size, cfg->dim))))
+        return rc;
+    const uint32_t D = cfg->dim, Q = cfg->q_dim, KV = cfg->kv_dim, F = cfg->ffn_dim;
+    const uint32_t shapes[9][3] = {
+        {1, D, 0}, {2, Q, D}, {2, KV, D}, {2, KV, D}, {2, D, Q}, {1, D, 0}, {2, F, D}, {2, F, D}, {2, D, F},
+    };
+    for (uint32_t l = 0; l < cfg->n_layers; l++) {
+        for (int k = 0; k < 9; k++) {
+            const tensor_entry *t = slots[SLOT_LAYER0 + (size_t)l * 9 + k];
+            if (!t) return bundle_fail(b, BASERT_ERR_INVALID_FORMAT, "missing tensor 'layers.%u.%s'", l, LAYER_SUFFIX[k]);
+            if ((rc = check_shape(b, t, (int)shapes[k][0], shapes[k][1], shapes[k][2]))) return rc;
+        }
+    }
+    return BASERT_OK;
+}
+
+/* ---- weights -------------------------------------------------------------------- */
+
+static float *load_tensor_f32(const bundle *b, const tensor_entry *t) {
+    size_t n = (size_t)t->n_elems;
+    float *out = malloc((n ? n : 1) * sizeof(float));
+    if (!out) {
+        bundle_fail(b, BASERT_ERR_OUT_OF_MEMORY, "out of memory converting tensor '%s' (%zu elements)", t->name, n);
+        return NULL;
+    }
+    const unsigned char *src = b->map + b->blob_start + t->offset;
+    if (t->dtype == DT_F32) {
+        memcpy(out, src, n * sizeof(float));
+    } else {
+        for (size_t i = 0; i < n; i++) {
+            uint16_t h;
+            memcpy(&h, src + 2 * i, 2);
+            out[i] = t->dtype == DT_F16 ? rt_f16_to_f32(h) : rt_bf16_to_f32(h);
+        }
+    }
+    return out;
+}
+
+static int load_weights(const bundle *b, rt_model *m, tensor_entry **slots) {
+    const BaseRTModelConfig *cfg = &m->cfg;
+    m->layers = calloc(cfg->n_layers, sizeof *m->layers);
+    if (!m->layers) return bundle_fail(b, BASERT_ERR_OUT_OF_MEMORY, "out of memory");
+    uint64_t total = 0;
+#define LOAD(dst, slot)                                                                                                \
+    do {                                                                                                               \
+        if (!((dst) = load_tensor_f32(b, slots[slot]))) return BASERT_ERR_OUT_OF_MEMORY;                              \
+        total += slots[slot]->n_elems * sizeof(float);                                                                 \
+    } while (0)
+    LOAD(m->tok_embd, SLOT_EMBED);
+    LOAD(m->final_norm, SLOT_FINAL_NORM);
+    if (slots[SLOT_LM_HEAD]) {
+        LOAD(m->lm_head, SLOT_LM_HEAD);
+        m->tied_embeddings = false;
+    } else {
+        m->lm_head = m->tok_embd;
+        m->tied_embeddings = true;
+    }
+    for (uint32_t l = 0; l < cfg->n_layers; l++) {
+        rt_layer *L = &m->layers[l];
+        size_t s = SLOT_LAYER0 + (size_t)l * 9;
+        LOAD(L->attn_norm, s + 0);
+        LOAD(L->wq, s + 1);
+        LOAD(L->wk, s + 2);
+        LOAD(L->wv, s + 3);
+        LOAD(L->wo, s + 4);
+        LOAD(L->ffn_norm, s + 5);
+        LOAD(L->w_gate, s + 6);
+        LOAD(L->w_up, s + 7);
+        LOAD(L->w_down, s + 8);
+    }
+#undef LOAD
+    m->weight_bytes = (size_t)total;
+    return BASERT_OK;
+}
+
+/* ---- tokenizer metadata ------------------------------------------------------------ */
+
+static char *token_string(const bpe_tokenizer *tok, uint32_t id) {
+    int n = bpe_token_bytes(tok, id, NULL, 0);
+    if (n < 0) n = 0;
+    char *s = malloc((size_t)n + 1);
+    if (!s) return NULL;
+    if (n) bpe_token_bytes(tok, id, s, n);
+    s[n] = '\0';
+    return s;
+}
+
+static bool add_eos_id(rt_model *m, uint32_t id) {
+    for (int i = 0; i < m->n_eos_ids; i++)
+        if (m->eos_ids[i] == id) return true;
+    uint32_t *ids = realloc(m->eos_ids, ((size_t)m->n_eos_ids + 1) * sizeof *ids);
+    if (!ids) return false;
+    m->eos_ids = ids;
+    m->eos_ids[m->n_eos_ids++] = id;
+    return true;
+}
+
+static int load_tokenizer(const bundle *b, rt_model *m, const parsed_config *pc) {
+    const json_value *tk = json_get(b->hdr, "tokenizer");
+    if (!tk || tk->type != JSON_OBJECT)
+        return bundle_fail(b, BASERT_ERR_INVALID_FORMAT, "the header has no tokenizer object");
+    const json_value *model_kind = json_get(tk, "tokenizer.ggml.model");
+    if (model_kind && (!json_string(model_kind) || strcmp(json_string(model_kind), "gpt2") != 0))
+        return bundle_fail(b, BASERT_ERR_UNSUPPORTED,
+                           "tokenizer.ggml.model '%s' is not supported (the reference engine reads byte-level BPE, 'gpt2')",
+                           json_string(model_kind) ? json_string(model_kind) : "?");
+    const char *pre = json_string(json_get(tk, "tokenizer.ggml.pre"));
+    if (!pre) pre = "default";
+    if (strcmp(pre, "smollm") != 0 && strcmp(pre, "gpt2") != 0 && strcmp(pre, "default") != 0)
+        return bundle_fail(b, BASERT_ERR_UNSUPPORTED, "tokenizer.ggml.pre '%s' is not supported (smollm, gpt2, default)",
+                           pre);
+
+    const json_value *tokens = json_get(tk, "tokenizer.ggml.tokens");
+    size_t n_tokens = json_count(tokens);
+    if (!tokens || tokens->type != JSON_ARRAY || n_tokens == 0)
+        return bundle_fail(b, BASERT_ERR_INVALID_FORMAT, "tokenizer.ggml.tokens is missing or empty");
+    if (n_tokens > m->cfg.vocab_size)
+        return bundle_fail(b, BASERT_ERR_INVALID_FORMAT, "the tokenizer has %zu tokens, more than config.vocab_size %u",
+                           n_tokens, m->cfg.vocab_size);
+    const json_value *types = json_get(tk, "tokenizer.ggml.token_type");
+    if (types && (types->type != JSON_ARRAY || json_count(types) != n_tokens))
+        return bundle_fail(b, BASERT_ERR_INVALID_FORMAT, "tokenizer.ggml.token_type must list one type per token");
+    const json_value *merges = json_get(tk, "tokenizer.ggml.merges");
+    if (merges && merges->type != JSON_ARRAY)
+        return bundle_fail(b, BASERT_ERR_INVALID_FORMAT, "tokenizer.ggml.merges is not an array");
+    size_t n_merges = json_count(merges);
+    if (n_merges > (size_t)1 << 24) return bundle_fail(b, BASERT_ERR_INVALID_FORMAT, "too many merges");
+
+    const char **tok_text = malloc(n_tokens * sizeof *tok_text);
+    int32_t *tok_type = types ? malloc(n_tokens * sizeof *tok_type) : NULL;
+    const char **merge_text = malloc((n_merges ? n_merges : 1) * sizeof *merge_text);
+    int rc = BASERT_OK;
+    if (!tok_text || (types && !tok_type) || !merge_text) {
+        rc = bundle_fail(b, BASERT_ERR_OUT_OF_MEMORY, "out of memory reading the tokenizer");
+        goto done;
+    }
+    for (size_t i = 0; i < n_tokens; i++) {
+        const json_value *t = json_at(tokens, i);
+        if (!json_string(t) || strlen(t->u.str.s) != t->u.str.len || t->u.str.len == 0) {
+            rc = bundle_fail(b, BASERT_ERR_INVALID_FORMAT, "tokenizer.ggml.tokens[%zu] is not a non-empty string", i);
+            goto done;
+        }
+        tok_text[i] = t->u.str.s;
+        if (types) {
+            int64_t ty;
+            if (!json_int64(json_at(types, i), &ty) || ty < 0 || ty > 6) {
+                rc = bundle_fail(b, BASERT_ERR_INVALID_FORMAT, "tokenizer.ggml.token_type[%zu] is not a token type", i);
+                goto done;
+            }
+            tok_type[i] = (int32_t)ty;
+        }
+    }
+    for (size_t i = 0; i < n_merges; i++) {
+        const json_value *t = json_at(merges, i);
+        if (!json_string(t) || strlen(t->u.str.s) != t->u.str.len) {
+            rc = bundle_fail(b, BASERT_ERR_INVALID_FORMAT, "tokenizer.ggml.merges[%zu] is not a string", i);
+            goto done;
+        }
+        merge_text[i] = t->u.str.s;
+    }
+    char err[256] = "";
+    m->tok = bpe_create(tok_text, tok_type, (int)n_tokens, merge_text, (int)n_merges, pre, err, sizeof err);
+    if (!m->tok) rc = bundle_fail(b, BASERT_ERR_INVALID_FORMAT, "cannot build the tokenizer: %s", err);
+done:
+    free(tok_text);
+    free(tok_type);
+    free(merge_text);
+    if (rc) return rc;
+
+    /* bos / eos: the config first, then the tokenizer's keys. */
+    int64_t x;
+    if (pc->has_eos) m->eos_id = pc->eos_id;
+    else if (json_int64(json_get(tk, "tokenizer.ggml.eos_token_id"), &x) && x >= 0 && (size_t)x < n_tokens)
+        m->eos_id = (uint32_t)x;
+    else return bundle_fail(b, BASERT_ERR_INVALID_FORMAT, "no valid eos_token_id in the config or the tokenizer");
+    if (pc->has_bos) m->bos_id = pc->bos_id;
+    else if (json_int64(json_get(tk, "tokenizer.ggml.bos_token_id"), &x) && x >= 0 && (size_t)x < n_tokens)
+        m->bos_id = (uint32_t)x;
+    else m->bos_id = m->eos_id; /* GPT-2 convention: one <|endoftext|> for both */
+    if (m->eos_id >= n_tokens || m->bos_id >= n_tokens)
+        return bundle_fail(b, BASERT_ERR_INVALID_FORMAT, "bos/eos token id is outside the tokenizer's %zu tokens",
+                           n_tokens);
+    bool add_bos = false;
+    json_bool(json_get(tk, "tokenizer.ggml.add_bos_token"), &add_bos);
+    m->add_bos = add_bos;
+
+    /* Every stop id: the primary eos, the config's extra ids, the known end-of-turn markers. */
+    if (!add_eos_id(m, m->eos_id)) return bundle_fail(b, BASERT_ERR_OUT_OF_MEMORY, "out of memory");
+    const json_value *cfgj = json_get(b->hdr, "config");
+    const json_value *lists[2] = {json_get(cfgj, "eos_token_id"), json_get(cfgj, "eos_token_ids")};
+    for (int li = 0; li < 2; li++) {
+        const json_value *l = lists[li];
+        if (!l || l->type == JSON_NULL || (li == 0 && l->type != JSON_ARRAY)) continue;
+        if (l->type != JSON_ARRAY)
+            return bundle_fail(b, BASERT_ERR_INVALID_FORMAT, "config.eos_token_ids is not an array");
+        for (size_t i = 0; i < json_count(l); i++) {
+            if (!json_int64(json_at(l, i), &x) || x < 0 || (size_t)x >= n_tokens)
+                return bundle_fail(b, BASERT_ERR_INVALID_FORMAT, "config.%s[%zu] is not a token id of the tokenizer",
+                                   li ? "eos_token_ids" : "eos_token_id", i);
+            if (!add_eos_id(m, (uint32_t)x)) return bundle_fail(b, BASERT_ERR_OUT_OF_MEMORY, "out of memory");
+        }
+    }
+    static const char *const STOP_MARKERS[] = {"<|endoftext|>", "<|im_end|>", "<|eot_id|>", "<end_of_turn>"};
+    for (size_t i = 0; i < sizeof STOP_MARKERS / sizeof *STOP_MARKERS; i++) {
+        int32_t id = bpe_token_id(m->tok, STOP_MARKERS[i]);
+        if (id >= 0 && bpe_token_type(m->tok, (uint32_t)id) == BPE_TOKEN_CONTROL && !add_eos_id(m, (uint32_t)id))
+            return bundle_fail(b, BASERT_ERR_OUT_OF_MEMORY, "out of memory");
+    }
+
+    size_t n_special = 0;
+    for (uint32_t id = 0; id < n_tokens; id++) {
+        int ty = bpe_token_type(m->tok, id);
+        n_special += ty == BPE_TOKEN_CONTROL || ty == BPE_TOKEN_USER_DEFINED;
+    }
+    m->special_ids = malloc((n_special ? n_special : 1) * sizeof *m->special_ids);
+    m->bos_str = token_string(m->tok, m->bos_id);
+    m->eos_str = token_string(m->tok, m->eos_id);
+    const char *tmpl = json_string(json_get(tk, "tokenizer.chat_template"));
+    if (!tmpl) tmpl = json_string(json_get(json_get(b->hdr, "metadata"), "tokenizer.chat_template"));
+    m->chat_template = strdup(tmpl ? tmpl : "");
+    if (!m->special_ids || !m->bos_str || !m->eos_str || !m->chat_template)
+        return bundle_fail(b, BASERT_ERR_OUT_OF_MEMORY, "out of memory");
+    for (uint32_t id = 0; id < n_tokens; id++) {
+        int ty = bpe_token_type(m->tok, id);
+        if (ty == BPE_TOKEN_CONTROL || ty == BPE_TOKEN_USER_DEFINED) m->special_ids[m->n_special++] = id;
+    }
+    return BASERT_OK;
+}
+
+/* ---- load ---------------------------------------------------------------------------- */
+
+static uint64_t fnv1a64(const unsigned char *p, size_t n) {
+    uint64_t h = 0xcbf29ce484222325ull;
+    for (size_t i = 0; i < n; i++) {
+        h ^= p[i];
+        h *= 0x100000001b3ull;
+    }
+    return h;
+}
+
+void rt_model_destroy(rt_model *m) {
+    if (!m) return;
+    m->magic = 0;
+    if (m->layers) {
+        for (uint32_t l = 0; l < m->cfg.n_layers; l++) {
+            rt_layer *L = &m->layers[l];
+            free(L->attn_norm);
+            free(L->wq);
+            free(L->wk);
+            free(L->wv);
+            free(L->wo);
+            free(L->ffn_norm);
+            free(L->w_gate);
+            free(L->w_up);
+            free(L->w_down);
+        }
+        free(m->layers);
+    }
+    if (m->lm_head != m->tok_embd) free(m->lm_head);
+    free(m->tok_embd);
+    free(m->final_norm);
+    if (m->tok) bpe_free(m->tok);
+    free(m->eos_ids);
+    free(m->special_ids);
+    free(m->bos_str);
+    free(m->eos_str);
+    free(m->chat_template);
+    free(m->capability_descriptor);
+    free(m->path);
+    free(m);
+}
+
+static int apply_options(const char *fn, rt_model *m, const BaseRTLoadOptions *o) {
+    if (o->max_batch_size < 0) {
+        rt_set_error(BASERT_ERR_INVALID_ARGUMENT, "%s: max_batch_size must be >= 0, got %d", fn, o->max_batch_size);
+        return BASERT_ERR_INVALID_ARGUMENT;
+    }
+    m->paged_kv = o->paged_kv != 0;
+    /* The prefix cache lives on the paged pool: without it the option has no effect. */
+    m->prefix_cache = m->paged_kv && o->prefix_cache != 0;
+    /* 0 and out-of-range values leave the default, as baseRT_set_prefill_chunk documents. */
+    m->prefill_chunk = (o->prefill_chunk >= RT_MIN_PREFILL_CHUNK && o->prefill_chunk <= RT_MAX_PREFILL_CHUNK)
+                           ? o->prefill_chunk
+                           : RT_DEFAULT_PREFILL_CHUNK;
+    int batch = o->max_batch_size ? o->max_batch_size : 1;
+    m->max_batch_size = batch < m->prefill_chunk ? batch : m->prefill_chunk; /* capped at prefill_chunk */
+    m->kv_bits = 32; /* f32 KV whatever was asked (reported as 16 by baseRT_kv_bits_effective) */
+    return BASERT_OK;
+}
+
+rt_model *rt_load(const char *fn, const char *path, int max_context, const BaseRTLoadOptions *opts,
+                  bool tokenizer_only) {
+    if (!path) {
+        rt_set_error(BASERT_ERR_INVALID_ARGUMENT, "%s: model_path is NULL", fn);
+        return NULL;
+    }
+    if (max_context < 0) {
+        rt_set_error(BASERT_ERR_INVALID_ARGUMENT, "%s: max_context must be >= 0, got %d", fn, max_context);
+        return NULL;
+    }
+    rt_model *m = calloc(1, sizeof *m);
+    if (!m || !(m->path = strdup(path))) {
+        free(m);
+        rt_set_error(BASERT_ERR_OUT_OF_MEMORY, "%s: out of memory", fn);
+        return NULL;
+    }
+    m->tokenizer_only = tokenizer_only;
+    const BaseRTLoadOptions defaults = {.struct_size = sizeof defaults};
+    if (apply_options(fn, m, opts ? opts : &defaults) != BASERT_OK) {
+        rt_model_destroy(m);
+        return NULL;
+    }
+
+    bundle b;
+    tensor_entry *entries = NULL, **slots = NULL;
+    parsed_config pc;
+    int rc = bundle_open(&b, fn, path);
+    if (rc) goto fail;
+    if (!tokenizer_only) {
+        /* The architecture decides what the rest of the header means: check it first. */
+        const json_value *arch = json_get(b.hdr, "arch");
+        if (!json_string(arch)) {
+            rc = bundle_fail(&b, BASERT_ERR_INVALID_FORMAT, "the header has no arch");
+            goto fail;
+        }
+        if (strcmp(json_string(arch), "llama") != 0) {
+            rc = bundle_fail(&b, BASERT_ERR_UNSUPPORTED,
+                             "arch '%s' is not supported (the reference engine runs 'llama' only)", json_string(arch));
+            goto fail;
+        }
+    }
+    if ((rc = parse_config(&b, &pc))) goto fail;
+    m->cfg = pc.cfg;
+    m->trained_context = pc.trained_context;
+    if (tokenizer_only) {
+        m->cfg.max_seq_len = (uint32_t)pc.trained_context;
+    } else {
+        int ctx = max_context ? max_context : RT_DEFAULT_CONTEXT;
+        m->cfg.max_seq_len = (uint32_t)(ctx < pc.trained_context ? ctx : pc.trained_context);
+        if ((rc = parse_tensors(&b, &m->cfg, pc.tie, &entries, &slots))) goto fail;
+    }
+    if ((rc = load_tokenizer(&b, m, &pc))) goto fail;
+    if (!tokenizer_only && (rc = load_weights(&b, m, slots))) goto fail;
+    m->weights_identity = fnv1a64(b.map, b.size < IDENTITY_BYTES ? b.size : IDENTITY_BYTES);
+    free(entries);
+    free(slots);
+    entries = NULL;
+    slots = NULL;
+    bundle_close(&b);
+
+    m->capability_descriptor = rt_build_capability_descriptor(m);
+    if (!m->capability_descriptor) {
+        rt_set_error(BASERT_ERR_OUT_OF_MEMORY, "%s: %s: out of memory", fn, path);
+        rt_model_destroy(m);
+        return NULL;
+    }
+    m->magic = RT_MODEL_MAGIC;
+    if (!rt_handle_register(m)) {
+        rt_set_error(BASERT_ERR_OUT_OF_MEMORY, "%s: %s: out of memory", fn, path);
+        rt_model_destroy(m);
+        return NULL;
+    }
+    if (!tokenizer_only && rt_runtime_init(m) != BASERT_OK) {
+        /* rt_runtime_init set the error; it leaves m->rt NULL or freeable. */
+        rt_handle_unregister(m);
+        if (m->rt) rt_runtime_free(m);
+        rt_model_destroy(m);
+        return NULL;
+    }
+    rt_clear_error();
+    return m;
+
+fail:
+    free(entries);
+    free(slots);
+    bundle_close(&b);
+    rt_model_destroy(m);
+    return NULL;
+}
+
+int rt_bundle_read_budget(const char *fn, const char *path, rt_bundle_budget *out) {
+    memset(out, 0, sizeof *out);
+    if (!path) {
+        rt_set_error(BASERT_ERR_INVALID_ARGUMENT, "%s: model_path is NULL", fn);
+        return BASERT_ERR_INVALID_ARGUMENT;
+    }
+    bundle b;
+    parsed_config pc;
+    int rc = bundle_open(&b, fn, path);
+    if (!rc) rc = parse_config(&b, &pc);
+    if (!rc) {
+        const json_value *arr = json_get(b.hdr, "tensors");
+        if (!arr || arr->type != JSON_ARRAY)
+            rc = bundle_fail(&b, BASERT_ERR_INVALID_FORMAT, "the header has no tensors array");
+        uint64_t weights = 0;
+        for (size_t i = 0; !rc && i < json_count(arr); i++) {
+            tensor_entry t;
+            rc = parse_tensor(&b, json_at(arr, i), i, &t);
+            weights += t.n_elems * sizeof(float);
+        }
+        out->trained_context = pc.trained_context;
+        out->weight_bytes = weights;
+        out->kv_bytes_per_token = (uint64_t)pc.cfg.n_layers * 2 * pc.cfg.kv_dim * sizeof(float);
+    }
+    bundle_close(&b);
+    return rc;
+}

@@ -1,0 +1,51 @@
+#pragma once
+/* Numeric kernels of the reference engine (runtime-private).
+ *
+ * Determinism contract: every value rt_matmul() produces for one (row, output)
+ * pair is computed by the same fixed sequence of floating-point operations as
+ * rt_dot() on that row and weight row -- whatever the number of rows, the
+ * other rows, the tile it lands in or the thread that computes it. Batched,
+ * chunked and prefix-seeded forwards are therefore bit-identical to their
+ * one-row, one-shot, cold equivalents. The instruction set (AVX2+FMA or the
+ * portable vector path) is chosen once per process. */
+
+#include <stddef.h>
+#include <stdint.h>
+
+/* ---- thread pool --------------------------------------------------------- */
+typedef struct rt_threads rt_threads;
+
+/* Work function: thread `tid` of `n_threads` processes its share. */
+typedef void (*rt_task_fn)(void *ctx, int tid, int n_threads);
+
+/* Threads to use: $BASERT_REF_THREADS, else the online CPUs; 1..8. */
+int rt_default_threads(void);
+/* A pool of n_threads (the caller counts as thread 0). NULL on failure. */
+rt_threads *rt_threads_create(int n_threads);
+void rt_threads_free(rt_threads *t);
+int rt_threads_count(const rt_threads *t);
+/* Run fn on min(n_threads, pool size) threads and wait for all of them.
+ * t may be NULL (runs inline). */
+void rt_threads_run(rt_threads *t, rt_task_fn fn, void *ctx, int n_threads);
+
+/* ---- matmul -------------------------------------------------------------- */
+/* One weight matrix W [out][in] (row-major, f32) and its output y, with
+ * y[r * ldy + o] = dot(x[r * ldx ..], W[o]). */
+typedef struct {
+    const float *w;
+    float *y;
+    int out;
+    size_t ldy;
+} rt_mm_target;
+
+/* Multiply `rows` input rows (stride ldx, length in) by every target's weight
+ * matrix: one parallel dispatch for all of them (q/k/v, gate/up share one).
+ * Threads split output columns, never the reduction. */
+void rt_matmul(rt_threads *t, const float *x, size_t ldx, int rows, int in, const rt_mm_target *targets,
+               int n_targets);
+
+/* The dot product every matmul output is defined by. */
+float rt_dot(const float *a, const float *b, int n);
+
+/* Name of the kernel set in use ("avx2-fma" or "generic"), for diagnostics. */
+const char *rt_mathops_isa(void);

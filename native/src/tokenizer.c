@@ -1,0 +1,867 @@
+/* Byte-level BPE tokenizer with HF `tokenizers` parity (see tokenizer.h).
+ *
+ * Pipeline of one encode call, as HF tokenizers runs it for a GPT-2 family
+ * tokenizer.json (BPE, ByteLevel pre-tokenizer, added tokens normalized=false):
+ *   1. added-token split: in framing text, the leftmost-longest occurrence of a
+ *      CONTROL / USER_DEFINED token's text becomes that token;
+ *   2. each run of ordinary text between those tokens is pre-tokenized: for
+ *      "smollm" every numeric code point is split off on its own first (HF
+ *      Digits(individual_digits=true)), then each part is split by the GPT-2
+ *      regex (hand-coded below, same matches as Oniguruma's);
+ *   3. each pre-token's bytes become byte-level symbols and are merged by BPE,
+ *      lowest merge rank first, leftmost first on ties (HF's Word::merge_all).
+ *
+ * The tokenizer is immutable after bpe_create; every encode call allocates its
+ * own scratch, so concurrent calls on one tokenizer are safe. */
+
+#include "tokenizer.h"
+
+#include "unicode_data.h"
+
+#include <limits.h>
+#include <stdarg.h>
+#include <stdbool.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* ---- open-addressing hash tables ---------------------------------------- */
+
+/* text -> token id; slots hold id + 1 (0 = empty). */
+typedef struct {
+    uint32_t *slots;
+    uint32_t mask;
+} vocab_map;
+
+/* (left id, right id) -> (rank, merged id). */
+typedef struct {
+    uint64_t key; /* EMPTY_PAIR when free; ids are < 2^31 so no real key equals it */
+    uint32_t rank;
+    uint32_t new_id;
+} merge_slot;
+
+#define EMPTY_PAIR UINT64_MAX
+
+typedef struct {
+    merge_slot *slots;
+    uint32_t mask;
+} merge_map;
+
+/* Byte trie over the added tokens' texts, for leftmost-longest matching. */
+typedef struct {
+    int32_t first_child;
+    int32_t next_sibling;
+    int32_t token; /* id whose text ends here, or -1 */
+    unsigned char byte;
+} trie_node;
+
+struct bpe_tokenizer {
+    int n_tokens;
+    char *text_arena;    /* token texts, NUL-terminated, back to back */
+    size_t *text_offset; /* [n_tokens] */
+    char *bytes_arena;   /* token raw bytes (byte-level decoded) */
+    size_t *bytes_offset;
+    int32_t *bytes_len;
+    int32_t *types;
+    vocab_map vocab;
+    merge_map merges;
+    int32_t byte_token[256]; /* id of the one-symbol token of each byte, -1 if absent */
+    bool split_digits;
+    trie_node *trie; /* node 0 is the root; NULL when there are no added tokens */
+    int n_trie;
+    bool starts_added[256]; /* first bytes of added tokens: lets the scan skip cheaply */
+};
+
+static void set_err(char *err, size_t errlen, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
+static void set_err(char *err, size_t errlen, const char *fmt, ...) {
+    if (!err || errlen == 0) return;
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(err, errlen, fmt, ap);
+    va_end(ap);
+}
+
+static uint64_t hash_bytes(const char *s, size_t n) {
+    uint64_t h = 1469598103934665603ull; /* FNV-1a */
+    for (size_t i = 0; i < n; i++) {
+        h ^= (unsigned char)s[i];
+        h *= 1099511628211ull;
+    }
+    return h;
+}
+
+static uint64_t hash_pair(uint64_t x) { /* splitmix64 finalizer */
+    x ^= x >> 30;
+    x *= 0xbf58476d1ce4e5b9ull;
+    x ^= x >> 27;
+    x *= 0x94d049bb133111ebull;
+    x ^= x >> 31;
+    return x;
+}
+
+static uint32_t table_capacity(size_t n) {
+    uint32_t cap = 16;
+    while (cap < 2 * n) cap <<= 1;
+    return cap;
+}
+
+static const char *token_text(const bpe_tokenizer *tok, int32_t id) { return tok->text_arena + tok->text_offset[id]; }
+
+static int32_t vocab_find(const bpe_tokenizer *tok, const char *s, size_t n) {
+    uint32_t i = (uint32_t)hash_bytes(s, n) & tok->vocab.mask;
+    for (;;) {
+        uint32_t slot = tok->vocab.slots[i];
+        if (slot == 0) return -1;
+        const char *t = token_text(tok, (int32_t)(slot - 1));
+        if (strncmp(t, s, n) == 0 && t[n] == '\0') return (int32_t)(slot - 1);
+        i = (i + 1) & tok->vocab.mask;
+    }
+}
+
+/* First id wins for duplicate texts (the HF export keeps the first as well). */
+static void vocab_insert(bpe_tokenizer *tok, int32_t id) {
+    const char *s = token_text(tok, id);
+    size_t n = strlen(s);
+    if (vocab_find(tok, s, n) >= 0) return;
+    uint32_t i = (uint32_t)hash_bytes(s, n) & tok->vocab.mask;
+    while (tok->vocab.slots[i] != 0) i = (i + 1) & tok->vocab.mask;
+    tok->vocab.slots[i] = (uint32_t)id + 1;
+}
+
+static const merge_slot *merge_find(const merge_map *m, int32_t left, int32_t right) {
+    uint64_t key = ((uint64_t)(uint32_t)left << 32) | (uint32_t)right;
+    uint32_t i = (uint32_t)hash_pair(key) & m->mask;
+    for (;;) {
+        const merge_slot *s = &m->slots[i];
+        if (s->key == key) return s;
+        if (s->key == EMPTY_PAIR) return NULL;
+        i = (i + 1) & m->mask;
+    }
+}
+
+/* A pair listed twice keeps its LAST rank, as HF's merge map (a HashMap
+ * collected in list order) does. */
+static void merge_insert(merge_map *m, int32_t left, int32_t right, uint32_t rank, int32_t new_id) {
+    uint64_t key = ((uint64_t)(uint32_t)left << 32) | (uint32_t)right;
+    uint32_t i = (uint32_t)hash_pair(key) & m->mask;
+    while (m->slots[i].key != EMPTY_PAIR && m->slots[i].key != key) i = (i + 1) & m->mask;
+    m->slots[i].key = key;
+    m->slots[i].rank = rank;
+    m->slots[i].new_id = (uint32_t)new_id;
+}
+
+/* ---- UTF-8 and the GPT-2 byte <-> unicode mapping ------------------------ */
+
+/* Length of the valid UTF-8 sequence at s[0..n) (Unicode Table 3-7), or 0 if
+ * none starts there. */
+static int utf8_valid_len(const unsigned char *s, size_t n) {
+    unsigned char b = s[0];
+    if (b < 0x80) return 1;
+    int need;
+    unsigned char lo = 0x80, hi = 0xBF; /* allowed range of the second byte */
+    if (b >= 0xC2 && b <= 0xDF) need = 1;
+    else if (b >= 0xE0 && b <= 0xEF) {
+        need = 2;
+        if (b == 0xE0) lo = 0xA0;
+        if (b == 0xED) hi = 0x9F;
+    } else if (b >= 0xF0 && b <= 0xF4) {
+        need = 3;
+        if (b == 0xF0) lo = 0x90;
+        if (b == 0xF4) hi = 0x8F;
+    } else return 0;
+    if ((size_t)need >= n) return 0;
+    if (s[1] < lo || s[1] > hi) return 0;
+    for (int k = 2; k <= need; k++)
+        if (s[k] < 0x80 || s[k] > 0xBF) return 0;
+    return need + 1;
+}
+
+static uint32_t utf8_decode_valid(const unsigned char *s, int len) {
+    switch (len) {
+    case 1: return s[0];
+    case 2: return ((uint32_t)(s[0] & 0x1F) << 6) | (s[1] & 0x3F);
+    case 3: return ((uint32_t)(s[0] & 0x0F) << 12) | ((uint32_t)(s[1] & 0x3F) << 6) | (s[2] & 0x3F);
+    default:
+        return ((uint32_t)(s[0] & 0x07) << 18) | ((uint32_t)(s[1] & 0x3F) << 12) | ((uint32_t)(s[2] & 0x3F) << 6) |
+               (s[3] & 0x3F);
+    }
+}
+
+static int utf8_put(uint32_t cp, char *out) {
+    if (cp < 0x80) {
+        out[0] = (char)cp;
+        return 1;
+    }
+    if (cp < 0x800) {
+        out[0] = (char)(0xC0 | (cp >> 6));
+        out[1] = (char)(0x80 | (cp & 0x3F));
+        return 2;
+    }
+    if (cp < 0x10000) {
+        out[0] = (char)(0xE0 | (cp >> 12));
+        out[1] = (char)(0x80 | ((cp >> 6) & 0x3F));
+        out[2] = (char)(0x80 | (cp & 0x3F));
+        return 3;
+    }
+    out[0] = (char)(0xF0 | (cp >> 18));
+    out[1] = (char)(0x80 | ((cp >> 12) & 0x3F));
+    out[2] = (char)(0x80 | ((cp >> 6) & 0x3F));
+    out[3] = (char)(0x80 | (cp & 0x3F));
+    return 4;
+}
+
+/* GPT-2 bytes_to_unicode: printable Latin-1 bytes stand for themselves, the
+ * other 68 bytes map in order to U+0100..U+0143. */
+#define BYTE_ALPHABET_END 0x144
+
+static bool byte_is_self_mapped(unsigned b) {
+    return (b >= 0x21 && b <= 0x7E) || (b >= 0xA1 && b <= 0xAC) || (b >= 0xAE && b <= 0xFF);
+}
+
+/* to_unicode[b] = code point standing for byte b; from_unicode[cp] = byte, or -1. */
+static void build_byte_maps(uint32_t to_unicode[256], int16_t from_unicode[BYTE_ALPHABET_END]) {
+    uint32_t next = 0x100;
+    for (int cp = 0; cp < BYTE_ALPHABET_END; cp++) from_unicode[cp] = -1;
+    for (unsigned b = 0; b < 256; b++) {
+        to_unicode[b] = byte_is_self_mapped(b) ? b : next++;
+        from_unicode[to_unicode[b]] = (int16_t)b;
+    }
+}
+
+/* Raw bytes of a normal token: byte-level decode of its text; a text with a
+ * character outside the byte alphabet is kept verbatim (HF's ByteLevel decoder
+ * does the same). Returns the length written to out (room: strlen(text)). */
+static int32_t decode_token_bytes(const char *text, const int16_t from_unicode[BYTE_ALPHABET_END], char *out) {
+    const unsigned char *s = (const unsigned char *)text;
+    size_t n = strlen(text), i = 0;
+    int32_t len = 0;
+    while (i < n) {
+        int cl = utf8_valid_len(s + i, n - i);
+        uint32_t cp = cl ? utf8_decode_valid(s + i, cl) : BYTE_ALPHABET_END;
+        if (cp >= BYTE_ALPHABET_END || from_unicode[cp] < 0) {
+            memcpy(out, text, n);
+            return (int32_t)n;
+        }
+        out[len++] = (char)from_unicode[cp];
+        i += (size_t)cl;
+    }
+    return len;
+}
+
+/* ---- construction -------------------------------------------------------- */
+
+static int32_t trie_child(const bpe_tokenizer *tok, int32_t node, unsigned char byte) {
+    for (int32_t c = tok->trie[node].first_child; c >= 0; c = tok->trie[c].next_sibling)
+        if (tok->trie[c].byte == byte) return c;
+    return -1;
+}
+
+static void trie_insert(bpe_tokenizer *tok, const char *text, int32_t id) {
+    int32_t node = 0;
+    for (const unsigned char *p = (const unsigned char *)text; *p; p++) {
+        int32_t child = trie_child(tok, node, *p);
+        if (child < 0) {
+            child = tok->n_trie++;
+            tok->trie[child] = (trie_node){tok->trie[node].first_child, -1, -1, *p};
+            tok->trie[node].first_child = child;
+        }
+        node = child;
+    }
+    tok->trie[node].token = id;
+    tok->starts_added[(unsigned char)text[0]] = true;
+}
+
+static bool is_added_type(int32_t type) { return type == BPE_TOKEN_CONTROL || type == BPE_TOKEN_USER_DEFINED; }
+
+static bool parse_pre(const char *pre, bool *split_digits) {
+    if (!pre || !*pre || strcmp(pre, "gpt2") == 0 || strcmp(pre, "default") == 0) {
+        *split_digits = false;
+        return true;
+    }
+    if (strcmp(pre, "smollm") == 0) {
+        *split_digits = true;
+        return true;
+    }
+    return false;
+}
+
+static bool build_merges(bpe_tokenizer *tok, const char *const *merges, int n_merges, char *err, size_t errlen) {
+    tok->merges.mask = table_capacity((size_t)n_merges) - 1;
+    tok->merges.slots = malloc(((size_t)tok->merges.mask + 1) * sizeof *tok->merges.slots);
+    char *joined = NULL;
+    size_t joined_cap = 0;
+    if (!tok->merges.slots) goto oom;
+    for (size_t i = 0; i <= tok->merges.mask; i++) tok->merges.slots[i].key = EMPTY_PAIR;
+    for (int r = 0; r < n_merges; r++) {
+        const char *m = merges[r];
+        if (!m) {
+            set_err(err, errlen, "bpe_create: merges[%d] is NULL", r);
+            goto fail;
+        }
+        const char *space = strchr(m, ' ');
+        if (!space || space == m || space[1] == '\0' || strchr(space + 1, ' ')) {
+            set_err(err, errlen, "bpe_create: merges[%d] '%.64s' is not \"left right\"", r, m);
+            goto fail;
+        }
+        size_t left_len = (size_t)(space - m), right_len = strlen(space + 1);
+        int32_t left = vocab_find(tok, m, left_len);
+        int32_t right = vocab_find(tok, space + 1, right_len);
+        if (left_len + right_len + 1 > joined_cap) {
+            joined_cap = 2 * (left_len + right_len + 1);
+            char *grown = realloc(joined, joined_cap);
+            if (!grown) goto oom;
+            joined = grown;
+        }
+        memcpy(joined, m, left_len);
+        memcpy(joined + left_len, space + 1, right_len);
+        int32_t merged = vocab_find(tok, joined, left_len + right_len);
+        if (left < 0 || right < 0 || merged < 0) {
+            set_err(err, errlen, "bpe_create: merges[%d] '%.64s' uses a token that is not in the vocabulary", r, m);
+            goto fail;
+        }
+        merge_insert(&tok->merges, left, right, (uint32_t)r, merged);
+    }
+    free(joined);
+    return true;
+oom:
+    set_err(err, errlen, "bpe_create: out of memory");
+fail:
+    free(joined);
+    return false;
+}
+
+bpe_tokenizer *bpe_create(const char *const *tokens, const int32_t *token_types, int n_tokens,
+                          const char *const *merges, int n_merges, const char *pre, char *err, size_t errlen) {
+    if (err && errlen) err[0] = '\0';
+    if (!tokens || n_tokens <= 0) {
+        set_err(err, errlen, "bpe_create: empty vocabulary (n_tokens=%d)", n_tokens);
+        return NULL;
+    }
+    if (n_merges < 0 || (n_merges > 0 && !merges)) {
+        set_err(err, errlen, "bpe_create: invalid merges (n_merges=%d)", n_merges);
+        return NULL;
+    }
+    bool split_digits;
+    if (!parse_pre(pre, &split_digits)) {
+        set_err(err, errlen, "bpe_create: unsupported pre-tokenizer '%.64s' (supported: smollm, gpt2, default)", pre);
+        return NULL;
+    }
+    size_t text_total = 0, added_total = 0;
+    for (int i = 0; i < n_tokens; i++) {
+        if (!tokens[i]) {
+            set_err(err, errlen, "bpe_create: tokens[%d] is NULL", i);
+            return NULL;
+        }
+        int32_t type = token_types ? token_types[i] : BPE_TOKEN_NORMAL;
+        if (type < 0 || type > BPE_TOKEN_BYTE) {
+            set_err(err, errlen, "bpe_create: token_types[%d] = %d is not a GGUF token type (0..6)", i, (int)type);
+            return NULL;
+        }
+        size_t len = strlen(tokens[i]);
+        if (len > INT32_MAX) {
+            set_err(err, errlen, "bpe_create: tokens[%d] is too long", i);
+            return NULL;
+        }
+        text_total += len + 1;
+        if (is_added_type(type)) added_total += len;
+    }
+
+    bpe_tokenizer *tok = calloc(1, sizeof *tok);
+    if (!tok) {
+        set_err(err, errlen, "bpe_create: out of memory");
+        return NULL;
+    }
+    tok->n_tokens = n_tokens;
+    tok->split_digits = split_digits;
+    size_t n = (size_t)n_tokens;
+    tok->text_arena = malloc(text_total);
+    tok->text_offset = malloc(n * sizeof *tok->text_offset);
+    tok->bytes_arena = malloc(text_total);
+    tok->bytes_offset = malloc(n * sizeof *tok->bytes_offset);
+    tok->bytes_len = malloc(n * sizeof *tok->bytes_len);
+    tok->types = malloc(n * sizeof *tok->types);
+    tok->vocab.mask = table_capacity(n) - 1;
+    tok->vocab.slots = calloc((size_t)tok->vocab.mask + 1, sizeof *tok->vocab.slots);
+    tok->trie = added_total ? malloc((added_total + 1) * sizeof *tok->trie) : NULL;
+    if (!tok->text_arena || !tok->text_offset || !tok->bytes_arena || !tok->bytes_offset || !tok->bytes_len ||
+        !tok->types || !tok->vocab.slots || (added_total && !tok->trie)) {
+        set_err(err, errlen, "bpe_create: out of memory");
+        bpe_free(tok);
+        return NULL;
+    }
+    if (tok->trie) {
+        tok->trie[0] = (trie_node){-1, -1, -1, 0};
+        tok->n_trie = 1;
+    }
+
+    uint32_t to_unicode[256];
+    int16_t from_unicode[BYTE_ALPHABET_END];
+    build_byte_maps(to_unicode, from_unicode);
+    size_t text_pos = 0, bytes_pos = 0;
+    for (int i = 0; i < n_tokens; i++) {
+        size_t len = strlen(tokens[i]);
+        int32_t type = token_types ? token_types[i] : BPE_TOKEN_NORMAL;
+        tok->types[i] = type;
+        tok->text_offset[i] = text_pos;
+        memcpy(tok->text_arena + text_pos, tokens[i], len + 1);
+        text_pos += len + 1;
+        tok->bytes_offset[i] = bytes_pos;
+        vocab_insert(tok, i);
+        if (is_added_type(type)) {
+            memcpy(tok->bytes_arena + bytes_pos, tokens[i], len);
+            tok->bytes_len[i] = (int32_t)len;
+            /* a text that an earlier id already owns is that id's (as in HF) */
+            if (len && vocab_find(tok, tokens[i], len) == i) trie_insert(tok, tokens[i], i);
+        } else {
+            tok->bytes_len[i] = decode_token_bytes(tokens[i], from_unicode, tok->bytes_arena + bytes_pos);
+        }
+        bytes_pos += (size_t)tok->bytes_len[i];
+    }
+
+    for (unsigned b = 0; b < 256; b++) {
+        char sym[4];
+        int len = utf8_put(to_unicode[b], sym);
+        tok->byte_token[b] = vocab_find(tok, sym, (size_t)len);
+    }
+    if (!build_merges(tok, merges, n_merges, err, errlen)) {
+        bpe_free(tok);
+        return NULL;
+    }
+    return tok;
+}
+
+void bpe_free(bpe_tokenizer *tok) {
+    if (!tok) return;
+    free(tok->text_arena);
+    free(tok->text_offset);
+    free(tok->bytes_arena);
+    free(tok->bytes_offset);
+    free(tok->bytes_len);
+    free(tok->types);
+    free(tok->vocab.slots);
+    free(tok->merges.slots);
+    free(tok->trie);
+    free(tok);
+}
+
+int bpe_vocab_size(const bpe_tokenizer *tok) { return tok ? tok->n_tokens : 0; }
+
+/* ---- encoding ------------------------------------------------------------- */
+
+typedef struct {
+    int32_t id;
+    int32_t prev, next; /* neighbour indices, -1 at the ends */
+    bool removed;
+} bpe_symbol;
+
+typedef struct {
+    uint32_t rank;
+    int32_t pos; /* index of the left symbol */
+    int32_t new_id;
+} bpe_candidate;
+
+/* Per-call state: output cursor and scratch buffers. */
+typedef struct {
+    const bpe_tokenizer *tok;
+    uint32_t *out;
+    int max_out;
+    size_t count;
+    bpe_symbol *symbols;
+    size_t symbols_cap;
+    bpe_candidate *heap;
+    size_t heap_cap, heap_len;
+    bool oom;
+} encoder;
+
+static void emit(encoder *e, int32_t id) {
+    if (e->count < (size_t)e->max_out) e->out[e->count] = (uint32_t)id;
+    e->count++;
+}
+
+static bool candidate_before(const bpe_candidate *a, const bpe_candidate *b) {
+    return a->rank != b->rank ? a->rank < b->rank : a->pos < b->pos;
+}
+
+static void heap_push(encoder *e, bpe_candidate c) {
+    size_t i = e->heap_len++; /* capacity is reserved by bpe_word */
+    while (i > 0) {
+        size_t parent = (i - 1) / 2;
+        if (!candidate_before(&c, &e->heap[parent])) break;
+        e->heap[i] = e->heap[parent];
+        i = parent;
+    }
+    e->heap[i] = c;
+}
+
+static bpe_candidate heap_pop(encoder *e) {
+    bpe_candidate top = e->heap[0], last = e->heap[--e->heap_len];
+    size_t i = 0, n = e->heap_len;
+    for (;;) {
+        size_t child = 2 * i + 1;
+        if (child >= n) break;
+        if (child + 1 < n && candidate_before(&e->heap[child + 1], &e->heap[child])) child++;
+        if (!candidate_before(&e->heap[child], &last)) break;
+        e->heap[i] = e->heap[child];
+        i = child;
+    }
+    if (n) e->heap[i] = last;
+    return top;
+}
+
+static void push_pair(encoder *e, int32_t pos) {
+    const bpe_symbol *s = e->symbols;
+    if (pos < 0 || s[pos].next < 0) return;
+    const merge_slot *m = merge_find(&e->tok->merges, s[pos].id, s[s[pos].next].id);
+    if (m) heap_push(e, (bpe_candidate){m->rank, pos, (int32_t)m->new_id});
+}
+
+static bool reserve(encoder *e, size_t n_symbols) {
+    /* every merge pushes at most two candidates: n - 1 initial + 2 (n - 1) */
+    size_t heap_need = 3 * n_symbols;
+    if (n_symbols > e->symbols_cap) {
+        bpe_symbol *s = realloc(e->symbols, n_symbols * sizeof *s);
+        if (!s) return false;
+        e->symbols = s;
+        e->symbols_cap = n_symbols;
+    }
+    if (heap_need > e->heap_cap) {
+        bpe_candidate *h = realloc(e->heap, heap_need * sizeof *h);
+        if (!h) return false;
+        e->heap = h;
+        e->heap_cap = heap_need;
+    }
+    return true;
+}
+
+/* BPE over one pre-token: its bytes are byte-level symbols, merged like HF's
+ * Word::merge_all (lowest rank, then leftmost; stale candidates skipped). */
+static void bpe_word(encoder *e, const unsigned char *s, size_t n) {
+    const bpe_tokenizer *tok = e->tok;
+    if (n == 1) {
+        if (tok->byte_token[s[0]] >= 0) emit(e, tok->byte_token[s[0]]);
+        return;
+    }
+    if (!reserve(e, n)) {
+        e->oom = true;
+        return;
+    }
+    bpe_symbol *sym = e->symbols;
+    int32_t count = 0;
+    for (size_t i = 0; i < n; i++) {
+        int32_t id = tok->byte_token[s[i]];
+        if (id < 0) continue; /* no symbol for this byte: HF drops it (no unk token) */
+        sym[count] = (bpe_symbol){id, count - 1, -1, false};
+        if (count > 0) sym[count - 1].next = count;
+        count++;
+    }
+    e->heap_len = 0;
+    for (int32_t i = 0; i + 1 < count; i++) push_pair(e, i);
+    while (e->heap_len) {
+        bpe_candidate top = heap_pop(e);
+        bpe_symbol *left = &sym[top.pos];
+        if (left->removed || left->next < 0) continue;
+        bpe_symbol *right = &sym[left->next];
+        const merge_slot *m = merge_find(&tok->merges, left->id, right->id);
+        if (!m || (int32_t)m->new_id != top.new_id) continue; /* stale */
+        left->id = top.new_id;
+        right->removed = true;
+        left->next = right->next;
+        if (right->next >= 0) sym[right->next].prev = top.pos;
+        push_pair(e, left->prev);
+        push_pair(e, top.pos);
+    }
+    for (int32_t i = 0; i < count; i++)
+        if (!sym[i].removed) emit(e, sym[i].id);
+}
+
+/* Code point class and byte length of the character at s[i]; an invalid byte
+ * counts as one "other" character (unreachable from HF, which takes str). */
+static int char_at(const unsigned char *s, size_t n, size_t i, int *len) {
+    if (s[i] < 0x80) {
+        *len = 1;
+        return bpe_unicode_class(s[i]);
+    }
+    int cl = utf8_valid_len(s + i, n - i);
+    if (!cl) {
+        *len = 1;
+        return BPE_UCLASS_OTHER;
+    }
+    *len = cl;
+    return bpe_unicode_class(utf8_decode_valid(s + i, cl));
+}
+
+/* End of the run of characters of class cls starting at i. */
+static size_t run_end(const unsigned char *s, size_t n, size_t i, int cls) {
+    while (i < n) {
+        int len;
+        if (char_at(s, n, i, &len) != cls) break;
+        i += (size_t)len;
+    }
+    return i;
+}
+
+/* Length of a contraction ('s 't 're 've 'm 'll 'd, lowercase only) at s[i]. */
+static size_t contraction_len(const unsigned char *s, size_t n, size_t i) {
+    if (i + 1 >= n) return 0;
+    switch (s[i + 1]) {
+    case 's': case 't': case 'm': case 'd': return 2;
+    case 'r': case 'v': return i + 2 < n && s[i + 2] == 'e' ? 3 : 0;
+    case 'l': return i + 2 < n && s[i + 2] == 'l' ? 3 : 0;
+    default: return 0;
+    }
+}
+
+/* The GPT-2 regex, alternatives tried in order at each position:
+ *   's|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+
+ * Every character belongs to one of the classes, so the matches tile s. */
+static void regex_split(encoder *e, const unsigned char *s, size_t n) {
+    size_t i = 0;
+    while (i < n) {
+        size_t end;
+        int len;
+        int cls = char_at(s, n, i, &len);
+        if (s[i] == '\'' && (end = contraction_len(s, n, i)) != 0) {
+            end += i;
+        } else if (s[i] == ' ' && i + 1 < n && char_at(s, n, i + 1, &len) != BPE_UCLASS_SPACE) {
+            end = run_end(s, n, i + 1, char_at(s, n, i + 1, &len));
+        } else if (cls != BPE_UCLASS_SPACE) {
+            end = run_end(s, n, i, cls);
+        } else {
+            /* \s+(?!\S): the whole run at the end of the text, else all of it but
+             * the last character (which then starts the next match); \s+ when the
+             * run is one character followed by non-space. */
+            end = run_end(s, n, i, BPE_UCLASS_SPACE);
+            if (end < n) {
+                size_t last = end - 1;
+                while ((s[last] & 0xC0) == 0x80) last--; /* start of the last (valid) character */
+                if (last > i) end = last;
+            }
+        }
+        bpe_word(e, s + i, end - i);
+        i = end;
+    }
+}
+
+/* Pre-tokenize and encode one run of ordinary text. */
+static void encode_ordinary(encoder *e, const unsigned char *s, size_t n) {
+    if (!e->tok->split_digits) {
+        regex_split(e, s, n);
+        return;
+    }
+    /* Digits(individual_digits): each numeric character is a part of its own;
+     * the regex runs on each part separately (ends of parts are ends of text). */
+    size_t start = 0, i = 0;
+    while (i < n) {
+        int len;
+        if (char_at(s, n, i, &len) == BPE_UCLASS_NUMBER) {
+            regex_split(e, s + start, i - start);
+            bpe_word(e, s + i, (size_t)len);
+            start = i + (size_t)len;
+        }
+        i += (size_t)len;
+    }
+    regex_split(e, s + start, n - start);
+}
+
+/* Ordinary text accumulates across pieces until an added token (or the end)
+ * closes the run. */
+typedef struct {
+    unsigned char *buf;
+    size_t len;
+} text_run;
+
+static void run_append(text_run *r, const char *s, size_t n) {
+    if (n) memcpy(r->buf + r->len, s, n);
+    r->len += n;
+}
+
+static void run_flush(encoder *e, text_run *r) {
+    encode_ordinary(e, r->buf, r->len);
+    r->len = 0;
+}
+
+/* Longest added token starting at s[i]; returns its length (0: none). */
+static size_t added_match(const bpe_tokenizer *tok, const unsigned char *s, size_t n, size_t i, int32_t *id) {
+    size_t best = 0;
+    int32_t node = 0;
+    for (size_t k = i; k < n; k++) {
+        node = trie_child(tok, node, s[k]);
+        if (node < 0) break;
+        if (tok->trie[node].token >= 0) {
+            best = k - i + 1;
+            *id = tok->trie[node].token;
+        }
+    }
+    return best;
+}
+
+/* Framing text: split at added tokens (leftmost-longest), the rest is ordinary. */
+static void encode_framing(encoder *e, text_run *r, const char *text, size_t n) {
+    const bpe_tokenizer *tok = e->tok;
+    const unsigned char *s = (const unsigned char *)text;
+    size_t copied = 0;
+    if (tok->trie) {
+        for (size_t i = 0; i < n;) {
+            int32_t id;
+            size_t len = tok->starts_added[s[i]] ? added_match(tok, s, n, i, &id) : 0;
+            if (!len) {
+                i++;
+                continue;
+            }
+            run_append(r, text + copied, i - copied);
+            run_flush(e, r);
+            emit(e, id);
+            i += len;
+            copied = i;
+        }
+    }
+    run_append(r, text + copied, n - copied);
+}
+
+int bpe_encode_pieces(const bpe_tokenizer *tok, const char *const *texts, const size_t *lens, const int *plain,
+                      int n_pieces, uint32_t *out, int max_out) {
+    if (!tok || n_pieces < 0 || (n_pieces > 0 && (!texts || !lens)) || max_out < 0 || (max_out > 0 && !out))
+        return -1;
+    size_t total = 0;
+    for (int i = 0; i < n_pieces; i++) {
+        if (!texts[i] && lens[i] > 0) return -1;
+        if (lens[i] > (size_t)INT_MAX - total) return -1;
+        total += lens[i];
+    }
+    encoder e = {.tok = tok, .out = out, .max_out = max_out};
+    text_run run = {malloc(total ? total : 1), 0};
+    char *framing = NULL; /* consecutive framing pieces are matched as one text */
+    if (!run.buf) return -1;
+    for (int i = 0; i < n_pieces;) {
+        if (plain && plain[i]) {
+            run_append(&run, texts[i], lens[i]);
+            i++;
+            continue;
+        }
+        int j = i + 1;
+        while (j < n_pieces && !(plain && plain[j])) j++;
+        if (j == i + 1) {
+            if (lens[i]) encode_framing(&e, &run, texts[i], lens[i]);
+        } else {
+            if (!framing && !(framing = malloc(total ? total : 1))) {
+                e.oom = true;
+                break;
+            }
+            size_t len = 0;
+            for (int k = i; k < j; k++) {
+                if (lens[k]) memcpy(framing + len, texts[k], lens[k]);
+                len += lens[k];
+            }
+            encode_framing(&e, &run, framing, len);
+        }
+        i = j;
+    }
+    run_flush(&e, &run);
+    free(run.buf);
+    free(framing);
+    free(e.symbols);
+    free(e.heap);
+    if (e.oom || e.count > (size_t)INT_MAX) return -1;
+    return (int)e.count;
+}
+
+int bpe_encode(const bpe_tokenizer *tok, const char *text, size_t len, int parse_special, uint32_t *out,
+               int max_out) {
+    int plain = parse_special ? 0 : 1;
+    return bpe_encode_pieces(tok, &text, &len, &plain, 1, out, max_out);
+}
+
+/* ---- vocabulary queries ---------------------------------------------------- */
+
+static bool valid_id(const bpe_tokenizer *tok, uint32_t id) { return tok && id < (uint32_t)tok->n_tokens; }
+
+int bpe_token_bytes(const bpe_tokenizer *tok, uint32_t id, char *out, int max_bytes) {
+    if (!valid_id(tok, id) || max_bytes < 0 || (max_bytes > 0 && !out)) return -1;
+    int32_t len = tok->bytes_len[id];
+    int32_t n = len < max_bytes ? len : max_bytes;
+    if (n > 0) memcpy(out, tok->bytes_arena + tok->bytes_offset[id], (size_t)n);
+    return len;
+}
+
+int bpe_token_type(const bpe_tokenizer *tok, uint32_t id) { return valid_id(tok, id) ? tok->types[id] : 0; }
+
+const char *bpe_token_text(const bpe_tokenizer *tok, uint32_t id) {
+    return valid_id(tok, id) ? token_text(tok, (int32_t)id) : NULL;
+}
+
+int32_t bpe_token_id(const bpe_tokenizer *tok, const char *text) {
+    if (!tok || !text) return -1;
+    return vocab_find(tok, text, strlen(text));
+}
+
+/* ---- UTF-8 assembly for decode streams ------------------------------------ */
+
+void utf8_assembler_reset(utf8_assembler *a) {
+    if (!a) return;
+    memset(a, 0, sizeof *a);
+}
+
+/* Outcome of examining the bytes at s[0..n): a complete valid character of
+ * *len bytes (> 0), an incomplete but so far valid prefix (0), or an invalid
+ * sequence whose maximal valid subpart is *len bytes (< 0, -*len >= 1). */
+static int utf8_scan(const unsigned char *s, size_t n, int *len) {
+    unsigned char b = s[0];
+    if (b < 0x80) return *len = 1;
+    int need;
+    unsigned char lo = 0x80, hi = 0xBF;
+    if (b >= 0xC2 && b <= 0xDF) need = 1;
+    else if (b >= 0xE0 && b <= 0xEF) {
+        need = 2;
+        if (b == 0xE0) lo = 0xA0;
+        if (b == 0xED) hi = 0x9F;
+    } else if (b >= 0xF0 && b <= 0xF4) {
+        need = 3;
+        if (b == 0xF0) lo = 0x90;
+        if (b == 0xF4) hi = 0x8F;
+    } else return *len = -1;
+    for (int k = 1; k <= need; k++) {
+        if ((size_t)k >= n) return *len = 0;
+        unsigned char klo = k == 1 ? lo : 0x80, khi = k == 1 ? hi : 0xBF;
+        if (s[k] < klo || s[k] > khi) return *len = -k; /* U+FFFD for s[0..k) */
+    }
+    return *len = need + 1;
+}
+
+int utf8_assembler_feed(utf8_assembler *a, const char *bytes, int n, char *out) {
+    if (!out) return -1;
+    out[0] = '\0';
+    if (!a || n < 0 || (n > 0 && !bytes) || a->n_pending < 0 || a->n_pending > 3) return -1;
+    /* Pending bytes (at most 3, an incomplete character) then the new bytes. */
+    int olen = 0;
+    unsigned char buf[4 + 4];
+    size_t total = (size_t)a->n_pending + (size_t)n, pos = 0;
+    while (pos < total) {
+        /* window of up to 4 bytes starting at pos over pending ++ bytes */
+        size_t w = 0;
+        for (; w < 4 && pos + w < total; w++) {
+            size_t k = pos + w;
+            buf[w] = k < (size_t)a->n_pending ? a->pending[k] : (unsigned char)bytes[k - (size_t)a->n_pending];
+        }
+        int len;
+        utf8_scan(buf, w, &len);
+        if (len == 0) break; /* incomplete: keep for the next feed */
+        if (len > 0) {
+            memcpy(out + olen, buf, (size_t)len);
+            olen += len;
+            pos += (size_t)len;
+        } else {
+            memcpy(out + olen, "\xEF\xBF\xBD", 3);
+            olen += 3;
+            pos += (size_t)-len;
+        }
+    }
+    /* Keep the incomplete tail; it is at most 3 bytes and may overlap pending. */
+    unsigned char tail[4];
+    int n_tail = 0;
+    for (size_t k = pos; k < total; k++)
+        tail[n_tail++] = k < (size_t)a->n_pending ? a->pending[k] : (unsigned char)bytes[k - (size_t)a->n_pending];
+    memcpy(a->pending, tail, (size_t)n_tail);
+    a->n_pending = n_tail;
+    out[olen] = '\0';
+    return olen;
+}

@@ -1,0 +1,283 @@
+"""The SDK core end to end: engine thread + batcher + streams over the real
+reference engine (ctypes, tiny generated model), under asyncio and trio."""
+
+from __future__ import annotations
+
+import functools
+import random
+import threading
+from pathlib import Path
+
+import anyio
+import pytest
+
+import aiobasert
+from aiobasert import (
+    ContextLengthExceededError,
+    Engine,
+    EngineClosedError,
+    InvalidRequestError,
+    InvalidSamplingParamsError,
+    SamplingParams,
+)
+
+pytestmark = pytest.mark.anyio
+
+PROMPTS = [
+    "Once upon a time",
+    "The quick brown fox",
+    "def main():\n    return 0",
+    "日本語のテキスト",
+    "1234567890",
+    "Hello, world! 😀",
+    "<|im_start|>user\nhi<|im_end|>",
+    "a",
+]
+
+
+def prompt(i: int) -> str:
+    return f"{PROMPTS[i % len(PROMPTS)]} #{i}"
+
+
+async def tokens_of(engine: Engine, p: str | list[int], **kw: object) -> list[int]:
+    return [t.id async for t in engine.stream(p, **kw)]  # type: ignore[arg-type]
+
+
+async def test_stream_yields_tokens_and_final(tiny_model_path: Path) -> None:
+    async with Engine.open(tiny_model_path, max_batch_size=4) as engine:
+        toks = [t async for t in engine.stream("Once upon a time", max_tokens=12, ignore_eos=True)]
+        assert len(toks) == 12
+        assert [t.index for t in toks] == list(range(12))
+        assert all(t.finish_reason is None for t in toks[:-1])
+        assert toks[-1].finish_reason == "length"
+        assert all(0 <= t.id < engine.info.vocab_size for t in toks)
+        done = await engine.generate("Once upon a time", max_tokens=12, ignore_eos=True)
+        assert done.token_ids == [t.id for t in toks]
+        assert done.text == "".join(t.text for t in toks)
+        assert done.usage.completion_tokens == 12
+        assert done.usage.prompt_tokens == len(await engine.encode("Once upon a time", special=True))
+
+
+async def test_32_concurrent_greedy_streams_equal_solo(tiny_model_path: Path) -> None:
+    n = 32
+    async with Engine.open(tiny_model_path, max_batch_size=32, prefix_cache=False) as engine:
+        solo = [await tokens_of(engine, prompt(i), max_tokens=10, ignore_eos=True) for i in range(n)]
+        together: list[list[int]] = [[] for _ in range(n)]
+
+        async def run(i: int) -> None:
+            together[i] = await tokens_of(engine, prompt(i), max_tokens=10, ignore_eos=True)
+
+        async with anyio.create_task_group() as tg:
+            for i in range(n):
+                tg.start_soon(run, i)
+        assert together == solo
+        assert len({tuple(s) for s in solo}) > 1  # the prompts really differ
+
+
+async def test_seeded_sampling_is_reproducible_under_batching(tiny_model_path: Path) -> None:
+    params = dict(max_tokens=12, temperature=1.0, top_p=0.95, top_k=50, ignore_eos=True)
+    async with Engine.open(tiny_model_path, max_batch_size=16) as engine:
+        alone = await tokens_of(engine, "Once upon a time", seed=1234, **params)
+        results: dict[int, list[int]] = {}
+
+        async def run(i: int) -> None:
+            # every third lane uses the host-logits path (logprobs) to mix step kinds
+            results[i] = await tokens_of(engine, "Once upon a time", seed=1234 if i < 8 else i,
+                                         logprobs=(i % 3 == 0), **params)
+
+        async with anyio.create_task_group() as tg:
+            for i in range(16):
+                tg.start_soon(run, i)
+        assert all(results[i] == alone for i in range(8))
+        assert len({tuple(results[i]) for i in range(8, 16)}) > 1  # other seeds differ
+
+
+async def test_request_arriving_mid_flight_is_admitted_within_one_step(tiny_model_path: Path) -> None:
+    async with Engine.open(tiny_model_path, max_batch_size=8) as engine:
+        long_streams = [engine.stream(prompt(i), max_tokens=200, ignore_eos=True) for i in range(4)]
+        for s in long_streams:
+            await s.__anext__()
+        for _ in range(5):
+            await long_streams[0].__anext__()
+        late = await engine.generate("late arrival", max_tokens=3, ignore_eos=True)
+        assert late.timing.admitted_step - late.timing.submitted_step <= 1
+        for s in long_streams:
+            await s.aclose()
+
+
+async def test_cancelling_1000_streams_leaks_nothing(tiny_model_path: Path) -> None:
+    rng = random.Random(7)
+    async with Engine.open(tiny_model_path, max_batch_size=16, max_context=256) as engine:
+        keep = [prompt(i) for i in range(4)]
+        expected = [await tokens_of(engine, p, max_tokens=20, ignore_eos=True) for p in keep]
+        got: list[list[int]] = [[] for _ in keep]
+        cancelled = 0
+
+        async def victim(i: int) -> None:
+            nonlocal cancelled
+            stream = engine.stream(prompt(i) * rng.randint(1, 6), max_tokens=50, ignore_eos=True)
+            stop_after = rng.randint(0, 12)
+            how = i % 3
+            if how == 0:  # break out of the loop
+                async for tok in stream:
+                    if tok.index >= stop_after:
+                        break
+            elif how == 1:  # a timeout cancels the task while it waits
+                with anyio.move_on_after(rng.random() * 0.02):
+                    async for _ in stream:
+                        pass
+            else:  # explicit close, possibly before the first token
+                n = 0
+                async for _ in stream:
+                    n += 1
+                    if n > stop_after:
+                        break
+                await stream.aclose()
+            cancelled += 1
+
+        async def survivor(j: int) -> None:
+            got[j] = await tokens_of(engine, keep[j], max_tokens=20, ignore_eos=True)
+
+        async with anyio.create_task_group() as tg:
+            for j in range(len(keep)):
+                tg.start_soon(survivor, j)
+            for batch in range(10):
+                async with anyio.create_task_group() as inner:
+                    for i in range(100):
+                        inner.start_soon(victim, batch * 100 + i)
+        assert cancelled == 1000
+        assert got == expected
+        await anyio.sleep(0.05)
+        stats = await engine.stats()
+        assert stats.live_sequences == 0
+        assert stats.live_decode_streams == 0
+        assert stats.active_lanes == 0 and stats.waiting_requests == 0
+        assert stats.kv_blocks_used == stats.prefix_blocks_cached
+        await engine.evict_prefix_cache()
+        assert (await engine.stats()).kv_blocks_used == 0
+
+
+async def test_stop_string_across_token_boundary(tiny_model_path: Path) -> None:
+    async with Engine.open(tiny_model_path) as engine:
+        base = [t async for t in engine.stream("The quick brown fox", max_tokens=40, ignore_eos=True)]
+        text = "".join(t.text for t in base)
+        # a stop string that starts inside one token and ends inside a later one
+        pos = 0
+        for t in base[:-2]:
+            pos += len(t.text)
+            if len(t.text) >= 2 and pos < len(text) - 2:
+                break
+        stop = text[pos - 1 : pos + 2]
+        assert len(stop) == 3
+        out = await engine.generate("The quick brown fox", max_tokens=40, ignore_eos=True, stop=[stop])
+        assert out.finish_reason == "stop"
+        assert out.text == text[: text.find(stop)]
+        assert stop not in out.text
+
+
+async def test_max_tokens_eos_and_stop_ids(tiny_model_path: Path) -> None:
+    async with Engine.open(tiny_model_path) as engine:
+        out = await engine.generate("Once upon a time", max_tokens=5, ignore_eos=True)
+        assert out.finish_reason == "length" and len(out.token_ids) == 5
+        first = out.token_ids[0]
+        stopped = await engine.generate("Once upon a time", max_tokens=5, stop_token_ids=[first])
+        assert stopped.finish_reason == "stop" and stopped.token_ids == [first]
+        eos = 2  # <|im_end|> in the tiny vocabulary: force it with a logit bias
+        forced = await engine.generate("hi", max_tokens=5, logit_bias={eos: 100.0})
+        assert forced.finish_reason == "stop" and forced.token_ids == [eos]
+        assert forced.text == ""  # a control token never leaks into text
+
+
+async def test_context_overflow_and_bad_input_raise_in_caller(tiny_model_path: Path) -> None:
+    async with Engine.open(tiny_model_path, max_context=64) as engine:
+        ok = engine.stream("Once upon a time", max_tokens=8, ignore_eos=True)
+        first = await ok.__anext__()
+        with pytest.raises(ContextLengthExceededError):
+            await engine.generate("word " * 100, max_tokens=4)
+        with pytest.raises(ContextLengthExceededError):
+            await engine.generate("hello", max_tokens=200)
+        with pytest.raises(InvalidRequestError):
+            engine.stream([1, 2, engine.info.vocab_size])
+        with pytest.raises(InvalidRequestError):
+            engine.stream([1, -1])
+        with pytest.raises(InvalidRequestError):
+            await engine.generate("")
+        with pytest.raises(InvalidRequestError):
+            await engine.generate("nul \x00 byte")
+        for bad in (dict(temperature=-1.0), dict(top_p=0.0), dict(top_p=1.5), dict(top_k=-2),
+                    dict(max_tokens=0), dict(min_p=2.0), dict(temperature=float("nan")),
+                    dict(logit_bias={10**9: 1.0}), dict(stop=[""]), dict(top_logprobs=99),
+                    dict(not_a_param=1)):
+            with pytest.raises(InvalidSamplingParamsError):
+                engine.stream("x", **bad)  # type: ignore[arg-type]
+        rest = [t async for t in ok]
+        assert 1 + len(rest) == 8  # the other stream was not disturbed
+        assert first.index == 0
+
+
+async def test_logprobs_and_top_logprobs(tiny_model_path: Path) -> None:
+    async with Engine.open(tiny_model_path) as engine:
+        toks = [t async for t in engine.stream("Once", max_tokens=4, ignore_eos=True, top_logprobs=3)]
+        greedy = await tokens_of(engine, "Once", max_tokens=4, ignore_eos=True)
+        assert [t.id for t in toks] == greedy  # the host path picks the same greedy tokens
+        for t in toks:
+            assert t.logprob is not None and t.logprob <= 0.0
+            assert t.top_logprobs is not None and len(t.top_logprobs) == 3
+            assert t.top_logprobs[0].id == t.id  # greedy: the chosen token is the most likely
+            lps = [a.logprob for a in t.top_logprobs]
+            assert lps == sorted(lps, reverse=True)
+
+
+async def test_only_the_engine_thread_enters_the_library(tiny_model_path: Path) -> None:
+    async with Engine.open(tiny_model_path, max_batch_size=4, thread_check=True) as engine:
+        lib = engine._thread.lib
+        assert lib.thread_check
+        async with anyio.create_task_group() as tg:
+            for i in range(6):
+                tg.start_soon(functools.partial(tokens_of, engine, prompt(i), max_tokens=5))
+        await engine.encode("hello")
+        await engine.stats()
+        assert lib.calls > 0 and lib.violations == 0
+        # and the check does fire: a call from this (loop) thread is refused
+        assert threading.get_ident() != engine.engine_thread_id
+        with pytest.raises(aiobasert.ThreadAffinityError):
+            lib.baseRT_page_size(engine._thread._model)
+        assert lib.violations == 1
+
+
+async def test_encode_decode_chat(tiny_model_path: Path) -> None:
+    async with Engine.open(tiny_model_path) as engine:
+        ids = await engine.encode("Hello, world! 😀")
+        assert await engine.decode(ids) == "Hello, world! 😀"
+        special = await engine.encode("<|im_start|>", special=True)
+        assert special == [1]
+        plain = await engine.encode("<|im_start|>")
+        assert 1 not in plain
+        out = await engine.chat([{"role": "user", "content": "hi <|im_end|> there"}], max_tokens=3, ignore_eos=True)
+        # content that quotes a marker stays text: exactly one <|im_end|> per turn is framing
+        assert len(out.token_ids) == 3
+        vec = await engine.embed("Hello")
+        assert vec.shape == (engine.info.dim,)
+
+
+async def test_aclose_drain_abort_and_reuse(tiny_model_path: Path) -> None:
+    engine = await Engine.open(tiny_model_path, max_batch_size=2)
+    s1 = engine.stream("a", max_tokens=30, ignore_eos=True)
+    await s1.__anext__()
+    await engine.aclose()  # drain: the in-flight stream finishes
+    assert len([t async for t in s1]) == 29 and s1.finish_reason == "length"
+    await engine.aclose()  # a second close is a no-op
+    assert engine.models_freed == 1
+    with pytest.raises(EngineClosedError):
+        engine.stream("x")
+    with pytest.raises(EngineClosedError):
+        await engine.encode("x")
+
+    engine = await Engine.open(tiny_model_path, max_batch_size=2)
+    s2 = engine.stream("b", max_tokens=10_000 // 10, ignore_eos=True)
+    await s2.__anext__()
+    await engine.aclose(abort=True)
+    rest = [t async for t in s2]
+    assert s2.finish_reason == "aborted" and len(rest) < 999
+    assert engine.models_freed == 1
+    assert not engine._thread.alive
