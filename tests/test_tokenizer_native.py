@@ -1,0 +1,191 @@
+"""Parity of the reference engine's C tokenizer with HF tokenizers, on a small BPE trained here.
+
+The vocabulary is trained with HF's BpeTrainer (byte-level, digits split, a few hundred merges) over the
+test corpus, exported to the GGUF-style arrays a bundle carries, and then both sides tokenize the corpus:
+the C code through native/tests/tok_driver.c, HF through the tokenizer.json that aiobasert._hf_tokenizer
+builds from the same arrays.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+from tok_harness import build_driver, hf_references, parity_mismatches, run_encode, run_utf8, write_vocab
+from tokenizer_corpus import corpus
+from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers, trainers
+
+from aiobasert._hf_tokenizer import hf_tokenizer_json
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|im_sep|>"]
+USER_DEFINED_TOKENS = ["<tool_call>"]
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("tokenizer_native")
+
+
+@pytest.fixture(scope="module")
+def driver(workdir: Path) -> Path:
+    return build_driver(workdir)
+
+
+@pytest.fixture(scope="module")
+def strings() -> list[str]:
+    return corpus()
+
+
+@pytest.fixture(scope="module")
+def trained(strings: list[str]) -> Tokenizer:
+    return train_tokenizer(strings)
+
+
+def train_tokenizer(strings: list[str]) -> Tokenizer:
+    """A byte-level BPE with a few hundred merges, the special tokens and a user-defined token."""
+    tk = Tokenizer(models.BPE())
+    tk.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Digits(individual_digits=True),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+    ])
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    trainer = trainers.BpeTrainer(vocab_size=len(SPECIAL_TOKENS) + len(alphabet) + 400,
+                                  special_tokens=SPECIAL_TOKENS, initial_alphabet=alphabet, show_progress=False)
+    tk.train_from_iterator(strings, trainer)
+    tk.add_tokens([AddedToken(t, normalized=False, special=False) for t in USER_DEFINED_TOKENS])
+    return tk
+
+
+def gguf_fields(tk: Tokenizer, pre: str) -> dict[str, Any]:
+    """The trained tokenizer as the GGUF-style arrays of a .base header."""
+    n = tk.get_vocab_size(with_added_tokens=True)
+    tokens = [tk.id_to_token(i) for i in range(n)]
+    types = [3 if t in SPECIAL_TOKENS else 4 if t in USER_DEFINED_TOKENS else 1 for t in tokens]
+    merges = json.loads(tk.to_str())["model"]["merges"]
+    return {
+        "tokenizer.ggml.model": "gpt2",
+        "tokenizer.ggml.pre": pre,
+        "tokenizer.ggml.tokens": tokens,
+        "tokenizer.ggml.token_type": types,
+        "tokenizer.ggml.merges": [m if isinstance(m, str) else " ".join(m) for m in merges],
+    }
+
+
+@pytest.mark.parametrize("pre", ["smollm", "gpt2"])
+def test_parity_with_hf(pre: str, trained: Tokenizer, driver: Path, workdir: Path, strings: list[str]) -> None:
+    fields = gguf_fields(trained, pre)
+    assert 300 <= len(fields["tokenizer.ggml.merges"]) <= 500
+    vocab = workdir / f"vocab-{pre}.txt"
+    write_vocab(vocab, fields)
+    checks, mismatches = parity_mismatches(driver, vocab, fields, strings, workdir)
+    assert checks == 5 * len(strings) >= 10_000
+    assert not mismatches, f"{len(mismatches)} of {checks} differ:\n" + "\n".join(mismatches[:20])
+
+
+def test_exported_json_matches_trained_tokenizer(trained: Tokenizer, strings: list[str]) -> None:
+    # The tokenizer.json built from the GGUF-style arrays is the trained tokenizer: the parity reference
+    # is not an artefact of the export.
+    framing, _ = hf_references(gguf_fields(trained, "smollm"))
+    for s in strings:
+        assert framing.encode(s).ids == trained.encode(s).ids, repr(s)
+
+
+def test_long_inputs_and_piece_boundaries(trained: Tokenizer, driver: Path, workdir: Path,
+                                          strings: list[str]) -> None:
+    fields = gguf_fields(trained, "smollm")
+    vocab = workdir / "vocab-long.txt"
+    write_vocab(vocab, fields)
+    framing, plain = hf_references(fields)
+    text = "".join(strings)
+    data = text.encode()
+    rng = random.Random(1)
+    cuts = sorted(rng.sample(range(1, len(data)), 200))
+    pieces = [data[a:b] for a, b in zip([0, *cuts], [*cuts, len(data)])]
+    records = [
+        [(False, data)],
+        [(True, p) for p in pieces],  # byte-level cuts, UTF-8 sequences included
+    ]
+    (full_ids, full_bytes), (plain_ids, plain_bytes) = run_encode(driver, vocab, records, workdir)
+    assert full_ids == framing.encode(text).ids
+    assert plain_ids == plain.encode(text).ids
+    assert full_bytes == plain_bytes == data
+
+
+def test_utf8_assembler(driver: Path, workdir: Path, strings: list[str]) -> None:
+    rng = random.Random(2)
+    records: list[list[bytes]] = []
+    for s in strings:
+        data = s.encode()
+        if len(data) != len(s):  # multi-byte text: byte-by-byte and random chunks
+            records.append([data[i:i + 1] for i in range(len(data))])
+            records.append(_random_chunks(rng, data))
+    # Invalid and truncated sequences: lone continuation bytes, overlong and surrogate leads, bytes that
+    # never occur in UTF-8, sequences cut by ASCII, and text ending in an incomplete character.
+    odd = [b"\x80", b"\xbf", b"\xc0", b"\xc1", b"\xc2", b"\xe0", b"\xe0\x80", b"\xed", b"\xed\xa0", b"\xef\xbf",
+           b"\xf0", b"\xf0\x8f", b"\xf0\x9f\x98", b"\xf4\x90", b"\xf5", b"\xff", b"A", b" ", "é".encode(),
+           "中".encode(), "😀".encode()]
+    for _ in range(600):
+        data = b"".join(rng.choice(odd) for _ in range(rng.randint(1, 12)))
+        records.append(_random_chunks(rng, data))
+    results = run_utf8(driver, records, workdir)
+    assert len(results) == len(records)
+    for feeds, (outs, pending) in zip(records, results):
+        expected, emitted, prefix = [], b"", b""
+        for f in feeds:
+            prefix += f
+            total, held = _assembled(prefix)
+            assert total.startswith(emitted)
+            expected.append(total[len(emitted):])
+            emitted = total
+        assert outs == expected, feeds
+        assert pending == held, feeds
+
+
+def _assembled(data: bytes) -> tuple[bytes, int]:
+    """All an assembler fed `data` should have emitted, and how many bytes it should hold: everything
+    but a trailing incomplete (still completable) character, decoded with one U+FFFD per maximal invalid
+    subpart. (CPython's incremental decoder is no oracle: it also holds ED A0..BF, a surrogate that can
+    never complete.)"""
+    for k in (3, 2, 1):
+        tail = data[-k:]
+        if len(tail) < k:
+            continue
+        try:
+            tail.decode()
+        except UnicodeDecodeError as e:
+            if e.start == 0 and e.end == k and e.reason == "unexpected end of data":
+                return data[:-k].decode(errors="replace").encode(), k
+    return data.decode(errors="replace").encode(), 0
+
+
+def _random_chunks(rng: random.Random, data: bytes) -> list[bytes]:
+    cuts = sorted({rng.randint(0, len(data)) for _ in range(rng.randint(0, 6))})
+    return [data[a:b] for a, b in zip([0, *cuts], [*cuts, len(data)])]
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"tokenizer.ggml.pre": "llama3"}, "unsupported pre-tokenizer"),
+        ({"tokenizer.ggml.merges": ["a zzz_not_a_token"]}, "not in the vocabulary"),
+        ({"tokenizer.ggml.merges": ["ab"]}, "is not \"left right\""),
+        ({"tokenizer.ggml.token_type": [7, 1, 1]}, "not a GGUF token type"),
+    ],
+)
+def test_invalid_vocabulary_is_rejected(change: dict[str, Any], message: str, driver: Path,
+                                        workdir: Path) -> None:
+    fields: dict[str, Any] = {"tokenizer.ggml.pre": "gpt2", "tokenizer.ggml.tokens": ["a", "b", "ab"],
+                              "tokenizer.ggml.token_type": [1, 1, 1], "tokenizer.ggml.merges": ["a b"]}
+    fields.update(change)
+    vocab = workdir / "bad-vocab.txt"
+    write_vocab(vocab, fields)
+    with pytest.raises(AssertionError, match=message):
+        run_encode(driver, vocab, [[(False, b"ab")]], workdir)
+
+
+def test_hf_json_rejects_unknown_pre_tokenizer() -> None:
+    with pytest.raises(ValueError, match="unsupported"):
+        hf_tokenizer_json({"tokenizer.ggml.tokens": ["a"], "tokenizer.ggml.pre": "qwen2"})
