@@ -66,7 +66,7 @@ def hf_tokenizer_json(tok: Mapping[str, Any]) -> str:
 
     vocab: dict[str, int] = {}
     added_tokens: list[dict[str, Any]] = []
-    for token_id, (text, token_type) in enumerate(zip(tokens, types)):
+    for token_id, (text, token_type) in enumerate(zip(tokens, types, strict=True)):
         vocab.setdefault(text, token_id)  # the first id of a duplicated text wins, as in the engine
         if token_type in (TOKEN_TYPE_CONTROL, TOKEN_TYPE_USER_DEFINED) and text and vocab[text] == token_id:
             added_tokens.append({

@@ -84,8 +84,8 @@ class BundleError(ValueError):
         self.reason = reason
 
 
-class TensorInfo(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
-    """One entry of the header's `tensors` list."""
+class TensorInfo(msgspec.Struct, frozen=True):
+    """One entry of the header's `tensors` list (unknown extra fields are ignored)."""
 
     name: str
     dtype: str
@@ -138,8 +138,7 @@ def _dtype_of(array: np.ndarray[Any, Any]) -> str:
     if array.dtype == np.float16:
         return "f16"
     raise ValueError(
-        f"cannot infer a bundle dtype from numpy {array.dtype}: pass float32, float16, "
-        "or uint16 bits with dtype 'bf16'"
+        f"cannot infer a bundle dtype from numpy {array.dtype}: pass float32, float16, or uint16 bits with dtype 'bf16'"
     )
 
 

@@ -23,7 +23,7 @@ from typing import Any, Final, Literal
 import gguf
 import numpy as np
 import numpy.typing as npt
-from tqdm import tqdm
+from tqdm import tqdm  # type: ignore[import-untyped,unused-ignore]  # no stubs in tqdm itself
 
 from .bundle import BASERT_VERSION, DEFAULT_ALIGNMENT, BundleWriter, Progress, TensorEntry
 
@@ -198,7 +198,7 @@ def convert_gguf(
     try:
         reader = gguf.GGUFReader(src)
         meta = {name: _field_value(field) for name, field in reader.fields.items() if not name.startswith("GGUF.")}
-    except (ValueError, UnicodeDecodeError) as exc:
+    except (ValueError, IndexError, UnicodeDecodeError) as exc:  # what GGUFReader raises on a damaged file
         raise fail(f"unreadable GGUF: {exc}") from None
 
     arch = meta.get("general.architecture")
@@ -292,12 +292,16 @@ def convert_gguf(
     return dst
 
 
-def _dequantize(tensor: gguf.ReaderTensor, entry: TensorEntry, fail: Callable[[str], ConversionError]) -> npt.NDArray[Any]:
+def _dequantize(
+    tensor: gguf.ReaderTensor, entry: TensorEntry, fail: Callable[[str], ConversionError]
+) -> npt.NDArray[Any]:
     try:
         values = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
     except NotImplementedError:
         raise fail(f"tensor {tensor.name!r}: cannot dequantize GGML type {tensor.tensor_type.name}") from None
-    values = np.asarray(values, dtype=np.float32).reshape(entry.shape)
+    values = np.asarray(values, dtype=np.float32)
+    if values.shape != entry.shape:  # dequantize yields numpy order (out, in): no reshaping needed
+        raise fail(f"tensor {tensor.name!r} dequantized to shape {list(values.shape)}, expected {list(entry.shape)}")
     out = values.astype(np.float16) if entry.dtype == "f16" else values
     if not np.isfinite(out).all():
         raise fail(f"tensor {tensor.name!r}: non-finite values after conversion to {entry.dtype}")

@@ -87,9 +87,14 @@ class TokenStream:
 
     # ---- consumer side ------------------------------------------------------------------
 
-    def _start(self) -> None:
-        self._started = True
-        self._engine._submit(Submit(self._spec, self, self._ticket))
+    def submit(self) -> None:
+        """Queue the request now instead of on first iteration (idempotent).
+
+        Requests are admitted in the order they are submitted.
+        """
+        if not self._started:
+            self._started = True
+            self._engine._submit(Submit(self._spec, self, self._ticket))
 
     def __aiter__(self) -> TokenStream:
         return self
@@ -97,8 +102,7 @@ class TokenStream:
     async def __anext__(self) -> Token:
         if self._closed:
             raise StopAsyncIteration
-        if not self._started:
-            self._start()
+        self.submit()
         try:
             while not self._buffer:
                 if self._error is not None:

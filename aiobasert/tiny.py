@@ -13,7 +13,9 @@ from __future__ import annotations
 import functools
 import hashlib
 import heapq
+import itertools
 import json
+import math
 import unicodedata
 from collections import Counter
 from collections.abc import Iterator
@@ -42,6 +44,7 @@ EOS_ID: Final = 2
 TOKEN_NORMAL: Final = 1
 TOKEN_CONTROL: Final = 3
 TIED_EMBEDDINGS_FLAG: Final = 0x400
+EMBED_STD: Final = 0.25
 
 #: SmolLM2-135M-Instruct's chat template (ChatML with a default system prompt).
 CHATML_TEMPLATE: Final = (
@@ -205,7 +208,7 @@ def _train_merges(words: Counter[tuple[str, ...]], max_merges: int) -> list[tupl
 
     def account(index: int, sign: int) -> None:
         word = symbols[index]
-        for pair in zip(word, word[1:]):
+        for pair in itertools.pairwise(word):
             pair_counts[pair] += sign * freqs[index]
             if sign > 0:
                 where.setdefault(pair, set()).add(index)
@@ -237,7 +240,7 @@ def _train_merges(words: Counter[tuple[str, ...]], max_merges: int) -> list[tupl
                     k += 1
             symbols[index] = merged
             account(index, +1)
-            for new_pair in zip(merged, merged[1:]):
+            for new_pair in itertools.pairwise(merged):
                 heapq.heappush(heap, (-pair_counts[new_pair], new_pair))
         del pair_counts[pair]
     return merges
@@ -322,10 +325,12 @@ def build_tiny_model(
     def norm_weight() -> npt.NDArray[np.float32]:
         return (1.0 + normal((dim,), 0.1)).astype(np.float32)
 
-    # Inputs to every projection are RMS-normalised (rms ~1), so std 1/sqrt(fan_in)
-    # keeps q/k/v/gate/up at unit scale; the residual writers are halved.
-    embed = normal((n_vocab, dim), 0.25)
-    lm_head = None if tied else normal((n_vocab, dim), 0.25)
+    # Every projection reads an RMS-normalised input (rms ~1); std 1/sqrt(fan_in)
+    # keeps its output at unit scale. Embeddings are small (logit std ~2 with
+    # dim 64), so the layers, not the token's own embedding, dominate the final
+    # residual, and a tied model does not just keep predicting its last token.
+    embed = normal((n_vocab, dim), EMBED_STD)
+    lm_head = None if tied else normal((n_vocab, dim), EMBED_STD)
     final_norm = norm_weight()
     layers: list[dict[str, npt.NDArray[np.float32]]] = []
     for _ in range(n_layers):
@@ -335,18 +340,19 @@ def build_tiny_model(
                 "self_attn.q_proj": normal((q_dim, dim), dim**-0.5),
                 "self_attn.k_proj": normal((kv_dim, dim), dim**-0.5),
                 "self_attn.v_proj": normal((kv_dim, dim), dim**-0.5),
-                "self_attn.o_proj": normal((dim, q_dim), 0.5 * q_dim**-0.5),
+                "self_attn.o_proj": normal((dim, q_dim), q_dim**-0.5),
                 "post_attn_norm": norm_weight(),
                 "mlp.gate_proj": normal((ffn_dim, dim), dim**-0.5),
                 "mlp.up_proj": normal((ffn_dim, dim), dim**-0.5),
-                "mlp.down_proj": normal((dim, ffn_dim), 0.5 * ffn_dim**-0.5),
+                "mlp.down_proj": normal((dim, ffn_dim), ffn_dim**-0.5),
             }
         )
     if eos_bias:
         assert lm_head is not None
-        # Channel 0 holds a constant about the size of the residual stream's
-        # rms, so after the final rmsnorm it reads ~1 at every position.
-        embed[:, 0] = np.float32(0.5)
+        # Channel 0 holds a constant equal to the typical per-channel rms of the
+        # final residual (each layer adds ~0.9, measured with tests/oracle.py),
+        # so after the final rmsnorm it reads ~1 at every position.
+        embed[:, 0] = np.float32(math.sqrt(EMBED_STD**2 + 0.8 * n_layers))
         for layer in layers:
             layer["input_norm"][0] = layer["post_attn_norm"][0] = 0.0
             layer["self_attn.o_proj"][0, :] = layer["mlp.down_proj"][0, :] = 0.0
@@ -367,9 +373,17 @@ def build_tiny_model(
         tensors.append(_stored("lm_head.weight", lm_head, "gpu", dtype))
 
     recipe: dict[str, Any] = dict(
-        n_layers=n_layers, dim=dim, n_heads=n_heads, n_kv_heads=n_kv_heads, ffn_dim=ffn_dim,
-        max_position_embeddings=max_position_embeddings, seed=seed, dtype=dtype, tied=tied,
-        vocab=vocab, eos_bias=eos_bias,
+        n_layers=n_layers,
+        dim=dim,
+        n_heads=n_heads,
+        n_kv_heads=n_kv_heads,
+        ffn_dim=ffn_dim,
+        max_position_embeddings=max_position_embeddings,
+        seed=seed,
+        dtype=dtype,
+        tied=tied,
+        vocab=vocab,
+        eos_bias=eos_bias,
     )
     header = {
         "schema": 1,

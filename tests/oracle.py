@@ -38,7 +38,8 @@ class OracleConfig:
 
 
 def _rmsnorm(x: npt.NDArray[np.float64], weight: npt.NDArray[np.float32], eps: float) -> npt.NDArray[np.float64]:
-    return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * weight
+    normed: npt.NDArray[np.float64] = x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * weight
+    return normed
 
 
 def _rope(x: npt.NDArray[np.float64], theta: float) -> npt.NDArray[np.float64]:

@@ -114,9 +114,10 @@ def test_write_is_atomic_and_replaces(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="int64"):
         write_bundle(path, HEADER, bad)
     assert path.read_bytes() == before
-    with pytest.raises(ValueError, match="before every tensor"), BundleWriter(
-        path, HEADER, [TensorEntry("x", (2,), "f32"), TensorEntry("y", (2,), "f32")]
-    ) as writer:
+    with (
+        pytest.raises(ValueError, match="before every tensor"),
+        BundleWriter(path, HEADER, [TensorEntry("x", (2,), "f32"), TensorEntry("y", (2,), "f32")]) as writer,
+    ):
         writer.write("x", np.zeros(2, dtype=np.float32))
     assert path.read_bytes() == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m.base"]  # no temporary files left
@@ -124,11 +125,12 @@ def test_write_is_atomic_and_replaces(tmp_path: Path) -> None:
 
 def test_writer_rejects_mismatches(tmp_path: Path) -> None:
     entries = [TensorEntry("x", (2, 2), "f16", "accelerator")]
-    for name, array, match in [
+    cases: list[tuple[str, np.ndarray[Any, Any], str]] = [
         ("y", np.zeros((2, 2), np.float16), "out of order"),
         ("x", np.zeros((2, 2), np.float32), "does not store"),
         ("x", np.zeros((4,), np.float16), "shape"),
-    ]:
+    ]
+    for name, array, match in cases:
         with pytest.raises(ValueError, match=match), BundleWriter(tmp_path / "w.base", {}, entries) as writer:
             writer.write(name, array)
     with pytest.raises(ValueError, match="duplicate"):
@@ -142,7 +144,9 @@ def test_writer_rejects_mismatches(tmp_path: Path) -> None:
 
 def test_progress_reports_bytes(tmp_path: Path) -> None:
     calls: list[tuple[int, int]] = []
-    write_bundle(tmp_path / "p.base", HEADER, _sample_tensors(), progress=lambda done, total: calls.append((done, total)))
+    write_bundle(
+        tmp_path / "p.base", HEADER, _sample_tensors(), progress=lambda done, total: calls.append((done, total))
+    )
     total = sum(t[1].nbytes for t in _sample_tensors())
     assert calls[-1] == (total, total)
     assert len(calls) == len(_sample_tensors())

@@ -8,12 +8,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from oracle import NumpyLlama
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
 from aiobasert import tiny
 from aiobasert.bundle import read_bundle
 from aiobasert.tiny import build_tiny_model, bytes_to_unicode, pretokenize, tiny_vocab
-from oracle import NumpyLlama
 
 TRICKY_TEXTS = [
     "Hello world's 12ab  x\n\n  y  ",
@@ -80,6 +80,7 @@ def test_vocabulary_layout() -> None:
     assert set(vocab.token_types[3:]) == {1}
     assert set(vocab.tokens[3:259]) == set(bytes_to_unicode().values())
     assert len(set(vocab.tokens)) == len(vocab.tokens)
+    assert len(set(vocab.merges)) == len(vocab.merges)
     assert 512 <= len(vocab.tokens) <= 1000
     known = set(vocab.tokens)
     for merge in vocab.merges:
@@ -119,7 +120,7 @@ def test_vocabulary_loads_in_hf_bpe() -> None:
     vocab = tiny_vocab("bpe")
     bpe = models.BPE(
         vocab={token: i for i, token in enumerate(vocab.tokens)},
-        merges=[tuple(m.split(" ")) for m in vocab.merges],
+        merges=[(left, right) for left, right in (m.split(" ") for m in vocab.merges)],
     )
     hf = Tokenizer(bpe)
     hf.pre_tokenizer = _hf_pretokenizer()
@@ -138,7 +139,8 @@ def test_deterministic_by_seed(tmp_path: Path) -> None:
     assert a.header["source"] == b.header["source"] != c.header["source"]
     for name in a.tensors:
         np.testing.assert_array_equal(a.tensor(name), b.tensor(name))
-    assert not np.array_equal(a.tensor("layers.0.self_attn.q_proj.weight"), c.tensor("layers.0.self_attn.q_proj.weight"))
+    q_proj = "layers.0.self_attn.q_proj.weight"
+    assert not np.array_equal(a.tensor(q_proj), c.tensor(q_proj))
 
 
 @pytest.mark.parametrize("dtype", ["f16", "bf16"])

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import random
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,7 @@ from aiobasert._hf_tokenizer import hf_tokenizer_json
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|im_sep|>"]
 USER_DEFINED_TOKENS = ["<tool_call>"]
+N_MERGES = 600
 
 
 @pytest.fixture(scope="module")
@@ -41,18 +43,31 @@ def strings() -> list[str]:
 
 @pytest.fixture(scope="module")
 def trained(strings: list[str]) -> Tokenizer:
-    return train_tokenizer(strings)
+    return train_tokenizer(strings, across_pre_tokens=False)
 
 
-def train_tokenizer(strings: list[str]) -> Tokenizer:
-    """A byte-level BPE with a few hundred merges, the special tokens and a user-defined token."""
+@pytest.fixture(scope="module")
+def trained_across(strings: list[str]) -> Tokenizer:
+    return train_tokenizer(strings, across_pre_tokens=True)
+
+
+def train_tokenizer(strings: list[str], across_pre_tokens: bool) -> Tokenizer:
+    """A byte-level BPE with a few hundred merges, the special tokens and a user-defined token.
+
+    Trained on the pre-tokens (the realistic case), no merge spans a pre-token boundary, so a pre-tokenizer
+    that failed to split somewhere would still give the same ids. Trained on whole strings instead
+    (across_pre_tokens), it learns merges such as "Ġ Ġ", "' S" or "a Ġ" that make every boundary the
+    engine draws differently from HF visible in the ids."""
     tk = Tokenizer(models.BPE())
-    tk.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Digits(individual_digits=True),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
-    ])
+    if across_pre_tokens:
+        tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    else:
+        tk.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+        ])
     alphabet = pre_tokenizers.ByteLevel.alphabet()
-    trainer = trainers.BpeTrainer(vocab_size=len(SPECIAL_TOKENS) + len(alphabet) + 400,
+    trainer = trainers.BpeTrainer(vocab_size=len(SPECIAL_TOKENS) + len(alphabet) + N_MERGES,
                                   special_tokens=SPECIAL_TOKENS, initial_alphabet=alphabet, show_progress=False)
     tk.train_from_iterator(strings, trainer)
     tk.add_tokens([AddedToken(t, normalized=False, special=False) for t in USER_DEFINED_TOKENS])
@@ -75,10 +90,12 @@ def gguf_fields(tk: Tokenizer, pre: str) -> dict[str, Any]:
 
 
 @pytest.mark.parametrize("pre", ["smollm", "gpt2"])
-def test_parity_with_hf(pre: str, trained: Tokenizer, driver: Path, workdir: Path, strings: list[str]) -> None:
-    fields = gguf_fields(trained, pre)
-    assert 300 <= len(fields["tokenizer.ggml.merges"]) <= 500
-    vocab = workdir / f"vocab-{pre}.txt"
+@pytest.mark.parametrize("training", ["trained", "trained_across"])
+def test_parity_with_hf(pre: str, training: str, request: pytest.FixtureRequest, driver: Path, workdir: Path,
+                        strings: list[str]) -> None:
+    fields = gguf_fields(request.getfixturevalue(training), pre)
+    assert abs(len(fields["tokenizer.ggml.merges"]) - N_MERGES) <= 50
+    vocab = workdir / f"vocab-{training}-{pre}.txt"
     write_vocab(vocab, fields)
     checks, mismatches = parity_mismatches(driver, vocab, fields, strings, workdir)
     assert checks == 5 * len(strings) >= 10_000
@@ -103,7 +120,7 @@ def test_long_inputs_and_piece_boundaries(trained: Tokenizer, driver: Path, work
     data = text.encode()
     rng = random.Random(1)
     cuts = sorted(rng.sample(range(1, len(data)), 200))
-    pieces = [data[a:b] for a, b in zip([0, *cuts], [*cuts, len(data)])]
+    pieces = [data[a:b] for a, b in zip([0, *cuts], [*cuts, len(data)], strict=True)]
     records = [
         [(False, data)],
         [(True, p) for p in pieces],  # byte-level cuts, UTF-8 sequences included
@@ -132,7 +149,7 @@ def test_utf8_assembler(driver: Path, workdir: Path, strings: list[str]) -> None
         records.append(_random_chunks(rng, data))
     results = run_utf8(driver, records, workdir)
     assert len(results) == len(records)
-    for feeds, (outs, pending) in zip(records, results):
+    for feeds, (outs, pending) in zip(records, results, strict=True):
         expected, emitted, prefix = [], b"", b""
         for f in feeds:
             prefix += f
@@ -163,7 +180,7 @@ def _assembled(data: bytes) -> tuple[bytes, int]:
 
 def _random_chunks(rng: random.Random, data: bytes) -> list[bytes]:
     cuts = sorted({rng.randint(0, len(data)) for _ in range(rng.randint(0, 6))})
-    return [data[a:b] for a, b in zip([0, *cuts], [*cuts, len(data)])]
+    return [data[a:b] for a, b in zip([0, *cuts], [*cuts, len(data)], strict=True)]
 
 
 @pytest.mark.parametrize(
@@ -184,6 +201,13 @@ def test_invalid_vocabulary_is_rejected(change: dict[str, Any], message: str, dr
     write_vocab(vocab, fields)
     with pytest.raises(AssertionError, match=message):
         run_encode(driver, vocab, [[(False, b"ab")]], workdir)
+
+
+def test_invalid_arguments_fail_cleanly(trained: Tokenizer, driver: Path, workdir: Path) -> None:
+    vocab = workdir / "vocab-misuse.txt"
+    write_vocab(vocab, gguf_fields(trained, "smollm"))
+    proc = subprocess.run([str(driver), "misuse", str(vocab)], capture_output=True, text=True, check=False)
+    assert (proc.returncode, proc.stdout) == (0, "ok\n"), proc.stdout + proc.stderr
 
 
 def test_hf_json_rejects_unknown_pre_tokenizer() -> None:

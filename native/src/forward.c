@@ -13,6 +13,7 @@
 #include "runtime.h"
 
 #include <math.h>
+#include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -100,6 +101,7 @@ typedef struct {
     rt_model *m;
     const rt_lane *lanes;
     int layer, rows;
+    atomic_int next_item; /* (row, head) pairs, claimed one at a time */
 } attn_job;
 
 /* One (row, head): causal softmax attention over positions [0, pos] of the
@@ -138,15 +140,16 @@ static void attend(rt_model *m, const rt_seq *s, int layer, int pos, int head, c
     for (int d = 0; d < hd; d++) out[d] *= inv;
 }
 
-static void attn_task(void *ctx, int tid, int nt) {
-    const attn_job *j = ctx;
+static void attn_task(void *ctx, int tid) {
+    attn_job *j = ctx;
     rt_model *m = j->m;
     rt_runtime *rt = m->rt;
     int n_heads = (int)m->cfg.n_heads, hd = (int)m->cfg.head_dim, q_dim = (int)m->cfg.q_dim;
     int items = j->rows * n_heads;
-    int i0 = (int)((int64_t)items * tid / nt), i1 = (int)((int64_t)items * (tid + 1) / nt);
     float *scores = rt->att_scores + (size_t)tid * m->cfg.max_seq_len;
-    for (int it = i0; it < i1; it++) {
+    for (;;) {
+        int it = atomic_fetch_add_explicit(&j->next_item, 1, memory_order_relaxed);
+        if (it >= items) return;
         int r = it / n_heads, h = it % n_heads;
         const float *q = rt->q + (size_t)r * q_dim + (size_t)h * hd;
         float *out = rt->att + (size_t)r * q_dim + (size_t)h * hd;
@@ -191,7 +194,7 @@ static void forward_slice(rt_model *m, const rt_lane *lanes, int R) {
             memcpy(vl + slot * kv_dim, rt->v + (size_t)r * kv_dim, (size_t)kv_dim * sizeof(float));
         }
 
-        attn_job aj = {m, lanes, (int)l, R};
+        attn_job aj = {m, lanes, (int)l, R, 0};
         int nt = attn_work < 32768.0 ? 1 : rt_threads_count(rt->threads);
         rt_threads_run(rt->threads, attn_task, &aj, nt);
 

@@ -9,6 +9,7 @@
 
 #include <math.h>
 #include <pthread.h>
+#include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
@@ -244,32 +245,28 @@ typedef struct {
     const rt_mm_target *targets;
     int n_targets;
     int total_units;
+    atomic_int next_unit;
 } matmul_job;
 
 static int units_of(int out) { return (out + OUT_UNIT - 1) / OUT_UNIT; }
 
-static void matmul_task(void *ctx, int tid, int nt) {
-    const matmul_job *j = ctx;
-    int u0 = (int)((int64_t)j->total_units * tid / nt);
-    int u1 = (int)((int64_t)j->total_units * (tid + 1) / nt);
-    int base = 0;
-    for (int i = 0; i < j->n_targets && base < u1; i++) {
+static void matmul_task(void *ctx, int tid) {
+    (void)tid;
+    matmul_job *j = ctx;
+    for (;;) {
+        int u = atomic_fetch_add_explicit(&j->next_unit, 1, memory_order_relaxed);
+        if (u >= j->total_units) return;
+        int i = 0;
+        while (u >= units_of(j->targets[i].out)) u -= units_of(j->targets[i++].out);
         const rt_mm_target *t = &j->targets[i];
-        int nu = units_of(t->out);
-        int a = u0 > base ? u0 - base : 0;
-        int b = u1 - base < nu ? u1 - base : nu;
-        if (a < b) {
-            int o0 = a * OUT_UNIT;
-            int o1 = b * OUT_UNIT < t->out ? b * OUT_UNIT : t->out;
-            matmul_range(j->ks, j->x, j->ldx, j->rows, j->in, t, o0, o1);
-        }
-        base += nu;
+        int o0 = u * OUT_UNIT, o1 = o0 + OUT_UNIT < t->out ? o0 + OUT_UNIT : t->out;
+        matmul_range(j->ks, j->x, j->ldx, j->rows, j->in, t, o0, o1);
     }
 }
 
 void rt_matmul(rt_threads *th, const float *x, size_t ldx, int rows, int in, const rt_mm_target *targets,
                int n_targets) {
-    matmul_job job = {kernels(), x, ldx, rows, in, targets, n_targets, 0};
+    matmul_job job = {kernels(), x, ldx, rows, in, targets, n_targets, 0, 0};
     double flops = 0;
     for (int i = 0; i < n_targets; i++) {
         job.total_units += units_of(targets[i].out);
@@ -282,9 +279,11 @@ void rt_matmul(rt_threads *th, const float *x, size_t ldx, int rows, int in, con
 }
 
 /* ---- thread pool ---------------------------------------------------------------
- * Persistent workers parked on a condition variable; the caller runs share 0
- * itself and waits for the rest. Work is split statically by tid, so which
- * thread computes a value never depends on timing. */
+ * Persistent workers parked on a condition variable. A run is open from the
+ * moment it is posted until the caller has finished its own share; a worker
+ * joins only while it is open (under the mutex), and the caller waits only for
+ * the workers that joined. A worker the OS has not scheduled yet therefore
+ * never delays a step: it finds the run closed and goes back to sleep. */
 
 struct rt_threads {
     int n; /* threads including the caller */
@@ -293,9 +292,10 @@ struct rt_threads {
     pthread_cond_t cv_start, cv_done;
     rt_task_fn fn;
     void *ctx;
-    int n_active;
+    int max_joined; /* workers allowed into the current run */
     unsigned long generation;
-    int remaining;
+    bool open;
+    int joined, finished;
     bool stop;
 };
 
@@ -314,13 +314,14 @@ static void *worker_main(void *arg) {
         while (p->generation == seen && !p->stop) pthread_cond_wait(&p->cv_start, &p->mu);
         if (p->stop) break;
         seen = p->generation;
+        if (!p->open || p->joined >= p->max_joined) continue;
+        p->joined++;
         rt_task_fn fn = p->fn;
         void *ctx = p->ctx;
-        int n_active = p->n_active;
         pthread_mutex_unlock(&p->mu);
-        if (wa.tid < n_active) fn(ctx, wa.tid, n_active);
+        fn(ctx, wa.tid);
         pthread_mutex_lock(&p->mu);
-        if (--p->remaining == 0) pthread_cond_signal(&p->cv_done);
+        if (++p->finished == p->joined && !p->open) pthread_cond_signal(&p->cv_done);
     }
     pthread_mutex_unlock(&p->mu);
     return NULL;
@@ -386,20 +387,21 @@ int rt_threads_count(const rt_threads *p) { return p ? p->n : 1; }
 
 void rt_threads_run(rt_threads *p, rt_task_fn fn, void *ctx, int n_threads) {
     if (!p || p->n <= 1 || n_threads <= 1) {
-        fn(ctx, 0, 1);
+        fn(ctx, 0);
         return;
     }
-    if (n_threads > p->n) n_threads = p->n;
     pthread_mutex_lock(&p->mu);
     p->fn = fn;
     p->ctx = ctx;
-    p->n_active = n_threads;
-    p->remaining = p->n - 1;
+    p->max_joined = (n_threads < p->n ? n_threads : p->n) - 1;
+    p->joined = p->finished = 0;
+    p->open = true;
     p->generation++;
     pthread_cond_broadcast(&p->cv_start);
     pthread_mutex_unlock(&p->mu);
-    fn(ctx, 0, n_threads);
+    fn(ctx, 0);
     pthread_mutex_lock(&p->mu);
-    while (p->remaining > 0) pthread_cond_wait(&p->cv_done, &p->mu);
+    p->open = false;
+    while (p->finished < p->joined) pthread_cond_wait(&p->cv_done, &p->mu);
     pthread_mutex_unlock(&p->mu);
 }

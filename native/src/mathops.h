@@ -15,8 +15,12 @@
 /* ---- thread pool --------------------------------------------------------- */
 typedef struct rt_threads rt_threads;
 
-/* Work function: thread `tid` of `n_threads` processes its share. */
-typedef void (*rt_task_fn)(void *ctx, int tid, int n_threads);
+/* Work function, run by every participating thread (`tid` 0 is the caller,
+ * tids are distinct and < the pool size). Work is claimed dynamically through
+ * a counter in ctx: a thread that is descheduled just does less of it, and
+ * since every item is computed the same way whoever claims it, results never
+ * depend on which thread ran what. */
+typedef void (*rt_task_fn)(void *ctx, int tid);
 
 /* Threads to use: $BASERT_REF_THREADS, else the online CPUs; 1..8. */
 int rt_default_threads(void);
@@ -24,8 +28,9 @@ int rt_default_threads(void);
 rt_threads *rt_threads_create(int n_threads);
 void rt_threads_free(rt_threads *t);
 int rt_threads_count(const rt_threads *t);
-/* Run fn on min(n_threads, pool size) threads and wait for all of them.
- * t may be NULL (runs inline). */
+/* Run fn on the caller and on up to n_threads - 1 workers that wake in time;
+ * returns once fn has returned on every thread that joined. t may be NULL
+ * (runs inline). */
 void rt_threads_run(rt_threads *t, rt_task_fn fn, void *ctx, int n_threads);
 
 /* ---- matmul -------------------------------------------------------------- */

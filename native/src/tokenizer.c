@@ -11,6 +11,13 @@
  *   3. each pre-token's bytes become byte-level symbols and are merged by BPE,
  *      lowest merge rank first, leftmost first on ties (HF's Word::merge_all).
  *
+ * bpe_encode_pieces: consecutive framing pieces are matched as one text (a
+ * marker may straddle their boundary); a content piece only extends the
+ * current run of ordinary text.
+ *
+ * Like HF (no unk token, no byte fallback), a byte whose one-symbol token is
+ * missing from the vocabulary is dropped: SmolLM2 lacks 21 of the 256.
+ *
  * The tokenizer is immutable after bpe_create; every encode call allocates its
  * own scratch, so concurrent calls on one tokenizer are safe. */
 
@@ -98,6 +105,8 @@ static uint64_t hash_pair(uint64_t x) { /* splitmix64 finalizer */
     x ^= x >> 31;
     return x;
 }
+
+#define MAX_TABLE_ENTRIES (1 << 28) /* keeps the power-of-two table sizes within uint32_t */
 
 static uint32_t table_capacity(size_t n) {
     uint32_t cap = 16;
@@ -339,6 +348,10 @@ bpe_tokenizer *bpe_create(const char *const *tokens, const int32_t *token_types,
     }
     if (n_merges < 0 || (n_merges > 0 && !merges)) {
         set_err(err, errlen, "bpe_create: invalid merges (n_merges=%d)", n_merges);
+        return NULL;
+    }
+    if (n_tokens > MAX_TABLE_ENTRIES || n_merges > MAX_TABLE_ENTRIES) {
+        set_err(err, errlen, "bpe_create: vocabulary too large (%d tokens, %d merges)", n_tokens, n_merges);
         return NULL;
     }
     bool split_digits;
@@ -617,13 +630,14 @@ static size_t contraction_len(const unsigned char *s, size_t n, size_t i) {
 static void regex_split(encoder *e, const unsigned char *s, size_t n) {
     size_t i = 0;
     while (i < n) {
-        size_t end;
+        size_t end = s[i] == '\'' ? contraction_len(s, n, i) : 0;
         int len;
         int cls = char_at(s, n, i, &len);
-        if (s[i] == '\'' && (end = contraction_len(s, n, i)) != 0) {
+        int next_cls = s[i] == ' ' && i + 1 < n ? char_at(s, n, i + 1, &len) : BPE_UCLASS_SPACE;
+        if (end) {
             end += i;
-        } else if (s[i] == ' ' && i + 1 < n && char_at(s, n, i + 1, &len) != BPE_UCLASS_SPACE) {
-            end = run_end(s, n, i + 1, char_at(s, n, i + 1, &len));
+        } else if (next_cls != BPE_UCLASS_SPACE) { /* " ?X+" with the optional space */
+            end = run_end(s, n, i + 1, next_cls);
         } else if (cls != BPE_UCLASS_SPACE) {
             end = run_end(s, n, i, cls);
         } else {

@@ -3,6 +3,7 @@
  *   tok_driver encode VOCAB INPUT    encode each record of INPUT
  *   tok_driver utf8 INPUT            run utf8_assembler over each record's feeds
  *   tok_driver bench VOCAB TEXT N    time N encodes (parse_special=1) of the file TEXT
+ *   tok_driver misuse VOCAB          invalid arguments must fail cleanly ("ok" when they do)
  *
  * Binary-safe formats ("<len>\n<bytes>\n" is a blob):
  *   VOCAB: "pre <name>\n" "<n_tokens>\n" then per token "<type> " blob,
@@ -217,10 +218,62 @@ static int cmd_bench(const char *vocab_path, const char *text_path, int repeat) 
     return 0;
 }
 
+/* Invalid arguments fail cleanly instead of crashing. */
+static int cmd_misuse(const char *vocab_path) {
+    bpe_tokenizer *tok = load_vocab(vocab_path);
+    char err[128] = "";
+    const char *tokens[] = {"a", "b"};
+    const char *bad_merge[] = {"a c"};
+    uint32_t ids[4];
+    const char *texts[] = {"ab", NULL};
+    size_t lens[] = {2, 1};
+    char out[64];
+    utf8_assembler a;
+    utf8_assembler_reset(&a);
+    struct {
+        const char *what;
+        int ok;
+    } checks[] = {
+        {"create without tokens", !bpe_create(NULL, NULL, 2, NULL, 0, "gpt2", err, sizeof err) && err[0]},
+        {"create with 0 tokens", !bpe_create(tokens, NULL, 0, NULL, 0, "gpt2", err, sizeof err)},
+        {"create with a NULL merge list", !bpe_create(tokens, NULL, 2, NULL, 1, "gpt2", err, sizeof err)},
+        {"create with an unknown merge", !bpe_create(tokens, NULL, 2, bad_merge, 1, "gpt2", NULL, 0)},
+        {"encode NULL tokenizer", bpe_encode(NULL, "a", 1, 1, ids, 4) == -1},
+        {"encode NULL text", bpe_encode(tok, NULL, 1, 1, ids, 4) == -1},
+        {"encode NULL out", bpe_encode(tok, "a", 1, 1, NULL, 4) == -1},
+        {"encode negative max_out", bpe_encode(tok, "a", 1, 1, ids, -1) == -1},
+        {"encode empty", bpe_encode(tok, NULL, 0, 1, NULL, 0) == 0},
+        {"pieces NULL lens", bpe_encode_pieces(tok, texts, NULL, NULL, 1, ids, 4) == -1},
+        {"pieces NULL text", bpe_encode_pieces(tok, texts, lens, NULL, 2, ids, 4) == -1},
+        {"pieces negative count", bpe_encode_pieces(tok, texts, lens, NULL, -1, ids, 4) == -1},
+        {"pieces none", bpe_encode_pieces(tok, NULL, NULL, NULL, 0, NULL, 0) == 0},
+        {"token bytes NULL out", bpe_token_bytes(tok, 0, NULL, 4) == -1},
+        {"token bytes length query", bpe_token_bytes(tok, 0, NULL, 0) >= 0},
+        {"token id NULL", bpe_token_id(tok, NULL) == -1 && bpe_token_id(NULL, "a") == -1},
+        {"token text NULL tokenizer", bpe_token_text(NULL, 0) == NULL && bpe_vocab_size(NULL) == 0},
+        {"feed NULL assembler", utf8_assembler_feed(NULL, "a", 1, out) == -1},
+        {"feed NULL bytes", utf8_assembler_feed(&a, NULL, 1, out) == -1},
+        {"feed negative length", utf8_assembler_feed(&a, "a", -1, out) == -1},
+        {"feed NULL out", utf8_assembler_feed(&a, "a", 1, NULL) == -1},
+    };
+    int failed = 0;
+    for (size_t i = 0; i < sizeof checks / sizeof checks[0]; i++) {
+        if (!checks[i].ok) {
+            printf("FAILED: %s\n", checks[i].what);
+            failed = 1;
+        }
+    }
+    bpe_free(NULL);
+    bpe_free(tok);
+    if (!failed) printf("ok\n");
+    return failed;
+}
+
 int main(int argc, char **argv) {
     if (argc == 4 && strcmp(argv[1], "encode") == 0) return cmd_encode(argv[2], argv[3]);
     if (argc == 3 && strcmp(argv[1], "utf8") == 0) return cmd_utf8(argv[2]);
     if (argc == 5 && strcmp(argv[1], "bench") == 0) return cmd_bench(argv[2], argv[3], atoi(argv[4]));
-    fprintf(stderr, "usage: tok_driver encode VOCAB INPUT | utf8 INPUT | bench VOCAB TEXT N\n");
+    if (argc == 3 && strcmp(argv[1], "misuse") == 0) return cmd_misuse(argv[2]);
+    fprintf(stderr, "usage: tok_driver encode VOCAB INPUT | utf8 INPUT | bench VOCAB TEXT N | misuse VOCAB\n");
     return 64;
 }
