@@ -250,7 +250,7 @@ static void build_implemented(void) {
      * so the global scope would not see it). */
     Dl_info info;
     void *self = NULL;
-    if (dladdr((void *)&baseRT_abi_version, &info) && info.dli_fname)
+    if (dladdr(&g_implemented_json, &info) && info.dli_fname)
         self = dlopen(info.dli_fname, RTLD_LAZY | RTLD_NOLOAD);
     if (!self) self = dlopen(NULL, RTLD_LAZY);
     json_buf b = {0};

@@ -177,8 +177,11 @@ BaseRTGenerationStats baseRT_generate(baseRT_model_t model, const uint32_t *prom
     }
     rt_runtime *rt = m->rt;
     int vocab = (int)m->cfg.vocab_size;
-    /* Penalty history: the prompt, then every generated token. */
-    uint32_t *history = malloc(((size_t)n_prompt + (size_t)max_tokens) * sizeof(uint32_t));
+    /* Penalty history: the prompt, then every generated token (at most one
+     * more than the context has room for after the prompt). */
+    int64_t room = (int64_t)m->cfg.max_seq_len - n_prompt + 1;
+    size_t max_generated = (size_t)(max_tokens < room ? max_tokens : (room > 0 ? room : 0));
+    uint32_t *history = malloc(((size_t)n_prompt + max_generated) * sizeof(uint32_t));
     text_stream ts = {.cap = 256};
     ts.bytes = malloc((size_t)ts.cap);
     ts.text = malloc(3 * ((size_t)ts.cap + 8) + 1);

@@ -89,7 +89,7 @@ static long long encode_run(const char *fn, const rt_model *m, const char *const
         dup = (cap ? dst[0] : first) == m->bos_id;
     }
     long long need = (long long)off + total - (dup ? 1 : 0);
-    if (need <= max_tokens && off) {
+    if (need <= max_tokens && off && out) {
         if (dup) memmove(out, out + 1, (size_t)total * sizeof *out);
         else out[0] = m->bos_id;
     }

@@ -39,7 +39,7 @@ int rt_forward_init(rt_model *m) {
         {(void **)&rt->hb2, C * c->ffn_dim * sizeof(float)},
         {(void **)&rt->row_lane, C * sizeof(int)},
         {(void **)&rt->row_pos, C * sizeof(int)},
-        {(void **)&rt->att_scores, (size_t)n_threads * c->max_seq_len * sizeof(float)},
+        {(void **)&rt->att_scores, (size_t)n_threads * (c->n_heads / c->n_kv_heads) * c->max_seq_len * sizeof(float)},
         {(void **)&rt->rope_cos, (size_t)c->max_seq_len * half * sizeof(float)},
         {(void **)&rt->rope_sin, (size_t)c->max_seq_len * half * sizeof(float)},
         {(void **)&rt->final_h, (size_t)rt->max_lanes * c->dim * sizeof(float)},
@@ -101,59 +101,70 @@ typedef struct {
     rt_model *m;
     const rt_lane *lanes;
     int layer, rows;
-    atomic_int next_item; /* (row, head) pairs, claimed one at a time */
+    atomic_int next_item; /* (row, kv head) pairs, claimed one at a time */
 } attn_job;
 
-/* One (row, head): causal softmax attention over positions [0, pos] of the
- * row's lane, read from the pool in position order. */
-static void attend(rt_model *m, const rt_seq *s, int layer, int pos, int head, const float *q, float *out,
+/* The query heads of one row that share kv head `kvh` (GQA): causal softmax
+ * attention over positions [0, pos] of the row's lane, read from the pool in
+ * position order. Scores are the matmul dot products (query heads against a
+ * block of keys at a time), so each one is the same value whatever the block
+ * or the row's batch. scores: [group][max_seq_len]. */
+static void attend(rt_model *m, const rt_seq *s, int layer, int pos, int kvh, const float *q, float *out,
                    float *scores) {
     const rt_runtime *rt = m->rt;
-    int hd = (int)m->cfg.head_dim, kv_dim = (int)m->cfg.kv_dim;
-    int kv_off = head / (int)(m->cfg.n_heads / m->cfg.n_kv_heads) * hd;
+    int hd = (int)m->cfg.head_dim, kv_dim = (int)m->cfg.kv_dim, max_seq = (int)m->cfg.max_seq_len;
+    int group = (int)(m->cfg.n_heads / m->cfg.n_kv_heads);
+    size_t kv_off = (size_t)kvh * hd;
     const float *kl = rt->k_pool + (size_t)layer * rt->layer_stride;
     const float *vl = rt->v_pool + (size_t)layer * rt->layer_stride;
     float scale = 1.0f / sqrtf((float)hd);
     int n = pos + 1;
 
-    float mx = -INFINITY;
-    for (int t = 0; t < n; t++) {
-        size_t row = (size_t)s->blocks[t / RT_PAGE_SIZE] * RT_PAGE_SIZE + (size_t)(t % RT_PAGE_SIZE);
-        float sc = rt_dot(q, kl + row * kv_dim + kv_off, hd) * scale;
-        scores[t] = sc;
-        if (sc > mx) mx = sc;
+    for (int t0 = 0; t0 < n; t0 += RT_PAGE_SIZE) {
+        size_t first = (size_t)s->blocks[t0 / RT_PAGE_SIZE] * RT_PAGE_SIZE;
+        int cnt = n - t0 < RT_PAGE_SIZE ? n - t0 : RT_PAGE_SIZE;
+        rt_dots(q, (size_t)hd, group, kl + first * kv_dim + kv_off, (size_t)kv_dim, cnt, scores + t0, (size_t)max_seq,
+                hd);
     }
-    float sum = 0.0f;
-    for (int t = 0; t < n; t++) {
-        float e = expf(scores[t] - mx);
-        scores[t] = e;
-        sum += e;
+    for (int g = 0; g < group; g++) {
+        float *sc = scores + (size_t)g * max_seq;
+        float mx = -INFINITY;
+        for (int t = 0; t < n; t++) {
+            sc[t] *= scale;
+            if (sc[t] > mx) mx = sc[t];
+        }
+        float sum = 0.0f;
+        for (int t = 0; t < n; t++) {
+            sc[t] = expf(sc[t] - mx);
+            sum += sc[t];
+        }
+        float *o = out + (size_t)g * hd;
+        memset(o, 0, (size_t)hd * sizeof(float));
+        for (int t0 = 0; t0 < n; t0 += RT_PAGE_SIZE) {
+            size_t first = (size_t)s->blocks[t0 / RT_PAGE_SIZE] * RT_PAGE_SIZE;
+            int cnt = n - t0 < RT_PAGE_SIZE ? n - t0 : RT_PAGE_SIZE;
+            rt_axpy_rows(sc + t0, cnt, vl + first * kv_dim + kv_off, (size_t)kv_dim, o, hd);
+        }
+        float inv = 1.0f / sum;
+        for (int d = 0; d < hd; d++) o[d] *= inv;
     }
-    memset(out, 0, (size_t)hd * sizeof(float));
-    for (int t = 0; t < n; t++) {
-        size_t row = (size_t)s->blocks[t / RT_PAGE_SIZE] * RT_PAGE_SIZE + (size_t)(t % RT_PAGE_SIZE);
-        const float *v = vl + row * kv_dim + kv_off;
-        float p = scores[t];
-        for (int d = 0; d < hd; d++) out[d] += p * v[d];
-    }
-    float inv = 1.0f / sum;
-    for (int d = 0; d < hd; d++) out[d] *= inv;
 }
 
 static void attn_task(void *ctx, int tid) {
     attn_job *j = ctx;
     rt_model *m = j->m;
     rt_runtime *rt = m->rt;
-    int n_heads = (int)m->cfg.n_heads, hd = (int)m->cfg.head_dim, q_dim = (int)m->cfg.q_dim;
-    int items = j->rows * n_heads;
-    float *scores = rt->att_scores + (size_t)tid * m->cfg.max_seq_len;
+    int n_kv = (int)m->cfg.n_kv_heads, q_dim = (int)m->cfg.q_dim;
+    size_t span = (size_t)(m->cfg.n_heads / m->cfg.n_kv_heads) * m->cfg.head_dim; /* q floats per kv head */
+    int items = j->rows * n_kv;
+    float *scores = rt->att_scores + (size_t)tid * (m->cfg.n_heads / m->cfg.n_kv_heads) * m->cfg.max_seq_len;
     for (;;) {
         int it = atomic_fetch_add_explicit(&j->next_item, 1, memory_order_relaxed);
         if (it >= items) return;
-        int r = it / n_heads, h = it % n_heads;
-        const float *q = rt->q + (size_t)r * q_dim + (size_t)h * hd;
-        float *out = rt->att + (size_t)r * q_dim + (size_t)h * hd;
-        attend(m, j->lanes[rt->row_lane[r]].seq, j->layer, rt->row_pos[r], h, q, out, scores);
+        int r = it / n_kv, kvh = it % n_kv;
+        const float *q = rt->q + (size_t)r * q_dim + kvh * span;
+        float *out = rt->att + (size_t)r * q_dim + kvh * span;
+        attend(m, j->lanes[rt->row_lane[r]].seq, j->layer, rt->row_pos[r], kvh, q, out, scores);
     }
 }
 

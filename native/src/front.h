@@ -34,3 +34,10 @@ int rt_bundle_read_budget(const char *fn, const char *path, rt_bundle_budget *ou
 /* ---- model API (api_model.c) -------------------------------------------- */
 /* The capability descriptor JSON for a loaded model; NULL on allocation failure. */
 char *rt_build_capability_descriptor(const rt_model *m);
+
+/* ---- sampling (sampling.c) ---------------------------------------------- */
+/* Validate a BaseRTSamplingConfig as baseRT_sample_logits_row does: temperature
+ * >= 0, top_k >= 0, top_p in (0, 1], min_p in [0, 1], repeat_penalty >= 0,
+ * finite penalties, logit_bias ids inside the vocabulary and no NaN values.
+ * Sets INVALID_ARGUMENT naming `fn` and returns false when bad. */
+bool rt_sampling_config_check(const char *fn, const BaseRTSamplingConfig *c, int vocab);

@@ -202,12 +202,13 @@ int rt_kv_reserve(rt_model *m, const rt_lane *lanes, int n_lanes, const char *fn
         need += blocks_after - s->n_blocks;
         if (needs_private_copy(rt, s)) need++;
     }
-    if (need > rt->n_free) rt_prefix_evict_blocks(m, (int)(need - rt->n_free));
+    if (need > rt->n_free && need <= (int64_t)rt->n_free + rt_prefix_evictable_blocks(m))
+        rt_prefix_evict_blocks(m, (int)(need - rt->n_free));
     if (need > rt->n_free) {
         rt_set_error(BASERT_ERR_OUT_OF_MEMORY,
                      "%s: KV pool exhausted: the step needs %lld free blocks of %d tokens, %d of %d are free "
-                     "(cached prefixes hold %d)",
-                     fn, (long long)need, RT_PAGE_SIZE, rt->n_free, rt->n_blocks, rt_prefix_cached_blocks(m));
+                     "and %d more could be evicted from the prefix cache",
+                     fn, (long long)need, RT_PAGE_SIZE, rt->n_free, rt->n_blocks, rt_prefix_evictable_blocks(m));
         return BASERT_ERR_OUT_OF_MEMORY;
     }
     for (int i = 0; i < n_lanes; i++) {

@@ -76,7 +76,8 @@ static int bundle_open(bundle *b, const char *fn, const char *path) {
     memset(b, 0, sizeof *b);
     b->fn = fn;
     b->path = path;
-    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    /* O_NONBLOCK: opening a FIFO must not hang (it is rejected as not a regular file). */
+    int fd = open(path, O_RDONLY | O_CLOEXEC | O_NONBLOCK);
     if (fd < 0) {
         int e = errno;
         BaseRTErrorCode code = (e == ENOENT || e == ENOTDIR || e == ENAMETOOLONG || e == ELOOP || e == EACCES ||

@@ -9,6 +9,7 @@
 
 #include <math.h>
 #include <pthread.h>
+#include <sched.h>
 #include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
@@ -70,21 +71,41 @@ float rt_bf16_to_f32(uint16_t h) {
 }
 
 /* ---- dot-product kernels ------------------------------------------------------
- * The dot product is defined as: one 8-lane accumulator over the first
- * n & ~7 elements in order, a fixed-order horizontal sum, then the tail
- * elements added one by one in order. A tile kernel computes RT x OT such dot
- * products at once (rows of x against rows of W), each with its own
- * accumulator following exactly that sequence, so a value never depends on
- * the tile shape. Tiles: 3x4 (main), 1x4, 3x1, 1x1. */
+ * The dot product is defined as: one V-lane accumulator (V = the vector width
+ * of the kernel set) over the first n - n % V elements in order, a fixed-order
+ * horizontal sum, then the tail elements added one by one in order. A tile
+ * kernel computes RT x OT such dot products at once (RT rows of x against OT
+ * rows of W), each with its own accumulator following exactly that sequence,
+ * so a value never depends on the tile it lands in. Every set provides tiles
+ * RMxOM, 2xOM, 1xOM, RMx1 and 1x1 (RM, OM = its main tile shape).
+ *
+ * While a tile streams its OT weight rows it prefetches, into L2, the rows
+ * PREFETCH_TILES tiles ahead (the matmul walks weight rows in order): decode
+ * reads every weight once per step from DRAM, and this overlaps that stream
+ * with the arithmetic. Prefetching never changes a value. */
 
-enum { TILE_R = 3, TILE_O = 4 };
+enum { TILE_OMAX = 6, TILE_RMAX = 4, PREFETCH_TILES = 2 };
 
 typedef void (*tile_fn)(const float *x, size_t ldx, const float *w, size_t ldw, float *y, size_t ldy, int n);
+/* y[k] += sum over t < n, in order, of p[t] * v[t * ldv + k], for k < d. */
+typedef void (*axpy_fn)(const float *p, int n, const float *v, size_t ldv, float *y, int d);
 
 typedef struct {
-    tile_fn t_ro, t_1o, t_r1, t_11;
+    int rows_main, cols_main;
+    tile_fn t_main, t_2, t_1, t_main1, t_11;
+    axpy_fn axpy;
     const char *name;
 } kernel_set;
+
+/* Tiles keep their accumulators in registers only once the r/o loops are
+ * fully unrolled; ask for it explicitly so -O2 builds get it too. */
+#define UNROLL _Pragma("GCC unroll 8")
+
+#define DEFINE_TILE(PREFIX, RT, OT)                                                                             \
+    static void PREFIX##_##RT##x##OT(const float *x, size_t ldx, const float *w, size_t ldw, float *y,          \
+                                     size_t ldy, int n) {                                                       \
+        PREFIX(x, ldx, w, ldw, y, ldy, n, RT, OT);                                                              \
+    }
 
 /* Portable path: GCC vector extensions (SSE2 on baseline x86-64), multiply
  * then add, two roundings per term. */
@@ -96,42 +117,70 @@ typedef float v8f __attribute__((vector_size(32)));
 
 static inline __attribute__((always_inline)) void tile_generic(const float *x, size_t ldx, const float *w, size_t ldw,
                                                                float *y, size_t ldy, int n, int RT, int OT) {
-    v8f acc[TILE_R][TILE_O];
+    v8f acc[TILE_RMAX][TILE_OMAX];
+    UNROLL
     for (int r = 0; r < RT; r++)
+        UNROLL
         for (int o = 0; o < OT; o++) acc[r][o] = (v8f){0, 0, 0, 0, 0, 0, 0, 0};
-    int n8 = n & ~7;
-    for (int i = 0; i < n8; i += 8) {
-        v8f xv[TILE_R];
+    int nv = n & ~7;
+    for (int i = 0; i < nv; i += 8) {
+        v8f xv[TILE_RMAX];
+        UNROLL
         for (int r = 0; r < RT; r++) V8_LOAD(xv[r], x + r * ldx + i);
+        UNROLL
         for (int o = 0; o < OT; o++) {
             v8f wv;
             V8_LOAD(wv, w + o * ldw + i);
+            __builtin_prefetch(w + (OT * PREFETCH_TILES + o) * ldw + i, 0, 2);
+            UNROLL
             for (int r = 0; r < RT; r++) acc[r][o] = acc[r][o] + xv[r] * wv;
         }
     }
+    UNROLL
     for (int r = 0; r < RT; r++)
+        UNROLL
         for (int o = 0; o < OT; o++) {
             float s = V8_HSUM(acc[r][o]);
-            for (int i = n8; i < n; i++) s = s + x[r * ldx + i] * w[o * ldw + i];
+            for (int i = nv; i < n; i++) s = s + x[r * ldx + i] * w[o * ldw + i];
             y[r * ldy + o] = s;
         }
 }
 
-#define GENERIC_TILE(RT, OT)                                                                                    \
-    static void tile_generic_##RT##x##OT(const float *x, size_t ldx, const float *w, size_t ldw, float *y,      \
-                                         size_t ldy, int n) {                                                   \
-        tile_generic(x, ldx, w, ldw, y, ldy, n, RT, OT);                                                        \
-    }
-GENERIC_TILE(3, 4)
-GENERIC_TILE(1, 4)
-GENERIC_TILE(3, 1)
-GENERIC_TILE(1, 1)
+DEFINE_TILE(tile_generic, 3, 4)
+DEFINE_TILE(tile_generic, 2, 4)
+DEFINE_TILE(tile_generic, 1, 4)
+DEFINE_TILE(tile_generic, 3, 1)
+DEFINE_TILE(tile_generic, 1, 1)
 
-static const kernel_set generic_kernels = {tile_generic_3x4, tile_generic_1x4, tile_generic_3x1, tile_generic_1x1,
+static void axpy_generic(const float *p, int n, const float *v, size_t ldv, float *y, int d) {
+    int k = 0;
+    for (; k + 8 <= d; k += 8) {
+        v8f acc, vv;
+        V8_LOAD(acc, y + k);
+        for (int t = 0; t < n; t++) {
+            V8_LOAD(vv, v + t * ldv + k);
+            acc = acc + p[t] * vv;
+        }
+        memcpy(y + k, &acc, sizeof acc);
+    }
+    for (; k < d; k++)
+        for (int t = 0; t < n; t++) y[k] = y[k] + p[t] * v[t * ldv + k];
+}
+
+static const kernel_set generic_kernels = {3,
+                                           4,
+                                           tile_generic_3x4,
+                                           tile_generic_2x4,
+                                           tile_generic_1x4,
+                                           tile_generic_3x1,
+                                           tile_generic_1x1,
+                                           axpy_generic,
                                            "generic"};
 
 #if defined(__x86_64__) && defined(__GNUC__)
 #include <immintrin.h>
+
+/* AVX2 + FMA: 8 lanes, 3x4 main tile (12 accumulators + 3 x + 1 w registers). */
 #pragma GCC push_options
 #pragma GCC target("avx2,fma")
 
@@ -142,55 +191,159 @@ static inline float hsum_avx(__m256 v) {
     return _mm_cvtss_f32(_mm_add_ss(t, _mm_shuffle_ps(t, t, 1)));
 }
 
-static inline __attribute__((always_inline)) void tile_avx(const float *x, size_t ldx, const float *w, size_t ldw,
-                                                           float *y, size_t ldy, int n, int RT, int OT) {
-    __m256 acc[TILE_R][TILE_O];
+static inline __attribute__((always_inline)) void tile_avx2(const float *x, size_t ldx, const float *w, size_t ldw,
+                                                            float *y, size_t ldy, int n, int RT, int OT) {
+    __m256 acc[TILE_RMAX][TILE_OMAX];
+    UNROLL
     for (int r = 0; r < RT; r++)
+        UNROLL
         for (int o = 0; o < OT; o++) acc[r][o] = _mm256_setzero_ps();
-    int n8 = n & ~7;
-    for (int i = 0; i < n8; i += 8) {
-        __m256 xv[TILE_R];
+    int nv = n & ~7;
+    for (int i = 0; i < nv; i += 8) {
+        __m256 xv[TILE_RMAX];
+        UNROLL
         for (int r = 0; r < RT; r++) xv[r] = _mm256_loadu_ps(x + r * ldx + i);
+        UNROLL
         for (int o = 0; o < OT; o++) {
             __m256 wv = _mm256_loadu_ps(w + o * ldw + i);
+            _mm_prefetch((const char *)(w + (OT * PREFETCH_TILES + o) * ldw + i), _MM_HINT_T1);
+            UNROLL
             for (int r = 0; r < RT; r++) acc[r][o] = _mm256_fmadd_ps(xv[r], wv, acc[r][o]);
         }
     }
+    UNROLL
     for (int r = 0; r < RT; r++)
+        UNROLL
         for (int o = 0; o < OT; o++) {
             float s = hsum_avx(acc[r][o]);
-            for (int i = n8; i < n; i++) s = fmaf(x[r * ldx + i], w[o * ldw + i], s);
+            for (int i = nv; i < n; i++) s = fmaf(x[r * ldx + i], w[o * ldw + i], s);
             y[r * ldy + o] = s;
         }
 }
 
-#define AVX_TILE(RT, OT)                                                                                        \
-    static void tile_avx_##RT##x##OT(const float *x, size_t ldx, const float *w, size_t ldw, float *y,          \
-                                     size_t ldy, int n) {                                                       \
-        tile_avx(x, ldx, w, ldw, y, ldy, n, RT, OT);                                                            \
+DEFINE_TILE(tile_avx2, 3, 4)
+DEFINE_TILE(tile_avx2, 2, 4)
+DEFINE_TILE(tile_avx2, 1, 4)
+DEFINE_TILE(tile_avx2, 3, 1)
+DEFINE_TILE(tile_avx2, 1, 1)
+
+static void axpy_avx2(const float *p, int n, const float *v, size_t ldv, float *y, int d) {
+    int k = 0;
+    for (; k + 16 <= d; k += 16) {
+        __m256 a0 = _mm256_loadu_ps(y + k), a1 = _mm256_loadu_ps(y + k + 8);
+        for (int t = 0; t < n; t++) {
+            __m256 pt = _mm256_set1_ps(p[t]);
+            a0 = _mm256_fmadd_ps(pt, _mm256_loadu_ps(v + t * ldv + k), a0);
+            a1 = _mm256_fmadd_ps(pt, _mm256_loadu_ps(v + t * ldv + k + 8), a1);
+        }
+        _mm256_storeu_ps(y + k, a0);
+        _mm256_storeu_ps(y + k + 8, a1);
     }
-AVX_TILE(3, 4)
-AVX_TILE(1, 4)
-AVX_TILE(3, 1)
-AVX_TILE(1, 1)
+    for (; k < d; k++)
+        for (int t = 0; t < n; t++) y[k] = fmaf(p[t], v[t * ldv + k], y[k]);
+}
 
 #pragma GCC pop_options
 
-static const kernel_set avx_kernels = {tile_avx_3x4, tile_avx_1x4, tile_avx_3x1, tile_avx_1x1, "avx2-fma"};
+/* AVX-512: 16 lanes, 4x6 main tile (24 accumulators of 32 registers). */
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx2,fma")
+
+static inline float hsum_avx512(__m512 v) {
+    __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1));
+    return hsum_avx(_mm256_add_ps(_mm512_castps512_ps256(v), hi));
+}
+
+static inline __attribute__((always_inline)) void tile_avx512(const float *x, size_t ldx, const float *w,
+                                                              size_t ldw, float *y, size_t ldy, int n, int RT,
+                                                              int OT) {
+    __m512 acc[TILE_RMAX][TILE_OMAX];
+    UNROLL
+    for (int r = 0; r < RT; r++)
+        UNROLL
+        for (int o = 0; o < OT; o++) acc[r][o] = _mm512_setzero_ps();
+    int nv = n & ~15;
+    for (int i = 0; i < nv; i += 16) {
+        __m512 xv[TILE_RMAX];
+        UNROLL
+        for (int r = 0; r < RT; r++) xv[r] = _mm512_loadu_ps(x + r * ldx + i);
+        UNROLL
+        for (int o = 0; o < OT; o++) {
+            __m512 wv = _mm512_loadu_ps(w + o * ldw + i);
+            _mm_prefetch((const char *)(w + (OT * PREFETCH_TILES + o) * ldw + i), _MM_HINT_T1);
+            UNROLL
+            for (int r = 0; r < RT; r++) acc[r][o] = _mm512_fmadd_ps(xv[r], wv, acc[r][o]);
+        }
+    }
+    UNROLL
+    for (int r = 0; r < RT; r++)
+        UNROLL
+        for (int o = 0; o < OT; o++) {
+            float s = hsum_avx512(acc[r][o]);
+            for (int i = nv; i < n; i++) s = fmaf(x[r * ldx + i], w[o * ldw + i], s);
+            y[r * ldy + o] = s;
+        }
+}
+
+DEFINE_TILE(tile_avx512, 4, 6)
+DEFINE_TILE(tile_avx512, 2, 6)
+DEFINE_TILE(tile_avx512, 1, 6)
+DEFINE_TILE(tile_avx512, 4, 1)
+DEFINE_TILE(tile_avx512, 1, 1)
+
+static void axpy_avx512(const float *p, int n, const float *v, size_t ldv, float *y, int d) {
+    int k = 0;
+    for (; k + 32 <= d; k += 32) {
+        __m512 a0 = _mm512_loadu_ps(y + k), a1 = _mm512_loadu_ps(y + k + 16);
+        for (int t = 0; t < n; t++) {
+            __m512 pt = _mm512_set1_ps(p[t]);
+            a0 = _mm512_fmadd_ps(pt, _mm512_loadu_ps(v + t * ldv + k), a0);
+            a1 = _mm512_fmadd_ps(pt, _mm512_loadu_ps(v + t * ldv + k + 16), a1);
+        }
+        _mm512_storeu_ps(y + k, a0);
+        _mm512_storeu_ps(y + k + 16, a1);
+    }
+    for (; k < d; k++)
+        for (int t = 0; t < n; t++) y[k] = fmaf(p[t], v[t * ldv + k], y[k]);
+}
+
+#pragma GCC pop_options
+
+static const kernel_set avx2_kernels = {3,
+                                        4,
+                                        tile_avx2_3x4,
+                                        tile_avx2_2x4,
+                                        tile_avx2_1x4,
+                                        tile_avx2_3x1,
+                                        tile_avx2_1x1,
+                                        axpy_avx2,
+                                        "avx2-fma"};
+static const kernel_set avx512_kernels = {4,
+                                          6,
+                                          tile_avx512_4x6,
+                                          tile_avx512_2x6,
+                                          tile_avx512_1x6,
+                                          tile_avx512_4x1,
+                                          tile_avx512_1x1,
+                                          axpy_avx512,
+                                          "avx512"};
 #endif
 
 static const kernel_set *g_kernels;
 static pthread_once_t g_kernels_once = PTHREAD_ONCE_INIT;
 
 /* Chosen once per process: results must never change between two calls.
- * BASERT_REF_SIMD=0 forces the portable path (used by the tests). */
+ * BASERT_REF_SIMD caps the choice (tests): "generic" (or "0"), "avx2". */
 static void select_kernels(void) {
     g_kernels = &generic_kernels;
 #if defined(__x86_64__) && defined(__GNUC__)
     const char *env = getenv("BASERT_REF_SIMD");
-    bool allowed = !(env && env[0] == '0');
+    const char *cap = env && *env ? env : "avx512";
+    if (strcmp(cap, "0") == 0 || strcmp(cap, "generic") == 0) return;
     __builtin_cpu_init();
-    if (allowed && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) g_kernels = &avx_kernels;
+    if (!__builtin_cpu_supports("avx2") || !__builtin_cpu_supports("fma")) return;
+    g_kernels = &avx2_kernels;
+    if (strcmp(cap, "avx2") != 0 && __builtin_cpu_supports("avx512f")) g_kernels = &avx512_kernels;
 #endif
 }
 
@@ -212,27 +365,32 @@ float rt_dot(const float *a, const float *b, int n) {
 /* Rows are processed in blocks small enough to stay in L2 while the weights
  * stream past once per block (decode batches are a single block). Outputs are
  * handed to threads in units of OUT_UNIT columns. */
-enum { ROW_BLOCK = 64, OUT_UNIT = 16 };
+enum { ROW_BLOCK = 64, OUT_UNIT = 24 }; /* a multiple of every set's cols_main */
 
-static void matmul_range(const kernel_set *ks, const float *x, size_t ldx, int rows, int in, const rt_mm_target *t,
-                         int o0, int o1) {
-    size_t ldw = (size_t)in;
+static void matmul_range(const kernel_set *ks, const float *x, size_t ldx, int rows, int in, size_t ldw,
+                         const rt_mm_target *t, int o0, int o1) {
+    size_t ldy = t->ldy;
+    int rm = ks->rows_main, om = ks->cols_main;
     for (int rb = 0; rb < rows; rb += ROW_BLOCK) {
         int rn = rows - rb < ROW_BLOCK ? rows - rb : ROW_BLOCK;
         const float *xb = x + (size_t)rb * ldx;
-        float *yb = t->y + (size_t)rb * t->ldy;
+        float *yb = t->y + (size_t)rb * ldy;
         int o = o0;
-        for (; o + TILE_O <= o1; o += TILE_O) {
+        for (; o + om <= o1; o += om) {
             const float *w = t->w + (size_t)o * ldw;
             int r = 0;
-            for (; r + TILE_R <= rn; r += TILE_R) ks->t_ro(xb + r * ldx, ldx, w, ldw, yb + r * t->ldy + o, t->ldy, in);
-            for (; r < rn; r++) ks->t_1o(xb + r * ldx, ldx, w, ldw, yb + r * t->ldy + o, t->ldy, in);
+            /* Main tiles, then pairs (a 3-row set splits a remainder of 4 in
+             * two pairs rather than 3 + a lone row), then a lone row. */
+            for (; rn - r >= rm && !(rm == 3 && rn - r == 4); r += rm)
+                ks->t_main(xb + r * ldx, ldx, w, ldw, yb + r * ldy + o, ldy, in);
+            for (; rn - r >= 2; r += 2) ks->t_2(xb + r * ldx, ldx, w, ldw, yb + r * ldy + o, ldy, in);
+            if (r < rn) ks->t_1(xb + r * ldx, ldx, w, ldw, yb + r * ldy + o, ldy, in);
         }
         for (; o < o1; o++) {
             const float *w = t->w + (size_t)o * ldw;
             int r = 0;
-            for (; r + TILE_R <= rn; r += TILE_R) ks->t_r1(xb + r * ldx, ldx, w, ldw, yb + r * t->ldy + o, t->ldy, in);
-            for (; r < rn; r++) ks->t_11(xb + r * ldx, ldx, w, ldw, yb + r * t->ldy + o, t->ldy, in);
+            for (; rn - r >= rm; r += rm) ks->t_main1(xb + r * ldx, ldx, w, ldw, yb + r * ldy + o, ldy, in);
+            for (; r < rn; r++) ks->t_11(xb + r * ldx, ldx, w, ldw, yb + r * ldy + o, ldy, in);
         }
     }
 }
@@ -260,7 +418,7 @@ static void matmul_task(void *ctx, int tid) {
         while (u >= units_of(j->targets[i].out)) u -= units_of(j->targets[i++].out);
         const rt_mm_target *t = &j->targets[i];
         int o0 = u * OUT_UNIT, o1 = o0 + OUT_UNIT < t->out ? o0 + OUT_UNIT : t->out;
-        matmul_range(j->ks, j->x, j->ldx, j->rows, j->in, t, o0, o1);
+        matmul_range(j->ks, j->x, j->ldx, j->rows, j->in, (size_t)j->in, t, o0, o1);
     }
 }
 
@@ -278,25 +436,49 @@ void rt_matmul(rt_threads *th, const float *x, size_t ldx, int rows, int in, con
     rt_threads_run(th, matmul_task, &job, nt);
 }
 
+void rt_axpy_rows(const float *p, int n, const float *v, size_t ldv, float *y, int d) { kernels()->axpy(p, n, v, ldv, y, d); }
+
+void rt_dots(const float *x, size_t ldx, int rows, const float *w, size_t ldw, int out, float *y, size_t ldy, int n) {
+    rt_mm_target t = {w, y, out, ldy};
+    matmul_range(kernels(), x, ldx, rows, n, ldw, &t, 0, out);
+}
+
 /* ---- thread pool ---------------------------------------------------------------
- * Persistent workers parked on a condition variable. A run is open from the
- * moment it is posted until the caller has finished its own share; a worker
- * joins only while it is open (under the mutex), and the caller waits only for
- * the workers that joined. A worker the OS has not scheduled yet therefore
- * never delays a step: it finds the run closed and goes back to sleep. */
+ * Persistent workers. A run is open from the moment it is posted until the
+ * caller has finished its own share; a worker joins only while it is open
+ * (one atomic word holds the open bit and the join count), and the caller
+ * waits only for the workers that joined. A worker the OS has not scheduled
+ * yet therefore never delays a step: it finds the run closed and goes back to
+ * waiting. Between runs workers spin briefly (a decode step posts a few
+ * hundred runs back to back) and then sleep on a condition variable. */
+
+#if defined(__x86_64__) || defined(__i386__)
+#define CPU_RELAX() __builtin_ia32_pause()
+#else
+#define CPU_RELAX() ((void)0)
+#endif
+
+enum {
+    RUN_OPEN = 1 << 30,     /* state: the run accepts workers */
+    RUN_JOINED = RUN_OPEN - 1,
+    WORKER_SPIN = 1 << 12,  /* pauses before a worker sleeps (~0.2-0.5 ms) */
+    CALLER_SPIN = 1 << 10,  /* pauses before the caller starts yielding */
+};
 
 struct rt_threads {
     int n; /* threads including the caller */
     pthread_t *th;
-    pthread_mutex_t mu;
-    pthread_cond_t cv_start, cv_done;
+    /* The current run, published by the increment of `generation`. */
     rt_task_fn fn;
     void *ctx;
-    int max_joined; /* workers allowed into the current run */
-    unsigned long generation;
-    bool open;
-    int joined, finished;
-    bool stop;
+    int max_joined;
+    atomic_ulong generation;
+    atomic_int state;    /* RUN_OPEN | workers joined */
+    atomic_int finished; /* joined workers that returned */
+    atomic_int sleepers;
+    atomic_bool stop;
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
 };
 
 typedef struct {
@@ -304,26 +486,36 @@ typedef struct {
     int tid;
 } worker_arg;
 
+static void worker_wait(rt_threads *p, unsigned long seen) {
+    for (int i = 0; i < WORKER_SPIN; i++) {
+        if (atomic_load(&p->generation) != seen || atomic_load(&p->stop)) return;
+        CPU_RELAX();
+    }
+    pthread_mutex_lock(&p->mu);
+    atomic_fetch_add(&p->sleepers, 1);
+    while (atomic_load(&p->generation) == seen && !atomic_load(&p->stop)) pthread_cond_wait(&p->cv, &p->mu);
+    atomic_fetch_sub(&p->sleepers, 1);
+    pthread_mutex_unlock(&p->mu);
+}
+
 static void *worker_main(void *arg) {
     worker_arg wa = *(worker_arg *)arg;
     free(arg);
     rt_threads *p = wa.pool;
     unsigned long seen = 0;
-    pthread_mutex_lock(&p->mu);
     for (;;) {
-        while (p->generation == seen && !p->stop) pthread_cond_wait(&p->cv_start, &p->mu);
-        if (p->stop) break;
-        seen = p->generation;
-        if (!p->open || p->joined >= p->max_joined) continue;
-        p->joined++;
-        rt_task_fn fn = p->fn;
-        void *ctx = p->ctx;
-        pthread_mutex_unlock(&p->mu);
-        fn(ctx, wa.tid);
-        pthread_mutex_lock(&p->mu);
-        if (++p->finished == p->joined && !p->open) pthread_cond_signal(&p->cv_done);
+        worker_wait(p, seen);
+        if (atomic_load(&p->stop)) break;
+        seen = atomic_load(&p->generation);
+        int st = atomic_load(&p->state);
+        bool joined = false;
+        while ((st & RUN_OPEN) && (st & RUN_JOINED) < p->max_joined)
+            if ((joined = atomic_compare_exchange_weak(&p->state, &st, st + 1))) break;
+        if (!joined) continue;
+        /* Joining synchronised with the post: fn and ctx are this run's. */
+        p->fn(p->ctx, wa.tid);
+        atomic_fetch_add(&p->finished, 1);
     }
-    pthread_mutex_unlock(&p->mu);
     return NULL;
 }
 
@@ -342,8 +534,7 @@ rt_threads *rt_threads_create(int n_threads) {
     if (!p) return NULL;
     p->n = n_threads < 1 ? 1 : n_threads;
     pthread_mutex_init(&p->mu, NULL);
-    pthread_cond_init(&p->cv_start, NULL);
-    pthread_cond_init(&p->cv_done, NULL);
+    pthread_cond_init(&p->cv, NULL);
     if (p->n > 1) {
         p->th = calloc((size_t)p->n - 1, sizeof *p->th);
         if (!p->th) {
@@ -371,15 +562,14 @@ void rt_threads_free(rt_threads *p) {
     if (!p) return;
     if (p->th) {
         pthread_mutex_lock(&p->mu);
-        p->stop = true;
-        pthread_cond_broadcast(&p->cv_start);
+        atomic_store(&p->stop, true);
+        pthread_cond_broadcast(&p->cv);
         pthread_mutex_unlock(&p->mu);
         for (int i = 1; i < p->n; i++) pthread_join(p->th[i - 1], NULL);
         free(p->th);
     }
     pthread_mutex_destroy(&p->mu);
-    pthread_cond_destroy(&p->cv_start);
-    pthread_cond_destroy(&p->cv_done);
+    pthread_cond_destroy(&p->cv);
     free(p);
 }
 
@@ -390,18 +580,25 @@ void rt_threads_run(rt_threads *p, rt_task_fn fn, void *ctx, int n_threads) {
         fn(ctx, 0);
         return;
     }
-    pthread_mutex_lock(&p->mu);
     p->fn = fn;
     p->ctx = ctx;
     p->max_joined = (n_threads < p->n ? n_threads : p->n) - 1;
-    p->joined = p->finished = 0;
-    p->open = true;
-    p->generation++;
-    pthread_cond_broadcast(&p->cv_start);
-    pthread_mutex_unlock(&p->mu);
+    atomic_store(&p->finished, 0);
+    atomic_store(&p->state, RUN_OPEN);
+    atomic_fetch_add(&p->generation, 1);
+    /* Sequentially consistent: a worker that registered as a sleeper before
+     * this load is woken; one registering after it sees the new generation. */
+    if (atomic_load(&p->sleepers) > 0) {
+        pthread_mutex_lock(&p->mu);
+        pthread_cond_broadcast(&p->cv);
+        pthread_mutex_unlock(&p->mu);
+    }
     fn(ctx, 0);
-    pthread_mutex_lock(&p->mu);
-    p->open = false;
-    while (p->finished < p->joined) pthread_cond_wait(&p->cv_done, &p->mu);
-    pthread_mutex_unlock(&p->mu);
+    int joined = atomic_exchange(&p->state, 0) & RUN_JOINED;
+    for (int i = 0; atomic_load(&p->finished) < joined; i++) {
+        if (i < CALLER_SPIN)
+            CPU_RELAX();
+        else
+            sched_yield(); /* a joined worker was descheduled: let it run */
+    }
 }

@@ -51,6 +51,14 @@ void rt_matmul(rt_threads *t, const float *x, size_t ldx, int rows, int in, cons
 
 /* The dot product every matmul output is defined by. */
 float rt_dot(const float *a, const float *b, int n);
+/* The same dot products on the calling thread, any weight-row stride:
+ * y[r * ldy + o] = dot(x[r * ldx ..], w[o * ldw ..], n) for r < rows, o < out.
+ * (Attention scores: query heads against a block of cached keys.) */
+void rt_dots(const float *x, size_t ldx, int rows, const float *w, size_t ldw, int out, float *y, size_t ldy, int n);
+/* y[k] += p[t] * v[t * ldv + k] for t = 0, 1, ..., n - 1 in that order, for
+ * every k < d (attention: probabilities times a block of cached values). Each
+ * y[k] sees the same operations whatever d or the other elements. */
+void rt_axpy_rows(const float *p, int n, const float *v, size_t ldv, float *y, int d);
 
 /* Name of the kernel set in use ("avx2-fma" or "generic"), for diagnostics. */
 const char *rt_mathops_isa(void);

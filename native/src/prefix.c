@@ -112,6 +112,31 @@ static void collect_evictable(const rt_runtime *rt, rt_pnode *n, node_vec *out) 
     }
 }
 
+/* Nodes eviction could free: unlocked, held by the trie alone, and with an
+ * evictable subtree (a node is only evicted once it is a leaf). */
+static int count_evictable(const rt_runtime *rt, const rt_pnode *n, bool *all) {
+    int count = 0;
+    *all = true;
+    for (int i = 0; i < n->n_child; i++) {
+        bool sub;
+        count += count_evictable(rt, n->child[i], &sub);
+        if (!sub) *all = false;
+    }
+    if (n->block >= 0) { /* not the root */
+        if (*all && n->locks == 0 && rt->ref[n->block] == 1)
+            count++;
+        else
+            *all = false;
+    }
+    return count;
+}
+
+int rt_prefix_evictable_blocks(const rt_model *m) {
+    const rt_prefix_cache *pc = m->rt->prefix;
+    bool all;
+    return pc ? count_evictable(m->rt, &pc->root, &all) : 0;
+}
+
 static int by_stamp(const void *a, const void *b) {
     uint64_t x = (*(rt_pnode *const *)a)->stamp, y = (*(rt_pnode *const *)b)->stamp;
     return x < y ? -1 : x > y;

@@ -53,7 +53,7 @@ typedef struct rt_runtime {
     int max_lanes; /* max(max_batch_size, 1) */
     float *x, *xb, *q, *k, *v, *att, *hb, *hb2;
     int *row_lane, *row_pos;
-    float *att_scores;          /* [threads][max_seq_len] */
+    float *att_scores;          /* [threads][n_heads / n_kv_heads][max_seq_len] */
     float *rope_cos, *rope_sin; /* [max_seq_len][head_dim / 2] */
     float *final_h;             /* [max_lanes][dim] last hidden row of each lane */
 
@@ -90,8 +90,9 @@ bool rt_block_decref(rt_runtime *rt, int block);
 /* Context limit for every lane: INVALID_ARGUMENT naming the lane otherwise. */
 int rt_kv_check_lengths(const rt_model *m, const rt_lane *lanes, int n_lanes, const char *fn);
 /* Make room for every lane's new tokens: fresh blocks, a private copy of a
- * shared block about to be written. All or nothing: on OUT_OF_MEMORY (after
- * evicting unlocked cached prefixes) no sequence has changed. */
+ * shared block about to be written. Evicts unlocked cached prefixes when that
+ * makes the step fit (and leaves the cache alone when nothing would). All or
+ * nothing: on OUT_OF_MEMORY no sequence has changed. */
 int rt_kv_reserve(rt_model *m, const rt_lane *lanes, int n_lanes, const char *fn);
 
 /* ---- forward.c ------------------------------------------------------------- */
@@ -109,6 +110,8 @@ void rt_prefix_free(rt_model *m);
  * returns the number freed. 0 when the cache is disabled. */
 int rt_prefix_evict_blocks(rt_model *m, int n_blocks);
 int rt_prefix_cached_blocks(const rt_model *m);
+/* Blocks rt_prefix_evict_blocks could return to the pool right now. */
+int rt_prefix_evictable_blocks(const rt_model *m);
 
 /* ---- batch.c --------------------------------------------------------------- */
 /* Round rows of f32 logits to f16 in place (the values every greedy/sampled

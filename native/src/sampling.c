@@ -10,15 +10,22 @@
  *      biased and penalized so far)
  *   4. top_k (0 = off), 5. top_p (1 = off), 6. min_p (0 = off, relative to
  *      the most likely survivor), all over the tempered logits
- *   7. one draw from the softmax of the survivors.
+ *   7. one draw from the softmax of the survivors, by Gumbel-max.
+ * rt_sample_row_f32 (the fused-sample path, BaseRTRowSampling) is steps 2-7
+ * with the same code: a row sampled on the host with cfg->seed + seed_offset
+ * == S and the same parameters gives the token the fused path gives with
+ * rs->seed == S.
+ *
+ * The engine's logits are f16 (baseRT_read_batch_logits): every f32 entry
+ * point here first rounds the row to f16, so argmax and sampling agree bit
+ * for bit whether a row went through the host readback or not.
  * NaN logits count as -inf. A row with a +inf logit returns the lowest such
  * index; a row with no finite logit returns its argmax (0 when all -inf).
  *
- * Randomness is counter-based (a splitmix64 finaliser over the seed), so a
- * result depends only on its inputs, never on the thread or call history:
- * seed != 0 draws from hash(seed + seed_offset); seed 0 draws from a
- * per-thread stream seeded from the clock. rt_sample_row_f32 (the fused-sample
- * path) is Gumbel-max over the same survivors with noise hash(seed, token id). */
+ * Randomness is counter-based: Gumbel noise for token t is a splitmix64
+ * finaliser of (seed, t), so a result depends only on its inputs, never on
+ * the thread or the call history. seed 0 in a BaseRTSamplingConfig draws a
+ * fresh seed per call from a per-thread stream seeded from the clock. */
 
 #include "front.h"
 
@@ -119,12 +126,28 @@ static uint64_t entropy_seed(void) {
 
 /* ---- row helpers --------------------------------------------------------------------- */
 
-uint32_t rt_argmax_f32(const float *row, int vocab) {
+/* The value an f16 logits buffer would hold. */
+static inline float as_f16(float x) { return rt_f16_to_f32(rt_f32_to_f16(x)); }
+
+static uint32_t argmax_exact(const float *row, int vocab) {
     uint32_t best = 0;
     float bv = -INFINITY;
     for (int i = 0; i < vocab; i++) {
         if (row[i] > bv) { /* NaN never compares greater: it never wins */
             bv = row[i];
+            best = (uint32_t)i;
+        }
+    }
+    return best;
+}
+
+uint32_t rt_argmax_f32(const float *row, int vocab) {
+    uint32_t best = 0;
+    float bv = -INFINITY;
+    for (int i = 0; i < vocab; i++) {
+        float x = as_f16(row[i]);
+        if (x > bv) {
+            bv = x;
             best = (uint32_t)i;
         }
     }
@@ -243,17 +266,24 @@ static size_t filter_candidates(cand *c, size_t n, int top_k, float top_p, float
     return n;
 }
 
-static uint32_t draw(const cand *c, size_t n, double u) {
-    float mx = c[0].v;
-    for (size_t i = 1; i < n; i++) mx = c[i].v > mx ? c[i].v : mx;
-    double total = 0.0;
-    for (size_t i = 0; i < n; i++) total += exp((double)c[i].v - mx);
-    double r = u * total, cum = 0.0;
+/* The row as the sampler sees it: f16-rounded, NaN as -inf. */
+static void load_row(float *s, const float *row, int vocab) {
+    for (int i = 0; i < vocab; i++) s[i] = isnan(row[i]) ? -INFINITY : as_f16(row[i]);
+}
+
+/* Gumbel-max over the survivors: argmax of logit/T + Gumbel(seed, token id). */
+static uint32_t gumbel_pick(const cand *c, size_t n, uint32_t seed) {
+    uint32_t best = c[0].i;
+    double best_key = -INFINITY;
     for (size_t i = 0; i < n; i++) {
-        cum += exp((double)c[i].v - mx);
-        if (r < cum) return c[i].i;
+        double u = unit_open(mix64(((uint64_t)seed << 32 | c[i].i) ^ 0x632be59bd9b4e019ull));
+        double key = (double)c[i].v - log(-log(u));
+        if (key > best_key || (key == best_key && c[i].i < best)) {
+            best_key = key;
+            best = c[i].i;
+        }
     }
-    return c[n - 1].i;
+    return best;
 }
 
 /* Tempered candidates of s: finite entries only. Returns the count; sets
@@ -291,7 +321,7 @@ uint32_t rt_sample_cfg_f32(const float *row, int vocab, const BaseRTSamplingConf
         return rt_argmax_f32(row, vocab); /* out of memory: degrade to greedy rather than fail */
 
     float *s = scratch;
-    for (int i = 0; i < vocab; i++) s[i] = isnan(row[i]) ? -INFINITY : row[i];
+    load_row(s, row, vocab);
     for (int32_t j = 0; j < cfg->n_logit_bias && cfg->logit_bias_tokens && cfg->logit_bias_values; j++) {
         int32_t t = cfg->logit_bias_tokens[j];
         float b = cfg->logit_bias_values[j];
@@ -301,22 +331,22 @@ uint32_t rt_sample_cfg_f32(const float *row, int vocab, const BaseRTSamplingConf
     apply_penalties(s, vocab, prev + (window ? (size_t)n_prev - window : 0), window, cfg->repeat_penalty,
                     cfg->presence_penalty, cfg->frequency_penalty, w->hist);
     float temp = cfg->temperature;
-    if (!(temp > 0.0f)) return rt_argmax_f32(s, vocab);
+    if (!(temp > 0.0f)) return argmax_exact(s, vocab);
 
     int64_t forced;
     size_t n = gather(s, vocab, temp, c, &forced);
     if (forced >= 0) return (uint32_t)forced;
-    if (n == 0) return rt_argmax_f32(s, vocab);
+    if (n == 0) return argmax_exact(s, vocab);
     n = filter_candidates(c, n, cfg->top_k, cfg->top_p, cfg->min_p);
-    uint64_t r;
+    uint32_t seed;
     if (cfg->seed != 0) {
-        r = mix64((uint64_t)(uint32_t)(cfg->seed + seed_offset) ^ 0x5851f42d4c957f2dull);
+        seed = cfg->seed + seed_offset; /* wraps modulo 2^32 */
     } else {
         if (!w->rng) w->rng = entropy_seed();
         w->rng += 0x9e3779b97f4a7c15ull;
-        r = mix64(w->rng);
+        seed = (uint32_t)mix64(w->rng);
     }
-    return draw(c, n, unit_open(r));
+    return gumbel_pick(c, n, seed);
 }
 
 uint32_t rt_sample_row_f32(const float *row, int vocab, const BaseRTRowSampling *rs, float *scratch) {
@@ -328,31 +358,20 @@ uint32_t rt_sample_row_f32(const float *row, int vocab, const BaseRTRowSampling 
     if (!c || !reserve((void **)&w->hist, &w->cap_hist, window, sizeof(uint32_t))) return rt_argmax_f32(row, vocab);
 
     float *s = scratch;
-    for (int i = 0; i < vocab; i++) s[i] = isnan(row[i]) ? -INFINITY : row[i];
+    load_row(s, row, vocab);
     apply_penalties(s, vocab, rs->history, window, rs->repeat_penalty, rs->presence_penalty, rs->frequency_penalty,
                     w->hist);
     int64_t forced;
     size_t n = gather(s, vocab, rs->temperature, c, &forced);
     if (forced >= 0) return (uint32_t)forced;
-    if (n == 0) return rt_argmax_f32(s, vocab);
+    if (n == 0) return argmax_exact(s, vocab);
     n = filter_candidates(c, n, rs->top_k, rs->top_p, rs->min_p);
-    /* Gumbel-max: argmax of logit/T + Gumbel noise keyed by (seed, token id). */
-    uint32_t best = c[0].i;
-    double best_key = -INFINITY;
-    for (size_t i = 0; i < n; i++) {
-        double u = unit_open(mix64(((uint64_t)rs->seed << 32 | c[i].i) ^ 0x632be59bd9b4e019ull));
-        double key = (double)c[i].v - log(-log(u));
-        if (key > best_key || (key == best_key && c[i].i < best)) {
-            best_key = key;
-            best = c[i].i;
-        }
-    }
-    return best;
+    return gumbel_pick(c, n, rs->seed);
 }
 
 /* ---- exported host-side row operations ----------------------------------------------- */
 
-static bool check_sampling(const char *fn, const BaseRTSamplingConfig *c, int vocab) {
+bool rt_sampling_config_check(const char *fn, const BaseRTSamplingConfig *c, int vocab) {
     const char *bad = NULL;
     if (isnan(c->temperature) || c->temperature < 0.0f) bad = "temperature must be >= 0";
     else if (c->top_k < 0) bad = "top_k must be >= 0";
@@ -392,7 +411,7 @@ uint32_t baseRT_sample_logits_row(baseRT_model_t model, const void *row, const B
                      (const void *)prev_tokens, n_prev, repeat_window);
         return 0;
     }
-    if (!check_sampling(fn, cfg, vocab)) return 0;
+    if (!rt_sampling_config_check(fn, cfg, vocab)) return 0;
     work *w = work_get();
     if (!w || !work_rows(w, (size_t)vocab)) {
         rt_set_error(BASERT_ERR_OUT_OF_MEMORY, "%s: out of memory", fn);

@@ -1,0 +1,471 @@
+"""The OpenAI-compatible server, end to end over HTTP on the tiny model.
+
+A uvicorn server runs in a background thread for the module; the official
+`openai` client and raw httpx talk to it. The shutdown test runs `aiobasert
+serve` as a subprocess and sends it SIGTERM.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+import os
+import queue
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import anyio
+import httpx
+import numpy as np
+import openai
+import pytest
+import uvicorn
+from openai import AsyncOpenAI, OpenAI
+from starlette.applications import Starlette
+
+from aiobasert import Engine
+from aiobasert.server import create_app
+from aiobasert.tiny import build_tiny_model
+
+API_KEY = "sk-test-key"
+MODEL_NAME = "tiny"
+REPO = Path(__file__).resolve().parent.parent
+LONG_CONTEXT = 16384
+
+
+@contextlib.contextmanager
+def serving(app: Starlette) -> Iterator[str]:
+    """Run `app` with uvicorn in a thread on a free port; yields its base URL."""
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
+    thread = threading.Thread(target=server.run, name="test-uvicorn", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "the test server did not start"
+        time.sleep(0.01)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    yield f"http://127.0.0.1:{port}"
+    server.should_exit = True
+    thread.join(10)
+    assert not thread.is_alive(), "the test server did not stop"
+
+
+@pytest.fixture(scope="module")
+def base_url(long_model_path: Path) -> Iterator[str]:
+    app = create_app(
+        long_model_path, api_key=API_KEY, model_name=MODEL_NAME, max_batch_size=4, max_context=LONG_CONTEXT
+    )
+    with serving(app) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def long_model_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model with a 16k window: room for a stream longer than every socket buffer."""
+    return build_tiny_model(tmp_path_factory.mktemp("long") / "long.base", max_position_embeddings=LONG_CONTEXT)
+
+
+# A streaming request whose events (~2.5 KB each, with 20 logprobs) add up to far more than the
+# kernel and uvicorn buffer: a client that does not read keeps it in flight (its lane paused).
+LONG_STREAM = {"prompt": "Hello", "max_tokens": 16000, "temperature": 0, "stream": True, "logprobs": 20}
+
+
+@pytest.fixture(scope="module")
+def client(base_url: str) -> Iterator[OpenAI]:
+    with OpenAI(base_url=f"{base_url}/v1", api_key=API_KEY, max_retries=0) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def http(base_url: str) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=base_url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=30) as c:
+        yield c
+
+
+def stats(http: httpx.Client) -> dict[str, Any]:
+    r = http.get("/v1/internal/stats")
+    assert r.status_code == 200
+    result: dict[str, Any] = r.json()
+    return result
+
+
+def wait_idle(http: httpx.Client, timeout: float = 5.0) -> dict[str, Any]:
+    """Engine stats once nothing is queued, running or live (or the last snapshot at the deadline)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        s = stats(http)
+        idle = s["live_sequences"] == 0 and s["active_lanes"] == 0 and s["waiting_requests"] == 0
+        if idle or time.monotonic() > deadline:
+            return s
+        time.sleep(0.01)
+
+
+# ---- completions --------------------------------------------------------------------------
+
+
+def test_completion_matches_its_stream(client: OpenAI) -> None:
+    kwargs: dict[str, Any] = dict(model=MODEL_NAME, prompt="Once upon a time", max_tokens=12, temperature=0)
+    whole = client.completions.create(**kwargs)
+    (choice,) = whole.choices
+    assert choice.finish_reason == "length"
+    assert choice.text
+    assert whole.model == MODEL_NAME and whole.object == "text_completion"
+    assert whole.usage is not None
+    assert whole.usage.completion_tokens == 12
+    assert whole.usage.prompt_tokens > 0
+    assert whole.usage.total_tokens == whole.usage.prompt_tokens + 12
+
+    chunks = list(client.completions.create(**kwargs, stream=True, stream_options={"include_usage": True}))
+    text_chunks = [c for c in chunks if c.choices]
+    assert "".join(c.choices[0].text for c in text_chunks) == choice.text
+    assert [c.choices[0].finish_reason for c in text_chunks][-1] == "length"
+    assert all(c.choices[0].finish_reason is None for c in text_chunks[:-1])
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 12
+
+
+def test_completion_stop_string(client: OpenAI) -> None:
+    text = client.completions.create(model=MODEL_NAME, prompt="Hello", max_tokens=16, temperature=0).choices[0].text
+    stop = text[-3:]
+    (choice,) = client.completions.create(
+        model=MODEL_NAME, prompt="Hello", max_tokens=16, temperature=0, stop=[stop]
+    ).choices
+    assert choice.finish_reason == "stop"
+    assert choice.text == text[: text.index(stop)]
+
+
+def test_completion_token_id_prompt_and_seed(client: OpenAI) -> None:
+    ids = [5, 17, 42, 99]
+    r = client.completions.create(model=MODEL_NAME, prompt=ids, max_tokens=4, temperature=0)
+    assert r.usage is not None and r.usage.prompt_tokens == len(ids)
+    sampled = [
+        client.completions.create(model=MODEL_NAME, prompt="Hi", max_tokens=8, temperature=1.0, seed=7).choices[0].text
+        for _ in range(2)
+    ]
+    assert sampled[0] == sampled[1]
+
+
+def test_completion_logprobs(client: OpenAI) -> None:
+    r = client.completions.create(model=MODEL_NAME, prompt="Hello", max_tokens=6, temperature=0, logprobs=3)
+    lp = r.choices[0].logprobs
+    assert lp is not None and lp.tokens is not None and lp.token_logprobs is not None and lp.top_logprobs is not None
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 6
+    for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, strict=True):
+        assert logprob is not None and logprob <= 0
+        assert 1 <= len(top) <= 4
+        assert top[token] == pytest.approx(logprob)
+        assert logprob == pytest.approx(max(top.values()))  # greedy: the sampled token is the most likely
+    assert lp.text_offset is not None and lp.text_offset == sorted(lp.text_offset)
+
+
+# ---- chat ---------------------------------------------------------------------------------
+
+
+def test_chat_matches_its_stream(client: OpenAI) -> None:
+    messages: Any = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}]
+    whole = client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=10, temperature=0)
+    (choice,) = whole.choices
+    assert choice.message.role == "assistant"
+    assert choice.message.content
+    assert choice.finish_reason == "length"
+    assert whole.object == "chat.completion"
+    assert whole.usage is not None and whole.usage.completion_tokens == 10
+
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL_NAME,
+            messages=messages,
+            max_tokens=10,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    assert chunks[0].choices[0].delta.role == "assistant"
+    choices = [c.choices[0] for c in chunks if c.choices]
+    assert "".join(c.delta.content or "" for c in choices) == choice.message.content
+    assert choices[-1].finish_reason == "length"
+    assert all(c.finish_reason is None for c in choices[:-1])
+    usage = chunks[-1].usage
+    assert usage is not None and usage.completion_tokens == 10 and usage.prompt_tokens == whole.usage.prompt_tokens
+
+
+def test_chat_logprobs_and_content_parts(client: OpenAI) -> None:
+    r = client.chat.completions.create(
+        model=MODEL_NAME,
+        messages=[{"role": "user", "content": [{"type": "text", "text": "Hello"}]}],
+        max_tokens=5,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+    )
+    lp = r.choices[0].logprobs
+    assert lp is not None and lp.content is not None and len(lp.content) == 5
+    for entry in lp.content:
+        assert len(entry.top_logprobs) == 2
+        assert entry.token == entry.top_logprobs[0].token
+        assert entry.logprob == pytest.approx(entry.top_logprobs[0].logprob)
+        assert entry.bytes == list(entry.token.encode())
+
+
+@pytest.mark.anyio
+async def test_concurrent_streams_are_batch_invariant(base_url: str) -> None:
+    """Identical greedy requests streamed together (sharing the engine's lanes) agree."""
+    texts: list[str] = []
+
+    async with AsyncOpenAI(base_url=f"{base_url}/v1", api_key=API_KEY, max_retries=0) as aclient:
+
+        async def one() -> None:
+            stream = await aclient.chat.completions.create(
+                model=MODEL_NAME,
+                messages=[{"role": "user", "content": "Count with me"}],
+                max_tokens=24,
+                temperature=0,
+                stream=True,
+            )
+            texts.append("".join([c.choices[0].delta.content or "" async for c in stream if c.choices]))
+
+        async with anyio.create_task_group() as tg:
+            for _ in range(6):
+                tg.start_soon(one)
+    assert len(texts) == 6 and texts[0] and len(set(texts)) == 1
+
+
+# ---- models, embeddings, health -------------------------------------------------------------
+
+
+def test_models(client: OpenAI, http: httpx.Client) -> None:
+    (model,) = client.models.list().data
+    assert model.id == MODEL_NAME and model.owned_by == "aiobasert"
+    assert client.models.retrieve(MODEL_NAME).id == MODEL_NAME
+    r = http.get("/v1/models/nope")
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+
+
+def test_embeddings(client: OpenAI, http: httpx.Client) -> None:
+    r = client.embeddings.create(model=MODEL_NAME, input=["a cat", "a dog", "a cat"])  # the client asks for base64
+    vectors = [np.array(d.embedding) for d in r.data]
+    assert [d.index for d in r.data] == [0, 1, 2]
+    assert all(v.shape == (64,) for v in vectors)  # the tiny model's dim
+    assert np.array_equal(vectors[0], vectors[2]) and not np.array_equal(vectors[0], vectors[1])
+    assert r.usage.prompt_tokens > 0 and r.usage.total_tokens == r.usage.prompt_tokens
+
+    floats = http.post("/v1/embeddings", json={"input": "a cat", "encoding_format": "float"}).json()
+    np.testing.assert_allclose(np.array(floats["data"][0]["embedding"]), vectors[0], rtol=1e-6)
+
+
+def test_health_needs_no_key(base_url: str) -> None:
+    r = httpx.get(f"{base_url}/health")
+    assert r.status_code == 200 and r.json() == {"status": "ok"}
+
+
+# ---- errors ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param", "message"),
+    [
+        ("/v1/completions", b"{not json", None, "not valid JSON"),
+        ("/v1/completions", {"max_tokens": 4}, None, "prompt"),
+        ("/v1/completions", {"prompt": 5}, "prompt", "Expected"),
+        ("/v1/completions", {"prompt": "x", "n": 2}, "n", "n=1"),
+        ("/v1/completions", {"prompt": "x", "echo": True}, "echo", "not supported"),
+        ("/v1/completions", {"prompt": "x", "temperature": -1}, None, "temperature"),
+        ("/v1/completions", {"prompt": "x", "logit_bias": {"abc": 1}}, "logit_bias", "not a token id"),
+        ("/v1/completions", {"prompt": [1, 10**6]}, None, "token id"),
+        ("/v1/completions", {"prompt": "x", "max_tokens": 20000}, None, "exceeds the context window"),
+        ("/v1/completions", {"prompt": "x", "max_tokens": 20000, "stream": True}, None, "exceeds the context window"),
+        ("/v1/chat/completions", {"messages": []}, None, "messages"),
+        ("/v1/chat/completions", {"messages": [{"role": "tool", "content": "x"}]}, "messages", "role"),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}},
+            "response_format",
+            "structured output is not available yet",
+        ),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": " ".join(map(str, range(9000)))}], "stream": True},
+            None,
+            "exceeds the context window",
+        ),
+        ("/v1/embeddings", {"input": []}, "input", "empty"),
+    ],
+)
+def test_bad_requests_are_400(http: httpx.Client, path: str, body: Any, param: str | None, message: str) -> None:
+    before = stats(http)
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    r = http.post(path, content=content, headers={"Content-Type": "application/json"})
+    assert r.status_code == 400, r.text
+    assert r.headers["content-type"].startswith("application/json")
+    error = r.json()["error"]
+    assert error["type"] == "invalid_request_error"
+    assert error["param"] == param
+    assert message in error["message"]
+    after = wait_idle(http)
+    assert after["live_sequences"] == 0 and after["requests_finished"] == before["requests_finished"]
+
+
+def test_context_error_code_through_the_client(client: OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=MODEL_NAME, prompt="x", max_tokens=20000)
+    assert info.value.code == "context_length_exceeded"
+
+
+def test_unknown_fields_are_ignored(http: httpx.Client) -> None:
+    r = http.post("/v1/completions", json={"prompt": "x", "max_tokens": 2, "frobnicate": {"a": 1}, "user": "u"})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+
+
+def test_api_key_is_required(base_url: str) -> None:
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY}):
+        r = httpx.post(f"{base_url}/v1/completions", json={"prompt": "x"}, headers=headers)
+        assert r.status_code == 401
+        assert r.json()["error"]["code"] == "invalid_api_key"
+    with (
+        OpenAI(base_url=f"{base_url}/v1", api_key="wrong", max_retries=0) as bad,
+        pytest.raises(openai.AuthenticationError),
+    ):
+        bad.models.list()
+
+
+# ---- disconnects and shutdown ---------------------------------------------------------------
+
+
+def test_client_disconnect_frees_the_lane(http: httpx.Client) -> None:
+    before = wait_idle(http)
+    body = {"prompt": "Once upon a time", "max_tokens": 16000, "temperature": 0, "stream": True}
+    with http.stream("POST", "/v1/completions", json=body) as r:
+        assert r.status_code == 200
+        events = 0
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                events += 1
+                if events == 2:
+                    break
+    # The body was not read to the end: closing the response closed the connection.
+    after = wait_idle(http)
+    assert after["live_sequences"] == 0 and after["active_lanes"] == 0
+    assert after["requests_cancelled"] == before["requests_cancelled"] + 1
+    assert after["requests_finished"] == before["requests_finished"]
+
+
+class _Lines:
+    """Lines of a subprocess's stream, read by a thread so the pipe never fills up."""
+
+    def __init__(self, stream: Any) -> None:
+        self._queue: queue.Queue[str] = queue.Queue()
+        self.seen: list[str] = []
+        threading.Thread(target=self._pump, args=(stream,), daemon=True).start()
+
+    def _pump(self, stream: Any) -> None:
+        for line in stream:
+            self._queue.put(line)
+
+    def wait_for(self, pattern: str, timeout: float) -> re.Match[str]:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                line = self._queue.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                raise AssertionError(f"no line matching {pattern!r} in {timeout} s; got {self.seen}") from None
+            self.seen.append(line)
+            match = re.search(pattern, line)
+            if match:
+                return match
+
+
+def subprocess_env(model: Path) -> dict[str, str]:
+    env = dict(os.environ, AIOBASERT_MODEL=str(model), PYTHONUNBUFFERED="1")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
+    return env
+
+
+def start_uvicorn(args: list[str], model: Path) -> tuple[subprocess.Popen[str], _Lines, int]:
+    proc = subprocess.Popen(
+        [sys.executable, *args], stderr=subprocess.PIPE, text=True, cwd=REPO, env=subprocess_env(model)
+    )
+    assert proc.stderr is not None
+    lines = _Lines(proc.stderr)
+    try:
+        port = int(lines.wait_for(r"Uvicorn running on http://127\.0\.0\.1:(\d+)", 60).group(1))
+    except BaseException:
+        proc.kill()
+        proc.wait()
+        raise
+    return proc, lines, port
+
+
+def raw_stream_request(port: int, body: dict[str, Any]) -> socket.socket:
+    """POST a streaming request on a socket with a small receive buffer, to be read later (or never)."""
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.connect(("127.0.0.1", port))
+    data = json.dumps(body).encode()
+    sock.sendall(
+        b"POST /v1/completions HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
+        + f"Content-Length: {len(data)}\r\n\r\n".encode()
+        + data
+    )
+    return sock
+
+
+def test_sigterm_ends_streams_cleanly_and_exits_fast(long_model_path: Path) -> None:
+    args = ["-m", "aiobasert", "serve", "--port", "0", "--max-context", str(LONG_CONTEXT)]
+    proc, _, port = start_uvicorn(args, long_model_path)
+    try:
+        reader, stuck = raw_stream_request(port, LONG_STREAM), raw_stream_request(port, LONG_STREAM)
+        reader.settimeout(10)
+        received = bytearray(reader.recv(4096))
+        assert received.startswith(b"HTTP/1.1 200")
+        time.sleep(0.2)
+        sent_at = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        while chunk := reader.recv(65536):  # the server closes the connection when the stream ends
+            received += chunk
+        proc.wait(timeout=5)
+        elapsed = time.monotonic() - sent_at
+        reader.close()
+        stuck.close()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert elapsed < 2.0, f"the server took {elapsed:.2f} s to exit after SIGTERM"
+    tail = bytes(received[-600:])
+    assert b'"code":"aborted"' in tail, tail  # the in-flight stream ended with an error event ...
+    assert tail.rstrip().endswith(b"data: [DONE]\n\n\r\n0"), tail  # ... then [DONE] and the last HTTP chunk
+
+
+def test_full_queue_is_503_and_queued_disconnects_are_cancelled(long_model_path: Path) -> None:
+    factory = functools.partial(Engine.open, long_model_path, max_batch_size=1, max_queue=1, max_context=LONG_CONTEXT)
+    with serving(create_app(factory)) as url, httpx.Client(base_url=url, timeout=30) as http:
+        port = int(url.rsplit(":", 1)[1])
+
+        def wait_for(key: str) -> None:
+            deadline = time.monotonic() + 10
+            while stats(http)[key] < 1:
+                assert time.monotonic() < deadline, stats(http)
+                time.sleep(0.01)
+
+        running = raw_stream_request(port, LONG_STREAM)  # holds the only lane: its client reads nothing
+        wait_for("active_lanes")
+        queued = raw_stream_request(port, LONG_STREAM)
+        wait_for("waiting_requests")
+        r = http.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})
+        assert r.status_code == 503, r.text
+        assert r.json()["error"]["code"] == "engine_overloaded" and r.headers["retry-after"] == "1"
+        assert http.get("/v1/models").json()["data"][0]["id"] == long_model_path.stem
+        running.close()
+        queued.close()  # hangs up while waiting for a lane, before any byte of its response
+        after = wait_idle(http)
+        assert after["live_sequences"] == 0 and after["waiting_requests"] == 0
+        assert after["requests_cancelled"] == 2 and after["requests_finished"] == 0
