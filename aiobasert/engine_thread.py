@@ -369,13 +369,31 @@ class EngineThread:
 
     def _serve(self) -> None:
         while True:
+            self._refresh_flow()
             idle = not self.batcher.has_runnable_work()
             self._drain(block=idle and not (self._closing and not self._lanes))
             if self._closing and (self._abort or not self._lanes):
                 return
+            self._refresh_flow()
             if self.batcher.has_runnable_work():
                 self._step()
             self._flush()
+
+    def _refresh_flow(self) -> None:
+        """Flow control: see what each consumer has read; pause lanes that are too far ahead.
+
+        A paused lane's ticket says so; its consumer posts `Resume` on its next
+        read. `paused` is set before the counter is re-read, so a read racing
+        with the pause is never missed.
+        """
+        for state in self.batcher.running:
+            t = self._lanes[state.rid].ticket
+            state.unread = t.delivered - t.consumed
+            if self.batcher.is_paused(state) and not t.paused:
+                t.paused = True
+                state.unread = t.delivered - t.consumed
+                if not self.batcher.is_paused(state):
+                    t.paused = False
 
     def _drain(self, *, block: bool) -> None:
         try:
@@ -534,14 +552,6 @@ class EngineThread:
         self.steps += 1
         for state in self.batcher.admit():
             self._admit(self._lanes[state.rid])
-        for state in self.batcher.running:  # flow control: refresh what consumers have read
-            t = self._lanes[state.rid].ticket
-            state.unread = t.delivered - t.consumed
-            if self.batcher.is_paused(state):
-                t.paused = True
-                if t.delivered - t.consumed < self.batcher.max_buffered_tokens:  # read meanwhile
-                    t.paused = False
-                    state.unread = t.delivered - t.consumed
         rows = self.batcher.schedule()
         if not rows:
             return

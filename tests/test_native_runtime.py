@@ -70,11 +70,18 @@ def raw(lib: Library) -> ctypes.CDLL:
     return c
 
 
-@pytest.fixture(scope="module")
-def tiny_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """f32 weights, untied head: the oracle reads exactly the engine's weights."""
+@pytest.fixture(scope="module", params=[(64, 4, 2), (128, 2, 1)], ids=["head_dim16", "head_dim64"])
+def tiny_path(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """f32 weights, untied head: the oracle reads exactly the engine's weights.
+    Two head sizes: one shorter than a vector register, one a multiple of it."""
+    dim, n_heads, n_kv_heads = request.param
     return build_tiny_model(
-        tmp_path_factory.mktemp("runtime") / "tiny.base", dim=64, n_heads=4, n_kv_heads=2, ffn_dim=96, tied=False
+        tmp_path_factory.mktemp("runtime") / "tiny.base",
+        dim=dim,
+        n_heads=n_heads,
+        n_kv_heads=n_kv_heads,
+        ffn_dim=96,
+        tied=False,
     )
 
 
@@ -203,7 +210,7 @@ def test_embedding_matches_numpy_oracle_in_f32(rt: Runtime, oracle: NumpyLlama) 
     ref = hidden.logits(tokens)[:, : cfg.dim].mean(axis=0)
     out = (c_float * cfg.dim)()
     assert rt.lib.baseRT_embed(rt.m, u32(tokens), len(tokens), out, cfg.dim) == cfg.dim, rt.error()
-    got = np.frombuffer(out, dtype=np.float32)
+    got = np.array(out, dtype=np.float32)
     assert np.abs(got - ref).max() <= 1e-4 * np.abs(ref).max()
     assert rt.stats().kv_cache_blocks_used == 0  # the scratch sequence is gone
 
@@ -349,7 +356,7 @@ def test_block_accounting(rt: Runtime) -> None:
     st = rt.stats()
     assert st.kv_cache_blocks_used == 3 + 4 + 1
     assert st.kv_cache_tokens_used == st.kv_cache_blocks_used * PAGE
-    for s, p in zip(seqs, ps):
+    for s, p in zip(seqs, ps, strict=True):
         lib.baseRT_prefix_insert(rt.m, u32(p), len(p), s)
     cached = rt.cached_blocks()
     assert cached == 2 + 3 + 1
@@ -427,7 +434,7 @@ def test_contiguous_model_has_no_sequences(lib: Library, raw: ctypes.CDLL, tiny_
         assert st.kv_cache_layout == 1 and st.kv_cache_tokens_used == 20
         logits = (c_float * rt.vocab)()
         assert lib.baseRT_read_logits(rt.m, logits, rt.vocab) == rt.vocab
-        assert int(np.argmax(np.frombuffer(logits, dtype=np.float32))) == first
+        assert int(np.argmax(np.array(logits, dtype=np.float32))) == first
     finally:
         rt.free()
 
@@ -457,10 +464,11 @@ def test_generate_matches_batched_greedy(rt: Runtime) -> None:
     tokens = prompt(30, 15, rt.vocab)
     got: list[int] = []
 
-    @TOKEN_CALLBACK
-    def on_token(tok: int, text: bytes | None, _: Any) -> bool:
+    def collect(tok: int, text: bytes | None, _: Any) -> bool:
         got.append(tok)
         return True
+
+    on_token = TOKEN_CALLBACK(collect)
 
     greedy = BaseRTSamplingConfig(temperature=0.0, top_p=1.0, repeat_penalty=1.0)
     stats: BaseRTGenerationStats = lib.baseRT_generate(rt.m, u32(tokens), len(tokens), 12, greedy, on_token, None)
@@ -469,7 +477,7 @@ def test_generate_matches_batched_greedy(rt: Runtime) -> None:
     # The same continuation through a sequence, stopping where generate did (EOS or 12).
     s = rt.seq()
     nxt = rt.step_greedy([s], [tokens])[0]
-    expect = []
+    expect: list[int] = []
     while len(expect) < 12 and nxt != 2:  # 2: the tiny vocabulary's EOS
         expect.append(nxt)
         nxt = rt.step_greedy([s], [[nxt]])[0]
@@ -482,6 +490,6 @@ def test_generate_matches_batched_greedy(rt: Runtime) -> None:
     first = lib.baseRT_prefill(rt.m, u32(tokens), len(tokens))
     logits = (c_float * rt.vocab)()
     assert lib.baseRT_read_logits(rt.m, logits, rt.vocab) == rt.vocab
-    values = np.frombuffer(logits, dtype=np.float32)
+    values = np.array(logits, dtype=np.float32)
     assert int(np.argmax(values)) == first == rt.step_greedy([rt.seq()], [tokens])[0]
     assert np.array_equal(values.astype(np.float16).astype(np.float32), values)  # f16-rounded, widened

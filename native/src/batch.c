@@ -200,6 +200,38 @@ int baseRT_batch_step_fused_sample(baseRT_model_t model, baseRT_sequence_t *seqs
     return BASERT_OK;
 }
 
+/* The sampling pass of baseRT_batch_step_fused_sample on its own, over rows
+ * the last fused step left. The rows are not modified. */
+int baseRT_sample_logits_rows(baseRT_model_t model, int first_row, int n_rows, const BaseRTRowSampling *rows,
+                              uint32_t *out_tokens) {
+    static const char fn[] = "baseRT_sample_logits_rows";
+    rt_model *m = rt_runtime_model(model, fn);
+    if (!m) return rt_last_error_code();
+    rt_runtime *rt = m->rt;
+    if (!rows || !out_tokens) {
+        rt_set_error(BASERT_ERR_INVALID_ARGUMENT, "%s: %s is NULL", fn, !rows ? "rows" : "out_tokens");
+        return BASERT_ERR_INVALID_ARGUMENT;
+    }
+    if (first_row < 0 || n_rows <= 0 || (int64_t)first_row + n_rows > rt->logits_rows) {
+        rt_set_error(BASERT_ERR_INVALID_ARGUMENT, "%s: rows [%d, %d + %d) are outside the %d rows of the last step",
+                     fn, first_row, first_row, n_rows, rt->logits_rows);
+        return BASERT_ERR_INVALID_ARGUMENT;
+    }
+    for (int i = 0; i < n_rows; i++) {
+        if (rows[i].history_count > 0 && !rows[i].history) {
+            rt_set_error(BASERT_ERR_INVALID_ARGUMENT, "%s: rows[%d].history is NULL with history_count %u", fn, i,
+                         rows[i].history_count);
+            return BASERT_ERR_INVALID_ARGUMENT;
+        }
+    }
+    int vocab = (int)m->cfg.vocab_size;
+    for (int i = 0; i < n_rows; i++)
+        out_tokens[i] = rt_sample_row_f32(rt->logits + (size_t)(first_row + i) * vocab, vocab, &rows[i],
+                                          rt->sample_scratch);
+    rt_clear_error();
+    return BASERT_OK;
+}
+
 int baseRT_read_batch_logits(baseRT_model_t model, int n_seqs, void *out_logits_f16) {
     static const char fn[] = "baseRT_read_batch_logits";
     rt_model *m = rt_runtime_model(model, fn);

@@ -2,7 +2,7 @@
  * batched matmul built on it, and the thread pool that splits matmul outputs.
  * See mathops.h for the determinism contract. Compiled as ISO C11, so the
  * compiler never contracts a*b+c into an FMA behind our back: the only fused
- * operations are the explicit ones of the AVX2 path. */
+ * operations are the explicit ones of the AVX2 and AVX-512 kernels. */
 
 #include "mathops.h"
 #include "internal.h"
@@ -101,6 +101,13 @@ typedef struct {
  * fully unrolled; ask for it explicitly so -O2 builds get it too. */
 #define UNROLL _Pragma("GCC unroll 8")
 
+/* Address of element i of weight row o + PREFETCH_TILES * OT, computed as an
+ * integer: it may lie past the matrix (a prefetch there is harmless, forming
+ * such a pointer by pointer arithmetic would not be). */
+#define AHEAD(w, ldw, o, OT, i)                                                                                 \
+    ((const char *)((uintptr_t)(w) + (((size_t)(OT) * PREFETCH_TILES + (size_t)(o)) * (ldw) + (size_t)(i)) *   \
+                                         sizeof(float)))
+
 #define DEFINE_TILE(PREFIX, RT, OT)                                                                             \
     static void PREFIX##_##RT##x##OT(const float *x, size_t ldx, const float *w, size_t ldw, float *y,          \
                                      size_t ldy, int n) {                                                       \
@@ -131,7 +138,7 @@ static inline __attribute__((always_inline)) void tile_generic(const float *x, s
         for (int o = 0; o < OT; o++) {
             v8f wv;
             V8_LOAD(wv, w + o * ldw + i);
-            __builtin_prefetch(w + (OT * PREFETCH_TILES + o) * ldw + i, 0, 2);
+            __builtin_prefetch(AHEAD(w, ldw, o, OT, i), 0, 2);
             UNROLL
             for (int r = 0; r < RT; r++) acc[r][o] = acc[r][o] + xv[r] * wv;
         }
@@ -206,7 +213,7 @@ static inline __attribute__((always_inline)) void tile_avx2(const float *x, size
         UNROLL
         for (int o = 0; o < OT; o++) {
             __m256 wv = _mm256_loadu_ps(w + o * ldw + i);
-            _mm_prefetch((const char *)(w + (OT * PREFETCH_TILES + o) * ldw + i), _MM_HINT_T1);
+            _mm_prefetch(AHEAD(w, ldw, o, OT, i), _MM_HINT_T1);
             UNROLL
             for (int r = 0; r < RT; r++) acc[r][o] = _mm256_fmadd_ps(xv[r], wv, acc[r][o]);
         }
@@ -270,7 +277,7 @@ static inline __attribute__((always_inline)) void tile_avx512(const float *x, si
         UNROLL
         for (int o = 0; o < OT; o++) {
             __m512 wv = _mm512_loadu_ps(w + o * ldw + i);
-            _mm_prefetch((const char *)(w + (OT * PREFETCH_TILES + o) * ldw + i), _MM_HINT_T1);
+            _mm_prefetch(AHEAD(w, ldw, o, OT, i), _MM_HINT_T1);
             UNROLL
             for (int r = 0; r < RT; r++) acc[r][o] = _mm512_fmadd_ps(xv[r], wv, acc[r][o]);
         }
@@ -353,12 +360,6 @@ static const kernel_set *kernels(void) {
 }
 
 const char *rt_mathops_isa(void) { return kernels()->name; }
-
-float rt_dot(const float *a, const float *b, int n) {
-    float y;
-    kernels()->t_11(a, 0, b, 0, &y, 0, n);
-    return y;
-}
 
 /* ---- matmul driver ------------------------------------------------------------ */
 

@@ -1,12 +1,12 @@
 #pragma once
 /* Numeric kernels of the reference engine (runtime-private).
  *
- * Determinism contract: every value rt_matmul() produces for one (row, output)
- * pair is computed by the same fixed sequence of floating-point operations as
- * rt_dot() on that row and weight row -- whatever the number of rows, the
- * other rows, the tile it lands in or the thread that computes it. Batched,
- * chunked and prefix-seeded forwards are therefore bit-identical to their
- * one-row, one-shot, cold equivalents. The instruction set (AVX2+FMA or the
+ * Determinism contract: every value rt_matmul() / rt_dots() produce for one
+ * (input row, weight row) pair is the same fixed sequence of floating-point
+ * operations on those two rows -- whatever the number of rows, the other
+ * rows, the tile it lands in or the thread that computes it. Batched, chunked
+ * and prefix-seeded forwards are therefore bit-identical to their one-row,
+ * one-shot, cold equivalents. The instruction set (AVX-512, AVX2+FMA or the
  * portable vector path) is chosen once per process. */
 
 #include <stddef.h>
@@ -49,8 +49,6 @@ typedef struct {
 void rt_matmul(rt_threads *t, const float *x, size_t ldx, int rows, int in, const rt_mm_target *targets,
                int n_targets);
 
-/* The dot product every matmul output is defined by. */
-float rt_dot(const float *a, const float *b, int n);
 /* The same dot products on the calling thread, any weight-row stride:
  * y[r * ldy + o] = dot(x[r * ldx ..], w[o * ldw ..], n) for r < rows, o < out.
  * (Attention scores: query heads against a block of cached keys.) */

@@ -10,13 +10,17 @@
  *       the cached prefixes, and nothing once they are evicted;
  *   plus the failure paths (validation, context limit, pool exhaustion).
  *
+ * The numpy comparison of values lives in tests/test_native_runtime.py.
+ *
  *   `runtime_harness`        run the checks (exit status 1 on failure)
  *   `runtime_harness bench`  decode tok/s for 1 and 16 lanes on a random
  *                            model of SmolLM2-135M's shape
  *
- * Build (from the repository root):
+ * Build (from the repository root; add -fsanitize=address,undefined to check
+ * memory, BASERT_REF_SIMD=avx2|generic and BASERT_REF_THREADS=1 select the
+ * other kernel sets and a single thread at run time):
  *   gcc -std=c11 -O3 -D_GNU_SOURCE -Inative/include -Inative/src \
- *       native/tests/runtime_harness.c native/src/(*).c -o /tmp/runtime_harness -lm -lpthread
+ *       native/tests/runtime_harness.c native/src/?*.c -o /tmp/runtime_harness -lm -lpthread
  */
 
 #include "baseRT/reference.h"
