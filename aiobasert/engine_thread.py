@@ -155,8 +155,14 @@ class _Lane:
         self.state = LaneState(rid=spec.rid, prompt_len=len(prompt), max_new_tokens=max_new)
         p = spec.params
         self.seed = p.seed if p.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
-        self.host = p.needs_host_logits
         self.penalized = p.repeat_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+        # Which sampler a lane uses depends on its own parameters only, never on
+        # what else shares the step, so a seed reproduces the same tokens. The
+        # engine's row sampler (BaseRTRowSampling) serves greedy and sampled
+        # lanes; logit_bias, and penalties on a greedy lane, need the CPU
+        # pipeline of baseRT_sample_logits_row.
+        self.cpu_sampler = bool(p.logit_bias) or (self.penalized and p.temperature == 0)
+        self.host = p.needs_host_logits or self.cpu_sampler
         self.stop_ids = frozenset(p.stop_token_ids or ())
         self.stopper = StopStringMatcher(p.stop or ())
         self.seq: int | None = None
@@ -173,7 +179,7 @@ class _Lane:
         self.first_token_at = 0.0
         self.sampling_cfg: _ffi.BaseRTSamplingConfig | None = None
         self._keep: list[Any] = []  # ctypes arrays the sampling config points into
-        if self.host and (p.temperature > 0 or p.logit_bias or self.penalized):
+        if self.cpu_sampler:
             cfg = _ffi.BaseRTSamplingConfig(
                 temperature=p.temperature,
                 top_k=p.top_k,
@@ -630,7 +636,7 @@ class EngineThread:
             lane = lanes[i]
             p = lane.spec.params
             row = self._logits_ptr + i * self.stride
-            if lane.sampling_cfg is not None:  # host lane with a sampler: the CPU pipeline
+            if lane.sampling_cfg is not None:  # logit_bias / greedy penalties: the CPU pipeline
                 hist = _ffi.u32_array(lane.history()) if lane.penalized else None
                 tok = lib.baseRT_sample_logits_row(
                     model, row, byref(lane.sampling_cfg), hist, len(hist) if hist else 0, 0, len(lane.generated)
@@ -638,14 +644,14 @@ class EngineThread:
                 if tok == 0 and lib.baseRT_get_error_code() != 0:
                     raise lib.last_error("baseRT_sample_logits_row")
             elif p.temperature > 0 and lib.has("baseRT_sample_logits_rows"):
-                # a fused-kind lane in a host step: the engine's own row sampler
+                # the engine's row sampler, as baseRT_batch_step_fused_sample would run it
                 keep: list[Any] = []
                 rs = _row_sampling(lane, keep)
                 out = c_uint32(0)
                 rc = lib.baseRT_sample_logits_rows(model, i, 1, byref(rs), byref(out))
                 lib.check(rc, "baseRT_sample_logits_rows")
                 tok = int(out.value)
-            elif p.temperature > 0:
+            elif p.temperature > 0:  # an engine without the row-sampling pass: CPU pipeline
                 cfg = _ffi.BaseRTSamplingConfig(
                     temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, min_p=p.min_p,
                     repeat_penalty=p.repeat_penalty, presence_penalty=p.presence_penalty,
