@@ -16,7 +16,7 @@ import numpy as np
 from . import _ffi
 from ._wakeup import LoopWaker
 from .chat import render_chat
-from .engine_thread import Call, Close, EngineConfig, EngineThread, Message, Prompt, RequestSpec
+from .engine_thread import Call, Close, Constraint, EngineConfig, EngineThread, Message, Prompt, RequestSpec
 from .errors import EngineClosedError, InvalidRequestError, InvalidSamplingParamsError
 from .streams import TokenStream, new_request_id
 from .types import ChatMessage, Completion, EngineStats, ModelInfo, SamplingParams
@@ -53,6 +53,7 @@ class Engine:
         self.info = info
         self._closed = False
         self._close_lock = threading.Lock()
+        self._grammar: Any = None  # aiobasert.grammar.GrammarBackend, engine thread only
 
     # ---- lifecycle --------------------------------------------------------------------
 
@@ -226,8 +227,25 @@ class Engine:
     def _new_stream(self, prompt: Prompt, params: SamplingParams, special: bool) -> TokenStream:
         if self._closed:
             raise EngineClosedError("the engine is closed")
-        spec = RequestSpec(rid=new_request_id(), prompt=prompt, params=params, parse_special=special)
+        spec = RequestSpec(rid=new_request_id(), prompt=prompt, params=params, parse_special=special,
+                           constraint=self._constraint_for(params))
         return TokenStream(self, spec)
+
+    def _constraint_for(self, params: SamplingParams) -> Callable[[], Constraint] | None:
+        """The grammar builder of a structured-output request; it runs on the engine
+        thread at intake, so a bad schema fails that request in its caller only."""
+        schema = params.json_schema
+        if schema is None:
+            return None
+
+        def build() -> Constraint:
+            if self._grammar is None:  # built once per engine, on first use
+                from .grammar import GrammarBackend
+
+                self._grammar = GrammarBackend.for_bundle(self.info.path, vocab_size=self.info.vocab_size)
+            return self._grammar.compile(schema)
+
+        return build
 
     # ---- plumbing used by streams -------------------------------------------------------
 

@@ -59,6 +59,23 @@ Prompt = str | Sequence[int] | Sequence[tuple[str, bool]]
 """Text, token ids, or (text, is_content) pieces of a rendered chat."""
 
 
+class Constraint(Protocol):
+    """A per-request token grammar (structured output), stepped on the engine thread."""
+
+    def fill_bitmask(self, out: np.ndarray) -> bool:
+        """Write the allowed-token bitmask (int32 words, bit set = allowed) for
+        the next token; False when every token is allowed (nothing to apply)."""
+        ...
+
+    def accept(self, token: int) -> bool:
+        """Advance by the sampled token; False if the grammar rejects it."""
+        ...
+
+    def is_finished(self) -> bool:
+        """The output is complete: the lane stops."""
+        ...
+
+
 @dataclass
 class RequestSpec:
     rid: str
@@ -67,6 +84,8 @@ class RequestSpec:
     parse_special: bool = True
     """Text prompts: marker strings become control ids (baseRT_encode)."""
     submitted_at: float = field(default_factory=time.monotonic)
+    constraint: Callable[[], Constraint] | None = None
+    """Builds the lane's grammar at intake (on the engine thread)."""
 
 
 class Ticket:
@@ -146,8 +165,17 @@ def _mix32(seed: int, counter: int) -> int:
 class _Lane:
     """Engine-thread bookkeeping of one request."""
 
-    def __init__(self, spec: RequestSpec, sink: Sink, ticket: Ticket, prompt: list[int], max_new: int) -> None:
+    def __init__(
+        self,
+        spec: RequestSpec,
+        sink: Sink,
+        ticket: Ticket,
+        prompt: list[int],
+        max_new: int,
+        constraint: Constraint | None = None,
+    ) -> None:
         self.spec = spec
+        self.constraint = constraint
         self.sink = sink
         self.ticket = ticket
         self.prompt = prompt
@@ -161,7 +189,7 @@ class _Lane:
         # engine's row sampler (BaseRTRowSampling) serves greedy and sampled
         # lanes; logit_bias, and penalties on a greedy lane, need the CPU
         # pipeline of baseRT_sample_logits_row.
-        self.cpu_sampler = bool(p.logit_bias) or (self.penalized and p.temperature == 0)
+        self.cpu_sampler = bool(p.logit_bias) or (self.penalized and p.temperature == 0) or constraint is not None
         self.host = p.needs_host_logits or self.cpu_sampler
         self.stop_ids = frozenset(p.stop_token_ids or ())
         self.stopper = StopStringMatcher(p.stop or ())
@@ -336,6 +364,7 @@ class EngineThread:
             raise AioBaseRTError(f"engine reports a logits stride of {self.stride} bytes for vocab {self.vocab_size}")
         self._logits = np.zeros((cfg.max_batch_size, self.stride // 2), dtype=np.float16)
         self._logits_ptr = self._logits.ctypes.data
+        self._mask: np.ndarray | None = None
         self.batcher = Batcher(
             max_batch_size=cfg.max_batch_size,
             max_context=self.max_context,
@@ -446,7 +475,8 @@ class EngineThread:
         try:
             prompt = self._tokenize_prompt(spec)
             max_new = self.batcher.resolve_max_tokens(len(prompt), spec.params.max_tokens)
-            lane = _Lane(spec, msg.sink, msg.ticket, prompt, max_new)
+            constraint = spec.constraint() if spec.constraint is not None else None
+            lane = _Lane(spec, msg.sink, msg.ticket, prompt, max_new, constraint)
             lane.submitted_step = self.steps
             self.batcher.enqueue(lane.state)
         except (AioBaseRTError, ValueError) as exc:
@@ -636,6 +666,8 @@ class EngineThread:
             lane = lanes[i]
             p = lane.spec.params
             row = self._logits_ptr + i * self.stride
+            if lane.constraint is not None:
+                self._apply_constraint(lane, i)
             if lane.sampling_cfg is not None:  # logit_bias / greedy penalties: the CPU pipeline
                 hist = _ffi.u32_array(lane.history()) if lane.penalized else None
                 tok = lib.baseRT_sample_logits_row(
@@ -682,6 +714,24 @@ class EngineThread:
                         for j in range(got)
                     ]
             results[i] = (tok, lp, tops)
+
+    def _apply_constraint(self, lane: _Lane, i: int) -> None:
+        """Mask row i of the host logits with the lane's grammar (disallowed -> -inf)."""
+        assert lane.constraint is not None
+        words = (self.vocab_size + 31) // 32
+        if self._mask is None or self._mask.shape[0] != words:
+            self._mask = np.zeros(words, dtype=np.int32)
+        if not lane.constraint.fill_bitmask(self._mask):
+            return
+        if not self._mask.any():
+            raise InvalidRequestError("the output grammar admits no further token")
+        if self.lib.has("baseRT_mask_logits_row"):
+            row = self._logits_ptr + i * self.stride
+            mask_ptr = self._mask.ctypes.data_as(ctypes.POINTER(c_int32))
+            self.lib.check(self.lib.baseRT_mask_logits_row(self._model, row, mask_ptr), "baseRT_mask_logits_row")
+        else:  # an engine without the row op: the same on the f16 view
+            allowed = np.unpackbits(self._mask.view(np.uint8), bitorder="little")[: self.vocab_size].astype(bool)
+            self._logits[i, : self.vocab_size][~allowed] = -np.inf
 
     # ---- lane lifecycle ---------------------------------------------------------------
 
@@ -732,11 +782,15 @@ class EngineThread:
             return
         piece = raw.decode("utf-8", "replace")
         finish: FinishReason | None = None
+        if lane.constraint is not None and not lane.constraint.accept(tok):
+            self._fail(lane, InvalidRequestError(f"token {tok} was sampled outside the output grammar"))
+            return
         if tok in lane.stop_ids or (not p.ignore_eos and lib.baseRT_is_eos_token(self._model, tok)):
             text, finish = lane.stopper.flush(), "stop"
         else:
             text, hit = lane.stopper.feed(piece)
-            if hit:
+            if hit or (lane.constraint is not None and lane.constraint.is_finished()):
+                text += lane.stopper.flush() if not hit else ""
                 finish = "stop"
         if finish is None and st.generated >= st.max_new_tokens:
             text += lane.stopper.flush()

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import Literal
+from typing import Any, Literal
 
 import msgspec
 
@@ -49,6 +49,9 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     """Report each sampled token's log-probability."""
     top_logprobs: int = 0
     """Also report this many most likely alternatives per token (0..20)."""
+    json_schema: dict[str, Any] | bool | None = None
+    """Constrain the output to JSON matching this JSON Schema (`True`: any JSON
+    value). The lane masks its logits with a grammar every step."""
 
     def validate(self, vocab_size: int | None = None) -> None:
         def bad(field: str, why: str) -> InvalidSamplingParamsError:
@@ -110,11 +113,15 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
                     raise bad("stop_token_ids", f"token id {tok!r} is not in the vocabulary")
         if isinstance(self.top_logprobs, bool) or not 0 <= self.top_logprobs <= 20:
             raise bad("top_logprobs", f"{self.top_logprobs!r} must be in [0, 20]")
+        if self.json_schema is not None and not isinstance(self.json_schema, (dict, bool)):
+            raise bad("json_schema", "must be a JSON Schema object, or True for any JSON value")
+        if self.json_schema is False:
+            raise bad("json_schema", "False admits no output")
 
     @property
     def needs_host_logits(self) -> bool:
         """True when this lane must read its logits row back to the host."""
-        return bool(self.logit_bias) or self.logprobs or self.top_logprobs > 0
+        return bool(self.logit_bias) or self.logprobs or self.top_logprobs > 0 or self.json_schema is not None
 
 
 class TopLogprob(msgspec.Struct, frozen=True):
