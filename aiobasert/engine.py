@@ -243,7 +243,8 @@ class Engine:
                 from .grammar import GrammarBackend
 
                 self._grammar = GrammarBackend.for_bundle(self.info.path, vocab_size=self.info.vocab_size)
-            return self._grammar.compile(schema)
+            constraint: Constraint = self._grammar.compile(schema)
+            return constraint
 
         return build
 

@@ -208,16 +208,7 @@ class _Lane:
         self.sampling_cfg: _ffi.BaseRTSamplingConfig | None = None
         self._keep: list[Any] = []  # ctypes arrays the sampling config points into
         if self.cpu_sampler:
-            cfg = _ffi.BaseRTSamplingConfig(
-                temperature=p.temperature,
-                top_k=p.top_k,
-                top_p=p.top_p,
-                min_p=p.min_p,
-                repeat_penalty=p.repeat_penalty,
-                presence_penalty=p.presence_penalty,
-                frequency_penalty=p.frequency_penalty,
-                seed=_mix32(self.seed, 0),
-            )
+            cfg = _cpu_sampling_config(p, _mix32(self.seed, 0))
             if p.logit_bias:
                 toks = (c_int32 * len(p.logit_bias))(*p.logit_bias.keys())
                 vals = (c_float * len(p.logit_bias))(*p.logit_bias.values())
@@ -244,6 +235,20 @@ class _Lane:
     def kv_tokens(self) -> list[int]:
         """The tokens whose KV the sequence holds (the last sampled one is not fed yet)."""
         return self.prompt[: self.state.prefilled] + self.generated[:-1]
+
+
+def _cpu_sampling_config(p: SamplingParams, seed32: int) -> _ffi.BaseRTSamplingConfig:
+    """The BaseRTSamplingConfig of baseRT_sample_logits_row (logit bias attached by the caller)."""
+    return _ffi.BaseRTSamplingConfig(
+        temperature=p.temperature,
+        top_k=p.top_k,
+        top_p=p.top_p,
+        min_p=p.min_p,
+        repeat_penalty=p.repeat_penalty,
+        presence_penalty=p.presence_penalty,
+        frequency_penalty=p.frequency_penalty,
+        seed=seed32,
+    )
 
 
 def _row_sampling(lane: _Lane, history: list[Any]) -> _ffi.BaseRTRowSampling:
@@ -684,11 +689,7 @@ class EngineThread:
                 lib.check(rc, "baseRT_sample_logits_rows")
                 tok = int(out.value)
             elif p.temperature > 0:  # an engine without the row-sampling pass: CPU pipeline
-                cfg = _ffi.BaseRTSamplingConfig(
-                    temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, min_p=p.min_p,
-                    repeat_penalty=p.repeat_penalty, presence_penalty=p.presence_penalty,
-                    frequency_penalty=p.frequency_penalty, seed=_mix32(lane.seed, 0),
-                )
+                cfg = _cpu_sampling_config(p, _mix32(lane.seed, 0))
                 tok = lib.baseRT_sample_logits_row(model, row, byref(cfg), None, 0, 0, len(lane.generated))
             else:
                 tok = lib.baseRT_argmax_logits_row(model, row)
