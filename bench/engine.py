@@ -27,8 +27,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from aiobasert import _ffi  # noqa: E402
-from aiobasert.models import default_model_path, smollm2_gguf_path  # noqa: E402
+from aiobasert import _ffi
+from aiobasert.models import default_model_path, smollm2_gguf_path
 
 PROMPT = "Once upon a time, in a land far away, there lived a"
 

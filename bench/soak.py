@@ -22,8 +22,8 @@ import anyio
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from aiobasert import AioBaseRTError, Engine  # noqa: E402
-from aiobasert.tiny import build_tiny_model  # noqa: E402
+from aiobasert import AioBaseRTError, Engine
+from aiobasert.tiny import build_tiny_model
 
 
 def rss_mb() -> float:
@@ -36,7 +36,8 @@ async def soak(model: Path, requests: int, lanes: int, concurrency: int, seed: i
     rng = random.Random(seed)
     done = cancelled = failed = 0
     rss: list[float] = []
-    words = "the a of time once upon model token stream lane batch engine 😀 日本".split()
+    words = ["the", "a", "of", "time", "once", "upon", "model", "token", "stream", "lane", "batch", "engine",
+             "😀", "日本"]
     async with Engine.open(model, max_batch_size=lanes, max_context=512, max_queue=4 * concurrency) as engine:
         limiter = anyio.Semaphore(concurrency)
 

@@ -18,7 +18,6 @@ from aiobasert import (
     EngineClosedError,
     InvalidRequestError,
     InvalidSamplingParamsError,
-    SamplingParams,
 )
 
 pytestmark = pytest.mark.anyio

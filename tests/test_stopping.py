@@ -50,7 +50,7 @@ def test_random_splits_match_whole_text_search(seed: int) -> None:
     text = "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 60)))
     stops = ["".join(rng.choice(alphabet) for _ in range(rng.randint(1, 4))) for _ in range(rng.randint(1, 3))]
     cuts = sorted(rng.sample(range(len(text) + 1), k=min(len(text) + 1, rng.randint(0, 10))))
-    pieces = [text[i:j] for i, j in zip([0, *cuts], [*cuts, len(text)])]
+    pieces = [text[i:j] for i, j in zip([0, *cuts], [*cuts, len(text)], strict=True)]
     # Generation ends at the first token after which the text contains a stop
     # string; the output is cut where the earliest stop found by then begins.
     expected = (text, False)
