@@ -1,0 +1,165 @@
+"""Structured output: JSON Schema constrained decoding with llguidance.
+
+`GrammarBackend` turns a bundle's tokenizer into an llguidance tokenizer (once
+per engine) and compiles each request's JSON Schema into a `JsonSchemaConstraint`,
+the `Constraint` the engine thread steps: before every sampled token it writes
+the allowed-token bitmask (the lane's logits row is then masked with it), after
+it the token is consumed. Everything here runs on the engine thread.
+
+Generated JSON is compact by default (no free whitespace between tokens): a
+schema's ``"x-guidance": {"whitespace_flexible": true}`` turns free whitespace
+back on. Small models otherwise tend to wander off into endless whitespace.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from typing import Any, Final
+
+import numpy as np
+
+from ._hf_tokenizer import TOKEN_TYPE_CONTROL, hf_tokenizer_json
+from .bundle import read_bundle
+from .engine_thread import Constraint
+from .errors import InvalidRequestError
+
+try:
+    import llguidance
+
+    _HAVE_LLGUIDANCE = True
+except ImportError:  # pragma: no cover - a dependency; without it structured requests fail one by one
+    _HAVE_LLGUIDANCE = False
+
+__all__ = ["GrammarBackend", "JsonSchemaConstraint"]
+
+# The control tokens the reference engine also treats as end of generation
+# (native/src/loader.c, STOP_MARKERS); the grammar offers them wherever it may end.
+_STOP_MARKERS: Final = ("<|endoftext|>", "<|im_end|>", "<|eot_id|>", "<end_of_turn>")
+
+
+def _int_ids(value: Any) -> list[int]:
+    """A token id or a list of them, as the bundle config stores eos ids; anything else: []."""
+    items = value if isinstance(value, list) else [value]
+    return [int(v) for v in items if isinstance(v, int) and not isinstance(v, bool) and v >= 0]
+
+
+def end_token_ids(config: Mapping[str, Any], tokenizer: Mapping[str, Any]) -> list[int]:
+    """The ids that end generation, as the engine's loader derives them: the config's
+    eos_token_id (else the tokenizer's), the config's extra eos_token_ids, and the
+    known end-of-turn control tokens."""
+    ids = _int_ids(config.get("eos_token_id")) or _int_ids(tokenizer.get("tokenizer.ggml.eos_token_id"))
+    ids += _int_ids(config.get("eos_token_ids"))
+    tokens = tokenizer.get("tokenizer.ggml.tokens") or []
+    types = tokenizer.get("tokenizer.ggml.token_type") or []
+    for marker in _STOP_MARKERS:
+        try:
+            idx = tokens.index(marker)
+        except ValueError:
+            continue
+        if idx < len(types) and types[idx] == TOKEN_TYPE_CONTROL:
+            ids.append(idx)
+    return list(dict.fromkeys(ids))
+
+
+class JsonSchemaConstraint:
+    """One request's grammar: an llguidance matcher behind the engine's `Constraint` protocol.
+
+    Stepping never raises for what the model samples (an exception there would
+    stop the engine thread): a rejected token or an internal llguidance error
+    puts the matcher in its error state, `accept` returns False and `error`
+    says why.
+    """
+
+    __slots__ = ("_mask_bytes", "_matcher")
+
+    def __init__(self, matcher: llguidance.LLMatcher, mask_words: int) -> None:
+        self._matcher = matcher
+        self._mask_bytes = mask_words * 4
+
+    def fill_bitmask(self, out: np.ndarray[Any, Any]) -> bool:
+        """Write the allowed tokens of the next step into `out` (int32 words, bit
+        set = allowed, ceil(vocab/32) words). Once the grammar is complete (or
+        broken) only the end tokens remain allowed. Always True: a JSON grammar
+        never allows every token. A mis-sized `out` is a caller bug: ValueError."""
+        if out.dtype != np.int32 or out.nbytes != self._mask_bytes or not out.flags.c_contiguous:
+            raise ValueError(f"the token bitmask must be {self._mask_bytes // 4} contiguous int32 words")
+        self._matcher.unsafe_compute_mask_ptr(out.ctypes.data, self._mask_bytes)
+        return True
+
+    def accept(self, token: int) -> bool:
+        """Advance by the sampled token; False if the grammar rejects it (or failed)."""
+        return self._matcher.consume_token(token) and not self._matcher.is_error()
+
+    def is_finished(self) -> bool:
+        """True when the output is complete: nothing but an end token could follow,
+        or an end token was just consumed."""
+        return self._matcher.is_stopped()
+
+    @property
+    def error(self) -> str | None:
+        """llguidance's message once the matcher is in its error state, else None."""
+        return self._matcher.get_error() if self._matcher.is_error() else None
+
+
+class GrammarBackend:
+    """Compiles JSON Schemas into per-request constraints over one model's vocabulary."""
+
+    def __init__(self, tokenizer: llguidance.LLTokenizer, vocab_size: int, end_ids: list[int]) -> None:
+        self._tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.end_ids = end_ids
+        self._mask_words = (vocab_size + 31) // 32
+
+    @classmethod
+    def for_bundle(cls, path: str | os.PathLike[str], *, vocab_size: int) -> GrammarBackend:
+        """Build the backend from the tokenizer in a .base bundle's header.
+
+        `vocab_size` is the engine's (the logits row width); the llguidance
+        vocabulary is padded to it. Raises `InvalidRequestError` when llguidance
+        is missing or the tokenizer cannot back a grammar.
+        """
+        if not _HAVE_LLGUIDANCE:
+            raise InvalidRequestError("structured output needs the llguidance package (pip install llguidance)")
+        bundle = read_bundle(path)  # header only: tensors stay unmapped
+        fields = bundle.tokenizer
+        n_tokens = len(fields.get("tokenizer.ggml.tokens") or [])
+        if n_tokens > vocab_size:
+            raise InvalidRequestError(
+                f"structured output: the tokenizer has {n_tokens} tokens but the model only {vocab_size} logits"
+            )
+        end_ids = [i for i in end_token_ids(bundle.config, fields) if i < n_tokens]
+        if not end_ids:
+            raise InvalidRequestError("structured output: the model defines no end-of-sequence token")
+        try:
+            tokenizer = llguidance.LLTokenizer(hf_tokenizer_json(fields), n_vocab=vocab_size, eos_token=end_ids)
+        except (ValueError, TypeError) as exc:
+            raise InvalidRequestError(f"structured output is not supported for this model's tokenizer: {exc}") from None
+        if tokenizer.vocab_size != vocab_size:
+            raise InvalidRequestError(
+                f"structured output: llguidance sees {tokenizer.vocab_size} tokens, the model {vocab_size}"
+            )
+        return cls(tokenizer, vocab_size, end_ids)
+
+    def compile(self, schema: Mapping[str, Any] | bool) -> Constraint:
+        """A fresh constraint for one request: `schema` is a JSON Schema object, or
+        True for any JSON value. Raises `InvalidRequestError` with llguidance's
+        message for a malformed schema or one using unsupported keywords."""
+        if schema is True:
+            schema = {}
+        if not isinstance(schema, Mapping):
+            raise InvalidRequestError("json_schema must be a JSON Schema object, or True for any JSON value")
+        try:
+            text = json.dumps(schema, allow_nan=False)
+            # compact JSON unless the schema's "x-guidance" options say otherwise
+            grammar = llguidance.LLMatcher.grammar_from_json_schema(text, defaults={"whitespace_flexible": False})
+        except (TypeError, ValueError) as exc:
+            raise InvalidRequestError(f"invalid json_schema: {exc}") from None
+        is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, self._tokenizer)
+        if is_error:
+            raise InvalidRequestError(f"invalid json_schema: {'; '.join(messages)}")
+        matcher = llguidance.LLMatcher(self._tokenizer, grammar, log_level=0)
+        if matcher.is_error():
+            raise InvalidRequestError(f"invalid json_schema: {matcher.get_error()}")
+        return JsonSchemaConstraint(matcher, self._mask_words)

@@ -1,0 +1,258 @@
+"""Structured output (json_schema): the llguidance grammar backend on its own, and
+constrained lanes in the engine, batched with free lanes, under asyncio and trio."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import anyio
+import jsonschema
+import numpy as np
+import pytest
+
+from aiobasert import Completion, Engine, InvalidRequestError
+from aiobasert.bundle import read_bundle
+from aiobasert.grammar import GrammarBackend
+from aiobasert.tiny import EOS_ID, build_tiny_model
+
+PERSON: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 12},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "active": {"type": "boolean"},
+        "nick": {"type": ["string", "null"], "maxLength": 6},
+    },
+    "required": ["name", "age", "active", "nick"],
+    "additionalProperties": False,
+}
+COLOR: dict[str, Any] = {"enum": ["red", "green", "blue", 7, None]}
+DIGITS: dict[str, Any] = {
+    "type": "array",
+    "items": {"type": "integer", "minimum": -9, "maximum": 9},
+    "minItems": 1,
+    "maxItems": 5,
+}
+NESTED: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "point": {
+            "type": "object",
+            "properties": {
+                "x": {"type": "number", "minimum": -10, "maximum": 10, "multipleOf": 0.25},
+                "y": {"type": "integer", "minimum": 0, "maximum": 100},
+            },
+            "required": ["x", "y"],
+            "additionalProperties": False,
+        },
+        "label": {"enum": ["a", "b"]},
+        "tags": {"type": "array", "items": {"type": "string", "maxLength": 4}, "maxItems": 2},
+    },
+    "required": ["point", "label", "tags"],
+    "additionalProperties": False,
+}
+BOUNDED: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "count": {"type": "integer", "minimum": -1000, "maximum": 1000},
+        "ratio": {"type": "number", "exclusiveMinimum": 0, "maximum": 1, "multipleOf": 0.125},
+    },
+    "required": ["count", "ratio"],
+    "additionalProperties": False,
+}
+SCHEMAS = [PERSON, COLOR, DIGITS, NESTED, BOUNDED]
+
+PROMPTS = ["Once upon a time", "The answer is", "def f(x):", "日本語", "1234", "Hello, world!", "{", "a"]
+
+
+@pytest.fixture(scope="module")
+def untied_model_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model with its own lm_head: the tied one's random logits mostly
+    repeat one token (endless "5555" numbers), which says little about the grammar."""
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-untied") / "tiny.base", tied=False)
+
+
+def check_json(done: Completion, schema: dict[str, Any] | bool) -> Any:
+    """The completion ended by its grammar and is JSON matching `schema`."""
+    assert done.finish_reason == "stop", done
+    value = json.loads(done.text)
+    if schema is not True:
+        jsonschema.validate(value, schema)
+    return value
+
+
+# ---- the backend alone ---------------------------------------------------------------
+
+
+def allowed_ids(mask: np.ndarray[Any, Any]) -> set[int]:
+    return {int(i) for i in np.flatnonzero(np.unpackbits(mask.view(np.uint8), bitorder="little"))}
+
+
+def test_backend_masks_steps_and_finishes(untied_model_path: Path) -> None:
+    header = read_bundle(untied_model_path)
+    vocab = header.config["vocab_size"]
+    tokens = header.tokenizer["tokenizer.ggml.tokens"]
+    backend = GrammarBackend.for_bundle(untied_model_path, vocab_size=vocab)
+    assert EOS_ID in backend.end_ids
+    assert all(header.tokenizer["tokenizer.ggml.token_type"][i] == 3 for i in backend.end_ids)
+
+    constraint = backend.compile({"enum": ["red", "green"]})
+    mask = np.zeros((vocab + 31) // 32, dtype=np.int32)
+    assert constraint.fill_bitmask(mask)
+    first = allowed_ids(mask)
+    assert first and not first & set(backend.end_ids)  # something must be written before the end
+    quote = tokens.index('"')
+    assert quote in first
+    assert constraint.accept(quote) and not constraint.is_finished()
+    for piece in ("g", "re", "en", '"'):  # byte-level text of the tiny vocabulary's tokens
+        tok = tokens.index(piece)
+        constraint.fill_bitmask(mask)
+        assert tok in allowed_ids(mask)
+        assert constraint.accept(tok)
+    assert constraint.is_finished()
+    constraint.fill_bitmask(mask)
+    assert allowed_ids(mask) == set(backend.end_ids)  # complete: only the end tokens remain
+
+
+def test_backend_rejects_a_token_outside_the_grammar(untied_model_path: Path) -> None:
+    vocab = read_bundle(untied_model_path).config["vocab_size"]
+    constraint = GrammarBackend.for_bundle(untied_model_path, vocab_size=vocab).compile({"type": "integer"})
+    mask = np.zeros((vocab + 31) // 32, dtype=np.int32)
+    constraint.fill_bitmask(mask)
+    rejected = min(set(range(vocab)) - allowed_ids(mask))
+    assert not constraint.accept(rejected)
+    assert constraint.error  # type: ignore[attr-defined]
+
+
+def test_backend_pads_to_the_engine_vocabulary(untied_model_path: Path) -> None:
+    n_tokens = len(read_bundle(untied_model_path).tokenizer["tokenizer.ggml.tokens"])
+    padded = n_tokens + 40
+    constraint = GrammarBackend.for_bundle(untied_model_path, vocab_size=padded).compile(True)
+    mask = np.zeros((padded + 31) // 32, dtype=np.int32)
+    constraint.fill_bitmask(mask)
+    assert allowed_ids(mask) and max(allowed_ids(mask)) < n_tokens  # padding ids are never allowed
+    with pytest.raises(ValueError, match="int32 words"):
+        constraint.fill_bitmask(np.zeros(2, dtype=np.int32))
+    with pytest.raises(InvalidRequestError, match="tokens"):
+        GrammarBackend.for_bundle(untied_model_path, vocab_size=n_tokens - 1)
+
+
+# ---- constrained lanes in the engine --------------------------------------------------
+
+
+@pytest.mark.anyio
+async def test_100_constrained_generations_batched_with_free_lanes(untied_model_path: Path) -> None:
+    free_params: list[dict[str, Any]] = [
+        dict(max_tokens=24, ignore_eos=True),
+        dict(max_tokens=24, ignore_eos=True, temperature=0.8, top_p=0.9, seed=11),
+        dict(max_tokens=24, ignore_eos=True, temperature=1.0, top_k=40, seed=12),
+        dict(max_tokens=24, ignore_eos=True, repeat_penalty=1.3),
+    ]
+    free_prompts = [f"{PROMPTS[i % len(PROMPTS)]} free {i}" for i in range(8)]
+    jobs: list[tuple[str, dict[str, Any], dict[str, Any]]] = []
+    for k, schema in enumerate(SCHEMAS):
+        for i in range(20):
+            params: dict[str, Any] = dict(max_tokens=96, json_schema=schema)
+            if i % 2:
+                params.update(temperature=0.9, seed=1000 * k + i)
+            jobs.append((f"{PROMPTS[i % len(PROMPTS)]} {k}:{i}", params, schema))
+
+    async with Engine.open(untied_model_path, max_batch_size=16) as engine:
+        solo = [
+            await engine.generate(p, **free_params[i % len(free_params)]) for i, p in enumerate(free_prompts)
+        ]
+        constrained: list[Completion | None] = [None] * len(jobs)
+        free: list[Completion | None] = [None] * len(free_prompts)
+
+        async def run_constrained(j: int) -> None:
+            constrained[j] = await engine.generate(jobs[j][0], **jobs[j][1])
+
+        async def run_free(j: int) -> None:
+            free[j] = await engine.generate(free_prompts[j], **free_params[j % len(free_params)])
+
+        async with anyio.create_task_group() as tg:
+            for j in range(len(jobs)):
+                tg.start_soon(run_constrained, j)
+                if j % 12 == 0 and j // 12 < len(free_prompts):
+                    tg.start_soon(run_free, j // 12)
+
+    values: list[list[Any]] = [[] for _ in SCHEMAS]
+    for (_, _, schema), done in zip(jobs, constrained, strict=True):
+        assert done is not None
+        values[SCHEMAS.index(schema)].append(check_json(done, schema))
+    for per_schema in values:  # the model really chose: not one answer everywhere
+        assert len({json.dumps(v) for v in per_schema}) > 1
+
+    steps = [(d.timing.admitted_step, d.timing.finished_step) for d in constrained if d is not None]
+    for alone, together in zip(solo, free, strict=True):
+        assert together is not None
+        assert together.token_ids == alone.token_ids
+        assert together.finish_reason == "length"
+        lo, hi = together.timing.admitted_step, together.timing.finished_step
+        assert any(a <= hi and lo <= b for a, b in steps)  # it shared steps with constrained lanes
+
+
+@pytest.mark.anyio
+async def test_any_json_value(untied_model_path: Path) -> None:
+    async with Engine.open(untied_model_path, max_batch_size=8) as engine:
+        # A random model rarely closes what it opens; a mild bias toward the closing
+        # tokens lets every output finish, while the grammar decides what is allowed.
+        closers = {(await engine.encode(s))[0]: 5.0 for s in ('"', "]", "}")}
+        closers[EOS_ID] = 5.0
+        outputs = []
+        for i in range(12):
+            sampled = dict(temperature=1.0, seed=i) if i >= 4 else {}
+            done = await engine.generate(f"{PROMPTS[i % len(PROMPTS)]} {i}", max_tokens=96, json_schema=True,
+                                         logit_bias=closers, **sampled)
+            outputs.append(check_json(done, True))
+        assert len({type(v) for v in outputs}) > 1
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize(
+    ("schema", "message"),
+    [
+        ({"type": "foo"}, "Invalid type"),
+        ({"not": {"type": "string"}}, "not"),
+        ({"$ref": "#/definitions/missing"}, "missing"),
+        ({"type": "string", "pattern": "(?<=a)b"}, "look-around"),
+        ({"enum": [float("nan")]}, "invalid json_schema"),
+    ],
+)
+async def test_invalid_schema_fails_its_caller_only(untied_model_path: Path, schema: Any, message: str) -> None:
+    async with Engine.open(untied_model_path, max_batch_size=4) as engine:
+        alone = await engine.generate("keep going", max_tokens=32, ignore_eos=True)
+        other = engine.stream("keep going", max_tokens=32, ignore_eos=True)
+        first = [await other.__anext__() for _ in range(4)]
+        with pytest.raises(InvalidRequestError, match=message):
+            await engine.generate("bad", max_tokens=16, json_schema=schema)
+        rest = [t async for t in other]
+        assert [t.id for t in first + rest] == alone.token_ids
+        assert rest[-1].finish_reason == "length"
+        check_json(await engine.generate("still fine", max_tokens=32, json_schema=COLOR), COLOR)
+
+
+# ---- the real model -------------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.anyio
+async def test_smollm2_chat_answers_in_schema(smollm2_path: Path) -> None:
+    schema = {
+        "type": "object",
+        "properties": {
+            "city": {"type": "string", "maxLength": 40},
+            "country": {"type": "string", "maxLength": 40},
+            "population_millions": {"type": "number", "minimum": 0, "maximum": 100},
+        },
+        "required": ["city", "country", "population_millions"],
+        "additionalProperties": False,
+    }
+    messages = [{"role": "user", "content": "What is the capital of France? Answer in JSON with the city, "
+                 "its country and its population in millions."}]
+    async with Engine.open(smollm2_path, max_batch_size=2) as engine:
+        done = await engine.chat(messages, max_tokens=80, json_schema=schema)
+    value = check_json(done, schema)
+    assert value["city"] == "Paris"
