@@ -37,7 +37,7 @@ import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from contextlib import AbstractAsyncContextManager
 from pathlib import Path
-from typing import Literal, TypeVar
+from typing import Any, Literal, TypeVar
 
 import anyio
 import msgspec
@@ -103,10 +103,22 @@ class StreamOptions(msgspec.Struct, kw_only=True):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(msgspec.Struct, kw_only=True):
+    """`response_format.json_schema`: the output always conforms to `schema`, so
+    `strict` changes nothing; `name` and `description` are not used."""
+
+    name: str | None = None
+    description: str | None = None
+    schema: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
 class ResponseFormat(msgspec.Struct, kw_only=True):
-    """`response_format`: only `{"type": "text"}` is served for now."""
+    """`response_format`: `text`, `json_object` (any JSON value) or `json_schema`
+    (JSON matching `json_schema.schema`), enforced by constrained decoding."""
 
     type: str = "text"
+    json_schema: JsonSchemaFormat | None = None
 
 
 class _SamplingRequest(msgspec.Struct, kw_only=True):
@@ -533,7 +545,12 @@ def _error_event(exc: BaseException) -> bytes:
 
 
 def _sampling_params(
-    req: _SamplingRequest, *, max_tokens: int | None, logprobs: bool, top_logprobs: int
+    req: _SamplingRequest,
+    *,
+    max_tokens: int | None,
+    logprobs: bool,
+    top_logprobs: int,
+    json_schema: dict[str, Any] | bool | None = None,
 ) -> SamplingParams:
     """SamplingParams from the OpenAI fields (OpenAI's defaults: temperature 1, top_p 1)."""
     if req.n is not None and req.n != 1:
@@ -560,7 +577,21 @@ def _sampling_params(
         frequency_penalty=req.frequency_penalty or 0.0,
         logprobs=logprobs,
         top_logprobs=top_logprobs,
+        json_schema=json_schema,
     )
+
+
+def _json_schema(fmt: ResponseFormat | None) -> dict[str, Any] | bool | None:
+    """`SamplingParams.json_schema` for a `response_format` (None: free text)."""
+    if fmt is None or fmt.type == "text":
+        return None
+    if fmt.type == "json_object":
+        return True
+    if fmt.type == "json_schema":
+        if fmt.json_schema is None or fmt.json_schema.schema is None:
+            raise APIError(400, "response_format json_schema needs json_schema.schema", param="response_format")
+        return fmt.json_schema.schema
+    raise APIError(400, f"unknown response_format type {fmt.type!r}", param="response_format")
 
 
 _ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
@@ -779,15 +810,7 @@ class _Service:
 
     async def chat_completions(self, request: Request) -> Response:
         req = await _read_json(request, ChatCompletionRequest)
-        fmt = req.response_format.type if req.response_format is not None else "text"
-        if fmt in ("json_object", "json_schema"):
-            raise APIError(
-                400,
-                f"response_format {fmt!r}: structured output is not available yet; only 'text' is supported",
-                param="response_format",
-            )
-        if fmt != "text":
-            raise APIError(400, f"unknown response_format type {fmt!r}", param="response_format")
+        json_schema = _json_schema(req.response_format)
         if req.tools:
             raise APIError(400, "tool calling is not supported", param="tools")
         if req.top_logprobs is not None and not req.logprobs:
@@ -797,7 +820,9 @@ class _Service:
             raise APIError(400, f"top_logprobs must be in [0, 20], got {top}", param="top_logprobs")
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         want_logprobs = bool(req.logprobs)
-        params = _sampling_params(req, max_tokens=max_tokens, logprobs=want_logprobs, top_logprobs=top)
+        params = _sampling_params(
+            req, max_tokens=max_tokens, logprobs=want_logprobs, top_logprobs=top, json_schema=json_schema
+        )
         engine = self.engine
         stream = engine.chat(_chat_messages(req.messages), params)
         if req.stream:

@@ -8,7 +8,7 @@ environment: pass its interpreter with --llama-python (the bench runs it in a
 subprocess so a crash there cannot take this process down), or it is tried in
 this interpreter.
 
-    python bench/engine.py
+    bash bench/setup_llama_cpp.sh            # once: builds llama-cpp-python into /tmp/llamabench
     python bench/engine.py --llama-python /tmp/llamabench/bin/python
 """
 
