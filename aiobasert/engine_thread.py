@@ -237,6 +237,10 @@ class _Lane:
         return self.prompt[: self.state.prefilled] + self.generated[:-1]
 
 
+_Sampled = tuple[int, float | None, list[TopLogprob] | None] | AioBaseRTError
+"""A lane's (token, logprob, top logprobs) from one step, or why its sampling failed."""
+
+
 def _cpu_sampling_config(p: SamplingParams, seed32: int) -> _ffi.BaseRTSamplingConfig:
     """The BaseRTSamplingConfig of baseRT_sample_logits_row (logit bias attached by the caller)."""
     return _ffi.BaseRTSamplingConfig(
@@ -416,8 +420,17 @@ class EngineThread:
                 return
             self._refresh_flow()
             if self.batcher.has_runnable_work():
-                self._step()
+                try:
+                    self._step()
+                except Exception as exc:  # a bug must cost its lanes, never the engine thread
+                    self._fail_running(AioBaseRTError(f"internal error in the engine step: {exc!r}"))
             self._flush()
+
+    def _fail_running(self, exc: AioBaseRTError) -> None:
+        for state in list(self.batcher.running):
+            lane = self._lanes.get(state.rid)
+            if lane is not None:
+                self._fail(lane, exc)
 
     def _refresh_flow(self) -> None:
         """Flow control: see what each consumer has read; pause lanes that are too far ahead.
@@ -484,8 +497,11 @@ class EngineThread:
             lane = _Lane(spec, msg.sink, msg.ticket, prompt, max_new, constraint)
             lane.submitted_step = self.steps
             self.batcher.enqueue(lane.state)
-        except (AioBaseRTError, ValueError) as exc:
+        except AioBaseRTError as exc:
             self._notify(msg.sink.deliver, [], None, exc)
+            return
+        except Exception as exc:  # never let one request's bug stop the engine thread
+            self._notify(msg.sink.deliver, [], None, AioBaseRTError(f"internal error at intake: {exc!r}"))
             return
         self._lanes[spec.rid] = lane
 
@@ -614,7 +630,7 @@ class EngineThread:
         seqs = (c_void_p * n)(*(lane.seq for lane in lanes))
         toks = _ffi.u32_array(feed)
         host = not self.has_fused_sample or any(lanes[i].host for i in sampling)
-        results: dict[int, tuple[int, float | None, list[TopLogprob] | None]] = {}
+        results: dict[int, _Sampled] = {}
         try:
             if host:
                 self._run_logits_step(lanes, seqs, toks, counts, sampling, results)
@@ -629,8 +645,11 @@ class EngineThread:
             if st.prefilling:
                 st.prefilled += k
         for i in sampling:
-            tok, lp, tops = results[i]
-            self._accept(lanes[i], tok, lp, tops)
+            result = results[i]
+            if isinstance(result, AioBaseRTError):
+                self._fail(lanes[i], result)
+            else:
+                self._accept(lanes[i], *result)
 
     def _run_sample_step(
         self,
@@ -639,7 +658,7 @@ class EngineThread:
         toks: ctypes.Array[c_uint32],
         counts: ctypes.Array[c_int],
         sampling: list[int],
-        results: dict[int, tuple[int, float | None, list[TopLogprob] | None]],
+        results: dict[int, _Sampled],
     ) -> None:
         n = len(lanes)
         rows = (_ffi.BaseRTRowSampling * n)()
@@ -659,7 +678,7 @@ class EngineThread:
         toks: ctypes.Array[c_uint32],
         counts: ctypes.Array[c_int],
         sampling: list[int],
-        results: dict[int, tuple[int, float | None, list[TopLogprob] | None]],
+        results: dict[int, _Sampled],
     ) -> None:
         lib, model = self.lib, self._model
         n = len(lanes)
@@ -668,53 +687,60 @@ class EngineThread:
         if lib.baseRT_read_batch_logits(model, n, self._logits_ptr) < 0:
             raise lib.last_error("baseRT_read_batch_logits")
         for i in sampling:
-            lane = lanes[i]
-            p = lane.spec.params
-            row = self._logits_ptr + i * self.stride
-            if lane.constraint is not None:
-                self._apply_constraint(lane, i)
-            if lane.sampling_cfg is not None:  # logit_bias / greedy penalties: the CPU pipeline
-                hist = _ffi.u32_array(lane.history()) if lane.penalized else None
-                tok = lib.baseRT_sample_logits_row(
-                    model, row, byref(lane.sampling_cfg), hist, len(hist) if hist else 0, 0, len(lane.generated)
-                )
-                if tok == 0 and lib.baseRT_get_error_code() != 0:
-                    raise lib.last_error("baseRT_sample_logits_row")
-            elif p.temperature > 0 and lib.has("baseRT_sample_logits_rows"):
-                # the engine's row sampler, as baseRT_batch_step_fused_sample would run it
-                keep: list[Any] = []
-                rs = _row_sampling(lane, keep)
-                out = c_uint32(0)
-                rc = lib.baseRT_sample_logits_rows(model, i, 1, byref(rs), byref(out))
-                lib.check(rc, "baseRT_sample_logits_rows")
-                tok = int(out.value)
-            elif p.temperature > 0:  # an engine without the row-sampling pass: CPU pipeline
-                cfg = _cpu_sampling_config(p, _mix32(lane.seed, 0))
-                tok = lib.baseRT_sample_logits_row(model, row, byref(cfg), None, 0, 0, len(lane.generated))
-            else:
-                tok = lib.baseRT_argmax_logits_row(model, row)
-            tok = int(tok)
-            lp: float | None = None
-            tops: list[TopLogprob] | None = None
-            if p.logprobs or p.top_logprobs:
-                k = p.top_logprobs
-                chosen = c_float(0.0)
-                ids = (c_uint32 * max(k, 1))()
-                vals = (c_float * max(k, 1))()
-                got = lib.baseRT_logits_row_logprobs(model, row, tok, k, byref(chosen), ids, vals)
-                if got < 0:
-                    raise lib.last_error("baseRT_logits_row_logprobs")
-                lp = float(chosen.value)
-                if k:
-                    tops = [
-                        TopLogprob(
-                            id=int(ids[j]),
-                            logprob=float(vals[j]),
-                            text=self.token_bytes(int(ids[j])).decode("utf-8", "replace"),
-                        )
-                        for j in range(got)
-                    ]
-            results[i] = (tok, lp, tops)
+            try:
+                results[i] = self._sample_host_row(lanes[i], i)
+            except AioBaseRTError as exc:  # this lane's sampling failed: only this lane ends
+                results[i] = exc
+
+    def _sample_host_row(self, lane: _Lane, i: int) -> tuple[int, float | None, list[TopLogprob] | None]:
+        """Pick lane's token from row i of the host logits (and its logprobs)."""
+        lib, model = self.lib, self._model
+        p = lane.spec.params
+        row = self._logits_ptr + i * self.stride
+        if lane.constraint is not None:
+            self._apply_constraint(lane, i)
+        if lane.sampling_cfg is not None:  # logit_bias / greedy penalties: the CPU pipeline
+            hist = _ffi.u32_array(lane.history()) if lane.penalized else None
+            tok = lib.baseRT_sample_logits_row(
+                model, row, byref(lane.sampling_cfg), hist, len(hist) if hist else 0, 0, len(lane.generated)
+            )
+            if tok == 0 and lib.baseRT_get_error_code() != 0:
+                raise lib.last_error("baseRT_sample_logits_row")
+        elif p.temperature > 0 and lib.has("baseRT_sample_logits_rows"):
+            # the engine's row sampler, as baseRT_batch_step_fused_sample would run it
+            keep: list[Any] = []
+            rs = _row_sampling(lane, keep)
+            out = c_uint32(0)
+            rc = lib.baseRT_sample_logits_rows(model, i, 1, byref(rs), byref(out))
+            lib.check(rc, "baseRT_sample_logits_rows")
+            tok = int(out.value)
+        elif p.temperature > 0:  # an engine without the row-sampling pass: CPU pipeline
+            cfg = _cpu_sampling_config(p, _mix32(lane.seed, 0))
+            tok = lib.baseRT_sample_logits_row(model, row, byref(cfg), None, 0, 0, len(lane.generated))
+        else:
+            tok = lib.baseRT_argmax_logits_row(model, row)
+        tok = int(tok)
+        lp: float | None = None
+        tops: list[TopLogprob] | None = None
+        if p.logprobs or p.top_logprobs:
+            k = p.top_logprobs
+            chosen = c_float(0.0)
+            ids = (c_uint32 * max(k, 1))()
+            vals = (c_float * max(k, 1))()
+            got = lib.baseRT_logits_row_logprobs(model, row, tok, k, byref(chosen), ids, vals)
+            if got < 0:
+                raise lib.last_error("baseRT_logits_row_logprobs")
+            lp = float(chosen.value)
+            if k:
+                tops = [
+                    TopLogprob(
+                        id=int(ids[j]),
+                        logprob=float(vals[j]),
+                        text=self.token_bytes(int(ids[j])).decode("utf-8", "replace"),
+                    )
+                    for j in range(got)
+                ]
+        return tok, lp, tops
 
     def _apply_constraint(self, lane: _Lane, i: int) -> None:
         """Mask row i of the host logits with the lane's grammar (disallowed -> -inf)."""
@@ -784,7 +810,8 @@ class EngineThread:
         piece = raw.decode("utf-8", "replace")
         finish: FinishReason | None = None
         if lane.constraint is not None and not lane.constraint.accept(tok):
-            self._fail(lane, InvalidRequestError(f"token {tok} was sampled outside the output grammar"))
+            why = getattr(lane.constraint, "error", None) or "rejected"
+            self._fail(lane, InvalidRequestError(f"token {tok} was sampled outside the output grammar: {why}"))
             return
         if tok in lane.stop_ids or (not p.ignore_eos and lib.baseRT_is_eos_token(self._model, tok)):
             text, finish = lane.stopper.flush(), "stop"

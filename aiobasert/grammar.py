@@ -22,7 +22,6 @@ import numpy as np
 
 from ._hf_tokenizer import TOKEN_TYPE_CONTROL, hf_tokenizer_json
 from .bundle import read_bundle
-from .engine_thread import Constraint
 from .errors import InvalidRequestError
 
 try:
@@ -64,7 +63,8 @@ def end_token_ids(config: Mapping[str, Any], tokenizer: Mapping[str, Any]) -> li
 
 
 class JsonSchemaConstraint:
-    """One request's grammar: an llguidance matcher behind the engine's `Constraint` protocol.
+    """One request's grammar: an llguidance matcher behind the engine's `Constraint`
+    protocol (aiobasert.engine_thread).
 
     Stepping never raises for what the model samples (an exception there would
     stop the engine thread): a rejected token or an internal llguidance error
@@ -122,7 +122,10 @@ class GrammarBackend:
         """
         if not _HAVE_LLGUIDANCE:
             raise InvalidRequestError("structured output needs the llguidance package (pip install llguidance)")
-        bundle = read_bundle(path)  # header only: tensors stay unmapped
+        try:
+            bundle = read_bundle(path)  # the header only: tensors stay unmapped
+        except (OSError, ValueError) as exc:
+            raise InvalidRequestError(f"structured output: cannot read the model's tokenizer: {exc}") from None
         fields = bundle.tokenizer
         n_tokens = len(fields.get("tokenizer.ggml.tokens") or [])
         if n_tokens > vocab_size:
@@ -134,7 +137,7 @@ class GrammarBackend:
             raise InvalidRequestError("structured output: the model defines no end-of-sequence token")
         try:
             tokenizer = llguidance.LLTokenizer(hf_tokenizer_json(fields), n_vocab=vocab_size, eos_token=end_ids)
-        except (ValueError, TypeError) as exc:
+        except Exception as exc:  # whatever llguidance objects to; a request error, never an engine-thread crash
             raise InvalidRequestError(f"structured output is not supported for this model's tokenizer: {exc}") from None
         if tokenizer.vocab_size != vocab_size:
             raise InvalidRequestError(
@@ -142,7 +145,7 @@ class GrammarBackend:
             )
         return cls(tokenizer, vocab_size, end_ids)
 
-    def compile(self, schema: Mapping[str, Any] | bool) -> Constraint:
+    def compile(self, schema: Mapping[str, Any] | bool) -> JsonSchemaConstraint:
         """A fresh constraint for one request: `schema` is a JSON Schema object, or
         True for any JSON value. Raises `InvalidRequestError` with llguidance's
         message for a malformed schema or one using unsupported keywords."""

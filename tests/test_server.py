@@ -287,9 +287,9 @@ def test_health_needs_no_key(base_url: str) -> None:
         ("/v1/chat/completions", {"messages": [{"role": "tool", "content": "x"}]}, "messages", "role"),
         (
             "/v1/chat/completions",
-            {"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}},
+            {"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_schema"}},
             "response_format",
-            "structured output is not available yet",
+            "json_schema.schema",
         ),
         (
             "/v1/chat/completions",

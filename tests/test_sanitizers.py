@@ -1,0 +1,58 @@
+"""The native tests again, against an ASan + UBSan build of the reference engine.
+
+The library is compiled here from native/src with -fsanitize=address,undefined
+and the ctypes-level suites run in a subprocess that preloads the sanitizer
+runtimes (Python itself is not instrumented, so leak detection stays off:
+CPython's own allocations would drown it). Any sanitizer report aborts the
+subprocess and fails this test with the report.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+SUITES = ["tests/test_native_front.py", "tests/test_native_runtime.py", "tests/test_engine.py",
+          "tests/test_reliability.py"]
+
+
+def _runtime(cc: str, name: str) -> str:
+    out = subprocess.run([cc, f"-print-file-name={name}"], capture_output=True, text=True, check=True).stdout.strip()
+    assert os.path.isabs(out), f"{cc} has no {name}: install the compiler's sanitizer runtime (libasan, libubsan)"
+    return out
+
+
+@pytest.mark.slow
+def test_native_suites_pass_under_asan_and_ubsan(tmp_path: Path) -> None:
+    cc = shutil.which("gcc") or shutil.which("cc")
+    assert cc, "a C compiler is needed to build the sanitizer library"
+    lib = tmp_path / "libbaseRT.so"
+    sources = sorted(str(p) for p in (ROOT / "native" / "src").glob("*.c"))
+    subprocess.run(
+        [cc, "-std=c11", "-O1", "-g", "-fPIC", "-shared", "-D_GNU_SOURCE", "-fno-omit-frame-pointer",
+         "-fsanitize=address,undefined", "-fno-sanitize-recover=undefined",
+         f"-I{ROOT / 'native' / 'include'}", f"-I{ROOT / 'native' / 'src'}", *sources, "-o", str(lib),
+         "-lm", "-lpthread"],
+        check=True,
+    )
+    env = dict(os.environ)
+    env.update(
+        BASERT_LIB_PATH=str(lib),
+        LD_PRELOAD=" ".join([_runtime(cc, "libasan.so"), _runtime(cc, "libubsan.so")]),
+        ASAN_OPTIONS="detect_leaks=0:abort_on_error=1:allocator_may_return_null=1",
+        UBSAN_OPTIONS="halt_on_error=1:print_stacktrace=1",
+        BASERT_REF_THREADS="2",
+    )
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-m", "not slow", *SUITES],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800,
+    )
+    report = (proc.stdout[-4000:] + "\n" + proc.stderr[-6000:]).strip()
+    assert proc.returncode == 0, f"sanitized run failed:\n{report}"
+    assert "passed" in proc.stdout and "ERROR: AddressSanitizer" not in proc.stderr
