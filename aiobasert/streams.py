@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import weakref
 from collections import deque
 from collections.abc import Generator
 from typing import TYPE_CHECKING, Any
@@ -37,6 +38,24 @@ _prefix = os.urandom(3).hex()
 
 def new_request_id() -> str:
     return f"req-{_prefix}-{next(_ids)}"
+
+
+class _WeakSink:
+    """What the engine thread holds of a stream: a weak reference.
+
+    A strong one would keep an abandoned stream (`break` out of `async for`)
+    alive until its lane finished, so its `__del__` could not cancel the lane.
+    """
+
+    __slots__ = ("_ref",)
+
+    def __init__(self, stream: TokenStream) -> None:
+        self._ref = weakref.ref(stream)
+
+    def deliver(self, tokens: list[Token], final: Final | None, error: BaseException | None) -> None:
+        stream = self._ref()
+        if stream is not None:
+            stream.deliver(tokens, final, error)
 
 
 class TokenStream:
@@ -94,7 +113,7 @@ class TokenStream:
         """
         if not self._started:
             self._started = True
-            self._engine._submit(Submit(self._spec, self, self._ticket))
+            self._engine._submit(Submit(self._spec, _WeakSink(self), self._ticket))
 
     def __aiter__(self) -> TokenStream:
         return self

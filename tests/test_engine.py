@@ -146,7 +146,8 @@ async def test_cancelling_1000_streams_leaks_nothing(tiny_model_path: Path) -> N
                         inner.start_soon(victim, batch * 100 + i)
         assert cancelled == 1000
         assert got == expected
-        await anyio.sleep(0.05)
+        # Every cancel was posted when its consumer left; the stats call is queued
+        # behind them on the engine thread, so no lane may be left by now.
         stats = await engine.stats()
         assert stats.live_sequences == 0
         assert stats.live_decode_streams == 0
@@ -280,3 +281,38 @@ async def test_aclose_drain_abort_and_reuse(tiny_model_path: Path) -> None:
     assert s2.finish_reason == "aborted" and len(rest) < 999
     assert engine.models_freed == 1
     assert not engine._thread.alive
+
+
+async def test_break_frees_the_lane_at_once(tiny_model_path: Path) -> None:
+    """sglang #36333: a consumer that leaves must not decode on to max_tokens."""
+    async with Engine.open(tiny_model_path) as engine:
+        async for _ in engine.stream("x", max_tokens=2000, ignore_eos=True):
+            break
+        stats = await engine.stats()
+        assert stats.active_lanes == 0 and stats.live_sequences == 0
+        assert stats.requests_cancelled == 1 and stats.steps < 50
+
+
+async def test_long_prompt_prefills_in_chunks_without_freezing_streams(tiny_model_path: Path) -> None:
+    """vllm #1026 / tabbyAPI #383: a long prompt is prefilled a chunk per step while
+    running streams keep decoding every step, and a cancel lands mid-prefill."""
+    async with Engine.open(tiny_model_path, prefill_chunk=32, prefix_cache=False) as engine:
+        long_prompt = list(range(3, 3 + 500)) * 3  # 1500 tokens: 47 chunks of 32
+        runner = engine.stream("running", max_tokens=2000, ignore_eos=True, penalty_window=0)
+        await runner.__anext__()
+        before = await engine.stats()
+        got_before = runner._ticket.delivered
+        long = engine.stream(long_prompt, max_tokens=3, ignore_eos=True)
+        long.submit()
+        await anyio.sleep(0)
+        for _ in range(10):  # let a few prefill steps run
+            await runner.__anext__()
+        mid = await engine.stats()
+        assert mid.active_lanes == 2
+        await long.aclose()  # cancel while still prefilling
+        after = await engine.stats()
+        assert after.active_lanes == 1 and after.requests_cancelled == 1
+        assert mid.steps - before.steps < 47  # the long prompt was not done yet
+        # the running stream got a token in every step of the prefill period
+        assert runner._ticket.delivered - got_before >= (mid.steps - before.steps) - 1
+        await runner.aclose()
