@@ -298,21 +298,23 @@ async def test_long_prompt_prefills_in_chunks_without_freezing_streams(tiny_mode
     running streams keep decoding every step, and a cancel lands mid-prefill."""
     async with Engine.open(tiny_model_path, prefill_chunk=32, prefix_cache=False) as engine:
         long_prompt = list(range(3, 3 + 500)) * 3  # 1500 tokens: 47 chunks of 32
-        runner = engine.stream("running", max_tokens=2000, ignore_eos=True, penalty_window=0)
+        runner = engine.stream("running", max_tokens=2000, ignore_eos=True)
         await runner.__anext__()
-        before = await engine.stats()
-        got_before = runner._ticket.delivered
         long = engine.stream(long_prompt, max_tokens=3, ignore_eos=True)
         long.submit()
-        await anyio.sleep(0)
-        for _ in range(10):  # let a few prefill steps run
-            await runner.__anext__()
-        mid = await engine.stats()
-        assert mid.active_lanes == 2
-        await long.aclose()  # cancel while still prefilling
-        after = await engine.stats()
+        before = await engine.stats()  # queued behind the submit: the long lane is admitted next step
+        runner_before = runner._ticket.delivered
+        mid = before
+        for _ in range(100_000):  # counted in engine steps, not seconds
+            mid = await engine.stats()
+            if mid.steps - before.steps >= 8:
+                break
+        runner_mid = runner._ticket.delivered
+        assert mid.active_lanes == 2 and mid.waiting_requests == 0
+        assert mid.steps - before.steps < 47  # the long prompt is still prefilling
+        # the running stream got a token in every one of those steps
+        assert runner_mid - runner_before >= mid.steps - before.steps - 1
+        await long.aclose()  # cancel mid-prefill
+        after = await engine.stats()  # queued behind the cancel: the lane must be gone
         assert after.active_lanes == 1 and after.requests_cancelled == 1
-        assert mid.steps - before.steps < 47  # the long prompt was not done yet
-        # the running stream got a token in every step of the prefill period
-        assert runner._ticket.delivered - got_before >= (mid.steps - before.steps) - 1
         await runner.aclose()
