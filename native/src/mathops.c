@@ -479,10 +479,11 @@ enum {
 struct rt_threads {
     int n; /* threads including the caller */
     pthread_t *th;
-    /* The current run, published by the increment of `generation`. */
+    /* The current run: written before `state` opens it, read by a worker
+     * only after it joined through `state`. */
     rt_task_fn fn;
     void *ctx;
-    int max_joined;
+    atomic_int max_joined; /* read by workers that may be racing the next post */
     atomic_ulong generation;
     atomic_int state;    /* RUN_OPEN | workers joined */
     atomic_int finished; /* joined workers that returned */
@@ -520,7 +521,7 @@ static void *worker_main(void *arg) {
         seen = atomic_load(&p->generation);
         int st = atomic_load(&p->state);
         bool joined = false;
-        while ((st & RUN_OPEN) && (st & RUN_JOINED) < p->max_joined)
+        while ((st & RUN_OPEN) && (st & RUN_JOINED) < atomic_load(&p->max_joined))
             if ((joined = atomic_compare_exchange_weak(&p->state, &st, st + 1))) break;
         if (!joined) continue;
         /* Joining synchronised with the post: fn and ctx are this run's. */
@@ -593,7 +594,7 @@ void rt_threads_run(rt_threads *p, rt_task_fn fn, void *ctx, int n_threads) {
     }
     p->fn = fn;
     p->ctx = ctx;
-    p->max_joined = (n_threads < p->n ? n_threads : p->n) - 1;
+    atomic_store(&p->max_joined, (n_threads < p->n ? n_threads : p->n) - 1);
     atomic_store(&p->finished, 0);
     atomic_store(&p->state, RUN_OPEN);
     atomic_fetch_add(&p->generation, 1);
