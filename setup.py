@@ -32,6 +32,9 @@ class BuildSharedLib(build_ext):
         if os.environ.get("AIOBASERT_SANITIZE") == "1":
             ext.extra_compile_args += ["-O1", "-g", "-fsanitize=address,undefined", "-fno-omit-frame-pointer"]
             ext.extra_link_args += ["-fsanitize=address,undefined"]
+        # the output folder holds no tracked source, so make sure it exists (editable installs copy into it)
+        os.makedirs(os.path.dirname(self.get_ext_fullpath(ext.name)), exist_ok=True)
+        os.makedirs(os.path.join("aiobasert", "_native"), exist_ok=True)
         super().build_extension(ext)
 
 
