@@ -291,6 +291,19 @@ class Library:
             raise LibraryError(f"cannot load libbaseRT from {path} ({origin}): {exc}") from exc
         self.path = path
         self.origin = origin
+        # The ABI number first: a library of another ABI gets that diagnosis, not a symbol list.
+        try:
+            abi_fn = self._cdll.baseRT_abi_version
+        except AttributeError:
+            raise LibraryError(
+                f"{path} ({origin}) has no baseRT_abi_version: not libbaseRT, or an engine older than 0.3.1"
+            ) from None
+        abi_fn.restype, abi_fn.argtypes = c_uint, []
+        abi = int(abi_fn())
+        if abi != SUPPORTED_ABI:
+            raise AbiMismatchError(
+                f"{path} ({origin}) speaks baseRT ABI {abi}; aiobasert supports ABI {SUPPORTED_ABI}"
+            )
         self._present: set[str] = set()
         for name, (restype, argtypes, required) in _SIGNATURES.items():
             try:
@@ -304,11 +317,6 @@ class Library:
             fn.restype = restype
             fn.argtypes = argtypes
             self._present.add(name)
-        abi = int(self._cdll.baseRT_abi_version())
-        if abi != SUPPORTED_ABI:
-            raise AbiMismatchError(
-                f"{path} ({origin}) speaks baseRT ABI {abi}; aiobasert supports ABI {SUPPORTED_ABI}"
-            )
         self.abi_version = abi
         self.version = (self._cdll.baseRT_version_string() or b"").decode("utf-8", "replace")
         if thread_check is None:
