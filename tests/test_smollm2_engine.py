@@ -12,12 +12,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import tokenizers
+from oracle import gguf_oracle
+from tokenizer_corpus import corpus
 
 from aiobasert import Engine, _ffi, models
 from aiobasert._hf_tokenizer import hf_tokenizer_json
 from aiobasert.bundle import read_bundle
-from oracle import gguf_oracle
-from tokenizer_corpus import corpus
 
 pytestmark = pytest.mark.slow
 
