@@ -20,6 +20,7 @@ import os
 import struct
 import tempfile
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from datetime import datetime, timezone
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Final, Literal
@@ -33,6 +34,8 @@ __all__ = [
     "BLOB_ALIGNMENT",
     "FORMAT_VERSION",
     "MAGIC",
+    "TIED_EMBEDDINGS_FLAG",
+    "llama_header",
     "Bundle",
     "BundleError",
     "BundleWriter",
@@ -97,6 +100,36 @@ class TensorInfo(msgspec.Struct, frozen=True):
     @property
     def numel(self) -> int:
         return math.prod(self.shape)
+
+
+TIED_EMBEDDINGS_FLAG: Final = 0x400  # HeaderFlags bit 10
+
+
+def llama_header(
+    *,
+    dtype: str,
+    source: Mapping[str, str],
+    config: Mapping[str, Any],
+    tokenizer: Mapping[str, Any],
+    metadata: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
+    """The header of a llama-family bundle: the fixed fields around a model's own
+    config, tokenizer (GGUF-style fields) and metadata, as docs/BUNDLE.md lays out."""
+    tied = bool(config.get("tie_word_embeddings"))
+    return {
+        "schema": 1,
+        "arch": "llama",
+        "quant_scheme": dtype,
+        "min_hw": "cpu",
+        "created": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "baserT_version": BASERT_VERSION,
+        "source": dict(source),
+        "alignment": dict(DEFAULT_ALIGNMENT),
+        "flags": f"0x{TIED_EMBEDDINGS_FLAG if tied else 0:08x}",
+        "config": dict(config),
+        "tokenizer": dict(tokenizer),
+        "metadata": dict(metadata or {}),
+    }
 
 
 def canonical_json(obj: Any) -> bytes:

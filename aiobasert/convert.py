@@ -16,7 +16,6 @@ import math
 import sys
 import time
 from collections.abc import Callable, Sequence
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Final, Literal
 
@@ -25,11 +24,10 @@ import numpy as np
 import numpy.typing as npt
 from tqdm import tqdm  # type: ignore[import-untyped,unused-ignore]  # no stubs in tqdm itself
 
-from .bundle import BASERT_VERSION, DEFAULT_ALIGNMENT, BundleWriter, Progress, TensorEntry
+from .bundle import BundleWriter, Progress, TensorEntry, llama_header
 
 __all__ = ["ConversionError", "convert_gguf", "main"]
 
-TIED_EMBEDDINGS_FLAG: Final = 0x400
 _GGUF_MAGIC: Final = b"GGUF"
 
 # GGUF tensor name stems -> canonical bundle names (base-convert's llama mapping).
@@ -245,17 +243,10 @@ def convert_gguf(
     )
     tokenizer = {"tokenizer_type": "gguf"} | {k: v for k, v in meta.items() if k.startswith("tokenizer.")}
     chat_template = meta.get("tokenizer.chat_template")
-    header: dict[str, Any] = {
-        "schema": 1,
-        "arch": "llama",
-        "quant_scheme": dtype,
-        "min_hw": "cpu",
-        "created": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-        "baserT_version": BASERT_VERSION,
-        "source": {"format": "gguf", "sha256": _sha256(src), "filename": src.name},
-        "alignment": dict(DEFAULT_ALIGNMENT),
-        "flags": f"0x{TIED_EMBEDDINGS_FLAG if tied else 0:08x}",
-        "config": {
+    header = llama_header(
+        dtype=dtype,
+        source={"format": "gguf", "sha256": _sha256(src), "filename": src.name},
+        config={
             "hidden_size": cfg.dim,
             "num_hidden_layers": cfg.n_layers,
             "num_attention_heads": cfg.n_heads,
@@ -271,9 +262,9 @@ def convert_gguf(
             "eos_token_id": eos,
             "eos_token_ids": stop_ids,
         },
-        "tokenizer": tokenizer,
-        "metadata": {} if chat_template is None else {"tokenizer.chat_template": chat_template},
-    }
+        tokenizer=tokenizer,
+        metadata={} if chat_template is None else {"tokenizer.chat_template": chat_template},
+    )
 
     close_bar: Callable[[], None] | None = None
     callback: Progress | None

@@ -10,7 +10,6 @@ from types import TracebackType
 from typing import Any, TypeVar
 
 import anyio
-import msgspec
 import numpy as np
 
 from . import _ffi
@@ -322,9 +321,6 @@ class Engine:
 
     def __repr__(self) -> str:
         return f"<aiobasert.Engine {self.info.path!r} lanes={self.info.max_batch_size} closed={self._closed}>"
-
-    def model_info_json(self) -> bytes:
-        return msgspec.json.encode(self.info)
 
 
 class _EngineOpener:

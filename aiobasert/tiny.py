@@ -19,14 +19,13 @@ import math
 import unicodedata
 from collections import Counter
 from collections.abc import Iterator
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Final, Literal
 
 import numpy as np
 import numpy.typing as npt
 
-from .bundle import BASERT_VERSION, DEFAULT_ALIGNMENT, f32_to_bf16, write_bundle
+from .bundle import f32_to_bf16, llama_header, write_bundle
 
 __all__ = [
     "CHATML_TEMPLATE",
@@ -43,7 +42,6 @@ BOS_ID: Final = 1
 EOS_ID: Final = 2
 TOKEN_NORMAL: Final = 1
 TOKEN_CONTROL: Final = 3
-TIED_EMBEDDINGS_FLAG: Final = 0x400
 EMBED_STD: Final = 0.25
 
 #: SmolLM2-135M-Instruct's chat template (ChatML with a default system prompt).
@@ -385,23 +383,16 @@ def build_tiny_model(
         vocab=vocab,
         eos_bias=eos_bias,
     )
-    header = {
-        "schema": 1,
-        "arch": "llama",
-        "quant_scheme": dtype,
-        "min_hw": "cpu",
-        "created": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-        "baserT_version": BASERT_VERSION,
+    header = llama_header(
+        dtype=dtype,
         # A synthetic bundle's source is its recipe: hash that, so two builds
         # with the same parameters carry the same identity.
-        "source": {
+        source={
             "format": "synthetic",
             "sha256": hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest(),
             "filename": "aiobasert.tiny",
         },
-        "alignment": dict(DEFAULT_ALIGNMENT),
-        "flags": f"0x{TIED_EMBEDDINGS_FLAG if tied else 0:08x}",
-        "config": {
+        config={
             "hidden_size": dim,
             "num_hidden_layers": n_layers,
             "num_attention_heads": n_heads,
@@ -417,7 +408,7 @@ def build_tiny_model(
             "eos_token_id": EOS_ID,
             "eos_token_ids": [],
         },
-        "tokenizer": {
+        tokenizer={
             "tokenizer_type": "gguf",
             "tokenizer.ggml.model": "gpt2",
             "tokenizer.ggml.pre": "smollm",
@@ -430,7 +421,7 @@ def build_tiny_model(
             "tokenizer.ggml.add_bos_token": False,
             "tokenizer.chat_template": CHATML_TEMPLATE,
         },
-        "metadata": {"tokenizer.chat_template": CHATML_TEMPLATE, "aiobasert.tiny": recipe},
-    }
+        metadata={"tokenizer.chat_template": CHATML_TEMPLATE, "aiobasert.tiny": recipe},
+    )
     write_bundle(path, header, tensors)
     return path
