@@ -35,7 +35,6 @@ __all__ = [
     "FORMAT_VERSION",
     "MAGIC",
     "TIED_EMBEDDINGS_FLAG",
-    "llama_header",
     "Bundle",
     "BundleError",
     "BundleWriter",
@@ -45,6 +44,7 @@ __all__ = [
     "bf16_to_f32",
     "canonical_json",
     "f32_to_bf16",
+    "llama_header",
     "read_bundle",
     "write_bundle",
 ]
