@@ -630,12 +630,9 @@ class EngineThread:
         seqs = (c_void_p * n)(*(lane.seq for lane in lanes))
         toks = _ffi.u32_array(feed)
         host = not self.has_fused_sample or any(lanes[i].host for i in sampling)
-        results: dict[int, _Sampled] = {}
         try:
-            if host:
-                self._run_logits_step(lanes, seqs, toks, counts, sampling, results)
-            else:
-                self._run_sample_step(lanes, seqs, toks, counts, sampling, results)
+            run = self._run_logits_step if host else self._run_sample_step
+            results = run(lanes, seqs, toks, counts, sampling)
         except EngineError as exc:
             # The step failed as a whole: fail its lanes, keep serving the rest.
             for lane in lanes:
@@ -658,8 +655,7 @@ class EngineThread:
         toks: ctypes.Array[c_uint32],
         counts: ctypes.Array[c_int],
         sampling: list[int],
-        results: dict[int, _Sampled],
-    ) -> None:
+    ) -> dict[int, _Sampled]:
         n = len(lanes)
         rows = (_ffi.BaseRTRowSampling * n)()
         keep: list[Any] = []
@@ -668,8 +664,7 @@ class EngineThread:
         out = (c_uint32 * n)()
         rc = self.lib.baseRT_batch_step_fused_sample(self._model, seqs, n, toks, counts, rows, out)
         self.lib.check(rc, "baseRT_batch_step_fused_sample")
-        for i in sampling:
-            results[i] = (int(out[i]), None, None)
+        return {i: (int(out[i]), None, None) for i in sampling}
 
     def _run_logits_step(
         self,
@@ -678,19 +673,20 @@ class EngineThread:
         toks: ctypes.Array[c_uint32],
         counts: ctypes.Array[c_int],
         sampling: list[int],
-        results: dict[int, _Sampled],
-    ) -> None:
+    ) -> dict[int, _Sampled]:
         lib, model = self.lib, self._model
         n = len(lanes)
         rc = lib.baseRT_batch_step_fused_logits(model, seqs, n, toks, counts)
         lib.check(rc, "baseRT_batch_step_fused_logits")
         if lib.baseRT_read_batch_logits(model, n, self._logits_ptr) < 0:
             raise lib.last_error("baseRT_read_batch_logits")
+        results: dict[int, _Sampled] = {}
         for i in sampling:
             try:
                 results[i] = self._sample_host_row(lanes[i], i)
             except AioBaseRTError as exc:  # this lane's sampling failed: only this lane ends
                 results[i] = exc
+        return results
 
     def _sample_host_row(self, lane: _Lane, i: int) -> tuple[int, float | None, list[TopLogprob] | None]:
         """Pick lane's token from row i of the host logits (and its logprobs)."""
