@@ -318,3 +318,28 @@ async def test_long_prompt_prefills_in_chunks_without_freezing_streams(tiny_mode
         after = await engine.stats()  # queued behind the cancel: the lane must be gone
         assert after.active_lanes == 1 and after.requests_cancelled == 1
         await runner.aclose()
+
+
+async def test_idle_engine_does_not_step(tiny_model_path: Path) -> None:
+    """With no work the engine thread blocks on its inbox: no steps while idle."""
+    async with Engine.open(tiny_model_path) as engine:
+        await engine.generate("warm", max_tokens=2)
+        idle = await engine.stats()
+        await anyio.sleep(0.1)
+        assert (await engine.stats()).steps == idle.steps
+        await engine.generate("again", max_tokens=2, ignore_eos=True)
+        assert (await engine.stats()).steps > idle.steps
+
+
+async def test_penalties_change_repetitive_output(tiny_model_path: Path) -> None:
+    """The tied tiny model loves repeating itself; penalties must break that, on the
+    greedy (CPU pipeline) and on the sampled (engine row sampler) paths alike."""
+    async with Engine.open(tiny_model_path) as engine:
+        plain = await engine.generate("Once upon a time", max_tokens=24, ignore_eos=True)
+        greedy_pen = await engine.generate("Once upon a time", max_tokens=24, ignore_eos=True, repeat_penalty=5.0)
+        assert len(set(greedy_pen.token_ids)) > len(set(plain.token_ids))
+        sampled = dict(max_tokens=24, ignore_eos=True, temperature=0.7, seed=5)
+        free = await engine.generate("Once upon a time", **sampled)
+        pen = await engine.generate("Once upon a time", presence_penalty=2.0, frequency_penalty=2.0, **sampled)
+        assert pen.token_ids != free.token_ids
+        assert len(set(pen.token_ids)) >= len(set(free.token_ids))
