@@ -290,14 +290,17 @@ async def test_break_frees_the_lane_at_once(tiny_model_path: Path) -> None:
             break
         stats = await engine.stats()
         assert stats.active_lanes == 0 and stats.live_sequences == 0
-        assert stats.requests_cancelled == 1 and stats.steps < 50
+        # never decoded on towards 2000: at most the stream's buffer bound (256) ahead of the reader
+        assert stats.requests_cancelled == 1 and stats.requests_finished == 0
+        assert stats.steps <= 256 + 2
 
 
 async def test_long_prompt_prefills_in_chunks_without_freezing_streams(tiny_model_path: Path) -> None:
     """vllm #1026 / tabbyAPI #383: a long prompt is prefilled a chunk per step while
     running streams keep decoding every step, and a cancel lands mid-prefill."""
-    async with Engine.open(tiny_model_path, prefill_chunk=32, prefix_cache=False) as engine:
-        long_prompt = list(range(3, 3 + 500)) * 3  # 1500 tokens: 47 chunks of 32
+    # a big stream buffer: the runner must not pause for want of a reader during the test
+    async with Engine.open(tiny_model_path, prefill_chunk=16, prefix_cache=False, max_buffered_tokens=4096) as engine:
+        long_prompt = list(range(3, 3 + 475)) * 4  # 1900 tokens: 119 chunks of 16
         runner = engine.stream("running", max_tokens=2000, ignore_eos=True)
         await runner.__anext__()
         long = engine.stream(long_prompt, max_tokens=3, ignore_eos=True)
@@ -311,7 +314,7 @@ async def test_long_prompt_prefills_in_chunks_without_freezing_streams(tiny_mode
                 break
         runner_mid = runner._ticket.delivered
         assert mid.active_lanes == 2 and mid.waiting_requests == 0
-        assert mid.steps - before.steps < 47  # the long prompt is still prefilling
+        assert mid.steps - before.steps < 119  # the long prompt is still prefilling
         # the running stream got a token in every one of those steps
         assert runner_mid - runner_before >= mid.steps - before.steps - 1
         await long.aclose()  # cancel mid-prefill
