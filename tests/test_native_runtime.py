@@ -493,3 +493,19 @@ def test_generate_matches_batched_greedy(rt: Runtime) -> None:
     values = np.array(logits, dtype=np.float32)
     assert int(np.argmax(values)) == first == rt.step_greedy([rt.seq()], [tokens])[0]
     assert np.array_equal(values.astype(np.float16).astype(np.float32), values)  # f16-rounded, widened
+
+
+def test_generate_callback_false_stops(rt: Runtime) -> None:
+    tokens = prompt(10, 3, rt.vocab)
+    got: list[tuple[int, bytes | None]] = []
+
+    def collect(tok: int, text: bytes | None, _: Any) -> bool:
+        got.append((tok, text))
+        return len(got) < 3  # stop after the third token
+
+    on_token = TOKEN_CALLBACK(collect)
+    greedy = BaseRTSamplingConfig(temperature=0.0, top_p=1.0, repeat_penalty=1.0)
+    stats = rt.lib.baseRT_generate(rt.m, u32(tokens), len(tokens), 50, greedy, on_token, None)
+    assert rt.code() == OK, rt.error()
+    assert len(got) == 3 and stats.generated_tokens == 3
+    assert all(isinstance(text, bytes) for _, text in got)
