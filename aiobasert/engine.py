@@ -152,6 +152,7 @@ class Engine:
 
     @property
     def closed(self) -> bool:
+        """True once `aclose()` has been called."""
         return self._closed
 
     # ---- requests ---------------------------------------------------------------------
@@ -208,6 +209,7 @@ class Engine:
 
     @property
     def chat_template(self) -> str:
+        """The model's Jinja chat template ("" when the bundle has none: ChatML is used)."""
         return self._thread.chat_template
 
     def _params(self, params: SamplingParams | None, kwargs: dict[str, Any]) -> SamplingParams:
@@ -312,6 +314,7 @@ class Engine:
 
     @property
     def engine_thread_id(self) -> int | None:
+        """`threading.get_ident()` of the thread that owns the model handle."""
         return self._thread.thread_id
 
     @property

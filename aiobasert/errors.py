@@ -47,10 +47,14 @@ class EngineError(AioBaseRTError):
 
 
 class InvalidArgumentError(EngineError, ValueError):
+    """The engine refused an argument (INVALID_ARGUMENT)."""
+
     code = ErrorCode.INVALID_ARGUMENT
 
 
 class ModelFileNotFoundError(EngineError, FileNotFoundError):
+    """The model file does not exist or cannot be opened (FILE_NOT_FOUND)."""
+
     code = ErrorCode.FILE_NOT_FOUND
 
 
@@ -61,18 +65,26 @@ class InvalidFormatError(EngineError):
 
 
 class UnsupportedError(EngineError):
+    """The engine recognises the request but does not implement it (UNSUPPORTED)."""
+
     code = ErrorCode.UNSUPPORTED
 
 
 class EngineOutOfMemoryError(EngineError, MemoryError):
+    """The engine ran out of memory, e.g. KV blocks (OUT_OF_MEMORY)."""
+
     code = ErrorCode.OUT_OF_MEMORY
 
 
 class GPUError(EngineError):
+    """A device or kernel failure in a GPU engine (GPU)."""
+
     code = ErrorCode.GPU
 
 
 class GenerationFailedError(EngineError):
+    """A step failed mid-run (GENERATION_FAILED); the lanes of that step end with it."""
+
     code = ErrorCode.GENERATION_FAILED
 
 

@@ -80,10 +80,12 @@ class TokenStream:
 
     @property
     def request_id(self) -> str:
+        """A process-unique id of this request (also in its `Completion`)."""
         return self._spec.rid
 
     @property
     def finish_reason(self) -> FinishReason | None:
+        """"stop", "length" or "aborted" once the request has ended, else None."""
         return self._final.finish_reason if self._final else None
 
     @property
@@ -94,6 +96,7 @@ class TokenStream:
     # ---- engine side (called on the loop by the engine thread's wake-up) ------------
 
     def deliver(self, tokens: list[Token], final: Final | None, error: BaseException | None) -> None:
+        """Engine side (on the loop): one step's tokens, and how the request ended."""
         self._buffer.extend(tokens)
         if final is not None:
             self._final = final

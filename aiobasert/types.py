@@ -54,6 +54,8 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     value). The lane masks its logits with a grammar every step."""
 
     def validate(self, vocab_size: int | None = None) -> None:
+        """Raise `InvalidSamplingParamsError` naming the first bad field; token ids
+        (logit_bias, stop_token_ids) are checked against `vocab_size` when given."""
         def bad(field: str, why: str) -> InvalidSamplingParamsError:
             return InvalidSamplingParamsError(f"invalid sampling parameter {field}: {why}")
 
@@ -152,6 +154,8 @@ class Token(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class Usage(msgspec.Struct, frozen=True, kw_only=True):
+    """Token counts of one request."""
+
     prompt_tokens: int
     completion_tokens: int
     cached_prompt_tokens: int = 0
@@ -159,6 +163,7 @@ class Usage(msgspec.Struct, frozen=True, kw_only=True):
 
     @property
     def total_tokens(self) -> int:
+        """Prompt plus completion tokens."""
         return self.prompt_tokens + self.completion_tokens
 
 
@@ -174,11 +179,6 @@ class Timing(msgspec.Struct, frozen=True, kw_only=True):
     admitted_step: int
     """Engine step in which the request got its lane (prefill began)."""
     finished_step: int
-
-    @property
-    def decode_tokens_per_s(self) -> float:
-        span = self.total_s - self.time_to_first_token_s
-        return 0.0 if span <= 0 else 1.0 / span
 
 
 class Completion(msgspec.Struct, frozen=True, kw_only=True):
