@@ -240,7 +240,15 @@ class Engine:
             return None
 
         def build() -> Constraint:
-            if self._grammar is None:  # built once per engine, on first use
+            lib, model = self._thread.lib, self._thread._model
+            assert model is not None  # runs on the engine thread while the model is loaded
+            if lib.has("baseRT_grammar_create_from_schema") and lib.has("baseRT_grammar_fill_bitmask"):
+                from .grammar import EngineGrammarConstraint
+
+                native = EngineGrammarConstraint.create(lib, model, schema)
+                if native is not None:  # the engine's own grammar where it has one
+                    return native
+            if self._grammar is None:  # the host backend, built once per engine, on first use
                 from .grammar import GrammarBackend
 
                 self._grammar = GrammarBackend.for_bundle(self.info.path, vocab_size=self.info.vocab_size)

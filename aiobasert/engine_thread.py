@@ -879,6 +879,10 @@ class EngineThread:
         if lane.prefix_handle:
             lib.baseRT_prefix_unlock(model, lane.prefix_handle)
             lane.prefix_handle = 0
+        close = getattr(lane.constraint, "close", None)
+        if close is not None:  # an engine-side grammar handle
+            close()
+            lane.constraint = None
         if lane.dstream is not None:
             lib.baseRT_decode_stream_free(lane.dstream)
             lane.dstream = None

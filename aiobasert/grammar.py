@@ -31,7 +31,7 @@ try:
 except ImportError:  # pragma: no cover - a dependency; without it structured requests fail one by one
     _HAVE_LLGUIDANCE = False
 
-__all__ = ["GrammarBackend", "JsonSchemaConstraint"]
+__all__ = ["EngineGrammarConstraint", "GrammarBackend", "JsonSchemaConstraint"]
 
 # The control tokens the reference engine also treats as end of generation
 # (native/src/loader.c, STOP_MARKERS); the grammar offers them wherever it may end.
@@ -166,3 +166,54 @@ class GrammarBackend:
         if matcher.is_error():
             raise InvalidRequestError(f"invalid json_schema: {matcher.get_error()}")
         return JsonSchemaConstraint(matcher, self._mask_words)
+
+
+class EngineGrammarConstraint:
+    """A JSON Schema constraint run by the engine's own grammar backend
+    (`baseRT_grammar_create_from_schema` + token bitmask), for engines that have one.
+
+    Same contract as `JsonSchemaConstraint`; the grammar handle is freed by
+    `close()` when the lane is released. Engine thread only.
+    """
+
+    def __init__(self, lib: Any, grammar: int, words: int) -> None:
+        self._lib = lib
+        self._grammar: int | None = grammar
+        self._words = words
+
+    @classmethod
+    def create(cls, lib: Any, model: int, schema: Mapping[str, Any] | bool) -> EngineGrammarConstraint | None:
+        """The engine's grammar for `schema`, or None when the engine cannot step it
+        per token (no xgrammar bitmask): the caller then uses the host backend."""
+        if schema is True:
+            grammar = lib.baseRT_grammar_create_json(model)
+        else:
+            grammar = lib.baseRT_grammar_create_from_schema(model, json.dumps(schema).encode())
+        if not grammar:
+            err = lib.last_error("baseRT_grammar_create_from_schema")
+            if err.code.name == "UNSUPPORTED":
+                return None
+            raise InvalidRequestError(f"invalid json_schema: {err.message}")
+        words = int(lib.baseRT_grammar_bitmask_size(grammar))
+        if words <= 0:  # a legacy grammar without a bitmask cannot be batched
+            lib.baseRT_grammar_free(grammar)
+            return None
+        return cls(lib, grammar, words)
+
+    def fill_bitmask(self, out: np.ndarray[Any, Any]) -> bool:
+        if out.shape[0] < self._words:
+            raise InvalidRequestError(f"engine grammar bitmask of {self._words} words exceeds the vocabulary")
+        out[:] = -1  # words past the engine's stay "allowed"; the engine fills its own
+        return int(self._lib.baseRT_grammar_fill_bitmask(self._grammar, out.ctypes.data)) == 1
+
+    def accept(self, token: int) -> bool:
+        return int(self._lib.baseRT_grammar_accept_token(self._grammar, token)) == 1
+
+    def is_finished(self) -> bool:
+        lib = self._lib
+        return bool(lib.baseRT_grammar_is_terminated(self._grammar) or lib.baseRT_grammar_is_completed(self._grammar))
+
+    def close(self) -> None:
+        if self._grammar is not None:
+            self._lib.baseRT_grammar_free(self._grammar)
+            self._grammar = None
