@@ -298,25 +298,28 @@ async def test_break_frees_the_lane_at_once(tiny_model_path: Path) -> None:
 async def test_long_prompt_prefills_in_chunks_without_freezing_streams(tiny_model_path: Path) -> None:
     """vllm #1026 / tabbyAPI #383: a long prompt is prefilled a chunk per step while
     running streams keep decoding every step, and a cancel lands mid-prefill."""
-    # a big stream buffer: the runner must not pause for want of a reader during the test
-    async with Engine.open(tiny_model_path, prefill_chunk=16, prefix_cache=False, max_buffered_tokens=4096) as engine:
-        long_prompt = list(range(3, 3 + 475)) * 4  # 1900 tokens: 119 chunks of 16
+    # prefill_chunk=4: the SDK's per-step prompt budget (the engine's own chunk stays larger),
+    # so the 1900-token prompt takes 475 steps; a big stream buffer so the runner never
+    # pauses for want of a reader during the test
+    async with Engine.open(tiny_model_path, prefill_chunk=4, prefix_cache=False, max_buffered_tokens=4096) as engine:
+        long_prompt = list(range(3, 3 + 475)) * 4
         runner = engine.stream("running", max_tokens=2000, ignore_eos=True)
         await runner.__anext__()
         long = engine.stream(long_prompt, max_tokens=3, ignore_eos=True)
         long.submit()
-        before = await engine.stats()  # queued behind the submit: the long lane is admitted next step
-        runner_before = runner._ticket.delivered
-        mid = before
+
+        def snapshot() -> tuple[int, int, bool]:  # taken on the engine thread, between two steps
+            lane = engine._thread._lanes.get(long.request_id)
+            return engine._thread.steps, runner._ticket.delivered, lane is not None and lane.state.prefilling
+
+        steps0, runner0, _ = await engine._call(snapshot)  # queued behind the submit
+        steps1, runner1, prefilling = steps0, runner0, True
         for _ in range(100_000):  # counted in engine steps, not seconds
-            mid = await engine.stats()
-            if mid.steps - before.steps >= 8:
+            steps1, runner1, prefilling = await engine._call(snapshot)
+            if steps1 - steps0 >= 8:
                 break
-        runner_mid = runner._ticket.delivered
-        assert mid.active_lanes == 2 and mid.waiting_requests == 0
-        assert mid.steps - before.steps < 119  # the long prompt is still prefilling
-        # the running stream got a token in every one of those steps
-        assert runner_mid - runner_before >= mid.steps - before.steps - 1
+        assert prefilling  # still prefilling after 8+ steps: chunked, not one long stall
+        assert runner1 - runner0 == steps1 - steps0  # the running stream got a token every step
         await long.aclose()  # cancel mid-prefill
         after = await engine.stats()  # queued behind the cancel: the lane must be gone
         assert after.active_lanes == 1 and after.requests_cancelled == 1
