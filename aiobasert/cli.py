@@ -58,6 +58,8 @@ async def _run(args: argparse.Namespace) -> int:
             completion = await stream
             sys.stdout.buffer.write(msgspec.json.encode(completion) + b"\n")
             return 0
+        if not args.chat:  # a completion continues the prompt: show it first
+            sys.stdout.write(args.prompt)
         async for tok in stream:
             sys.stdout.write(tok.text)
             sys.stdout.flush()
