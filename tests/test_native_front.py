@@ -357,14 +357,15 @@ def test_capability_descriptor(lib: Library, model: int, paged: int) -> None:
             assert value is True or (isinstance(value, str) and value)
         assert (caps["paged_kv"] is True) == is_paged
         assert (caps["sequences"] is True) == is_paged and (caps["host_logits"] is True) == is_paged
-        assert caps["grammar"].startswith("unsupported")
+        assert caps["grammar"] is True  # the JSON grammar of grammar.c
         for key in ("speculation", "lora", "vision", "audio"):
             assert caps[key].startswith("unsupported")
         implemented = d["implemented"]
         assert {"baseRT_encode", "baseRT_load_model_ex", "baseRT_capability_descriptor"} <= set(implemented)
         for name in implemented:  # every listed function really is exported
             assert lib.has(name) or hasattr(ctypes.CDLL(lib.path), name)
-        assert "baseRT_grammar_create" not in implemented
+        assert {"baseRT_grammar_create_json", "baseRT_grammar_fill_bitmask"} <= set(implemented)
+        assert "baseRT_lora_load" not in implemented
     assert lib.baseRT_capability_descriptor(None) is None
 
 

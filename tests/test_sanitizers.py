@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-SUITES = ["tests/test_native_front.py", "tests/test_native_runtime.py", "tests/test_engine.py",
-          "tests/test_reliability.py"]
+SUITES = ["tests/test_native_front.py", "tests/test_native_runtime.py", "tests/test_native_grammar.py",
+          "tests/test_engine.py", "tests/test_reliability.py"]
 
 
 def _runtime(cc: str, name: str) -> str:

@@ -299,7 +299,8 @@ char *rt_build_capability_descriptor(const rt_model *m) {
     put_capability(&b, "host_logits", paged);
     put_capability(&b, "fused_sample", paged);
     put_capability(&b, "prefix_cache", prefix);
-    put_capability(&b, "grammar", "unsupported: the reference engine has no grammar backend");
+    /* grammar.c: generic JSON and top-level {"type": X} schemas; other keywords and GBNF are UNSUPPORTED */
+    put_capability(&b, "grammar", NULL);
     put_capability(&b, "speculation", "unsupported: the reference engine has no speculative decoding");
     put_capability(&b, "lora", "unsupported: the reference engine does not load adapters");
     put_capability(&b, "vision", "unsupported: text-only llama architecture");
