@@ -161,13 +161,14 @@ static void merge_insert(merge_map *m, int32_t left, int32_t right, uint32_t ran
 
 /* ---- UTF-8 and the GPT-2 byte <-> unicode mapping ------------------------ */
 
-/* Length of the valid UTF-8 sequence at s[0..n) (Unicode Table 3-7), or 0 if
- * none starts there. */
-static int utf8_valid_len(const unsigned char *s, size_t n) {
+/* UTF-8 per Unicode Table 3-7. Outcome of examining the bytes at s[0..n): a complete valid character of
+ * *len bytes (> 0), an incomplete but so far valid prefix (0), or an invalid
+ * sequence whose maximal valid subpart is *len bytes (< 0, -*len >= 1). */
+static int utf8_scan(const unsigned char *s, size_t n, int *len) {
     unsigned char b = s[0];
-    if (b < 0x80) return 1;
+    if (b < 0x80) return *len = 1;
     int need;
-    unsigned char lo = 0x80, hi = 0xBF; /* allowed range of the second byte */
+    unsigned char lo = 0x80, hi = 0xBF;
     if (b >= 0xC2 && b <= 0xDF) need = 1;
     else if (b >= 0xE0 && b <= 0xEF) {
         need = 2;
@@ -177,12 +178,20 @@ static int utf8_valid_len(const unsigned char *s, size_t n) {
         need = 3;
         if (b == 0xF0) lo = 0x90;
         if (b == 0xF4) hi = 0x8F;
-    } else return 0;
-    if ((size_t)need >= n) return 0;
-    if (s[1] < lo || s[1] > hi) return 0;
-    for (int k = 2; k <= need; k++)
-        if (s[k] < 0x80 || s[k] > 0xBF) return 0;
-    return need + 1;
+    } else return *len = -1;
+    for (int k = 1; k <= need; k++) {
+        if ((size_t)k >= n) return *len = 0;
+        unsigned char klo = k == 1 ? lo : 0x80, khi = k == 1 ? hi : 0xBF;
+        if (s[k] < klo || s[k] > khi) return *len = -k; /* U+FFFD for s[0..k) */
+    }
+    return *len = need + 1;
+}
+
+/* Length of the valid UTF-8 sequence at s[0..n), or 0 if none starts there. */
+static int utf8_valid_len(const unsigned char *s, size_t n) {
+    int len;
+    utf8_scan(s, n, &len);
+    return len > 0 ? len : 0;
 }
 
 static uint32_t utf8_decode_valid(const unsigned char *s, int len) {
@@ -813,32 +822,6 @@ int32_t bpe_token_id(const bpe_tokenizer *tok, const char *text) {
 void utf8_assembler_reset(utf8_assembler *a) {
     if (!a) return;
     memset(a, 0, sizeof *a);
-}
-
-/* Outcome of examining the bytes at s[0..n): a complete valid character of
- * *len bytes (> 0), an incomplete but so far valid prefix (0), or an invalid
- * sequence whose maximal valid subpart is *len bytes (< 0, -*len >= 1). */
-static int utf8_scan(const unsigned char *s, size_t n, int *len) {
-    unsigned char b = s[0];
-    if (b < 0x80) return *len = 1;
-    int need;
-    unsigned char lo = 0x80, hi = 0xBF;
-    if (b >= 0xC2 && b <= 0xDF) need = 1;
-    else if (b >= 0xE0 && b <= 0xEF) {
-        need = 2;
-        if (b == 0xE0) lo = 0xA0;
-        if (b == 0xED) hi = 0x9F;
-    } else if (b >= 0xF0 && b <= 0xF4) {
-        need = 3;
-        if (b == 0xF0) lo = 0x90;
-        if (b == 0xF4) hi = 0x8F;
-    } else return *len = -1;
-    for (int k = 1; k <= need; k++) {
-        if ((size_t)k >= n) return *len = 0;
-        unsigned char klo = k == 1 ? lo : 0x80, khi = k == 1 ? hi : 0xBF;
-        if (s[k] < klo || s[k] > khi) return *len = -k; /* U+FFFD for s[0..k) */
-    }
-    return *len = need + 1;
 }
 
 int utf8_assembler_feed(utf8_assembler *a, const char *bytes, int n, char *out) {
