@@ -49,6 +49,7 @@ def _add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
     p.add_argument("--top-k", type=int, default=0, help="sample among the K most likely tokens (default 0 = off)")
     p.add_argument("--seed", type=int, default=None, help="sampling seed, for reproducible sampled output")
     p.add_argument("--stop", action="append", default=None, help="a stop string (repeatable)")
+    p.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-text token")
 
 
 def _params(args: argparse.Namespace) -> SamplingParams:
@@ -59,6 +60,7 @@ def _params(args: argparse.Namespace) -> SamplingParams:
         top_k=args.top_k,
         seed=args.seed,
         stop=args.stop,
+        ignore_eos=args.ignore_eos,
     )
 
 

@@ -36,6 +36,7 @@ import msgspec
 from tqdm import tqdm  # type: ignore[import-untyped,unused-ignore]  # no stubs in tqdm itself
 
 from .convert import convert_gguf
+from .errors import AioBaseRTError
 
 __all__ = [
     "DEFAULT_MODEL_FILENAME",
@@ -62,7 +63,7 @@ SMOLLM2_SIZE: Final = 98_362_432
 DEFAULT_MODEL_FILENAME: Final = "SmolLM2-135M-Instruct.f16.base"
 
 
-class ModelNotAvailableError(FileNotFoundError):
+class ModelNotAvailableError(AioBaseRTError, FileNotFoundError):
     """The default model cannot be found or built; the message says how to fix it."""
 
 

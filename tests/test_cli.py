@@ -1,15 +1,25 @@
-"""The `aiobasert` command on a tiny model: run (text and --json), convert's errors, chat."""
+"""The `aiobasert` command on a tiny model: run (text, --verbose, --json), convert's errors, chat,
+serve of a GGUF, and help text on every option."""
 
 from __future__ import annotations
 
+import argparse
 import json
+import os
+import queue
+import re
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
+import httpx
 import msgspec
+import pytest
+from tiny_gguf import write_gguf
 
-from aiobasert import Completion
+from aiobasert import Completion, convert
+from aiobasert import cli as cli_module
 
 
 def cli(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
@@ -18,10 +28,24 @@ def cli(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess[str
 
 
 def test_run_streams_text(tiny_model_path: Path) -> None:
-    proc = cli("run", "Once upon a time", "--model", str(tiny_model_path), "-n", "8", "-v")
+    proc = cli("run", "Once upon a time", "--model", str(tiny_model_path), "-n", "8", "-v", "--ignore-eos")
     assert proc.returncode == 0, proc.stderr
-    assert "[8 tokens, length" in proc.stderr or "tokens, stop" in proc.stderr
-    assert proc.stdout.endswith("\n")
+    assert proc.stdout.startswith("Once upon a time") and proc.stdout.endswith("\n")
+    summary = proc.stderr.strip().splitlines()[-1]
+    match = re.fullmatch(
+        r"\[prompt (\d+) tokens, output (\d+) tokens \(length\), TTFT (\d+) ms, (\d+\.\d) tok/s\]", summary
+    )
+    assert match, summary
+    assert int(match[1]) >= 2 and int(match[2]) == 8 and float(match[4]) > 0
+
+
+def test_summary_line_rates() -> None:
+    from aiobasert.types import Timing, Usage
+
+    timing = Timing(queued_s=0.0, time_to_first_token_s=0.5, total_s=1.5, submitted_step=0, admitted_step=0,
+                    finished_step=9)  # fmt: skip
+    line = cli_module.summary_line(Usage(prompt_tokens=4, completion_tokens=11), timing, "stop")
+    assert line == "[prompt 4 tokens, output 11 tokens (stop), TTFT 500 ms, 10.0 tok/s]"  # 10 tokens after the first
 
 
 def test_run_json_is_a_completion(tiny_model_path: Path) -> None:
@@ -50,3 +74,76 @@ def test_convert_refuses_a_non_gguf(tmp_path: Path) -> None:
     proc = cli("convert", str(bogus), str(tmp_path / "x.base"))
     assert proc.returncode != 0
     assert "x.gguf" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def _converter_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m aiobasert.convert")
+    convert.add_arguments(parser)
+    return parser
+
+
+def _parsers(parser: argparse.ArgumentParser, path: str) -> list[tuple[str, argparse.ArgumentParser]]:
+    found = [(path, parser)]
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                found += _parsers(sub, f"{path} {name}")
+    return found
+
+
+@pytest.mark.parametrize(
+    "parser",
+    [cli_module.build_parser(), _converter_parser()],
+    ids=["aiobasert", "python -m aiobasert.convert"],
+)
+def test_every_option_has_help(parser: argparse.ArgumentParser) -> None:
+    checked = 0
+    for path, sub in _parsers(parser, parser.prog):
+        for action in sub._actions:
+            if isinstance(action, argparse._HelpAction):
+                continue
+            name = "/".join(action.option_strings) or action.dest
+            assert action.help and action.help.strip(), f"`{path}` {name} has no help text"
+            checked += 1
+    assert checked >= (40 if parser.prog == "aiobasert" else 4)
+
+
+def test_help_runs_for_every_command() -> None:
+    for command in ("run", "chat", "pull", "list", "rm", "convert", "serve", "bench"):
+        proc = cli(command, "--help")
+        assert proc.returncode == 0 and "usage: aiobasert" in proc.stdout, proc.stderr
+
+
+def test_serve_a_gguf(tmp_path: Path) -> None:
+    src = write_gguf(tmp_path / "pocket.gguf")
+    env = {**os.environ, "AIOBASERT_CACHE_DIR": str(tmp_path / "cache")}
+    proc = subprocess.Popen([sys.executable, "-m", "aiobasert", "serve", str(src), "--port", "0"],
+                            stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env)  # fmt: skip
+    lines: queue.Queue[str] = queue.Queue()
+    assert proc.stderr is not None
+    stderr = proc.stderr
+
+    def pump() -> None:  # the server's log, read off its pipe so it never blocks on a full one
+        for line in stderr:
+            lines.put(line)
+
+    threading.Thread(target=pump, daemon=True).start()
+    try:
+        seen: list[str] = []
+        port = None
+        while port is None:
+            try:
+                line = lines.get(timeout=60)
+            except queue.Empty:
+                pytest.fail(f"the server did not start: {seen}")
+            seen.append(line)
+            if found := re.search(r"Uvicorn running on http://127\.0\.0\.1:(\d+)", line):
+                port = int(found[1])
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30) as http:
+            assert [m["id"] for m in http.get("/v1/models").json()["data"]] == ["pocket"]
+            reply = http.post("/v1/completions", json={"model": "pocket", "prompt": "hi", "max_tokens": 3})
+            assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] >= 1
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+    assert list((tmp_path / "cache").glob("pocket-*.f16.base"))

