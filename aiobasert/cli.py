@@ -23,6 +23,7 @@ import anyio
 import msgspec
 
 from . import convert, models
+from ._progress import ticking
 from .engine import Engine
 from .errors import AioBaseRTError
 from .types import ChatMessage, SamplingParams, Timing, Usage
@@ -64,8 +65,16 @@ def _params(args: argparse.Namespace) -> SamplingParams:
     )
 
 
+async def _open(args: argparse.Namespace) -> Engine:
+    """The engine for --model: downloads and conversions show their own bars first, then the
+    load into the engine (seconds for a real model, silent otherwise) shows its elapsed time."""
+    path = await anyio.to_thread.run_sync(models.resolve_model, args.model)
+    with ticking(f"loading {path.name}"):
+        return await Engine.open(path, max_batch_size=1, max_context=args.max_context)
+
+
 async def _run(args: argparse.Namespace) -> int:
-    async with Engine.open(args.model, max_batch_size=1, max_context=args.max_context) as engine:
+    async with await _open(args) as engine:
         stream = (
             engine.chat([ChatMessage(role="user", content=args.prompt)], _params(args))
             if args.chat
@@ -105,7 +114,7 @@ async def _chat(args: argparse.Namespace) -> int:
     history: list[ChatMessage] = []
     if args.system:
         history.append(ChatMessage(role="system", content=args.system))
-    async with Engine.open(args.model, max_batch_size=1, max_context=args.max_context) as engine:
+    async with await _open(args) as engine:
         print("chat with the model; an empty line or Ctrl-D ends", file=sys.stderr)
         while True:
             try:
