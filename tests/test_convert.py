@@ -83,6 +83,33 @@ def test_synthetic_forward_agrees_with_gguf_oracle(tmp_path: Path, synthetic_ggu
     np.testing.assert_allclose(NumpyLlama(out).logits(tokens), gguf_oracle(synthetic_gguf).logits(tokens), atol=1e-9)
 
 
+def test_fast_metadata_reader_agrees_with_gguf_py(tmp_path: Path) -> None:
+    extra = {"t.bools": [True, False], "t.floats": [0.1, 2.5], "t.ints": [1, -2, 3], "t.flag": True,
+             "t.f64": 0.1, "t.text": "héllo ✓"}  # fmt: skip
+    src = write_gguf(tmp_path / "kinds.gguf", extra_kv=extra)
+    reader, meta = convert_module._read_gguf(src)
+    reference = gguf.GGUFReader(src)
+    assert reader.metadata is meta  # the fast path ran
+    assert meta == {n: convert_module._field_value(f) for n, f in reference.fields.items() if not n.startswith("GGUF.")}
+    assert meta["t.floats"] == [0.1, 2.5] and meta["llama.attention.layer_norm_rms_epsilon"] == 1e-6
+    assert [t.name for t in reader.tensors] == [t.name for t in reference.tensors]
+    for ours, theirs in zip(reader.tensors, reference.tensors, strict=True):
+        np.testing.assert_array_equal(ours.data, theirs.data)
+
+    aligned = gguf.GGUFWriter(tmp_path / "aligned.gguf", "llama")
+    aligned.add_custom_alignment(64)  # general.alignment moves the tensor data
+    aligned.add_uint64("t.u64", 2**40)
+    aligned.add_tensor("a", np.arange(5, dtype=np.float32))
+    aligned.add_tensor("b", np.arange(7, dtype=np.float32))
+    aligned.write_header_to_file()
+    aligned.write_kv_data_to_file()
+    aligned.write_tensors_to_file()
+    aligned.close()
+    reader, meta = convert_module._read_gguf(tmp_path / "aligned.gguf")
+    assert meta["general.alignment"] == 64 and meta["t.u64"] == 2**40 and reader.alignment == 64
+    assert [t.data.tolist() for t in reader.tensors] == [list(range(5)), list(range(7))]
+
+
 def test_tied_embeddings(tmp_path: Path) -> None:
     src = write_gguf(tmp_path / "tied.gguf", tied=True)
     bundle = read_bundle(convert_gguf(src, tmp_path / "tied.base", progress=False))

@@ -279,6 +279,7 @@ def test_offline_first_run_says_what_to_do(
     cache: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     monkeypatch.setattr(models, "_installed_smollm2_gguf", lambda: None)  # as on a fresh machine
+    monkeypatch.setattr(models, "PIP_TIMEOUT_S", 60.0)  # a hang guard: refused connections fail at once
     _pip_offline(monkeypatch, find_links=None)
     with pytest.raises(models.ModelNotAvailableError) as info:
         models.default_model_path(progress=False)
