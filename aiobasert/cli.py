@@ -135,7 +135,10 @@ async def _chat(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from .server import serve
+    try:
+        from .server import serve
+    except ModuleNotFoundError as exc:  # starlette / uvicorn: the `server` extra
+        raise SystemExit(f"aiobasert serve needs {exc.name!r}: pip install 'aiobasert[server]'") from None
 
     if args.model_path is not None and args.model is not None:
         raise SystemExit("aiobasert serve: give the model once (MODEL or --model), not both")
