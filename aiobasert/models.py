@@ -374,7 +374,10 @@ def resolve_model(model: str | os.PathLike[str] | None, *, progress: bool = True
         return default_model_path(progress=progress)
     path = Path(model)
     if path.is_file():
-        return gguf_bundle_path(path, progress=progress) if is_gguf(path) else path
+        # By content, so a GGUF named anything converts; but a file named .base goes to the
+        # engine as given, which reports what it really is.
+        convertible = path.suffix.lower() != ".base" and is_gguf(path)
+        return gguf_bundle_path(path, progress=progress) if convertible else path
     name = os.fspath(model)
     if name and os.sep not in name and not name.startswith("."):
         cached = cache_dir() / f"{name.removesuffix('.base')}.base"

@@ -97,10 +97,16 @@ async def test_engine_opens_a_gguf_converting_once(
     assert len(models.list_models()) == 1
 
 
-def test_a_bundle_path_is_passed_through(tiny_model_path: Path, cache: Path) -> None:
+def test_a_bundle_path_is_passed_through(tmp_path: Path, tiny_model_path: Path, cache: Path) -> None:
     assert models.resolve_model(tiny_model_path) == tiny_model_path
+    src = write_gguf(tmp_path / "x.gguf")
+    named_base = tmp_path / "mislabelled.base"
+    named_base.write_bytes(src.read_bytes())
+    assert models.resolve_model(named_base) == named_base  # the engine says what it is
+    no_suffix = tmp_path / "model"
+    no_suffix.write_bytes(src.read_bytes())
+    assert models.resolve_model(no_suffix, progress=False).name.startswith("model-")  # a GGUF by content
     assert models.resolve_model(cache / "absent.base") == cache / "absent.base"  # the engine reports it
-    assert not cache.exists()
 
 
 _CONVERT_IN_CHILD = """
