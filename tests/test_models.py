@@ -192,7 +192,7 @@ async def test_unsupported_architecture_is_refused_before_converting(tmp_path: P
     assert "qwen2" in proc.stderr and "biases" in proc.stderr
 
 
-def test_unknown_architecture_names_the_llama_layout(tmp_path: Path) -> None:
+def test_unknown_architecture_names_the_llama_layout(tmp_path: Path, cache: Path) -> None:
     src = write_gguf(tmp_path / "odd.gguf", arch="frobnicator")
     with pytest.raises(ConversionError, match=r"'frobnicator'.*only 'llama'.*RMSNorm, RoPE, SwiGLU"):
         models.gguf_bundle_path(src, progress=False)
