@@ -56,9 +56,8 @@ bool rt_handle_is_live(const void *h) {
 }
 
 rt_model *rt_model_lookup(baseRT_model_t model) {
-    rt_model *m = model;
-    if (!rt_handle_is_live(m) || m->magic != RT_MODEL_MAGIC) return NULL;
-    return m;
+    rt_model *m = rt_handle_get(model, RT_KIND_MODEL, NULL);
+    return m && m->magic == RT_MODEL_MAGIC ? m : NULL;
 }
 
 rt_model *rt_model_check(baseRT_model_t model, const char *fn) {
@@ -66,8 +65,11 @@ rt_model *rt_model_check(baseRT_model_t model, const char *fn) {
         rt_set_error(BASERT_ERR_INVALID_ARGUMENT, "%s: model handle is NULL", fn);
         return NULL;
     }
-    rt_model *m = rt_model_lookup(model);
-    if (!m) rt_set_error(BASERT_ERR_INVALID_ARGUMENT, "%s: %p is not a live model handle (freed or foreign)", fn, model);
+    int why = RT_HANDLE_FOREIGN;
+    rt_model *m = rt_handle_get(model, RT_KIND_MODEL, &why);
+    if (!m)
+        rt_set_error(BASERT_ERR_INVALID_ARGUMENT, "%s: %p is not a live model handle (%s)", fn, model,
+                     why == RT_HANDLE_STALE ? "freed" : "foreign or corrupt");
     return m;
 }
 
@@ -96,7 +98,7 @@ static rt_model *load_locked(const char *fn, const char *path, int max_context, 
     pthread_mutex_lock(&g_load_lock);
     rt_model *m = rt_load(fn, path, max_context, opts, tokenizer_only);
     pthread_mutex_unlock(&g_load_lock);
-    return m;
+    return m ? m->handle : NULL;
 }
 
 baseRT_model_t baseRT_load_model(const char *model_path, const char *kernel_library_path, int max_context) {
@@ -132,8 +134,8 @@ void baseRT_free_model(baseRT_model_t model) {
     if (!model) return;
     rt_model *m = rt_model_check(model, "baseRT_free_model");
     if (!m) return;
-    rt_handle_unregister(m);
-    if (!m->tokenizer_only) rt_runtime_free(m);
+    rt_handle_release(m->handle);
+    if (!m->tokenizer_only) rt_runtime_free(m); /* releases its sequences' handles too */
     rt_model_destroy(m); /* poisons the magic before freeing */
     rt_clear_error();
 }

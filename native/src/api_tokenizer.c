@@ -319,7 +319,7 @@ int baseRT_decode_token_raw(baseRT_model_t model, uint32_t token_id, char *out, 
 
 struct baseRT_decode_stream {
     uint32_t magic;
-    rt_model *model;
+    baseRT_model_t model; /* a handle: the model may be freed before the stream */
     utf8_assembler a;
     grow_buf out;
 };
@@ -349,7 +349,7 @@ baseRT_decode_stream_t baseRT_decode_stream_create(baseRT_model_t model) {
         return NULL;
     }
     s->magic = RT_STREAM_MAGIC;
-    s->model = m;
+    s->model = m->handle;
     utf8_assembler_reset(&s->a);
     rt_clear_error();
     return s;
@@ -379,8 +379,9 @@ void baseRT_decode_stream_reset_for_prompt(baseRT_decode_stream_t stream, const 
 const char *baseRT_decode_stream_token(baseRT_decode_stream_t stream, uint32_t token_id) {
     static const char fn[] = "baseRT_decode_stream_token";
     struct baseRT_decode_stream *s = stream_check(stream, fn);
-    if (!s || !rt_model_check(s->model, fn)) return NULL;
-    const char *text = decode_into(fn, s->model, &s->a, token_id, &s->out);
+    rt_model *m = s ? rt_model_check(s->model, fn) : NULL;
+    if (!m) return NULL;
+    const char *text = decode_into(fn, m, &s->a, token_id, &s->out);
     if (text) rt_clear_error();
     return text;
 }

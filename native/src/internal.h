@@ -30,6 +30,22 @@ void rt_set_error(BaseRTErrorCode code, const char *fmt, ...) __attribute__((for
 void rt_clear_error(void);
 BaseRTErrorCode rt_last_error_code(void);
 
+/* ---- handle table (handles.c) ------------------------------------------ */
+/* Model and sequence handles are table entries, not pointers (see handles.c):
+ * a lookup never follows caller memory, and a freed handle stays invalid even
+ * when its slot or its object's address is reused. */
+enum { RT_KIND_MODEL = 1, RT_KIND_SEQ = 2 };
+enum { RT_HANDLE_OK = 0, RT_HANDLE_STALE = 1, RT_HANDLE_FOREIGN = 2 };
+/* A new handle for obj; NULL when out of memory. */
+void *rt_handle_new(int kind, void *obj);
+/* Invalidate a handle (no-op for a handle that is not live). */
+void rt_handle_release(const void *h);
+/* The object of a live handle of `kind`, else NULL with *why (may be NULL)
+ * RT_HANDLE_STALE (freed) or RT_HANDLE_FOREIGN. */
+void *rt_handle_get(const void *h, int kind, int *why);
+/* Live handles of a kind, process-wide (tests, through baseRT_ref_*). */
+int rt_handle_live_count(int kind);
+
 /* ---- model ------------------------------------------------------------- */
 typedef struct {
     /* f32, row-major [out][in] (PyTorch Linear layout); norms are [dim]. */
@@ -48,6 +64,7 @@ struct rt_runtime; /* runtime-private: KV pool, sequences, scratch, prefix cache
 
 typedef struct rt_model {
     uint32_t magic;
+    baseRT_model_t handle; /* what the caller holds (handles.c) */
     char *path;
     BaseRTModelConfig cfg; /* architecture "llama"; max_seq_len = effective context */
     int trained_context;   /* from the bundle (max_position_embeddings) */

@@ -7,6 +7,7 @@
 #include "json.h"
 
 #include <errno.h>
+#include <float.h>
 #include <fcntl.h>
 #include <math.h>
 #include <stdio.h>
@@ -175,7 +176,10 @@ static int cfg_float(const bundle *b, const json_value *cfg, const char *key, do
                      float *out) {
     const json_value *v = json_get(cfg, key);
     double x = dflt;
-    if (v && v->type != JSON_NULL && (!json_number(v, &x) || !isfinite(x) || x <= lo || x > hi))
+    /* The value is used as a float: it must stay a positive normal float
+     * (1e-300 would round to 0 and turn RoPE or the norm into inf / NaN). */
+    if (v && v->type != JSON_NULL &&
+        (!json_number(v, &x) || !isfinite(x) || x <= lo || x > hi || !((float)x >= FLT_MIN)))
         return bundle_fail(b, BASERT_ERR_INVALID_FORMAT, "config.%s must be a number in (%g, %g]", key, lo, hi);
     *out = (float)x;
     return BASERT_OK;
@@ -195,7 +199,7 @@ static int parse_config(const bundle *b, parsed_config *pc) {
         (rc = cfg_uint(b, c, "intermediate_size", true, 0, 1, 1u << 20, &cfg->ffn_dim)) ||
         (rc = cfg_uint(b, c, "vocab_size", true, 0, 1, 1u << 24, &cfg->vocab_size)) ||
         (rc = cfg_uint(b, c, "max_position_embeddings", true, 0, 1, 1u << 24, &trained)) ||
-        (rc = cfg_float(b, c, "rope_theta", 10000.0, 0.0, 1e12, &cfg->rope_theta)) ||
+        (rc = cfg_float(b, c, "rope_theta", 10000.0, 1.0, 1e12, &cfg->rope_theta)) ||
         (rc = cfg_float(b, c, "rms_norm_eps", 1e-5, 0.0, 1.0, &cfg->norm_eps)))
         return rc;
     uint32_t head_dim_default = cfg->dim % cfg->n_heads == 0 ? cfg->dim / cfg->n_heads : 0;
@@ -283,12 +287,15 @@ static int parse_tensor(const bundle *b, const json_value *t, size_t index, tens
         return bundle_fail(b, BASERT_ERR_INVALID_FORMAT,
                            "tensor '%s': length %llu does not match its shape (%llu elements of %s)", name,
                            (unsigned long long)out->length, (unsigned long long)n, dtype);
-    /* offset, length < 2^63 each: the sums below cannot wrap. */
-    uint64_t end = b->blob_start + out->offset + out->length;
-    if (b->blob_start + out->offset < b->blob_start || end > b->size)
+    /* Compared by subtraction: offset and length may each be near 2^63, so
+     * their sum with blob_start could wrap a uint64. */
+    uint64_t room = b->size > b->blob_start ? b->size - b->blob_start : 0;
+    if (out->offset > room || out->length > room - out->offset)
         return bundle_fail(b, BASERT_ERR_INVALID_FORMAT,
-                           "truncated or inconsistent: tensor '%s' spans bytes [%llu, %llu) of a %zu-byte file", name,
-                           (unsigned long long)(b->blob_start + out->offset), (unsigned long long)end, b->size);
+                           "truncated or inconsistent: tensor '%s' at blob offset %llu with %llu bytes does not fit the "
+                           "%llu bytes of weights in a %zu-byte file",
+                           name, (unsigned long long)out->offset, (unsigned long long)out->length,
+                           (unsigned long long)room, b->size);
     return BASERT_OK;
 }
 
@@ -728,14 +735,14 @@ rt_model *rt_load(const char *fn, const char *path, int max_context, const BaseR
         return NULL;
     }
     m->magic = RT_MODEL_MAGIC;
-    if (!rt_handle_register(m)) {
+    if (!(m->handle = rt_handle_new(RT_KIND_MODEL, m))) {
         rt_set_error(BASERT_ERR_OUT_OF_MEMORY, "%s: %s: out of memory", fn, path);
         rt_model_destroy(m);
         return NULL;
     }
     if (!tokenizer_only && rt_runtime_init(m) != BASERT_OK) {
         /* rt_runtime_init set the error; it leaves m->rt NULL or freeable. */
-        rt_handle_unregister(m);
+        rt_handle_release(m->handle);
         if (m->rt) rt_runtime_free(m);
         rt_model_destroy(m);
         return NULL;

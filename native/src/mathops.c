@@ -11,6 +11,7 @@
 #include <pthread.h>
 #include <sched.h>
 #include <stdatomic.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
@@ -489,6 +490,7 @@ struct rt_threads {
     atomic_int finished; /* joined workers that returned */
     atomic_int sleepers;
     atomic_bool stop;
+    atomic_bool busy; /* a run is in progress (models on other threads share the pool) */
     pthread_mutex_t mu;
     pthread_cond_t cv;
 };
@@ -531,20 +533,90 @@ static void *worker_main(void *arg) {
     return NULL;
 }
 
+/* CPUs this process may actually use: its affinity mask, capped by a cgroup
+ * v2 CPU quota (cpu.max "quota period", rounded up) when one is set. */
+static int cgroup_cpu_limit(void) {
+    FILE *f = fopen("/sys/fs/cgroup/cpu.max", "r");
+    if (!f) return 0;
+    char quota[32] = "";
+    long long period = 0;
+    int n = fscanf(f, "%31s %lld", quota, &period);
+    fclose(f);
+    if (n != 2 || strcmp(quota, "max") == 0 || period <= 0) return 0;
+    long long q = strtoll(quota, NULL, 10);
+    if (q <= 0) return 0;
+    long long cpus = (q + period - 1) / period;
+    return cpus > 1024 ? 1024 : (int)cpus;
+}
+
+int rt_usable_cpus(void) {
+    int n = 0;
+#ifdef CPU_COUNT
+    cpu_set_t set;
+    if (sched_getaffinity(0, sizeof set, &set) == 0) n = CPU_COUNT(&set);
+#endif
+    if (n <= 0) n = (int)sysconf(_SC_NPROCESSORS_ONLN);
+    int quota = cgroup_cpu_limit();
+    if (quota > 0 && quota < n) n = quota;
+    return n < 1 ? 1 : n;
+}
+
 int rt_default_threads(void) {
     const char *env = getenv("BASERT_REF_THREADS");
     long n = 0;
     if (env && *env) n = strtol(env, NULL, 10);
-    if (n <= 0) n = sysconf(_SC_NPROCESSORS_ONLN);
+    if (n <= 0) n = rt_usable_cpus();
     if (n < 1) n = 1;
-    if (n > 8) n = 8;
+    if (n > 64) n = 64;
     return (int)n;
+}
+
+/* ---- the process-wide pool ------------------------------------------------------
+ * Every model handle shares one pool sized to the usable CPUs: two handles
+ * must not each spin up a full set of workers and oversubscribe the cores.
+ * The pool lives while any model holds it. A run that finds it busy (another
+ * model stepping on another thread) executes on its caller alone. */
+
+static pthread_mutex_t g_pool_lock = PTHREAD_MUTEX_INITIALIZER;
+static rt_threads *g_pool;
+static int g_pool_users;
+static atomic_int g_pools_alive;
+
+rt_threads *rt_threads_acquire(void) {
+    pthread_mutex_lock(&g_pool_lock);
+    if (!g_pool) g_pool = rt_threads_create(rt_default_threads());
+    if (g_pool) g_pool_users++;
+    rt_threads *p = g_pool;
+    pthread_mutex_unlock(&g_pool_lock);
+    return p;
+}
+
+void rt_threads_release(rt_threads *p) {
+    if (!p) return;
+    pthread_mutex_lock(&g_pool_lock);
+    rt_threads *dead = NULL;
+    if (p == g_pool && --g_pool_users == 0) {
+        dead = g_pool;
+        g_pool = NULL;
+    }
+    pthread_mutex_unlock(&g_pool_lock);
+    rt_threads_free(dead);
+}
+
+int rt_threads_pools_alive(void) { return atomic_load(&g_pools_alive); }
+
+int rt_threads_shared_size(void) {
+    pthread_mutex_lock(&g_pool_lock);
+    int n = g_pool ? rt_threads_count(g_pool) : 0;
+    pthread_mutex_unlock(&g_pool_lock);
+    return n;
 }
 
 rt_threads *rt_threads_create(int n_threads) {
     rt_threads *p = calloc(1, sizeof *p);
     if (!p) return NULL;
     p->n = n_threads < 1 ? 1 : n_threads;
+    atomic_fetch_add(&g_pools_alive, 1);
     pthread_mutex_init(&p->mu, NULL);
     pthread_cond_init(&p->cv, NULL);
     if (p->n > 1) {
@@ -582,14 +654,16 @@ void rt_threads_free(rt_threads *p) {
     }
     pthread_mutex_destroy(&p->mu);
     pthread_cond_destroy(&p->cv);
+    atomic_fetch_sub(&g_pools_alive, 1);
     free(p);
 }
 
 int rt_threads_count(const rt_threads *p) { return p ? p->n : 1; }
 
 void rt_threads_run(rt_threads *p, rt_task_fn fn, void *ctx, int n_threads) {
-    if (!p || p->n <= 1 || n_threads <= 1) {
-        fn(ctx, 0);
+    bool idle = false;
+    if (!p || p->n <= 1 || n_threads <= 1 || !atomic_compare_exchange_strong(&p->busy, &idle, true)) {
+        fn(ctx, 0); /* tid 0 is always the caller's: per-model scratch indexed by tid stays private */
         return;
     }
     p->fn = fn;
@@ -613,4 +687,5 @@ void rt_threads_run(rt_threads *p, rt_task_fn fn, void *ctx, int n_threads) {
         else
             sched_yield(); /* a joined worker was descheduled: let it run */
     }
+    atomic_store(&p->busy, false);
 }

@@ -22,8 +22,18 @@ typedef struct rt_threads rt_threads;
  * depend on which thread ran what. */
 typedef void (*rt_task_fn)(void *ctx, int tid);
 
-/* Threads to use: $BASERT_REF_THREADS, else the online CPUs; 1..8. */
+/* CPUs the process may use: sched_getaffinity, capped by the cgroup v2
+ * quota (/sys/fs/cgroup/cpu.max). */
+int rt_usable_cpus(void);
+/* Threads to use: $BASERT_REF_THREADS, else rt_usable_cpus(); 1..64. */
 int rt_default_threads(void);
+/* The process-wide pool every model shares (created by the first acquire,
+ * freed by the last release); NULL when no thread could be created. */
+rt_threads *rt_threads_acquire(void);
+void rt_threads_release(rt_threads *t);
+/* Pools alive in the process, and the shared pool's size (0 when none). */
+int rt_threads_pools_alive(void);
+int rt_threads_shared_size(void);
 /* A pool of n_threads (the caller counts as thread 0). NULL on failure. */
 rt_threads *rt_threads_create(int n_threads);
 void rt_threads_free(rt_threads *t);

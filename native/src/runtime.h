@@ -19,6 +19,7 @@ struct baseRT_sequence_s {
     int n_blocks;
     int *blocks; /* capacity rt->max_blocks_per_seq */
     bool user;   /* created through baseRT_sequence_create */
+    baseRT_sequence_t handle; /* the caller's handle (user sequences), else NULL */
     struct baseRT_sequence_s *prev, *next;
 };
 typedef struct baseRT_sequence_s rt_seq;
@@ -44,8 +45,6 @@ typedef struct rt_runtime {
 
     /* ---- sequences (kv.c) ---- */
     rt_seq live;           /* sentinel of the circular list of live sequences */
-    rt_seq retired;        /* sentinel: freed user handles, kept so a stale handle reads DEAD */
-    int n_retired;
     rt_seq *def;           /* the single-sequence API's default sequence */
 
     /* ---- forward scratch (forward.c) ---- */
@@ -78,12 +77,13 @@ size_t rt_kv_block_bytes(const rt_model *m); /* K + V of one block, all layers *
 /* An internal sequence (default / embed scratch), on the live list. NULL with
  * OUT_OF_MEMORY set. */
 rt_seq *rt_seq_new(rt_model *m, bool user);
-/* Return every block and unlink; user handles are retired, others freed. */
+/* Return every block, unlink, release the handle and free. */
 void rt_seq_delete(rt_seq *s);
 /* Drop whole blocks past `length` (<= s->length). */
 void rt_seq_truncate(rt_seq *s, int length);
-/* INVALID_ARGUMENT unless h is a live sequence of m; `lane` < 0 omits the lane. */
-int rt_seq_check(const rt_model *m, baseRT_sequence_t h, const char *fn, int lane);
+/* The sequence of a live handle h (of model m unless m is NULL), else NULL
+ * with INVALID_ARGUMENT set; `lane` < 0 omits the lane from the message. */
+rt_seq *rt_seq_get(const rt_model *m, baseRT_sequence_t h, const char *fn, int lane);
 void rt_block_incref(rt_runtime *rt, int block);
 /* Returns true when the block went back to the free list. */
 bool rt_block_decref(rt_runtime *rt, int block);
@@ -110,6 +110,9 @@ void rt_prefix_free(rt_model *m);
  * returns the number freed. 0 when the cache is disabled. */
 int rt_prefix_evict_blocks(rt_model *m, int n_blocks);
 int rt_prefix_cached_blocks(const rt_model *m);
+/* Add the cache's references (trie nodes, pending matches) per block to
+ * counts[n_blocks]; returns the number of out-of-range block ids found. */
+int rt_prefix_count_refs(const rt_model *m, int *counts);
 /* Blocks rt_prefix_evict_blocks could return to the pool right now. */
 int rt_prefix_evictable_blocks(const rt_model *m);
 
