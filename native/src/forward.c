@@ -243,8 +243,7 @@ void rt_forward(rt_model *m, const rt_lane *lanes, int n_lanes, float *logits, d
             for (int k = 0; k < take; k++, R++) {
                 rt->row_lane[R] = lane;
                 rt->row_pos[R] = ln->seq->length + off + k;
-                memcpy(rt->x + (size_t)R * dim, m->tok_embd + (size_t)ln->tokens[off + k] * dim,
-                       (size_t)dim * sizeof(float));
+                rt_weight_row(&m->tok_embd, ln->tokens[off + k], dim, rt->x + (size_t)R * dim);
             }
             off += take;
             if (off == ln->n) {

@@ -25,7 +25,7 @@ void rt_model_destroy(rt_model *m);
 /* What suggest_max_context needs from a bundle, from its header alone. */
 typedef struct {
     int trained_context;
-    uint64_t weight_bytes;        /* resident f32 weights */
+    uint64_t weight_bytes;        /* resident weights (f16 matrices stay f16) */
     uint64_t kv_bytes_per_token;  /* one lane: n_layers * 2 * kv_dim * sizeof(float) */
 } rt_bundle_budget;
 /* BASERT_OK, or the error code (error state set). */

@@ -11,6 +11,7 @@
  * own state behind `rt` and is created by rt_runtime_init(). */
 
 #include "baseRT/baseRT.h"
+#include "mathops.h"
 #include "tokenizer.h"
 
 #include <stdarg.h>
@@ -48,16 +49,17 @@ int rt_handle_live_count(int kind);
 
 /* ---- model ------------------------------------------------------------- */
 typedef struct {
-    /* f32, row-major [out][in] (PyTorch Linear layout); norms are [dim]. */
-    float *attn_norm; /* [dim] */
-    float *wq;        /* [q_dim][dim], GGUF-permuted rows: adjacent-pair RoPE */
-    float *wk;        /* [kv_dim][dim], GGUF-permuted rows */
-    float *wv;        /* [kv_dim][dim] */
-    float *wo;        /* [dim][q_dim] */
-    float *ffn_norm;  /* [dim] */
-    float *w_gate;    /* [ffn_dim][dim] */
-    float *w_up;      /* [ffn_dim][dim] */
-    float *w_down;    /* [dim][ffn_dim] */
+    /* Matrices row-major [out][in] (PyTorch Linear layout), f16 as stored in
+     * the bundle or f32 (f32 and bf16 bundles); norms are f32 [dim]. */
+    float *attn_norm;  /* [dim] */
+    rt_weight wq;      /* [q_dim][dim], GGUF-permuted rows: adjacent-pair RoPE */
+    rt_weight wk;      /* [kv_dim][dim], GGUF-permuted rows */
+    rt_weight wv;      /* [kv_dim][dim] */
+    rt_weight wo;      /* [dim][q_dim] */
+    float *ffn_norm;   /* [dim] */
+    rt_weight w_gate;  /* [ffn_dim][dim] */
+    rt_weight w_up;    /* [ffn_dim][dim] */
+    rt_weight w_down;  /* [dim][ffn_dim] */
 } rt_layer;
 
 struct rt_runtime; /* runtime-private: KV pool, sequences, scratch, prefix cache */
@@ -78,8 +80,8 @@ typedef struct rt_model {
     int kv_bits;       /* effective: always 32 (f32 KV) in the reference engine, reported as 16 */
 
     /* weights (NULL when tokenizer_only) */
-    float *tok_embd; /* [vocab][dim] */
-    float *lm_head;  /* [vocab][dim]; == tok_embd when tied */
+    rt_weight tok_embd; /* [vocab][dim] */
+    rt_weight lm_head;  /* [vocab][dim]; shares tok_embd's memory when tied */
     bool tied_embeddings;
     float *final_norm; /* [dim] */
     rt_layer *layers;  /* [n_layers] */

@@ -416,20 +416,49 @@ static float *load_tensor_f32(const bundle *b, const tensor_entry *t) {
     return out;
 }
 
+/* A matrix: f16 stays f16 (the kernels widen it in registers, exactly);
+ * f32 and bf16 become f32. BASERT_REF_WIDEN_F16=1 widens f16 at load as
+ * the engine used to (benchmarks and the bit-identity test compare both). */
+static bool load_matrix(const bundle *b, const tensor_entry *t, bool widen_f16, rt_weight *out, uint64_t *total) {
+    if (t->dtype == DT_F16 && !widen_f16) {
+        size_t bytes = (size_t)t->n_elems * 2;
+        uint16_t *h = malloc(bytes ? bytes : 1);
+        if (!h) {
+            bundle_fail(b, BASERT_ERR_OUT_OF_MEMORY, "out of memory loading tensor '%s' (%zu bytes)", t->name, bytes);
+            return false;
+        }
+        memcpy(h, b->map + b->blob_start + t->offset, bytes);
+        *out = (rt_weight){h, RT_W_F16};
+        *total += bytes;
+        return true;
+    }
+    float *f = load_tensor_f32(b, t);
+    if (!f) return false;
+    *out = (rt_weight){f, RT_W_F32};
+    *total += t->n_elems * sizeof(float);
+    return true;
+}
+
 static int load_weights(const bundle *b, rt_model *m, tensor_entry **slots) {
     const BaseRTModelConfig *cfg = &m->cfg;
     m->layers = calloc(cfg->n_layers, sizeof *m->layers);
     if (!m->layers) return bundle_fail(b, BASERT_ERR_OUT_OF_MEMORY, "out of memory");
+    const char *widen_env = getenv("BASERT_REF_WIDEN_F16");
+    bool widen = widen_env && widen_env[0] && strcmp(widen_env, "0") != 0;
     uint64_t total = 0;
 #define LOAD(dst, slot)                                                                                                \
     do {                                                                                                               \
         if (!((dst) = load_tensor_f32(b, slots[slot]))) return BASERT_ERR_OUT_OF_MEMORY;                              \
         total += slots[slot]->n_elems * sizeof(float);                                                                 \
     } while (0)
-    LOAD(m->tok_embd, SLOT_EMBED);
+#define LOADW(dst, slot)                                                                                               \
+    do {                                                                                                               \
+        if (!load_matrix(b, slots[slot], widen, &(dst), &total)) return BASERT_ERR_OUT_OF_MEMORY;                     \
+    } while (0)
+    LOADW(m->tok_embd, SLOT_EMBED);
     LOAD(m->final_norm, SLOT_FINAL_NORM);
     if (slots[SLOT_LM_HEAD]) {
-        LOAD(m->lm_head, SLOT_LM_HEAD);
+        LOADW(m->lm_head, SLOT_LM_HEAD);
         m->tied_embeddings = false;
     } else {
         m->lm_head = m->tok_embd;
@@ -439,16 +468,17 @@ static int load_weights(const bundle *b, rt_model *m, tensor_entry **slots) {
         rt_layer *L = &m->layers[l];
         size_t s = SLOT_LAYER0 + (size_t)l * 9;
         LOAD(L->attn_norm, s + 0);
-        LOAD(L->wq, s + 1);
-        LOAD(L->wk, s + 2);
-        LOAD(L->wv, s + 3);
-        LOAD(L->wo, s + 4);
+        LOADW(L->wq, s + 1);
+        LOADW(L->wk, s + 2);
+        LOADW(L->wv, s + 3);
+        LOADW(L->wo, s + 4);
         LOAD(L->ffn_norm, s + 5);
-        LOAD(L->w_gate, s + 6);
-        LOAD(L->w_up, s + 7);
-        LOAD(L->w_down, s + 8);
+        LOADW(L->w_gate, s + 6);
+        LOADW(L->w_up, s + 7);
+        LOADW(L->w_down, s + 8);
     }
 #undef LOAD
+#undef LOADW
     m->weight_bytes = (size_t)total;
     return BASERT_OK;
 }
@@ -625,19 +655,19 @@ void rt_model_destroy(rt_model *m) {
         for (uint32_t l = 0; l < m->cfg.n_layers; l++) {
             rt_layer *L = &m->layers[l];
             free(L->attn_norm);
-            free(L->wq);
-            free(L->wk);
-            free(L->wv);
-            free(L->wo);
+            free(L->wq.p);
+            free(L->wk.p);
+            free(L->wv.p);
+            free(L->wo.p);
             free(L->ffn_norm);
-            free(L->w_gate);
-            free(L->w_up);
-            free(L->w_down);
+            free(L->w_gate.p);
+            free(L->w_up.p);
+            free(L->w_down.p);
         }
         free(m->layers);
     }
-    if (m->lm_head != m->tok_embd) free(m->lm_head);
-    free(m->tok_embd);
+    if (m->lm_head.p != m->tok_embd.p) free(m->lm_head.p);
+    free(m->tok_embd.p);
     free(m->final_norm);
     if (m->tok) bpe_free(m->tok);
     free(m->eos_ids);
@@ -776,7 +806,8 @@ int rt_bundle_read_budget(const char *fn, const char *path, rt_bundle_budget *ou
         for (size_t i = 0; !rc && i < json_count(arr); i++) {
             tensor_entry t;
             rc = parse_tensor(&b, json_at(arr, i), i, &t);
-            weights += t.n_elems * sizeof(float);
+            /* resident bytes: matrices keep f16, everything else is f32 */
+            weights += t.n_elems * (t.dtype == DT_F16 && t.ndim == 2 ? 2 : sizeof(float));
         }
         out->trained_context = pc.trained_context;
         out->weight_bytes = weights;

@@ -71,6 +71,17 @@ float rt_bf16_to_f32(uint16_t h) {
     return f;
 }
 
+size_t rt_weight_elem_size(int type) { return type == RT_W_F16 ? 2 : 4; }
+
+void rt_weight_row(const rt_weight *w, size_t row, int n, float *out) {
+    if (w->type == RT_W_F16) {
+        const uint16_t *h = (const uint16_t *)w->p + row * (size_t)n;
+        for (int i = 0; i < n; i++) out[i] = rt_f16_to_f32(h[i]);
+    } else {
+        memcpy(out, (const float *)w->p + row * (size_t)n, (size_t)n * sizeof(float));
+    }
+}
+
 /* ---- dot-product kernels ------------------------------------------------------
  * The dot product is defined as: one V-lane accumulator (V = the vector width
  * of the kernel set) over the first n - n % V elements in order, a fixed-order
@@ -78,7 +89,14 @@ float rt_bf16_to_f32(uint16_t h) {
  * kernel computes RT x OT such dot products at once (RT rows of x against OT
  * rows of W), each with its own accumulator following exactly that sequence,
  * so a value never depends on the tile it lands in. Every set provides tiles
- * RMxOM, 2xOM, 1xOM, RMx1 and 1x1 (RM, OM = its main tile shape).
+ * RMxOM, 2xOM, 1xOM, RMx1 and 1x1 (RM, OM = its main tile shape), for f32
+ * weights and for f16 weights.
+ *
+ * f16 weights stay f16 in memory (half the bytes to stream per decode step)
+ * and are widened in registers (F16C / AVX-512 vcvtph2ps, or one element at
+ * a time on the portable path). Widening f16 to f32 is exact, so an f16 tile
+ * performs exactly the operations the f32 tile performs on the f32 copy the
+ * loader used to make: outputs are bit-identical to the widened-at-load ones.
  *
  * While a tile streams its OT weight rows it prefetches, into L2, the rows
  * PREFETCH_TILES tiles ahead (the matmul walks weight rows in order): decode
@@ -87,13 +105,17 @@ float rt_bf16_to_f32(uint16_t h) {
 
 enum { TILE_OMAX = 6, TILE_RMAX = 4, PREFETCH_TILES = 2 };
 
-typedef void (*tile_fn)(const float *x, size_t ldx, const float *w, size_t ldw, float *y, size_t ldy, int n);
+typedef void (*tile_fn)(const float *x, size_t ldx, const void *w, size_t ldw, float *y, size_t ldy, int n);
 /* y[k] += sum over t < n, in order, of p[t] * v[t * ldv + k], for k < d. */
 typedef void (*axpy_fn)(const float *p, int n, const float *v, size_t ldv, float *y, int d);
 
 typedef struct {
-    int rows_main, cols_main;
     tile_fn t_main, t_2, t_1, t_main1, t_11;
+} tile_set;
+
+typedef struct {
+    int rows_main, cols_main;
+    tile_set f32, f16; /* by weight type */
     axpy_fn axpy;
     const char *name;
 } kernel_set;
@@ -104,15 +126,28 @@ typedef struct {
 
 /* Address of element i of weight row o + PREFETCH_TILES * OT, computed as an
  * integer: it may lie past the matrix (a prefetch there is harmless, forming
- * such a pointer by pointer arithmetic would not be). */
-#define AHEAD(w, ldw, o, OT, i)                                                                                 \
+ * such a pointer by pointer arithmetic would not be). ES: element size. */
+#define AHEAD(w, ldw, o, OT, i, ES)                                                                             \
     ((const char *)((uintptr_t)(w) + (((size_t)(OT) * PREFETCH_TILES + (size_t)(o)) * (ldw) + (size_t)(i)) *   \
-                                         sizeof(float)))
+                                         (size_t)(ES)))
+
+/* Scalar weight element k of a row (tails), f32 or f16 (exact widening). */
+#define WSCALAR(w, F16, k) ((F16) ? rt_f16_to_f32(((const uint16_t *)(w))[k]) : ((const float *)(w))[k])
 
 #define DEFINE_TILE(PREFIX, RT, OT)                                                                             \
-    static void PREFIX##_##RT##x##OT(const float *x, size_t ldx, const float *w, size_t ldw, float *y,          \
+    static void PREFIX##_##RT##x##OT(const float *x, size_t ldx, const void *w, size_t ldw, float *y,           \
                                      size_t ldy, int n) {                                                       \
-        PREFIX(x, ldx, w, ldw, y, ldy, n, RT, OT);                                                              \
+        PREFIX(x, ldx, w, ldw, y, ldy, n, RT, OT, 0);                                                           \
+    }                                                                                                           \
+    static void PREFIX##_##RT##x##OT##_h(const float *x, size_t ldx, const void *w, size_t ldw, float *y,       \
+                                         size_t ldy, int n) {                                                   \
+        PREFIX(x, ldx, w, ldw, y, ldy, n, RT, OT, 1);                                                           \
+    }
+
+#define TILE_SET(PREFIX, RM, OM, SUF)                                                                           \
+    {                                                                                                           \
+        PREFIX##_##RM##x##OM##SUF, PREFIX##_2x##OM##SUF, PREFIX##_1x##OM##SUF, PREFIX##_##RM##x1##SUF,         \
+            PREFIX##_1x1##SUF                                                                                   \
     }
 
 /* Portable path: GCC vector extensions (SSE2 on baseline x86-64), multiply
@@ -122,10 +157,20 @@ typedef float v8f __attribute__((vector_size(32)));
 /* Macros, not functions: a 32-byte vector by value changes the psABI without AVX. */
 #define V8_LOAD(dst, p) memcpy(&(dst), (p), sizeof(v8f))
 #define V8_HSUM(v) ((((v)[0] + (v)[4]) + ((v)[2] + (v)[6])) + (((v)[1] + (v)[5]) + ((v)[3] + (v)[7])))
+#define V8_LOAD_W(dst, w, F16, off)                                                                             \
+    do {                                                                                                        \
+        if (F16) {                                                                                              \
+            const uint16_t *h_ = (const uint16_t *)(w) + (off);                                                 \
+            for (int k_ = 0; k_ < 8; k_++) (dst)[k_] = rt_f16_to_f32(h_[k_]);                                   \
+        } else {                                                                                                \
+            V8_LOAD(dst, (const float *)(w) + (off));                                                           \
+        }                                                                                                       \
+    } while (0)
 
-static inline __attribute__((always_inline)) void tile_generic(const float *x, size_t ldx, const float *w, size_t ldw,
-                                                               float *y, size_t ldy, int n, int RT, int OT) {
+static inline __attribute__((always_inline)) void tile_generic(const float *x, size_t ldx, const void *w, size_t ldw,
+                                                               float *y, size_t ldy, int n, int RT, int OT, int F16) {
     v8f acc[TILE_RMAX][TILE_OMAX];
+    size_t es = F16 ? 2 : 4;
     UNROLL
     for (int r = 0; r < RT; r++)
         UNROLL
@@ -138,8 +183,8 @@ static inline __attribute__((always_inline)) void tile_generic(const float *x, s
         UNROLL
         for (int o = 0; o < OT; o++) {
             v8f wv;
-            V8_LOAD(wv, w + o * ldw + i);
-            __builtin_prefetch(AHEAD(w, ldw, o, OT, i), 0, 2);
+            V8_LOAD_W(wv, w, F16, o * ldw + i);
+            __builtin_prefetch(AHEAD(w, ldw, o, OT, i, es), 0, 2);
             UNROLL
             for (int r = 0; r < RT; r++) acc[r][o] = acc[r][o] + xv[r] * wv;
         }
@@ -149,7 +194,7 @@ static inline __attribute__((always_inline)) void tile_generic(const float *x, s
         UNROLL
         for (int o = 0; o < OT; o++) {
             float s = V8_HSUM(acc[r][o]);
-            for (int i = nv; i < n; i++) s = s + x[r * ldx + i] * w[o * ldw + i];
+            for (int i = nv; i < n; i++) s = s + x[r * ldx + i] * WSCALAR(w, F16, o * ldw + i);
             y[r * ldy + o] = s;
         }
 }
@@ -175,15 +220,8 @@ static void axpy_generic(const float *p, int n, const float *v, size_t ldv, floa
         for (int t = 0; t < n; t++) y[k] = y[k] + p[t] * v[t * ldv + k];
 }
 
-static const kernel_set generic_kernels = {3,
-                                           4,
-                                           tile_generic_3x4,
-                                           tile_generic_2x4,
-                                           tile_generic_1x4,
-                                           tile_generic_3x1,
-                                           tile_generic_1x1,
-                                           axpy_generic,
-                                           "generic"};
+static const kernel_set generic_kernels = {3, 4, TILE_SET(tile_generic, 3, 4, ), TILE_SET(tile_generic, 3, 4, _h),
+                                           axpy_generic, "generic"};
 
 #if defined(__x86_64__) && defined(__GNUC__)
 #include <immintrin.h>
@@ -194,9 +232,10 @@ static const kernel_set generic_kernels = {3,
  * penalty -- a 7x slowdown of -O1 / sanitizer builds. */
 #define LEAVE_AVX() _mm256_zeroupper()
 
-/* AVX2 + FMA: 8 lanes, 3x4 main tile (12 accumulators + 3 x + 1 w registers). */
+/* AVX2 + FMA (+ F16C for f16 weights): 8 lanes, 3x4 main tile (12
+ * accumulators + 3 x + 1 w registers). */
 #pragma GCC push_options
-#pragma GCC target("avx2,fma")
+#pragma GCC target("avx2,fma,f16c")
 
 static inline float hsum_avx(__m256 v) {
     /* Same association as V8_HSUM: (l0+l4 + l2+l6) + (l1+l5 + l3+l7). */
@@ -205,9 +244,15 @@ static inline float hsum_avx(__m256 v) {
     return _mm_cvtss_f32(_mm_add_ss(t, _mm_shuffle_ps(t, t, 1)));
 }
 
-static inline __attribute__((always_inline)) void tile_avx2(const float *x, size_t ldx, const float *w, size_t ldw,
-                                                            float *y, size_t ldy, int n, int RT, int OT) {
+static inline __attribute__((always_inline)) __m256 load8_w(const void *w, size_t off, int F16) {
+    if (F16) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)w + off)));
+    return _mm256_loadu_ps((const float *)w + off);
+}
+
+static inline __attribute__((always_inline)) void tile_avx2(const float *x, size_t ldx, const void *w, size_t ldw,
+                                                            float *y, size_t ldy, int n, int RT, int OT, int F16) {
     __m256 acc[TILE_RMAX][TILE_OMAX];
+    size_t es = F16 ? 2 : 4;
     UNROLL
     for (int r = 0; r < RT; r++)
         UNROLL
@@ -219,8 +264,8 @@ static inline __attribute__((always_inline)) void tile_avx2(const float *x, size
         for (int r = 0; r < RT; r++) xv[r] = _mm256_loadu_ps(x + r * ldx + i);
         UNROLL
         for (int o = 0; o < OT; o++) {
-            __m256 wv = _mm256_loadu_ps(w + o * ldw + i);
-            _mm_prefetch(AHEAD(w, ldw, o, OT, i), _MM_HINT_T1);
+            __m256 wv = load8_w(w, o * ldw + i, F16);
+            _mm_prefetch(AHEAD(w, ldw, o, OT, i, es), _MM_HINT_T1);
             UNROLL
             for (int r = 0; r < RT; r++) acc[r][o] = _mm256_fmadd_ps(xv[r], wv, acc[r][o]);
         }
@@ -230,7 +275,7 @@ static inline __attribute__((always_inline)) void tile_avx2(const float *x, size
         UNROLL
         for (int o = 0; o < OT; o++) {
             float s = hsum_avx(acc[r][o]);
-            for (int i = nv; i < n; i++) s = fmaf(x[r * ldx + i], w[o * ldw + i], s);
+            for (int i = nv; i < n; i++) s = fmaf(x[r * ldx + i], WSCALAR(w, F16, o * ldw + i), s);
             y[r * ldy + o] = s;
         }
     LEAVE_AVX();
@@ -263,17 +308,23 @@ static void axpy_avx2(const float *p, int n, const float *v, size_t ldv, float *
 
 /* AVX-512: 16 lanes, 4x6 main tile (24 accumulators of 32 registers). */
 #pragma GCC push_options
-#pragma GCC target("avx512f,avx2,fma")
+#pragma GCC target("avx512f,avx2,fma,f16c")
 
 static inline float hsum_avx512(__m512 v) {
     __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1));
     return hsum_avx(_mm256_add_ps(_mm512_castps512_ps256(v), hi));
 }
 
-static inline __attribute__((always_inline)) void tile_avx512(const float *x, size_t ldx, const float *w,
+static inline __attribute__((always_inline)) __m512 load16_w(const void *w, size_t off, int F16) {
+    if (F16) return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)w + off)));
+    return _mm512_loadu_ps((const float *)w + off);
+}
+
+static inline __attribute__((always_inline)) void tile_avx512(const float *x, size_t ldx, const void *w,
                                                               size_t ldw, float *y, size_t ldy, int n, int RT,
-                                                              int OT) {
+                                                              int OT, int F16) {
     __m512 acc[TILE_RMAX][TILE_OMAX];
+    size_t es = F16 ? 2 : 4;
     UNROLL
     for (int r = 0; r < RT; r++)
         UNROLL
@@ -285,8 +336,8 @@ static inline __attribute__((always_inline)) void tile_avx512(const float *x, si
         for (int r = 0; r < RT; r++) xv[r] = _mm512_loadu_ps(x + r * ldx + i);
         UNROLL
         for (int o = 0; o < OT; o++) {
-            __m512 wv = _mm512_loadu_ps(w + o * ldw + i);
-            _mm_prefetch(AHEAD(w, ldw, o, OT, i), _MM_HINT_T1);
+            __m512 wv = load16_w(w, o * ldw + i, F16);
+            _mm_prefetch(AHEAD(w, ldw, o, OT, i, es), _MM_HINT_T1);
             UNROLL
             for (int r = 0; r < RT; r++) acc[r][o] = _mm512_fmadd_ps(xv[r], wv, acc[r][o]);
         }
@@ -296,7 +347,7 @@ static inline __attribute__((always_inline)) void tile_avx512(const float *x, si
         UNROLL
         for (int o = 0; o < OT; o++) {
             float s = hsum_avx512(acc[r][o]);
-            for (int i = nv; i < n; i++) s = fmaf(x[r * ldx + i], w[o * ldw + i], s);
+            for (int i = nv; i < n; i++) s = fmaf(x[r * ldx + i], WSCALAR(w, F16, o * ldw + i), s);
             y[r * ldy + o] = s;
         }
     LEAVE_AVX();
@@ -327,24 +378,10 @@ static void axpy_avx512(const float *p, int n, const float *v, size_t ldv, float
 
 #pragma GCC pop_options
 
-static const kernel_set avx2_kernels = {3,
-                                        4,
-                                        tile_avx2_3x4,
-                                        tile_avx2_2x4,
-                                        tile_avx2_1x4,
-                                        tile_avx2_3x1,
-                                        tile_avx2_1x1,
-                                        axpy_avx2,
-                                        "avx2-fma"};
-static const kernel_set avx512_kernels = {4,
-                                          6,
-                                          tile_avx512_4x6,
-                                          tile_avx512_2x6,
-                                          tile_avx512_1x6,
-                                          tile_avx512_4x1,
-                                          tile_avx512_1x1,
-                                          axpy_avx512,
-                                          "avx512"};
+static const kernel_set avx2_kernels = {3, 4, TILE_SET(tile_avx2, 3, 4, ), TILE_SET(tile_avx2, 3, 4, _h),
+                                        axpy_avx2, "avx2-fma"};
+static const kernel_set avx512_kernels = {4, 6, TILE_SET(tile_avx512, 4, 6, ), TILE_SET(tile_avx512, 4, 6, _h),
+                                          axpy_avx512, "avx512"};
 #endif
 
 static const kernel_set *g_kernels;
@@ -359,7 +396,8 @@ static void select_kernels(void) {
     const char *cap = env && *env ? env : "avx512";
     if (strcmp(cap, "0") == 0 || strcmp(cap, "generic") == 0) return;
     __builtin_cpu_init();
-    if (!__builtin_cpu_supports("avx2") || !__builtin_cpu_supports("fma")) return;
+    if (!__builtin_cpu_supports("avx2") || !__builtin_cpu_supports("fma") || !__builtin_cpu_supports("f16c"))
+        return;
     g_kernels = &avx2_kernels;
     if (strcmp(cap, "avx2") != 0 && __builtin_cpu_supports("avx512f")) g_kernels = &avx512_kernels;
 #endif
@@ -383,26 +421,29 @@ static void matmul_range(const kernel_set *ks, const float *x, size_t ldx, int r
                          const rt_mm_target *t, int o0, int o1) {
     size_t ldy = t->ldy;
     int rm = ks->rows_main, om = ks->cols_main;
+    const tile_set *ts = t->w.type == RT_W_F16 ? &ks->f16 : &ks->f32;
+    size_t es = t->w.type == RT_W_F16 ? 2 : 4;
+    const char *wbase = t->w.p;
     for (int rb = 0; rb < rows; rb += ROW_BLOCK) {
         int rn = rows - rb < ROW_BLOCK ? rows - rb : ROW_BLOCK;
         const float *xb = x + (size_t)rb * ldx;
         float *yb = t->y + (size_t)rb * ldy;
         int o = o0;
         for (; o + om <= o1; o += om) {
-            const float *w = t->w + (size_t)o * ldw;
+            const void *w = wbase + (size_t)o * ldw * es;
             int r = 0;
             /* Main tiles, then pairs (a 3-row set splits a remainder of 4 in
              * two pairs rather than 3 + a lone row), then a lone row. */
             for (; rn - r >= rm && !(rm == 3 && rn - r == 4); r += rm)
-                ks->t_main(xb + r * ldx, ldx, w, ldw, yb + r * ldy + o, ldy, in);
-            for (; rn - r >= 2; r += 2) ks->t_2(xb + r * ldx, ldx, w, ldw, yb + r * ldy + o, ldy, in);
-            if (r < rn) ks->t_1(xb + r * ldx, ldx, w, ldw, yb + r * ldy + o, ldy, in);
+                ts->t_main(xb + r * ldx, ldx, w, ldw, yb + r * ldy + o, ldy, in);
+            for (; rn - r >= 2; r += 2) ts->t_2(xb + r * ldx, ldx, w, ldw, yb + r * ldy + o, ldy, in);
+            if (r < rn) ts->t_1(xb + r * ldx, ldx, w, ldw, yb + r * ldy + o, ldy, in);
         }
         for (; o < o1; o++) {
-            const float *w = t->w + (size_t)o * ldw;
+            const void *w = wbase + (size_t)o * ldw * es;
             int r = 0;
-            for (; rn - r >= rm; r += rm) ks->t_main1(xb + r * ldx, ldx, w, ldw, yb + r * ldy + o, ldy, in);
-            for (; r < rn; r++) ks->t_11(xb + r * ldx, ldx, w, ldw, yb + r * ldy + o, ldy, in);
+            for (; rn - r >= rm; r += rm) ts->t_main1(xb + r * ldx, ldx, w, ldw, yb + r * ldy + o, ldy, in);
+            for (; r < rn; r++) ts->t_11(xb + r * ldx, ldx, w, ldw, yb + r * ldy + o, ldy, in);
         }
     }
 }
@@ -451,7 +492,7 @@ void rt_matmul(rt_threads *th, const float *x, size_t ldx, int rows, int in, con
 void rt_axpy_rows(const float *p, int n, const float *v, size_t ldv, float *y, int d) { kernels()->axpy(p, n, v, ldv, y, d); }
 
 void rt_dots(const float *x, size_t ldx, int rows, const float *w, size_t ldw, int out, float *y, size_t ldy, int n) {
-    rt_mm_target t = {w, y, out, ldy};
+    rt_mm_target t = {{(void *)w, RT_W_F32}, y, out, ldy};
     matmul_range(kernels(), x, ldx, rows, n, ldw, &t, 0, out);
 }
 

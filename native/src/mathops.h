@@ -44,10 +44,23 @@ int rt_threads_count(const rt_threads *t);
 void rt_threads_run(rt_threads *t, rt_task_fn fn, void *ctx, int n_threads);
 
 /* ---- matmul -------------------------------------------------------------- */
-/* One weight matrix W [out][in] (row-major, f32) and its output y, with
+/* A weight matrix as the loader keeps it: row-major [out][in], f32 or f16
+ * (f16 stays f16 in memory and is widened in registers, exactly). */
+enum { RT_W_F32 = 0, RT_W_F16 = 1 };
+typedef struct {
+    void *p;
+    int type; /* RT_W_* */
+} rt_weight;
+
+/* Row `row` of W (`n` elements) widened to f32 into out. */
+void rt_weight_row(const rt_weight *w, size_t row, int n, float *out);
+/* Bytes per element of a weight type. */
+size_t rt_weight_elem_size(int type);
+
+/* One weight matrix W and its output y, with
  * y[r * ldy + o] = dot(x[r * ldx ..], W[o]). */
 typedef struct {
-    const float *w;
+    rt_weight w;
     float *y;
     int out;
     size_t ldy;
