@@ -292,7 +292,7 @@ char *rt_build_capability_descriptor(const rt_model *m) {
                     m->tokenizer_only ? "true" : "false");
     json_buf_printf(&b, ",\"max_context\":%u,\"trained_context\":%d,\"max_batch_size\":%d,\"kv_bits\":%d",
                     m->cfg.max_seq_len, m->trained_context, m->tokenizer_only ? 0 : m->max_batch_size,
-                    m->tokenizer_only ? 0 : 16);
+                    m->tokenizer_only ? 0 : m->kv_bits);
     json_buf_puts(&b, ",\"capabilities\":{\"text_generation\":");
     if (m->tokenizer_only) json_buf_put_string(&b, tok_only);
     else json_buf_puts(&b, "true");
@@ -324,7 +324,7 @@ size_t baseRT_device_memory_budget(void) {
 }
 
 int baseRT_suggest_max_context(const char *model_path, int max_batch, int kv_bits, int paged_kv) {
-    (void)kv_bits; /* the reference KV is f32 whatever the setting */
+    /* The pool is f32 at kv_bits 0 (auto) and f16 at any other width. */
     rt_bundle_budget bb;
     if (rt_bundle_read_budget("baseRT_suggest_max_context", model_path, &bb) != BASERT_OK) return 0;
     uint64_t budget = baseRT_device_memory_budget();
@@ -334,7 +334,7 @@ int baseRT_suggest_max_context(const char *model_path, int max_batch, int kv_bit
     }
     /* Lanes multiply only on a paged pool; a contiguous cache holds one history. */
     uint64_t lanes = paged_kv && max_batch > 1 ? (uint64_t)max_batch : 1;
-    uint64_t per_token = bb.kv_bytes_per_token * lanes;
+    uint64_t per_token = bb.kv_bytes_per_token * lanes / (kv_bits ? 2 : 1);
     uint64_t fit = budget > bb.weight_bytes && per_token ? (budget - bb.weight_bytes) / per_token : 0;
     fit = fit / 1024 * 1024;
     if (fit < BASERT_AUTO_CONTEXT_MIN) fit = BASERT_AUTO_CONTEXT_MIN;
@@ -364,6 +364,6 @@ int baseRT_kv_bits_effective(baseRT_model_t model) {
     rt_model *m = rt_model_check(model, "baseRT_kv_bits_effective");
     if (!m) return 0;
     rt_clear_error();
-    /* The KV is f32; report the closest width of the documented encoding. */
-    return m->tokenizer_only ? 0 : 16;
+    /* 32 for the exact f32 pool (kv_bits 0), 16 for an f16 pool (see apply_options). */
+    return m->tokenizer_only ? 0 : m->kv_bits;
 }

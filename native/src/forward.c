@@ -115,16 +115,18 @@ static void attend(rt_model *m, const rt_seq *s, int layer, int pos, int kvh, co
     int hd = (int)m->cfg.head_dim, kv_dim = (int)m->cfg.kv_dim, max_seq = (int)m->cfg.max_seq_len;
     int group = (int)(m->cfg.n_heads / m->cfg.n_kv_heads);
     size_t kv_off = (size_t)kvh * hd;
-    const float *kl = rt->k_pool + (size_t)layer * rt->layer_stride;
-    const float *vl = rt->v_pool + (size_t)layer * rt->layer_stride;
+    /* Element offsets into this layer's K / V (f32 or f16 pool). */
+    const char *kl = (const char *)rt->k_pool + (size_t)layer * rt->layer_stride * rt->kv_es;
+    const char *vl = (const char *)rt->v_pool + (size_t)layer * rt->layer_stride * rt->kv_es;
+    size_t es = rt->kv_es;
     float scale = 1.0f / sqrtf((float)hd);
     int n = pos + 1;
 
     for (int t0 = 0; t0 < n; t0 += RT_PAGE_SIZE) {
         size_t first = (size_t)s->blocks[t0 / RT_PAGE_SIZE] * RT_PAGE_SIZE;
         int cnt = n - t0 < RT_PAGE_SIZE ? n - t0 : RT_PAGE_SIZE;
-        rt_dots(q, (size_t)hd, group, kl + first * kv_dim + kv_off, (size_t)kv_dim, cnt, scores + t0, (size_t)max_seq,
-                hd);
+        rt_weight keys = {(void *)(kl + (first * kv_dim + kv_off) * es), rt->kv_type};
+        rt_dots(q, (size_t)hd, group, &keys, (size_t)kv_dim, cnt, scores + t0, (size_t)max_seq, hd);
     }
     for (int g = 0; g < group; g++) {
         float *sc = scores + (size_t)g * max_seq;
@@ -143,7 +145,8 @@ static void attend(rt_model *m, const rt_seq *s, int layer, int pos, int kvh, co
         for (int t0 = 0; t0 < n; t0 += RT_PAGE_SIZE) {
             size_t first = (size_t)s->blocks[t0 / RT_PAGE_SIZE] * RT_PAGE_SIZE;
             int cnt = n - t0 < RT_PAGE_SIZE ? n - t0 : RT_PAGE_SIZE;
-            rt_axpy_rows(sc + t0, cnt, vl + first * kv_dim + kv_off, (size_t)kv_dim, o, hd);
+            rt_weight vals = {(void *)(vl + (first * kv_dim + kv_off) * es), rt->kv_type};
+            rt_axpy_rows(sc + t0, cnt, &vals, (size_t)kv_dim, o, hd);
         }
         float inv = 1.0f / sum;
         for (int d = 0; d < hd; d++) o[d] *= inv;
@@ -170,6 +173,16 @@ static void attn_task(void *ctx, int tid) {
 
 /* ---- one slice of rows through all layers ---------------------------------- */
 
+/* One K or V row into the pool: as is (f32), or rounded to nearest-even f16. */
+static void kv_store(const rt_runtime *rt, char *dst, const float *src, int n) {
+    if (rt->kv_type == RT_W_F16) {
+        uint16_t *h = (uint16_t *)dst;
+        for (int i = 0; i < n; i++) h[i] = rt_f32_to_f16(src[i]);
+    } else {
+        memcpy(dst, src, (size_t)n * sizeof(float));
+    }
+}
+
 static void forward_slice(rt_model *m, const rt_lane *lanes, int R) {
     rt_runtime *rt = m->rt;
     const BaseRTModelConfig *c = &m->cfg;
@@ -191,8 +204,8 @@ static void forward_slice(rt_model *m, const rt_lane *lanes, int R) {
         };
         rt_matmul(rt->threads, rt->xb, (size_t)dim, R, dim, qkv, 3);
 
-        float *kl = rt->k_pool + (size_t)l * rt->layer_stride;
-        float *vl = rt->v_pool + (size_t)l * rt->layer_stride;
+        char *kl = (char *)rt->k_pool + (size_t)l * rt->layer_stride * rt->kv_es;
+        char *vl = (char *)rt->v_pool + (size_t)l * rt->layer_stride * rt->kv_es;
         for (int r = 0; r < R; r++) {
             int pos = rt->row_pos[r];
             const float *cs = rt->rope_cos + (size_t)pos * half, *sn = rt->rope_sin + (size_t)pos * half;
@@ -201,8 +214,8 @@ static void forward_slice(rt_model *m, const rt_lane *lanes, int R) {
             rope(kr, (int)c->n_kv_heads, hd, cs, sn);
             const rt_seq *s = lanes[rt->row_lane[r]].seq;
             size_t slot = (size_t)s->blocks[pos / RT_PAGE_SIZE] * RT_PAGE_SIZE + (size_t)(pos % RT_PAGE_SIZE);
-            memcpy(kl + slot * kv_dim, kr, (size_t)kv_dim * sizeof(float));
-            memcpy(vl + slot * kv_dim, rt->v + (size_t)r * kv_dim, (size_t)kv_dim * sizeof(float));
+            kv_store(rt, kl + slot * kv_dim * rt->kv_es, kr, kv_dim);
+            kv_store(rt, vl + slot * kv_dim * rt->kv_es, rt->v + (size_t)r * kv_dim, kv_dim);
         }
 
         attn_job aj = {m, lanes, (int)l, R, 0};

@@ -77,7 +77,7 @@ typedef struct rt_model {
     int max_batch_size; /* >= 1 */
     int prefix_cache;
     int prefill_chunk; /* tokens per forward chunk, >= 16 */
-    int kv_bits;       /* effective: always 32 (f32 KV) in the reference engine, reported as 16 */
+    int kv_bits;       /* effective: 32 (f32 pool, kv_bits 0 = auto) or 16 (f16 pool, any other width) */
 
     /* weights (NULL when tokenizer_only) */
     rt_weight tok_embd; /* [vocab][dim] */

@@ -30,8 +30,11 @@ static void list_push_back(rt_seq *sentinel, rt_seq *s) {
     sentinel->prev = s;
 }
 
+/* The pool's element type from the effective kv_bits (loader: 32 or 16). */
+int rt_kv_type(const rt_model *m) { return m->kv_bits == 16 ? RT_W_F16 : RT_W_F32; }
+
 size_t rt_kv_block_bytes(const rt_model *m) {
-    return 2u * (size_t)m->cfg.n_layers * RT_PAGE_SIZE * m->cfg.kv_dim * sizeof(float);
+    return 2u * (size_t)m->cfg.n_layers * RT_PAGE_SIZE * m->cfg.kv_dim * rt_weight_elem_size(rt_kv_type(m));
 }
 
 int rt_kv_init(rt_model *m) {
@@ -47,7 +50,7 @@ int rt_kv_init(rt_model *m) {
     if (n_blocks > INT32_MAX / 2 ||
         __builtin_mul_overflow((size_t)n_blocks, (size_t)RT_PAGE_SIZE * m->cfg.kv_dim, &rt->layer_stride) ||
         __builtin_mul_overflow(rt->layer_stride, (size_t)m->cfg.n_layers, &pool_floats) ||
-        __builtin_mul_overflow(pool_floats, 2 * sizeof(float), &pool_bytes)) {
+        __builtin_mul_overflow(pool_floats, 2 * rt_weight_elem_size(rt_kv_type(m)), &pool_bytes)) {
         rt_set_error(BASERT_ERR_INVALID_ARGUMENT,
                      "KV pool: a context of %u tokens x %d lanes needs %lld blocks of %d tokens, more than this "
                      "engine can address; lower max_context or max_batch_size",
@@ -57,8 +60,10 @@ int rt_kv_init(rt_model *m) {
     }
     rt->n_blocks = (int)n_blocks;
     /* Untouched pages of these large allocations are never committed. */
-    rt->k_pool = malloc(pool_floats * sizeof(float));
-    rt->v_pool = malloc(pool_floats * sizeof(float));
+    rt->kv_type = rt_kv_type(m);
+    rt->kv_es = rt_weight_elem_size(rt->kv_type);
+    rt->k_pool = malloc(pool_bytes / 2);
+    rt->v_pool = malloc(pool_bytes / 2);
     rt->ref = calloc((size_t)rt->n_blocks, sizeof(int));
     rt->free_stack = malloc((size_t)rt->n_blocks * sizeof(int));
     if (!rt->k_pool || !rt->v_pool || !rt->ref || !rt->free_stack) {
@@ -66,7 +71,7 @@ int rt_kv_init(rt_model *m) {
                      (size_t)rt->n_blocks * rt_kv_block_bytes(m));
         return BASERT_ERR_OUT_OF_MEMORY;
     }
-    rt->bytes += 2 * pool_floats * sizeof(float) + (size_t)rt->n_blocks * 2 * sizeof(int);
+    rt->bytes += pool_bytes + (size_t)rt->n_blocks * 2 * sizeof(int);
     /* Low ids on top of the stack: the first blocks handed out are 0, 1, ... */
     for (int i = 0; i < rt->n_blocks; i++) rt->free_stack[i] = rt->n_blocks - 1 - i;
     rt->n_free = rt->n_blocks;
@@ -183,11 +188,12 @@ static bool needs_private_copy(const rt_runtime *rt, const rt_seq *s) {
 
 static void copy_block(rt_model *m, int dst, int src) {
     rt_runtime *rt = m->rt;
-    size_t n = (size_t)RT_PAGE_SIZE * m->cfg.kv_dim;
+    size_t n = (size_t)RT_PAGE_SIZE * m->cfg.kv_dim * rt->kv_es; /* bytes of one block in one layer */
+    char *k = rt->k_pool, *v = rt->v_pool;
     for (uint32_t l = 0; l < m->cfg.n_layers; l++) {
-        size_t base = l * rt->layer_stride;
-        memcpy(rt->k_pool + base + (size_t)dst * n, rt->k_pool + base + (size_t)src * n, n * sizeof(float));
-        memcpy(rt->v_pool + base + (size_t)dst * n, rt->v_pool + base + (size_t)src * n, n * sizeof(float));
+        size_t base = l * rt->layer_stride * rt->kv_es;
+        memcpy(k + base + (size_t)dst * n, k + base + (size_t)src * n, n);
+        memcpy(v + base + (size_t)dst * n, v + base + (size_t)src * n, n);
     }
 }
 

@@ -694,7 +694,18 @@ static int apply_options(const char *fn, rt_model *m, const BaseRTLoadOptions *o
                            : RT_DEFAULT_PREFILL_CHUNK;
     int batch = o->max_batch_size ? o->max_batch_size : 1;
     m->max_batch_size = batch < m->prefill_chunk ? batch : m->prefill_chunk; /* capped at prefill_chunk */
-    m->kv_bits = 32; /* f32 KV whatever was asked (reported as 16 by baseRT_kv_bits_effective) */
+    /* KV element width: 0 (auto) keeps the reference engine's exact f32 pool
+     * (reported as 32 by baseRT_kv_bits_effective: no encoding of the header
+     * names f32, and reporting 16 for it would be false); 16 is an f16 pool.
+     * The quantized widths (8 = Q8_0, 4 = Q4_0, 84) are not implemented here:
+     * they get the f16 pool, and baseRT_kv_bits_effective says 16. */
+    switch (o->kv_bits) {
+    case 0: m->kv_bits = 32; break;
+    case 4: case 8: case 16: case 84: m->kv_bits = 16; break;
+    default:
+        rt_set_error(BASERT_ERR_INVALID_ARGUMENT, "%s: kv_bits must be 0, 4, 8, 16 or 84, got %d", fn, o->kv_bits);
+        return BASERT_ERR_INVALID_ARGUMENT;
+    }
     return BASERT_OK;
 }
 
@@ -811,7 +822,7 @@ int rt_bundle_read_budget(const char *fn, const char *path, rt_bundle_budget *ou
         }
         out->trained_context = pc.trained_context;
         out->weight_bytes = weights;
-        out->kv_bytes_per_token = (uint64_t)pc.cfg.n_layers * 2 * pc.cfg.kv_dim * sizeof(float);
+        out->kv_bytes_per_token = (uint64_t)pc.cfg.n_layers * 2 * pc.cfg.kv_dim * sizeof(float); /* f32 pool */
     }
     bundle_close(&b);
     return rc;

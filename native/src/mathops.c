@@ -107,7 +107,7 @@ enum { TILE_OMAX = 6, TILE_RMAX = 4, PREFETCH_TILES = 2 };
 
 typedef void (*tile_fn)(const float *x, size_t ldx, const void *w, size_t ldw, float *y, size_t ldy, int n);
 /* y[k] += sum over t < n, in order, of p[t] * v[t * ldv + k], for k < d. */
-typedef void (*axpy_fn)(const float *p, int n, const float *v, size_t ldv, float *y, int d);
+typedef void (*axpy_fn)(const float *p, int n, const void *v, size_t ldv, float *y, int d);
 
 typedef struct {
     tile_fn t_main, t_2, t_1, t_main1, t_11;
@@ -116,7 +116,7 @@ typedef struct {
 typedef struct {
     int rows_main, cols_main;
     tile_set f32, f16; /* by weight type */
-    axpy_fn axpy;
+    axpy_fn axpy, axpy_h; /* f32 / f16 values */
     const char *name;
 } kernel_set;
 
@@ -205,23 +205,31 @@ DEFINE_TILE(tile_generic, 1, 4)
 DEFINE_TILE(tile_generic, 3, 1)
 DEFINE_TILE(tile_generic, 1, 1)
 
-static void axpy_generic(const float *p, int n, const float *v, size_t ldv, float *y, int d) {
+static inline __attribute__((always_inline)) void axpy_generic_t(const float *p, int n, const void *v, size_t ldv,
+                                                                 float *y, int d, int F16) {
     int k = 0;
     for (; k + 8 <= d; k += 8) {
         v8f acc, vv;
         V8_LOAD(acc, y + k);
         for (int t = 0; t < n; t++) {
-            V8_LOAD(vv, v + t * ldv + k);
+            V8_LOAD_W(vv, v, F16, t * ldv + k);
             acc = acc + p[t] * vv;
         }
         memcpy(y + k, &acc, sizeof acc);
     }
     for (; k < d; k++)
-        for (int t = 0; t < n; t++) y[k] = y[k] + p[t] * v[t * ldv + k];
+        for (int t = 0; t < n; t++) y[k] = y[k] + p[t] * WSCALAR(v, F16, t * ldv + k);
+}
+
+static void axpy_generic(const float *p, int n, const void *v, size_t ldv, float *y, int d) {
+    axpy_generic_t(p, n, v, ldv, y, d, 0);
+}
+static void axpy_generic_h(const float *p, int n, const void *v, size_t ldv, float *y, int d) {
+    axpy_generic_t(p, n, v, ldv, y, d, 1);
 }
 
 static const kernel_set generic_kernels = {3, 4, TILE_SET(tile_generic, 3, 4, ), TILE_SET(tile_generic, 3, 4, _h),
-                                           axpy_generic, "generic"};
+                                           axpy_generic, axpy_generic_h, "generic"};
 
 #if defined(__x86_64__) && defined(__GNUC__)
 #include <immintrin.h>
@@ -287,21 +295,29 @@ DEFINE_TILE(tile_avx2, 1, 4)
 DEFINE_TILE(tile_avx2, 3, 1)
 DEFINE_TILE(tile_avx2, 1, 1)
 
-static void axpy_avx2(const float *p, int n, const float *v, size_t ldv, float *y, int d) {
+static inline __attribute__((always_inline)) void axpy_avx2_t(const float *p, int n, const void *v, size_t ldv,
+                                                              float *y, int d, int F16) {
     int k = 0;
     for (; k + 16 <= d; k += 16) {
         __m256 a0 = _mm256_loadu_ps(y + k), a1 = _mm256_loadu_ps(y + k + 8);
         for (int t = 0; t < n; t++) {
             __m256 pt = _mm256_set1_ps(p[t]);
-            a0 = _mm256_fmadd_ps(pt, _mm256_loadu_ps(v + t * ldv + k), a0);
-            a1 = _mm256_fmadd_ps(pt, _mm256_loadu_ps(v + t * ldv + k + 8), a1);
+            a0 = _mm256_fmadd_ps(pt, load8_w(v, t * ldv + k, F16), a0);
+            a1 = _mm256_fmadd_ps(pt, load8_w(v, t * ldv + k + 8, F16), a1);
         }
         _mm256_storeu_ps(y + k, a0);
         _mm256_storeu_ps(y + k + 8, a1);
     }
     for (; k < d; k++)
-        for (int t = 0; t < n; t++) y[k] = fmaf(p[t], v[t * ldv + k], y[k]);
+        for (int t = 0; t < n; t++) y[k] = fmaf(p[t], WSCALAR(v, F16, t * ldv + k), y[k]);
     LEAVE_AVX();
+}
+
+static void axpy_avx2(const float *p, int n, const void *v, size_t ldv, float *y, int d) {
+    axpy_avx2_t(p, n, v, ldv, y, d, 0);
+}
+static void axpy_avx2_h(const float *p, int n, const void *v, size_t ldv, float *y, int d) {
+    axpy_avx2_t(p, n, v, ldv, y, d, 1);
 }
 
 #pragma GCC pop_options
@@ -359,29 +375,37 @@ DEFINE_TILE(tile_avx512, 1, 6)
 DEFINE_TILE(tile_avx512, 4, 1)
 DEFINE_TILE(tile_avx512, 1, 1)
 
-static void axpy_avx512(const float *p, int n, const float *v, size_t ldv, float *y, int d) {
+static inline __attribute__((always_inline)) void axpy_avx512_t(const float *p, int n, const void *v, size_t ldv,
+                                                                float *y, int d, int F16) {
     int k = 0;
     for (; k + 32 <= d; k += 32) {
         __m512 a0 = _mm512_loadu_ps(y + k), a1 = _mm512_loadu_ps(y + k + 16);
         for (int t = 0; t < n; t++) {
             __m512 pt = _mm512_set1_ps(p[t]);
-            a0 = _mm512_fmadd_ps(pt, _mm512_loadu_ps(v + t * ldv + k), a0);
-            a1 = _mm512_fmadd_ps(pt, _mm512_loadu_ps(v + t * ldv + k + 16), a1);
+            a0 = _mm512_fmadd_ps(pt, load16_w(v, t * ldv + k, F16), a0);
+            a1 = _mm512_fmadd_ps(pt, load16_w(v, t * ldv + k + 16, F16), a1);
         }
         _mm512_storeu_ps(y + k, a0);
         _mm512_storeu_ps(y + k + 16, a1);
     }
     for (; k < d; k++)
-        for (int t = 0; t < n; t++) y[k] = fmaf(p[t], v[t * ldv + k], y[k]);
+        for (int t = 0; t < n; t++) y[k] = fmaf(p[t], WSCALAR(v, F16, t * ldv + k), y[k]);
     LEAVE_AVX();
+}
+
+static void axpy_avx512(const float *p, int n, const void *v, size_t ldv, float *y, int d) {
+    axpy_avx512_t(p, n, v, ldv, y, d, 0);
+}
+static void axpy_avx512_h(const float *p, int n, const void *v, size_t ldv, float *y, int d) {
+    axpy_avx512_t(p, n, v, ldv, y, d, 1);
 }
 
 #pragma GCC pop_options
 
 static const kernel_set avx2_kernels = {3, 4, TILE_SET(tile_avx2, 3, 4, ), TILE_SET(tile_avx2, 3, 4, _h),
-                                        axpy_avx2, "avx2-fma"};
+                                        axpy_avx2, axpy_avx2_h, "avx2-fma"};
 static const kernel_set avx512_kernels = {4, 6, TILE_SET(tile_avx512, 4, 6, ), TILE_SET(tile_avx512, 4, 6, _h),
-                                          axpy_avx512, "avx512"};
+                                          axpy_avx512, axpy_avx512_h, "avx512"};
 #endif
 
 static const kernel_set *g_kernels;
@@ -489,10 +513,14 @@ void rt_matmul(rt_threads *th, const float *x, size_t ldx, int rows, int in, con
     rt_threads_run(th, matmul_task, &job, nt);
 }
 
-void rt_axpy_rows(const float *p, int n, const float *v, size_t ldv, float *y, int d) { kernels()->axpy(p, n, v, ldv, y, d); }
+void rt_axpy_rows(const float *p, int n, const rt_weight *v, size_t ldv, float *y, int d) {
+    if (v->type == RT_W_F16) kernels()->axpy_h(p, n, v->p, ldv, y, d);
+    else kernels()->axpy(p, n, v->p, ldv, y, d);
+}
 
-void rt_dots(const float *x, size_t ldx, int rows, const float *w, size_t ldw, int out, float *y, size_t ldy, int n) {
-    rt_mm_target t = {{(void *)w, RT_W_F32}, y, out, ldy};
+void rt_dots(const float *x, size_t ldx, int rows, const rt_weight *w, size_t ldw, int out, float *y, size_t ldy,
+             int n) {
+    rt_mm_target t = {*w, y, out, ldy};
     matmul_range(kernels(), x, ldx, rows, n, ldw, &t, 0, out);
 }
 

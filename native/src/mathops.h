@@ -75,11 +75,13 @@ void rt_matmul(rt_threads *t, const float *x, size_t ldx, int rows, int in, cons
 /* The same dot products on the calling thread, any weight-row stride:
  * y[r * ldy + o] = dot(x[r * ldx ..], w[o * ldw ..], n) for r < rows, o < out.
  * (Attention scores: query heads against a block of cached keys.) */
-void rt_dots(const float *x, size_t ldx, int rows, const float *w, size_t ldw, int out, float *y, size_t ldy, int n);
+void rt_dots(const float *x, size_t ldx, int rows, const rt_weight *w, size_t ldw, int out, float *y, size_t ldy,
+             int n);
 /* y[k] += p[t] * v[t * ldv + k] for t = 0, 1, ..., n - 1 in that order, for
- * every k < d (attention: probabilities times a block of cached values). Each
- * y[k] sees the same operations whatever d or the other elements. */
-void rt_axpy_rows(const float *p, int n, const float *v, size_t ldv, float *y, int d);
+ * every k < d (attention: probabilities times a block of cached values; v f32
+ * or f16, widened exactly). Each y[k] sees the same operations whatever d or
+ * the other elements. */
+void rt_axpy_rows(const float *p, int n, const rt_weight *v, size_t ldv, float *y, int d);
 
 /* Name of the kernel set in use ("avx2-fma" or "generic"), for diagnostics. */
 const char *rt_mathops_isa(void);

@@ -37,8 +37,10 @@ typedef struct rt_runtime {
     /* ---- KV pool (kv.c): K and V laid out [layer][block][slot][kv_dim] ---- */
     int n_blocks;
     int max_blocks_per_seq; /* ceil(max_seq_len / RT_PAGE_SIZE) */
-    size_t layer_stride;    /* floats per layer: n_blocks * RT_PAGE_SIZE * kv_dim */
-    float *k_pool, *v_pool;
+    size_t layer_stride;    /* elements per layer: n_blocks * RT_PAGE_SIZE * kv_dim */
+    int kv_type;            /* RT_W_F32 or RT_W_F16: element type of both pools */
+    size_t kv_es;           /* bytes per element */
+    void *k_pool, *v_pool;
     int *ref;        /* owners per block: sequences, trie nodes, pending matches */
     int *free_stack; /* free block ids */
     int n_free;
@@ -74,6 +76,7 @@ typedef struct rt_runtime {
 int rt_kv_init(rt_model *m);
 void rt_kv_free(rt_model *m);
 size_t rt_kv_block_bytes(const rt_model *m); /* K + V of one block, all layers */
+int rt_kv_type(const rt_model *m);           /* RT_W_F32 or RT_W_F16 */
 /* An internal sequence (default / embed scratch), on the live list. NULL with
  * OUT_OF_MEMORY set. */
 rt_seq *rt_seq_new(rt_model *m, bool user);
