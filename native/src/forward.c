@@ -43,6 +43,11 @@ int rt_forward_init(rt_model *m) {
         {(void **)&rt->rope_cos, (size_t)c->max_seq_len * half * sizeof(float)},
         {(void **)&rt->rope_sin, (size_t)c->max_seq_len * half * sizeof(float)},
         {(void **)&rt->final_h, (size_t)rt->max_lanes * c->dim * sizeof(float)},
+        /* activations quantized per 32 for quantized weights: any matmul's input rows */
+        {(void **)&rt->xq, (C > (size_t)rt->max_lanes ? C : (size_t)rt->max_lanes) *
+                               ((c->dim > c->q_dim ? (c->dim > c->ffn_dim ? c->dim : c->ffn_dim)
+                                                   : (c->q_dim > c->ffn_dim ? c->q_dim : c->ffn_dim)) / 32 + 1) *
+                               sizeof(rt_blk_x)},
     };
     for (size_t i = 0; i < sizeof allocs / sizeof allocs[0]; i++) {
         *allocs[i].p = malloc(allocs[i].bytes ? allocs[i].bytes : 1);
@@ -72,6 +77,7 @@ void rt_forward_free(rt_model *m) {
     for (size_t i = 0; i < sizeof fs / sizeof fs[0]; i++) free(fs[i]);
     free(rt->row_lane);
     free(rt->row_pos);
+    free(rt->xq);
 }
 
 /* ---- row-wise ops ---------------------------------------------------------- */
@@ -202,7 +208,7 @@ static void forward_slice(rt_model *m, const rt_lane *lanes, int R) {
             {L->wk, rt->k, kv_dim, (size_t)kv_dim},
             {L->wv, rt->v, kv_dim, (size_t)kv_dim},
         };
-        rt_matmul(rt->threads, rt->xb, (size_t)dim, R, dim, qkv, 3);
+        rt_matmul(rt->threads, rt->xb, (size_t)dim, R, dim, qkv, 3, rt->xq);
 
         char *kl = (char *)rt->k_pool + (size_t)l * rt->layer_stride * rt->kv_es;
         char *vl = (char *)rt->v_pool + (size_t)l * rt->layer_stride * rt->kv_es;
@@ -223,7 +229,7 @@ static void forward_slice(rt_model *m, const rt_lane *lanes, int R) {
         rt_threads_run(rt->threads, attn_task, &aj, nt);
 
         rt_mm_target o = {L->wo, rt->xb, dim, (size_t)dim};
-        rt_matmul(rt->threads, rt->att, (size_t)q_dim, R, q_dim, &o, 1);
+        rt_matmul(rt->threads, rt->att, (size_t)q_dim, R, q_dim, &o, 1, rt->xq);
         for (size_t i = 0; i < (size_t)R * dim; i++) rt->x[i] += rt->xb[i];
 
         for (int r = 0; r < R; r++)
@@ -232,13 +238,13 @@ static void forward_slice(rt_model *m, const rt_lane *lanes, int R) {
             {L->w_gate, rt->hb, ffn, (size_t)ffn},
             {L->w_up, rt->hb2, ffn, (size_t)ffn},
         };
-        rt_matmul(rt->threads, rt->xb, (size_t)dim, R, dim, gu, 2);
+        rt_matmul(rt->threads, rt->xb, (size_t)dim, R, dim, gu, 2, rt->xq);
         for (size_t i = 0; i < (size_t)R * ffn; i++) {
             float g = rt->hb[i];
             rt->hb[i] = (g / (1.0f + expf(-g))) * rt->hb2[i];
         }
         rt_mm_target d = {L->w_down, rt->xb, dim, (size_t)dim};
-        rt_matmul(rt->threads, rt->hb, (size_t)ffn, R, ffn, &d, 1);
+        rt_matmul(rt->threads, rt->hb, (size_t)ffn, R, ffn, &d, 1, rt->xq);
         for (size_t i = 0; i < (size_t)R * dim; i++) rt->x[i] += rt->xb[i];
     }
 }
@@ -283,5 +289,5 @@ void rt_forward(rt_model *m, const rt_lane *lanes, int n_lanes, float *logits, d
         rmsnorm(h, h, m->final_norm, dim, m->cfg.norm_eps);
     }
     rt_mm_target head = {m->lm_head, logits, (int)m->cfg.vocab_size, (size_t)m->cfg.vocab_size};
-    rt_matmul(rt->threads, rt->final_h, (size_t)dim, n_lanes, dim, &head, 1);
+    rt_matmul(rt->threads, rt->final_h, (size_t)dim, n_lanes, dim, &head, 1, rt->xq);
 }

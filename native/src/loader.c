@@ -26,7 +26,7 @@
 #define RT_MAX_PREFILL_CHUNK 4096
 #define IDENTITY_BYTES ((size_t)1 << 20)
 
-enum { DT_F32, DT_F16, DT_BF16 };
+enum { DT_F32, DT_F16, DT_BF16, DT_Q8, DT_Q4 };
 
 typedef struct {
     const char *name;
@@ -35,6 +35,10 @@ typedef struct {
     int64_t shape[4];
     uint64_t n_elems;
     uint64_t offset, length; /* offset relative to the blob */
+    /* base_q8 / base_q4 (CANONICAL_QUANT_SPEC.md): groups along each row */
+    uint32_t group_size;
+    bool symmetric, bf16_scales;
+    uint64_t scale_offset, bias_offset; /* blob-relative, validated like offset */
 } tensor_entry;
 
 typedef struct {
@@ -245,6 +249,64 @@ static int parse_config(const bundle *b, parsed_config *pc) {
 
 /* ---- tensor table ------------------------------------------------------------ */
 
+/* Does [off, off + len) lie inside the blob? Compared by subtraction (no wrap). */
+static bool blob_range_ok(const bundle *b, uint64_t off, uint64_t len) {
+    uint64_t room = b->size > b->blob_start ? b->size - b->blob_start : 0;
+    return off <= room && len <= room - off;
+}
+
+/* The group fields of a base_q8 / base_q4 tensor (CANONICAL_QUANT_SPEC.md):
+ * 2-D, rows split into groups of 32 / 64 / 128, f16 or bf16 scales, the
+ * cpu_avx2 row-major layout (q4: per group, byte j holds value j in its low
+ * nibble and value j + G/2 in its high nibble), a scale region and, unless
+ * symmetric, a bias region. */
+static int parse_quant(const bundle *b, const json_value *t, tensor_entry *out) {
+    const char *name = out->name;
+    bool q4 = out->dtype == DT_Q4;
+    int64_t gs = 0, x;
+    if (!json_int64(json_get(t, "group_size"), &gs) || (gs != 32 && gs != 64 && gs != 128))
+        return bundle_fail(b, BASERT_ERR_UNSUPPORTED, "tensor '%s': group_size must be 32, 64 or 128", name);
+    if (out->ndim != 2 || out->shape[1] % gs != 0 || out->shape[1] == 0)
+        return bundle_fail(b, BASERT_ERR_INVALID_FORMAT,
+                           "tensor '%s': a quantized tensor must be 2-D with rows that split into groups of %lld",
+                           name, (long long)gs);
+    out->group_size = (uint32_t)gs;
+    const char *sd = json_string(json_get(t, "scale_dtype"));
+    if (!sd) sd = "bf16"; /* the spec's default */
+    if (strcmp(sd, "f16") != 0 && strcmp(sd, "bf16") != 0)
+        return bundle_fail(b, BASERT_ERR_UNSUPPORTED, "tensor '%s': scale_dtype '%s' is not supported (f16, bf16)",
+                           name, sd);
+    out->bf16_scales = strcmp(sd, "bf16") == 0;
+    bool sym = false;
+    const json_value *symv = json_get(t, "symmetric");
+    if (symv && symv->type != JSON_NULL && !json_bool(symv, &sym))
+        return bundle_fail(b, BASERT_ERR_INVALID_FORMAT, "tensor '%s': symmetric is not a boolean", name);
+    out->symmetric = sym;
+    const char *layout = json_string(json_get(t, "layout"));
+    const char *want = q4 ? "rowmajor_nibble_halves" : "rowmajor";
+    if (!layout || strcmp(layout, want) != 0)
+        return bundle_fail(b, BASERT_ERR_UNSUPPORTED,
+                           "tensor '%s': layout '%s' is not supported (the reference engine reads '%s')", name,
+                           layout ? layout : "(none)", want);
+    uint64_t packed = q4 ? out->n_elems / 2 : out->n_elems;
+    if (out->length != packed)
+        return bundle_fail(b, BASERT_ERR_INVALID_FORMAT, "tensor '%s': length %llu, expected %llu packed bytes",
+                           name, (unsigned long long)out->length, (unsigned long long)packed);
+    uint64_t region = out->n_elems / (uint64_t)gs * 2;
+    const char *keys[2][2] = {{"scale_offset", "scale_length"}, {"bias_offset", "bias_length"}};
+    uint64_t *offs[2] = {&out->scale_offset, &out->bias_offset};
+    for (int k = 0; k < (sym ? 1 : 2); k++) {
+        int64_t len;
+        if (!json_int64(json_get(t, keys[k][0]), &x) || x < 0 || !json_int64(json_get(t, keys[k][1]), &len) ||
+            (uint64_t)len != region || !blob_range_ok(b, (uint64_t)x, region))
+            return bundle_fail(b, BASERT_ERR_INVALID_FORMAT,
+                               "tensor '%s': %s / %s missing, not %llu bytes, or outside the weights", name,
+                               keys[k][0], keys[k][1], (unsigned long long)region);
+        *offs[k] = (uint64_t)x;
+    }
+    return BASERT_OK;
+}
+
 static int parse_tensor(const bundle *b, const json_value *t, size_t index, tensor_entry *out) {
     memset(out, 0, sizeof *out);
     out->name = json_string(json_get(t, "name"));
@@ -257,9 +319,13 @@ static int parse_tensor(const bundle *b, const json_value *t, size_t index, tens
     if (strcmp(dtype, "f32") == 0) out->dtype = DT_F32, esize = 4;
     else if (strcmp(dtype, "f16") == 0) out->dtype = DT_F16, esize = 2;
     else if (strcmp(dtype, "bf16") == 0) out->dtype = DT_BF16, esize = 2;
+    else if (strcmp(dtype, "base_q8") == 0) out->dtype = DT_Q8, esize = 0;
+    else if (strcmp(dtype, "base_q4") == 0) out->dtype = DT_Q4, esize = 0;
     else
         return bundle_fail(b, BASERT_ERR_UNSUPPORTED,
-                           "tensor '%s' has dtype '%s'; the reference engine reads f32, f16 and bf16", name, dtype);
+                           "tensor '%s' has dtype '%s'; the reference engine reads f32, f16, bf16, base_q8 and "
+                           "base_q4",
+                           name, dtype);
     const json_value *shape = json_get(t, "shape");
     size_t nd = json_count(shape);
     if (!shape || shape->type != JSON_ARRAY || nd < 1 || nd > 4)
@@ -283,10 +349,14 @@ static int parse_tensor(const bundle *b, const json_value *t, size_t index, tens
         return bundle_fail(b, BASERT_ERR_INVALID_FORMAT, "tensor '%s' has no valid length", name);
     out->offset = (uint64_t)off;
     out->length = (uint64_t)len;
-    if (n * esize != out->length)
+    if (esize == 0) {
+        int rc = parse_quant(b, t, out);
+        if (rc) return rc;
+    } else if (n * esize != out->length) {
         return bundle_fail(b, BASERT_ERR_INVALID_FORMAT,
                            "tensor '%s': length %llu does not match its shape (%llu elements of %s)", name,
                            (unsigned long long)out->length, (unsigned long long)n, dtype);
+    }
     /* Compared by subtraction: offset and length may each be near 2^63, so
      * their sum with blob_start could wrap a uint64. */
     uint64_t room = b->size > b->blob_start ? b->size - b->blob_start : 0;
@@ -420,6 +490,19 @@ static float *load_tensor_f32(const bundle *b, const tensor_entry *t) {
  * f32 and bf16 become f32. BASERT_REF_WIDEN_F16=1 widens f16 at load as
  * the engine used to (benchmarks and the bit-identity test compare both). */
 static bool load_matrix(const bundle *b, const tensor_entry *t, bool widen_f16, rt_weight *out, uint64_t *total) {
+    if (t->dtype == DT_Q8 || t->dtype == DT_Q4) {
+        const unsigned char *blob = b->map + b->blob_start;
+        size_t bytes = rt_weight_from_groups(out, t->dtype == DT_Q4, blob + t->offset, blob + t->scale_offset,
+                                             t->symmetric ? NULL : blob + t->bias_offset, t->bf16_scales,
+                                             t->symmetric, (size_t)t->shape[0], (size_t)t->shape[1],
+                                             (int)t->group_size);
+        if (!bytes) {
+            bundle_fail(b, BASERT_ERR_OUT_OF_MEMORY, "out of memory loading tensor '%s'", t->name);
+            return false;
+        }
+        *total += bytes;
+        return true;
+    }
     if (t->dtype == DT_F16 && !widen_f16) {
         size_t bytes = (size_t)t->n_elems * 2;
         uint16_t *h = malloc(bytes ? bytes : 1);

@@ -9,6 +9,7 @@
  * one-shot, cold equivalents. The instruction set (AVX-512, AVX2+FMA or the
  * portable vector path) is chosen once per process. */
 
+#include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -46,11 +47,38 @@ void rt_threads_run(rt_threads *t, rt_task_fn fn, void *ctx, int n_threads);
 /* ---- matmul -------------------------------------------------------------- */
 /* A weight matrix as the loader keeps it: row-major [out][in], f32 or f16
  * (f16 stays f16 in memory and is widened in registers, exactly). */
-enum { RT_W_F32 = 0, RT_W_F16 = 1 };
+enum { RT_W_F32 = 0, RT_W_F16 = 1, RT_W_Q8 = 2, RT_W_Q4 = 3 };
 typedef struct {
     void *p;
     int type; /* RT_W_* */
 } rt_weight;
+
+/* Quantized weights, repacked at load into blocks of 32 values along a row
+ * (a row of `in` values is in / 32 consecutive blocks): value = d * q + m.
+ * q8: q signed; q4: q in 0..15, byte j holding value j (low nibble) and
+ * value j + 16 (high nibble). Symmetric tensors have m = 0. */
+typedef struct {
+    float d, m;
+    int8_t q[32];
+} rt_blk_q8;
+typedef struct {
+    float d, m;
+    uint8_t q[16];
+} rt_blk_q4;
+/* An activation row quantized per block of 32 for the integer dot products:
+ * x ~= d * q, q in [-127, 127]; s = d * sum(q) (the bias term's factor). */
+typedef struct {
+    float d, s;
+    int8_t q[32];
+} rt_blk_x;
+
+/* Repack a base_q8 / base_q4 tensor [rows][cols] (groups of gs values along a
+ * row; f16 or bf16 scales / biases, one per group; symmetric: biases NULL and
+ * value = (u - 2^(bits-1)) * scale) into out. Returns the bytes allocated, 0
+ * when out of memory. */
+size_t rt_weight_from_groups(rt_weight *out, bool q4, const uint8_t *packed, const uint8_t *scales,
+                             const uint8_t *biases, bool bf16_scales, bool symmetric, size_t rows, size_t cols,
+                             int gs);
 
 /* Row `row` of W (`n` elements) widened to f32 into out. */
 void rt_weight_row(const rt_weight *w, size_t row, int n, float *out);
@@ -68,9 +96,11 @@ typedef struct {
 
 /* Multiply `rows` input rows (stride ldx, length in) by every target's weight
  * matrix: one parallel dispatch for all of them (q/k/v, gate/up share one).
- * Threads split output columns, never the reduction. */
+ * Threads split output columns, never the reduction. xq: scratch of
+ * rows * in / 32 blocks, used (x quantized into it once) when a target is
+ * quantized; may be NULL otherwise. */
 void rt_matmul(rt_threads *t, const float *x, size_t ldx, int rows, int in, const rt_mm_target *targets,
-               int n_targets);
+               int n_targets, rt_blk_x *xq);
 
 /* The same dot products on the calling thread, any weight-row stride:
  * y[r * ldy + o] = dot(x[r * ldx ..], w[o * ldw ..], n) for r < rows, o < out.

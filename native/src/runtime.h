@@ -57,6 +57,7 @@ typedef struct rt_runtime {
     float *att_scores;          /* [threads][n_heads / n_kv_heads][max_seq_len] */
     float *rope_cos, *rope_sin; /* [max_seq_len][head_dim / 2] */
     float *final_h;             /* [max_lanes][dim] last hidden row of each lane */
+    rt_blk_x *xq;               /* [chunk][max(dim, q_dim, ffn) / 32] quantized matmul inputs */
 
     /* ---- outputs (batch.c, api_runtime.c) ---- */
     float *logits;        /* [max_lanes][vocab]: forward output, then its f16-rounded values */
