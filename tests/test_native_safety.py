@@ -464,3 +464,36 @@ def test_fuzz_random_abi_call_sequences(lib: Library, raw: Raw, model_path: Path
         f.op()
     f.drain()
     assert (lib.baseRT_ref_counter(b"sequences"), lib.baseRT_ref_counter(b"models")) == live_before
+
+
+def test_stale_stream_and_grammar_handles_are_refused(lib: Library, model: int) -> None:
+    """Decode streams and grammars are table handles too: a freed one stays refused after its slot or
+    address could have been reused, and one whose model was freed reports that model as freed."""
+    old_stream = lib.baseRT_decode_stream_create(model)
+    old_grammar = lib.baseRT_grammar_create_json(model)
+    assert old_stream and old_grammar, error(lib)
+    lib.baseRT_decode_stream_free(old_stream)
+    lib.baseRT_grammar_free(old_grammar)
+    streams = [lib.baseRT_decode_stream_create(model) for _ in range(300)]
+    grammars = [lib.baseRT_grammar_create_json(model) for _ in range(20)]
+    assert old_stream not in streams and old_grammar not in grammars
+    assert lib.baseRT_decode_stream_token(old_stream, 5) is None and "freed" in error(lib)
+    assert lib.baseRT_grammar_bitmask_size(old_grammar) <= 0 and "freed" in error(lib)
+    lib.baseRT_decode_stream_free(old_stream)  # double free: refused, the live streams are untouched
+    lib.baseRT_grammar_free(old_grammar)
+    assert lib.baseRT_decode_stream_token(streams[-1], 5) is not None, error(lib)
+    assert lib.baseRT_grammar_bitmask_size(grammars[-1]) > 0, error(lib)
+    for s in streams:
+        lib.baseRT_decode_stream_free(s)
+    for g in grammars:
+        lib.baseRT_grammar_free(g)
+
+
+def test_stream_outliving_its_model(lib: Library, model_path: Path) -> None:
+    m = load(lib, model_path)
+    stream = lib.baseRT_decode_stream_create(m)
+    lib.baseRT_free_model(m)
+    assert lib.baseRT_decode_stream_token(stream, 5) is None
+    assert "freed" in error(lib)
+    lib.baseRT_decode_stream_free(stream)
+    assert lib.baseRT_get_error_code() == OK

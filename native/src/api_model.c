@@ -11,49 +11,7 @@
 #include <string.h>
 #include <unistd.h>
 
-/* ---- live-handle registry ------------------------------------------------- */
-
-static pthread_mutex_t g_handles_lock = PTHREAD_MUTEX_INITIALIZER;
-static const void **g_handles;
-static size_t g_n_handles, g_cap_handles;
-
-bool rt_handle_register(const void *h) {
-    pthread_mutex_lock(&g_handles_lock);
-    bool ok = true;
-    if (g_n_handles == g_cap_handles) {
-        size_t cap = g_cap_handles ? g_cap_handles * 2 : 16;
-        const void **nh = realloc(g_handles, cap * sizeof *nh);
-        if (nh) {
-            g_handles = nh;
-            g_cap_handles = cap;
-        } else {
-            ok = false;
-        }
-    }
-    if (ok) g_handles[g_n_handles++] = h;
-    pthread_mutex_unlock(&g_handles_lock);
-    return ok;
-}
-
-void rt_handle_unregister(const void *h) {
-    pthread_mutex_lock(&g_handles_lock);
-    for (size_t i = 0; i < g_n_handles; i++) {
-        if (g_handles[i] == h) {
-            g_handles[i] = g_handles[--g_n_handles];
-            break;
-        }
-    }
-    pthread_mutex_unlock(&g_handles_lock);
-}
-
-bool rt_handle_is_live(const void *h) {
-    if (!h) return false;
-    pthread_mutex_lock(&g_handles_lock);
-    bool live = false;
-    for (size_t i = 0; i < g_n_handles && !live; i++) live = g_handles[i] == h;
-    pthread_mutex_unlock(&g_handles_lock);
-    return live;
-}
+/* ---- handles -------------------------------------------------------------------- */
 
 rt_model *rt_model_lookup(baseRT_model_t model) {
     rt_model *m = rt_handle_get(model, RT_KIND_MODEL, NULL);

@@ -4,13 +4,6 @@
 
 #include "internal.h"
 
-/* ---- live-handle registry (api_model.c) ---------------------------------
- * Every model and decode-stream handle is registered while alive, so a check
- * never dereferences a freed or foreign pointer: double frees and
- * use-after-free of a handle are reported as INVALID_ARGUMENT. */
-bool rt_handle_register(const void *h);
-void rt_handle_unregister(const void *h);
-bool rt_handle_is_live(const void *h);
 /* rt_model_check without touching the error state (pure queries). */
 rt_model *rt_model_lookup(baseRT_model_t model);
 

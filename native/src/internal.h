@@ -32,10 +32,11 @@ void rt_clear_error(void);
 BaseRTErrorCode rt_last_error_code(void);
 
 /* ---- handle table (handles.c) ------------------------------------------ */
-/* Model and sequence handles are table entries, not pointers (see handles.c):
+/* Model, sequence, decode-stream and grammar handles are table entries, not
+ * pointers (see handles.c):
  * a lookup never follows caller memory, and a freed handle stays invalid even
  * when its slot or its object's address is reused. */
-enum { RT_KIND_MODEL = 1, RT_KIND_SEQ = 2 };
+enum { RT_KIND_MODEL = 1, RT_KIND_SEQ = 2, RT_KIND_STREAM = 3, RT_KIND_GRAMMAR = 4 };
 enum { RT_HANDLE_OK = 0, RT_HANDLE_STALE = 1, RT_HANDLE_FOREIGN = 2 };
 /* A new handle for obj; NULL when out of memory. */
 void *rt_handle_new(int kind, void *obj);
