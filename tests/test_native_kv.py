@@ -1,11 +1,12 @@
-"""KV cache element width: the exact f32 pool (kv_bits 0) and the f16 pool (kv_bits 16).
+"""KV cache element width: the exact f32 pool (kv_bits 0), f16 (16) and Q8_0 (8).
 
 An f16 pool rounds every stored K and V value to f16 and widens it in registers
-when attention reads it back. The runtime's invariants must hold for it exactly
-as for f32 (batched == unbatched, prefix-seeded == cold, bit for bit), its
-logits must stay close to the f32 pool's, it must take half the bytes, and
-baseRT_kv_bits_effective must say what was allocated (the quantized widths
-8 / 4 / 84 are not implemented by the reference engine and get the f16 pool).
+when attention reads it back; a Q8_0 pool stores blocks of 32 int8 with an f16
+scale and widens a page at a time. The runtime's invariants must hold for them
+exactly as for f32 (batched == unbatched, prefix-seeded == cold, bit for bit),
+their logits must stay close to the f32 pool's, they must take fewer bytes, and
+baseRT_kv_bits_effective must say what was allocated (Q4_0 is not implemented:
+4 and 84 get Q8_0; a head_dim that is not a multiple of 32 gets f16).
 """
 
 from __future__ import annotations
@@ -40,8 +41,16 @@ def kv_bits_effective(lib: Library) -> ctypes._CFuncPtr:
 
 @pytest.fixture(scope="module")
 def path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """head_dim 16: Q8_0 blocks of 32 would straddle heads, so kv_bits 8 falls back to f16."""
     return build_tiny_model(tmp_path_factory.mktemp("kv") / "tiny.base", dim=64, n_heads=4, n_kv_heads=2,
                             ffn_dim=96, tied=False, seed=4)
+
+
+@pytest.fixture(scope="module")
+def path32(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """head_dim 32: takes a Q8_0 pool."""
+    return build_tiny_model(tmp_path_factory.mktemp("kv32") / "tiny.base", dim=128, n_heads=4, n_kv_heads=2,
+                            ffn_dim=96, tied=False, seed=5)
 
 
 def load(lib: Library, path: Path, kv_bits: int) -> int:
@@ -52,9 +61,10 @@ def load(lib: Library, path: Path, kv_bits: int) -> int:
     return int(m)
 
 
-@pytest.fixture
-def f16(lib: Library, path: Path) -> Iterator[int]:
-    m = load(lib, path, 16)
+@pytest.fixture(params=[16, 8], ids=["f16", "q8_0"])
+def f16(request: pytest.FixtureRequest, lib: Library, path: Path, path32: Path) -> Iterator[int]:
+    """A model with a reduced-precision pool: f16 (head_dim 16) or Q8_0 (head_dim 32)."""
+    m = load(lib, path if request.param == 16 else path32, request.param)
     yield m
     lib.baseRT_free_model(m)
 
@@ -75,16 +85,20 @@ def prompt(n: int, seed: int) -> list[int]:
     return [int(t) for t in np.random.default_rng(seed).integers(3, 200, size=n)]
 
 
-def test_kv_bits_effective_is_what_was_allocated(lib: Library, path: Path, kv_bits_effective: ctypes._CFuncPtr) -> None:
-    for asked, got in [(0, 32), (16, 16), (8, 16), (4, 16), (84, 16)]:
-        m = load(lib, path, asked)
+def test_kv_bits_effective_is_what_was_allocated(lib: Library, path: Path, path32: Path,
+                                                 kv_bits_effective: ctypes._CFuncPtr) -> None:
+    cases = [(path, 0, 32), (path, 16, 16), (path, 8, 16), (path, 4, 16), (path, 84, 16),
+             (path32, 0, 32), (path32, 16, 16), (path32, 8, 8), (path32, 4, 8), (path32, 84, 8)]
+    for p, asked, got in cases:
+        m = load(lib, p, asked)
         try:
-            assert kv_bits_effective(m) == got, asked
+            assert kv_bits_effective(m) == got, (p, asked)
             st = BaseRTMemoryStats()
             assert lib.baseRT_model_memory_stats(m, byref(st))
             per_block = st.kv_cache_capacity_bytes // st.kv_cache_blocks_total
-            # 2 layers x (K + V) x 16 tokens x kv_dim 32, at 4 or 2 bytes
-            assert per_block == 2 * 2 * 16 * 32 * (4 if got == 32 else 2)
+            kv_dim = 32 if p == path else 64
+            row = {32: kv_dim * 4, 16: kv_dim * 2, 8: kv_dim // 32 * 34}[got]
+            assert per_block == 2 * 2 * 16 * row  # 2 layers x (K + V) x 16 tokens x one row
         finally:
             lib.baseRT_free_model(m)
     o = BaseRTLoadOptions(struct_size=ctypes.sizeof(BaseRTLoadOptions), paged_kv=1, kv_bits=32)
@@ -131,15 +145,16 @@ def test_f16_pool_prefix_seeded_equals_cold(lib: Library, f16: int) -> None:
         lib.baseRT_sequence_free(s)
 
 
-def test_f16_pool_stays_close_to_f32(lib: Library, path: Path, f16: int) -> None:
-    exact = load(lib, path, 0)
+def test_f16_pool_stays_close_to_f32(lib: Library, path: Path, path32: Path, f16: int,
+                                    kv_bits_effective: ctypes._CFuncPtr) -> None:
+    exact = load(lib, path if kv_bits_effective(f16) == 16 else path32, 0)
     try:
         p = prompt(60, 3)
         a, b = int(lib.baseRT_sequence_create(exact)), int(lib.baseRT_sequence_create(f16))
         ra, rb = step(lib, exact, [a], [p])[0], step(lib, f16, [b], [p])[0]
         ref = ra.astype(np.float64)
         err = np.abs(rb.astype(np.float64) - ref).max() / np.abs(ref).max()
-        assert 0 < err < 2e-2, err  # f16 K/V: different bits, same answer within f16 precision
+        assert 0 < err < 2e-2, err  # f16 / Q8_0 K/V: different bits, the same answer within their precision
         assert int(np.argmax(ra)) == int(np.argmax(rb))
     finally:
         lib.baseRT_free_model(exact)

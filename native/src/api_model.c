@@ -282,7 +282,7 @@ size_t baseRT_device_memory_budget(void) {
 }
 
 int baseRT_suggest_max_context(const char *model_path, int max_batch, int kv_bits, int paged_kv) {
-    /* The pool is f32 at kv_bits 0 (auto) and f16 at any other width. */
+
     rt_bundle_budget bb;
     if (rt_bundle_read_budget("baseRT_suggest_max_context", model_path, &bb) != BASERT_OK) return 0;
     uint64_t budget = baseRT_device_memory_budget();
@@ -292,7 +292,10 @@ int baseRT_suggest_max_context(const char *model_path, int max_batch, int kv_bit
     }
     /* Lanes multiply only on a paged pool; a contiguous cache holds one history. */
     uint64_t lanes = paged_kv && max_batch > 1 ? (uint64_t)max_batch : 1;
-    uint64_t per_token = bb.kv_bytes_per_token * lanes / (kv_bits ? 2 : 1);
+    /* f32 at kv_bits 0, f16 at 16, Q8_0 (34 bytes per 32 values) otherwise */
+    uint64_t per_token = kv_bits == 0    ? bb.kv_bytes_per_token * lanes
+                         : kv_bits == 16 ? bb.kv_bytes_per_token * lanes / 2
+                                         : bb.kv_bytes_per_token * lanes * 34 / 128;
     uint64_t fit = budget > bb.weight_bytes && per_token ? (budget - bb.weight_bytes) / per_token : 0;
     fit = fit / 1024 * 1024;
     if (fit < BASERT_AUTO_CONTEXT_MIN) fit = BASERT_AUTO_CONTEXT_MIN;
@@ -322,6 +325,6 @@ int baseRT_kv_bits_effective(baseRT_model_t model) {
     rt_model *m = rt_model_check(model, "baseRT_kv_bits_effective");
     if (!m) return 0;
     rt_clear_error();
-    /* 32 for the exact f32 pool (kv_bits 0), 16 for an f16 pool (see apply_options). */
+    /* 32 for the exact f32 pool (kv_bits 0), 16 for f16, 8 for Q8_0 (see apply_options). */
     return m->tokenizer_only ? 0 : m->kv_bits;
 }

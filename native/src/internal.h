@@ -78,7 +78,7 @@ typedef struct rt_model {
     int max_batch_size; /* >= 1 */
     int prefix_cache;
     int prefill_chunk; /* tokens per forward chunk, >= 16 */
-    int kv_bits;       /* effective: 32 (f32 pool, kv_bits 0 = auto) or 16 (f16 pool, any other width) */
+    int kv_bits;       /* effective: 32 (f32 pool, kv_bits 0 = auto), 16 (f16) or 8 (Q8_0) */
 
     /* weights (NULL when tokenizer_only) */
     rt_weight tok_embd; /* [vocab][dim] */
@@ -114,6 +114,8 @@ rt_model *rt_model_check(baseRT_model_t model, const char *fn);
  * error and returns its code. */
 int rt_runtime_init(rt_model *m);
 void rt_runtime_free(rt_model *m);
+/* Largest head_dim a Q8_0 KV pool takes (attention widens a page slice on the stack). */
+#define RT_KV_MAX_HEAD_DIM 256
 /* KV page size in tokens (16). */
 #define RT_PAGE_SIZE 16
 

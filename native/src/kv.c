@@ -31,10 +31,16 @@ static void list_push_back(rt_seq *sentinel, rt_seq *s) {
 }
 
 /* The pool's element type from the effective kv_bits (loader: 32 or 16). */
-int rt_kv_type(const rt_model *m) { return m->kv_bits == 16 ? RT_W_F16 : RT_W_F32; }
+int rt_kv_type(const rt_model *m) { return m->kv_bits == 8 ? RT_KV_Q8 : m->kv_bits == 16 ? RT_KV_F16 : RT_KV_F32; }
+
+size_t rt_kv_row_bytes(const rt_model *m) {
+    int t = rt_kv_type(m);
+    if (t == RT_KV_Q8) return (size_t)m->cfg.kv_dim / 32 * RT_KV_Q8_BLOCK;
+    return (size_t)m->cfg.kv_dim * (t == RT_KV_F16 ? 2 : 4);
+}
 
 size_t rt_kv_block_bytes(const rt_model *m) {
-    return 2u * (size_t)m->cfg.n_layers * RT_PAGE_SIZE * m->cfg.kv_dim * rt_weight_elem_size(rt_kv_type(m));
+    return 2u * (size_t)m->cfg.n_layers * RT_PAGE_SIZE * rt_kv_row_bytes(m);
 }
 
 int rt_kv_init(rt_model *m) {
@@ -48,9 +54,9 @@ int rt_kv_init(rt_model *m) {
     int64_t n_blocks = m->paged_kv ? per_seq * ((int64_t)m->max_batch_size + 1) : 2 * per_seq;
     size_t pool_floats = 0, pool_bytes = 0;
     if (n_blocks > INT32_MAX / 2 ||
-        __builtin_mul_overflow((size_t)n_blocks, (size_t)RT_PAGE_SIZE * m->cfg.kv_dim, &rt->layer_stride) ||
-        __builtin_mul_overflow(rt->layer_stride, (size_t)m->cfg.n_layers, &pool_floats) ||
-        __builtin_mul_overflow(pool_floats, 2 * rt_weight_elem_size(rt_kv_type(m)), &pool_bytes)) {
+        __builtin_mul_overflow((size_t)n_blocks, (size_t)RT_PAGE_SIZE * rt_kv_row_bytes(m), &rt->layer_bytes) ||
+        __builtin_mul_overflow(rt->layer_bytes, (size_t)m->cfg.n_layers, &pool_floats) ||
+        __builtin_mul_overflow(pool_floats, (size_t)2, &pool_bytes)) {
         rt_set_error(BASERT_ERR_INVALID_ARGUMENT,
                      "KV pool: a context of %u tokens x %d lanes needs %lld blocks of %d tokens, more than this "
                      "engine can address; lower max_context or max_batch_size",
@@ -61,7 +67,7 @@ int rt_kv_init(rt_model *m) {
     rt->n_blocks = (int)n_blocks;
     /* Untouched pages of these large allocations are never committed. */
     rt->kv_type = rt_kv_type(m);
-    rt->kv_es = rt_weight_elem_size(rt->kv_type);
+    rt->kv_row_bytes = rt_kv_row_bytes(m);
     rt->k_pool = malloc(pool_bytes / 2);
     rt->v_pool = malloc(pool_bytes / 2);
     rt->ref = calloc((size_t)rt->n_blocks, sizeof(int));
@@ -188,10 +194,10 @@ static bool needs_private_copy(const rt_runtime *rt, const rt_seq *s) {
 
 static void copy_block(rt_model *m, int dst, int src) {
     rt_runtime *rt = m->rt;
-    size_t n = (size_t)RT_PAGE_SIZE * m->cfg.kv_dim * rt->kv_es; /* bytes of one block in one layer */
+    size_t n = (size_t)RT_PAGE_SIZE * rt->kv_row_bytes; /* bytes of one block in one layer */
     char *k = rt->k_pool, *v = rt->v_pool;
     for (uint32_t l = 0; l < m->cfg.n_layers; l++) {
-        size_t base = l * rt->layer_stride * rt->kv_es;
+        size_t base = l * rt->layer_bytes;
         memcpy(k + base + (size_t)dst * n, k + base + (size_t)src * n, n);
         memcpy(v + base + (size_t)dst * n, v + base + (size_t)src * n, n);
     }

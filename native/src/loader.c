@@ -779,12 +779,14 @@ static int apply_options(const char *fn, rt_model *m, const BaseRTLoadOptions *o
     m->max_batch_size = batch < m->prefill_chunk ? batch : m->prefill_chunk; /* capped at prefill_chunk */
     /* KV element width: 0 (auto) keeps the reference engine's exact f32 pool
      * (reported as 32 by baseRT_kv_bits_effective: no encoding of the header
-     * names f32, and reporting 16 for it would be false); 16 is an f16 pool.
-     * The quantized widths (8 = Q8_0, 4 = Q4_0, 84) are not implemented here:
-     * they get the f16 pool, and baseRT_kv_bits_effective says 16. */
+     * names f32, and reporting 16 for it would be false); 16 is an f16 pool,
+     * 8 a Q8_0 pool (rt_load falls back to f16 when head_dim % 32 != 0). Q4_0
+     * is not implemented: 4 and 84 get Q8_0 (a paged pool is uniform, as the
+     * header says for 84), and baseRT_kv_bits_effective says so. */
     switch (o->kv_bits) {
     case 0: m->kv_bits = 32; break;
-    case 4: case 8: case 16: case 84: m->kv_bits = 16; break;
+    case 16: m->kv_bits = 16; break;
+    case 4: case 8: case 84: m->kv_bits = 8; break;
     default:
         rt_set_error(BASERT_ERR_INVALID_ARGUMENT, "%s: kv_bits must be 0, 4, 8, 16 or 84, got %d", fn, o->kv_bits);
         return BASERT_ERR_INVALID_ARGUMENT;
@@ -835,6 +837,8 @@ rt_model *rt_load(const char *fn, const char *path, int max_context, const BaseR
     }
     if ((rc = parse_config(&b, &pc))) goto fail;
     m->cfg = pc.cfg;
+    /* Q8_0 KV blocks must not straddle heads, and a widened page slice must fit attention's buffer. */
+    if (m->kv_bits == 8 && (m->cfg.head_dim % 32 != 0 || m->cfg.head_dim > RT_KV_MAX_HEAD_DIM)) m->kv_bits = 16;
     m->trained_context = pc.trained_context;
     if (tokenizer_only) {
         m->cfg.max_seq_len = (uint32_t)pc.trained_context;

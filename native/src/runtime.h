@@ -37,9 +37,9 @@ typedef struct rt_runtime {
     /* ---- KV pool (kv.c): K and V laid out [layer][block][slot][kv_dim] ---- */
     int n_blocks;
     int max_blocks_per_seq; /* ceil(max_seq_len / RT_PAGE_SIZE) */
-    size_t layer_stride;    /* elements per layer: n_blocks * RT_PAGE_SIZE * kv_dim */
-    int kv_type;            /* RT_W_F32 or RT_W_F16: element type of both pools */
-    size_t kv_es;           /* bytes per element */
+    int kv_type;            /* RT_KV_*: element type of both pools */
+    size_t kv_row_bytes;    /* one token's K (or V) row of kv_dim values */
+    size_t layer_bytes;     /* bytes per layer: n_blocks * RT_PAGE_SIZE * kv_row_bytes */
     void *k_pool, *v_pool;
     int *ref;        /* owners per block: sequences, trie nodes, pending matches */
     int *free_stack; /* free block ids */
@@ -77,7 +77,13 @@ typedef struct rt_runtime {
 int rt_kv_init(rt_model *m);
 void rt_kv_free(rt_model *m);
 size_t rt_kv_block_bytes(const rt_model *m); /* K + V of one block, all layers */
-int rt_kv_type(const rt_model *m);           /* RT_W_F32 or RT_W_F16 */
+/* KV element types: f32, f16, or Q8_0 blocks of 32 ({f16 d, int8 q[32]}, 34
+ * bytes, value = d * q) along each token's row -- head slices start on block
+ * boundaries (head_dim % 32 == 0 is required for Q8_0). */
+enum { RT_KV_F32 = 0, RT_KV_F16 = 1, RT_KV_Q8 = 2 };
+#define RT_KV_Q8_BLOCK 34
+int rt_kv_type(const rt_model *m);
+size_t rt_kv_row_bytes(const rt_model *m);
 /* An internal sequence (default / embed scratch), on the live list. NULL with
  * OUT_OF_MEMORY set. */
 rt_seq *rt_seq_new(rt_model *m, bool user);
