@@ -140,7 +140,10 @@ static void quantize_rows(const float *x, size_t ldx, int rows, int n, rt_blk_x 
             float d = amax / 127.0f, id = d > 0.0f ? 1.0f / d : 0.0f;
             int sum = 0;
             for (int i = 0; i < 32; i++) {
-                int q = (int)nearbyintf(v[i] * id);
+                /* Round to nearest even without a libm call: |v * id| <= 127.5, far below 2^22,
+                 * so adding and removing 1.5 * 2^23 leaves exactly nearbyintf's result. */
+                float t = v[i] * id;
+                int q = (int)((t + 12582912.0f) - 12582912.0f);
                 q = q > 127 ? 127 : q < -127 ? -127 : q;
                 b->q[i] = (int8_t)q;
                 sum += q;
@@ -212,36 +215,45 @@ typedef struct {
  * quantized activation rows (stride ldx blocks): y[r * ldy]. Per row: over
  * the blocks in order, acc += (w.d * x.d) * dot(w.q, x.q) (integer dot, exact)
  * and bias += w.m * x.s; then y = sum(acc) + bias. */
-typedef void (*qdot_fn)(const void *w, const rt_blk_x *x, size_t ldx, int RT, int nb, float *y, size_t ldy);
+typedef void (*qdot_fn)(const void *w, size_t wstride, int WR, const rt_blk_x *x, size_t ldx, int RT, int nb,
+                        float *y, size_t ldy);
+/* (WR <= 2 weight rows, wstride bytes apart, into y[r * ldy + j] for weight row j: every (weight row,
+ * activation row) pair runs exactly the sequence above whatever WR and RT.) */
 
-static void qdot_q8_generic(const void *wp, const rt_blk_x *x, size_t ldx, int RT, int nb, float *y, size_t ldy) {
-    const rt_blk_q8 *w = wp;
-    for (int r = 0; r < RT; r++) {
-        float acc = 0.0f, bias = 0.0f;
-        for (int k = 0; k < nb; k++) {
-            const rt_blk_x *xb = x + (size_t)r * ldx + k;
-            int sumi = 0;
-            for (int i = 0; i < 32; i++) sumi += (int)w[k].q[i] * (int)xb->q[i];
-            acc += (w[k].d * xb->d) * (float)sumi;
-            bias += w[k].m * xb->s;
+static void qdot_q8_generic(const void *wp, size_t wstride, int WR, const rt_blk_x *x, size_t ldx, int RT, int nb,
+                            float *y, size_t ldy) {
+    for (int j = 0; j < WR; j++) {
+        const rt_blk_q8 *w = (const rt_blk_q8 *)((const char *)wp + (size_t)j * wstride);
+        for (int r = 0; r < RT; r++) {
+            float acc = 0.0f, bias = 0.0f;
+            for (int k = 0; k < nb; k++) {
+                const rt_blk_x *xb = x + (size_t)r * ldx + k;
+                int sumi = 0;
+                for (int i = 0; i < 32; i++) sumi += (int)w[k].q[i] * (int)xb->q[i];
+                acc += (w[k].d * xb->d) * (float)sumi;
+                bias += w[k].m * xb->s;
+            }
+            y[(size_t)r * ldy + j] = acc + bias;
         }
-        y[(size_t)r * ldy] = acc + bias;
     }
 }
 
-static void qdot_q4_generic(const void *wp, const rt_blk_x *x, size_t ldx, int RT, int nb, float *y, size_t ldy) {
-    const rt_blk_q4 *w = wp;
-    for (int r = 0; r < RT; r++) {
-        float acc = 0.0f, bias = 0.0f;
-        for (int k = 0; k < nb; k++) {
-            const rt_blk_x *xb = x + (size_t)r * ldx + k;
-            int sumi = 0;
-            for (int j = 0; j < 16; j++)
-                sumi += (int)(w[k].q[j] & 0x0F) * (int)xb->q[j] + (int)(w[k].q[j] >> 4) * (int)xb->q[j + 16];
-            acc += (w[k].d * xb->d) * (float)sumi;
-            bias += w[k].m * xb->s;
+static void qdot_q4_generic(const void *wp, size_t wstride, int WR, const rt_blk_x *x, size_t ldx, int RT, int nb,
+                            float *y, size_t ldy) {
+    for (int j = 0; j < WR; j++) {
+        const rt_blk_q4 *w = (const rt_blk_q4 *)((const char *)wp + (size_t)j * wstride);
+        for (int r = 0; r < RT; r++) {
+            float acc = 0.0f, bias = 0.0f;
+            for (int k = 0; k < nb; k++) {
+                const rt_blk_x *xb = x + (size_t)r * ldx + k;
+                int sumi = 0;
+                for (int i = 0; i < 16; i++)
+                    sumi += (int)(w[k].q[i] & 0x0F) * (int)xb->q[i] + (int)(w[k].q[i] >> 4) * (int)xb->q[i + 16];
+                acc += (w[k].d * xb->d) * (float)sumi;
+                bias += w[k].m * xb->s;
+            }
+            y[(size_t)r * ldy + j] = acc + bias;
         }
-        y[(size_t)r * ldy] = acc + bias;
     }
 }
 
@@ -461,48 +473,61 @@ static inline __m256 dot_u8_i8(__m256i w, __m256i x) {
     return _mm256_cvtepi32_ps(_mm256_madd_epi16(p16, _mm256_set1_epi16(1)));
 }
 
-static inline __attribute__((always_inline)) void qdot_avx2_t(const void *wp, const rt_blk_x *x, size_t ldx,
-                                                              int RT, int nb, float *y, size_t ldy, int Q4) {
-    __m256 acc[4];
-    float bias[4];
-    for (int r = 0; r < 4; r++) {
-        acc[r] = _mm256_setzero_ps();
-        bias[r] = 0.0f;
-    }
+static inline __attribute__((always_inline)) void qdot_avx2_t(const void *wp, size_t wstride, const rt_blk_x *x,
+                                                              size_t ldx, int RT, int nb, float *y, size_t ldy,
+                                                              int Q4, int WR) {
+    __m256 acc[2][4];
+    float bias[2][4];
+    for (int j = 0; j < 2; j++)
+        for (int r = 0; r < 4; r++) {
+            acc[j][r] = _mm256_setzero_ps();
+            bias[j][r] = 0.0f;
+        }
     const __m256i low4 = _mm256_set1_epi8(0x0F);
     for (int k = 0; k < nb; k++) {
-        __m256i wq;
-        float wd, wm;
-        if (Q4) {
-            const rt_blk_q4 *w = (const rt_blk_q4 *)wp + k;
-            __m128i b = _mm_loadu_si128((const __m128i *)w->q);
-            wq = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(b, 4), b), low4);
-            wd = w->d;
-            wm = w->m;
-        } else {
-            const rt_blk_q8 *w = (const rt_blk_q8 *)wp + k;
-            wq = _mm256_loadu_si256((const __m256i *)w->q);
-            wd = w->d;
-            wm = w->m;
+        __m256i wq[2], wabs[2];
+        float wd[2], wm[2];
+        for (int j = 0; j < WR; j++) {
+            const char *row = (const char *)wp + (size_t)j * wstride;
+            if (Q4) {
+                const rt_blk_q4 *w = (const rt_blk_q4 *)row + k;
+                __m128i b = _mm_loadu_si128((const __m128i *)w->q);
+                wq[j] = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(b, 4), b), low4);
+                wd[j] = w->d;
+                wm[j] = w->m;
+            } else {
+                const rt_blk_q8 *w = (const rt_blk_q8 *)row + k;
+                wq[j] = _mm256_loadu_si256((const __m256i *)w->q);
+                wabs[j] = _mm256_sign_epi8(wq[j], wq[j]);
+                wd[j] = w->d;
+                wm[j] = w->m;
+            }
         }
         for (int r = 0; r < RT; r++) {
             const rt_blk_x *xb = x + (size_t)r * ldx + k;
             __m256i xq = _mm256_loadu_si256((const __m256i *)xb->q);
-            __m256 dot = Q4 ? dot_u8_i8(wq, xq) /* nibbles are unsigned */
-                            : dot_u8_i8(_mm256_sign_epi8(wq, wq), _mm256_sign_epi8(xq, wq));
-            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(wd * xb->d), dot, acc[r]);
-            bias[r] += wm * xb->s;
+            for (int j = 0; j < WR; j++) {
+                __m256 dot = Q4 ? dot_u8_i8(wq[j], xq) /* nibbles are unsigned */
+                                : dot_u8_i8(wabs[j], _mm256_sign_epi8(xq, wq[j]));
+                acc[j][r] = _mm256_fmadd_ps(_mm256_set1_ps(wd[j] * xb->d), dot, acc[j][r]);
+                bias[j][r] += wm[j] * xb->s;
+            }
         }
     }
-    for (int r = 0; r < RT; r++) y[(size_t)r * ldy] = hsum_avx(acc[r]) + bias[r];
+    for (int j = 0; j < WR; j++)
+        for (int r = 0; r < RT; r++) y[(size_t)r * ldy + j] = hsum_avx(acc[j][r]) + bias[j][r];
     LEAVE_AVX();
 }
 
-static void qdot_q8_avx2(const void *w, const rt_blk_x *x, size_t ldx, int RT, int nb, float *y, size_t ldy) {
-    qdot_avx2_t(w, x, ldx, RT, nb, y, ldy, 0);
+static void qdot_q8_avx2(const void *w, size_t ws, int WR, const rt_blk_x *x, size_t ldx, int RT, int nb, float *y,
+                         size_t ldy) {
+    if (WR == 2) qdot_avx2_t(w, ws, x, ldx, RT, nb, y, ldy, 0, 2);
+    else qdot_avx2_t(w, ws, x, ldx, RT, nb, y, ldy, 0, 1);
 }
-static void qdot_q4_avx2(const void *w, const rt_blk_x *x, size_t ldx, int RT, int nb, float *y, size_t ldy) {
-    qdot_avx2_t(w, x, ldx, RT, nb, y, ldy, 1);
+static void qdot_q4_avx2(const void *w, size_t ws, int WR, const rt_blk_x *x, size_t ldx, int RT, int nb, float *y,
+                         size_t ldy) {
+    if (WR == 2) qdot_avx2_t(w, ws, x, ldx, RT, nb, y, ldy, 1, 2);
+    else qdot_avx2_t(w, ws, x, ldx, RT, nb, y, ldy, 1, 1);
 }
 
 #pragma GCC pop_options
@@ -635,10 +660,11 @@ static void matmul_range_q(const kernel_set *ks, const rt_blk_x *xq, int rows, i
     size_t bs = t->w.type == RT_W_Q4 ? sizeof(rt_blk_q4) : sizeof(rt_blk_q8);
     for (int rb = 0; rb < rows; rb += ROW_BLOCK) {
         int rn = rows - rb < ROW_BLOCK ? rows - rb : ROW_BLOCK;
-        for (int o = o0; o < o1; o++) {
+        for (int o = o0; o < o1; o += 2) {
+            int wr = o1 - o >= 2 ? 2 : 1; /* two weight rows share each activation block load */
             const void *w = (const char *)t->w.p + (size_t)o * nb * bs;
             for (int r = 0; r < rn; r += 4)
-                f(w, xq + (size_t)(rb + r) * nb, (size_t)nb, rn - r < 4 ? rn - r : 4, nb,
+                f(w, (size_t)nb * bs, wr, xq + (size_t)(rb + r) * nb, (size_t)nb, rn - r < 4 ? rn - r : 4, nb,
                   t->y + (size_t)(rb + r) * t->ldy + o, t->ldy);
         }
     }
