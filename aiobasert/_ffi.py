@@ -24,6 +24,7 @@ from ctypes import (
     c_float,
     c_int,
     c_int32,
+    c_long,
     c_size_t,
     c_uint,
     c_uint32,
@@ -252,6 +253,9 @@ _SIGNATURES: dict[str, tuple[Any, list[Any], bool]] = {
     "baseRT_grammar_is_completed": (c_int, [c_void_p], False),
     # reference-engine extra (not in the real engine): fault injection for tests
     "baseRT_ref_inject_fault": (c_int, [c_int, c_int], False),
+    # reference-engine extras for tests: KV pool consistency check, process-wide counters
+    "baseRT_ref_check_kv": (c_int, [c_void_p], False),
+    "baseRT_ref_counter": (c_long, [c_char_p], False),
 }
 
 # Functions that never touch a model handle's state (pure queries, error state).

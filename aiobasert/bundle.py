@@ -39,6 +39,7 @@ __all__ = [
     "BundleError",
     "BundleWriter",
     "Progress",
+    "QuantizedTensor",
     "TensorEntry",
     "TensorInfo",
     "bf16_to_f32",
@@ -61,6 +62,14 @@ DType = Literal["f32", "f16", "bf16"]
 Region = Literal["accelerator", "gpu", "cpu"]
 
 _ITEMSIZE: Final[dict[str, int]] = {"f32": 4, "f16": 2, "bf16": 2}
+# Group-wise quantized dtypes (CANONICAL_QUANT_SPEC.md): bits per value. Their
+# tensors carry scale (and, asymmetric, bias) regions beside the packed values.
+_QUANT_BITS: Final[dict[str, int]] = {"base_q8": 8, "base_q4": 4}
+#: Packing of each quantized dtype this module writes and reads (target_backend cpu_avx2):
+#: row-major; q8 one byte per value; q4 per group of G values G/2 bytes, byte j holding value j
+#: in its low nibble and value j + G/2 in its high nibble (GGML's Q4_1 order).
+QUANT_LAYOUT: Final[dict[str, str]] = {"base_q8": "rowmajor", "base_q4": "rowmajor_nibble_halves"}
+_QUANT_REGION_ALIGN: Final = 64
 # Storage dtype of each bundle dtype (bf16 has no numpy dtype: raw uint16 bits).
 _STORAGE: Final[dict[str, np.dtype[Any]]] = {
     "f32": np.dtype("<f4"),
@@ -88,7 +97,13 @@ class BundleError(ValueError):
 
 
 class TensorInfo(msgspec.Struct, frozen=True):
-    """One entry of the header's `tensors` list (unknown extra fields are ignored)."""
+    """One entry of the header's `tensors` list (unknown extra fields are ignored).
+
+    Quantized tensors (`base_q8`, `base_q4`) add the spec's group fields: `offset`
+    / `length` then locate the packed values, `scale_offset` / `scale_length` the
+    f16 or bf16 scales (one per group, row-major), and asymmetric ones
+    `bias_offset` / `bias_length` (value = q * scale + bias; symmetric: value =
+    (q - 2^(bits-1)) * scale). The fields are absent (None) for f32/f16/bf16."""
 
     name: str
     dtype: str
@@ -96,6 +111,14 @@ class TensorInfo(msgspec.Struct, frozen=True):
     offset: int
     length: int
     compute_region: str = "gpu"
+    group_size: int | None = None
+    scale_dtype: str | None = None
+    symmetric: bool | None = None
+    layout: str | None = None
+    scale_offset: int | None = None
+    scale_length: int | None = None
+    bias_offset: int | None = None
+    bias_length: int | None = None
 
     @property
     def numel(self) -> int:
@@ -176,12 +199,40 @@ def _dtype_of(array: np.ndarray[Any, Any]) -> str:
 
 
 class TensorEntry(msgspec.Struct, frozen=True):
-    """What the writer needs to lay a tensor out before seeing its data."""
+    """What the writer needs to lay a tensor out before seeing its data
+    (quantized dtypes: also the group size and whether it is symmetric)."""
 
     name: str
     shape: tuple[int, ...]
     dtype: str
     compute_region: str = "gpu"
+    group_size: int = 32
+    symmetric: bool = False
+
+
+class QuantizedTensor(msgspec.Struct, frozen=True):
+    """The data of a `base_q8` / `base_q4` tensor for :meth:`BundleWriter.write`.
+
+    `packed`: uint8, the values packed as :data:`QUANT_LAYOUT` says; `scales` and
+    `biases` (None when symmetric): float16, one per group, row-major."""
+
+    packed: npt.NDArray[np.uint8]
+    scales: npt.NDArray[np.float16]
+    biases: npt.NDArray[np.float16] | None = None
+
+
+def _quant_lengths(dtype: str, shape: tuple[int, ...], group_size: int) -> tuple[int, int]:
+    """(packed bytes, groups) of a quantized tensor; ValueError when the shape does not split into groups."""
+    if len(shape) != 2 or shape[1] % group_size or group_size not in (32, 64, 128):
+        raise ValueError(f"a {dtype} tensor needs a 2-D shape whose rows split into groups of 32, 64 or 128 "
+                         f"(shape {list(shape)}, group_size {group_size})")
+    n = math.prod(shape)
+    return n * _QUANT_BITS[dtype] // 8, n // group_size
+
+
+def _info_dict(info: TensorInfo) -> dict[str, Any]:
+    """A header entry: the quantization fields appear only on quantized tensors."""
+    return {k: v for k, v in msgspec.structs.asdict(info).items() if v is not None}
 
 
 def _layout(entries: Sequence[TensorEntry], alignment: Mapping[str, Any]) -> list[TensorInfo]:
@@ -192,11 +243,25 @@ def _layout(entries: Sequence[TensorEntry], alignment: Mapping[str, Any]) -> lis
         if entry.name in seen:
             raise ValueError(f"duplicate tensor name {entry.name!r}")
         seen.add(entry.name)
-        if entry.dtype not in _ITEMSIZE:
+        if entry.dtype not in _ITEMSIZE and entry.dtype not in _QUANT_BITS:
             raise ValueError(f"tensor {entry.name!r}: unsupported dtype {entry.dtype!r}")
         if any(dim < 0 for dim in entry.shape):
             raise ValueError(f"tensor {entry.name!r}: negative dimension in shape {entry.shape}")
         offset = _align_up(cursor, _region_alignment(alignment, entry.compute_region))
+        if entry.dtype in _QUANT_BITS:
+            try:
+                length, groups = _quant_lengths(entry.dtype, entry.shape, entry.group_size)
+            except ValueError as exc:
+                raise ValueError(f"tensor {entry.name!r}: {exc}") from None
+            scale_offset = _align_up(offset + length, _QUANT_REGION_ALIGN)
+            bias_offset = None if entry.symmetric else _align_up(scale_offset + 2 * groups, _QUANT_REGION_ALIGN)
+            infos.append(TensorInfo(
+                entry.name, entry.dtype, tuple(entry.shape), offset, length, entry.compute_region,
+                group_size=entry.group_size, scale_dtype="f16", symmetric=entry.symmetric,
+                layout=QUANT_LAYOUT[entry.dtype], scale_offset=scale_offset, scale_length=2 * groups,
+                bias_offset=bias_offset, bias_length=None if bias_offset is None else 2 * groups))
+            cursor = (scale_offset if bias_offset is None else bias_offset) + 2 * groups
+            continue
         length = math.prod(entry.shape) * _ITEMSIZE[entry.dtype]
         infos.append(TensorInfo(entry.name, entry.dtype, tuple(entry.shape), offset, length, entry.compute_region))
         cursor = offset + length
@@ -224,13 +289,13 @@ class BundleWriter:
         full_header = dict(header)
         full_header.setdefault("alignment", dict(DEFAULT_ALIGNMENT))
         self.infos = _layout(entries, full_header["alignment"])
-        full_header["tensors"] = [msgspec.structs.asdict(info) for info in self.infos]
+        full_header["tensors"] = [_info_dict(info) for info in self.infos]
         self.header = full_header
         header_bytes = canonical_json(full_header)
         self._blob_start = _align_up(_PREFIX.size + len(header_bytes), BLOB_ALIGNMENT)
         self._next = 0
         self._written = 0
-        self._total = sum(info.length for info in self.infos)
+        self._total = sum(info.length + (info.scale_length or 0) + (info.bias_length or 0) for info in self.infos)
         self._progress = progress
 
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -251,13 +316,19 @@ class BundleWriter:
             raise AssertionError("bundle layout went backwards")
         self._file.write(bytes(gap))
 
-    def write(self, name: str, array: npt.ArrayLike) -> None:
-        """Write the next tensor; `name`, shape and dtype must match its layout entry."""
+    def write(self, name: str, array: npt.ArrayLike | QuantizedTensor) -> None:
+        """Write the next tensor; `name`, shape and dtype must match its layout entry
+        (a `base_q8` / `base_q4` entry takes a :class:`QuantizedTensor`)."""
         if self._next >= len(self.infos):
             raise ValueError(f"tensor {name!r}: every laid-out tensor was already written")
         info = self.infos[self._next]
         if name != info.name:
             raise ValueError(f"tensor {name!r} written out of order: expected {info.name!r}")
+        if info.dtype in _QUANT_BITS:
+            self._write_quantized(info, array)
+            return
+        if isinstance(array, QuantizedTensor):
+            raise ValueError(f"tensor {name!r}: a {info.dtype} tensor is written as an array, not a QuantizedTensor")
         data = np.asarray(array)
         storage = _STORAGE[info.dtype]
         if data.dtype.kind != storage.kind or data.dtype.itemsize != storage.itemsize:
@@ -271,6 +342,33 @@ class BundleWriter:
             self._file.write(flat[start : start + _COPY_CHUNK].data)
         self._next += 1
         self._written += info.length
+        if self._progress is not None:
+            self._progress(self._written, self._total)
+
+    def _write_quantized(self, info: TensorInfo, data: object) -> None:
+        if not isinstance(data, QuantizedTensor):
+            raise ValueError(f"tensor {info.name!r}: a {info.dtype} tensor is written as a QuantizedTensor")
+        groups = (info.scale_length or 0) // 2
+        parts: list[tuple[int | None, npt.NDArray[Any] | None, int, str]] = [
+            (info.offset, data.packed, info.length, "packed"),
+            (info.scale_offset, data.scales, 2 * groups, "scales"),
+            (info.bias_offset, data.biases, 2 * groups if info.bias_offset is not None else 0, "biases"),
+        ]
+        for offset, part, length, what in parts:
+            if offset is None:
+                if part is not None:
+                    raise ValueError(f"tensor {info.name!r}: a symmetric tensor has no biases")
+                continue
+            if part is None:
+                raise ValueError(f"tensor {info.name!r}: {what} missing")
+            want = np.uint8 if what == "packed" else np.float16
+            flat = np.ascontiguousarray(part, dtype=np.dtype(want).newbyteorder("<")).reshape(-1).view(np.uint8)
+            if np.asarray(part).dtype != want or flat.size != length:
+                raise ValueError(f"tensor {info.name!r}: {what} must be {length} bytes of {np.dtype(want)}")
+            self._pad_to(self._blob_start + offset)
+            self._file.write(flat.data)
+        self._next += 1
+        self._written += info.length + 4 * groups
         if self._progress is not None:
             self._progress(self._written, self._total)
 
@@ -358,16 +456,49 @@ class Bundle:
         return self._map
 
     def raw(self, name: str) -> npt.NDArray[Any]:
-        """The stored data, read-only: float32, float16, or uint16 bits for bf16."""
+        """The stored data, read-only: float32, float16, or uint16 bits for bf16 (a quantized
+        tensor's packed bytes, uint8)."""
         info = self.tensors.get(name)
         if info is None:
             raise KeyError(f"{self.path}: no tensor named {name!r}")
         start = self.blob_start + info.offset
         data = np.asarray(self._memmap()[start : start + info.length])
+        if info.dtype in _QUANT_BITS:
+            return data
         return data.view(_STORAGE[info.dtype]).reshape(info.shape)
 
+    def _region_f32(self, offset: int, length: int, scale_dtype: str) -> npt.NDArray[np.float32]:
+        start = self.blob_start + offset
+        raw = np.asarray(self._memmap()[start : start + length])
+        if scale_dtype == "bf16":
+            return bf16_to_f32(raw.view("<u2"))
+        return raw.view("<f2").astype(np.float32)
+
+    def _dequantize(self, info: TensorInfo) -> npt.NDArray[np.float32]:
+        out_dim, in_dim = info.shape
+        gs = info.group_size or 32
+        packed = self.raw(info.name).reshape(out_dim, in_dim // gs, -1)
+        if info.dtype == "base_q8":
+            q = packed.astype(np.float32)
+        else:  # low nibbles are the group's first half, high nibbles its second half
+            q = np.concatenate([packed & 0x0F, packed >> 4], axis=2).astype(np.float32)
+        scales = self._region_f32(info.scale_offset or 0, info.scale_length or 0, info.scale_dtype or "f16")
+        scales = scales.reshape(out_dim, in_dim // gs, 1)
+        if info.symmetric:
+            values = (q - float(1 << (_QUANT_BITS[info.dtype] - 1))) * scales
+        else:
+            biases = self._region_f32(info.bias_offset or 0, info.bias_length or 0, info.scale_dtype or "f16")
+            values = q * scales + biases.reshape(out_dim, in_dim // gs, 1)
+        return values.reshape(out_dim, in_dim).astype(np.float32)
+
     def tensor(self, name: str) -> npt.NDArray[np.float32]:
-        """The tensor as read-only float32 (a zero-copy view when stored as f32)."""
+        """The tensor as read-only float32 (a zero-copy view when stored as f32; quantized
+        tensors dequantized in f32: q * scale + bias, or (q - 2^(bits-1)) * scale)."""
+        info = self.tensors.get(name)
+        if info is not None and info.dtype in _QUANT_BITS:
+            out = self._dequantize(info)
+            out.flags.writeable = False
+            return out
         data = self.raw(name)
         dtype = self.tensors[name].dtype
         if dtype == "f32":
@@ -387,6 +518,26 @@ class Bundle:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         self.close()
+
+
+def _check_quantized(path: Path, info: TensorInfo, blob_size: int) -> None:
+    where = f"tensor {info.name!r}"
+    try:
+        length, groups = _quant_lengths(info.dtype, info.shape, info.group_size or 0)
+    except ValueError as exc:
+        raise BundleError(path, f"{where}: {exc}") from None
+    if info.layout != QUANT_LAYOUT[info.dtype]:
+        raise BundleError(path, f"{where}: layout {info.layout!r} is not supported ({QUANT_LAYOUT[info.dtype]!r})")
+    if info.scale_dtype not in ("f16", "bf16"):
+        raise BundleError(path, f"{where}: scale_dtype {info.scale_dtype!r} is not supported (f16, bf16)")
+    if info.length != length:
+        raise BundleError(path, f"{where}: length {info.length} != {length} packed bytes")
+    regions = [("scale", info.scale_offset, info.scale_length)]
+    if not info.symmetric:
+        regions.append(("bias", info.bias_offset, info.bias_length))
+    for what, offset, size in regions:
+        if offset is None or size != 2 * groups or offset < 0 or offset + size > blob_size:
+            raise BundleError(path, f"{where}: the {what} region is missing, of the wrong size or outside the blob")
 
 
 def read_bundle(path: str | os.PathLike[str]) -> Bundle:
@@ -430,11 +581,13 @@ def read_bundle(path: str | os.PathLike[str]) -> Bundle:
         where = f"tensor {info.name!r}"
         if info.name in infos:
             raise BundleError(path, f"duplicate {where}")
-        if info.dtype not in _ITEMSIZE:
+        if info.dtype not in _ITEMSIZE and info.dtype not in _QUANT_BITS:
             raise BundleError(path, f"{where}: unsupported dtype {info.dtype!r}")
         if any(dim < 0 for dim in info.shape):
             raise BundleError(path, f"{where}: negative dimension in shape {list(info.shape)}")
-        if info.length != info.numel * _ITEMSIZE[info.dtype]:
+        if info.dtype in _QUANT_BITS:
+            _check_quantized(path, info, blob_size)
+        elif info.length != info.numel * _ITEMSIZE[info.dtype]:
             raise BundleError(
                 path, f"{where}: length {info.length} != {info.numel} x {_ITEMSIZE[info.dtype]} bytes ({info.dtype})"
             )

@@ -5,7 +5,13 @@ f16 (or f32); norms stay f32. q/k projection rows keep the GGUF order, which
 llama.cpp permuted at HF->GGUF conversion time so that RoPE rotates adjacent
 pairs, exactly what docs/BUNDLE.md's forward does.
 
-Usage: ``python -m aiobasert.convert SRC.gguf OUT.base [--dtype f16|f32]``
+With ``--dtype q8`` / ``q4`` the matrices are stored group-wise quantized
+(`base_q8` symmetric / `base_q4` asymmetric, groups of 32, f16 scales, the
+cpu_avx2 row-major packing of aiobasert.bundle): a GGUF Q8_0 or Q4_1 tensor is
+carried over block for block (no added error), anything else is quantized from
+its f32 values. See the quantized-output section below.
+
+Usage: ``python -m aiobasert.convert SRC.gguf OUT.base [--dtype f16|f32|q8|q4]``
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ import numpy.typing as npt
 from tqdm import tqdm  # type: ignore[import-untyped,unused-ignore]  # no stubs in tqdm itself
 
 from ._progress import ticking
-from .bundle import BundleWriter, Progress, TensorEntry, llama_header
+from .bundle import BundleWriter, Progress, QuantizedTensor, TensorEntry, llama_header
 
 __all__ = ["ConversionError", "convert_gguf", "main"]
 
@@ -311,7 +317,7 @@ def convert_gguf(
     src: str | Path,
     dst: str | Path,
     *,
-    dtype: Literal["f16", "f32"] = "f16",
+    dtype: Literal["f16", "f32", "q8", "q4"] = "f16",
     progress: bool | Progress = True,
 ) -> Path:
     """Convert the llama GGUF `src` into the bundle `dst` (written atomically); returns `dst`.
@@ -320,8 +326,8 @@ def convert_gguf(
     called with (bytes written, bytes total) after each tensor.
     """
     src, dst = Path(src), Path(dst)
-    if dtype not in ("f16", "f32"):
-        raise ValueError(f"dtype must be 'f16' or 'f32', got {dtype!r}")
+    if dtype not in ("f16", "f32", "q8", "q4"):
+        raise ValueError(f"dtype must be 'f16', 'f32', 'q8' or 'q4', got {dtype!r}")
 
     def fail(reason: str) -> ConversionError:
         return ConversionError(f"{src}: {reason}")
@@ -376,7 +382,10 @@ def convert_gguf(
             entries.append(TensorEntry(name, shape, "f32", "gpu"))
         else:
             region = "gpu" if name in ("embed_tokens.weight", "lm_head.weight") else "accelerator"
-            entries.append(TensorEntry(name, shape, dtype, region))
+            if dtype in ("q8", "q4"):
+                entries.append(_quantized_entry(name, shape, region, dtype, sources[name]))
+            else:
+                entries.append(TensorEntry(name, shape, dtype, region))
 
     bos, eos = meta.get("tokenizer.ggml.bos_token_id"), meta.get("tokenizer.ggml.eos_token_id")
     if not isinstance(bos, int) or not isinstance(eos, int):
@@ -387,7 +396,7 @@ def convert_gguf(
     tokenizer = {"tokenizer_type": "gguf"} | {k: v for k, v in meta.items() if k.startswith("tokenizer.")}
     chat_template = meta.get("tokenizer.chat_template")
     header = llama_header(
-        dtype=dtype,
+        dtype=_QUANT_DTYPE.get(dtype, dtype),
         source={"format": "gguf", "sha256": _sha256(src), "filename": src.name},
         config={
             "hidden_size": cfg.dim,
@@ -408,6 +417,8 @@ def convert_gguf(
         tokenizer=tokenizer,
         metadata={} if chat_template is None else {"tokenizer.chat_template": chat_template},
     )
+    if dtype in ("q8", "q4"):
+        header["target_backend"] = "cpu_avx2"
 
     close_bar: Callable[[], None] | None = None
     callback: Progress | None
@@ -419,7 +430,10 @@ def convert_gguf(
     try:
         with BundleWriter(dst, header, entries, progress=callback) as writer:
             for entry in entries:
-                writer.write(entry.name, _dequantize(sources[entry.name], entry, fail))
+                if entry.dtype in _QUANT_DTYPE.values():
+                    writer.write(entry.name, _quantize(sources[entry.name], entry, fail))
+                else:
+                    writer.write(entry.name, _dequantize(sources[entry.name], entry, fail))
     finally:
         if close_bar is not None:
             close_bar()
@@ -442,11 +456,80 @@ def _dequantize(
     return out
 
 
+# ---- quantized output (--dtype q8 | q4) ---------------------------------------------------------
+# CANONICAL_QUANT_SPEC.md's base_q8 / base_q4 with group_size 32 and f16 scales, the packing
+# aiobasert.bundle.QUANT_LAYOUT names. GGUF Q8_0 (32 int8 + f16 scale) is base_q8 symmetric and
+# Q4_1 (32 nibbles + f16 scale + f16 min) is base_q4 asymmetric block for block: such tensors are
+# copied, not requantized. A Q8_0 tensor stays base_q8 in a q4 bundle (never lower its precision).
+# Other tensors are quantized asymmetric (the spec's default): for a Q4_1 source the 255-step q8
+# grid holds every one of its 16 levels (255 = 15 x 17), so q8 adds almost no error on top.
+
+_QUANT_DTYPE: Final = {"q8": "base_q8", "q4": "base_q4"}
+_QUANT_GROUP: Final = 32
+
+
+def _quantized_entry(name: str, shape: tuple[int, ...], region: str, dtype: str,
+                     tensor: gguf.ReaderTensor) -> TensorEntry:
+    target = _QUANT_DTYPE[dtype]
+    symmetric = tensor.tensor_type == gguf.GGMLQuantizationType.Q8_0
+    if symmetric:
+        target = "base_q8"
+    return TensorEntry(name, shape, target, region, group_size=_QUANT_GROUP, symmetric=symmetric)
+
+
+def _quantize(tensor: gguf.ReaderTensor, entry: TensorEntry, fail: Callable[[str], ConversionError]) -> QuantizedTensor:
+    out_dim, in_dim = entry.shape
+    groups = in_dim // _QUANT_GROUP
+    kind = tensor.tensor_type
+    if entry.dtype == "base_q8" and entry.symmetric and kind == gguf.GGMLQuantizationType.Q8_0:
+        blocks = np.asarray(tensor.data, dtype=np.uint8).reshape(out_dim, groups, 34)
+        scales = blocks[:, :, :2].copy().view("<f2").reshape(out_dim, groups)
+        q = blocks[:, :, 2:].view(np.int8).astype(np.int16) + 128  # stored q - 128 = the GGUF int8
+        return QuantizedTensor(q.astype(np.uint8).reshape(-1), scales.astype(np.float16).reshape(-1))
+    if entry.dtype == "base_q4" and kind == gguf.GGMLQuantizationType.Q4_1:
+        blocks = np.asarray(tensor.data, dtype=np.uint8).reshape(out_dim, groups, 20)
+        scales4 = blocks[:, :, 0:2].copy().view("<f2").reshape(-1)
+        biases4 = blocks[:, :, 2:4].copy().view("<f2").reshape(-1)
+        return QuantizedTensor(blocks[:, :, 4:].copy().reshape(-1), scales4.astype(np.float16),
+                               biases4.astype(np.float16))
+    values = _dequantize(tensor, TensorEntry(entry.name, entry.shape, "f32"), fail)
+    return quantize_groups(values, entry.dtype, symmetric=entry.symmetric)
+
+
+def quantize_groups(values: npt.NDArray[np.float32], dtype: str, *, symmetric: bool = False,
+                    group_size: int = _QUANT_GROUP) -> QuantizedTensor:
+    """Round-to-nearest group quantization of a [out, in] f32 matrix: symmetric base_q8 as GGML's Q8_0
+    (scale = amax / 127, stored q + 128), asymmetric as GGML's Q4_1 (scale = (max - min) / (2^bits - 1),
+    bias = min). The f16-rounded scale and bias are the ones the values are quantized against."""
+    if symmetric and dtype != "base_q8":
+        raise ValueError("symmetric quantization is implemented for base_q8 only")
+    out_dim, in_dim = values.shape
+    g = np.asarray(values, dtype=np.float32).reshape(out_dim, in_dim // group_size, group_size)
+    if symmetric:
+        scale = (np.abs(g).max(axis=2) / 127.0).astype(np.float16)
+        s = scale.astype(np.float32)[:, :, None]
+        q = np.where(s > 0, np.rint(g / np.where(s > 0, s, 1.0)), 0.0)
+        packed = (np.clip(q, -127, 127) + 128).astype(np.uint8)
+        return QuantizedTensor(packed.reshape(-1), scale.reshape(-1))
+    top = 255 if dtype == "base_q8" else 15
+    lo, hi = g.min(axis=2), g.max(axis=2)
+    scale = ((hi - lo) / top).astype(np.float16)
+    bias = lo.astype(np.float16)
+    s, b = scale.astype(np.float32)[:, :, None], bias.astype(np.float32)[:, :, None]
+    q = np.clip(np.where(s > 0, np.rint((g - b) / np.where(s > 0, s, 1.0)), 0.0), 0, top).astype(np.uint8)
+    if dtype == "base_q8":
+        return QuantizedTensor(q.reshape(-1), scale.reshape(-1), bias.reshape(-1))
+    half = group_size // 2
+    packed = q[:, :, :half] | (q[:, :, half:] << 4)
+    return QuantizedTensor(packed.reshape(-1), scale.reshape(-1), bias.reshape(-1))
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The converter's options, shared by ``python -m aiobasert.convert`` and ``aiobasert convert``."""
     parser.add_argument("src", type=Path, help="input .gguf file")
     parser.add_argument("dst", type=Path, help="output .base file")
-    parser.add_argument("--dtype", choices=("f16", "f32"), default="f16", help="storage type of the matrices")
+    parser.add_argument("--dtype", choices=("f16", "f32", "q8", "q4"), default="f16",
+                        help="storage type of the matrices (q8 / q4: group-wise quantized, base_q8 / base_q4)")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
 
 

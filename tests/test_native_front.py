@@ -377,7 +377,7 @@ def test_identity_memory_and_kv_bits(lib: Library, raw: ctypes.CDLL, model: int,
     header, _ = read_bundle(tiny_path)
     weights = sum(math.prod(t["shape"]) * 4 for t in header["tensors"])
     assert raw.baseRT_model_memory(model) >= weights
-    assert raw.baseRT_kv_bits_effective(model) == 16
+    assert raw.baseRT_kv_bits_effective(model) == 32  # the exact f32 pool (kv_bits 0 = auto)
     assert raw.baseRT_weights_identity(None) == 0
 
 

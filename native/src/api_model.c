@@ -11,54 +11,11 @@
 #include <string.h>
 #include <unistd.h>
 
-/* ---- live-handle registry ------------------------------------------------- */
-
-static pthread_mutex_t g_handles_lock = PTHREAD_MUTEX_INITIALIZER;
-static const void **g_handles;
-static size_t g_n_handles, g_cap_handles;
-
-bool rt_handle_register(const void *h) {
-    pthread_mutex_lock(&g_handles_lock);
-    bool ok = true;
-    if (g_n_handles == g_cap_handles) {
-        size_t cap = g_cap_handles ? g_cap_handles * 2 : 16;
-        const void **nh = realloc(g_handles, cap * sizeof *nh);
-        if (nh) {
-            g_handles = nh;
-            g_cap_handles = cap;
-        } else {
-            ok = false;
-        }
-    }
-    if (ok) g_handles[g_n_handles++] = h;
-    pthread_mutex_unlock(&g_handles_lock);
-    return ok;
-}
-
-void rt_handle_unregister(const void *h) {
-    pthread_mutex_lock(&g_handles_lock);
-    for (size_t i = 0; i < g_n_handles; i++) {
-        if (g_handles[i] == h) {
-            g_handles[i] = g_handles[--g_n_handles];
-            break;
-        }
-    }
-    pthread_mutex_unlock(&g_handles_lock);
-}
-
-bool rt_handle_is_live(const void *h) {
-    if (!h) return false;
-    pthread_mutex_lock(&g_handles_lock);
-    bool live = false;
-    for (size_t i = 0; i < g_n_handles && !live; i++) live = g_handles[i] == h;
-    pthread_mutex_unlock(&g_handles_lock);
-    return live;
-}
+/* ---- handles -------------------------------------------------------------------- */
 
 rt_model *rt_model_lookup(baseRT_model_t model) {
-    rt_model *m = model;
-    if (!rt_handle_is_live(m) || m->magic != RT_MODEL_MAGIC) return NULL;
-    return m;
+    rt_model *m = rt_handle_get(model, RT_KIND_MODEL, NULL);
+    return m && m->magic == RT_MODEL_MAGIC ? m : NULL;
 }
 
 rt_model *rt_model_check(baseRT_model_t model, const char *fn) {
@@ -66,8 +23,11 @@ rt_model *rt_model_check(baseRT_model_t model, const char *fn) {
         rt_set_error(BASERT_ERR_INVALID_ARGUMENT, "%s: model handle is NULL", fn);
         return NULL;
     }
-    rt_model *m = rt_model_lookup(model);
-    if (!m) rt_set_error(BASERT_ERR_INVALID_ARGUMENT, "%s: %p is not a live model handle (freed or foreign)", fn, model);
+    int why = RT_HANDLE_FOREIGN;
+    rt_model *m = rt_handle_get(model, RT_KIND_MODEL, &why);
+    if (!m)
+        rt_set_error(BASERT_ERR_INVALID_ARGUMENT, "%s: %p is not a live model handle (%s)", fn, model,
+                     why == RT_HANDLE_STALE ? "freed" : "foreign or corrupt");
     return m;
 }
 
@@ -96,7 +56,7 @@ static rt_model *load_locked(const char *fn, const char *path, int max_context, 
     pthread_mutex_lock(&g_load_lock);
     rt_model *m = rt_load(fn, path, max_context, opts, tokenizer_only);
     pthread_mutex_unlock(&g_load_lock);
-    return m;
+    return m ? m->handle : NULL;
 }
 
 baseRT_model_t baseRT_load_model(const char *model_path, const char *kernel_library_path, int max_context) {
@@ -132,8 +92,8 @@ void baseRT_free_model(baseRT_model_t model) {
     if (!model) return;
     rt_model *m = rt_model_check(model, "baseRT_free_model");
     if (!m) return;
-    rt_handle_unregister(m);
-    if (!m->tokenizer_only) rt_runtime_free(m);
+    rt_handle_release(m->handle);
+    if (!m->tokenizer_only) rt_runtime_free(m); /* releases its sequences' handles too */
     rt_model_destroy(m); /* poisons the magic before freeing */
     rt_clear_error();
 }
@@ -290,7 +250,7 @@ char *rt_build_capability_descriptor(const rt_model *m) {
                     m->tokenizer_only ? "true" : "false");
     json_buf_printf(&b, ",\"max_context\":%u,\"trained_context\":%d,\"max_batch_size\":%d,\"kv_bits\":%d",
                     m->cfg.max_seq_len, m->trained_context, m->tokenizer_only ? 0 : m->max_batch_size,
-                    m->tokenizer_only ? 0 : 16);
+                    m->tokenizer_only ? 0 : m->kv_bits);
     json_buf_puts(&b, ",\"capabilities\":{\"text_generation\":");
     if (m->tokenizer_only) json_buf_put_string(&b, tok_only);
     else json_buf_puts(&b, "true");
@@ -322,7 +282,7 @@ size_t baseRT_device_memory_budget(void) {
 }
 
 int baseRT_suggest_max_context(const char *model_path, int max_batch, int kv_bits, int paged_kv) {
-    (void)kv_bits; /* the reference KV is f32 whatever the setting */
+
     rt_bundle_budget bb;
     if (rt_bundle_read_budget("baseRT_suggest_max_context", model_path, &bb) != BASERT_OK) return 0;
     uint64_t budget = baseRT_device_memory_budget();
@@ -332,7 +292,10 @@ int baseRT_suggest_max_context(const char *model_path, int max_batch, int kv_bit
     }
     /* Lanes multiply only on a paged pool; a contiguous cache holds one history. */
     uint64_t lanes = paged_kv && max_batch > 1 ? (uint64_t)max_batch : 1;
-    uint64_t per_token = bb.kv_bytes_per_token * lanes;
+    /* f32 at kv_bits 0, f16 at 16, Q8_0 (34 bytes per 32 values) otherwise */
+    uint64_t per_token = kv_bits == 0    ? bb.kv_bytes_per_token * lanes
+                         : kv_bits == 16 ? bb.kv_bytes_per_token * lanes / 2
+                                         : bb.kv_bytes_per_token * lanes * 34 / 128;
     uint64_t fit = budget > bb.weight_bytes && per_token ? (budget - bb.weight_bytes) / per_token : 0;
     fit = fit / 1024 * 1024;
     if (fit < BASERT_AUTO_CONTEXT_MIN) fit = BASERT_AUTO_CONTEXT_MIN;
@@ -362,6 +325,6 @@ int baseRT_kv_bits_effective(baseRT_model_t model) {
     rt_model *m = rt_model_check(model, "baseRT_kv_bits_effective");
     if (!m) return 0;
     rt_clear_error();
-    /* The KV is f32; report the closest width of the documented encoding. */
-    return m->tokenizer_only ? 0 : 16;
+    /* 32 for the exact f32 pool (kv_bits 0), 16 for f16, 8 for Q8_0 (see apply_options). */
+    return m->tokenizer_only ? 0 : m->kv_bits;
 }

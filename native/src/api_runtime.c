@@ -37,8 +37,9 @@ int rt_runtime_init(rt_model *m) {
         return BASERT_ERR_OUT_OF_MEMORY;
     }
     m->rt = rt;
-    /* Without worker threads everything still runs, on the caller's thread. */
-    rt->threads = rt_threads_create(rt_default_threads());
+    /* The process-wide pool. Without worker threads everything still runs,
+     * on the caller's thread. */
+    rt->threads = rt_threads_acquire();
     if ((rc = rt_kv_init(m)) != BASERT_OK || (rc = rt_forward_init(m)) != BASERT_OK ||
         (rc = rt_prefix_init(m)) != BASERT_OK)
         goto fail;
@@ -77,7 +78,7 @@ void rt_runtime_free(rt_model *m) {
     free(rt->def_logits);
     free(rt->sample_scratch);
     free(rt->lanes);
-    rt_threads_free(rt->threads);
+    rt_threads_release(rt->threads);
     free(rt);
     m->rt = NULL;
 }

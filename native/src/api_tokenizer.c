@@ -319,7 +319,8 @@ int baseRT_decode_token_raw(baseRT_model_t model, uint32_t token_id, char *out, 
 
 struct baseRT_decode_stream {
     uint32_t magic;
-    rt_model *model;
+    baseRT_model_t model; /* a handle: the model may be freed before the stream */
+    baseRT_decode_stream_t handle; /* the caller's (handles.c) */
     utf8_assembler a;
     grow_buf out;
 };
@@ -329,12 +330,14 @@ static struct baseRT_decode_stream *stream_check(baseRT_decode_stream_t s, const
         rt_set_error(BASERT_ERR_INVALID_ARGUMENT, "%s: stream is NULL", fn);
         return NULL;
     }
-    if (!rt_handle_is_live(s) || s->magic != RT_STREAM_MAGIC) {
-        rt_set_error(BASERT_ERR_INVALID_ARGUMENT, "%s: %p is not a live decode stream (freed or foreign)", fn,
-                     (void *)s);
+    int why = RT_HANDLE_FOREIGN;
+    struct baseRT_decode_stream *st = rt_handle_get(s, RT_KIND_STREAM, &why); /* never follows a stale pointer */
+    if (!st || st->magic != RT_STREAM_MAGIC) {
+        rt_set_error(BASERT_ERR_INVALID_ARGUMENT, "%s: %p is not a live decode stream (%s)", fn, (void *)s,
+                     why == RT_HANDLE_STALE ? "freed" : "foreign");
         return NULL;
     }
-    return s;
+    return st;
 }
 
 baseRT_decode_stream_t baseRT_decode_stream_create(baseRT_model_t model) {
@@ -342,17 +345,17 @@ baseRT_decode_stream_t baseRT_decode_stream_create(baseRT_model_t model) {
     rt_model *m = rt_model_check(model, fn);
     if (!m) return NULL;
     struct baseRT_decode_stream *s = calloc(1, sizeof *s);
-    if (!s || !grow(&s->out, 64) || !rt_handle_register(s)) {
+    if (!s || !grow(&s->out, 64) || !(s->handle = rt_handle_new(RT_KIND_STREAM, s))) {
         if (s) free(s->out.data);
         free(s);
         rt_set_error(BASERT_ERR_OUT_OF_MEMORY, "%s: out of memory", fn);
         return NULL;
     }
     s->magic = RT_STREAM_MAGIC;
-    s->model = m;
+    s->model = m->handle;
     utf8_assembler_reset(&s->a);
     rt_clear_error();
-    return s;
+    return s->handle;
 }
 
 void baseRT_decode_stream_reset(baseRT_decode_stream_t stream) {
@@ -379,8 +382,9 @@ void baseRT_decode_stream_reset_for_prompt(baseRT_decode_stream_t stream, const 
 const char *baseRT_decode_stream_token(baseRT_decode_stream_t stream, uint32_t token_id) {
     static const char fn[] = "baseRT_decode_stream_token";
     struct baseRT_decode_stream *s = stream_check(stream, fn);
-    if (!s || !rt_model_check(s->model, fn)) return NULL;
-    const char *text = decode_into(fn, s->model, &s->a, token_id, &s->out);
+    rt_model *m = s ? rt_model_check(s->model, fn) : NULL;
+    if (!m) return NULL;
+    const char *text = decode_into(fn, m, &s->a, token_id, &s->out);
     if (text) rt_clear_error();
     return text;
 }
@@ -389,7 +393,7 @@ void baseRT_decode_stream_free(baseRT_decode_stream_t stream) {
     if (!stream) return;
     struct baseRT_decode_stream *s = stream_check(stream, "baseRT_decode_stream_free");
     if (!s) return;
-    rt_handle_unregister(s);
+    rt_handle_release(s->handle);
     s->magic = 0;
     free(s->out.data);
     free(s);

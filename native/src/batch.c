@@ -62,8 +62,8 @@ static int step_validate(rt_model *m, const char *fn, baseRT_sequence_t *seqs, i
     rt_runtime *rt = m->rt;
     const uint32_t *tok = in_tokens;
     for (int i = 0; i < n_seqs; i++) {
-        int rc = rt_seq_check(m, seqs[i], fn, i);
-        if (rc != BASERT_OK) return rc;
+        rt_seq *seq = rt_seq_get(m, seqs[i], fn, i);
+        if (!seq) return BASERT_ERR_INVALID_ARGUMENT;
         for (int j = 0; j < i; j++) {
             if (seqs[j] == seqs[i]) {
                 rt_set_error(BASERT_ERR_INVALID_ARGUMENT, "%s: lanes %d and %d are the same sequence", fn, j, i);
@@ -92,7 +92,7 @@ static int step_validate(rt_model *m, const char *fn, baseRT_sequence_t *seqs, i
                 return BASERT_ERR_INVALID_ARGUMENT;
             }
         }
-        rt->lanes[i] = (rt_lane){seqs[i], tok, count - pad};
+        rt->lanes[i] = (rt_lane){seq, tok, count - pad};
         tok += count;
     }
     return rt_kv_check_lengths(m, rt->lanes, n_seqs, fn);

@@ -43,6 +43,11 @@ int rt_forward_init(rt_model *m) {
         {(void **)&rt->rope_cos, (size_t)c->max_seq_len * half * sizeof(float)},
         {(void **)&rt->rope_sin, (size_t)c->max_seq_len * half * sizeof(float)},
         {(void **)&rt->final_h, (size_t)rt->max_lanes * c->dim * sizeof(float)},
+        /* activations quantized per 32 for quantized weights: any matmul's input rows */
+        {(void **)&rt->xq, (C > (size_t)rt->max_lanes ? C : (size_t)rt->max_lanes) *
+                               ((c->dim > c->q_dim ? (c->dim > c->ffn_dim ? c->dim : c->ffn_dim)
+                                                   : (c->q_dim > c->ffn_dim ? c->q_dim : c->ffn_dim)) / 32 + 1) *
+                               sizeof(rt_blk_x)},
     };
     for (size_t i = 0; i < sizeof allocs / sizeof allocs[0]; i++) {
         *allocs[i].p = malloc(allocs[i].bytes ? allocs[i].bytes : 1);
@@ -72,6 +77,7 @@ void rt_forward_free(rt_model *m) {
     for (size_t i = 0; i < sizeof fs / sizeof fs[0]; i++) free(fs[i]);
     free(rt->row_lane);
     free(rt->row_pos);
+    free(rt->xq);
 }
 
 /* ---- row-wise ops ---------------------------------------------------------- */
@@ -97,6 +103,21 @@ static void rope(float *vec, int n_heads, int head_dim, const float *cos_row, co
 
 /* ---- attention ------------------------------------------------------------- */
 
+/* Widen cnt tokens' Q8_0 head slices (hd values, rows `rb` bytes apart) to f32 [cnt][hd]. */
+static float *kv_widen_q8(float *out, const char *src, size_t rb, int cnt, int hd) {
+    for (int t = 0; t < cnt; t++) {
+        const unsigned char *row = (const unsigned char *)src + (size_t)t * rb;
+        for (int b = 0; b < hd / 32; b++) {
+            const unsigned char *blk = row + (size_t)b * RT_KV_Q8_BLOCK;
+            uint16_t h;
+            memcpy(&h, blk, 2);
+            float d = rt_f16_to_f32(h);
+            for (int i = 0; i < 32; i++) out[(size_t)t * hd + b * 32 + i] = d * (float)(int8_t)blk[2 + i];
+        }
+    }
+    return out;
+}
+
 typedef struct {
     rt_model *m;
     const rt_lane *lanes;
@@ -112,19 +133,27 @@ typedef struct {
 static void attend(rt_model *m, const rt_seq *s, int layer, int pos, int kvh, const float *q, float *out,
                    float *scores) {
     const rt_runtime *rt = m->rt;
-    int hd = (int)m->cfg.head_dim, kv_dim = (int)m->cfg.kv_dim, max_seq = (int)m->cfg.max_seq_len;
+    int hd = (int)m->cfg.head_dim, max_seq = (int)m->cfg.max_seq_len;
     int group = (int)(m->cfg.n_heads / m->cfg.n_kv_heads);
     size_t kv_off = (size_t)kvh * hd;
-    const float *kl = rt->k_pool + (size_t)layer * rt->layer_stride;
-    const float *vl = rt->v_pool + (size_t)layer * rt->layer_stride;
+    /* This layer's K / V; token t of the pool at t * row bytes, this head at kv_off values in. */
+    const char *kl = (const char *)rt->k_pool + (size_t)layer * rt->layer_bytes;
+    const char *vl = (const char *)rt->v_pool + (size_t)layer * rt->layer_bytes;
+    size_t rb = rt->kv_row_bytes;
+    bool q8 = rt->kv_type == RT_KV_Q8;
+    size_t head_off = q8 ? kv_off / 32 * RT_KV_Q8_BLOCK : kv_off * (rt->kv_type == RT_KV_F16 ? 2 : 4);
+    int wtype = rt->kv_type == RT_KV_F16 ? RT_W_F16 : RT_W_F32;
+    size_t ld = q8 ? (size_t)hd : rb / (rt->kv_type == RT_KV_F16 ? 2 : 4); /* row stride in values */
+    float page[RT_PAGE_SIZE * RT_KV_MAX_HEAD_DIM]; /* a Q8_0 page slice, widened */
     float scale = 1.0f / sqrtf((float)hd);
     int n = pos + 1;
 
     for (int t0 = 0; t0 < n; t0 += RT_PAGE_SIZE) {
         size_t first = (size_t)s->blocks[t0 / RT_PAGE_SIZE] * RT_PAGE_SIZE;
         int cnt = n - t0 < RT_PAGE_SIZE ? n - t0 : RT_PAGE_SIZE;
-        rt_dots(q, (size_t)hd, group, kl + first * kv_dim + kv_off, (size_t)kv_dim, cnt, scores + t0, (size_t)max_seq,
-                hd);
+        rt_weight keys = {(void *)(kl + first * rb + head_off), wtype};
+        if (q8) keys = (rt_weight){kv_widen_q8(page, kl + first * rb + head_off, rb, cnt, hd), RT_W_F32};
+        rt_dots(q, (size_t)hd, group, &keys, ld, cnt, scores + t0, (size_t)max_seq, hd);
     }
     for (int g = 0; g < group; g++) {
         float *sc = scores + (size_t)g * max_seq;
@@ -143,7 +172,9 @@ static void attend(rt_model *m, const rt_seq *s, int layer, int pos, int kvh, co
         for (int t0 = 0; t0 < n; t0 += RT_PAGE_SIZE) {
             size_t first = (size_t)s->blocks[t0 / RT_PAGE_SIZE] * RT_PAGE_SIZE;
             int cnt = n - t0 < RT_PAGE_SIZE ? n - t0 : RT_PAGE_SIZE;
-            rt_axpy_rows(sc + t0, cnt, vl + first * kv_dim + kv_off, (size_t)kv_dim, o, hd);
+            rt_weight vals = {(void *)(vl + first * rb + head_off), wtype};
+            if (q8) vals = (rt_weight){kv_widen_q8(page, vl + first * rb + head_off, rb, cnt, hd), RT_W_F32};
+            rt_axpy_rows(sc + t0, cnt, &vals, ld, o, hd);
         }
         float inv = 1.0f / sum;
         for (int d = 0; d < hd; d++) o[d] *= inv;
@@ -170,6 +201,30 @@ static void attn_task(void *ctx, int tid) {
 
 /* ---- one slice of rows through all layers ---------------------------------- */
 
+/* One K or V row into the pool: as is (f32), or rounded to nearest-even f16. */
+static void kv_store(const rt_runtime *rt, char *dst, const float *src, int n) {
+    if (rt->kv_type == RT_KV_Q8) { /* GGML's quantize_row_q8_0: d = amax / 127, q = round(x / d) */
+        for (int b = 0; b < n / 32; b++) {
+            const float *x = src + b * 32;
+            unsigned char *blk = (unsigned char *)dst + (size_t)b * RT_KV_Q8_BLOCK;
+            float amax = 0.0f;
+            for (int i = 0; i < 32; i++) amax = fmaxf(amax, fabsf(x[i]));
+            float d = amax / 127.0f, id = d > 0.0f ? 1.0f / d : 0.0f;
+            uint16_t h = rt_f32_to_f16(d);
+            memcpy(blk, &h, 2);
+            for (int i = 0; i < 32; i++) {
+                int q = (int)nearbyintf(x[i] * id);
+                blk[2 + i] = (unsigned char)(int8_t)(q > 127 ? 127 : q < -127 ? -127 : q);
+            }
+        }
+    } else if (rt->kv_type == RT_KV_F16) {
+        uint16_t *h = (uint16_t *)dst;
+        for (int i = 0; i < n; i++) h[i] = rt_f32_to_f16(src[i]);
+    } else {
+        memcpy(dst, src, (size_t)n * sizeof(float));
+    }
+}
+
 static void forward_slice(rt_model *m, const rt_lane *lanes, int R) {
     rt_runtime *rt = m->rt;
     const BaseRTModelConfig *c = &m->cfg;
@@ -189,10 +244,10 @@ static void forward_slice(rt_model *m, const rt_lane *lanes, int R) {
             {L->wk, rt->k, kv_dim, (size_t)kv_dim},
             {L->wv, rt->v, kv_dim, (size_t)kv_dim},
         };
-        rt_matmul(rt->threads, rt->xb, (size_t)dim, R, dim, qkv, 3);
+        rt_matmul(rt->threads, rt->xb, (size_t)dim, R, dim, qkv, 3, rt->xq);
 
-        float *kl = rt->k_pool + (size_t)l * rt->layer_stride;
-        float *vl = rt->v_pool + (size_t)l * rt->layer_stride;
+        char *kl = (char *)rt->k_pool + (size_t)l * rt->layer_bytes;
+        char *vl = (char *)rt->v_pool + (size_t)l * rt->layer_bytes;
         for (int r = 0; r < R; r++) {
             int pos = rt->row_pos[r];
             const float *cs = rt->rope_cos + (size_t)pos * half, *sn = rt->rope_sin + (size_t)pos * half;
@@ -201,8 +256,8 @@ static void forward_slice(rt_model *m, const rt_lane *lanes, int R) {
             rope(kr, (int)c->n_kv_heads, hd, cs, sn);
             const rt_seq *s = lanes[rt->row_lane[r]].seq;
             size_t slot = (size_t)s->blocks[pos / RT_PAGE_SIZE] * RT_PAGE_SIZE + (size_t)(pos % RT_PAGE_SIZE);
-            memcpy(kl + slot * kv_dim, kr, (size_t)kv_dim * sizeof(float));
-            memcpy(vl + slot * kv_dim, rt->v + (size_t)r * kv_dim, (size_t)kv_dim * sizeof(float));
+            kv_store(rt, kl + slot * rt->kv_row_bytes, kr, kv_dim);
+            kv_store(rt, vl + slot * rt->kv_row_bytes, rt->v + (size_t)r * kv_dim, kv_dim);
         }
 
         attn_job aj = {m, lanes, (int)l, R, 0};
@@ -210,7 +265,7 @@ static void forward_slice(rt_model *m, const rt_lane *lanes, int R) {
         rt_threads_run(rt->threads, attn_task, &aj, nt);
 
         rt_mm_target o = {L->wo, rt->xb, dim, (size_t)dim};
-        rt_matmul(rt->threads, rt->att, (size_t)q_dim, R, q_dim, &o, 1);
+        rt_matmul(rt->threads, rt->att, (size_t)q_dim, R, q_dim, &o, 1, rt->xq);
         for (size_t i = 0; i < (size_t)R * dim; i++) rt->x[i] += rt->xb[i];
 
         for (int r = 0; r < R; r++)
@@ -219,13 +274,13 @@ static void forward_slice(rt_model *m, const rt_lane *lanes, int R) {
             {L->w_gate, rt->hb, ffn, (size_t)ffn},
             {L->w_up, rt->hb2, ffn, (size_t)ffn},
         };
-        rt_matmul(rt->threads, rt->xb, (size_t)dim, R, dim, gu, 2);
+        rt_matmul(rt->threads, rt->xb, (size_t)dim, R, dim, gu, 2, rt->xq);
         for (size_t i = 0; i < (size_t)R * ffn; i++) {
             float g = rt->hb[i];
             rt->hb[i] = (g / (1.0f + expf(-g))) * rt->hb2[i];
         }
         rt_mm_target d = {L->w_down, rt->xb, dim, (size_t)dim};
-        rt_matmul(rt->threads, rt->hb, (size_t)ffn, R, ffn, &d, 1);
+        rt_matmul(rt->threads, rt->hb, (size_t)ffn, R, ffn, &d, 1, rt->xq);
         for (size_t i = 0; i < (size_t)R * dim; i++) rt->x[i] += rt->xb[i];
     }
 }
@@ -243,8 +298,7 @@ void rt_forward(rt_model *m, const rt_lane *lanes, int n_lanes, float *logits, d
             for (int k = 0; k < take; k++, R++) {
                 rt->row_lane[R] = lane;
                 rt->row_pos[R] = ln->seq->length + off + k;
-                memcpy(rt->x + (size_t)R * dim, m->tok_embd + (size_t)ln->tokens[off + k] * dim,
-                       (size_t)dim * sizeof(float));
+                rt_weight_row(&m->tok_embd, ln->tokens[off + k], dim, rt->x + (size_t)R * dim);
             }
             off += take;
             if (off == ln->n) {
@@ -271,5 +325,5 @@ void rt_forward(rt_model *m, const rt_lane *lanes, int n_lanes, float *logits, d
         rmsnorm(h, h, m->final_norm, dim, m->cfg.norm_eps);
     }
     rt_mm_target head = {m->lm_head, logits, (int)m->cfg.vocab_size, (size_t)m->cfg.vocab_size};
-    rt_matmul(rt->threads, rt->final_h, (size_t)dim, n_lanes, dim, &head, 1);
+    rt_matmul(rt->threads, rt->final_h, (size_t)dim, n_lanes, dim, &head, 1, rt->xq);
 }

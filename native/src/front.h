@@ -4,13 +4,6 @@
 
 #include "internal.h"
 
-/* ---- live-handle registry (api_model.c) ---------------------------------
- * Every model and decode-stream handle is registered while alive, so a check
- * never dereferences a freed or foreign pointer: double frees and
- * use-after-free of a handle are reported as INVALID_ARGUMENT. */
-bool rt_handle_register(const void *h);
-void rt_handle_unregister(const void *h);
-bool rt_handle_is_live(const void *h);
 /* rt_model_check without touching the error state (pure queries). */
 rt_model *rt_model_lookup(baseRT_model_t model);
 
@@ -25,7 +18,7 @@ void rt_model_destroy(rt_model *m);
 /* What suggest_max_context needs from a bundle, from its header alone. */
 typedef struct {
     int trained_context;
-    uint64_t weight_bytes;        /* resident f32 weights */
+    uint64_t weight_bytes;        /* resident weights (f16 matrices stay f16) */
     uint64_t kv_bytes_per_token;  /* one lane: n_layers * 2 * kv_dim * sizeof(float) */
 } rt_bundle_budget;
 /* BASERT_OK, or the error code (error state set). */

@@ -93,6 +93,7 @@ typedef struct rt_grammar {
     uint32_t *eos;     /* the eos ids */
     int n_eos;
     gr_state init, cur;
+    void *handle; /* the caller's (handles.c) */
 } rt_grammar;
 
 static const char *const LITERALS[3] = {"true", "false", "null"};
@@ -324,10 +325,11 @@ static rt_grammar *grammar_check(baseRT_grammar_t grammar, const char *fn) {
         rt_set_error(BASERT_ERR_INVALID_ARGUMENT, "%s: grammar handle is NULL", fn);
         return NULL;
     }
-    rt_grammar *g = grammar;
-    if (!rt_handle_is_live(g) || g->magic != RT_GRAMMAR_MAGIC) {
-        rt_set_error(BASERT_ERR_INVALID_ARGUMENT, "%s: %p is not a live grammar handle (freed or foreign)", fn,
-                     grammar);
+    int why = RT_HANDLE_FOREIGN;
+    rt_grammar *g = rt_handle_get(grammar, RT_KIND_GRAMMAR, &why); /* never follows a stale pointer */
+    if (!g || g->magic != RT_GRAMMAR_MAGIC) {
+        rt_set_error(BASERT_ERR_INVALID_ARGUMENT, "%s: %p is not a live grammar handle (%s)", fn, grammar,
+                     why == RT_HANDLE_STALE ? "freed" : "foreign");
         return NULL;
     }
     return g;
@@ -345,7 +347,7 @@ static void grammar_destroy(rt_grammar *g) {
 }
 
 /* A grammar over m's vocabulary whose top-level value has type `top`. */
-static rt_grammar *grammar_new(const char *fn, rt_model *m, uint8_t top) {
+static baseRT_grammar_t grammar_new(const char *fn, rt_model *m, uint8_t top) {
     if (!m->tok) {
         rt_set_error(BASERT_ERR_UNSUPPORTED, "%s: the model has no tokenizer", fn);
         return NULL;
@@ -402,9 +404,9 @@ static rt_grammar *grammar_new(const char *fn, rt_model *m, uint8_t top) {
     g->init.top = top;
     g->cur = g->init;
     g->magic = RT_GRAMMAR_MAGIC;
-    if (!rt_handle_register(g)) goto oom;
+    if (!(g->handle = rt_handle_new(RT_KIND_GRAMMAR, g))) goto oom;
     rt_clear_error();
-    return g;
+    return g->handle;
 oom:
     grammar_destroy(g);
     rt_set_error(BASERT_ERR_OUT_OF_MEMORY, "%s: out of memory building the grammar", fn);
@@ -516,7 +518,7 @@ baseRT_grammar_t baseRT_grammar_create_from_structural_tag(baseRT_model_t model,
 void baseRT_grammar_free(baseRT_grammar_t grammar) {
     rt_grammar *g = grammar_check(grammar, "baseRT_grammar_free");
     if (!g) return;
-    rt_handle_unregister(g);
+    rt_handle_release(g->handle);
     grammar_destroy(g);
     rt_clear_error();
 }

@@ -11,6 +11,7 @@
  * own state behind `rt` and is created by rt_runtime_init(). */
 
 #include "baseRT/baseRT.h"
+#include "mathops.h"
 #include "tokenizer.h"
 
 #include <stdarg.h>
@@ -30,24 +31,43 @@ void rt_set_error(BaseRTErrorCode code, const char *fmt, ...) __attribute__((for
 void rt_clear_error(void);
 BaseRTErrorCode rt_last_error_code(void);
 
+/* ---- handle table (handles.c) ------------------------------------------ */
+/* Model, sequence, decode-stream and grammar handles are table entries, not
+ * pointers (see handles.c):
+ * a lookup never follows caller memory, and a freed handle stays invalid even
+ * when its slot or its object's address is reused. */
+enum { RT_KIND_MODEL = 1, RT_KIND_SEQ = 2, RT_KIND_STREAM = 3, RT_KIND_GRAMMAR = 4 };
+enum { RT_HANDLE_OK = 0, RT_HANDLE_STALE = 1, RT_HANDLE_FOREIGN = 2 };
+/* A new handle for obj; NULL when out of memory. */
+void *rt_handle_new(int kind, void *obj);
+/* Invalidate a handle (no-op for a handle that is not live). */
+void rt_handle_release(const void *h);
+/* The object of a live handle of `kind`, else NULL with *why (may be NULL)
+ * RT_HANDLE_STALE (freed) or RT_HANDLE_FOREIGN. */
+void *rt_handle_get(const void *h, int kind, int *why);
+/* Live handles of a kind, process-wide (tests, through baseRT_ref_*). */
+int rt_handle_live_count(int kind);
+
 /* ---- model ------------------------------------------------------------- */
 typedef struct {
-    /* f32, row-major [out][in] (PyTorch Linear layout); norms are [dim]. */
-    float *attn_norm; /* [dim] */
-    float *wq;        /* [q_dim][dim], GGUF-permuted rows: adjacent-pair RoPE */
-    float *wk;        /* [kv_dim][dim], GGUF-permuted rows */
-    float *wv;        /* [kv_dim][dim] */
-    float *wo;        /* [dim][q_dim] */
-    float *ffn_norm;  /* [dim] */
-    float *w_gate;    /* [ffn_dim][dim] */
-    float *w_up;      /* [ffn_dim][dim] */
-    float *w_down;    /* [dim][ffn_dim] */
+    /* Matrices row-major [out][in] (PyTorch Linear layout), f16 as stored in
+     * the bundle or f32 (f32 and bf16 bundles); norms are f32 [dim]. */
+    float *attn_norm;  /* [dim] */
+    rt_weight wq;      /* [q_dim][dim], GGUF-permuted rows: adjacent-pair RoPE */
+    rt_weight wk;      /* [kv_dim][dim], GGUF-permuted rows */
+    rt_weight wv;      /* [kv_dim][dim] */
+    rt_weight wo;      /* [dim][q_dim] */
+    float *ffn_norm;   /* [dim] */
+    rt_weight w_gate;  /* [ffn_dim][dim] */
+    rt_weight w_up;    /* [ffn_dim][dim] */
+    rt_weight w_down;  /* [dim][ffn_dim] */
 } rt_layer;
 
 struct rt_runtime; /* runtime-private: KV pool, sequences, scratch, prefix cache */
 
 typedef struct rt_model {
     uint32_t magic;
+    baseRT_model_t handle; /* what the caller holds (handles.c) */
     char *path;
     BaseRTModelConfig cfg; /* architecture "llama"; max_seq_len = effective context */
     int trained_context;   /* from the bundle (max_position_embeddings) */
@@ -58,11 +78,11 @@ typedef struct rt_model {
     int max_batch_size; /* >= 1 */
     int prefix_cache;
     int prefill_chunk; /* tokens per forward chunk, >= 16 */
-    int kv_bits;       /* effective: always 32 (f32 KV) in the reference engine, reported as 16 */
+    int kv_bits;       /* effective: 32 (f32 pool, kv_bits 0 = auto), 16 (f16) or 8 (Q8_0) */
 
     /* weights (NULL when tokenizer_only) */
-    float *tok_embd; /* [vocab][dim] */
-    float *lm_head;  /* [vocab][dim]; == tok_embd when tied */
+    rt_weight tok_embd; /* [vocab][dim] */
+    rt_weight lm_head;  /* [vocab][dim]; shares tok_embd's memory when tied */
     bool tied_embeddings;
     float *final_norm; /* [dim] */
     rt_layer *layers;  /* [n_layers] */
@@ -94,6 +114,8 @@ rt_model *rt_model_check(baseRT_model_t model, const char *fn);
  * error and returns its code. */
 int rt_runtime_init(rt_model *m);
 void rt_runtime_free(rt_model *m);
+/* Largest head_dim a Q8_0 KV pool takes (attention widens a page slice on the stack). */
+#define RT_KV_MAX_HEAD_DIM 256
 /* KV page size in tokens (16). */
 #define RT_PAGE_SIZE 16
 

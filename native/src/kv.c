@@ -3,18 +3,17 @@
  * The pool is a fixed array of RT_PAGE_SIZE-token blocks holding f32 K and V
  * for every layer, with a refcount per block and a free list. Sequences own
  * block lists; the prefix cache and pending matches hold extra references to
- * shared (always full) blocks. Freed user handles are retired rather than
- * released, so a stale handle is caught by its DEAD magic instead of being a
- * use-after-free; the oldest retired headers are recycled once there are
- * many of them. */
+ * shared (always full) blocks. User sequences are reached only through their
+ * generational handles (handles.c): a freed sequence's memory goes back at
+ * once, and its handle -- or any handle after its model was freed -- is
+ * reported stale instead of followed. */
 
 #include "runtime.h"
+#include "baseRT/reference.h"
 
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-
-enum { RETIRED_KEEP = 256 };
 
 static void list_init(rt_seq *sentinel) { sentinel->prev = sentinel->next = sentinel; }
 
@@ -31,22 +30,46 @@ static void list_push_back(rt_seq *sentinel, rt_seq *s) {
     sentinel->prev = s;
 }
 
+/* The pool's element type from the effective kv_bits (loader: 32 or 16). */
+int rt_kv_type(const rt_model *m) { return m->kv_bits == 8 ? RT_KV_Q8 : m->kv_bits == 16 ? RT_KV_F16 : RT_KV_F32; }
+
+size_t rt_kv_row_bytes(const rt_model *m) {
+    int t = rt_kv_type(m);
+    if (t == RT_KV_Q8) return (size_t)m->cfg.kv_dim / 32 * RT_KV_Q8_BLOCK;
+    return (size_t)m->cfg.kv_dim * (t == RT_KV_F16 ? 2 : 4);
+}
+
 size_t rt_kv_block_bytes(const rt_model *m) {
-    return 2u * (size_t)m->cfg.n_layers * RT_PAGE_SIZE * m->cfg.kv_dim * sizeof(float);
+    return 2u * (size_t)m->cfg.n_layers * RT_PAGE_SIZE * rt_kv_row_bytes(m);
 }
 
 int rt_kv_init(rt_model *m) {
     rt_runtime *rt = m->rt;
-    int per_seq = (int)((m->cfg.max_seq_len + RT_PAGE_SIZE - 1) / RT_PAGE_SIZE);
-    rt->max_blocks_per_seq = per_seq;
+    int64_t per_seq = ((int64_t)m->cfg.max_seq_len + RT_PAGE_SIZE - 1) / RT_PAGE_SIZE;
+    rt->max_blocks_per_seq = (int)per_seq;
+    list_init(&rt->live);
     /* Paged: max_batch_size lanes plus the default sequence. Contiguous: the
-     * default sequence plus room for baseRT_embed's scratch sequence. */
-    rt->n_blocks = m->paged_kv ? per_seq * m->max_batch_size + per_seq : 2 * per_seq;
-    rt->layer_stride = (size_t)rt->n_blocks * RT_PAGE_SIZE * m->cfg.kv_dim;
-    size_t pool_floats = rt->layer_stride * m->cfg.n_layers;
+     * default sequence plus room for baseRT_embed's scratch sequence. In 64
+     * bits: context x batch can exceed an int (block ids are ints). */
+    int64_t n_blocks = m->paged_kv ? per_seq * ((int64_t)m->max_batch_size + 1) : 2 * per_seq;
+    size_t pool_floats = 0, pool_bytes = 0;
+    if (n_blocks > INT32_MAX / 2 ||
+        __builtin_mul_overflow((size_t)n_blocks, (size_t)RT_PAGE_SIZE * rt_kv_row_bytes(m), &rt->layer_bytes) ||
+        __builtin_mul_overflow(rt->layer_bytes, (size_t)m->cfg.n_layers, &pool_floats) ||
+        __builtin_mul_overflow(pool_floats, (size_t)2, &pool_bytes)) {
+        rt_set_error(BASERT_ERR_INVALID_ARGUMENT,
+                     "KV pool: a context of %u tokens x %d lanes needs %lld blocks of %d tokens, more than this "
+                     "engine can address; lower max_context or max_batch_size",
+                     m->cfg.max_seq_len, m->paged_kv ? m->max_batch_size + 1 : 2, (long long)n_blocks,
+                     RT_PAGE_SIZE);
+        return BASERT_ERR_INVALID_ARGUMENT;
+    }
+    rt->n_blocks = (int)n_blocks;
     /* Untouched pages of these large allocations are never committed. */
-    rt->k_pool = malloc(pool_floats * sizeof(float));
-    rt->v_pool = malloc(pool_floats * sizeof(float));
+    rt->kv_type = rt_kv_type(m);
+    rt->kv_row_bytes = rt_kv_row_bytes(m);
+    rt->k_pool = malloc(pool_bytes / 2);
+    rt->v_pool = malloc(pool_bytes / 2);
     rt->ref = calloc((size_t)rt->n_blocks, sizeof(int));
     rt->free_stack = malloc((size_t)rt->n_blocks * sizeof(int));
     if (!rt->k_pool || !rt->v_pool || !rt->ref || !rt->free_stack) {
@@ -54,12 +77,10 @@ int rt_kv_init(rt_model *m) {
                      (size_t)rt->n_blocks * rt_kv_block_bytes(m));
         return BASERT_ERR_OUT_OF_MEMORY;
     }
-    rt->bytes += 2 * pool_floats * sizeof(float) + (size_t)rt->n_blocks * 2 * sizeof(int);
+    rt->bytes += pool_bytes + (size_t)rt->n_blocks * 2 * sizeof(int);
     /* Low ids on top of the stack: the first blocks handed out are 0, 1, ... */
     for (int i = 0; i < rt->n_blocks; i++) rt->free_stack[i] = rt->n_blocks - 1 - i;
     rt->n_free = rt->n_blocks;
-    list_init(&rt->live);
-    list_init(&rt->retired);
     return BASERT_OK;
 }
 
@@ -69,12 +90,8 @@ void rt_kv_free(rt_model *m) {
         while (rt->live.next != &rt->live) {
             rt_seq *s = rt->live.next;
             list_unlink(s);
+            if (s->handle) rt_handle_release(s->handle); /* stale from now on */
             free(s->blocks);
-            free(s);
-        }
-        while (rt->retired.next != &rt->retired) {
-            rt_seq *s = rt->retired.next;
-            list_unlink(s);
             free(s);
         }
     }
@@ -102,22 +119,16 @@ static int block_alloc(rt_runtime *rt) {
 
 rt_seq *rt_seq_new(rt_model *m, bool user) {
     rt_runtime *rt = m->rt;
-    rt_seq *s = NULL;
-    if (rt->n_retired > RETIRED_KEEP) {
-        s = rt->retired.next;
-        list_unlink(s);
-        rt->n_retired--;
-    } else {
-        s = malloc(sizeof *s);
-    }
+    rt_seq *s = malloc(sizeof *s);
     int *blocks = malloc((size_t)rt->max_blocks_per_seq * sizeof(int));
-    if (!s || !blocks) {
+    void *h = s && blocks && user ? rt_handle_new(RT_KIND_SEQ, s) : NULL;
+    if (!s || !blocks || (user && !h)) {
         free(s);
         free(blocks);
         rt_set_error(BASERT_ERR_OUT_OF_MEMORY, "cannot allocate a sequence");
         return NULL;
     }
-    *s = (rt_seq){.magic = RT_SEQ_MAGIC, .m = m, .blocks = blocks, .user = user};
+    *s = (rt_seq){.magic = RT_SEQ_MAGIC, .m = m, .blocks = blocks, .user = user, .handle = h};
     list_push_back(&rt->live, s);
     return s;
 }
@@ -132,36 +143,34 @@ void rt_seq_truncate(rt_seq *s, int length) {
 void rt_seq_delete(rt_seq *s) {
     rt_runtime *rt = s->m->rt;
     rt_seq_truncate(s, 0);
+    (void)rt;
     list_unlink(s);
+    if (s->handle) rt_handle_release(s->handle);
     free(s->blocks);
-    s->blocks = NULL;
     s->magic = RT_SEQ_DEAD;
-    if (s->user) {
-        list_push_back(&rt->retired, s);
-        rt->n_retired++;
-    } else {
-        free(s);
-    }
+    free(s);
 }
 
-int rt_seq_check(const rt_model *m, baseRT_sequence_t h, const char *fn, int lane) {
+rt_seq *rt_seq_get(const rt_model *m, baseRT_sequence_t h, const char *fn, int lane) {
     char where[32] = "";
     if (lane >= 0) snprintf(where, sizeof where, " (lane %d)", lane);
     if (!h) {
         rt_set_error(BASERT_ERR_INVALID_ARGUMENT, "%s: sequence%s is NULL", fn, where);
-        return BASERT_ERR_INVALID_ARGUMENT;
+        return NULL;
     }
-    if (h->magic != RT_SEQ_MAGIC) {
+    int why = RT_HANDLE_FOREIGN;
+    rt_seq *s = rt_handle_get(h, RT_KIND_SEQ, &why);
+    if (!s) {
         rt_set_error(BASERT_ERR_INVALID_ARGUMENT, "%s: sequence%s %p is %s", fn, where, (void *)h,
-                     h->magic == RT_SEQ_DEAD ? "freed" : "not a sequence handle");
-        return BASERT_ERR_INVALID_ARGUMENT;
+                     why == RT_HANDLE_STALE ? "freed (or its model was)" : "not a sequence handle");
+        return NULL;
     }
-    if (m && h->m != m) {
+    if (m && s->m != m) {
         rt_set_error(BASERT_ERR_INVALID_ARGUMENT, "%s: sequence%s %p belongs to another model", fn, where,
                      (void *)h);
-        return BASERT_ERR_INVALID_ARGUMENT;
+        return NULL;
     }
-    return BASERT_OK;
+    return s;
 }
 
 int rt_kv_check_lengths(const rt_model *m, const rt_lane *lanes, int n_lanes, const char *fn) {
@@ -185,11 +194,12 @@ static bool needs_private_copy(const rt_runtime *rt, const rt_seq *s) {
 
 static void copy_block(rt_model *m, int dst, int src) {
     rt_runtime *rt = m->rt;
-    size_t n = (size_t)RT_PAGE_SIZE * m->cfg.kv_dim;
+    size_t n = (size_t)RT_PAGE_SIZE * rt->kv_row_bytes; /* bytes of one block in one layer */
+    char *k = rt->k_pool, *v = rt->v_pool;
     for (uint32_t l = 0; l < m->cfg.n_layers; l++) {
-        size_t base = l * rt->layer_stride;
-        memcpy(rt->k_pool + base + (size_t)dst * n, rt->k_pool + base + (size_t)src * n, n * sizeof(float));
-        memcpy(rt->v_pool + base + (size_t)dst * n, rt->v_pool + base + (size_t)src * n, n * sizeof(float));
+        size_t base = l * rt->layer_bytes;
+        memcpy(k + base + (size_t)dst * n, k + base + (size_t)src * n, n);
+        memcpy(v + base + (size_t)dst * n, v + base + (size_t)src * n, n);
     }
 }
 
@@ -226,6 +236,60 @@ int rt_kv_reserve(rt_model *m, const rt_lane *lanes, int n_lanes, const char *fn
     return BASERT_OK;
 }
 
+/* ---- consistency check (reference-only ABI) ---------------------------------- */
+
+/* Every block's refcount equals its owners (sequences, trie nodes, pending
+ * matches); the free stack holds exactly the blocks nobody owns, once each. */
+int baseRT_ref_check_kv(baseRT_model_t model) {
+    static const char fn[] = "baseRT_ref_check_kv";
+    rt_model *m = rt_runtime_model(model, fn);
+    if (!m) return rt_last_error_code();
+    rt_runtime *rt = m->rt;
+    int *owners = calloc((size_t)rt->n_blocks, sizeof(int));
+    int *in_free = calloc((size_t)rt->n_blocks, sizeof(int));
+    if (!owners || !in_free) {
+        free(owners);
+        free(in_free);
+        rt_set_error(BASERT_ERR_OUT_OF_MEMORY, "%s: out of memory", fn);
+        return BASERT_ERR_OUT_OF_MEMORY;
+    }
+    char what[200] = "";
+    for (const rt_seq *s = rt->live.next; s != &rt->live && !what[0]; s = s->next) {
+        int need = (s->length + RT_PAGE_SIZE - 1) / RT_PAGE_SIZE;
+        if (s->n_blocks != need || s->length < 0 || s->length > (int)m->cfg.max_seq_len)
+            snprintf(what, sizeof what, "a sequence of length %d holds %d blocks", s->length, s->n_blocks);
+        for (int i = 0; i < s->n_blocks && !what[0]; i++) {
+            if (s->blocks[i] < 0 || s->blocks[i] >= rt->n_blocks)
+                snprintf(what, sizeof what, "a sequence holds block id %d", s->blocks[i]);
+            else
+                owners[s->blocks[i]]++;
+        }
+    }
+    if (!what[0] && rt_prefix_count_refs(m, owners)) snprintf(what, sizeof what, "the prefix cache holds a bad block id");
+    if (!what[0] && (rt->n_free < 0 || rt->n_free > rt->n_blocks))
+        snprintf(what, sizeof what, "%d free blocks of %d", rt->n_free, rt->n_blocks);
+    for (int i = 0; i < rt->n_free && !what[0]; i++) {
+        int b = rt->free_stack[i];
+        if (b < 0 || b >= rt->n_blocks || in_free[b]++)
+            snprintf(what, sizeof what, "free list entry %d (block %d) is bad or repeated", i, b);
+    }
+    for (int b = 0; b < rt->n_blocks && !what[0]; b++) {
+        if (rt->ref[b] != owners[b])
+            snprintf(what, sizeof what, "block %d has refcount %d but %d owners", b, rt->ref[b], owners[b]);
+        else if ((owners[b] == 0) != (in_free[b] == 1))
+            snprintf(what, sizeof what, "block %d with %d owners is %son the free list", b, owners[b],
+                     in_free[b] ? "" : "not ");
+    }
+    free(owners);
+    free(in_free);
+    if (what[0]) {
+        rt_set_error(BASERT_ERR_UNKNOWN, "%s: KV pool inconsistent: %s", fn, what);
+        return BASERT_ERR_UNKNOWN;
+    }
+    rt_clear_error();
+    return BASERT_OK;
+}
+
 /* ---- public API ------------------------------------------------------------ */
 
 baseRT_sequence_t baseRT_sequence_create(baseRT_model_t model) {
@@ -243,19 +307,20 @@ baseRT_sequence_t baseRT_sequence_create(baseRT_model_t model) {
     rt_seq *s = rt_seq_new(m, true);
     if (!s) return NULL;
     rt_clear_error();
-    return s;
+    return s->handle;
 }
 
-void baseRT_sequence_free(baseRT_sequence_t seq) {
+void baseRT_sequence_free(baseRT_sequence_t handle) {
+    if (!handle) return;
+    rt_seq *seq = rt_seq_get(NULL, handle, "baseRT_sequence_free", -1);
     if (!seq) return;
-    if (rt_seq_check(NULL, seq, "baseRT_sequence_free", -1) != BASERT_OK || !seq->user) return;
     rt_seq_delete(seq);
     rt_clear_error();
 }
 
-int baseRT_sequence_rollback(baseRT_sequence_t seq, int length) {
-    int rc = rt_seq_check(NULL, seq, "baseRT_sequence_rollback", -1);
-    if (rc != BASERT_OK) return rc;
+int baseRT_sequence_rollback(baseRT_sequence_t handle, int length) {
+    rt_seq *seq = rt_seq_get(NULL, handle, "baseRT_sequence_rollback", -1);
+    if (!seq) return rt_last_error_code();
     if (length < 0 || length > seq->length) {
         rt_set_error(BASERT_ERR_INVALID_ARGUMENT,
                      "baseRT_sequence_rollback: length %d is outside [0, %d] (the sequence's current length)",

@@ -7,6 +7,7 @@
 #include "json.h"
 
 #include <errno.h>
+#include <float.h>
 #include <fcntl.h>
 #include <math.h>
 #include <stdio.h>
@@ -25,7 +26,7 @@
 #define RT_MAX_PREFILL_CHUNK 4096
 #define IDENTITY_BYTES ((size_t)1 << 20)
 
-enum { DT_F32, DT_F16, DT_BF16 };
+enum { DT_F32, DT_F16, DT_BF16, DT_Q8, DT_Q4 };
 
 typedef struct {
     const char *name;
@@ -34,6 +35,10 @@ typedef struct {
     int64_t shape[4];
     uint64_t n_elems;
     uint64_t offset, length; /* offset relative to the blob */
+    /* base_q8 / base_q4 (CANONICAL_QUANT_SPEC.md): groups along each row */
+    uint32_t group_size;
+    bool symmetric, bf16_scales;
+    uint64_t scale_offset, bias_offset; /* blob-relative, validated like offset */
 } tensor_entry;
 
 typedef struct {
@@ -175,7 +180,10 @@ static int cfg_float(const bundle *b, const json_value *cfg, const char *key, do
                      float *out) {
     const json_value *v = json_get(cfg, key);
     double x = dflt;
-    if (v && v->type != JSON_NULL && (!json_number(v, &x) || !isfinite(x) || x <= lo || x > hi))
+    /* The value is used as a float: it must stay a positive normal float
+     * (1e-300 would round to 0 and turn RoPE or the norm into inf / NaN). */
+    if (v && v->type != JSON_NULL &&
+        (!json_number(v, &x) || !isfinite(x) || x <= lo || x > hi || !((float)x >= FLT_MIN)))
         return bundle_fail(b, BASERT_ERR_INVALID_FORMAT, "config.%s must be a number in (%g, %g]", key, lo, hi);
     *out = (float)x;
     return BASERT_OK;
@@ -195,7 +203,7 @@ static int parse_config(const bundle *b, parsed_config *pc) {
         (rc = cfg_uint(b, c, "intermediate_size", true, 0, 1, 1u << 20, &cfg->ffn_dim)) ||
         (rc = cfg_uint(b, c, "vocab_size", true, 0, 1, 1u << 24, &cfg->vocab_size)) ||
         (rc = cfg_uint(b, c, "max_position_embeddings", true, 0, 1, 1u << 24, &trained)) ||
-        (rc = cfg_float(b, c, "rope_theta", 10000.0, 0.0, 1e12, &cfg->rope_theta)) ||
+        (rc = cfg_float(b, c, "rope_theta", 10000.0, 1.0, 1e12, &cfg->rope_theta)) ||
         (rc = cfg_float(b, c, "rms_norm_eps", 1e-5, 0.0, 1.0, &cfg->norm_eps)))
         return rc;
     uint32_t head_dim_default = cfg->dim % cfg->n_heads == 0 ? cfg->dim / cfg->n_heads : 0;
@@ -241,6 +249,64 @@ static int parse_config(const bundle *b, parsed_config *pc) {
 
 /* ---- tensor table ------------------------------------------------------------ */
 
+/* Does [off, off + len) lie inside the blob? Compared by subtraction (no wrap). */
+static bool blob_range_ok(const bundle *b, uint64_t off, uint64_t len) {
+    uint64_t room = b->size > b->blob_start ? b->size - b->blob_start : 0;
+    return off <= room && len <= room - off;
+}
+
+/* The group fields of a base_q8 / base_q4 tensor (CANONICAL_QUANT_SPEC.md):
+ * 2-D, rows split into groups of 32 / 64 / 128, f16 or bf16 scales, the
+ * cpu_avx2 row-major layout (q4: per group, byte j holds value j in its low
+ * nibble and value j + G/2 in its high nibble), a scale region and, unless
+ * symmetric, a bias region. */
+static int parse_quant(const bundle *b, const json_value *t, tensor_entry *out) {
+    const char *name = out->name;
+    bool q4 = out->dtype == DT_Q4;
+    int64_t gs = 0, x;
+    if (!json_int64(json_get(t, "group_size"), &gs) || (gs != 32 && gs != 64 && gs != 128))
+        return bundle_fail(b, BASERT_ERR_UNSUPPORTED, "tensor '%s': group_size must be 32, 64 or 128", name);
+    if (out->ndim != 2 || out->shape[1] % gs != 0 || out->shape[1] == 0)
+        return bundle_fail(b, BASERT_ERR_INVALID_FORMAT,
+                           "tensor '%s': a quantized tensor must be 2-D with rows that split into groups of %lld",
+                           name, (long long)gs);
+    out->group_size = (uint32_t)gs;
+    const char *sd = json_string(json_get(t, "scale_dtype"));
+    if (!sd) sd = "bf16"; /* the spec's default */
+    if (strcmp(sd, "f16") != 0 && strcmp(sd, "bf16") != 0)
+        return bundle_fail(b, BASERT_ERR_UNSUPPORTED, "tensor '%s': scale_dtype '%s' is not supported (f16, bf16)",
+                           name, sd);
+    out->bf16_scales = strcmp(sd, "bf16") == 0;
+    bool sym = false;
+    const json_value *symv = json_get(t, "symmetric");
+    if (symv && symv->type != JSON_NULL && !json_bool(symv, &sym))
+        return bundle_fail(b, BASERT_ERR_INVALID_FORMAT, "tensor '%s': symmetric is not a boolean", name);
+    out->symmetric = sym;
+    const char *layout = json_string(json_get(t, "layout"));
+    const char *want = q4 ? "rowmajor_nibble_halves" : "rowmajor";
+    if (!layout || strcmp(layout, want) != 0)
+        return bundle_fail(b, BASERT_ERR_UNSUPPORTED,
+                           "tensor '%s': layout '%s' is not supported (the reference engine reads '%s')", name,
+                           layout ? layout : "(none)", want);
+    uint64_t packed = q4 ? out->n_elems / 2 : out->n_elems;
+    if (out->length != packed)
+        return bundle_fail(b, BASERT_ERR_INVALID_FORMAT, "tensor '%s': length %llu, expected %llu packed bytes",
+                           name, (unsigned long long)out->length, (unsigned long long)packed);
+    uint64_t region = out->n_elems / (uint64_t)gs * 2;
+    const char *keys[2][2] = {{"scale_offset", "scale_length"}, {"bias_offset", "bias_length"}};
+    uint64_t *offs[2] = {&out->scale_offset, &out->bias_offset};
+    for (int k = 0; k < (sym ? 1 : 2); k++) {
+        int64_t len;
+        if (!json_int64(json_get(t, keys[k][0]), &x) || x < 0 || !json_int64(json_get(t, keys[k][1]), &len) ||
+            (uint64_t)len != region || !blob_range_ok(b, (uint64_t)x, region))
+            return bundle_fail(b, BASERT_ERR_INVALID_FORMAT,
+                               "tensor '%s': %s / %s missing, not %llu bytes, or outside the weights", name,
+                               keys[k][0], keys[k][1], (unsigned long long)region);
+        *offs[k] = (uint64_t)x;
+    }
+    return BASERT_OK;
+}
+
 static int parse_tensor(const bundle *b, const json_value *t, size_t index, tensor_entry *out) {
     memset(out, 0, sizeof *out);
     out->name = json_string(json_get(t, "name"));
@@ -253,9 +319,13 @@ static int parse_tensor(const bundle *b, const json_value *t, size_t index, tens
     if (strcmp(dtype, "f32") == 0) out->dtype = DT_F32, esize = 4;
     else if (strcmp(dtype, "f16") == 0) out->dtype = DT_F16, esize = 2;
     else if (strcmp(dtype, "bf16") == 0) out->dtype = DT_BF16, esize = 2;
+    else if (strcmp(dtype, "base_q8") == 0) out->dtype = DT_Q8, esize = 0;
+    else if (strcmp(dtype, "base_q4") == 0) out->dtype = DT_Q4, esize = 0;
     else
         return bundle_fail(b, BASERT_ERR_UNSUPPORTED,
-                           "tensor '%s' has dtype '%s'; the reference engine reads f32, f16 and bf16", name, dtype);
+                           "tensor '%s' has dtype '%s'; the reference engine reads f32, f16, bf16, base_q8 and "
+                           "base_q4",
+                           name, dtype);
     const json_value *shape = json_get(t, "shape");
     size_t nd = json_count(shape);
     if (!shape || shape->type != JSON_ARRAY || nd < 1 || nd > 4)
@@ -279,16 +349,23 @@ static int parse_tensor(const bundle *b, const json_value *t, size_t index, tens
         return bundle_fail(b, BASERT_ERR_INVALID_FORMAT, "tensor '%s' has no valid length", name);
     out->offset = (uint64_t)off;
     out->length = (uint64_t)len;
-    if (n * esize != out->length)
+    if (esize == 0) {
+        int rc = parse_quant(b, t, out);
+        if (rc) return rc;
+    } else if (n * esize != out->length) {
         return bundle_fail(b, BASERT_ERR_INVALID_FORMAT,
                            "tensor '%s': length %llu does not match its shape (%llu elements of %s)", name,
                            (unsigned long long)out->length, (unsigned long long)n, dtype);
-    /* offset, length < 2^63 each: the sums below cannot wrap. */
-    uint64_t end = b->blob_start + out->offset + out->length;
-    if (b->blob_start + out->offset < b->blob_start || end > b->size)
+    }
+    /* Compared by subtraction: offset and length may each be near 2^63, so
+     * their sum with blob_start could wrap a uint64. */
+    uint64_t room = b->size > b->blob_start ? b->size - b->blob_start : 0;
+    if (out->offset > room || out->length > room - out->offset)
         return bundle_fail(b, BASERT_ERR_INVALID_FORMAT,
-                           "truncated or inconsistent: tensor '%s' spans bytes [%llu, %llu) of a %zu-byte file", name,
-                           (unsigned long long)(b->blob_start + out->offset), (unsigned long long)end, b->size);
+                           "truncated or inconsistent: tensor '%s' at blob offset %llu with %llu bytes does not fit the "
+                           "%llu bytes of weights in a %zu-byte file",
+                           name, (unsigned long long)out->offset, (unsigned long long)out->length,
+                           (unsigned long long)room, b->size);
     return BASERT_OK;
 }
 
@@ -409,20 +486,62 @@ static float *load_tensor_f32(const bundle *b, const tensor_entry *t) {
     return out;
 }
 
+/* A matrix: f16 stays f16 (the kernels widen it in registers, exactly);
+ * f32 and bf16 become f32. BASERT_REF_WIDEN_F16=1 widens f16 at load as
+ * the engine used to (benchmarks and the bit-identity test compare both). */
+static bool load_matrix(const bundle *b, const tensor_entry *t, bool widen_f16, rt_weight *out, uint64_t *total) {
+    if (t->dtype == DT_Q8 || t->dtype == DT_Q4) {
+        const unsigned char *blob = b->map + b->blob_start;
+        size_t bytes = rt_weight_from_groups(out, t->dtype == DT_Q4, blob + t->offset, blob + t->scale_offset,
+                                             t->symmetric ? NULL : blob + t->bias_offset, t->bf16_scales,
+                                             t->symmetric, (size_t)t->shape[0], (size_t)t->shape[1],
+                                             (int)t->group_size);
+        if (!bytes) {
+            bundle_fail(b, BASERT_ERR_OUT_OF_MEMORY, "out of memory loading tensor '%s'", t->name);
+            return false;
+        }
+        *total += bytes;
+        return true;
+    }
+    if (t->dtype == DT_F16 && !widen_f16) {
+        size_t bytes = (size_t)t->n_elems * 2;
+        uint16_t *h = malloc(bytes ? bytes : 1);
+        if (!h) {
+            bundle_fail(b, BASERT_ERR_OUT_OF_MEMORY, "out of memory loading tensor '%s' (%zu bytes)", t->name, bytes);
+            return false;
+        }
+        memcpy(h, b->map + b->blob_start + t->offset, bytes);
+        *out = (rt_weight){h, RT_W_F16};
+        *total += bytes;
+        return true;
+    }
+    float *f = load_tensor_f32(b, t);
+    if (!f) return false;
+    *out = (rt_weight){f, RT_W_F32};
+    *total += t->n_elems * sizeof(float);
+    return true;
+}
+
 static int load_weights(const bundle *b, rt_model *m, tensor_entry **slots) {
     const BaseRTModelConfig *cfg = &m->cfg;
     m->layers = calloc(cfg->n_layers, sizeof *m->layers);
     if (!m->layers) return bundle_fail(b, BASERT_ERR_OUT_OF_MEMORY, "out of memory");
+    const char *widen_env = getenv("BASERT_REF_WIDEN_F16");
+    bool widen = widen_env && widen_env[0] && strcmp(widen_env, "0") != 0;
     uint64_t total = 0;
 #define LOAD(dst, slot)                                                                                                \
     do {                                                                                                               \
         if (!((dst) = load_tensor_f32(b, slots[slot]))) return BASERT_ERR_OUT_OF_MEMORY;                              \
         total += slots[slot]->n_elems * sizeof(float);                                                                 \
     } while (0)
-    LOAD(m->tok_embd, SLOT_EMBED);
+#define LOADW(dst, slot)                                                                                               \
+    do {                                                                                                               \
+        if (!load_matrix(b, slots[slot], widen, &(dst), &total)) return BASERT_ERR_OUT_OF_MEMORY;                     \
+    } while (0)
+    LOADW(m->tok_embd, SLOT_EMBED);
     LOAD(m->final_norm, SLOT_FINAL_NORM);
     if (slots[SLOT_LM_HEAD]) {
-        LOAD(m->lm_head, SLOT_LM_HEAD);
+        LOADW(m->lm_head, SLOT_LM_HEAD);
         m->tied_embeddings = false;
     } else {
         m->lm_head = m->tok_embd;
@@ -432,16 +551,17 @@ static int load_weights(const bundle *b, rt_model *m, tensor_entry **slots) {
         rt_layer *L = &m->layers[l];
         size_t s = SLOT_LAYER0 + (size_t)l * 9;
         LOAD(L->attn_norm, s + 0);
-        LOAD(L->wq, s + 1);
-        LOAD(L->wk, s + 2);
-        LOAD(L->wv, s + 3);
-        LOAD(L->wo, s + 4);
+        LOADW(L->wq, s + 1);
+        LOADW(L->wk, s + 2);
+        LOADW(L->wv, s + 3);
+        LOADW(L->wo, s + 4);
         LOAD(L->ffn_norm, s + 5);
-        LOAD(L->w_gate, s + 6);
-        LOAD(L->w_up, s + 7);
-        LOAD(L->w_down, s + 8);
+        LOADW(L->w_gate, s + 6);
+        LOADW(L->w_up, s + 7);
+        LOADW(L->w_down, s + 8);
     }
 #undef LOAD
+#undef LOADW
     m->weight_bytes = (size_t)total;
     return BASERT_OK;
 }
@@ -618,19 +738,19 @@ void rt_model_destroy(rt_model *m) {
         for (uint32_t l = 0; l < m->cfg.n_layers; l++) {
             rt_layer *L = &m->layers[l];
             free(L->attn_norm);
-            free(L->wq);
-            free(L->wk);
-            free(L->wv);
-            free(L->wo);
+            free(L->wq.p);
+            free(L->wk.p);
+            free(L->wv.p);
+            free(L->wo.p);
             free(L->ffn_norm);
-            free(L->w_gate);
-            free(L->w_up);
-            free(L->w_down);
+            free(L->w_gate.p);
+            free(L->w_up.p);
+            free(L->w_down.p);
         }
         free(m->layers);
     }
-    if (m->lm_head != m->tok_embd) free(m->lm_head);
-    free(m->tok_embd);
+    if (m->lm_head.p != m->tok_embd.p) free(m->lm_head.p);
+    free(m->tok_embd.p);
     free(m->final_norm);
     if (m->tok) bpe_free(m->tok);
     free(m->eos_ids);
@@ -657,7 +777,20 @@ static int apply_options(const char *fn, rt_model *m, const BaseRTLoadOptions *o
                            : RT_DEFAULT_PREFILL_CHUNK;
     int batch = o->max_batch_size ? o->max_batch_size : 1;
     m->max_batch_size = batch < m->prefill_chunk ? batch : m->prefill_chunk; /* capped at prefill_chunk */
-    m->kv_bits = 32; /* f32 KV whatever was asked (reported as 16 by baseRT_kv_bits_effective) */
+    /* KV element width: 0 (auto) keeps the reference engine's exact f32 pool
+     * (reported as 32 by baseRT_kv_bits_effective: no encoding of the header
+     * names f32, and reporting 16 for it would be false); 16 is an f16 pool,
+     * 8 a Q8_0 pool (rt_load falls back to f16 when head_dim % 32 != 0). Q4_0
+     * is not implemented: 4 and 84 get Q8_0 (a paged pool is uniform, as the
+     * header says for 84), and baseRT_kv_bits_effective says so. */
+    switch (o->kv_bits) {
+    case 0: m->kv_bits = 32; break;
+    case 16: m->kv_bits = 16; break;
+    case 4: case 8: case 84: m->kv_bits = 8; break;
+    default:
+        rt_set_error(BASERT_ERR_INVALID_ARGUMENT, "%s: kv_bits must be 0, 4, 8, 16 or 84, got %d", fn, o->kv_bits);
+        return BASERT_ERR_INVALID_ARGUMENT;
+    }
     return BASERT_OK;
 }
 
@@ -704,6 +837,8 @@ rt_model *rt_load(const char *fn, const char *path, int max_context, const BaseR
     }
     if ((rc = parse_config(&b, &pc))) goto fail;
     m->cfg = pc.cfg;
+    /* Q8_0 KV blocks must not straddle heads, and a widened page slice must fit attention's buffer. */
+    if (m->kv_bits == 8 && (m->cfg.head_dim % 32 != 0 || m->cfg.head_dim > RT_KV_MAX_HEAD_DIM)) m->kv_bits = 16;
     m->trained_context = pc.trained_context;
     if (tokenizer_only) {
         m->cfg.max_seq_len = (uint32_t)pc.trained_context;
@@ -728,14 +863,14 @@ rt_model *rt_load(const char *fn, const char *path, int max_context, const BaseR
         return NULL;
     }
     m->magic = RT_MODEL_MAGIC;
-    if (!rt_handle_register(m)) {
+    if (!(m->handle = rt_handle_new(RT_KIND_MODEL, m))) {
         rt_set_error(BASERT_ERR_OUT_OF_MEMORY, "%s: %s: out of memory", fn, path);
         rt_model_destroy(m);
         return NULL;
     }
     if (!tokenizer_only && rt_runtime_init(m) != BASERT_OK) {
         /* rt_runtime_init set the error; it leaves m->rt NULL or freeable. */
-        rt_handle_unregister(m);
+        rt_handle_release(m->handle);
         if (m->rt) rt_runtime_free(m);
         rt_model_destroy(m);
         return NULL;
@@ -769,11 +904,12 @@ int rt_bundle_read_budget(const char *fn, const char *path, rt_bundle_budget *ou
         for (size_t i = 0; !rc && i < json_count(arr); i++) {
             tensor_entry t;
             rc = parse_tensor(&b, json_at(arr, i), i, &t);
-            weights += t.n_elems * sizeof(float);
+            /* resident bytes: matrices keep f16, everything else is f32 */
+            weights += t.n_elems * (t.dtype == DT_F16 && t.ndim == 2 ? 2 : sizeof(float));
         }
         out->trained_context = pc.trained_context;
         out->weight_bytes = weights;
-        out->kv_bytes_per_token = (uint64_t)pc.cfg.n_layers * 2 * pc.cfg.kv_dim * sizeof(float);
+        out->kv_bytes_per_token = (uint64_t)pc.cfg.n_layers * 2 * pc.cfg.kv_dim * sizeof(float); /* f32 pool */
     }
     bundle_close(&b);
     return rc;

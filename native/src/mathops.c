@@ -11,6 +11,7 @@
 #include <pthread.h>
 #include <sched.h>
 #include <stdatomic.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
@@ -70,6 +71,115 @@ float rt_bf16_to_f32(uint16_t h) {
     return f;
 }
 
+size_t rt_weight_elem_size(int type) { return type == RT_W_F16 ? 2 : 4; }
+
+/* ---- quantized weights (base_q8 / base_q4) -------------------------------------- */
+
+static float load_scale(const uint8_t *p, size_t i, bool bf16) {
+    uint16_t h;
+    memcpy(&h, p + 2 * i, 2);
+    return bf16 ? rt_bf16_to_f32(h) : rt_f16_to_f32(h);
+}
+
+size_t rt_weight_from_groups(rt_weight *out, bool q4, const uint8_t *packed, const uint8_t *scales,
+                             const uint8_t *biases, bool bf16_scales, bool symmetric, size_t rows, size_t cols,
+                             int gs) {
+    size_t nb = cols / 32, groups_per_row = cols / (size_t)gs;
+    size_t bytes = rows * nb * (q4 ? sizeof(rt_blk_q4) : sizeof(rt_blk_q8));
+    void *mem = malloc(bytes ? bytes : 1);
+    if (!mem) return 0;
+    for (size_t r = 0; r < rows; r++) {
+        for (size_t k = 0; k < nb; k++) {
+            size_t v0 = k * 32;                        /* first value of this block in the row */
+            size_t g = r * groups_per_row + v0 / (size_t)gs; /* its group */
+            size_t in_group = v0 % (size_t)gs;
+            float d = load_scale(scales, g, bf16_scales);
+            float m = biases ? load_scale(biases, g, bf16_scales) : 0.0f;
+            if (q4) {
+                rt_blk_q4 *bk = (rt_blk_q4 *)mem + r * nb + k;
+                const uint8_t *gp = packed + g * (size_t)(gs / 2);
+                uint8_t u[32];
+                for (int i = 0; i < 32; i++) { /* value v of the group: byte v % (gs/2), nibble v / (gs/2) */
+                    size_t v = in_group + (size_t)i, half = (size_t)gs / 2;
+                    u[i] = v < half ? gp[v] & 0x0F : gp[v - half] >> 4;
+                }
+                for (int j = 0; j < 16; j++) bk->q[j] = (uint8_t)(u[j] | u[j + 16] << 4);
+                if (symmetric) { /* (u - 8) * d */
+                    bk->d = d;
+                    bk->m = -8.0f * d;
+                } else {
+                    bk->d = d;
+                    bk->m = m;
+                }
+            } else {
+                rt_blk_q8 *bk = (rt_blk_q8 *)mem + r * nb + k;
+                const uint8_t *src = packed + r * cols + v0;
+                /* stored u = q + 128: symmetric value (u - 128) * d exactly; asymmetric
+                 * u * d + m = (u - 128) * d + (m + 128 d) */
+                for (int i = 0; i < 32; i++) bk->q[i] = (int8_t)(src[i] ^ 0x80);
+                bk->d = d;
+                bk->m = symmetric ? 0.0f : m + 128.0f * d;
+            }
+        }
+    }
+    *out = (rt_weight){mem, q4 ? RT_W_Q4 : RT_W_Q8};
+    return bytes;
+}
+
+/* Quantize `rows` rows of n floats (n % 32 == 0) to blocks: per block d =
+ * amax / 127, q = round(x / d) (the rounding of nearbyintf, ties to even). */
+static void quantize_rows(const float *x, size_t ldx, int rows, int n, rt_blk_x *out) {
+    int nb = n / 32;
+    for (int r = 0; r < rows; r++) {
+        const float *xr = x + (size_t)r * ldx;
+        for (int k = 0; k < nb; k++) {
+            const float *v = xr + k * 32;
+            rt_blk_x *b = out + (size_t)r * nb + k;
+            float amax = 0.0f;
+            for (int i = 0; i < 32; i++) amax = fmaxf(amax, fabsf(v[i]));
+            float d = amax / 127.0f, id = d > 0.0f ? 1.0f / d : 0.0f;
+            int sum = 0;
+            for (int i = 0; i < 32; i++) {
+                /* Round to nearest even without a libm call: |v * id| <= 127.5, far below 2^22,
+                 * so adding and removing 1.5 * 2^23 leaves exactly nearbyintf's result. */
+                float t = v[i] * id;
+                int q = (int)((t + 12582912.0f) - 12582912.0f);
+                q = q > 127 ? 127 : q < -127 ? -127 : q;
+                b->q[i] = (int8_t)q;
+                sum += q;
+            }
+            b->d = d;
+            b->s = d * (float)sum;
+        }
+    }
+}
+
+void rt_weight_row(const rt_weight *w, size_t row, int n, float *out) {
+    if (w->type == RT_W_Q8 || w->type == RT_W_Q4) {
+        int nb = n / 32;
+        for (int k = 0; k < nb; k++) {
+            float *o = out + k * 32;
+            if (w->type == RT_W_Q8) {
+                const rt_blk_q8 *b = (const rt_blk_q8 *)w->p + row * (size_t)nb + k;
+                for (int i = 0; i < 32; i++) o[i] = b->d * (float)b->q[i] + b->m;
+            } else {
+                const rt_blk_q4 *b = (const rt_blk_q4 *)w->p + row * (size_t)nb + k;
+                for (int j = 0; j < 16; j++) {
+                    o[j] = b->d * (float)(b->q[j] & 0x0F) + b->m;
+                    o[j + 16] = b->d * (float)(b->q[j] >> 4) + b->m;
+                }
+            }
+        }
+        return;
+    }
+    if (w->type == RT_W_F16) {
+        const uint16_t *h = (const uint16_t *)w->p + row * (size_t)n;
+        for (int i = 0; i < n; i++) out[i] = rt_f16_to_f32(h[i]);
+    } else {
+        memcpy(out, (const float *)w->p + row * (size_t)n, (size_t)n * sizeof(float));
+    }
+}
+
 /* ---- dot-product kernels ------------------------------------------------------
  * The dot product is defined as: one V-lane accumulator (V = the vector width
  * of the kernel set) over the first n - n % V elements in order, a fixed-order
@@ -77,7 +187,14 @@ float rt_bf16_to_f32(uint16_t h) {
  * kernel computes RT x OT such dot products at once (RT rows of x against OT
  * rows of W), each with its own accumulator following exactly that sequence,
  * so a value never depends on the tile it lands in. Every set provides tiles
- * RMxOM, 2xOM, 1xOM, RMx1 and 1x1 (RM, OM = its main tile shape).
+ * RMxOM, 2xOM, 1xOM, RMx1 and 1x1 (RM, OM = its main tile shape), for f32
+ * weights and for f16 weights.
+ *
+ * f16 weights stay f16 in memory (half the bytes to stream per decode step)
+ * and are widened in registers (F16C / AVX-512 vcvtph2ps, or one element at
+ * a time on the portable path). Widening f16 to f32 is exact, so an f16 tile
+ * performs exactly the operations the f32 tile performs on the f32 copy the
+ * loader used to make: outputs are bit-identical to the widened-at-load ones.
  *
  * While a tile streams its OT weight rows it prefetches, into L2, the rows
  * PREFETCH_TILES tiles ahead (the matmul walks weight rows in order): decode
@@ -86,14 +203,65 @@ float rt_bf16_to_f32(uint16_t h) {
 
 enum { TILE_OMAX = 6, TILE_RMAX = 4, PREFETCH_TILES = 2 };
 
-typedef void (*tile_fn)(const float *x, size_t ldx, const float *w, size_t ldw, float *y, size_t ldy, int n);
+typedef void (*tile_fn)(const float *x, size_t ldx, const void *w, size_t ldw, float *y, size_t ldy, int n);
 /* y[k] += sum over t < n, in order, of p[t] * v[t * ldv + k], for k < d. */
-typedef void (*axpy_fn)(const float *p, int n, const float *v, size_t ldv, float *y, int d);
+typedef void (*axpy_fn)(const float *p, int n, const void *v, size_t ldv, float *y, int d);
+
+typedef struct {
+    tile_fn t_main, t_2, t_1, t_main1, t_11;
+} tile_set;
+
+/* Quantized dot products of one weight row (nb blocks) with RT (<= 4)
+ * quantized activation rows (stride ldx blocks): y[r * ldy]. Per row: over
+ * the blocks in order, acc += (w.d * x.d) * dot(w.q, x.q) (integer dot, exact)
+ * and bias += w.m * x.s; then y = sum(acc) + bias. */
+typedef void (*qdot_fn)(const void *w, size_t wstride, int WR, const rt_blk_x *x, size_t ldx, int RT, int nb,
+                        float *y, size_t ldy);
+/* (WR <= 2 weight rows, wstride bytes apart, into y[r * ldy + j] for weight row j: every (weight row,
+ * activation row) pair runs exactly the sequence above whatever WR and RT.) */
+
+static void qdot_q8_generic(const void *wp, size_t wstride, int WR, const rt_blk_x *x, size_t ldx, int RT, int nb,
+                            float *y, size_t ldy) {
+    for (int j = 0; j < WR; j++) {
+        const rt_blk_q8 *w = (const rt_blk_q8 *)((const char *)wp + (size_t)j * wstride);
+        for (int r = 0; r < RT; r++) {
+            float acc = 0.0f, bias = 0.0f;
+            for (int k = 0; k < nb; k++) {
+                const rt_blk_x *xb = x + (size_t)r * ldx + k;
+                int sumi = 0;
+                for (int i = 0; i < 32; i++) sumi += (int)w[k].q[i] * (int)xb->q[i];
+                acc += (w[k].d * xb->d) * (float)sumi;
+                bias += w[k].m * xb->s;
+            }
+            y[(size_t)r * ldy + j] = acc + bias;
+        }
+    }
+}
+
+static void qdot_q4_generic(const void *wp, size_t wstride, int WR, const rt_blk_x *x, size_t ldx, int RT, int nb,
+                            float *y, size_t ldy) {
+    for (int j = 0; j < WR; j++) {
+        const rt_blk_q4 *w = (const rt_blk_q4 *)((const char *)wp + (size_t)j * wstride);
+        for (int r = 0; r < RT; r++) {
+            float acc = 0.0f, bias = 0.0f;
+            for (int k = 0; k < nb; k++) {
+                const rt_blk_x *xb = x + (size_t)r * ldx + k;
+                int sumi = 0;
+                for (int i = 0; i < 16; i++)
+                    sumi += (int)(w[k].q[i] & 0x0F) * (int)xb->q[i] + (int)(w[k].q[i] >> 4) * (int)xb->q[i + 16];
+                acc += (w[k].d * xb->d) * (float)sumi;
+                bias += w[k].m * xb->s;
+            }
+            y[(size_t)r * ldy + j] = acc + bias;
+        }
+    }
+}
 
 typedef struct {
     int rows_main, cols_main;
-    tile_fn t_main, t_2, t_1, t_main1, t_11;
-    axpy_fn axpy;
+    tile_set f32, f16; /* by weight type */
+    axpy_fn axpy, axpy_h; /* f32 / f16 values */
+    qdot_fn q8, q4;       /* quantized weights against quantized activation rows */
     const char *name;
 } kernel_set;
 
@@ -103,15 +271,28 @@ typedef struct {
 
 /* Address of element i of weight row o + PREFETCH_TILES * OT, computed as an
  * integer: it may lie past the matrix (a prefetch there is harmless, forming
- * such a pointer by pointer arithmetic would not be). */
-#define AHEAD(w, ldw, o, OT, i)                                                                                 \
+ * such a pointer by pointer arithmetic would not be). ES: element size. */
+#define AHEAD(w, ldw, o, OT, i, ES)                                                                             \
     ((const char *)((uintptr_t)(w) + (((size_t)(OT) * PREFETCH_TILES + (size_t)(o)) * (ldw) + (size_t)(i)) *   \
-                                         sizeof(float)))
+                                         (size_t)(ES)))
+
+/* Scalar weight element k of a row (tails), f32 or f16 (exact widening). */
+#define WSCALAR(w, F16, k) ((F16) ? rt_f16_to_f32(((const uint16_t *)(w))[k]) : ((const float *)(w))[k])
 
 #define DEFINE_TILE(PREFIX, RT, OT)                                                                             \
-    static void PREFIX##_##RT##x##OT(const float *x, size_t ldx, const float *w, size_t ldw, float *y,          \
+    static void PREFIX##_##RT##x##OT(const float *x, size_t ldx, const void *w, size_t ldw, float *y,           \
                                      size_t ldy, int n) {                                                       \
-        PREFIX(x, ldx, w, ldw, y, ldy, n, RT, OT);                                                              \
+        PREFIX(x, ldx, w, ldw, y, ldy, n, RT, OT, 0);                                                           \
+    }                                                                                                           \
+    static void PREFIX##_##RT##x##OT##_h(const float *x, size_t ldx, const void *w, size_t ldw, float *y,       \
+                                         size_t ldy, int n) {                                                   \
+        PREFIX(x, ldx, w, ldw, y, ldy, n, RT, OT, 1);                                                           \
+    }
+
+#define TILE_SET(PREFIX, RM, OM, SUF)                                                                           \
+    {                                                                                                           \
+        PREFIX##_##RM##x##OM##SUF, PREFIX##_2x##OM##SUF, PREFIX##_1x##OM##SUF, PREFIX##_##RM##x1##SUF,         \
+            PREFIX##_1x1##SUF                                                                                   \
     }
 
 /* Portable path: GCC vector extensions (SSE2 on baseline x86-64), multiply
@@ -121,10 +302,20 @@ typedef float v8f __attribute__((vector_size(32)));
 /* Macros, not functions: a 32-byte vector by value changes the psABI without AVX. */
 #define V8_LOAD(dst, p) memcpy(&(dst), (p), sizeof(v8f))
 #define V8_HSUM(v) ((((v)[0] + (v)[4]) + ((v)[2] + (v)[6])) + (((v)[1] + (v)[5]) + ((v)[3] + (v)[7])))
+#define V8_LOAD_W(dst, w, F16, off)                                                                             \
+    do {                                                                                                        \
+        if (F16) {                                                                                              \
+            const uint16_t *h_ = (const uint16_t *)(w) + (off);                                                 \
+            for (int k_ = 0; k_ < 8; k_++) (dst)[k_] = rt_f16_to_f32(h_[k_]);                                   \
+        } else {                                                                                                \
+            V8_LOAD(dst, (const float *)(w) + (off));                                                           \
+        }                                                                                                       \
+    } while (0)
 
-static inline __attribute__((always_inline)) void tile_generic(const float *x, size_t ldx, const float *w, size_t ldw,
-                                                               float *y, size_t ldy, int n, int RT, int OT) {
+static inline __attribute__((always_inline)) void tile_generic(const float *x, size_t ldx, const void *w, size_t ldw,
+                                                               float *y, size_t ldy, int n, int RT, int OT, int F16) {
     v8f acc[TILE_RMAX][TILE_OMAX];
+    size_t es = F16 ? 2 : 4;
     UNROLL
     for (int r = 0; r < RT; r++)
         UNROLL
@@ -137,8 +328,8 @@ static inline __attribute__((always_inline)) void tile_generic(const float *x, s
         UNROLL
         for (int o = 0; o < OT; o++) {
             v8f wv;
-            V8_LOAD(wv, w + o * ldw + i);
-            __builtin_prefetch(AHEAD(w, ldw, o, OT, i), 0, 2);
+            V8_LOAD_W(wv, w, F16, o * ldw + i);
+            __builtin_prefetch(AHEAD(w, ldw, o, OT, i, es), 0, 2);
             UNROLL
             for (int r = 0; r < RT; r++) acc[r][o] = acc[r][o] + xv[r] * wv;
         }
@@ -148,7 +339,7 @@ static inline __attribute__((always_inline)) void tile_generic(const float *x, s
         UNROLL
         for (int o = 0; o < OT; o++) {
             float s = V8_HSUM(acc[r][o]);
-            for (int i = nv; i < n; i++) s = s + x[r * ldx + i] * w[o * ldw + i];
+            for (int i = nv; i < n; i++) s = s + x[r * ldx + i] * WSCALAR(w, F16, o * ldw + i);
             y[r * ldy + o] = s;
         }
 }
@@ -159,29 +350,31 @@ DEFINE_TILE(tile_generic, 1, 4)
 DEFINE_TILE(tile_generic, 3, 1)
 DEFINE_TILE(tile_generic, 1, 1)
 
-static void axpy_generic(const float *p, int n, const float *v, size_t ldv, float *y, int d) {
+static inline __attribute__((always_inline)) void axpy_generic_t(const float *p, int n, const void *v, size_t ldv,
+                                                                 float *y, int d, int F16) {
     int k = 0;
     for (; k + 8 <= d; k += 8) {
         v8f acc, vv;
         V8_LOAD(acc, y + k);
         for (int t = 0; t < n; t++) {
-            V8_LOAD(vv, v + t * ldv + k);
+            V8_LOAD_W(vv, v, F16, t * ldv + k);
             acc = acc + p[t] * vv;
         }
         memcpy(y + k, &acc, sizeof acc);
     }
     for (; k < d; k++)
-        for (int t = 0; t < n; t++) y[k] = y[k] + p[t] * v[t * ldv + k];
+        for (int t = 0; t < n; t++) y[k] = y[k] + p[t] * WSCALAR(v, F16, t * ldv + k);
 }
 
-static const kernel_set generic_kernels = {3,
-                                           4,
-                                           tile_generic_3x4,
-                                           tile_generic_2x4,
-                                           tile_generic_1x4,
-                                           tile_generic_3x1,
-                                           tile_generic_1x1,
-                                           axpy_generic,
+static void axpy_generic(const float *p, int n, const void *v, size_t ldv, float *y, int d) {
+    axpy_generic_t(p, n, v, ldv, y, d, 0);
+}
+static void axpy_generic_h(const float *p, int n, const void *v, size_t ldv, float *y, int d) {
+    axpy_generic_t(p, n, v, ldv, y, d, 1);
+}
+
+static const kernel_set generic_kernels = {3, 4, TILE_SET(tile_generic, 3, 4, ), TILE_SET(tile_generic, 3, 4, _h),
+                                           axpy_generic, axpy_generic_h, qdot_q8_generic, qdot_q4_generic,
                                            "generic"};
 
 #if defined(__x86_64__) && defined(__GNUC__)
@@ -193,9 +386,10 @@ static const kernel_set generic_kernels = {3,
  * penalty -- a 7x slowdown of -O1 / sanitizer builds. */
 #define LEAVE_AVX() _mm256_zeroupper()
 
-/* AVX2 + FMA: 8 lanes, 3x4 main tile (12 accumulators + 3 x + 1 w registers). */
+/* AVX2 + FMA (+ F16C for f16 weights): 8 lanes, 3x4 main tile (12
+ * accumulators + 3 x + 1 w registers). */
 #pragma GCC push_options
-#pragma GCC target("avx2,fma")
+#pragma GCC target("avx2,fma,f16c")
 
 static inline float hsum_avx(__m256 v) {
     /* Same association as V8_HSUM: (l0+l4 + l2+l6) + (l1+l5 + l3+l7). */
@@ -204,9 +398,15 @@ static inline float hsum_avx(__m256 v) {
     return _mm_cvtss_f32(_mm_add_ss(t, _mm_shuffle_ps(t, t, 1)));
 }
 
-static inline __attribute__((always_inline)) void tile_avx2(const float *x, size_t ldx, const float *w, size_t ldw,
-                                                            float *y, size_t ldy, int n, int RT, int OT) {
+static inline __attribute__((always_inline)) __m256 load8_w(const void *w, size_t off, int F16) {
+    if (F16) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)w + off)));
+    return _mm256_loadu_ps((const float *)w + off);
+}
+
+static inline __attribute__((always_inline)) void tile_avx2(const float *x, size_t ldx, const void *w, size_t ldw,
+                                                            float *y, size_t ldy, int n, int RT, int OT, int F16) {
     __m256 acc[TILE_RMAX][TILE_OMAX];
+    size_t es = F16 ? 2 : 4;
     UNROLL
     for (int r = 0; r < RT; r++)
         UNROLL
@@ -218,8 +418,8 @@ static inline __attribute__((always_inline)) void tile_avx2(const float *x, size
         for (int r = 0; r < RT; r++) xv[r] = _mm256_loadu_ps(x + r * ldx + i);
         UNROLL
         for (int o = 0; o < OT; o++) {
-            __m256 wv = _mm256_loadu_ps(w + o * ldw + i);
-            _mm_prefetch(AHEAD(w, ldw, o, OT, i), _MM_HINT_T1);
+            __m256 wv = load8_w(w, o * ldw + i, F16);
+            _mm_prefetch(AHEAD(w, ldw, o, OT, i, es), _MM_HINT_T1);
             UNROLL
             for (int r = 0; r < RT; r++) acc[r][o] = _mm256_fmadd_ps(xv[r], wv, acc[r][o]);
         }
@@ -229,7 +429,7 @@ static inline __attribute__((always_inline)) void tile_avx2(const float *x, size
         UNROLL
         for (int o = 0; o < OT; o++) {
             float s = hsum_avx(acc[r][o]);
-            for (int i = nv; i < n; i++) s = fmaf(x[r * ldx + i], w[o * ldw + i], s);
+            for (int i = nv; i < n; i++) s = fmaf(x[r * ldx + i], WSCALAR(w, F16, o * ldw + i), s);
             y[r * ldy + o] = s;
         }
     LEAVE_AVX();
@@ -241,38 +441,116 @@ DEFINE_TILE(tile_avx2, 1, 4)
 DEFINE_TILE(tile_avx2, 3, 1)
 DEFINE_TILE(tile_avx2, 1, 1)
 
-static void axpy_avx2(const float *p, int n, const float *v, size_t ldv, float *y, int d) {
+static inline __attribute__((always_inline)) void axpy_avx2_t(const float *p, int n, const void *v, size_t ldv,
+                                                              float *y, int d, int F16) {
     int k = 0;
     for (; k + 16 <= d; k += 16) {
         __m256 a0 = _mm256_loadu_ps(y + k), a1 = _mm256_loadu_ps(y + k + 8);
         for (int t = 0; t < n; t++) {
             __m256 pt = _mm256_set1_ps(p[t]);
-            a0 = _mm256_fmadd_ps(pt, _mm256_loadu_ps(v + t * ldv + k), a0);
-            a1 = _mm256_fmadd_ps(pt, _mm256_loadu_ps(v + t * ldv + k + 8), a1);
+            a0 = _mm256_fmadd_ps(pt, load8_w(v, t * ldv + k, F16), a0);
+            a1 = _mm256_fmadd_ps(pt, load8_w(v, t * ldv + k + 8, F16), a1);
         }
         _mm256_storeu_ps(y + k, a0);
         _mm256_storeu_ps(y + k + 8, a1);
     }
     for (; k < d; k++)
-        for (int t = 0; t < n; t++) y[k] = fmaf(p[t], v[t * ldv + k], y[k]);
+        for (int t = 0; t < n; t++) y[k] = fmaf(p[t], WSCALAR(v, F16, t * ldv + k), y[k]);
     LEAVE_AVX();
+}
+
+static void axpy_avx2(const float *p, int n, const void *v, size_t ldv, float *y, int d) {
+    axpy_avx2_t(p, n, v, ldv, y, d, 0);
+}
+static void axpy_avx2_h(const float *p, int n, const void *v, size_t ldv, float *y, int d) {
+    axpy_avx2_t(p, n, v, ldv, y, d, 1);
+}
+
+/* Integer dot of 32 unsigned weight bytes with 32 signed activations, as 8
+ * int32 partial sums widened to float (exact: |sum| < 2^24). */
+static inline __m256 dot_u8_i8(__m256i w, __m256i x) {
+    __m256i p16 = _mm256_maddubs_epi16(w, x); /* pairs: at most 2 * 255 * 127, no saturation for our ranges */
+    return _mm256_cvtepi32_ps(_mm256_madd_epi16(p16, _mm256_set1_epi16(1)));
+}
+
+static inline __attribute__((always_inline)) void qdot_avx2_t(const void *wp, size_t wstride, const rt_blk_x *x,
+                                                              size_t ldx, int RT, int nb, float *y, size_t ldy,
+                                                              int Q4, int WR) {
+    __m256 acc[2][4];
+    float bias[2][4];
+    for (int j = 0; j < 2; j++)
+        for (int r = 0; r < 4; r++) {
+            acc[j][r] = _mm256_setzero_ps();
+            bias[j][r] = 0.0f;
+        }
+    const __m256i low4 = _mm256_set1_epi8(0x0F);
+    for (int k = 0; k < nb; k++) {
+        __m256i wq[2], wabs[2];
+        float wd[2], wm[2];
+        for (int j = 0; j < WR; j++) {
+            const char *row = (const char *)wp + (size_t)j * wstride;
+            if (Q4) {
+                const rt_blk_q4 *w = (const rt_blk_q4 *)row + k;
+                __m128i b = _mm_loadu_si128((const __m128i *)w->q);
+                wq[j] = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(b, 4), b), low4);
+                wd[j] = w->d;
+                wm[j] = w->m;
+            } else {
+                const rt_blk_q8 *w = (const rt_blk_q8 *)row + k;
+                wq[j] = _mm256_loadu_si256((const __m256i *)w->q);
+                wabs[j] = _mm256_sign_epi8(wq[j], wq[j]);
+                wd[j] = w->d;
+                wm[j] = w->m;
+            }
+        }
+        for (int r = 0; r < RT; r++) {
+            const rt_blk_x *xb = x + (size_t)r * ldx + k;
+            __m256i xq = _mm256_loadu_si256((const __m256i *)xb->q);
+            for (int j = 0; j < WR; j++) {
+                __m256 dot = Q4 ? dot_u8_i8(wq[j], xq) /* nibbles are unsigned */
+                                : dot_u8_i8(wabs[j], _mm256_sign_epi8(xq, wq[j]));
+                acc[j][r] = _mm256_fmadd_ps(_mm256_set1_ps(wd[j] * xb->d), dot, acc[j][r]);
+                bias[j][r] += wm[j] * xb->s;
+            }
+        }
+    }
+    for (int j = 0; j < WR; j++)
+        for (int r = 0; r < RT; r++) y[(size_t)r * ldy + j] = hsum_avx(acc[j][r]) + bias[j][r];
+    LEAVE_AVX();
+}
+
+static void qdot_q8_avx2(const void *w, size_t ws, int WR, const rt_blk_x *x, size_t ldx, int RT, int nb, float *y,
+                         size_t ldy) {
+    if (WR == 2) qdot_avx2_t(w, ws, x, ldx, RT, nb, y, ldy, 0, 2);
+    else qdot_avx2_t(w, ws, x, ldx, RT, nb, y, ldy, 0, 1);
+}
+static void qdot_q4_avx2(const void *w, size_t ws, int WR, const rt_blk_x *x, size_t ldx, int RT, int nb, float *y,
+                         size_t ldy) {
+    if (WR == 2) qdot_avx2_t(w, ws, x, ldx, RT, nb, y, ldy, 1, 2);
+    else qdot_avx2_t(w, ws, x, ldx, RT, nb, y, ldy, 1, 1);
 }
 
 #pragma GCC pop_options
 
 /* AVX-512: 16 lanes, 4x6 main tile (24 accumulators of 32 registers). */
 #pragma GCC push_options
-#pragma GCC target("avx512f,avx2,fma")
+#pragma GCC target("avx512f,avx2,fma,f16c")
 
 static inline float hsum_avx512(__m512 v) {
     __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1));
     return hsum_avx(_mm256_add_ps(_mm512_castps512_ps256(v), hi));
 }
 
-static inline __attribute__((always_inline)) void tile_avx512(const float *x, size_t ldx, const float *w,
+static inline __attribute__((always_inline)) __m512 load16_w(const void *w, size_t off, int F16) {
+    if (F16) return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)w + off)));
+    return _mm512_loadu_ps((const float *)w + off);
+}
+
+static inline __attribute__((always_inline)) void tile_avx512(const float *x, size_t ldx, const void *w,
                                                               size_t ldw, float *y, size_t ldy, int n, int RT,
-                                                              int OT) {
+                                                              int OT, int F16) {
     __m512 acc[TILE_RMAX][TILE_OMAX];
+    size_t es = F16 ? 2 : 4;
     UNROLL
     for (int r = 0; r < RT; r++)
         UNROLL
@@ -284,8 +562,8 @@ static inline __attribute__((always_inline)) void tile_avx512(const float *x, si
         for (int r = 0; r < RT; r++) xv[r] = _mm512_loadu_ps(x + r * ldx + i);
         UNROLL
         for (int o = 0; o < OT; o++) {
-            __m512 wv = _mm512_loadu_ps(w + o * ldw + i);
-            _mm_prefetch(AHEAD(w, ldw, o, OT, i), _MM_HINT_T1);
+            __m512 wv = load16_w(w, o * ldw + i, F16);
+            _mm_prefetch(AHEAD(w, ldw, o, OT, i, es), _MM_HINT_T1);
             UNROLL
             for (int r = 0; r < RT; r++) acc[r][o] = _mm512_fmadd_ps(xv[r], wv, acc[r][o]);
         }
@@ -295,7 +573,7 @@ static inline __attribute__((always_inline)) void tile_avx512(const float *x, si
         UNROLL
         for (int o = 0; o < OT; o++) {
             float s = hsum_avx512(acc[r][o]);
-            for (int i = nv; i < n; i++) s = fmaf(x[r * ldx + i], w[o * ldw + i], s);
+            for (int i = nv; i < n; i++) s = fmaf(x[r * ldx + i], WSCALAR(w, F16, o * ldw + i), s);
             y[r * ldy + o] = s;
         }
     LEAVE_AVX();
@@ -307,43 +585,37 @@ DEFINE_TILE(tile_avx512, 1, 6)
 DEFINE_TILE(tile_avx512, 4, 1)
 DEFINE_TILE(tile_avx512, 1, 1)
 
-static void axpy_avx512(const float *p, int n, const float *v, size_t ldv, float *y, int d) {
+static inline __attribute__((always_inline)) void axpy_avx512_t(const float *p, int n, const void *v, size_t ldv,
+                                                                float *y, int d, int F16) {
     int k = 0;
     for (; k + 32 <= d; k += 32) {
         __m512 a0 = _mm512_loadu_ps(y + k), a1 = _mm512_loadu_ps(y + k + 16);
         for (int t = 0; t < n; t++) {
             __m512 pt = _mm512_set1_ps(p[t]);
-            a0 = _mm512_fmadd_ps(pt, _mm512_loadu_ps(v + t * ldv + k), a0);
-            a1 = _mm512_fmadd_ps(pt, _mm512_loadu_ps(v + t * ldv + k + 16), a1);
+            a0 = _mm512_fmadd_ps(pt, load16_w(v, t * ldv + k, F16), a0);
+            a1 = _mm512_fmadd_ps(pt, load16_w(v, t * ldv + k + 16, F16), a1);
         }
         _mm512_storeu_ps(y + k, a0);
         _mm512_storeu_ps(y + k + 16, a1);
     }
     for (; k < d; k++)
-        for (int t = 0; t < n; t++) y[k] = fmaf(p[t], v[t * ldv + k], y[k]);
+        for (int t = 0; t < n; t++) y[k] = fmaf(p[t], WSCALAR(v, F16, t * ldv + k), y[k]);
     LEAVE_AVX();
+}
+
+static void axpy_avx512(const float *p, int n, const void *v, size_t ldv, float *y, int d) {
+    axpy_avx512_t(p, n, v, ldv, y, d, 0);
+}
+static void axpy_avx512_h(const float *p, int n, const void *v, size_t ldv, float *y, int d) {
+    axpy_avx512_t(p, n, v, ldv, y, d, 1);
 }
 
 #pragma GCC pop_options
 
-static const kernel_set avx2_kernels = {3,
-                                        4,
-                                        tile_avx2_3x4,
-                                        tile_avx2_2x4,
-                                        tile_avx2_1x4,
-                                        tile_avx2_3x1,
-                                        tile_avx2_1x1,
-                                        axpy_avx2,
-                                        "avx2-fma"};
-static const kernel_set avx512_kernels = {4,
-                                          6,
-                                          tile_avx512_4x6,
-                                          tile_avx512_2x6,
-                                          tile_avx512_1x6,
-                                          tile_avx512_4x1,
-                                          tile_avx512_1x1,
-                                          axpy_avx512,
-                                          "avx512"};
+static const kernel_set avx2_kernels = {3, 4, TILE_SET(tile_avx2, 3, 4, ), TILE_SET(tile_avx2, 3, 4, _h),
+                                        axpy_avx2, axpy_avx2_h, qdot_q8_avx2, qdot_q4_avx2, "avx2-fma"};
+static const kernel_set avx512_kernels = {4, 6, TILE_SET(tile_avx512, 4, 6, ), TILE_SET(tile_avx512, 4, 6, _h),
+                                          axpy_avx512, axpy_avx512_h, qdot_q8_avx2, qdot_q4_avx2, "avx512"};
 #endif
 
 static const kernel_set *g_kernels;
@@ -358,7 +630,8 @@ static void select_kernels(void) {
     const char *cap = env && *env ? env : "avx512";
     if (strcmp(cap, "0") == 0 || strcmp(cap, "generic") == 0) return;
     __builtin_cpu_init();
-    if (!__builtin_cpu_supports("avx2") || !__builtin_cpu_supports("fma")) return;
+    if (!__builtin_cpu_supports("avx2") || !__builtin_cpu_supports("fma") || !__builtin_cpu_supports("f16c"))
+        return;
     g_kernels = &avx2_kernels;
     if (strcmp(cap, "avx2") != 0 && __builtin_cpu_supports("avx512f")) g_kernels = &avx512_kernels;
 #endif
@@ -378,30 +651,52 @@ const char *rt_mathops_isa(void) { return kernels()->name; }
  * handed to threads in units of OUT_UNIT columns. */
 enum { ROW_BLOCK = 64, OUT_UNIT = 24 }; /* a multiple of every set's cols_main */
 
+/* Quantized weights: one weight row at a time against up to 4 activation
+ * rows (each weight block is unpacked once for them). */
+static void matmul_range_q(const kernel_set *ks, const rt_blk_x *xq, int rows, int in, const rt_mm_target *t, int o0,
+                           int o1) {
+    int nb = in / 32;
+    qdot_fn f = t->w.type == RT_W_Q4 ? ks->q4 : ks->q8;
+    size_t bs = t->w.type == RT_W_Q4 ? sizeof(rt_blk_q4) : sizeof(rt_blk_q8);
+    for (int rb = 0; rb < rows; rb += ROW_BLOCK) {
+        int rn = rows - rb < ROW_BLOCK ? rows - rb : ROW_BLOCK;
+        for (int o = o0; o < o1; o += 2) {
+            int wr = o1 - o >= 2 ? 2 : 1; /* two weight rows share each activation block load */
+            const void *w = (const char *)t->w.p + (size_t)o * nb * bs;
+            for (int r = 0; r < rn; r += 4)
+                f(w, (size_t)nb * bs, wr, xq + (size_t)(rb + r) * nb, (size_t)nb, rn - r < 4 ? rn - r : 4, nb,
+                  t->y + (size_t)(rb + r) * t->ldy + o, t->ldy);
+        }
+    }
+}
+
 static void matmul_range(const kernel_set *ks, const float *x, size_t ldx, int rows, int in, size_t ldw,
                          const rt_mm_target *t, int o0, int o1) {
     size_t ldy = t->ldy;
     int rm = ks->rows_main, om = ks->cols_main;
+    const tile_set *ts = t->w.type == RT_W_F16 ? &ks->f16 : &ks->f32;
+    size_t es = t->w.type == RT_W_F16 ? 2 : 4;
+    const char *wbase = t->w.p;
     for (int rb = 0; rb < rows; rb += ROW_BLOCK) {
         int rn = rows - rb < ROW_BLOCK ? rows - rb : ROW_BLOCK;
         const float *xb = x + (size_t)rb * ldx;
         float *yb = t->y + (size_t)rb * ldy;
         int o = o0;
         for (; o + om <= o1; o += om) {
-            const float *w = t->w + (size_t)o * ldw;
+            const void *w = wbase + (size_t)o * ldw * es;
             int r = 0;
             /* Main tiles, then pairs (a 3-row set splits a remainder of 4 in
              * two pairs rather than 3 + a lone row), then a lone row. */
             for (; rn - r >= rm && !(rm == 3 && rn - r == 4); r += rm)
-                ks->t_main(xb + r * ldx, ldx, w, ldw, yb + r * ldy + o, ldy, in);
-            for (; rn - r >= 2; r += 2) ks->t_2(xb + r * ldx, ldx, w, ldw, yb + r * ldy + o, ldy, in);
-            if (r < rn) ks->t_1(xb + r * ldx, ldx, w, ldw, yb + r * ldy + o, ldy, in);
+                ts->t_main(xb + r * ldx, ldx, w, ldw, yb + r * ldy + o, ldy, in);
+            for (; rn - r >= 2; r += 2) ts->t_2(xb + r * ldx, ldx, w, ldw, yb + r * ldy + o, ldy, in);
+            if (r < rn) ts->t_1(xb + r * ldx, ldx, w, ldw, yb + r * ldy + o, ldy, in);
         }
         for (; o < o1; o++) {
-            const float *w = t->w + (size_t)o * ldw;
+            const void *w = wbase + (size_t)o * ldw * es;
             int r = 0;
-            for (; rn - r >= rm; r += rm) ks->t_main1(xb + r * ldx, ldx, w, ldw, yb + r * ldy + o, ldy, in);
-            for (; r < rn; r++) ks->t_11(xb + r * ldx, ldx, w, ldw, yb + r * ldy + o, ldy, in);
+            for (; rn - r >= rm; r += rm) ts->t_main1(xb + r * ldx, ldx, w, ldw, yb + r * ldy + o, ldy, in);
+            for (; r < rn; r++) ts->t_11(xb + r * ldx, ldx, w, ldw, yb + r * ldy + o, ldy, in);
         }
     }
 }
@@ -409,6 +704,7 @@ static void matmul_range(const kernel_set *ks, const float *x, size_t ldx, int r
 typedef struct {
     const kernel_set *ks;
     const float *x;
+    const rt_blk_x *xq; /* x quantized per block of 32 (when a target is quantized) */
     size_t ldx;
     int rows, in;
     const rt_mm_target *targets;
@@ -429,17 +725,26 @@ static void matmul_task(void *ctx, int tid) {
         while (u >= units_of(j->targets[i].out)) u -= units_of(j->targets[i++].out);
         const rt_mm_target *t = &j->targets[i];
         int o0 = u * OUT_UNIT, o1 = o0 + OUT_UNIT < t->out ? o0 + OUT_UNIT : t->out;
-        matmul_range(j->ks, j->x, j->ldx, j->rows, j->in, (size_t)j->in, t, o0, o1);
+        if (t->w.type == RT_W_Q8 || t->w.type == RT_W_Q4)
+            matmul_range_q(j->ks, j->xq, j->rows, j->in, t, o0, o1);
+        else
+            matmul_range(j->ks, j->x, j->ldx, j->rows, j->in, (size_t)j->in, t, o0, o1);
     }
 }
 
 void rt_matmul(rt_threads *th, const float *x, size_t ldx, int rows, int in, const rt_mm_target *targets,
-               int n_targets) {
-    matmul_job job = {kernels(), x, ldx, rows, in, targets, n_targets, 0, 0};
+               int n_targets, rt_blk_x *xq) {
+    matmul_job job = {kernels(), x, NULL, ldx, rows, in, targets, n_targets, 0, 0};
     double flops = 0;
+    bool quant = false;
     for (int i = 0; i < n_targets; i++) {
         job.total_units += units_of(targets[i].out);
         flops += (double)rows * in * targets[i].out;
+        quant |= targets[i].w.type == RT_W_Q8 || targets[i].w.type == RT_W_Q4;
+    }
+    if (quant) { /* the loader guarantees in % 32 == 0 for quantized weights */
+        quantize_rows(x, ldx, rows, in, xq);
+        job.xq = xq;
     }
     /* Below ~64k multiply-adds a wake-up costs more than it saves. */
     int nt = flops < 65536.0 ? 1 : rt_threads_count(th);
@@ -447,10 +752,14 @@ void rt_matmul(rt_threads *th, const float *x, size_t ldx, int rows, int in, con
     rt_threads_run(th, matmul_task, &job, nt);
 }
 
-void rt_axpy_rows(const float *p, int n, const float *v, size_t ldv, float *y, int d) { kernels()->axpy(p, n, v, ldv, y, d); }
+void rt_axpy_rows(const float *p, int n, const rt_weight *v, size_t ldv, float *y, int d) {
+    if (v->type == RT_W_F16) kernels()->axpy_h(p, n, v->p, ldv, y, d);
+    else kernels()->axpy(p, n, v->p, ldv, y, d);
+}
 
-void rt_dots(const float *x, size_t ldx, int rows, const float *w, size_t ldw, int out, float *y, size_t ldy, int n) {
-    rt_mm_target t = {w, y, out, ldy};
+void rt_dots(const float *x, size_t ldx, int rows, const rt_weight *w, size_t ldw, int out, float *y, size_t ldy,
+             int n) {
+    rt_mm_target t = {*w, y, out, ldy};
     matmul_range(kernels(), x, ldx, rows, n, ldw, &t, 0, out);
 }
 
@@ -489,6 +798,7 @@ struct rt_threads {
     atomic_int finished; /* joined workers that returned */
     atomic_int sleepers;
     atomic_bool stop;
+    atomic_bool busy; /* a run is in progress (models on other threads share the pool) */
     pthread_mutex_t mu;
     pthread_cond_t cv;
 };
@@ -531,20 +841,90 @@ static void *worker_main(void *arg) {
     return NULL;
 }
 
+/* CPUs this process may actually use: its affinity mask, capped by a cgroup
+ * v2 CPU quota (cpu.max "quota period", rounded up) when one is set. */
+static int cgroup_cpu_limit(void) {
+    FILE *f = fopen("/sys/fs/cgroup/cpu.max", "r");
+    if (!f) return 0;
+    char quota[32] = "";
+    long long period = 0;
+    int n = fscanf(f, "%31s %lld", quota, &period);
+    fclose(f);
+    if (n != 2 || strcmp(quota, "max") == 0 || period <= 0) return 0;
+    long long q = strtoll(quota, NULL, 10);
+    if (q <= 0) return 0;
+    long long cpus = (q + period - 1) / period;
+    return cpus > 1024 ? 1024 : (int)cpus;
+}
+
+int rt_usable_cpus(void) {
+    int n = 0;
+#ifdef CPU_COUNT
+    cpu_set_t set;
+    if (sched_getaffinity(0, sizeof set, &set) == 0) n = CPU_COUNT(&set);
+#endif
+    if (n <= 0) n = (int)sysconf(_SC_NPROCESSORS_ONLN);
+    int quota = cgroup_cpu_limit();
+    if (quota > 0 && quota < n) n = quota;
+    return n < 1 ? 1 : n;
+}
+
 int rt_default_threads(void) {
     const char *env = getenv("BASERT_REF_THREADS");
     long n = 0;
     if (env && *env) n = strtol(env, NULL, 10);
-    if (n <= 0) n = sysconf(_SC_NPROCESSORS_ONLN);
+    if (n <= 0) n = rt_usable_cpus();
     if (n < 1) n = 1;
-    if (n > 8) n = 8;
+    if (n > 64) n = 64;
     return (int)n;
+}
+
+/* ---- the process-wide pool ------------------------------------------------------
+ * Every model handle shares one pool sized to the usable CPUs: two handles
+ * must not each spin up a full set of workers and oversubscribe the cores.
+ * The pool lives while any model holds it. A run that finds it busy (another
+ * model stepping on another thread) executes on its caller alone. */
+
+static pthread_mutex_t g_pool_lock = PTHREAD_MUTEX_INITIALIZER;
+static rt_threads *g_pool;
+static int g_pool_users;
+static atomic_int g_pools_alive;
+
+rt_threads *rt_threads_acquire(void) {
+    pthread_mutex_lock(&g_pool_lock);
+    if (!g_pool) g_pool = rt_threads_create(rt_default_threads());
+    if (g_pool) g_pool_users++;
+    rt_threads *p = g_pool;
+    pthread_mutex_unlock(&g_pool_lock);
+    return p;
+}
+
+void rt_threads_release(rt_threads *p) {
+    if (!p) return;
+    pthread_mutex_lock(&g_pool_lock);
+    rt_threads *dead = NULL;
+    if (p == g_pool && --g_pool_users == 0) {
+        dead = g_pool;
+        g_pool = NULL;
+    }
+    pthread_mutex_unlock(&g_pool_lock);
+    rt_threads_free(dead);
+}
+
+int rt_threads_pools_alive(void) { return atomic_load(&g_pools_alive); }
+
+int rt_threads_shared_size(void) {
+    pthread_mutex_lock(&g_pool_lock);
+    int n = g_pool ? rt_threads_count(g_pool) : 0;
+    pthread_mutex_unlock(&g_pool_lock);
+    return n;
 }
 
 rt_threads *rt_threads_create(int n_threads) {
     rt_threads *p = calloc(1, sizeof *p);
     if (!p) return NULL;
     p->n = n_threads < 1 ? 1 : n_threads;
+    atomic_fetch_add(&g_pools_alive, 1);
     pthread_mutex_init(&p->mu, NULL);
     pthread_cond_init(&p->cv, NULL);
     if (p->n > 1) {
@@ -582,14 +962,16 @@ void rt_threads_free(rt_threads *p) {
     }
     pthread_mutex_destroy(&p->mu);
     pthread_cond_destroy(&p->cv);
+    atomic_fetch_sub(&g_pools_alive, 1);
     free(p);
 }
 
 int rt_threads_count(const rt_threads *p) { return p ? p->n : 1; }
 
 void rt_threads_run(rt_threads *p, rt_task_fn fn, void *ctx, int n_threads) {
-    if (!p || p->n <= 1 || n_threads <= 1) {
-        fn(ctx, 0);
+    bool idle = false;
+    if (!p || p->n <= 1 || n_threads <= 1 || !atomic_compare_exchange_strong(&p->busy, &idle, true)) {
+        fn(ctx, 0); /* tid 0 is always the caller's: per-model scratch indexed by tid stays private */
         return;
     }
     p->fn = fn;
@@ -613,4 +995,5 @@ void rt_threads_run(rt_threads *p, rt_task_fn fn, void *ctx, int n_threads) {
         else
             sched_yield(); /* a joined worker was descheduled: let it run */
     }
+    atomic_store(&p->busy, false);
 }

@@ -9,6 +9,7 @@
  * one-shot, cold equivalents. The instruction set (AVX-512, AVX2+FMA or the
  * portable vector path) is chosen once per process. */
 
+#include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -22,8 +23,18 @@ typedef struct rt_threads rt_threads;
  * depend on which thread ran what. */
 typedef void (*rt_task_fn)(void *ctx, int tid);
 
-/* Threads to use: $BASERT_REF_THREADS, else the online CPUs; 1..8. */
+/* CPUs the process may use: sched_getaffinity, capped by the cgroup v2
+ * quota (/sys/fs/cgroup/cpu.max). */
+int rt_usable_cpus(void);
+/* Threads to use: $BASERT_REF_THREADS, else rt_usable_cpus(); 1..64. */
 int rt_default_threads(void);
+/* The process-wide pool every model shares (created by the first acquire,
+ * freed by the last release); NULL when no thread could be created. */
+rt_threads *rt_threads_acquire(void);
+void rt_threads_release(rt_threads *t);
+/* Pools alive in the process, and the shared pool's size (0 when none). */
+int rt_threads_pools_alive(void);
+int rt_threads_shared_size(void);
 /* A pool of n_threads (the caller counts as thread 0). NULL on failure. */
 rt_threads *rt_threads_create(int n_threads);
 void rt_threads_free(rt_threads *t);
@@ -34,10 +45,50 @@ int rt_threads_count(const rt_threads *t);
 void rt_threads_run(rt_threads *t, rt_task_fn fn, void *ctx, int n_threads);
 
 /* ---- matmul -------------------------------------------------------------- */
-/* One weight matrix W [out][in] (row-major, f32) and its output y, with
+/* A weight matrix as the loader keeps it: row-major [out][in], f32 or f16
+ * (f16 stays f16 in memory and is widened in registers, exactly). */
+enum { RT_W_F32 = 0, RT_W_F16 = 1, RT_W_Q8 = 2, RT_W_Q4 = 3 };
+typedef struct {
+    void *p;
+    int type; /* RT_W_* */
+} rt_weight;
+
+/* Quantized weights, repacked at load into blocks of 32 values along a row
+ * (a row of `in` values is in / 32 consecutive blocks): value = d * q + m.
+ * q8: q signed; q4: q in 0..15, byte j holding value j (low nibble) and
+ * value j + 16 (high nibble). Symmetric tensors have m = 0. */
+typedef struct {
+    float d, m;
+    int8_t q[32];
+} rt_blk_q8;
+typedef struct {
+    float d, m;
+    uint8_t q[16];
+} rt_blk_q4;
+/* An activation row quantized per block of 32 for the integer dot products:
+ * x ~= d * q, q in [-127, 127]; s = d * sum(q) (the bias term's factor). */
+typedef struct {
+    float d, s;
+    int8_t q[32];
+} rt_blk_x;
+
+/* Repack a base_q8 / base_q4 tensor [rows][cols] (groups of gs values along a
+ * row; f16 or bf16 scales / biases, one per group; symmetric: biases NULL and
+ * value = (u - 2^(bits-1)) * scale) into out. Returns the bytes allocated, 0
+ * when out of memory. */
+size_t rt_weight_from_groups(rt_weight *out, bool q4, const uint8_t *packed, const uint8_t *scales,
+                             const uint8_t *biases, bool bf16_scales, bool symmetric, size_t rows, size_t cols,
+                             int gs);
+
+/* Row `row` of W (`n` elements) widened to f32 into out. */
+void rt_weight_row(const rt_weight *w, size_t row, int n, float *out);
+/* Bytes per element of a weight type. */
+size_t rt_weight_elem_size(int type);
+
+/* One weight matrix W and its output y, with
  * y[r * ldy + o] = dot(x[r * ldx ..], W[o]). */
 typedef struct {
-    const float *w;
+    rt_weight w;
     float *y;
     int out;
     size_t ldy;
@@ -45,18 +96,22 @@ typedef struct {
 
 /* Multiply `rows` input rows (stride ldx, length in) by every target's weight
  * matrix: one parallel dispatch for all of them (q/k/v, gate/up share one).
- * Threads split output columns, never the reduction. */
+ * Threads split output columns, never the reduction. xq: scratch of
+ * rows * in / 32 blocks, used (x quantized into it once) when a target is
+ * quantized; may be NULL otherwise. */
 void rt_matmul(rt_threads *t, const float *x, size_t ldx, int rows, int in, const rt_mm_target *targets,
-               int n_targets);
+               int n_targets, rt_blk_x *xq);
 
 /* The same dot products on the calling thread, any weight-row stride:
  * y[r * ldy + o] = dot(x[r * ldx ..], w[o * ldw ..], n) for r < rows, o < out.
  * (Attention scores: query heads against a block of cached keys.) */
-void rt_dots(const float *x, size_t ldx, int rows, const float *w, size_t ldw, int out, float *y, size_t ldy, int n);
+void rt_dots(const float *x, size_t ldx, int rows, const rt_weight *w, size_t ldw, int out, float *y, size_t ldy,
+             int n);
 /* y[k] += p[t] * v[t * ldv + k] for t = 0, 1, ..., n - 1 in that order, for
- * every k < d (attention: probabilities times a block of cached values). Each
- * y[k] sees the same operations whatever d or the other elements. */
-void rt_axpy_rows(const float *p, int n, const float *v, size_t ldv, float *y, int d);
+ * every k < d (attention: probabilities times a block of cached values; v f32
+ * or f16, widened exactly). Each y[k] sees the same operations whatever d or
+ * the other elements. */
+void rt_axpy_rows(const float *p, int n, const rt_weight *v, size_t ldv, float *y, int d);
 
 /* Name of the kernel set in use ("avx2-fma" or "generic"), for diagnostics. */
 const char *rt_mathops_isa(void);

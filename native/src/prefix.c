@@ -1,10 +1,19 @@
 /* Prefix cache: a trie over full RT_PAGE_SIZE-token blocks of prompts. Each
  * node is one block of tokens (children matched by exact content) and holds a
  * reference on the KV block a sequence computed for it. A match increfs the
- * blocks of its path for the caller and locks the path against eviction until
- * the match is settled (unlock / release / discard). Eviction drops LRU
- * unlocked leaves whose block the trie alone still holds, so every eviction
- * returns a block to the pool. */
+ * blocks of its path and locks the path against eviction until the match is
+ * settled (unlock / release / discard). Eviction drops LRU unlocked leaves
+ * whose block the trie alone still holds, so every eviction returns a block
+ * to the pool.
+ *
+ * Ownership is never transferred implicitly: baseRT_sequence_seed_prefix
+ * takes the sequence's own reference on each block (and accepts only blocks
+ * that form a path of the trie, i.e. full, immutable cached blocks), and
+ * settling a match always drops the match's references. The documented
+ * protocol (match, seed, unlock -- or match, release) ends with the same
+ * counts as an adopting seed would, and a caller that seeds twice, seeds a
+ * block it does not hold, or releases after seeding cannot double-free a
+ * block or make a sequence share another one's private KV. */
 
 #include "runtime.h"
 
@@ -92,6 +101,31 @@ static void remove_leaf(rt_prefix_cache *pc, rt_pnode *n) {
     free(n->child);
     free(n);
     pc->n_nodes--;
+}
+
+/* ---- consistency (baseRT_ref_check_kv) ------------------------------------ */
+
+static void count_node_refs(const rt_pnode *n, int *counts, int n_blocks, int *bad) {
+    for (int i = 0; i < n->n_child; i++) {
+        const rt_pnode *c = n->child[i];
+        if (c->block < 0 || c->block >= n_blocks) (*bad)++;
+        else counts[c->block]++;
+        count_node_refs(c, counts, n_blocks, bad);
+    }
+}
+
+int rt_prefix_count_refs(const rt_model *m, int *counts) {
+    const rt_prefix_cache *pc = m->rt->prefix;
+    int bad = 0;
+    if (!pc) return 0;
+    count_node_refs(&pc->root, counts, m->rt->n_blocks, &bad);
+    for (const rt_pmatch *mt = pc->matches; mt; mt = mt->next) {
+        for (int d = 0; d < mt->n_blocks; d++) {
+            if (mt->blocks[d] < 0 || mt->blocks[d] >= m->rt->n_blocks) bad++;
+            else counts[mt->blocks[d]]++;
+        }
+    }
+    return bad;
 }
 
 /* ---- eviction ---------------------------------------------------------------- */
@@ -232,8 +266,7 @@ BaseRTPrefixMatch baseRT_prefix_match(baseRT_model_t model, const uint32_t *toke
 
 enum settle { SETTLE_HIT, SETTLE_MISS, SETTLE_NONE };
 
-/* Unlock a match's path; when its blocks were not adopted by a sequence, drop
- * the references it took for the caller. */
+/* Unlock a match's path and drop the references it took. */
 static void settle(baseRT_model_t model, uint64_t handle, enum settle how, const char *fn) {
     rt_model *m = rt_runtime_model(model, fn);
     if (!m) return;
@@ -253,7 +286,7 @@ static void settle(baseRT_model_t model, uint64_t handle, enum settle how, const
     *pp = mt->next;
     for (int d = 0; d < mt->n_blocks; d++) {
         mt->path[d]->locks--;
-        if (how != SETTLE_HIT) rt_block_decref(m->rt, mt->blocks[d]);
+        rt_block_decref(m->rt, mt->blocks[d]); /* a seeded sequence holds its own reference */
     }
     if (how == SETTLE_HIT) {
         pc->hits++;
@@ -279,10 +312,25 @@ void baseRT_prefix_discard(baseRT_model_t model, uint64_t handle) {
     settle(model, handle, SETTLE_NONE, "baseRT_prefix_discard");
 }
 
-int baseRT_sequence_seed_prefix(baseRT_sequence_t seq, const int *blocks, int n_blocks, int n_tokens) {
+/* Do blocks[0..n) form a path of the trie from its root? Only such blocks
+ * may be seeded: they are full and shared read-only (a sequence that writes
+ * into one copies it first), and the trie's reference keeps them allocated. */
+static bool is_trie_path(const rt_prefix_cache *pc, const int *blocks, int n) {
+    const rt_pnode *node = &pc->root;
+    for (int d = 0; d < n; d++) {
+        const rt_pnode *next = NULL;
+        for (int i = 0; i < node->n_child && !next; i++)
+            if (node->child[i]->block == blocks[d]) next = node->child[i];
+        if (!next) return false;
+        node = next;
+    }
+    return true;
+}
+
+int baseRT_sequence_seed_prefix(baseRT_sequence_t handle, const int *blocks, int n_blocks, int n_tokens) {
     static const char fn[] = "baseRT_sequence_seed_prefix";
-    int rc = rt_seq_check(NULL, seq, fn, -1);
-    if (rc != BASERT_OK) return rc;
+    rt_seq *seq = rt_seq_get(NULL, handle, fn, -1);
+    if (!seq) return rt_last_error_code();
     rt_model *m = seq->m;
     rt_runtime *rt = m->rt;
     if (!m->paged_kv) {
@@ -315,7 +363,14 @@ int baseRT_sequence_seed_prefix(baseRT_sequence_t seq, const int *blocks, int n_
             return BASERT_ERR_INVALID_ARGUMENT;
         }
     }
-    /* Adopt the match's references: the sequence now owns them. */
+    if (!rt->prefix || !is_trie_path(rt->prefix, blocks, n_blocks)) {
+        rt_set_error(BASERT_ERR_INVALID_ARGUMENT,
+                     "%s: the %d blocks are not a cached prefix (seed only the blocks of a baseRT_prefix_match)", fn,
+                     n_blocks);
+        return BASERT_ERR_INVALID_ARGUMENT;
+    }
+    /* The sequence's own references; the match keeps (and later drops) its own. */
+    for (int i = 0; i < n_blocks; i++) rt_block_incref(rt, blocks[i]);
     memcpy(seq->blocks, blocks, (size_t)n_blocks * sizeof(int));
     seq->n_blocks = n_blocks;
     seq->length = n_tokens;
@@ -323,7 +378,7 @@ int baseRT_sequence_seed_prefix(baseRT_sequence_t seq, const int *blocks, int n_
     return BASERT_OK;
 }
 
-int baseRT_prefix_insert(baseRT_model_t model, const uint32_t *tokens, int n_tokens, baseRT_sequence_t seq) {
+int baseRT_prefix_insert(baseRT_model_t model, const uint32_t *tokens, int n_tokens, baseRT_sequence_t handle) {
     static const char fn[] = "baseRT_prefix_insert";
     rt_model *m = rt_runtime_model(model, fn);
     if (!m) return rt_last_error_code();
@@ -332,8 +387,8 @@ int baseRT_prefix_insert(baseRT_model_t model, const uint32_t *tokens, int n_tok
                      (const void *)tokens, n_tokens);
         return BASERT_ERR_INVALID_ARGUMENT;
     }
-    int rc = rt_seq_check(m, seq, fn, -1);
-    if (rc != BASERT_OK) return rc;
+    rt_seq *seq = rt_seq_get(m, handle, fn, -1);
+    if (!seq) return rt_last_error_code();
     rt_runtime *rt = m->rt;
     rt_prefix_cache *pc = rt->prefix;
     if (!pc) {

@@ -19,6 +19,7 @@ struct baseRT_sequence_s {
     int n_blocks;
     int *blocks; /* capacity rt->max_blocks_per_seq */
     bool user;   /* created through baseRT_sequence_create */
+    baseRT_sequence_t handle; /* the caller's handle (user sequences), else NULL */
     struct baseRT_sequence_s *prev, *next;
 };
 typedef struct baseRT_sequence_s rt_seq;
@@ -36,16 +37,16 @@ typedef struct rt_runtime {
     /* ---- KV pool (kv.c): K and V laid out [layer][block][slot][kv_dim] ---- */
     int n_blocks;
     int max_blocks_per_seq; /* ceil(max_seq_len / RT_PAGE_SIZE) */
-    size_t layer_stride;    /* floats per layer: n_blocks * RT_PAGE_SIZE * kv_dim */
-    float *k_pool, *v_pool;
+    int kv_type;            /* RT_KV_*: element type of both pools */
+    size_t kv_row_bytes;    /* one token's K (or V) row of kv_dim values */
+    size_t layer_bytes;     /* bytes per layer: n_blocks * RT_PAGE_SIZE * kv_row_bytes */
+    void *k_pool, *v_pool;
     int *ref;        /* owners per block: sequences, trie nodes, pending matches */
     int *free_stack; /* free block ids */
     int n_free;
 
     /* ---- sequences (kv.c) ---- */
     rt_seq live;           /* sentinel of the circular list of live sequences */
-    rt_seq retired;        /* sentinel: freed user handles, kept so a stale handle reads DEAD */
-    int n_retired;
     rt_seq *def;           /* the single-sequence API's default sequence */
 
     /* ---- forward scratch (forward.c) ---- */
@@ -56,6 +57,7 @@ typedef struct rt_runtime {
     float *att_scores;          /* [threads][n_heads / n_kv_heads][max_seq_len] */
     float *rope_cos, *rope_sin; /* [max_seq_len][head_dim / 2] */
     float *final_h;             /* [max_lanes][dim] last hidden row of each lane */
+    rt_blk_x *xq;               /* [chunk][max(dim, q_dim, ffn) / 32] quantized matmul inputs */
 
     /* ---- outputs (batch.c, api_runtime.c) ---- */
     float *logits;        /* [max_lanes][vocab]: forward output, then its f16-rounded values */
@@ -75,15 +77,23 @@ typedef struct rt_runtime {
 int rt_kv_init(rt_model *m);
 void rt_kv_free(rt_model *m);
 size_t rt_kv_block_bytes(const rt_model *m); /* K + V of one block, all layers */
+/* KV element types: f32, f16, or Q8_0 blocks of 32 ({f16 d, int8 q[32]}, 34
+ * bytes, value = d * q) along each token's row -- head slices start on block
+ * boundaries (head_dim % 32 == 0 is required for Q8_0). */
+enum { RT_KV_F32 = 0, RT_KV_F16 = 1, RT_KV_Q8 = 2 };
+#define RT_KV_Q8_BLOCK 34
+int rt_kv_type(const rt_model *m);
+size_t rt_kv_row_bytes(const rt_model *m);
 /* An internal sequence (default / embed scratch), on the live list. NULL with
  * OUT_OF_MEMORY set. */
 rt_seq *rt_seq_new(rt_model *m, bool user);
-/* Return every block and unlink; user handles are retired, others freed. */
+/* Return every block, unlink, release the handle and free. */
 void rt_seq_delete(rt_seq *s);
 /* Drop whole blocks past `length` (<= s->length). */
 void rt_seq_truncate(rt_seq *s, int length);
-/* INVALID_ARGUMENT unless h is a live sequence of m; `lane` < 0 omits the lane. */
-int rt_seq_check(const rt_model *m, baseRT_sequence_t h, const char *fn, int lane);
+/* The sequence of a live handle h (of model m unless m is NULL), else NULL
+ * with INVALID_ARGUMENT set; `lane` < 0 omits the lane from the message. */
+rt_seq *rt_seq_get(const rt_model *m, baseRT_sequence_t h, const char *fn, int lane);
 void rt_block_incref(rt_runtime *rt, int block);
 /* Returns true when the block went back to the free list. */
 bool rt_block_decref(rt_runtime *rt, int block);
@@ -110,6 +120,9 @@ void rt_prefix_free(rt_model *m);
  * returns the number freed. 0 when the cache is disabled. */
 int rt_prefix_evict_blocks(rt_model *m, int n_blocks);
 int rt_prefix_cached_blocks(const rt_model *m);
+/* Add the cache's references (trie nodes, pending matches) per block to
+ * counts[n_blocks]; returns the number of out-of-range block ids found. */
+int rt_prefix_count_refs(const rt_model *m, int *counts);
 /* Blocks rt_prefix_evict_blocks could return to the pool right now. */
 int rt_prefix_evictable_blocks(const rt_model *m);
 

@@ -92,13 +92,13 @@ static weights make_weights(const shape *s) {
         rt_layer *L = &w.layers[l];
         L->attn_norm = fill(&c, dim, 0.1f, 1.0f);
         L->ffn_norm = fill(&c, dim, 0.1f, 1.0f);
-        L->wq = fill(&c, q * dim, 1.7f / sqrtf((float)dim), 0.0f);
-        L->wk = fill(&c, kv * dim, 1.7f / sqrtf((float)dim), 0.0f);
-        L->wv = fill(&c, kv * dim, 1.7f / sqrtf((float)dim), 0.0f);
-        L->wo = fill(&c, dim * q, 1.7f / sqrtf((float)q), 0.0f);
-        L->w_gate = fill(&c, (size_t)s->ffn * dim, 1.7f / sqrtf((float)dim), 0.0f);
-        L->w_up = fill(&c, (size_t)s->ffn * dim, 1.7f / sqrtf((float)dim), 0.0f);
-        L->w_down = fill(&c, dim * s->ffn, 1.7f / sqrtf((float)s->ffn), 0.0f);
+        L->wq = (rt_weight){fill(&c, q * dim, 1.7f / sqrtf((float)dim), 0.0f), RT_W_F32};
+        L->wk = (rt_weight){fill(&c, kv * dim, 1.7f / sqrtf((float)dim), 0.0f), RT_W_F32};
+        L->wv = (rt_weight){fill(&c, kv * dim, 1.7f / sqrtf((float)dim), 0.0f), RT_W_F32};
+        L->wo = (rt_weight){fill(&c, dim * q, 1.7f / sqrtf((float)q), 0.0f), RT_W_F32};
+        L->w_gate = (rt_weight){fill(&c, (size_t)s->ffn * dim, 1.7f / sqrtf((float)dim), 0.0f), RT_W_F32};
+        L->w_up = (rt_weight){fill(&c, (size_t)s->ffn * dim, 1.7f / sqrtf((float)dim), 0.0f), RT_W_F32};
+        L->w_down = (rt_weight){fill(&c, dim * s->ffn, 1.7f / sqrtf((float)s->ffn), 0.0f), RT_W_F32};
     }
     return w;
 }
@@ -125,13 +125,13 @@ static rt_model *make_model(const shape *s, const weights *w, int paged, int max
     m->prefix_cache = prefix;
     m->prefill_chunk = chunk;
     m->kv_bits = 32;
-    m->tok_embd = w->embd;
-    m->lm_head = w->embd;
+    m->tok_embd = (rt_weight){w->embd, RT_W_F32};
+    m->lm_head = m->tok_embd;
     m->tied_embeddings = true;
     m->final_norm = w->final_norm;
     m->layers = w->layers;
     m->eos_id = UINT32_MAX; /* never stop early */
-    if (rt_runtime_init(m) != BASERT_OK || !rt_handle_register(m)) {
+    if (rt_runtime_init(m) != BASERT_OK || !(m->handle = rt_handle_new(RT_KIND_MODEL, m))) {
         fprintf(stderr, "runtime init failed: %s\n", baseRT_get_error());
         exit(2);
     }
@@ -139,10 +139,13 @@ static rt_model *make_model(const shape *s, const weights *w, int paged, int max
 }
 
 static void free_model(rt_model *m) {
-    rt_handle_unregister(m);
+    rt_handle_release(m->handle);
     rt_runtime_free(m);
     free(m);
 }
+
+/* The sequence behind a handle (the harness reads lengths directly). */
+#define SEQ(h) rt_seq_get(NULL, (h), "harness", -1)
 
 static void random_tokens(uint32_t *out, int n, int vocab) {
     for (int i = 0; i < n; i++) out[i] = rnd_u32() % (uint32_t)vocab;
@@ -157,7 +160,7 @@ enum { LANES = 6, STEPS = 34 };
 static void check_batched_equals_unbatched(const shape *s, const weights *w) {
     rt_model *m = make_model(s, w, 1, 8, 0, 16);
     int vocab = s->vocab;
-    size_t stride = baseRT_batch_logits_stride(m);
+    size_t stride = baseRT_batch_logits_stride(m->handle);
     CHECK(stride == (size_t)vocab * 2, "stride %zu", stride);
     /* Lane i joins at step join[i] with a prompt of plen[i] tokens, fed in
      * chunks of up to feed[i] tokens per step: prefill and decode lanes mix. */
@@ -169,8 +172,8 @@ static void check_batched_equals_unbatched(const shape *s, const weights *w) {
 
     baseRT_sequence_t batched[LANES], single[LANES];
     for (int i = 0; i < LANES; i++) {
-        batched[i] = baseRT_sequence_create(m);
-        single[i] = baseRT_sequence_create(m);
+        batched[i] = baseRT_sequence_create(m->handle);
+        single[i] = baseRT_sequence_create(m->handle);
         CHECK(batched[i] && single[i], "sequence_create");
     }
     int fed[LANES] = {0};
@@ -197,18 +200,18 @@ static void check_batched_equals_unbatched(const shape *s, const weights *w) {
             nt += c;
         }
         uint32_t out_b[LANES];
-        int rc = baseRT_batch_step_fused_logits(m, lane_seq, n, toks, counts);
+        int rc = baseRT_batch_step_fused_logits(m->handle, lane_seq, n, toks, counts);
         CHECK(rc == BASERT_OK, "batched step %d rc %d", step, rc);
-        CHECK(baseRT_read_batch_logits(m, n, rows_b) == vocab, "read_batch_logits");
-        for (int k = 0; k < n; k++) out_b[k] = baseRT_argmax_logits_row(m, (const char *)rows_b + k * stride);
+        CHECK(baseRT_read_batch_logits(m->handle, n, rows_b) == vocab, "read_batch_logits");
+        for (int k = 0; k < n; k++) out_b[k] = baseRT_argmax_logits_row(m->handle, (const char *)rows_b + k * stride);
         /* The same lanes one at a time, through the greedy entry point. */
         const uint32_t *tp = toks;
         for (int k = 0; k < n; k++) {
             int i = lane_of[k];
             uint32_t out_s;
-            rc = baseRT_batch_step_fused(m, &single[i], 1, tp, &counts[k], &out_s);
+            rc = baseRT_batch_step_fused(m->handle, &single[i], 1, tp, &counts[k], &out_s);
             CHECK(rc == BASERT_OK, "single step %d lane %d rc %d", step, i, rc);
-            CHECK(baseRT_read_batch_logits(m, 1, row_s) == vocab, "read_batch_logits single");
+            CHECK(baseRT_read_batch_logits(m->handle, 1, row_s) == vocab, "read_batch_logits single");
             compared++;
             if (out_s != out_b[k] || !same_bits(row_s, (const char *)rows_b + k * stride, stride)) mismatches++;
             tp += counts[k];
@@ -219,15 +222,15 @@ static void check_batched_equals_unbatched(const shape *s, const weights *w) {
     CHECK(mismatches == 0, "batched vs unbatched: %d of %d lane-steps differ", mismatches, compared);
     printf("(a) batched == unbatched: %d lane-steps over %d steps, %d mismatches\n", compared, STEPS, mismatches);
     for (int i = 0; i < LANES; i++) {
-        CHECK(batched[i]->length == single[i]->length, "lane %d lengths %d vs %d", i, batched[i]->length,
-              single[i]->length);
+        CHECK(SEQ(batched[i])->length == SEQ(single[i])->length, "lane %d lengths %d vs %d", i, SEQ(batched[i])->length,
+              SEQ(single[i])->length);
         baseRT_sequence_free(batched[i]);
         baseRT_sequence_free(single[i]);
     }
     free(rows_b);
     free(row_s);
     BaseRTMemoryStats ms;
-    CHECK(baseRT_model_memory_stats(m, &ms) && ms.kv_cache_blocks_used == 0, "blocks leaked: %llu",
+    CHECK(baseRT_model_memory_stats(m->handle, &ms) && ms.kv_cache_blocks_used == 0, "blocks leaked: %llu",
           (unsigned long long)ms.kv_cache_blocks_used);
     free_model(m);
 }
@@ -275,11 +278,11 @@ static void check_chunked_equals_oneshot(const shape *s, const weights *w) {
     int counts[3] = {40, 40, 40};
     for (int i = 0; i < 3; i++) {
         random_tokens(lt[i], 40, vocab);
-        ls[i] = baseRT_sequence_create(small);
+        ls[i] = baseRT_sequence_create(small->handle);
     }
-    CHECK(baseRT_batch_step_fused_logits(small, ls, 3, &lt[0][0], counts) == BASERT_OK, "3x40 step");
+    CHECK(baseRT_batch_step_fused_logits(small->handle, ls, 3, &lt[0][0], counts) == BASERT_OK, "3x40 step");
     uint16_t *rows = malloc(3 * (size_t)vocab * 2);
-    baseRT_read_batch_logits(small, 3, rows);
+    baseRT_read_batch_logits(small->handle, 3, rows);
     for (int i = 0; i < 3; i++) {
         rt_seq_truncate(sb, 0);
         prefill_raw(big, sb, lt[i], 40, a);
@@ -304,14 +307,14 @@ static void check_chunked_equals_oneshot(const shape *s, const weights *w) {
 
 static uint64_t blocks_used(rt_model *m) {
     BaseRTMemoryStats ms;
-    baseRT_model_memory_stats(m, &ms);
+    baseRT_model_memory_stats(m->handle, &ms);
     return ms.kv_cache_blocks_used;
 }
 
 static void check_prefix_cache(const shape *s, const weights *w) {
     rt_model *m = make_model(s, w, 1, 4, 1, 16);
     int vocab = s->vocab;
-    size_t stride = baseRT_batch_logits_stride(m);
+    size_t stride = baseRT_batch_logits_stride(m->handle);
     uint16_t *warm = malloc(stride), *cold = malloc(stride);
     uint32_t p1[70], p2[70];
     random_tokens(p1, 70, vocab);
@@ -319,44 +322,44 @@ static void check_prefix_cache(const shape *s, const weights *w) {
     random_tokens(p2 + 40, 30, vocab);
     uint32_t out;
 
-    baseRT_sequence_t a = baseRT_sequence_create(m);
+    baseRT_sequence_t a = baseRT_sequence_create(m->handle);
     int n1 = 70;
-    CHECK(baseRT_batch_step_fused(m, &a, 1, p1, &n1, &out) == BASERT_OK, "prefill a");
-    CHECK(baseRT_prefix_insert(m, p1, 70, a) == BASERT_OK, "insert a");
+    CHECK(baseRT_batch_step_fused(m->handle, &a, 1, p1, &n1, &out) == BASERT_OK, "prefill a");
+    CHECK(baseRT_prefix_insert(m->handle, p1, 70, a) == BASERT_OK, "insert a");
     int cached;
-    baseRT_prefix_cache_stats(m, NULL, NULL, NULL, &cached);
+    baseRT_prefix_cache_stats(m->handle, NULL, NULL, NULL, &cached);
     CHECK(cached == 4, "cached blocks %d, want 4", cached);
-    CHECK(baseRT_prefix_insert(m, p1, 70, a) == BASERT_OK, "insert again");
-    baseRT_prefix_cache_stats(m, NULL, NULL, NULL, &cached);
+    CHECK(baseRT_prefix_insert(m->handle, p1, 70, a) == BASERT_OK, "insert again");
+    baseRT_prefix_cache_stats(m->handle, NULL, NULL, NULL, &cached);
     CHECK(cached == 4, "re-insert is not idempotent: %d", cached);
 
     /* A whole-prompt match must leave a token: 64 of 64 tokens match 3 blocks. */
-    BaseRTPrefixMatch full = baseRT_prefix_match(m, p1, 64);
+    BaseRTPrefixMatch full = baseRT_prefix_match(m->handle, p1, 64);
     CHECK(full.matched_tokens == 48 && full.n_blocks == 3, "64-token match gave %d", full.matched_tokens);
-    baseRT_prefix_discard(m, full.handle);
+    baseRT_prefix_discard(m->handle, full.handle);
 
-    BaseRTPrefixMatch mt = baseRT_prefix_match(m, p2, 70);
+    BaseRTPrefixMatch mt = baseRT_prefix_match(m->handle, p2, 70);
     CHECK(mt.matched_tokens == 32 && mt.n_blocks == 2 && mt.handle != 0, "match %d tokens", mt.matched_tokens);
-    baseRT_sequence_t b = baseRT_sequence_create(m);
+    baseRT_sequence_t b = baseRT_sequence_create(m->handle);
     CHECK(baseRT_sequence_seed_prefix(b, mt.blocks, mt.n_blocks, mt.matched_tokens) == BASERT_OK, "seed");
     int rest = 70 - mt.matched_tokens;
-    CHECK(baseRT_batch_step_fused_logits(m, &b, 1, p2 + mt.matched_tokens, &rest) == BASERT_OK, "warm prefill");
-    baseRT_read_batch_logits(m, 1, warm);
-    baseRT_prefix_unlock(m, mt.handle);
+    CHECK(baseRT_batch_step_fused_logits(m->handle, &b, 1, p2 + mt.matched_tokens, &rest) == BASERT_OK, "warm prefill");
+    baseRT_read_batch_logits(m->handle, 1, warm);
+    baseRT_prefix_unlock(m->handle, mt.handle);
 
-    baseRT_sequence_t c = baseRT_sequence_create(m);
+    baseRT_sequence_t c = baseRT_sequence_create(m->handle);
     int n2 = 70;
-    CHECK(baseRT_batch_step_fused_logits(m, &c, 1, p2, &n2) == BASERT_OK, "cold prefill");
-    baseRT_read_batch_logits(m, 1, cold);
+    CHECK(baseRT_batch_step_fused_logits(m->handle, &c, 1, p2, &n2) == BASERT_OK, "cold prefill");
+    baseRT_read_batch_logits(m->handle, 1, cold);
     CHECK(same_bits(warm, cold, stride), "prefix-seeded logits differ from cold");
 
     /* Decode both for a while: still identical. */
     int diffs = 0;
-    uint32_t tb = baseRT_argmax_logits_row(m, warm), tc = tb;
+    uint32_t tb = baseRT_argmax_logits_row(m->handle, warm), tc = tb;
     for (int i = 0; i < 12; i++) {
         uint32_t ob, oc;
-        baseRT_batch_decode_step(m, &b, 1, &tb, &ob);
-        baseRT_batch_decode_step(m, &c, 1, &tc, &oc);
+        baseRT_batch_decode_step(m->handle, &b, 1, &tb, &ob);
+        baseRT_batch_decode_step(m->handle, &c, 1, &tc, &oc);
         diffs += ob != oc;
         tb = ob;
         tc = oc;
@@ -371,42 +374,42 @@ static void check_prefix_cache(const shape *s, const weights *w) {
     memcpy(p3, p2, 20 * sizeof(uint32_t));
     random_tokens(p3 + 20, 50, vocab);
     int refeed = 50;
-    CHECK(baseRT_batch_step_fused_logits(m, &b, 1, p3 + 20, &refeed) == BASERT_OK, "refeed after rollback");
-    baseRT_read_batch_logits(m, 1, warm);
-    rt_seq_truncate(c, 0);
-    CHECK(baseRT_batch_step_fused_logits(m, &c, 1, p3, &n2) == BASERT_OK, "cold again");
-    baseRT_read_batch_logits(m, 1, cold);
+    CHECK(baseRT_batch_step_fused_logits(m->handle, &b, 1, p3 + 20, &refeed) == BASERT_OK, "refeed after rollback");
+    baseRT_read_batch_logits(m->handle, 1, warm);
+    rt_seq_truncate(SEQ(c), 0);
+    CHECK(baseRT_batch_step_fused_logits(m->handle, &c, 1, p3, &n2) == BASERT_OK, "cold again");
+    baseRT_read_batch_logits(m->handle, 1, cold);
     CHECK(same_bits(warm, cold, stride), "rollback into a shared block: logits differ from cold");
     /* The cache still serves p1's blocks unchanged. */
-    BaseRTPrefixMatch m2 = baseRT_prefix_match(m, p1, 70);
+    BaseRTPrefixMatch m2 = baseRT_prefix_match(m->handle, p1, 70);
     CHECK(m2.matched_tokens == 64, "rematch p1: %d", m2.matched_tokens);
-    baseRT_sequence_t d = baseRT_sequence_create(m);
+    baseRT_sequence_t d = baseRT_sequence_create(m->handle);
     baseRT_sequence_seed_prefix(d, m2.blocks, m2.n_blocks, m2.matched_tokens);
     int tail = 6;
-    baseRT_batch_step_fused_logits(m, &d, 1, p1 + 64, &tail);
-    baseRT_read_batch_logits(m, 1, warm);
-    baseRT_prefix_unlock(m, m2.handle);
-    rt_seq_truncate(c, 0);
-    CHECK(baseRT_batch_step_fused_logits(m, &c, 1, p1, &n1) == BASERT_OK, "cold p1");
-    baseRT_read_batch_logits(m, 1, cold);
+    baseRT_batch_step_fused_logits(m->handle, &d, 1, p1 + 64, &tail);
+    baseRT_read_batch_logits(m->handle, 1, warm);
+    baseRT_prefix_unlock(m->handle, m2.handle);
+    rt_seq_truncate(SEQ(c), 0);
+    CHECK(baseRT_batch_step_fused_logits(m->handle, &c, 1, p1, &n1) == BASERT_OK, "cold p1");
+    baseRT_read_batch_logits(m->handle, 1, cold);
     CHECK(same_bits(warm, cold, stride), "cached blocks were modified by a rollback + refeed");
     printf("(c) prefix-seeded == cold: prefill, 12 decode steps, rollback into a shared block, rematch\n");
 
     uint64_t hits, misses, reused;
-    baseRT_prefix_cache_stats(m, &hits, &misses, &reused, &cached);
+    baseRT_prefix_cache_stats(m->handle, &hits, &misses, &reused, &cached);
     CHECK(hits == 2 && misses == 0 && reused == 96, "stats hits %llu misses %llu reused %llu",
           (unsigned long long)hits, (unsigned long long)misses, (unsigned long long)reused);
-    BaseRTPrefixMatch rel = baseRT_prefix_match(m, p1, 70);
-    baseRT_prefix_release(m, rel.handle);
-    BaseRTPrefixMatch miss = baseRT_prefix_match(m, p2 + 40, 30);
+    BaseRTPrefixMatch rel = baseRT_prefix_match(m->handle, p1, 70);
+    baseRT_prefix_release(m->handle, rel.handle);
+    BaseRTPrefixMatch miss = baseRT_prefix_match(m->handle, p2 + 40, 30);
     CHECK(miss.handle == 0 && miss.matched_tokens == 0, "unexpected match");
-    baseRT_prefix_cache_stats(m, &hits, &misses, NULL, NULL);
+    baseRT_prefix_cache_stats(m->handle, &hits, &misses, NULL, NULL);
     CHECK(hits == 2 && misses == 2, "after release/miss: hits %llu misses %llu", (unsigned long long)hits,
           (unsigned long long)misses);
 
     /* (d) Insert b too (it diverges from p1 in block 1), free everything. */
-    CHECK(baseRT_prefix_insert(m, p3, 70, b) == BASERT_OK, "insert b");
-    baseRT_prefix_cache_stats(m, NULL, NULL, NULL, &cached);
+    CHECK(baseRT_prefix_insert(m->handle, p3, 70, b) == BASERT_OK, "insert b");
+    baseRT_prefix_cache_stats(m->handle, NULL, NULL, NULL, &cached);
     baseRT_sequence_free(a);
     baseRT_sequence_free(b);
     baseRT_sequence_free(c);
@@ -414,11 +417,11 @@ static void check_prefix_cache(const shape *s, const weights *w) {
     CHECK(blocks_used(m) == (uint64_t)cached, "after freeing: %llu blocks used, %d cached",
           (unsigned long long)blocks_used(m), cached);
     /* A locked prefix survives eviction. */
-    BaseRTPrefixMatch lock = baseRT_prefix_match(m, p1, 70);
-    int freed = baseRT_prefix_evict(m, 1000);
+    BaseRTPrefixMatch lock = baseRT_prefix_match(m->handle, p1, 70);
+    int freed = baseRT_prefix_evict(m->handle, 1000);
     CHECK(freed == cached - 4, "evicted %d with p1 locked, want %d", freed, cached - 4);
-    baseRT_prefix_release(m, lock.handle);
-    freed = baseRT_prefix_evict(m, 1000);
+    baseRT_prefix_release(m->handle, lock.handle);
+    freed = baseRT_prefix_evict(m->handle, 1000);
     CHECK(freed == 4, "evicted %d after unlock", freed);
     CHECK(blocks_used(m) == 0, "after evicting: %llu blocks used", (unsigned long long)blocks_used(m));
     printf("(d) blocks: %d cached after freeing all sequences, 0 after eviction\n", cached);
@@ -432,70 +435,70 @@ static void check_prefix_cache(const shape *s, const weights *w) {
 static void check_failures(const shape *s, const weights *w) {
     rt_model *m = make_model(s, w, 1, 2, 1, 16);
     int vocab = s->vocab, max_seq = s->max_seq;
-    baseRT_sequence_t a = baseRT_sequence_create(m), b = baseRT_sequence_create(m);
+    baseRT_sequence_t a = baseRT_sequence_create(m->handle), b = baseRT_sequence_create(m->handle);
     uint32_t toks[512];
     random_tokens(toks, 512, vocab);
     uint32_t out[4];
     int one[2] = {1, 1};
 
     baseRT_sequence_t dup[2] = {a, a};
-    CHECK(baseRT_batch_step_fused(m, dup, 2, toks, one, out) == BASERT_ERR_INVALID_ARGUMENT, "duplicate lane");
+    CHECK(baseRT_batch_step_fused(m->handle, dup, 2, toks, one, out) == BASERT_ERR_INVALID_ARGUMENT, "duplicate lane");
     baseRT_sequence_t three[3] = {a, b, a};
     int ones3[3] = {1, 1, 1};
-    CHECK(baseRT_batch_step_fused(m, three, 3, toks, ones3, out) == BASERT_ERR_INVALID_ARGUMENT, "n > max batch");
+    CHECK(baseRT_batch_step_fused(m->handle, three, 3, toks, ones3, out) == BASERT_ERR_INVALID_ARGUMENT, "n > max batch");
     uint32_t bad_tok = (uint32_t)vocab;
-    CHECK(baseRT_batch_step_fused(m, &a, 1, &bad_tok, one, out) == BASERT_ERR_INVALID_ARGUMENT, "token >= vocab");
+    CHECK(baseRT_batch_step_fused(m->handle, &a, 1, &bad_tok, one, out) == BASERT_ERR_INVALID_ARGUMENT, "token >= vocab");
     int zero = 0;
-    CHECK(baseRT_batch_step_fused(m, &a, 1, toks, &zero, out) == BASERT_ERR_INVALID_ARGUMENT, "count 0");
-    CHECK(baseRT_batch_step_fused(m, &a, 1, toks, one, NULL) == BASERT_ERR_INVALID_ARGUMENT, "out NULL");
+    CHECK(baseRT_batch_step_fused(m->handle, &a, 1, toks, &zero, out) == BASERT_ERR_INVALID_ARGUMENT, "count 0");
+    CHECK(baseRT_batch_step_fused(m->handle, &a, 1, toks, one, NULL) == BASERT_ERR_INVALID_ARGUMENT, "out NULL");
     CHECK(baseRT_batch_step_fused(NULL, &a, 1, toks, one, out) == BASERT_ERR_INVALID_ARGUMENT, "model NULL");
-    CHECK(a->length == 0 && b->length == 0, "validation changed a sequence");
+    CHECK(SEQ(a)->length == 0 && SEQ(b)->length == 0, "validation changed a sequence");
 
     /* Context limit: names the lane, changes nothing. */
     int n_first = max_seq - 4;
-    CHECK(baseRT_batch_step_fused(m, &a, 1, toks, &n_first, out) == BASERT_OK, "fill to max_seq-4");
+    CHECK(baseRT_batch_step_fused(m->handle, &a, 1, toks, &n_first, out) == BASERT_OK, "fill to max_seq-4");
     baseRT_sequence_t ab[2] = {b, a};
     int over[2] = {3, 5};
-    CHECK(baseRT_batch_step_fused(m, ab, 2, toks, over, out) == BASERT_ERR_INVALID_ARGUMENT, "past context");
+    CHECK(baseRT_batch_step_fused(m->handle, ab, 2, toks, over, out) == BASERT_ERR_INVALID_ARGUMENT, "past context");
     CHECK(strstr(baseRT_get_error(), "lane 1") != NULL, "context error does not name lane 1: %s",
           baseRT_get_error());
-    CHECK(a->length == n_first && b->length == 0, "context failure changed state");
+    CHECK(SEQ(a)->length == n_first && SEQ(b)->length == 0, "context failure changed state");
 
     /* Fault injection: GENERATION_FAILED, nothing changes. */
     baseRT_ref_inject_fault(RT_FAULT_STEP, 1);
-    CHECK(baseRT_batch_step_fused(m, &b, 1, toks, one, out) == BASERT_ERR_GENERATION_FAILED, "fault");
-    CHECK(b->length == 0 && blocks_used(m) == (uint64_t)((n_first + 15) / 16), "fault changed state");
+    CHECK(baseRT_batch_step_fused(m->handle, &b, 1, toks, one, out) == BASERT_ERR_GENERATION_FAILED, "fault");
+    CHECK(SEQ(b)->length == 0 && blocks_used(m) == (uint64_t)((n_first + 15) / 16), "fault changed state");
     baseRT_ref_inject_fault(RT_FAULT_SEQ_CREATE, 1);
-    CHECK(baseRT_sequence_create(m) == NULL && baseRT_get_error_code() == BASERT_ERR_OUT_OF_MEMORY, "create fault");
+    CHECK(baseRT_sequence_create(m->handle) == NULL && baseRT_get_error_code() == BASERT_ERR_OUT_OF_MEMORY, "create fault");
 
     /* Pool exhaustion: 2 lanes + default = 3 * max_seq tokens of blocks. Fill
      * the default sequence and lane a, cache a's blocks, then ask for more
      * than is left: cached blocks are evicted first, then OUT_OF_MEMORY with
      * every sequence untouched. */
-    CHECK(baseRT_prefix_insert(m, toks, n_first, a) == BASERT_OK, "insert a");
+    CHECK(baseRT_prefix_insert(m->handle, toks, n_first, a) == BASERT_OK, "insert a");
     baseRT_sequence_rollback(a, 0);
     int cached;
-    baseRT_prefix_cache_stats(m, NULL, NULL, NULL, &cached);
+    baseRT_prefix_cache_stats(m->handle, NULL, NULL, NULL, &cached);
     CHECK(cached == n_first / 16 && blocks_used(m) == (uint64_t)cached, "cached %d used %llu", cached,
           (unsigned long long)blocks_used(m));
-    CHECK(baseRT_batch_step_fused(m, &a, 1, toks + 1, &n_first, out) == BASERT_OK, "refill a privately");
-    baseRT_prefill(m, toks, max_seq);
-    CHECK(baseRT_get_error_code() == BASERT_OK && baseRT_get_position(m) == max_seq, "fill default");
-    baseRT_sequence_t c = baseRT_sequence_create(m);
+    CHECK(baseRT_batch_step_fused(m->handle, &a, 1, toks + 1, &n_first, out) == BASERT_OK, "refill a privately");
+    baseRT_prefill(m->handle, toks, max_seq);
+    CHECK(baseRT_get_error_code() == BASERT_OK && baseRT_get_position(m->handle) == max_seq, "fill default");
+    baseRT_sequence_t c = baseRT_sequence_create(m->handle);
     baseRT_sequence_t bc[2] = {b, c};
     int fill[2] = {max_seq, max_seq};
     /* b + c need 2 * max_seq/16 blocks: more than the pool has even with the
      * cache evicted (default and a hold the rest). */
-    CHECK(baseRT_batch_step_fused(m, bc, 2, toks, fill, out) == BASERT_ERR_OUT_OF_MEMORY, "pool exhaustion");
-    CHECK(b->length == 0 && c->length == 0, "OOM changed a sequence");
+    CHECK(baseRT_batch_step_fused(m->handle, bc, 2, toks, fill, out) == BASERT_ERR_OUT_OF_MEMORY, "pool exhaustion");
+    CHECK(SEQ(b)->length == 0 && SEQ(c)->length == 0, "OOM changed a sequence");
     int fill1 = max_seq;
-    CHECK(baseRT_batch_step_fused(m, &b, 1, toks, &fill1, out) == BASERT_OK, "b fits once the cache is evicted");
-    baseRT_prefix_cache_stats(m, NULL, NULL, NULL, &cached);
+    CHECK(baseRT_batch_step_fused(m->handle, &b, 1, toks, &fill1, out) == BASERT_OK, "b fits once the cache is evicted");
+    baseRT_prefix_cache_stats(m->handle, NULL, NULL, NULL, &cached);
     CHECK(cached == 0, "cache not evicted under pressure: %d", cached);
 
     /* Stale handles. */
     baseRT_sequence_free(c);
-    CHECK(baseRT_batch_step_fused(m, &c, 1, toks, one, out) == BASERT_ERR_INVALID_ARGUMENT, "freed handle");
+    CHECK(baseRT_batch_step_fused(m->handle, &c, 1, toks, one, out) == BASERT_ERR_INVALID_ARGUMENT, "freed handle");
     CHECK(strstr(baseRT_get_error(), "freed") != NULL, "freed handle message: %s", baseRT_get_error());
     CHECK(baseRT_sequence_rollback(b, max_seq + 1) == BASERT_ERR_INVALID_ARGUMENT, "rollback past length");
     baseRT_sequence_free(NULL);
@@ -503,12 +506,12 @@ static void check_failures(const shape *s, const weights *w) {
 
     /* Non-paged model: no sequences, the default path still works. */
     rt_model *flat = make_model(s, w, 0, 1, 0, 16);
-    CHECK(baseRT_sequence_create(flat) == NULL && baseRT_get_error_code() == BASERT_ERR_UNSUPPORTED, "flat create");
-    CHECK(baseRT_page_size(flat) == 0 && baseRT_page_size(m) == 16, "page size");
+    CHECK(baseRT_sequence_create(flat->handle) == NULL && baseRT_get_error_code() == BASERT_ERR_UNSUPPORTED, "flat create");
+    CHECK(baseRT_page_size(flat->handle) == 0 && baseRT_page_size(m->handle) == 16, "page size");
     float *emb = malloc((size_t)s->dim * sizeof(float));
-    CHECK(baseRT_embed(flat, toks, 30, emb, s->dim) == s->dim, "embed on a contiguous model");
+    CHECK(baseRT_embed(flat->handle, toks, 30, emb, s->dim) == s->dim, "embed on a contiguous model");
     BaseRTMemoryStats ms;
-    baseRT_model_memory_stats(flat, &ms);
+    baseRT_model_memory_stats(flat->handle, &ms);
     CHECK(ms.kv_cache_layout == BASERT_KV_CACHE_CONTIGUOUS && ms.kv_cache_blocks_used == 0, "embed leaked blocks");
     free(emb);
     free_model(flat);
@@ -538,36 +541,36 @@ static void check_default_sequence(const shape *s, const weights *w) {
     BaseRTSamplingConfig greedy = {0};
     greedy.top_p = 1.0f;
     collected got = {0};
-    BaseRTGenerationStats st = baseRT_generate(m, prompt, 30, 20, greedy, collect, &got);
+    BaseRTGenerationStats st = baseRT_generate(m->handle, prompt, 30, 20, greedy, collect, &got);
     CHECK(st.prompt_tokens == 30 && st.generated_tokens == 20 && got.n == 20, "generate: %d generated",
           st.generated_tokens);
-    CHECK(baseRT_get_position(m) == 30 + 19, "position %d after generate", baseRT_get_position(m));
+    CHECK(baseRT_get_position(m->handle) == 30 + 19, "position %d after generate", baseRT_get_position(m->handle));
     /* The same greedy continuation through a sequence and the batched API. */
-    baseRT_sequence_t q = baseRT_sequence_create(m);
+    baseRT_sequence_t q = baseRT_sequence_create(m->handle);
     int n = 30, bad = 0;
     uint32_t t;
-    baseRT_batch_step_fused(m, &q, 1, prompt, &n, &t);
+    baseRT_batch_step_fused(m->handle, &q, 1, prompt, &n, &t);
     for (int i = 0; i < 20; i++) {
         bad += t != got.toks[i];
         uint32_t nx;
-        baseRT_batch_decode_step(m, &q, 1, &t, &nx);
+        baseRT_batch_decode_step(m->handle, &q, 1, &t, &nx);
         t = nx;
     }
     CHECK(bad == 0, "generate vs batched greedy differ in %d tokens", bad);
     /* prefill appends; read_logits returns f16-rounded values whose argmax is
      * the returned token. */
-    baseRT_reset(m);
-    CHECK(baseRT_get_position(m) == 0, "reset");
-    uint32_t first = baseRT_prefill(m, prompt, 30);
+    baseRT_reset(m->handle);
+    CHECK(baseRT_get_position(m->handle) == 0, "reset");
+    uint32_t first = baseRT_prefill(m->handle, prompt, 30);
     CHECK(first == got.toks[0], "prefill token %u vs %u", first, got.toks[0]);
     float *lg = malloc((size_t)vocab * sizeof(float));
-    CHECK(baseRT_read_logits(m, lg, vocab) == vocab && rt_argmax_f32(lg, vocab) == first, "read_logits");
+    CHECK(baseRT_read_logits(m->handle, lg, vocab) == vocab && rt_argmax_f32(lg, vocab) == first, "read_logits");
     free(lg);
     float *e1 = malloc((size_t)s->dim * sizeof(float)), *e2 = malloc((size_t)s->dim * sizeof(float));
-    CHECK(baseRT_embed(m, prompt, 30, e1, s->dim) == s->dim, "embed");
-    CHECK(baseRT_embed(m, prompt, 30, e2, s->dim) == s->dim && same_bits(e1, e2, (size_t)s->dim * 4),
+    CHECK(baseRT_embed(m->handle, prompt, 30, e1, s->dim) == s->dim, "embed");
+    CHECK(baseRT_embed(m->handle, prompt, 30, e2, s->dim) == s->dim && same_bits(e1, e2, (size_t)s->dim * 4),
           "embed not deterministic");
-    CHECK(baseRT_get_position(m) == 30, "embed moved the default sequence");
+    CHECK(baseRT_get_position(m->handle) == 30, "embed moved the default sequence");
     free(e1);
     free(e2);
     baseRT_sequence_free(q);
@@ -598,22 +601,22 @@ static void bench(void) {
     int counts[WIDE + 1];
     random_tokens(toks, (WIDE + 1) * PROMPT, smol.vocab);
     for (int i = 0; i <= WIDE; i++) {
-        seqs[i] = baseRT_sequence_create(m);
+        seqs[i] = baseRT_sequence_create(m->handle);
         counts[i] = PROMPT;
     }
     double t0 = now_s();
-    baseRT_batch_step_fused(m, seqs, WIDE, toks, counts, out);
+    baseRT_batch_step_fused(m->handle, seqs, WIDE, toks, counts, out);
     double t1 = now_s();
-    baseRT_batch_step_fused(m, &seqs[WIDE], 1, toks, counts, &out[WIDE]);
+    baseRT_batch_step_fused(m->handle, &seqs[WIDE], 1, toks, counts, &out[WIDE]);
     double t2 = now_s();
     printf("  prefill: %d lanes x %d tokens %.1f tok/s; 1 x %d tokens %.1f tok/s\n", WIDE, PROMPT,
            WIDE * PROMPT / (t1 - t0), PROMPT, PROMPT / (t2 - t1));
     double best1 = 1e9, best16 = 1e9;
     for (int round = 0; round < ROUNDS; round++) {
         double a = now_s();
-        for (int s = 0; s < 6; s++) baseRT_batch_decode_step(m, &seqs[WIDE], 1, &out[WIDE], &out[WIDE]);
+        for (int s = 0; s < 6; s++) baseRT_batch_decode_step(m->handle, &seqs[WIDE], 1, &out[WIDE], &out[WIDE]);
         double b = now_s();
-        for (int s = 0; s < 3; s++) baseRT_batch_decode_step(m, seqs, WIDE, out, out);
+        for (int s = 0; s < 3; s++) baseRT_batch_decode_step(m->handle, seqs, WIDE, out, out);
         double c = now_s();
         if ((b - a) / 6 < best1) best1 = (b - a) / 6;
         if ((c - b) / 3 < best16) best16 = (c - b) / 3;

@@ -3,6 +3,8 @@
  * Not part of the baseRT ABI: a binding must look these up optionally (a real
  * engine does not have them). */
 
+#include "baseRT/baseRT.h"
+
 #ifdef __cplusplus
 extern "C" {
 #endif
@@ -20,6 +22,20 @@ enum {
  * BASERT_REF_FAIL_SEQ_CREATE=N. Returns BASERT_OK, or
  * BASERT_ERR_INVALID_ARGUMENT for an unknown kind or a negative n. */
 int baseRT_ref_inject_fault(int kind, int n);
+
+/* Consistency check of a model's paged KV pool, for tests and fuzzers: every
+ * block's refcount equals its owners (live sequences, prefix-cache nodes,
+ * pending prefix matches) and the free list holds exactly the unowned blocks,
+ * once each. BASERT_OK, or BASERT_ERR_UNKNOWN with a message naming the first
+ * inconsistency (INVALID_ARGUMENT for a bad handle). */
+int baseRT_ref_check_kv(baseRT_model_t model);
+
+/* Process-wide counters, for tests: "models" and "sequences" (live handles),
+ * "thread_pools" (worker pools alive) and "pool_threads" (threads of the
+ * shared pool, the caller included; 0 before the first model), "usable_cpus"
+ * (affinity capped by the cgroup quota). -1 with
+ * INVALID_ARGUMENT for an unknown name. */
+long baseRT_ref_counter(const char *name);
 
 #ifdef __cplusplus
 }

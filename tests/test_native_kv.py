@@ -1,0 +1,160 @@
+"""KV cache element width: the exact f32 pool (kv_bits 0), f16 (16) and Q8_0 (8).
+
+An f16 pool rounds every stored K and V value to f16 and widens it in registers
+when attention reads it back; a Q8_0 pool stores blocks of 32 int8 with an f16
+scale and widens a page at a time. The runtime's invariants must hold for them
+exactly as for f32 (batched == unbatched, prefix-seeded == cold, bit for bit),
+their logits must stay close to the f32 pool's, they must take fewer bytes, and
+baseRT_kv_bits_effective must say what was allocated (Q4_0 is not implemented:
+4 and 84 get Q8_0; a head_dim that is not a multiple of 32 gets f16).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from collections.abc import Iterator, Sequence
+from ctypes import byref, c_int, c_uint32, c_void_p
+from pathlib import Path
+
+import numpy as np
+import numpy.typing as npt
+import pytest
+
+from aiobasert._ffi import BaseRTLoadOptions, BaseRTMemoryStats, Library, load_library
+from aiobasert.tiny import build_tiny_model
+
+OK, INVALID_ARGUMENT = 0, 2
+
+
+@pytest.fixture(scope="module")
+def lib() -> Library:
+    return load_library()
+
+
+@pytest.fixture(scope="module")
+def kv_bits_effective(lib: Library) -> ctypes._CFuncPtr:
+    fn = ctypes.CDLL(lib.path).baseRT_kv_bits_effective
+    fn.restype, fn.argtypes = c_int, [c_void_p]
+    return fn
+
+
+@pytest.fixture(scope="module")
+def path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """head_dim 16: Q8_0 blocks of 32 would straddle heads, so kv_bits 8 falls back to f16."""
+    return build_tiny_model(tmp_path_factory.mktemp("kv") / "tiny.base", dim=64, n_heads=4, n_kv_heads=2,
+                            ffn_dim=96, tied=False, seed=4)
+
+
+@pytest.fixture(scope="module")
+def path32(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """head_dim 32: takes a Q8_0 pool."""
+    return build_tiny_model(tmp_path_factory.mktemp("kv32") / "tiny.base", dim=128, n_heads=4, n_kv_heads=2,
+                            ffn_dim=96, tied=False, seed=5)
+
+
+def load(lib: Library, path: Path, kv_bits: int) -> int:
+    o = BaseRTLoadOptions(struct_size=ctypes.sizeof(BaseRTLoadOptions), paged_kv=1, max_batch_size=4,
+                          prefix_cache=1, prefill_chunk=16, kv_bits=kv_bits)
+    m = lib.baseRT_load_model_ex(os.fsencode(path), None, 256, byref(o))
+    assert m, (lib.baseRT_get_error() or b"").decode()
+    return int(m)
+
+
+@pytest.fixture(params=[16, 8], ids=["f16", "q8_0"])
+def f16(request: pytest.FixtureRequest, lib: Library, path: Path, path32: Path) -> Iterator[int]:
+    """A model with a reduced-precision pool: f16 (head_dim 16) or Q8_0 (head_dim 32)."""
+    m = load(lib, path if request.param == 16 else path32, request.param)
+    yield m
+    lib.baseRT_free_model(m)
+
+
+def step(lib: Library, m: int, seqs: Sequence[int], feeds: Sequence[Sequence[int]]) -> npt.NDArray[np.float16]:
+    n = len(seqs)
+    flat = [t for f in feeds for t in f]
+    rc = lib.baseRT_batch_step_fused_logits(m, (c_void_p * n)(*seqs), n, (c_uint32 * len(flat))(*flat),
+                                            (c_int * n)(*[len(f) for f in feeds]))
+    assert rc == OK, (lib.baseRT_get_error() or b"").decode()
+    vocab = int(lib.baseRT_batch_logits_stride(m)) // 2
+    rows = np.empty((n, vocab), dtype=np.float16)
+    assert lib.baseRT_read_batch_logits(m, n, rows.ctypes.data_as(c_void_p)) == vocab
+    return rows
+
+
+def prompt(n: int, seed: int) -> list[int]:
+    return [int(t) for t in np.random.default_rng(seed).integers(3, 200, size=n)]
+
+
+def test_kv_bits_effective_is_what_was_allocated(lib: Library, path: Path, path32: Path,
+                                                 kv_bits_effective: ctypes._CFuncPtr) -> None:
+    cases = [(path, 0, 32), (path, 16, 16), (path, 8, 16), (path, 4, 16), (path, 84, 16),
+             (path32, 0, 32), (path32, 16, 16), (path32, 8, 8), (path32, 4, 8), (path32, 84, 8)]
+    for p, asked, got in cases:
+        m = load(lib, p, asked)
+        try:
+            assert kv_bits_effective(m) == got, (p, asked)
+            st = BaseRTMemoryStats()
+            assert lib.baseRT_model_memory_stats(m, byref(st))
+            per_block = st.kv_cache_capacity_bytes // st.kv_cache_blocks_total
+            kv_dim = 32 if p == path else 64
+            row = {32: kv_dim * 4, 16: kv_dim * 2, 8: kv_dim // 32 * 34}[got]
+            assert per_block == 2 * 2 * 16 * row  # 2 layers x (K + V) x 16 tokens x one row
+        finally:
+            lib.baseRT_free_model(m)
+    o = BaseRTLoadOptions(struct_size=ctypes.sizeof(BaseRTLoadOptions), paged_kv=1, kv_bits=32)
+    assert not lib.baseRT_load_model_ex(os.fsencode(path), None, 256, byref(o))
+    assert lib.baseRT_get_error_code() == INVALID_ARGUMENT and "kv_bits" in (lib.baseRT_get_error() or b"").decode()
+
+
+def test_f16_pool_batched_equals_unbatched(lib: Library, f16: int) -> None:
+    prompts = [prompt(n, 20 + n) for n in (3, 17, 40)]
+    batched = [int(lib.baseRT_sequence_create(f16)) for _ in prompts]
+    single = [int(lib.baseRT_sequence_create(f16)) for _ in prompts]
+    rows = step(lib, f16, batched, prompts)
+    for i, p in enumerate(prompts):
+        assert step(lib, f16, [single[i]], [p])[0].tobytes() == rows[i].tobytes()
+    for _ in range(6):
+        nxt = [[int(np.argmax(r))] for r in rows]
+        rows = step(lib, f16, batched, nxt)
+        for i in range(len(prompts)):
+            assert step(lib, f16, [single[i]], nxt[i : i + 1])[0].tobytes() == rows[i].tobytes()
+    for s in batched + single:
+        lib.baseRT_sequence_free(s)
+
+
+def test_f16_pool_prefix_seeded_equals_cold(lib: Library, f16: int) -> None:
+    p = prompt(45, 9)
+    warm = int(lib.baseRT_sequence_create(f16))
+    step(lib, f16, [warm], [p])
+    assert lib.baseRT_prefix_insert(f16, (c_uint32 * len(p))(*p), len(p), warm) == OK
+    cold = int(lib.baseRT_sequence_create(f16))
+    want = step(lib, f16, [cold], [p])[0]
+    match = lib.baseRT_prefix_match(f16, (c_uint32 * len(p))(*p), len(p))
+    assert match.matched_tokens == 32
+    seeded = int(lib.baseRT_sequence_create(f16))
+    rc = lib.baseRT_sequence_seed_prefix(seeded, match.blocks, match.n_blocks, match.matched_tokens)
+    assert rc == OK
+    got = step(lib, f16, [seeded], [p[32:]])[0]
+    lib.baseRT_prefix_unlock(f16, match.handle)
+    assert got.tobytes() == want.tobytes()
+    # A rollback into a shared block copies it (copy-on-write of an f16 block).
+    assert lib.baseRT_sequence_rollback(seeded, 20) == OK
+    again = step(lib, f16, [seeded], [p[20:]])[0]
+    assert again.tobytes() == want.tobytes()
+    for s in (warm, cold, seeded):
+        lib.baseRT_sequence_free(s)
+
+
+def test_f16_pool_stays_close_to_f32(lib: Library, path: Path, path32: Path, f16: int,
+                                    kv_bits_effective: ctypes._CFuncPtr) -> None:
+    exact = load(lib, path if kv_bits_effective(f16) == 16 else path32, 0)
+    try:
+        p = prompt(60, 3)
+        a, b = int(lib.baseRT_sequence_create(exact)), int(lib.baseRT_sequence_create(f16))
+        ra, rb = step(lib, exact, [a], [p])[0], step(lib, f16, [b], [p])[0]
+        ref = ra.astype(np.float64)
+        err = np.abs(rb.astype(np.float64) - ref).max() / np.abs(ref).max()
+        assert 0 < err < 2e-2, err  # f16 / Q8_0 K/V: different bits, the same answer within their precision
+        assert int(np.argmax(ra)) == int(np.argmax(rb))
+    finally:
+        lib.baseRT_free_model(exact)

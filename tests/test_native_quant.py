@@ -1,0 +1,229 @@
+"""Quantized weights (base_q8 / base_q4, CANONICAL_QUANT_SPEC.md) in the reference engine.
+
+The engine repacks group-wise quantized matrices at load and multiplies them
+with integer dot products against activations quantized per block of 32
+(llama.cpp's Q8_0 x Q8 scheme). Checked here: logits of tiny quantized bundles
+against the numpy oracle over the dequantized weights (the only difference is
+the activation rounding), batch invariance, refusal of layouts the engine
+cannot run, and -- on SmolLM2 -- the spec's quality bar: perplexity of the q8
+and q4 bundles within 1% of the f16 bundle on a held-out text.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import math
+import os
+from collections.abc import Sequence
+from ctypes import byref, c_int, c_uint32, c_void_p
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+import pytest
+
+from aiobasert._ffi import BaseRTLoadOptions, Library, load_library
+from aiobasert.bundle import BundleWriter, TensorEntry, read_bundle
+from aiobasert.convert import convert_gguf, quantize_groups
+from aiobasert.tiny import build_tiny_model
+from tests.oracle import NumpyLlama
+
+OK, UNSUPPORTED = 0, 5
+
+
+@pytest.fixture(scope="module")
+def lib() -> Library:
+    return load_library()
+
+
+def quantize_bundle(src: Path, dst: Path, dtype: str, *, group_size: int = 32, symmetric: bool = False) -> Path:
+    """A copy of `src` with every matrix stored as `dtype` (norms stay as they are)."""
+    b = read_bundle(src)
+    header = {k: v for k, v in b.header.items() if k != "tensors"}
+    header["quant_scheme"] = dtype
+    header["target_backend"] = "cpu_avx2"
+    entries = []
+    for name, info in b.tensors.items():
+        if len(info.shape) == 2:
+            entries.append(TensorEntry(name, info.shape, dtype, info.compute_region, group_size=group_size,
+                                       symmetric=symmetric))
+        else:
+            entries.append(TensorEntry(name, info.shape, info.dtype, info.compute_region))
+    with BundleWriter(dst, header, entries) as w:
+        for e in entries:
+            if e.dtype == dtype:
+                w.write(e.name, quantize_groups(np.asarray(b.tensor(e.name)), dtype, symmetric=symmetric,
+                                                group_size=group_size))
+            else:
+                w.write(e.name, b.raw(e.name))
+    return dst
+
+
+def load(lib: Library, path: Path, lanes: int = 4) -> int:
+    o = BaseRTLoadOptions(struct_size=ctypes.sizeof(BaseRTLoadOptions), paged_kv=1, max_batch_size=lanes,
+                          prefill_chunk=64)
+    m = lib.baseRT_load_model_ex(os.fsencode(path), None, 512, byref(o))
+    assert m, (lib.baseRT_get_error() or b"").decode()
+    return int(m)
+
+
+def step(lib: Library, m: int, seqs: Sequence[int], feeds: Sequence[Sequence[int]]) -> npt.NDArray[np.float16]:
+    n = len(seqs)
+    flat = [t for f in feeds for t in f]
+    rc = lib.baseRT_batch_step_fused_logits(m, (c_void_p * n)(*seqs), n, (c_uint32 * len(flat))(*flat),
+                                            (c_int * n)(*[len(f) for f in feeds]))
+    assert rc == OK, (lib.baseRT_get_error() or b"").decode()
+    vocab = int(lib.baseRT_batch_logits_stride(m)) // 2
+    rows = np.empty((n, vocab), dtype=np.float16)
+    assert lib.baseRT_read_batch_logits(m, n, rows.ctypes.data_as(c_void_p)) == vocab
+    return rows
+
+
+@pytest.fixture(scope="module")
+def tiny_f32(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_model(tmp_path_factory.mktemp("quant") / "f32.base", dim=128, n_heads=4, n_kv_heads=2,
+                            ffn_dim=256, tied=False, seed=11)
+
+
+@pytest.mark.parametrize(("dtype", "group_size", "symmetric"),
+                         [("base_q8", 32, True), ("base_q8", 32, False), ("base_q4", 32, False),
+                          ("base_q4", 64, False), ("base_q8", 128, True), ("base_q8", 64, False)])
+def test_quantized_logits_match_the_oracle_over_dequantized_weights(
+    lib: Library, tiny_f32: Path, tmp_path: Path, dtype: str, group_size: int, symmetric: bool
+) -> None:
+    path = quantize_bundle(tiny_f32, tmp_path / "q.base", dtype, group_size=group_size, symmetric=symmetric)
+    oracle = NumpyLlama(path)
+    m = load(lib, path)
+    try:
+        tokens = [int(t) for t in np.random.default_rng(2).integers(3, 200, size=30)]
+        s = int(lib.baseRT_sequence_create(m))
+        got = step(lib, m, [s], [tokens])[0].astype(np.float64)
+        ref = oracle.logits(tokens)[-1]
+        # Activations are rounded to 8 bits per block of 32 before every matmul: ~1% of the logit scale.
+        err = np.abs(got - ref).max() / np.abs(ref).max()
+        assert err < 0.03, err
+        assert np.corrcoef(got, ref)[0, 1] > 0.999
+    finally:
+        lib.baseRT_free_model(m)
+
+
+def test_quantized_batched_equals_unbatched(lib: Library, tiny_f32: Path, tmp_path: Path) -> None:
+    path = quantize_bundle(tiny_f32, tmp_path / "q4.base", "base_q4")
+    m = load(lib, path)
+    try:
+        prompts = [[int(t) for t in np.random.default_rng(k).integers(3, 200, size=n)] for k, n in
+                   enumerate((2, 9, 33, 70))]
+        batched = [int(lib.baseRT_sequence_create(m)) for _ in prompts]
+        single = [int(lib.baseRT_sequence_create(m)) for _ in prompts]
+        rows = step(lib, m, batched, prompts)
+        for i, p in enumerate(prompts):
+            assert step(lib, m, [single[i]], [p])[0].tobytes() == rows[i].tobytes()
+        for _ in range(4):
+            nxt = [[int(np.argmax(r))] for r in rows]
+            rows = step(lib, m, batched, nxt)
+            for i in range(len(prompts)):
+                assert step(lib, m, [single[i]], nxt[i : i + 1])[0].tobytes() == rows[i].tobytes()
+    finally:
+        lib.baseRT_free_model(m)
+
+
+def _edit_first_quantized(src: Path, dst: Path, **fields: Any) -> Path:
+    data = src.read_bytes()
+    hlen = int.from_bytes(data[8:16], "little")
+    header = json.loads(data[16 : 16 + hlen])
+    old_blob = (16 + hlen + 65535) // 65536 * 65536
+    t = next(t for t in header["tensors"] if t["dtype"].startswith("base_q"))
+    t.update(fields)
+    text = json.dumps(header, sort_keys=True, separators=(",", ":")).encode()
+    blob = (16 + len(text) + 65535) // 65536 * 65536
+    dst.write_bytes(data[:8] + len(text).to_bytes(8, "little") + text + b"\0" * (blob - 16 - len(text))
+                    + data[old_blob:])
+    return dst
+
+
+@pytest.mark.parametrize("fields", [{"layout": "metal_lane_strided_q4"}, {"group_size": 16},
+                                    {"scale_dtype": "e8m0"}])
+def test_unsupported_quantization_is_refused(lib: Library, tiny_f32: Path, tmp_path: Path,
+                                             fields: dict[str, Any]) -> None:
+    q = quantize_bundle(tiny_f32, tmp_path / "q.base", "base_q4")
+    bad = _edit_first_quantized(q, tmp_path / "bad.base", **fields)
+    assert not lib.baseRT_load_model_ex(os.fsencode(bad), None, 64, None)
+    assert lib.baseRT_get_error_code() == UNSUPPORTED, (lib.baseRT_get_error() or b"").decode()
+
+
+def test_quantized_region_outside_the_file_is_refused(lib: Library, tiny_f32: Path, tmp_path: Path) -> None:
+    q = quantize_bundle(tiny_f32, tmp_path / "q.base", "base_q4")
+    bad = _edit_first_quantized(q, tmp_path / "bad.base", scale_offset=2**63 - 8)
+    assert not lib.baseRT_load_model_ex(os.fsencode(bad), None, 64, None)
+    assert lib.baseRT_get_error_code() == 4 and "scale_offset" in (lib.baseRT_get_error() or b"").decode()
+
+
+# ---- SmolLM2: the quality bar ---------------------------------------------------------------------
+
+HELD_OUT = (
+    "The history of the printing press begins in the fifteenth century, when Johannes Gutenberg combined "
+    "movable metal type, oil-based ink and a wooden screw press into a system that could produce books far faster "
+    "than scribes. Within fifty years, presses were operating in more than two hundred cities across Europe, and "
+    "millions of volumes had been printed. The spread of printed material changed how knowledge moved: scholars "
+    "could compare identical copies of a text, errors could be corrected in later editions, and ideas reached "
+    "readers who had never owned a manuscript. Religious reformers, scientists and merchants all used the new "
+    "technology to spread their arguments, their discoveries and their prices. Historians still debate how much "
+    "of the scientific revolution depended on print, but few doubt that cheap books made literacy more valuable. "
+    "By the eighteenth century newspapers, pamphlets and novels filled the shops of every large town, and the "
+    "habit of reading silently and alone had become common among the middle classes of many countries. "
+    "Meanwhile the tides along the northern coast rose and fell twice a day, and the fishermen who worked them "
+    "measured their lives by the weather rather than by any calendar. A storm could keep the boats in harbour for "
+    "a week; a calm season could fill the smokehouses and pay the debts of a whole village. Children learned to "
+    "mend nets before they learned to read, and the old men on the quay argued about the wind every morning. "
+    "In the spring of that year a schoolteacher arrived from the city with two trunks of books and a plan to "
+    "open a library in the back room of the chapel. Nobody asked her to do it, and at first few people came. "
+    "She kept the door open every evening anyway, lit a lamp, and read aloud to whoever sat on the benches. "
+    "By midsummer the benches were full. Fishermen who had never held a novel listened to stories about sailors "
+    "on other seas, and their wives borrowed almanacs and cookery books and treatises on the care of bees. "
+    "When the autumn storms came and the boats stayed in, the library became the warmest and busiest room in the "
+    "village. The teacher wrote to her sister that she had never been so tired or so content. She stayed for "
+    "forty years, and when she died the village named the new school after her and kept her lamp on the desk. "
+    "Bees, it turns out, are more orderly than most people imagine. A hive in summer holds tens of thousands of "
+    "workers, each passing through a sequence of jobs as it ages: cleaning cells, feeding larvae, building comb, "
+    "guarding the entrance and finally foraging in the fields. The queen lays the eggs, but she does not rule; "
+    "decisions such as where to found a new colony are made collectively, by scouts that dance to advertise the "
+    "sites they have found until one site wins enough support."
+)
+
+
+def perplexity(lib: Library, path: Path, text: str, lanes: int = 8) -> float:
+    """Perplexity of `text` split into `lanes` segments decoded side by side (teacher forcing)."""
+    m = load(lib, path, lanes)
+    try:
+        data = text.encode()
+        assert lanes * 60 < len(data) // 3, "the text is too short for a stable estimate"
+        buf = (c_uint32 * (len(data) + 8))()
+        n = int(lib.baseRT_encode(m, data, buf, len(buf)))
+        per = n // lanes
+        segs = [list(buf[i * per : (i + 1) * per]) for i in range(lanes)]
+        seqs = [int(lib.baseRT_sequence_create(m)) for _ in range(lanes)]
+        nll, count = 0.0, 0
+        for t in range(per - 1):
+            rows = step(lib, m, seqs, [[s[t]] for s in segs]).astype(np.float64)
+            rows -= rows.max(axis=1, keepdims=True)
+            logp = rows - np.log(np.exp(rows).sum(axis=1, keepdims=True))
+            for i, s in enumerate(segs):
+                nll -= logp[i, s[t + 1]]
+                count += 1
+        return math.exp(nll / count)
+    finally:
+        lib.baseRT_free_model(m)
+
+
+@pytest.mark.slow
+def test_smollm2_q8_and_q4_perplexity_within_1_percent_of_f16(lib: Library, smollm2_gguf: Path,
+                                                              tmp_path_factory: pytest.TempPathFactory) -> None:
+    out = tmp_path_factory.mktemp("smollm2-quant")
+    paths = {d: convert_gguf(smollm2_gguf, out / f"smollm2.{d}.base", dtype=d, progress=False)  # type: ignore[arg-type]
+             for d in ("f16", "q8", "q4")}
+    ppl = {d: perplexity(lib, p, HELD_OUT) for d, p in paths.items()}
+    assert 5 < ppl["f16"] < 200, ppl  # a sane model on English text
+    for d in ("q8", "q4"):
+        assert abs(ppl[d] / ppl["f16"] - 1) < 0.01, ppl

@@ -1,0 +1,499 @@
+"""Memory safety of the reference engine's ABI under any call order and any handle value.
+
+A foreign binding (Rust, Swift, C) can pass a stale, freed, foreign or reused
+handle, settle a prefix match twice, seed blocks it does not hold, or keep a
+sequence past its model. Each such call must fail with a code and a message,
+never corrupt the KV pool or crash. The regression tests pin the holes issue 10
+lists; the fuzz test drives random call sequences with valid and invalid handles
+and checks the pool's bookkeeping (baseRT_ref_check_kv) after every call.
+Under tests/test_sanitizers.py the same file runs against the ASan + UBSan build.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import random
+from collections.abc import Iterator, Sequence
+from ctypes import byref, c_int, c_uint32, c_void_p
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from aiobasert._ffi import BaseRTLoadOptions, BaseRTMemoryStats, Library, load_library
+from aiobasert.tiny import build_tiny_model
+
+OK, INVALID_ARGUMENT, INVALID_FORMAT, OUT_OF_MEMORY = 0, 2, 4, 6
+PAGE = 16
+
+
+@pytest.fixture(scope="module")
+def lib() -> Library:
+    return load_library()
+
+
+class Raw:
+    """Entry points the SDK's mirror does not declare, through a plain CDLL of the same library."""
+
+    def __init__(self, path: str) -> None:
+        c = ctypes.CDLL(path)
+        self.get_position = c.baseRT_get_position
+        self.get_position.restype, self.get_position.argtypes = c_int, [c_void_p]
+        self.prefix_discard = c.baseRT_prefix_discard
+        self.prefix_discard.restype, self.prefix_discard.argtypes = None, [c_void_p, ctypes.c_uint64]
+
+
+@pytest.fixture(scope="module")
+def raw(lib: Library) -> Raw:
+    return Raw(lib.path)
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_model(tmp_path_factory.mktemp("safety") / "tiny.base", dim=64, n_heads=4, n_kv_heads=2,
+                            ffn_dim=96, tied=False)
+
+
+def load(lib: Library, path: Path, max_context: int = 128, **opts: int) -> int:
+    options = dict(paged_kv=1, max_batch_size=4, prefix_cache=1, prefill_chunk=16) | opts
+    o = BaseRTLoadOptions(struct_size=ctypes.sizeof(BaseRTLoadOptions), **options)
+    m = lib.baseRT_load_model_ex(os.fsencode(path), None, max_context, byref(o))
+    assert m, error(lib)
+    return int(m)
+
+
+def error(lib: Library) -> str:
+    return (lib.baseRT_get_error() or b"").decode()
+
+
+def u32(values: Sequence[int]) -> ctypes.Array[c_uint32]:
+    return (c_uint32 * max(len(values), 1))(*values)
+
+
+def ints(values: Sequence[int]) -> ctypes.Array[c_int]:
+    return (c_int * max(len(values), 1))(*values)
+
+
+def step(lib: Library, m: int, seqs: Sequence[int], feeds: Sequence[Sequence[int]]) -> int:
+    flat = [t for f in feeds for t in f]
+    arr = (c_void_p * max(len(seqs), 1))(*seqs)
+    return int(lib.baseRT_batch_step_fused_logits(m, arr, len(seqs), u32(flat), ints([len(f) for f in feeds])))
+
+
+def rows(lib: Library, m: int, n: int) -> np.ndarray[Any, np.dtype[np.float16]]:
+    vocab = int(lib.baseRT_batch_logits_stride(m)) // 2
+    out = np.empty((n, vocab), dtype=np.float16)
+    assert lib.baseRT_read_batch_logits(m, n, out.ctypes.data_as(c_void_p)) == vocab, error(lib)
+    return out
+
+
+def match(lib: Library, m: int, tokens: Sequence[int]) -> tuple[int, list[int]]:
+    r = lib.baseRT_prefix_match(m, u32(tokens), len(tokens))
+    return int(r.handle), [r.blocks[i] for i in range(r.n_blocks)]
+
+
+def seed(lib: Library, s: int, blocks: Sequence[int]) -> int:
+    return int(lib.baseRT_sequence_seed_prefix(s, ints(blocks), len(blocks), len(blocks) * PAGE))
+
+
+def check_pool(lib: Library, m: int) -> None:
+    assert lib.baseRT_ref_check_kv(m) == OK, error(lib)
+
+
+def blocks_used(lib: Library, m: int) -> int:
+    st = BaseRTMemoryStats()
+    assert lib.baseRT_model_memory_stats(m, byref(st)), error(lib)
+    return int(st.kv_cache_blocks_used)
+
+
+@pytest.fixture
+def model(lib: Library, model_path: Path) -> Iterator[int]:
+    m = load(lib, model_path)
+    yield m
+    lib.baseRT_free_model(m)
+
+
+PROMPT = [int(t) for t in np.random.default_rng(5).integers(3, 200, size=40)]
+
+
+def cached_prefix(lib: Library, m: int) -> None:
+    """Run PROMPT on a sequence and publish its two full blocks to the cache."""
+    s = int(lib.baseRT_sequence_create(m))
+    assert step(lib, m, [s], [PROMPT]) == OK, error(lib)
+    assert lib.baseRT_prefix_insert(m, u32(PROMPT), len(PROMPT), s) == OK
+    lib.baseRT_sequence_free(s)
+
+
+def cold_logits(lib: Library, m: int, tokens: Sequence[int]) -> bytes:
+    s = int(lib.baseRT_sequence_create(m))
+    assert step(lib, m, [s], [tokens]) == OK, error(lib)
+    out = rows(lib, m, 1)[0].tobytes()
+    lib.baseRT_sequence_free(s)
+    return out
+
+
+# ---- regressions: the holes of issue 10 ----------------------------------------------------------
+
+
+def test_seed_twice_and_release_after_seed_keep_the_pool_consistent(lib: Library, model: int) -> None:
+    cached_prefix(lib, model)
+    want = cold_logits(lib, model, PROMPT)
+    handle, blocks = match(lib, model, PROMPT)
+    assert blocks and handle
+    a, b = int(lib.baseRT_sequence_create(model)), int(lib.baseRT_sequence_create(model))
+    assert seed(lib, a, blocks) == OK, error(lib)
+    assert seed(lib, b, blocks) == OK, error(lib)  # one match seeding two sequences: each holds a reference
+    lib.baseRT_prefix_release(model, handle)  # after seeding: drops only the match's own references
+    check_pool(lib, model)
+    lib.baseRT_prefix_release(model, handle)  # settled twice: an error, nothing freed
+    assert lib.baseRT_get_error_code() == INVALID_ARGUMENT and "already settled" in error(lib)
+    assert lib.baseRT_prefix_evict(model, 1000) == 0  # both sequences still hold the blocks
+    check_pool(lib, model)
+    rest = PROMPT[len(blocks) * PAGE :]
+    for s in (a, b):
+        assert step(lib, model, [s], [rest]) == OK, error(lib)
+        assert rows(lib, model, 1)[0].tobytes() == want  # the cached KV, not another sequence's
+    for s in (a, b):
+        lib.baseRT_sequence_free(s)
+    check_pool(lib, model)
+    assert lib.baseRT_prefix_evict(model, 1000) == len(blocks)
+    assert blocks_used(lib, model) == 0
+
+
+def test_seed_refuses_blocks_that_are_not_a_cached_prefix(lib: Library, model: int) -> None:
+    other = int(lib.baseRT_sequence_create(model))
+    assert step(lib, model, [other], [PROMPT]) == OK
+    victim = int(lib.baseRT_sequence_create(model))
+    for blocks in ([0], [0, 1], [1], [-1], [10**6]):  # another sequence's private blocks, or no block at all
+        assert seed(lib, victim, blocks) == INVALID_ARGUMENT, blocks
+        assert "not a cached prefix" in error(lib) or "not a live KV block" in error(lib)
+    cached_prefix(lib, model)
+    handle, blocks = match(lib, model, PROMPT)
+    assert seed(lib, victim, blocks[::-1]) == INVALID_ARGUMENT  # the cached blocks, out of order
+    assert seed(lib, victim, blocks[:1]) == OK  # a prefix of the path is a cached prefix
+    lib.baseRT_prefix_unlock(model, handle)
+    check_pool(lib, model)
+    lib.baseRT_sequence_free(victim)
+    lib.baseRT_sequence_free(other)
+    lib.baseRT_prefix_evict(model, 1000)
+    assert blocks_used(lib, model) == 0
+
+
+def test_unlock_without_seed_does_not_leak(lib: Library, model: int) -> None:
+    cached_prefix(lib, model)
+    handle, blocks = match(lib, model, PROMPT)
+    lib.baseRT_prefix_unlock(model, handle)
+    check_pool(lib, model)
+    assert lib.baseRT_prefix_evict(model, 1000) == len(blocks)
+    assert blocks_used(lib, model) == 0
+
+
+def test_sequence_handles_die_with_their_model(lib: Library, raw: Raw, model_path: Path) -> None:
+    m = load(lib, model_path)
+    s = int(lib.baseRT_sequence_create(m))
+    assert step(lib, m, [s], [PROMPT[:5]]) == OK
+    lib.baseRT_free_model(m)
+    assert lib.baseRT_sequence_rollback(s, 0) == INVALID_ARGUMENT
+    assert "freed" in error(lib)
+    assert seed(lib, s, [0]) == INVALID_ARGUMENT
+    lib.baseRT_sequence_free(s)
+    assert lib.baseRT_get_error_code() == INVALID_ARGUMENT
+    # A new model (possibly at the old address) does not revive the old handles.
+    m2 = load(lib, model_path)
+    try:
+        assert lib.baseRT_sequence_rollback(s, 0) == INVALID_ARGUMENT
+        assert step(lib, m2, [s], [[5]]) == INVALID_ARGUMENT
+        assert raw.get_position(m) == -1 and "freed" in error(lib)
+    finally:
+        lib.baseRT_free_model(m2)
+
+
+def test_stale_sequence_handle_never_reaches_a_new_sequence(lib: Library, model: int) -> None:
+    """Far more than 256 create/free cycles: no new sequence answers to a freed handle."""
+    live_before = lib.baseRT_ref_counter(b"sequences")
+    stale = int(lib.baseRT_sequence_create(model))
+    lib.baseRT_sequence_free(stale)
+    live = []
+    for i in range(600):
+        s = int(lib.baseRT_sequence_create(model))
+        assert s and s != stale
+        if i % 2:
+            live.append(s)
+        else:
+            lib.baseRT_sequence_free(s)
+        assert lib.baseRT_sequence_rollback(stale, 0) == INVALID_ARGUMENT
+    assert step(lib, model, [live[0]], [[7, 8, 9]]) == OK
+    lib.baseRT_sequence_free(stale)  # must not free live[...]
+    assert lib.baseRT_sequence_rollback(live[0], 1) == OK, error(lib)
+    for s in live:
+        lib.baseRT_sequence_free(s)
+    assert lib.baseRT_ref_counter(b"sequences") == live_before
+    check_pool(lib, model)
+
+
+def test_foreign_handles_are_refused(lib: Library, raw: Raw, model: int) -> None:
+    s = int(lib.baseRT_sequence_create(model))
+    for bogus in (1, 0xDEADBEEF, model, s + 8, s ^ (1 << 40), 2**64 - 8):
+        assert lib.baseRT_sequence_rollback(bogus, 0) == INVALID_ARGUMENT
+        assert raw.get_position(bogus if bogus != model else s) == -1
+        assert lib.baseRT_ref_check_kv(bogus if bogus != model else s) == INVALID_ARGUMENT
+    lib.baseRT_sequence_free(s)
+
+
+def _rewrite_header(src: Path, dst: Path, edit: Any) -> Path:
+    """Copy a bundle with its header JSON edited (padding re-computed, blob moved)."""
+    data = src.read_bytes()
+    hlen = int.from_bytes(data[8:16], "little")
+    header = json.loads(data[16 : 16 + hlen])
+    old_blob = (16 + hlen + 65535) // 65536 * 65536
+    edit(header)
+    text = json.dumps(header, sort_keys=True, separators=(",", ":")).encode()
+    blob = (16 + len(text) + 65535) // 65536 * 65536
+    out = data[:8] + len(text).to_bytes(8, "little") + text + b"\0" * (blob - 16 - len(text)) + data[old_blob:]
+    dst.write_bytes(out)
+    return dst
+
+
+@pytest.mark.parametrize("theta", [1e-300, 1e-30, 0.5, 1.0])
+def test_rope_theta_that_breaks_rope_is_refused(lib: Library, model_path: Path, tmp_path: Path, theta: float) -> None:
+    def edit(h: dict[str, Any]) -> None:
+        h["config"]["rope_theta"] = theta
+
+    bad = _rewrite_header(model_path, tmp_path / "theta.base", edit)
+    assert not lib.baseRT_load_model_ex(os.fsencode(bad), None, 64, None)
+    assert lib.baseRT_get_error_code() == INVALID_FORMAT and "rope_theta" in error(lib)
+
+
+def test_tiny_norm_eps_is_refused(lib: Library, model_path: Path, tmp_path: Path) -> None:
+    def edit(h: dict[str, Any]) -> None:
+        h["config"]["rms_norm_eps"] = 1e-300
+
+    bad = _rewrite_header(model_path, tmp_path / "eps.base", edit)
+    assert not lib.baseRT_load_model_ex(os.fsencode(bad), None, 64, None)
+    assert "rms_norm_eps" in error(lib)
+
+
+@pytest.mark.parametrize("offset", [2**63 - 1, 2**63 - 2**20, 2**62])
+def test_tensor_offset_near_2_63_is_refused(lib: Library, model_path: Path, tmp_path: Path, offset: int) -> None:
+    def edit(h: dict[str, Any]) -> None:
+        t = h["tensors"][-1]
+        t["offset"] = offset
+        # A length near 2^63 too: offset + length wraps a uint64 unless compared by subtraction.
+        if offset == 2**63 - 1:
+            t["shape"] = [2**40, 2**21 // 2]
+            t["length"] = 2**40 * (2**21 // 2) * {"f32": 4, "f16": 2, "bf16": 2}[t["dtype"]]
+
+    bad = _rewrite_header(model_path, tmp_path / "offset.base", edit)
+    assert not lib.baseRT_load_model_ex(os.fsencode(bad), None, 64, None)
+    assert lib.baseRT_get_error_code() == INVALID_FORMAT, error(lib)
+
+
+def test_kv_block_count_overflow_is_refused_at_load(lib: Library, model_path: Path, tmp_path: Path) -> None:
+    def edit(h: dict[str, Any]) -> None:
+        h["config"]["max_position_embeddings"] = 1 << 24
+
+    long_ctx = _rewrite_header(model_path, tmp_path / "long.base", edit)
+    o = BaseRTLoadOptions(struct_size=ctypes.sizeof(BaseRTLoadOptions), paged_kv=1, max_batch_size=4096,
+                          prefill_chunk=4096)
+    assert not lib.baseRT_load_model_ex(os.fsencode(long_ctx), None, 1 << 24, byref(o))
+    assert lib.baseRT_get_error_code() == 2 and "KV pool" in error(lib), error(lib)
+
+
+# ---- shared thread pool ------------------------------------------------------------------------
+
+
+def test_two_models_share_one_thread_pool(lib: Library, model_path: Path) -> None:
+    before = lib.baseRT_ref_counter(b"thread_pools")
+    a = load(lib, model_path)
+    b = load(lib, model_path)
+    try:
+        pools = lib.baseRT_ref_counter(b"thread_pools")
+        threads = lib.baseRT_ref_counter(b"pool_threads")
+        cpus = lib.baseRT_ref_counter(b"usable_cpus")
+        assert cpus >= 1 and cpus <= (os.cpu_count() or 1)
+        assert cpus == len(os.sched_getaffinity(0)) or cpus < len(os.sched_getaffinity(0))  # cgroup quota
+        if threads > 1:
+            assert pools == max(before, 1), (before, pools)
+        else:
+            assert pools <= 1
+        if "BASERT_REF_THREADS" not in os.environ:
+            assert threads == min(cpus, 64)
+        # Both models still step (the second one runs on the pool too).
+        for m in (a, b):
+            s = int(lib.baseRT_sequence_create(m))
+            assert step(lib, m, [s], [PROMPT[:20]]) == OK, error(lib)
+            lib.baseRT_sequence_free(s)
+    finally:
+        lib.baseRT_free_model(a)
+        lib.baseRT_free_model(b)
+    assert lib.baseRT_ref_counter(b"thread_pools") == before
+    assert lib.baseRT_ref_counter(b"nonsense") == -1
+
+
+# ---- fuzz ------------------------------------------------------------------------------------------
+
+FUZZ_PROMPTS = [PROMPT, PROMPT[:33], PROMPT[:17] + [9] * 20, [11] * 50, [*PROMPT[:16], 3]]
+
+
+class Fuzzer:
+    """Random ABI calls on up to two live models, with every handle ever seen kept for reuse."""
+
+    def __init__(self, lib: Library, raw: Raw, path: Path, rng: random.Random) -> None:
+        self.lib, self.raw, self.path, self.rng = lib, raw, path, rng
+        self.models: list[int] = []  # live
+        self.dead_models: list[int] = []
+        self.seqs: dict[int, int] = {}  # live sequence -> model
+        self.dead_seqs: list[int] = []
+        self.matches: list[tuple[int, int, list[int]]] = []  # (model, handle, blocks), settled or not
+        self.calls = 0
+
+    def any_model(self) -> int:
+        pool = self.models * 4 + self.dead_models + [0, 8, 0xDEAD0001]
+        return self.rng.choice(pool) if pool else 0
+
+    def any_seq(self) -> int:
+        live = list(self.seqs)
+        pool = live * 4 + self.dead_seqs[-20:] + self.models[:1] + [0, 16, 0xBAD0002]
+        return self.rng.choice(pool)
+
+    def tokens(self, n: int) -> list[int]:
+        return [self.rng.randrange(3, 200) for _ in range(n)]
+
+    def op(self) -> None:
+        lib, r = self.lib, self.rng
+        kind = r.choice(["load", "free_model", "create", "create", "free_seq", "rollback", "step", "step", "step",
+                         "match", "seed", "insert", "settle", "evict", "query"])
+        self.calls += 1
+        if kind == "load" and len(self.models) < 2:
+            self.models.append(load(lib, self.path, max_context=r.choice([48, 128]), max_batch_size=r.choice([1, 4])))
+        elif kind == "free_model":
+            m = self.any_model()
+            lib.baseRT_free_model(m)
+            if m in self.models:
+                self.models.remove(m)
+                self.dead_models.append(m)
+                for s in [s for s, owner in self.seqs.items() if owner == m]:
+                    del self.seqs[s]
+                    self.dead_seqs.append(s)
+        elif kind == "create":
+            m = self.any_model()
+            s = lib.baseRT_sequence_create(m)
+            assert bool(s) == (m in self.models), error(lib)
+            if s:
+                self.seqs[int(s)] = m
+        elif kind == "free_seq":
+            s = self.any_seq()
+            lib.baseRT_sequence_free(s)
+            if s in self.seqs:
+                del self.seqs[s]
+                self.dead_seqs.append(s)
+        elif kind == "rollback":
+            rc = lib.baseRT_sequence_rollback(self.any_seq(), r.choice([-1, 0, 1, 15, 16, 17, 40, 1000]))
+            assert rc in (OK, INVALID_ARGUMENT)
+        elif kind == "step":
+            m = self.any_model()
+            n = r.choice([1, 1, 2, 3, 5])
+            seqs = [self.any_seq() for _ in range(n)]
+            feeds = [FUZZ_PROMPTS[r.randrange(len(FUZZ_PROMPTS))][: r.choice([1, 3, 16, 33])] if r.random() < 0.5
+                     else self.tokens(r.choice([1, 2, 17])) for _ in seqs]
+            rc = step(lib, m, seqs, feeds)
+            assert rc in (OK, INVALID_ARGUMENT, OUT_OF_MEMORY), error(lib)
+            if rc == OK and r.random() < 0.5:
+                rows(lib, m, len(seqs))
+        elif kind == "match":
+            m = self.any_model()
+            handle, blocks = match(lib, m, r.choice(FUZZ_PROMPTS))
+            if handle:
+                self.matches.append((m, handle, blocks))
+        elif kind == "seed":
+            s = self.any_seq()
+            if self.matches and r.random() < 0.8:
+                _, _, blocks = r.choice(self.matches)
+                blocks = blocks[: r.randint(1, len(blocks))]
+            else:
+                blocks = [r.randrange(-2, 40) for _ in range(r.randint(0, 3))]
+            assert seed(lib, s, blocks) in (OK, INVALID_ARGUMENT, 5)
+        elif kind == "insert":
+            p = r.choice(FUZZ_PROMPTS)
+            assert lib.baseRT_prefix_insert(self.any_model(), u32(p), len(p), self.any_seq()) in (OK, INVALID_ARGUMENT)
+        elif kind == "settle":
+            if self.matches and r.random() < 0.8:
+                m, handle, _ = r.choice(self.matches)
+                if r.random() < 0.2:
+                    m = self.any_model()
+            else:
+                m, handle = self.any_model(), r.randrange(0, 50)
+            settle = r.choice([lib.baseRT_prefix_unlock, lib.baseRT_prefix_release, self.raw.prefix_discard])
+            settle(m, handle)
+        elif kind == "evict":
+            lib.baseRT_prefix_evict(self.any_model(), r.choice([0, 1, 3, 1000]))
+        else:
+            m = self.any_model()
+            self.raw.get_position(m)
+            st = BaseRTMemoryStats()
+            lib.baseRT_model_memory_stats(m, byref(st))
+            lib.baseRT_read_batch_logits(m, r.choice([0, 1, 9]), None)
+        for m in self.models:
+            check_pool(lib, m)
+
+    def drain(self) -> None:
+        """Settle everything and free every sequence: each live model's pool must then be empty."""
+        lib = self.lib
+        for m, handle, _ in self.matches:
+            lib.baseRT_prefix_release(m, handle)
+        for s in list(self.seqs):
+            lib.baseRT_sequence_free(s)
+        self.seqs.clear()
+        for m in self.models:
+            check_pool(lib, m)
+            lib.baseRT_prefix_evict(m, 10**6)
+            assert blocks_used(lib, m) == 0
+            lib.baseRT_free_model(m)
+        self.models.clear()
+
+
+@pytest.mark.parametrize("seed_value", range(6))
+def test_fuzz_random_abi_call_sequences(lib: Library, raw: Raw, model_path: Path, seed_value: int) -> None:
+    live_before = lib.baseRT_ref_counter(b"sequences"), lib.baseRT_ref_counter(b"models")
+    f = Fuzzer(lib, raw, model_path, random.Random(1000 + seed_value))
+    f.models.append(load(lib, model_path))
+    for _ in range(500):
+        f.op()
+    f.drain()
+    assert (lib.baseRT_ref_counter(b"sequences"), lib.baseRT_ref_counter(b"models")) == live_before
+
+
+def test_stale_stream_and_grammar_handles_are_refused(lib: Library, model: int) -> None:
+    """Decode streams and grammars are table handles too: a freed one stays refused after its slot or
+    address could have been reused, and one whose model was freed reports that model as freed."""
+    old_stream = lib.baseRT_decode_stream_create(model)
+    old_grammar = lib.baseRT_grammar_create_json(model)
+    assert old_stream and old_grammar, error(lib)
+    lib.baseRT_decode_stream_free(old_stream)
+    lib.baseRT_grammar_free(old_grammar)
+    streams = [lib.baseRT_decode_stream_create(model) for _ in range(300)]
+    grammars = [lib.baseRT_grammar_create_json(model) for _ in range(20)]
+    assert old_stream not in streams and old_grammar not in grammars
+    assert lib.baseRT_decode_stream_token(old_stream, 5) is None and "freed" in error(lib)
+    assert lib.baseRT_grammar_bitmask_size(old_grammar) <= 0 and "freed" in error(lib)
+    lib.baseRT_decode_stream_free(old_stream)  # double free: refused, the live streams are untouched
+    lib.baseRT_grammar_free(old_grammar)
+    assert lib.baseRT_decode_stream_token(streams[-1], 5) is not None, error(lib)
+    assert lib.baseRT_grammar_bitmask_size(grammars[-1]) > 0, error(lib)
+    for s in streams:
+        lib.baseRT_decode_stream_free(s)
+    for g in grammars:
+        lib.baseRT_grammar_free(g)
+
+
+def test_stream_outliving_its_model(lib: Library, model_path: Path) -> None:
+    m = load(lib, model_path)
+    stream = lib.baseRT_decode_stream_create(m)
+    lib.baseRT_free_model(m)
+    assert lib.baseRT_decode_stream_token(stream, 5) is None
+    assert "freed" in error(lib)
+    lib.baseRT_decode_stream_free(stream)
+    assert lib.baseRT_get_error_code() == OK
