@@ -25,6 +25,7 @@ import numpy.typing as npt
 from tqdm import tqdm  # type: ignore[import-untyped,unused-ignore]  # no stubs in tqdm itself
 
 from .bundle import BundleWriter, Progress, TensorEntry, llama_header
+from .errors import AioBaseRTError
 
 __all__ = ["ConversionError", "convert_gguf", "main"]
 
@@ -45,7 +46,7 @@ _LAYER_NAMES: Final = {
 }
 
 
-class ConversionError(ValueError):
+class ConversionError(AioBaseRTError, ValueError):
     """The source cannot be converted; the message names the file and the reason."""
 
 

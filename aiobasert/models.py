@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Final
 
 from .convert import convert_gguf
+from .errors import AioBaseRTError
 
 __all__ = ["DEFAULT_MODEL_FILENAME", "ModelNotAvailableError", "cache_dir", "default_model_path", "smollm2_gguf_path"]
 
@@ -22,7 +23,7 @@ SMOLLM2_GGUF: Final = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_FILENAME: Final = "SmolLM2-135M-Instruct.f16.base"
 
 
-class ModelNotAvailableError(FileNotFoundError):
+class ModelNotAvailableError(AioBaseRTError, FileNotFoundError):
     """The default model cannot be found or built; the message says how to fix it."""
 
 
