@@ -514,3 +514,64 @@ async def test_embed_runs_between_steps_without_disturbing_streams(tiny_model_pa
             assert np.array_equal(solo, during)
             assert (await s).token_ids == alone.token_ids
         json.dumps(during.tolist())
+
+
+# ---- misuse found by attacking the above ----------------------------------------------
+
+
+async def test_leaving_a_loop_by_exception_or_timeout_frees_the_lane(tiny_model_path: Path) -> None:
+    async with Engine.open(tiny_model_path, max_batch_size=2, max_buffered_tokens=2) as engine:
+        s = engine.stream("body raises", max_tokens=500, ignore_eos=True)
+        with pytest.raises(ValueError):
+            async for _ in s:
+                raise ValueError("the loop body failed")
+        assert (await engine.stats()).active_lanes == 0 and s.closed
+        slow = engine.stream("slow reader", max_tokens=500, ignore_eos=True)
+        with anyio.move_on_after(0.01):
+            async for _ in slow:
+                await anyio.sleep(0.002)
+        assert (await engine.stats()).active_lanes == 0
+        assert [t async for t in slow] == []  # over: a new loop ends at once
+        await assert_idle_and_whole(engine)
+
+
+async def test_two_awaiters_and_a_close_while_awaited(tiny_model_path: Path) -> None:
+    async with Engine.open(tiny_model_path, max_batch_size=1, max_buffered_tokens=2) as engine:
+        blocker = await occupy(engine)
+        s = engine.stream("awaited twice", max_tokens=5)
+        outcomes: list[str] = []
+
+        async def waiter() -> None:
+            try:
+                await s
+                outcomes.append("completion")
+            except AioBaseRTError as exc:
+                outcomes.append(type(exc).__name__)
+
+        with anyio.fail_after(BOUND):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(waiter)
+                tg.start_soon(waiter)
+                await anyio.wait_all_tasks_blocked()
+                await s.aclose()
+        assert sorted(outcomes) == ["StreamBusyError", "StreamClosedError"]
+        await blocker.aclose()
+        await assert_idle_and_whole(engine)
+
+
+async def test_engine_abort_ends_a_reader_in_another_task(tiny_model_path: Path) -> None:
+    engine = await Engine.open(tiny_model_path, max_batch_size=2)
+    s = engine.stream("aborted", max_tokens=1500, ignore_eos=True)
+    seen: list[aiobasert.Token] = []
+
+    async def reader() -> None:
+        async for tok in s:
+            seen.append(tok)
+
+    with anyio.fail_after(BOUND):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(reader)
+            while not seen:
+                await anyio.sleep(0.001)
+            await engine.aclose(abort=True)
+    assert s.finish_reason == "aborted" and (await s).finish_reason == "aborted"
