@@ -231,6 +231,10 @@ class TokenStream:
         if self._started and not self._ended:
             self._host.cancel(self._spec.rid)
         if self._event is not None:
+            try:  # an Event may only be set in its own loop (a finalizer may run anywhere)
+                self._host.check_loop()
+            except WrongEventLoopError:
+                return
             self._event.set()
 
     async def aclose(self) -> None:
@@ -240,6 +244,7 @@ class TokenStream:
         loop) wakes at once and its loop ends (StopAsyncIteration); `await
         stream` raises `StreamClosedError` unless the request had finished.
         Idempotent; never waits for the engine."""
+        self._host.check_loop()
         self._abandon()
 
     async def __aenter__(self) -> TokenStream:

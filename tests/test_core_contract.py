@@ -167,6 +167,7 @@ async def _foreign_calls(engine: Engine, stream: TokenStream) -> list[str]:
         ("encode", lambda: engine.encode("x")),
         ("aclose", engine.aclose),
         ("iterate", stream.__anext__),
+        ("aclose stream", stream.aclose),
     ]:
         try:
             await call()
@@ -182,7 +183,7 @@ async def test_an_engine_refuses_other_event_loops_at_once(tiny_model_path: Path
             run = functools.partial(anyio.run, _foreign_calls, engine, stream, backend=backend)
             with anyio.fail_after(BOUND):
                 refused = await anyio.to_thread.run_sync(run)
-            assert refused == ["generate", "stats", "encode", "aclose", "iterate"], backend
+            assert refused == ["generate", "stats", "encode", "aclose", "iterate", "aclose stream"], backend
 
         def no_loop() -> None:
             with pytest.raises(WrongEventLoopError):
