@@ -19,13 +19,17 @@ from .errors import (
     ErrorCode,
     GenerationFailedError,
     InvalidArgumentError,
+    InvalidConfigError,
     InvalidFormatError,
     InvalidRequestError,
     InvalidSamplingParamsError,
     LibraryError,
     ModelFileNotFoundError,
+    StreamBusyError,
+    StreamClosedError,
     ThreadAffinityError,
     UnsupportedError,
+    WrongEventLoopError,
 )
 from .streams import TokenStream
 from .types import (
@@ -57,6 +61,7 @@ __all__ = [
     "ErrorCode",
     "GenerationFailedError",
     "InvalidArgumentError",
+    "InvalidConfigError",
     "InvalidFormatError",
     "InvalidRequestError",
     "InvalidSamplingParamsError",
@@ -64,6 +69,8 @@ __all__ = [
     "ModelFileNotFoundError",
     "ModelInfo",
     "SamplingParams",
+    "StreamBusyError",
+    "StreamClosedError",
     "ThreadAffinityError",
     "Timing",
     "Token",
@@ -71,4 +78,5 @@ __all__ = [
     "TopLogprob",
     "UnsupportedError",
     "Usage",
+    "WrongEventLoopError",
 ]

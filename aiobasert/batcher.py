@@ -5,7 +5,8 @@ policy (in the spirit of vLLM's scheduler and llama.cpp's server slots):
 
 * Admission is strictly FIFO: a request gets a lane when one is free, in the
   order requests arrived, at most `max_batch_size` lanes at once. The wait
-  queue is bounded (`max_queue`): past it `EngineOverloadedError`, never a
+  queue is bounded (`max_queue` requests waiting for a lane; those the next
+  admission places do not count): past it `EngineOverloadedError`, never a
   silent drop.
 * Every running decode lane advances one token every step; a lane whose
   consumer has fallen `max_buffered_tokens` behind is paused (it keeps its lane
@@ -91,11 +92,22 @@ class Batcher:
             raise ContextLengthExceededError(prompt_len, max_tokens, self.max_context)
         return max_tokens
 
-    def enqueue(self, lane: LaneState) -> None:
-        if len(self.waiting) >= self.max_queue:
+    def queued(self) -> int:
+        """Requests waiting for a lane: those the next admission cannot place."""
+        return max(0, len(self.waiting) - max(0, self.max_batch_size - len(self.running)))
+
+    def check_room(self) -> None:
+        """EngineOverloadedError when one more request would wait past `max_queue`.
+
+        Only requests that actually wait count: on an engine with free lanes a
+        burst is admitted at the next step, whatever `max_queue` is."""
+        if self.queued() >= self.max_queue:
             raise EngineOverloadedError(
-                f"request queue is full ({self.max_queue} waiting); retry later or raise max_queue"
+                f"request queue is full ({self.max_queue} waiting for a lane); retry later or raise max_queue"
             )
+
+    def enqueue(self, lane: LaneState) -> None:
+        self.check_room()
         self.waiting.append(lane)
 
     def remove(self, lane: LaneState) -> None:

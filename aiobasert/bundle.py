@@ -29,6 +29,8 @@ import msgspec
 import numpy as np
 import numpy.typing as npt
 
+from .errors import AioBaseRTError
+
 __all__ = [
     "BASERT_VERSION",
     "BLOB_ALIGNMENT",
@@ -87,7 +89,7 @@ _REGION_ALIGN_KEY: Final[dict[str, str]] = {
 Progress = Callable[[int, int], object]
 
 
-class BundleError(ValueError):
+class BundleError(AioBaseRTError, ValueError):
     """A `.base` file is malformed; the message names the file and the reason."""
 
     def __init__(self, path: str | os.PathLike[str], reason: str) -> None:

@@ -27,6 +27,11 @@ DEFAULT_TEMPLATE = (
     " + '<|im_end|>' + '\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
 
+ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
+"""The roles a chat message may have. The template writes the role into the
+turn header as framing (where markers ARE parsed), so a free-form role could
+forge turn markers; only these known words are accepted."""
+
 _SENTINEL = "\x00\x01{}\x01\x00"
 _SENTINEL_RE = re.compile("\x00\x01(\\d+)\x01\x00")
 
@@ -51,6 +56,8 @@ def _as_message(m: ChatMessage | Mapping[str, str], i: int) -> ChatMessage:
         raise InvalidRequestError(f"message {i} must be a ChatMessage or a mapping, not {type(m).__name__}")
     if not isinstance(role, str) or not role:
         raise InvalidRequestError(f"message {i} needs a non-empty string 'role'")
+    if role not in ROLES:
+        raise InvalidRequestError(f"message {i} has role {role[:40]!r}; a role is one of {', '.join(sorted(ROLES))}")
     if not isinstance(content, str):
         raise InvalidRequestError(f"message {i} needs a string 'content'")
     if "\x00" in content or "\x00" in role:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import concurrent.futures
 import os
 import threading
+import weakref
 from collections.abc import Callable, Generator, Mapping, Sequence
 from types import TracebackType
 from typing import Any, TypeVar
@@ -13,10 +14,11 @@ import anyio
 import numpy as np
 
 from . import _ffi
+from ._protocol import Call, Cancel, Close, EngineConfig, Prompt, RequestSpec, Resume, Submit
 from ._wakeup import LoopWaker
 from .chat import render_chat
-from .engine_thread import Call, Close, Constraint, EngineConfig, EngineThread, Message, Prompt, RequestSpec
-from .errors import EngineClosedError, InvalidRequestError, InvalidSamplingParamsError
+from .engine_thread import EngineThread
+from .errors import EngineClosedError, InvalidConfigError, InvalidRequestError, InvalidSamplingParamsError
 from .streams import TokenStream, new_request_id
 from .types import ChatMessage, Completion, EngineStats, ModelInfo, SamplingParams
 
@@ -32,6 +34,42 @@ async def _wait_future(fut: concurrent.futures.Future[T], waker: LoopWaker) -> T
     return fut.result()
 
 
+class _Port:
+    """The narrow `StreamHost` a stream talks to: its engine's thread, loop and state."""
+
+    __slots__ = ("closed", "thread", "waker")
+
+    def __init__(self, thread: EngineThread, waker: LoopWaker) -> None:
+        self.thread = thread
+        self.waker = waker
+        self.closed = False
+
+    def submit(self, msg: Submit) -> None:
+        self.waker.check("this engine's stream")
+        if self.closed:
+            raise EngineClosedError("the engine is closed")
+        self.thread.post(msg)
+
+    def cancel(self, rid: str) -> None:
+        if self.thread.alive:
+            self.thread.post(Cancel(rid))
+
+    def resume(self) -> None:
+        if self.thread.alive:
+            self.thread.post(Resume())
+
+    def check_loop(self) -> None:
+        self.waker.check("this engine's stream")
+
+
+def _reclaim(thread: EngineThread) -> None:
+    """Finalizer of an Engine dropped without aclose(): end its thread and free
+    its model. Only posts to the thread's queue (no loop calls: a finalizer may
+    run in any thread, or after the loop is gone)."""
+    if thread.alive:
+        thread.post(Close(abort=True))
+
+
 class Engine:
     """One model, many concurrent streams, continuous batching.
 
@@ -43,16 +81,20 @@ class Engine:
 
     Every call into libbaseRT runs on the engine's own thread; the methods here
     only post messages to it and await the answers, so they never block the
-    event loop. An engine belongs to the event loop that opened it.
+    event loop. An engine belongs to the event loop that opened it: from any
+    other loop or thread it raises `WrongEventLoopError` at once. An engine
+    dropped without `aclose()` is reclaimed (thread ended, model freed) when
+    it is garbage-collected.
     """
 
     def __init__(self, thread: EngineThread, waker: LoopWaker, info: ModelInfo) -> None:
         self._thread = thread
         self._waker = waker
+        self._port = _Port(thread, waker)
         self.info = info
-        self._closed = False
+        self._abort_posted = False
         self._close_lock = threading.Lock()
-        self._grammar: Any = None  # aiobasert.grammar.GrammarBackend, engine thread only
+        self._finalizer = weakref.finalize(self, _reclaim, thread)
 
     # ---- lifecycle --------------------------------------------------------------------
 
@@ -76,7 +118,8 @@ class Engine:
             first use, then reused), or a cached model's name (`aiobasert list`);
             None = the default model (SmolLM2-135M-Instruct, fetched, converted and
             cached on first use; see `aiobasert.models`).
-        max_batch_size: concurrent lanes (sequences decoded together each step).
+        max_batch_size: concurrent lanes (sequences decoded together each step);
+            capped by the engine's own limit (`info.max_batch_size` is what is served).
         max_context: tokens per lane (prompt + output), clamped to the model's window.
         prefill_chunk: prompt tokens prefilled per step across all lanes, so a long
             prompt never stalls running streams for more than one chunk.
@@ -93,8 +136,10 @@ class Engine:
             ("max_queue", max_queue, 1),
             ("max_buffered_tokens", max_buffered_tokens, 1),
         ):
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+            if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= 2**31 - 1:
+                raise InvalidConfigError(f"{name} must be an integer in [{low}, 2**31 - 1], got {value!r}")
+        if not isinstance(prefix_cache, bool):
+            raise InvalidConfigError(f"prefix_cache must be a bool, got {prefix_cache!r}")
         return _EngineOpener(
             model,
             dict(
@@ -124,19 +169,36 @@ class Engine:
         waker = LoopWaker()
         thread = EngineThread(lib, EngineConfig(model_path=path, **limits), waker.call_soon)
         thread.start()
-        info = await _wait_future(thread.ready, waker)
+        try:
+            info = await _wait_future(thread.ready, waker)
+        except BaseException:
+            # Cancelled (or failed) while loading: nobody will ever hold this
+            # engine, so the thread frees the model as soon as the load is done.
+            thread.post(Close(abort=True))
+            raise
         return cls(thread, waker, info)
 
     async def aclose(self, *, abort: bool = False) -> None:
-        """Close the engine: with `abort=False` in-flight streams finish first;
-        with `abort=True` they end at once with finish_reason "aborted". Then the
-        model is freed and the thread exits. A second call is a no-op."""
+        """Close the engine and wait until its thread has exited and the model is freed.
+
+        `abort=False` (drain): no new requests; running and queued requests run
+        to their own end (stop, length or EOS). A drain never waits on a reader:
+        lanes whose stream is gone or closed are cancelled, and no lane pauses
+        for a slow reader any more (its tokens are buffered). `abort=True`: every
+        in-flight stream ends at once with finish_reason "aborted". Calling
+        `aclose(abort=True)` after (or during) a drain escalates it; other
+        repeated calls just wait for the close. Must be awaited in the engine's
+        own event loop.
+        """
+        self._waker.check()
         with self._close_lock:
-            first = not self._closed
-            self._closed = True
-        if first:
+            post = not self._port.closed or (abort and not self._abort_posted)
+            self._port.closed = True
+            self._abort_posted = self._abort_posted or abort
+        if post:
             self._thread.post(Close(abort=abort))
         await _wait_future(self._thread.stopped, self._waker)
+        self._finalizer.detach()
         await anyio.to_thread.run_sync(self._thread.join)
 
     async def __aenter__(self) -> Engine:
@@ -145,14 +207,24 @@ class Engine:
     async def __aexit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
-        # Leaving on an error (or a cancellation) aborts in-flight streams.
+        # Leaving normally drains; leaving on an error aborts in-flight streams.
+        # A drain interrupted by a cancellation (a timeout around the block)
+        # escalates to an abort, which ends promptly: close always returns.
+        if exc_type is None:
+            try:
+                await self.aclose()
+                return
+            except BaseException:
+                with anyio.CancelScope(shield=True):
+                    await self.aclose(abort=True)
+                raise
         with anyio.CancelScope(shield=True):
-            await self.aclose(abort=exc_type is not None)
+            await self.aclose(abort=True)
 
     @property
     def closed(self) -> bool:
         """True once `aclose()` has been called."""
-        return self._closed
+        return self._port.closed
 
     # ---- requests ---------------------------------------------------------------------
 
@@ -167,15 +239,19 @@ class Engine:
         tokens, as in a rendered chat prompt; `special=False` keeps them text.
         """
         if not isinstance(prompt, str):
-            if isinstance(prompt, (bytes, bytearray)) or not isinstance(prompt, Sequence):
-                raise InvalidRequestError(f"prompt must be str or a list of token ids, not {type(prompt).__name__}")
-            prompt = [*prompt]
-            for i, t in enumerate(prompt):
-                if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.info.vocab_size:
-                    raise InvalidRequestError(
-                        f"prompt token {i} is {t!r}: not a token id of this model (vocab {self.info.vocab_size})"
-                    )
+            prompt = self._token_ids(prompt, "prompt")
         return self._new_stream(prompt, self._params(params, kwargs), special)
+
+    def _token_ids(self, ids: object, what: str) -> list[int]:
+        """A list of this model's token ids (numpy integers accepted), or InvalidRequestError."""
+        if isinstance(ids, (str, bytes, bytearray, memoryview)) or not isinstance(ids, (Sequence, np.ndarray)):
+            raise InvalidRequestError(f"{what} must be str or a list of token ids, not {type(ids).__name__}")
+        out = [int(t) if isinstance(t, np.integer) else t for t in ids]
+        vocab = self.info.vocab_size
+        for i, t in enumerate(out):
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
+                raise InvalidRequestError(f"{what} token {i} is {t!r}: not a token id of this model (vocab {vocab})")
+        return out
 
     async def generate(
         self, prompt: str | Sequence[int], params: SamplingParams | None = None, **kwargs: Any
@@ -221,56 +297,20 @@ class Engine:
                 raise InvalidSamplingParamsError(str(exc)) from None
         elif not isinstance(params, SamplingParams):
             raise InvalidSamplingParamsError(f"params must be a SamplingParams, not {type(params).__name__}")
+        params = params.normalized()
         params.validate(self.info.vocab_size)
         return params
 
     def _new_stream(self, prompt: Prompt, params: SamplingParams, special: bool) -> TokenStream:
-        if self._closed:
+        if self._port.closed:
             raise EngineClosedError("the engine is closed")
-        spec = RequestSpec(rid=new_request_id(), prompt=prompt, params=params, parse_special=special,
-                           constraint=self._constraint_for(params))
-        return TokenStream(self, spec)
-
-    def _constraint_for(self, params: SamplingParams) -> Callable[[], Constraint] | None:
-        """The grammar builder of a structured-output request; it runs on the engine
-        thread at intake, so a bad schema fails that request in its caller only."""
-        schema = params.json_schema
-        if schema is None:
-            return None
-
-        def build() -> Constraint:
-            lib, model = self._thread.lib, self._thread._model
-            assert model is not None  # runs on the engine thread while the model is loaded
-            if lib.has("baseRT_grammar_create_from_schema") and lib.has("baseRT_grammar_fill_bitmask"):
-                from .grammar import EngineGrammarConstraint
-
-                native = EngineGrammarConstraint.create(lib, model, schema)
-                if native is not None:  # the engine's own grammar where it has one
-                    return native
-            if self._grammar is None:  # the host backend, built once per engine, on first use
-                from .grammar import GrammarBackend
-
-                self._grammar = GrammarBackend.for_bundle(self.info.path, vocab_size=self.info.vocab_size)
-            constraint: Constraint = self._grammar.compile(schema)
-            return constraint
-
-        return build
-
-    # ---- plumbing used by streams -------------------------------------------------------
-
-    def _submit(self, msg: Message) -> None:
-        if self._closed:
-            raise EngineClosedError("the engine is closed")
-        self._thread.post(msg)
-
-    def _post(self, msg: Message) -> None:
-        """Fire-and-forget (cancel, resume): fine after close too."""
-        if self._thread.alive:
-            self._thread.post(msg)
+        spec = RequestSpec(rid=new_request_id(), prompt=prompt, params=params, parse_special=special)
+        return TokenStream(self._port, spec, self)
 
     async def _call(self, fn: Callable[[], T]) -> T:
         """Run fn on the engine thread between steps and await its result."""
-        if self._closed:
+        self._waker.check()
+        if self._port.closed:
             raise EngineClosedError("the engine is closed")
         fut: concurrent.futures.Future[T] = concurrent.futures.Future()
 
@@ -287,26 +327,34 @@ class Engine:
 
     async def encode(self, text: str, *, special: bool = False) -> list[int]:
         """Token ids of `text` (`special=True`: marker strings become control ids)."""
+        if not isinstance(text, str):
+            raise InvalidRequestError(f"encode takes a str, not {type(text).__name__}")
         return await self._call(lambda: self._thread.encode_text(text, special=special))
 
     async def decode(self, ids: Sequence[int]) -> str:
-        """Text of token ids (invalid UTF-8 across the whole sequence becomes U+FFFD)."""
-        ids = list(ids)
-        return await self._call(lambda: self._thread.decode_ids(ids))
+        """Text of token ids (invalid UTF-8 across the whole sequence becomes U+FFFD).
+
+        A stream's text is exactly this decode of its token ids (when no stop
+        string or stop token cut it)."""
+        checked = self._token_ids(ids, "decode input")
+        return await self._call(lambda: self._thread.decode_ids(checked))
 
     async def embed(self, text: str | Sequence[int]) -> np.ndarray:
-        """Mean-pooled final hidden state of `text` (float32, length dim)."""
+        """Mean-pooled final hidden state of `text` (float32, length dim).
+
+        Runs on the engine thread between two steps, as one forward over the
+        whole input (the engine has no chunked embedding call)."""
         dim = self.info.dim
+        checked = None if isinstance(text, str) else self._token_ids(text, "embed input")
 
         def run() -> np.ndarray:
-            ids = self._thread.encode_text(text, special=False) if isinstance(text, str) else list(text)
+            ids = self._thread.encode_text(text, special=False) if checked is None else checked  # type: ignore[arg-type]
             if not ids:
                 raise InvalidRequestError("cannot embed an empty input")
             if len(ids) > self.info.max_context:
-                raise InvalidRequestError(f"input of {len(ids)} tokens exceeds the context of {self.info.max_context}")
-            for t in ids:
-                if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.info.vocab_size:
-                    raise InvalidRequestError(f"{t!r} is not a token id of this model")
+                raise InvalidRequestError(
+                    f"input of {len(ids)} tokens exceeds the context window of {self.info.max_context} tokens"
+                )
             return self._thread.embed(ids, dim)
 
         return await self._call(run)
@@ -330,7 +378,7 @@ class Engine:
         return self._thread.models_freed
 
     def __repr__(self) -> str:
-        return f"<aiobasert.Engine {self.info.path!r} lanes={self.info.max_batch_size} closed={self._closed}>"
+        return f"<aiobasert.Engine {self.info.path!r} lanes={self.info.max_batch_size} closed={self._port.closed}>"
 
 
 class _EngineOpener:

@@ -42,7 +42,8 @@ class EngineError(AioBaseRTError):
         self.raw_code = code if code is not None else int(self.code)
         self.message = message
         self.function = function
-        where = f"{function}: " if function else ""
+        # the engine's messages usually name their function already: say it once
+        where = f"{function}: " if function and not message.startswith(function) else ""
         super().__init__(f"{where}{message} [{self.code.name}]")
 
 
@@ -128,10 +129,17 @@ class ContextLengthExceededError(InvalidRequestError):
         self.prompt_tokens = prompt_tokens
         self.max_tokens = max_tokens
         self.max_context = max_context
-        super().__init__(
-            f"prompt of {prompt_tokens} tokens + max_tokens {max_tokens} = "
-            f"{prompt_tokens + max_tokens} exceeds the context window of {max_context} tokens"
-        )
+        # The KV holds the prompt and every generated token but the last, so
+        # prompt + max_tokens may be max_context + 1: say the exact limit.
+        room = max_context - prompt_tokens + 1
+        if room < 1:
+            why = f"the prompt of {prompt_tokens} tokens alone exceeds the context window of {max_context} tokens"
+        else:
+            why = (
+                f"prompt of {prompt_tokens} tokens + max_tokens {max_tokens} exceeds the context window of "
+                f"{max_context} tokens: at most {room} new tokens fit after this prompt"
+            )
+        super().__init__(why)
 
 
 class EngineOverloadedError(AioBaseRTError):
@@ -140,6 +148,26 @@ class EngineOverloadedError(AioBaseRTError):
 
 class EngineClosedError(AioBaseRTError):
     """The engine is closed or closing and takes no new requests."""
+
+
+class InvalidConfigError(AioBaseRTError, ValueError):
+    """An `Engine.open` option is out of range or of the wrong type."""
+
+
+class WrongEventLoopError(AioBaseRTError, RuntimeError):
+    """An engine (or one of its streams) was used outside the event loop that opened it.
+
+    An engine belongs to one event loop (one asyncio loop or one trio run);
+    another loop, another thread, or no loop at all gets this at once."""
+
+
+class StreamBusyError(AioBaseRTError, RuntimeError):
+    """A second task tried to read a stream while another task is waiting on it."""
+
+
+class StreamClosedError(AioBaseRTError):
+    """`await stream` on a stream that was closed (break, aclose, cancellation)
+    before the request finished: there is no whole completion to return."""
 
 
 class ThreadAffinityError(AioBaseRTError, AssertionError):

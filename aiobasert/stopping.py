@@ -16,7 +16,9 @@ class StopStringMatcher:
 
     __slots__ = ("_held", "_stops")
 
-    def __init__(self, stops: Sequence[str]) -> None:
+    def __init__(self, stops: str | Sequence[str]) -> None:
+        if isinstance(stops, str):  # one stop string, never the set of its characters
+            stops = (stops,)
         self._stops = tuple(s for s in stops if s)
         self._held = ""
 

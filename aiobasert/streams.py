@@ -2,11 +2,14 @@
 
 A `TokenStream` is the consumer end of one engine lane. The engine thread
 pushes each step's tokens in one batched wake-up (`deliver`, on the loop);
-`__anext__` hands them out. Leaving the stream early in any way (`break`,
-task cancellation, `anyio.fail_after`, `aclose()`, garbage collection) sends a
-cancel to the engine thread, which rolls the lane's sequence back and frees it
-before the next step: nothing decodes on for a client that is gone
-(sglang #36333), and no KV block leaks.
+`__anext__` hands them out. The stream reaches its engine only through the
+narrow `StreamHost` interface (submit, cancel, resume, loop check).
+
+Leaving a stream early in any way frees its lane before the next step:
+`break` out of `async for` (named stream or not: the loop's iterator is
+dropped), an exception or a cancellation while reading, `anyio.fail_after`,
+`aclose()` (from any task of the engine's loop), garbage collection. Nothing
+decodes on for a client that is gone (sglang #36333), and no KV block leaks.
 
 Backpressure: a consumer that lags `max_buffered_tokens` tokens behind pauses
 its own lane (it keeps its KV and resumes as soon as the consumer reads); the
@@ -16,21 +19,19 @@ engine and the other lanes never wait for it. So a stream buffers at most
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import weakref
 from collections import deque
 from collections.abc import Generator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import anyio
 
-from .engine_thread import Cancel, Final, RequestSpec, Resume, Submit, Ticket
-from .errors import EngineClosedError
+from ._protocol import Final, RequestSpec, StreamHost, Submit, Ticket
+from .errors import StreamBusyError, StreamClosedError, WrongEventLoopError
 from .types import Completion, FinishReason, Token
-
-if TYPE_CHECKING:
-    from .engine import Engine
 
 _ids = itertools.count(1)
 _prefix = os.urandom(3).hex()
@@ -57,17 +58,60 @@ class _WeakSink:
         if stream is not None:
             stream.deliver(tokens, final, error)
 
+    def alive(self) -> bool:
+        stream = self._ref()
+        return stream is not None and not stream._closed
+
+
+class _Iteration:
+    """What `async for` iterates: ends the stream when the loop is left early.
+
+    `async for tok in stream` holds this object, not the stream, so a `break`
+    (or an exception out of the loop body) drops it at once even when the
+    stream itself is still referenced by a name: its `__del__` then closes the
+    stream and the lane is cancelled as promptly as for an unnamed stream.
+    """
+
+    __slots__ = ("__weakref__", "_done", "_stream")
+
+    def __init__(self, stream: TokenStream) -> None:
+        self._stream = stream
+        self._done = False
+
+    def __aiter__(self) -> _Iteration:
+        return self
+
+    async def __anext__(self) -> Token:
+        try:
+            return await self._stream._next()
+        except BaseException as exc:
+            # Over, or a misuse that must not end the stream for its rightful
+            # reader (a second reader, a foreign loop): nothing to cancel.
+            if isinstance(exc, (StopAsyncIteration, StreamBusyError, WrongEventLoopError)) or self._stream._ended:
+                self._done = True
+            raise
+
+    def __del__(self) -> None:
+        if not self._done:
+            with contextlib.suppress(Exception):  # a finalizer must not raise
+                self._stream._abandon()
+
 
 class TokenStream:
     """`async for tok in stream` yields `Token`s; `await stream` gives the `Completion`.
 
-    The request is submitted on first iteration (or await), so a stream that is
-    created and dropped unused costs nothing. After the stream ends,
-    `finish_reason`, `usage` and `timing` describe how.
+    The request is submitted on first iteration (or await, or `submit()`), so a
+    stream that is created and dropped unused costs nothing. After the stream
+    ends, `finish_reason`, `usage` and `timing` describe how.
+
+    One reader at a time: a second task reading while another waits gets
+    `StreamBusyError`. The stream belongs to its engine's event loop
+    (`WrongEventLoopError` elsewhere).
     """
 
-    def __init__(self, engine: Engine, spec: RequestSpec) -> None:
-        self._engine = engine
+    def __init__(self, host: StreamHost, spec: RequestSpec, owner: object = None) -> None:
+        self._host = host
+        self._owner = owner  # keeps the engine open while a stream of it is alive
         self._spec = spec
         self._ticket = Ticket()
         self._buffer: deque[Token] = deque()
@@ -77,6 +121,12 @@ class TokenStream:
         self._started = False
         self._closed = False  # consumer side finished (exhausted, cancelled or closed)
         self._ended = False  # engine side finished (final or error delivered)
+        self._waiting = False
+        # Everything read so far, so `await stream` is whole after partial reads.
+        self._text: list[str] = []
+        self._ids: list[int] = []
+        self._logprobs: list[float] = []
+        self._completion: Completion | None = None
 
     @property
     def request_id(self) -> str:
@@ -92,6 +142,11 @@ class TokenStream:
     def final(self) -> Final | None:
         """Usage and timing, once the request has ended."""
         return self._final
+
+    @property
+    def closed(self) -> bool:
+        """True once reading is over: exhausted, failed, broken out of, cancelled or `aclose()`d."""
+        return self._closed
 
     # ---- engine side (called on the loop by the engine thread's wake-up) ------------
 
@@ -115,18 +170,43 @@ class TokenStream:
         Requests are admitted in the order they are submitted.
         """
         if not self._started:
+            self._host.submit(Submit(self._spec, _WeakSink(self), self._ticket))
             self._started = True
-            self._engine._submit(Submit(self._spec, _WeakSink(self), self._ticket))
 
-    def __aiter__(self) -> TokenStream:
-        return self
+    def __aiter__(self) -> _Iteration:
+        return _Iteration(self)
 
     async def __anext__(self) -> Token:
+        return await self._next()
+
+    async def _next(self) -> Token:
         if self._closed:
             raise StopAsyncIteration
+        if not self._buffer:
+            await self._wait()
+        tok = self._buffer.popleft()
+        self._text.append(tok.text)
+        self._ids.append(tok.id)
+        if tok.logprob is not None:
+            self._logprobs.append(tok.logprob)
+        t = self._ticket
+        t.consumed += 1
+        if t.paused:  # our lane waits for us to catch up
+            t.paused = False
+            self._host.resume()
+        return tok
+
+    async def _wait(self) -> None:
+        """Until a token is buffered; StopAsyncIteration / the error once the stream is over."""
+        if self._waiting:
+            raise StreamBusyError(f"stream {self._spec.rid} is already being read by another task")
+        self._host.check_loop()
         self.submit()
+        self._waiting = True
         try:
             while not self._buffer:
+                if self._closed:  # aclose() from another task while we waited
+                    raise StopAsyncIteration
                 if self._error is not None:
                     self._closed = True
                     raise self._error
@@ -135,26 +215,36 @@ class TokenStream:
                     raise StopAsyncIteration
                 self._event = anyio.Event()
                 await self._event.wait()
-                self._event = None
         except BaseException as exc:
-            if not isinstance(exc, StopAsyncIteration):
+            if not isinstance(exc, StopAsyncIteration) and not self._ended:
                 self._abandon()  # cancelled or timed out while waiting: free the lane
             raise
-        tok = self._buffer.popleft()
-        t = self._ticket
-        t.consumed += 1
-        if t.paused:  # our lane waits for us to catch up
-            t.paused = False
-            self._engine._post(Resume())
-        return tok
+        finally:
+            self._event = None
+            self._waiting = False
 
     def _abandon(self) -> None:
-        if self._started and not self._ended and not self._closed:
-            self._engine._post(Cancel(self._spec.rid))
+        """Stop reading: cancel the lane if it still runs, wake a waiting reader."""
+        if self._closed:
+            return
         self._closed = True
+        if self._started and not self._ended:
+            self._host.cancel(self._spec.rid)
+        if self._event is not None:
+            try:  # an Event may only be set in its own loop (a finalizer may run anywhere)
+                self._host.check_loop()
+            except WrongEventLoopError:
+                return
+            self._event.set()
 
     async def aclose(self) -> None:
-        """Stop consuming: the engine frees the lane before its next step."""
+        """Stop reading: the engine frees the lane before its next step.
+
+        A task waiting in `async for` on this stream (another task of the same
+        loop) wakes at once and its loop ends (StopAsyncIteration); `await
+        stream` raises `StreamClosedError` unless the request had finished.
+        Idempotent; never waits for the engine."""
+        self._host.check_loop()
         self._abandon()
 
     async def __aenter__(self) -> TokenStream:
@@ -164,36 +254,43 @@ class TokenStream:
         self._abandon()
 
     def __del__(self) -> None:
-        # `break` out of `async for` drops the last reference: cancel right here.
+        # The last reference is gone: cancel right here (no loop calls).
         try:
             if self._started and not self._ended and not self._closed:
-                self._engine._post(Cancel(self._spec.rid))
+                self._host.cancel(self._spec.rid)
         except Exception:
             pass
 
     async def collect(self) -> Completion:
-        """Consume the whole stream into a `Completion`."""
-        if self._closed and not self._ended:
-            raise EngineClosedError("this stream was closed before it finished")
-        text: list[str] = []
-        ids: list[int] = []
-        logprobs: list[float] = []
-        async for tok in self:
-            text.append(tok.text)
-            ids.append(tok.id)
-            if tok.logprob is not None:
-                logprobs.append(tok.logprob)
+        """The whole completion: tokens already read plus the rest of the stream.
+
+        Awaiting again returns the same `Completion`; a failed stream raises its
+        error again; a stream closed before the request finished raises
+        `StreamClosedError`."""
+        if self._completion is not None:
+            return self._completion
+        if self._closed and self._error is None and self._final is None:
+            raise StreamClosedError(f"stream {self._spec.rid} was closed before the request finished")
+        while True:
+            try:
+                await self._next()
+            except StopAsyncIteration:
+                break
+        if self._error is not None:
+            raise self._error
         final = self._final
-        assert final is not None  # the stream ended without error, so a final arrived
-        return Completion(
+        if final is None:
+            raise StreamClosedError(f"stream {self._spec.rid} was closed before the request finished")
+        self._completion = Completion(
             request_id=self._spec.rid,
-            text="".join(text),
-            token_ids=ids,
+            text="".join(self._text),
+            token_ids=list(self._ids),
             finish_reason=final.finish_reason,
             usage=final.usage,
             timing=final.timing,
-            logprobs=logprobs if self._spec.params.logprobs else None,
+            logprobs=list(self._logprobs) if self._spec.params.logprobs else None,
         )
+        return self._completion
 
     def __await__(self) -> Generator[Any, None, Completion]:
         return self.collect().__await__()

@@ -2,14 +2,35 @@
 
 from __future__ import annotations
 
+import json
 import math
 from typing import Any, Literal
 
 import msgspec
+import numpy as np
 
 from .errors import InvalidSamplingParamsError
 
 FinishReason = Literal["stop", "length", "aborted", "error"]
+
+_INT32_MAX = 2**31 - 1
+_FLT_MAX = float(np.finfo(np.float32).max)
+
+
+def _plain(value: Any) -> Any:
+    """numpy scalars -> Python values, tuples -> lists (recursively); anything else as is."""
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, tuple):
+        return [_plain(v) for v in value]
+    if isinstance(value, list):
+        items = [_plain(v) for v in value]
+        return items if any(a is not b for a, b in zip(items, value, strict=True)) else value
+    if isinstance(value, dict):
+        pairs = [(_plain(k), _plain(v)) for k, v in value.items()]
+        changed = any(a is not k or b is not v for (a, b), (k, v) in zip(pairs, value.items(), strict=True))
+        return dict(pairs) if changed else value
+    return value
 
 
 class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -40,8 +61,9 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     """Same seed + same prompt = same tokens, whatever else is batched. None = random."""
     logit_bias: dict[int, float] | None = None
     """Additive bias per token id (forces the host-logits path for this lane)."""
-    stop: list[str] | None = None
-    """Stop strings: generation ends before them; they never reach the output."""
+    stop: str | list[str] | None = None
+    """Stop strings: generation ends before them; they never reach the output.
+    A single string is one stop string."""
     stop_token_ids: list[int] | None = None
     """Extra token ids that end generation (besides the model's EOS ids)."""
     ignore_eos: bool = False
@@ -55,70 +77,100 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
 
     def validate(self, vocab_size: int | None = None) -> None:
         """Raise `InvalidSamplingParamsError` naming the first bad field; token ids
-        (logit_bias, stop_token_ids) are checked against `vocab_size` when given."""
+        (logit_bias, stop_token_ids) are checked against `vocab_size` when given.
+
+        Types are strict (an int field takes an int, never a float or a bool; a
+        bool field takes a bool) and every value must fit the C field it goes
+        into (float32, int32), so nothing is silently rounded or wrapped. The
+        engine validates `normalized()` params: numpy scalars are accepted as
+        their Python values and a single `stop` string is one stop string."""
         def bad(field: str, why: str) -> InvalidSamplingParamsError:
             return InvalidSamplingParamsError(f"invalid sampling parameter {field}: {why}")
 
-        def finite(field: str, value: float) -> None:
+        def number(field: str, value: Any, low: float, high: float, *, open_low: bool = False) -> None:
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
                 raise bad(field, f"{value!r} is not a finite number")
+            if value < low or value > high or (open_low and value <= low):
+                span = f"({low:g}, {high:g}]" if open_low else f"[{low:g}, {high:g}]"
+                raise bad(field, f"{value!r} must be in {span}")
+            if open_low and float(np.float32(value)) <= low:
+                raise bad(field, f"{value!r} is too small for a float32 (it would be {low:g})")
 
-        if self.max_tokens is not None and (
-            isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1
-        ):
-            raise bad("max_tokens", f"{self.max_tokens!r} must be an integer >= 1")
-        finite("temperature", self.temperature)
-        if self.temperature < 0:
-            raise bad("temperature", f"{self.temperature} must be >= 0")
-        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
-            raise bad("top_k", f"{self.top_k!r} must be an integer >= 0")
-        finite("top_p", self.top_p)
-        if not 0.0 < self.top_p <= 1.0:
-            raise bad("top_p", f"{self.top_p} must be in (0, 1]")
-        finite("min_p", self.min_p)
-        if not 0.0 <= self.min_p <= 1.0:
-            raise bad("min_p", f"{self.min_p} must be in [0, 1]")
-        finite("repeat_penalty", self.repeat_penalty)
-        if self.repeat_penalty <= 0:
-            raise bad("repeat_penalty", f"{self.repeat_penalty} must be > 0")
-        for name in ("presence_penalty", "frequency_penalty"):
-            value = getattr(self, name)
-            finite(name, value)
-            if not -2.0 <= value <= 2.0:
-                raise bad(name, f"{value} must be in [-2, 2]")
-        if isinstance(self.penalty_window, bool) or not 0 <= self.penalty_window <= 4096:
-            raise bad("penalty_window", f"{self.penalty_window!r} must be in [0, 4096]")
-        if self.seed is not None and (
-            isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2**63
-        ):
-            raise bad("seed", f"{self.seed!r} must be an integer in [0, 2**63)")
+        def integer(field: str, value: Any, low: int, high: int) -> None:
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise bad(field, f"{value!r} must be an integer, not {type(value).__name__}")
+            if not low <= value <= high:
+                raise bad(field, f"{value!r} must be in [{low}, {high}]")
+
+        def flag(field: str, value: Any) -> None:
+            if not isinstance(value, bool):
+                raise bad(field, f"{value!r} must be a bool, not {type(value).__name__}")
+
+        def token_id(field: str, tok: Any) -> None:
+            if isinstance(tok, bool) or not isinstance(tok, int) or tok < 0 or tok > _INT32_MAX or (
+                vocab_size is not None and tok >= vocab_size
+            ):
+                raise bad(field, f"token id {tok!r} is not in the vocabulary")
+
+        if self.max_tokens is not None:
+            integer("max_tokens", self.max_tokens, 1, _INT32_MAX)
+        number("temperature", self.temperature, 0.0, _FLT_MAX)
+        integer("top_k", self.top_k, 0, _INT32_MAX)
+        number("top_p", self.top_p, 0.0, 1.0, open_low=True)
+        number("min_p", self.min_p, 0.0, 1.0)
+        number("repeat_penalty", self.repeat_penalty, 0.0, _FLT_MAX, open_low=True)
+        number("presence_penalty", self.presence_penalty, -2.0, 2.0)
+        number("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
+        integer("penalty_window", self.penalty_window, 0, 4096)
+        if self.seed is not None:
+            integer("seed", self.seed, 0, 2**63 - 1)
         if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise bad("logit_bias", f"must be a dict of token id -> bias, not {type(self.logit_bias).__name__}")
+            if len(self.logit_bias) > 1024:
+                raise bad("logit_bias", "at most 1024 entries")
             for tok, value in self.logit_bias.items():
-                if isinstance(tok, bool) or not isinstance(tok, int) or tok < 0 or (
-                    vocab_size is not None and tok >= vocab_size
-                ):
-                    raise bad("logit_bias", f"token id {tok!r} is not in the vocabulary")
-                finite(f"logit_bias[{tok}]", value)
-                if not -100.0 <= value <= 100.0:
-                    raise bad(f"logit_bias[{tok}]", f"{value} must be in [-100, 100]")
+                token_id("logit_bias", tok)
+                number(f"logit_bias[{tok}]", value, -100.0, 100.0)
         if self.stop is not None:
-            if len(self.stop) > 16:
+            stops = [self.stop] if isinstance(self.stop, str) else self.stop
+            if not isinstance(stops, list):
+                raise bad("stop", f"must be a string or a list of strings, not {type(self.stop).__name__}")
+            if len(stops) > 16:
                 raise bad("stop", "at most 16 stop strings")
-            for s in self.stop:
+            for s in stops:
                 if not isinstance(s, str) or not s:
                     raise bad("stop", f"{s!r} must be a non-empty string")
         if self.stop_token_ids is not None:
+            if not isinstance(self.stop_token_ids, list):
+                raise bad("stop_token_ids", f"must be a list of token ids, not {type(self.stop_token_ids).__name__}")
             for tok in self.stop_token_ids:
-                if isinstance(tok, bool) or not isinstance(tok, int) or tok < 0 or (
-                    vocab_size is not None and tok >= vocab_size
-                ):
-                    raise bad("stop_token_ids", f"token id {tok!r} is not in the vocabulary")
-        if isinstance(self.top_logprobs, bool) or not 0 <= self.top_logprobs <= 20:
-            raise bad("top_logprobs", f"{self.top_logprobs!r} must be in [0, 20]")
-        if self.json_schema is not None and not isinstance(self.json_schema, (dict, bool)):
-            raise bad("json_schema", "must be a JSON Schema object, or True for any JSON value")
-        if self.json_schema is False:
-            raise bad("json_schema", "False admits no output")
+                token_id("stop_token_ids", tok)
+        flag("ignore_eos", self.ignore_eos)
+        flag("logprobs", self.logprobs)
+        integer("top_logprobs", self.top_logprobs, 0, 20)
+        if self.json_schema is not None:
+            if not isinstance(self.json_schema, (dict, bool)):
+                raise bad("json_schema", "must be a JSON Schema object, or True for any JSON value")
+            if self.json_schema is False:
+                raise bad("json_schema", "False admits no output")
+            try:
+                json.dumps(self.json_schema)
+            except (TypeError, ValueError, RecursionError) as exc:
+                raise bad("json_schema", f"is not JSON-serialisable: {exc}") from None
+
+    def normalized(self) -> SamplingParams:
+        """These params with numpy scalars as Python values, a single `stop` string
+        as a one-element list and tuples as lists (what `validate` expects)."""
+        changes: dict[str, Any] = {}
+        for name in self.__struct_fields__:
+            value = getattr(self, name)
+            fixed = _plain(value)
+            if name == "stop" and isinstance(fixed, str):
+                fixed = [fixed]
+            if fixed is not value:
+                changes[name] = fixed
+        return msgspec.structs.replace(self, **changes) if changes else self
 
     @property
     def needs_host_logits(self) -> bool:
@@ -209,6 +261,9 @@ class EngineStats(msgspec.Struct, frozen=True, kw_only=True):
     live_sequences: int
     """Sequences the SDK holds in the engine (created and not yet freed)."""
     live_decode_streams: int
+    """Engine decode streams held (0: the SDK assembles text from token bytes)."""
+    live_grammars: int = 0
+    """Structured-output grammars held (engine grammar handles or host matchers)."""
     kv_blocks_total: int
     kv_blocks_used: int
     prefix_blocks_cached: int
@@ -229,7 +284,10 @@ class ModelInfo(msgspec.Struct, frozen=True, kw_only=True):
     n_kv_heads: int
     max_context: int
     max_batch_size: int
+    """Lanes actually served: the requested value capped by the engine's own limit."""
     prefix_cache: bool
     library_path: str
     library_version: str
     capabilities: int
+    prefill_chunk: int = 0
+    """Prompt tokens prefilled per step (the requested value capped by the engine's)."""

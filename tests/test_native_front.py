@@ -33,7 +33,6 @@ from aiobasert._ffi import (
     BaseRTRowSampling,
     BaseRTSamplingConfig,
     Library,
-    load_library,
 )
 from aiobasert.tiny import CHATML_TEMPLATE, build_tiny_model
 
@@ -42,11 +41,6 @@ BLOB_ALIGN = 64 * 1024
 
 
 # ---- library and models -------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def lib() -> Library:
-    return load_library()
 
 
 @pytest.fixture(scope="module")

@@ -16,17 +16,12 @@ import numpy as np
 import pytest
 
 from aiobasert import Engine
-from aiobasert._ffi import Library, load_library
+from aiobasert._ffi import Library
 from aiobasert.bundle import read_bundle
-from aiobasert.tiny import EOS_ID, build_tiny_model
+from aiobasert.tiny import EOS_ID
 
 INVALID_ARGUMENT, UNSUPPORTED = 2, 5
 CONTROL = 3
-
-
-@pytest.fixture(scope="module")
-def lib() -> Library:
-    return load_library()
 
 
 @pytest.fixture(scope="module")
@@ -346,11 +341,6 @@ def test_bad_handles(lib: Library, model: int) -> None:
 
 
 # ---- through the SDK -----------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def untied_model_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_tiny_model(tmp_path_factory.mktemp("grammar-untied") / "tiny.base", tied=False)
 
 
 @pytest.mark.anyio

@@ -30,7 +30,6 @@ from aiobasert._ffi import (
     BaseRTRowSampling,
     BaseRTSamplingConfig,
     Library,
-    load_library,
 )
 from aiobasert.tiny import build_tiny_model
 from tests.oracle import LlamaForward, NumpyLlama
@@ -42,11 +41,6 @@ FAULT_STEP, FAULT_SEQ_CREATE = 1, 2
 
 
 # ---- library, models and a thin driver ------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def lib() -> Library:
-    return load_library()
 
 
 @pytest.fixture(scope="module")

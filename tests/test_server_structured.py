@@ -18,7 +18,7 @@ from test_server import serving
 
 from aiobasert.bundle import read_bundle
 from aiobasert.server import create_app
-from aiobasert.tiny import EOS_ID, build_tiny_model
+from aiobasert.tiny import EOS_ID
 
 API_KEY = "sk-test-key"
 MODEL_NAME = "tiny"
@@ -36,14 +36,8 @@ PET: dict[str, Any] = {
 
 
 @pytest.fixture(scope="module")
-def model_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The untied tiny model (its random output varies more than the tied one's)."""
-    return build_tiny_model(tmp_path_factory.mktemp("tiny-untied") / "tiny.base", tied=False)
-
-
-@pytest.fixture(scope="module")
-def base_url(model_path: Path) -> Iterator[str]:
-    with serving(create_app(model_path, api_key=API_KEY, model_name=MODEL_NAME, max_batch_size=4)) as url:
+def base_url(untied_model_path: Path) -> Iterator[str]:
+    with serving(create_app(untied_model_path, api_key=API_KEY, model_name=MODEL_NAME, max_batch_size=4)) as url:
         yield url
 
 
@@ -82,10 +76,10 @@ def test_json_schema_response_streamed(client: OpenAI) -> None:
     jsonschema.validate(json.loads(text), PET)
 
 
-def test_json_object_response(client: OpenAI, model_path: Path) -> None:
+def test_json_object_response(client: OpenAI, untied_model_path: Path) -> None:
     # A random model rarely closes what it opens; a mild bias toward the closing
     # tokens lets the output finish, while the grammar decides what is allowed.
-    tokens = read_bundle(model_path).tokenizer["tokenizer.ggml.tokens"]
+    tokens = read_bundle(untied_model_path).tokenizer["tokenizer.ggml.tokens"]
     closers = {str(tokens.index(s)): 5 for s in ('"', "]", "}")} | {str(EOS_ID): 5}
     for seed in range(4):
         reply = client.chat.completions.create(

@@ -24,11 +24,6 @@ pytestmark = pytest.mark.slow
 TEXT = "The capital of France is Paris, and the capital of Germany is"
 
 
-@pytest.fixture(scope="module")
-def lib() -> _ffi.Library:
-    return _ffi.load_library()
-
-
 def test_engine_logits_match_the_gguf_oracle(smollm2_path: Path, lib: _ffi.Library) -> None:
     opts = _ffi.BaseRTLoadOptions(struct_size=sizeof(_ffi.BaseRTLoadOptions), paged_kv=1, max_batch_size=2)
     model = lib.baseRT_load_model_ex(os.fsencode(smollm2_path), None, 256, byref(opts))

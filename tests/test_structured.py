@@ -15,7 +15,7 @@ import pytest
 from aiobasert import Completion, Engine, InvalidRequestError
 from aiobasert.bundle import read_bundle
 from aiobasert.grammar import GrammarBackend
-from aiobasert.tiny import EOS_ID, build_tiny_model
+from aiobasert.tiny import EOS_ID
 
 PERSON: dict[str, Any] = {
     "type": "object",
@@ -65,13 +65,6 @@ BOUNDED: dict[str, Any] = {
 SCHEMAS = [PERSON, COLOR, DIGITS, NESTED, BOUNDED]
 
 PROMPTS = ["Once upon a time", "The answer is", "def f(x):", "日本語", "1234", "Hello, world!", "{", "a"]
-
-
-@pytest.fixture(scope="module")
-def untied_model_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The tiny model with its own lm_head: the tied one's random logits mostly
-    repeat one token (endless "5555" numbers), which says little about the grammar."""
-    return build_tiny_model(tmp_path_factory.mktemp("tiny-untied") / "tiny.base", tied=False)
 
 
 def check_json(done: Completion, schema: dict[str, Any] | bool) -> Any:

@@ -1,0 +1,125 @@
+"""Output processing (engine thread): a sampled token becomes stream output.
+
+Detokenise (each token's exact bytes through the lane's incremental UTF-8
+decoder), apply stop conditions (EOS / stop ids, stop strings held back until
+they can no longer match, the grammar's end, the length budget) and build how
+the request finished. No engine state is touched here except read-only
+tokenizer queries, so the engine thread's lane lifecycle stays in one place.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import time
+
+from . import _ffi
+from ._protocol import Final
+from ._step import Lane
+from .errors import InvalidRequestError
+from .types import FinishReason, Timing, Token, TopLogprob, Usage
+
+
+class Detokenizer:
+    """Token id -> exact bytes, cached (the vocabulary is fixed for a model handle)."""
+
+    def __init__(self, lib: _ffi.Library, model: int) -> None:
+        self._lib = lib
+        self._model = model
+        self._cache: dict[int, bytes] = {}
+
+    def token_bytes(self, tok: int) -> bytes:
+        raw = self._cache.get(tok)
+        if raw is not None:
+            return raw
+        lib = self._lib
+        buf = ctypes.create_string_buffer(64)
+        n = lib.baseRT_decode_token_raw(self._model, tok, buf, 64)
+        if n > 64:
+            buf = ctypes.create_string_buffer(n)
+            n = lib.baseRT_decode_token_raw(self._model, tok, buf, n)
+        if n < 0:
+            raise lib.last_error("baseRT_decode_token_raw")
+        raw = buf.raw[:n]
+        self._cache[tok] = raw
+        return raw
+
+    def token_text(self, tok: int) -> str:
+        return self.token_bytes(tok).decode("utf-8", "replace")
+
+
+class OutputProcessor:
+    """Turns one lane's sampled token into a `Token` and says whether the lane ends."""
+
+    def __init__(self, lib: _ffi.Library, model: int, detok: Detokenizer) -> None:
+        self._lib = lib
+        self._model = model
+        self._detok = detok
+        self._eos: dict[int, bool] = {}
+
+    def is_eos(self, tok: int) -> bool:
+        hit = self._eos.get(tok)
+        if hit is None:
+            hit = self._eos[tok] = bool(self._lib.baseRT_is_eos_token(self._model, tok))
+        return hit
+
+    def process(
+        self, lane: Lane, tok: int, logprob: float | None, tops: list[TopLogprob] | None
+    ) -> tuple[Token, FinishReason | None]:
+        """The token as the stream yields it, and the finish reason if it is the last.
+
+        Raises InvalidRequestError when the lane's grammar rejects the token."""
+        p, st = lane.spec.params, lane.state
+        if not lane.generated:
+            lane.first_token_at = time.monotonic()
+        lane.generated.append(tok)
+        st.generated += 1
+        if lane.constraint is not None and not lane.constraint.accept(tok):
+            why = getattr(lane.constraint, "error", None) or "rejected"
+            raise InvalidRequestError(f"token {tok} was sampled outside the output grammar: {why}")
+        finish: FinishReason | None = None
+        if tok in lane.stop_ids or (not p.ignore_eos and self.is_eos(tok)):
+            # an end token: its own bytes are not output; what is pending is released
+            text, finish = self._tail(lane)[0], "stop"
+        else:
+            text, hit = lane.stopper.feed(lane.decoder.decode(self._detok.token_bytes(tok)))
+            if hit:
+                finish = "stop"  # the stop string and everything after it are dropped
+            elif lane.constraint is not None and lane.constraint.is_finished():
+                text += self._tail(lane)[0]
+                finish = "stop"
+            elif st.generated >= st.max_new_tokens:
+                tail, hit = self._tail(lane)
+                text += tail
+                finish = "stop" if hit else "length"
+        token = Token(id=tok, text=text, index=st.generated - 1, logprob=logprob, top_logprobs=tops,
+                      finish_reason=finish)
+        return token, finish
+
+    @staticmethod
+    def _tail(lane: Lane) -> tuple[str, bool]:
+        """Generation ends: bytes still pending become U+FFFD and held text is
+        released, unless that completes a stop string (then True)."""
+        text, hit = lane.stopper.feed(lane.decoder.decode(b"", final=True))
+        return (text, True) if hit else (text + lane.stopper.flush(), False)
+
+    @staticmethod
+    def final(lane: Lane, reason: FinishReason, step: int) -> Final:
+        now = time.monotonic()
+        submitted = lane.spec.submitted_at
+        admitted = lane.admitted_at or now
+        return Final(
+            finish_reason=reason,
+            usage=Usage(
+                prompt_tokens=lane.state.prompt_len,
+                completion_tokens=len(lane.generated),
+                cached_prompt_tokens=lane.cached,
+            ),
+            timing=Timing(
+                queued_s=admitted - submitted,
+                time_to_first_token_s=(lane.first_token_at or now) - submitted,
+                total_s=now - submitted,
+                submitted_step=lane.submitted_step,
+                admitted_step=lane.admitted_step,
+                finished_step=step,
+            ),
+        )

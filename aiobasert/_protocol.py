@@ -1,0 +1,154 @@
+"""The engine-core contract: what crosses between the event loop and the engine thread.
+
+Only plain data and two small protocols live here (in the spirit of vLLM v1's
+`EngineCoreRequest` / `EngineCoreOutputs` module): the loop side (`Engine`,
+`TokenStream`) builds these messages and the engine thread consumes them, so
+neither side needs the other's internals.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+
+from .types import FinishReason, SamplingParams, Timing, Token, Usage
+
+
+@dataclass
+class EngineConfig:
+    """Load options and serving limits (see `Engine.open`)."""
+
+    model_path: str
+    max_batch_size: int = 8
+    max_context: int = 2048
+    prefill_chunk: int = 256
+    prefix_cache: bool = True
+    max_queue: int = 1024
+    max_buffered_tokens: int = 256
+
+
+Prompt = str | Sequence[int] | Sequence[tuple[str, bool]]
+"""Text, token ids, or (text, is_content) pieces of a rendered chat."""
+
+
+class Constraint(Protocol):
+    """A per-request token grammar (structured output), stepped on the engine thread."""
+
+    def fill_bitmask(self, out: np.ndarray) -> bool:
+        """Write the allowed-token bitmask (int32 words, bit set = allowed) for
+        the next token; False when every token is allowed (nothing to apply)."""
+        ...
+
+    def accept(self, token: int) -> bool:
+        """Advance by the sampled token; False if the grammar rejects it."""
+        ...
+
+    def is_finished(self) -> bool:
+        """The output is complete: the lane stops."""
+        ...
+
+
+@dataclass
+class RequestSpec:
+    rid: str
+    prompt: Prompt
+    params: SamplingParams
+    parse_special: bool = True
+    """Text prompts: marker strings become control ids (baseRT_encode)."""
+    submitted_at: float = field(default_factory=time.monotonic)
+
+
+class Ticket:
+    """Flow-control counters shared by a stream and its lane.
+
+    The engine thread writes `delivered` and `paused`; the consumer writes
+    `consumed`. Each int is written by one side only, so no lock is needed.
+    """
+
+    __slots__ = ("consumed", "delivered", "paused")
+
+    def __init__(self) -> None:
+        self.delivered = 0
+        self.consumed = 0
+        self.paused = False
+
+
+@dataclass(frozen=True)
+class Final:
+    """How a request ended; delivered with (or after) its last token."""
+
+    finish_reason: FinishReason
+    usage: Usage
+    timing: Timing
+
+
+class Sink(Protocol):
+    """The consumer side of one request; `deliver` is called on the event loop only."""
+
+    def deliver(self, tokens: list[Token], final: Final | None, error: BaseException | None) -> None: ...
+
+    def alive(self) -> bool:
+        """False once the consumer is gone (its lane serves nobody); any thread."""
+        ...
+
+
+@dataclass
+class Submit:
+    spec: RequestSpec
+    sink: Sink
+    ticket: Ticket
+
+
+@dataclass
+class Cancel:
+    rid: str
+
+
+@dataclass
+class Resume:
+    """A paused lane's consumer caught up: re-plan."""
+
+
+@dataclass
+class Call:
+    """Run fn on the engine thread between steps; report through done (on the loop)."""
+
+    fn: Callable[[], Any]
+    done: Callable[[Any, BaseException | None], None]
+
+
+@dataclass
+class Close:
+    """Stop taking requests; `abort=False` drains running lanes, `abort=True` ends them now.
+
+    A drain lifts backpressure (no lane pauses for its reader) so it always ends;
+    a later `Close(abort=True)` escalates a drain in progress."""
+
+    abort: bool
+
+
+Message = Submit | Cancel | Resume | Call | Close
+
+
+class StreamHost(Protocol):
+    """The narrow interface a `TokenStream` uses to reach its engine."""
+
+    def submit(self, msg: Submit) -> None:
+        """Queue a request (raises EngineClosedError / WrongEventLoopError)."""
+        ...
+
+    def cancel(self, rid: str) -> None:
+        """Free a request's lane; fire-and-forget, from any thread, also after close."""
+        ...
+
+    def resume(self) -> None:
+        """A paused lane's reader caught up."""
+        ...
+
+    def check_loop(self) -> None:
+        """Raise WrongEventLoopError unless called in the event loop that opened the engine."""
+        ...
