@@ -1,0 +1,296 @@
+"""The endpoints: each decodes its request, resolves the model, runs the engine
+and answers with OpenAI's shapes (whole, or streamed through `events.drive`)."""
+
+from __future__ import annotations
+
+import base64
+import functools
+import time
+
+import msgspec
+from starlette.requests import Request
+from starlette.responses import Response
+
+from ..streams import TokenStream
+from ..types import Token, Usage
+from .errors import APIError
+from .events import drive
+from .http import json_response, read_json
+from .logprobs import chat_logprobs, completion_logprobs
+from .params import chat_messages, finish_reason, json_schema_of, sampling_params
+from .protocol import (
+    MAX_EMBEDDING_INPUTS,
+    AssistantMessage,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatDelta,
+    ChoiceLogprobs,
+    CompletionChoice,
+    CompletionRequest,
+    CompletionResponse,
+    Embedding,
+    EmbeddingRequest,
+    EmbeddingResponse,
+    EmbeddingUsage,
+    HealthStatus,
+    ModelCard,
+    ModelList,
+    UsageInfo,
+)
+from .provider import EngineProvider, ServedModel
+from .streaming import EventStream, gather, sse, unless_disconnected
+
+
+async def _collect(stream: TokenStream) -> list[Token]:
+    try:
+        return [tok async for tok in stream]
+    finally:
+        await stream.aclose()
+
+
+class _CompletionChunks:
+    """Streamed text completions: the finish reason rides on the last token's chunk."""
+
+    def __init__(self, served: ServedModel, *, logprobs: bool) -> None:
+        self._served = served
+        self._logprobs = logprobs
+        self._offset = 0
+        self._id = ""
+        self._created = 0
+
+    def _chunk(self, choices: list[CompletionChoice], usage: UsageInfo | None = None) -> bytes:
+        return sse(
+            CompletionResponse(
+                id=self._id,
+                object="text_completion",
+                created=self._created,
+                model=self._served.name,
+                choices=choices,
+                usage=usage,
+            )
+        )
+
+    def opening(self, request_id: str) -> bytes | None:
+        self._id, self._created = f"cmpl-{request_id}", int(time.time())
+        return None
+
+    async def token(self, tok: Token) -> bytes | None:
+        lp = None
+        if self._logprobs:
+            lp = completion_logprobs([tok], await self._served.texts.lookup(self._served.engine, [tok]), self._offset)
+            self._offset += len(lp.tokens[0])
+        if tok.finish_reason is not None:
+            finish = finish_reason(tok.finish_reason)
+            return self._chunk([CompletionChoice(index=0, text=tok.text, logprobs=lp, finish_reason=finish)])
+        if tok.text or lp is not None:
+            return self._chunk([CompletionChoice(index=0, text=tok.text, logprobs=lp, finish_reason=None)])
+        return None
+
+    def closing(self, finish: str) -> bytes | None:
+        return None
+
+    def usage(self, usage: Usage) -> bytes:
+        return self._chunk([], UsageInfo.of(usage))
+
+
+class _ChatChunks:
+    """Streamed chat completions: a role delta first, a finish delta last."""
+
+    def __init__(self, served: ServedModel, *, logprobs: bool) -> None:
+        self._served = served
+        self._logprobs = logprobs
+        self._id = ""
+        self._created = 0
+
+    def _chunk(self, choices: list[ChatChunkChoice], usage: UsageInfo | None = None) -> bytes:
+        return sse(
+            ChatCompletionChunk(
+                id=self._id,
+                object="chat.completion.chunk",
+                created=self._created,
+                model=self._served.name,
+                choices=choices,
+                usage=usage,
+            )
+        )
+
+    def _delta(self, delta: ChatDelta, lp: ChoiceLogprobs | None = None, finish: str | None = None) -> bytes:
+        return self._chunk([ChatChunkChoice(index=0, delta=delta, logprobs=lp, finish_reason=finish)])
+
+    def opening(self, request_id: str) -> bytes | None:
+        self._id, self._created = f"chatcmpl-{request_id}", int(time.time())
+        return self._delta(ChatDelta(role="assistant", content=""))
+
+    async def token(self, tok: Token) -> bytes | None:
+        lp = None
+        if self._logprobs:
+            lp = chat_logprobs([tok], await self._served.texts.lookup(self._served.engine, [tok]))
+        if tok.text or lp is not None:
+            return self._delta(ChatDelta(content=tok.text), lp)
+        return None
+
+    def closing(self, finish: str) -> bytes | None:
+        return self._delta(ChatDelta(), finish=finish)
+
+    def usage(self, usage: Usage) -> bytes:
+        return self._chunk([], UsageInfo.of(usage))
+
+
+class Service:
+    """The endpoints of one app, over its `EngineProvider`."""
+
+    def __init__(self, provider: EngineProvider) -> None:
+        self.provider = provider
+        self.created = int(time.time())
+
+    def resolve(self, model: str | None) -> ServedModel:
+        """The one place a request's `model` field is resolved."""
+        return self.provider.resolve(model)
+
+    # ---- introspection ----
+
+    async def health(self, request: Request) -> Response:
+        if not self.provider.ready:
+            return json_response(HealthStatus(status="unavailable"), status=503)
+        return json_response(HealthStatus(status="ok"))
+
+    async def stats(self, request: Request) -> Response:
+        served = self.resolve(request.query_params.get("model"))
+        return Response(msgspec.json.encode(await served.engine.stats()), media_type="application/json")
+
+    async def models(self, request: Request) -> Response:
+        return json_response(ModelList(object="list", data=[self._card(m) for m in self.provider.served()]))
+
+    async def model(self, request: Request) -> Response:
+        name = request.path_params["model"]
+        for served in self.provider.served():
+            if served.name == name:
+                return json_response(self._card(served))
+        raise APIError(404, f"the model {name!r} does not exist", param="model", code="model_not_found")
+
+    def _card(self, served: ServedModel) -> ModelCard:
+        return ModelCard(id=served.name, object="model", created=self.created, owned_by="aiobasert")
+
+    # ---- generation ----
+
+    async def completions(self, request: Request) -> Response:
+        req = await read_json(request, CompletionRequest)
+        for name, unsupported in (("echo", req.echo), ("suffix", req.suffix is not None)):
+            if unsupported:
+                raise APIError(400, f"{name} is not supported", param=name)
+        if req.best_of is not None and req.best_of != 1:
+            raise APIError(400, "only best_of=1 is supported", param="best_of")
+        top = req.logprobs
+        if top is not None and not 0 <= top <= 20:
+            raise APIError(400, f"logprobs must be in [0, 20], got {top}", param="logprobs")
+        max_tokens = 16 if req.max_tokens is None else req.max_tokens  # OpenAI's default for completions
+        params = sampling_params(req, max_tokens=max_tokens, logprobs=top is not None, top_logprobs=top or 0)
+        served = self.resolve(req.model)
+        stream = served.engine.stream(req.prompt, params)
+        if req.stream:
+            usage = req.stream_options is not None and req.stream_options.include_usage
+            return EventStream(drive(stream, _CompletionChunks(served, logprobs=top is not None), include_usage=usage))
+        tokens = await unless_disconnected(request.receive, functools.partial(_collect, stream))
+        finish = finish_reason(stream.finish_reason)
+        logprobs = None
+        if top is not None:
+            logprobs = completion_logprobs(tokens, await served.texts.lookup(served.engine, tokens), 0)
+        final = stream.final
+        assert final is not None
+        return json_response(
+            CompletionResponse(
+                id=f"cmpl-{stream.request_id}",
+                object="text_completion",
+                created=int(time.time()),
+                model=served.name,
+                choices=[
+                    CompletionChoice(
+                        index=0, text="".join(t.text for t in tokens), logprobs=logprobs, finish_reason=finish
+                    )
+                ],
+                usage=UsageInfo.of(final.usage),
+            )
+        )
+
+    async def chat_completions(self, request: Request) -> Response:
+        req = await read_json(request, ChatCompletionRequest)
+        json_schema = json_schema_of(req.response_format)
+        if req.tools:
+            raise APIError(400, "tool calling is not supported", param="tools")
+        if req.top_logprobs is not None and not req.logprobs:
+            raise APIError(400, "top_logprobs requires logprobs=true", param="top_logprobs")
+        top = req.top_logprobs or 0
+        if not 0 <= top <= 20:
+            raise APIError(400, f"top_logprobs must be in [0, 20], got {top}", param="top_logprobs")
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        want_logprobs = bool(req.logprobs)
+        params = sampling_params(
+            req, max_tokens=max_tokens, logprobs=want_logprobs, top_logprobs=top, json_schema=json_schema
+        )
+        served = self.resolve(req.model)
+        stream = served.engine.chat(chat_messages(req.messages), params)
+        if req.stream:
+            usage = req.stream_options is not None and req.stream_options.include_usage
+            return EventStream(drive(stream, _ChatChunks(served, logprobs=want_logprobs), include_usage=usage))
+        tokens = await unless_disconnected(request.receive, functools.partial(_collect, stream))
+        finish = finish_reason(stream.finish_reason)
+        logprobs = chat_logprobs(tokens, await served.texts.lookup(served.engine, tokens)) if want_logprobs else None
+        final = stream.final
+        assert final is not None
+        return json_response(
+            ChatCompletion(
+                id=f"chatcmpl-{stream.request_id}",
+                object="chat.completion",
+                created=int(time.time()),
+                model=served.name,
+                choices=[
+                    ChatChoice(
+                        index=0,
+                        message=AssistantMessage(role="assistant", content="".join(t.text for t in tokens)),
+                        logprobs=logprobs,
+                        finish_reason=finish,
+                    )
+                ],
+                usage=UsageInfo.of(final.usage),
+            )
+        )
+
+    async def embeddings(self, request: Request) -> Response:
+        req = await read_json(request, EmbeddingRequest)
+        inputs = [req.input] if isinstance(req.input, str) else req.input
+        if not inputs:
+            raise APIError(400, "input must not be empty", param="input")
+        if len(inputs) > MAX_EMBEDDING_INPUTS:
+            raise APIError(400, f"at most {MAX_EMBEDDING_INPUTS} inputs per request", param="input")
+        served = self.resolve(req.model)
+        engine = served.engine
+        if req.dimensions is not None and req.dimensions != engine.info.dim:
+            raise APIError(400, f"this model's embeddings have {engine.info.dim} dimensions", param="dimensions")
+        as_base64 = req.encoding_format == "base64"
+        data: list[Embedding | None] = [None] * len(inputs)
+        counts = [0] * len(inputs)
+
+        async def one(i: int, text: str) -> None:
+            vector = await engine.embed(text)
+            counts[i] = len(await engine.encode(text))
+            value: list[float] | str = (
+                base64.b64encode(vector.astype("<f4").tobytes()).decode("ascii") if as_base64 else vector.tolist()
+            )
+            data[i] = Embedding(object="embedding", index=i, embedding=value)
+
+        # Submitted together, so the engine thread runs them back to back between steps.
+        await unless_disconnected(
+            request.receive, lambda: gather(functools.partial(one, i, text) for i, text in enumerate(inputs))
+        )
+        total = sum(counts)
+        return json_response(
+            EmbeddingResponse(
+                object="list",
+                data=[d for d in data if d is not None],
+                model=served.name,
+                usage=EmbeddingUsage(prompt_tokens=total, total_tokens=total),
+            )
+        )

@@ -1,0 +1,84 @@
+"""Errors: `APIError` (an HTTP status with OpenAI's error body) and the mapping
+from SDK exceptions to it."""
+
+from __future__ import annotations
+
+import logging
+
+import msgspec
+from starlette.responses import Response
+
+from ..errors import (
+    AioBaseRTError,
+    ContextLengthExceededError,
+    EngineClosedError,
+    EngineOverloadedError,
+    InvalidRequestError,
+)
+from .protocol import ErrorDetail, ErrorResponse
+
+logger = logging.getLogger("aiobasert.server")
+
+class APIError(Exception):
+    """A request refused with an HTTP status and OpenAI's error body."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.body = ErrorResponse(error=ErrorDetail(message=message, type=type, param=param, code=code))
+        self.headers = headers
+
+    def response(self) -> Response:
+        return Response(
+            msgspec.json.encode(self.body), status_code=self.status, headers=self.headers, media_type="application/json"
+        )
+
+
+class ClientGone(Exception):
+    """The client disconnected before its response was ready."""
+
+
+def api_error(exc: BaseException, *, log: bool = True) -> APIError:
+    """The HTTP form of an exception raised while serving a request."""
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, ContextLengthExceededError):
+        return APIError(400, str(exc), code="context_length_exceeded")
+    if isinstance(exc, InvalidRequestError):  # includes InvalidSamplingParamsError
+        return APIError(400, str(exc))
+    if isinstance(exc, EngineOverloadedError):
+        return APIError(503, str(exc), type="server_error", code="engine_overloaded", headers={"Retry-After": "1"})
+    if isinstance(exc, EngineClosedError):
+        return APIError(503, "the server is shutting down", type="server_error", code="engine_closed")
+    if isinstance(exc, AioBaseRTError):
+        return APIError(500, f"the engine failed: {exc}", type="server_error", code="engine_error")
+    if log:
+        logger.error("unexpected error while serving a request", exc_info=exc)
+    return APIError(500, "internal server error", type="server_error")
+
+
+def aborted() -> APIError:
+    return APIError(503, "the server is shutting down: the generation was aborted", type="server_error", code="aborted")
+
+
+def error_param(message: str) -> str | None:
+    """The top-level field a msgspec validation message points at (`... - at `$.field[0]``)."""
+    _, sep, path = message.rpartition("at `$.")
+    if not sep:
+        return None
+    name = path.rstrip("`")
+    for i, ch in enumerate(name):
+        if ch in ".[":
+            return name[:i]
+    return name
+
+

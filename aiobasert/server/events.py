@@ -1,0 +1,61 @@
+"""The one event driver behind every streamed endpoint.
+
+`drive` walks a `TokenStream` and turns it into server-sent events; what the
+events look like is the endpoint's `ChunkFormat` (a text-completion chunk, a
+chat-completion chunk). The driver owns what is the same for all of them:
+request errors before the first token become an ordinary HTTP error response,
+errors after it an in-band error event, the stream always ends with `[DONE]`
+and its lane is always released.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncGenerator
+from typing import Protocol
+
+from ..streams import TokenStream
+from ..types import Token, Usage
+from .params import finish_reason, first_token
+from .streaming import SSE_DONE, error_event
+
+
+class ChunkFormat(Protocol):
+    """How one endpoint spells the events of one streamed choice."""
+
+    def opening(self, request_id: str) -> bytes | None:
+        """Called once the first token exists (the request is admitted): the
+        opening event, if the format has one (chat: the role delta)."""
+
+    async def token(self, tok: Token) -> bytes | None:
+        """The event of one token (None: nothing to send for it)."""
+
+    def closing(self, finish: str) -> bytes | None:
+        """The event after the last token, given OpenAI's finish reason."""
+
+    def usage(self, usage: Usage) -> bytes:
+        """The trailing usage event (`stream_options.include_usage`)."""
+
+
+async def drive(stream: TokenStream, fmt: ChunkFormat, *, include_usage: bool) -> AsyncGenerator[bytes, None]:
+    """The SSE events of `stream` in `fmt`, then `[DONE]`; closes the stream."""
+    try:
+        tok = await first_token(stream)  # raising here becomes an HTTP error response
+        opening = fmt.opening(stream.request_id)
+        if opening is not None:
+            yield opening
+        try:
+            while tok is not None:
+                event = await fmt.token(tok)
+                if event is not None:
+                    yield event
+                tok = await anext(stream, None)
+            closing = fmt.closing(finish_reason(stream.finish_reason))  # raises if the lane was aborted
+            if closing is not None:
+                yield closing
+            if include_usage and stream.final is not None:
+                yield fmt.usage(stream.final.usage)
+        except Exception as exc:  # the response has started: report in-band
+            yield error_event(exc)
+        yield SSE_DONE
+    finally:
+        await stream.aclose()
