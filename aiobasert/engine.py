@@ -7,7 +7,7 @@ import os
 import threading
 from collections.abc import Callable, Generator, Mapping, Sequence
 from types import TracebackType
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar, cast, overload
 
 import anyio
 import numpy as np
@@ -19,6 +19,9 @@ from .engine_thread import Call, Close, Constraint, EngineConfig, EngineThread, 
 from .errors import EngineClosedError, InvalidRequestError, InvalidSamplingParamsError
 from .streams import TokenStream, new_request_id
 from .types import ChatMessage, Completion, EngineStats, ModelInfo, SamplingParams
+
+if TYPE_CHECKING:
+    from .tools import ChatStream, Tool, ToolChoice
 
 T = TypeVar("T")
 
@@ -184,28 +187,97 @@ class Engine:
         """The whole completion at once (same arguments as `stream`)."""
         return await self.stream(prompt, params, **kwargs)
 
+    @overload
     def chat(
         self,
-        messages: Sequence[ChatMessage | Mapping[str, str]],
+        messages: Sequence[ChatMessage | Mapping[str, Any]],
         params: SamplingParams | None = None,
         *,
         add_generation_prompt: bool = True,
+        tools: None = None,
+        tool_choice: None = None,
+        parallel_tool_calls: bool = True,
         **kwargs: Any,
-    ) -> TokenStream:
+    ) -> TokenStream: ...
+
+    @overload
+    def chat(
+        self,
+        messages: Sequence[ChatMessage | Mapping[str, Any]],
+        params: SamplingParams | None = None,
+        *,
+        add_generation_prompt: bool = True,
+        tools: Sequence[Tool | Mapping[str, Any]],
+        tool_choice: ToolChoice | Mapping[str, Any] | None = None,
+        parallel_tool_calls: bool = True,
+        **kwargs: Any,
+    ) -> ChatStream: ...
+
+    def chat(
+        self,
+        messages: Sequence[ChatMessage | Mapping[str, Any]],
+        params: SamplingParams | None = None,
+        *,
+        add_generation_prompt: bool = True,
+        tools: Sequence[Tool | Mapping[str, Any]] | None = None,
+        tool_choice: ToolChoice | Mapping[str, Any] | None = None,
+        parallel_tool_calls: bool = True,
+        **kwargs: Any,
+    ) -> TokenStream | ChatStream:
         """Stream the assistant's reply to `messages` with the model's chat template.
 
         Message contents are encoded as plain text (`baseRT_encode_pieces`), so a
         message that quotes `<|im_start|>` cannot forge a turn. `await` the
         returned stream for a `Completion`.
+
+        With `tools` (see `aiobasert.tools`) the result is a `ChatStream` of text
+        and tool-call deltas instead, awaitable for a `ChatReply` with typed
+        `ToolCall`s; `tool_choice` ("auto", "none", "required" or a function name)
+        and `parallel_tool_calls` are enforced by the output grammar.
         """
+        if tools is not None or tool_choice is not None:
+            return self.stream_chat(
+                messages,
+                params,
+                add_generation_prompt=add_generation_prompt,
+                tools=tools,
+                tool_choice=tool_choice,
+                parallel_tool_calls=parallel_tool_calls,
+                **kwargs,
+            )
         pieces = render_chat(
             self.chat_template,
-            messages,
+            cast("Sequence[ChatMessage | Mapping[str, str]]", messages),
             add_generation_prompt=add_generation_prompt,
             bos_token=self._thread.bos_token,
             eos_token=self._thread.eos_token,
         )
         return self._new_stream(pieces, self._params(params, kwargs), True)
+
+    def stream_chat(
+        self,
+        messages: Sequence[ChatMessage | Mapping[str, Any]],
+        params: SamplingParams | None = None,
+        *,
+        add_generation_prompt: bool = True,
+        tools: Sequence[Tool | Mapping[str, Any]] | None = None,
+        tool_choice: ToolChoice | Mapping[str, Any] | None = None,
+        parallel_tool_calls: bool = True,
+        **kwargs: Any,
+    ) -> ChatStream:
+        """Like `chat`, always as a `ChatStream` (text deltas, tool-call deltas);
+        messages may include `tool` turns and assistant turns with `tool_calls`."""
+        from .tools import open_chat_stream
+
+        return open_chat_stream(
+            self,
+            messages,
+            self._params(params, kwargs),
+            tools=tools,
+            tool_choice=tool_choice,
+            parallel=parallel_tool_calls,
+            add_generation_prompt=add_generation_prompt,
+        )
 
     @property
     def chat_template(self) -> str:
@@ -225,12 +297,32 @@ class Engine:
         params.validate(self.info.vocab_size)
         return params
 
-    def _new_stream(self, prompt: Prompt, params: SamplingParams, special: bool) -> TokenStream:
+    def _new_stream(
+        self,
+        prompt: Prompt,
+        params: SamplingParams,
+        special: bool,
+        constraint: Callable[[], Constraint] | None = None,
+    ) -> TokenStream:
         if self._closed:
             raise EngineClosedError("the engine is closed")
         spec = RequestSpec(rid=new_request_id(), prompt=prompt, params=params, parse_special=special,
-                           constraint=self._constraint_for(params))
+                           constraint=constraint or self._constraint_for(params))
         return TokenStream(self, spec)
+
+    def _lark_constraint(self, lark: str) -> Callable[[], Constraint]:
+        """The builder of a host (llguidance) grammar constraint from a Lark grammar;
+        it runs on the engine thread at intake, like `_constraint_for`'s."""
+
+        def build() -> Constraint:
+            if self._grammar is None:
+                from .grammar import GrammarBackend
+
+                self._grammar = GrammarBackend.for_bundle(self.info.path, vocab_size=self.info.vocab_size)
+            constraint: Constraint = self._grammar.compile_lark(lark)
+            return constraint
+
+        return build
 
     def _constraint_for(self, params: SamplingParams) -> Callable[[], Constraint] | None:
         """The grammar builder of a structured-output request; it runs on the engine

@@ -283,8 +283,9 @@ def test_health_needs_no_key(base_url: str) -> None:
         ("/v1/completions", {"prompt": [1, 10**6]}, None, "token id"),
         ("/v1/completions", {"prompt": "x", "max_tokens": 20000}, None, "exceeds the context window"),
         ("/v1/completions", {"prompt": "x", "max_tokens": 20000, "stream": True}, None, "exceeds the context window"),
-        ("/v1/chat/completions", {"messages": []}, None, "messages"),
-        ("/v1/chat/completions", {"messages": [{"role": "tool", "content": "x"}]}, "messages", "role"),
+        ("/v1/chat/completions", {"messages": []}, "messages", "messages"),
+        ("/v1/chat/completions", {"messages": [{"role": "tool", "content": "x"}]}, "messages", "tool_call_id"),
+        ("/v1/chat/completions", {"messages": [{"role": "robot", "content": "x"}]}, "messages", "role"),
         (
             "/v1/chat/completions",
             {"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_schema"}},

@@ -6,12 +6,16 @@ from __future__ import annotations
 import base64
 import functools
 import time
+from collections.abc import Sequence
 
 import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
+from ..errors import InvalidRequestError
 from ..streams import TokenStream
+from ..tools import ChatDelta as ChatDeltaSDK
+from ..tools import ChatStream, TextDelta, Tool, ToolCall, ToolCallDelta
 from ..types import Token, Usage
 from .errors import APIError
 from .events import drive
@@ -35,9 +39,14 @@ from .protocol import (
     EmbeddingRequest,
     EmbeddingResponse,
     EmbeddingUsage,
+    FunctionCall,
+    FunctionCallDelta,
     HealthStatus,
     ModelCard,
     ModelList,
+    NamedToolChoice,
+    ToolCallDeltaOut,
+    ToolCallOut,
     UsageInfo,
 )
 from .provider import EngineProvider, ServedModel
@@ -96,11 +105,33 @@ class _CompletionChunks:
         return self._chunk([], UsageInfo.of(usage))
 
 
-class _ChatChunks:
-    """Streamed chat completions: a role delta first, a finish delta last."""
+def _tool_call_out(call: ToolCall) -> ToolCallOut:
+    return ToolCallOut(id=call.id, function=FunctionCall(name=call.name, arguments=call.arguments))
 
-    def __init__(self, served: ServedModel, *, logprobs: bool) -> None:
+
+def _chat_delta(deltas: Sequence[ChatDeltaSDK]) -> ChatDelta:
+    """One wire delta from the SDK deltas of one token: its text and call pieces."""
+    text = "".join(d.text for d in deltas if isinstance(d, TextDelta))
+    calls = [
+        ToolCallDeltaOut(
+            index=d.index,
+            id=d.id,
+            type="function" if d.id is not None else None,
+            function=FunctionCallDelta(name=d.name, arguments=d.arguments),
+        )
+        for d in deltas
+        if isinstance(d, ToolCallDelta)
+    ]
+    return ChatDelta(content=text if text or not calls else None, tool_calls=calls or None)
+
+
+class _ChatChunks:
+    """Streamed chat completions: a role delta first, text and tool-call deltas as
+    the parser releases them, a finish delta last."""
+
+    def __init__(self, served: ServedModel, chat: ChatStream, *, logprobs: bool) -> None:
         self._served = served
+        self._chat = chat
         self._logprobs = logprobs
         self._id = ""
         self._created = 0
@@ -128,15 +159,31 @@ class _ChatChunks:
         lp = None
         if self._logprobs:
             lp = chat_logprobs([tok], await self._served.texts.lookup(self._served.engine, [tok]))
-        if tok.text or lp is not None:
-            return self._delta(ChatDelta(content=tok.text), lp)
+        deltas = self._chat.feed(tok)
+        if deltas or lp is not None:
+            return self._delta(_chat_delta(deltas) if deltas else ChatDelta(content=""), lp)
         return None
 
     def closing(self, finish: str) -> bytes | None:
-        return self._delta(ChatDelta(), finish=finish)
+        rest = self._chat.close_parser()
+        head = self._delta(_chat_delta(rest)) if rest else b""
+        return head + self._delta(ChatDelta(), finish=_with_tools(finish, self._chat.tool_calls))
 
     def usage(self, usage: Usage) -> bytes:
         return self._chunk([], UsageInfo.of(usage))
+
+
+def _with_tools(finish: str, calls: Sequence[ToolCall]) -> str:
+    return "tool_calls" if calls and finish == "stop" else finish
+
+
+def _tool_param(message: str) -> str | None:
+    """The request field a tool-setup error is about."""
+    if "tool_choice" in message:
+        return "tool_choice"
+    if "tool" in message:
+        return "tools"
+    return "messages" if "message" in message else None
 
 
 class Service:
@@ -218,8 +265,6 @@ class Service:
     async def chat_completions(self, request: Request) -> Response:
         req = await read_json(request, ChatCompletionRequest)
         json_schema = json_schema_of(req.response_format)
-        if req.tools:
-            raise APIError(400, "tool calling is not supported", param="tools")
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError(400, "top_logprobs requires logprobs=true", param="top_logprobs")
         top = req.top_logprobs or 0
@@ -230,16 +275,43 @@ class Service:
         params = sampling_params(
             req, max_tokens=max_tokens, logprobs=want_logprobs, top_logprobs=top, json_schema=json_schema
         )
+        tools = [
+            Tool(name=t.function.name, description=t.function.description, parameters=t.function.parameters)
+            for t in req.tools or ()
+        ]
+        choice: str | None = None
+        if isinstance(req.tool_choice, NamedToolChoice):
+            choice = req.tool_choice.function.name
+        elif req.tool_choice is not None:
+            choice = req.tool_choice
+        if tools and json_schema is not None and choice != "none":
+            raise APIError(400, "response_format cannot be combined with tools", param="response_format")
         served = self.resolve(req.model)
-        stream = served.engine.chat(chat_messages(req.messages), params)
+        try:
+            chat = served.engine.stream_chat(
+                chat_messages(req.messages),
+                params,
+                tools=tools or None,
+                tool_choice=choice,
+                parallel_tool_calls=req.parallel_tool_calls is not False,
+            )
+        except InvalidRequestError as exc:
+            raise APIError(400, str(exc), param=_tool_param(str(exc))) from None
+        stream = chat.tokens
         if req.stream:
             usage = req.stream_options is not None and req.stream_options.include_usage
-            return EventStream(drive(stream, _ChatChunks(served, logprobs=want_logprobs), include_usage=usage))
+            fmt = _ChatChunks(served, chat, logprobs=want_logprobs)
+            return EventStream(drive(stream, fmt, include_usage=usage))
         tokens = await unless_disconnected(request.receive, functools.partial(_collect, stream))
         finish = finish_reason(stream.finish_reason)
+        for tok in tokens:
+            chat.feed(tok)
+        chat.close_parser()
+        calls = chat.tool_calls
         logprobs = chat_logprobs(tokens, await served.texts.lookup(served.engine, tokens)) if want_logprobs else None
         final = stream.final
         assert final is not None
+        content = chat.content
         return json_response(
             ChatCompletion(
                 id=f"chatcmpl-{stream.request_id}",
@@ -249,9 +321,13 @@ class Service:
                 choices=[
                     ChatChoice(
                         index=0,
-                        message=AssistantMessage(role="assistant", content="".join(t.text for t in tokens)),
+                        message=AssistantMessage(
+                            role="assistant",
+                            content=content if content or not calls else None,
+                            tool_calls=[_tool_call_out(c) for c in calls] or None,
+                        ),
                         logprobs=logprobs,
-                        finish_reason=finish,
+                        finish_reason=_with_tools(finish, calls),
                     )
                 ],
                 usage=UsageInfo.of(final.usage),

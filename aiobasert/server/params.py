@@ -7,7 +7,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..streams import TokenStream
-from ..types import ChatMessage, FinishReason, SamplingParams, Token
+from ..tools import ToolCall
+from ..types import FinishReason, SamplingParams, Token
 from .errors import APIError, aborted
 from .protocol import RequestMessage, ResponseFormat, SamplingRequest
 
@@ -62,15 +63,23 @@ def json_schema_of(fmt: ResponseFormat | None) -> dict[str, Any] | bool | None:
     raise APIError(400, f"unknown response_format type {fmt.type!r}", param="response_format")
 
 
-_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 
 
-def chat_messages(messages: Sequence[RequestMessage]) -> list[ChatMessage]:
-    out: list[ChatMessage] = []
+def chat_messages(messages: Sequence[RequestMessage]) -> list[dict[str, Any]]:
+    """The SDK's message mappings (`Engine.stream_chat`): role, content, and the
+    tool fields (assistant `tool_calls`, tool `tool_call_id`)."""
+    out: list[dict[str, Any]] = []
     for i, m in enumerate(messages):
         role = _ROLES.get(m.role)
         if role is None:
             raise APIError(400, f"messages[{i}]: role {m.role!r} is not supported", param="messages")
+        if m.name is not None and role != "tool":
+            raise APIError(400, f"messages[{i}]: participant names are not supported", param="messages")
+        if m.tool_calls and role != "assistant":
+            raise APIError(400, f"messages[{i}]: only assistant turns carry tool_calls", param="messages")
+        if role == "tool" and not m.tool_call_id:
+            raise APIError(400, f"messages[{i}]: a tool turn needs tool_call_id", param="messages")
         if m.content is None:
             if role != "assistant":
                 raise APIError(400, f"messages[{i}] has no content", param="messages")
@@ -86,7 +95,16 @@ def chat_messages(messages: Sequence[RequestMessage]) -> list[ChatMessage]:
                     )
                 texts.append(part.text)
             content = "\n".join(texts)
-        out.append(ChatMessage(role=role, content=content))
+        entry: dict[str, Any] = {"role": role, "content": content}
+        if m.tool_calls:
+            entry["tool_calls"] = [
+                ToolCall(id=c.id, name=c.function.name, arguments=c.function.arguments) for c in m.tool_calls
+            ]
+        if m.tool_call_id is not None:
+            entry["tool_call_id"] = m.tool_call_id
+        if m.name is not None:
+            entry["name"] = m.name
+        out.append(entry)
     return out
 
 

@@ -81,12 +81,57 @@ class ContentPart(msgspec.Struct, kw_only=True):
     text: str | None = None
 
 
+class FunctionCall(msgspec.Struct, kw_only=True):
+    """A called function: its name and its arguments as JSON text."""
+
+    name: str
+    arguments: str
+
+
+class ToolCallOut(msgspec.Struct, kw_only=True):
+    """A tool call, in a request's assistant turn or a response message."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class RequestMessage(msgspec.Struct, kw_only=True):
-    """One chat turn as a client sends it."""
+    """One chat turn as a client sends it (tool turns and assistant turns with calls included)."""
 
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallOut] | None = None
+    tool_call_id: str | None = None
+
+
+class FunctionDefinition(msgspec.Struct, kw_only=True):
+    """A function tool: `parameters` is the JSON Schema its arguments obey (always:
+    the output grammar enforces it, so `strict` changes nothing)."""
+
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolDefinition(msgspec.Struct, kw_only=True):
+    """`tools[i]`: only `{"type": "function", ...}` tools exist."""
+
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(msgspec.Struct, kw_only=True):
+    name: str
+
+
+class NamedToolChoice(msgspec.Struct, kw_only=True):
+    """`tool_choice: {"type": "function", "function": {"name": ...}}`: call exactly this one."""
+
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(SamplingRequest, kw_only=True):
@@ -98,8 +143,9 @@ class ChatCompletionRequest(SamplingRequest, kw_only=True):
     logprobs: bool | None = None
     top_logprobs: int | None = None
     response_format: ResponseFormat | None = None
-    tools: list[msgspec.Raw] | None = None
-    tool_choice: msgspec.Raw | None = None
+    tools: list[ToolDefinition] | None = None
+    tool_choice: Literal["auto", "none", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
 
 
 class EmbeddingRequest(msgspec.Struct, kw_only=True):
@@ -197,9 +243,10 @@ class ChoiceLogprobs(msgspec.Struct, kw_only=True):
     content: list[TokenLogprobEntry]
 
 
-class AssistantMessage(msgspec.Struct, kw_only=True):
+class AssistantMessage(msgspec.Struct, kw_only=True, omit_defaults=True):
     role: str
-    content: str
+    content: str | None
+    tool_calls: list[ToolCallOut] | None = None
 
 
 class ChatChoice(msgspec.Struct, kw_only=True):
@@ -220,9 +267,24 @@ class ChatCompletion(msgspec.Struct, kw_only=True):
     usage: UsageInfo
 
 
+class FunctionCallDelta(msgspec.Struct, kw_only=True, omit_defaults=True):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ToolCallDeltaOut(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """A streamed piece of a call: id, type and name first, then argument fragments."""
+
+    index: int
+    id: str | None = None
+    type: str | None = None
+    function: FunctionCallDelta
+
+
 class ChatDelta(msgspec.Struct, kw_only=True, omit_defaults=True):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDeltaOut] | None = None
 
 
 class ChatChunkChoice(msgspec.Struct, kw_only=True):
