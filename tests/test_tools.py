@@ -106,7 +106,7 @@ async def test_auto_is_text_or_well_formed_calls_and_none_is_text(tiny_model_pat
     ("choice", "parallel", "text", "ok"),
     [
         ("auto", True, "Sunny, I think.", True),
-        ("auto", True, CALL_OPEN + '{"name": "get_weather", "arguments": {"city":"Rome","days":2}}\n</tool_call>', True),
+        ("auto", True, CALL_OPEN + '{"name": "get_weather", "arguments": {"city":"Rom","days":9}}\n</tool_call>', True),
         ("auto", True, "See <tool_call> here", False),  # text never opens a call
         ("auto", True, CALL_OPEN + '{"name": "get_weather", "arguments": {"city":"Paris"}}\n</tool_call>', False),
         ("auto", True, CALL_OPEN + '{"name": "get_weather", "arguments": {"town":"Paris","days":2}}', False),
