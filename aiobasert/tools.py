@@ -554,7 +554,7 @@ def open_chat_stream(
     pieces = render_tool_chat(
         engine.chat_template,
         messages,
-        parsed if choice != "none" else [],
+        parsed,  # listed under "none" too: the model knows them, the grammar forbids calls
         add_generation_prompt=add_generation_prompt,
         bos_token=thread.bos_token,
         eos_token=thread.eos_token,

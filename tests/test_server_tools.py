@@ -1,0 +1,189 @@
+"""Tool calling over HTTP: tools / tool_choice / parallel_tool_calls on
+/v1/chat/completions with the official openai client (sync and async), stream
+and non-stream, on the tiny model; SmolLM2 for a real tool loop (slow)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import jsonschema  # type: ignore[import-untyped]
+import openai
+import pytest
+from openai import AsyncOpenAI, OpenAI
+from openai.types.chat import ChatCompletionMessageParam, ChatCompletionToolParam
+from test_server import serving
+
+from aiobasert.server import create_app
+
+API_KEY = "sk-test-key"
+MODEL_NAME = "tiny"
+WEATHER_PARAMS: dict[str, Any] = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "maxLength": 12}, "unit": {"enum": ["C", "F"]}},
+    "required": ["city", "unit"],
+    "additionalProperties": False,
+}
+TIME_PARAMS: dict[str, Any] = {
+    "type": "object",
+    "properties": {"tz": {"enum": ["UTC", "CET"]}},
+    "required": ["tz"],
+    "additionalProperties": False,
+}
+TOOLS: list[ChatCompletionToolParam] = [
+    {"type": "function", "function": {"name": "get_weather", "description": "Weather", "parameters": WEATHER_PARAMS}},
+    {"type": "function", "function": {"name": "get_time", "parameters": TIME_PARAMS}},
+]
+SCHEMAS = {"get_weather": WEATHER_PARAMS, "get_time": TIME_PARAMS}
+MESSAGES: list[ChatCompletionMessageParam] = [{"role": "user", "content": "What's the weather in Paris?"}]
+
+
+@pytest.fixture(scope="module")
+def base_url(tiny_model_path: Path) -> Iterator[str]:
+    with serving(create_app(tiny_model_path, api_key=API_KEY, model_name=MODEL_NAME, max_batch_size=4)) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def client(base_url: str) -> Iterator[OpenAI]:
+    with OpenAI(base_url=f"{base_url}/v1", api_key=API_KEY, max_retries=0) as c:
+        yield c
+
+
+def valid(name: str, arguments: str) -> None:
+    jsonschema.validate(json.loads(arguments), SCHEMAS[name])
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_required_call_stream_equals_non_stream(client: OpenAI, seed: int) -> None:
+    kw: dict[str, Any] = dict(
+        model=MODEL_NAME, messages=MESSAGES, tools=TOOLS, tool_choice="required", max_tokens=150, seed=seed,
+        temperature=1.0,
+    )
+    whole = client.chat.completions.create(**kw)
+    (choice,) = whole.choices
+    calls = choice.message.tool_calls
+    assert calls
+    assert choice.message.content is None
+    if choice.finish_reason == "tool_calls":
+        for c in calls:
+            assert c.type == "function" and c.id.startswith("call_")
+            valid(c.function.name, c.function.arguments)
+    else:
+        assert choice.finish_reason == "length"
+
+    names: dict[int, str] = {}
+    args: dict[int, list[str]] = {}
+    finish = None
+    for chunk in client.chat.completions.create(**kw, stream=True):
+        if not chunk.choices:
+            continue
+        delta = chunk.choices[0].delta
+        for tc in delta.tool_calls or []:
+            if tc.index not in names:  # id, type and name arrive first
+                assert tc.id and tc.type == "function" and tc.function and tc.function.name
+                names[tc.index] = tc.function.name
+                args[tc.index] = []
+            else:
+                assert tc.id is None and tc.function is not None and tc.function.name is None
+            if tc.function and tc.function.arguments:
+                args[tc.index].append(tc.function.arguments)
+        finish = chunk.choices[0].finish_reason or finish
+    assert finish == choice.finish_reason
+    assert [names[i] for i in sorted(names)] == [c.function.name for c in calls]
+    assert ["".join(args[i]) for i in sorted(args)] == [c.function.arguments for c in calls]  # byte for byte
+
+
+@pytest.mark.parametrize("seed", [4, 5])
+def test_named_function_and_parallel_false(client: OpenAI, seed: int) -> None:
+    r = client.chat.completions.create(
+        model=MODEL_NAME,
+        messages=MESSAGES,
+        tools=TOOLS,
+        tool_choice={"type": "function", "function": {"name": "get_time"}},
+        parallel_tool_calls=False,
+        max_tokens=150,
+        seed=seed,
+        temperature=1.0,
+    )
+    (choice,) = r.choices
+    assert choice.finish_reason == "tool_calls"
+    (call,) = choice.message.tool_calls or []
+    assert call.function.name == "get_time"
+    valid("get_time", call.function.arguments)
+
+
+def test_none_and_auto(client: OpenAI) -> None:
+    for seed in range(3):
+        none = client.chat.completions.create(
+            model=MODEL_NAME, messages=MESSAGES, tools=TOOLS, tool_choice="none", max_tokens=24, seed=seed,
+            temperature=1.0,
+        )
+        assert not none.choices[0].message.tool_calls and none.choices[0].finish_reason in ("stop", "length")
+        auto = client.chat.completions.create(
+            model=MODEL_NAME, messages=MESSAGES, tools=TOOLS, max_tokens=24, seed=seed, temperature=1.0
+        )
+        msg = auto.choices[0].message
+        assert msg.tool_calls or "<tool_call>" not in (msg.content or "")
+
+
+@pytest.mark.anyio
+async def test_full_tool_loop_with_the_async_client(base_url: str) -> None:
+    async with AsyncOpenAI(base_url=f"{base_url}/v1", api_key=API_KEY, max_retries=0) as client:
+        first = await client.chat.completions.create(
+            model=MODEL_NAME, messages=MESSAGES, tools=TOOLS, tool_choice="required", parallel_tool_calls=False,
+            max_tokens=150, seed=1,
+        )
+        msg = first.choices[0].message
+        (call,) = msg.tool_calls or []
+        history: list[ChatCompletionMessageParam] = [
+            *MESSAGES,
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [
+                    {"id": call.id, "type": "function",
+                     "function": {"name": call.function.name, "arguments": call.function.arguments}}
+                ],
+            },
+            {"role": "tool", "tool_call_id": call.id, "content": '{"temperature": 21}'},
+        ]
+        answer = await client.chat.completions.create(
+            model=MODEL_NAME, messages=history, tools=TOOLS, tool_choice="none", max_tokens=8, seed=1
+        )
+        assert answer.choices[0].message.content is not None
+        assert answer.usage is not None and answer.usage.prompt_tokens > first.usage.prompt_tokens  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "message"),
+    [
+        ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice", ""),
+        ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice", "nope"),
+        ({"tools": [{"type": "retrieval"}]}, "tools", ""),
+        ({"tool_choice": "required"}, "tool_choice", "needs tools"),
+        ({"tools": [TOOLS[0], TOOLS[0]]}, "tools", "duplicate"),
+        ({"tools": TOOLS, "response_format": {"type": "json_object"}}, "response_format", "tools"),
+    ],
+)
+def test_bad_tool_requests_are_400_naming_the_param(base_url: str, body: dict[str, Any], param: str,
+                                                     message: str) -> None:
+    r = httpx.post(
+        f"{base_url}/v1/chat/completions",
+        json={"model": MODEL_NAME, "messages": MESSAGES, "max_tokens": 4, **body},
+        headers={"Authorization": f"Bearer {API_KEY}"},
+    )
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == param and message in error["message"]
+
+
+def test_client_sees_bad_request(client: OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(
+            model=MODEL_NAME, messages=MESSAGES, tools=TOOLS, tool_choice={"type": "function",
+                                                                           "function": {"name": "nope"}},
+        )
