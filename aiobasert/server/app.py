@@ -8,6 +8,7 @@ import os
 import socket
 from collections.abc import AsyncIterator
 
+import anyio
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
@@ -71,12 +72,17 @@ def build_app(provider: EngineProvider, *, api_key: str | None = None) -> tuple[
         Route("/v1/chat/completions", service.chat_completions, methods=["POST"]),
         Route("/v1/embeddings", service.embeddings, methods=["POST"]),
         Route("/v1/internal/stats", service.stats, methods=["GET"]),
+        Route("/metrics", service.metrics_text, methods=["GET"]),
     ]
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        async with provider.lifespan():
-            yield
+        async with provider.lifespan(), anyio.create_task_group() as tg:
+            tg.start_soon(service.metrics.probe_loop_lag)
+            try:
+                yield
+            finally:
+                tg.cancel_scope.cancel()
 
     app = Starlette(
         routes=routes,

@@ -8,6 +8,7 @@ import functools
 import time
 from collections.abc import Sequence
 
+import anyio
 import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
@@ -21,6 +22,7 @@ from .errors import APIError
 from .events import drive
 from .http import json_response, read_json
 from .logprobs import chat_logprobs, completion_logprobs
+from .metrics import Metrics, RequestObserver
 from .params import chat_messages, finish_reason, json_schema_of, sampling_params
 from .protocol import (
     MAX_EMBEDDING_INPUTS,
@@ -53,11 +55,23 @@ from .provider import EngineProvider, ServedModel
 from .streaming import EventStream, gather, sse, unless_disconnected
 
 
-async def _collect(stream: TokenStream) -> list[Token]:
+async def _collect(stream: TokenStream, observer: RequestObserver) -> list[Token]:
+    """Every token of a non-streamed request (the metrics see them arrive)."""
+    tokens: list[Token] = []
     try:
-        return [tok async for tok in stream]
+        async for tok in stream:
+            observer.token()
+            tokens.append(tok)
+    except anyio.get_cancelled_exc_class():  # the client went away
+        since = time.perf_counter()
+        with anyio.CancelScope(shield=True):
+            await stream.aclose()
+            await observer.aborted(since)
+        raise
     finally:
         await stream.aclose()
+    observer.finished(stream.final)
+    return tokens
 
 
 class _CompletionChunks:
@@ -192,6 +206,14 @@ class Service:
     def __init__(self, provider: EngineProvider) -> None:
         self.provider = provider
         self.created = int(time.time())
+        self.metrics = Metrics()
+
+    def _observer(self, served: ServedModel) -> RequestObserver:
+        return self.metrics.observer(served.name, served.engine)
+
+    async def metrics_text(self, request: Request) -> Response:
+        """`GET /metrics` (Prometheus text)."""
+        return await self.metrics.render([(m.name, m.engine) for m in self.provider.served()])
 
     def resolve(self, model: str | None) -> ServedModel:
         """The one place a request's `model` field is resolved."""
@@ -239,8 +261,11 @@ class Service:
         stream = served.engine.stream(req.prompt, params)
         if req.stream:
             usage = req.stream_options is not None and req.stream_options.include_usage
-            return EventStream(drive(stream, _CompletionChunks(served, logprobs=top is not None), include_usage=usage))
-        tokens = await unless_disconnected(request.receive, functools.partial(_collect, stream))
+            fmt = _CompletionChunks(served, logprobs=top is not None)
+            return EventStream(drive(stream, fmt, include_usage=usage, observer=self._observer(served)))
+        tokens = await unless_disconnected(
+            request.receive, functools.partial(_collect, stream, self._observer(served))
+        )
         finish = finish_reason(stream.finish_reason)
         logprobs = None
         if top is not None:
@@ -301,8 +326,10 @@ class Service:
         if req.stream:
             usage = req.stream_options is not None and req.stream_options.include_usage
             fmt = _ChatChunks(served, chat, logprobs=want_logprobs)
-            return EventStream(drive(stream, fmt, include_usage=usage))
-        tokens = await unless_disconnected(request.receive, functools.partial(_collect, stream))
+            return EventStream(drive(stream, fmt, include_usage=usage, observer=self._observer(served)))
+        tokens = await unless_disconnected(
+            request.receive, functools.partial(_collect, stream, self._observer(served))
+        )
         finish = finish_reason(stream.finish_reason)
         for tok in tokens:
             chat.feed(tok)

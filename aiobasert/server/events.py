@@ -10,11 +10,15 @@ and its lane is always released.
 
 from __future__ import annotations
 
+import time
 from collections.abc import AsyncGenerator
 from typing import Protocol
 
+import anyio
+
 from ..streams import TokenStream
 from ..types import Token, Usage
+from .metrics import RequestObserver
 from .params import finish_reason, first_token
 from .streaming import SSE_DONE, error_event
 
@@ -36,8 +40,11 @@ class ChunkFormat(Protocol):
         """The trailing usage event (`stream_options.include_usage`)."""
 
 
-async def drive(stream: TokenStream, fmt: ChunkFormat, *, include_usage: bool) -> AsyncGenerator[bytes, None]:
-    """The SSE events of `stream` in `fmt`, then `[DONE]`; closes the stream."""
+async def drive(
+    stream: TokenStream, fmt: ChunkFormat, *, include_usage: bool, observer: RequestObserver | None = None
+) -> AsyncGenerator[bytes, None]:
+    """The SSE events of `stream` in `fmt`, then `[DONE]`; closes the stream.
+    `observer` (metrics) sees every token, the end, and a client's abort."""
     try:
         tok = await first_token(stream)  # raising here becomes an HTTP error response
         opening = fmt.opening(stream.request_id)
@@ -45,6 +52,8 @@ async def drive(stream: TokenStream, fmt: ChunkFormat, *, include_usage: bool) -
             yield opening
         try:
             while tok is not None:
+                if observer is not None:
+                    observer.token()
                 event = await fmt.token(tok)
                 if event is not None:
                     yield event
@@ -56,6 +65,15 @@ async def drive(stream: TokenStream, fmt: ChunkFormat, *, include_usage: bool) -
                 yield fmt.usage(stream.final.usage)
         except Exception as exc:  # the response has started: report in-band
             yield error_event(exc)
+        if observer is not None:
+            observer.finished(stream.final)
         yield SSE_DONE
+    except (GeneratorExit, anyio.get_cancelled_exc_class()):  # the client went away
+        since = time.perf_counter()
+        with anyio.CancelScope(shield=True):
+            await stream.aclose()
+            if observer is not None:
+                await observer.aborted(since)
+        raise
     finally:
         await stream.aclose()
