@@ -71,6 +71,7 @@ def build_app(provider: EngineProvider, *, api_key: str | None = None) -> tuple[
         Route("/v1/completions", service.completions, methods=["POST"]),
         Route("/v1/chat/completions", service.chat_completions, methods=["POST"]),
         Route("/v1/embeddings", service.embeddings, methods=["POST"]),
+        Route("/v1/responses", service.responses.create, methods=["POST"]),
         Route("/v1/internal/stats", service.stats, methods=["GET"]),
         Route("/metrics", service.metrics_text, methods=["GET"]),
     ]

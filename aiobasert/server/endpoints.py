@@ -8,18 +8,16 @@ import functools
 import time
 from collections.abc import Sequence
 
-import anyio
 import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
 from ..errors import InvalidRequestError
-from ..streams import TokenStream
 from ..tools import ChatDelta as ChatDeltaSDK
 from ..tools import ChatStream, TextDelta, Tool, ToolCall, ToolCallDelta
 from ..types import Token, Usage
 from .errors import APIError
-from .events import drive
+from .events import OpenAIChunks, collect, drive
 from .http import json_response, read_json
 from .logprobs import chat_logprobs, completion_logprobs
 from .metrics import Metrics, RequestObserver
@@ -52,29 +50,11 @@ from .protocol import (
     UsageInfo,
 )
 from .provider import EngineProvider, ServedModel
+from .responses import ResponsesAPI
 from .streaming import EventStream, gather, sse, unless_disconnected
 
 
-async def _collect(stream: TokenStream, observer: RequestObserver) -> list[Token]:
-    """Every token of a non-streamed request (the metrics see them arrive)."""
-    tokens: list[Token] = []
-    try:
-        async for tok in stream:
-            observer.token()
-            tokens.append(tok)
-    except anyio.get_cancelled_exc_class():  # the client went away
-        since = time.perf_counter()
-        with anyio.CancelScope(shield=True):
-            await stream.aclose()
-            await observer.aborted(since)
-        raise
-    finally:
-        await stream.aclose()
-    observer.finished(stream.final)
-    return tokens
-
-
-class _CompletionChunks:
+class _CompletionChunks(OpenAIChunks):
     """Streamed text completions: the finish reason rides on the last token's chunk."""
 
     def __init__(self, served: ServedModel, *, logprobs: bool) -> None:
@@ -112,7 +92,7 @@ class _CompletionChunks:
             return self._chunk([CompletionChoice(index=0, text=tok.text, logprobs=lp, finish_reason=None)])
         return None
 
-    def closing(self, finish: str) -> bytes | None:
+    def closing(self, finish: str, usage: Usage | None) -> bytes | None:
         return None
 
     def usage(self, usage: Usage) -> bytes:
@@ -139,7 +119,7 @@ def _chat_delta(deltas: Sequence[ChatDeltaSDK]) -> ChatDelta:
     return ChatDelta(content=text if text or not calls else None, tool_calls=calls or None)
 
 
-class _ChatChunks:
+class _ChatChunks(OpenAIChunks):
     """Streamed chat completions: a role delta first, text and tool-call deltas as
     the parser releases them, a finish delta last."""
 
@@ -178,7 +158,7 @@ class _ChatChunks:
             return self._delta(_chat_delta(deltas) if deltas else ChatDelta(content=""), lp)
         return None
 
-    def closing(self, finish: str) -> bytes | None:
+    def closing(self, finish: str, usage: Usage | None) -> bytes | None:
         rest = self._chat.close_parser()
         head = self._delta(_chat_delta(rest)) if rest else b""
         return head + self._delta(ChatDelta(), finish=_with_tools(finish, self._chat.tool_calls))
@@ -207,6 +187,7 @@ class Service:
         self.provider = provider
         self.created = int(time.time())
         self.metrics = Metrics()
+        self.responses = ResponsesAPI(self.resolve, self.metrics)
 
     def _observer(self, served: ServedModel) -> RequestObserver:
         return self.metrics.observer(served.name, served.engine)
@@ -264,7 +245,7 @@ class Service:
             fmt = _CompletionChunks(served, logprobs=top is not None)
             return EventStream(drive(stream, fmt, include_usage=usage, observer=self._observer(served)))
         tokens = await unless_disconnected(
-            request.receive, functools.partial(_collect, stream, self._observer(served))
+            request.receive, functools.partial(collect, stream, self._observer(served))
         )
         finish = finish_reason(stream.finish_reason)
         logprobs = None
@@ -328,7 +309,7 @@ class Service:
             fmt = _ChatChunks(served, chat, logprobs=want_logprobs)
             return EventStream(drive(stream, fmt, include_usage=usage, observer=self._observer(served)))
         tokens = await unless_disconnected(
-            request.receive, functools.partial(_collect, stream, self._observer(served))
+            request.receive, functools.partial(collect, stream, self._observer(served))
         )
         finish = finish_reason(stream.finish_reason)
         for tok in tokens:

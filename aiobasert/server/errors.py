@@ -4,6 +4,7 @@ from SDK exceptions to it."""
 from __future__ import annotations
 
 import logging
+import re
 
 import msgspec
 from starlette.responses import Response
@@ -71,10 +72,12 @@ def aborted() -> APIError:
 
 
 def error_param(message: str) -> str | None:
-    """The top-level field a msgspec validation message points at (`... - at `$.field[0]``)."""
+    """The top-level field a msgspec validation message points at (`... - at `$.field[0]``),
+    or the unknown top-level field it names (`Object contains unknown field `x``)."""
     _, sep, path = message.rpartition("at `$.")
     if not sep:
-        return None
+        match = _UNKNOWN.match(message)
+        return match.group(1) if match else None
     name = path.rstrip("`")
     for i, ch in enumerate(name):
         if ch in ".[":
@@ -82,3 +85,4 @@ def error_param(message: str) -> str | None:
     return name
 
 
+_UNKNOWN = re.compile(r"Object contains unknown field `([^`]*)`$")

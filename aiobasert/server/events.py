@@ -1,11 +1,13 @@
-"""The one event driver behind every streamed endpoint.
+"""The one event driver behind every streamed endpoint, and its non-streamed twin.
 
 `drive` walks a `TokenStream` and turns it into server-sent events; what the
 events look like is the endpoint's `ChunkFormat` (a text-completion chunk, a
-chat-completion chunk). The driver owns what is the same for all of them:
-request errors before the first token become an ordinary HTTP error response,
-errors after it an in-band error event, the stream always ends with `[DONE]`
-and its lane is always released.
+chat-completion chunk, a Responses-API event). The driver owns what is the
+same for all of them: request errors before the first token become an ordinary
+HTTP error response, errors after it an in-band error event, the stream always
+ends with the format's `done()` and its lane is always released; the metrics
+observer sees every token, the end, and a client's abort. `collect` does the
+same for a whole (non-streamed) response.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from .streaming import SSE_DONE, error_event
 
 
 class ChunkFormat(Protocol):
-    """How one endpoint spells the events of one streamed choice."""
+    """How one endpoint spells the events of one streamed response."""
 
     def opening(self, request_id: str) -> bytes | None:
         """Called once the first token exists (the request is admitted): the
@@ -33,18 +35,33 @@ class ChunkFormat(Protocol):
     async def token(self, tok: Token) -> bytes | None:
         """The event of one token (None: nothing to send for it)."""
 
-    def closing(self, finish: str) -> bytes | None:
-        """The event after the last token, given OpenAI's finish reason."""
+    def closing(self, finish: str, usage: Usage | None) -> bytes | None:
+        """The events after the last token, given OpenAI's finish reason."""
 
     def usage(self, usage: Usage) -> bytes:
         """The trailing usage event (`stream_options.include_usage`)."""
+
+    def error(self, exc: BaseException) -> bytes:
+        """The in-band error event once the response has started."""
+
+    def done(self) -> bytes:
+        """The stream's last bytes."""
+
+
+class OpenAIChunks:
+    """The parts completions and chat spell alike: error events and `[DONE]`."""
+
+    def error(self, exc: BaseException) -> bytes:
+        return error_event(exc)
+
+    def done(self) -> bytes:
+        return SSE_DONE
 
 
 async def drive(
     stream: TokenStream, fmt: ChunkFormat, *, include_usage: bool, observer: RequestObserver | None = None
 ) -> AsyncGenerator[bytes, None]:
-    """The SSE events of `stream` in `fmt`, then `[DONE]`; closes the stream.
-    `observer` (metrics) sees every token, the end, and a client's abort."""
+    """The SSE events of `stream` in `fmt`, then `fmt.done()`; closes the stream."""
     try:
         tok = await first_token(stream)  # raising here becomes an HTTP error response
         opening = fmt.opening(stream.request_id)
@@ -58,16 +75,18 @@ async def drive(
                 if event is not None:
                     yield event
                 tok = await anext(stream, None)
-            closing = fmt.closing(finish_reason(stream.finish_reason))  # raises if the lane was aborted
+            finish = finish_reason(stream.finish_reason)  # raises if the lane was aborted
+            usage = stream.final.usage if stream.final is not None else None
+            closing = fmt.closing(finish, usage)
             if closing is not None:
                 yield closing
-            if include_usage and stream.final is not None:
-                yield fmt.usage(stream.final.usage)
+            if include_usage and usage is not None:
+                yield fmt.usage(usage)
         except Exception as exc:  # the response has started: report in-band
-            yield error_event(exc)
+            yield fmt.error(exc)
         if observer is not None:
             observer.finished(stream.final)
-        yield SSE_DONE
+        yield fmt.done()
     except (GeneratorExit, anyio.get_cancelled_exc_class()):  # the client went away
         since = time.perf_counter()
         with anyio.CancelScope(shield=True):
@@ -77,3 +96,22 @@ async def drive(
         raise
     finally:
         await stream.aclose()
+
+
+async def collect(stream: TokenStream, observer: RequestObserver) -> list[Token]:
+    """Every token of a non-streamed request (the metrics see them arrive)."""
+    tokens: list[Token] = []
+    try:
+        async for tok in stream:
+            observer.token()
+            tokens.append(tok)
+    except anyio.get_cancelled_exc_class():  # the client went away
+        since = time.perf_counter()
+        with anyio.CancelScope(shield=True):
+            await stream.aclose()
+            await observer.aborted(since)
+        raise
+    finally:
+        await stream.aclose()
+    observer.finished(stream.final)
+    return tokens
