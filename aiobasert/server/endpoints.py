@@ -5,17 +5,21 @@ from __future__ import annotations
 
 import base64
 import functools
+import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 
 import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
 from ..errors import InvalidRequestError
+from ..fanout import MAX_N, gather_all, prefill_once, sample_params
+from ..streams import TokenStream
 from ..tools import ChatDelta as ChatDeltaSDK
 from ..tools import ChatStream, TextDelta, Tool, ToolCall, ToolCallDelta
-from ..types import Token, Usage
+from ..types import SamplingParams, Token, Usage
+from .compat import check_refused
 from .errors import APIError
 from .events import OpenAIChunks, collect, drive
 from .http import json_response, read_json
@@ -171,6 +175,27 @@ def _with_tools(finish: str, calls: Sequence[ToolCall]) -> str:
     return "tool_calls" if calls and finish == "stop" else finish
 
 
+def _batch(value: str | list[int | str | list[int]], param: str) -> list[str | list[int]]:
+    """One input (text or token ids) or a batch of texts / token-id lists, as a list of inputs."""
+    if isinstance(value, str):
+        return [value]
+    if all(isinstance(t, int) for t in value):
+        return [[t for t in value if isinstance(t, int)]] if value else []
+    if all(isinstance(t, str) for t in value) or all(isinstance(t, list) for t in value):
+        return [t for t in value if not isinstance(t, int)]
+    raise APIError(400, f"{param} mixes token ids, texts and token-id lists", param=param)
+
+
+def _n(n: int | None, *, stream: bool) -> int:
+    if n is None:
+        return 1
+    if not 1 <= n <= MAX_N:
+        raise APIError(400, f"n must be in [1, {MAX_N}], got {n}", param="n")
+    if stream and n > 1:
+        raise APIError(400, "n > 1 cannot be streamed", param="n")
+    return n
+
+
 def _tool_param(message: str) -> str | None:
     """The request field a tool-setup error is about."""
     if "tool_choice" in message:
@@ -178,6 +203,9 @@ def _tool_param(message: str) -> str | None:
     if "tool" in message:
         return "tools"
     return "messages" if "message" in message else None
+
+
+logger = logging.getLogger("aiobasert.server")
 
 
 class Service:
@@ -226,56 +254,101 @@ class Service:
 
     # ---- generation ----
 
+    async def _samples(
+        self, request: Request, served: ServedModel, starts: Sequence[Callable[[SamplingParams], TokenStream]],
+        params: SamplingParams, n: int,
+    ) -> tuple[list[tuple[TokenStream, list[Token]]], int]:
+        """Run n samples of each prompt (`starts`), each prompt prefilled once;
+        returns (stream, tokens) per choice, prompt-major, and the prompt tokens
+        the prefill requests found cached."""
+        cached = 0
+
+        async def run() -> list[tuple[TokenStream, list[Token]]]:
+            nonlocal cached
+            streams: list[TokenStream] = []
+            for start in starts:
+                if n > 1:
+                    cached += await prefill_once(served.engine, start, params)
+                streams += [start(sample_params(params, i)) for i in range(n)]
+
+            def one(stream: TokenStream) -> Callable[[], Awaitable[tuple[TokenStream, list[Token]]]]:
+                async def go() -> tuple[TokenStream, list[Token]]:
+                    return stream, await collect(stream, self._observer(served))
+
+                return go
+
+            return await gather_all([one(st) for st in streams])
+
+        return await unless_disconnected(request.receive, run), cached
+
+    @staticmethod
+    def _usage(results: Sequence[tuple[TokenStream, list[Token]]], n: int, prefill_cached: int) -> UsageInfo:
+        """OpenAI's usage of a multi-choice request: each prompt counted once."""
+        finals = [st.final for st, _ in results]
+        assert all(f is not None for f in finals)
+        prompt = sum(f.usage.prompt_tokens for f in finals[::n] if f is not None)
+        completion = sum(f.usage.completion_tokens for f in finals if f is not None)
+        cached = prefill_cached if n > 1 else sum(f.usage.cached_prompt_tokens for f in finals if f is not None)
+        return UsageInfo.of(Usage(prompt_tokens=prompt, completion_tokens=completion, cached_prompt_tokens=cached))
+
+    def _log_user(self, rid: str, user: str | None) -> None:
+        if user is not None:
+            logger.info("request %s for user %r", rid, user)
+
     async def completions(self, request: Request) -> Response:
         req = await read_json(request, CompletionRequest)
-        for name, unsupported in (("echo", req.echo), ("suffix", req.suffix is not None)):
-            if unsupported:
-                raise APIError(400, f"{name} is not supported", param=name)
-        if req.best_of is not None and req.best_of != 1:
-            raise APIError(400, "only best_of=1 is supported", param="best_of")
+        check_refused("/v1/completions", req)
         top = req.logprobs
         if top is not None and not 0 <= top <= 20:
             raise APIError(400, f"logprobs must be in [0, 20], got {top}", param="logprobs")
+        prompts = _batch(req.prompt, "prompt")
+        if not prompts:
+            raise APIError(400, "prompt must not be empty", param="prompt")
+        n = _n(req.n, stream=req.stream)
+        if req.stream and len(prompts) > 1:
+            raise APIError(400, "a batch of prompts cannot be streamed", param="prompt")
         max_tokens = 16 if req.max_tokens is None else req.max_tokens  # OpenAI's default for completions
         params = sampling_params(req, max_tokens=max_tokens, logprobs=top is not None, top_logprobs=top or 0)
         served = self.resolve(req.model)
-        stream = served.engine.stream(req.prompt, params)
+        engine = served.engine
         if req.stream:
+            stream = engine.stream(prompts[0], params)
+            self._log_user(stream.request_id, req.user)
             usage = req.stream_options is not None and req.stream_options.include_usage
             fmt = _CompletionChunks(served, logprobs=top is not None)
             return EventStream(drive(stream, fmt, include_usage=usage, observer=self._observer(served)))
-        tokens = await unless_disconnected(
-            request.receive, functools.partial(collect, stream, self._observer(served))
-        )
-        finish = finish_reason(stream.finish_reason)
-        logprobs = None
-        if top is not None:
-            logprobs = completion_logprobs(tokens, await served.texts.lookup(served.engine, tokens), 0)
-        final = stream.final
-        assert final is not None
+        starts = [functools.partial(engine.stream, p) for p in prompts]
+        results, cached = await self._samples(request, served, starts, params, n)
+        self._log_user(results[0][0].request_id, req.user)
+        choices = []
+        for index, (stream, tokens) in enumerate(results):
+            logprobs = None
+            if top is not None:
+                logprobs = completion_logprobs(tokens, await served.texts.lookup(engine, tokens), 0)
+            text = "".join(t.text for t in tokens)
+            finish = finish_reason(stream.finish_reason)
+            choices.append(CompletionChoice(index=index, text=text, logprobs=logprobs, finish_reason=finish))
         return json_response(
             CompletionResponse(
-                id=f"cmpl-{stream.request_id}",
+                id=f"cmpl-{results[0][0].request_id}",
                 object="text_completion",
                 created=int(time.time()),
                 model=served.name,
-                choices=[
-                    CompletionChoice(
-                        index=0, text="".join(t.text for t in tokens), logprobs=logprobs, finish_reason=finish
-                    )
-                ],
-                usage=UsageInfo.of(final.usage),
+                choices=choices,
+                usage=self._usage(results, n, cached),
             )
         )
 
     async def chat_completions(self, request: Request) -> Response:
         req = await read_json(request, ChatCompletionRequest)
+        check_refused("/v1/chat/completions", req)
         json_schema = json_schema_of(req.response_format)
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError(400, "top_logprobs requires logprobs=true", param="top_logprobs")
         top = req.top_logprobs or 0
         if not 0 <= top <= 20:
             raise APIError(400, f"top_logprobs must be in [0, 20], got {top}", param="top_logprobs")
+        n = _n(req.n, stream=req.stream)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         want_logprobs = bool(req.logprobs)
         params = sampling_params(
@@ -293,59 +366,68 @@ class Service:
         if tools and json_schema is not None and choice != "none":
             raise APIError(400, "response_format cannot be combined with tools", param="response_format")
         served = self.resolve(req.model)
-        try:
-            chat = served.engine.stream_chat(
-                chat_messages(req.messages),
-                params,
-                tools=tools or None,
-                tool_choice=choice,
-                parallel_tool_calls=req.parallel_tool_calls is not False,
-            )
-        except InvalidRequestError as exc:
-            raise APIError(400, str(exc), param=_tool_param(str(exc))) from None
-        stream = chat.tokens
+        messages = chat_messages(req.messages)
+        chats: list[ChatStream] = []
+
+        def start(p: SamplingParams) -> TokenStream:
+            try:
+                chat = served.engine.stream_chat(
+                    messages, p, tools=tools or None, tool_choice=choice,
+                    parallel_tool_calls=req.parallel_tool_calls is not False,
+                )
+            except InvalidRequestError as exc:
+                raise APIError(400, str(exc), param=_tool_param(str(exc))) from None
+            chats.append(chat)
+            return chat.tokens
+
         if req.stream:
+            stream = start(params)
+            self._log_user(stream.request_id, req.user)
             usage = req.stream_options is not None and req.stream_options.include_usage
-            fmt = _ChatChunks(served, chat, logprobs=want_logprobs)
+            fmt = _ChatChunks(served, chats[0], logprobs=want_logprobs)
             return EventStream(drive(stream, fmt, include_usage=usage, observer=self._observer(served)))
-        tokens = await unless_disconnected(
-            request.receive, functools.partial(collect, stream, self._observer(served))
-        )
-        finish = finish_reason(stream.finish_reason)
-        for tok in tokens:
-            chat.feed(tok)
-        chat.close_parser()
-        calls = chat.tool_calls
-        logprobs = chat_logprobs(tokens, await served.texts.lookup(served.engine, tokens)) if want_logprobs else None
-        final = stream.final
-        assert final is not None
-        content = chat.content
+        results, cached = await self._samples(request, served, [start], params, n)
+        self._log_user(results[0][0].request_id, req.user)
+        by_stream = {id(c.tokens): c for c in chats}
+        out_choices = []
+        for index, (stream, tokens) in enumerate(results):
+            chat = by_stream[id(stream)]
+            finish = finish_reason(stream.finish_reason)
+            for tok in tokens:
+                chat.feed(tok)
+            chat.close_parser()
+            calls = chat.tool_calls
+            logprobs = None
+            if want_logprobs:
+                logprobs = chat_logprobs(tokens, await served.texts.lookup(served.engine, tokens))
+            content = chat.content
+            out_choices.append(
+                ChatChoice(
+                    index=index,
+                    message=AssistantMessage(
+                        role="assistant",
+                        content=content if content or not calls else None,
+                        tool_calls=[_tool_call_out(c) for c in calls] or None,
+                    ),
+                    logprobs=logprobs,
+                    finish_reason=_with_tools(finish, calls),
+                )
+            )
         return json_response(
             ChatCompletion(
-                id=f"chatcmpl-{stream.request_id}",
+                id=f"chatcmpl-{results[0][0].request_id}",
                 object="chat.completion",
                 created=int(time.time()),
                 model=served.name,
-                choices=[
-                    ChatChoice(
-                        index=0,
-                        message=AssistantMessage(
-                            role="assistant",
-                            content=content if content or not calls else None,
-                            tool_calls=[_tool_call_out(c) for c in calls] or None,
-                        ),
-                        logprobs=logprobs,
-                        finish_reason=_with_tools(finish, calls),
-                    )
-                ],
-                usage=UsageInfo.of(final.usage),
+                choices=out_choices,
+                usage=self._usage(results, n, cached),
             )
         )
 
     async def embeddings(self, request: Request) -> Response:
         req = await read_json(request, EmbeddingRequest)
-        inputs = [req.input] if isinstance(req.input, str) else req.input
-        if not inputs:
+        inputs = _batch(req.input, "input")
+        if not inputs or any(not x for x in inputs):
             raise APIError(400, "input must not be empty", param="input")
         if len(inputs) > MAX_EMBEDDING_INPUTS:
             raise APIError(400, f"at most {MAX_EMBEDDING_INPUTS} inputs per request", param="input")
@@ -357,9 +439,9 @@ class Service:
         data: list[Embedding | None] = [None] * len(inputs)
         counts = [0] * len(inputs)
 
-        async def one(i: int, text: str) -> None:
+        async def one(i: int, text: str | list[int]) -> None:
             vector = await engine.embed(text)
-            counts[i] = len(await engine.encode(text))
+            counts[i] = len(await engine.encode(text)) if isinstance(text, str) else len(text)
             value: list[float] | str = (
                 base64.b64encode(vector.astype("<f4").tobytes()).decode("ascii") if as_base64 else vector.tolist()
             )

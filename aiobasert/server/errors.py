@@ -53,7 +53,14 @@ def api_error(exc: BaseException, *, log: bool = True) -> APIError:
     if isinstance(exc, APIError):
         return exc
     if isinstance(exc, ContextLengthExceededError):
-        return APIError(400, str(exc), code="context_length_exceeded")
+        # OpenAI's wording: LangChain and litellm recognise an overflow by it.
+        total = exc.prompt_tokens + exc.max_tokens
+        message = (
+            f"This model's maximum context length is {exc.max_context} tokens. However, you requested {total} "
+            f"tokens ({exc.prompt_tokens} in the messages, {exc.max_tokens} in the completion). "
+            "Please reduce the length of the messages or completion."
+        )
+        return APIError(400, message, param="messages", code="context_length_exceeded")
     if isinstance(exc, InvalidRequestError):  # includes InvalidSamplingParamsError
         return APIError(400, str(exc))
     if isinstance(exc, EngineOverloadedError):

@@ -22,8 +22,6 @@ def sampling_params(
     json_schema: dict[str, Any] | bool | None = None,
 ) -> SamplingParams:
     """SamplingParams from the OpenAI fields (OpenAI's defaults: temperature 1, top_p 1)."""
-    if req.n is not None and req.n != 1:
-        raise APIError(400, "only n=1 is supported", param="n")
     bias: dict[int, float] | None = None
     if req.logit_bias:
         bias = {}
@@ -55,7 +53,7 @@ def json_schema_of(fmt: ResponseFormat | None) -> dict[str, Any] | bool | None:
     if fmt is None or fmt.type == "text":
         return None
     if fmt.type == "json_object":
-        return True
+        return {"type": "object"}  # OpenAI's json_object is an object, never a bare value
     if fmt.type == "json_schema":
         if fmt.json_schema is None or fmt.json_schema.schema is None:
             raise APIError(400, "response_format json_schema needs json_schema.schema", param="response_format")

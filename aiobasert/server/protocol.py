@@ -17,13 +17,13 @@ MAX_EMBEDDING_INPUTS = 2048
 # ---- request bodies ---------------------------------------------------------------------
 
 
-class StreamOptions(msgspec.Struct, kw_only=True):
+class StreamOptions(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """`stream_options`: `include_usage` adds a last chunk with the usage."""
 
     include_usage: bool = False
 
 
-class JsonSchemaFormat(msgspec.Struct, kw_only=True):
+class JsonSchemaFormat(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """`response_format.json_schema`: the output always conforms to `schema`, so
     `strict` changes nothing; `name` and `description` are not used."""
 
@@ -33,7 +33,7 @@ class JsonSchemaFormat(msgspec.Struct, kw_only=True):
     strict: bool | None = None
 
 
-class ResponseFormat(msgspec.Struct, kw_only=True):
+class ResponseFormat(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """`response_format`: `text`, `json_object` (any JSON value) or `json_schema`
     (JSON matching `json_schema.schema`), enforced by constrained decoding."""
 
@@ -41,7 +41,7 @@ class ResponseFormat(msgspec.Struct, kw_only=True):
     json_schema: JsonSchemaFormat | None = None
 
 
-class SamplingRequest(msgspec.Struct, kw_only=True):
+class SamplingRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """Fields shared by completions and chat completions."""
 
     model: str | None = None
@@ -66,7 +66,8 @@ class SamplingRequest(msgspec.Struct, kw_only=True):
 class CompletionRequest(SamplingRequest, kw_only=True):
     """`POST /v1/completions` (the legacy text completion API)."""
 
-    prompt: str | list[int]
+    prompt: str | list[int | str | list[int]]
+    """One prompt (text or token ids) or a batch of them (one choice each, times n)."""
     logprobs: int | None = None
     """Report each token's log-probability and this many most likely alternatives."""
     echo: bool = False
@@ -74,21 +75,21 @@ class CompletionRequest(SamplingRequest, kw_only=True):
     best_of: int | None = None
 
 
-class ContentPart(msgspec.Struct, kw_only=True):
+class ContentPart(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """One part of a message's content; only `{"type": "text", "text": ...}` is served."""
 
     type: str
     text: str | None = None
 
 
-class FunctionCall(msgspec.Struct, kw_only=True):
+class FunctionCall(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """A called function: its name and its arguments as JSON text."""
 
     name: str
     arguments: str
 
 
-class ToolCallOut(msgspec.Struct, kw_only=True):
+class ToolCallOut(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """A tool call, in a request's assistant turn or a response message."""
 
     id: str
@@ -96,7 +97,7 @@ class ToolCallOut(msgspec.Struct, kw_only=True):
     function: FunctionCall
 
 
-class RequestMessage(msgspec.Struct, kw_only=True):
+class RequestMessage(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """One chat turn as a client sends it (tool turns and assistant turns with calls included)."""
 
     role: str
@@ -106,7 +107,7 @@ class RequestMessage(msgspec.Struct, kw_only=True):
     tool_call_id: str | None = None
 
 
-class FunctionDefinition(msgspec.Struct, kw_only=True):
+class FunctionDefinition(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """A function tool: `parameters` is the JSON Schema its arguments obey (always:
     the output grammar enforces it, so `strict` changes nothing)."""
 
@@ -116,18 +117,18 @@ class FunctionDefinition(msgspec.Struct, kw_only=True):
     strict: bool | None = None
 
 
-class ToolDefinition(msgspec.Struct, kw_only=True):
+class ToolDefinition(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """`tools[i]`: only `{"type": "function", ...}` tools exist."""
 
     type: Literal["function"]
     function: FunctionDefinition
 
 
-class NamedFunction(msgspec.Struct, kw_only=True):
+class NamedFunction(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     name: str
 
 
-class NamedToolChoice(msgspec.Struct, kw_only=True):
+class NamedToolChoice(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """`tool_choice: {"type": "function", "function": {"name": ...}}`: call exactly this one."""
 
     type: Literal["function"]
@@ -146,12 +147,27 @@ class ChatCompletionRequest(SamplingRequest, kw_only=True):
     tools: list[ToolDefinition] | None = None
     tool_choice: Literal["auto", "none", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    # Known OpenAI fields this server does not serve: any non-default value is a 400 naming it.
+    audio: Any = None
+    function_call: Any = None
+    functions: Any = None
+    modalities: Any = None
+    prediction: Any = None
+    reasoning_effort: Any = None
+    service_tier: Any = None
+    store: Any = None
+    metadata: Any = None
+    web_search_options: Any = None
+    prompt_cache_key: Any = None
+    safety_identifier: Any = None
+    verbosity: Any = None
 
 
-class EmbeddingRequest(msgspec.Struct, kw_only=True):
+class EmbeddingRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """`POST /v1/embeddings`: mean-pooled final hidden states, one per input."""
 
-    input: str | list[str]
+    input: str | list[int | str | list[int]]
+    """Text, texts, token ids, or lists of token ids (OpenAIEmbeddings' default)."""
     model: str | None = None
     encoding_format: Literal["float", "base64"] | None = None
     dimensions: int | None = None
