@@ -100,15 +100,22 @@ async def _chat(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    import os
+
     from .server import serve
 
+    if args.model_path is not None and args.model is not None and args.model_path != args.model:
+        print("aiobasert serve: give the model once (MODEL or --model)", file=sys.stderr)
+        return 2
     serve(
-        model=args.model,
+        model=args.model_path or args.model,
         host=args.host,
         port=args.port,
-        api_key=args.api_key,
+        api_key=args.api_key if args.api_key is not None else os.environ.get("AIOBASERT_API_KEY") or None,
         max_batch_size=args.max_batch_size,
         max_context=args.max_context,
+        model_name=args.served_model_name,
+        allowed_origins=args.allowed_origins,
     )
     return 0
 
@@ -147,9 +154,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     conv.add_argument("args", nargs=argparse.REMAINDER)
 
     serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    serve.add_argument("model_path", nargs="?", metavar="MODEL", help="a .base bundle (as `vllm serve MODEL`)")
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
-    serve.add_argument("--api-key", default=None, help="require this bearer token")
+    serve.add_argument("--api-key", default=None, help="require this bearer token (default: $AIOBASERT_API_KEY)")
+    serve.add_argument("--served-model-name", default=None, help="the model id clients see (default: file stem)")
+    serve.add_argument("--allowed-origins", action="append", default=None,
+                       help="a CORS origin allowed to call the API (repeatable; '*' = any)")
     serve.add_argument("--max-batch-size", type=int, default=8)
     _add_model_args(serve)
 

@@ -6,32 +6,37 @@ import contextlib
 import hmac
 import os
 import socket
-from collections.abc import AsyncIterator
+import uuid
+from collections.abc import AsyncIterator, Sequence
 
 import anyio
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ..errors import AioBaseRTError
 from .endpoints import Service
 from .errors import APIError, ClientGone, api_error
 from .provider import EngineFactory, EngineProvider, SingleEngineProvider
 
+_OPEN_PATHS = frozenset({"/health", "/metrics", "/version"})
+
 
 class _BearerAuth:
-    """Require `Authorization: Bearer <api_key>` on every path but /health."""
+    """Require `Authorization: Bearer <api_key>` on every path but the operator's
+    unauthenticated ones (/health, /metrics, /version: probes and scrapers)."""
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
         self._expected = f"Bearer {api_key}".encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"] != "/health":
+        if scope["type"] == "http" and scope["path"] not in _OPEN_PATHS:
             given = dict(scope["headers"]).get(b"authorization", b"")
             if not hmac.compare_digest(given, self._expected):
                 err = APIError(
@@ -61,8 +66,32 @@ async def _on_client_gone(request: Request, exc: Exception) -> Response:
     return Response(status_code=499)  # nobody is listening; uvicorn drops it
 
 
-def build_app(provider: EngineProvider, *, api_key: str | None = None) -> tuple[Starlette, Service]:
-    """The ASGI app over `provider`, and its `Service` (the endpoints)."""
+class _RequestId:
+    """Echo the client's `X-Request-Id`, or give each request a fresh one."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        given = dict(scope["headers"]).get(b"x-request-id")
+        rid = given if given and len(given) <= 128 else uuid.uuid4().hex.encode()
+
+        async def send_with_id(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []), (b"x-request-id", rid)]}
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)
+
+
+def build_app(
+    provider: EngineProvider, *, api_key: str | None = None, allowed_origins: Sequence[str] | None = None
+) -> tuple[Starlette, Service]:
+    """The ASGI app over `provider`, and its `Service` (the endpoints).
+    `allowed_origins`: CORS origins allowed to call it (None: no CORS headers)."""
     service = Service(provider)
     routes = [
         Route("/health", service.health, methods=["GET"]),
@@ -74,6 +103,9 @@ def build_app(provider: EngineProvider, *, api_key: str | None = None) -> tuple[
         Route("/v1/responses", service.responses.create, methods=["POST"]),
         Route("/v1/internal/stats", service.stats, methods=["GET"]),
         Route("/metrics", service.metrics_text, methods=["GET"]),
+        Route("/version", service.version, methods=["GET"]),
+        Route("/tokenize", service.tokenize, methods=["POST"]),
+        Route("/detokenize", service.detokenize, methods=["POST"]),
     ]
 
     @contextlib.asynccontextmanager
@@ -85,9 +117,16 @@ def build_app(provider: EngineProvider, *, api_key: str | None = None) -> tuple[
             finally:
                 tg.cancel_scope.cancel()
 
+    middleware = [Middleware(_RequestId)]
+    if allowed_origins:
+        # outside the auth check, so browsers' preflight requests get their answer
+        middleware.append(Middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["*"],
+                                     allow_headers=["*"], expose_headers=["X-Request-Id"]))
+    if api_key is not None:
+        middleware.append(Middleware(_BearerAuth, api_key=api_key))
     app = Starlette(
         routes=routes,
-        middleware=[Middleware(_BearerAuth, api_key=api_key)] if api_key is not None else [],
+        middleware=middleware,
         lifespan=lifespan,
         exception_handlers={
             HTTPException: _on_http_exception,
@@ -123,6 +162,7 @@ def create_app(
     model_name: str | None = None,
     max_batch_size: int = 8,
     max_context: int = 2048,
+    allowed_origins: Sequence[str] | None = None,
 ) -> Starlette:
     """The OpenAI-compatible ASGI app (run it with any ASGI server, e.g. uvicorn).
 
@@ -133,13 +173,14 @@ def create_app(
     api_key: when set, every endpoint but /health needs `Authorization: Bearer <api_key>`.
     model_name: the id reported by /v1/models and in responses (default: the file's stem).
     max_batch_size, max_context: passed to `Engine.open` when `model` is a path.
+    allowed_origins: CORS origins allowed to call the API ("*" = any; None = no CORS).
 
     Under a server of your own, in-flight streams keep the shutdown waiting
     until they finish (uvicorn runs the lifespan shutdown last); use `serve()`
     or a graceful-shutdown timeout to bound that.
     """
     provider = _provider(model, model_name=model_name, max_batch_size=max_batch_size, max_context=max_context)
-    return build_app(provider, api_key=api_key)[0]
+    return build_app(provider, api_key=api_key, allowed_origins=allowed_origins)[0]
 
 
 def serve(
@@ -152,6 +193,7 @@ def serve(
     *,
     model_name: str | None = None,
     log_level: str = "info",
+    allowed_origins: Sequence[str] | None = None,
 ) -> None:
     """Run the server with uvicorn until SIGTERM or Ctrl-C.
 
@@ -165,7 +207,7 @@ def serve(
         raise ModuleNotFoundError("aiobasert serve needs uvicorn: pip install 'aiobasert[server]'") from exc
 
     provider = _provider(model, model_name=model_name, max_batch_size=max_batch_size, max_context=max_context)
-    app, _service = build_app(provider, api_key=api_key)
+    app, _service = build_app(provider, api_key=api_key, allowed_origins=allowed_origins)
 
     class _Server(uvicorn.Server):
         async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:

@@ -20,7 +20,7 @@ from ..tools import ChatDelta as ChatDeltaSDK
 from ..tools import ChatStream, TextDelta, Tool, ToolCall, ToolCallDelta
 from ..types import SamplingParams, Token, Usage
 from .compat import check_refused
-from .errors import APIError
+from .errors import APIError, api_error
 from .events import OpenAIChunks, collect, drive
 from .http import json_response, read_json
 from .logprobs import chat_logprobs, completion_logprobs
@@ -39,6 +39,8 @@ from .protocol import (
     CompletionChoice,
     CompletionRequest,
     CompletionResponse,
+    DetokenizeRequest,
+    DetokenizeResponse,
     Embedding,
     EmbeddingRequest,
     EmbeddingResponse,
@@ -49,9 +51,12 @@ from .protocol import (
     ModelCard,
     ModelList,
     NamedToolChoice,
+    TokenizeRequest,
+    TokenizeResponse,
     ToolCallDeltaOut,
     ToolCallOut,
     UsageInfo,
+    VersionInfo,
 )
 from .provider import EngineProvider, ServedModel
 from .responses import ResponsesAPI
@@ -230,6 +235,27 @@ class Service:
 
     # ---- introspection ----
 
+    async def version(self, request: Request) -> Response:
+        from .. import __version__
+
+        return json_response(VersionInfo(version=__version__))
+
+    async def tokenize(self, request: Request) -> Response:
+        req = await read_json(request, TokenizeRequest)
+        served = self.resolve(req.model)
+        ids = await served.engine.encode(req.prompt)
+        info = served.engine.info
+        return json_response(TokenizeResponse(tokens=ids, count=len(ids), max_model_len=info.max_context))
+
+    async def detokenize(self, request: Request) -> Response:
+        req = await read_json(request, DetokenizeRequest)
+        served = self.resolve(req.model)
+        vocab = served.engine.info.vocab_size
+        bad = [t for t in req.tokens if not 0 <= t < vocab]
+        if bad:
+            raise APIError(400, f"token id {bad[0]} is not in the vocabulary of {vocab}", param="tokens")
+        return json_response(DetokenizeResponse(prompt=await served.engine.decode(req.tokens)))
+
     async def health(self, request: Request) -> Response:
         if not self.provider.ready:
             return json_response(HealthStatus(status="unavailable"), status=503)
@@ -349,6 +375,8 @@ class Service:
         if not 0 <= top <= 20:
             raise APIError(400, f"top_logprobs must be in [0, 20], got {top}", param="top_logprobs")
         n = _n(req.n, stream=req.stream)
+        if req.max_completion_tokens is not None and req.max_completion_tokens < 1:
+            raise APIError(400, "max_completion_tokens must be >= 1", param="max_completion_tokens")
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         want_logprobs = bool(req.logprobs)
         params = sampling_params(
@@ -376,7 +404,10 @@ class Service:
                     parallel_tool_calls=req.parallel_tool_calls is not False,
                 )
             except InvalidRequestError as exc:
-                raise APIError(400, str(exc), param=_tool_param(str(exc))) from None
+                err = api_error(exc)
+                if err.body.error.param is None:
+                    err = APIError(400, str(exc), param=_tool_param(str(exc)))
+                raise err from None
             chats.append(chat)
             return chat.tokens
 

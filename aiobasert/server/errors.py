@@ -62,7 +62,8 @@ def api_error(exc: BaseException, *, log: bool = True) -> APIError:
         )
         return APIError(400, message, param="messages", code="context_length_exceeded")
     if isinstance(exc, InvalidRequestError):  # includes InvalidSamplingParamsError
-        return APIError(400, str(exc))
+        match = _SAMPLING_FIELD.match(str(exc))
+        return APIError(400, str(exc), param=match.group(1) if match else None)
     if isinstance(exc, EngineOverloadedError):
         return APIError(503, str(exc), type="server_error", code="engine_overloaded", headers={"Retry-After": "1"})
     if isinstance(exc, EngineClosedError):
@@ -92,4 +93,5 @@ def error_param(message: str) -> str | None:
     return name
 
 
+_SAMPLING_FIELD = re.compile(r"invalid sampling parameter (\w+)")
 _UNKNOWN = re.compile(r"Object contains unknown field `([^`]*)`$")

@@ -357,3 +357,31 @@ class EmbeddingResponse(msgspec.Struct, kw_only=True):
 class HealthStatus(msgspec.Struct, kw_only=True):
     status: str
 
+
+class TokenizeRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """`POST /tokenize`: the token ids of `prompt` (marker strings stay text)."""
+
+    prompt: str
+    model: str | None = None
+
+
+class TokenizeResponse(msgspec.Struct, kw_only=True):
+    tokens: list[int]
+    count: int
+    max_model_len: int
+
+
+class DetokenizeRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """`POST /detokenize`: the text of token ids."""
+
+    tokens: list[int]
+    model: str | None = None
+
+
+class DetokenizeResponse(msgspec.Struct, kw_only=True):
+    prompt: str
+
+
+class VersionInfo(msgspec.Struct, kw_only=True):
+    version: str
+

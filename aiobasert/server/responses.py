@@ -512,9 +512,11 @@ class ResponsesAPI:
                 parallel_tool_calls=req.parallel_tool_calls is not False,
             )
         except InvalidRequestError as exc:
-            msg = str(exc)
-            raise APIError(400, msg, param="tool_choice" if "tool_choice" in msg else "tools" if "tool" in msg
-                           else "input") from None
+            msg, err = str(exc), api_error(exc)
+            if err.body.error.param is None:
+                err = APIError(400, msg, param="tool_choice" if "tool_choice" in msg else "tools" if "tool" in msg
+                               else "input")
+            raise err from None
         turn = _Turn(req, served, chat, conversation, self.store)
         observer = self._metrics.observer(served.name, served.engine)
         if req.stream:
