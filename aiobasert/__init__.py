@@ -28,6 +28,7 @@ from .errors import (
     UnsupportedError,
 )
 from .streams import TokenStream
+from .tools import ChatReply, ChatStream, TextDelta, Tool, ToolCall, ToolCallDelta
 from .types import (
     ChatMessage,
     Completion,
@@ -46,6 +47,8 @@ __all__ = [
     "AbiMismatchError",
     "AioBaseRTError",
     "ChatMessage",
+    "ChatReply",
+    "ChatStream",
     "Completion",
     "ContextLengthExceededError",
     "Engine",
@@ -64,10 +67,14 @@ __all__ = [
     "ModelFileNotFoundError",
     "ModelInfo",
     "SamplingParams",
+    "TextDelta",
     "ThreadAffinityError",
     "Timing",
     "Token",
     "TokenStream",
+    "Tool",
+    "ToolCall",
+    "ToolCallDelta",
     "TopLogprob",
     "UnsupportedError",
     "Usage",

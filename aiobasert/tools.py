@@ -460,6 +460,7 @@ class ToolCallParser:
 
     @property
     def content(self) -> str:
+        """The text parsed so far (outside calls)."""
         return "".join(self.text)
 
     def _emit_text(self, text: str, out: list[ChatDelta]) -> None:
@@ -601,17 +602,21 @@ class ChatStream:
         return self._parser.feed(tok.text)
 
     def close_parser(self) -> list[ChatDelta]:
+        """The deltas held back until the end (call after the last `feed`)."""
         return self._parser.close() if self._parser is not None else []
 
     @property
     def content(self) -> str:
+        """The assistant text so far (without tool calls)."""
         return self._parser.content if self._parser is not None else "".join(self._text)
 
     @property
     def tool_calls(self) -> list[ToolCall]:
+        """The calls completed so far."""
         return list(self._parser.calls) if self._parser is not None else []
 
     async def aclose(self) -> None:
+        """Stop the turn (its lane is freed before the engine's next step)."""
         await self.tokens.aclose()
 
     def reply(self) -> ChatReply:
@@ -629,6 +634,7 @@ class ChatStream:
         )
 
     async def collect(self) -> ChatReply:
+        """Run the turn to its end: the `ChatReply` (`await stream` does the same)."""
         async for _ in self._deltas():
             pass
         return self.reply()

@@ -187,3 +187,37 @@ def test_client_sees_bad_request(client: OpenAI) -> None:
             model=MODEL_NAME, messages=MESSAGES, tools=TOOLS, tool_choice={"type": "function",
                                                                            "function": {"name": "nope"}},
         )
+
+
+@pytest.mark.slow
+def test_smollm2_tool_loop_stream_and_not(smollm2_path: Path) -> None:
+    """The real model with the default (Hermes-style) tool rendering: a forced call
+    streams the same arguments as the whole response, they validate, and the
+    tool result leads to a text answer."""
+    tools: list[ChatCompletionToolParam] = [{"type": "function", "function": {
+        "name": "get_weather", "description": "Get the current weather of a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"],
+                       "additionalProperties": False}}}]
+    messages: list[ChatCompletionMessageParam] = [{"role": "user", "content": "What is the weather like in Paris?"}]
+    with serving(create_app(smollm2_path, model_name="smol", max_batch_size=2)) as url, OpenAI(
+        base_url=f"{url}/v1", api_key="x", max_retries=0
+    ) as client:
+        kw: dict[str, Any] = dict(model="smol", messages=messages, tools=tools, tool_choice="required",
+                                  parallel_tool_calls=False, max_tokens=40, temperature=0)
+        whole = client.chat.completions.create(**kw)
+        (call,) = whole.choices[0].message.tool_calls or []
+        assert whole.choices[0].finish_reason == "tool_calls" and call.function.name == "get_weather"
+        args = json.loads(call.function.arguments)
+        jsonschema.validate(args, tools[0]["function"]["parameters"])
+        assert "paris" in args["city"].lower()  # the model understood the question
+        fragments = [
+            tc.function.arguments
+            for chunk in client.chat.completions.create(**kw, stream=True) if chunk.choices
+            for tc in chunk.choices[0].delta.tool_calls or [] if tc.function and tc.function.arguments
+        ]
+        assert "".join(fragments) == call.function.arguments
+        follow = [*messages, whole.choices[0].message.model_dump(exclude_none=True),  # type: ignore[list-item]
+                  {"role": "tool", "tool_call_id": call.id, "content": '{"temp_c": 21, "sky": "sunny"}'}]
+        answer = client.chat.completions.create(model="smol", messages=follow, tools=tools, max_tokens=30,
+                                                temperature=0)
+        assert answer.choices[0].message.content and not answer.choices[0].message.tool_calls
