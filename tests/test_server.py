@@ -279,7 +279,7 @@ def test_health_needs_no_key(base_url: str) -> None:
         ("/v1/completions", {"prompt": "x", "n": 0}, "n", "n must be in"),
         ("/v1/completions", {"prompt": "x", "n": 2, "stream": True}, "n", "streamed"),
         ("/v1/completions", {"prompt": "x", "echo": True}, "echo", "not supported"),
-        ("/v1/completions", {"prompt": "x", "temperature": -1}, None, "temperature"),
+        ("/v1/completions", {"prompt": "x", "temperature": -1}, "temperature", "temperature"),
         ("/v1/completions", {"prompt": "x", "logit_bias": {"abc": 1}}, "logit_bias", "not a token id"),
         ("/v1/completions", {"prompt": [1, 10**6]}, None, "token id"),
         ("/v1/completions", {"prompt": "x", "max_tokens": 20000}, "messages", "maximum context length is"),

@@ -13,6 +13,8 @@ import httpx
 import jsonschema  # type: ignore[import-untyped]
 import openai
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from openai import AsyncOpenAI, OpenAI
 from openai.types.chat import ChatCompletionMessageParam, ChatCompletionToolParam
 from test_server import serving
@@ -221,3 +223,54 @@ def test_smollm2_tool_loop_stream_and_not(smollm2_path: Path) -> None:
         answer = client.chat.completions.create(model="smol", messages=follow, tools=tools, max_tokens=30,
                                                 temperature=0)
         assert answer.choices[0].message.content and not answer.choices[0].message.tool_calls
+
+
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    seed=st.integers(0, 2**31),
+    with_tools=st.booleans(),
+    choice=st.sampled_from(["auto", "required", "none"]),
+    logprobs=st.booleans(),
+    max_tokens=st.integers(1, 60),
+)
+def test_stream_and_whole_bodies_agree(
+    client: OpenAI, seed: int, with_tools: bool, choice: str, logprobs: bool, max_tokens: int
+) -> None:
+    """Same seed, same request: the streamed chunks add up to the whole body
+    (text, tool calls, logprobs, usage, finish reason)."""
+    kw: dict[str, Any] = dict(model=MODEL_NAME, messages=MESSAGES, max_tokens=max_tokens, seed=seed, temperature=1.0,
+                              logprobs=logprobs, top_logprobs=2 if logprobs else None)
+    if with_tools:
+        kw |= dict(tools=TOOLS, tool_choice=choice)
+    whole = client.chat.completions.create(**kw)
+    (wc,) = whole.choices
+    content: list[str] = []
+    calls: dict[int, list[str]] = {}
+    names: dict[int, str] = {}
+    lps: list[tuple[str, float]] = []
+    finish = None
+    usage = None
+    for chunk in client.chat.completions.create(**kw, stream=True, stream_options={"include_usage": True}):
+        usage = chunk.usage or usage
+        if not chunk.choices:
+            continue
+        c = chunk.choices[0]
+        content.append(c.delta.content or "")
+        for tc in c.delta.tool_calls or []:
+            assert tc.function is not None
+            if tc.id:
+                names[tc.index] = tc.function.name or ""
+            calls.setdefault(tc.index, []).append(tc.function.arguments or "")
+        if c.logprobs and c.logprobs.content:
+            lps += [(e.token, e.logprob) for e in c.logprobs.content]
+        finish = c.finish_reason or finish
+    assert finish == wc.finish_reason
+    assert "".join(content) == (wc.message.content or "")
+    whole_calls = wc.message.tool_calls or []
+    assert [names[i] for i in sorted(names)] == [t.function.name for t in whole_calls]
+    assert ["".join(calls[i]) for i in sorted(calls)] == [t.function.arguments for t in whole_calls]
+    if logprobs:
+        assert wc.logprobs is not None and wc.logprobs.content is not None
+        assert lps == [(e.token, e.logprob) for e in wc.logprobs.content]
+    assert usage is not None and whole.usage is not None
+    assert (usage.prompt_tokens, usage.completion_tokens) == (whole.usage.prompt_tokens, whole.usage.completion_tokens)
