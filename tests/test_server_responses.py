@@ -148,3 +148,34 @@ def test_refused_fields_name_the_param(base_url: str, body: dict[str, Any], para
                    headers={"Authorization": f"Bearer {API_KEY}"})
     assert r.status_code in (400, 404), r.text
     assert r.json()["error"]["param"] == param
+
+
+@pytest.mark.slow
+def test_smollm2_responses_tool_turn_chained(smollm2_path: Path) -> None:
+    """SmolLM2 over the Responses API: a forced call, its output sent back with
+    previous_response_id, the previous turn's KV reused, a text answer."""
+    tools: list[Any] = [{"type": "function", "name": "get_weather", "description": "Current weather of a city",
+                         "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                                        "required": ["city"], "additionalProperties": False}}]
+    with serving(create_app(smollm2_path, model_name="smol", max_batch_size=2)) as url, OpenAI(
+        base_url=f"{url}/v1", api_key="x", max_retries=0
+    ) as client:
+        first = client.responses.create(model="smol", input="What is the weather like in Paris?", tools=tools,
+                                        tool_choice="required", parallel_tool_calls=False, max_output_tokens=40,
+                                        temperature=0)
+        (call,) = [item for item in first.output if item.type == "function_call"]
+        assert "paris" in json.loads(call.arguments)["city"].lower()
+        deltas: list[str] = []
+        second = None
+        with client.responses.stream(
+            model="smol", previous_response_id=first.id, tools=tools, max_output_tokens=30, temperature=0,
+            input=[{"type": "function_call_output", "call_id": call.call_id, "output": '{"temp_c": 21}'}],
+        ) as stream:
+            for event in stream:
+                if event.type == "response.output_text.delta":
+                    deltas.append(event.delta)
+                elif event.type in ("response.completed", "response.incomplete"):
+                    second = event.response
+        assert "".join(deltas) and second is not None and second.output_text == "".join(deltas)
+        assert first.usage is not None and second.usage is not None
+        assert second.usage.input_tokens_details.cached_tokens >= first.usage.input_tokens - 16
