@@ -453,8 +453,9 @@ class ToolCallParser:
         out: list[ChatDelta] = []
         if self._mode == "args":
             self._finish_call()
-        elif self._buf and self._mode in ("start", "text", "between", "head"):
+        elif self._buf and self._mode in ("start", "text"):
             self._emit_text(self._buf, out)
+        # "head" / "between" / "tail": a call's framing cut off (max_tokens): nothing to report
         self._buf = ""
         return out
 

@@ -224,6 +224,9 @@ def test_parser_splits_text_and_calls() -> None:
     parser = ToolCallParser()
     assert parser.feed("<to") == []  # may still become a call: held back
     assert parser.feed("ast") == [TextDelta("<toast")]
+    parser = ToolCallParser()  # cut off by max_tokens inside the next call's header: no text, no call
+    parser.feed(out + "\n" + CALL_OPEN + '{"name": "ge')
+    assert parser.close() == [] and len(parser.calls) == 2 and parser.content == ""
 
 
 def test_grammar_shapes_and_bad_input() -> None:
