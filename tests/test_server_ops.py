@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -79,6 +80,34 @@ def test_n_choices_share_the_prompt_prefill(base_url: str) -> None:
         assert len(chat.choices) == 2 and chat.usage is not None and 2 <= chat.usage.completion_tokens <= 8
         batch = client.completions.create(model=MODEL_NAME, prompt=["Hi", "Once"], max_tokens=2, n=2)
         assert [c.index for c in batch.choices] == [0, 1, 2, 3]
+
+
+def test_streamed_n_choices_equal_the_whole_ones(base_url: str) -> None:
+    with OpenAI(base_url=f"{base_url}/v1", api_key="k", max_retries=0) as client:
+        kw: dict[str, Any] = dict(model=MODEL_NAME, max_tokens=8, n=3, temperature=1.0, seed=21)
+        whole = client.completions.create(prompt=LONG_PROMPT, **kw)
+        texts: dict[int, str] = {}
+        finishes: dict[int, str] = {}
+        chunks = list(client.completions.create(prompt=LONG_PROMPT, stream=True,
+                                                stream_options={"include_usage": True}, **kw))
+        for chunk in chunks:
+            for c in chunk.choices:
+                texts[c.index] = texts.get(c.index, "") + c.text
+                if c.finish_reason:
+                    finishes[c.index] = c.finish_reason
+        assert [texts[i] for i in range(3)] == [c.text for c in whole.choices]
+        assert [finishes[i] for i in range(3)] == [c.finish_reason for c in whole.choices]
+        assert chunks[-1].usage is not None and whole.usage is not None
+        assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+        assert chunks[-1].usage.prompt_tokens == whole.usage.prompt_tokens
+
+        messages: list[Any] = [{"role": "user", "content": LONG_PROMPT}]
+        chat_whole = client.chat.completions.create(messages=messages, **kw)
+        content: dict[int, str] = {}
+        for chunk in client.chat.completions.create(messages=messages, stream=True, **kw):
+            for c in chunk.choices:
+                content[c.index] = content.get(c.index, "") + (c.delta.content or "")
+        assert [content[i] for i in range(3)] == [c.message.content for c in chat_whole.choices]
 
 
 @pytest.mark.anyio

@@ -60,14 +60,16 @@ from .protocol import (
 )
 from .provider import EngineProvider, ServedModel
 from .responses import ResponsesAPI
-from .streaming import EventStream, gather, sse, unless_disconnected
+from .streaming import SSE_DONE, EventStream, gather, sse, unless_disconnected
 
 
 class _CompletionChunks(OpenAIChunks):
     """Streamed text completions: the finish reason rides on the last token's chunk."""
 
-    def __init__(self, served: ServedModel, *, logprobs: bool) -> None:
+    def __init__(self, served: ServedModel, *, logprobs: bool, index: int = 0, last: bool = True) -> None:
         self._served = served
+        self._index = index
+        self.last = last
         self._logprobs = logprobs
         self._offset = 0
         self._id = ""
@@ -96,9 +98,9 @@ class _CompletionChunks(OpenAIChunks):
             self._offset += len(lp.tokens[0])
         if tok.finish_reason is not None:
             finish = finish_reason(tok.finish_reason)
-            return self._chunk([CompletionChoice(index=0, text=tok.text, logprobs=lp, finish_reason=finish)])
+            return self._chunk([CompletionChoice(index=self._index, text=tok.text, logprobs=lp, finish_reason=finish)])
         if tok.text or lp is not None:
-            return self._chunk([CompletionChoice(index=0, text=tok.text, logprobs=lp, finish_reason=None)])
+            return self._chunk([CompletionChoice(index=self._index, text=tok.text, logprobs=lp, finish_reason=None)])
         return None
 
     def closing(self, finish: str, usage: Usage | None) -> bytes | None:
@@ -106,6 +108,10 @@ class _CompletionChunks(OpenAIChunks):
 
     def usage(self, usage: Usage) -> bytes:
         return self._chunk([], UsageInfo.of(usage))
+
+    def usage_chunk(self, usage: UsageInfo) -> bytes:
+        """The usage chunk of a whole multi-choice request."""
+        return self._chunk([], usage)
 
 
 def _tool_call_out(call: ToolCall) -> ToolCallOut:
@@ -132,8 +138,12 @@ class _ChatChunks(OpenAIChunks):
     """Streamed chat completions: a role delta first, text and tool-call deltas as
     the parser releases them, a finish delta last."""
 
-    def __init__(self, served: ServedModel, chat: ChatStream, *, logprobs: bool) -> None:
+    def __init__(
+        self, served: ServedModel, chat: ChatStream, *, logprobs: bool, index: int = 0, last: bool = True
+    ) -> None:
         self._served = served
+        self._index = index
+        self.last = last
         self._chat = chat
         self._logprobs = logprobs
         self._id = ""
@@ -152,7 +162,7 @@ class _ChatChunks(OpenAIChunks):
         )
 
     def _delta(self, delta: ChatDelta, lp: ChoiceLogprobs | None = None, finish: str | None = None) -> bytes:
-        return self._chunk([ChatChunkChoice(index=0, delta=delta, logprobs=lp, finish_reason=finish)])
+        return self._chunk([ChatChunkChoice(index=self._index, delta=delta, logprobs=lp, finish_reason=finish)])
 
     def opening(self, request_id: str) -> bytes | None:
         self._id, self._created = f"chatcmpl-{request_id}", int(time.time())
@@ -175,6 +185,10 @@ class _ChatChunks(OpenAIChunks):
     def usage(self, usage: Usage) -> bytes:
         return self._chunk([], UsageInfo.of(usage))
 
+    def usage_chunk(self, usage: UsageInfo) -> bytes:
+        """The usage chunk of a whole multi-choice request."""
+        return self._chunk([], usage)
+
 
 def _with_tools(finish: str, calls: Sequence[ToolCall]) -> str:
     return "tool_calls" if calls and finish == "stop" else finish
@@ -191,13 +205,11 @@ def _batch(value: str | list[int | str | list[int]], param: str) -> list[str | l
     raise APIError(400, f"{param} mixes token ids, texts and token-id lists", param=param)
 
 
-def _n(n: int | None, *, stream: bool) -> int:
+def _n(n: int | None) -> int:
     if n is None:
         return 1
     if not 1 <= n <= MAX_N:
         raise APIError(400, f"n must be in [1, {MAX_N}], got {n}", param="n")
-    if stream and n > 1:
-        raise APIError(400, "n > 1 cannot be streamed", param="n")
     return n
 
 
@@ -307,11 +319,42 @@ class Service:
 
         return await unless_disconnected(request.receive, run), cached
 
+    async def _start_samples(
+        self, served: ServedModel, starts: Sequence[Callable[[SamplingParams], TokenStream]],
+        params: SamplingParams, n: int,
+    ) -> tuple[list[TokenStream], int]:
+        """The streams of a streamed multi-choice request, all submitted at once
+        (after each prompt's one prefill), and the prefill's cached tokens."""
+        cached = 0
+        streams: list[TokenStream] = []
+        for start in starts:
+            if n > 1:
+                cached += await prefill_once(served.engine, start, params)
+            streams += [start(sample_params(params, i)) for i in range(n)]
+        for st in streams:
+            st.submit()
+        return streams, cached
+
+    def _merged(
+        self, served: ServedModel, streams: Sequence[TokenStream], fmts: Sequence[_CompletionChunks | _ChatChunks],
+        n: int, cached: int, include_usage: bool,
+    ) -> EventStream:
+        """One SSE response over several choices: their events as they come, then usage and [DONE]."""
+
+        def tail() -> bytes:
+            usage = fmts[0].usage_chunk(self._usage(streams, n, cached)) if include_usage else b""
+            return usage + SSE_DONE
+
+        observer = self._observer
+        return EventStream(
+            [drive(st, f, include_usage=False, observer=observer(served)) for st, f in zip(streams, fmts, strict=True)],
+            tail,
+        )
+
     @staticmethod
-    def _usage(results: Sequence[tuple[TokenStream, list[Token]]], n: int, prefill_cached: int) -> UsageInfo:
+    def _usage(streams: Sequence[TokenStream], n: int, prefill_cached: int) -> UsageInfo:
         """OpenAI's usage of a multi-choice request: each prompt counted once."""
-        finals = [st.final for st, _ in results]
-        assert all(f is not None for f in finals)
+        finals = [st.final for st in streams]
         prompt = sum(f.usage.prompt_tokens for f in finals[::n] if f is not None)
         completion = sum(f.usage.completion_tokens for f in finals if f is not None)
         cached = prefill_cached if n > 1 else sum(f.usage.cached_prompt_tokens for f in finals if f is not None)
@@ -330,20 +373,25 @@ class Service:
         prompts = _batch(req.prompt, "prompt")
         if not prompts:
             raise APIError(400, "prompt must not be empty", param="prompt")
-        n = _n(req.n, stream=req.stream)
-        if req.stream and len(prompts) > 1:
-            raise APIError(400, "a batch of prompts cannot be streamed", param="prompt")
+        n = _n(req.n)
         max_tokens = 16 if req.max_tokens is None else req.max_tokens  # OpenAI's default for completions
         params = sampling_params(req, max_tokens=max_tokens, logprobs=top is not None, top_logprobs=top or 0)
         served = self.resolve(req.model)
         engine = served.engine
-        if req.stream:
+        starts = [functools.partial(engine.stream, p) for p in prompts]
+        include_usage = req.stream_options is not None and req.stream_options.include_usage
+        if req.stream and n * len(prompts) == 1:
             stream = engine.stream(prompts[0], params)
             self._log_user(stream.request_id, req.user)
-            usage = req.stream_options is not None and req.stream_options.include_usage
             fmt = _CompletionChunks(served, logprobs=top is not None)
-            return EventStream(drive(stream, fmt, include_usage=usage, observer=self._observer(served)))
-        starts = [functools.partial(engine.stream, p) for p in prompts]
+            return EventStream(drive(stream, fmt, include_usage=include_usage, observer=self._observer(served)))
+        if req.stream:
+            streams, cached = await self._start_samples(served, starts, params, n)
+            self._log_user(streams[0].request_id, req.user)
+            fmts = [
+                _CompletionChunks(served, logprobs=top is not None, index=i, last=False) for i in range(len(streams))
+            ]
+            return self._merged(served, streams, fmts, n, cached, include_usage)
         results, cached = await self._samples(request, served, starts, params, n)
         self._log_user(results[0][0].request_id, req.user)
         choices = []
@@ -361,7 +409,7 @@ class Service:
                 created=int(time.time()),
                 model=served.name,
                 choices=choices,
-                usage=self._usage(results, n, cached),
+                usage=self._usage([st for st, _ in results], n, cached),
             )
         )
 
@@ -374,7 +422,7 @@ class Service:
         top = req.top_logprobs or 0
         if not 0 <= top <= 20:
             raise APIError(400, f"top_logprobs must be in [0, 20], got {top}", param="top_logprobs")
-        n = _n(req.n, stream=req.stream)
+        n = _n(req.n)
         if req.max_completion_tokens is not None and req.max_completion_tokens < 1:
             raise APIError(400, "max_completion_tokens must be >= 1", param="max_completion_tokens")
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
@@ -411,12 +459,21 @@ class Service:
             chats.append(chat)
             return chat.tokens
 
-        if req.stream:
+        include_usage = req.stream_options is not None and req.stream_options.include_usage
+        if req.stream and n == 1:
             stream = start(params)
             self._log_user(stream.request_id, req.user)
-            usage = req.stream_options is not None and req.stream_options.include_usage
             fmt = _ChatChunks(served, chats[0], logprobs=want_logprobs)
-            return EventStream(drive(stream, fmt, include_usage=usage, observer=self._observer(served)))
+            return EventStream(drive(stream, fmt, include_usage=include_usage, observer=self._observer(served)))
+        if req.stream:
+            streams, cached = await self._start_samples(served, [start], params, n)
+            self._log_user(streams[0].request_id, req.user)
+            by_stream = {id(c.tokens): c for c in chats}
+            chat_fmts = [
+                _ChatChunks(served, by_stream[id(st)], logprobs=want_logprobs, index=i, last=False)
+                for i, st in enumerate(streams)
+            ]
+            return self._merged(served, streams, chat_fmts, n, cached, include_usage)
         results, cached = await self._samples(request, served, [start], params, n)
         self._log_user(results[0][0].request_id, req.user)
         by_stream = {id(c.tokens): c for c in chats}
@@ -451,7 +508,7 @@ class Service:
                 created=int(time.time()),
                 model=served.name,
                 choices=out_choices,
-                usage=self._usage(results, n, cached),
+                usage=self._usage([st for st, _ in results], n, cached),
             )
         )
 

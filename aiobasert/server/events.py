@@ -49,13 +49,16 @@ class ChunkFormat(Protocol):
 
 
 class OpenAIChunks:
-    """The parts completions and chat spell alike: error events and `[DONE]`."""
+    """The parts completions and chat spell alike: error events and `[DONE]`
+    (left to the merged stream's tail when this is one of several choices)."""
+
+    last = True
 
     def error(self, exc: BaseException) -> bytes:
         return error_event(exc)
 
     def done(self) -> bytes:
-        return SSE_DONE
+        return SSE_DONE if self.last else b""
 
 
 async def drive(

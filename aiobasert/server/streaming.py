@@ -7,11 +7,12 @@ closes its `TokenStream`, which frees the engine lane before the next step.
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator, Awaitable, Callable, Iterable
+from collections.abc import AsyncGenerator, Awaitable, Callable, Iterable, Sequence
 from typing import TypeVar
 
 import anyio
 import msgspec
+from anyio.streams.memory import MemoryObjectSendStream
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
@@ -82,12 +83,21 @@ class EventStream(Response):
     response. The client's disconnect is watched from the start, also while the
     request waits for a lane, and cancels the generator, which closes its
     `TokenStream` and so frees the lane.
+
+    Several generators (one per choice, n > 1) are merged: all their first
+    events are awaited before the response starts, then events go out as each
+    choice produces them, and `tail()` (usage, `[DONE]`) ends the stream.
     """
 
     media_type = "text/event-stream"
 
-    def __init__(self, events: AsyncGenerator[bytes, None]) -> None:
-        self._events = events
+    def __init__(
+        self,
+        events: AsyncGenerator[bytes, None] | Sequence[AsyncGenerator[bytes, None]],
+        tail: Callable[[], bytes] | None = None,
+    ) -> None:
+        self._all = [events] if isinstance(events, AsyncGenerator) else list(events)
+        self._tail = tail
         self.status_code = 200
         self.background = None
         self.init_headers({"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
@@ -99,19 +109,44 @@ class EventStream(Response):
                 await self._send_events(scope, receive, send)
             finally:
                 with anyio.CancelScope(shield=True):
-                    await self._events.aclose()
+                    for events in self._all:
+                        await events.aclose()
                 tg.cancel_scope.cancel()
 
     async def _send_events(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            first = await self._events.__anext__()
-        except Exception as exc:
-            await api_error(exc).response()(scope, receive, send)
-            return
+        firsts: list[bytes] = []
+        for events in self._all:
+            try:
+                firsts.append(await events.__anext__())
+            except StopAsyncIteration:
+                pass
+            except Exception as exc:
+                await api_error(exc).response()(scope, receive, send)
+                return
         await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
-        await send({"type": "http.response.body", "body": first, "more_body": True})
-        async for event in self._events:
-            await send({"type": "http.response.body", "body": event, "more_body": True})
+        await send({"type": "http.response.body", "body": b"".join(firsts), "more_body": True})
+        if len(self._all) == 1:
+            async for event in self._all[0]:
+                await send({"type": "http.response.body", "body": event, "more_body": True})
+        else:
+            await self._merge(send)
+        if self._tail is not None:
+            await send({"type": "http.response.body", "body": self._tail(), "more_body": True})
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
+    async def _merge(self, send: Send) -> None:
+        # One task per choice feeds a channel; only this task sends, so events never interleave.
+        tx, rx = anyio.create_memory_object_stream[bytes](16)
 
+        async def pump(events: AsyncGenerator[bytes, None], out: MemoryObjectSendStream[bytes]) -> None:
+            async with out:
+                async for event in events:
+                    if event:
+                        await out.send(event)
+
+        async with anyio.create_task_group() as tg, rx:
+            async with tx:
+                for events in self._all:
+                    tg.start_soon(pump, events, tx.clone())
+            async for event in rx:
+                await send({"type": "http.response.body", "body": event, "more_body": True})
