@@ -4,6 +4,7 @@ n > 1 sharing the prompt's KV through the prefix cache."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -145,3 +146,20 @@ def test_cli_serve_positional_model_name_and_env_key(tiny_model_path: Path) -> N
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+def test_disconnect_frees_every_choice_of_a_streamed_n(base_url: str) -> None:
+    h = {"Authorization": "Bearer k"}
+    body = {"model": MODEL_NAME, "prompt": LONG_PROMPT, "max_tokens": 1800, "n": 3, "stream": True}
+    with httpx.Client(base_url=base_url, timeout=30, headers=h) as http:
+        cancelled = http.get("/v1/internal/stats").json()["requests_cancelled"]
+        with http.stream("POST", "/v1/completions", json=body) as r:
+            assert r.status_code == 200
+            lines = r.iter_lines()
+            next(lines)
+            assert http.get("/v1/internal/stats").json()["active_lanes"] == 3  # all three choices run
+        deadline = time.monotonic() + 10
+        while (s := http.get("/v1/internal/stats").json())["live_sequences"] or s["active_lanes"]:
+            assert time.monotonic() < deadline, s
+            time.sleep(0.02)
+        assert s["requests_cancelled"] == cancelled + 3  # cancelled, not run to the end
