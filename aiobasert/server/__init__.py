@@ -2,7 +2,7 @@
 
 ```bash
 pip install 'aiobasert[server]'
-aiobasert serve --model model.base --port 8000
+aiobasert serve model.base --port 8000
 ```
 
 ```python
@@ -11,11 +11,15 @@ client = OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="unused")
 print(client.chat.completions.create(model="any", messages=[{"role": "user", "content": "Hi"}]))
 ```
 
-Endpoints: `POST /v1/completions`, `POST /v1/chat/completions` (both with
-`stream=true` as server-sent events), `POST /v1/embeddings`, `GET /v1/models`,
-`GET /health` and `GET /v1/internal/stats` (the engine's `EngineStats`).
-The `model` field of a request is accepted whatever it names: the server
-serves one model and reports its own name back.
+Endpoints: `POST /v1/completions`, `POST /v1/chat/completions` (tools,
+`n`, `stream=true` as server-sent events), `POST /v1/responses` (the
+Responses API), `POST /v1/embeddings`, `GET /v1/models`, `POST /tokenize`,
+`POST /detokenize`, `GET /version`, `GET /health`, `GET /metrics`
+(Prometheus) and `GET /v1/internal/stats` (the engine's `EngineStats`).
+Every request field is honoured or refused with a 400 naming it (`compat`).
+With the default `SingleEngineProvider` the `model` field of a request is
+accepted whatever it names: the server serves one model and reports its own
+name back; an `EngineProvider` of your own decides otherwise (`resolve`).
 
 The engine is opened in the app's lifespan, so it belongs to the server's
 event loop. A client that disconnects cancels its request: the engine frees
@@ -28,7 +32,9 @@ and the exception mapping), `http` (JSON bodies), `streaming` (SSE and client
 disconnects), `events` (the one event driver of every streamed endpoint),
 `params` (request fields -> SamplingParams and messages), `logprobs`,
 `provider` (where engines come from; the per-request model resolution),
-`endpoints` (the routes' handlers), `app` (wiring, `create_app`, `serve`).
+`endpoints` (the routes' handlers), `responses` (the Responses API and its
+store), `metrics` (Prometheus), `compat` (the field table),
+`app` (wiring, `build_app`, `create_app`, `serve`).
 """
 
 from __future__ import annotations
