@@ -44,7 +44,7 @@ def test_metrics_count_traffic(base_url: str) -> None:
         for _ in range(2):  # the second one hits the prefix cache
             client.completions.create(model=MODEL_NAME, prompt=long_prompt, max_tokens=5, temperature=0)
         list(client.chat.completions.create(
-            model=MODEL_NAME, messages=[{"role": "user", "content": "hi"}], max_tokens=6, stream=True
+            model=MODEL_NAME, messages=[{"role": "user", "content": "hi"}], max_tokens=6, stream=True, temperature=0
         ))
     after = scrape(base_url)
 

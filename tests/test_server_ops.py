@@ -18,6 +18,7 @@ import aiobasert
 from aiobasert import Engine, SamplingParams
 from aiobasert.fanout import chat_n, generate_n
 from aiobasert.server import create_app
+from aiobasert.tiny import EOS_ID
 
 MODEL_NAME = "tiny"
 ORIGIN = "http://app.example"
@@ -150,7 +151,8 @@ def test_cli_serve_positional_model_name_and_env_key(tiny_model_path: Path) -> N
 
 def test_disconnect_frees_every_choice_of_a_streamed_n(base_url: str) -> None:
     h = {"Authorization": "Bearer k"}
-    body = {"model": MODEL_NAME, "prompt": LONG_PROMPT, "max_tokens": 1800, "n": 3, "stream": True}
+    body = {"model": MODEL_NAME, "prompt": LONG_PROMPT, "max_tokens": 1800, "n": 3, "stream": True,
+            "logit_bias": {str(EOS_ID): -100}}  # no choice may end by itself before the disconnect
     with httpx.Client(base_url=base_url, timeout=30, headers=h) as http:
         cancelled = http.get("/v1/internal/stats").json()["requests_cancelled"]
         with http.stream("POST", "/v1/completions", json=body) as r:
