@@ -32,6 +32,7 @@ from .errors import (
     WrongEventLoopError,
 )
 from .streams import TokenStream
+from .tools import ChatReply, ChatStream, TextDelta, Tool, ToolCall, ToolCallDelta
 from .types import (
     ChatMessage,
     Completion,
@@ -50,6 +51,8 @@ __all__ = [
     "AbiMismatchError",
     "AioBaseRTError",
     "ChatMessage",
+    "ChatReply",
+    "ChatStream",
     "Completion",
     "ContextLengthExceededError",
     "Engine",
@@ -71,10 +74,14 @@ __all__ = [
     "SamplingParams",
     "StreamBusyError",
     "StreamClosedError",
+    "TextDelta",
     "ThreadAffinityError",
     "Timing",
     "Token",
     "TokenStream",
+    "Tool",
+    "ToolCall",
+    "ToolCallDelta",
     "TopLogprob",
     "UnsupportedError",
     "Usage",

@@ -59,6 +59,8 @@ class RequestSpec:
     params: SamplingParams
     parse_special: bool = True
     """Text prompts: marker strings become control ids (baseRT_encode)."""
+    lark: str | None = None
+    """A Lark grammar (llguidance) constraining the output; else `params.json_schema`'s, if any."""
     submitted_at: float = field(default_factory=time.monotonic)
 
 

@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -146,17 +147,18 @@ def _serve(args: argparse.Namespace) -> int:
     # Prepare the model (download / GGUF conversion, with progress bars) before the server
     # starts, and name it after what the user gave rather than the cache's file name.
     path = models.resolve_model(model)
-    name = None
-    if model is not None and models.is_gguf(model):
+    name = args.served_model_name
+    if name is None and model is not None and models.is_gguf(model):
         name = Path(model).name.removesuffix(".gguf")
     serve(
         model=path,
-        model_name=name,
         host=args.host,
         port=args.port,
-        api_key=args.api_key,
+        api_key=args.api_key if args.api_key is not None else os.environ.get("AIOBASERT_API_KEY") or None,
         max_batch_size=args.max_batch_size,
         max_context=args.max_context,
+        model_name=name,
+        allowed_origins=args.allowed_origins,
     )
     return 0
 
@@ -247,7 +249,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("model_path", nargs="?", default=None, metavar="MODEL", help=_MODEL_HELP)
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     serve.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
-    serve.add_argument("--api-key", default=None, help="require this bearer token")
+    serve.add_argument("--api-key", default=None, help="require this bearer token (default: $AIOBASERT_API_KEY)")
+    serve.add_argument("--served-model-name", default=None, help="the model id clients see (default: file stem)")
+    serve.add_argument("--allowed-origins", action="append", default=None,
+                       help="a CORS origin allowed to call the API (repeatable; '*' = any)")  # fmt: skip
     serve.add_argument("--max-batch-size", type=int, default=8, help="concurrent lanes (default 8)")
     _add_model_args(serve)
 

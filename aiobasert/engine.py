@@ -8,7 +8,7 @@ import threading
 import weakref
 from collections.abc import Callable, Generator, Mapping, Sequence
 from types import TracebackType
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar, cast, overload
 
 import anyio
 import numpy as np
@@ -21,6 +21,9 @@ from .engine_thread import EngineThread
 from .errors import EngineClosedError, InvalidConfigError, InvalidRequestError, InvalidSamplingParamsError
 from .streams import TokenStream, new_request_id
 from .types import ChatMessage, Completion, EngineStats, ModelInfo, SamplingParams
+
+if TYPE_CHECKING:
+    from .tools import ChatStream, Tool, ToolChoice
 
 T = TypeVar("T")
 
@@ -259,28 +262,97 @@ class Engine:
         """The whole completion at once (same arguments as `stream`)."""
         return await self.stream(prompt, params, **kwargs)
 
+    @overload
     def chat(
         self,
-        messages: Sequence[ChatMessage | Mapping[str, str]],
+        messages: Sequence[ChatMessage | Mapping[str, Any]],
         params: SamplingParams | None = None,
         *,
         add_generation_prompt: bool = True,
+        tools: None = None,
+        tool_choice: None = None,
+        parallel_tool_calls: bool = True,
         **kwargs: Any,
-    ) -> TokenStream:
+    ) -> TokenStream: ...
+
+    @overload
+    def chat(
+        self,
+        messages: Sequence[ChatMessage | Mapping[str, Any]],
+        params: SamplingParams | None = None,
+        *,
+        add_generation_prompt: bool = True,
+        tools: Sequence[Tool | Mapping[str, Any]],
+        tool_choice: ToolChoice | Mapping[str, Any] | None = None,
+        parallel_tool_calls: bool = True,
+        **kwargs: Any,
+    ) -> ChatStream: ...
+
+    def chat(
+        self,
+        messages: Sequence[ChatMessage | Mapping[str, Any]],
+        params: SamplingParams | None = None,
+        *,
+        add_generation_prompt: bool = True,
+        tools: Sequence[Tool | Mapping[str, Any]] | None = None,
+        tool_choice: ToolChoice | Mapping[str, Any] | None = None,
+        parallel_tool_calls: bool = True,
+        **kwargs: Any,
+    ) -> TokenStream | ChatStream:
         """Stream the assistant's reply to `messages` with the model's chat template.
 
         Message contents are encoded as plain text (`baseRT_encode_pieces`), so a
         message that quotes `<|im_start|>` cannot forge a turn. `await` the
         returned stream for a `Completion`.
+
+        With `tools` (see `aiobasert.tools`) the result is a `ChatStream` of text
+        and tool-call deltas instead, awaitable for a `ChatReply` with typed
+        `ToolCall`s; `tool_choice` ("auto", "none", "required" or a function name)
+        and `parallel_tool_calls` are enforced by the output grammar.
         """
+        if tools is not None or tool_choice is not None:
+            return self.stream_chat(
+                messages,
+                params,
+                add_generation_prompt=add_generation_prompt,
+                tools=tools,
+                tool_choice=tool_choice,
+                parallel_tool_calls=parallel_tool_calls,
+                **kwargs,
+            )
         pieces = render_chat(
             self.chat_template,
-            messages,
+            cast("Sequence[ChatMessage | Mapping[str, str]]", messages),
             add_generation_prompt=add_generation_prompt,
             bos_token=self._thread.bos_token,
             eos_token=self._thread.eos_token,
         )
         return self._new_stream(pieces, self._params(params, kwargs), True)
+
+    def stream_chat(
+        self,
+        messages: Sequence[ChatMessage | Mapping[str, Any]],
+        params: SamplingParams | None = None,
+        *,
+        add_generation_prompt: bool = True,
+        tools: Sequence[Tool | Mapping[str, Any]] | None = None,
+        tool_choice: ToolChoice | Mapping[str, Any] | None = None,
+        parallel_tool_calls: bool = True,
+        **kwargs: Any,
+    ) -> ChatStream:
+        """Like `chat`, always as a `ChatStream` (text deltas, tool-call deltas);
+        messages may include `tool` turns and assistant turns with `tool_calls`."""
+        from .tools import open_chat_stream
+
+        return open_chat_stream(
+            self,
+            messages,
+            self._params(params, kwargs),
+            tools=tools,
+            tool_choice=tool_choice,
+            parallel=parallel_tool_calls,
+            add_generation_prompt=add_generation_prompt,
+        )
 
     @property
     def chat_template(self) -> str:
@@ -301,10 +373,15 @@ class Engine:
         params.validate(self.info.vocab_size)
         return params
 
-    def _new_stream(self, prompt: Prompt, params: SamplingParams, special: bool) -> TokenStream:
+    def _new_stream(
+        self, prompt: Prompt, params: SamplingParams, special: bool, lark: str | None = None
+    ) -> TokenStream:
+        """lark: a Lark grammar (llguidance's dialect) constraining the output, e.g.
+        the tool-call grammar of `aiobasert.tools`; built on the engine thread at
+        intake, so a bad grammar fails this request in its caller only."""
         if self._port.closed:
             raise EngineClosedError("the engine is closed")
-        spec = RequestSpec(rid=new_request_id(), prompt=prompt, params=params, parse_special=special)
+        spec = RequestSpec(rid=new_request_id(), prompt=prompt, params=params, parse_special=special, lark=lark)
         return TokenStream(self._port, spec, self)
 
     async def _call(self, fn: Callable[[], T]) -> T:

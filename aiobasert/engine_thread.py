@@ -26,7 +26,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from ctypes import byref, c_char_p, c_float, c_int, c_uint32, sizeof
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -51,6 +51,9 @@ from ._step import Lane, StepRunner, internal_error
 from .batcher import Batcher
 from .errors import AioBaseRTError, EngineClosedError, InvalidRequestError
 from .types import EngineStats, FinishReason, ModelInfo, Token
+
+if TYPE_CHECKING:  # the grammar module imports llguidance: loaded on first use only
+    from .grammar import GrammarBackend
 
 __all__ = [  # the contract types are re-exported for code that imported them from here
     "Call",
@@ -88,7 +91,7 @@ class EngineThread:
         self._dirty: dict[str, Lane] = {}
         self._closing = False
         self._abort = False
-        self._grammar: Any = None  # aiobasert.grammar.GrammarBackend, built on first host-grammar use
+        self._grammar: GrammarBackend | None = None  # built on first host-grammar use (llguidance import is slow)
         self.steps = 0
         self.models_freed = 0
         self.live_sequences = 0
@@ -328,7 +331,10 @@ class EngineThread:
             prompt = self._tokenize_prompt(spec)
             max_new = self.batcher.resolve_max_tokens(len(prompt), spec.params.max_tokens)
             self.batcher.check_room()  # refuse before building anything that needs freeing
-            if spec.params.json_schema is not None:
+            if spec.lark is not None:
+                constraint = self._host_grammar().compile_lark(spec.lark)
+                self.live_grammars += 1
+            elif spec.params.json_schema is not None:
                 constraint = self._build_constraint(spec.params.json_schema)
                 self.live_grammars += 1
             lane = Lane(spec, msg.sink, msg.ticket, prompt, max_new, constraint)
@@ -354,12 +360,16 @@ class EngineThread:
             native = EngineGrammarConstraint.create(lib, model, schema)
             if native is not None:
                 return native
-        if self._grammar is None:  # the host backend, built once per engine, on first use
+        constraint: Constraint = self._host_grammar().compile(schema)
+        return constraint
+
+    def _host_grammar(self) -> GrammarBackend:
+        """The host (llguidance) backend, built once per engine, on first use."""
+        if self._grammar is None:
             from .grammar import GrammarBackend
 
             self._grammar = GrammarBackend.for_bundle(self.cfg.model_path, vocab_size=self.vocab_size)
-        constraint: Constraint = self._grammar.compile(schema)
-        return constraint
+        return self._grammar
 
     def _close_constraint(self, constraint: Constraint) -> None:
         self.live_grammars -= 1

@@ -167,6 +167,22 @@ class GrammarBackend:
             raise InvalidRequestError(f"invalid json_schema: {matcher.get_error()}")
         return JsonSchemaConstraint(matcher, self._mask_words)
 
+    def compile_lark(self, lark: str) -> JsonSchemaConstraint:
+        """A fresh constraint from a Lark grammar (llguidance's dialect, `%json`
+        for embedded JSON Schemas), e.g. the tool-call grammar of aiobasert.tools.
+        Raises `InvalidRequestError` with llguidance's message when it does not compile."""
+        try:
+            grammar = llguidance.LLMatcher.grammar_from_lark(lark)
+        except (TypeError, ValueError) as exc:
+            raise InvalidRequestError(f"invalid grammar: {exc}") from None
+        is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, self._tokenizer)
+        if is_error:
+            raise InvalidRequestError(f"invalid grammar: {'; '.join(messages)}")
+        matcher = llguidance.LLMatcher(self._tokenizer, grammar, log_level=0)
+        if matcher.is_error():
+            raise InvalidRequestError(f"invalid grammar: {matcher.get_error()}")
+        return JsonSchemaConstraint(matcher, self._mask_words)
+
 
 class EngineGrammarConstraint:
     """A JSON Schema constraint run by the engine's own grammar backend

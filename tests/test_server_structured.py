@@ -89,7 +89,7 @@ def test_json_object_response(client: OpenAI, untied_model_path: Path) -> None:
         (choice,) = reply.choices
         assert choice.finish_reason == "stop"
         assert choice.message.content is not None
-        json.loads(choice.message.content)
+        assert isinstance(json.loads(choice.message.content), dict)  # OpenAI's json_object: an object
 
 
 def test_invalid_schema_is_a_400(client: OpenAI) -> None:

@@ -1,0 +1,218 @@
+"""The app and its wiring: routes, auth, error handlers, `create_app` and `serve`."""
+
+from __future__ import annotations
+
+import contextlib
+import hmac
+import os
+import socket
+import uuid
+from collections.abc import AsyncIterator, Sequence
+
+import anyio
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from ..errors import AioBaseRTError
+from .endpoints import Service
+from .errors import APIError, ClientGone, api_error
+from .provider import EngineFactory, EngineProvider, SingleEngineProvider
+
+_OPEN_PATHS = frozenset({"/health", "/metrics", "/version"})
+
+
+class _BearerAuth:
+    """Require `Authorization: Bearer <api_key>` on every path but the operator's
+    unauthenticated ones (/health, /metrics, /version: probes and scrapers)."""
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app = app
+        self._expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"] not in _OPEN_PATHS:
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self._expected):
+                err = APIError(
+                    401,
+                    "missing or incorrect API key: send 'Authorization: Bearer <key>'",
+                    code="invalid_api_key",
+                    headers={"WWW-Authenticate": "Bearer"},
+                )
+                await err.response()(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+async def _on_api_error(request: Request, exc: Exception) -> Response:
+    # Unexpected exceptions are logged by Starlette's error middleware, which re-raises them.
+    return api_error(exc, log=False).response()
+
+
+async def _on_http_exception(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    code = "not_found" if exc.status_code == 404 else None
+    headers = dict(exc.headers) if exc.headers else None
+    return APIError(exc.status_code, str(exc.detail), code=code, headers=headers).response()
+
+
+async def _on_client_gone(request: Request, exc: Exception) -> Response:
+    return Response(status_code=499)  # nobody is listening; uvicorn drops it
+
+
+class _RequestId:
+    """Echo the client's `X-Request-Id`, or give each request a fresh one."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        given = dict(scope["headers"]).get(b"x-request-id")
+        rid = given if given and len(given) <= 128 else uuid.uuid4().hex.encode()
+
+        async def send_with_id(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []), (b"x-request-id", rid)]}
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)
+
+
+def build_app(
+    provider: EngineProvider, *, api_key: str | None = None, allowed_origins: Sequence[str] | None = None
+) -> tuple[Starlette, Service]:
+    """The ASGI app over `provider`, and its `Service` (the endpoints).
+    `allowed_origins`: CORS origins allowed to call it (None: no CORS headers)."""
+    service = Service(provider)
+    routes = [
+        Route("/health", service.health, methods=["GET"]),
+        Route("/v1/models", service.models, methods=["GET"]),
+        Route("/v1/models/{model:path}", service.model, methods=["GET"]),
+        Route("/v1/completions", service.completions, methods=["POST"]),
+        Route("/v1/chat/completions", service.chat_completions, methods=["POST"]),
+        Route("/v1/embeddings", service.embeddings, methods=["POST"]),
+        Route("/v1/responses", service.responses.create, methods=["POST"]),
+        Route("/v1/internal/stats", service.stats, methods=["GET"]),
+        Route("/metrics", service.metrics_text, methods=["GET"]),
+        Route("/version", service.version, methods=["GET"]),
+        Route("/tokenize", service.tokenize, methods=["POST"]),
+        Route("/detokenize", service.detokenize, methods=["POST"]),
+    ]
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        async with provider.lifespan(), anyio.create_task_group() as tg:
+            tg.start_soon(service.metrics.probe_loop_lag)
+            try:
+                yield
+            finally:
+                tg.cancel_scope.cancel()
+
+    middleware = [Middleware(_RequestId)]
+    if allowed_origins:
+        # outside the auth check, so browsers' preflight requests get their answer
+        middleware.append(Middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["*"],
+                                     allow_headers=["*"], expose_headers=["X-Request-Id"]))
+    if api_key is not None:
+        middleware.append(Middleware(_BearerAuth, api_key=api_key))
+    app = Starlette(
+        routes=routes,
+        middleware=middleware,
+        lifespan=lifespan,
+        exception_handlers={
+            HTTPException: _on_http_exception,
+            ClientGone: _on_client_gone,
+            AioBaseRTError: _on_api_error,
+            APIError: _on_api_error,
+            Exception: _on_api_error,
+        },
+    )
+    return app, service
+
+
+def _provider(
+    model: str | os.PathLike[str] | EngineFactory | EngineProvider | None,
+    *,
+    model_name: str | None,
+    max_batch_size: int,
+    max_context: int,
+) -> EngineProvider:
+    if isinstance(model, EngineProvider):
+        return model
+    if callable(model):
+        return SingleEngineProvider(model, model_name=model_name)
+    return SingleEngineProvider.from_path(
+        model, model_name=model_name, max_batch_size=max_batch_size, max_context=max_context
+    )
+
+
+def create_app(
+    model: str | os.PathLike[str] | EngineFactory | EngineProvider | None = None,
+    *,
+    api_key: str | None = None,
+    model_name: str | None = None,
+    max_batch_size: int = 8,
+    max_context: int = 2048,
+    allowed_origins: Sequence[str] | None = None,
+) -> Starlette:
+    """The OpenAI-compatible ASGI app (run it with any ASGI server, e.g. uvicorn).
+
+    model: a `.base` path (None = the default model, or $AIOBASERT_MODEL), an
+        `EngineFactory` for full control over `Engine.open`'s arguments, or an
+        `EngineProvider` (several models, engines of your own); the engines are
+        opened when the app starts and aborted when it stops.
+    api_key: when set, every endpoint but /health needs `Authorization: Bearer <api_key>`.
+    model_name: the id reported by /v1/models and in responses (default: the file's stem).
+    max_batch_size, max_context: passed to `Engine.open` when `model` is a path.
+    allowed_origins: CORS origins allowed to call the API ("*" = any; None = no CORS).
+
+    Under a server of your own, in-flight streams keep the shutdown waiting
+    until they finish (uvicorn runs the lifespan shutdown last); use `serve()`
+    or a graceful-shutdown timeout to bound that.
+    """
+    provider = _provider(model, model_name=model_name, max_batch_size=max_batch_size, max_context=max_context)
+    return build_app(provider, api_key=api_key, allowed_origins=allowed_origins)[0]
+
+
+def serve(
+    model: str | os.PathLike[str] | EngineFactory | EngineProvider | None = None,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    api_key: str | None = None,
+    max_batch_size: int = 8,
+    max_context: int = 2048,
+    *,
+    model_name: str | None = None,
+    log_level: str = "info",
+    allowed_origins: Sequence[str] | None = None,
+) -> None:
+    """Run the server with uvicorn until SIGTERM or Ctrl-C.
+
+    On shutdown, in-flight generations are aborted at once (streams get an
+    error event and `[DONE]`, waiting non-streamed requests a 503); a client
+    that does not read its response is cut off after one second.
+    """
+    try:
+        import uvicorn
+    except ModuleNotFoundError as exc:  # pragma: no cover - depends on the install
+        raise ModuleNotFoundError("aiobasert serve needs uvicorn: pip install 'aiobasert[server]'") from exc
+
+    provider = _provider(model, model_name=model_name, max_batch_size=max_batch_size, max_context=max_context)
+    app, _service = build_app(provider, api_key=api_key, allowed_origins=allowed_origins)
+
+    class _Server(uvicorn.Server):
+        async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+            await provider.abort()
+            await super().shutdown(sockets=sockets)
+
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=1, lifespan="on")
+    _Server(config).run()

@@ -1,0 +1,166 @@
+"""Every request field the server knows, what it does with it, and the README
+table built from that (no silently ignored field).
+
+Each field is honoured exactly, or refused with a 400 whose `param` names it
+(a refused field may still accept its default or a value that asks for
+nothing, e.g. `store: false`). Fields OpenAI does not define and this server
+does not know are refused the same way (`forbid_unknown_fields`).
+tests/test_server_compat.py sends every `ok` example (expecting 200) and every
+`bad` example (expecting 400 naming the field), checks the table lists exactly
+the request structs' fields, and that README.md carries `render_table()`:
+
+    python -m aiobasert.server.compat      # rewrite the README section
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .errors import APIError
+
+_UNSET: Any = object()
+
+
+@dataclass(frozen=True)
+class Field:
+    name: str
+    status: str
+    """"honoured", "alias", "extension", "partial" or "refused"."""
+    note: str
+    ok: Any = _UNSET
+    """A value that is served (200)."""
+    bad: Any = _UNSET
+    """A value that is refused (400 naming the field)."""
+    allowed: tuple[Any, ...] = field(default=(None,))
+    """Values of a refused field that ask for nothing and are accepted."""
+
+
+_COMMON = [
+    Field("model", "honoured", "resolved by the server's engine provider; the reply names the served model", ok="x"),
+    Field("max_tokens", "honoured", "", ok=3, bad=0),
+    Field("temperature", "honoured", "default 1", ok=0.5, bad=-1),
+    Field("top_p", "honoured", "", ok=0.9, bad=0),
+    Field("top_k", "extension", "keep the k most likely tokens", ok=5, bad=-1),
+    Field("min_p", "extension", "drop tokens below min_p × p(top)", ok=0.1, bad=2),
+    Field("stop", "honoured", "string or up to 16 strings", ok=["\n\n"], bad=[""]),
+    Field("seed", "honoured", "same seed, same tokens, whatever else is batched", ok=7, bad=-1),
+    Field("logit_bias", "honoured", "token id → bias in [-100, 100]", ok={"5": 1.0}, bad={"x": 1}),
+    Field("presence_penalty", "honoured", "", ok=0.5, bad=5),
+    Field("frequency_penalty", "honoured", "", ok=0.5, bad=5),
+    Field("n", "honoured", "1..16 choices, the prompt prefilled once (prefix cache), each its own seed stream",
+          ok=2, bad=0),
+    Field("stream", "honoured", "server-sent events", ok=True),
+    Field("stream_options", "honoured", "include_usage", ok={"include_usage": True}),
+    Field("user", "honoured", "logged with the request id", ok="u1"),
+]
+
+FIELDS: dict[str, list[Field]] = {
+    "/v1/completions": [
+        Field("prompt", "honoured", "text, token ids, or a batch of either (one choice each)", ok=["a", "b"], bad=5),
+        *_COMMON,
+        Field("logprobs", "honoured", "0..20 alternatives", ok=2, bad=21),
+        Field("echo", "refused", "", bad=True, allowed=(None, False)),
+        Field("suffix", "refused", "", bad="x"),
+        Field("best_of", "refused", "only 1", bad=2, allowed=(None, 1)),
+    ],
+    "/v1/chat/completions": [
+        Field("messages", "honoured", "system/developer/user/assistant(+tool_calls)/tool; text parts", ok=None),
+        *_COMMON,
+        Field("max_completion_tokens", "alias", "of max_tokens (wins when both are given)", ok=3, bad=0),
+        Field("logprobs", "honoured", "", ok=True),
+        Field("top_logprobs", "honoured", "0..20, needs logprobs", ok=2, bad=21),
+        Field("response_format", "honoured", "text, json_object (an object), json_schema (grammar-enforced)",
+              ok={"type": "json_object"}, bad={"type": "xml"}),
+        Field("tools", "honoured", "function tools, arguments grammar-enforced against their schema",
+              ok=[{"type": "function", "function": {"name": "f"}}], bad=[{"type": "retrieval"}]),
+        Field("tool_choice", "honoured", "auto, none, required, or a named function", ok="none", bad="sometimes"),
+        Field("parallel_tool_calls", "honoured", "false: at most one call", ok=False),
+        Field("audio", "refused", "", bad={"voice": "x"}),
+        Field("function_call", "refused", "deprecated: use tool_choice", bad="auto"),
+        Field("functions", "refused", "deprecated: use tools", bad=[{"name": "f"}]),
+        Field("modalities", "refused", "only [\"text\"]", bad=["audio"], allowed=(None, ["text"])),
+        Field("prediction", "refused", "", bad={"type": "content", "content": "x"}),
+        Field("reasoning_effort", "refused", "", bad="low"),
+        Field("service_tier", "refused", "one tier: auto/default accepted", bad="flex",
+              allowed=(None, "auto", "default")),
+        Field("store", "refused", "nothing is stored: false accepted", bad=True, allowed=(None, False)),
+        Field("metadata", "refused", "only with store", bad={"k": "v"}),
+        Field("web_search_options", "refused", "", bad={}),
+        Field("prompt_cache_key", "refused", "the prefix cache is automatic", bad="k"),
+        Field("safety_identifier", "refused", "", bad="s"),
+        Field("verbosity", "refused", "", bad="low"),
+    ],
+    "/v1/embeddings": [
+        Field("input", "honoured", "text, texts, token ids, or lists of token ids", ok=[[5, 6, 7]], bad=[]),
+        Field("model", "honoured", "resolved by the server's engine provider", ok="x"),
+        Field("encoding_format", "honoured", "float or base64", ok="base64", bad="int8"),
+        Field("dimensions", "partial", "only the model's own width", bad=3),
+        Field("user", "honoured", "logged with the request id", ok="u1"),
+    ],
+    "/v1/responses": [
+        Field("model", "honoured", "resolved by the server's engine provider", ok="x"),
+        Field("input", "honoured", "text, or message / function_call / function_call_output items", ok="hi",
+              bad=[{"type": "image"}]),
+        Field("instructions", "honoured", "a system turn; not carried to the next turn (as OpenAI)", ok="Be brief."),
+        Field("previous_response_id", "honoured", "bounded TTL store; the previous turn's KV is reused",
+              bad="resp_unknown"),
+        Field("tools", "honoured", "function tools only", ok=[{"type": "function", "name": "f"}],
+              bad=[{"type": "web_search"}]),
+        Field("tool_choice", "honoured", "auto, none, required, or a named function", ok="none", bad="required"),
+        Field("parallel_tool_calls", "honoured", "false: at most one call", ok=False),
+        Field("max_output_tokens", "honoured", "", ok=3, bad=0),
+        Field("temperature", "honoured", "default 1", ok=0.5, bad=-1),
+        Field("top_p", "honoured", "", ok=0.9, bad=0),
+        Field("stream", "honoured", "the Responses event stream", ok=True),
+        Field("store", "honoured", "false: not continuable", ok=False),
+        Field("metadata", "honoured", "echoed on the response", ok={"k": "v"}),
+        Field("user", "honoured", "echoed on the response", ok="u1"),
+        Field("text", "honoured", "format text / json_object / json_schema", ok={"format": {"type": "text"}},
+              bad={"format": {"type": "xml"}}),
+        Field("truncation", "partial", "only disabled", ok="disabled", bad="auto"),
+    ],
+}
+
+
+def check_refused(endpoint: str, request: Any) -> None:
+    """Raise a 400 naming the first refused field `request` sets to something it asks for."""
+    for f in FIELDS[endpoint]:
+        if f.status != "refused":
+            continue
+        value = getattr(request, f.name, None)
+        if value not in f.allowed:
+            why = f": {f.note}" if f.note else ""
+            raise APIError(400, f"{f.name} is not supported by this server{why}", param=f.name)
+
+
+_STATUS = {"honoured": "✓", "alias": "✓ alias", "extension": "✓ extension", "partial": "partial", "refused": "400"}
+BEGIN = "<!-- compat-table:begin (generated by aiobasert/server/compat.py; checked by tests) -->"
+END = "<!-- compat-table:end -->"
+
+
+def render_table() -> str:
+    lines = [BEGIN, "", "| endpoint | field | | notes |", "|---|---|---|---|"]
+    for endpoint, fields in FIELDS.items():
+        for f in fields:
+            lines.append(f"| `{endpoint}` | `{f.name}` | {_STATUS[f.status]} | {f.note} |")
+    lines += ["| any | any other field | 400 | the error's `param` names it |", "", END]
+    return "\n".join(lines)
+
+
+def update_readme(path: Path) -> bool:
+    """Rewrite the table section of `path`; True if it changed."""
+    text = path.read_text()
+    start, end = text.index(BEGIN), text.index(END) + len(END)
+    new = text[:start] + render_table() + text[end:]
+    if new != text:
+        path.write_text(new)
+    return new != text
+
+
+if __name__ == "__main__":
+    readme = Path(__file__).resolve().parents[2] / "README.md"
+    changed = update_readme(readme)
+    sys.stdout.write(f"{readme}: {'updated' if changed else 'up to date'}\n")

@@ -1,0 +1,550 @@
+"""The endpoints: each decodes its request, resolves the model, runs the engine
+and answers with OpenAI's shapes (whole, or streamed through `events.drive`)."""
+
+from __future__ import annotations
+
+import base64
+import functools
+import logging
+import time
+from collections.abc import Awaitable, Callable, Sequence
+
+import msgspec
+from starlette.requests import Request
+from starlette.responses import Response
+
+from ..errors import InvalidRequestError
+from ..fanout import MAX_N, gather_all, prefill_once, sample_params
+from ..streams import TokenStream
+from ..tools import ChatDelta as ChatDeltaSDK
+from ..tools import ChatStream, TextDelta, Tool, ToolCall, ToolCallDelta
+from ..types import SamplingParams, Token, Usage
+from .compat import check_refused
+from .errors import APIError, api_error
+from .events import OpenAIChunks, collect, drive
+from .http import json_response, read_json
+from .logprobs import chat_logprobs, completion_logprobs
+from .metrics import Metrics, RequestObserver
+from .params import chat_messages, finish_reason, json_schema_of, sampling_params
+from .protocol import (
+    MAX_EMBEDDING_INPUTS,
+    AssistantMessage,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatDelta,
+    ChoiceLogprobs,
+    CompletionChoice,
+    CompletionRequest,
+    CompletionResponse,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    Embedding,
+    EmbeddingRequest,
+    EmbeddingResponse,
+    EmbeddingUsage,
+    FunctionCall,
+    FunctionCallDelta,
+    HealthStatus,
+    ModelCard,
+    ModelList,
+    NamedToolChoice,
+    TokenizeRequest,
+    TokenizeResponse,
+    ToolCallDeltaOut,
+    ToolCallOut,
+    UsageInfo,
+    VersionInfo,
+)
+from .provider import EngineProvider, ServedModel
+from .responses import ResponsesAPI
+from .streaming import SSE_DONE, EventStream, gather, sse, unless_disconnected
+
+
+class _CompletionChunks(OpenAIChunks):
+    """Streamed text completions: the finish reason rides on the last token's chunk."""
+
+    def __init__(self, served: ServedModel, *, logprobs: bool, index: int = 0, last: bool = True) -> None:
+        self._served = served
+        self._index = index
+        self.last = last
+        self._logprobs = logprobs
+        self._offset = 0
+        self._id = ""
+        self._created = 0
+
+    def _chunk(self, choices: list[CompletionChoice], usage: UsageInfo | None = None) -> bytes:
+        return sse(
+            CompletionResponse(
+                id=self._id,
+                object="text_completion",
+                created=self._created,
+                model=self._served.name,
+                choices=choices,
+                usage=usage,
+            )
+        )
+
+    def opening(self, request_id: str) -> bytes | None:
+        self._id, self._created = f"cmpl-{request_id}", int(time.time())
+        return None
+
+    async def token(self, tok: Token) -> bytes | None:
+        lp = None
+        if self._logprobs:
+            lp = completion_logprobs([tok], await self._served.texts.lookup(self._served.engine, [tok]), self._offset)
+            self._offset += len(lp.tokens[0])
+        if tok.finish_reason is not None:
+            finish = finish_reason(tok.finish_reason)
+            return self._chunk([CompletionChoice(index=self._index, text=tok.text, logprobs=lp, finish_reason=finish)])
+        if tok.text or lp is not None:
+            return self._chunk([CompletionChoice(index=self._index, text=tok.text, logprobs=lp, finish_reason=None)])
+        return None
+
+    def closing(self, finish: str, usage: Usage | None) -> bytes | None:
+        return None
+
+    def usage(self, usage: Usage) -> bytes:
+        return self._chunk([], UsageInfo.of(usage))
+
+    def usage_chunk(self, usage: UsageInfo) -> bytes:
+        """The usage chunk of a whole multi-choice request."""
+        return self._chunk([], usage)
+
+
+def _tool_call_out(call: ToolCall) -> ToolCallOut:
+    return ToolCallOut(id=call.id, function=FunctionCall(name=call.name, arguments=call.arguments))
+
+
+def _chat_delta(deltas: Sequence[ChatDeltaSDK]) -> ChatDelta:
+    """One wire delta from the SDK deltas of one token: its text and call pieces."""
+    text = "".join(d.text for d in deltas if isinstance(d, TextDelta))
+    calls = [
+        ToolCallDeltaOut(
+            index=d.index,
+            id=d.id,
+            type="function" if d.id is not None else None,
+            function=FunctionCallDelta(name=d.name, arguments=d.arguments),
+        )
+        for d in deltas
+        if isinstance(d, ToolCallDelta)
+    ]
+    return ChatDelta(content=text if text or not calls else None, tool_calls=calls or None)
+
+
+class _ChatChunks(OpenAIChunks):
+    """Streamed chat completions: a role delta first, text and tool-call deltas as
+    the parser releases them, a finish delta last."""
+
+    def __init__(
+        self, served: ServedModel, chat: ChatStream, *, logprobs: bool, index: int = 0, last: bool = True
+    ) -> None:
+        self._served = served
+        self._index = index
+        self.last = last
+        self._chat = chat
+        self._logprobs = logprobs
+        self._id = ""
+        self._created = 0
+
+    def _chunk(self, choices: list[ChatChunkChoice], usage: UsageInfo | None = None) -> bytes:
+        return sse(
+            ChatCompletionChunk(
+                id=self._id,
+                object="chat.completion.chunk",
+                created=self._created,
+                model=self._served.name,
+                choices=choices,
+                usage=usage,
+            )
+        )
+
+    def _delta(self, delta: ChatDelta, lp: ChoiceLogprobs | None = None, finish: str | None = None) -> bytes:
+        return self._chunk([ChatChunkChoice(index=self._index, delta=delta, logprobs=lp, finish_reason=finish)])
+
+    def opening(self, request_id: str) -> bytes | None:
+        self._id, self._created = f"chatcmpl-{request_id}", int(time.time())
+        return self._delta(ChatDelta(role="assistant", content=""))
+
+    async def token(self, tok: Token) -> bytes | None:
+        lp = None
+        if self._logprobs:
+            lp = chat_logprobs([tok], await self._served.texts.lookup(self._served.engine, [tok]))
+        deltas = self._chat.feed(tok)
+        if deltas or lp is not None:
+            return self._delta(_chat_delta(deltas) if deltas else ChatDelta(content=""), lp)
+        return None
+
+    def closing(self, finish: str, usage: Usage | None) -> bytes | None:
+        rest = self._chat.close_parser()
+        head = self._delta(_chat_delta(rest)) if rest else b""
+        return head + self._delta(ChatDelta(), finish=_with_tools(finish, self._chat.tool_calls))
+
+    def usage(self, usage: Usage) -> bytes:
+        return self._chunk([], UsageInfo.of(usage))
+
+    def usage_chunk(self, usage: UsageInfo) -> bytes:
+        """The usage chunk of a whole multi-choice request."""
+        return self._chunk([], usage)
+
+
+def _with_tools(finish: str, calls: Sequence[ToolCall]) -> str:
+    return "tool_calls" if calls and finish == "stop" else finish
+
+
+def _batch(value: str | list[int | str | list[int]], param: str) -> list[str | list[int]]:
+    """One input (text or token ids) or a batch of texts / token-id lists, as a list of inputs."""
+    if isinstance(value, str):
+        return [value]
+    if all(isinstance(t, int) for t in value):
+        return [[t for t in value if isinstance(t, int)]] if value else []
+    if all(isinstance(t, str) for t in value) or all(isinstance(t, list) for t in value):
+        return [t for t in value if not isinstance(t, int)]
+    raise APIError(400, f"{param} mixes token ids, texts and token-id lists", param=param)
+
+
+def _n(n: int | None) -> int:
+    if n is None:
+        return 1
+    if not 1 <= n <= MAX_N:
+        raise APIError(400, f"n must be in [1, {MAX_N}], got {n}", param="n")
+    return n
+
+
+def _tool_param(message: str) -> str | None:
+    """The request field a tool-setup error is about."""
+    if "tool_choice" in message:
+        return "tool_choice"
+    if "tool" in message:
+        return "tools"
+    return "messages" if "message" in message else None
+
+
+logger = logging.getLogger("aiobasert.server")
+
+
+class Service:
+    """The endpoints of one app, over its `EngineProvider`."""
+
+    def __init__(self, provider: EngineProvider) -> None:
+        self.provider = provider
+        self.created = int(time.time())
+        self.metrics = Metrics()
+        self.responses = ResponsesAPI(self.resolve, self.metrics)
+
+    def _observer(self, served: ServedModel) -> RequestObserver:
+        return self.metrics.observer(served.name, served.engine)
+
+    async def metrics_text(self, request: Request) -> Response:
+        """`GET /metrics` (Prometheus text)."""
+        return await self.metrics.render([(m.name, m.engine) for m in self.provider.served()])
+
+    def resolve(self, model: str | None) -> ServedModel:
+        """The one place a request's `model` field is resolved."""
+        return self.provider.resolve(model)
+
+    # ---- introspection ----
+
+    async def version(self, request: Request) -> Response:
+        from .. import __version__
+
+        return json_response(VersionInfo(version=__version__))
+
+    async def tokenize(self, request: Request) -> Response:
+        req = await read_json(request, TokenizeRequest)
+        served = self.resolve(req.model)
+        ids = await served.engine.encode(req.prompt)
+        info = served.engine.info
+        return json_response(TokenizeResponse(tokens=ids, count=len(ids), max_model_len=info.max_context))
+
+    async def detokenize(self, request: Request) -> Response:
+        req = await read_json(request, DetokenizeRequest)
+        served = self.resolve(req.model)
+        vocab = served.engine.info.vocab_size
+        bad = [t for t in req.tokens if not 0 <= t < vocab]
+        if bad:
+            raise APIError(400, f"token id {bad[0]} is not in the vocabulary of {vocab}", param="tokens")
+        return json_response(DetokenizeResponse(prompt=await served.engine.decode(req.tokens)))
+
+    async def health(self, request: Request) -> Response:
+        if not self.provider.ready:
+            return json_response(HealthStatus(status="unavailable"), status=503)
+        return json_response(HealthStatus(status="ok"))
+
+    async def stats(self, request: Request) -> Response:
+        served = self.resolve(request.query_params.get("model"))
+        return Response(msgspec.json.encode(await served.engine.stats()), media_type="application/json")
+
+    async def models(self, request: Request) -> Response:
+        return json_response(ModelList(object="list", data=[self._card(m) for m in self.provider.served()]))
+
+    async def model(self, request: Request) -> Response:
+        name = request.path_params["model"]
+        for served in self.provider.served():
+            if served.name == name:
+                return json_response(self._card(served))
+        raise APIError(404, f"the model {name!r} does not exist", param="model", code="model_not_found")
+
+    def _card(self, served: ServedModel) -> ModelCard:
+        return ModelCard(id=served.name, object="model", created=self.created, owned_by="aiobasert")
+
+    # ---- generation ----
+
+    async def _samples(
+        self, request: Request, served: ServedModel, starts: Sequence[Callable[[SamplingParams], TokenStream]],
+        params: SamplingParams, n: int,
+    ) -> tuple[list[tuple[TokenStream, list[Token]]], int]:
+        """Run n samples of each prompt (`starts`), each prompt prefilled once;
+        returns (stream, tokens) per choice, prompt-major, and the prompt tokens
+        the prefill requests found cached."""
+        cached = 0
+
+        async def run() -> list[tuple[TokenStream, list[Token]]]:
+            nonlocal cached
+            streams: list[TokenStream] = []
+            for start in starts:
+                if n > 1:
+                    cached += await prefill_once(served.engine, start, params)
+                streams += [start(sample_params(params, i)) for i in range(n)]
+
+            def one(stream: TokenStream) -> Callable[[], Awaitable[tuple[TokenStream, list[Token]]]]:
+                async def go() -> tuple[TokenStream, list[Token]]:
+                    return stream, await collect(stream, self._observer(served))
+
+                return go
+
+            return await gather_all([one(st) for st in streams])
+
+        return await unless_disconnected(request.receive, run), cached
+
+    async def _start_samples(
+        self, served: ServedModel, starts: Sequence[Callable[[SamplingParams], TokenStream]],
+        params: SamplingParams, n: int,
+    ) -> tuple[list[TokenStream], int]:
+        """The streams of a streamed multi-choice request, all submitted at once
+        (after each prompt's one prefill), and the prefill's cached tokens."""
+        cached = 0
+        streams: list[TokenStream] = []
+        for start in starts:
+            if n > 1:
+                cached += await prefill_once(served.engine, start, params)
+            streams += [start(sample_params(params, i)) for i in range(n)]
+        for st in streams:
+            st.submit()
+        return streams, cached
+
+    def _merged(
+        self, served: ServedModel, streams: Sequence[TokenStream], fmts: Sequence[_CompletionChunks | _ChatChunks],
+        n: int, cached: int, include_usage: bool,
+    ) -> EventStream:
+        """One SSE response over several choices: their events as they come, then usage and [DONE]."""
+
+        def tail() -> bytes:
+            usage = fmts[0].usage_chunk(self._usage(streams, n, cached)) if include_usage else b""
+            return usage + SSE_DONE
+
+        observer = self._observer
+        return EventStream(
+            [drive(st, f, include_usage=False, observer=observer(served)) for st, f in zip(streams, fmts, strict=True)],
+            tail,
+        )
+
+    @staticmethod
+    def _usage(streams: Sequence[TokenStream], n: int, prefill_cached: int) -> UsageInfo:
+        """OpenAI's usage of a multi-choice request: each prompt counted once."""
+        finals = [st.final for st in streams]
+        prompt = sum(f.usage.prompt_tokens for f in finals[::n] if f is not None)
+        completion = sum(f.usage.completion_tokens for f in finals if f is not None)
+        cached = prefill_cached if n > 1 else sum(f.usage.cached_prompt_tokens for f in finals if f is not None)
+        return UsageInfo.of(Usage(prompt_tokens=prompt, completion_tokens=completion, cached_prompt_tokens=cached))
+
+    def _log_user(self, rid: str, user: str | None) -> None:
+        if user is not None:
+            logger.info("request %s for user %r", rid, user)
+
+    async def completions(self, request: Request) -> Response:
+        req = await read_json(request, CompletionRequest)
+        check_refused("/v1/completions", req)
+        top = req.logprobs
+        if top is not None and not 0 <= top <= 20:
+            raise APIError(400, f"logprobs must be in [0, 20], got {top}", param="logprobs")
+        prompts = _batch(req.prompt, "prompt")
+        if not prompts:
+            raise APIError(400, "prompt must not be empty", param="prompt")
+        n = _n(req.n)
+        max_tokens = 16 if req.max_tokens is None else req.max_tokens  # OpenAI's default for completions
+        params = sampling_params(req, max_tokens=max_tokens, logprobs=top is not None, top_logprobs=top or 0)
+        served = self.resolve(req.model)
+        engine = served.engine
+        starts = [functools.partial(engine.stream, p) for p in prompts]
+        include_usage = req.stream_options is not None and req.stream_options.include_usage
+        if req.stream and n * len(prompts) == 1:
+            stream = engine.stream(prompts[0], params)
+            self._log_user(stream.request_id, req.user)
+            fmt = _CompletionChunks(served, logprobs=top is not None)
+            return EventStream(drive(stream, fmt, include_usage=include_usage, observer=self._observer(served)))
+        if req.stream:
+            streams, cached = await self._start_samples(served, starts, params, n)
+            self._log_user(streams[0].request_id, req.user)
+            fmts = [
+                _CompletionChunks(served, logprobs=top is not None, index=i, last=False) for i in range(len(streams))
+            ]
+            return self._merged(served, streams, fmts, n, cached, include_usage)
+        results, cached = await self._samples(request, served, starts, params, n)
+        self._log_user(results[0][0].request_id, req.user)
+        choices = []
+        for index, (stream, tokens) in enumerate(results):
+            logprobs = None
+            if top is not None:
+                logprobs = completion_logprobs(tokens, await served.texts.lookup(engine, tokens), 0)
+            text = "".join(t.text for t in tokens)
+            finish = finish_reason(stream.finish_reason)
+            choices.append(CompletionChoice(index=index, text=text, logprobs=logprobs, finish_reason=finish))
+        return json_response(
+            CompletionResponse(
+                id=f"cmpl-{results[0][0].request_id}",
+                object="text_completion",
+                created=int(time.time()),
+                model=served.name,
+                choices=choices,
+                usage=self._usage([st for st, _ in results], n, cached),
+            )
+        )
+
+    async def chat_completions(self, request: Request) -> Response:
+        req = await read_json(request, ChatCompletionRequest)
+        check_refused("/v1/chat/completions", req)
+        json_schema = json_schema_of(req.response_format)
+        if req.top_logprobs is not None and not req.logprobs:
+            raise APIError(400, "top_logprobs requires logprobs=true", param="top_logprobs")
+        top = req.top_logprobs or 0
+        if not 0 <= top <= 20:
+            raise APIError(400, f"top_logprobs must be in [0, 20], got {top}", param="top_logprobs")
+        n = _n(req.n)
+        if req.max_completion_tokens is not None and req.max_completion_tokens < 1:
+            raise APIError(400, "max_completion_tokens must be >= 1", param="max_completion_tokens")
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        want_logprobs = bool(req.logprobs)
+        params = sampling_params(
+            req, max_tokens=max_tokens, logprobs=want_logprobs, top_logprobs=top, json_schema=json_schema
+        )
+        tools = [
+            Tool(name=t.function.name, description=t.function.description, parameters=t.function.parameters)
+            for t in req.tools or ()
+        ]
+        choice: str | None = None
+        if isinstance(req.tool_choice, NamedToolChoice):
+            choice = req.tool_choice.function.name
+        elif req.tool_choice is not None:
+            choice = req.tool_choice
+        if tools and json_schema is not None and choice != "none":
+            raise APIError(400, "response_format cannot be combined with tools", param="response_format")
+        served = self.resolve(req.model)
+        messages = chat_messages(req.messages)
+        chats: list[ChatStream] = []
+
+        def start(p: SamplingParams) -> TokenStream:
+            try:
+                chat = served.engine.stream_chat(
+                    messages, p, tools=tools or None, tool_choice=choice,
+                    parallel_tool_calls=req.parallel_tool_calls is not False,
+                )
+            except InvalidRequestError as exc:
+                err = api_error(exc)
+                if err.body.error.param is None:
+                    err = APIError(400, str(exc), param=_tool_param(str(exc)))
+                raise err from None
+            chats.append(chat)
+            return chat.tokens
+
+        include_usage = req.stream_options is not None and req.stream_options.include_usage
+        if req.stream and n == 1:
+            stream = start(params)
+            self._log_user(stream.request_id, req.user)
+            fmt = _ChatChunks(served, chats[0], logprobs=want_logprobs)
+            return EventStream(drive(stream, fmt, include_usage=include_usage, observer=self._observer(served)))
+        if req.stream:
+            streams, cached = await self._start_samples(served, [start], params, n)
+            self._log_user(streams[0].request_id, req.user)
+            by_stream = {id(c.tokens): c for c in chats}
+            chat_fmts = [
+                _ChatChunks(served, by_stream[id(st)], logprobs=want_logprobs, index=i, last=False)
+                for i, st in enumerate(streams)
+            ]
+            return self._merged(served, streams, chat_fmts, n, cached, include_usage)
+        results, cached = await self._samples(request, served, [start], params, n)
+        self._log_user(results[0][0].request_id, req.user)
+        by_stream = {id(c.tokens): c for c in chats}
+        out_choices = []
+        for index, (stream, tokens) in enumerate(results):
+            chat = by_stream[id(stream)]
+            finish = finish_reason(stream.finish_reason)
+            for tok in tokens:
+                chat.feed(tok)
+            chat.close_parser()
+            calls = chat.tool_calls
+            logprobs = None
+            if want_logprobs:
+                logprobs = chat_logprobs(tokens, await served.texts.lookup(served.engine, tokens))
+            content = chat.content
+            out_choices.append(
+                ChatChoice(
+                    index=index,
+                    message=AssistantMessage(
+                        role="assistant",
+                        content=content if content or not calls else None,
+                        tool_calls=[_tool_call_out(c) for c in calls] or None,
+                    ),
+                    logprobs=logprobs,
+                    finish_reason=_with_tools(finish, calls),
+                )
+            )
+        return json_response(
+            ChatCompletion(
+                id=f"chatcmpl-{results[0][0].request_id}",
+                object="chat.completion",
+                created=int(time.time()),
+                model=served.name,
+                choices=out_choices,
+                usage=self._usage([st for st, _ in results], n, cached),
+            )
+        )
+
+    async def embeddings(self, request: Request) -> Response:
+        req = await read_json(request, EmbeddingRequest)
+        inputs = _batch(req.input, "input")
+        if not inputs or any(not x for x in inputs):
+            raise APIError(400, "input must not be empty", param="input")
+        if len(inputs) > MAX_EMBEDDING_INPUTS:
+            raise APIError(400, f"at most {MAX_EMBEDDING_INPUTS} inputs per request", param="input")
+        served = self.resolve(req.model)
+        engine = served.engine
+        if req.dimensions is not None and req.dimensions != engine.info.dim:
+            raise APIError(400, f"this model's embeddings have {engine.info.dim} dimensions", param="dimensions")
+        as_base64 = req.encoding_format == "base64"
+        data: list[Embedding | None] = [None] * len(inputs)
+        counts = [0] * len(inputs)
+
+        async def one(i: int, text: str | list[int]) -> None:
+            vector = await engine.embed(text)
+            counts[i] = len(await engine.encode(text)) if isinstance(text, str) else len(text)
+            value: list[float] | str = (
+                base64.b64encode(vector.astype("<f4").tobytes()).decode("ascii") if as_base64 else vector.tolist()
+            )
+            data[i] = Embedding(object="embedding", index=i, embedding=value)
+
+        # Submitted together, so the engine thread runs them back to back between steps.
+        await unless_disconnected(
+            request.receive, lambda: gather(functools.partial(one, i, text) for i, text in enumerate(inputs))
+        )
+        total = sum(counts)
+        return json_response(
+            EmbeddingResponse(
+                object="list",
+                data=[d for d in data if d is not None],
+                model=served.name,
+                usage=EmbeddingUsage(prompt_tokens=total, total_tokens=total),
+            )
+        )

@@ -1,0 +1,123 @@
+"""Request -> engine: OpenAI's request fields as `SamplingParams` and chat
+messages, and the engine's finish reasons as OpenAI's."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from ..streams import TokenStream
+from ..tools import ToolCall
+from ..types import FinishReason, SamplingParams, Token
+from .errors import APIError, aborted
+from .protocol import RequestMessage, ResponseFormat, SamplingRequest
+
+
+def sampling_params(
+    req: SamplingRequest,
+    *,
+    max_tokens: int | None,
+    logprobs: bool,
+    top_logprobs: int,
+    json_schema: dict[str, Any] | bool | None = None,
+) -> SamplingParams:
+    """SamplingParams from the OpenAI fields (OpenAI's defaults: temperature 1, top_p 1)."""
+    bias: dict[int, float] | None = None
+    if req.logit_bias:
+        bias = {}
+        for key, value in req.logit_bias.items():
+            try:
+                bias[int(key)] = value
+            except ValueError:
+                raise APIError(400, f"logit_bias key {key!r} is not a token id", param="logit_bias") from None
+    stop = [req.stop] if isinstance(req.stop, str) else (req.stop or None)
+    return SamplingParams(
+        max_tokens=max_tokens,
+        temperature=1.0 if req.temperature is None else req.temperature,
+        top_p=1.0 if req.top_p is None else req.top_p,
+        top_k=req.top_k or 0,
+        min_p=req.min_p or 0.0,
+        stop=stop,
+        seed=req.seed,
+        logit_bias=bias,
+        presence_penalty=req.presence_penalty or 0.0,
+        frequency_penalty=req.frequency_penalty or 0.0,
+        logprobs=logprobs,
+        top_logprobs=top_logprobs,
+        json_schema=json_schema,
+    )
+
+
+def json_schema_of(fmt: ResponseFormat | None) -> dict[str, Any] | bool | None:
+    """`SamplingParams.json_schema` for a `response_format` (None: free text)."""
+    if fmt is None or fmt.type == "text":
+        return None
+    if fmt.type == "json_object":
+        return {"type": "object"}  # OpenAI's json_object is an object, never a bare value
+    if fmt.type == "json_schema":
+        if fmt.json_schema is None or fmt.json_schema.schema is None:
+            raise APIError(400, "response_format json_schema needs json_schema.schema", param="response_format")
+        return fmt.json_schema.schema
+    raise APIError(400, f"unknown response_format type {fmt.type!r}", param="response_format")
+
+
+_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
+
+
+def chat_messages(messages: Sequence[RequestMessage]) -> list[dict[str, Any]]:
+    """The SDK's message mappings (`Engine.stream_chat`): role, content, and the
+    tool fields (assistant `tool_calls`, tool `tool_call_id`)."""
+    out: list[dict[str, Any]] = []
+    for i, m in enumerate(messages):
+        role = _ROLES.get(m.role)
+        if role is None:
+            raise APIError(400, f"messages[{i}]: role {m.role!r} is not supported", param="messages")
+        if m.name is not None and role != "tool":
+            raise APIError(400, f"messages[{i}]: participant names are not supported", param="messages")
+        if m.tool_calls and role != "assistant":
+            raise APIError(400, f"messages[{i}]: only assistant turns carry tool_calls", param="messages")
+        if role == "tool" and not m.tool_call_id:
+            raise APIError(400, f"messages[{i}]: a tool turn needs tool_call_id", param="messages")
+        if m.content is None:
+            if role != "assistant":
+                raise APIError(400, f"messages[{i}] has no content", param="messages")
+            content = ""
+        elif isinstance(m.content, str):
+            content = m.content
+        else:
+            texts: list[str] = []
+            for part in m.content:
+                if part.type != "text" or part.text is None:
+                    raise APIError(
+                        400, f"messages[{i}]: content parts of type {part.type!r} are not supported", param="messages"
+                    )
+                texts.append(part.text)
+            content = "\n".join(texts)
+        entry: dict[str, Any] = {"role": role, "content": content}
+        if m.tool_calls:
+            entry["tool_calls"] = [
+                ToolCall(id=c.id, name=c.function.name, arguments=c.function.arguments) for c in m.tool_calls
+            ]
+        if m.tool_call_id is not None:
+            entry["tool_call_id"] = m.tool_call_id
+        if m.name is not None:
+            entry["name"] = m.name
+        out.append(entry)
+    return out
+
+
+def finish_reason(reason: FinishReason | None) -> str:
+    """OpenAI's finish_reason for a generation that ended normally; an aborted one raises."""
+    if reason == "aborted":
+        raise aborted()
+    if reason not in ("stop", "length"):
+        raise APIError(500, f"the generation ended with {reason!r}", type="server_error")
+    return reason
+
+
+async def first_token(stream: TokenStream) -> Token | None:
+    """The stream's first token; request errors (context length, overload) surface here."""
+    tok = await anext(stream, None)
+    if tok is None:
+        finish_reason(stream.finish_reason)  # an empty stream ends only by abort
+    return tok

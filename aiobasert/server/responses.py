@@ -1,0 +1,530 @@
+"""`POST /v1/responses`: OpenAI's Responses API (text and function tools,
+stream and not) and the store behind `previous_response_id`.
+
+A stored response keeps its conversation (input and output turns, not its
+`instructions`, as OpenAI does). The next turn re-renders that conversation
+plus the new input; the engine published the previous turn's KV (prompt and
+output) to its prefix cache when it finished, so the shared prefix is not
+prefilled again: `usage.input_tokens_details.cached_tokens` reports how much
+was reused. The store is bounded (`max_entries`, oldest dropped first) and
+entries expire after `ttl_s`; the KV itself lives in the engine's prefix cache
+and is evicted by it under memory pressure (the turn then prefills again).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import time
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import Any, Literal
+
+import msgspec
+from starlette.requests import Request
+from starlette.responses import Response
+
+from ..errors import InvalidRequestError
+from ..tools import ChatStream, TextDelta, Tool, ToolCall, ToolCallDelta
+from ..types import SamplingParams, Token, Usage
+from .errors import APIError, api_error
+from .events import collect, drive
+from .http import json_response, read_json
+from .metrics import Metrics
+from .params import finish_reason
+from .provider import ServedModel
+from .streaming import EventStream, unless_disconnected
+
+# ---- request ---------------------------------------------------------------------------------
+
+
+class InputText(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """A text part of an input message (`input_text`, or `output_text` in a replayed assistant turn)."""
+
+    type: Literal["input_text", "output_text"]
+    text: str
+    annotations: list[Any] | None = None
+    logprobs: list[Any] | None = None
+
+
+class InputMessage(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """`{"role": ..., "content": ...}` (type "message" optional)."""
+
+    role: Literal["user", "system", "developer", "assistant"]
+    content: str | list[InputText]
+    type: Literal["message"] = "message"
+    id: str | None = None
+    status: str | None = None
+
+
+class InputFunctionCall(
+    msgspec.Struct, kw_only=True, forbid_unknown_fields=True, tag="function_call", tag_field="type"
+):
+    """A function call the model made earlier (replayed by the client)."""
+
+    call_id: str
+    name: str
+    arguments: str
+    id: str | None = None
+    status: str | None = None
+
+
+class InputFunctionOutput(
+    msgspec.Struct, kw_only=True, forbid_unknown_fields=True, tag="function_call_output", tag_field="type"
+):
+    """The result of a function call."""
+
+    call_id: str
+    output: str
+    id: str | None = None
+    status: str | None = None
+
+
+class ResponsesFunctionTool(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """A function tool (the only kind served): its arguments always validate
+    against `parameters` (the output grammar enforces it), so `strict` changes nothing."""
+
+    type: Literal["function"]
+    name: str
+    parameters: dict[str, Any] | None = None
+    description: str | None = None
+    strict: bool | None = None
+
+
+class ResponsesNamedTool(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    type: Literal["function"]
+    name: str
+
+
+class ResponsesTextFormat(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """`text.format`: "text", "json_object" or "json_schema" (with `schema`)."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    name: str | None = None
+    schema: dict[str, Any] | None = None
+    description: str | None = None
+    strict: bool | None = None
+
+
+class ResponsesText(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    format: ResponsesTextFormat | None = None
+
+
+class ResponsesRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """`POST /v1/responses`. Fields not listed here are refused (400 naming them)."""
+
+    model: str | None = None
+    input: str | list[dict[str, Any]]
+    """Text, or items: messages, `function_call`s and `function_call_output`s."""
+    instructions: str | None = None
+    previous_response_id: str | None = None
+    tools: list[ResponsesFunctionTool] | None = None
+    tool_choice: Literal["auto", "none", "required"] | ResponsesNamedTool | None = None
+    parallel_tool_calls: bool | None = None
+    max_output_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    stream: bool = False
+    store: bool | None = None
+    """False: the response is not stored (it cannot be continued)."""
+    metadata: dict[str, str] | None = None
+    """Echoed back on the response."""
+    user: str | None = None
+    """Echoed back on the response."""
+    text: ResponsesText | None = None
+    truncation: Literal["disabled"] | None = None
+    """Only "disabled" (the default): a conversation longer than the context is refused."""
+
+
+# ---- response --------------------------------------------------------------------------------
+
+
+class OutputText(msgspec.Struct, kw_only=True):
+    type: Literal["output_text"] = "output_text"
+    text: str
+    annotations: list[Any] = msgspec.field(default_factory=list)
+    logprobs: list[Any] = msgspec.field(default_factory=list)
+
+
+class OutputMessage(msgspec.Struct, kw_only=True):
+    id: str
+    type: Literal["message"] = "message"
+    role: Literal["assistant"] = "assistant"
+    status: str
+    content: list[OutputText]
+
+
+class OutputFunctionCall(msgspec.Struct, kw_only=True):
+    id: str
+    type: Literal["function_call"] = "function_call"
+    call_id: str
+    name: str
+    arguments: str
+    status: str
+
+
+OutputItem = OutputMessage | OutputFunctionCall
+
+
+class InputTokensDetails(msgspec.Struct, kw_only=True):
+    cached_tokens: int
+    """Input tokens served from the engine's prefix cache (e.g. a previous turn's KV)."""
+    cache_write_tokens: int = 0
+
+
+class OutputTokensDetails(msgspec.Struct, kw_only=True):
+    reasoning_tokens: int = 0
+
+
+class ResponseUsage(msgspec.Struct, kw_only=True):
+    input_tokens: int
+    input_tokens_details: InputTokensDetails
+    output_tokens: int
+    output_tokens_details: OutputTokensDetails
+    total_tokens: int
+
+    @classmethod
+    def of(cls, usage: Usage) -> ResponseUsage:
+        return cls(
+            input_tokens=usage.prompt_tokens,
+            input_tokens_details=InputTokensDetails(cached_tokens=usage.cached_prompt_tokens),
+            output_tokens=usage.completion_tokens,
+            output_tokens_details=OutputTokensDetails(),
+            total_tokens=usage.total_tokens,
+        )
+
+
+class IncompleteDetails(msgspec.Struct, kw_only=True):
+    reason: str
+
+
+class ResponseObject(msgspec.Struct, kw_only=True):
+    """The Response object (`object: "response"`)."""
+
+    id: str
+    object: Literal["response"] = "response"
+    created_at: float
+    model: str
+    status: str
+    output: list[OutputItem]
+    parallel_tool_calls: bool
+    tool_choice: Any
+    tools: list[Any]
+    temperature: float | None
+    top_p: float | None
+    max_output_tokens: int | None
+    previous_response_id: str | None
+    instructions: str | None
+    metadata: dict[str, str] | None
+    user: str | None
+    store: bool
+    text: Any
+    truncation: str = "disabled"
+    error: Any = None
+    incomplete_details: IncompleteDetails | None = None
+    usage: ResponseUsage | None = None
+
+
+# ---- the store -------------------------------------------------------------------------------
+
+
+class ResponseStore:
+    """Recent responses' conversations for `previous_response_id`: at most
+    `max_entries`, each for `ttl_s` seconds after it was stored."""
+
+    def __init__(self, *, max_entries: int = 1024, ttl_s: float = 3600.0) -> None:
+        self.max_entries = max_entries
+        self.ttl_s = ttl_s
+        self._entries: OrderedDict[str, tuple[float, list[dict[str, Any]], str]] = OrderedDict()
+
+    def put(self, response_id: str, conversation: list[dict[str, Any]], model: str) -> None:
+        self._entries[response_id] = (time.monotonic() + self.ttl_s, conversation, model)
+        while len(self._entries) > self.max_entries:
+            self._entries.popitem(last=False)
+
+    def get(self, response_id: str) -> tuple[list[dict[str, Any]], str] | None:
+        entry = self._entries.get(response_id)
+        if entry is None:
+            return None
+        expires, conversation, model = entry
+        if time.monotonic() > expires:
+            del self._entries[response_id]
+            return None
+        return conversation, model
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
+def _new_id(prefix: str) -> str:
+    return f"{prefix}_{os.urandom(12).hex()}"
+
+
+# ---- request -> engine -----------------------------------------------------------------------
+
+
+InputItem = InputMessage | InputFunctionCall | InputFunctionOutput
+_ITEM_TYPES: dict[str, type[InputItem]] = {
+    "message": InputMessage,
+    "function_call": InputFunctionCall,
+    "function_call_output": InputFunctionOutput,
+}
+
+
+def _input_item(raw: dict[str, Any], i: int) -> InputItem:
+    kind = raw.get("type", "message")
+    item_type = _ITEM_TYPES.get(kind) if isinstance(kind, str) else None
+    if item_type is None:
+        raise APIError(400, f"input[{i}]: items of type {kind!r} are not supported", param="input")
+    try:
+        return msgspec.convert(raw, item_type)
+    except msgspec.ValidationError as exc:
+        raise APIError(400, f"input[{i}]: {exc}", param="input") from None
+
+
+def _input_messages(raw_items: str | Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    if isinstance(raw_items, str):
+        return [{"role": "user", "content": raw_items}]
+    out: list[dict[str, Any]] = []
+    for i, raw in enumerate(raw_items):
+        item = _input_item(raw, i)
+        if isinstance(item, InputMessage):
+            text = item.content if isinstance(item.content, str) else "\n".join(p.text for p in item.content)
+            out.append({"role": "system" if item.role == "developer" else item.role, "content": text})
+        elif isinstance(item, InputFunctionCall):
+            call = ToolCall(id=item.call_id, name=item.name, arguments=item.arguments)
+            if out and out[-1]["role"] == "assistant" and "tool_calls" in out[-1]:
+                out[-1]["tool_calls"].append(call)  # consecutive calls are one assistant turn
+            else:
+                out.append({"role": "assistant", "content": "", "tool_calls": [call]})
+        else:
+            out.append({"role": "tool", "tool_call_id": item.call_id, "content": item.output})
+    return out
+
+
+def _json_schema(text: ResponsesText | None) -> dict[str, Any] | bool | None:
+    fmt = text.format if text is not None else None
+    if fmt is None or fmt.type == "text":
+        return None
+    if fmt.type == "json_object":
+        return {"type": "object"}
+    if fmt.schema is None:
+        raise APIError(400, "text.format json_schema needs a schema", param="text")
+    return fmt.schema
+
+
+class _Turn:
+    """One response in the making: its ids, the model's items as they stream,
+    and the final Response object."""
+
+    def __init__(self, req: ResponsesRequest, served: ServedModel, chat: ChatStream,
+                 conversation: list[dict[str, Any]], store: ResponseStore) -> None:
+        self.req = req
+        self.served = served
+        self.chat = chat
+        self.conversation = conversation
+        self.store = store
+        self.id = _new_id("resp")
+        self.created = time.time()
+        self.msg_id = _new_id("msg")
+        self.items: list[OutputItem] = []
+        self._seq = 0
+        self._text_open = False
+        self._calls: dict[int, int] = {}  # call index -> output index
+        self._call_ids: dict[int, str] = {}
+
+    def response(self, status: str, usage: Usage | None, finish: str | None) -> ResponseObject:
+        req = self.req
+        incomplete = IncompleteDetails(reason="max_output_tokens") if finish == "length" else None
+        tool_choice: Any = req.tool_choice if req.tool_choice is not None else "auto"
+        return ResponseObject(
+            id=self.id,
+            created_at=self.created,
+            model=self.served.name,
+            status=status,
+            output=list(self.items),
+            parallel_tool_calls=req.parallel_tool_calls is not False,
+            tool_choice=msgspec.to_builtins(tool_choice),
+            tools=msgspec.to_builtins(req.tools or []),
+            temperature=req.temperature,
+            top_p=req.top_p,
+            max_output_tokens=req.max_output_tokens,
+            previous_response_id=req.previous_response_id,
+            instructions=req.instructions,
+            metadata=req.metadata,
+            user=req.user,
+            store=req.store is not False,
+            text=msgspec.to_builtins(req.text) if req.text is not None else {"format": {"type": "text"}},
+            incomplete_details=incomplete,
+            usage=ResponseUsage.of(usage) if usage is not None else None,
+        )
+
+    def finish(self, usage: Usage | None, finish: str) -> ResponseObject:
+        """The final items and Response; stores the conversation for the next turn."""
+        content, calls = self.chat.content, self.chat.tool_calls
+        status = "incomplete" if finish == "length" else "completed"
+        items: list[OutputItem] = []
+        if content or not calls:
+            items.append(OutputMessage(id=self.msg_id, status=status, content=[OutputText(text=content)]))
+        for i, call in enumerate(calls):
+            item_id = self._call_ids.get(i) or _new_id("fc")
+            items.append(OutputFunctionCall(id=item_id, call_id=call.id, name=call.name, arguments=call.arguments,
+                                            status=status))
+        self.items = items
+        if self.req.store is not False:
+            turn: dict[str, Any] = {"role": "assistant", "content": content}
+            if calls:
+                turn["tool_calls"] = calls
+            self.store.put(self.id, [*self.conversation, turn], self.served.name)
+        return self.response(status, usage, finish)
+
+    # ---- streaming events ----
+
+    def event(self, kind: str, **fields: Any) -> bytes:
+        body = {"type": kind, "sequence_number": self._seq, **fields}
+        self._seq += 1
+        return b"event: " + kind.encode() + b"\ndata: " + msgspec.json.encode(body) + b"\n\n"
+
+
+class _ResponseEvents:
+    """The Responses API's streamed events, as a `ChunkFormat` for `events.drive`."""
+
+    def __init__(self, turn: _Turn) -> None:
+        self.t = turn
+
+    def opening(self, request_id: str) -> bytes | None:
+        r = self.t.response("in_progress", None, None)
+        return self.t.event("response.created", response=r) + self.t.event("response.in_progress", response=r)
+
+    async def token(self, tok: Token) -> bytes | None:
+        out = b"".join(self._delta(d) for d in self.t.chat.feed(tok))
+        return out or None
+
+    def _delta(self, d: TextDelta | ToolCallDelta) -> bytes:
+        t = self.t
+        if isinstance(d, TextDelta):
+            out = b""
+            if not t._text_open:
+                t._text_open = True
+                item = OutputMessage(id=t.msg_id, status="in_progress", content=[])
+                out += t.event("response.output_item.added", output_index=0, item=item)
+                out += t.event("response.content_part.added", item_id=t.msg_id, output_index=0, content_index=0,
+                               part=OutputText(text=""))
+            return out + t.event("response.output_text.delta", item_id=t.msg_id, output_index=0, content_index=0,
+                                 delta=d.text, logprobs=[])
+        out = b""
+        if d.id is not None:  # a new call: close the previous one
+            out += self._close_call(d.index - 1)
+            index = len(t._calls)
+            t._calls[d.index] = index
+            t._call_ids[d.index] = _new_id("fc")
+            call = OutputFunctionCall(id=t._call_ids[d.index], call_id=d.id, name=d.name or "", arguments="",
+                                      status="in_progress")
+            return out + t.event("response.output_item.added", output_index=index, item=call)
+        return t.event("response.function_call_arguments.delta", item_id=t._call_ids[d.index],
+                       output_index=t._calls[d.index], delta=d.arguments)
+
+    def _close_call(self, index: int) -> bytes:
+        t = self.t
+        if index not in t._calls or index >= len(t.chat.tool_calls):
+            return b""
+        call = t.chat.tool_calls[index]
+        out_index, item_id = t._calls.pop(index), t._call_ids[index]
+        item = OutputFunctionCall(id=item_id, call_id=call.id, name=call.name, arguments=call.arguments,
+                                  status="completed")
+        return t.event("response.function_call_arguments.done", item_id=item_id, output_index=out_index,
+                       arguments=call.arguments) + t.event("response.output_item.done", output_index=out_index,
+                                                           item=item)
+
+    def closing(self, finish: str, usage: Usage | None) -> bytes | None:
+        t = self.t
+        out = b"".join(self._delta(d) for d in t.chat.close_parser())
+        for index in sorted(t._calls):
+            out += self._close_call(index)
+        final = t.finish(usage, finish)
+        if t._text_open:
+            msg = final.output[0]
+            assert isinstance(msg, OutputMessage)
+            part = msg.content[0]
+            out += t.event("response.output_text.done", item_id=t.msg_id, output_index=0, content_index=0,
+                           text=part.text, logprobs=[])
+            out += t.event("response.content_part.done", item_id=t.msg_id, output_index=0, content_index=0, part=part)
+            out += t.event("response.output_item.done", output_index=0, item=msg)
+        kind = "response.incomplete" if final.status == "incomplete" else "response.completed"
+        return out + t.event(kind, response=final)
+
+    def usage(self, usage: Usage) -> bytes:
+        return b""
+
+    def error(self, exc: BaseException) -> bytes:
+        err = api_error(exc).body.error
+        return self.t.event("error", code=err.code, message=err.message, param=err.param)
+
+    def done(self) -> bytes:
+        return b""
+
+
+# ---- the endpoint ----------------------------------------------------------------------------
+
+
+class ResponsesAPI:
+    """`POST /v1/responses` over a model resolver and the app's metrics."""
+
+    def __init__(self, resolve: Any, metrics: Metrics, store: ResponseStore | None = None) -> None:
+        self._resolve = resolve
+        self._metrics = metrics
+        self.store = store or ResponseStore()
+
+    async def create(self, request: Request) -> Response:
+        req = await read_json(request, ResponsesRequest)
+        conversation: list[dict[str, Any]] = []
+        if req.previous_response_id is not None:
+            found = self.store.get(req.previous_response_id)
+            if found is None:
+                raise APIError(404, f"no stored response {req.previous_response_id!r} (unknown or expired)",
+                               param="previous_response_id", code="response_not_found")
+            conversation = list(found[0])
+        conversation += _input_messages(req.input)
+        if not conversation:
+            raise APIError(400, "input must not be empty", param="input")
+        messages = ([{"role": "system", "content": req.instructions}] if req.instructions else []) + conversation
+        if req.max_output_tokens is not None and req.max_output_tokens < 1:
+            raise APIError(400, "max_output_tokens must be >= 1", param="max_output_tokens")
+        schema = _json_schema(req.text)
+        tools = [Tool(name=t.name, description=t.description, parameters=t.parameters) for t in req.tools or ()]
+        choice: str | None = None
+        if isinstance(req.tool_choice, ResponsesNamedTool):
+            choice = req.tool_choice.name
+        elif req.tool_choice is not None:
+            choice = req.tool_choice
+        if tools and schema is not None and choice != "none":
+            raise APIError(400, "text.format cannot be combined with tools", param="text")
+        params = SamplingParams(
+            max_tokens=req.max_output_tokens,
+            temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p,
+            json_schema=schema,
+        )
+        served: ServedModel = self._resolve(req.model)
+        try:
+            chat = served.engine.stream_chat(
+                messages, params, tools=tools or None, tool_choice=choice,
+                parallel_tool_calls=req.parallel_tool_calls is not False,
+            )
+        except InvalidRequestError as exc:
+            msg, err = str(exc), api_error(exc)
+            if err.body.error.param is None:
+                err = APIError(400, msg, param="tool_choice" if "tool_choice" in msg else "tools" if "tool" in msg
+                               else "input")
+            raise err from None
+        turn = _Turn(req, served, chat, conversation, self.store)
+        observer = self._metrics.observer(served.name, served.engine)
+        if req.stream:
+            return EventStream(drive(chat.tokens, _ResponseEvents(turn), include_usage=False, observer=observer))
+        tokens = await unless_disconnected(request.receive, functools.partial(collect, chat.tokens, observer))
+        finish = finish_reason(chat.tokens.finish_reason)
+        for tok in tokens:
+            chat.feed(tok)
+        chat.close_parser()
+        final = chat.tokens.final
+        return json_response(turn.finish(final.usage if final is not None else None, finish))

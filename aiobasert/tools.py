@@ -1,0 +1,643 @@
+"""Tool calling: typed tools and calls, prompt rendering, the call grammar, and
+an incremental parser that turns generated text into text and tool-call deltas.
+
+```python
+weather = Tool(name="get_weather", parameters={"type": "object",
+               "properties": {"city": {"type": "string"}}, "required": ["city"]})
+reply = await engine.chat(messages, tools=[weather], tool_choice="required")
+for call in reply.tool_calls:            # ToolCall(id, name, arguments: JSON text)
+    print(call.name, json.loads(call.arguments))
+async for delta in engine.stream_chat(messages, tools=[weather]):
+    ...                                   # TextDelta | ToolCallDelta
+```
+
+The wire format of a call is Hermes / Qwen style, exactly::
+
+    <tool_call>
+    {"name": "get_weather", "arguments": {"city":"Paris"}}
+    </tool_call>
+
+(several calls are separated by one newline). Tools are rendered into the
+prompt by the model's own chat template when it knows about tools (it mentions
+`tools`), otherwise by the default below: a system-prompt tool list
+(`DEFAULT_TOOL_PROMPT`), assistant calls in the format above, and tool results
+as user turns wrapped in `<tool_response>` tags.
+
+The output is constrained by a grammar (llguidance, Lark syntax with `%json`
+for each tool's arguments), never filtered afterwards:
+
+- `tool_choice="auto"`: either text that never contains `<tool_call>`, or (from
+  the first character on) one or more well-formed calls;
+- `"required"` / a named function: only well-formed calls (of that function);
+- `"none"`: only text without `<tool_call>`;
+- `parallel_tool_calls=False`: at most one call.
+
+Arguments always validate against the tool's JSON Schema. The grammar masks
+the lane's logits row each step, so tool lanes keep batching with free lanes.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import re
+from collections.abc import AsyncIterator, Generator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Literal
+
+import msgspec
+
+from .chat import _SENTINEL, _SENTINEL_RE, DEFAULT_TEMPLATE, _compile, render_chat
+from .errors import InvalidRequestError
+from .types import ChatMessage, FinishReason, Timing, Token, Usage
+
+if TYPE_CHECKING:
+    from .engine import Engine
+    from .streams import TokenStream
+    from .types import SamplingParams
+
+__all__ = [
+    "CALL_CLOSE",
+    "CALL_OPEN",
+    "DEFAULT_TOOL_PROMPT",
+    "ChatReply",
+    "ChatStream",
+    "TextDelta",
+    "Tool",
+    "ToolCall",
+    "ToolCallDelta",
+    "ToolCallParser",
+    "ToolChoice",
+    "parse_tool_choice",
+    "parse_tools",
+    "render_tool_chat",
+    "tool_grammar",
+]
+
+CALL_OPEN = "<tool_call>\n"
+CALL_CLOSE = "\n</tool_call>"
+_NAME_OPEN = '{"name": "'
+_ARGS_OPEN = '", "arguments": '
+_CALL_END = "}" + CALL_CLOSE
+_CALL_SEP = "\n"
+
+_NAME_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+
+DEFAULT_TOOL_PROMPT = (
+    "You may call one or more functions to assist with the user query.\n\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n{tools}\n</tools>\n\n"
+    "For each function call, return a json object with function name and arguments within "
+    "<tool_call></tool_call> XML tags:\n<tool_call>\n"
+    '{{"name": <function-name>, "arguments": <args-json-object>}}\n</tool_call>'
+)
+"""The system-prompt tool list used when the model's chat template has no tool support."""
+
+
+class Tool(msgspec.Struct, frozen=True, kw_only=True):
+    """A function the model may call. `parameters` is the JSON Schema of its
+    arguments (an object schema; None = no arguments)."""
+
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+
+    def as_openai(self) -> dict[str, Any]:
+        """`{"type": "function", "function": {...}}`, as chat templates and clients expect."""
+        fn: dict[str, Any] = {"name": self.name}
+        if self.description is not None:
+            fn["description"] = self.description
+        fn["parameters"] = self.parameters if self.parameters is not None else {"type": "object", "properties": {}}
+        return {"type": "function", "function": fn}
+
+    def arguments_schema(self) -> dict[str, Any]:
+        """The schema the arguments are generated under (an object, compact JSON)."""
+        default: dict[str, Any] = {"type": "object", "properties": {}}
+        schema = dict(self.parameters) if self.parameters is not None else default
+        if schema.get("type") is None:
+            schema["type"] = "object"
+        if schema.get("type") != "object":
+            raise InvalidRequestError(f"tool {self.name!r}: parameters must be an object schema")
+        guidance = dict(schema.get("x-guidance") or {})
+        guidance.setdefault("whitespace_flexible", False)
+        schema["x-guidance"] = guidance
+        return schema
+
+
+class ToolCall(msgspec.Struct, frozen=True, kw_only=True):
+    """One call the model made. `arguments` is the JSON text exactly as generated
+    (it validates against the tool's schema); `json.loads` it for a dict."""
+
+    id: str
+    name: str
+    arguments: str
+    type: Literal["function"] = "function"
+
+
+class ToolCallDelta(msgspec.Struct, frozen=True, kw_only=True):
+    """A piece of a streamed call: the first delta of call `index` carries its
+    `id` and `name` (and `arguments=""`), the next ones argument fragments.
+    The fragments of one call concatenate to its `ToolCall.arguments`."""
+
+    index: int
+    id: str | None = None
+    name: str | None = None
+    arguments: str = ""
+
+
+class TextDelta(msgspec.Struct, frozen=True):
+    """Assistant text."""
+
+    text: str
+
+
+ChatDelta = TextDelta | ToolCallDelta
+
+ToolChoice = Literal["auto", "none", "required"] | str
+"""`"auto"`, `"none"`, `"required"`, or the name of the function that must be called."""
+
+
+class ChatReply(msgspec.Struct, frozen=True, kw_only=True):
+    """A whole assistant turn: text and/or tool calls (`await engine.stream_chat(...)`).
+
+    `finish_reason` is "tool_calls" when the turn ended after calls, else the
+    engine's ("stop", "length", ...)."""
+
+    request_id: str
+    content: str
+    tool_calls: list[ToolCall]
+    finish_reason: FinishReason | Literal["tool_calls"]
+    usage: Usage
+    timing: Timing
+
+
+# ---- input normalisation -------------------------------------------------------------------
+
+
+def parse_tools(tools: Sequence[Tool | Mapping[str, Any]] | None) -> list[Tool]:
+    """`Tool`s from Tool objects or OpenAI dicts (`{"type": "function", "function": {...}}`
+    or the flat `{"name", "description", "parameters"}`); names must be unique."""
+    out: list[Tool] = []
+    for i, t in enumerate(tools or ()):
+        if isinstance(t, Tool):
+            tool = t
+        elif isinstance(t, Mapping):
+            fn = t.get("function") if t.get("type", "function") == "function" and "function" in t else t
+            if t.get("type", "function") != "function":
+                raise InvalidRequestError(f"tools[{i}]: only function tools are supported, not {t.get('type')!r}")
+            if not isinstance(fn, Mapping):
+                raise InvalidRequestError(f"tools[{i}]: function must be an object")
+            try:
+                tool = msgspec.convert(
+                    {k: fn[k] for k in ("name", "description", "parameters") if fn.get(k) is not None}, Tool
+                )
+            except msgspec.ValidationError as exc:
+                raise InvalidRequestError(f"tools[{i}]: {exc}") from None
+        else:
+            raise InvalidRequestError(f"tools[{i}] must be a Tool or a mapping, not {type(t).__name__}")
+        if not _NAME_RE.match(tool.name):
+            raise InvalidRequestError(f"tools[{i}]: name {tool.name!r} must match [A-Za-z0-9_-]{{1,64}}")
+        if any(o.name == tool.name for o in out):
+            raise InvalidRequestError(f"tools[{i}]: duplicate tool name {tool.name!r}")
+        tool.arguments_schema()  # an object schema, or InvalidRequestError
+        out.append(tool)
+    return out
+
+
+def parse_tool_choice(choice: ToolChoice | Mapping[str, Any] | None, tools: Sequence[Tool]) -> str:
+    """Normalise `tool_choice` ("auto" default; OpenAI's `{"type": "function",
+    "function": {"name": ...}}` form accepted) to "auto" / "none" / "required" /
+    a tool name, checked against `tools`."""
+    if choice is None:
+        return "auto" if tools else "none"
+    if isinstance(choice, Mapping):
+        fn = choice.get("function")
+        name = fn.get("name") if isinstance(fn, Mapping) else choice.get("name")
+        if choice.get("type") != "function" or not isinstance(name, str):
+            raise InvalidRequestError('tool_choice must be "auto", "none", "required" or {"type": "function", ...}')
+        choice = name
+        named = True
+    else:
+        named = choice not in ("auto", "none", "required")
+    if not isinstance(choice, str):
+        raise InvalidRequestError("tool_choice must be a string or an object")
+    if named:
+        if not any(t.name == choice for t in tools):
+            raise InvalidRequestError(f"tool_choice names {choice!r}, which is not among the tools")
+        return choice
+    if choice in ("auto", "required") and not tools:
+        raise InvalidRequestError(f'tool_choice "{choice}" needs tools')
+    return choice
+
+
+# ---- the grammar ---------------------------------------------------------------------------
+
+
+def _lark_str(text: str) -> str:
+    return json.dumps(text)
+
+
+def tool_grammar(tools: Sequence[Tool], choice: str, *, parallel: bool = True) -> str | None:
+    """The Lark grammar (llguidance dialect) of an assistant turn under `choice`;
+    None when nothing needs constraining (no tools)."""
+    if not tools:
+        return None
+    text = r"TEXT: /(?s:.+)/ & ~/(?s:.*<tool_call>.*)/"
+    if choice == "none":
+        return f"start: TEXT\n{text}\n"
+    allowed = [t for t in tools if choice in ("auto", "required") or t.name == choice]
+    lines = []
+    calls = "call" if not parallel else f"call ({_lark_str(_CALL_SEP)} call)*"
+    lines.append(f"start: TEXT | calls\n{text}" if choice == "auto" else "start: calls")
+    lines.append(f"calls: {calls}")
+    lines.append("call: " + " | ".join(f"call_{i}" for i in range(len(allowed))))
+    for i, tool in enumerate(allowed):
+        head = CALL_OPEN + _NAME_OPEN + tool.name + _ARGS_OPEN
+        lines.append(f"call_{i}: {_lark_str(head)} args_{i} {_lark_str(_CALL_END)}")
+        lines.append(f"args_{i}: %json {json.dumps(tool.arguments_schema())}")
+    return "\n".join(lines) + "\n"
+
+
+# ---- prompt rendering ----------------------------------------------------------------------
+
+
+def _message_fields(m: Any, i: int) -> dict[str, Any]:
+    """A message as a dict: role, content, and the tool fields (tool_calls, tool_call_id, name)."""
+    if isinstance(m, ChatMessage):
+        return {"role": m.role, "content": m.content}
+    if not isinstance(m, Mapping):
+        raise InvalidRequestError(f"message {i} must be a ChatMessage or a mapping, not {type(m).__name__}")
+    out: dict[str, Any] = {"role": m.get("role"), "content": m.get("content")}
+    if out["content"] is None:
+        out["content"] = ""
+    calls = m.get("tool_calls")
+    if calls:
+        parsed: list[ToolCall] = []
+        for j, c in enumerate(calls):
+            if isinstance(c, ToolCall):
+                parsed.append(c)
+                continue
+            fn = c.get("function", c) if isinstance(c, Mapping) else None
+            args = fn.get("arguments", "{}") if isinstance(fn, Mapping) else None
+            if not isinstance(fn, Mapping) or not isinstance(fn.get("name"), str):
+                raise InvalidRequestError(f"message {i}: tool_calls[{j}] needs a function name")
+            if not isinstance(args, str):
+                args = json.dumps(args)
+            parsed.append(ToolCall(id=str(c.get("id") or f"call_{i}_{j}"), name=fn["name"], arguments=args))
+        out["tool_calls"] = parsed
+    for key in ("tool_call_id", "name"):
+        if m.get(key) is not None:
+            out[key] = str(m[key])
+    return out
+
+
+def template_supports_tools(template: str) -> bool:
+    """True when a chat template renders a `tools` variable itself."""
+    return bool(template) and re.search(r"\btools\b", template) is not None
+
+
+def _call_text(call: ToolCall) -> str:
+    return CALL_OPEN + _NAME_OPEN + call.name + _ARGS_OPEN + call.arguments + _CALL_END
+
+
+def render_tool_chat(
+    template: str,
+    messages: Sequence[Any],
+    tools: Sequence[Tool],
+    *,
+    add_generation_prompt: bool = True,
+    bos_token: str = "",
+    eos_token: str = "",
+) -> list[tuple[str, bool]]:
+    """Render a conversation with tools (and tool turns) into encodable pieces,
+    with the model's template when it supports tools, else the default format."""
+    if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence) or not messages:
+        raise InvalidRequestError("messages must be a non-empty list of {role, content} messages")
+    msgs = [_message_fields(m, i) for i, m in enumerate(messages)]
+    for i, m in enumerate(msgs):
+        if not isinstance(m["role"], str) or not isinstance(m["content"], str):
+            raise InvalidRequestError(f"message {i} needs a string 'role' and 'content'")
+    if template_supports_tools(template):
+        return _render_with_template(template, msgs, tools, add_generation_prompt, bos_token, eos_token)
+    plain: list[ChatMessage] = []
+    if tools:
+        listing = DEFAULT_TOOL_PROMPT.format(tools="\n".join(json.dumps(t.as_openai()) for t in tools))
+        if msgs[0]["role"] in ("system", "developer"):
+            plain.append(ChatMessage(role="system", content=msgs[0]["content"] + "\n\n" + listing))
+            msgs = msgs[1:]
+        else:
+            plain.append(ChatMessage(role="system", content=listing))
+    for m in msgs:
+        if m["role"] == "tool":
+            plain.append(ChatMessage(role="user", content=f"<tool_response>\n{m['content']}\n</tool_response>"))
+        elif m.get("tool_calls"):
+            parts = [m["content"]] if m["content"] else []
+            parts += [_call_text(c) for c in m["tool_calls"]]
+            plain.append(ChatMessage(role=m["role"], content=_CALL_SEP.join(parts)))
+        else:
+            plain.append(ChatMessage(role=m["role"], content=m["content"]))
+    return render_chat(
+        template, plain, add_generation_prompt=add_generation_prompt, bos_token=bos_token, eos_token=eos_token
+    )
+
+
+_FORGERY = re.compile(r"<\||\|>|<tool_call>|</tool_call>")
+
+
+def _render_with_template(
+    template: str,
+    msgs: list[dict[str, Any]],
+    tools: Sequence[Tool],
+    add_generation_prompt: bool,
+    bos_token: str,
+    eos_token: str,
+) -> list[tuple[str, bool]]:
+    # Message contents become content pieces (never parsed for markers), as in
+    # chat.render_chat. Tool definitions and call arguments are rendered by the
+    # template as framing, so they must not carry marker-like text.
+    contents: list[str] = []
+    ctx: list[dict[str, Any]] = []
+    for m in msgs:
+        entry: dict[str, Any] = {"role": m["role"], "content": _SENTINEL.format(len(contents))}
+        contents.append(m["content"])
+        if m.get("tool_calls"):
+            entry["tool_calls"] = []
+            for c in m["tool_calls"]:
+                if _FORGERY.search(c.name + c.arguments):
+                    raise InvalidRequestError("tool call arguments must not contain chat markers")
+                try:
+                    args = json.loads(c.arguments)
+                except ValueError:
+                    raise InvalidRequestError(f"tool call {c.id}: arguments are not JSON") from None
+                entry["tool_calls"].append(
+                    {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": args}}
+                )
+        for key in ("tool_call_id", "name"):
+            if key in m:
+                entry[key] = m[key]
+        ctx.append(entry)
+    tool_dicts = [t.as_openai() for t in tools]
+    if _FORGERY.search(json.dumps(tool_dicts)):
+        raise InvalidRequestError("tool definitions must not contain chat markers")
+    from jinja2 import TemplateError
+
+    try:
+        rendered = _compile(template or DEFAULT_TEMPLATE).render(
+            messages=ctx,
+            tools=tool_dicts or None,
+            add_generation_prompt=add_generation_prompt,
+            bos_token=bos_token,
+            eos_token=eos_token,
+        )
+    except TemplateError as exc:
+        raise InvalidRequestError(f"chat template failed: {exc}") from None
+    pieces: list[tuple[str, bool]] = []
+    pos = 0
+    for match in _SENTINEL_RE.finditer(rendered):
+        if match.start() > pos:
+            pieces.append((rendered[pos : match.start()], False))
+        idx = int(match.group(1))
+        if idx >= len(contents):
+            raise InvalidRequestError("chat template produced an unknown message reference")
+        if contents[idx]:
+            pieces.append((contents[idx], True))
+        pos = match.end()
+    if pos < len(rendered):
+        pieces.append((rendered[pos:], False))
+    if not pieces:
+        raise InvalidRequestError("chat template rendered nothing")
+    return pieces
+
+
+# ---- output parsing -------------------------------------------------------------------------
+
+_call_ids = itertools.count(1)
+_call_prefix = os.urandom(4).hex()
+
+
+def new_call_id() -> str:
+    return f"call_{_call_prefix}{next(_call_ids):06d}"
+
+
+class ToolCallParser:
+    """Incremental: `feed(text)` returns the deltas the new text completes, `close()`
+    the rest. Text that may still become `<tool_call>` is held back until it
+    cannot. Argument fragments are released as soon as they are generated; a
+    small JSON scanner finds where the arguments end. Assumes the grammar's exact
+    call format; anything else is passed through as text."""
+
+    def __init__(self) -> None:
+        self._buf = ""
+        self._mode: Literal["start", "text", "head", "args", "tail", "between"] = "start"
+        self._index = -1
+        self._depth = 0
+        self._in_str = False
+        self._escape = False
+        self.calls: list[ToolCall] = []
+        self._name = ""
+        self._id = ""
+        self._args: list[str] = []
+        self.text: list[str] = []
+
+    def feed(self, text: str) -> list[ChatDelta]:
+        out: list[ChatDelta] = []
+        self._buf += text
+        while self._buf:
+            before = (self._mode, len(self._buf))
+            self._step(out)
+            if (self._mode, len(self._buf)) == before:
+                break  # needs more text
+        return out
+
+    def close(self) -> list[ChatDelta]:
+        """The end of the output: flush held text (an unfinished call keeps its fragments)."""
+        out: list[ChatDelta] = []
+        if self._mode == "args":
+            self._finish_call()
+        elif self._buf and self._mode in ("start", "text"):
+            self._emit_text(self._buf, out)
+        # "head" / "between" / "tail": a call's framing cut off (max_tokens): nothing to report
+        self._buf = ""
+        return out
+
+    @property
+    def content(self) -> str:
+        """The text parsed so far (outside calls)."""
+        return "".join(self.text)
+
+    def _emit_text(self, text: str, out: list[ChatDelta]) -> None:
+        if text:
+            self.text.append(text)
+            out.append(TextDelta(text))
+
+    def _step(self, out: list[ChatDelta]) -> None:
+        buf, opener = self._buf, CALL_OPEN + _NAME_OPEN
+        if self._mode in ("start", "between"):
+            if self._mode == "between" and buf.startswith(_CALL_SEP + opener[:1]):
+                buf = self._buf = buf[len(_CALL_SEP) :]
+            if buf.startswith(opener):
+                self._buf = buf[len(opener) :]
+                self._mode = "head"
+            elif opener.startswith(buf) or (self._mode == "between" and (_CALL_SEP + opener).startswith(buf)):
+                return  # may still become a call
+            else:
+                self._mode = "text"
+        elif self._mode == "text":
+            self._emit_text(buf, out)
+            self._buf = ""
+        elif self._mode == "head":
+            end = buf.find(_ARGS_OPEN)
+            if end < 0:
+                return
+            self._name, self._buf = buf[:end], buf[end + len(_ARGS_OPEN) :]
+            self._index += 1
+            self._id = new_call_id()
+            self._args = []
+            self._depth, self._in_str, self._escape = 0, False, False
+            out.append(ToolCallDelta(index=self._index, id=self._id, name=self._name, arguments=""))
+            self._mode = "args"
+        elif self._mode == "args":
+            n = self._scan(buf)
+            if n:
+                self._args.append(buf[:n])
+                out.append(ToolCallDelta(index=self._index, arguments=buf[:n]))
+                self._buf = buf[n:]
+            if self._depth == 0 and self._args:
+                self._finish_call()
+                self._mode = "tail"
+        elif self._mode == "tail":
+            if buf.startswith(_CALL_END):
+                self._buf = buf[len(_CALL_END) :]
+                self._mode = "between"
+            elif not _CALL_END.startswith(buf):
+                self._mode = "text"  # not the grammar's format: keep it as text
+
+    def _scan(self, buf: str) -> int:
+        """How many chars of `buf` belong to the arguments (stops after the closing bracket)."""
+        for i, ch in enumerate(buf):
+            if self._in_str:
+                if self._escape:
+                    self._escape = False
+                elif ch == "\\":
+                    self._escape = True
+                elif ch == '"':
+                    self._in_str = False
+            elif ch == '"':
+                self._in_str = True
+            elif ch in "{[":
+                self._depth += 1
+            elif ch in "}]":
+                self._depth -= 1
+                if self._depth == 0:
+                    return i + 1
+        return len(buf)
+
+    def _finish_call(self) -> None:
+        self.calls.append(ToolCall(id=self._id, name=self._name, arguments="".join(self._args)))
+        self._args = []
+
+
+def open_chat_stream(
+    engine: Engine,
+    messages: Sequence[Any],
+    params: SamplingParams,
+    *,
+    tools: Sequence[Tool | Mapping[str, Any]] | None,
+    tool_choice: ToolChoice | Mapping[str, Any] | None,
+    parallel: bool,
+    add_generation_prompt: bool = True,
+) -> ChatStream:
+    """Render, constrain and submit one tool-aware chat turn (`Engine.stream_chat`)."""
+    parsed = parse_tools(tools)
+    choice = parse_tool_choice(tool_choice, parsed)
+    lark = tool_grammar(parsed, choice, parallel=parallel)
+    if lark is not None and params.json_schema is not None:
+        raise InvalidRequestError("json_schema cannot be combined with tools")
+    thread = engine._thread
+    pieces = render_tool_chat(
+        engine.chat_template,
+        messages,
+        parsed,  # listed under "none" too: the model knows them, the grammar forbids calls
+        add_generation_prompt=add_generation_prompt,
+        bos_token=thread.bos_token,
+        eos_token=thread.eos_token,
+    )
+    tokens = engine._new_stream(pieces, params, True, lark)
+    return ChatStream(tokens, parse_calls=choice != "none" and bool(parsed))
+
+
+def finish_reason_with_tools(reason: FinishReason | None, calls: Sequence[ToolCall]) -> Any:
+    """OpenAI's rule: a turn that ended normally after calls finishes with "tool_calls"."""
+    return "tool_calls" if calls and reason == "stop" else reason
+
+
+class ChatStream:
+    """`async for delta in stream` yields `TextDelta` / `ToolCallDelta`;
+    `await stream` gives the `ChatReply`. Wraps the turn's `TokenStream`
+    (`stream.tokens`); closing one closes the other."""
+
+    def __init__(self, tokens: TokenStream, *, parse_calls: bool) -> None:
+        self.tokens = tokens
+        self._parser = ToolCallParser() if parse_calls else None
+        self._text: list[str] = []
+
+    async def __aiter__(self) -> AsyncIterator[ChatDelta]:
+        async for delta in self._deltas():
+            yield delta
+
+    async def _deltas(self) -> AsyncIterator[ChatDelta]:
+        try:
+            async for tok in self.tokens:
+                for delta in self.feed(tok):
+                    yield delta
+            for delta in self.close_parser():
+                yield delta
+        finally:
+            await self.tokens.aclose()
+
+    def feed(self, tok: Token) -> list[ChatDelta]:
+        """The deltas one token completes (for callers that walk the tokens themselves)."""
+        if self._parser is None:
+            self._text.append(tok.text)
+            return [TextDelta(tok.text)] if tok.text else []
+        return self._parser.feed(tok.text)
+
+    def close_parser(self) -> list[ChatDelta]:
+        """The deltas held back until the end (call after the last `feed`)."""
+        return self._parser.close() if self._parser is not None else []
+
+    @property
+    def content(self) -> str:
+        """The assistant text so far (without tool calls)."""
+        return self._parser.content if self._parser is not None else "".join(self._text)
+
+    @property
+    def tool_calls(self) -> list[ToolCall]:
+        """The calls completed so far."""
+        return list(self._parser.calls) if self._parser is not None else []
+
+    async def aclose(self) -> None:
+        """Stop the turn (its lane is freed before the engine's next step)."""
+        await self.tokens.aclose()
+
+    def reply(self) -> ChatReply:
+        """The turn so far as a `ChatReply` (call once the stream has ended)."""
+        final = self.tokens.final
+        if final is None:
+            raise InvalidRequestError("the chat stream has not finished")
+        return ChatReply(
+            request_id=self.tokens.request_id,
+            content=self.content,
+            tool_calls=self.tool_calls,
+            finish_reason=finish_reason_with_tools(final.finish_reason, self.tool_calls),
+            usage=final.usage,
+            timing=final.timing,
+        )
+
+    async def collect(self) -> ChatReply:
+        """Run the turn to its end: the `ChatReply` (`await stream` does the same)."""
+        async for _ in self._deltas():
+            pass
+        return self.reply()
+
+    def __await__(self) -> Generator[Any, None, ChatReply]:
+        return self.collect().__await__()

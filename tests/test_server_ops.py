@@ -1,0 +1,167 @@
+"""Operator basics: `aiobasert serve MODEL` (positional), --served-model-name,
+AIOBASERT_API_KEY, CORS, X-Request-Id, /tokenize, /detokenize, /version, and
+n > 1 sharing the prompt's KV through the prefix cache."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from openai import OpenAI
+from test_server import serving, start_uvicorn
+
+import aiobasert
+from aiobasert import Engine, SamplingParams
+from aiobasert.fanout import chat_n, generate_n
+from aiobasert.server import create_app
+from aiobasert.tiny import EOS_ID
+
+MODEL_NAME = "tiny"
+ORIGIN = "http://app.example"
+LONG_PROMPT = " ".join(["the quick brown fox jumps over the lazy dog"] * 6)
+
+
+@pytest.fixture(scope="module")
+def base_url(tiny_model_path: Path) -> Iterator[str]:
+    app = create_app(tiny_model_path, api_key="k", model_name=MODEL_NAME, max_batch_size=4, allowed_origins=[ORIGIN])
+    with serving(app) as url:
+        yield url
+
+
+def test_request_id_is_echoed_or_generated(base_url: str) -> None:
+    h = {"Authorization": "Bearer k"}
+    r = httpx.get(f"{base_url}/v1/models", headers={**h, "X-Request-Id": "abc-123"})
+    assert r.headers["x-request-id"] == "abc-123"
+    a, b = (httpx.get(f"{base_url}/v1/models", headers=h).headers["x-request-id"] for _ in range(2))
+    assert a and b and a != b
+    assert httpx.get(f"{base_url}/v1/models").headers["x-request-id"]  # also on a 401
+
+
+def test_cors_preflight_and_open_paths(base_url: str) -> None:
+    pre = httpx.options(f"{base_url}/v1/chat/completions", headers={
+        "Origin": ORIGIN, "Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "authorization",
+    })
+    assert pre.status_code == 200 and pre.headers["access-control-allow-origin"] == ORIGIN
+    other = httpx.options(f"{base_url}/v1/chat/completions", headers={
+        "Origin": "http://evil.example", "Access-Control-Request-Method": "POST",
+    })
+    assert other.headers.get("access-control-allow-origin") != "http://evil.example"
+    assert httpx.get(f"{base_url}/version").json() == {"version": aiobasert.__version__}
+    assert httpx.get(f"{base_url}/metrics").status_code == 200  # scrapers send no key
+    assert httpx.post(f"{base_url}/tokenize", json={"prompt": "x"}).status_code == 401
+
+
+def test_tokenize_detokenize_round_trip(base_url: str) -> None:
+    h = {"Authorization": "Bearer k"}
+    r = httpx.post(f"{base_url}/tokenize", json={"prompt": "Hello <|im_end|> world"}, headers=h).json()
+    assert r["count"] == len(r["tokens"]) > 3 and r["max_model_len"] > 0
+    back = httpx.post(f"{base_url}/detokenize", json={"tokens": r["tokens"]}, headers=h).json()
+    assert back == {"prompt": "Hello <|im_end|> world"}
+    bad = httpx.post(f"{base_url}/detokenize", json={"tokens": [10**7]}, headers=h)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
+
+
+def test_n_choices_share_the_prompt_prefill(base_url: str) -> None:
+    with OpenAI(base_url=f"{base_url}/v1", api_key="k", max_retries=0) as client:
+        r = client.completions.create(model=MODEL_NAME, prompt=LONG_PROMPT, max_tokens=6, n=3, temperature=1.0,
+                                      seed=11)
+        assert [c.index for c in r.choices] == [0, 1, 2]
+        assert r.usage is not None and 3 <= r.usage.completion_tokens <= 18
+        assert all(c.finish_reason in ("length", "stop") for c in r.choices)
+        single = client.completions.create(model=MODEL_NAME, prompt=LONG_PROMPT, max_tokens=6, seed=11,
+                                           temperature=1.0)
+        assert single.usage is not None and r.usage.prompt_tokens == single.usage.prompt_tokens  # counted once
+        assert r.choices[0].text == single.choices[0].text  # choice 0 keeps the request's seed
+        assert len({c.text for c in r.choices}) > 1  # each choice its own seed stream
+        chat = client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": LONG_PROMPT}],
+                                              max_tokens=4, n=2, seed=3)
+        assert len(chat.choices) == 2 and chat.usage is not None and 2 <= chat.usage.completion_tokens <= 8
+        batch = client.completions.create(model=MODEL_NAME, prompt=["Hi", "Once"], max_tokens=2, n=2)
+        assert [c.index for c in batch.choices] == [0, 1, 2, 3]
+
+
+def test_streamed_n_choices_equal_the_whole_ones(base_url: str) -> None:
+    with OpenAI(base_url=f"{base_url}/v1", api_key="k", max_retries=0) as client:
+        kw: dict[str, Any] = dict(model=MODEL_NAME, max_tokens=8, n=3, temperature=1.0, seed=21)
+        whole = client.completions.create(prompt=LONG_PROMPT, **kw)
+        texts: dict[int, str] = {}
+        finishes: dict[int, str] = {}
+        chunks = list(client.completions.create(prompt=LONG_PROMPT, stream=True,
+                                                stream_options={"include_usage": True}, **kw))
+        for chunk in chunks:
+            for c in chunk.choices:
+                texts[c.index] = texts.get(c.index, "") + c.text
+                if c.finish_reason:
+                    finishes[c.index] = c.finish_reason
+        assert [texts[i] for i in range(3)] == [c.text for c in whole.choices]
+        assert [finishes[i] for i in range(3)] == [c.finish_reason for c in whole.choices]
+        assert chunks[-1].usage is not None and whole.usage is not None
+        assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+        assert chunks[-1].usage.prompt_tokens == whole.usage.prompt_tokens
+
+        messages: list[Any] = [{"role": "user", "content": LONG_PROMPT}]
+        chat_whole = client.chat.completions.create(messages=messages, **kw)
+        content: dict[int, str] = {}
+        for chunk in client.chat.completions.create(messages=messages, stream=True, **kw):
+            for c in chunk.choices:
+                content[c.index] = content.get(c.index, "") + (c.delta.content or "")
+        assert [content[i] for i in range(3)] == [c.message.content for c in chat_whole.choices]
+
+
+@pytest.mark.anyio
+async def test_sdk_n_samples_hit_the_prefix_cache(tiny_model_path: Path) -> None:
+    async with Engine.open(tiny_model_path, max_batch_size=4) as engine:
+        params = SamplingParams(max_tokens=5, temperature=1.0, seed=5)
+        await engine.evict_prefix_cache()
+        done = await generate_n(engine, LONG_PROMPT, params, 4)
+        prompt_len = done[0].usage.prompt_tokens
+        for c in done:  # every sample seeded its KV from the one prefill: at most a page left to prefill
+            assert c.usage.cached_prompt_tokens >= prompt_len - 16, c.usage
+        assert len({tuple(c.token_ids) for c in done}) > 1
+        stats = await engine.stats()
+        assert stats.prefix_blocks_cached > 0
+        replies = await chat_n(engine, [{"role": "user", "content": LONG_PROMPT}], params, 2)
+        assert all(r.usage.cached_prompt_tokens > 0 for r in replies)
+
+
+def test_cli_serve_positional_model_name_and_env_key(tiny_model_path: Path) -> None:
+    import os
+
+    os.environ["AIOBASERT_API_KEY"] = "env-key"
+    try:
+        proc, _, port = start_uvicorn(
+            ["-m", "aiobasert", "serve", str(tiny_model_path), "--port", "0", "--served-model-name", "served"],
+            tiny_model_path,
+        )
+    finally:
+        del os.environ["AIOBASERT_API_KEY"]
+    try:
+        url = f"http://127.0.0.1:{port}"
+        assert httpx.get(f"{url}/v1/models").status_code == 401
+        models = httpx.get(f"{url}/v1/models", headers={"Authorization": "Bearer env-key"}).json()
+        assert [m["id"] for m in models["data"]] == ["served"]
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def test_disconnect_frees_every_choice_of_a_streamed_n(base_url: str) -> None:
+    h = {"Authorization": "Bearer k"}
+    body = {"model": MODEL_NAME, "prompt": LONG_PROMPT, "max_tokens": 1800, "n": 3, "stream": True,
+            "logit_bias": {str(EOS_ID): -100}}  # no choice may end by itself before the disconnect
+    with httpx.Client(base_url=base_url, timeout=30, headers=h) as http:
+        cancelled = http.get("/v1/internal/stats").json()["requests_cancelled"]
+        with http.stream("POST", "/v1/completions", json=body) as r:
+            assert r.status_code == 200
+            lines = r.iter_lines()
+            next(lines)
+            assert http.get("/v1/internal/stats").json()["active_lanes"] == 3  # all three choices run
+        deadline = time.monotonic() + 10
+        while (s := http.get("/v1/internal/stats").json())["live_sequences"] or s["active_lanes"]:
+            assert time.monotonic() < deadline, s
+            time.sleep(0.02)
+        assert s["requests_cancelled"] == cancelled + 3  # cancelled, not run to the end

@@ -1,0 +1,181 @@
+"""The Responses API (`POST /v1/responses`) with the official openai client:
+`client.responses.create` and `client.responses.stream`, function tools,
+`previous_response_id` reusing the previous turn's KV (cached_tokens), on the tiny model."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import jsonschema  # type: ignore[import-untyped]
+import openai
+import pytest
+from openai import AsyncOpenAI, OpenAI
+from test_server import serving
+
+from aiobasert.server import create_app
+
+API_KEY = "sk-test-key"
+MODEL_NAME = "tiny"
+PARAMS: dict[str, Any] = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "maxLength": 10}},
+    "required": ["city"],
+    "additionalProperties": False,
+}
+TOOLS: list[Any] = [{"type": "function", "name": "get_weather", "parameters": PARAMS, "strict": True}]
+
+
+@pytest.fixture(scope="module")
+def base_url(tiny_model_path: Path) -> Iterator[str]:
+    with serving(create_app(tiny_model_path, api_key=API_KEY, model_name=MODEL_NAME, max_batch_size=4)) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def client(base_url: str) -> Iterator[OpenAI]:
+    with OpenAI(base_url=f"{base_url}/v1", api_key=API_KEY, max_retries=0) as c:
+        yield c
+
+
+def test_text_response_stream_equals_create(client: OpenAI) -> None:
+    kw: dict[str, Any] = dict(model=MODEL_NAME, input="Tell me a story.", max_output_tokens=12, temperature=0)
+    whole = client.responses.create(**kw)
+    assert whole.object == "response" and whole.model == MODEL_NAME
+    assert whole.status == "incomplete" and whole.incomplete_details is not None
+    assert whole.incomplete_details.reason == "max_output_tokens"
+    assert whole.usage is not None and whole.usage.output_tokens == 12
+    text = whole.output_text
+    assert text
+
+    deltas: list[str] = []
+    kinds: list[str] = []
+    final = None
+    with client.responses.stream(**kw) as stream:
+        for event in stream:
+            kinds.append(event.type)
+            if event.type == "response.output_text.delta":
+                deltas.append(event.delta)
+            elif event.type == "response.incomplete":  # as OpenAI ends a max_output_tokens response
+                final = event.response
+    assert final is not None
+    assert "".join(deltas) == text == final.output_text
+    assert kinds[:2] == ["response.created", "response.in_progress"]
+    assert kinds[-1] == "response.incomplete"
+    for kind in ("response.output_item.added", "response.content_part.added", "response.output_text.done",
+                 "response.content_part.done", "response.output_item.done"):
+        assert kind in kinds
+    assert final.usage is not None and final.usage.output_tokens == 12
+
+
+def test_function_call_stream_and_create(client: OpenAI) -> None:
+    kw: dict[str, Any] = dict(model=MODEL_NAME, input="Weather in Paris?", tools=TOOLS, tool_choice="required",
+                              parallel_tool_calls=False, max_output_tokens=80, temperature=0)
+    whole = client.responses.create(**kw)
+    (call,) = [item for item in whole.output if item.type == "function_call"]
+    assert call.name == "get_weather" and call.call_id.startswith("call_")
+    jsonschema.validate(json.loads(call.arguments), PARAMS)
+    assert whole.status == "completed"
+
+    fragments: list[str] = []
+    done_args = None
+    with client.responses.stream(**kw) as stream:
+        for event in stream:
+            if event.type == "response.function_call_arguments.delta":
+                fragments.append(event.delta)
+            elif event.type == "response.function_call_arguments.done":
+                done_args = event.arguments
+        final = stream.get_final_response()
+    assert "".join(fragments) == done_args == call.arguments  # byte for byte, same seed (greedy)
+    assert len(fragments) > 1
+    (streamed,) = [item for item in final.output if item.type == "function_call"]
+    assert streamed.arguments == call.arguments
+
+
+def test_previous_response_id_reuses_the_kv(client: OpenAI) -> None:
+    first = client.responses.create(
+        model=MODEL_NAME, instructions="Be brief.", input="What is the weather in Paris? " * 8, tools=TOOLS,
+        tool_choice="required", parallel_tool_calls=False, max_output_tokens=80, temperature=0,
+    )
+    (call,) = [item for item in first.output if item.type == "function_call"]
+    second = client.responses.create(
+        model=MODEL_NAME, previous_response_id=first.id, instructions="Be brief.", tools=TOOLS, tool_choice="none",
+        input=[{"type": "function_call_output", "call_id": call.call_id, "output": '{"temp": 21}'}],
+        max_output_tokens=6, temperature=0,
+    )
+    assert second.previous_response_id == first.id
+    assert first.usage is not None and second.usage is not None
+    assert second.usage.input_tokens > first.usage.input_tokens
+    # the previous prompt (at least) was not prefilled again
+    assert second.usage.input_tokens_details.cached_tokens >= first.usage.input_tokens - 16
+    assert not [item for item in second.output if item.type == "function_call"]
+
+
+@pytest.mark.anyio
+async def test_async_client_and_input_items(base_url: str) -> None:
+    async with AsyncOpenAI(base_url=f"{base_url}/v1", api_key=API_KEY, max_retries=0) as client:
+        r = await client.responses.create(
+            model=MODEL_NAME,
+            input=[
+                {"role": "developer", "content": "Answer in one word."},
+                {"role": "user", "content": [{"type": "input_text", "text": "Hi"}]},
+            ],
+            max_output_tokens=4,
+            metadata={"k": "v"},
+            store=False,
+        )
+        assert r.metadata == {"k": "v"} and r.usage is not None
+        with pytest.raises(openai.NotFoundError):  # store=False: nothing to continue
+            await client.responses.create(model=MODEL_NAME, previous_response_id=r.id, input="more")
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"input": "x", "reasoning": {"effort": "low"}}, "reasoning"),
+        ({"input": "x", "truncation": "auto"}, "truncation"),
+        ({"input": [{"type": "image", "url": "x"}]}, "input"),
+        ({"input": "x", "previous_response_id": "resp_nope"}, "previous_response_id"),
+        ({"input": "x", "tools": [{"type": "web_search"}]}, "tools"),
+        ({"input": "x", "tool_choice": "required"}, "tool_choice"),
+    ],
+)
+def test_refused_fields_name_the_param(base_url: str, body: dict[str, Any], param: str) -> None:
+    r = httpx.post(f"{base_url}/v1/responses", json={"model": MODEL_NAME, **body},
+                   headers={"Authorization": f"Bearer {API_KEY}"})
+    assert r.status_code in (400, 404), r.text
+    assert r.json()["error"]["param"] == param
+
+
+@pytest.mark.slow
+def test_smollm2_responses_tool_turn_chained(smollm2_path: Path) -> None:
+    """SmolLM2 over the Responses API: a forced call, its output sent back with
+    previous_response_id, the previous turn's KV reused, a text answer."""
+    tools: list[Any] = [{"type": "function", "name": "get_weather", "description": "Current weather of a city",
+                         "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                                        "required": ["city"], "additionalProperties": False}}]
+    with serving(create_app(smollm2_path, model_name="smol", max_batch_size=2)) as url, OpenAI(
+        base_url=f"{url}/v1", api_key="x", max_retries=0
+    ) as client:
+        first = client.responses.create(model="smol", input="What is the weather like in Paris?", tools=tools,
+                                        tool_choice="required", parallel_tool_calls=False, max_output_tokens=40,
+                                        temperature=0)
+        (call,) = [item for item in first.output if item.type == "function_call"]
+        assert "paris" in json.loads(call.arguments)["city"].lower()
+        deltas: list[str] = []
+        second = None
+        with client.responses.stream(
+            model="smol", previous_response_id=first.id, tools=tools, max_output_tokens=30, temperature=0,
+            input=[{"type": "function_call_output", "call_id": call.call_id, "output": '{"temp_c": 21}'}],
+        ) as stream:
+            for event in stream:
+                if event.type == "response.output_text.delta":
+                    deltas.append(event.delta)
+                elif event.type in ("response.completed", "response.incomplete"):
+                    second = event.response
+        assert "".join(deltas) and second is not None and second.output_text == "".join(deltas)
+        assert first.usage is not None and second.usage is not None
+        assert second.usage.input_tokens_details.cached_tokens >= first.usage.input_tokens - 16

@@ -1,0 +1,276 @@
+"""Tool calling over HTTP: tools / tool_choice / parallel_tool_calls on
+/v1/chat/completions with the official openai client (sync and async), stream
+and non-stream, on the tiny model; SmolLM2 for a real tool loop (slow)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import jsonschema  # type: ignore[import-untyped]
+import openai
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from openai import AsyncOpenAI, OpenAI
+from openai.types.chat import ChatCompletionMessageParam, ChatCompletionToolParam
+from test_server import serving
+
+from aiobasert.server import create_app
+
+API_KEY = "sk-test-key"
+MODEL_NAME = "tiny"
+WEATHER_PARAMS: dict[str, Any] = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "maxLength": 12}, "unit": {"enum": ["C", "F"]}},
+    "required": ["city", "unit"],
+    "additionalProperties": False,
+}
+TIME_PARAMS: dict[str, Any] = {
+    "type": "object",
+    "properties": {"tz": {"enum": ["UTC", "CET"]}},
+    "required": ["tz"],
+    "additionalProperties": False,
+}
+TOOLS: list[ChatCompletionToolParam] = [
+    {"type": "function", "function": {"name": "get_weather", "description": "Weather", "parameters": WEATHER_PARAMS}},
+    {"type": "function", "function": {"name": "get_time", "parameters": TIME_PARAMS}},
+]
+SCHEMAS = {"get_weather": WEATHER_PARAMS, "get_time": TIME_PARAMS}
+MESSAGES: list[ChatCompletionMessageParam] = [{"role": "user", "content": "What's the weather in Paris?"}]
+
+
+@pytest.fixture(scope="module")
+def base_url(tiny_model_path: Path) -> Iterator[str]:
+    with serving(create_app(tiny_model_path, api_key=API_KEY, model_name=MODEL_NAME, max_batch_size=4)) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def client(base_url: str) -> Iterator[OpenAI]:
+    with OpenAI(base_url=f"{base_url}/v1", api_key=API_KEY, max_retries=0) as c:
+        yield c
+
+
+def valid(name: str, arguments: str) -> None:
+    jsonschema.validate(json.loads(arguments), SCHEMAS[name])
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_required_call_stream_equals_non_stream(client: OpenAI, seed: int) -> None:
+    kw: dict[str, Any] = dict(
+        model=MODEL_NAME, messages=MESSAGES, tools=TOOLS, tool_choice="required", max_tokens=150, seed=seed,
+        temperature=1.0,
+    )
+    whole = client.chat.completions.create(**kw)
+    (choice,) = whole.choices
+    calls = choice.message.tool_calls
+    assert calls
+    assert choice.message.content is None
+    if choice.finish_reason == "tool_calls":
+        for c in calls:
+            assert c.type == "function" and c.id.startswith("call_")
+            valid(c.function.name, c.function.arguments)
+    else:
+        assert choice.finish_reason == "length"
+
+    names: dict[int, str] = {}
+    args: dict[int, list[str]] = {}
+    finish = None
+    for chunk in client.chat.completions.create(**kw, stream=True):
+        if not chunk.choices:
+            continue
+        delta = chunk.choices[0].delta
+        for tc in delta.tool_calls or []:
+            if tc.index not in names:  # id, type and name arrive first
+                assert tc.id and tc.type == "function" and tc.function and tc.function.name
+                names[tc.index] = tc.function.name
+                args[tc.index] = []
+            else:
+                assert tc.id is None and tc.function is not None and tc.function.name is None
+            if tc.function and tc.function.arguments:
+                args[tc.index].append(tc.function.arguments)
+        finish = chunk.choices[0].finish_reason or finish
+    assert finish == choice.finish_reason
+    assert [names[i] for i in sorted(names)] == [c.function.name for c in calls]
+    assert ["".join(args[i]) for i in sorted(args)] == [c.function.arguments for c in calls]  # byte for byte
+
+
+@pytest.mark.parametrize("seed", [4, 5])
+def test_named_function_and_parallel_false(client: OpenAI, seed: int) -> None:
+    r = client.chat.completions.create(
+        model=MODEL_NAME,
+        messages=MESSAGES,
+        tools=TOOLS,
+        tool_choice={"type": "function", "function": {"name": "get_time"}},
+        parallel_tool_calls=False,
+        max_tokens=150,
+        seed=seed,
+        temperature=1.0,
+    )
+    (choice,) = r.choices
+    assert choice.finish_reason == "tool_calls"
+    (call,) = choice.message.tool_calls or []
+    assert call.function.name == "get_time"
+    valid("get_time", call.function.arguments)
+
+
+def test_none_and_auto(client: OpenAI) -> None:
+    for seed in range(3):
+        none = client.chat.completions.create(
+            model=MODEL_NAME, messages=MESSAGES, tools=TOOLS, tool_choice="none", max_tokens=24, seed=seed,
+            temperature=1.0,
+        )
+        assert not none.choices[0].message.tool_calls and none.choices[0].finish_reason in ("stop", "length")
+        auto = client.chat.completions.create(
+            model=MODEL_NAME, messages=MESSAGES, tools=TOOLS, max_tokens=24, seed=seed, temperature=1.0
+        )
+        msg = auto.choices[0].message
+        assert msg.tool_calls or "<tool_call>" not in (msg.content or "")
+
+
+@pytest.mark.anyio
+async def test_full_tool_loop_with_the_async_client(base_url: str) -> None:
+    async with AsyncOpenAI(base_url=f"{base_url}/v1", api_key=API_KEY, max_retries=0) as client:
+        first = await client.chat.completions.create(
+            model=MODEL_NAME, messages=MESSAGES, tools=TOOLS, tool_choice="required", parallel_tool_calls=False,
+            max_tokens=150, seed=1,
+        )
+        msg = first.choices[0].message
+        (call,) = msg.tool_calls or []
+        history: list[ChatCompletionMessageParam] = [
+            *MESSAGES,
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [
+                    {"id": call.id, "type": "function",
+                     "function": {"name": call.function.name, "arguments": call.function.arguments}}
+                ],
+            },
+            {"role": "tool", "tool_call_id": call.id, "content": '{"temperature": 21}'},
+        ]
+        answer = await client.chat.completions.create(
+            model=MODEL_NAME, messages=history, tools=TOOLS, tool_choice="none", max_tokens=8, seed=1
+        )
+        assert answer.choices[0].message.content is not None
+        assert answer.usage is not None and answer.usage.prompt_tokens > first.usage.prompt_tokens  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "message"),
+    [
+        ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice", ""),
+        ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice", "nope"),
+        ({"tools": [{"type": "retrieval"}]}, "tools", ""),
+        ({"tool_choice": "required"}, "tool_choice", "needs tools"),
+        ({"tools": [TOOLS[0], TOOLS[0]]}, "tools", "duplicate"),
+        ({"tools": TOOLS, "response_format": {"type": "json_object"}}, "response_format", "tools"),
+    ],
+)
+def test_bad_tool_requests_are_400_naming_the_param(base_url: str, body: dict[str, Any], param: str,
+                                                     message: str) -> None:
+    r = httpx.post(
+        f"{base_url}/v1/chat/completions",
+        json={"model": MODEL_NAME, "messages": MESSAGES, "max_tokens": 4, **body},
+        headers={"Authorization": f"Bearer {API_KEY}"},
+    )
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == param and message in error["message"]
+
+
+def test_client_sees_bad_request(client: OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(
+            model=MODEL_NAME, messages=MESSAGES, tools=TOOLS, tool_choice={"type": "function",
+                                                                           "function": {"name": "nope"}},
+        )
+
+
+@pytest.mark.slow
+def test_smollm2_tool_loop_stream_and_not(smollm2_path: Path) -> None:
+    """The real model with the default (Hermes-style) tool rendering: a forced call
+    streams the same arguments as the whole response, they validate, and the
+    tool result leads to a text answer."""
+    tools: list[ChatCompletionToolParam] = [{"type": "function", "function": {
+        "name": "get_weather", "description": "Get the current weather of a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"],
+                       "additionalProperties": False}}}]
+    messages: list[ChatCompletionMessageParam] = [{"role": "user", "content": "What is the weather like in Paris?"}]
+    with serving(create_app(smollm2_path, model_name="smol", max_batch_size=2)) as url, OpenAI(
+        base_url=f"{url}/v1", api_key="x", max_retries=0
+    ) as client:
+        kw: dict[str, Any] = dict(model="smol", messages=messages, tools=tools, tool_choice="required",
+                                  parallel_tool_calls=False, max_tokens=40, temperature=0)
+        whole = client.chat.completions.create(**kw)
+        (call,) = whole.choices[0].message.tool_calls or []
+        assert whole.choices[0].finish_reason == "tool_calls" and call.function.name == "get_weather"
+        args = json.loads(call.function.arguments)
+        jsonschema.validate(args, tools[0]["function"]["parameters"])
+        assert "paris" in args["city"].lower()  # the model understood the question
+        fragments = [
+            tc.function.arguments
+            for chunk in client.chat.completions.create(**kw, stream=True) if chunk.choices
+            for tc in chunk.choices[0].delta.tool_calls or [] if tc.function and tc.function.arguments
+        ]
+        assert "".join(fragments) == call.function.arguments
+        follow = [*messages, whole.choices[0].message.model_dump(exclude_none=True),  # type: ignore[list-item]
+                  {"role": "tool", "tool_call_id": call.id, "content": '{"temp_c": 21, "sky": "sunny"}'}]
+        answer = client.chat.completions.create(model="smol", messages=follow, tools=tools, max_tokens=30,
+                                                temperature=0)
+        assert answer.choices[0].message.content and not answer.choices[0].message.tool_calls
+
+
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    seed=st.integers(0, 2**31),
+    with_tools=st.booleans(),
+    choice=st.sampled_from(["auto", "required", "none"]),
+    logprobs=st.booleans(),
+    max_tokens=st.integers(1, 60),
+)
+def test_stream_and_whole_bodies_agree(
+    client: OpenAI, seed: int, with_tools: bool, choice: str, logprobs: bool, max_tokens: int
+) -> None:
+    """Same seed, same request: the streamed chunks add up to the whole body
+    (text, tool calls, logprobs, usage, finish reason)."""
+    kw: dict[str, Any] = dict(model=MODEL_NAME, messages=MESSAGES, max_tokens=max_tokens, seed=seed, temperature=1.0,
+                              logprobs=logprobs, top_logprobs=2 if logprobs else None)
+    if with_tools:
+        kw |= dict(tools=TOOLS, tool_choice=choice)
+    whole = client.chat.completions.create(**kw)
+    (wc,) = whole.choices
+    content: list[str] = []
+    calls: dict[int, list[str]] = {}
+    names: dict[int, str] = {}
+    lps: list[tuple[str, float]] = []
+    finish = None
+    usage = None
+    for chunk in client.chat.completions.create(**kw, stream=True, stream_options={"include_usage": True}):
+        usage = chunk.usage or usage
+        if not chunk.choices:
+            continue
+        c = chunk.choices[0]
+        content.append(c.delta.content or "")
+        for tc in c.delta.tool_calls or []:
+            assert tc.function is not None
+            if tc.id:
+                names[tc.index] = tc.function.name or ""
+            calls.setdefault(tc.index, []).append(tc.function.arguments or "")
+        if c.logprobs and c.logprobs.content:
+            lps += [(e.token, e.logprob) for e in c.logprobs.content]
+        finish = c.finish_reason or finish
+    assert finish == wc.finish_reason
+    assert "".join(content) == (wc.message.content or "")
+    whole_calls = wc.message.tool_calls or []
+    assert [names[i] for i in sorted(names)] == [t.function.name for t in whole_calls]
+    assert ["".join(calls[i]) for i in sorted(calls)] == [t.function.arguments for t in whole_calls]
+    if logprobs:
+        assert wc.logprobs is not None and wc.logprobs.content is not None
+        assert lps == [(e.token, e.logprob) for e in wc.logprobs.content]
+    assert usage is not None and whole.usage is not None
+    assert (usage.prompt_tokens, usage.completion_tokens) == (whole.usage.prompt_tokens, whole.usage.completion_tokens)

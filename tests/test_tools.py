@@ -1,0 +1,254 @@
+"""Tool calling in the SDK (aiobasert.tools): the grammar enforces every
+tool_choice, streamed calls equal whole ones byte for byte, tool turns render,
+on the tiny model (random weights: only the grammar makes its calls well-formed)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import jsonschema  # type: ignore[import-untyped]
+import pytest
+
+from aiobasert import Engine, InvalidRequestError
+from aiobasert.tools import (
+    CALL_OPEN,
+    ChatReply,
+    TextDelta,
+    Tool,
+    ToolCall,
+    ToolCallDelta,
+    ToolCallParser,
+    render_tool_chat,
+    tool_grammar,
+)
+
+pytestmark = pytest.mark.anyio
+
+WEATHER = Tool(
+    name="get_weather",
+    description="The weather of a city",
+    parameters={
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 12}, "days": {"type": "integer", "minimum": 1}},
+        "required": ["city", "days"],
+        "additionalProperties": False,
+    },
+)
+TIME = Tool(
+    name="get_time",
+    parameters={
+        "type": "object",
+        "properties": {"tz": {"enum": ["UTC", "CET"]}},
+        "required": ["tz"],
+        "additionalProperties": False,
+    },
+)
+TOOLS = {t.name: t for t in (WEATHER, TIME)}
+MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+def check_calls(reply: ChatReply, *, allowed: set[str]) -> None:
+    for call in reply.tool_calls:
+        assert call.name in allowed
+        jsonschema.validate(json.loads(call.arguments), TOOLS[call.name].parameters)
+        assert call.id.startswith("call_")
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio", "trio"])
+@pytest.mark.parametrize("seed", [1, 2, 3])
+async def test_required_forces_schema_valid_calls(tiny_model_path: Path, seed: int) -> None:
+    async with Engine.open(tiny_model_path, max_batch_size=4) as engine:
+        reply = await engine.chat(
+            MESSAGES, tools=[WEATHER, TIME], tool_choice="required", max_tokens=120, temperature=1.0, seed=seed
+        )
+        assert reply.tool_calls, reply
+        if reply.finish_reason != "length":
+            assert reply.finish_reason == "tool_calls"
+            check_calls(reply, allowed={"get_weather", "get_time"})
+        assert reply.content == ""
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3, 4])
+async def test_named_choice_and_parallel_false(tiny_model_path: Path, seed: int) -> None:
+    async with Engine.open(tiny_model_path, max_batch_size=4) as engine:
+        reply = await engine.chat(
+            MESSAGES,
+            tools=[WEATHER, TIME],
+            tool_choice={"type": "function", "function": {"name": "get_time"}},
+            parallel_tool_calls=False,
+            max_tokens=120,
+            temperature=1.0,
+            seed=seed,
+        )
+        assert len(reply.tool_calls) == 1
+        assert reply.finish_reason == "tool_calls"  # the grammar ends the turn after the one call
+        check_calls(reply, allowed={"get_time"})
+
+
+@pytest.mark.parametrize("seed", range(6))
+async def test_auto_is_text_or_well_formed_calls_and_none_is_text(tiny_model_path: Path, seed: int) -> None:
+    async with Engine.open(tiny_model_path, max_batch_size=4) as engine:
+        auto = await engine.chat(MESSAGES, tools=[WEATHER], max_tokens=60, temperature=1.0, seed=seed)
+        if auto.tool_calls:
+            assert auto.content == ""
+            if auto.finish_reason == "tool_calls":
+                check_calls(auto, allowed={"get_weather"})
+        else:
+            assert "<tool_call>" not in auto.content
+        none = await engine.chat(MESSAGES, tools=[WEATHER], tool_choice="none", max_tokens=60, temperature=1.0,
+                                 seed=seed)
+        assert none.tool_calls == [] and "<tool_call>" not in none.content
+
+
+@pytest.mark.parametrize(
+    ("choice", "parallel", "text", "ok"),
+    [
+        ("auto", True, "Sunny, I think.", True),
+        ("auto", True, CALL_OPEN + '{"name": "get_weather", "arguments": {"city":"Rom","days":9}}\n</tool_call>', True),
+        ("auto", True, "See <tool_call> here", False),  # text never opens a call
+        ("auto", True, CALL_OPEN + '{"name": "get_weather", "arguments": {"city":"Paris"}}\n</tool_call>', False),
+        ("auto", True, CALL_OPEN + '{"name": "get_weather", "arguments": {"town":"Paris","days":2}}', False),
+        ("auto", True, CALL_OPEN + '{"name": "get_sun", "arguments": {}}', False),
+        ("required", True, "Sunny.", False),
+        ("get_time", True, CALL_OPEN + '{"name": "get_weather", "arguments": {"city":"x","days":1}}', False),
+        ("none", True, CALL_OPEN + '{"name": "get_weather", "arguments": {"city":"x","days":1}}', False),
+        (
+            "required",
+            False,
+            CALL_OPEN + '{"name": "get_time", "arguments": {"tz":"UTC"}}\n</tool_call>\n' + CALL_OPEN,
+            False,
+        ),
+        (
+            "required",
+            True,
+            CALL_OPEN + '{"name": "get_time", "arguments": {"tz":"UTC"}}\n</tool_call>\n' + CALL_OPEN
+            + '{"name": "get_time", "arguments": {"tz":"CET"}}\n</tool_call>',
+            True,
+        ),
+    ],
+)
+def test_the_grammar_admits_exactly_the_contract(
+    tiny_model_path: Path, choice: str, parallel: bool, text: str, ok: bool
+) -> None:
+    """Text fed token by token through the compiled grammar (what the engine masks with)."""
+    from aiobasert.bundle import read_bundle
+    from aiobasert.grammar import GrammarBackend
+
+    vocab = len(read_bundle(tiny_model_path).tokenizer["tokenizer.ggml.tokens"])
+    backend = GrammarBackend.for_bundle(tiny_model_path, vocab_size=vocab)
+    lark = tool_grammar([WEATHER, TIME], choice, parallel=parallel)
+    assert lark is not None
+    constraint = backend.compile_lark(lark)
+    ids = backend._tokenizer.tokenize_str(text)
+    accepted = all(constraint.accept(t) for t in ids)
+    assert accepted == ok, constraint.error
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio", "trio"])
+@pytest.mark.parametrize("seed", [5, 6])
+async def test_stream_deltas_match_the_whole_reply(tiny_model_path: Path, seed: int) -> None:
+    kw: dict[str, Any] = dict(tools=[WEATHER, TIME], tool_choice="required", max_tokens=150, temperature=1.0, seed=seed)
+    async with Engine.open(tiny_model_path, max_batch_size=4) as engine:
+        whole = await engine.chat(MESSAGES, **kw)
+        deltas = [d async for d in engine.stream_chat(MESSAGES, **kw)]
+    calls: dict[int, dict[str, Any]] = {}
+    for d in deltas:
+        assert isinstance(d, ToolCallDelta)
+        if d.index not in calls:  # the first delta of a call: id and name, before any argument
+            assert d.id is not None and d.name is not None and d.arguments == ""
+            calls[d.index] = {"name": d.name, "args": []}
+        else:
+            assert d.id is None and d.name is None
+            calls[d.index]["args"].append(d.arguments)
+    assert [c["name"] for c in calls.values()] == [c.name for c in whole.tool_calls]
+    assert ["".join(c["args"]) for c in calls.values()] == [c.arguments for c in whole.tool_calls]
+    assert max(len(c["args"]) for c in calls.values()) > 1  # fragments, not one buffered blob
+
+
+async def test_tool_turns_render_and_a_loop_completes(tiny_model_path: Path) -> None:
+    async with Engine.open(tiny_model_path, max_batch_size=2) as engine:
+        first = await engine.chat(MESSAGES, tools=[WEATHER], tool_choice="required", max_tokens=120, seed=1)
+        (call,) = first.tool_calls[:1]
+        history = [
+            *MESSAGES,
+            {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": call.id, "content": '{"temp": 21}'},
+        ]
+        answer = await engine.chat(history, tools=[WEATHER], tool_choice="none", max_tokens=8, seed=1)
+        assert answer.tool_calls == [] and answer.finish_reason in ("stop", "length")
+
+
+def test_default_rendering_lists_tools_and_wraps_tool_results() -> None:
+    call = ToolCall(id="call_1", name="get_weather", arguments='{"city":"Paris","days":1}')
+    pieces = render_tool_chat(
+        "",
+        [
+            {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": "", "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+        ],
+        [WEATHER],
+    )
+    text = "".join(p for p, _ in pieces)
+    assert '"name": "get_weather"' in text and "<tools>" in text
+    assert CALL_OPEN + '{"name": "get_weather", "arguments": {"city":"Paris","days":1}}\n</tool_call>' in text
+    assert "<tool_response>\nsunny\n</tool_response>" in text
+    assert all(is_content for p, is_content in pieces if "<tool_response>" in p)  # client text stays content
+
+
+def test_model_template_with_tools_is_used() -> None:
+    template = (
+        "{% if tools %}TOOLS:{{ tools | tojson }}\n{% endif %}"
+        "{% for m in messages %}[{{ m.role }}]{{ m.content }}"
+        "{% for c in m.tool_calls or [] %}CALL:{{ c.function.name }}{% endfor %}\n{% endfor %}"
+    )
+    call = ToolCall(id="c", name="get_weather", arguments="{}")
+    pieces = render_tool_chat(template, [{"role": "assistant", "content": "x", "tool_calls": [call]}], [WEATHER])
+    text = "".join(p for p, _ in pieces)
+    assert text.startswith("TOOLS:") and "CALL:get_weather" in text and "<tools>" not in text
+
+
+def test_parser_splits_text_and_calls() -> None:
+    out = CALL_OPEN + '{"name": "a", "arguments": {"s":"}{\\"x"}}\n</tool_call>\n' + CALL_OPEN
+    out += '{"name": "b", "arguments": {}}\n</tool_call>'
+    for step in (1, 3, len(out)):
+        parser = ToolCallParser()
+        deltas = []
+        for i in range(0, len(out), step):
+            deltas += parser.feed(out[i : i + step])
+        deltas += parser.close()
+        assert [(c.name, c.arguments) for c in parser.calls] == [("a", '{"s":"}{\\"x"}'), ("b", "{}")]
+        assert not any(isinstance(d, TextDelta) for d in deltas)
+    parser = ToolCallParser()
+    assert parser.feed("<to") == []  # may still become a call: held back
+    assert parser.feed("ast") == [TextDelta("<toast")]
+    parser = ToolCallParser()  # cut off by max_tokens inside the next call's header: no text, no call
+    parser.feed(out + "\n" + CALL_OPEN + '{"name": "ge')
+    assert parser.close() == [] and len(parser.calls) == 2 and parser.content == ""
+
+
+def test_grammar_shapes_and_bad_input() -> None:
+    none = tool_grammar([WEATHER], "none")
+    assert none is not None and "calls" not in none
+    assert tool_grammar([], "auto") is None
+    single = tool_grammar([WEATHER, TIME], "get_time", parallel=False)
+    assert single is not None and "get_weather" not in single and "call (" not in single
+    with pytest.raises(InvalidRequestError):
+        render_tool_chat("", [{"role": "user", "content": 5}], [WEATHER])
+
+
+async def test_bad_tools_and_choices_raise_in_the_caller(tiny_model_path: Path) -> None:
+    async with Engine.open(tiny_model_path, max_batch_size=2) as engine:
+        bad: list[dict[str, Any]] = [
+            dict(tools=[WEATHER], tool_choice="nope"),
+            dict(tools=[], tool_choice="required"),
+            dict(tools=[{"type": "retrieval"}]),
+            dict(tools=[WEATHER, WEATHER]),
+            dict(tools=[Tool(name="bad name")]),
+            dict(tools=[WEATHER], json_schema=True),
+        ]
+        for kw in bad:
+            with pytest.raises(InvalidRequestError):
+                engine.stream_chat(MESSAGES, max_tokens=4, **kw)
