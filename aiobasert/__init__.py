@@ -27,6 +27,7 @@ from .errors import (
     ThreadAffinityError,
     UnsupportedError,
 )
+from .group import EngineGroup, ModelStats, UnknownModelError
 from .streams import TokenStream
 from .types import (
     ChatMessage,
@@ -51,6 +52,7 @@ __all__ = [
     "Engine",
     "EngineClosedError",
     "EngineError",
+    "EngineGroup",
     "EngineOutOfMemoryError",
     "EngineOverloadedError",
     "EngineStats",
@@ -63,12 +65,14 @@ __all__ = [
     "LibraryError",
     "ModelFileNotFoundError",
     "ModelInfo",
+    "ModelStats",
     "SamplingParams",
     "ThreadAffinityError",
     "Timing",
     "Token",
     "TokenStream",
     "TopLogprob",
+    "UnknownModelError",
     "UnsupportedError",
     "Usage",
 ]

@@ -21,6 +21,12 @@ def tiny_model_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp("tiny") / "tiny.base")
 
 
+@pytest.fixture(scope="session")
+def second_tiny_model_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Another tiny model (other random weights, so its greedy output differs): multi-model tests."""
+    return build_tiny_model(tmp_path_factory.mktemp("second") / "second.base", seed=1)
+
+
 def _converter_digest() -> str:
     """Identifies the converter code, so a cached conversion is reused only while it is current."""
     digest = hashlib.sha256()

@@ -52,6 +52,7 @@ from .protocol import (
     ModelList,
 )
 from .provider import EngineFactory, EngineProvider, ServedModel, SingleEngineProvider
+from .router import GroupProvider
 
 __all__ = [
     "APIError",
@@ -65,6 +66,7 @@ __all__ = [
     "EngineFactory",
     "EngineProvider",
     "ErrorResponse",
+    "GroupProvider",
     "ModelList",
     "ServedModel",
     "SingleEngineProvider",

@@ -20,6 +20,7 @@ from ..errors import AioBaseRTError
 from .endpoints import Service
 from .errors import APIError, ClientGone, api_error
 from .provider import EngineFactory, EngineProvider, SingleEngineProvider
+from .router import GroupProvider, ModelRouter
 
 
 class _BearerAuth:
@@ -78,9 +79,12 @@ def build_app(provider: EngineProvider, *, api_key: str | None = None) -> tuple[
         async with provider.lifespan():
             yield
 
+    middleware = [Middleware(_BearerAuth, api_key=api_key)] if api_key is not None else []
+    if isinstance(provider, GroupProvider):  # several models: route by `model`, lease for the request
+        middleware.append(Middleware(ModelRouter, provider=provider))
     app = Starlette(
         routes=routes,
-        middleware=[Middleware(_BearerAuth, api_key=api_key)] if api_key is not None else [],
+        middleware=middleware,
         lifespan=lifespan,
         exception_handlers={
             HTTPException: _on_http_exception,
