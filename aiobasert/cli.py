@@ -4,6 +4,8 @@
     aiobasert chat                          # interactive chat, keeps history
     aiobasert convert SRC.gguf OUT.base     # GGUF -> .base
     aiobasert serve --port 8000             # OpenAI-compatible HTTP server
+    aiobasert serve a.base chat=b.base      # several models, routed by the request's `model`
+    aiobasert serve --ray --replicas 2 m.base  # replicas on Ray Serve, prefix/session affinity
     aiobasert bench                         # the engine benchmark (bench/engine.py)
 """
 
@@ -100,10 +102,32 @@ async def _chat(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from .server import serve
+    # Models: positional PATH or NAME=PATH, and --model (repeatable); several are routed by `model`.
+    models: list[str] = [*args.models, *(args.model or [])]
+    if args.ray:
+        from .server.ray_serve import run_ray
 
+        run_ray(
+            models or [None],
+            replicas=args.replicas,
+            host=args.host,
+            port=args.port,
+            api_key=args.api_key,
+            keep_alive=args.keep_alive,
+            max_batch_size=args.max_batch_size,
+            max_context=args.max_context,
+        )
+        return 0
+    from .server import GroupProvider, serve
+
+    if len(models) > 1 or args.keep_alive is not None or any("=" in m for m in models):
+        provider = GroupProvider(
+            models, keep_alive=args.keep_alive, max_batch_size=args.max_batch_size, max_context=args.max_context
+        )
+        serve(provider, host=args.host, port=args.port, api_key=args.api_key)
+        return 0
     serve(
-        model=args.model,
+        model=models[0] if models else None,
         host=args.host,
         port=args.port,
         api_key=args.api_key,
@@ -151,7 +175,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--api-key", default=None, help="require this bearer token")
     serve.add_argument("--max-batch-size", type=int, default=8)
-    _add_model_args(serve)
+    serve.add_argument("models", nargs="*", metavar="MODEL", help="PATH or NAME=PATH; several are routed by `model`")
+    serve.add_argument("--model", "-m", action="append", help="a model (PATH or NAME=PATH); repeatable")
+    serve.add_argument("--max-context", type=int, default=2048, help="tokens per lane (default 2048)")
+    serve.add_argument("--keep-alive", type=float, default=None, help="unload a model after this many idle seconds")
+    serve.add_argument("--ray", action="store_true", help="serve on Ray Serve (pip install 'aiobasert[ray]')")
+    serve.add_argument("--replicas", type=int, default=1, help="with --ray: engine replicas (default 1)")
 
     bench = sub.add_parser("bench", help="run a benchmark script from bench/")
     bench.add_argument("which", nargs="?", default="engine", choices=["engine", "sdk_overhead", "soak"])

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import hashlib
 import shutil
-from collections.abc import Iterator
+import threading
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -57,3 +60,57 @@ def smollm2_path(request: pytest.FixtureRequest) -> Iterator[Path]:
         except ModelNotAvailableError as exc:
             pytest.fail(f"the SmolLM2 tests need the demo model: {exc}")
         yield path
+
+
+@pytest.fixture(scope="module")
+def asgi_server() -> Iterator[Callable[[Any], str]]:
+    """`start(app) -> base URL`: runs an ASGI app with uvicorn on loopback in a thread,
+    stopped (lifespan shutdown included) when the module ends."""
+    import uvicorn
+
+    running: list[tuple[uvicorn.Server, threading.Thread]] = []
+
+    def start(app: Any) -> str:
+        server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
+        thread = threading.Thread(target=server.run, name="test-asgi-server", daemon=True)
+        thread.start()
+        running.append((server, thread))
+        deadline = time.monotonic() + 60
+        while not server.started:
+            assert thread.is_alive() and time.monotonic() < deadline, "the test server did not start"
+            time.sleep(0.01)
+        port = server.servers[0].sockets[0].getsockname()[1]
+        return f"http://127.0.0.1:{port}"
+
+    yield start
+    for server, _ in running:
+        server.should_exit = True
+    for _, thread in running:
+        thread.join(15)
+        assert not thread.is_alive(), "a test server did not stop"
+
+
+@pytest.fixture(scope="module")
+def ray_serve_url(tiny_model_path: Path) -> Iterator[str]:
+    """A local Ray cluster (2 CPUs) started here, running aiobasert's Serve app with 2 engine
+    replicas of the tiny model behind Serve's HTTP proxy on a free loopback port; its base URL.
+    Shut down (Serve, then the cluster) when the module ends."""
+    import socket
+
+    ray = pytest.importorskip("ray")
+    from ray import serve
+
+    from aiobasert.server.ray_serve import build_ray_app
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        app = build_ray_app([str(tiny_model_path)], replicas=2, max_batch_size=4, max_context=2048)
+        serve.run(app, name="aiobasert", route_prefix="/")
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        serve.shutdown()
+        ray.shutdown()
