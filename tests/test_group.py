@@ -122,7 +122,9 @@ async def test_concurrent_leases_of_an_unloaded_model_load_it_once(tiny_model_pa
     assert len({id(e) for e in engines}) == 1 and stats.loads == 1 and stats.requests == 4
 
 
-async def test_close_closes_every_engine_and_refuses_leases(tiny_model_path: Path, second_tiny_model_path: Path) -> None:
+async def test_close_closes_every_engine_and_refuses_leases(
+    tiny_model_path: Path, second_tiny_model_path: Path
+) -> None:
     async with EngineGroup.open([tiny_model_path, second_tiny_model_path]) as group:
         engines = [group.loaded(n) for n in group.names]
     assert all(e is not None and e.closed for e in engines)

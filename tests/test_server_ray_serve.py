@@ -16,7 +16,7 @@ from openai import OpenAI
 
 pytest.importorskip("ray")
 
-from aiobasert.server.ray_serve import REPLICA_HEADER, SESSION_HEADER  # noqa: E402
+from aiobasert.server.ray_serve import REPLICA_HEADER, SESSION_HEADER
 
 pytestmark = pytest.mark.ray
 

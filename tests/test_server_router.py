@@ -4,6 +4,10 @@ keep-alive unload and reload, and disconnects still freeing the lane."""
 
 from __future__ import annotations
 
+import signal
+import socket
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -160,3 +164,36 @@ def test_disconnect_through_the_router_frees_the_lane(two_models: str) -> None:
         return s["leases"] == 0 and e["requests_cancelled"] == before + 1 and e["active_lanes"] == 0
 
     wait_until("the lane to be freed", freed)
+
+
+def test_serve_command_serves_several_models(tiny_model_path: Path, second_tiny_model_path: Path) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "aiobasert", "serve", str(tiny_model_path), f"--model=other={second_tiny_model_path}"]
+    cmd += ["--port", str(port), "--keep-alive", "60", "--max-batch-size", "2"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+
+        def healthy() -> bool:
+            assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
+            try:
+                return httpx.get(f"{base}/health", timeout=5).status_code == 200
+            except httpx.TransportError:
+                return False
+
+        wait_until("the server to start", healthy, timeout=60)
+        with OpenAI(base_url=f"{base}/v1", api_key="x", max_retries=0) as client:
+            assert [m.id for m in client.models.list()] == ["tiny", "other"]
+            assert chat(client, "other")
+            with pytest.raises(openai.NotFoundError):
+                chat(client, "tiny2")
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+    assert proc.returncode in (0, -signal.SIGTERM)  # uvicorn re-raises the signal after a graceful exit
