@@ -132,21 +132,3 @@ async def test_close_closes_every_engine_and_refuses_leases(
     with pytest.raises(EngineClosedError):
         async with group.lease("tiny"):
             pass
-
-
-def test_group_under_trio(tiny_model_path: Path, second_tiny_model_path: Path) -> None:
-    async def main() -> tuple[list[int], list[int], int]:
-        async with EngineGroup.open([tiny_model_path, second_tiny_model_path], keep_alive=0) as group:
-            async with group.lease("tiny") as a:
-                out_a = await greedy(a)
-            async with group.lease(second_tiny_model_path.stem) as b:
-                out_b = await greedy(b)
-            with anyio.fail_after(15):
-                while group.loaded("tiny") is not None:  # keep_alive=0: unloaded once released
-                    await anyio.sleep(0.01)
-            async with group.lease("tiny") as again:
-                assert await greedy(again) == out_a
-            return out_a, out_b, (await group.stats())["tiny"].loads
-
-    out_a, out_b, loads = anyio.run(main, backend="trio")
-    assert out_a != out_b and loads == 2
