@@ -17,6 +17,7 @@ unloaded while a request holds it.
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import os
 import time
@@ -33,6 +34,8 @@ from .errors import AioBaseRTError, EngineClosedError
 from .types import EngineStats
 
 __all__ = ["EngineGroup", "ModelStats", "UnknownModelError"]
+
+logger = logging.getLogger("aiobasert")
 
 ModelSource = str | os.PathLike[str]
 
@@ -263,7 +266,10 @@ class EngineGroup:
                     continue
                 due = slot.last_release + keep_alive
                 if due <= now:
-                    await self._unload(slot)
+                    try:
+                        await self._unload(slot)
+                    except Exception:  # a failed close must not take the group (and its server) down
+                        logger.exception("unloading model %r failed", slot.name)
                 else:
                     next_due = min(next_due, due)
             with anyio.move_on_after(next_due - time.monotonic() if next_due < math.inf else math.inf):

@@ -111,8 +111,8 @@ class GroupProvider(EngineProvider):
             engine = group.loaded(name)
         except UnknownModelError:
             raise model_not_found(model) from None
-        if engine is None:  # only without the ModelRouter, which loads the model first
-            raise EngineClosedError(f"the model {name!r} is not loaded")
+        if engine is None:  # only for requests the ModelRouter does not lease (GET): it loads models first
+            raise APIError(503, f"the model {name!r} is not loaded now", type="server_error", code="model_not_loaded")
         return self._served_model(name, engine)
 
     def served(self) -> Sequence[ServedModel]:
