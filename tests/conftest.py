@@ -91,10 +91,10 @@ def asgi_server() -> Iterator[Callable[[Any], str]]:
 
 
 @pytest.fixture(scope="module")
-def ray_serve_url(tiny_model_path: Path) -> Iterator[str]:
+def ray_serve_url(tiny_model_path: Path, second_tiny_model_path: Path) -> Iterator[str]:
     """A local Ray cluster (2 CPUs) started here, running aiobasert's Serve app with 2 engine
-    replicas of the tiny model behind Serve's HTTP proxy on a free loopback port; its base URL.
-    Shut down (Serve, then the cluster) when the module ends."""
+    replicas, each serving two tiny models ("tiny" and "other"), behind Serve's HTTP proxy on
+    a free loopback port; its base URL. Shut down (Serve, then the cluster) when the module ends."""
     import socket
 
     ray = pytest.importorskip("ray")
@@ -108,7 +108,8 @@ def ray_serve_url(tiny_model_path: Path) -> Iterator[str]:
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
-        app = build_ray_app([str(tiny_model_path)], replicas=2, max_batch_size=4, max_context=2048)
+        models = [str(tiny_model_path), f"other={second_tiny_model_path}"]
+        app = build_ray_app(models, replicas=2, max_batch_size=4, max_context=2048)
         serve.run(app, name="aiobasert", route_prefix="/")
         yield f"http://127.0.0.1:{port}"
     finally:

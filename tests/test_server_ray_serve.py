@@ -1,5 +1,5 @@
 """aiobasert on Ray Serve: a local 2-CPU cluster started by the module's fixture, 2 engine
-replicas of the tiny model behind Serve's HTTP proxy. Streaming with the openai client,
+replicas (each serving two tiny models) behind Serve's HTTP proxy. Streaming with the openai client,
 session and prefix affinity observed in per-replica engine stats, a client disconnect
 freeing the lane on its replica, and a replica killed mid-stream failing only its own
 stream while Serve replaces it."""
@@ -11,6 +11,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import httpx
+import openai
 import pytest
 from openai import OpenAI
 
@@ -64,7 +65,7 @@ def wait_until(what: str, check: Callable[[], bool], timeout: float = 90.0) -> N
 
 
 def test_openai_client_streams_through_the_proxy(client: OpenAI) -> None:
-    assert [m.id for m in client.models.list()] == ["tiny"]
+    assert [m.id for m in client.models.list()] == ["tiny", "other"]
     messages: Any = [{"role": "user", "content": "Hello"}]
     whole = client.chat.completions.create(model="tiny", messages=messages, max_tokens=12, temperature=0)
     chunks = list(
@@ -76,6 +77,19 @@ def test_openai_client_streams_through_the_proxy(client: OpenAI) -> None:
     assert len(chunks) > 3  # token by token, not one buffered body
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == whole.choices[0].message.content
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+
+
+def test_models_are_routed_by_name_on_every_replica(client: OpenAI) -> None:
+    messages: Any = [{"role": "user", "content": "Hello"}]
+    texts = {}
+    for model in ("tiny", "other"):
+        reply = client.chat.completions.create(model=model, messages=messages, max_tokens=8, temperature=0)
+        assert reply.model == model
+        texts[model] = reply.choices[0].message.content
+    assert texts["tiny"] != texts["other"]
+    with pytest.raises(openai.NotFoundError) as info:
+        client.chat.completions.create(model="gpt-4o", messages=messages, max_tokens=4, stream=True)
+    assert info.value.code == "model_not_found"
 
 
 def test_session_affinity_observed_in_per_replica_stats(http: httpx.Client) -> None:
