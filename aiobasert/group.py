@@ -62,7 +62,7 @@ class ModelStats(msgspec.Struct, frozen=True, kw_only=True):
     loads: int
     unloads: int
     idle_s: float | None
-    """Seconds since the last lease ended (None while leased or never used)."""
+    """Seconds since the last lease ended or the model loaded (None while leased or never loaded)."""
     engine: EngineStats | None
     """The engine's own stats while the model is loaded."""
 
@@ -248,6 +248,9 @@ class EngineGroup:
             if slot.engine is None or slot.engine.closed:
                 slot.engine = await Engine.open(slot.path, **self._options)
                 slot.loads += 1
+                # Idle from now: a preloaded model nobody asks for unloads after keep_alive too.
+                slot.last_release = time.monotonic()
+                self._released.set()
             return slot.engine
 
     # ---- idle unload ------------------------------------------------------------------

@@ -84,6 +84,18 @@ async def test_idle_model_unloads_and_reloads_on_next_lease(tiny_model_path: Pat
     assert stats.loads == 2 and stats.unloads >= 1 and stats.requests == 2
 
 
+async def test_a_preloaded_model_nobody_uses_unloads_too(tiny_model_path: Path) -> None:
+    async with EngineGroup.open([tiny_model_path], keep_alive=0.05) as group:
+        assert group.loaded("tiny") is not None
+
+        async def unloaded() -> bool:
+            return not (await group.stats())["tiny"].loaded
+
+        await wait_for("the unused model to unload", unloaded)
+        stats = (await group.stats())["tiny"]
+    assert stats.requests == 0 and stats.loads == 1 and stats.unloads == 1
+
+
 async def test_a_leased_model_is_never_unloaded(tiny_model_path: Path) -> None:
     """keep_alive=0 unloads as soon as the last lease ends, and not a moment before."""
     async with EngineGroup.open([tiny_model_path], keep_alive=0) as group:
