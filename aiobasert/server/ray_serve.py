@@ -325,31 +325,31 @@ def build_ray_app(
     engine_options: dict[str, Any] | None = None,
     engine_num_cpus: float = 1,
     router_options: dict[str, Any] | None = None,
+    request_router: str | None = "aiobasert.server.ray_router.AffinityRouter",
 ) -> Any:
     """The Serve application (`serve.run(build_ray_app([...]))`): ingress + `replicas` engine replicas.
 
     models: what `aiobasert serve` takes (paths, `name=path`; [None] = the default model).
     engine_num_cpus: Ray CPUs reserved per engine replica (the scheduler places replicas by it).
     router_options: `AffinityRouter` settings (block_chars, imbalance, table_size).
+    request_router: the engine deployment's Serve request router (None: Serve's default,
+        power of two choices without affinity; bench/ray_affinity.py compares the two).
     """
     options = {"max_batch_size": max_batch_size, "max_context": max_context, **(engine_options or {})}
+    routing: dict[str, Any] = {}
+    if request_router is not None:
+        routing["request_router_config"] = RequestRouterConfig(  # (its **kwargs annotation is wrong: cast)
+            **cast(Any, {"request_router_class": request_router, "request_router_kwargs": dict(router_options or {})})
+        )
     engines = serve.deployment(
         name="aiobasert-engine",
         num_replicas=replicas,
         # Beyond its lanes a replica queues in its engine; past this Serve routes elsewhere.
         max_ongoing_requests=max(2 * max_batch_size, 4),
         ray_actor_options={"num_cpus": engine_num_cpus},
-        request_router_config=RequestRouterConfig(  # (its **kwargs annotation is wrong: cast)
-            **cast(
-                Any,
-                {
-                    "request_router_class": "aiobasert.server.ray_router.AffinityRouter",
-                    "request_router_kwargs": dict(router_options or {}),
-                },
-            )
-        ),
         health_check_period_s=2,
         graceful_shutdown_timeout_s=5,
+        **routing,
     )(EngineReplica)
     ingress = serve.deployment(
         name="aiobasert-ingress", ray_actor_options={"num_cpus": 0}, max_ongoing_requests=1000
