@@ -31,6 +31,7 @@ from .errors import (
     UnsupportedError,
     WrongEventLoopError,
 )
+from .group import EngineGroup, ModelStats, UnknownModelError
 from .streams import TokenStream
 from .tools import ChatReply, ChatStream, TextDelta, Tool, ToolCall, ToolCallDelta
 from .types import (
@@ -58,6 +59,7 @@ __all__ = [
     "Engine",
     "EngineClosedError",
     "EngineError",
+    "EngineGroup",
     "EngineOutOfMemoryError",
     "EngineOverloadedError",
     "EngineStats",
@@ -71,6 +73,7 @@ __all__ = [
     "LibraryError",
     "ModelFileNotFoundError",
     "ModelInfo",
+    "ModelStats",
     "SamplingParams",
     "StreamBusyError",
     "StreamClosedError",
@@ -83,6 +86,7 @@ __all__ = [
     "ToolCall",
     "ToolCallDelta",
     "TopLogprob",
+    "UnknownModelError",
     "UnsupportedError",
     "Usage",
     "WrongEventLoopError",

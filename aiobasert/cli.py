@@ -7,7 +7,9 @@
     aiobasert list                          # cached models: name, size, dtype, source
     aiobasert rm NAME                       # delete a cached model
     aiobasert convert SRC.gguf OUT.base     # GGUF -> .base, anywhere
-    aiobasert serve [model.gguf]            # OpenAI-compatible HTTP server
+    aiobasert serve [MODEL]                 # OpenAI-compatible HTTP server
+    aiobasert serve a.base chat=b.gguf      # several models, routed by the request's `model`
+    aiobasert serve --ray --replicas 2 m.base  # replicas on Ray Serve, prefix/session affinity
     aiobasert bench                         # the engine benchmark (bench/engine.py)
 """
 
@@ -137,24 +139,52 @@ async def _chat(args: argparse.Namespace) -> int:
 
 def _serve(args: argparse.Namespace) -> int:
     try:
-        from .server import serve
+        from .server import GroupProvider, serve
     except ModuleNotFoundError as exc:  # starlette / uvicorn: the `server` extra
         raise SystemExit(f"aiobasert serve needs {exc.name!r}: pip install 'aiobasert[server]'") from None
 
-    if args.model_path is not None and args.model is not None:
-        raise SystemExit("aiobasert serve: give the model once (MODEL or --model), not both")
-    model = args.model_path if args.model_path is not None else args.model
-    # Prepare the model (download / GGUF conversion, with progress bars) before the server
-    # starts, and name it after what the user gave rather than the cache's file name.
-    path = models.resolve_model(model)
-    name = args.served_model_name
-    if name is None and model is not None and models.is_gguf(model):
-        name = Path(model).name.removesuffix(".gguf")
+    # Models: positional MODEL or NAME=MODEL, and --model (repeatable); several are routed by `model`.
+    given: list[str] = [*args.models, *(args.model or [])]
+    if args.served_model_name is not None and len(given) > 1:
+        raise SystemExit("aiobasert serve: --served-model-name names one model; for several use NAME=MODEL")
+    # Prepare every model (download / GGUF conversion, with progress bars) before the server
+    # starts, and name each after what the user gave rather than the cache's file name.
+    specs: list[tuple[str, str]] = []
+    for spec in given or [""]:  # "": the default model
+        name, source = spec.split("=", 1) if "=" in spec else ("", spec)
+        resolved = models.resolve_model(source or None)
+        if not name:
+            name = args.served_model_name or (
+                Path(source).name.removesuffix(".gguf").removesuffix(".base") if source else resolved.stem
+            )
+        specs.append((name, os.fspath(resolved)))
+    api_key = args.api_key if args.api_key is not None else os.environ.get("AIOBASERT_API_KEY") or None
+    if args.ray:
+        from .server.ray_serve import run_ray
+
+        run_ray(
+            [f"{name}={path}" for name, path in specs],
+            replicas=args.replicas,
+            host=args.host,
+            port=args.port,
+            api_key=api_key,
+            keep_alive=args.keep_alive,
+            max_batch_size=args.max_batch_size,
+            max_context=args.max_context,
+        )
+        return 0
+    if len(specs) > 1 or args.keep_alive is not None:
+        provider = GroupProvider(
+            specs, keep_alive=args.keep_alive, max_batch_size=args.max_batch_size, max_context=args.max_context
+        )
+        serve(provider, host=args.host, port=args.port, api_key=api_key, allowed_origins=args.allowed_origins)
+        return 0
+    ((name, path),) = specs
     serve(
         model=path,
         host=args.host,
         port=args.port,
-        api_key=args.api_key if args.api_key is not None else os.environ.get("AIOBASERT_API_KEY") or None,
+        api_key=api_key,
         max_batch_size=args.max_batch_size,
         max_context=args.max_context,
         model_name=name,
@@ -246,7 +276,9 @@ def build_parser() -> argparse.ArgumentParser:
     convert.add_arguments(conv)
 
     serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
-    serve.add_argument("model_path", nargs="?", default=None, metavar="MODEL", help=_MODEL_HELP)
+    serve.add_argument("models", nargs="*", metavar="MODEL",
+                       help=f"{_MODEL_HELP}; NAME=MODEL serves it as NAME; several are routed by `model`")  # fmt: skip
+    serve.add_argument("--model", "-m", action="append", help="a MODEL or NAME=MODEL (repeatable)")
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     serve.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
     serve.add_argument("--api-key", default=None, help="require this bearer token (default: $AIOBASERT_API_KEY)")
@@ -254,7 +286,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--allowed-origins", action="append", default=None,
                        help="a CORS origin allowed to call the API (repeatable; '*' = any)")  # fmt: skip
     serve.add_argument("--max-batch-size", type=int, default=8, help="concurrent lanes (default 8)")
-    _add_model_args(serve)
+    serve.add_argument("--max-context", type=int, default=2048, help="tokens per lane (default 2048)")
+    serve.add_argument("--keep-alive", type=float, default=None, help="unload a model after this many idle seconds")
+    serve.add_argument("--ray", action="store_true", help="serve on Ray Serve (pip install 'aiobasert[ray]')")
+    serve.add_argument("--replicas", type=int, default=1, help="with --ray: engine replicas (default 1)")
 
     bench = sub.add_parser("bench", help="run a benchmark script from bench/ (extra options are passed to it)")
     bench.add_argument("which", nargs="?", default="engine", choices=["engine", "sdk_overhead", "soak"],

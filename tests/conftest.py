@@ -9,7 +9,8 @@ import inspect
 import shutil
 import signal
 import threading
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +41,11 @@ def untied_model_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny model with its own lm_head: the tied one's random logits mostly
     repeat one token (endless "5555" numbers); the untied one's output varies."""
     return build_tiny_model(tmp_path_factory.mktemp("tiny-untied") / "tiny.base", tied=False)
+
+
+def second_tiny_model_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Another tiny model (other random weights, so its greedy output differs): multi-model tests."""
+    return build_tiny_model(tmp_path_factory.mktemp("second") / "second.base", seed=1)
 
 
 def _converter_digest() -> str:
@@ -133,3 +139,58 @@ def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
     finally:
         if watchdog is not None:
             watchdog.cancel()
+
+
+@pytest.fixture(scope="module")
+def asgi_server() -> Iterator[Callable[[Any], str]]:
+    """`start(app) -> base URL`: runs an ASGI app with uvicorn on loopback in a thread,
+    stopped (lifespan shutdown included) when the module ends."""
+    import uvicorn
+
+    running: list[tuple[uvicorn.Server, threading.Thread]] = []
+
+    def start(app: Any) -> str:
+        server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
+        thread = threading.Thread(target=server.run, name="test-asgi-server", daemon=True)
+        thread.start()
+        running.append((server, thread))
+        deadline = time.monotonic() + 60
+        while not server.started:
+            assert thread.is_alive() and time.monotonic() < deadline, "the test server did not start"
+            time.sleep(0.01)
+        port = server.servers[0].sockets[0].getsockname()[1]
+        return f"http://127.0.0.1:{port}"
+
+    yield start
+    for server, _ in running:
+        server.should_exit = True
+    for _, thread in running:
+        thread.join(15)
+        assert not thread.is_alive(), "a test server did not stop"
+
+
+@pytest.fixture(scope="module")
+def ray_serve_url(tiny_model_path: Path, second_tiny_model_path: Path) -> Iterator[str]:
+    """A local Ray cluster (2 CPUs) started here, running aiobasert's Serve app with 2 engine
+    replicas, each serving two tiny models ("tiny" and "other"), behind Serve's HTTP proxy on
+    a free loopback port; its base URL. Shut down (Serve, then the cluster) when the module ends."""
+    import socket
+
+    import ray
+    from ray import serve
+
+    from aiobasert.server.ray_serve import build_ray_app
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        models = [str(tiny_model_path), f"other={second_tiny_model_path}"]
+        app = build_ray_app(models, replicas=2, max_batch_size=4, max_context=2048)
+        serve.run(app, name="aiobasert", route_prefix="/")
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        serve.shutdown()
+        ray.shutdown()

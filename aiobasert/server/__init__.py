@@ -58,6 +58,7 @@ from .protocol import (
     ModelList,
 )
 from .provider import EngineFactory, EngineProvider, ServedModel, SingleEngineProvider
+from .router import GroupProvider
 
 __all__ = [
     "APIError",
@@ -71,6 +72,7 @@ __all__ = [
     "EngineFactory",
     "EngineProvider",
     "ErrorResponse",
+    "GroupProvider",
     "ModelList",
     "ServedModel",
     "SingleEngineProvider",

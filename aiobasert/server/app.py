@@ -23,6 +23,7 @@ from ..errors import AioBaseRTError
 from .endpoints import Service
 from .errors import APIError, ClientGone, api_error
 from .provider import EngineFactory, EngineProvider, SingleEngineProvider
+from .router import GroupProvider, ModelRouter
 
 _OPEN_PATHS = frozenset({"/health", "/metrics", "/version"})
 
@@ -124,6 +125,8 @@ def build_app(
                                      allow_headers=["*"], expose_headers=["X-Request-Id"]))
     if api_key is not None:
         middleware.append(Middleware(_BearerAuth, api_key=api_key))
+    if isinstance(provider, GroupProvider):  # several models: route by `model`, lease for the request
+        middleware.append(Middleware(ModelRouter, provider=provider))
     app = Starlette(
         routes=routes,
         middleware=middleware,
