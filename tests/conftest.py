@@ -43,6 +43,7 @@ def untied_model_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp("tiny-untied") / "tiny.base", tied=False)
 
 
+@pytest.fixture(scope="session")
 def second_tiny_model_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Another tiny model (other random weights, so its greedy output differs): multi-model tests."""
     return build_tiny_model(tmp_path_factory.mktemp("second") / "second.base", seed=1)

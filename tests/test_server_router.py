@@ -197,3 +197,27 @@ def test_serve_command_serves_several_models(tiny_model_path: Path, second_tiny_
             proc.kill()
             proc.wait(10)
     assert proc.returncode in (0, -signal.SIGTERM)  # uvicorn re-raises the signal after a graceful exit
+
+
+def test_metrics_are_labelled_per_model(client: OpenAI, two_models: str) -> None:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    def e2e_counts() -> dict[str, float]:
+        text = httpx.get(f"{two_models}/metrics", timeout=30).text
+        return {
+            s.labels["model_name"]: s.value
+            for family in text_string_to_metric_families(text)
+            for s in family.samples
+            if s.name == "aiobasert:e2e_request_latency_seconds_count"
+        }
+
+    before = e2e_counts()
+    chat(client, "other")
+    chat(client, "other")
+    chat(client, "tiny")
+    after = e2e_counts()
+    assert after["other"] - before.get("other", 0.0) == 2
+    assert after["tiny"] - before.get("tiny", 0.0) == 1
+    gauges = httpx.get(f"{two_models}/metrics", timeout=30).text
+    assert 'aiobasert:kv_blocks_total{model_name="other"}' in gauges
+    assert 'aiobasert:kv_blocks_total{model_name="tiny"}' in gauges
