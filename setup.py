@@ -11,6 +11,8 @@ from __future__ import annotations
 import glob
 import os
 import sys
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
@@ -35,7 +37,26 @@ class BuildSharedLib(build_ext):
         # the output folder holds no tracked source, so make sure it exists (editable installs copy into it)
         os.makedirs(os.path.dirname(self.get_ext_fullpath(ext.name)), exist_ok=True)
         os.makedirs(os.path.join("aiobasert", "_native"), exist_ok=True)
+        _compile_in_parallel(self.compiler)
         super().build_extension(ext)
+
+
+def _compile_in_parallel(compiler: Any) -> None:
+    """One compiler process per source file, as many at once as this process may use
+    cores: distutils compiles them one by one, the longest part of a first install."""
+    serial = compiler.compile
+    if getattr(serial, "parallel", False):
+        return
+    jobs = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+    def compile(sources: list[str], *args: Any, **kwargs: Any) -> list[str]:
+        if jobs < 2 or len(sources) < 2:
+            return list(serial(sources, *args, **kwargs))
+        with ThreadPoolExecutor(jobs) as pool:
+            return [obj for objs in pool.map(lambda src: serial([src], *args, **kwargs), sources) for obj in objs]
+
+    compile.parallel = True  # type: ignore[attr-defined]
+    compiler.compile = compile
 
 
 libbasert = Extension(

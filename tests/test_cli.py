@@ -8,6 +8,7 @@ import json
 import os
 import queue
 import re
+import signal
 import subprocess
 import sys
 import threading
@@ -147,3 +148,47 @@ def test_serve_a_gguf(tmp_path: Path) -> None:
         proc.terminate()
         proc.wait(timeout=30)
     assert list((tmp_path / "cache").glob("pocket-*.f16.base"))
+
+
+@pytest.mark.ray
+def test_serve_ray_starts_a_cluster_and_serves(tiny_model_path: Path, second_tiny_model_path: Path) -> None:
+    """`aiobasert serve --ray` as a user runs it: a local cluster, Serve's proxy on the port,
+    two named models; SIGTERM shuts Serve and the cluster down."""
+    import socket
+
+    from openai import OpenAI
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # start a cluster of its own
+    cmd = [sys.executable, "-m", "aiobasert", "serve", "--ray", "--replicas", "1", str(tiny_model_path),
+           "--model", f"other={second_tiny_model_path}", "--port", str(port), "--max-batch-size", "2"]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    assert proc.stdout is not None
+    out = proc.stdout
+    lines: queue.Queue[str] = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(line) for line in out], daemon=True).start()
+    seen: list[str] = []
+    try:
+        while not any("aiobasert on Ray Serve:" in line for line in seen):
+            try:
+                seen.append(lines.get(timeout=150))
+            except queue.Empty:
+                pytest.fail("the Ray Serve app did not start:\n" + "".join(seen))
+            assert proc.poll() is None or not lines.empty(), "".join(seen)
+        with OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0, timeout=60) as client:
+            assert sorted(m.id for m in client.models.list()) == ["other", "tiny"]
+            stream = client.chat.completions.create(
+                model="other", messages=[{"role": "user", "content": "Hi"}], max_tokens=6, stream=True
+            )
+            assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(90)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+            pytest.fail("serve --ray did not stop on SIGTERM")
+    assert proc.returncode == 0, "".join(seen)

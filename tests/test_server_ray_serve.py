@@ -188,19 +188,3 @@ def test_a_killed_replica_fails_only_its_own_stream_and_is_replaced(http: httpx.
 
     wait_until("the new replica to take requests", routed_to_two)
     assert survivor in seen and victim not in seen
-
-
-def test_serve_ray_command_passes_its_flags(monkeypatch: pytest.MonkeyPatch) -> None:
-    """`aiobasert serve --ray` hands everything to run_ray (which the cluster tests above
-    exercise through build_ray_app; starting a second cluster here would double the time)."""
-    import aiobasert.server.ray_serve as ray_serve
-    from aiobasert.cli import main
-
-    calls: list[tuple[Any, dict[str, Any]]] = []
-    monkeypatch.setattr(ray_serve, "run_ray", lambda models, **kw: calls.append((models, kw)))
-    argv = ["serve", "--ray", "--replicas", "3", "a.base", "--model", "chat=b.base", "--port", "9001"]
-    assert main([*argv, "--keep-alive", "30", "--max-batch-size", "4", "--api-key", "k"]) == 0
-    (models, kw), = calls
-    assert models == ["a.base", "chat=b.base"]
-    assert kw == dict(replicas=3, host="127.0.0.1", port=9001, api_key="k", keep_alive=30.0, max_batch_size=4,
-                      max_context=2048)

@@ -36,6 +36,13 @@ def idle_unloading(asgi_server: Callable[[Any], str], tiny_model_path: Path, sec
 
 
 @pytest.fixture(scope="module")
+def idle_unloading_slow(asgi_server: Callable[[Any], str], smollm2_path: Path) -> str:
+    """keep_alive 0 with SmolLM2 (~30 tok/s here): a 2,000-token stream is surely still
+    running while the test looks (a tiny model's would be done, and sent, in a blink)."""
+    return asgi_server(create_app(GroupProvider([f"second={smollm2_path}"], keep_alive=0, max_batch_size=2)))
+
+
+@pytest.fixture(scope="module")
 def client(two_models: str) -> Iterator[OpenAI]:
     with OpenAI(base_url=f"{two_models}/v1", api_key=API_KEY, max_retries=0) as c:
         yield c
@@ -132,8 +139,11 @@ def test_idle_model_unloads_and_the_next_request_reloads_it(idle_unloading: str)
         assert [m.id for m in client.models.list()] == ["tiny", "second"]  # unloaded models are listed too
 
 
-def test_a_model_streaming_is_not_unloaded(idle_unloading: str) -> None:
-    body = {"model": "second", "prompt": "Once", "max_tokens": 2000, "temperature": 0, "stream": True}
+@pytest.mark.slow
+def test_a_model_streaming_is_not_unloaded(idle_unloading_slow: str) -> None:
+    idle_unloading = idle_unloading_slow
+    prompt = "Count from 1 to 1000: 1, 2, 3, 4, 5,"  # greedy SmolLM2 keeps counting: no early end of text
+    body = {"model": "second", "prompt": prompt, "max_tokens": 2000, "temperature": 0, "stream": True}
     with httpx.Client(timeout=30) as http, http.stream("POST", f"{idle_unloading}/v1/completions", json=body) as r:
         assert r.status_code == 200
         lines = r.iter_lines()
