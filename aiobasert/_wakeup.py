@@ -13,6 +13,9 @@ for a wake-up that will never come to it.
 
 from __future__ import annotations
 
+import os
+import queue
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -58,13 +61,60 @@ class LoopWaker:
             )
 
     def call_soon(self, fn: Callable[..., object], *args: Any) -> None:
-        """Run fn(*args) on the loop soon. Never blocks; dropped once the loop is gone."""
+        """Run fn(*args) on the loop soon. Never blocks; dropped once the loop is gone.
+
+        The wake-up itself (a write to the loop's self-pipe) is made by the relay
+        thread, not the caller: the write releases the GIL, the woken loop takes it
+        and the engine thread would then wait, GIL-less, until the loop has handled
+        the step's tokens (up to the 5 ms switch interval) before it can start its
+        next step. Handed to the relay, the engine thread goes straight on into that
+        step (C code, GIL released) and the loop does its work meanwhile."""
+        if not self.closed:
+            _relay().put((self, fn, args))
+
+    def _deliver(self, fn: Callable[..., object], args: tuple[Any, ...]) -> None:
         if self.closed:
             return
         try:
             self._schedule(fn, *args)
         except RuntimeError:  # the loop has closed: nobody is left to tell
             self.closed = True
+
+
+_Item = tuple[LoopWaker, Callable[..., object], tuple[Any, ...]]
+_relay_queue: queue.SimpleQueue[_Item] | None = None
+_relay_lock = threading.Lock()
+
+
+def _relay() -> queue.SimpleQueue[_Item]:
+    """The process's one relay thread (started on first use), in FIFO order, so
+    every loop sees its callbacks in the order they were scheduled."""
+    global _relay_queue
+    if _relay_queue is None:
+        with _relay_lock:
+            if _relay_queue is None:
+                q: queue.SimpleQueue[_Item] = queue.SimpleQueue()
+                threading.Thread(target=_run_relay, args=(q,), name="aiobasert-loop-waker", daemon=True).start()
+                _relay_queue = q
+    return _relay_queue
+
+
+def _forget_relay() -> None:
+    global _relay_queue
+    _relay_queue = None  # a forked child has no relay thread: it starts its own on first use
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_relay)
+
+
+def _run_relay(q: queue.SimpleQueue[_Item]) -> None:
+    while True:
+        waker, fn, args = q.get()
+        try:
+            waker._deliver(fn, args)
+        except BaseException:  # a loop's scheduling failure must not stop the relay of the others
+            waker.closed = True
 
 
 def _current_trio_token() -> object:
