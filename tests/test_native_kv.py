@@ -13,23 +13,19 @@ from __future__ import annotations
 
 import ctypes
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from ctypes import byref, c_int, c_uint32, c_void_p
 from pathlib import Path
 
 import numpy as np
-import numpy.typing as npt
 import pytest
+import raw_abi
+from raw_abi import step_logits
 
-from aiobasert._ffi import BaseRTLoadOptions, BaseRTMemoryStats, Library, load_library
+from aiobasert._ffi import BaseRTLoadOptions, BaseRTMemoryStats, Library
 from aiobasert.tiny import build_tiny_model
 
 OK, INVALID_ARGUMENT = 0, 2
-
-
-@pytest.fixture(scope="module")
-def lib() -> Library:
-    return load_library()
 
 
 @pytest.fixture(scope="module")
@@ -54,11 +50,7 @@ def path32(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def load(lib: Library, path: Path, kv_bits: int) -> int:
-    o = BaseRTLoadOptions(struct_size=ctypes.sizeof(BaseRTLoadOptions), paged_kv=1, max_batch_size=4,
-                          prefix_cache=1, prefill_chunk=16, kv_bits=kv_bits)
-    m = lib.baseRT_load_model_ex(os.fsencode(path), None, 256, byref(o))
-    assert m, (lib.baseRT_get_error() or b"").decode()
-    return int(m)
+    return raw_abi.load(lib, path, 256, max_batch_size=4, prefix_cache=1, prefill_chunk=16, kv_bits=kv_bits)
 
 
 @pytest.fixture(params=[16, 8], ids=["f16", "q8_0"])
@@ -67,18 +59,6 @@ def f16(request: pytest.FixtureRequest, lib: Library, path: Path, path32: Path) 
     m = load(lib, path if request.param == 16 else path32, request.param)
     yield m
     lib.baseRT_free_model(m)
-
-
-def step(lib: Library, m: int, seqs: Sequence[int], feeds: Sequence[Sequence[int]]) -> npt.NDArray[np.float16]:
-    n = len(seqs)
-    flat = [t for f in feeds for t in f]
-    rc = lib.baseRT_batch_step_fused_logits(m, (c_void_p * n)(*seqs), n, (c_uint32 * len(flat))(*flat),
-                                            (c_int * n)(*[len(f) for f in feeds]))
-    assert rc == OK, (lib.baseRT_get_error() or b"").decode()
-    vocab = int(lib.baseRT_batch_logits_stride(m)) // 2
-    rows = np.empty((n, vocab), dtype=np.float16)
-    assert lib.baseRT_read_batch_logits(m, n, rows.ctypes.data_as(c_void_p)) == vocab
-    return rows
 
 
 def prompt(n: int, seed: int) -> list[int]:
@@ -110,14 +90,14 @@ def test_f16_pool_batched_equals_unbatched(lib: Library, f16: int) -> None:
     prompts = [prompt(n, 20 + n) for n in (3, 17, 40)]
     batched = [int(lib.baseRT_sequence_create(f16)) for _ in prompts]
     single = [int(lib.baseRT_sequence_create(f16)) for _ in prompts]
-    rows = step(lib, f16, batched, prompts)
+    rows = step_logits(lib, f16, batched, prompts)
     for i, p in enumerate(prompts):
-        assert step(lib, f16, [single[i]], [p])[0].tobytes() == rows[i].tobytes()
+        assert step_logits(lib, f16, [single[i]], [p])[0].tobytes() == rows[i].tobytes()
     for _ in range(6):
         nxt = [[int(np.argmax(r))] for r in rows]
-        rows = step(lib, f16, batched, nxt)
+        rows = step_logits(lib, f16, batched, nxt)
         for i in range(len(prompts)):
-            assert step(lib, f16, [single[i]], nxt[i : i + 1])[0].tobytes() == rows[i].tobytes()
+            assert step_logits(lib, f16, [single[i]], nxt[i : i + 1])[0].tobytes() == rows[i].tobytes()
     for s in batched + single:
         lib.baseRT_sequence_free(s)
 
@@ -125,21 +105,21 @@ def test_f16_pool_batched_equals_unbatched(lib: Library, f16: int) -> None:
 def test_f16_pool_prefix_seeded_equals_cold(lib: Library, f16: int) -> None:
     p = prompt(45, 9)
     warm = int(lib.baseRT_sequence_create(f16))
-    step(lib, f16, [warm], [p])
+    step_logits(lib, f16, [warm], [p])
     assert lib.baseRT_prefix_insert(f16, (c_uint32 * len(p))(*p), len(p), warm) == OK
     cold = int(lib.baseRT_sequence_create(f16))
-    want = step(lib, f16, [cold], [p])[0]
+    want = step_logits(lib, f16, [cold], [p])[0]
     match = lib.baseRT_prefix_match(f16, (c_uint32 * len(p))(*p), len(p))
     assert match.matched_tokens == 32
     seeded = int(lib.baseRT_sequence_create(f16))
     rc = lib.baseRT_sequence_seed_prefix(seeded, match.blocks, match.n_blocks, match.matched_tokens)
     assert rc == OK
-    got = step(lib, f16, [seeded], [p[32:]])[0]
+    got = step_logits(lib, f16, [seeded], [p[32:]])[0]
     lib.baseRT_prefix_unlock(f16, match.handle)
     assert got.tobytes() == want.tobytes()
     # A rollback into a shared block copies it (copy-on-write of an f16 block).
     assert lib.baseRT_sequence_rollback(seeded, 20) == OK
-    again = step(lib, f16, [seeded], [p[20:]])[0]
+    again = step_logits(lib, f16, [seeded], [p[20:]])[0]
     assert again.tobytes() == want.tobytes()
     for s in (warm, cold, seeded):
         lib.baseRT_sequence_free(s)
@@ -151,7 +131,7 @@ def test_f16_pool_stays_close_to_f32(lib: Library, path: Path, path32: Path, f16
     try:
         p = prompt(60, 3)
         a, b = int(lib.baseRT_sequence_create(exact)), int(lib.baseRT_sequence_create(f16))
-        ra, rb = step(lib, exact, [a], [p])[0], step(lib, f16, [b], [p])[0]
+        ra, rb = step_logits(lib, exact, [a], [p])[0], step_logits(lib, f16, [b], [p])[0]
         ref = ra.astype(np.float64)
         err = np.abs(rb.astype(np.float64) - ref).max() / np.abs(ref).max()
         assert 0 < err < 2e-2, err  # f16 / Q8_0 K/V: different bits, the same answer within their precision

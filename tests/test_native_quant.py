@@ -11,31 +11,25 @@ and q4 bundles within 1% of the f16 bundle on a held-out text.
 
 from __future__ import annotations
 
-import ctypes
 import json
 import math
 import os
-from collections.abc import Sequence
-from ctypes import byref, c_int, c_uint32, c_void_p
+from ctypes import c_uint32
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-import numpy.typing as npt
 import pytest
+import raw_abi
+from raw_abi import step_logits
 
-from aiobasert._ffi import BaseRTLoadOptions, Library, load_library
+from aiobasert._ffi import Library
 from aiobasert.bundle import BundleWriter, TensorEntry, read_bundle
 from aiobasert.convert import convert_gguf, quantize_groups
 from aiobasert.tiny import build_tiny_model
 from tests.oracle import NumpyLlama
 
 OK, UNSUPPORTED = 0, 5
-
-
-@pytest.fixture(scope="module")
-def lib() -> Library:
-    return load_library()
 
 
 def quantize_bundle(src: Path, dst: Path, dtype: str, *, group_size: int = 32, symmetric: bool = False) -> Path:
@@ -62,23 +56,7 @@ def quantize_bundle(src: Path, dst: Path, dtype: str, *, group_size: int = 32, s
 
 
 def load(lib: Library, path: Path, lanes: int = 4) -> int:
-    o = BaseRTLoadOptions(struct_size=ctypes.sizeof(BaseRTLoadOptions), paged_kv=1, max_batch_size=lanes,
-                          prefill_chunk=64)
-    m = lib.baseRT_load_model_ex(os.fsencode(path), None, 512, byref(o))
-    assert m, (lib.baseRT_get_error() or b"").decode()
-    return int(m)
-
-
-def step(lib: Library, m: int, seqs: Sequence[int], feeds: Sequence[Sequence[int]]) -> npt.NDArray[np.float16]:
-    n = len(seqs)
-    flat = [t for f in feeds for t in f]
-    rc = lib.baseRT_batch_step_fused_logits(m, (c_void_p * n)(*seqs), n, (c_uint32 * len(flat))(*flat),
-                                            (c_int * n)(*[len(f) for f in feeds]))
-    assert rc == OK, (lib.baseRT_get_error() or b"").decode()
-    vocab = int(lib.baseRT_batch_logits_stride(m)) // 2
-    rows = np.empty((n, vocab), dtype=np.float16)
-    assert lib.baseRT_read_batch_logits(m, n, rows.ctypes.data_as(c_void_p)) == vocab
-    return rows
+    return raw_abi.load(lib, path, 512, max_batch_size=lanes, prefill_chunk=64)
 
 
 @pytest.fixture(scope="module")
@@ -99,7 +77,7 @@ def test_quantized_logits_match_the_oracle_over_dequantized_weights(
     try:
         tokens = [int(t) for t in np.random.default_rng(2).integers(3, 200, size=30)]
         s = int(lib.baseRT_sequence_create(m))
-        got = step(lib, m, [s], [tokens])[0].astype(np.float64)
+        got = step_logits(lib, m, [s], [tokens])[0].astype(np.float64)
         ref = oracle.logits(tokens)[-1]
         # Activations are rounded to 8 bits per block of 32 before every matmul: ~1% of the logit scale.
         err = np.abs(got - ref).max() / np.abs(ref).max()
@@ -117,14 +95,14 @@ def test_quantized_batched_equals_unbatched(lib: Library, tiny_f32: Path, tmp_pa
                    enumerate((2, 9, 33, 70))]
         batched = [int(lib.baseRT_sequence_create(m)) for _ in prompts]
         single = [int(lib.baseRT_sequence_create(m)) for _ in prompts]
-        rows = step(lib, m, batched, prompts)
+        rows = step_logits(lib, m, batched, prompts)
         for i, p in enumerate(prompts):
-            assert step(lib, m, [single[i]], [p])[0].tobytes() == rows[i].tobytes()
+            assert step_logits(lib, m, [single[i]], [p])[0].tobytes() == rows[i].tobytes()
         for _ in range(4):
             nxt = [[int(np.argmax(r))] for r in rows]
-            rows = step(lib, m, batched, nxt)
+            rows = step_logits(lib, m, batched, nxt)
             for i in range(len(prompts)):
-                assert step(lib, m, [single[i]], nxt[i : i + 1])[0].tobytes() == rows[i].tobytes()
+                assert step_logits(lib, m, [single[i]], nxt[i : i + 1])[0].tobytes() == rows[i].tobytes()
     finally:
         lib.baseRT_free_model(m)
 
@@ -206,7 +184,7 @@ def perplexity(lib: Library, path: Path, text: str, lanes: int = 8) -> float:
         seqs = [int(lib.baseRT_sequence_create(m)) for _ in range(lanes)]
         nll, count = 0.0, 0
         for t in range(per - 1):
-            rows = step(lib, m, seqs, [[s[t]] for s in segs]).astype(np.float64)
+            rows = step_logits(lib, m, seqs, [[s[t]] for s in segs]).astype(np.float64)
             rows -= rows.max(axis=1, keepdims=True)
             logp = rows - np.log(np.exp(rows).sum(axis=1, keepdims=True))
             for i, s in enumerate(segs):

@@ -23,16 +23,11 @@ from typing import Any
 import numpy as np
 import pytest
 
-from aiobasert._ffi import BaseRTLoadOptions, BaseRTMemoryStats, Library, load_library
+from aiobasert._ffi import BaseRTLoadOptions, BaseRTMemoryStats, Library
 from aiobasert.tiny import build_tiny_model
 
 OK, INVALID_ARGUMENT, INVALID_FORMAT, OUT_OF_MEMORY = 0, 2, 4, 6
 PAGE = 16
-
-
-@pytest.fixture(scope="module")
-def lib() -> Library:
-    return load_library()
 
 
 class Raw:

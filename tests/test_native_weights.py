@@ -19,13 +19,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from aiobasert._ffi import BaseRTLoadOptions, BaseRTMemoryStats, Library, load_library
+from aiobasert._ffi import BaseRTLoadOptions, BaseRTMemoryStats, Library
 from aiobasert.tiny import build_tiny_model
-
-
-@pytest.fixture(scope="module")
-def lib() -> Library:
-    return load_library()
 
 
 def load(lib: Library, path: Path, *, widen: bool) -> int:
