@@ -322,6 +322,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:
+        # `aiobasert run ... | head`: the reader left. Leaving the stream already freed its
+        # lane; point stdout at /dev/null so the interpreter's final flush stays quiet.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 141  # 128 + SIGPIPE, as a shell reports a pipeline's cut-off writer
 
 
 if __name__ == "__main__":

@@ -192,3 +192,15 @@ def test_serve_ray_starts_a_cluster_and_serves(tiny_model_path: Path, second_tin
             proc.wait(10)
             pytest.fail("serve --ray did not stop on SIGTERM")
     assert proc.returncode == 0, "".join(seen)
+
+
+def test_run_into_a_closed_pipe_ends_quietly(tiny_model_path: Path) -> None:
+    """`aiobasert run ... | head -c 1`: no traceback when the reader leaves early."""
+    proc = subprocess.Popen([sys.executable, "-m", "aiobasert", "run", "-m", str(tiny_model_path), "-n", "400",
+                             "--ignore-eos", "Once"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
+    assert proc.stdout is not None and proc.stderr is not None
+    assert proc.stdout.read(1)
+    proc.stdout.close()  # the reader leaves while tokens are still coming
+    err = proc.stderr.read().decode()
+    assert proc.wait(60) == 141, err
+    assert "Traceback" not in err and "BrokenPipeError" not in err, err
