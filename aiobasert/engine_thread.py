@@ -50,7 +50,7 @@ from ._protocol import (
 )
 from ._step import EmbedLane, Lane, StepRunner, TapPooler, internal_error
 from .batcher import Batcher
-from .errors import AioBaseRTError, EngineClosedError, InvalidRequestError
+from .errors import AioBaseRTError, EngineClosedError, EngineError, ErrorCode, InvalidRequestError
 from .types import EngineStats, FinishReason, ModelInfo, Token
 
 if TYPE_CHECKING:  # the grammar module imports llguidance: loaded on first use only
@@ -462,12 +462,16 @@ class EngineThread:
         Decided once, on the first embedding: the engine must offer taps, the
         bundle must carry the final norm weight that baseRT_embed applies, and a
         probe pooled from taps must match baseRT_embed. Any doubt keeps the
-        single call, whose result is the reference."""
+        single call, whose result is the reference. A probe the engine could not
+        run right now (no free KV for it) decides nothing: this input takes the
+        single call and the next one probes again."""
         if self._embed_pooler is _UNDECIDED:
             pooler = None
             if os.environ.get(_EMBED_TAPS_ENV, "1") != "0":
                 try:
                     pooler = self._probe_taps()
+                except EngineError:  # the engine refused the probe's steps for now
+                    return None
                 except Exception:
                     pooler = None
             self._embed_pooler = pooler
@@ -503,7 +507,7 @@ class EngineThread:
         lib, model = self.lib, self._model
         seq = lib.baseRT_sequence_create(model)
         if not seq:
-            return None
+            raise lib.last_error("baseRT_sequence_create")
         try:
             n = len(ids)
             one = (c_int * 1)
@@ -511,6 +515,8 @@ class EngineThread:
                 model, (ctypes.c_void_p * 1)(seq), 1, _ffi.u32_array(ids), one(n), one(1),
                 one(pooler.hidden_index), 1, one(n),
             )
+            if rc == ErrorCode.OUT_OF_MEMORY:
+                raise lib.last_error("baseRT_batch_step_fused_logits_rows_taps")
             if rc != 0 or lib.baseRT_read_tap_rows(model, 0, n, pooler.rows.ctypes.data) != self.dim:
                 return None
             return pooler.pooled_sum(pooler.rows[:n]) / n

@@ -17,7 +17,15 @@ import anyio
 import numpy as np
 import pytest
 
-from aiobasert import Engine, EngineClosedError, EngineOverloadedError, InvalidRequestError, TokenStream
+from aiobasert import (
+    AioBaseRTError,
+    Engine,
+    EngineClosedError,
+    EngineOverloadedError,
+    InvalidRequestError,
+    TokenStream,
+)
+from aiobasert._ffi import Library
 
 pytestmark = pytest.mark.anyio
 
@@ -241,6 +249,34 @@ async def test_embed_errors_cost_only_their_caller(untied_model_path: Path) -> N
                 assert waiting == []
                 assert (await s).token_ids == alone.token_ids  # reading frees the lane
             assert len(waiting) == 1 and np.array_equal(waiting[0], await engine.embed([7, 8, 9]))
+        await assert_idle_and_whole(engine)
+
+
+async def test_a_failed_step_mid_embed_is_a_typed_error_and_frees_everything(
+    untied_model_path: Path, lib: Library
+) -> None:
+    """The engine fails a step the embed is in (injected): the embed raises a typed
+    error, its lane is freed, and the engine serves on."""
+    async with Engine.open(untied_model_path, max_batch_size=2, prefill_chunk=16, max_context=2048) as engine:
+        ids = long_ids(engine.info.vocab_size, 1500)
+        with anyio.fail_after(BOUND):
+            want = await engine.embed(ids[:50])
+            outcome: list[BaseException] = []
+
+            async def run() -> None:
+                try:
+                    await engine.embed(ids)
+                except AioBaseRTError as exc:
+                    outcome.append(exc)
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(run)
+                while (await engine.stats()).active_lanes == 0:
+                    await anyio.sleep(0.001)
+                assert lib.baseRT_ref_inject_fault(1, 2) == 0  # the second step from now fails
+            assert len(outcome) == 1 and "injected fault" in str(outcome[0])
+            await assert_idle_and_whole(engine)
+            assert np.array_equal(await engine.embed(ids[:50]), want)
         await assert_idle_and_whole(engine)
 
 
