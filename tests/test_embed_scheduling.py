@@ -30,7 +30,7 @@ from aiobasert._ffi import Library
 pytestmark = pytest.mark.anyio
 
 BOUND = 60.0
-CHUNK = 32
+CHUNK = 16
 N_LONG = 1000
 TAPS_OFF = "AIOBASERT_EMBED_TAPS"
 
@@ -73,8 +73,8 @@ async def read_all(stream: TokenStream, got: list[int]) -> None:
 async def test_a_stream_gets_a_token_in_every_step_a_long_embed_runs(
     untied_model_path: Path, monkeypatch: pytest.MonkeyPatch, taps: bool
 ) -> None:
-    """While a 1000-token embed runs (32 chunks of 32), a running stream decodes on:
-    the embed holds a lane next to the stream's for >= 32 engine steps, and the
+    """While a 1000-token embed runs (63 chunks of 16), a running stream decodes on:
+    the embed holds a lane next to the stream's for >= 63 engine steps, and the
     stream got a token in every step from its admission to its end. Forced onto
     the single call, the embed never holds a lane: its forward runs between two
     steps, every lane waiting for it."""
@@ -85,7 +85,7 @@ async def test_a_stream_gets_a_token_in_every_step_a_long_embed_runs(
         want = math.ceil(N_LONG / CHUNK)
         shared_steps: set[int] = set()  # steps seen with the embed's lane next to the stream's
         with anyio.fail_after(BOUND):
-            stream = engine.stream("running", max_tokens=400, ignore_eos=True)
+            stream = engine.stream("running", max_tokens=1000, ignore_eos=True)
             await stream.__anext__()
             async with anyio.create_task_group() as tg:
                 tg.start_soon(read_all, stream, [])
@@ -108,9 +108,9 @@ async def test_a_stream_gets_a_token_in_every_step_a_long_embed_runs(
         # The stream ran through the whole embed and produced exactly one token per
         # step from admission to finish: it decoded in every step the embed ran in.
         assert t.admitted_step <= before and t.finished_step > after, (t, before, after)
-        assert t.finished_step - t.admitted_step + 1 == len(done.token_ids) == 400
+        assert t.finished_step - t.admitted_step + 1 == len(done.token_ids) == 1000
         if taps:
-            assert after - before >= want, (before, after)  # at most one 32-token chunk a step
+            assert after - before >= want, (before, after)  # at most one 16-token chunk a step
             assert shared_steps, "the embed never held a lane next to the stream"
             assert all(before <= s_ <= after for s_ in shared_steps)
         else:
