@@ -6,7 +6,9 @@ close), asks the batcher for the next step, has the `_step.StepRunner` run ONE
 fused batch step over every active lane, passes each lane's token through
 `_output.OutputProcessor` (text, stops, finish), and hands the whole step's
 output to the event loop in one wake-up. With nothing to do it blocks on the
-inbox: no spinning, and a new request wakes it at once.
+inbox: no spinning, and a new request wakes it at once. An embedding is a lane
+as well (`EmbedLane`): its input is fed chunk by chunk in those same steps and
+pooled from hidden-state taps, so it never stalls the running streams.
 
 Teardown order matters: a lane's engine sequence is freed (rolled back first
 when it was cancelled) before its bookkeeping is dropped, never after. A
