@@ -220,6 +220,16 @@ _SIGNATURES: dict[str, tuple[Any, list[Any], bool]] = {
         True,
     ),
     "baseRT_mask_logits_row": (c_int, [c_void_p, c_void_p, POINTER(c_int32)], False),
+    # multi-row steps and hidden-state taps (chunked embeddings pool tapped rows)
+    "baseRT_batch_step_fused_logits_rows": (c_int, [c_void_p, POINTER(c_void_p), c_int, _u32p, _intp, _intp], False),
+    "baseRT_batch_step_fused_logits_rows_taps": (
+        c_int,
+        [c_void_p, POINTER(c_void_p), c_int, _u32p, _intp, _intp, _intp, c_int, _intp],
+        False,
+    ),
+    "baseRT_read_tap_rows": (c_int, [c_void_p, c_int, c_int, c_void_p], False),
+    "baseRT_tap_rows_capacity": (c_int, [c_void_p], False),
+    "baseRT_model_supports_taps": (c_int, [c_void_p], False),
     # prefix cache
     "baseRT_prefix_match": (BaseRTPrefixMatch, [c_void_p, _u32p, c_int], False),
     "baseRT_sequence_seed_prefix": (c_int, [c_void_p, _intp, c_int, c_int], False),

@@ -124,6 +124,17 @@ class Call:
 
 
 @dataclass
+class Embed:
+    """Embed `source` (text, or checked token ids): a lane the scheduler feeds in
+    chunks within the prefill budget, pooling hidden-state taps; `done` gets the
+    float32 vector or the error (on the loop). `Cancel(rid)` frees its lane."""
+
+    rid: str
+    source: str | list[int]
+    done: Callable[[Any, BaseException | None], None]
+
+
+@dataclass
 class Close:
     """Stop taking requests; `abort=False` drains running lanes, `abort=True` ends them now.
 
@@ -133,7 +144,7 @@ class Close:
     abort: bool
 
 
-Message = Submit | Cancel | Resume | Call | Close
+Message = Submit | Cancel | Resume | Call | Embed | Close
 
 
 class StreamHost(Protocol):

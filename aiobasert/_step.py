@@ -6,6 +6,12 @@ token: in the engine (`baseRT_batch_step_fused_sample`) when every sampling
 lane's parameters allow, else from host logits rows (grammar masks, logit
 bias, logprobs, penalties on greedy lanes).
 
+An embedding is an `EmbedLane`: a step that carries one of its chunks runs as
+`baseRT_batch_step_fused_logits_rows_taps`, tapping the final pre-norm hidden
+state of the chunk's rows, which `TapPooler` normalises and sums; every
+sampling lane of that step samples from host logits rows (the engine's row
+sampler on the same rows: the same tokens as the fused-sample path).
+
 Fault isolation: whatever goes wrong while preparing or sampling ONE lane (a
 bad value, a grammar that raises, a bug) becomes that lane's outcome and
 nobody else's. Only a failure of the shared forward itself fails the lanes
@@ -124,6 +130,57 @@ class Lane:
         return self.prompt[: self.state.prefilled] + self.generated[:-1]
 
 
+class TapPooler:
+    """What `baseRT_embed` pools, rebuilt from hidden-state taps.
+
+    `baseRT_embed` averages the FINAL-NORMED hidden state (rmsnorm with the
+    model's final norm weight) of every input row; a tap gives the final
+    PRE-norm hidden, rounded to f16. So each tapped row goes through the same
+    rmsnorm here (sum of squares in float64, scale rounded to float32, product
+    in float32, as the engine computes it) and is summed in float64. The only
+    difference from the single-call result is the f16 rounding of the tapped
+    hidden state (relative error ~1e-4 on real models); the engine thread
+    checks that on a probe before it trusts this path (`EngineThread._embed_path`).
+    """
+
+    def __init__(self, weight: np.ndarray, eps: float, hidden_index: int, capacity: int) -> None:
+        self.weight = np.ascontiguousarray(weight, dtype=np.float32)
+        self.dim = int(self.weight.shape[0])
+        self.eps = float(eps)
+        self.hidden_index = hidden_index
+        """The hidden_states index of the final pre-norm hidden (= n_layers)."""
+        self.rows = np.zeros((max(capacity, 1), self.dim), dtype=np.float16)
+        """The tap read-back buffer: up to `capacity` rows a step."""
+
+    def pooled_sum(self, rows: np.ndarray) -> np.ndarray:
+        """Sum over `rows` ([n, dim] f16 pre-norm hidden) of their final-normed values, float64."""
+        x = rows.astype(np.float32)
+        x64 = x.astype(np.float64)
+        ss = np.einsum("ij,ij->i", x64, x64)
+        scale = (1.0 / np.sqrt(ss / self.dim + self.eps)).astype(np.float32)
+        normed = (x * scale[:, None]) * self.weight
+        total: np.ndarray = normed.sum(axis=0, dtype=np.float64)
+        return total
+
+
+class EmbedLane:
+    """Engine-thread bookkeeping of one chunked embedding."""
+
+    def __init__(self, rid: str, ids: list[int], dim: int, done: Any) -> None:
+        self.rid = rid
+        self.ids = ids
+        self.done = done  # (result, error) callback, run on the loop
+        self.state = LaneState(rid=rid, prompt_len=len(ids), max_new_tokens=0, embed=True)
+        self.seq: int | None = None
+        self.total = np.zeros(dim, dtype=np.float64)
+        self.finite = True
+
+    def result(self) -> np.ndarray:
+        """The mean over all rows, as baseRT_embed rounds it: float64 sum / n, then float32."""
+        out: np.ndarray = (self.total / len(self.ids)).astype(np.float32)
+        return out
+
+
 Sampled = tuple[int, float | None, list[TopLogprob] | None]
 """A lane's (token, logprob, top logprobs) from one step."""
 
@@ -188,18 +245,40 @@ class StepRunner:
         self._logits_ptr = self._logits.ctypes.data
         self._mask: np.ndarray | None = None
         self._token_text = token_text  # id -> str, for top_logprobs
+        self.pooler: TapPooler | None = None  # set once the engine thread trusts the tapped embed path
 
-    def step(self, rows: list[tuple[Lane, int]]) -> list[tuple[Lane, Outcome]]:
-        """Feed `rows` ((lane, tokens fed)) through one forward; every lane's outcome."""
-        outcomes: list[tuple[Lane, Outcome]] = []
-        batch: list[tuple[Lane, int, bool]] = []  # lane, fed, samples this step
+    def _prepare_embed(self, lane: EmbedLane, k: int) -> list[int]:
+        st = lane.state
+        chunk = lane.ids[st.prefilled : st.prefilled + k]
+        if lane.seq is None or len(chunk) != k or self.pooler is None:
+            raise RuntimeError(f"embedding {lane.rid} is not ready to step")
+        return chunk
+
+    def step(self, rows: list[tuple[Lane | EmbedLane, int]]) -> list[tuple[Lane | EmbedLane, Outcome]]:
+        """Feed `rows` ((lane, tokens fed)) through one forward; every lane's outcome.
+
+        An embedding lane's outcome is None (its chunk pooled) or its error."""
+        outcomes: list[tuple[Lane | EmbedLane, Outcome]] = []
+        batch: list[tuple[Lane | EmbedLane, int, bool]] = []  # lane, fed, samples this step
         feed: list[int] = []
         srows: list[_ffi.BaseRTRowSampling | None] = []
         keep: list[Any] = []
         fusable = self.has_fused_sample
         host = not fusable
+        tapped = 0
         for lane, k in rows:
             st = lane.state
+            if isinstance(lane, EmbedLane):
+                try:
+                    chunk = self._prepare_embed(lane, k)
+                except Exception as exc:
+                    outcomes.append((lane, internal_error("preparing the step", exc)))
+                    continue
+                feed.extend(chunk)
+                batch.append((lane, k, False))
+                srows.append(None)
+                tapped += k
+                continue
             # Each lane is prepared on its own: a lane whose input or sampling
             # parameters cannot be marshalled fails alone, before the forward.
             try:
@@ -226,13 +305,30 @@ class StepRunner:
         seqs = (c_void_p * n)(*(lane.seq for lane, _, _ in batch))
         counts = (c_int * n)(*(k for _, k, _ in batch))
         toks = _ffi.u32_array(feed)
+        fused: ctypes.Array[c_uint32] | None
         try:
-            if host:
+            if tapped:
+                # One row of logits per lane as in the other paths (the header
+                # wants out_rows >= 1; an embedding lane's row is ignored), taps
+                # of the embedding lanes' chunks. Samplers then use host rows.
+                assert self.pooler is not None
+                ones = (c_int * n)(*([1] * n))
+                layer = (c_int * 1)(self.pooler.hidden_index)
+                trows = (c_int * n)(*(k if isinstance(lane, EmbedLane) else 0 for lane, k, _ in batch))
+                rc = self.lib.baseRT_batch_step_fused_logits_rows_taps(
+                    self.model, seqs, n, toks, counts, ones, layer, 1, trows
+                )
+                self.lib.check(rc, "baseRT_batch_step_fused_logits_rows_taps")
+                sampling = any(samples for _, _, samples in batch)
+                if sampling and self.lib.baseRT_read_batch_logits(self.model, n, self._logits_ptr) < 0:
+                    raise self.lib.last_error("baseRT_read_batch_logits")
+                fused = None
+            elif host:
                 rc = self.lib.baseRT_batch_step_fused_logits(self.model, seqs, n, toks, counts)
                 self.lib.check(rc, "baseRT_batch_step_fused_logits")
                 if self.lib.baseRT_read_batch_logits(self.model, n, self._logits_ptr) < 0:
                     raise self.lib.last_error("baseRT_read_batch_logits")
-                fused: ctypes.Array[c_uint32] | None = None
+                fused = None
             else:
                 rows_c = (_ffi.BaseRTRowSampling * n)()
                 for i, r in enumerate(srows):
@@ -245,9 +341,15 @@ class StepRunner:
             return outcomes + [(lane, exc) for lane, _, _ in batch]
         except Exception as exc:
             return outcomes + [(lane, internal_error("in the engine step", exc)) for lane, _, _ in batch]
+        taps_at = 0
+        taps_error = self._read_taps(tapped) if tapped else None
         for i, (lane, k, samples) in enumerate(batch):
             if lane.state.prefilling:
                 lane.state.prefilled += k
+            if isinstance(lane, EmbedLane):
+                outcomes.append((lane, taps_error or self._pool(lane, taps_at, k)))
+                taps_at += k
+                continue
             if not samples:
                 outcomes.append((lane, None))
                 continue
@@ -261,6 +363,33 @@ class StepRunner:
             except Exception as exc:
                 outcomes.append((lane, internal_error("sampling", exc)))
         return outcomes
+
+    def _read_taps(self, n_rows: int) -> AioBaseRTError | None:
+        """Copy the step's tapped rows into the pooler's buffer; the error costs the embedding lanes only."""
+        assert self.pooler is not None
+        try:
+            got = self.lib.baseRT_read_tap_rows(self.model, 0, n_rows, self.pooler.rows.ctypes.data)
+            if got < 0:
+                raise self.lib.last_error("baseRT_read_tap_rows")
+            if got != self.pooler.dim:
+                raise EngineError(f"baseRT_read_tap_rows: rows of {got} values, expected {self.pooler.dim}")
+        except AioBaseRTError as exc:
+            return exc
+        except Exception as exc:
+            return internal_error("reading the hidden-state taps", exc)
+        return None
+
+    def _pool(self, lane: EmbedLane, first: int, k: int) -> AioBaseRTError | None:
+        assert self.pooler is not None
+        try:
+            part = self.pooler.pooled_sum(self.pooler.rows[first : first + k])
+        except Exception as exc:
+            return internal_error("pooling the embedding", exc)
+        # An f16 tap overflows where the hidden state exceeds 65504: the engine
+        # thread then recomputes that input with baseRT_embed.
+        lane.finite = lane.finite and bool(np.isfinite(part).all())
+        lane.total += part
+        return None
 
     def _sample_host_row(self, lane: Lane, i: int) -> Sampled:
         """Pick lane's token from row i of the host logits (and its logprobs)."""

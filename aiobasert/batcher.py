@@ -17,6 +17,11 @@ policy (in the spirit of vLLM's scheduler and llama.cpp's server slots):
   and a cancel lands between chunks (tabbyAPI #383).
 * Prefix-cache seeding is tried at admission for prompts longer than a page;
   the KV of a finished lane (prompt + output) is published for reuse.
+* An embedding is a lane too (`LaneState.embed`): admitted FIFO like any
+  request, its input fed in chunks from the same prefill budget (and at most
+  `tap_budget` tapped rows a step), never paused, done when all of it is fed.
+  A long embedding thus costs running streams one chunk per step, never a
+  whole forward (vllm's pooling requests share the scheduler the same way).
 """
 
 from __future__ import annotations
@@ -41,6 +46,8 @@ class LaneState:
     """Tokens delivered to the consumer and not yet read."""
     admitted: bool = False
     cancelled: bool = False
+    embed: bool = False
+    """An embedding lane: its prompt is the input to pool; it generates nothing."""
 
     @property
     def prefilling(self) -> bool:
@@ -60,6 +67,7 @@ class Batcher:
         max_buffered_tokens: int = 256,
         page_size: int = 16,
         prefix_cache: bool = False,
+        tap_budget: int | None = None,
     ) -> None:
         if max_batch_size < 1 or max_context < 2 or prefill_budget < 1 or max_queue < 1:
             raise ValueError("batcher limits must be positive")
@@ -70,6 +78,8 @@ class Batcher:
         self.max_buffered_tokens = max(1, max_buffered_tokens)
         self.page_size = page_size
         self.prefix_cache = prefix_cache
+        self.tap_budget = tap_budget
+        """Tapped rows one step may carry (the engine's tap capacity); None = unbounded."""
         self.waiting: deque[LaneState] = deque()
         self.running: list[LaneState] = []
 
@@ -118,16 +128,17 @@ class Batcher:
             self.waiting.remove(lane)
 
     def should_match_prefix(self, lane: LaneState) -> bool:
-        # a match always leaves one token to prefill, so it needs > one page
-        return self.prefix_cache and lane.prompt_len > self.page_size
+        # a match always leaves one token to prefill, so it needs > one page; an
+        # embedding pools every row's hidden state, so it cannot skip any
+        return self.prefix_cache and not lane.embed and lane.prompt_len > self.page_size
 
     def should_publish_prefix(self, lane: LaneState, kv_tokens: int) -> bool:
-        return self.prefix_cache and not lane.cancelled and kv_tokens >= self.page_size
+        return self.prefix_cache and not lane.cancelled and not lane.embed and kv_tokens >= self.page_size
 
     # ---- the plan ---------------------------------------------------------------------
 
     def is_paused(self, lane: LaneState) -> bool:
-        return lane.unread >= self.max_buffered_tokens
+        return not lane.embed and lane.unread >= self.max_buffered_tokens
 
     def has_runnable_work(self) -> bool:
         if self.waiting and len(self.running) < self.max_batch_size:
@@ -150,12 +161,15 @@ class Batcher:
         lane, a chunk within the prefill budget for a prefilling one."""
         rows: list[tuple[LaneState, int]] = []
         budget = self.prefill_budget
+        taps = self.tap_budget if self.tap_budget is not None else budget
         for lane in self.running:  # admission order: FIFO for the prefill budget too
             if lane.prefilling:
-                if budget <= 0:
+                chunk = min(lane.prompt_len - lane.prefilled, budget, taps if lane.embed else budget)
+                if chunk <= 0:
                     continue
-                chunk = min(lane.prompt_len - lane.prefilled, budget)
                 budget -= chunk
+                if lane.embed:
+                    taps -= chunk
                 rows.append((lane, chunk))
             elif not self.is_paused(lane):
                 rows.append((lane, 1))

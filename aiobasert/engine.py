@@ -14,7 +14,7 @@ import anyio
 import numpy as np
 
 from . import _ffi
-from ._protocol import Call, Cancel, Close, EngineConfig, Prompt, RequestSpec, Resume, Submit
+from ._protocol import Call, Cancel, Close, Embed, EngineConfig, Prompt, RequestSpec, Resume, Submit
 from ._wakeup import LoopWaker
 from .chat import render_chat
 from .engine_thread import EngineThread
@@ -417,24 +417,41 @@ class Engine:
         return await self._call(lambda: self._thread.decode_ids(checked))
 
     async def embed(self, text: str | Sequence[int]) -> np.ndarray:
-        """Mean-pooled final hidden state of `text` (float32, length dim).
+        """Mean-pooled final hidden state of `text` (float32, length dim): `baseRT_embed`'s result.
 
-        Runs on the engine thread between two steps, as one forward over the
-        whole input (the engine has no chunked embedding call)."""
-        dim = self.info.dim
-        checked = None if isinstance(text, str) else self._token_ids(text, "embed input")
+        The input is fed in chunks within the per-step prefill budget, next to
+        the running streams (which keep getting a token every step), and the
+        final-normed hidden state is pooled from the engine's hidden-state taps;
+        the result matches `baseRT_embed` up to the taps' f16 rounding. An engine
+        without taps (or `AIOBASERT_EMBED_TAPS=0`) runs one `baseRT_embed` call
+        between two steps instead. An embedding takes a lane and waits for one
+        in FIFO order like any request (`EngineOverloadedError` past `max_queue`).
+        Cancelling the call frees its lane; closing the engine with `abort=True`
+        ends it with `EngineClosedError`, a drain lets it finish."""
+        if isinstance(text, str):
+            source: str | list[int] = text
+        else:
+            source = self._token_ids(text, "embed input")
+        self._waker.check()
+        if self._port.closed:
+            raise EngineClosedError("the engine is closed")
+        fut: concurrent.futures.Future[np.ndarray] = concurrent.futures.Future()
 
-        def run() -> np.ndarray:
-            ids = self._thread.encode_text(text, special=False) if checked is None else checked  # type: ignore[arg-type]
-            if not ids:
-                raise InvalidRequestError("cannot embed an empty input")
-            if len(ids) > self.info.max_context:
-                raise InvalidRequestError(
-                    f"input of {len(ids)} tokens exceeds the context window of {self.info.max_context} tokens"
-                )
-            return self._thread.embed(ids, dim)
+        def done(result: Any, error: BaseException | None) -> None:
+            if fut.done():
+                return
+            if error is not None:
+                fut.set_exception(error)
+            else:
+                fut.set_result(result)
 
-        return await self._call(run)
+        rid = new_request_id()
+        self._thread.post(Embed(rid, source, done))
+        try:
+            return await _wait_future(fut, self._waker)
+        except BaseException:
+            self._port.cancel(rid)  # cancelled or timed out: free its lane (a no-op once it ended)
+            raise
 
     async def stats(self) -> EngineStats:
         """Lanes, queue and KV-pool occupancy, read on the engine thread."""

@@ -6,7 +6,9 @@ close), asks the batcher for the next step, has the `_step.StepRunner` run ONE
 fused batch step over every active lane, passes each lane's token through
 `_output.OutputProcessor` (text, stops, finish), and hands the whole step's
 output to the event loop in one wake-up. With nothing to do it blocks on the
-inbox: no spinning, and a new request wakes it at once.
+inbox: no spinning, and a new request wakes it at once. An embedding is a lane
+as well (`EmbedLane`): its input is fed chunk by chunk in those same steps and
+pooled from hidden-state taps, so it never stalls the running streams.
 
 Teardown order matters: a lane's engine sequence is freed (rolled back first
 when it was cancelled) before its bookkeeping is dropped, never after. A
@@ -37,6 +39,7 @@ from ._protocol import (
     Cancel,
     Close,
     Constraint,
+    Embed,
     EngineConfig,
     Final,
     Message,
@@ -47,9 +50,9 @@ from ._protocol import (
     Submit,
     Ticket,
 )
-from ._step import Lane, StepRunner, internal_error
+from ._step import EmbedLane, Lane, StepRunner, TapPooler, internal_error
 from .batcher import Batcher
-from .errors import AioBaseRTError, EngineClosedError, InvalidRequestError
+from .errors import AioBaseRTError, EngineClosedError, EngineError, ErrorCode, InvalidRequestError
 from .types import EngineStats, FinishReason, ModelInfo, Token
 
 if TYPE_CHECKING:  # the grammar module imports llguidance: loaded on first use only
@@ -60,6 +63,7 @@ __all__ = [  # the contract types are re-exported for code that imported them fr
     "Cancel",
     "Close",
     "Constraint",
+    "Embed",
     "EngineConfig",
     "EngineThread",
     "Final",
@@ -73,6 +77,16 @@ __all__ = [  # the contract types are re-exported for code that imported them fr
 ]
 
 _NO_PAUSE = 1 << 62
+_EMBED_TAPS_ENV = "AIOBASERT_EMBED_TAPS"
+"""Set to 0 to embed with one baseRT_embed call per input (the engine then
+stalls for the whole forward): the comparison baseline of bench/embed_stall.py."""
+_TAP_FUNCTIONS = (
+    "baseRT_batch_step_fused_logits_rows_taps",
+    "baseRT_read_tap_rows",
+    "baseRT_tap_rows_capacity",
+    "baseRT_model_supports_taps",
+)
+_UNDECIDED = object()
 
 
 class EngineThread:
@@ -88,6 +102,8 @@ class EngineThread:
         self._thread = threading.Thread(target=self._main, name="aiobasert-engine", daemon=True)
         self._model: int | None = None
         self._lanes: dict[str, Lane] = {}
+        self._embeds: dict[str, EmbedLane] = {}
+        self._embed_pooler: Any = _UNDECIDED  # TapPooler, or None for the single-call path
         self._dirty: dict[str, Lane] = {}
         self._closing = False
         self._abort = False
@@ -198,6 +214,12 @@ class EngineThread:
             page_size=self.page_size,
             prefix_cache=self.has_prefix,
         )
+        if all(lib.has(fn) for fn in _TAP_FUNCTIONS):
+            cap = int(lib.baseRT_tap_rows_capacity(handle))
+            self.batcher.tap_budget = cap if cap > 0 else None
+        self.n_layers = int(mc.n_layers)
+        self.dim = int(mc.dim)
+        self.norm_eps = float(mc.norm_eps)
         template = ""
         if lib.has("baseRT_chat_template_jinja"):
             template = (lib.baseRT_chat_template_jinja(handle) or b"").decode("utf-8", "replace")
@@ -241,8 +263,9 @@ class EngineThread:
         while True:
             self._refresh_flow()
             idle = not self.batcher.has_runnable_work()
-            self._drain(block=idle and not (self._closing and not self._lanes))
-            if self._closing and (self._abort or not self._lanes):
+            busy = bool(self._lanes or self._embeds)
+            self._drain(block=idle and not (self._closing and not busy))
+            if self._closing and (self._abort or not (self._lanes or self._embeds)):
                 return
             self._refresh_flow()
             if self.batcher.has_runnable_work():
@@ -257,6 +280,9 @@ class EngineThread:
             lane = self._lanes.get(state.rid)
             if lane is not None:
                 self._fail(lane, exc)
+            embed = self._embeds.get(state.rid)
+            if embed is not None:
+                self._end_embed(embed, None, exc)
 
     def _refresh_flow(self) -> None:
         """Flow control: see what each consumer has read; pause lanes that are too far ahead.
@@ -266,6 +292,8 @@ class EngineThread:
         with the pause is never missed.
         """
         for state in self.batcher.running:
+            if state.embed:  # an embedding has no reader to wait for
+                continue
             t = self._lanes[state.rid].ticket
             state.unread = t.delivered - t.consumed
             if self.batcher.is_paused(state) and not t.paused:
@@ -293,6 +321,11 @@ class EngineThread:
             lane = self._lanes.get(msg.rid)
             if lane is not None:
                 self._cancel(lane)
+            embed = self._embeds.get(msg.rid)
+            if embed is not None:  # its caller is gone: free the lane, nobody to tell
+                self._end_embed(embed, None, None)
+        elif isinstance(msg, Embed):
+            self._intake_embed(msg)
         elif isinstance(msg, Call):
             try:
                 result, error = msg.fn(), None
@@ -312,6 +345,7 @@ class EngineThread:
                 self._abort = True
                 for lane in list(self._lanes.values()):
                     self._finish(lane, "aborted")
+                self._abort_embeds()
         # Resume needs no action: waking up re-plans.
 
     def _cancel(self, lane: Lane) -> None:
@@ -395,6 +429,146 @@ class EngineThread:
             raise InvalidRequestError("the prompt is empty: it encodes to no tokens")
         return ids
 
+    # ---- embeddings ---------------------------------------------------------------------
+
+    def _intake_embed(self, msg: Embed) -> None:
+        """Validate an embedding and queue it as a lane (or, without taps, run it now)."""
+        try:
+            if self._closing:
+                raise EngineClosedError("the engine is closing")
+            src = msg.source
+            ids = self.encode_text(src, special=False) if isinstance(src, str) else list(src)
+            if not ids:
+                raise InvalidRequestError("cannot embed an empty input")
+            if len(ids) > self.max_context:
+                raise InvalidRequestError(
+                    f"input of {len(ids)} tokens exceeds the context window of {self.max_context} tokens"
+                )
+            if self._embed_path() is None:  # one atomic forward, between two steps (as before taps)
+                self._notify(msg.done, self.embed(ids, self.dim), None)
+                return
+            self.batcher.check_room()
+            lane = EmbedLane(msg.rid, ids, self.dim, msg.done)
+            self.batcher.enqueue(lane.state)
+        except BaseException as exc:
+            err = exc if isinstance(exc, AioBaseRTError) else internal_error("at intake", exc)
+            self._notify(msg.done, None, err)
+            if not isinstance(exc, Exception):
+                raise
+            return
+        self._embeds[msg.rid] = lane
+
+    def _embed_path(self) -> TapPooler | None:
+        """The tapped (chunked) embedding path, or None for one baseRT_embed call.
+
+        Decided once, on the first embedding: the engine must offer taps, the
+        bundle must carry the final norm weight that baseRT_embed applies, and a
+        probe pooled from taps must match baseRT_embed. Any doubt keeps the
+        single call, whose result is the reference. A probe the engine could not
+        run right now (no free KV for it) decides nothing: this input takes the
+        single call and the next one probes again."""
+        if self._embed_pooler is _UNDECIDED:
+            pooler = None
+            if os.environ.get(_EMBED_TAPS_ENV, "1") != "0":
+                try:
+                    pooler = self._probe_taps()
+                except EngineError:  # the engine refused the probe's steps for now
+                    return None
+                except Exception:
+                    pooler = None
+            self._embed_pooler = pooler
+            self.runner.pooler = pooler
+        return self._embed_pooler  # type: ignore[no-any-return]
+
+    def _probe_taps(self) -> TapPooler | None:
+        lib, model = self.lib, self._model
+        cap = self.batcher.tap_budget
+        if cap is None or not all(lib.has(fn) for fn in _TAP_FUNCTIONS):
+            return None
+        if lib.baseRT_model_supports_taps(model) != 1:
+            return None
+        from .bundle import read_bundle
+
+        with read_bundle(self.cfg.model_path) as bundle:
+            weight = np.asarray(bundle.tensor("final_norm.weight"), dtype=np.float32).reshape(-1)
+        if weight.shape != (self.dim,):
+            return None
+        pooler = TapPooler(weight, self.norm_eps, self.n_layers, cap)
+        probe = [(7 * i + 3) % self.vocab_size for i in range(min(12, cap, self.max_context))]
+        want = self.embed(probe, self.dim).astype(np.float64)
+        got = self._tapped_once(probe, pooler)
+        if got is None or not np.isfinite(got).all():
+            return None
+        # A wrong norm or tap is off by O(1); f16 rounding by ~1e-4.
+        if np.linalg.norm(got - want) > 1e-2 * max(float(np.linalg.norm(want)), 1e-30):
+            return None
+        return pooler
+
+    def _tapped_once(self, ids: list[int], pooler: TapPooler) -> np.ndarray | None:
+        """Pool `ids` through one tapped step on a scratch sequence (the probe)."""
+        lib, model = self.lib, self._model
+        seq = lib.baseRT_sequence_create(model)
+        if not seq:
+            raise lib.last_error("baseRT_sequence_create")
+        try:
+            n = len(ids)
+            one = (c_int * 1)
+            rc = lib.baseRT_batch_step_fused_logits_rows_taps(
+                model, (ctypes.c_void_p * 1)(seq), 1, _ffi.u32_array(ids), one(n), one(1),
+                one(pooler.hidden_index), 1, one(n),
+            )
+            if rc == ErrorCode.OUT_OF_MEMORY:
+                raise lib.last_error("baseRT_batch_step_fused_logits_rows_taps")
+            if rc != 0 or lib.baseRT_read_tap_rows(model, 0, n, pooler.rows.ctypes.data) != self.dim:
+                return None
+            return pooler.pooled_sum(pooler.rows[:n]) / n
+        finally:
+            lib.baseRT_sequence_rollback(seq, 0)
+            lib.baseRT_sequence_free(seq)
+
+    def _admit_embed(self, lane: EmbedLane) -> None:
+        seq = self.lib.baseRT_sequence_create(self._model)
+        if not seq:
+            self._end_embed(lane, None, self.lib.last_error("baseRT_sequence_create"))
+            return
+        lane.seq = seq
+        self.live_sequences += 1
+
+    def _embed_chunk_done(self, lane: EmbedLane) -> None:
+        if lane.state.prefilling:
+            return
+        if lane.finite:
+            self._end_embed(lane, lane.result(), None)
+            return
+        # The tapped hidden state overflowed f16: this input needs the f32 path.
+        self._free_embed(lane)
+        try:
+            result, error = self.embed(lane.ids, self.dim), None
+        except AioBaseRTError as exc:
+            result, error = None, exc
+        self._notify(lane.done, result, error)
+
+    def _end_embed(self, lane: EmbedLane, result: np.ndarray | None, error: BaseException | None) -> None:
+        """Free the embedding's lane, then hand its result or error to the caller (none when cancelled)."""
+        self._free_embed(lane)
+        if result is not None or error is not None:
+            self._notify(lane.done, result, error)
+
+    def _free_embed(self, lane: EmbedLane) -> None:
+        if lane.seq is not None:
+            self.lib.baseRT_sequence_rollback(lane.seq, 0)
+            self.lib.baseRT_sequence_free(lane.seq)
+            lane.seq = None
+            self.live_sequences -= 1
+        st = lane.state
+        if st.admitted or st in self.batcher.waiting:
+            self.batcher.remove(st)
+        self._embeds.pop(lane.rid, None)
+
+    def _abort_embeds(self) -> None:
+        for lane in list(self._embeds.values()):
+            self._end_embed(lane, None, EngineClosedError("the engine was closed before the embedding finished"))
+
     # ---- tokenizer helpers (engine thread) ---------------------------------------------
 
     def encode_text(self, text: str, *, special: bool) -> list[int]:
@@ -475,11 +649,24 @@ class EngineThread:
     def _step(self) -> None:
         self.steps += 1
         for state in self.batcher.admit():
-            self._admit(self._lanes[state.rid])
-        rows = [(self._lanes[st.rid], k) for st, k in self.batcher.schedule()]
+            if state.embed:
+                self._admit_embed(self._embeds[state.rid])
+            else:
+                self._admit(self._lanes[state.rid])
+        rows: list[tuple[Lane | EmbedLane, int]] = [
+            (self._embeds[st.rid] if st.embed else self._lanes[st.rid], k) for st, k in self.batcher.schedule()
+        ]
         if not rows:
             return
         for lane, outcome in self.runner.step(rows):
+            if isinstance(lane, EmbedLane):
+                if lane.rid not in self._embeds:
+                    continue
+                if isinstance(outcome, BaseException):
+                    self._end_embed(lane, None, outcome)
+                else:
+                    self._embed_chunk_done(lane)
+                continue
             if outcome is None or lane.rid not in self._lanes:
                 continue
             if isinstance(outcome, BaseException):
@@ -583,6 +770,7 @@ class EngineThread:
     def _shutdown(self) -> None:
         for lane in list(self._lanes.values()):
             self._finish(lane, "aborted")
+        self._abort_embeds()
         self._flush()
         self._free_model()
 

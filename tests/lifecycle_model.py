@@ -4,12 +4,14 @@ Each step picks one action at random (seeded): open an engine with random
 limits, submit streams with random parameters, read some tokens, break out
 of named and unnamed streams, cancel readers from their own and from other
 tasks, time out, `aclose()` streams (with a reader waiting or not), drop
-references, await whole completions, go idle, close the engine (drain, drain
-timed out then abort, abort) and reopen. After every step the invariants:
+references, await whole completions, embed inputs in the background (chunked
+lanes next to the streams) and cancel some, go idle, close the engine (drain,
+drain timed out then abort, abort) and reopen. After every step the invariants:
 
 * no task is blocked past a bound (every wait runs under `anyio.fail_after`);
 * every stream ends with tokens or a typed error (AioBaseRTError), or was
-  closed by the walk itself; a reader never sees anything else;
+  closed by the walk itself; a reader never sees anything else; every embed
+  ends with a finite vector of the model's dim, a typed error, or our cancel;
 * once idle: zero live sequences, decode streams and grammars, and no KV
   block in use outside the prefix cache;
 * after close: the engine's thread is gone and its model freed, every reader
@@ -29,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import numpy as np
 
 from aiobasert import (
     AioBaseRTError,
@@ -60,6 +63,14 @@ class Tracked:
 
 
 @dataclass
+class TrackedEmbed:
+    source: str | list[int]
+    outcome: str | None = None  # "done", "error:<type>", "cancelled"
+    scope: anyio.CancelScope = field(default_factory=anyio.CancelScope)
+    done: anyio.Event = field(default_factory=anyio.Event)
+
+
+@dataclass
 class WalkStats:
     steps: int = 0
     opens: int = 0
@@ -70,6 +81,8 @@ class WalkStats:
     errors: int = 0
     cancelled: int = 0
     idle_checks: int = 0
+    embeds: int = 0
+    embeds_done: int = 0
     actions: dict[str, int] = field(default_factory=dict)
 
 
@@ -81,6 +94,7 @@ class LifecycleWalk:
         self.structured = structured
         self.engine: Engine | None = None
         self.tracked: list[Tracked] = []
+        self.embeds: list[TrackedEmbed] = []
         self.stats = WalkStats()
         self.baseline = engine_threads()
         self.tg: Any = None
@@ -103,6 +117,7 @@ class LifecycleWalk:
             if t.has_reader:
                 await t.reader_done.wait()
         self.tracked.clear()
+        await self.settle_embeds()  # with no stream left, a queued embed gets a lane
         gc.collect()
         while True:
             s = await engine.stats()
@@ -113,7 +128,42 @@ class LifecycleWalk:
         assert s.kv_blocks_used == s.prefix_blocks_cached, (self.seed, s)
         self.stats.idle_checks += 1
 
+    async def settle_embeds(self) -> None:
+        for e in self.embeds:
+            await e.done.wait()
+        self.embeds.clear()
+
     # ---- actions ------------------------------------------------------------------
+
+    def start_embed(self) -> None:
+        assert self.engine is not None
+        rng = self.rng
+        if rng.random() < 0.5:
+            source: str | list[int] = " ".join(rng.choice(WORDS) for _ in range(rng.randint(0, 120)))
+        else:  # ids; past the 256-token context now and then (refused in the caller)
+            source = [rng.randrange(3, self.engine.info.vocab_size) for _ in range(rng.choice([1, 40, 250, 300]))]
+        e = TrackedEmbed(source)
+        self.embeds.append(e)
+        self.stats.embeds += 1
+        self.tg.start_soon(self.embedder, self.engine, e)
+
+    async def embedder(self, engine: Engine, e: TrackedEmbed) -> None:
+        with e.scope:
+            try:
+                vec = await engine.embed(e.source)
+                assert isinstance(vec, np.ndarray) and vec.dtype == np.float32, (self.seed, vec)
+                assert vec.shape == (engine.info.dim,) and np.isfinite(vec).all(), (self.seed, vec)
+                e.outcome = "done"
+                self.stats.embeds_done += 1
+            except AioBaseRTError as exc:
+                e.outcome = f"error:{type(exc).__name__}"
+            except BaseException as exc:  # only our own cancellation may end an embed otherwise
+                if not isinstance(exc, anyio.get_cancelled_exc_class()):
+                    raise AssertionError(f"seed {self.seed}: an embed ended with {exc!r}") from exc
+                raise
+        if e.scope.cancel_called and e.outcome is None:
+            e.outcome = "cancelled"
+        e.done.set()
 
     def params(self) -> dict[str, Any]:
         rng = self.rng
@@ -211,8 +261,8 @@ class LifecycleWalk:
         live = [t for t in self.tracked if t.outcome is None]
         action = rng.choices(
             ["submit", "read", "break_named", "break_unnamed", "background", "cancel_reader", "timeout",
-             "aclose", "aclose_waited", "drop", "await", "idle", "close"],
-            weights=[14, 10, 5, 4, 7, 4, 4, 4, 3, 4, 5, 2, 2],
+             "aclose", "aclose_waited", "drop", "await", "idle", "close", "embed", "cancel_embed"],
+            weights=[14, 10, 5, 4, 7, 4, 4, 4, 3, 4, 5, 2, 2, 4, 2],
         )[0]
         if action in ("read", "break_named", "background", "timeout", "aclose", "aclose_waited", "drop",
                       "await", "cancel_reader") and not live:
@@ -303,6 +353,14 @@ class LifecycleWalk:
                     self.check_outcome(t, exc)
                     t.outcome = "error"
                     self.stats.errors += 1
+        elif action == "embed":
+            self.start_embed()
+        elif action == "cancel_embed":
+            running = [e for e in self.embeds if not e.done.is_set()]
+            if running:
+                e = rng.choice(running)
+                e.scope.cancel()  # from this task, mid-queue or mid-chunks
+                await e.done.wait()
         elif action == "idle":
             await self.check_idle()
         elif action == "close":
@@ -321,6 +379,7 @@ class LifecycleWalk:
         for t in self.tracked:  # every reader has ended, with tokens or a typed error
             if t.has_reader:
                 await t.reader_done.wait()
+        await self.settle_embeds()  # a drain finished them, an abort ended them with EngineClosedError
         try:
             engine.stream("after close")
             raise AssertionError("a closed engine took a request")

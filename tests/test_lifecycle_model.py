@@ -16,4 +16,4 @@ pytestmark = pytest.mark.anyio
 async def test_lifecycle_random_walk(untied_model_path: Path, seed: int) -> None:
     stats = await LifecycleWalk(untied_model_path, seed).run(steps=80)
     assert stats.steps == 80 and stats.opens >= 1 and stats.closes >= 1
-    assert stats.streams > 0
+    assert stats.streams > 0 and stats.embeds > 0

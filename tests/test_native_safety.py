@@ -360,7 +360,7 @@ class Fuzzer:
     def op(self) -> None:
         lib, r = self.lib, self.rng
         kind = r.choice(["load", "free_model", "create", "create", "free_seq", "rollback", "step", "step", "step",
-                         "match", "seed", "insert", "settle", "evict", "query"])
+                         "match", "seed", "insert", "settle", "evict", "query", "tap_step", "tap_read"])
         self.calls += 1
         if kind == "load" and len(self.models) < 2:
             self.models.append(load(lib, self.path, max_context=r.choice([48, 128]), max_batch_size=r.choice([1, 4])))
@@ -398,6 +398,35 @@ class Fuzzer:
             assert rc in (OK, INVALID_ARGUMENT, OUT_OF_MEMORY), error(lib)
             if rc == OK and r.random() < 0.5:
                 rows(lib, m, len(seqs))
+        elif kind == "tap_step":  # multi-row / tapped steps with valid and invalid rows, layers and handles
+            valid = r.random() < 0.6 and bool(self.models)
+            m = r.choice(self.models) if valid else self.any_model()
+            n = r.choice([1, 1, 2, 3])
+            own = [s for s, owner in self.seqs.items() if owner == m]
+            if valid and own:  # a well-formed call: distinct live lanes, rows in bounds
+                seqs = r.sample(own, min(n, len(own)))
+                feeds = [self.tokens(r.choice([1, 2, 5, 7])) for _ in seqs]
+                out_rows = [r.randint(1, len(f)) for f in feeds]
+                layers = [r.choice([0, 1, 2]) for _ in range(r.choice([0, 1, 2, 8]))]
+                tap_rows = [r.randint(0, len(f)) for f in feeds]
+            else:
+                seqs = [self.any_seq() for _ in range(n)]
+                feeds = [self.tokens(r.choice([1, 2, 5, 17, 33])) for _ in seqs]
+                out_rows = [r.choice([0, 1, 1, len(f), len(f) + 1]) for f in feeds]
+                layers = [r.choice([-1, 0, 1, 2, 2, 3]) for _ in range(r.choice([0, 1, 2, 9]))]
+                tap_rows = [r.choice([-1, 0, 1, len(f), len(f) + 1]) for f in feeds]
+            flat = [t for f in feeds for t in f]
+            rc = lib.baseRT_batch_step_fused_logits_rows_taps(
+                m, (c_void_p * len(seqs))(*seqs), len(seqs), u32(flat), ints([len(f) for f in feeds]), ints(out_rows),
+                ints(layers) if r.random() < 0.95 else None, len(layers), ints(tap_rows) if r.random() < 0.95 else None)
+            assert rc in (OK, INVALID_ARGUMENT, OUT_OF_MEMORY), error(lib)
+            if rc == OK:
+                rows(lib, m, sum(out_rows))
+        elif kind == "tap_read":
+            buf = np.empty((40, 64), dtype=np.float16)
+            rc = lib.baseRT_read_tap_rows(self.any_model(), r.choice([-1, 0, 1, 8]), r.choice([-1, 0, 1, 17, 40]),
+                                          buf.ctypes.data_as(c_void_p) if r.random() < 0.9 else None)
+            assert rc in (64, -INVALID_ARGUMENT), error(lib)
         elif kind == "match":
             m = self.any_model()
             handle, blocks = match(lib, m, r.choice(FUZZ_PROMPTS))

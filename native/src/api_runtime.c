@@ -56,6 +56,7 @@ int rt_runtime_init(rt_model *m) {
     }
     rt->bytes += (size_t)rt->max_lanes * vocab * sizeof(float) + (size_t)m->max_batch_size * vocab * sizeof(uint16_t) +
                  3 * vocab * sizeof(float);
+    rt->logits_cap = m->max_batch_size; /* = max_lanes: max_batch_size >= 1 (check_config) */
     rt->def = rt_seq_new(m, false);
     if (!rt->def) {
         rc = BASERT_ERR_OUT_OF_MEMORY;
@@ -115,7 +116,7 @@ static int default_forward(rt_model *m, const char *fn, const uint32_t *tokens, 
     int rc = rt_kv_check_lengths(m, &lane, 1, fn);
     if (rc == BASERT_OK) rc = rt_kv_reserve(m, &lane, 1, fn);
     if (rc != BASERT_OK) return rc;
-    rt_forward(m, &lane, 1, rt->def_logits, NULL);
+    rt_forward(m, &lane, 1, rt->def_logits, NULL, NULL);
     rt_logits_round_f16(rt->def_logits, NULL, m->cfg.vocab_size);
     rt->def_logits_valid = true;
     return BASERT_OK;
@@ -295,7 +296,7 @@ int baseRT_embed(baseRT_model_t model, const uint32_t *tokens, int n_tokens, flo
     int rc = rt_kv_check_lengths(m, &lane, 1, fn);
     if (rc == BASERT_OK) rc = rt_kv_reserve(m, &lane, 1, fn);
     if (rc == BASERT_OK) {
-        rt_forward(m, &lane, 1, NULL, pooled);
+        rt_forward(m, &lane, 1, NULL, pooled, NULL);
         for (int i = 0; i < dim; i++) out_embedding[i] = (float)(pooled[i] / n_tokens);
     }
     rt_seq_delete(s);

@@ -39,6 +39,8 @@ int rt_forward_init(rt_model *m) {
         {(void **)&rt->hb2, C * c->ffn_dim * sizeof(float)},
         {(void **)&rt->row_lane, C * sizeof(int)},
         {(void **)&rt->row_pos, C * sizeof(int)},
+        {(void **)&rt->lane_out_first, (size_t)rt->max_lanes * sizeof(int)},
+        {(void **)&rt->lane_tap_first, (size_t)rt->max_lanes * sizeof(int)},
         {(void **)&rt->att_scores, (size_t)n_threads * (c->n_heads / c->n_kv_heads) * c->max_seq_len * sizeof(float)},
         {(void **)&rt->rope_cos, (size_t)c->max_seq_len * half * sizeof(float)},
         {(void **)&rt->rope_sin, (size_t)c->max_seq_len * half * sizeof(float)},
@@ -77,6 +79,9 @@ void rt_forward_free(rt_model *m) {
     for (size_t i = 0; i < sizeof fs / sizeof fs[0]; i++) free(fs[i]);
     free(rt->row_lane);
     free(rt->row_pos);
+    free(rt->lane_out_first);
+    free(rt->lane_tap_first);
+    free(rt->tap_buf);
     free(rt->xq);
 }
 
@@ -225,7 +230,30 @@ static void kv_store(const rt_runtime *rt, char *dst, const float *src, int n) {
     }
 }
 
-static void forward_slice(rt_model *m, const rt_lane *lanes, int R) {
+/* Copy the slice's tapped rows of hidden_states index `idx` (rt->x as it is
+ * now) into every tap block that asks for it, rounded to f16. A lane's tapped
+ * rows are its last tap_rows[lane] positions of this step; the slice may hold
+ * any part of them (slices cut across lanes), each lands at its own row. */
+static void tap_slice(rt_model *m, const rt_lane *lanes, int R, const rt_rows *rows, int idx) {
+    if (!rows || rows->n_taps == 0) return;
+    rt_runtime *rt = m->rt;
+    size_t dim = m->cfg.dim;
+    for (int j = 0; j < rows->n_taps; j++) {
+        if (rows->tap_layers[j] != idx) continue;
+        uint16_t *block = rt->tap_buf + (size_t)j * rt->tap_cap * dim;
+        for (int r = 0; r < R; r++) {
+            int li = rt->row_lane[r];
+            const rt_lane *ln = &lanes[li];
+            int first = ln->seq->length + ln->n - rows->tap_rows[li];
+            if (rt->row_pos[r] < first) continue;
+            uint16_t *dst = block + (size_t)(rt->lane_tap_first[li] + rt->row_pos[r] - first) * dim;
+            const float *src = rt->x + (size_t)r * dim;
+            for (size_t i = 0; i < dim; i++) dst[i] = rt_f32_to_f16(src[i]);
+        }
+    }
+}
+
+static void forward_slice(rt_model *m, const rt_lane *lanes, int R, const rt_rows *rows) {
     rt_runtime *rt = m->rt;
     const BaseRTModelConfig *c = &m->cfg;
     int dim = (int)c->dim, q_dim = (int)c->q_dim, kv_dim = (int)c->kv_dim, ffn = (int)c->ffn_dim;
@@ -237,6 +265,7 @@ static void forward_slice(rt_model *m, const rt_lane *lanes, int R) {
 
     for (uint32_t l = 0; l < c->n_layers; l++) {
         const rt_layer *L = &m->layers[l];
+        tap_slice(m, lanes, R, rows, (int)l); /* hidden_states[l]: the residual entering layer l */
         for (int r = 0; r < R; r++)
             rmsnorm(rt->xb + (size_t)r * dim, rt->x + (size_t)r * dim, L->attn_norm, dim, c->norm_eps);
         rt_mm_target qkv[3] = {
@@ -283,11 +312,24 @@ static void forward_slice(rt_model *m, const rt_lane *lanes, int R) {
         rt_matmul(rt->threads, rt->hb, (size_t)ffn, R, ffn, &d, 1, rt->xq);
         for (size_t i = 0; i < (size_t)R * dim; i++) rt->x[i] += rt->xb[i];
     }
+    tap_slice(m, lanes, R, rows, (int)c->n_layers); /* the final pre-norm hidden */
 }
 
-void rt_forward(rt_model *m, const rt_lane *lanes, int n_lanes, float *logits, double *pooled) {
+void rt_forward(rt_model *m, const rt_lane *lanes, int n_lanes, float *logits, double *pooled, const rt_rows *rows) {
     rt_runtime *rt = m->rt;
     int dim = (int)m->cfg.dim;
+    /* Where each lane's output rows and tapped rows start (lanes in order). */
+    int n_out = n_lanes;
+    if (rows) {
+        int out = 0, tap = 0;
+        for (int i = 0; i < n_lanes; i++) {
+            rt->lane_out_first[i] = out;
+            rt->lane_tap_first[i] = tap;
+            out += rows->out_rows[i];
+            tap += rows->n_taps ? rows->tap_rows[i] : 0;
+        }
+        n_out = out;
+    }
     int lane = 0, off = 0;
     while (lane < n_lanes) {
         /* Pack the next slice: consecutive rows of consecutive lanes. */
@@ -306,12 +348,17 @@ void rt_forward(rt_model *m, const rt_lane *lanes, int n_lanes, float *logits, d
                 off = 0;
             }
         }
-        forward_slice(m, lanes, R);
+        forward_slice(m, lanes, R, rows);
         for (int r = 0; r < R; r++) {
-            const rt_lane *ln = &lanes[rt->row_lane[r]];
+            int li = rt->row_lane[r];
+            const rt_lane *ln = &lanes[li];
             const float *h = rt->x + (size_t)r * dim;
-            if (rt->row_pos[r] == ln->seq->length + ln->n - 1)
-                memcpy(rt->final_h + (size_t)rt->row_lane[r] * dim, h, (size_t)dim * sizeof(float));
+            int n_rows = rows ? rows->out_rows[li] : 1;
+            int first = ln->seq->length + ln->n - n_rows;
+            if (rt->row_pos[r] >= first) {
+                int at = (rows ? rt->lane_out_first[li] : li) + rt->row_pos[r] - first;
+                memcpy(rt->final_h + (size_t)at * dim, h, (size_t)dim * sizeof(float));
+            }
             if (pooled) {
                 rmsnorm(rt->xb, h, m->final_norm, dim, m->cfg.norm_eps);
                 for (int i = 0; i < dim; i++) pooled[i] += (double)rt->xb[i];
@@ -320,10 +367,17 @@ void rt_forward(rt_model *m, const rt_lane *lanes, int n_lanes, float *logits, d
     }
     for (int i = 0; i < n_lanes; i++) lanes[i].seq->length += lanes[i].n;
     if (!logits) return;
-    for (int i = 0; i < n_lanes; i++) {
+    for (int i = 0; i < n_out; i++) {
         float *h = rt->final_h + (size_t)i * dim;
         rmsnorm(h, h, m->final_norm, dim, m->cfg.norm_eps);
     }
-    rt_mm_target head = {m->lm_head, logits, (int)m->cfg.vocab_size, (size_t)m->cfg.vocab_size};
-    rt_matmul(rt->threads, rt->final_h, (size_t)dim, n_lanes, dim, &head, 1, rt->xq);
+    /* The head in blocks of rows the quantized-input scratch holds; every row's
+     * logits are the same whatever block it lands in. */
+    int block = rt->chunk > rt->max_lanes ? rt->chunk : rt->max_lanes;
+    size_t vocab = m->cfg.vocab_size;
+    for (int r0 = 0; r0 < n_out; r0 += block) {
+        int nr = n_out - r0 < block ? n_out - r0 : block;
+        rt_mm_target head = {m->lm_head, logits + (size_t)r0 * vocab, (int)vocab, vocab};
+        rt_matmul(rt->threads, rt->final_h + (size_t)r0 * dim, (size_t)dim, nr, dim, &head, 1, rt->xq);
+    }
 }

@@ -56,13 +56,21 @@ typedef struct rt_runtime {
     int *row_lane, *row_pos;
     float *att_scores;          /* [threads][n_heads / n_kv_heads][max_seq_len] */
     float *rope_cos, *rope_sin; /* [max_seq_len][head_dim / 2] */
-    float *final_h;             /* [max_lanes][dim] last hidden row of each lane */
+    float *final_h;             /* [max(max_lanes, logits_cap)][dim] hidden rows whose logits a step returns */
+    int *lane_out_first;        /* [max_lanes] a multi-row step's first logits row of each lane */
+    int *lane_tap_first;        /* [max_lanes] a tapped step's first tap row of each lane */
     rt_blk_x *xq;               /* [chunk][max(dim, q_dim, ffn) / 32] quantized matmul inputs */
 
     /* ---- outputs (batch.c, api_runtime.c) ---- */
     float *logits;        /* [max_lanes][vocab]: forward output, then its f16-rounded values */
     uint16_t *logits_f16; /* [max_batch_size][vocab]: the batched logits scratch */
     int logits_rows;      /* rows the most recent fused step left there */
+    int logits_cap;       /* rows logits / logits_f16 / final_h hold (grown for multi-row steps) */
+    /* ---- hidden-state taps (batch.c, forward.c) ---- */
+    uint16_t *tap_buf; /* [RT_MAX_TAPS][tap_cap][dim] f16, allocated by the first tapped step */
+    int tap_cap;       /* rows one tapped step may cover: min(chunk, 1024) */
+    int tap_count;     /* taps the most recent tapped step left readable (0: none) */
+    int tap_rows;      /* rows per tap it left */
     float *def_logits;    /* [vocab] default sequence's last logits (f16-rounded) */
     bool def_logits_valid;
     float *sample_scratch; /* for the front's sampling routines */
@@ -108,10 +116,25 @@ int rt_kv_reserve(rt_model *m, const rt_lane *lanes, int n_lanes, const char *fn
 /* ---- forward.c ------------------------------------------------------------- */
 int rt_forward_init(rt_model *m);
 void rt_forward_free(rt_model *m);
+/* Most hidden-state taps one step may request (baseRT.h). */
+#define RT_MAX_TAPS 8
+/* What a multi-row step returns besides KV: per lane its LAST out_rows[i]
+ * rows' logits (>= 1, lanes in order, rows ascending) and, for each of the
+ * n_taps hidden_states indices in tap_layers (0 = embedding output, k = the
+ * residual after layer k-1, n_layers = final pre-norm hidden), its LAST
+ * tap_rows[i] rows (>= 0) into tap block j of rt->tap_buf. Validated by the
+ * caller, buffers sized by the caller. */
+typedef struct {
+    const int *out_rows;
+    const int *tap_layers;
+    int n_taps;
+    const int *tap_rows;
+} rt_rows;
 /* Run the lanes (validated and reserved) and advance their lengths. logits
- * (may be NULL): [n_lanes][vocab] f32 of each lane's last row. pooled (may be
- * NULL): [dim] sum over all rows of the final-normed hidden state. */
-void rt_forward(rt_model *m, const rt_lane *lanes, int n_lanes, float *logits, double *pooled);
+ * (may be NULL): f32 [rows][vocab] of each lane's last row (rows NULL), or of
+ * the rows `rows` asks for. pooled (may be NULL): [dim] sum over all rows of
+ * the final-normed hidden state. */
+void rt_forward(rt_model *m, const rt_lane *lanes, int n_lanes, float *logits, double *pooled, const rt_rows *rows);
 
 /* ---- prefix.c -------------------------------------------------------------- */
 int rt_prefix_init(rt_model *m);

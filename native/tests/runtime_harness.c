@@ -242,7 +242,7 @@ static void prefill_raw(rt_model *m, rt_seq *s, const uint32_t *tokens, int n, f
     rt_lane lane = {s, tokens, n};
     int rc = rt_kv_reserve(m, &lane, 1, "harness");
     CHECK(rc == BASERT_OK, "reserve %d", rc);
-    rt_forward(m, &lane, 1, out, NULL);
+    rt_forward(m, &lane, 1, out, NULL, NULL);
 }
 
 static void check_chunked_equals_oneshot(const shape *s, const weights *w) {
