@@ -287,9 +287,13 @@ def test_invalid_utf8_and_escapes_rejected(lib: Library, model: int, vocab_info:
 @pytest.mark.parametrize(
     ("schema", "needle"),
     [
-        ({"type": "object", "properties": {"a": {}}}, "properties"),
+        ({"type": "object", "properties": {"a": {"type": "object", "properties": {}}}}, "properties"),
         ({"enum": [1, 2]}, "enum"),
         ({"type": "object", "required": ["a"]}, "required"),
+        ({"type": "object", "properties": {"a": {"minimum": 1}}}, "minimum"),
+        ({"type": "object", "properties": {}, "additionalProperties": True}, "additionalProperties"),
+        ({"type": "string", "properties": {}}, "non-object"),
+        ({"type": "object", "properties": {'a"b': {}}}, "property names"),
         ({"type": ["string", "null"]}, "type"),
         ({"type": "foo"}, "type"),
         (False, "false"),
