@@ -328,3 +328,70 @@ def test_walks_through_the_masks_stay_well_formed(
         lib.baseRT_grammar_free(g)
     check_output(out.decode("utf-8", "replace"), ended=ended, at_least_one=at_least_one,
                  stop_after_first=stop_after_first)
+
+
+# ---- fuzz: any document is a handle or an error, never a crash (ASan in test_sanitizers) ----
+
+_KEYS = ["type", "format", "triggers", "tags", "begin", "end", "content", "json_schema", "schema", "structures",
+         "at_least_one", "stop_after_first", "excludes", "properties", "required", "additionalProperties"]
+_WORDS = ["structural_tag", "triggered_tags", "tag", "json_schema", "object", "string", "integer", "<a", "<ab",
+          "a", "", "}"]
+_json = st.recursive(
+    st.none() | st.booleans() | st.integers(-2, 2) | st.sampled_from(_WORDS) | st.text(max_size=4),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.sampled_from(_KEYS) | st.text(max_size=3), inner,
+                                                                max_size=5),
+    max_leaves=24,
+)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(doc=_json, raw=st.binary(max_size=40), steps=st.lists(st.integers(0, 10**6), max_size=12))
+def test_fuzz_documents(lib: Library, model: int, doc: Any, raw: bytes, steps: list[int]) -> None:
+    for text in (json.dumps(doc).encode(), raw.replace(b"\0", b" ")):
+        g = lib.baseRT_grammar_create_from_structural_tag(model, text)
+        if not g:
+            assert error(lib)[0] in (INVALID_ARGUMENT, UNSUPPORTED)
+            continue
+        try:
+            for k in steps:
+                allowed = sorted(fill(lib, g)[1])
+                assert allowed  # never a dead end
+                assert lib.baseRT_grammar_accept_token(g, allowed[k % len(allowed)]) == 1
+        finally:
+            lib.baseRT_grammar_free(g)
+
+
+_schemas = st.sampled_from([True, {}, {"type": "object"}, {"type": "string"}, {"type": "array"}, {"type": "null"},
+                            {"type": "integer"}, WEATHER, TIME, {"properties": {"a": {}, "b": {"type": "number"}},
+                                                                "required": ["b"]}])
+
+
+@st.composite
+def _tag_docs(draw: st.DrawFn) -> dict[str, Any]:
+    triggers = draw(st.lists(st.text("<ab>x", min_size=1, max_size=3), min_size=1, max_size=3, unique=True))
+    tags = [{"begin": draw(st.sampled_from(triggers)) + draw(st.text("ab{x\"", max_size=3)),
+             "content": {"type": "json_schema", "json_schema": draw(_schemas)},
+             "end": draw(st.text("}>x\n", max_size=3))} for _ in range(draw(st.integers(1, 3)))]
+    return {"type": "triggered_tags", "triggers": triggers, "tags": tags, "at_least_one": draw(st.booleans()),
+            "stop_after_first": draw(st.booleans())}
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(doc=_tag_docs(), steps=st.lists(st.integers(0, 10**6), max_size=40))
+def test_fuzz_well_shaped_tags_never_dead_end(lib: Library, model: int, doc: Any, steps: list[int]) -> None:
+    """Accepted documents step without a dead end, and the mask agrees with accept."""
+    g = lib.baseRT_grammar_create_from_structural_tag(model, json.dumps(doc).encode())
+    if not g:
+        assert error(lib)[0] in (INVALID_ARGUMENT, UNSUPPORTED)
+        return
+    try:
+        for k in steps:
+            rc, allowed = fill(lib, g)
+            assert allowed
+            pick = sorted(allowed)[k % len(allowed)]
+            outside = k % 2000  # a token the mask refuses is refused by accept as well
+            if outside not in allowed and outside < lib.baseRT_grammar_bitmask_size(g) * 32:
+                assert lib.baseRT_grammar_accept_token(g, outside) == 0
+            assert lib.baseRT_grammar_accept_token(g, pick) == 1
+    finally:
+        lib.baseRT_grammar_free(g)
