@@ -34,8 +34,8 @@ each tool's arguments) on the host. Both enforce:
 - `tool_choice="auto"`: text, and any call the model starts is well-formed
   (the structural tag lets text surround calls; the Lark grammar is stricter:
   either text without `<tool_call>`, or calls from the first character on);
-- `"required"` / a named function: the turn starts with a well-formed call (of
-  that function);
+- `"required"` / a named function: only well-formed calls (of that function),
+  at least one;
 - `"none"`: text without `<tool_call>` (the Lark grammar: no structural tag);
 - `parallel_tool_calls=False`: at most one call (the structural tag's
   `stop_after_first`: only an end token may follow it).
@@ -267,14 +267,16 @@ def tool_grammar(tools: Sequence[Tool], choice: str, *, parallel: bool = True) -
 
 
 def tool_structural_tag(tools: Sequence[Tool], choice: str, *, parallel: bool = True) -> dict[str, Any] | None:
-    """The xgrammar structural tag (`triggered_tags`) of an assistant turn under
-    `choice`, for the engine's own grammar backend; None when there is nothing to
-    call (no tools, or "none": the Lark grammar of `tool_grammar` covers that).
+    """The xgrammar structural tag of an assistant turn under `choice`, for the
+    engine's own grammar backend; None when there is nothing to call (no tools, or
+    "none": the Lark grammar of `tool_grammar` covers that).
 
-    Free text until `<tool_call>`, then one allowed tool's call head (forced up to
-    its arguments), the arguments under the tool's schema, and the call's end;
-    "required" / a named function: `at_least_one` (the turn starts with a call);
-    `parallel=False`: `stop_after_first` (only an end token after the call)."""
+    Each allowed tool is a tag: its call head (forced up to the arguments), the
+    arguments under the tool's schema, the call's end. "auto": `triggered_tags`
+    (free text; `<tool_call>` starts a call); "required" / a named function:
+    `tags_with_separator` (calls only, at least one, separated by a newline, as
+    the Lark grammar); `parallel=False`: `stop_after_first` (only an end token
+    after the call)."""
     if not tools or choice == "none":
         return None
     allowed = [t for t in tools if choice in ("auto", "required") or t.name == choice]
@@ -290,16 +292,13 @@ def tool_structural_tag(tools: Sequence[Tool], choice: str, *, parallel: bool = 
                 "end": _CALL_END,
             }
         )
-    return {
-        "type": "structural_tag",
-        "format": {
-            "type": "triggered_tags",
-            "triggers": [CALL_OPEN.rstrip("\n")],
-            "tags": tags,
-            "at_least_one": choice != "auto",
-            "stop_after_first": not parallel,
-        },
-    }
+    fmt: dict[str, Any]
+    if choice == "auto":
+        fmt = {"type": "triggered_tags", "triggers": [CALL_OPEN.rstrip("\n")], "tags": tags, "at_least_one": False}
+    else:
+        fmt = {"type": "tags_with_separator", "tags": tags, "separator": _CALL_SEP, "at_least_one": True}
+    fmt["stop_after_first"] = not parallel
+    return {"type": "structural_tag", "format": fmt}
 
 
 # ---- prompt rendering ----------------------------------------------------------------------

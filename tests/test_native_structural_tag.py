@@ -44,9 +44,13 @@ def begin(name: str) -> str:
 
 
 def tag_doc(*, at_least_one: bool = False, stop_after_first: bool = False, names: tuple[str, ...] = ("get_weather",
-            "get_time")) -> dict[str, Any]:
+            "get_time"), separator: str | None = None) -> dict[str, Any]:
     tags = [{"type": "tag", "begin": begin(n), "content": {"type": "json_schema", "json_schema": SCHEMAS[n]},
              "end": END} for n in names]
+    if separator is not None:
+        return {"type": "structural_tag", "format": {"type": "tags_with_separator", "tags": tags,
+                                                     "separator": separator, "at_least_one": at_least_one,
+                                                     "stop_after_first": stop_after_first}}
     return {"type": "structural_tag", "format": {"type": "triggered_tags", "triggers": [TRIGGER], "tags": tags,
                                                  "at_least_one": at_least_one, "stop_after_first": stop_after_first}}
 
@@ -111,7 +115,12 @@ def call_text(name: str, args: str) -> str:
         ([1], INVALID_ARGUMENT, "JSON object"),
         ({"type": "structural_tag", "format": {"type": "any_text"}}, UNSUPPORTED, "triggered_tags"),
         ({"type": "structural_tag", "format": {"type": "triggered_tags", "triggers": [TRIGGER]}}, INVALID_ARGUMENT,
-         "triggers"),
+         "needs tags"),
+        ({"type": "triggered_tags", "tags": [{"begin": "<a", "content": {"type": "json_schema", "json_schema": True},
+                                              "end": "x"}]}, INVALID_ARGUMENT, "triggers"),
+        ({"type": "tags_with_separator", "tags": [{"begin": "<a", "end": "x",
+                                                   "content": {"type": "json_schema", "json_schema": True}}]},
+         INVALID_ARGUMENT, "separator"),
         ({"type": "triggered_tags", "triggers": [TRIGGER], "excludes": ["x"], "tags": []}, UNSUPPORTED, "excludes"),
         ({"type": "triggered_tags", "triggers": ["<a", "<ab"],
           "tags": [{"begin": "<ab", "content": {"type": "json_schema", "json_schema": {"type": "object"}},
@@ -246,6 +255,33 @@ def test_at_least_one_and_stop_after_first(lib: Library, model: int, token_bytes
         lib.baseRT_grammar_free(g)
 
 
+@pytest.mark.parametrize(
+    ("at_least_one", "stop_after_first", "text", "ok", "may_end"),
+    [
+        (True, False, "", True, False),  # at least one call
+        (False, False, "", True, True),  # or none at all
+        (True, False, "Hi", False, False),  # tags only: no text
+        (True, False, call_text("get_time", '{"tz":"x"}'), True, True),
+        (True, False, call_text("get_time", '{"tz":"x"}') + "\n" + call_text("get_time", '{"tz":"y"}'), True, True),
+        (True, False, call_text("get_time", '{"tz":"x"}') + "\n", True, False),  # after a separator: a call
+        (True, False, call_text("get_time", '{"tz":"x"}') + " ", False, False),
+        (True, True, call_text("get_time", '{"tz":"x"}'), True, True),
+        (True, True, call_text("get_time", '{"tz":"x"}') + "\n", False, False),  # one call only
+    ],
+)
+def test_tags_with_separator(lib: Library, model: int, at_least_one: bool, stop_after_first: bool, text: str,
+                             ok: bool, may_end: bool) -> None:
+    g = create(lib, model, tag_doc(at_least_one=at_least_one, stop_after_first=stop_after_first, separator="\n"))
+    try:
+        assert feed(lib, g, encode(lib, model, text) if text else []) == ok, error(lib)
+        if ok:
+            rc, allowed = fill(lib, g)
+            assert rc == 1 and (EOS_ID in allowed) == may_end
+            assert lib.baseRT_grammar_is_completed(g) == 0
+    finally:
+        lib.baseRT_grammar_free(g)
+
+
 def test_bad_handles(lib: Library, model: int) -> None:
     g = create(lib, model, tag_doc())
     lib.baseRT_grammar_free(g)
@@ -262,15 +298,23 @@ def test_bad_handles(lib: Library, model: int) -> None:
 # ---- property: whatever the masks let through is well-formed --------------------------------
 
 
-def check_output(text: str, *, ended: bool, at_least_one: bool, stop_after_first: bool) -> int:
+def check_output(text: str, *, ended: bool, at_least_one: bool, stop_after_first: bool, tags_only: bool) -> int:
     """Walk `text` as the tag defines it; every completed call must be well-formed
-    with schema-valid arguments; an ended output has no open call. The number of
-    calls."""
+    with schema-valid arguments; an ended output has no open call; tags_only
+    (tags_with_separator): nothing but calls and the newlines between them. The
+    number of calls."""
     pos, calls = 0, 0
-    if at_least_one and text:
+    if (at_least_one or tags_only) and text:
         assert text.startswith(TRIGGER[: len(text)]), text
     while True:
         at = text.find(TRIGGER, pos)
+        if tags_only:
+            gap = text[pos:] if at < 0 else text[pos:at]
+            lead = "\n" if calls else ""
+            if at >= 0:
+                assert gap == lead, text
+            else:  # the end, or an unfinished separator / begin
+                assert gap == "" if ended else any((lead + begin(n)).startswith(gap) for n in SCHEMAS), text
         if at < 0:
             assert not (at_least_one and ended and calls == 0), text
             return calls
@@ -299,12 +343,14 @@ PREFERRED = ['"', "}", ",", "1", "true", "city", "days", "tz", ":", "<tool_call>
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(flags=st.tuples(st.booleans(), st.booleans()), choices=st.lists(st.floats(0, 1), min_size=1, max_size=120))
+@given(flags=st.tuples(st.booleans(), st.booleans(), st.booleans()),
+       choices=st.lists(st.floats(0, 1), min_size=1, max_size=120))
 def test_walks_through_the_masks_stay_well_formed(
-    lib: Library, model: int, token_bytes: list[bytes], flags: tuple[bool, bool], choices: list[float]
+    lib: Library, model: int, token_bytes: list[bytes], flags: tuple[bool, bool, bool], choices: list[float]
 ) -> None:
-    at_least_one, stop_after_first = flags
-    g = create(lib, model, tag_doc(at_least_one=at_least_one, stop_after_first=stop_after_first))
+    at_least_one, stop_after_first, tags_only = flags
+    g = create(lib, model, tag_doc(at_least_one=at_least_one, stop_after_first=stop_after_first,
+                                   separator="\n" if tags_only else None))
     prefer = {t for s in PREFERRED for t in encode(lib, model, s)} | {EOS_ID}
     out = b""
     ended = False
@@ -327,7 +373,7 @@ def test_walks_through_the_masks_stay_well_formed(
     finally:
         lib.baseRT_grammar_free(g)
     check_output(out.decode("utf-8", "replace"), ended=ended, at_least_one=at_least_one,
-                 stop_after_first=stop_after_first)
+                 stop_after_first=stop_after_first, tags_only=tags_only)
 
 
 # ---- fuzz: any document is a handle or an error, never a crash (ASan in test_sanitizers) ----
@@ -372,13 +418,17 @@ def _tag_docs(draw: st.DrawFn) -> dict[str, Any]:
     tags = [{"begin": draw(st.sampled_from(triggers)) + draw(st.text("ab{x\"", max_size=3)),
              "content": {"type": "json_schema", "json_schema": draw(_schemas)},
              "end": draw(st.text("}>x\n", max_size=3))} for _ in range(draw(st.integers(1, 3)))]
-    return {"type": "triggered_tags", "triggers": triggers, "tags": tags, "at_least_one": draw(st.booleans()),
-            "stop_after_first": draw(st.booleans())}
+    flags = {"at_least_one": draw(st.booleans()), "stop_after_first": draw(st.booleans())}
+    if draw(st.booleans()):
+        return {"type": "tags_with_separator", "tags": tags, "separator": draw(st.text("\n,x", max_size=2)), **flags}
+    return {"type": "triggered_tags", "triggers": triggers, "tags": tags, **flags}
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(doc=_tag_docs(), steps=st.lists(st.integers(0, 10**6), max_size=40))
-def test_fuzz_well_shaped_tags_never_dead_end(lib: Library, model: int, doc: Any, steps: list[int]) -> None:
+def test_fuzz_well_shaped_tags_never_dead_end(
+    lib: Library, model: int, token_bytes: list[bytes], doc: Any, steps: list[int]
+) -> None:
     """Accepted documents step without a dead end, and the mask agrees with accept."""
     g = lib.baseRT_grammar_create_from_structural_tag(model, json.dumps(doc).encode())
     if not g:
@@ -387,7 +437,7 @@ def test_fuzz_well_shaped_tags_never_dead_end(lib: Library, model: int, doc: Any
     try:
         for k in steps:
             rc, allowed = fill(lib, g)
-            assert allowed
+            assert allowed and (rc == 1 or len(allowed) == len(token_bytes))  # 0: nothing to apply, every token
             pick = sorted(allowed)[k % len(allowed)]
             outside = k % 2000  # a token the mask refuses is refused by accept as well
             if outside not in allowed and outside < lib.baseRT_grammar_bitmask_size(g) * 32:

@@ -302,13 +302,15 @@ def test_structural_tag_shapes() -> None:
     tag = tool_structural_tag([E_WEATHER, E_TIME], "get_time", parallel=False)
     assert tag is not None
     fmt = tag["format"]
-    assert fmt["type"] == "triggered_tags" and fmt["triggers"] == ["<tool_call>"]
+    assert fmt["type"] == "tags_with_separator" and fmt["separator"] == "\n"  # calls only
     assert fmt["at_least_one"] and fmt["stop_after_first"]
     (only,) = fmt["tags"]
     assert only["begin"] == CALL_OPEN + '{"name": "get_time", "arguments": ' and only["end"] == "}\n</tool_call>"
     assert only["content"]["json_schema"] == E_TIME.parameters  # no host-only options in it
     auto = tool_structural_tag([E_WEATHER, E_TIME], "auto")
-    assert auto is not None and not auto["format"]["at_least_one"] and not auto["format"]["stop_after_first"]
+    assert auto is not None and auto["format"]["type"] == "triggered_tags"
+    assert auto["format"]["triggers"] == ["<tool_call>"]
+    assert not auto["format"]["at_least_one"] and not auto["format"]["stop_after_first"]
     assert len(auto["format"]["tags"]) == 2
 
 
@@ -334,7 +336,7 @@ async def test_engine_tag_required_and_named(untied_model_path: Path, seed: int)
         required = await engine.chat(MESSAGES, tools=[E_WEATHER, E_TIME], tool_choice="required", max_tokens=150,
                                      temperature=1.0, seed=seed, logit_bias=bias)
         assert backends(engine) == {"engine": 1}  # the structural tag, not llguidance
-        assert required.tool_calls, required
+        assert required.tool_calls and required.content == "", required  # calls only
         check_engine_calls(required, allowed={"get_weather", "get_time"})
         named = await engine.chat(MESSAGES, tools=[E_WEATHER, E_TIME], tool_choice="get_weather",
                                   parallel_tool_calls=False, max_tokens=150, temperature=1.0, seed=seed,

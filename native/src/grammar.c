@@ -55,7 +55,10 @@
  * as above), its end string, then free text again; `at_least_one`: the output
  * STARTS with a tag (any of them); `stop_after_first`: after the first tag
  * only an eos may follow. Each tag's begin must start with exactly one
- * trigger, and no begin may be a prefix of another. Free text is bytes:
+ * trigger, and no begin may be a prefix of another. The "tags_with_separator"
+ * format (`tags`, `separator`, `at_least_one`, `stop_after_first`) is tags
+ * only: tag (separator tag)*, optionally none unless at_least_one, one with
+ * stop_after_first; an eos may come where a tag could end the output. Free text is bytes:
  * CONTROL tokens (markers) are text there as the model's unconstrained output
  * would have them (and may be a begin/end string's bytes), but never JSON
  * content; tokens without bytes are allowed in free text only. When every
@@ -140,7 +143,7 @@ typedef struct {
 } gr_state;
 
 /* structural-tag phases */
-enum { S_FREE, S_BEGIN, S_JSON, S_END, S_STOP, S_TERM };
+enum { S_FREE, S_BEGIN, S_JSON, S_END, S_SEP, S_STOP, S_TERM };
 
 typedef struct {
     char *begin, *end;
@@ -154,6 +157,9 @@ typedef struct {
     st_tag *tags;
     uint32_t *trig_len;
     uint64_t *trig_tags; /* [n_trig]: the tags each trigger dispatches to */
+    char *sep;           /* tags_with_separator: between two tags */
+    uint32_t sep_len;
+    bool with_sep;       /* tags_with_separator: tags only (no free text), `sep` between them */
     uint16_t *go;        /* [n_nodes * 256]: trigger automaton transitions */
     int16_t *done;       /* [n_nodes]: the trigger whose occurrence ends at this node, or -1 */
     bool at_least_one, stop_after_first;
@@ -162,8 +168,9 @@ typedef struct {
 typedef struct {
     uint8_t phase;
     uint8_t tag;   /* S_JSON / S_END: the tag */
+    uint8_t opt;   /* S_BEGIN: no tag at all is fine (an eos may come instead, at pos 0) */
     uint16_t node; /* S_FREE: trigger automaton node */
-    uint32_t pos;  /* S_BEGIN: begin bytes matched; S_END: end bytes matched */
+    uint32_t pos;  /* S_BEGIN / S_END / S_SEP: bytes of the begin / end / separator matched */
     uint64_t cand; /* S_BEGIN: tags whose begin still matches */
     gr_state js;   /* S_JSON */
 } st_state;
@@ -468,9 +475,32 @@ static gr_state gr_initial(const gr_schema *sc) {
 
 /* ---- the structural-tag automaton --------------------------------------------------- */
 
+static inline uint64_t st_all(const st_spec *sp) {
+    return sp->n_tags == 64 ? UINT64_MAX : (((uint64_t)1 << sp->n_tags) - 1);
+}
+
+static void st_begin_settle(const st_spec *sp, st_state *s);
+
+/* Any tag may start here (tags_with_separator; at_least_one's first tag). */
+static void st_any_tag(const st_spec *sp, st_state *s, bool optional) {
+    s->phase = S_BEGIN;
+    s->cand = st_all(sp);
+    s->pos = 0;
+    s->opt = optional;
+    st_begin_settle(sp, s);
+}
+
 static void st_after_tag(const st_spec *sp, st_state *s) {
-    s->phase = sp->stop_after_first ? S_STOP : S_FREE;
     s->node = 0;
+    s->pos = 0;
+    if (sp->stop_after_first)
+        s->phase = S_STOP;
+    else if (!sp->with_sep)
+        s->phase = S_FREE;
+    else if (sp->sep_len)
+        s->phase = S_SEP;
+    else
+        st_any_tag(sp, s, true);
 }
 
 static void st_enter_end(const st_spec *sp, st_state *s) {
@@ -502,6 +532,7 @@ static bool st_feed(const st_spec *sp, st_state *s, unsigned c, bool ctrl) {
             s->phase = S_BEGIN;
             s->cand = sp->trig_tags[t];
             s->pos = sp->trig_len[t];
+            s->opt = 0;
             st_begin_settle(sp, s);
         }
         return true;
@@ -542,12 +573,19 @@ static bool st_feed(const st_spec *sp, st_state *s, unsigned c, bool ctrl) {
         if (++s->pos == t->end_len) st_after_tag(sp, s);
         return true;
     }
+    case S_SEP:
+        if ((unsigned char)sp->sep[s->pos] != c) return false;
+        if (++s->pos == sp->sep_len) st_any_tag(sp, s, false);
+        return true;
     default:
         return false; /* S_STOP (an eos only), S_TERM */
     }
 }
 
-static inline bool st_eos_ok(const st_state *s) { return s->phase == S_FREE || s->phase == S_STOP || s->phase == S_TERM; }
+static inline bool st_eos_ok(const st_state *s) {
+    return s->phase == S_FREE || s->phase == S_STOP || s->phase == S_TERM || (s->phase == S_SEP && s->pos == 0) ||
+           (s->phase == S_BEGIN && s->opt && s->pos == 0);
+}
 
 /* ---- schemas ---------------------------------------------------------------------- */
 
@@ -753,6 +791,7 @@ static void st_free(st_spec *sp) {
     free(sp->tags);
     free(sp->trig_len);
     free(sp->trig_tags);
+    free(sp->sep);
     free(sp->go);
     free(sp->done);
     free(sp);
@@ -1005,9 +1044,11 @@ static int st_parse(const char *fn, const json_value *root, st_spec *sp) {
     }
     if (!legacy) {
         if (!type) return st_fail(fn, BASERT_ERR_INVALID_ARGUMENT, "the structural tag has no format \"type\"");
-        if (strcmp(type, "triggered_tags") != 0)
+        sp->with_sep = strcmp(type, "tags_with_separator") == 0;
+        if (strcmp(type, "triggered_tags") != 0 && !sp->with_sep)
             return st_fail(fn, BASERT_ERR_UNSUPPORTED,
-                           "only the \"triggered_tags\" format (and the legacy structures form) is supported");
+                           "only the \"triggered_tags\" and \"tags_with_separator\" formats (and the legacy "
+                           "structures form) are supported");
         if (json_count(json_get(fmt, "excludes")))
             return st_fail(fn, BASERT_ERR_UNSUPPORTED, "\"excludes\" is not supported");
         const json_value *v;
@@ -1017,19 +1058,34 @@ static int st_parse(const char *fn, const json_value *root, st_spec *sp) {
             return st_fail(fn, BASERT_ERR_INVALID_ARGUMENT, "stop_after_first must be a boolean");
     }
     tags = json_get(fmt, legacy ? "structures" : "tags");
-    const json_value *trigs = json_get(fmt, "triggers");
-    if (!tags || tags->type != JSON_ARRAY || !trigs || trigs->type != JSON_ARRAY)
-        return st_fail(fn, BASERT_ERR_INVALID_ARGUMENT, "a structural tag needs \"triggers\" and tags arrays");
-    if (tags->u.arr.n == 0 || tags->u.arr.n > ST_MAX_TAGS || trigs->u.arr.n == 0 ||
-        trigs->u.arr.n > ST_MAX_TRIGGERS)
-        return st_fail(fn, BASERT_ERR_UNSUPPORTED, "1-64 tags and 1-16 triggers are supported");
+    if (!tags || tags->type != JSON_ARRAY) return st_fail(fn, BASERT_ERR_INVALID_ARGUMENT, "a structural tag needs tags");
+    if (tags->u.arr.n == 0 || tags->u.arr.n > ST_MAX_TAGS)
+        return st_fail(fn, BASERT_ERR_UNSUPPORTED, "1-64 tags are supported");
     sp->n_tags = (int)tags->u.arr.n;
-    sp->n_trig = (int)trigs->u.arr.n;
     sp->tags = calloc((size_t)sp->n_tags, sizeof *sp->tags);
-    sp->trig_tags = calloc((size_t)sp->n_trig, sizeof *sp->trig_tags);
-    if (!sp->tags || !sp->trig_tags) return st_fail(fn, BASERT_ERR_OUT_OF_MEMORY, "out of memory");
-    int rc = st_build_triggers(fn, sp, trigs);
-    for (int i = 0; i < sp->n_tags && rc == BASERT_OK; i++) rc = st_tag_parse(fn, &tags->u.arr.items[i], legacy, &sp->tags[i]);
+    if (!sp->tags) return st_fail(fn, BASERT_ERR_OUT_OF_MEMORY, "out of memory");
+    const json_value *trigs = NULL;
+    int rc = BASERT_OK;
+    if (sp->with_sep) { /* tags only: the separator between them; a one-node (unused) trigger automaton */
+        const json_value *sep = json_get(fmt, "separator");
+        rc = st_text(fn, sep ? sep : &(json_value){.type = JSON_NULL}, "separator", &sp->sep, &sp->sep_len);
+        sp->n_nodes = 1;
+        sp->go = calloc(256, sizeof *sp->go);
+        sp->done = malloc(sizeof *sp->done);
+        if (rc == BASERT_OK && (!sp->go || !sp->done)) rc = st_fail(fn, BASERT_ERR_OUT_OF_MEMORY, "out of memory");
+        if (rc == BASERT_OK) sp->done[0] = -1;
+    } else {
+        trigs = json_get(fmt, "triggers");
+        if (!trigs || trigs->type != JSON_ARRAY)
+            return st_fail(fn, BASERT_ERR_INVALID_ARGUMENT, "triggered tags need a \"triggers\" array");
+        if (trigs->u.arr.n == 0 || trigs->u.arr.n > ST_MAX_TRIGGERS)
+            return st_fail(fn, BASERT_ERR_UNSUPPORTED, "1-16 triggers are supported");
+        sp->n_trig = (int)trigs->u.arr.n;
+        sp->trig_tags = calloc((size_t)sp->n_trig, sizeof *sp->trig_tags);
+        rc = sp->trig_tags ? st_build_triggers(fn, sp, trigs) : st_fail(fn, BASERT_ERR_OUT_OF_MEMORY, "out of memory");
+    }
+    for (int i = 0; i < sp->n_tags && rc == BASERT_OK; i++)
+        rc = st_tag_parse(fn, &tags->u.arr.items[i], legacy, &sp->tags[i]);
     if (rc != BASERT_OK) return rc;
     for (int i = 0; i < sp->n_tags; i++) {
         st_tag *t = &sp->tags[i];
@@ -1037,11 +1093,13 @@ static int st_parse(const char *fn, const json_value *root, st_spec *sp) {
         for (int k = 0; k < sp->n_trig; k++) {
             const json_value *v = &trigs->u.arr.items[k];
             if (!starts_with(t->begin, t->begin_len, v->u.str.s, (uint32_t)v->u.str.len)) continue;
-            if (t->trigger >= 0) return st_fail(fn, BASERT_ERR_INVALID_ARGUMENT, "a tag's begin starts with two triggers");
+            if (t->trigger >= 0)
+                return st_fail(fn, BASERT_ERR_INVALID_ARGUMENT, "a tag's begin starts with two triggers");
             t->trigger = k;
         }
-        if (t->trigger < 0) return st_fail(fn, BASERT_ERR_INVALID_ARGUMENT, "a tag's begin starts with no trigger");
-        sp->trig_tags[t->trigger] |= (uint64_t)1 << i;
+        if (t->trigger < 0 && !sp->with_sep)
+            return st_fail(fn, BASERT_ERR_INVALID_ARGUMENT, "a tag's begin starts with no trigger");
+        if (t->trigger >= 0) sp->trig_tags[t->trigger] |= (uint64_t)1 << i;
         for (int j = 0; j < i; j++) {
             const st_tag *o = &sp->tags[j];
             if (starts_with(t->begin, t->begin_len, o->begin, o->begin_len) ||
@@ -1137,11 +1195,8 @@ baseRT_grammar_t baseRT_grammar_create_from_structural_tag(baseRT_model_t model,
     }
     g->st = sp;
     memset(&g->st_init, 0, sizeof g->st_init);
-    if (sp->at_least_one) { /* the output starts with one of the tags */
-        g->st_init.phase = S_BEGIN;
-        g->st_init.cand = sp->n_tags == 64 ? UINT64_MAX : (((uint64_t)1 << sp->n_tags) - 1);
-        st_begin_settle(sp, &g->st_init);
-    }
+    if (sp->at_least_one || sp->with_sep) /* the output starts with one of the tags (or, optionally, is empty) */
+        st_any_tag(sp, &g->st_init, !sp->at_least_one);
     return grammar_publish(fn, g);
 }
 
