@@ -283,7 +283,10 @@ def tool_structural_tag(tools: Sequence[Tool], choice: str, *, parallel: bool = 
     tags = []
     for tool in allowed:
         schema = tool.arguments_schema()
-        schema.pop("x-guidance", None)  # llguidance's option; output is compact either way
+        guidance = schema.pop("x-guidance", None)
+        if guidance and guidance != {"whitespace_flexible": False}:
+            # options only the host honours stay: an engine that cannot, refuses the tag
+            schema["x-guidance"] = guidance
         tags.append(
             {
                 "type": "tag",

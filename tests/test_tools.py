@@ -312,6 +312,10 @@ def test_structural_tag_shapes() -> None:
     assert auto["format"]["triggers"] == ["<tool_call>"]
     assert not auto["format"]["at_least_one"] and not auto["format"]["stop_after_first"]
     assert len(auto["format"]["tags"]) == 2
+    flexible = Tool(name="f", parameters={"type": "object", "x-guidance": {"whitespace_flexible": True}})
+    kept = tool_structural_tag([flexible], "auto")
+    assert kept is not None  # an option only the host honours stays in: the engine refuses, llguidance runs
+    assert kept["format"]["tags"][0]["content"]["json_schema"]["x-guidance"] == {"whitespace_flexible": True}
 
 
 def test_parser_finds_calls_after_text() -> None:

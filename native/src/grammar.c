@@ -36,7 +36,9 @@
  * '}' only once every required name was written. An absent
  * additionalProperties is read as false (xgrammar's strict mode: the grammar
  * may be stricter than the schema, never looser). Annotations (description,
- * title, default, examples, $schema, $id, $comment, x-guidance) are ignored.
+ * title, default, examples, $schema, $id, $comment) are ignored, and so is
+ * `"x-guidance": {"whitespace_flexible": false}` (compact is what this grammar
+ * writes); other llguidance options are UNSUPPORTED (the host honours them).
  * Anything else -> NULL with BASERT_ERR_UNSUPPORTED naming it (also an
  * unknown or list-valued "type", `false`, additionalProperties true or a
  * schema, more than GR_MAX_PROPS properties): the SDK then falls back to its
@@ -604,10 +606,19 @@ static bool key_is(const json_member *m, const char *name) {
 }
 
 static bool is_annotation(const json_member *m) {
-    static const char *const ANN[] = {"description", "title", "default", "examples", "$schema", "$id", "$comment",
-                                      "x-guidance"};
+    static const char *const ANN[] = {"description", "title", "default", "examples", "$schema", "$id", "$comment"};
     for (size_t i = 0; i < sizeof ANN / sizeof *ANN; i++)
         if (key_is(m, ANN[i])) return true;
+    /* llguidance's options: only the compact output this grammar produces anyway
+     * ({"whitespace_flexible": false}); any other option is the host's to honour */
+    if (key_is(m, "x-guidance") && m->value.type == JSON_OBJECT) {
+        bool b = true;
+        for (size_t i = 0; i < m->value.u.obj.n; i++) {
+            const json_member *o = &m->value.u.obj.members[i];
+            if (!key_is(o, "whitespace_flexible") || !json_bool(&o->value, &b) || b) return false;
+        }
+        return true;
+    }
     return false;
 }
 
