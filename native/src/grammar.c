@@ -1118,6 +1118,8 @@ static int st_parse(const char *fn, const json_value *root, st_spec *sp) {
                 return st_fail(fn, BASERT_ERR_INVALID_ARGUMENT, "no tag's begin may be a prefix of another's");
         }
     }
+    for (int k = 0; k < sp->n_trig; k++) /* a trigger nothing can follow would dead-end the output */
+        if (!sp->trig_tags[k]) return st_fail(fn, BASERT_ERR_INVALID_ARGUMENT, "every trigger needs a tag");
     return BASERT_OK;
 }
 
