@@ -450,3 +450,17 @@ async def test_smollm2_engine_tag_calls(smollm2_path: Path) -> None:
         for c in auto.tool_calls if auto.finish_reason != "length" else auto.tool_calls[:-1]:
             jsonschema.validate(json.loads(c.arguments), weather.parameters)
         assert backends(engine) == {"engine": 2}
+
+
+async def test_engine_tag_lanes_end_on_stop_strings_and_max_tokens(untied_model_path: Path) -> None:
+    """A structural-tag grammar never reports completed: its lanes end on an end token,
+    a stop string or max_tokens, like free lanes."""
+    async with Engine.open(untied_model_path, max_batch_size=2) as engine:
+        no_end = {t: -100.0 for t in range(3)}  # the tiny vocabulary's markers: the turn runs to max_tokens
+        kw: dict[str, Any] = dict(tools=[E_WEATHER], max_tokens=40, temperature=1.0, seed=4, logit_bias=no_end)
+        first = await engine.chat(MESSAGES, **kw)
+        assert first.finish_reason == "length" and len(first.content) > 8, first
+        stop = first.content[6:8]
+        cut = await engine.chat(MESSAGES, stop=[stop], **kw)
+        assert cut.finish_reason == "stop" and cut.content == first.content[: first.content.find(stop)]
+        assert backends(engine) == {"engine": 2}
