@@ -184,6 +184,8 @@ typedef struct rt_grammar {
     uint8_t *bytes;    /* every token's raw bytes, concatenated */
     uint32_t *off;     /* [vocab + 1]: token i = bytes[off[i] .. off[i+1]) */
     uint8_t *usable;   /* [vocab]: 1 when the token may be matched by its bytes */
+    uint32_t *by_first;      /* the usable tokens, grouped by their first byte ... */
+    uint32_t first_at[257];  /* ... byte c's group: by_first[first_at[c] .. first_at[c+1]) */
     uint8_t *ctrl;     /* [vocab]: 1 for a CONTROL token (structural tags: usable, never JSON) */
     uint8_t *is_eos;   /* [vocab] */
     uint32_t *eos;     /* the eos ids */
@@ -814,6 +816,7 @@ static void grammar_destroy(rt_grammar *g) {
     free(g->bytes);
     free(g->off);
     free(g->usable);
+    free(g->by_first);
     free(g->ctrl);
     free(g->is_eos);
     free(g->eos);
@@ -881,6 +884,20 @@ static rt_grammar *grammar_alloc(const char *fn, rt_model *m, bool with_control)
             memcpy(g->bytes + g->off[i], big, n);
             free(big);
         }
+    }
+    /* group the usable tokens by first byte (a counting sort): a mask then only
+     * walks the groups whose first byte the current state accepts */
+    g->by_first = malloc(((size_t)vocab + 1) * sizeof *g->by_first);
+    if (!g->by_first) goto oom;
+    memset(g->first_at, 0, sizeof g->first_at);
+    for (int i = 0; i < vocab; i++)
+        if (g->usable[i]) g->first_at[g->bytes[g->off[i]] + 1]++;
+    for (int c = 0; c < 256; c++) g->first_at[c + 1] += g->first_at[c];
+    {
+        uint32_t fill_at[256];
+        memcpy(fill_at, g->first_at, sizeof fill_at);
+        for (int i = 0; i < vocab; i++)
+            if (g->usable[i]) g->by_first[fill_at[g->bytes[g->off[i]]]++] = (uint32_t)i;
     }
     return g;
 oom:
@@ -1253,17 +1270,23 @@ static int st_fill(rt_grammar *g, uint32_t *mask) {
     if (st_eos_ok(&cur))
         for (int i = 0; i < g->n_eos; i++) set_bit(mask, g->eos[i]), allowed++;
     if (cur.phase != S_TERM && cur.phase != S_STOP) {
-        for (int i = 0; i < g->vocab; i++) {
-            if (g->is_eos[i]) continue;
-            if (!g->usable[i]) { /* no bytes: a no-op in free text, never elsewhere */
-                if (free_text) set_bit(mask, (uint32_t)i), allowed++;
-                continue;
+        if (free_text) /* no bytes: a no-op in free text, never elsewhere */
+            for (int i = 0; i < g->vocab; i++)
+                if (!g->usable[i] && !g->is_eos[i]) set_bit(mask, (uint32_t)i), allowed++;
+        for (int c = 0; c < 256; c++) {
+            uint32_t a = g->first_at[c], b = g->first_at[c + 1];
+            if (a == b) continue;
+            st_state first = cur; /* the state after the group's first byte, for normal tokens */
+            bool viable = st_feed(sp, &first, (unsigned)c, false);
+            for (uint32_t k = a; k < b; k++) {
+                uint32_t i = g->by_first[k];
+                bool ctrl = g->ctrl[i];
+                if (!viable && !ctrl) continue;
+                st_state s = ctrl ? cur : first; /* a marker is re-fed whole: never JSON */
+                const uint8_t *p = g->bytes + g->off[i] + (ctrl ? 0 : 1), *end = g->bytes + g->off[i + 1];
+                while (p < end && st_feed(sp, &s, *p, ctrl)) p++;
+                if (p == end) set_bit(mask, i), allowed++;
             }
-            st_state s = cur;
-            bool ctrl = g->ctrl[i];
-            const uint8_t *p = g->bytes + g->off[i], *end = g->bytes + g->off[i + 1];
-            while (p < end && st_feed(sp, &s, *p, ctrl)) p++;
-            if (p == end) set_bit(mask, (uint32_t)i), allowed++;
         }
     }
     int apply = allowed < g->vocab;
@@ -1296,12 +1319,17 @@ int baseRT_grammar_fill_bitmask(baseRT_grammar_t grammar, int32_t *out_bitmask) 
     if (cur.lex != L_DONE && cur.lex != L_TERMINATED) {
         const uint8_t *bytes = g->bytes;
         const uint32_t *off = g->off;
-        for (int i = 0; i < g->vocab; i++) {
-            if (!g->usable[i]) continue;
-            gr_state s = cur;
-            const uint8_t *p = bytes + off[i], *end = bytes + off[i + 1];
-            while (p < end && gr_feed(obj, &s, *p)) p++;
-            if (p == end) set_bit(mask, (uint32_t)i);
+        for (int c = 0; c < 256; c++) { /* only the groups whose first byte can follow */
+            uint32_t a = g->first_at[c], b = g->first_at[c + 1];
+            gr_state first = cur;
+            if (a == b || !gr_feed(obj, &first, (unsigned)c)) continue;
+            for (uint32_t k = a; k < b; k++) {
+                uint32_t i = g->by_first[k];
+                gr_state s = first;
+                const uint8_t *p = bytes + off[i] + 1, *end = bytes + off[i + 1];
+                while (p < end && gr_feed(obj, &s, *p)) p++;
+                if (p == end) set_bit(mask, i);
+            }
         }
     }
     rt_clear_error();
