@@ -36,7 +36,7 @@ each tool's arguments) on the host. Both enforce:
   either text without `<tool_call>`, or calls from the first character on);
 - `"required"` / a named function: only well-formed calls (of that function),
   at least one;
-- `"none"`: text without `<tool_call>` (the Lark grammar: no structural tag);
+- `"none"`: text without `<tool_call>`;
 - `parallel_tool_calls=False`: at most one call (the structural tag's
   `stop_after_first`: only an end token may follow it).
 
@@ -268,17 +268,19 @@ def tool_grammar(tools: Sequence[Tool], choice: str, *, parallel: bool = True) -
 
 def tool_structural_tag(tools: Sequence[Tool], choice: str, *, parallel: bool = True) -> dict[str, Any] | None:
     """The xgrammar structural tag of an assistant turn under `choice`, for the
-    engine's own grammar backend; None when there is nothing to call (no tools, or
-    "none": the Lark grammar of `tool_grammar` covers that).
+    engine's own grammar backend; None without tools.
 
     Each allowed tool is a tag: its call head (forced up to the arguments), the
     arguments under the tool's schema, the call's end. "auto": `triggered_tags`
     (free text; `<tool_call>` starts a call); "required" / a named function:
     `tags_with_separator` (calls only, at least one, separated by a newline, as
     the Lark grammar); `parallel=False`: `stop_after_first` (only an end token
-    after the call)."""
-    if not tools or choice == "none":
+    after the call); "none": `any_text` that excludes `<tool_call>`."""
+    if not tools:
         return None
+    trigger = CALL_OPEN.rstrip("\n")
+    if choice == "none":
+        return {"type": "structural_tag", "format": {"type": "any_text", "excludes": [trigger]}}
     allowed = [t for t in tools if choice in ("auto", "required") or t.name == choice]
     tags = []
     for tool in allowed:
@@ -297,7 +299,7 @@ def tool_structural_tag(tools: Sequence[Tool], choice: str, *, parallel: bool = 
         )
     fmt: dict[str, Any]
     if choice == "auto":
-        fmt = {"type": "triggered_tags", "triggers": [CALL_OPEN.rstrip("\n")], "tags": tags, "at_least_one": False}
+        fmt = {"type": "triggered_tags", "triggers": [trigger], "tags": tags, "at_least_one": False}
     else:
         fmt = {"type": "tags_with_separator", "tags": tags, "separator": _CALL_SEP, "at_least_one": True}
     fmt["stop_after_first"] = not parallel

@@ -113,7 +113,10 @@ def call_text(name: str, args: str) -> str:
     [
         ("{", INVALID_ARGUMENT, "not valid JSON"),
         ([1], INVALID_ARGUMENT, "JSON object"),
-        ({"type": "structural_tag", "format": {"type": "any_text"}}, UNSUPPORTED, "triggered_tags"),
+        ({"type": "structural_tag", "format": {"type": "sequence", "elements": []}}, UNSUPPORTED, "any_text"),
+        ({"type": "any_text", "max_tokens": 5}, UNSUPPORTED, "max_tokens"),
+        ({"type": "any_text", "excludes": "<a"}, INVALID_ARGUMENT, "excludes"),
+        ({"type": "any_text", "excludes": ["<a", "<ab"]}, INVALID_ARGUMENT, "prefix"),
         ({"type": "structural_tag", "format": {"type": "triggered_tags", "triggers": [TRIGGER]}}, INVALID_ARGUMENT,
          "needs tags"),
         ({"type": "triggered_tags", "tags": [{"begin": "<a", "content": {"type": "json_schema", "json_schema": True},
@@ -121,7 +124,7 @@ def call_text(name: str, args: str) -> str:
         ({"type": "tags_with_separator", "tags": [{"begin": "<a", "end": "x",
                                                    "content": {"type": "json_schema", "json_schema": True}}]},
          INVALID_ARGUMENT, "separator"),
-        ({"type": "triggered_tags", "triggers": [TRIGGER], "excludes": ["x"], "tags": []}, UNSUPPORTED, "excludes"),
+        ({"type": "triggered_tags", "triggers": [TRIGGER], "tags": []}, UNSUPPORTED, "1-64 tags"),
         ({"type": "triggered_tags", "triggers": ["<a", "<ab"],
           "tags": [{"begin": "<ab", "content": {"type": "json_schema", "json_schema": {"type": "object"}},
                     "end": "x"}]}, INVALID_ARGUMENT, "prefix"),
@@ -285,6 +288,28 @@ def test_tags_with_separator(lib: Library, model: int, at_least_one: bool, stop_
         lib.baseRT_grammar_free(g)
 
 
+def test_any_text_and_excludes(lib: Library, model: int, token_bytes: list[bytes]) -> None:
+    g = create(lib, model, {"type": "structural_tag", "format": {"type": "any_text", "excludes": [TRIGGER]}})
+    try:
+        rc, allowed = fill(lib, g)
+        assert EOS_ID in allowed and IM_START in allowed
+        assert feed(lib, g, encode(lib, model, "text <tool call> <tool_call")) and lib.baseRT_grammar_is_completed(g) == 0
+        rc, allowed = fill(lib, g)
+        assert rc == 1 and not any(token_bytes[t].startswith(b">") for t in allowed)  # nothing completes it
+        assert encode(lib, model, "xy>") and all(not feed(lib, g, [t]) for t in encode(lib, model, ">"))
+        assert lib.baseRT_grammar_accept_token(g, EOS_ID) == 1 and lib.baseRT_grammar_is_terminated(g) == 1
+    finally:
+        lib.baseRT_grammar_free(g)
+    doc = tag_doc()
+    doc["format"]["excludes"] = ["zz"]  # free text around the calls must not contain it; a call's JSON may
+    g = create(lib, model, doc)
+    try:
+        assert feed(lib, g, encode(lib, model, "ok z " + call_text("get_time", '{"tz":"zz"}') + " ok z"))
+        assert not feed(lib, g, encode(lib, model, "zz"))
+    finally:
+        lib.baseRT_grammar_free(g)
+
+
 def test_bad_handles(lib: Library, model: int) -> None:
     g = create(lib, model, tag_doc())
     lib.baseRT_grammar_free(g)
@@ -422,9 +447,12 @@ def _tag_docs(draw: st.DrawFn) -> dict[str, Any]:
              "content": {"type": "json_schema", "json_schema": draw(_schemas)},
              "end": draw(st.text("}>x\n", max_size=3))} for _ in range(draw(st.integers(1, 3)))]
     flags = {"at_least_one": draw(st.booleans()), "stop_after_first": draw(st.booleans())}
+    excludes = draw(st.lists(st.text("<>x", min_size=1, max_size=2), max_size=2, unique=True))
+    if draw(st.integers(0, 5)) == 0:
+        return {"type": "any_text", "excludes": excludes}
     if draw(st.booleans()):
         return {"type": "tags_with_separator", "tags": tags, "separator": draw(st.text("\n,x", max_size=2)), **flags}
-    return {"type": "triggered_tags", "triggers": triggers, "tags": tags, **flags}
+    return {"type": "triggered_tags", "triggers": triggers, "tags": tags, "excludes": excludes, **flags}
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

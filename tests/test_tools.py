@@ -298,7 +298,9 @@ def backends(engine: Engine) -> dict[str, int]:
 
 
 def test_structural_tag_shapes() -> None:
-    assert tool_structural_tag([E_WEATHER], "none") is None and tool_structural_tag([], "auto") is None
+    assert tool_structural_tag([], "auto") is None
+    assert tool_structural_tag([E_WEATHER], "none") == {
+        "type": "structural_tag", "format": {"type": "any_text", "excludes": ["<tool_call>"]}}
     tag = tool_structural_tag([E_WEATHER, E_TIME], "get_time", parallel=False)
     assert tag is not None
     fmt = tag["format"]
@@ -366,7 +368,7 @@ async def test_engine_tag_auto_calls_are_well_formed(untied_model_path: Path, se
             assert len(reply.tool_calls) <= 1
         none = await engine.chat(MESSAGES, tools=[E_WEATHER], tool_choice="none", max_tokens=30, seed=seed)
         assert none.tool_calls == [] and "<tool_call>" not in none.content
-        assert backends(engine) == {"engine": 1, "llguidance": 1}  # "none" is the host's Lark grammar
+        assert backends(engine) == {"engine": 2}  # "none": any_text without <tool_call>
 
 
 async def test_engine_tag_stream_equals_whole(untied_model_path: Path) -> None:

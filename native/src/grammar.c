@@ -60,7 +60,9 @@
  * trigger, and no begin may be a prefix of another. The "tags_with_separator"
  * format (`tags`, `separator`, `at_least_one`, `stop_after_first`) is tags
  * only: tag (separator tag)*, optionally none unless at_least_one, one with
- * stop_after_first; an eos may come where a tag could end the output. Free text is bytes:
+ * stop_after_first; an eos may come where a tag could end the output.
+ * `excludes` (triggered_tags, and the "any_text" format: free text alone)
+ * are strings the free text must not contain. Free text is bytes:
  * CONTROL tokens (markers) are text there as the model's unconstrained output
  * would have them (and may be a begin/end string's bytes), but never JSON
  * content; tokens without bytes are allowed in free text only. When every
@@ -155,7 +157,7 @@ typedef struct {
 } st_tag;
 
 typedef struct {
-    int n_tags, n_trig, n_nodes;
+    int n_tags, n_trig, n_excl, n_nodes; /* patterns n_trig.. of the automaton are excludes */
     st_tag *tags;
     uint32_t *trig_len;
     uint64_t *trig_tags; /* [n_trig]: the tags each trigger dispatches to */
@@ -532,6 +534,7 @@ static bool st_feed(const st_spec *sp, st_state *s, unsigned c, bool ctrl) {
         uint16_t n = sp->go[(size_t)s->node * 256 + c];
         s->node = n;
         int t = sp->done[n];
+        if (t >= sp->n_trig) return false; /* an excluded string */
         if (t >= 0) {
             s->phase = S_BEGIN;
             s->cand = sp->trig_tags[t];
@@ -980,12 +983,20 @@ static int st_tag_parse(const char *fn, const json_value *v, bool legacy, st_tag
 }
 
 /* The trigger automaton (Aho-Corasick): go[node][byte], done[node]. */
-static int st_build_triggers(const char *fn, st_spec *sp, const json_value *trigs) {
+/* Pattern i of the free-text automaton: the triggers, then the excludes. */
+static const json_value *st_pattern(const st_spec *sp, const json_value *trigs, const json_value *excl, int i) {
+    return i < sp->n_trig ? &trigs->u.arr.items[i] : &excl->u.arr.items[i - sp->n_trig];
+}
+
+/* The free-text automaton (Aho-Corasick over the triggers and the excludes):
+ * go[node][byte], done[node] = the pattern whose occurrence ends there. */
+static int st_build_triggers(const char *fn, st_spec *sp, const json_value *trigs, const json_value *excl) {
     size_t total = 0;
-    for (int i = 0; i < sp->n_trig; i++) {
-        const json_value *v = &trigs->u.arr.items[i];
+    int n_pat = sp->n_trig + sp->n_excl;
+    for (int i = 0; i < n_pat; i++) {
+        const json_value *v = st_pattern(sp, trigs, excl, i);
         if (!json_string(v) || v->u.str.len == 0)
-            return st_fail(fn, BASERT_ERR_INVALID_ARGUMENT, "triggers must be non-empty strings");
+            return st_fail(fn, BASERT_ERR_INVALID_ARGUMENT, "triggers and excludes must be non-empty strings");
         total += v->u.str.len;
     }
     if (total > ST_MAX_TRIGGER_BYTES) return st_fail(fn, BASERT_ERR_UNSUPPORTED, "the triggers are too long");
@@ -994,7 +1005,7 @@ static int st_build_triggers(const char *fn, st_spec *sp, const json_value *trig
     sp->done = malloc(cap * sizeof *sp->done);
     int16_t *own = malloc(cap * sizeof *own);
     uint16_t *fail = calloc(cap, sizeof *fail), *queue = malloc(cap * sizeof *queue);
-    sp->trig_len = calloc((size_t)sp->n_trig, sizeof *sp->trig_len);
+    sp->trig_len = calloc(n_pat ? (size_t)n_pat : 1, sizeof *sp->trig_len);
     if (!sp->go || !sp->done || !own || !fail || !queue || !sp->trig_len) {
         free(own), free(fail), free(queue);
         return st_fail(fn, BASERT_ERR_OUT_OF_MEMORY, "out of memory");
@@ -1004,8 +1015,8 @@ static int st_build_triggers(const char *fn, st_spec *sp, const json_value *trig
     for (size_t k = 0; k < cap; k++) own[k] = -1;
     int n = 1;
     int rc = BASERT_OK;
-    for (int i = 0; i < sp->n_trig && rc == BASERT_OK; i++) {
-        const json_value *v = &trigs->u.arr.items[i];
+    for (int i = 0; i < n_pat && rc == BASERT_OK; i++) {
+        const json_value *v = st_pattern(sp, trigs, excl, i);
         const unsigned char *s = (const unsigned char *)v->u.str.s;
         sp->trig_len[i] = (uint32_t)v->u.str.len;
         int u = 0;
@@ -1018,7 +1029,7 @@ static int st_build_triggers(const char *fn, st_spec *sp, const json_value *trig
         bool has_child = false;
         for (int c = 0; c < 256 && !has_child; c++) has_child = sp->go[(size_t)u * 256 + c] != NONE;
         if (own[u] >= 0 || has_child)
-            rc = st_fail(fn, BASERT_ERR_INVALID_ARGUMENT, "no trigger may be a prefix of another");
+            rc = st_fail(fn, BASERT_ERR_INVALID_ARGUMENT, "no trigger (or exclude) may be a prefix of another");
         else
             own[u] = (int16_t)i;
     }
@@ -1070,15 +1081,27 @@ static int st_parse(const char *fn, const json_value *root, st_spec *sp) {
             type = json_string(json_get(fmt, "type"));
         }
     }
+    const json_value *excl = NULL;
+    bool any_text = false;
     if (!legacy) {
         if (!type) return st_fail(fn, BASERT_ERR_INVALID_ARGUMENT, "the structural tag has no format \"type\"");
         sp->with_sep = strcmp(type, "tags_with_separator") == 0;
-        if (strcmp(type, "triggered_tags") != 0 && !sp->with_sep)
+        any_text = strcmp(type, "any_text") == 0;
+        if (strcmp(type, "triggered_tags") != 0 && !sp->with_sep && !any_text)
             return st_fail(fn, BASERT_ERR_UNSUPPORTED,
-                           "only the \"triggered_tags\" and \"tags_with_separator\" formats (and the legacy "
-                           "structures form) are supported");
-        if (json_count(json_get(fmt, "excludes")))
-            return st_fail(fn, BASERT_ERR_UNSUPPORTED, "\"excludes\" is not supported");
+                           "only the \"triggered_tags\", \"tags_with_separator\" and \"any_text\" formats (and the "
+                           "legacy structures form) are supported");
+        excl = json_get(fmt, "excludes");
+        if (excl && (excl->type != JSON_ARRAY || sp->with_sep))
+            return st_fail(fn, BASERT_ERR_INVALID_ARGUMENT, "\"excludes\" must be an array (of free-text formats)");
+        if (excl && excl->u.arr.n > ST_MAX_TRIGGERS) return st_fail(fn, BASERT_ERR_UNSUPPORTED, "too many excludes");
+        sp->n_excl = excl ? (int)excl->u.arr.n : 0;
+        if (any_text) { /* free text without the excluded strings; budgets are not supported */
+            const json_value *mt = json_get(fmt, "max_tokens"), *mc = json_get(fmt, "max_chars");
+            if ((mt && mt->type != JSON_NULL) || (mc && mc->type != JSON_NULL))
+                return st_fail(fn, BASERT_ERR_UNSUPPORTED, "any_text max_tokens / max_chars are not supported");
+            return st_build_triggers(fn, sp, NULL, excl);
+        }
         const json_value *v;
         if ((v = json_get(fmt, "at_least_one")) && !json_bool(v, &sp->at_least_one))
             return st_fail(fn, BASERT_ERR_INVALID_ARGUMENT, "at_least_one must be a boolean");
@@ -1110,7 +1133,8 @@ static int st_parse(const char *fn, const json_value *root, st_spec *sp) {
             return st_fail(fn, BASERT_ERR_UNSUPPORTED, "1-16 triggers are supported");
         sp->n_trig = (int)trigs->u.arr.n;
         sp->trig_tags = calloc((size_t)sp->n_trig, sizeof *sp->trig_tags);
-        rc = sp->trig_tags ? st_build_triggers(fn, sp, trigs) : st_fail(fn, BASERT_ERR_OUT_OF_MEMORY, "out of memory");
+        rc = sp->trig_tags ? st_build_triggers(fn, sp, trigs, excl)
+                           : st_fail(fn, BASERT_ERR_OUT_OF_MEMORY, "out of memory");
     }
     for (int i = 0; i < sp->n_tags && rc == BASERT_OK; i++)
         rc = st_tag_parse(fn, &tags->u.arr.items[i], legacy, &sp->tags[i]);
