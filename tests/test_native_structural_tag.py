@@ -293,7 +293,8 @@ def test_any_text_and_excludes(lib: Library, model: int, token_bytes: list[bytes
     try:
         rc, allowed = fill(lib, g)
         assert EOS_ID in allowed and IM_START in allowed
-        assert feed(lib, g, encode(lib, model, "text <tool call> <tool_call")) and lib.baseRT_grammar_is_completed(g) == 0
+        assert feed(lib, g, encode(lib, model, "text <tool call> <tool_call"))
+        assert lib.baseRT_grammar_is_completed(g) == 0
         rc, allowed = fill(lib, g)
         assert rc == 1 and not any(token_bytes[t].startswith(b">") for t in allowed)  # nothing completes it
         assert encode(lib, model, "xy>") and all(not feed(lib, g, [t]) for t in encode(lib, model, ">"))
