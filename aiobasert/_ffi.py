@@ -252,8 +252,10 @@ _SIGNATURES: dict[str, tuple[Any, list[Any], bool]] = {
     "baseRT_prefill": (c_uint32, [c_void_p, _u32p, c_int], False),
     "baseRT_read_logits": (c_int, [c_void_p, POINTER(c_float), c_int], False),
     "baseRT_embed": (c_int, [c_void_p, _u32p, c_int, POINTER(c_float), c_int], False),
-    # grammar-constrained decoding (engines with a grammar backend; the reference engine has none)
+    # grammar-constrained decoding (engines with a grammar backend: JSON, schemas, structural tags)
     "baseRT_grammar_create_from_schema": (c_void_p, [c_void_p, c_char_p], False),
+    "baseRT_grammar_create_from_structural_tag": (c_void_p, [c_void_p, c_char_p], False),
+    "baseRT_grammar_reset": (None, [c_void_p], False),
     "baseRT_grammar_create_json": (c_void_p, [c_void_p], False),
     "baseRT_grammar_free": (None, [c_void_p], False),
     "baseRT_grammar_bitmask_size": (c_int, [c_void_p], False),

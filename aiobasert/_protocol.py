@@ -61,6 +61,10 @@ class RequestSpec:
     """Text prompts: marker strings become control ids (baseRT_encode)."""
     lark: str | None = None
     """A Lark grammar (llguidance) constraining the output; else `params.json_schema`'s, if any."""
+    structural_tag: str | None = None
+    """An xgrammar structural tag (JSON text) for the same contract as `lark`: the engine's own
+    grammar backend builds it where it can (`baseRT_grammar_create_from_structural_tag`);
+    `lark` is the host fallback when it cannot."""
     submitted_at: float = field(default_factory=time.monotonic)
 
 

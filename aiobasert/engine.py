@@ -374,14 +374,24 @@ class Engine:
         return params
 
     def _new_stream(
-        self, prompt: Prompt, params: SamplingParams, special: bool, lark: str | None = None
+        self,
+        prompt: Prompt,
+        params: SamplingParams,
+        special: bool,
+        lark: str | None = None,
+        structural_tag: str | None = None,
     ) -> TokenStream:
         """lark: a Lark grammar (llguidance's dialect) constraining the output, e.g.
-        the tool-call grammar of `aiobasert.tools`; built on the engine thread at
-        intake, so a bad grammar fails this request in its caller only."""
+        the tool-call grammar of `aiobasert.tools`; structural_tag: the same contract
+        as an xgrammar structural tag (JSON text), which the engine's own grammar
+        backend builds where it can (else `lark` is used). Both are built on the
+        engine thread at intake, so a bad grammar fails this request in its caller only."""
         if self._port.closed:
             raise EngineClosedError("the engine is closed")
-        spec = RequestSpec(rid=new_request_id(), prompt=prompt, params=params, parse_special=special, lark=lark)
+        spec = RequestSpec(
+            rid=new_request_id(), prompt=prompt, params=params, parse_special=special, lark=lark,
+            structural_tag=structural_tag,
+        )
         return TokenStream(self._port, spec, self)
 
     async def _call(self, fn: Callable[[], T]) -> T:

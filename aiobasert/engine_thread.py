@@ -18,6 +18,7 @@ costs that request only; the thread itself never dies of a request.
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import contextlib
 import ctypes
@@ -112,6 +113,7 @@ class EngineThread:
         self.models_freed = 0
         self.live_sequences = 0
         self.live_grammars = 0
+        self.grammar_backends: collections.Counter[str] = collections.Counter()  # "engine" / "llguidance" builds
         self.finished = 0
         self.cancelled = 0
         self.failed = 0
@@ -365,8 +367,8 @@ class EngineThread:
             prompt = self._tokenize_prompt(spec)
             max_new = self.batcher.resolve_max_tokens(len(prompt), spec.params.max_tokens)
             self.batcher.check_room()  # refuse before building anything that needs freeing
-            if spec.lark is not None:
-                constraint = self._host_grammar().compile_lark(spec.lark)
+            if spec.lark is not None or spec.structural_tag is not None:
+                constraint = self._build_tag_constraint(spec.structural_tag, spec.lark)
                 self.live_grammars += 1
             elif spec.params.json_schema is not None:
                 constraint = self._build_constraint(spec.params.json_schema)
@@ -393,8 +395,32 @@ class EngineThread:
 
             native = EngineGrammarConstraint.create(lib, model, schema)
             if native is not None:
+                self.grammar_backends["engine"] += 1
                 return native
         constraint: Constraint = self._host_grammar().compile(schema)
+        self.grammar_backends["llguidance"] += 1
+        return constraint
+
+    def _build_tag_constraint(self, tag: str | None, lark: str | None) -> Constraint:
+        """A tool-call grammar: the engine's structural tag where the library builds
+        it (bitmask stepping, like the schema path), else the host's Lark grammar."""
+        lib, model = self.lib, self._model
+        assert model is not None
+        if (
+            tag is not None
+            and lib.has("baseRT_grammar_create_from_structural_tag")
+            and lib.has("baseRT_grammar_fill_bitmask")
+        ):
+            from .grammar import EngineGrammarConstraint
+
+            native = EngineGrammarConstraint.from_structural_tag(lib, model, tag)
+            if native is not None:
+                self.grammar_backends["engine"] += 1
+                return native
+        if lark is None:
+            raise InvalidRequestError("the engine cannot build this structural tag and no host grammar was given")
+        constraint: Constraint = self._host_grammar().compile_lark(lark)
+        self.grammar_backends["llguidance"] += 1
         return constraint
 
     def _host_grammar(self) -> GrammarBackend:

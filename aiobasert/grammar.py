@@ -185,8 +185,11 @@ class GrammarBackend:
 
 
 class EngineGrammarConstraint:
-    """A JSON Schema constraint run by the engine's own grammar backend
-    (`baseRT_grammar_create_from_schema` + token bitmask), for engines that have one.
+    """A constraint run by the engine's own grammar backend (a JSON Schema through
+    `baseRT_grammar_create_from_schema`, a structural tag through
+    `baseRT_grammar_create_from_structural_tag`, stepped by token bitmask), for
+    engines that have one. `fill_bitmask` is False when every token may follow
+    (free text of a structural tag): nothing to apply.
 
     Same contract as `JsonSchemaConstraint`; the grammar handle is freed by
     `close()` when the lane is released. Engine thread only.
@@ -212,6 +215,21 @@ class EngineGrammarConstraint:
             raise InvalidRequestError(f"invalid json_schema: {err.message}")
         words = int(lib.baseRT_grammar_bitmask_size(grammar))
         if words <= 0:  # a legacy grammar without a bitmask cannot be batched
+            lib.baseRT_grammar_free(grammar)
+            return None
+        return cls(lib, grammar, words)
+
+    @classmethod
+    def from_structural_tag(cls, lib: Any, model: int, tag: str) -> EngineGrammarConstraint | None:
+        """The engine's grammar for an xgrammar structural tag (JSON text), or None
+        when the engine cannot build it (a format or schema it cannot enforce: the
+        caller then uses the host backend) or cannot step it per token. Such a
+        grammar never reports completed: its lane ends on an end token."""
+        grammar = lib.baseRT_grammar_create_from_structural_tag(model, tag.encode())
+        if not grammar:
+            return None  # baseRT_get_error says why; the host grammar enforces the same contract
+        words = int(lib.baseRT_grammar_bitmask_size(grammar))
+        if words <= 0:
             lib.baseRT_grammar_free(grammar)
             return None
         return cls(lib, grammar, words)

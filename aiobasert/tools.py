@@ -23,14 +23,22 @@ prompt by the model's own chat template when it knows about tools (it mentions
 (`DEFAULT_TOOL_PROMPT`), assistant calls in the format above, and tool results
 as user turns wrapped in `<tool_response>` tags.
 
-The output is constrained by a grammar (llguidance, Lark syntax with `%json`
-for each tool's arguments), never filtered afterwards:
+The output is constrained by a grammar, never filtered afterwards. The engine's
+own grammar backend is tried first with an xgrammar STRUCTURAL TAG
+(`tool_structural_tag`: free text, and after the trigger `<tool_call>` one of
+the allowed calls, its arguments under the tool's schema); where the engine
+cannot build it (no `baseRT_grammar_create_from_structural_tag`, or a schema it
+cannot enforce) llguidance runs the Lark grammar of `tool_grammar` (`%json` for
+each tool's arguments) on the host. Both enforce:
 
-- `tool_choice="auto"`: either text that never contains `<tool_call>`, or (from
-  the first character on) one or more well-formed calls;
-- `"required"` / a named function: only well-formed calls (of that function);
-- `"none"`: only text without `<tool_call>`;
-- `parallel_tool_calls=False`: at most one call.
+- `tool_choice="auto"`: text, and any call the model starts is well-formed
+  (the structural tag lets text surround calls; the Lark grammar is stricter:
+  either text without `<tool_call>`, or calls from the first character on);
+- `"required"` / a named function: only well-formed calls (of that function),
+  at least one;
+- `"none"`: text without `<tool_call>`;
+- `parallel_tool_calls=False`: at most one call (the structural tag's
+  `stop_after_first`: only an end token may follow it).
 
 Arguments always validate against the tool's JSON Schema. The grammar masks
 the lane's logits row each step, so tool lanes keep batching with free lanes.
@@ -72,6 +80,7 @@ __all__ = [
     "parse_tools",
     "render_tool_chat",
     "tool_grammar",
+    "tool_structural_tag",
 ]
 
 CALL_OPEN = "<tool_call>\n"
@@ -255,6 +264,46 @@ def tool_grammar(tools: Sequence[Tool], choice: str, *, parallel: bool = True) -
         lines.append(f"call_{i}: {_lark_str(head)} args_{i} {_lark_str(_CALL_END)}")
         lines.append(f"args_{i}: %json {json.dumps(tool.arguments_schema())}")
     return "\n".join(lines) + "\n"
+
+
+def tool_structural_tag(tools: Sequence[Tool], choice: str, *, parallel: bool = True) -> dict[str, Any] | None:
+    """The xgrammar structural tag of an assistant turn under `choice`, for the
+    engine's own grammar backend; None without tools.
+
+    Each allowed tool is a tag: its call head (forced up to the arguments), the
+    arguments under the tool's schema, the call's end. "auto": `triggered_tags`
+    (free text; `<tool_call>` starts a call); "required" / a named function:
+    `tags_with_separator` (calls only, at least one, separated by a newline, as
+    the Lark grammar); `parallel=False`: `stop_after_first` (only an end token
+    after the call); "none": `any_text` that excludes `<tool_call>`."""
+    if not tools:
+        return None
+    trigger = CALL_OPEN.rstrip("\n")
+    if choice == "none":
+        return {"type": "structural_tag", "format": {"type": "any_text", "excludes": [trigger]}}
+    allowed = [t for t in tools if choice in ("auto", "required") or t.name == choice]
+    tags = []
+    for tool in allowed:
+        schema = tool.arguments_schema()
+        guidance = schema.pop("x-guidance", None)
+        if guidance and guidance != {"whitespace_flexible": False}:
+            # options only the host honours stay: an engine that cannot, refuses the tag
+            schema["x-guidance"] = guidance
+        tags.append(
+            {
+                "type": "tag",
+                "begin": CALL_OPEN + _NAME_OPEN + tool.name + _ARGS_OPEN,
+                "content": {"type": "json_schema", "json_schema": schema},
+                "end": _CALL_END,
+            }
+        )
+    fmt: dict[str, Any]
+    if choice == "auto":
+        fmt = {"type": "triggered_tags", "triggers": [trigger], "tags": tags, "at_least_one": False}
+    else:
+        fmt = {"type": "tags_with_separator", "tags": tags, "separator": _CALL_SEP, "at_least_one": True}
+    fmt["stop_after_first"] = not parallel
+    return {"type": "structural_tag", "format": fmt}
 
 
 # ---- prompt rendering ----------------------------------------------------------------------
@@ -482,8 +531,17 @@ class ToolCallParser:
             else:
                 self._mode = "text"
         elif self._mode == "text":
-            self._emit_text(buf, out)
-            self._buf = ""
+            # a call may follow text (the structural tag allows it): text up to an
+            # opener is released, a tail that may still become one is held back
+            at = buf.find(opener)
+            if at >= 0:
+                self._emit_text(buf[:at], out)
+                self._buf = buf[at + len(opener) :]
+                self._mode = "head"
+                return
+            keep = next((k for k in range(min(len(buf), len(opener) - 1), 0, -1) if buf.endswith(opener[:k])), 0)
+            self._emit_text(buf[: len(buf) - keep], out)
+            self._buf = buf[len(buf) - keep :]
         elif self._mode == "head":
             end = buf.find(_ARGS_OPEN)
             if end < 0:
@@ -550,6 +608,7 @@ def open_chat_stream(
     parsed = parse_tools(tools)
     choice = parse_tool_choice(tool_choice, parsed)
     lark = tool_grammar(parsed, choice, parallel=parallel)
+    tag = tool_structural_tag(parsed, choice, parallel=parallel)
     if lark is not None and params.json_schema is not None:
         raise InvalidRequestError("json_schema cannot be combined with tools")
     thread = engine._thread
@@ -561,7 +620,7 @@ def open_chat_stream(
         bos_token=thread.bos_token,
         eos_token=thread.eos_token,
     )
-    tokens = engine._new_stream(pieces, params, True, lark)
+    tokens = engine._new_stream(pieces, params, True, lark, json.dumps(tag) if tag is not None else None)
     return ChatStream(tokens, parse_calls=choice != "none" and bool(parsed))
 
 

@@ -287,9 +287,14 @@ def test_invalid_utf8_and_escapes_rejected(lib: Library, model: int, vocab_info:
 @pytest.mark.parametrize(
     ("schema", "needle"),
     [
-        ({"type": "object", "properties": {"a": {}}}, "properties"),
+        ({"type": "object", "properties": {"a": {"type": "object", "properties": {}}}}, "properties"),
         ({"enum": [1, 2]}, "enum"),
         ({"type": "object", "required": ["a"]}, "required"),
+        ({"type": "object", "properties": {"a": {"minimum": 1}}}, "minimum"),
+        ({"type": "object", "properties": {}, "additionalProperties": True}, "additionalProperties"),
+        ({"type": "string", "properties": {}}, "non-object"),
+        ({"type": "object", "properties": {'a"b': {}}}, "property names"),
+        ({"type": "object", "x-guidance": {"whitespace_flexible": True}}, "x-guidance"),  # the host honours it
         ({"type": ["string", "null"]}, "type"),
         ({"type": "foo"}, "type"),
         (False, "false"),
@@ -303,7 +308,8 @@ def test_schema_refusals(lib: Library, model: int, schema: Any, needle: str) -> 
 
 
 def test_schema_accepts_and_errors(lib: Library, model: int) -> None:
-    for text in [b"{}", b"true", b'{"type": "array"}', b'{ "type" : "null" }']:
+    for text in [b"{}", b"true", b'{"type": "array"}', b'{ "type" : "null" }',
+                 b'{"type": "object", "x-guidance": {"whitespace_flexible": false}, "description": "d"}']:
         g = lib.baseRT_grammar_create_from_schema(model, text)
         assert g, (text, error(lib))
         assert error(lib)[0] == 0

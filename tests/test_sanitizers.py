@@ -19,6 +19,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 SUITES = ["tests/test_native_front.py", "tests/test_native_runtime.py", "tests/test_native_grammar.py",
+          "tests/test_native_structural_tag.py",
           "tests/test_native_safety.py", "tests/test_native_weights.py", "tests/test_native_kv.py",
           "tests/test_native_quant.py", "tests/test_native_taps.py", "tests/test_embed_scheduling.py",
           "tests/test_engine.py", "tests/test_reliability.py"]

@@ -274,3 +274,48 @@ def test_stream_and_whole_bodies_agree(
         assert lps == [(e.token, e.logprob) for e in wc.logprobs.content]
     assert usage is not None and whole.usage is not None
     assert (usage.prompt_tokens, usage.completion_tokens) == (whole.usage.prompt_tokens, whole.usage.completion_tokens)
+
+
+def test_engine_structural_tag_over_http(untied_model_path: Path) -> None:
+    """Tools whose schemas the reference grammar enforces run on the engine's structural
+    tag (not llguidance) behind /v1/chat/completions: required calls stream the same
+    arguments as the whole response and validate; a named call with
+    parallel_tool_calls=false is the only one."""
+    from aiobasert.bundle import read_bundle
+    from aiobasert.server.provider import SingleEngineProvider
+    from aiobasert.tiny import EOS_ID
+
+    params = {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+              "required": ["city", "days"], "additionalProperties": False}
+    tools: list[ChatCompletionToolParam] = [
+        {"type": "function", "function": {"name": "get_weather", "parameters": params}},
+        {"type": "function", "function": {"name": "get_time", "parameters": {
+            "type": "object", "properties": {"tz": {"type": "string"}}, "required": ["tz"]}}},
+    ]
+    vocab = list(read_bundle(untied_model_path).tokenizer["tokenizer.ggml.tokens"])
+    bias = {str(vocab.index(s)): 4.0 for s in ('"', "}", ",")} | {str(EOS_ID): 4.0}
+    provider = SingleEngineProvider.from_path(untied_model_path, model_name=MODEL_NAME, max_batch_size=4)
+    with serving(create_app(provider)) as url, OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0) as client:
+        for seed in (1, 2):
+            kw: dict[str, Any] = dict(model=MODEL_NAME, messages=MESSAGES, tools=tools, tool_choice="required",
+                                      max_tokens=150, temperature=1.0, seed=seed, logit_bias=bias)
+            whole = client.chat.completions.create(**kw)
+            calls = whole.choices[0].message.tool_calls or []
+            assert calls and not whole.choices[0].message.content
+            if whole.choices[0].finish_reason == "tool_calls":
+                for c in calls:
+                    schema = params if c.function.name == "get_weather" else tools[1]["function"]["parameters"]
+                    jsonschema.validate(json.loads(c.function.arguments), schema)
+            fragments: dict[int, list[str]] = {}
+            for chunk in client.chat.completions.create(**kw, stream=True):
+                for tc in (chunk.choices[0].delta.tool_calls or []) if chunk.choices else []:
+                    fragments.setdefault(tc.index, []).append(tc.function.arguments or "" if tc.function else "")
+            assert ["".join(f) for f in fragments.values()] == [c.function.arguments for c in calls]
+            named = client.chat.completions.create(
+                **kw | {"tool_choice": {"type": "function", "function": {"name": "get_time"}},
+                        "parallel_tool_calls": False})
+            (call,) = named.choices[0].message.tool_calls or []
+            assert named.choices[0].finish_reason == "tool_calls" and call.function.name == "get_time"
+            jsonschema.validate(json.loads(call.function.arguments), tools[1]["function"]["parameters"])
+        (served,) = provider.served()
+        assert dict(served.engine._thread.grammar_backends) == {"engine": 6}

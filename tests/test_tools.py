@@ -8,10 +8,12 @@ import json
 from pathlib import Path
 from typing import Any
 
+import anyio
 import jsonschema  # type: ignore[import-untyped]
 import pytest
 
 from aiobasert import Engine, InvalidRequestError
+from aiobasert.tiny import EOS_ID
 from aiobasert.tools import (
     CALL_OPEN,
     ChatReply,
@@ -22,6 +24,7 @@ from aiobasert.tools import (
     ToolCallParser,
     render_tool_chat,
     tool_grammar,
+    tool_structural_tag,
 )
 
 pytestmark = pytest.mark.anyio
@@ -252,3 +255,214 @@ async def test_bad_tools_and_choices_raise_in_the_caller(tiny_model_path: Path) 
         for kw in bad:
             with pytest.raises(InvalidRequestError):
                 engine.stream_chat(MESSAGES, max_tokens=4, **kw)
+
+
+# ---- the engine's structural tag (reference grammar) and its llguidance fallback -------------
+
+# Schemas inside what the reference engine's grammar enforces (one level of typed
+# properties, required): these tools run on the engine's structural tag.
+E_WEATHER = Tool(
+    name="get_weather",
+    parameters={
+        "type": "object",
+        "properties": {"city": {"type": "string", "description": "a city"}, "days": {"type": "integer"}},
+        "required": ["city", "days"],
+        "additionalProperties": False,
+    },
+)
+E_TIME = Tool(name="get_time", parameters={"type": "object", "properties": {"tz": {"type": "string"}},
+                                            "required": ["tz"]})
+E_TOOLS = {t.name: t for t in (E_WEATHER, E_TIME)}
+
+
+def check_engine_calls(reply: ChatReply, *, allowed: set[str]) -> None:
+    """Every call complete (the turn was not cut off) is well-formed and its arguments validate."""
+    calls = reply.tool_calls if reply.finish_reason != "length" else reply.tool_calls[:-1]
+    for call in calls:
+        assert call.name in allowed
+        jsonschema.validate(json.loads(call.arguments), E_TOOLS[call.name].parameters)
+        assert call.id.startswith("call_")
+
+
+async def closers(engine: Engine) -> dict[int, float]:
+    """A bias towards ending strings, numbers and objects: random weights otherwise wander
+    (the tests use the untied tiny model, whose output varies)."""
+    bias = {(await engine.encode(s))[0]: 4.0 for s in ('"', "}")}
+    bias[(await engine.encode(","))[0]] = 3.0
+    bias[EOS_ID] = 4.0
+    return bias
+
+
+def backends(engine: Engine) -> dict[str, int]:
+    return dict(engine._thread.grammar_backends)
+
+
+def test_structural_tag_shapes() -> None:
+    assert tool_structural_tag([], "auto") is None
+    assert tool_structural_tag([E_WEATHER], "none") == {
+        "type": "structural_tag", "format": {"type": "any_text", "excludes": ["<tool_call>"]}}
+    tag = tool_structural_tag([E_WEATHER, E_TIME], "get_time", parallel=False)
+    assert tag is not None
+    fmt = tag["format"]
+    assert fmt["type"] == "tags_with_separator" and fmt["separator"] == "\n"  # calls only
+    assert fmt["at_least_one"] and fmt["stop_after_first"]
+    (only,) = fmt["tags"]
+    assert only["begin"] == CALL_OPEN + '{"name": "get_time", "arguments": ' and only["end"] == "}\n</tool_call>"
+    assert only["content"]["json_schema"] == E_TIME.parameters  # no host-only options in it
+    auto = tool_structural_tag([E_WEATHER, E_TIME], "auto")
+    assert auto is not None and auto["format"]["type"] == "triggered_tags"
+    assert auto["format"]["triggers"] == ["<tool_call>"]
+    assert not auto["format"]["at_least_one"] and not auto["format"]["stop_after_first"]
+    assert len(auto["format"]["tags"]) == 2
+    flexible = Tool(name="f", parameters={"type": "object", "x-guidance": {"whitespace_flexible": True}})
+    kept = tool_structural_tag([flexible], "auto")
+    assert kept is not None  # an option only the host honours stays in: the engine refuses, llguidance runs
+    assert kept["format"]["tags"][0]["content"]["json_schema"]["x-guidance"] == {"whitespace_flexible": True}
+
+
+def test_parser_finds_calls_after_text() -> None:
+    out = "Let me look <tool it up. " + CALL_OPEN + '{"name": "a", "arguments": {"x":1}}\n</tool_call> done '
+    out += CALL_OPEN + '{"name": "b", "arguments": {}}\n</tool_call>'
+    for step in (1, 2, 5, len(out)):
+        parser = ToolCallParser()
+        deltas = []
+        for i in range(0, len(out), step):
+            deltas += parser.feed(out[i : i + step])
+        deltas += parser.close()
+        assert [(c.name, c.arguments) for c in parser.calls] == [("a", '{"x":1}'), ("b", "{}")]
+        assert parser.content == "Let me look <tool it up.  done "
+        assert "".join(d.text for d in deltas if isinstance(d, TextDelta)) == parser.content
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio", "trio"])
+@pytest.mark.parametrize("seed", [1, 2, 3])
+async def test_engine_tag_required_and_named(untied_model_path: Path, seed: int) -> None:
+    async with Engine.open(untied_model_path, max_batch_size=4) as engine:
+        bias = await closers(engine)
+        required = await engine.chat(MESSAGES, tools=[E_WEATHER, E_TIME], tool_choice="required", max_tokens=150,
+                                     temperature=1.0, seed=seed, logit_bias=bias)
+        assert backends(engine) == {"engine": 1}  # the structural tag, not llguidance
+        assert required.tool_calls and required.content == "", required  # calls only
+        check_engine_calls(required, allowed={"get_weather", "get_time"})
+        named = await engine.chat(MESSAGES, tools=[E_WEATHER, E_TIME], tool_choice="get_weather",
+                                  parallel_tool_calls=False, max_tokens=150, temperature=1.0, seed=seed,
+                                  logit_bias=bias)
+        assert backends(engine) == {"engine": 2}
+        assert len(named.tool_calls) == 1 and named.content == ""
+        assert named.finish_reason == "tool_calls", named  # only an end token may follow the one call
+        check_engine_calls(named, allowed={"get_weather"})
+        assert (await engine.stats()).live_grammars == 0  # the engine grammar handles were freed
+
+
+@pytest.mark.parametrize("seed", range(6))
+async def test_engine_tag_auto_calls_are_well_formed(untied_model_path: Path, seed: int) -> None:
+    async with Engine.open(untied_model_path, max_batch_size=4) as engine:
+        bias = await closers(engine)
+        # a nudge towards "<" so that some turns open a call on their own
+        bias[(await engine.encode("<"))[0]] = 3.0
+        reply = await engine.chat(MESSAGES, tools=[E_WEATHER], max_tokens=100, temperature=1.0, seed=seed,
+                                  logit_bias=bias, parallel_tool_calls=seed % 2 == 0)
+        assert backends(engine) == {"engine": 1}
+        check_engine_calls(reply, allowed={"get_weather"})
+        if seed % 2:
+            assert len(reply.tool_calls) <= 1
+        none = await engine.chat(MESSAGES, tools=[E_WEATHER], tool_choice="none", max_tokens=30, seed=seed)
+        assert none.tool_calls == [] and "<tool_call>" not in none.content
+        assert backends(engine) == {"engine": 2}  # "none": any_text without <tool_call>
+
+
+async def test_engine_tag_stream_equals_whole(untied_model_path: Path) -> None:
+    async with Engine.open(untied_model_path, max_batch_size=4) as engine:
+        kw: dict[str, Any] = dict(tools=[E_WEATHER, E_TIME], tool_choice="required", max_tokens=150,
+                                  temperature=1.0, seed=7, logit_bias=await closers(engine))
+        whole = await engine.chat(MESSAGES, **kw)
+        deltas = [d async for d in engine.stream_chat(MESSAGES, **kw)]
+        assert backends(engine) == {"engine": 2}
+    args: dict[int, list[str]] = {}
+    for d in deltas:
+        if isinstance(d, ToolCallDelta):
+            args.setdefault(d.index, []).append(d.arguments)
+    assert ["".join(a) for a in args.values()] == [c.arguments for c in whole.tool_calls]
+    assert "".join(d.text for d in deltas if isinstance(d, TextDelta)) == whole.content
+
+
+async def test_unenforceable_schema_falls_back_to_llguidance(tiny_model_path: Path) -> None:
+    """WEATHER has maxLength / minimum, which the reference cannot enforce: the engine
+    refuses the tag and llguidance runs the Lark grammar (never a looser engine grammar)."""
+    async with Engine.open(tiny_model_path, max_batch_size=2) as engine:
+        reply = await engine.chat(MESSAGES, tools=[WEATHER, E_TIME], tool_choice="required", max_tokens=120,
+                                  temperature=1.0, seed=3)
+        assert backends(engine) == {"llguidance": 1}
+        assert reply.tool_calls
+        if reply.finish_reason != "length":
+            check_calls(reply, allowed={"get_weather", "get_time"})
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio", "trio"])
+async def test_engine_tag_lanes_batch_with_free_lanes(untied_model_path: Path) -> None:
+    free_prompts = [f"free text {i}" for i in range(4)]
+    free_kw: dict[str, Any] = dict(max_tokens=24, ignore_eos=True, temperature=0.8, seed=5)
+    async with Engine.open(untied_model_path, max_batch_size=8) as engine:
+        bias = await closers(engine)
+        solo = [await engine.generate(p, **free_kw) for p in free_prompts]
+        replies: list[ChatReply | None] = [None] * 6
+        free: list[Any] = [None] * len(free_prompts)
+
+        async def tool_turn(j: int) -> None:
+            replies[j] = await engine.chat(MESSAGES, tools=[E_WEATHER, E_TIME], tool_choice="required",
+                                           max_tokens=80, temperature=1.0, seed=j, logit_bias=bias)
+
+        async def free_turn(j: int) -> None:
+            free[j] = await engine.generate(free_prompts[j], **free_kw)
+
+        async with anyio.create_task_group() as tg:
+            for j in range(6):
+                tg.start_soon(tool_turn, j)
+                if j < len(free_prompts):
+                    tg.start_soon(free_turn, j)
+        assert backends(engine) == {"engine": 6}
+    steps = []
+    for reply in replies:
+        assert reply is not None and reply.tool_calls
+        check_engine_calls(reply, allowed={"get_weather", "get_time"})
+        steps.append((reply.timing.admitted_step, reply.timing.finished_step))
+    for alone, together in zip(solo, free, strict=True):
+        assert together.token_ids == alone.token_ids  # a neighbour's grammar never leaks into a free lane
+        lo, hi = together.timing.admitted_step, together.timing.finished_step
+        assert any(a <= hi and lo <= b for a, b in steps)  # it shared steps with constrained lanes
+
+
+async def test_smollm2_engine_tag_calls(smollm2_path: Path) -> None:
+    """The real model through the engine's structural tag: a forced call names the
+    city of the question; "auto" with a tool-worthy question calls or answers, and
+    any call validates."""
+    async with Engine.open(smollm2_path, max_batch_size=2) as engine:
+        weather = Tool(name="get_weather", description="Get the current weather of a city", parameters={
+            "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"],
+            "additionalProperties": False})
+        msgs = [{"role": "user", "content": "What is the weather like in Paris?"}]
+        forced = await engine.chat(msgs, tools=[weather], tool_choice="required", parallel_tool_calls=False,
+                                   max_tokens=40, temperature=0)
+        (call,) = forced.tool_calls
+        assert forced.finish_reason == "tool_calls" and call.name == "get_weather"
+        args = json.loads(call.arguments)
+        jsonschema.validate(args, weather.parameters)
+        assert "paris" in args["city"].lower()
+        auto = await engine.chat(msgs, tools=[weather], max_tokens=40, temperature=0)
+        for c in auto.tool_calls if auto.finish_reason != "length" else auto.tool_calls[:-1]:
+            jsonschema.validate(json.loads(c.arguments), weather.parameters)
+        assert backends(engine) == {"engine": 2}
+
+
+async def test_engine_tag_lanes_end_on_stop_strings_and_max_tokens(untied_model_path: Path) -> None:
+    """A structural-tag grammar never reports completed: its lanes end on an end token,
+    a stop string or max_tokens, like free lanes."""
+    async with Engine.open(untied_model_path, max_batch_size=2) as engine:
+        no_end = {t: -100.0 for t in range(3)}  # the tiny vocabulary's markers: the turn runs to max_tokens
+        kw: dict[str, Any] = dict(tools=[E_WEATHER], max_tokens=40, temperature=1.0, seed=4, logit_bias=no_end)
+        first = await engine.chat(MESSAGES, **kw)
+        assert first.finish_reason == "length" and len(first.content) > 8, first
+        stop = first.content[6:8]
+        cut = await engine.chat(MESSAGES, stop=[stop], **kw)
+        assert cut.finish_reason == "stop" and cut.content == first.content[: first.content.find(stop)]
+        assert backends(engine) == {"engine": 2}

@@ -259,7 +259,8 @@ char *rt_build_capability_descriptor(const rt_model *m) {
     put_capability(&b, "host_logits", paged);
     put_capability(&b, "fused_sample", paged);
     put_capability(&b, "prefix_cache", prefix);
-    /* grammar.c: generic JSON and top-level {"type": X} schemas; other keywords and GBNF are UNSUPPORTED */
+    /* grammar.c: generic JSON, {"type": X} and one-level properties/required schemas; triggered_tags,
+     * tags_with_separator and any_text structural tags; other keywords, formats and GBNF are UNSUPPORTED */
     put_capability(&b, "grammar", NULL);
     put_capability(&b, "speculation", "unsupported: the reference engine has no speculative decoding");
     put_capability(&b, "lora", "unsupported: the reference engine does not load adapters");
