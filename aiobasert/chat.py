@@ -77,12 +77,42 @@ def render_chat(
     if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence) or not messages:
         raise InvalidRequestError("messages must be a non-empty list of {role, content} messages")
     msgs = [_as_message(m, i) for i, m in enumerate(messages)]
+    return render_with_sentinels(
+        template,
+        [{"role": m.role, "content": sentinel(i)} for i, m in enumerate(msgs)],
+        [m.content for m in msgs],
+        add_generation_prompt=add_generation_prompt,
+        bos_token=bos_token,
+        eos_token=eos_token,
+    )
+
+
+def sentinel(i: int) -> str:
+    """The placeholder a template sees for message content `i` (see render_with_sentinels)."""
+    return _SENTINEL.format(i)
+
+
+def render_with_sentinels(
+    template: str,
+    messages: list[dict[str, Any]],
+    contents: Sequence[str],
+    *,
+    add_generation_prompt: bool,
+    bos_token: str,
+    eos_token: str,
+    **context: Any,
+) -> list[tuple[str, bool]]:
+    """Render `messages` (whose contents are `sentinel(i)` placeholders for
+    `contents[i]`) and split the result into (text, is_content) pieces: the
+    template's own text is framing (parsed for markers), each content a piece
+    that never is. `context` goes to the template too (e.g. `tools`)."""
     try:
         rendered = _compile(template or DEFAULT_TEMPLATE).render(
-            messages=[{"role": m.role, "content": _SENTINEL.format(i)} for i, m in enumerate(msgs)],
+            messages=messages,
             add_generation_prompt=add_generation_prompt,
             bos_token=bos_token,
             eos_token=eos_token,
+            **context,
         )
     except TemplateError as exc:
         raise InvalidRequestError(f"chat template failed: {exc}") from None
@@ -92,10 +122,10 @@ def render_chat(
         if match.start() > pos:
             pieces.append((rendered[pos : match.start()], False))
         idx = int(match.group(1))
-        if idx >= len(msgs):
+        if idx >= len(contents):
             raise InvalidRequestError("chat template produced an unknown message reference")
-        if msgs[idx].content:
-            pieces.append((msgs[idx].content, True))
+        if contents[idx]:
+            pieces.append((contents[idx], True))
         pos = match.end()
     if pos < len(rendered):
         pieces.append((rendered[pos:], False))

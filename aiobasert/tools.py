@@ -55,7 +55,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import msgspec
 
-from .chat import _SENTINEL, _SENTINEL_RE, DEFAULT_TEMPLATE, _compile, render_chat
+from .chat import render_chat, render_with_sentinels, sentinel
 from .errors import InvalidRequestError
 from .types import ChatMessage, FinishReason, Timing, Token, Usage
 
@@ -406,7 +406,7 @@ def _render_with_template(
     contents: list[str] = []
     ctx: list[dict[str, Any]] = []
     for m in msgs:
-        entry: dict[str, Any] = {"role": m["role"], "content": _SENTINEL.format(len(contents))}
+        entry: dict[str, Any] = {"role": m["role"], "content": sentinel(len(contents))}
         contents.append(m["content"])
         if m.get("tool_calls"):
             entry["tool_calls"] = []
@@ -427,34 +427,15 @@ def _render_with_template(
     tool_dicts = [t.as_openai() for t in tools]
     if _FORGERY.search(json.dumps(tool_dicts)):
         raise InvalidRequestError("tool definitions must not contain chat markers")
-    from jinja2 import TemplateError
-
-    try:
-        rendered = _compile(template or DEFAULT_TEMPLATE).render(
-            messages=ctx,
-            tools=tool_dicts or None,
-            add_generation_prompt=add_generation_prompt,
-            bos_token=bos_token,
-            eos_token=eos_token,
-        )
-    except TemplateError as exc:
-        raise InvalidRequestError(f"chat template failed: {exc}") from None
-    pieces: list[tuple[str, bool]] = []
-    pos = 0
-    for match in _SENTINEL_RE.finditer(rendered):
-        if match.start() > pos:
-            pieces.append((rendered[pos : match.start()], False))
-        idx = int(match.group(1))
-        if idx >= len(contents):
-            raise InvalidRequestError("chat template produced an unknown message reference")
-        if contents[idx]:
-            pieces.append((contents[idx], True))
-        pos = match.end()
-    if pos < len(rendered):
-        pieces.append((rendered[pos:], False))
-    if not pieces:
-        raise InvalidRequestError("chat template rendered nothing")
-    return pieces
+    return render_with_sentinels(
+        template,
+        ctx,
+        contents,
+        tools=tool_dicts or None,
+        add_generation_prompt=add_generation_prompt,
+        bos_token=bos_token,
+        eos_token=eos_token,
+    )
 
 
 # ---- output parsing -------------------------------------------------------------------------
