@@ -3,19 +3,20 @@ real SmolLM2 bundle (slow, converted once), and the per-test timeout."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import inspect
 import shutil
 import signal
 import threading
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import anyio
 import pytest
+from loopback import API_KEY, MODEL_NAME, serving
 
 import aiobasert.bundle
 import aiobasert.convert
@@ -146,28 +147,25 @@ def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
 def asgi_server() -> Iterator[Callable[[Any], str]]:
     """`start(app) -> base URL`: runs an ASGI app with uvicorn on loopback in a thread,
     stopped (lifespan shutdown included) when the module ends."""
-    import uvicorn
+    with contextlib.ExitStack() as running:
+        yield lambda app: running.enter_context(serving(app))
 
-    running: list[tuple[uvicorn.Server, threading.Thread]] = []
 
-    def start(app: Any) -> str:
-        server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
-        thread = threading.Thread(target=server.run, name="test-asgi-server", daemon=True)
-        thread.start()
-        running.append((server, thread))
-        deadline = time.monotonic() + 60
-        while not server.started:
-            assert thread.is_alive() and time.monotonic() < deadline, "the test server did not start"
-            time.sleep(0.01)
-        port = server.servers[0].sockets[0].getsockname()[1]
-        return f"http://127.0.0.1:{port}"
+@pytest.fixture(scope="module")
+def tiny_server(asgi_server: Callable[[Any], str], tiny_model_path: Path) -> str:
+    """The OpenAI-compatible server on the tiny model (bearer API_KEY, model MODEL_NAME, 4 lanes)."""
+    from aiobasert.server import create_app
 
-    yield start
-    for server, _ in running:
-        server.should_exit = True
-    for _, thread in running:
-        thread.join(15)
-        assert not thread.is_alive(), "a test server did not stop"
+    return asgi_server(create_app(tiny_model_path, api_key=API_KEY, model_name=MODEL_NAME, max_batch_size=4))
+
+
+@pytest.fixture(scope="module")
+def tiny_client(tiny_server: str) -> Iterator[Any]:
+    """The official openai client on `tiny_server` (no retries: a failure shows at once)."""
+    from openai import OpenAI
+
+    with OpenAI(base_url=f"{tiny_server}/v1", api_key=API_KEY, max_retries=0) as client:
+        yield client
 
 
 @pytest.fixture(scope="module")

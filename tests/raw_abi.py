@@ -41,3 +41,15 @@ def step_logits(lib: Library, m: int, seqs: Sequence[int], feeds: Sequence[Seque
     rows = np.empty((n, vocab), dtype=np.float16)
     assert lib.baseRT_read_batch_logits(m, n, rows.ctypes.data_as(c_void_p)) == vocab
     return rows
+
+
+def coded_error(lib: Library) -> tuple[int, str]:
+    """The thread's last error: (code, message)."""
+    return int(lib.baseRT_get_error_code()), error(lib)
+
+
+def encode(lib: Library, m: int, text: str) -> list[int]:
+    buf = (c_uint32 * 4096)()
+    n = lib.baseRT_encode(m, text.encode(), buf, 4096)
+    assert n >= 0, coded_error(lib)
+    return list(buf[:n])

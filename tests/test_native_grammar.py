@@ -14,6 +14,8 @@ from typing import Any
 
 import numpy as np
 import pytest
+from raw_abi import coded_error as error
+from raw_abi import encode
 
 from aiobasert import Engine
 from aiobasert._ffi import Library
@@ -57,17 +59,6 @@ def eos_ids(lib: Library, model: int, vocab_info: Any) -> set[int]:
     lib.baseRT_grammar_free(g)
     assert EOS_ID in ends and all(vocab_info[2][t] == CONTROL for t in ends)
     return ends
-
-
-def error(lib: Library) -> tuple[int, str]:
-    return int(lib.baseRT_get_error_code()), (lib.baseRT_get_error() or b"").decode()
-
-
-def encode(lib: Library, m: int, text: str) -> list[int]:
-    buf = (ctypes.c_uint32 * 1024)()
-    n = lib.baseRT_encode(m, text.encode(), buf, 1024)
-    assert n >= 0, error(lib)
-    return list(buf[:n])
 
 
 def mask_of(lib: Library, g: int) -> set[int]:

@@ -19,6 +19,8 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from raw_abi import coded_error as error
+from raw_abi import encode
 
 from aiobasert._ffi import Library
 from aiobasert.bundle import read_bundle
@@ -72,17 +74,6 @@ def token_bytes(lib: Library, model: int, tiny_model_path: Path) -> list[bytes]:
         n = lib.baseRT_decode_token_raw(model, t, buf, 256)
         out.append(buf.raw[: max(n, 0)])
     return out
-
-
-def error(lib: Library) -> tuple[int, str]:
-    return int(lib.baseRT_get_error_code()), (lib.baseRT_get_error() or b"").decode()
-
-
-def encode(lib: Library, m: int, text: str) -> list[int]:
-    buf = (ctypes.c_uint32 * 4096)()
-    n = lib.baseRT_encode(m, text.encode(), buf, 4096)
-    assert n >= 0, error(lib)
-    return list(buf[:n])
 
 
 def create(lib: Library, m: int, doc: Any) -> int:

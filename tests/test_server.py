@@ -7,7 +7,6 @@ serve` as a subprocess and sends it SIGTERM.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import json
 import os
@@ -28,35 +27,15 @@ import httpx
 import numpy as np
 import openai
 import pytest
-import uvicorn
+from loopback import API_KEY, MODEL_NAME, serving
 from openai import AsyncOpenAI, OpenAI
-from starlette.applications import Starlette
 
 from aiobasert import Engine
 from aiobasert.server import create_app
 from aiobasert.tiny import build_tiny_model
 
-API_KEY = "sk-test-key"
-MODEL_NAME = "tiny"
 REPO = Path(__file__).resolve().parent.parent
 LONG_CONTEXT = 16384
-
-
-@contextlib.contextmanager
-def serving(app: Starlette) -> Iterator[str]:
-    """Run `app` with uvicorn in a thread on a free port; yields its base URL."""
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
-    thread = threading.Thread(target=server.run, name="test-uvicorn", daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "the test server did not start"
-        time.sleep(0.01)
-    port = server.servers[0].sockets[0].getsockname()[1]
-    yield f"http://127.0.0.1:{port}"
-    server.should_exit = True
-    thread.join(10)
-    assert not thread.is_alive(), "the test server did not stop"
 
 
 @pytest.fixture(scope="module")

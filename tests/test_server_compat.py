@@ -12,7 +12,8 @@ from typing import Any
 import httpx
 import msgspec
 import pytest
-from test_server import REPO, serving
+from loopback import serving
+from test_server import REPO
 
 from aiobasert.server import create_app
 from aiobasert.server.compat import _UNSET, FIELDS, render_table

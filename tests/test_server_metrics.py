@@ -9,9 +9,9 @@ from pathlib import Path
 
 import httpx
 import pytest
+from loopback import serving
 from openai import OpenAI
 from prometheus_client.parser import text_string_to_metric_families
-from test_server import serving
 
 from aiobasert.server import create_app
 

@@ -11,8 +11,9 @@ from typing import Any
 
 import httpx
 import pytest
+from loopback import serving
 from openai import OpenAI
-from test_server import serving, start_uvicorn
+from test_server import start_uvicorn
 
 import aiobasert
 from aiobasert import Engine, SamplingParams

@@ -12,9 +12,9 @@ import httpx
 import jsonschema  # type: ignore[import-untyped]
 import openai
 import pytest
+from loopback import serving
 from openai import OpenAI
 from openai.types.chat import ChatCompletionMessageParam
-from test_server import serving
 
 from aiobasert.bundle import read_bundle
 from aiobasert.server import create_app

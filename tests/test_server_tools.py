@@ -5,7 +5,6 @@ and non-stream, on the tiny model; SmolLM2 for a real tool loop (slow)."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -15,14 +14,12 @@ import openai
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from loopback import API_KEY, MODEL_NAME, serving
 from openai import AsyncOpenAI, OpenAI
 from openai.types.chat import ChatCompletionMessageParam, ChatCompletionToolParam
-from test_server import serving
 
 from aiobasert.server import create_app
 
-API_KEY = "sk-test-key"
-MODEL_NAME = "tiny"
 WEATHER_PARAMS: dict[str, Any] = {
     "type": "object",
     "properties": {"city": {"type": "string", "maxLength": 12}, "unit": {"enum": ["C", "F"]}},
@@ -43,29 +40,17 @@ SCHEMAS = {"get_weather": WEATHER_PARAMS, "get_time": TIME_PARAMS}
 MESSAGES: list[ChatCompletionMessageParam] = [{"role": "user", "content": "What's the weather in Paris?"}]
 
 
-@pytest.fixture(scope="module")
-def base_url(tiny_model_path: Path) -> Iterator[str]:
-    with serving(create_app(tiny_model_path, api_key=API_KEY, model_name=MODEL_NAME, max_batch_size=4)) as url:
-        yield url
-
-
-@pytest.fixture(scope="module")
-def client(base_url: str) -> Iterator[OpenAI]:
-    with OpenAI(base_url=f"{base_url}/v1", api_key=API_KEY, max_retries=0) as c:
-        yield c
-
-
 def valid(name: str, arguments: str) -> None:
     jsonschema.validate(json.loads(arguments), SCHEMAS[name])
 
 
 @pytest.mark.parametrize("seed", [1, 2, 3])
-def test_required_call_stream_equals_non_stream(client: OpenAI, seed: int) -> None:
+def test_required_call_stream_equals_non_stream(tiny_client: OpenAI, seed: int) -> None:
     kw: dict[str, Any] = dict(
         model=MODEL_NAME, messages=MESSAGES, tools=TOOLS, tool_choice="required", max_tokens=150, seed=seed,
         temperature=1.0,
     )
-    whole = client.chat.completions.create(**kw)
+    whole = tiny_client.chat.completions.create(**kw)
     (choice,) = whole.choices
     calls = choice.message.tool_calls
     assert calls
@@ -80,7 +65,7 @@ def test_required_call_stream_equals_non_stream(client: OpenAI, seed: int) -> No
     names: dict[int, str] = {}
     args: dict[int, list[str]] = {}
     finish = None
-    for chunk in client.chat.completions.create(**kw, stream=True):
+    for chunk in tiny_client.chat.completions.create(**kw, stream=True):
         if not chunk.choices:
             continue
         delta = chunk.choices[0].delta
@@ -100,8 +85,8 @@ def test_required_call_stream_equals_non_stream(client: OpenAI, seed: int) -> No
 
 
 @pytest.mark.parametrize("seed", [4, 5])
-def test_named_function_and_parallel_false(client: OpenAI, seed: int) -> None:
-    r = client.chat.completions.create(
+def test_named_function_and_parallel_false(tiny_client: OpenAI, seed: int) -> None:
+    r = tiny_client.chat.completions.create(
         model=MODEL_NAME,
         messages=MESSAGES,
         tools=TOOLS,
@@ -118,14 +103,14 @@ def test_named_function_and_parallel_false(client: OpenAI, seed: int) -> None:
     valid("get_time", call.function.arguments)
 
 
-def test_none_and_auto(client: OpenAI) -> None:
+def test_none_and_auto(tiny_client: OpenAI) -> None:
     for seed in range(3):
-        none = client.chat.completions.create(
+        none = tiny_client.chat.completions.create(
             model=MODEL_NAME, messages=MESSAGES, tools=TOOLS, tool_choice="none", max_tokens=24, seed=seed,
             temperature=1.0,
         )
         assert not none.choices[0].message.tool_calls and none.choices[0].finish_reason in ("stop", "length")
-        auto = client.chat.completions.create(
+        auto = tiny_client.chat.completions.create(
             model=MODEL_NAME, messages=MESSAGES, tools=TOOLS, max_tokens=24, seed=seed, temperature=1.0
         )
         msg = auto.choices[0].message
@@ -133,8 +118,8 @@ def test_none_and_auto(client: OpenAI) -> None:
 
 
 @pytest.mark.anyio
-async def test_full_tool_loop_with_the_async_client(base_url: str) -> None:
-    async with AsyncOpenAI(base_url=f"{base_url}/v1", api_key=API_KEY, max_retries=0) as client:
+async def test_full_tool_loop_with_the_async_client(tiny_server: str) -> None:
+    async with AsyncOpenAI(base_url=f"{tiny_server}/v1", api_key=API_KEY, max_retries=0) as client:
         first = await client.chat.completions.create(
             model=MODEL_NAME, messages=MESSAGES, tools=TOOLS, tool_choice="required", parallel_tool_calls=False,
             max_tokens=150, seed=1,
@@ -171,10 +156,10 @@ async def test_full_tool_loop_with_the_async_client(base_url: str) -> None:
         ({"tools": TOOLS, "response_format": {"type": "json_object"}}, "response_format", "tools"),
     ],
 )
-def test_bad_tool_requests_are_400_naming_the_param(base_url: str, body: dict[str, Any], param: str,
+def test_bad_tool_requests_are_400_naming_the_param(tiny_server: str, body: dict[str, Any], param: str,
                                                      message: str) -> None:
     r = httpx.post(
-        f"{base_url}/v1/chat/completions",
+        f"{tiny_server}/v1/chat/completions",
         json={"model": MODEL_NAME, "messages": MESSAGES, "max_tokens": 4, **body},
         headers={"Authorization": f"Bearer {API_KEY}"},
     )
@@ -183,9 +168,9 @@ def test_bad_tool_requests_are_400_naming_the_param(base_url: str, body: dict[st
     assert error["param"] == param and message in error["message"]
 
 
-def test_client_sees_bad_request(client: OpenAI) -> None:
+def test_client_sees_bad_request(tiny_client: OpenAI) -> None:
     with pytest.raises(openai.BadRequestError):
-        client.chat.completions.create(
+        tiny_client.chat.completions.create(
             model=MODEL_NAME, messages=MESSAGES, tools=TOOLS, tool_choice={"type": "function",
                                                                            "function": {"name": "nope"}},
         )
@@ -234,7 +219,7 @@ def test_smollm2_tool_loop_stream_and_not(smollm2_path: Path) -> None:
     max_tokens=st.integers(1, 60),
 )
 def test_stream_and_whole_bodies_agree(
-    client: OpenAI, seed: int, with_tools: bool, choice: str, logprobs: bool, max_tokens: int
+    tiny_client: OpenAI, seed: int, with_tools: bool, choice: str, logprobs: bool, max_tokens: int
 ) -> None:
     """Same seed, same request: the streamed chunks add up to the whole body
     (text, tool calls, logprobs, usage, finish reason)."""
@@ -242,7 +227,7 @@ def test_stream_and_whole_bodies_agree(
                               logprobs=logprobs, top_logprobs=2 if logprobs else None)
     if with_tools:
         kw |= dict(tools=TOOLS, tool_choice=choice)
-    whole = client.chat.completions.create(**kw)
+    whole = tiny_client.chat.completions.create(**kw)
     (wc,) = whole.choices
     content: list[str] = []
     calls: dict[int, list[str]] = {}
@@ -250,7 +235,7 @@ def test_stream_and_whole_bodies_agree(
     lps: list[tuple[str, float]] = []
     finish = None
     usage = None
-    for chunk in client.chat.completions.create(**kw, stream=True, stream_options={"include_usage": True}):
+    for chunk in tiny_client.chat.completions.create(**kw, stream=True, stream_options={"include_usage": True}):
         usage = chunk.usage or usage
         if not chunk.choices:
             continue
