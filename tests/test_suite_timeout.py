@@ -33,7 +33,7 @@ def test_a_hanging_test_fails_on_both_backends(tmp_path: Path) -> None:
     shutil.copy(here / "conftest.py", tmp_path / "conftest.py")
     (tmp_path / "test_hangs.py").write_text(HANGS)
     (tmp_path / "pytest.ini").write_text("[pytest]\ntimeout = 60\n")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(here.parent), os.environ.get("PYTHONPATH", "")])}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(here.parent), str(here), os.environ.get("PYTHONPATH", "")])}
     run = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-rA", "-p", "no:cacheprovider", "test_hangs.py"],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120,
