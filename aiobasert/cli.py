@@ -157,7 +157,15 @@ def _serve(args: argparse.Namespace) -> int:
             name = args.served_model_name or (
                 Path(source).name.removesuffix(".gguf").removesuffix(".base") if source else resolved.stem
             )
+        if not resolved.is_file():
+            raise SystemExit(f"aiobasert serve: {source}: no such model file, .gguf or cached model NAME")
+        if any(name == seen for seen, _ in specs):
+            raise SystemExit(f"aiobasert serve: two models are named {name!r}: give one another NAME=MODEL")
         specs.append((name, os.fspath(resolved)))
+    if args.replicas < 1:
+        raise SystemExit(f"aiobasert serve: --replicas must be at least 1, got {args.replicas}")
+    # The engine options are checked now (Engine.open validates before it loads), not at start-up.
+    Engine.open(None, max_batch_size=args.max_batch_size, max_context=args.max_context)
     api_key = args.api_key if args.api_key is not None else os.environ.get("AIOBASERT_API_KEY") or None
     if args.ray:
         from .server.ray_serve import run_ray

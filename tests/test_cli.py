@@ -204,3 +204,20 @@ def test_run_into_a_closed_pipe_ends_quietly(tiny_model_path: Path) -> None:
     err = proc.stderr.read().decode()
     assert proc.wait(60) == 141, err
     assert "Traceback" not in err and "BrokenPipeError" not in err, err
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["a={model}", "a={model}"], "two models are named 'a'"),
+        (["missing.base"], "missing.base: no such model file"),
+        (["{model}", "--ray", "--replicas", "0"], "--replicas must be at least 1"),
+        (["{model}", "--max-batch-size", "0"], "max_batch_size must be an integer"),
+        (["{model}", "--served-model-name", "x", "--model", "y={model}"], "--served-model-name names one model"),
+    ],
+)
+def test_serve_refuses_a_bad_command_line_before_starting(tiny_model_path: Path, extra: list[str],
+                                                          message: str) -> None:
+    proc = cli("serve", *[e.format(model=tiny_model_path) for e in extra], "--port", "0")
+    assert proc.returncode != 0 and message in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr and "startup failed" not in proc.stderr
