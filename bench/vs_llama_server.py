@@ -23,6 +23,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import IO
 
 import httpx
 
@@ -106,7 +107,10 @@ def build_llama_server(version: str | None, jobs: int) -> Path:
     try:
         print(f"building llama-server {ver} ({label}) into {out}; log: {log}", flush=True)
         with tarfile.open(sdist) as tar:
-            tar.extractall(work, filter="data")
+            if hasattr(tarfile, "data_filter"):  # 3.10.12+/3.11.4+: refuse paths outside `work`
+                tar.extractall(work, filter="data")
+            else:
+                tar.extractall(work)  # pip's own sdist, as pip itself would unpack it
         top = work / f"llama_cpp_python-{ver}"
         src = top / "vendor" / "llama.cpp"
         if not (src / "CMakeLists.txt").is_file():
@@ -122,7 +126,7 @@ def build_llama_server(version: str | None, jobs: int) -> Path:
             for cmd in (configure, build):
                 fh.write("$ " + " ".join(cmd) + "\n")
                 fh.flush()
-                if subprocess.run(["nice", "-n", "10", *cmd], stdout=fh, stderr=subprocess.STDOUT).returncode:
+                if _run_group(["nice", "-n", "10", *cmd], fh):
                     tail = log.read_text().splitlines()[-30:]
                     raise BenchError("llama-server build failed:\n  " + "\n  ".join(tail) + f"\n(full log: {log})")
         built = work / "build" / "bin" / "llama-server"
@@ -152,9 +156,21 @@ def llama_server_version(binary: Path) -> str:
     return "; ".join([*lines, f"--version {extra}" if extra else ""]).strip("; ")
 
 
-# ---- the servers: one at a time, each in its own process group ---------------------------------
+# ---- processes: each in its own process group, always stopped -----------------------------------
 
 _LIVE: dict[int, subprocess.Popen[bytes]] = {}
+
+
+def _run_group(cmd: list[str], out: IO[str]) -> int:
+    """Run cmd to completion in its own process group; interrupted, the whole group
+    (cmake, make, the compilers) is killed, not just its leader."""
+    proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                            start_new_session=True)  # fmt: skip
+    _LIVE[proc.pid] = proc
+    try:
+        return proc.wait()
+    finally:
+        _stop(proc)
 
 
 def _stop(proc: subprocess.Popen[bytes], grace: float = 10.0) -> None:
@@ -458,6 +474,10 @@ def git_head() -> str:
         return "unknown"
 
 
+def _interrupt(signum: int, _frame: object) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     ap.add_argument("--llama-server", type=Path, default=None, help="an existing llama-server binary (else built)")
@@ -477,6 +497,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--start-timeout", type=float, default=600.0)
     ap.add_argument("--level-timeout", type=float, default=1800.0)
     args = ap.parse_args(argv)
+    # SIGTERM/SIGHUP unwind like Ctrl-C (the bench loop installs its own handlers, which cancel it)
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, _interrupt)
     try:
         args.llama_server = args.llama_server or build_llama_server(args.llama_cpp_python_version, args.build_jobs)
         if not os.access(args.llama_server, os.X_OK):
@@ -510,7 +533,7 @@ def main(argv: list[str] | None = None) -> int:
         print("error:", exc, file=sys.stderr)
         return 2
     except (KeyboardInterrupt, asyncio.CancelledError):
-        print("interrupted: the servers are stopped", file=sys.stderr)
+        print("interrupted (every process the bench started is stopped)", file=sys.stderr)
         return 130
     finally:
         _stop_all()
