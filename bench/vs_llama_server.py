@@ -1,6 +1,35 @@
 """aiobasert serve against llama.cpp's llama-server: aggregate tok/s and TTFT p50.
 
-(issue 10, "How it must be proven").  RESULTS_PLACEHOLDER
+Issue 10's proof, in one run: `python -m aiobasert serve` and llama.cpp's own
+`llama-server` (`-np N`, continuous batching) on the same GGUF (the SmolLM2 demo's
+unless --gguf), at 1, 4, 16 and 32 concurrent streams of 128 greedy tokens, same
+prompts, the same httpx async client streaming /v1/completions, both engines on the
+same thread count (--threads, default 2: llama-server -t/-tb, ours BASERT_REF_THREADS).
+Each server is started for one concurrency level (--max-batch-size N / -np N, 512
+tokens of context per stream for both), warmed with one short request, measured, and
+stopped before the other starts; which goes first alternates by level and round, so
+a shared machine's load falls on both alike. Prints each run, then the median of the
+rounds (best of two when --rounds 2) with the load average seen, and ours/theirs
+ratios. aggregate tok/s = every generated token / wall time from sending the N
+requests to the last one's end; TTFT = request sent -> first streamed text.
+
+llama-server is built once from the llama.cpp vendored in the llama-cpp-python sdist
+(pip download --no-binary :all:) into ~/.cache/aiobasert/bench/llama-server-VER-ISA/
+with cmake (Release, static, AVX-512 without AMX when the CPU has AVX-512, AVX2
+otherwise; GGML_NATIVE/OpenMP/OpenSSL/web UI off; only the llama-server target, under
+nice) -- or pass --llama-server PATH. Each server runs in its own process group and is
+always stopped (finally, atexit, SIGTERM/SIGHUP/Ctrl-C); a server that fails to start
+is an error naming it with its log's tail (exit 2).
+
+Token counts: llama-server gets `ignore_eos`; aiobasert's HTTP API has no ignore_eos,
+so the prompts are ones the model continues past 128 tokens, and the counts each
+server actually generated (its `usage`) are in the table.
+
+    python bench/vs_llama_server.py                    # builds llama-server on first use
+    python bench/vs_llama_server.py --dtype q4         # serve our q4 bundle of the GGUF
+    python bench/vs_llama_server.py --build-only       # just build (slow on 2 cores)
+
+RESULTS
 """
 
 from __future__ import annotations
@@ -148,7 +177,7 @@ def llama_server_version(binary: Path) -> str:
     extra = ""
     try:
         res = subprocess.run([str(binary), "--version"], capture_output=True, text=True, timeout=30)
-        m = re.search(r"version: (\S+ \([0-9a-f]+\))", res.stdout + res.stderr)
+        m = re.search(r"version: (.+)", res.stdout + res.stderr)
         extra = m.group(1) if m else ""
     except (OSError, subprocess.TimeoutExpired):
         pass
