@@ -27,9 +27,24 @@ server actually generated (its `usage`) are in the table.
 
     python bench/vs_llama_server.py                    # builds llama-server on first use
     python bench/vs_llama_server.py --dtype q4         # serve our q4 bundle of the GGUF
-    python bench/vs_llama_server.py --build-only       # just build (slow on 2 cores)
+    python bench/vs_llama_server.py --build-only       # just build (~20 min on 2 shared cores)
 
-RESULTS
+Measured 2026-12-02 on this project's 2-core AMD EPYC (AVX2, no AVX-512: llama-server
+built for AVX2), shared with other jobs (load average in the table), SmolLM2-135M-Instruct
+Q4_1 GGUF, llama-cpp-python 0.3.36 = llama.cpp 0c1e570, `--rounds 5`, median round
+(the rounds' range in brackets; ratio = ours / llama-server; columns abbreviated):
+
+  python bench/vs_llama_server.py --rounds 5             (f16 bundle, the default)
+| streams | ours tok/s      | llama tok/s     | ratio | ours TTFT | llama TTFT | TTFT ratio | tokens    | load    |
+| 1       | 52.3 (51-56)    | 105.1 (103-108) | 0.50x | 73 ms     | 87 ms      | 0.83x      | 128 / 128 | 0.6-2.0 |
+| 4       | 143.0 (127-156) | 139.2 (133-149) | 1.03x | 230 ms    | 325 ms     | 0.71x      | 128 / 128 | 0.5-2.0 |
+| 16      | 221.0 (216-228) | 169.9 (163-174) | 1.30x | 681 ms    | 1709 ms    | 0.40x      | 128 / 128 | 0.5-2.2 |
+| 32      | 252.0 (235-262) | 172.7 (166-180) | 1.46x | 1006 ms   | 3317 ms    | 0.30x      | 128 / 128 | 1.2-2.1 |
+
+Under heavier load (an earlier f16 run at load 2.4-4.1) llama-server's rounds ranged
+from 7 to 95 tok/s at 1 stream and 10 to 137 at 4 (its two spinning threads stall
+when one is descheduled), ours from 25 to 45 and 80 to 140: compare medians of
+several rounds, and read the ranges.
 """
 
 from __future__ import annotations
