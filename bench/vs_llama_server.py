@@ -41,6 +41,13 @@ Q4_1 GGUF, llama-cpp-python 0.3.36 = llama.cpp 0c1e570, `--rounds 5`, median rou
 | 16      | 221.0 (216-228) | 169.9 (163-174) | 1.30x | 681 ms    | 1709 ms    | 0.40x      | 128 / 128 | 0.5-2.2 |
 | 32      | 252.0 (235-262) | 172.7 (166-180) | 1.46x | 1006 ms   | 3317 ms    | 0.30x      | 128 / 128 | 1.2-2.1 |
 
+  python bench/vs_llama_server.py --rounds 5 --dtype q4  (our q4 bundle: the GGUF's Q4_1 blocks carried over)
+| streams | ours tok/s      | llama tok/s     | ratio | ours TTFT | llama TTFT | TTFT ratio | tokens    | load    |
+| 1       | 63.9 (57-79)    | 102.9 (77-110)  | 0.62x | 117 ms    | 95 ms      | 1.23x      | 128 / 128 | 0.4-1.9 |
+| 4       | 143.9 (115-151) | 133.8 (119-148) | 1.08x | 382 ms    | 415 ms     | 0.92x      | 128 / 128 | 0.6-1.9 |
+| 16      | 168.8 (155-190) | 159.0 (148-180) | 1.06x | 1083 ms   | 1659 ms    | 0.65x      | 128 / 128 | 1.1-2.0 |
+| 32      | 191.6 (171-195) | 173.2 (156-180) | 1.11x | 1532 ms   | 3322 ms    | 0.46x      | 128 / 128 | 1.5-2.1 |
+
 Under heavier load (an earlier f16 run at load 2.4-4.1) llama-server's rounds ranged
 from 7 to 95 tok/s at 1 stream and 10 to 137 at 4 (its two spinning threads stall
 when one is descheduled), ours from 25 to 45 and 80 to 140: compare medians of
