@@ -8,9 +8,9 @@ same thread count (--threads, default 2: llama-server -t/-tb, ours BASERT_REF_TH
 Each server is started for one concurrency level (--max-batch-size N / -np N, 512
 tokens of context per stream for both), warmed with one short request, measured, and
 stopped before the other starts; which goes first alternates by level and round, so
-a shared machine's load falls on both alike. Prints each run, then the median of the
-rounds (best of two when --rounds 2) with the load average seen, and ours/theirs
-ratios. aggregate tok/s = every generated token / wall time from sending the N
+a shared machine's load falls on both alike. Prints each run, then the median round
+(with the rounds' range and the load average seen) and each server's best round,
+with ours/theirs ratios. aggregate tok/s = every generated token / wall time from sending the N
 requests to the last one's end; TTFT = request sent -> first streamed text.
 
 llama-server is built once from the llama.cpp vendored in the llama-cpp-python sdist
