@@ -19,7 +19,7 @@ import aiobasert
 from aiobasert import Engine, SamplingParams
 from aiobasert.fanout import chat_n, generate_n
 from aiobasert.server import create_app
-from aiobasert.tiny import EOS_ID
+from aiobasert.tiny import SPECIAL_TOKENS
 
 MODEL_NAME = "tiny"
 ORIGIN = "http://app.example"
@@ -153,7 +153,9 @@ def test_cli_serve_positional_model_name_and_env_key(tiny_model_path: Path) -> N
 def test_disconnect_frees_every_choice_of_a_streamed_n(base_url: str) -> None:
     h = {"Authorization": "Bearer k"}
     body = {"model": MODEL_NAME, "prompt": LONG_PROMPT, "max_tokens": 1800, "n": 3, "stream": True,
-            "logit_bias": {str(EOS_ID): -100}}  # no choice may end by itself before the disconnect
+            # no choice may end by itself before the disconnect: every end-of-text marker is banned
+            # (EOS and <|endoftext|>, which the engine also stops on, as llama.cpp's end-of-generation set)
+            "logit_bias": {str(t): -100 for t in range(len(SPECIAL_TOKENS))}}
     with httpx.Client(base_url=base_url, timeout=30, headers=h) as http:
         cancelled = http.get("/v1/internal/stats").json()["requests_cancelled"]
         with http.stream("POST", "/v1/completions", json=body) as r:
@@ -161,11 +163,11 @@ def test_disconnect_frees_every_choice_of_a_streamed_n(base_url: str) -> None:
             lines = r.iter_lines()
             next(lines)  # one choice has a token; the others may be a step behind
             deadline = time.monotonic() + 10
-            while http.get("/v1/internal/stats").json()["active_lanes"] < 3:  # all three choices run
-                assert time.monotonic() < deadline
+            while (st := http.get("/v1/internal/stats").json())["active_lanes"] < 3:  # all three choices run
+                assert time.monotonic() < deadline, repr(st)
                 time.sleep(0.005)
         deadline = time.monotonic() + 10
         while (s := http.get("/v1/internal/stats").json())["live_sequences"] or s["active_lanes"]:
             assert time.monotonic() < deadline, s
             time.sleep(0.02)
-        assert s["requests_cancelled"] == cancelled + 3  # cancelled, not run to the end
+        assert s["requests_cancelled"] == cancelled + 3, repr(s)  # cancelled, not run to the end
