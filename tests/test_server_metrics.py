@@ -14,6 +14,7 @@ from openai import OpenAI
 from prometheus_client.parser import text_string_to_metric_families
 
 from aiobasert.server import create_app
+from aiobasert.tiny import SPECIAL_TOKENS
 
 MODEL_NAME = "tiny"
 
@@ -63,7 +64,8 @@ def test_metrics_count_traffic(base_url: str) -> None:
 
 def test_abort_latency_is_recorded_on_disconnect(base_url: str) -> None:
     before = scrape(base_url).get("aiobasert:abort_latency_seconds_count", 0.0)
-    body = {"model": MODEL_NAME, "prompt": "Hello", "max_tokens": 2000, "stream": True}
+    body = {"model": MODEL_NAME, "prompt": "Hello", "max_tokens": 2000, "stream": True,
+            "logit_bias": {str(t): -100 for t in range(len(SPECIAL_TOKENS))}}  # it cannot end by itself
     with httpx.Client(base_url=base_url, timeout=30) as http, http.stream("POST", "/v1/completions", json=body) as r:
         assert r.status_code == 200
         next(r.iter_lines())  # the stream is running; leaving the block drops the connection
