@@ -388,38 +388,39 @@ class EngineThread:
 
     def _build_constraint(self, schema: Mapping[str, Any] | bool) -> Constraint:
         """The lane's grammar: the engine's own where it has one, else the host backend."""
+        from .grammar import EngineGrammarConstraint
+
         lib, model = self.lib, self._model
         assert model is not None
+        native = None
         if lib.has("baseRT_grammar_create_from_schema") and lib.has("baseRT_grammar_fill_bitmask"):
-            from .grammar import EngineGrammarConstraint
-
             native = EngineGrammarConstraint.create(lib, model, schema)
-            if native is not None:
-                self.grammar_backends["engine"] += 1
-                return native
-        constraint: Constraint = self._host_grammar().compile(schema)
-        self.grammar_backends["llguidance"] += 1
-        return constraint
+        return self._counted(native, lambda: self._host_grammar().compile(schema))
 
     def _build_tag_constraint(self, tag: str | None, lark: str | None) -> Constraint:
         """A tool-call grammar: the engine's structural tag where the library builds
         it (bitmask stepping, like the schema path), else the host's Lark grammar."""
+        from .grammar import EngineGrammarConstraint
+
         lib, model = self.lib, self._model
         assert model is not None
+        native = None
         if (
             tag is not None
             and lib.has("baseRT_grammar_create_from_structural_tag")
             and lib.has("baseRT_grammar_fill_bitmask")
         ):
-            from .grammar import EngineGrammarConstraint
-
             native = EngineGrammarConstraint.from_structural_tag(lib, model, tag)
-            if native is not None:
-                self.grammar_backends["engine"] += 1
-                return native
-        if lark is None:
+        if native is None and lark is None:
             raise InvalidRequestError("the engine cannot build this structural tag and no host grammar was given")
-        constraint: Constraint = self._host_grammar().compile_lark(lark)
+        return self._counted(native, lambda: self._host_grammar().compile_lark(lark or ""))  # lark: set here
+
+    def _counted(self, native: Constraint | None, host: Callable[[], Constraint]) -> Constraint:
+        """The engine's grammar when it built one, else the host's; counted by backend."""
+        if native is not None:
+            self.grammar_backends["engine"] += 1
+            return native
+        constraint = host()
         self.grammar_backends["llguidance"] += 1
         return constraint
 

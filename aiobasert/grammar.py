@@ -159,13 +159,7 @@ class GrammarBackend:
             grammar = llguidance.LLMatcher.grammar_from_json_schema(text, defaults={"whitespace_flexible": False})
         except (TypeError, ValueError) as exc:
             raise InvalidRequestError(f"invalid json_schema: {exc}") from None
-        is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, self._tokenizer)
-        if is_error:
-            raise InvalidRequestError(f"invalid json_schema: {'; '.join(messages)}")
-        matcher = llguidance.LLMatcher(self._tokenizer, grammar, log_level=0)
-        if matcher.is_error():
-            raise InvalidRequestError(f"invalid json_schema: {matcher.get_error()}")
-        return JsonSchemaConstraint(matcher, self._mask_words)
+        return self._constraint(grammar, "invalid json_schema")
 
     def compile_lark(self, lark: str) -> JsonSchemaConstraint:
         """A fresh constraint from a Lark grammar (llguidance's dialect, `%json`
@@ -175,12 +169,17 @@ class GrammarBackend:
             grammar = llguidance.LLMatcher.grammar_from_lark(lark)
         except (TypeError, ValueError) as exc:
             raise InvalidRequestError(f"invalid grammar: {exc}") from None
+        return self._constraint(grammar, "invalid grammar")
+
+    def _constraint(self, grammar: str, what: str) -> JsonSchemaConstraint:
+        """A matcher over this vocabulary for a compiled llguidance grammar; its
+        errors become `InvalidRequestError`s starting with `what`."""
         is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, self._tokenizer)
         if is_error:
-            raise InvalidRequestError(f"invalid grammar: {'; '.join(messages)}")
+            raise InvalidRequestError(f"{what}: {'; '.join(messages)}")
         matcher = llguidance.LLMatcher(self._tokenizer, grammar, log_level=0)
         if matcher.is_error():
-            raise InvalidRequestError(f"invalid grammar: {matcher.get_error()}")
+            raise InvalidRequestError(f"{what}: {matcher.get_error()}")
         return JsonSchemaConstraint(matcher, self._mask_words)
 
 
@@ -213,11 +212,7 @@ class EngineGrammarConstraint:
             if err.code.name == "UNSUPPORTED":
                 return None
             raise InvalidRequestError(f"invalid json_schema: {err.message}")
-        words = int(lib.baseRT_grammar_bitmask_size(grammar))
-        if words <= 0:  # a legacy grammar without a bitmask cannot be batched
-            lib.baseRT_grammar_free(grammar)
-            return None
-        return cls(lib, grammar, words)
+        return cls._steppable(lib, grammar)
 
     @classmethod
     def from_structural_tag(cls, lib: Any, model: int, tag: str) -> EngineGrammarConstraint | None:
@@ -228,6 +223,12 @@ class EngineGrammarConstraint:
         grammar = lib.baseRT_grammar_create_from_structural_tag(model, tag.encode())
         if not grammar:
             return None  # baseRT_get_error says why; the host grammar enforces the same contract
+        return cls._steppable(lib, grammar)
+
+    @classmethod
+    def _steppable(cls, lib: Any, grammar: int) -> EngineGrammarConstraint | None:
+        """The constraint over a new grammar handle, or None (the handle freed) when the
+        engine cannot step it per token: a legacy grammar without a bitmask cannot be batched."""
         words = int(lib.baseRT_grammar_bitmask_size(grammar))
         if words <= 0:
             lib.baseRT_grammar_free(grammar)
