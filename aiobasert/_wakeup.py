@@ -48,10 +48,6 @@ class LoopWaker:
             raise RuntimeError(f"unsupported async library {self.backend!r}")
         self.closed = False
 
-    def in_owner(self) -> bool:
-        """True when called inside the event loop that opened the engine."""
-        return self._current() is self._owner
-
     def check(self, what: str = "this engine") -> None:
         """Raise WrongEventLoopError unless called in the owning event loop."""
         if self._current() is not self._owner:

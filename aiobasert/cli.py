@@ -29,6 +29,7 @@ from . import convert, models
 from ._progress import ticking
 from .engine import Engine
 from .errors import AioBaseRTError
+from .group import _parse_models
 from .types import ChatMessage, SamplingParams, Timing, Usage
 
 # Typed refusals whose message is the whole story: printed without a traceback.
@@ -147,25 +148,23 @@ def _serve(args: argparse.Namespace) -> int:
     given: list[str] = [*args.models, *(args.model or [])]
     if args.served_model_name is not None and len(given) > 1:
         raise SystemExit("aiobasert serve: --served-model-name names one model; for several use NAME=MODEL")
-    # Prepare every model (download / GGUF conversion, with progress bars) before the server
-    # starts, and name each after what the user gave rather than the cache's file name.
-    specs: list[tuple[str, str]] = []
-    for spec in given or [""]:  # "": the default model
-        name, source = spec.split("=", 1) if "=" in spec else ("", spec)
-        resolved = models.resolve_model(source or None)
-        if not name:
-            name = args.served_model_name or (
-                Path(source).name.removesuffix(".gguf").removesuffix(".base") if source else resolved.stem
-            )
-        if not resolved.is_file():
-            raise SystemExit(f"aiobasert serve: {source}: no such model file, .gguf or cached model NAME")
-        if any(name == seen for seen, _ in specs):
-            raise SystemExit(f"aiobasert serve: two models are named {name!r}: give one another NAME=MODEL")
-        specs.append((name, os.fspath(resolved)))
     if args.replicas < 1:
         raise SystemExit(f"aiobasert serve: --replicas must be at least 1, got {args.replicas}")
-    # The engine options are checked now (Engine.open validates before it loads), not at start-up.
+    # The cheap checks first, before any download or conversion: the engine options
+    # (Engine.open validates before it loads) and the names (EngineGroup's own rules).
     Engine.open(None, max_batch_size=args.max_batch_size, max_context=args.max_context)
+    try:
+        named = _parse_models(given) if given else [("", "")]  # "": the default model
+    except ValueError as exc:
+        raise SystemExit(f"aiobasert serve: {exc}") from None
+    # Prepare every model (download / GGUF conversion, with progress bars) before the server
+    # starts; each keeps the name the user gave (a GGUF's stem, not the cache's file name).
+    specs: list[tuple[str, str]] = []
+    for name, source in named:
+        resolved = models.resolve_model(source or None)
+        if not resolved.is_file():
+            raise SystemExit(f"aiobasert serve: {source}: no such model file, .gguf or cached model NAME")
+        specs.append((args.served_model_name or name or resolved.stem, os.fspath(resolved)))
     api_key = args.api_key if args.api_key is not None else os.environ.get("AIOBASERT_API_KEY") or None
     if args.ray:
         from .server.ray_serve import run_ray
