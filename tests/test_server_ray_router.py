@@ -9,9 +9,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import pytest
-
-pytest.importorskip("ray")
-
 from ray.serve._private.common import DeploymentHandleSource, DeploymentID, ReplicaID, RequestMetadata
 from ray.serve._private.request_router.common import PendingRequest
 

@@ -15,8 +15,6 @@ import openai
 import pytest
 from openai import OpenAI
 
-pytest.importorskip("ray")
-
 from aiobasert.server.ray_serve import REPLICA_HEADER, SESSION_HEADER
 
 pytestmark = pytest.mark.ray
