@@ -46,10 +46,9 @@ int rt_forward_init(rt_model *m) {
         {(void **)&rt->rope_sin, (size_t)c->max_seq_len * half * sizeof(float)},
         {(void **)&rt->final_h, (size_t)rt->max_lanes * c->dim * sizeof(float)},
         /* activations quantized per 32 for quantized weights: any matmul's input rows */
-        {(void **)&rt->xq, (C > (size_t)rt->max_lanes ? C : (size_t)rt->max_lanes) *
-                               ((c->dim > c->q_dim ? (c->dim > c->ffn_dim ? c->dim : c->ffn_dim)
-                                                   : (c->q_dim > c->ffn_dim ? c->q_dim : c->ffn_dim)) / 32 + 1) *
-                               sizeof(rt_blk_x)},
+        {(void **)&rt->xq, rt_matmul_scratch_bytes((int)(C > (size_t)rt->max_lanes ? C : (size_t)rt->max_lanes),
+                                                   (int)(c->dim > c->q_dim ? (c->dim > c->ffn_dim ? c->dim : c->ffn_dim)
+                                                         : (c->q_dim > c->ffn_dim ? c->q_dim : c->ffn_dim)))},
     };
     for (size_t i = 0; i < sizeof allocs / sizeof allocs[0]; i++) {
         *allocs[i].p = malloc(allocs[i].bytes ? allocs[i].bytes : 1);
@@ -156,8 +155,8 @@ static void attend(rt_model *m, const rt_seq *s, int layer, int pos, int kvh, co
     for (int t0 = 0; t0 < n; t0 += RT_PAGE_SIZE) {
         size_t first = (size_t)s->blocks[t0 / RT_PAGE_SIZE] * RT_PAGE_SIZE;
         int cnt = n - t0 < RT_PAGE_SIZE ? n - t0 : RT_PAGE_SIZE;
-        rt_weight keys = {(void *)(kl + first * rb + head_off), wtype};
-        if (q8) keys = (rt_weight){kv_widen_q8(page, kl + first * rb + head_off, rb, cnt, hd), RT_W_F32};
+        rt_weight keys = {(void *)(kl + first * rb + head_off), wtype, 0};
+        if (q8) keys = (rt_weight){kv_widen_q8(page, kl + first * rb + head_off, rb, cnt, hd), RT_W_F32, 0};
         rt_dots(q, (size_t)hd, group, &keys, ld, cnt, scores + t0, (size_t)max_seq, hd);
     }
     for (int g = 0; g < group; g++) {
@@ -177,8 +176,8 @@ static void attend(rt_model *m, const rt_seq *s, int layer, int pos, int kvh, co
         for (int t0 = 0; t0 < n; t0 += RT_PAGE_SIZE) {
             size_t first = (size_t)s->blocks[t0 / RT_PAGE_SIZE] * RT_PAGE_SIZE;
             int cnt = n - t0 < RT_PAGE_SIZE ? n - t0 : RT_PAGE_SIZE;
-            rt_weight vals = {(void *)(vl + first * rb + head_off), wtype};
-            if (q8) vals = (rt_weight){kv_widen_q8(page, vl + first * rb + head_off, rb, cnt, hd), RT_W_F32};
+            rt_weight vals = {(void *)(vl + first * rb + head_off), wtype, 0};
+            if (q8) vals = (rt_weight){kv_widen_q8(page, vl + first * rb + head_off, rb, cnt, hd), RT_W_F32, 0};
             rt_axpy_rows(sc + t0, cnt, &vals, ld, o, hd);
         }
         float inv = 1.0f / sum;

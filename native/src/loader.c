@@ -511,13 +511,13 @@ static bool load_matrix(const bundle *b, const tensor_entry *t, bool widen_f16, 
             return false;
         }
         memcpy(h, b->map + b->blob_start + t->offset, bytes);
-        *out = (rt_weight){h, RT_W_F16};
+        *out = (rt_weight){h, RT_W_F16, 0};
         *total += bytes;
         return true;
     }
     float *f = load_tensor_f32(b, t);
     if (!f) return false;
-    *out = (rt_weight){f, RT_W_F32};
+    *out = (rt_weight){f, RT_W_F32, 0};
     *total += t->n_elems * sizeof(float);
     return true;
 }

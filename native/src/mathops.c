@@ -6,6 +6,7 @@
 
 #include "mathops.h"
 #include "internal.h"
+#include "quant.h"
 
 #include <math.h>
 #include <pthread.h>
@@ -73,103 +74,9 @@ float rt_bf16_to_f32(uint16_t h) {
 
 size_t rt_weight_elem_size(int type) { return type == RT_W_F16 ? 2 : 4; }
 
-/* ---- quantized weights (base_q8 / base_q4) -------------------------------------- */
-
-static float load_scale(const uint8_t *p, size_t i, bool bf16) {
-    uint16_t h;
-    memcpy(&h, p + 2 * i, 2);
-    return bf16 ? rt_bf16_to_f32(h) : rt_f16_to_f32(h);
-}
-
-size_t rt_weight_from_groups(rt_weight *out, bool q4, const uint8_t *packed, const uint8_t *scales,
-                             const uint8_t *biases, bool bf16_scales, bool symmetric, size_t rows, size_t cols,
-                             int gs) {
-    size_t nb = cols / 32, groups_per_row = cols / (size_t)gs;
-    size_t bytes = rows * nb * (q4 ? sizeof(rt_blk_q4) : sizeof(rt_blk_q8));
-    void *mem = malloc(bytes ? bytes : 1);
-    if (!mem) return 0;
-    for (size_t r = 0; r < rows; r++) {
-        for (size_t k = 0; k < nb; k++) {
-            size_t v0 = k * 32;                        /* first value of this block in the row */
-            size_t g = r * groups_per_row + v0 / (size_t)gs; /* its group */
-            size_t in_group = v0 % (size_t)gs;
-            float d = load_scale(scales, g, bf16_scales);
-            float m = biases ? load_scale(biases, g, bf16_scales) : 0.0f;
-            if (q4) {
-                rt_blk_q4 *bk = (rt_blk_q4 *)mem + r * nb + k;
-                const uint8_t *gp = packed + g * (size_t)(gs / 2);
-                uint8_t u[32];
-                for (int i = 0; i < 32; i++) { /* value v of the group: byte v % (gs/2), nibble v / (gs/2) */
-                    size_t v = in_group + (size_t)i, half = (size_t)gs / 2;
-                    u[i] = v < half ? gp[v] & 0x0F : gp[v - half] >> 4;
-                }
-                for (int j = 0; j < 16; j++) bk->q[j] = (uint8_t)(u[j] | u[j + 16] << 4);
-                if (symmetric) { /* (u - 8) * d */
-                    bk->d = d;
-                    bk->m = -8.0f * d;
-                } else {
-                    bk->d = d;
-                    bk->m = m;
-                }
-            } else {
-                rt_blk_q8 *bk = (rt_blk_q8 *)mem + r * nb + k;
-                const uint8_t *src = packed + r * cols + v0;
-                /* stored u = q + 128: symmetric value (u - 128) * d exactly; asymmetric
-                 * u * d + m = (u - 128) * d + (m + 128 d) */
-                for (int i = 0; i < 32; i++) bk->q[i] = (int8_t)(src[i] ^ 0x80);
-                bk->d = d;
-                bk->m = symmetric ? 0.0f : m + 128.0f * d;
-            }
-        }
-    }
-    *out = (rt_weight){mem, q4 ? RT_W_Q4 : RT_W_Q8};
-    return bytes;
-}
-
-/* Quantize `rows` rows of n floats (n % 32 == 0) to blocks: per block d =
- * amax / 127, q = round(x / d) (the rounding of nearbyintf, ties to even). */
-static void quantize_rows(const float *x, size_t ldx, int rows, int n, rt_blk_x *out) {
-    int nb = n / 32;
-    for (int r = 0; r < rows; r++) {
-        const float *xr = x + (size_t)r * ldx;
-        for (int k = 0; k < nb; k++) {
-            const float *v = xr + k * 32;
-            rt_blk_x *b = out + (size_t)r * nb + k;
-            float amax = 0.0f;
-            for (int i = 0; i < 32; i++) amax = fmaxf(amax, fabsf(v[i]));
-            float d = amax / 127.0f, id = d > 0.0f ? 1.0f / d : 0.0f;
-            int sum = 0;
-            for (int i = 0; i < 32; i++) {
-                /* Round to nearest even without a libm call: |v * id| <= 127.5, far below 2^22,
-                 * so adding and removing 1.5 * 2^23 leaves exactly nearbyintf's result. */
-                float t = v[i] * id;
-                int q = (int)((t + 12582912.0f) - 12582912.0f);
-                q = q > 127 ? 127 : q < -127 ? -127 : q;
-                b->q[i] = (int8_t)q;
-                sum += q;
-            }
-            b->d = d;
-            b->s = d * (float)sum;
-        }
-    }
-}
-
 void rt_weight_row(const rt_weight *w, size_t row, int n, float *out) {
     if (w->type == RT_W_Q8 || w->type == RT_W_Q4) {
-        int nb = n / 32;
-        for (int k = 0; k < nb; k++) {
-            float *o = out + k * 32;
-            if (w->type == RT_W_Q8) {
-                const rt_blk_q8 *b = (const rt_blk_q8 *)w->p + row * (size_t)nb + k;
-                for (int i = 0; i < 32; i++) o[i] = b->d * (float)b->q[i] + b->m;
-            } else {
-                const rt_blk_q4 *b = (const rt_blk_q4 *)w->p + row * (size_t)nb + k;
-                for (int j = 0; j < 16; j++) {
-                    o[j] = b->d * (float)(b->q[j] & 0x0F) + b->m;
-                    o[j + 16] = b->d * (float)(b->q[j] >> 4) + b->m;
-                }
-            }
-        }
+        rt_qweight_row(w, row, n, out);
         return;
     }
     if (w->type == RT_W_F16) {
@@ -211,57 +118,10 @@ typedef struct {
     tile_fn t_main, t_2, t_1, t_main1, t_11;
 } tile_set;
 
-/* Quantized dot products of one weight row (nb blocks) with RT (<= 4)
- * quantized activation rows (stride ldx blocks): y[r * ldy]. Per row: over
- * the blocks in order, acc += (w.d * x.d) * dot(w.q, x.q) (integer dot, exact)
- * and bias += w.m * x.s; then y = sum(acc) + bias. */
-typedef void (*qdot_fn)(const void *w, size_t wstride, int WR, const rt_blk_x *x, size_t ldx, int RT, int nb,
-                        float *y, size_t ldy);
-/* (WR <= 2 weight rows, wstride bytes apart, into y[r * ldy + j] for weight row j: every (weight row,
- * activation row) pair runs exactly the sequence above whatever WR and RT.) */
-
-static void qdot_q8_generic(const void *wp, size_t wstride, int WR, const rt_blk_x *x, size_t ldx, int RT, int nb,
-                            float *y, size_t ldy) {
-    for (int j = 0; j < WR; j++) {
-        const rt_blk_q8 *w = (const rt_blk_q8 *)((const char *)wp + (size_t)j * wstride);
-        for (int r = 0; r < RT; r++) {
-            float acc = 0.0f, bias = 0.0f;
-            for (int k = 0; k < nb; k++) {
-                const rt_blk_x *xb = x + (size_t)r * ldx + k;
-                int sumi = 0;
-                for (int i = 0; i < 32; i++) sumi += (int)w[k].q[i] * (int)xb->q[i];
-                acc += (w[k].d * xb->d) * (float)sumi;
-                bias += w[k].m * xb->s;
-            }
-            y[(size_t)r * ldy + j] = acc + bias;
-        }
-    }
-}
-
-static void qdot_q4_generic(const void *wp, size_t wstride, int WR, const rt_blk_x *x, size_t ldx, int RT, int nb,
-                            float *y, size_t ldy) {
-    for (int j = 0; j < WR; j++) {
-        const rt_blk_q4 *w = (const rt_blk_q4 *)((const char *)wp + (size_t)j * wstride);
-        for (int r = 0; r < RT; r++) {
-            float acc = 0.0f, bias = 0.0f;
-            for (int k = 0; k < nb; k++) {
-                const rt_blk_x *xb = x + (size_t)r * ldx + k;
-                int sumi = 0;
-                for (int i = 0; i < 16; i++)
-                    sumi += (int)(w[k].q[i] & 0x0F) * (int)xb->q[i] + (int)(w[k].q[i] >> 4) * (int)xb->q[i + 16];
-                acc += (w[k].d * xb->d) * (float)sumi;
-                bias += w[k].m * xb->s;
-            }
-            y[(size_t)r * ldy + j] = acc + bias;
-        }
-    }
-}
-
 typedef struct {
     int rows_main, cols_main;
     tile_set f32, f16; /* by weight type */
     axpy_fn axpy, axpy_h; /* f32 / f16 values */
-    qdot_fn q8, q4;       /* quantized weights against quantized activation rows */
     const char *name;
 } kernel_set;
 
@@ -374,7 +234,7 @@ static void axpy_generic_h(const float *p, int n, const void *v, size_t ldv, flo
 }
 
 static const kernel_set generic_kernels = {3, 4, TILE_SET(tile_generic, 3, 4, ), TILE_SET(tile_generic, 3, 4, _h),
-                                           axpy_generic, axpy_generic_h, qdot_q8_generic, qdot_q4_generic,
+                                           axpy_generic, axpy_generic_h,
                                            "generic"};
 
 #if defined(__x86_64__) && defined(__GNUC__)
@@ -466,70 +326,6 @@ static void axpy_avx2_h(const float *p, int n, const void *v, size_t ldv, float 
     axpy_avx2_t(p, n, v, ldv, y, d, 1);
 }
 
-/* Integer dot of 32 unsigned weight bytes with 32 signed activations, as 8
- * int32 partial sums widened to float (exact: |sum| < 2^24). */
-static inline __m256 dot_u8_i8(__m256i w, __m256i x) {
-    __m256i p16 = _mm256_maddubs_epi16(w, x); /* pairs: at most 2 * 255 * 127, no saturation for our ranges */
-    return _mm256_cvtepi32_ps(_mm256_madd_epi16(p16, _mm256_set1_epi16(1)));
-}
-
-static inline __attribute__((always_inline)) void qdot_avx2_t(const void *wp, size_t wstride, const rt_blk_x *x,
-                                                              size_t ldx, int RT, int nb, float *y, size_t ldy,
-                                                              int Q4, int WR) {
-    __m256 acc[2][4];
-    float bias[2][4];
-    for (int j = 0; j < 2; j++)
-        for (int r = 0; r < 4; r++) {
-            acc[j][r] = _mm256_setzero_ps();
-            bias[j][r] = 0.0f;
-        }
-    const __m256i low4 = _mm256_set1_epi8(0x0F);
-    for (int k = 0; k < nb; k++) {
-        __m256i wq[2], wabs[2];
-        float wd[2], wm[2];
-        for (int j = 0; j < WR; j++) {
-            const char *row = (const char *)wp + (size_t)j * wstride;
-            if (Q4) {
-                const rt_blk_q4 *w = (const rt_blk_q4 *)row + k;
-                __m128i b = _mm_loadu_si128((const __m128i *)w->q);
-                wq[j] = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(b, 4), b), low4);
-                wd[j] = w->d;
-                wm[j] = w->m;
-            } else {
-                const rt_blk_q8 *w = (const rt_blk_q8 *)row + k;
-                wq[j] = _mm256_loadu_si256((const __m256i *)w->q);
-                wabs[j] = _mm256_sign_epi8(wq[j], wq[j]);
-                wd[j] = w->d;
-                wm[j] = w->m;
-            }
-        }
-        for (int r = 0; r < RT; r++) {
-            const rt_blk_x *xb = x + (size_t)r * ldx + k;
-            __m256i xq = _mm256_loadu_si256((const __m256i *)xb->q);
-            for (int j = 0; j < WR; j++) {
-                __m256 dot = Q4 ? dot_u8_i8(wq[j], xq) /* nibbles are unsigned */
-                                : dot_u8_i8(wabs[j], _mm256_sign_epi8(xq, wq[j]));
-                acc[j][r] = _mm256_fmadd_ps(_mm256_set1_ps(wd[j] * xb->d), dot, acc[j][r]);
-                bias[j][r] += wm[j] * xb->s;
-            }
-        }
-    }
-    for (int j = 0; j < WR; j++)
-        for (int r = 0; r < RT; r++) y[(size_t)r * ldy + j] = hsum_avx(acc[j][r]) + bias[j][r];
-    LEAVE_AVX();
-}
-
-static void qdot_q8_avx2(const void *w, size_t ws, int WR, const rt_blk_x *x, size_t ldx, int RT, int nb, float *y,
-                         size_t ldy) {
-    if (WR == 2) qdot_avx2_t(w, ws, x, ldx, RT, nb, y, ldy, 0, 2);
-    else qdot_avx2_t(w, ws, x, ldx, RT, nb, y, ldy, 0, 1);
-}
-static void qdot_q4_avx2(const void *w, size_t ws, int WR, const rt_blk_x *x, size_t ldx, int RT, int nb, float *y,
-                         size_t ldy) {
-    if (WR == 2) qdot_avx2_t(w, ws, x, ldx, RT, nb, y, ldy, 1, 2);
-    else qdot_avx2_t(w, ws, x, ldx, RT, nb, y, ldy, 1, 1);
-}
-
 #pragma GCC pop_options
 
 /* AVX-512: 16 lanes, 4x6 main tile (24 accumulators of 32 registers). */
@@ -613,9 +409,9 @@ static void axpy_avx512_h(const float *p, int n, const void *v, size_t ldv, floa
 #pragma GCC pop_options
 
 static const kernel_set avx2_kernels = {3, 4, TILE_SET(tile_avx2, 3, 4, ), TILE_SET(tile_avx2, 3, 4, _h),
-                                        axpy_avx2, axpy_avx2_h, qdot_q8_avx2, qdot_q4_avx2, "avx2-fma"};
+                                        axpy_avx2, axpy_avx2_h, "avx2-fma"};
 static const kernel_set avx512_kernels = {4, 6, TILE_SET(tile_avx512, 4, 6, ), TILE_SET(tile_avx512, 4, 6, _h),
-                                          axpy_avx512, axpy_avx512_h, qdot_q8_avx2, qdot_q4_avx2, "avx512"};
+                                          axpy_avx512, axpy_avx512_h, "avx512"};
 #endif
 
 static const kernel_set *g_kernels;
@@ -651,25 +447,6 @@ const char *rt_mathops_isa(void) { return kernels()->name; }
  * handed to threads in units of OUT_UNIT columns. */
 enum { ROW_BLOCK = 64, OUT_UNIT = 24 }; /* a multiple of every set's cols_main */
 
-/* Quantized weights: one weight row at a time against up to 4 activation
- * rows (each weight block is unpacked once for them). */
-static void matmul_range_q(const kernel_set *ks, const rt_blk_x *xq, int rows, int in, const rt_mm_target *t, int o0,
-                           int o1) {
-    int nb = in / 32;
-    qdot_fn f = t->w.type == RT_W_Q4 ? ks->q4 : ks->q8;
-    size_t bs = t->w.type == RT_W_Q4 ? sizeof(rt_blk_q4) : sizeof(rt_blk_q8);
-    for (int rb = 0; rb < rows; rb += ROW_BLOCK) {
-        int rn = rows - rb < ROW_BLOCK ? rows - rb : ROW_BLOCK;
-        for (int o = o0; o < o1; o += 2) {
-            int wr = o1 - o >= 2 ? 2 : 1; /* two weight rows share each activation block load */
-            const void *w = (const char *)t->w.p + (size_t)o * nb * bs;
-            for (int r = 0; r < rn; r += 4)
-                f(w, (size_t)nb * bs, wr, xq + (size_t)(rb + r) * nb, (size_t)nb, rn - r < 4 ? rn - r : 4, nb,
-                  t->y + (size_t)(rb + r) * t->ldy + o, t->ldy);
-        }
-    }
-}
-
 static void matmul_range(const kernel_set *ks, const float *x, size_t ldx, int rows, int in, size_t ldw,
                          const rt_mm_target *t, int o0, int o1) {
     size_t ldy = t->ldy;
@@ -701,40 +478,55 @@ static void matmul_range(const kernel_set *ks, const float *x, size_t ldx, int r
     }
 }
 
+enum { MM_MAX_RANGES = 64 };
+
 typedef struct {
     const kernel_set *ks;
     const float *x;
-    const rt_blk_x *xq; /* x quantized per block of 32 (when a target is quantized) */
+    const uint8_t *xq; /* x quantized per block of 32 (when a target is quantized): quant.h */
     size_t ldx;
     int rows, in;
     const rt_mm_target *targets;
     int n_targets;
     int total_units;
-    atomic_int next_unit;
+    /* Units are split into n_ranges contiguous ranges, one per thread, each claimed in order through
+     * its counter: a thread streams one ascending stretch of the weights (what the hardware prefetcher
+     * follows best), and one that is descheduled has its range finished by the others. */
+    int n_ranges;
+    atomic_int claimed[MM_MAX_RANGES];
 } matmul_job;
 
 static int units_of(int out) { return (out + OUT_UNIT - 1) / OUT_UNIT; }
 
+static void matmul_unit(const matmul_job *j, int u) {
+    int i = 0;
+    while (u >= units_of(j->targets[i].out)) u -= units_of(j->targets[i++].out);
+    const rt_mm_target *t = &j->targets[i];
+    int o0 = u * OUT_UNIT, o1 = o0 + OUT_UNIT < t->out ? o0 + OUT_UNIT : t->out;
+    if (t->w.type == RT_W_Q8 || t->w.type == RT_W_Q4)
+        rt_qmatmul_range(&t->w, j->in, j->xq, j->rows, t->y, t->ldy, o0, o1);
+    else
+        matmul_range(j->ks, j->x, j->ldx, j->rows, j->in, (size_t)j->in, t, o0, o1);
+}
+
 static void matmul_task(void *ctx, int tid) {
-    (void)tid;
     matmul_job *j = ctx;
-    for (;;) {
-        int u = atomic_fetch_add_explicit(&j->next_unit, 1, memory_order_relaxed);
-        if (u >= j->total_units) return;
-        int i = 0;
-        while (u >= units_of(j->targets[i].out)) u -= units_of(j->targets[i++].out);
-        const rt_mm_target *t = &j->targets[i];
-        int o0 = u * OUT_UNIT, o1 = o0 + OUT_UNIT < t->out ? o0 + OUT_UNIT : t->out;
-        if (t->w.type == RT_W_Q8 || t->w.type == RT_W_Q4)
-            matmul_range_q(j->ks, j->xq, j->rows, j->in, t, o0, o1);
-        else
-            matmul_range(j->ks, j->x, j->ldx, j->rows, j->in, (size_t)j->in, t, o0, o1);
+    int nr = j->n_ranges;
+    for (int k = 0; k < nr; k++) { /* the home range first, then help with the others */
+        int r = (tid + k) % nr;
+        int first = (int)((long long)j->total_units * r / nr), last = (int)((long long)j->total_units * (r + 1) / nr);
+        for (;;) {
+            int u = first + atomic_fetch_add_explicit(&j->claimed[r], 1, memory_order_relaxed);
+            if (u >= last) break;
+            matmul_unit(j, u);
+        }
     }
 }
 
 void rt_matmul(rt_threads *th, const float *x, size_t ldx, int rows, int in, const rt_mm_target *targets,
-               int n_targets, rt_blk_x *xq) {
-    matmul_job job = {kernels(), x, NULL, ldx, rows, in, targets, n_targets, 0, 0};
+               int n_targets, void *xq) {
+    matmul_job job = {.ks = kernels(), .x = x, .ldx = ldx, .rows = rows, .in = in, .targets = targets,
+                      .n_targets = n_targets};
     double flops = 0;
     bool quant = false;
     for (int i = 0; i < n_targets; i++) {
@@ -743,14 +535,18 @@ void rt_matmul(rt_threads *th, const float *x, size_t ldx, int rows, int in, con
         quant |= targets[i].w.type == RT_W_Q8 || targets[i].w.type == RT_W_Q4;
     }
     if (quant) { /* the loader guarantees in % 32 == 0 for quantized weights */
-        quantize_rows(x, ldx, rows, in, xq);
+        rt_qx_quantize(x, ldx, rows, in, xq);
         job.xq = xq;
     }
     /* Below ~64k multiply-adds a wake-up costs more than it saves. */
     int nt = flops < 65536.0 ? 1 : rt_threads_count(th);
     if (nt > job.total_units) nt = job.total_units;
+    job.n_ranges = nt < MM_MAX_RANGES ? nt : MM_MAX_RANGES;
+    for (int r = 0; r < job.n_ranges; r++) atomic_init(&job.claimed[r], 0);
     rt_threads_run(th, matmul_task, &job, nt);
 }
+
+size_t rt_matmul_scratch_bytes(int rows, int in) { return (size_t)rows * rt_qx_row_bytes(in); }
 
 void rt_axpy_rows(const float *p, int n, const rt_weight *v, size_t ldv, float *y, int d) {
     if (v->type == RT_W_F16) kernels()->axpy_h(p, n, v->p, ldv, y, d);

@@ -46,36 +46,20 @@ void rt_threads_run(rt_threads *t, rt_task_fn fn, void *ctx, int n_threads);
 
 /* ---- matmul -------------------------------------------------------------- */
 /* A weight matrix as the loader keeps it: row-major [out][in], f32 or f16
- * (f16 stays f16 in memory and is widened in registers, exactly). */
+ * (f16 stays f16 in memory and is widened in registers, exactly), or
+ * quantized (q8 / q4, repacked at load: quant.h). */
 enum { RT_W_F32 = 0, RT_W_F16 = 1, RT_W_Q8 = 2, RT_W_Q4 = 3 };
+enum { RT_WF_SCALES_F32 = 1, RT_WF_SYMMETRIC = 2 }; /* rt_weight.flags of quantized weights */
 typedef struct {
     void *p;
-    int type; /* RT_W_* */
+    int type;  /* RT_W_* */
+    int flags; /* RT_WF_*: how a quantized matrix is stored (quant.h) */
 } rt_weight;
 
-/* Quantized weights, repacked at load into blocks of 32 values along a row
- * (a row of `in` values is in / 32 consecutive blocks): value = d * q + m.
- * q8: q signed; q4: q in 0..15, byte j holding value j (low nibble) and
- * value j + 16 (high nibble). Symmetric tensors have m = 0. */
-typedef struct {
-    float d, m;
-    int8_t q[32];
-} rt_blk_q8;
-typedef struct {
-    float d, m;
-    uint8_t q[16];
-} rt_blk_q4;
-/* An activation row quantized per block of 32 for the integer dot products:
- * x ~= d * q, q in [-127, 127]; s = d * sum(q) (the bias term's factor). */
-typedef struct {
-    float d, s;
-    int8_t q[32];
-} rt_blk_x;
-
 /* Repack a base_q8 / base_q4 tensor [rows][cols] (groups of gs values along a
- * row; f16 or bf16 scales / biases, one per group; symmetric: biases NULL and
- * value = (u - 2^(bits-1)) * scale) into out. Returns the bytes allocated, 0
- * when out of memory. */
+ * row, gs % 32 == 0; f16 or bf16 scales / biases, one per group; symmetric:
+ * biases NULL and value = (u - 2^(bits-1)) * scale) into out. Returns the
+ * bytes allocated, 0 when out of memory. */
 size_t rt_weight_from_groups(rt_weight *out, bool q4, const uint8_t *packed, const uint8_t *scales,
                              const uint8_t *biases, bool bf16_scales, bool symmetric, size_t rows, size_t cols,
                              int gs);
@@ -97,10 +81,12 @@ typedef struct {
 /* Multiply `rows` input rows (stride ldx, length in) by every target's weight
  * matrix: one parallel dispatch for all of them (q/k/v, gate/up share one).
  * Threads split output columns, never the reduction. xq: scratch of
- * rows * in / 32 blocks, used (x quantized into it once) when a target is
- * quantized; may be NULL otherwise. */
+ * rt_matmul_scratch_bytes(rows, in), used (x quantized into it once) when a
+ * target is quantized; may be NULL otherwise. */
 void rt_matmul(rt_threads *t, const float *x, size_t ldx, int rows, int in, const rt_mm_target *targets,
-               int n_targets, rt_blk_x *xq);
+               int n_targets, void *xq);
+/* Scratch bytes rt_matmul needs for `rows` rows of `in` values (in % 32 == 0). */
+size_t rt_matmul_scratch_bytes(int rows, int in);
 
 /* The same dot products on the calling thread, any weight-row stride:
  * y[r * ldy + o] = dot(x[r * ldx ..], w[o * ldw ..], n) for r < rows, o < out.
@@ -113,5 +99,5 @@ void rt_dots(const float *x, size_t ldx, int rows, const rt_weight *w, size_t ld
  * the other elements. */
 void rt_axpy_rows(const float *p, int n, const rt_weight *v, size_t ldv, float *y, int d);
 
-/* Name of the kernel set in use ("avx2-fma" or "generic"), for diagnostics. */
+/* Name of the float kernel set in use ("avx512", "avx2-fma" or "generic"), for diagnostics. */
 const char *rt_mathops_isa(void);

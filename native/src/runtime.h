@@ -59,7 +59,7 @@ typedef struct rt_runtime {
     float *final_h;             /* [max(max_lanes, logits_cap)][dim] hidden rows whose logits a step returns */
     int *lane_out_first;        /* [max_lanes] a multi-row step's first logits row of each lane */
     int *lane_tap_first;        /* [max_lanes] a tapped step's first tap row of each lane */
-    rt_blk_x *xq;               /* [chunk][max(dim, q_dim, ffn) / 32] quantized matmul inputs */
+    uint8_t *xq;                /* rt_matmul_scratch_bytes(chunk, max(dim, q_dim, ffn)): quantized matmul inputs */
 
     /* ---- outputs (batch.c, api_runtime.c) ---- */
     float *logits;        /* [max_lanes][vocab]: forward output, then its f16-rounded values */
