@@ -268,10 +268,11 @@ _SIGNATURES: dict[str, tuple[Any, list[Any], bool]] = {
     # reference-engine extras for tests: KV pool consistency check, process-wide counters
     "baseRT_ref_check_kv": (c_int, [c_void_p], False),
     "baseRT_ref_counter": (c_long, [c_char_p], False),
+    "baseRT_ref_kernels": (c_char_p, [], False),
 }
 
 # Functions that never touch a model handle's state (pure queries, error state).
-_THREAD_FREE = {"baseRT_version_string", "baseRT_abi_version", "baseRT_strerror"}
+_THREAD_FREE = {"baseRT_version_string", "baseRT_abi_version", "baseRT_strerror", "baseRT_ref_kernels"}
 
 
 def bundled_library_path() -> Path:

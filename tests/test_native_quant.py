@@ -107,6 +107,95 @@ def test_quantized_batched_equals_unbatched(lib: Library, tiny_f32: Path, tmp_pa
         lib.baseRT_free_model(m)
 
 
+# ---- kernel shapes: block tails, tile remainders, both weight layouts ------------------------------
+# The kernels work on chunks of 4 blocks of 32 values; rows whose block count is not a multiple of 4 end
+# in a short chunk (1, 2 or 3 blocks), and row counts that are not a multiple of the tile take the
+# remainder tiles. These shapes walk every such path (dim 96: 3 blocks; 32: 1; ffn 160: 4 + 1;
+# 224: 4 + 3; 64 + ffn 96: 2 and 3).
+KERNEL_SHAPES = [dict(dim=96, n_heads=3, n_kv_heads=1, ffn_dim=160), dict(dim=32, n_heads=2, n_kv_heads=1, ffn_dim=224),
+                 dict(dim=64, n_heads=2, n_kv_heads=2, ffn_dim=96)]
+KERNEL_DTYPES = [("base_q8", True), ("base_q8", False), ("base_q4", False)]
+
+
+@pytest.fixture(scope="module", params=range(len(KERNEL_SHAPES)), ids=lambda i: "dim{dim}-ffn{ffn_dim}".format(
+    **KERNEL_SHAPES[i]))
+def odd_f32(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    shape = KERNEL_SHAPES[request.param]
+    return build_tiny_model(tmp_path_factory.mktemp("odd") / "f32.base", tied=True, seed=5, **shape)
+
+
+@pytest.mark.parametrize(("dtype", "symmetric"), KERNEL_DTYPES, ids=["q8sym", "q8", "q4"])
+def test_quantized_tails_match_the_oracle_and_are_batch_invariant(lib: Library, odd_f32: Path, tmp_path: Path,
+                                                                   dtype: str, symmetric: bool) -> None:
+    path = quantize_bundle(odd_f32, tmp_path / "q.base", dtype, symmetric=symmetric)
+    oracle = NumpyLlama(path)
+    m = load(lib, path, lanes=8)
+    try:
+        rng = np.random.default_rng(3)
+        # prompt lengths 1..9 give single rows, every remainder of the 4-row tile and the 3 + 2 / 3 + 3 splits
+        prompts = [[int(t) for t in rng.integers(3, 200, size=n)] for n in (1, 2, 3, 5, 6, 7, 9)]
+        batched = [int(lib.baseRT_sequence_create(m)) for _ in prompts]
+        single = [int(lib.baseRT_sequence_create(m)) for _ in prompts]
+        rows = step_logits(lib, m, batched, prompts)
+        for i, p in enumerate(prompts):
+            alone = step_logits(lib, m, [single[i]], [p])[0]
+            assert alone.tobytes() == rows[i].tobytes(), f"prompt {i}: batched != alone"
+            ref = oracle.logits(p)[-1]
+            got = alone.astype(np.float64)
+            assert np.abs(got - ref).max() / np.abs(ref).max() < 0.03
+            assert np.corrcoef(got, ref)[0, 1] > 0.999
+        for _ in range(3):  # decode steps: 7 rows batched, one row alone (the widest weight tile)
+            nxt = [[int(np.argmax(r))] for r in rows]
+            rows = step_logits(lib, m, batched, nxt)
+            for i in range(len(prompts)):
+                assert step_logits(lib, m, [single[i]], nxt[i : i + 1])[0].tobytes() == rows[i].tobytes()
+    finally:
+        lib.baseRT_free_model(m)
+
+
+def _to_bf16_scales(src: Path, dst: Path, *, big_bias: bool) -> Path:
+    """A copy of a quantized bundle whose first q_proj keeps its scales (and biases) as bf16; with
+    big_bias one bias is 70000, past f16's range (it would become inf), so the engine must keep that tensor's
+    scales as f32."""
+    data = bytearray(src.read_bytes())
+    hlen = int.from_bytes(data[8:16], "little")
+    header = json.loads(data[16 : 16 + hlen])
+    blob = (16 + hlen + 65535) // 65536 * 65536
+    t = next(t for t in header["tensors"] if t["name"].endswith("layers.0.self_attn.q_proj.weight"))
+    for key in ("scale", "bias"):
+        if t.get(f"{key}_offset") is None:
+            continue
+        lo, n = blob + t[f"{key}_offset"], t[f"{key}_length"]
+        vals = np.frombuffer(bytes(data[lo : lo + n]), dtype="<f2").astype(np.float32)
+        if key == "bias" and big_bias:
+            vals[0] = 70000.0
+        bits = (vals.view(np.uint32) >> 16).astype("<u2")  # truncation: the oracle reads the same bf16 values
+        data[lo : lo + n] = bits.tobytes()
+    t["scale_dtype"] = "bf16"
+    text = json.dumps(header, sort_keys=True, separators=(",", ":")).encode()
+    assert len(text) <= blob - 16
+    data[8:16] = len(text).to_bytes(8, "little")
+    data[16:blob] = text + b"\0" * (blob - 16 - len(text))
+    dst.write_bytes(bytes(data))
+    return dst
+
+
+@pytest.mark.parametrize("big_bias", [False, True], ids=["bf16-as-f16", "bf16-kept-f32"])
+def test_bf16_scales_are_used_exactly(lib: Library, tiny_f32: Path, tmp_path: Path, big_bias: bool) -> None:
+    q = quantize_bundle(tiny_f32, tmp_path / "q.base", "base_q4")
+    path = _to_bf16_scales(q, tmp_path / "bf16.base", big_bias=big_bias)
+    oracle = NumpyLlama(path)
+    m = load(lib, path)
+    try:
+        tokens = [int(t) for t in np.random.default_rng(4).integers(3, 200, size=20)]
+        got = step_logits(lib, m, [int(lib.baseRT_sequence_create(m))], [tokens])[0].astype(np.float64)
+        ref = oracle.logits(tokens)[-1]
+        assert np.abs(got - ref).max() / np.abs(ref).max() < 0.03
+        assert np.corrcoef(got, ref)[0, 1] > 0.999
+    finally:
+        lib.baseRT_free_model(m)
+
+
 def _edit_first_quantized(src: Path, dst: Path, **fields: Any) -> Path:
     data = src.read_bytes()
     hlen = int.from_bytes(data[8:16], "little")

@@ -31,11 +31,12 @@ def _runtime(cc: str, name: str) -> str:
     return out
 
 
-@pytest.mark.slow
-def test_native_suites_pass_under_asan_and_ubsan(tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def sanitized_env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """The environment that runs a suite against the ASan + UBSan build of native/src."""
     cc = shutil.which("gcc") or shutil.which("cc")
     assert cc, "a C compiler is needed to build the sanitizer library"
-    lib = tmp_path / "libbaseRT.so"
+    lib = tmp_path_factory.mktemp("asan") / "libbaseRT.so"
     sources = sorted(str(p) for p in (ROOT / "native" / "src").glob("*.c"))
     subprocess.run(
         [cc, "-std=c11", "-O1", "-g", "-fPIC", "-shared", "-D_GNU_SOURCE", "-fno-omit-frame-pointer",
@@ -52,10 +53,27 @@ def test_native_suites_pass_under_asan_and_ubsan(tmp_path: Path) -> None:
         UBSAN_OPTIONS="halt_on_error=1:print_stacktrace=1",
         BASERT_REF_THREADS="2",
     )
+    return env
+
+
+def _run_sanitized(env: dict[str, str], suites: list[str]) -> None:
     proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-m", "not slow", *SUITES],
+        [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-m", "not slow", *suites],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800,
     )
     report = (proc.stdout[-4000:] + "\n" + proc.stderr[-6000:]).strip()
     assert proc.returncode == 0, f"sanitized run failed:\n{report}"
     assert "passed" in proc.stdout and "ERROR: AddressSanitizer" not in proc.stderr
+
+
+@pytest.mark.slow
+def test_native_suites_pass_under_asan_and_ubsan(sanitized_env: dict[str, str]) -> None:
+    _run_sanitized(sanitized_env, SUITES)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cap", ["avx2", "generic"])
+def test_kernel_suites_pass_under_asan_with_each_kernel_set(sanitized_env: dict[str, str], cap: str) -> None:
+    """The lower kernel sets (the main run above uses the CPU's best) read their own tails and layouts."""
+    _run_sanitized(dict(sanitized_env, BASERT_REF_SIMD=cap),
+                   ["tests/test_native_quant.py", "tests/test_native_weights.py", "tests/test_native_runtime.py"])

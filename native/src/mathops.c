@@ -7,6 +7,7 @@
 #include "mathops.h"
 #include "internal.h"
 #include "quant.h"
+#include "baseRT/reference.h"
 
 #include <math.h>
 #include <pthread.h>
@@ -439,6 +440,17 @@ static const kernel_set *kernels(void) {
 }
 
 const char *rt_mathops_isa(void) { return kernels()->name; }
+
+static char g_kernels_text[64];
+static void describe_kernels(void) {
+    snprintf(g_kernels_text, sizeof g_kernels_text, "float=%s quant=%s", rt_mathops_isa(), rt_quant_isa());
+}
+
+const char *baseRT_ref_kernels(void) {
+    static pthread_once_t once = PTHREAD_ONCE_INIT;
+    pthread_once(&once, describe_kernels);
+    return g_kernels_text;
+}
 
 /* ---- matmul driver ------------------------------------------------------------ */
 
