@@ -13,7 +13,11 @@
  * protocol (match, seed, unlock -- or match, release) ends with the same
  * counts as an adopting seed would, and a caller that seeds twice, seeds a
  * block it does not hold, or releases after seeding cannot double-free a
- * block or make a sequence share another one's private KV. */
+ * block or make a sequence share another one's private KV.
+ *
+ * The cache sits above the KV pool (kv.c), which never calls it: reserving KV
+ * for a step (evicting when that makes it fit) and the pool's consistency
+ * check (which counts the cache's references) live here for that reason. */
 
 #include "prefix.h"
 
