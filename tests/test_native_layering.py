@@ -114,13 +114,17 @@ def test_checker_reports_an_unplaced_file(tmp_path: Path) -> None:
 def test_names_in_comments_strings_and_statics_are_not_calls(tmp_path: Path) -> None:
     src, layers = _tree(tmp_path, {
         "low.c": r"""
-            /* high_value() is the layer above: never call it from here */
+            /* high_value() is the layer above: never call it from here, nor
+            #include "high.h"
+            */
+            static const char *path = "/*"; /* a comment opener in a string is none */
             // high_value();
             static const char *msg = "high_value(): \" still a string high_value";
             static char quote = '"';
             static int high_other(void) { return 2; } /* a static of the same name as high.c's */
-            int low_value(void) { return high_other() + (msg[0] == quote); }
+            int low_value(void) { return high_other() + (msg[0] == quote) + (path[0] == '/'); }
         """,
+        "high.h": "int high_value(void);\n",
         "high.c": """
             int high_value(void) { return low_value(); }
             int high_other(void) { return 3; }

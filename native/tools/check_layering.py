@@ -17,7 +17,7 @@ file has to be put somewhere on purpose.
 The C parse is a scan over identifiers: comments, string and character
 literals are blanked first (a function name in a message is no call),
 preprocessor lines are read for #include and otherwise kept (a macro body's
-calls are its file's calls). A definition is an identifier followed by a
+calls are its file's calls; its name and parameters are not). A definition is an identifier followed by a
 parenthesised list and `{` at brace depth 0; it is static when `static` is
 among the tokens since the previous top-level declaration ended.
 
@@ -60,8 +60,9 @@ _TOKEN = re.compile(r"[A-Za-z_][A-Za-z0-9_]*|\S")
 _NOT_FUNCTIONS = {"if", "for", "while", "switch", "return", "sizeof", "do", "else", "_Alignof", "__attribute__"}
 
 
-def strip_c(text: str) -> str:
-    """Comments, string and character literals blanked to spaces (newlines kept)."""
+def strip_c(text: str, literals: bool = True) -> str:
+    """Comments and (unless literals is False) string and character literals blanked to spaces,
+    newlines kept."""
     out: list[str] = []
     i, n = 0, len(text)
     while i < n:
@@ -76,12 +77,15 @@ def strip_c(text: str) -> str:
             j = n if j < 0 else j
             out.append(" " * (j - i))
             i = j
-        elif c in "\"'":
+        elif c in "\"'":  # skipped whole either way: a "/*" inside is no comment
             j = i + 1
             while j < n and text[j] != c and text[j] != "\n":
                 j += 2 if text[j] == "\\" else 1
             j = min(j + 1, n)
-            out.append(c + " " * max(0, j - i - 2) + (c if j - i >= 2 else ""))
+            if literals:
+                out.append(c + " " * max(0, j - i - 2) + (c if j - i >= 2 else ""))
+            else:
+                out.append(text[i:j])
             i = j
         else:
             out.append(c)
@@ -100,7 +104,7 @@ class Source:
 
 def parse(path: Path) -> Source:
     raw = path.read_text(encoding="utf-8", errors="replace")
-    src = Source(path, includes=_INCLUDE.findall(raw))
+    src = Source(path, includes=_INCLUDE.findall(strip_c(raw, literals=False)))  # not a commented-out one
     code = strip_c(raw)
     # drop #include lines (their names are files, not identifiers); keep other directives' tokens
     code = re.sub(r"^[ \t]*#[ \t]*include[^\n]*", "", code, flags=re.M)
