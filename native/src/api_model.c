@@ -1,8 +1,12 @@
 /* Model lifecycle and inspection ABI: version, load / free, config,
  * capabilities and their descriptor, context sizing, identity. */
 
-#include "front.h"
+#include "api_runtime.h"
+#include "errors.h"
+#include "handles.h"
 #include "json.h"
+#include "loader.h"
+#include "model.h"
 
 #include <dlfcn.h>
 #include <pthread.h>
@@ -10,26 +14,6 @@
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
-
-/* ---- handles -------------------------------------------------------------------- */
-
-rt_model *rt_model_lookup(baseRT_model_t model) {
-    rt_model *m = rt_handle_get(model, RT_KIND_MODEL, NULL);
-    return m && m->magic == RT_MODEL_MAGIC ? m : NULL;
-}
-
-rt_model *rt_model_check(baseRT_model_t model, const char *fn) {
-    if (!model) {
-        rt_set_error(BASERT_ERR_INVALID_ARGUMENT, "%s: model handle is NULL", fn);
-        return NULL;
-    }
-    int why = RT_HANDLE_FOREIGN;
-    rt_model *m = rt_handle_get(model, RT_KIND_MODEL, &why);
-    if (!m)
-        rt_set_error(BASERT_ERR_INVALID_ARGUMENT, "%s: %p is not a live model handle (%s)", fn, model,
-                     why == RT_HANDLE_STALE ? "freed" : "foreign or corrupt");
-    return m;
-}
 
 /* ---- versioning ---------------------------------------------------------------- */
 
@@ -51,10 +35,41 @@ void baseRT_set_max_batch_size(int n) { atomic_store(&g_set_max_batch, n > 0 ? n
 void baseRT_set_prefix_cache(int enable) { atomic_store(&g_set_prefix_cache, enable != 0); }
 void baseRT_set_prefill_chunk(int n) { atomic_store(&g_set_prefill_chunk, n); }
 
+static char *rt_build_capability_descriptor(const rt_model *m);
+
+/* What makes a bundle the loader read a live model: its capability
+ * descriptor, its handle and (unless tokenizer-only) its runtime state. Here,
+ * not in the loader, so the loader needs neither this file nor the runtime.
+ * NULL with the error set (m freed). */
+static rt_model *open_model(const char *fn, const char *path, rt_model *m, bool tokenizer_only) {
+    m->capability_descriptor = rt_build_capability_descriptor(m);
+    if (!m->capability_descriptor) {
+        rt_set_error(BASERT_ERR_OUT_OF_MEMORY, "%s: %s: out of memory", fn, path);
+        rt_model_destroy(m);
+        return NULL;
+    }
+    m->magic = RT_MODEL_MAGIC;
+    if (!(m->handle = rt_handle_new(RT_KIND_MODEL, m))) {
+        rt_set_error(BASERT_ERR_OUT_OF_MEMORY, "%s: %s: out of memory", fn, path);
+        rt_model_destroy(m);
+        return NULL;
+    }
+    if (!tokenizer_only && rt_runtime_init(m) != BASERT_OK) {
+        /* rt_runtime_init set the error; it leaves m->rt NULL or freeable. */
+        rt_handle_release(m->handle);
+        if (m->rt) rt_runtime_free(m);
+        rt_model_destroy(m);
+        return NULL;
+    }
+    rt_clear_error();
+    return m;
+}
+
 static rt_model *load_locked(const char *fn, const char *path, int max_context, const BaseRTLoadOptions *opts,
                              bool tokenizer_only) {
     pthread_mutex_lock(&g_load_lock);
     rt_model *m = rt_load(fn, path, max_context, opts, tokenizer_only);
+    if (m) m = open_model(fn, path, m, tokenizer_only);
     pthread_mutex_unlock(&g_load_lock);
     return m ? m->handle : NULL;
 }
@@ -234,7 +249,7 @@ static void put_capability(json_buf *b, const char *key, const char *reason_or_n
     else json_buf_puts(b, "true");
 }
 
-char *rt_build_capability_descriptor(const rt_model *m) {
+static char *rt_build_capability_descriptor(const rt_model *m) {
     pthread_once(&g_implemented_once, build_implemented);
     if (!g_implemented_json) return NULL;
     const char *tok_only = "unavailable: tokenizer-only handle";

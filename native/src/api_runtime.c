@@ -1,7 +1,15 @@
 /* Runtime lifecycle and the single-sequence API (generate / prefill /
  * read_logits / reset / position / embed) on the model's default sequence. */
 
-#include "runtime.h"
+#include "api_runtime.h"
+
+#include "errors.h"
+#include "forward.h"
+#include "kv.h"
+#include "mathops.h"
+#include "prefix.h"
+#include "sampling.h"
+#include "tokenizer.h"
 
 #include <stdlib.h>
 #include <string.h>
@@ -114,7 +122,7 @@ static int default_forward(rt_model *m, const char *fn, const uint32_t *tokens, 
     rt_runtime *rt = m->rt;
     rt_lane lane = {rt->def, tokens, n};
     int rc = rt_kv_check_lengths(m, &lane, 1, fn);
-    if (rc == BASERT_OK) rc = rt_kv_reserve(m, &lane, 1, fn);
+    if (rc == BASERT_OK) rc = rt_prefix_reserve_kv(m, &lane, 1, fn);
     if (rc != BASERT_OK) return rc;
     rt_forward(m, &lane, 1, rt->def_logits, NULL, NULL);
     rt_logits_round_f16(rt->def_logits, NULL, m->cfg.vocab_size);
@@ -294,7 +302,7 @@ int baseRT_embed(baseRT_model_t model, const uint32_t *tokens, int n_tokens, flo
     }
     rt_lane lane = {s, tokens, n_tokens};
     int rc = rt_kv_check_lengths(m, &lane, 1, fn);
-    if (rc == BASERT_OK) rc = rt_kv_reserve(m, &lane, 1, fn);
+    if (rc == BASERT_OK) rc = rt_prefix_reserve_kv(m, &lane, 1, fn);
     if (rc == BASERT_OK) {
         rt_forward(m, &lane, 1, NULL, pooled, NULL);
         for (int i = 0; i < dim; i++) out_embedding[i] = (float)(pooled[i] / n_tokens);

@@ -2,14 +2,19 @@
  * (incremental, stateless, raw), caller-owned decode streams, and the
  * model's special-token metadata. */
 
-#include "front.h"
+#include "errors.h"
+#include "handles.h"
 #include "json.h"
+#include "model.h"
+#include "tokenizer.h"
 
 #include <limits.h>
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+
+#define RT_STREAM_MAGIC 0x42524431u /* "BRD1": a live decode stream */
 
 /* ---- per-thread buffers ------------------------------------------------------
  * "Static string" results live in per-thread buffers, freed at thread exit. */

@@ -8,28 +8,16 @@
  * values, so a host that reads the rows back and runs baseRT_argmax_logits_row
  * or baseRT_sample_logits_row sees exactly what the fused path saw. */
 
-#include "runtime.h"
+#include "errors.h"
+#include "forward.h"
+#include "internal.h"
+#include "kv.h"
+#include "model.h"
+#include "prefix.h"
+#include "sampling.h"
 
 #include <stdlib.h>
 #include <string.h>
-
-rt_model *rt_runtime_model(baseRT_model_t model, const char *fn) {
-    rt_model *m = rt_model_check(model, fn);
-    if (!m) return NULL;
-    if (!m->rt) {
-        rt_set_error(BASERT_ERR_INVALID_ARGUMENT, "%s: the model was loaded tokenizer-only (no runtime state)", fn);
-        return NULL;
-    }
-    return m;
-}
-
-void rt_logits_round_f16(float *logits, uint16_t *f16, size_t n) {
-    for (size_t i = 0; i < n; i++) {
-        uint16_t h = rt_f32_to_f16(logits[i]);
-        if (f16) f16[i] = h;
-        logits[i] = rt_f16_to_f32(h);
-    }
-}
 
 /* How a step's per-lane token counts are given. */
 typedef enum {
@@ -110,7 +98,7 @@ static int fused_step(rt_model *m, const char *fn, baseRT_sequence_t *seqs, int 
         return BASERT_ERR_GENERATION_FAILED;
     }
     rt_runtime *rt = m->rt;
-    rc = rt_kv_reserve(m, rt->lanes, n_seqs, fn);
+    rc = rt_prefix_reserve_kv(m, rt->lanes, n_seqs, fn);
     if (rc != BASERT_OK) return rc;
     rt_forward(m, rt->lanes, n_seqs, rt->logits, NULL, NULL);
     rt_logits_round_f16(rt->logits, rt->logits_f16, (size_t)n_seqs * m->cfg.vocab_size);
@@ -377,7 +365,7 @@ static int rows_step(baseRT_model_t model, const char *fn, baseRT_sequence_t *se
         rt_set_error(BASERT_ERR_GENERATION_FAILED, "%s: injected fault (batch step failed)", fn);
         return BASERT_ERR_GENERATION_FAILED;
     }
-    rc = rt_kv_reserve(m, rt->lanes, n_seqs, fn);
+    rc = rt_prefix_reserve_kv(m, rt->lanes, n_seqs, fn);
     if (rc != BASERT_OK) return rc;
     rt_rows rows = {out_rows, tap_layers, n_tap_layers, tap_rows};
     rt_forward(m, rt->lanes, n_seqs, rt->logits, NULL, &rows);

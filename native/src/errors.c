@@ -1,10 +1,11 @@
 /* Thread-local error state and the reference engine's fault injection. */
 
 #include "baseRT/reference.h"
-#include "internal.h"
+#include "errors.h"
 
 #include <limits.h>
 #include <pthread.h>
+#include <stdarg.h>
 #include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>

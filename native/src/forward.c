@@ -10,7 +10,12 @@
  * Attention reads K/V back from the pool, so a row sees exactly the values an
  * earlier slice, an earlier step or a seeded prefix block stored. */
 
-#include "runtime.h"
+#include "forward.h"
+
+#include "errors.h"
+#include "internal.h"
+#include "kv.h"
+#include "mathops.h"
 
 #include <math.h>
 #include <stdatomic.h>

@@ -71,8 +71,11 @@
  * stop_after_first tag. Such a grammar never reports completed (free text can
  * always continue): lanes end on eos (terminated), as the header says. */
 
-#include "front.h"
+#include "errors.h"
+#include "handles.h"
 #include "json.h"
+#include "model.h"
+#include "tokenizer.h"
 
 #include <stdlib.h>
 #include <string.h>

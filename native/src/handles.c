@@ -9,8 +9,10 @@
  * calls (baseRT_sequence_free, _rollback, _seed_prefix) take no model, and
  * different models may be driven from different threads. */
 
+#include "handles.h"
+
 #include "baseRT/reference.h"
-#include "internal.h"
+#include "errors.h"
 #include "mathops.h"
 
 #include <pthread.h>

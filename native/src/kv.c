@@ -8,8 +8,10 @@
  * once, and its handle -- or any handle after its model was freed -- is
  * reported stale instead of followed. */
 
-#include "runtime.h"
-#include "baseRT/reference.h"
+#include "kv.h"
+
+#include "errors.h"
+#include "handles.h"
 
 #include <stdio.h>
 #include <stdlib.h>
@@ -203,8 +205,8 @@ static void copy_block(rt_model *m, int dst, int src) {
     }
 }
 
-int rt_kv_reserve(rt_model *m, const rt_lane *lanes, int n_lanes, const char *fn) {
-    rt_runtime *rt = m->rt;
+int64_t rt_kv_blocks_needed(const rt_model *m, const rt_lane *lanes, int n_lanes) {
+    const rt_runtime *rt = m->rt;
     int64_t need = 0;
     for (int i = 0; i < n_lanes; i++) {
         const rt_seq *s = lanes[i].seq;
@@ -212,15 +214,11 @@ int rt_kv_reserve(rt_model *m, const rt_lane *lanes, int n_lanes, const char *fn
         need += blocks_after - s->n_blocks;
         if (needs_private_copy(rt, s)) need++;
     }
-    if (need > rt->n_free && need <= (int64_t)rt->n_free + rt_prefix_evictable_blocks(m))
-        rt_prefix_evict_blocks(m, (int)(need - rt->n_free));
-    if (need > rt->n_free) {
-        rt_set_error(BASERT_ERR_OUT_OF_MEMORY,
-                     "%s: KV pool exhausted: the step needs %lld free blocks of %d tokens, %d of %d are free "
-                     "and %d more could be evicted from the prefix cache",
-                     fn, (long long)need, RT_PAGE_SIZE, rt->n_free, rt->n_blocks, rt_prefix_evictable_blocks(m));
-        return BASERT_ERR_OUT_OF_MEMORY;
-    }
+    return need;
+}
+
+void rt_kv_take_blocks(rt_model *m, const rt_lane *lanes, int n_lanes) {
+    rt_runtime *rt = m->rt;
     for (int i = 0; i < n_lanes; i++) {
         rt_seq *s = lanes[i].seq;
         if (needs_private_copy(rt, s)) {
@@ -233,61 +231,6 @@ int rt_kv_reserve(rt_model *m, const rt_lane *lanes, int n_lanes, const char *fn
         int blocks_after = (s->length + lanes[i].n + RT_PAGE_SIZE - 1) / RT_PAGE_SIZE;
         while (s->n_blocks < blocks_after) s->blocks[s->n_blocks++] = block_alloc(rt);
     }
-    return BASERT_OK;
-}
-
-/* ---- consistency check (reference-only ABI) ---------------------------------- */
-
-/* Every block's refcount equals its owners (sequences, trie nodes, pending
- * matches); the free stack holds exactly the blocks nobody owns, once each. */
-int baseRT_ref_check_kv(baseRT_model_t model) {
-    static const char fn[] = "baseRT_ref_check_kv";
-    rt_model *m = rt_runtime_model(model, fn);
-    if (!m) return rt_last_error_code();
-    rt_runtime *rt = m->rt;
-    int *owners = calloc((size_t)rt->n_blocks, sizeof(int));
-    int *in_free = calloc((size_t)rt->n_blocks, sizeof(int));
-    if (!owners || !in_free) {
-        free(owners);
-        free(in_free);
-        rt_set_error(BASERT_ERR_OUT_OF_MEMORY, "%s: out of memory", fn);
-        return BASERT_ERR_OUT_OF_MEMORY;
-    }
-    char what[200] = "";
-    for (const rt_seq *s = rt->live.next; s != &rt->live && !what[0]; s = s->next) {
-        int need = (s->length + RT_PAGE_SIZE - 1) / RT_PAGE_SIZE;
-        if (s->n_blocks != need || s->length < 0 || s->length > (int)m->cfg.max_seq_len)
-            snprintf(what, sizeof what, "a sequence of length %d holds %d blocks", s->length, s->n_blocks);
-        for (int i = 0; i < s->n_blocks && !what[0]; i++) {
-            if (s->blocks[i] < 0 || s->blocks[i] >= rt->n_blocks)
-                snprintf(what, sizeof what, "a sequence holds block id %d", s->blocks[i]);
-            else
-                owners[s->blocks[i]]++;
-        }
-    }
-    if (!what[0] && rt_prefix_count_refs(m, owners)) snprintf(what, sizeof what, "the prefix cache holds a bad block id");
-    if (!what[0] && (rt->n_free < 0 || rt->n_free > rt->n_blocks))
-        snprintf(what, sizeof what, "%d free blocks of %d", rt->n_free, rt->n_blocks);
-    for (int i = 0; i < rt->n_free && !what[0]; i++) {
-        int b = rt->free_stack[i];
-        if (b < 0 || b >= rt->n_blocks || in_free[b]++)
-            snprintf(what, sizeof what, "free list entry %d (block %d) is bad or repeated", i, b);
-    }
-    for (int b = 0; b < rt->n_blocks && !what[0]; b++) {
-        if (rt->ref[b] != owners[b])
-            snprintf(what, sizeof what, "block %d has refcount %d but %d owners", b, rt->ref[b], owners[b]);
-        else if ((owners[b] == 0) != (in_free[b] == 1))
-            snprintf(what, sizeof what, "block %d with %d owners is %son the free list", b, owners[b],
-                     in_free[b] ? "" : "not ");
-    }
-    free(owners);
-    free(in_free);
-    if (what[0]) {
-        rt_set_error(BASERT_ERR_UNKNOWN, "%s: KV pool inconsistent: %s", fn, what);
-        return BASERT_ERR_UNKNOWN;
-    }
-    rt_clear_error();
-    return BASERT_OK;
 }
 
 /* ---- public API ------------------------------------------------------------ */

@@ -3,13 +3,19 @@
  * against the file before use: a missing, truncated, corrupt or foreign
  * bundle is an error naming the path and the reason, never a crash. */
 
-#include "front.h"
+#include "loader.h"
+
+#include "errors.h"
+#include "internal.h"
 #include "json.h"
+#include "mathops.h"
+#include "tokenizer.h"
 
 #include <errno.h>
 #include <float.h>
 #include <fcntl.h>
 #include <math.h>
+#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -731,38 +737,6 @@ static uint64_t fnv1a64(const unsigned char *p, size_t n) {
     return h;
 }
 
-void rt_model_destroy(rt_model *m) {
-    if (!m) return;
-    m->magic = 0;
-    if (m->layers) {
-        for (uint32_t l = 0; l < m->cfg.n_layers; l++) {
-            rt_layer *L = &m->layers[l];
-            free(L->attn_norm);
-            free(L->wq.p);
-            free(L->wk.p);
-            free(L->wv.p);
-            free(L->wo.p);
-            free(L->ffn_norm);
-            free(L->w_gate.p);
-            free(L->w_up.p);
-            free(L->w_down.p);
-        }
-        free(m->layers);
-    }
-    if (m->lm_head.p != m->tok_embd.p) free(m->lm_head.p);
-    free(m->tok_embd.p);
-    free(m->final_norm);
-    if (m->tok) bpe_free(m->tok);
-    free(m->eos_ids);
-    free(m->special_ids);
-    free(m->bos_str);
-    free(m->eos_str);
-    free(m->chat_template);
-    free(m->capability_descriptor);
-    free(m->path);
-    free(m);
-}
-
 static int apply_options(const char *fn, rt_model *m, const BaseRTLoadOptions *o) {
     if (o->max_batch_size < 0) {
         rt_set_error(BASERT_ERR_INVALID_ARGUMENT, "%s: max_batch_size must be >= 0, got %d", fn, o->max_batch_size);
@@ -856,26 +830,6 @@ rt_model *rt_load(const char *fn, const char *path, int max_context, const BaseR
     slots = NULL;
     bundle_close(&b);
 
-    m->capability_descriptor = rt_build_capability_descriptor(m);
-    if (!m->capability_descriptor) {
-        rt_set_error(BASERT_ERR_OUT_OF_MEMORY, "%s: %s: out of memory", fn, path);
-        rt_model_destroy(m);
-        return NULL;
-    }
-    m->magic = RT_MODEL_MAGIC;
-    if (!(m->handle = rt_handle_new(RT_KIND_MODEL, m))) {
-        rt_set_error(BASERT_ERR_OUT_OF_MEMORY, "%s: %s: out of memory", fn, path);
-        rt_model_destroy(m);
-        return NULL;
-    }
-    if (!tokenizer_only && rt_runtime_init(m) != BASERT_OK) {
-        /* rt_runtime_init set the error; it leaves m->rt NULL or freeable. */
-        rt_handle_release(m->handle);
-        if (m->rt) rt_runtime_free(m);
-        rt_model_destroy(m);
-        return NULL;
-    }
-    rt_clear_error();
     return m;
 
 fail:

@@ -13,10 +13,19 @@
  * protocol (match, seed, unlock -- or match, release) ends with the same
  * counts as an adopting seed would, and a caller that seeds twice, seeds a
  * block it does not hold, or releases after seeding cannot double-free a
- * block or make a sequence share another one's private KV. */
+ * block or make a sequence share another one's private KV.
+ *
+ * The cache sits above the KV pool (kv.c), which never calls it: reserving KV
+ * for a step (evicting when that makes it fit) and the pool's consistency
+ * check (which counts the cache's references) live here for that reason. */
 
-#include "runtime.h"
+#include "prefix.h"
 
+#include "baseRT/reference.h"
+#include "errors.h"
+#include "kv.h"
+
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -197,6 +206,80 @@ int rt_prefix_evict_blocks(rt_model *m, int n_blocks) {
     }
     free(vec.v);
     return freed;
+}
+
+/* ---- KV reservation ------------------------------------------------------------ */
+
+/* Here rather than in kv.c: only the cache can give blocks back, and the pool
+ * below it must not call up into it. */
+int rt_prefix_reserve_kv(rt_model *m, const rt_lane *lanes, int n_lanes, const char *fn) {
+    rt_runtime *rt = m->rt;
+    int64_t need = rt_kv_blocks_needed(m, lanes, n_lanes);
+    if (need > rt->n_free && need <= (int64_t)rt->n_free + rt_prefix_evictable_blocks(m))
+        rt_prefix_evict_blocks(m, (int)(need - rt->n_free));
+    if (need > rt->n_free) {
+        rt_set_error(BASERT_ERR_OUT_OF_MEMORY,
+                     "%s: KV pool exhausted: the step needs %lld free blocks of %d tokens, %d of %d are free "
+                     "and %d more could be evicted from the prefix cache",
+                     fn, (long long)need, RT_PAGE_SIZE, rt->n_free, rt->n_blocks, rt_prefix_evictable_blocks(m));
+        return BASERT_ERR_OUT_OF_MEMORY;
+    }
+    rt_kv_take_blocks(m, lanes, n_lanes);
+    return BASERT_OK;
+}
+
+/* ---- pool consistency check (reference-only ABI) ----------------------------- */
+
+/* Every block's refcount equals its owners (sequences, trie nodes, pending
+ * matches); the free stack holds exactly the blocks nobody owns, once each. */
+int baseRT_ref_check_kv(baseRT_model_t model) {
+    static const char fn[] = "baseRT_ref_check_kv";
+    rt_model *m = rt_runtime_model(model, fn);
+    if (!m) return rt_last_error_code();
+    rt_runtime *rt = m->rt;
+    int *owners = calloc((size_t)rt->n_blocks, sizeof(int));
+    int *in_free = calloc((size_t)rt->n_blocks, sizeof(int));
+    if (!owners || !in_free) {
+        free(owners);
+        free(in_free);
+        rt_set_error(BASERT_ERR_OUT_OF_MEMORY, "%s: out of memory", fn);
+        return BASERT_ERR_OUT_OF_MEMORY;
+    }
+    char what[200] = "";
+    for (const rt_seq *s = rt->live.next; s != &rt->live && !what[0]; s = s->next) {
+        int need = (s->length + RT_PAGE_SIZE - 1) / RT_PAGE_SIZE;
+        if (s->n_blocks != need || s->length < 0 || s->length > (int)m->cfg.max_seq_len)
+            snprintf(what, sizeof what, "a sequence of length %d holds %d blocks", s->length, s->n_blocks);
+        for (int i = 0; i < s->n_blocks && !what[0]; i++) {
+            if (s->blocks[i] < 0 || s->blocks[i] >= rt->n_blocks)
+                snprintf(what, sizeof what, "a sequence holds block id %d", s->blocks[i]);
+            else
+                owners[s->blocks[i]]++;
+        }
+    }
+    if (!what[0] && rt_prefix_count_refs(m, owners)) snprintf(what, sizeof what, "the prefix cache holds a bad block id");
+    if (!what[0] && (rt->n_free < 0 || rt->n_free > rt->n_blocks))
+        snprintf(what, sizeof what, "%d free blocks of %d", rt->n_free, rt->n_blocks);
+    for (int i = 0; i < rt->n_free && !what[0]; i++) {
+        int b = rt->free_stack[i];
+        if (b < 0 || b >= rt->n_blocks || in_free[b]++)
+            snprintf(what, sizeof what, "free list entry %d (block %d) is bad or repeated", i, b);
+    }
+    for (int b = 0; b < rt->n_blocks && !what[0]; b++) {
+        if (rt->ref[b] != owners[b])
+            snprintf(what, sizeof what, "block %d has refcount %d but %d owners", b, rt->ref[b], owners[b]);
+        else if ((owners[b] == 0) != (in_free[b] == 1))
+            snprintf(what, sizeof what, "block %d with %d owners is %son the free list", b, owners[b],
+                     in_free[b] ? "" : "not ");
+    }
+    free(owners);
+    free(in_free);
+    if (what[0]) {
+        rt_set_error(BASERT_ERR_UNKNOWN, "%s: KV pool inconsistent: %s", fn, what);
+        return BASERT_ERR_UNKNOWN;
+    }
+    rt_clear_error();
+    return BASERT_OK;
 }
 
 /* ---- public API -------------------------------------------------------------- */

@@ -27,7 +27,11 @@
  * the thread or the call history. seed 0 in a BaseRTSamplingConfig draws a
  * fresh seed per call from a per-thread stream seeded from the clock. */
 
-#include "front.h"
+#include "sampling.h"
+
+#include "errors.h"
+#include "internal.h"
+#include "model.h"
 
 #include <math.h>
 #include <pthread.h>
@@ -139,6 +143,14 @@ static uint32_t argmax_exact(const float *row, int vocab) {
         }
     }
     return best;
+}
+
+void rt_logits_round_f16(float *logits, uint16_t *f16, size_t n) {
+    for (size_t i = 0; i < n; i++) {
+        uint16_t h = rt_f32_to_f16(logits[i]);
+        if (f16) f16[i] = h;
+        logits[i] = rt_f16_to_f32(h);
+    }
 }
 
 uint32_t rt_argmax_f32(const float *row, int vocab) {

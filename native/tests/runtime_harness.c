@@ -24,8 +24,16 @@
  */
 
 #include "baseRT/reference.h"
-#include "front.h"
-#include "runtime.h"
+#include "api_runtime.h"
+#include "errors.h"
+#include "forward.h"
+#include "handles.h"
+#include "internal.h"
+#include "kv.h"
+#include "mathops.h"
+#include "model.h"
+#include "prefix.h"
+#include "sampling.h"
 
 #include <math.h>
 #include <stdio.h>
@@ -240,7 +248,7 @@ static void check_batched_equals_unbatched(const shape *s, const weights *w) {
 /* Raw f32 logits of the last row after appending tokens to a fresh sequence. */
 static void prefill_raw(rt_model *m, rt_seq *s, const uint32_t *tokens, int n, float *out) {
     rt_lane lane = {s, tokens, n};
-    int rc = rt_kv_reserve(m, &lane, 1, "harness");
+    int rc = rt_prefix_reserve_kv(m, &lane, 1, "harness");
     CHECK(rc == BASERT_OK, "reserve %d", rc);
     rt_forward(m, &lane, 1, out, NULL, NULL);
 }
