@@ -10,7 +10,7 @@
 
 #include "errors.h"
 #include "forward.h"
-#include "internal.h"
+#include "f16.h"
 #include "kv.h"
 #include "model.h"
 #include "prefix.h"

@@ -13,7 +13,7 @@
 #include "forward.h"
 
 #include "errors.h"
-#include "internal.h"
+#include "f16.h"
 #include "kv.h"
 #include "mathops.h"
 

@@ -6,7 +6,8 @@
 #include "loader.h"
 
 #include "errors.h"
-#include "internal.h"
+#include "f16.h"
+#include "quant.h"
 #include "json.h"
 #include "mathops.h"
 #include "tokenizer.h"

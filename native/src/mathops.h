@@ -9,61 +9,14 @@
  * one-shot, cold equivalents. The instruction set (AVX-512, AVX2+FMA or the
  * portable vector path) is chosen once per process. */
 
+#include "threads.h"
+#include "weight.h"
+
 #include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
 
-/* ---- thread pool --------------------------------------------------------- */
-typedef struct rt_threads rt_threads;
-
-/* Work function, run by every participating thread (`tid` 0 is the caller,
- * tids are distinct and < the pool size). Work is claimed dynamically through
- * a counter in ctx: a thread that is descheduled just does less of it, and
- * since every item is computed the same way whoever claims it, results never
- * depend on which thread ran what. */
-typedef void (*rt_task_fn)(void *ctx, int tid);
-
-/* CPUs the process may use: sched_getaffinity, capped by the cgroup v2
- * quota (/sys/fs/cgroup/cpu.max). */
-int rt_usable_cpus(void);
-/* Threads to use: $BASERT_REF_THREADS, else rt_usable_cpus(); 1..64. */
-int rt_default_threads(void);
-/* The process-wide pool every model shares (created by the first acquire,
- * freed by the last release); NULL when no thread could be created. */
-rt_threads *rt_threads_acquire(void);
-void rt_threads_release(rt_threads *t);
-/* Pools alive in the process, and the shared pool's size (0 when none). */
-int rt_threads_pools_alive(void);
-int rt_threads_shared_size(void);
-/* A pool of n_threads (the caller counts as thread 0). NULL on failure. */
-rt_threads *rt_threads_create(int n_threads);
-void rt_threads_free(rt_threads *t);
-int rt_threads_count(const rt_threads *t);
-/* Run fn on the caller and on up to n_threads - 1 workers that wake in time;
- * returns once fn has returned on every thread that joined. t may be NULL
- * (runs inline). */
-void rt_threads_run(rt_threads *t, rt_task_fn fn, void *ctx, int n_threads);
-
 /* ---- matmul -------------------------------------------------------------- */
-/* A weight matrix as the loader keeps it: row-major [out][in], f32 or f16
- * (f16 stays f16 in memory and is widened in registers, exactly), or
- * quantized (q8 / q4, repacked at load: quant.h). */
-enum { RT_W_F32 = 0, RT_W_F16 = 1, RT_W_Q8 = 2, RT_W_Q4 = 3 };
-enum { RT_WF_SCALES_F32 = 1, RT_WF_SYMMETRIC = 2 }; /* rt_weight.flags of quantized weights */
-typedef struct {
-    void *p;
-    int type;  /* RT_W_* */
-    int flags; /* RT_WF_*: how a quantized matrix is stored (quant.h) */
-} rt_weight;
-
-/* Repack a base_q8 / base_q4 tensor [rows][cols] (groups of gs values along a
- * row, gs % 32 == 0; f16 or bf16 scales / biases, one per group; symmetric:
- * biases NULL and value = (u - 2^(bits-1)) * scale) into out. Returns the
- * bytes allocated, 0 when out of memory. */
-size_t rt_weight_from_groups(rt_weight *out, bool q4, const uint8_t *packed, const uint8_t *scales,
-                             const uint8_t *biases, bool bf16_scales, bool symmetric, size_t rows, size_t cols,
-                             int gs);
-
 /* Row `row` of W (`n` elements) widened to f32 into out. */
 void rt_weight_row(const rt_weight *w, size_t row, int n, float *out);
 /* Bytes per element of a weight type. */

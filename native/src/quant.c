@@ -3,7 +3,7 @@
  * determinism contract: quant.h. */
 
 #include "quant.h"
-#include "internal.h"
+#include "f16.h"
 
 #include <math.h>
 #include <pthread.h>

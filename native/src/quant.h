@@ -1,7 +1,8 @@
 #pragma once
 /* Quantized weights (base_q8 / base_q4) and their integer matmul kernels:
  * the part of the math layer behind rt_matmul() for RT_W_Q8 / RT_W_Q4
- * targets (mathops.c drives them; nothing else includes this header).
+ * targets (mathops.c drives the kernels; the loader repacks through
+ * rt_weight_from_groups).
  *
  * Layout. A matrix [rows][in] is repacked at load into blocks of 32 values
  * along a row, value = d * u + m with u unsigned (q8: 0..255, q4: 0..15), one
@@ -25,10 +26,20 @@
  * fixed-order horizontal sum plus the bias sum over blocks of m * xs -- so
  * batched, chunked and single-row products are bit-identical. */
 
-#include "mathops.h"
+#include "weight.h"
+
+#include <stdbool.h>
 
 #include <stddef.h>
 #include <stdint.h>
+
+/* Repack a base_q8 / base_q4 tensor [rows][cols] (groups of gs values along a
+ * row, gs % 32 == 0; f16 or bf16 scales / biases, one per group; symmetric:
+ * biases NULL and value = (u - 2^(bits-1)) * scale) into out. Returns the
+ * bytes allocated, 0 when out of memory. */
+size_t rt_weight_from_groups(rt_weight *out, bool q4, const uint8_t *packed, const uint8_t *scales,
+                             const uint8_t *biases, bool bf16_scales, bool symmetric, size_t rows, size_t cols,
+                             int gs);
 
 /* Bytes of one quantized activation row of `in` values (in % 32 == 0). */
 size_t rt_qx_row_bytes(int in);

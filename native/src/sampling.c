@@ -30,7 +30,7 @@
 #include "sampling.h"
 
 #include "errors.h"
-#include "internal.h"
+#include "f16.h"
 #include "model.h"
 
 #include <math.h>

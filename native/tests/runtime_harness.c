@@ -28,7 +28,7 @@
 #include "errors.h"
 #include "forward.h"
 #include "handles.h"
-#include "internal.h"
+#include "f16.h"
 #include "kv.h"
 #include "mathops.h"
 #include "model.h"
@@ -100,13 +100,13 @@ static weights make_weights(const shape *s) {
         rt_layer *L = &w.layers[l];
         L->attn_norm = fill(&c, dim, 0.1f, 1.0f);
         L->ffn_norm = fill(&c, dim, 0.1f, 1.0f);
-        L->wq = (rt_weight){fill(&c, q * dim, 1.7f / sqrtf((float)dim), 0.0f), RT_W_F32};
-        L->wk = (rt_weight){fill(&c, kv * dim, 1.7f / sqrtf((float)dim), 0.0f), RT_W_F32};
-        L->wv = (rt_weight){fill(&c, kv * dim, 1.7f / sqrtf((float)dim), 0.0f), RT_W_F32};
-        L->wo = (rt_weight){fill(&c, dim * q, 1.7f / sqrtf((float)q), 0.0f), RT_W_F32};
-        L->w_gate = (rt_weight){fill(&c, (size_t)s->ffn * dim, 1.7f / sqrtf((float)dim), 0.0f), RT_W_F32};
-        L->w_up = (rt_weight){fill(&c, (size_t)s->ffn * dim, 1.7f / sqrtf((float)dim), 0.0f), RT_W_F32};
-        L->w_down = (rt_weight){fill(&c, dim * s->ffn, 1.7f / sqrtf((float)s->ffn), 0.0f), RT_W_F32};
+        L->wq = (rt_weight){fill(&c, q * dim, 1.7f / sqrtf((float)dim), 0.0f), RT_W_F32, 0};
+        L->wk = (rt_weight){fill(&c, kv * dim, 1.7f / sqrtf((float)dim), 0.0f), RT_W_F32, 0};
+        L->wv = (rt_weight){fill(&c, kv * dim, 1.7f / sqrtf((float)dim), 0.0f), RT_W_F32, 0};
+        L->wo = (rt_weight){fill(&c, dim * q, 1.7f / sqrtf((float)q), 0.0f), RT_W_F32, 0};
+        L->w_gate = (rt_weight){fill(&c, (size_t)s->ffn * dim, 1.7f / sqrtf((float)dim), 0.0f), RT_W_F32, 0};
+        L->w_up = (rt_weight){fill(&c, (size_t)s->ffn * dim, 1.7f / sqrtf((float)dim), 0.0f), RT_W_F32, 0};
+        L->w_down = (rt_weight){fill(&c, dim * s->ffn, 1.7f / sqrtf((float)s->ffn), 0.0f), RT_W_F32, 0};
     }
     return w;
 }
@@ -133,7 +133,7 @@ static rt_model *make_model(const shape *s, const weights *w, int paged, int max
     m->prefix_cache = prefix;
     m->prefill_chunk = chunk;
     m->kv_bits = 32;
-    m->tok_embd = (rt_weight){w->embd, RT_W_F32};
+    m->tok_embd = (rt_weight){w->embd, RT_W_F32, 0};
     m->lm_head = m->tok_embd;
     m->tied_embeddings = true;
     m->final_norm = w->final_norm;

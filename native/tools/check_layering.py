@@ -39,7 +39,10 @@ from pathlib import Path
 # Bottom first. A concept may use concepts of its own layer (without a cycle)
 # and of any layer below; never one above.
 LAYERS: list[tuple[str, list[str]]] = [
-    ("base", ["errors", "json", "unicode_data", "internal"]),  # internal.h: mathops.c's f16 prototypes
+    ("base", ["errors", "json", "unicode_data", "f16"]),
+    ("threads", ["threads"]),
+    ("weight", ["weight"]),  # weight.h only: the matrix type the kernels, loader and forward share
+    ("quantized kernels", ["quant"]),
     ("math", ["mathops"]),
     ("tokenizer", ["tokenizer"]),
     ("handles", ["handles"]),
@@ -112,8 +115,10 @@ def parse(path: Path) -> Source:
     # a macro's name and parameters are no call (and `NAME(x) {` no definition); its body's names count
     code = re.sub(r"^[ \t]*#[ \t]*define[ \t]+\w+(\([^)\n]*\))?", " ", code, flags=re.M)
     code = re.sub(r"^[ \t]*#[ \t]*[a-z]+", " ", code, flags=re.M)  # the other directives' word itself
-    tokens = _TOKEN.findall(code)
-    src.names = {t for t in tokens if t[0].isalpha() or t[0] == "_"}
+    src.names = {t for t in _TOKEN.findall(code) if t[0].isalpha() or t[0] == "_"}
+    # Definitions are read from the code outside directives: a macro body is a fragment (its last call
+    # followed by the next macro's `{` is no definition).
+    tokens = _TOKEN.findall(re.sub(r"^[ \t]*#[^\n]*", " ; ", strip_c(raw).replace("\\\n", " "), flags=re.M))
     depth = 0
     decl_start = 0  # index of the first token of the current top-level declaration
     for k, t in enumerate(tokens):
