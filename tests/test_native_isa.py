@@ -6,7 +6,9 @@ choice. The default set runs in the main suite; here the kernel suites (their
 tiny-model tests: the SmolLM2 ones run on the default set) run again in a
 subprocess under each lower cap, after checking that the process
 really chose the set the cap and the CPU call for (a cap the CPU cannot honour
-falls back, which this test states instead of skipping).
+falls back, which this test states instead of skipping). The integer kernels of
+every set compute the same values by construction (quant.h): their logits are
+compared bit for bit.
 """
 
 from __future__ import annotations
@@ -17,6 +19,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from quantized import quantize_bundle
+
+from aiobasert.tiny import build_tiny_model
 
 ROOT = Path(__file__).resolve().parent.parent
 KERNEL_SUITES = ["tests/test_native_quant.py", "tests/test_native_weights.py", "tests/test_native_runtime.py",
@@ -49,6 +54,41 @@ def chosen_kernels(env: dict[str, str]) -> str:
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
                          timeout=120, check=True)
     return out.stdout.strip()
+
+
+# Logits of a quantized bundle, prefill (9 rows) then two decode steps of 3 lanes, as a digest.
+LOGITS_DIGEST = """
+import hashlib, sys
+from pathlib import Path
+sys.path.insert(0, "tests")
+from raw_abi import load, step_logits
+from aiobasert._ffi import load_library
+lib = load_library()
+m = load(lib, Path(sys.argv[1]), 64, max_batch_size=4, prefill_chunk=64)
+seqs = [int(lib.baseRT_sequence_create(m)) for _ in range(3)]
+h = hashlib.sha256()
+rows = step_logits(lib, m, seqs, [[5, 9, 17, 33, 65, 129, 7, 11, 13], [21, 22], [40]])
+h.update(rows.tobytes())
+for _ in range(2):
+    rows = step_logits(lib, m, seqs, [[int(r.argmax())] for r in rows])
+    h.update(rows.tobytes())
+print(h.hexdigest())
+"""
+
+
+@pytest.mark.parametrize(("dtype", "symmetric"), [("base_q4", False), ("base_q8", False), ("base_q8", True)],
+                         ids=["q4", "q8", "q8sym"])
+def test_kernel_sets_compute_bit_identical_quantized_logits(tmp_path: Path, dtype: str, symmetric: bool) -> None:
+    f32 = build_tiny_model(tmp_path / "f32.base", dim=96, n_heads=3, n_kv_heads=1, ffn_dim=160, seed=7)
+    q = quantize_bundle(f32, tmp_path / "q.base", dtype, symmetric=symmetric)
+    digests = {}
+    for cap in ("generic", "avx2", ""):  # the float kernels (attention) stay the CPU's best
+        env = {k: v for k, v in os.environ.items() if k != "BASERT_REF_SIMD"} | {"BASERT_REF_QUANT_SIMD": cap}
+        out = subprocess.run([sys.executable, "-c", LOGITS_DIGEST, str(q)], cwd=ROOT, env=env, capture_output=True,
+                             text=True, timeout=120)
+        assert out.returncode == 0, out.stderr[-3000:]
+        digests[chosen_kernels(env).split("quant=")[1]] = out.stdout.strip()
+    assert len(set(digests.values())) == 1, digests
 
 
 def test_default_kernels_are_the_best_this_cpu_has() -> None:

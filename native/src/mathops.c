@@ -402,7 +402,7 @@ const char *baseRT_ref_kernels(void) {
 /* Rows are processed in blocks small enough to stay in L2 while the weights
  * stream past once per block (decode batches are a single block). Outputs are
  * handed to threads in units of OUT_UNIT columns. */
-enum { ROW_BLOCK = 64, OUT_UNIT = 24 }; /* a multiple of every set's cols_main */
+enum { ROW_BLOCK = 64, OUT_UNIT = 48 }; /* a multiple of every set's cols_main and of quant.c's 16-row panels */
 
 static void matmul_range(const kernel_set *ks, const float *x, size_t ldx, int rows, int in, size_t ldw,
                          const rt_mm_target *t, int o0, int o1) {

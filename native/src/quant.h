@@ -4,27 +4,29 @@
  * targets (mathops.c drives the kernels; the loader repacks through
  * rt_weight_from_groups).
  *
- * Layout. A matrix [rows][in] is repacked at load into blocks of 32 values
- * along a row, value = d * u + m with u unsigned (q8: 0..255, q4: 0..15), one
- * (d, m) per block. Blocks are grouped in chunks of 4 (the last chunk of a
- * row may be short); a row is stored as
- *     q bytes | d[nb] | m[nb]   (m omitted for symmetric q8: m = -128 d)
- * with d, m as f16 when every one converts exactly (the GGUF / base-convert
- * case), else as f32 (RT_WF_SCALES_F32). q4 chunk bytes: byte 16 b + j of a
- * chunk holds value j (low nibble) and j + 16 (high) of its block b, as in
- * GGML's Q4_1. q8 chunk bytes (n blocks): first the values 0..15 of each
- * block (16 b + j), then the values 16..31 (16 n + 16 b + j).
+ * Layout. A matrix [rows][in] is repacked at load into panels of 16 rows;
+ * along a row, blocks of 32 values, value = d * u + m with u unsigned (q8:
+ * 0..255, q4: 0..15), one (d, m) per row and block. A panel stores, block
+ * after block: the 16 rows' values interleaved 4 bytes at a time (q8: 8
+ * groups of 64 bytes, group s holding values 4s..4s+3 of row L at 4L; q4: 4
+ * groups whose low nibbles hold values 4s..4s+3 and high nibbles values
+ * 16+4s..16+4s+3), then the 16 rows' d, then their m (omitted for symmetric
+ * q8: m = -128 d). d, m are f16 when every one converts exactly (the GGUF /
+ * base-convert case), else f32 (RT_WF_SCALES_F32). Rows past the matrix in
+ * the last panel are zero. One 64-byte load thus feeds one integer dot step
+ * of 16 rows against 4 activation bytes broadcast, and an int32 lane ends a
+ * block holding one row's whole block sum.
  *
  * Activations are quantized per row and block of 32 (x ~= xd * q, q in
- * [-127, 127]) into the same chunk order: per chunk 64 bytes of first halves,
- * 64 bytes of second halves (zero past the row), so one integer dot of a
- * chunk leaves block b's sum in int32 lanes 4b..4b+3 for both weight kinds.
+ * [-127, 127]), stored in order with per block xd, xs = xd * sum(q) and
+ * corr = -128 * sum(q) (the term between a dot with u and one with u - 128).
  *
  * Determinism: every output is one fixed sequence of operations on its
- * (activation row, weight row) pair -- per chunk isum = dot(lows) + dot(highs)
- * (exact integers), acc += float(isum) * (wd * xd) lane-wise; then a
- * fixed-order horizontal sum plus the bias sum over blocks of m * xs -- so
- * batched, chunked and single-row products are bit-identical. */
+ * (activation row, weight row) pair, the same in every kernel set (AVX-512
+ * VNNI, AVX2, portable): per block in order isum = the exact integer dot,
+ * acc = fma(float(isum), d * xd, acc) and bias = fma(m, xs, bias); then
+ * y = acc + bias. So batched, chunked and single-row products, and the
+ * kernel sets, are bit-identical. */
 
 #include "weight.h"
 

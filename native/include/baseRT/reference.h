@@ -38,7 +38,8 @@ int baseRT_ref_check_kv(baseRT_model_t model);
 long baseRT_ref_counter(const char *name);
 
 /* The kernel sets this process chose (once, at first use, from the CPU and
- * $BASERT_REF_SIMD = generic | avx2 capping it), for tests and benchmarks:
+ * $BASERT_REF_SIMD = generic | avx2 capping it; $BASERT_REF_QUANT_SIMD caps the
+ * integer kernels alone), for tests and benchmarks:
  * "float=<set> quant=<set>", e.g. "float=avx512 quant=avx512-vnni". */
 const char *baseRT_ref_kernels(void);
 
