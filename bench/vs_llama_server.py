@@ -562,8 +562,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--build-jobs", type=int, default=2)
     ap.add_argument("--build-only", action="store_true", help="build llama-server, print its path and exit")
     ap.add_argument("--gguf", type=Path, default=None, help="the GGUF both serve (default: the SmolLM2 demo)")
-    ap.add_argument("--dtype", choices=("f16", "q8", "q4"), default="f16",
-                    help="which aiobasert bundle of the GGUF to serve (default f16)")
+    ap.add_argument("--dtype", choices=("f16", "q8", "q4"), default="q4",
+                    help="which aiobasert bundle of the GGUF to serve (default q4, the demo's: the GGUF's own "
+                         "Q4_1 / Q8_0 blocks)")
     ap.add_argument("--ours-model", type=Path, default=None, help="serve this .base/.gguf instead of --dtype's")
     ap.add_argument("--streams", type=lambda s: [int(x) for x in s.split(",")], default=[1, 4, 16, 32],
                     help="concurrency levels, comma-separated (default 1,4,16,32)")

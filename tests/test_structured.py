@@ -232,7 +232,9 @@ async def test_invalid_schema_fails_its_caller_only(untied_model_path: Path, sch
 
 @pytest.mark.slow
 @pytest.mark.anyio
-async def test_smollm2_chat_answers_in_schema(smollm2_path: Path) -> None:
+async def test_smollm2_chat_answers_in_schema(smollm2_f16_path: Path) -> None:
+    # f16: the demo's q4 weights with 8-bit activations, held to this schema, keep writing digits of
+    # population_millions (11.1111...) until max_tokens; the grammar itself is the same on both.
     schema = {
         "type": "object",
         "properties": {
@@ -245,7 +247,7 @@ async def test_smollm2_chat_answers_in_schema(smollm2_path: Path) -> None:
     }
     messages = [{"role": "user", "content": "What is the capital of France? Answer in JSON with the city, "
                  "its country and its population in millions."}]
-    async with Engine.open(smollm2_path, max_batch_size=2) as engine:
+    async with Engine.open(smollm2_f16_path, max_batch_size=2) as engine:
         done = await engine.chat(messages, max_tokens=80, json_schema=schema)
     value = check_json(done, schema)
     assert value["city"] == "Paris"
