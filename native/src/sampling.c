@@ -130,9 +130,6 @@ static uint64_t entropy_seed(void) {
 
 /* ---- row helpers --------------------------------------------------------------------- */
 
-/* The value an f16 logits buffer would hold. */
-static inline float as_f16(float x) { return rt_f16_to_f32(rt_f32_to_f16(x)); }
-
 static uint32_t argmax_exact(const float *row, int vocab) {
     uint32_t best = 0;
     float bv = -INFINITY;
@@ -145,22 +142,20 @@ static uint32_t argmax_exact(const float *row, int vocab) {
     return best;
 }
 
-void rt_logits_round_f16(float *logits, uint16_t *f16, size_t n) {
-    for (size_t i = 0; i < n; i++) {
-        uint16_t h = rt_f32_to_f16(logits[i]);
-        if (f16) f16[i] = h;
-        logits[i] = rt_f16_to_f32(h);
-    }
-}
+void rt_logits_round_f16(float *logits, uint16_t *f16, size_t n) { rt_round_f16_n(logits, f16, n); }
 
 uint32_t rt_argmax_f32(const float *row, int vocab) {
     uint32_t best = 0;
-    float bv = -INFINITY;
-    for (int i = 0; i < vocab; i++) {
-        float x = as_f16(row[i]);
-        if (x > bv) {
-            bv = x;
-            best = (uint32_t)i;
+    float bv = -INFINITY, buf[256];
+    for (int i0 = 0; i0 < vocab; i0 += 256) { /* compare the f16 values, rounded a slice at a time */
+        int n = vocab - i0 < 256 ? vocab - i0 : 256;
+        memcpy(buf, row + i0, (size_t)n * sizeof(float));
+        rt_round_f16_n(buf, NULL, (size_t)n);
+        for (int i = 0; i < n; i++) {
+            if (buf[i] > bv) { /* NaN never compares greater: it never wins */
+                bv = buf[i];
+                best = (uint32_t)(i0 + i);
+            }
         }
     }
     return best;
@@ -280,7 +275,10 @@ static size_t filter_candidates(cand *c, size_t n, int top_k, float top_p, float
 
 /* The row as the sampler sees it: f16-rounded, NaN as -inf. */
 static void load_row(float *s, const float *row, int vocab) {
-    for (int i = 0; i < vocab; i++) s[i] = isnan(row[i]) ? -INFINITY : as_f16(row[i]);
+    memcpy(s, row, (size_t)vocab * sizeof(float));
+    rt_round_f16_n(s, NULL, (size_t)vocab);
+    for (int i = 0; i < vocab; i++)
+        if (isnan(s[i])) s[i] = -INFINITY;
 }
 
 /* Gumbel-max over the survivors: argmax of logit/T + Gumbel(seed, token id). */
