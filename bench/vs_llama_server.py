@@ -25,32 +25,23 @@ Token counts: llama-server gets `ignore_eos`; aiobasert's HTTP API has no ignore
 so the prompts are ones the model continues past 128 tokens, and the counts each
 server actually generated (its `usage`) are in the table.
 
-    python bench/vs_llama_server.py                    # builds llama-server on first use
-    python bench/vs_llama_server.py --dtype q4         # serve our q4 bundle of the GGUF
+    python bench/vs_llama_server.py                    # builds llama-server on first use; our q4 (the demo)
+    python bench/vs_llama_server.py --dtype f16        # serve our f16 bundle of the GGUF instead
     python bench/vs_llama_server.py --build-only       # just build (~20 min on 2 shared cores)
 
-Measured 2026-12-02 on this project's 2-core AMD EPYC (AVX2, no AVX-512: llama-server
-built for AVX2), shared with other jobs (load average in the table), SmolLM2-135M-Instruct
-Q4_1 GGUF, llama-cpp-python 0.3.36 = llama.cpp 0c1e570, `--rounds 5`, median round
-(the rounds' range in brackets; ratio = ours / llama-server; columns abbreviated):
+Measured 2026-12-03 on this project's 2-core AMD EPYC (AVX-512 + VNNI: llama-server built for
+AVX-512 without AMX), SmolLM2-135M-Instruct Q4_1 GGUF, llama-cpp-python 0.3.36 = llama.cpp
+0c1e570, `--rounds 3`, median round (the rounds' range in brackets; ratio = ours / llama-server;
+columns abbreviated), load average 1.4-2.1 with the client on the same cores:
 
-  python bench/vs_llama_server.py --rounds 5             (f16 bundle, the default)
-| streams | ours tok/s      | llama tok/s     | ratio | ours TTFT | llama TTFT | TTFT ratio | tokens    | load    |
-| 1       | 52.3 (51-56)    | 105.1 (103-108) | 0.50x | 73 ms     | 87 ms      | 0.83x      | 128 / 128 | 0.6-2.0 |
-| 4       | 143.0 (127-156) | 139.2 (133-149) | 1.03x | 230 ms    | 325 ms     | 0.71x      | 128 / 128 | 0.5-2.0 |
-| 16      | 221.0 (216-228) | 169.9 (163-174) | 1.30x | 681 ms    | 1709 ms    | 0.40x      | 128 / 128 | 0.5-2.2 |
-| 32      | 252.0 (235-262) | 172.7 (166-180) | 1.46x | 1006 ms   | 3317 ms    | 0.30x      | 128 / 128 | 1.2-2.1 |
+| streams | ours tok/s      | llama tok/s     | ratio | ours TTFT | llama TTFT | TTFT ratio | tokens    |
+| 1       | 235.4 (202-255) | 110.4 (106-118) | 2.13x | 25 ms     | 73 ms      | 0.34x      | 128 / 128 |
+| 4       | 522.8 (481-531) | 151.5 (131-158) | 3.45x | 85 ms     | 294 ms     | 0.29x      | 128 / 128 |
+| 16      | 735.1 (607-830) | 206.4 (175-211) | 3.56x | 259 ms    | 1451 ms    | 0.18x      | 128 / 128 |
+| 32      | 767.4 (759-880) | 208.2 (198-217) | 3.69x | 377 ms    | 2994 ms    | 0.13x      | 128 / 128 |
 
-  python bench/vs_llama_server.py --rounds 5 --dtype q4  (our q4 bundle: the GGUF's Q4_1 blocks carried over)
-| streams | ours tok/s      | llama tok/s     | ratio | ours TTFT | llama TTFT | TTFT ratio | tokens    | load    |
-| 1       | 63.9 (57-79)    | 102.9 (77-110)  | 0.62x | 117 ms    | 95 ms      | 1.23x      | 128 / 128 | 0.4-1.9 |
-| 4       | 143.9 (115-151) | 133.8 (119-148) | 1.08x | 382 ms    | 415 ms     | 0.92x      | 128 / 128 | 0.6-1.9 |
-| 16      | 168.8 (155-190) | 159.0 (148-180) | 1.06x | 1083 ms   | 1659 ms    | 0.65x      | 128 / 128 | 1.1-2.0 |
-| 32      | 191.6 (171-195) | 173.2 (156-180) | 1.11x | 1532 ms   | 3322 ms    | 0.46x      | 128 / 128 | 1.5-2.1 |
-
-Under heavier load (an earlier f16 run at load 2.4-4.1) llama-server's rounds ranged
-from 7 to 95 tok/s at 1 stream and 10 to 137 at 4 (its two spinning threads stall
-when one is descheduled), ours from 25 to 45 and 80 to 140: compare medians of
+Under heavier load (an earlier run at load 2.4-4.1) llama-server's rounds ranged from 7 to 95
+tok/s at 1 stream (its two spinning threads stall when one is descheduled): compare medians of
 several rounds, and read the ranges.
 """
 
