@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from quantized import quantize_bundle
 
 from aiobasert._ffi import BaseRTLoadOptions, BaseRTMemoryStats, Library
 from aiobasert.tiny import build_tiny_model
@@ -479,8 +480,24 @@ class Fuzzer:
         self.models.clear()
 
 
+@pytest.fixture(scope="module")
+def q4_model_path(model_path: Path) -> Path:
+    """The same model with q4 matrices (the integer kernels, 16-row panels: k/v here fill two)."""
+    return quantize_bundle(model_path, model_path.with_name("tiny.q4.base"), "base_q4")
+
+
 @pytest.mark.parametrize("seed_value", range(6))
 def test_fuzz_random_abi_call_sequences(lib: Library, raw: Raw, model_path: Path, seed_value: int) -> None:
+    fuzz(lib, raw, model_path, seed_value)
+
+
+@pytest.mark.parametrize("seed_value", range(3))
+def test_fuzz_random_abi_call_sequences_on_a_q4_model(lib: Library, raw: Raw, q4_model_path: Path,
+                                                     seed_value: int) -> None:
+    fuzz(lib, raw, q4_model_path, 2000 + seed_value)
+
+
+def fuzz(lib: Library, raw: Raw, model_path: Path, seed_value: int) -> None:
     live_before = lib.baseRT_ref_counter(b"sequences"), lib.baseRT_ref_counter(b"models")
     f = Fuzzer(lib, raw, model_path, random.Random(1000 + seed_value))
     f.models.append(load(lib, model_path))
