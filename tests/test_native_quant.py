@@ -64,26 +64,6 @@ def test_quantized_logits_match_the_oracle_over_dequantized_weights(
         lib.baseRT_free_model(m)
 
 
-def test_quantized_batched_equals_unbatched(lib: Library, tiny_f32: Path, tmp_path: Path) -> None:
-    path = quantize_bundle(tiny_f32, tmp_path / "q4.base", "base_q4")
-    m = load(lib, path)
-    try:
-        prompts = [[int(t) for t in np.random.default_rng(k).integers(3, 200, size=n)] for k, n in
-                   enumerate((2, 9, 33, 70))]
-        batched = [int(lib.baseRT_sequence_create(m)) for _ in prompts]
-        single = [int(lib.baseRT_sequence_create(m)) for _ in prompts]
-        rows = step_logits(lib, m, batched, prompts)
-        for i, p in enumerate(prompts):
-            assert step_logits(lib, m, [single[i]], [p])[0].tobytes() == rows[i].tobytes()
-        for _ in range(4):
-            nxt = [[int(np.argmax(r))] for r in rows]
-            rows = step_logits(lib, m, batched, nxt)
-            for i in range(len(prompts)):
-                assert step_logits(lib, m, [single[i]], nxt[i : i + 1])[0].tobytes() == rows[i].tobytes()
-    finally:
-        lib.baseRT_free_model(m)
-
-
 # ---- kernel shapes: block tails, tile remainders, both weight layouts ------------------------------
 # The kernels work on chunks of 4 blocks of 32 values; rows whose block count is not a multiple of 4 end
 # in a short chunk (1, 2 or 3 blocks), and row counts that are not a multiple of the tile take the
@@ -111,8 +91,9 @@ def test_quantized_tails_match_the_oracle_and_are_batch_invariant(lib: Library, 
     m = load(lib, path, lanes=8)
     try:
         rng = np.random.default_rng(3)
-        # prompt lengths 1..9 give single rows, every remainder of the 4-row tile and the 3 + 2 / 3 + 3 splits
-        prompts = [[int(t) for t in rng.integers(3, 200, size=n)] for n in (1, 2, 3, 5, 6, 7, 9)]
+        # prompt lengths: single rows, every remainder of the 8-row (AVX-512) and 4-row (AVX2) tiles, and a
+        # prefill longer than one chunk (prefill_chunk 64)
+        prompts = [[int(t) for t in rng.integers(3, 200, size=n)] for n in (1, 2, 3, 5, 6, 7, 9, 70)]
         batched = [int(lib.baseRT_sequence_create(m)) for _ in prompts]
         single = [int(lib.baseRT_sequence_create(m)) for _ in prompts]
         rows = step_logits(lib, m, batched, prompts)
@@ -124,7 +105,7 @@ def test_quantized_tails_match_the_oracle_and_are_batch_invariant(lib: Library, 
             # 8-bit activations on rows of one to five blocks: 1-3% of the logit scale (4% seen once)
             assert np.abs(got - ref).max() / np.abs(ref).max() < 0.05
             assert np.corrcoef(got, ref)[0, 1] > 0.999
-        for _ in range(3):  # decode steps: 7 rows batched, one row alone (the widest weight tile)
+        for _ in range(3):  # decode steps: 8 rows batched, one row alone
             nxt = [[int(np.argmax(r))] for r in rows]
             rows = step_logits(lib, m, batched, nxt)
             for i in range(len(prompts)):
