@@ -3,6 +3,8 @@
 
 #include "f16.h"
 
+#include <pthread.h>
+#include <stdbool.h>
 #include <string.h>
 
 uint16_t rt_f32_to_f16(float f) {
@@ -79,13 +81,15 @@ __attribute__((target("avx,f16c"))) static void round_f16_f16c(float *x, uint16_
     }
 }
 
-static int have_f16c(void) {
-    static int known; /* 0 unknown, 1 no, 2 yes: a benign race, every thread computes the same */
-    if (!known) {
-        __builtin_cpu_init();
-        known = __builtin_cpu_supports("avx") && __builtin_cpu_supports("f16c") ? 2 : 1;
-    }
-    return known == 2;
+static bool g_f16c;
+static pthread_once_t g_f16c_once = PTHREAD_ONCE_INIT;
+static void probe_f16c(void) {
+    __builtin_cpu_init();
+    g_f16c = __builtin_cpu_supports("avx") && __builtin_cpu_supports("f16c");
+}
+static bool have_f16c(void) {
+    pthread_once(&g_f16c_once, probe_f16c);
+    return g_f16c;
 }
 #endif
 
