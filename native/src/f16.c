@@ -81,6 +81,15 @@ __attribute__((target("avx,f16c"))) static void round_f16_f16c(float *x, uint16_
     }
 }
 
+__attribute__((target("avx,f16c"))) static void to_f16_f16c(const float *src, uint16_t *dst, size_t n) {
+    size_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        _mm_storeu_si128((__m128i *)(void *)(dst + i),
+                         _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    _mm256_zeroupper();
+    for (; i < n; i++) dst[i] = rt_f32_to_f16(src[i]);
+}
+
 static bool g_f16c;
 static pthread_once_t g_f16c_once = PTHREAD_ONCE_INIT;
 static void probe_f16c(void) {
@@ -105,4 +114,14 @@ void rt_round_f16_n(float *x, uint16_t *f16, size_t n) {
         if (f16) f16[i] = h;
         x[i] = rt_f16_to_f32(h);
     }
+}
+
+void rt_f32_to_f16_n(const float *src, uint16_t *dst, size_t n) {
+#if defined(__x86_64__) && defined(__GNUC__)
+    if (have_f16c()) {
+        to_f16_f16c(src, dst, n);
+        return;
+    }
+#endif
+    for (size_t i = 0; i < n; i++) dst[i] = rt_f32_to_f16(src[i]);
 }

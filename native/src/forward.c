@@ -208,6 +208,31 @@ static void attn_task(void *ctx, int tid) {
     }
 }
 
+/* SwiGLU's gate: g = silu(g) * u, element by element (so any split gives the same values), shared out in
+ * chunks when a wide batch makes it worth a wake-up. */
+enum { SILU_CHUNK = 4096, SILU_PARALLEL = 4 * SILU_CHUNK };
+
+typedef struct {
+    float *g;
+    const float *u;
+    size_t n;
+    atomic_size_t next;
+} silu_job;
+
+static void silu_task(void *ctx, int tid) {
+    (void)tid;
+    silu_job *j = ctx;
+    for (;;) {
+        size_t i0 = atomic_fetch_add_explicit(&j->next, SILU_CHUNK, memory_order_relaxed);
+        if (i0 >= j->n) return;
+        size_t i1 = i0 + SILU_CHUNK < j->n ? i0 + SILU_CHUNK : j->n;
+        for (size_t i = i0; i < i1; i++) {
+            float g = j->g[i];
+            j->g[i] = (g / (1.0f + expf(-g))) * j->u[i];
+        }
+    }
+}
+
 /* ---- one slice of rows through all layers ---------------------------------- */
 
 /* One K or V row into the pool: as is (f32), or rounded to nearest-even f16. */
@@ -227,8 +252,7 @@ static void kv_store(const rt_runtime *rt, char *dst, const float *src, int n) {
             }
         }
     } else if (rt->kv_type == RT_KV_F16) {
-        uint16_t *h = (uint16_t *)dst;
-        for (int i = 0; i < n; i++) h[i] = rt_f32_to_f16(src[i]);
+        rt_f32_to_f16_n(src, (uint16_t *)dst, (size_t)n);
     } else {
         memcpy(dst, src, (size_t)n * sizeof(float));
     }
@@ -252,7 +276,7 @@ static void tap_slice(rt_model *m, const rt_lane *lanes, int R, const rt_rows *r
             if (rt->row_pos[r] < first) continue;
             uint16_t *dst = block + (size_t)(rt->lane_tap_first[li] + rt->row_pos[r] - first) * dim;
             const float *src = rt->x + (size_t)r * dim;
-            for (size_t i = 0; i < dim; i++) dst[i] = rt_f32_to_f16(src[i]);
+            rt_f32_to_f16_n(src, dst, dim);
         }
     }
 }
@@ -308,10 +332,8 @@ static void forward_slice(rt_model *m, const rt_lane *lanes, int R, const rt_row
             {L->w_up, rt->hb2, ffn, (size_t)ffn},
         };
         rt_matmul(rt->threads, rt->xb, (size_t)dim, R, dim, gu, 2, rt->xq);
-        for (size_t i = 0; i < (size_t)R * ffn; i++) {
-            float g = rt->hb[i];
-            rt->hb[i] = (g / (1.0f + expf(-g))) * rt->hb2[i];
-        }
+        silu_job sj = {rt->hb, rt->hb2, (size_t)R * ffn, 0};
+        rt_threads_run(rt->threads, silu_task, &sj, sj.n < SILU_PARALLEL ? 1 : rt_threads_count(rt->threads));
         rt_mm_target d = {L->w_down, rt->xb, dim, (size_t)dim};
         rt_matmul(rt->threads, rt->hb, (size_t)ffn, R, ffn, &d, 1, rt->xq);
         for (size_t i = 0; i < (size_t)R * dim; i++) rt->x[i] += rt->xb[i];
