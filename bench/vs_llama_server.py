@@ -31,14 +31,14 @@ server actually generated (its `usage`) are in the table.
 
 Measured 2026-12-03 on this project's 2-core AMD EPYC (AVX-512 + VNNI: llama-server built for
 AVX-512 without AMX), SmolLM2-135M-Instruct Q4_1 GGUF, llama-cpp-python 0.3.36 = llama.cpp
-0c1e570, `--rounds 3`, median round (the rounds' range in brackets; ratio = ours / llama-server;
-columns abbreviated), load average 1.4-2.1 with the client on the same cores:
+0c1e570, `--rounds 3`, commit 1643337, median round (the rounds' range in brackets; ratio = ours /
+llama-server; columns abbreviated), load average 0.6-2.0 with the client on the same cores:
 
 | streams | ours tok/s      | llama tok/s     | ratio | ours TTFT | llama TTFT | TTFT ratio | tokens    |
-| 1       | 235.4 (202-255) | 110.4 (106-118) | 2.13x | 25 ms     | 73 ms      | 0.34x      | 128 / 128 |
-| 4       | 522.8 (481-531) | 151.5 (131-158) | 3.45x | 85 ms     | 294 ms     | 0.29x      | 128 / 128 |
-| 16      | 735.1 (607-830) | 206.4 (175-211) | 3.56x | 259 ms    | 1451 ms    | 0.18x      | 128 / 128 |
-| 32      | 767.4 (759-880) | 208.2 (198-217) | 3.69x | 377 ms    | 2994 ms    | 0.13x      | 128 / 128 |
+| 1       | 236.7 (230-259) | 113.1 (110-118) | 2.09x | 22 ms     | 86 ms      | 0.26x      | 128 / 128 |
+| 4       | 513.0 (404-585) | 146.7 (108-175) | 3.50x | 77 ms     | 312 ms     | 0.25x      | 128 / 128 |
+| 16      | 809.7 (715-904) | 225.0 (204-228) | 3.60x | 190 ms    | 1340 ms    | 0.14x      | 128 / 128 |
+| 32      | 951.6 (691-952) | 258.3 (251-264) | 3.68x | 312 ms    | 2296 ms    | 0.14x      | 128 / 128 |
 
 Under heavier load (an earlier run at load 2.4-4.1) llama-server's rounds ranged from 7 to 95
 tok/s at 1 stream (its two spinning threads stall when one is descheduled): compare medians of
