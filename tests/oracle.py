@@ -55,12 +55,26 @@ def _rope(x: npt.NDArray[np.float64], theta: float) -> npt.NDArray[np.float64]:
     return out
 
 
-class LlamaForward:
-    """The llama forward of docs/BUNDLE.md over weights in canonical names."""
+def _q8_rows(x: npt.NDArray[np.float64]) -> npt.NDArray[np.float64]:
+    """x as the engine's integer kernels see a matmul input: float32, per block of 32 rounded to
+    q * d with d = amax / 127, q = round-half-even(x * (1 / d)) in [-127, 127] (native/src/quant.h)."""
+    n, width = x.shape
+    v = x.astype(np.float32).reshape(n, width // 32, 32)
+    d = (np.abs(v).max(axis=2, keepdims=True) / np.float32(127)).astype(np.float32)
+    inv = np.where(d > 0, np.float32(1) / np.where(d > 0, d, np.float32(1)), np.float32(0)).astype(np.float32)
+    q = np.clip(np.rint((v * inv).astype(np.float32)), -127, 127)
+    out: npt.NDArray[np.float64] = (q.astype(np.float64) * d.astype(np.float64)).reshape(n, width)
+    return out
 
-    def __init__(self, config: OracleConfig, weights: Weights) -> None:
+
+class LlamaForward:
+    """The llama forward of docs/BUNDLE.md over weights in canonical names. With q8_inputs, every
+    matmul input is first rounded as the engine's integer kernels round it (for quantized bundles)."""
+
+    def __init__(self, config: OracleConfig, weights: Weights, *, q8_inputs: bool = False) -> None:
         self.config = config
         self._weight = weights
+        self._in = _q8_rows if q8_inputs else (lambda x: x)
 
     def logits(self, tokens: Sequence[int]) -> npt.NDArray[np.float64]:
         """Logits (len(tokens), vocab) for tokens at positions 0..n-1."""
@@ -74,7 +88,7 @@ class LlamaForward:
         h = w("embed_tokens.weight")[ids].astype(np.float64)
         for layer in range(cfg.n_layers):
             p = f"layers.{layer}."
-            x = _rmsnorm(h, w(p + "input_norm.weight"), cfg.rms_norm_eps)
+            x = self._in(_rmsnorm(h, w(p + "input_norm.weight"), cfg.rms_norm_eps))
             q = (x @ w(p + "self_attn.q_proj.weight").T).reshape(n, cfg.n_heads, hd)
             k = (x @ w(p + "self_attn.k_proj.weight").T).reshape(n, cfg.n_kv_heads, hd)
             v = (x @ w(p + "self_attn.v_proj.weight").T).reshape(n, cfg.n_kv_heads, hd)
@@ -84,12 +98,12 @@ class LlamaForward:
             scores = np.exp(scores - scores.max(axis=-1, keepdims=True))
             probs = scores / scores.sum(axis=-1, keepdims=True)
             attn = np.einsum("hqk,khd->qhd", probs, v).reshape(n, cfg.n_heads * hd)
-            h = h + attn @ w(p + "self_attn.o_proj.weight").T
-            x = _rmsnorm(h, w(p + "post_attn_norm.weight"), cfg.rms_norm_eps)
+            h = h + self._in(attn) @ w(p + "self_attn.o_proj.weight").T
+            x = self._in(_rmsnorm(h, w(p + "post_attn_norm.weight"), cfg.rms_norm_eps))
             gate = x @ w(p + "mlp.gate_proj.weight").T
             up = x @ w(p + "mlp.up_proj.weight").T
-            h = h + (gate / (1.0 + np.exp(-gate)) * up) @ w(p + "mlp.down_proj.weight").T
-        x = _rmsnorm(h, w("final_norm.weight"), cfg.rms_norm_eps)
+            h = h + self._in(gate / (1.0 + np.exp(-gate)) * up) @ w(p + "mlp.down_proj.weight").T
+        x = self._in(_rmsnorm(h, w("final_norm.weight"), cfg.rms_norm_eps))
         head = w("embed_tokens.weight" if cfg.tied else "lm_head.weight")
         logits: npt.NDArray[np.float64] = x @ head.T
         return logits
@@ -105,7 +119,7 @@ class LlamaForward:
 class NumpyLlama(LlamaForward):
     """The reference forward over a `.base` bundle (weights widened to float32, cached)."""
 
-    def __init__(self, bundle_path: str | Path) -> None:
+    def __init__(self, bundle_path: str | Path, *, q8_inputs: bool = False) -> None:
         self.bundle = read_bundle(bundle_path)
         c = self.bundle.config
         config = OracleConfig(
@@ -119,7 +133,7 @@ class NumpyLlama(LlamaForward):
             rms_norm_eps=float(c["rms_norm_eps"]),
             tied=bool(c["tie_word_embeddings"]),
         )
-        super().__init__(config, functools.cache(self.bundle.tensor))
+        super().__init__(config, functools.cache(self.bundle.tensor), q8_inputs=q8_inputs)
 
 
 # GGUF tensor names -> canonical bundle names, written out independently of aiobasert.convert.
