@@ -32,7 +32,7 @@ from openai import AsyncOpenAI, OpenAI
 
 from aiobasert import Engine
 from aiobasert.server import create_app
-from aiobasert.tiny import build_tiny_model
+from aiobasert.tiny import SPECIAL_TOKENS, build_tiny_model
 
 REPO = Path(__file__).resolve().parent.parent
 LONG_CONTEXT = 16384
@@ -303,7 +303,8 @@ def test_context_error_code_through_the_client(client: OpenAI) -> None:
 def test_unknown_fields_are_refused_naming_them(http: httpx.Client) -> None:
     r = http.post("/v1/completions", json={"prompt": "x", "max_tokens": 2, "frobnicate": {"a": 1}, "user": "u"})
     assert r.status_code == 400 and r.json()["error"]["param"] == "frobnicate"
-    r = http.post("/v1/completions", json={"prompt": "x", "max_tokens": 2, "user": "u"})
+    no_end = {str(t): -100 for t in range(len(SPECIAL_TOKENS))}  # sampled: it must not end by itself
+    r = http.post("/v1/completions", json={"prompt": "x", "max_tokens": 2, "user": "u", "logit_bias": no_end})
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
 
 

@@ -59,7 +59,11 @@ def test_metrics_count_traffic(base_url: str) -> None:
     assert grew("aiobasert:prefix_cache_hits_total") > 0
     assert grew("aiobasert:prefix_cache_queries_total") >= grew("aiobasert:prefix_cache_hits_total")
     assert grew("aiobasert:request_success_total{finished_reason=length}") == 3
-    assert after["aiobasert:event_loop_lag_seconds_count"] > 0  # the probe runs
+    # The probe runs every 0.1 s: the traffic above can finish before its first sample, so wait for one.
+    deadline = time.monotonic() + 10
+    while scrape(base_url).get("aiobasert:event_loop_lag_seconds_count", 0.0) == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert scrape(base_url)["aiobasert:event_loop_lag_seconds_count"] > 0
 
 
 def test_abort_latency_is_recorded_on_disconnect(base_url: str) -> None:
