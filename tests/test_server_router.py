@@ -37,8 +37,8 @@ def idle_unloading(asgi_server: Callable[[Any], str], tiny_model_path: Path, sec
 
 @pytest.fixture(scope="module")
 def idle_unloading_slow(asgi_server: Callable[[Any], str], smollm2_path: Path) -> str:
-    """keep_alive 0 with SmolLM2 (~30 tok/s here): a 2,000-token stream is surely still
-    running while the test looks (a tiny model's would be done, and sent, in a blink)."""
+    """keep_alive 0 with SmolLM2 (~250 tok/s here: 8 s for 2,000 tokens): such a stream is surely
+    still running while the test looks for 0.1 s (a tiny model's would be done, and sent, in a blink)."""
     return asgi_server(create_app(GroupProvider([f"second={smollm2_path}"], keep_alive=0, max_batch_size=2)))
 
 
