@@ -5,6 +5,7 @@
  * operations are the explicit ones of the AVX2 and AVX-512 kernels. */
 
 #include "mathops.h"
+#include "cpu.h"
 #include "f16.h"
 #include "quant.h"
 #include "baseRT/reference.h"
@@ -366,16 +367,11 @@ static pthread_once_t g_kernels_once = PTHREAD_ONCE_INIT;
 /* Chosen once per process: results must never change between two calls.
  * BASERT_REF_SIMD caps the choice (tests): "generic" (or "0"), "avx2". */
 static void select_kernels(void) {
+    int level = rt_simd_level(NULL);
     g_kernels = &generic_kernels;
 #if defined(__x86_64__) && defined(__GNUC__)
-    const char *env = getenv("BASERT_REF_SIMD");
-    const char *cap = env && *env ? env : "avx512";
-    if (strcmp(cap, "0") == 0 || strcmp(cap, "generic") == 0) return;
-    __builtin_cpu_init();
-    if (!__builtin_cpu_supports("avx2") || !__builtin_cpu_supports("fma") || !__builtin_cpu_supports("f16c"))
-        return;
-    g_kernels = &avx2_kernels;
-    if (strcmp(cap, "avx2") != 0 && __builtin_cpu_supports("avx512f")) g_kernels = &avx512_kernels;
+    if (level >= RT_SIMD_AVX2) g_kernels = &avx2_kernels;
+    if (level >= RT_SIMD_AVX512) g_kernels = &avx512_kernels;
 #endif
 }
 

@@ -3,6 +3,7 @@
  * portable), all computing the same values. Layout and determinism: quant.h. */
 
 #include "quant.h"
+#include "cpu.h"
 #include "f16.h"
 
 #include <math.h>
@@ -445,18 +446,11 @@ static pthread_once_t g_qset_once = PTHREAD_ONCE_INIT;
  * BASERT_REF_QUANT_SIMD caps this set alone (tests: the sets compute identical values, the choice is
  * speed only, which a test can show only with the float kernels fixed). */
 static void select_qset(void) {
+    int level = rt_simd_level("BASERT_REF_QUANT_SIMD");
     g_qset = &generic_set;
 #if defined(__x86_64__) && defined(__GNUC__)
-    const char *env = getenv("BASERT_REF_QUANT_SIMD");
-    if (!env || !*env) env = getenv("BASERT_REF_SIMD");
-    const char *cap = env && *env ? env : "avx512";
-    if (strcmp(cap, "0") == 0 || strcmp(cap, "generic") == 0) return;
-    __builtin_cpu_init();
-    if (!__builtin_cpu_supports("avx2") || !__builtin_cpu_supports("fma") || !__builtin_cpu_supports("f16c")) return;
-    g_qset = &avx2_set;
-    if (strcmp(cap, "avx2") != 0 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-        __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni"))
-        g_qset = &vnni_set;
+    if (level >= RT_SIMD_AVX2) g_qset = &avx2_set;
+    if (level >= RT_SIMD_AVX512_VNNI) g_qset = &vnni_set;
 #endif
 }
 
