@@ -60,13 +60,13 @@ float rt_bf16_to_f32(uint16_t h) {
     return f;
 }
 
-
 /* F16C's conversions round to nearest even, keep NaNs quiet with their top payload bits and make f16
  * subnormals exactly as the scalar code does (DAZ is off: C programs never set it). */
 #if defined(__x86_64__) && defined(__GNUC__)
 #include <immintrin.h>
 
-__attribute__((target("avx,f16c"))) static void round_f16_f16c(float *x, uint16_t *f16, size_t n) {
+/* The first n - n % 8 values; returns how many were done (the scalar loops finish the rest). */
+__attribute__((target("avx,f16c"))) static size_t round_f16_f16c(float *x, uint16_t *f16, size_t n) {
     size_t i = 0;
     for (; i + 8 <= n; i += 8) {
         __m128i h = _mm256_cvtps_ph(_mm256_loadu_ps(x + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
@@ -74,20 +74,16 @@ __attribute__((target("avx,f16c"))) static void round_f16_f16c(float *x, uint16_
         _mm256_storeu_ps(x + i, _mm256_cvtph_ps(h));
     }
     _mm256_zeroupper();
-    for (; i < n; i++) {
-        uint16_t h = rt_f32_to_f16(x[i]);
-        if (f16) f16[i] = h;
-        x[i] = rt_f16_to_f32(h);
-    }
+    return i;
 }
 
-__attribute__((target("avx,f16c"))) static void to_f16_f16c(const float *src, uint16_t *dst, size_t n) {
+__attribute__((target("avx,f16c"))) static size_t to_f16_f16c(const float *src, uint16_t *dst, size_t n) {
     size_t i = 0;
     for (; i + 8 <= n; i += 8)
         _mm_storeu_si128((__m128i *)(void *)(dst + i),
                          _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
     _mm256_zeroupper();
-    for (; i < n; i++) dst[i] = rt_f32_to_f16(src[i]);
+    return i;
 }
 
 static bool g_f16c;
@@ -103,13 +99,11 @@ static bool have_f16c(void) {
 #endif
 
 void rt_round_f16_n(float *x, uint16_t *f16, size_t n) {
+    size_t i = 0;
 #if defined(__x86_64__) && defined(__GNUC__)
-    if (have_f16c()) {
-        round_f16_f16c(x, f16, n);
-        return;
-    }
+    if (have_f16c()) i = round_f16_f16c(x, f16, n);
 #endif
-    for (size_t i = 0; i < n; i++) {
+    for (; i < n; i++) {
         uint16_t h = rt_f32_to_f16(x[i]);
         if (f16) f16[i] = h;
         x[i] = rt_f16_to_f32(h);
@@ -117,11 +111,9 @@ void rt_round_f16_n(float *x, uint16_t *f16, size_t n) {
 }
 
 void rt_f32_to_f16_n(const float *src, uint16_t *dst, size_t n) {
+    size_t i = 0;
 #if defined(__x86_64__) && defined(__GNUC__)
-    if (have_f16c()) {
-        to_f16_f16c(src, dst, n);
-        return;
-    }
+    if (have_f16c()) i = to_f16_f16c(src, dst, n);
 #endif
-    for (size_t i = 0; i < n; i++) dst[i] = rt_f32_to_f16(src[i]);
+    for (; i < n; i++) dst[i] = rt_f32_to_f16(src[i]);
 }
