@@ -106,7 +106,7 @@ baseRT_model_t baseRT_load_tokenizer_only(const char *model_path) {
 void baseRT_free_model(baseRT_model_t model) {
     if (!model) return;
     rt_model *m = rt_model_check(model, "baseRT_free_model");
-    if (!m) return;
+    if (!m || rt_model_busy(m, "baseRT_free_model")) return;
     rt_handle_release(m->handle);
     if (!m->tokenizer_only) rt_runtime_free(m); /* releases its sequences' handles too */
     rt_model_destroy(m); /* poisons the magic before freeing */

@@ -222,7 +222,15 @@ BaseRTGenerationStats baseRT_generate(baseRT_model_t model, const uint32_t *prom
         if (is_eos(m, tok)) break;
         history[n_history++] = tok;
         st.generated_tokens++;
-        if (callback && !callback(tok, token_text(m, &ts, tok), user_data)) break;
+        if (callback) {
+            /* Re-entrant calls on this model are refused while the callback
+             * runs (rt_model_busy): history, ts and the default sequence stay ours. */
+            const char *text = token_text(m, &ts, tok);
+            m->in_callback = fn;
+            bool more = callback(tok, text, user_data);
+            m->in_callback = NULL;
+            if (!more) break;
+        }
         if (st.generated_tokens == max_tokens || rt->def->length >= (int)m->cfg.max_seq_len) break;
         if (default_forward(m, fn, &tok, 1) != BASERT_OK) {
             failed = true;

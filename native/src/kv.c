@@ -172,7 +172,7 @@ rt_seq *rt_seq_get(const rt_model *m, baseRT_sequence_t h, const char *fn, int l
                      (void *)h);
         return NULL;
     }
-    return s;
+    return rt_model_busy(s->m, fn) ? NULL : s;
 }
 
 int rt_kv_check_lengths(const rt_model *m, const rt_lane *lanes, int n_lanes, const char *fn) {

@@ -27,9 +27,18 @@ rt_model *rt_model_check(baseRT_model_t model, const char *fn) {
     return m;
 }
 
+bool rt_model_busy(const rt_model *m, const char *fn) {
+    if (!m->in_callback) return false;
+    rt_set_error(BASERT_ERR_INVALID_ARGUMENT,
+                 "%s: refused inside %s's token callback on the same model (return false from the callback to stop, "
+                 "then call)",
+                 fn, m->in_callback);
+    return true;
+}
+
 rt_model *rt_runtime_model(baseRT_model_t model, const char *fn) {
     rt_model *m = rt_model_check(model, fn);
-    if (!m) return NULL;
+    if (!m || rt_model_busy(m, fn)) return NULL;
     if (!m->rt) {
         rt_set_error(BASERT_ERR_INVALID_ARGUMENT, "%s: the model was loaded tokenizer-only (no runtime state)", fn);
         return NULL;

@@ -71,6 +71,9 @@ typedef struct rt_model {
     char *capability_descriptor; /* JSON, built at load */
 
     struct rt_runtime *rt; /* NULL when tokenizer_only */
+    /* The API call whose token callback is running on this model (NULL when
+     * none): the runtime refuses re-entrant use from inside it (rt_model_busy). */
+    const char *in_callback;
 } rt_model;
 
 /* Validate a handle; sets INVALID_ARGUMENT naming `fn` and returns NULL when bad. */
@@ -80,5 +83,9 @@ rt_model *rt_model_lookup(baseRT_model_t model);
 /* rt_model_check for entry points that need the runtime: NULL with the error
  * set for a tokenizer-only model too. */
 rt_model *rt_runtime_model(baseRT_model_t model, const char *fn);
+/* Is m inside a token callback? Then sets INVALID_ARGUMENT naming `fn` and
+ * returns true: the callback must not reset, re-run, step or free the model
+ * whose generation called it (that would pull its buffers away under it). */
+bool rt_model_busy(const rt_model *m, const char *fn);
 /* Free everything the loader allocated (not the runtime state). NULL-safe. */
 void rt_model_destroy(rt_model *m);
