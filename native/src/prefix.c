@@ -53,12 +53,23 @@ struct rt_prefix_cache {
     uint64_t clock, next_handle;
     rt_pmatch *matches;
     uint64_t hits, misses, reused_tokens;
+    /* [n_blocks] the trie node holding each block, NULL if none. A block is
+     * cached under one token path at most: a second node would hold a second
+     * reference that eviction (which frees only blocks the trie alone holds,
+     * refcount 1) could never drop. */
+    rt_pnode **owner;
 };
 
 int rt_prefix_init(rt_model *m) {
     if (!m->paged_kv || !m->prefix_cache) return BASERT_OK;
     rt_prefix_cache *pc = calloc(1, sizeof *pc);
     if (!pc) {
+        rt_set_error(BASERT_ERR_OUT_OF_MEMORY, "prefix cache: out of memory");
+        return BASERT_ERR_OUT_OF_MEMORY;
+    }
+    pc->owner = calloc((size_t)m->rt->n_blocks, sizeof *pc->owner);
+    if (!pc->owner) {
+        free(pc);
         rt_set_error(BASERT_ERR_OUT_OF_MEMORY, "prefix cache: out of memory");
         return BASERT_ERR_OUT_OF_MEMORY;
     }
@@ -87,6 +98,7 @@ void rt_prefix_free(rt_model *m) {
         free(mt->path);
         free(mt);
     }
+    free(pc->owner);
     free(pc);
     m->rt->prefix = NULL;
 }
@@ -107,6 +119,7 @@ static void remove_leaf(rt_prefix_cache *pc, rt_pnode *n) {
             break;
         }
     }
+    pc->owner[n->block] = NULL;
     free(n->child);
     free(n);
     pc->n_nodes--;
@@ -486,6 +499,10 @@ int baseRT_prefix_insert(baseRT_model_t model, const uint32_t *tokens, int n_tok
     for (int d = 0; d < depth; d++) {
         const uint32_t *tk = tokens + (size_t)d * RT_PAGE_SIZE;
         rt_pnode *c = find_child(n, tk);
+        /* The sequence's block already cached under other tokens: its KV is
+         * not these tokens' KV (the caller passed another prompt), and a
+         * second node would pin it forever. The path ends here. */
+        if (!c && pc->owner[seq->blocks[d]]) break;
         if (!c) {
             if (n->n_child == n->cap_child) {
                 int cap = n->cap_child ? 2 * n->cap_child : 2;
@@ -500,6 +517,7 @@ int baseRT_prefix_insert(baseRT_model_t model, const uint32_t *tokens, int n_tok
             c->block = seq->blocks[d];
             c->parent = n;
             rt_block_incref(rt, c->block);
+            pc->owner[c->block] = c;
             n->child[n->n_child++] = c;
             pc->n_nodes++;
         }
