@@ -247,8 +247,10 @@ static void kv_store(const rt_runtime *rt, char *dst, const float *src, int n) {
             uint16_t h = rt_f32_to_f16(d);
             memcpy(blk, &h, 2);
             for (int i = 0; i < 32; i++) {
-                int q = (int)nearbyintf(x[i] * id);
-                blk[2 + i] = (unsigned char)(int8_t)(q > 127 ? 127 : q < -127 ? -127 : q);
+                float r = nearbyintf(x[i] * id);
+                /* clamped before the conversion: NaN (Inf * 0) and +-Inf (a subnormal d) would be UB */
+                int q = r > 127.0f ? 127 : r < -127.0f ? -127 : r == r ? (int)r : 0;
+                blk[2 + i] = (unsigned char)(int8_t)q;
             }
         }
     } else if (rt->kv_type == RT_KV_F16) {

@@ -496,8 +496,30 @@ static float *load_tensor_f32(const bundle *b, const tensor_entry *t) {
 /* A matrix: f16 stays f16 (the kernels widen it in registers, exactly);
  * f32 and bf16 become f32. BASERT_REF_WIDEN_F16=1 widens f16 at load as
  * the engine used to (benchmarks and the bit-identity test compare both). */
+/* A NaN or Inf group scale or bias (f16: exponent 0x7c00, bf16: 0x7f80 all
+ * ones) is refused: every value of its group would be non-finite. */
+static bool quant_params_finite(const bundle *b, const tensor_entry *t) {
+    const unsigned char *blob = b->map + b->blob_start;
+    uint16_t exp = t->bf16_scales ? 0x7f80u : 0x7c00u;
+    size_t n = (size_t)(t->n_elems / t->group_size);
+    for (int k = 0; k < (t->symmetric ? 1 : 2); k++) {
+        const unsigned char *p = blob + (k ? t->bias_offset : t->scale_offset);
+        for (size_t i = 0; i < n; i++) {
+            uint16_t h;
+            memcpy(&h, p + 2 * i, 2);
+            if ((h & exp) == exp) {
+                bundle_fail(b, BASERT_ERR_INVALID_FORMAT, "tensor '%s': group %s %zu is %s", t->name,
+                            k ? "bias" : "scale", i, (h & (exp ^ 0x7fffu)) ? "NaN" : "Inf");
+                return false;
+            }
+        }
+    }
+    return true;
+}
+
 static bool load_matrix(const bundle *b, const tensor_entry *t, bool widen_f16, rt_weight *out, uint64_t *total) {
     if (t->dtype == DT_Q8 || t->dtype == DT_Q4) {
+        if (!quant_params_finite(b, t)) return false;
         const unsigned char *blob = b->map + b->blob_start;
         size_t bytes = rt_weight_from_groups(out, t->dtype == DT_Q4, blob + t->offset, blob + t->scale_offset,
                                              t->symmetric ? NULL : blob + t->bias_offset, t->bf16_scales,
@@ -543,7 +565,7 @@ static int load_weights(const bundle *b, rt_model *m, tensor_entry **slots) {
     } while (0)
 #define LOADW(dst, slot)                                                                                               \
     do {                                                                                                               \
-        if (!load_matrix(b, slots[slot], widen, &(dst), &total)) return BASERT_ERR_OUT_OF_MEMORY;                     \
+        if (!load_matrix(b, slots[slot], widen, &(dst), &total)) return rt_last_error_code();                         \
     } while (0)
     LOADW(m->tok_embd, SLOT_EMBED);
     LOAD(m->final_norm, SLOT_FINAL_NORM);

@@ -163,7 +163,10 @@ static int quantize_block(const float *v, int8_t *q, float *d_out) {
     for (int i = 0; i < QBLK; i++) {
         /* |v * id| <= 127.5, far below 2^22: adding and removing 1.5 * 2^23 rounds to nearest even. */
         float t = v[i] * id;
-        int qi = (int)((t + 12582912.0f) - 12582912.0f);
+        float rq = (t + 12582912.0f) - 12582912.0f;
+        /* NaN (a NaN input, Inf * id 0) or +-Inf (id = 1 / a subnormal d overflows) must not reach the
+         * conversion (UB): -127, as the AVX2 path's cvttps (0x80000000 for those) clamps. */
+        int qi = rq >= -2147483648.0f && rq < 2147483648.0f ? (int)rq : -127;
         qi = qi > 127 ? 127 : qi < -127 ? -127 : qi;
         q[i] = (int8_t)qi;
         sum += qi;
