@@ -11,8 +11,10 @@ typedef struct rt_threads rt_threads;
  * depend on which thread ran what. */
 typedef void (*rt_task_fn)(void *ctx, int tid);
 
-/* CPUs the process may use: sched_getaffinity, capped by the cgroup v2
- * quota (/sys/fs/cgroup/cpu.max). */
+/* CPUs the process may use: sched_getaffinity, capped by the smallest CPU
+ * quota on the path from the process's own cgroup to the root (v2 cpu.max,
+ * v1 cpu.cfs_quota_us / cpu.cfs_period_us). $BASERT_REF_CGROUP_ROOT prefixes
+ * /proc/self/{cgroup,mountinfo} and the cgroup mounts (tests). */
 int rt_usable_cpus(void);
 /* Threads to use: $BASERT_REF_THREADS, else rt_usable_cpus(); 1..64. */
 int rt_default_threads(void);
