@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 from quantized import quantize_bundle
 
-from aiobasert._ffi import BaseRTLoadOptions, BaseRTMemoryStats, Library
+from aiobasert._ffi import TOKEN_CALLBACK, BaseRTLoadOptions, BaseRTMemoryStats, BaseRTSamplingConfig, Library
 from aiobasert.tiny import build_tiny_model
 
 OK, INVALID_ARGUMENT, INVALID_FORMAT, OUT_OF_MEMORY = 0, 2, 4, 6
@@ -296,6 +296,228 @@ def test_kv_block_count_overflow_is_refused_at_load(lib: Library, model_path: Pa
                           prefill_chunk=4096)
     assert not lib.baseRT_load_model_ex(os.fsencode(long_ctx), None, 1 << 24, byref(o))
     assert lib.baseRT_get_error_code() == 2 and "KV pool" in error(lib), error(lib)
+
+
+# ---- re-entrant calls from baseRT_generate's token callback ---------------------------------------
+
+EOS = 2  # the tiny vocabulary's end of text
+
+
+def sampled_no_eos() -> tuple[BaseRTSamplingConfig, Any]:
+    """Seeded sampling that never picks EOS (so a generation runs to its limits); the arrays kept alive."""
+    toks, vals = (ctypes.c_int32 * 1)(EOS), (ctypes.c_float * 1)(-1e9)
+    cfg = BaseRTSamplingConfig(temperature=1.0, top_p=1.0, repeat_penalty=1.0, seed=7, n_logit_bias=1,
+                               logit_bias_tokens=toks, logit_bias_values=vals)
+    return cfg, (toks, vals)
+
+
+def generate(lib: Library, m: int, prompt: Sequence[int], max_tokens: int, on_token: Any) -> Any:
+    cfg, keep = sampled_no_eos()
+    stats = lib.baseRT_generate(m, u32(prompt), len(prompt), max_tokens, cfg, TOKEN_CALLBACK(on_token), None)
+    del keep
+    return stats
+
+
+REENTRANT_CALLS = ["reset", "generate", "free_model", "prefill", "sequence_create", "sequence_free", "step",
+                   "prefix_insert", "prefix_evict", "read_logits"]
+
+
+def reentrant_call(lib: Library, m: int, what: str, seq: int) -> None:
+    """One call on the model whose generation is running the callback."""
+    if what == "reset":
+        lib.baseRT_reset(m)
+    elif what == "generate":
+        generate(lib, m, PROMPT[:5], 50, lambda *_: True)
+    elif what == "free_model":
+        lib.baseRT_free_model(m)
+    elif what == "prefill":
+        lib.baseRT_prefill(m, u32(PROMPT[:3]), 3)
+    elif what == "sequence_create":
+        lib.baseRT_sequence_create(m)
+    elif what == "sequence_free":
+        lib.baseRT_sequence_free(seq)
+    elif what == "step":
+        step(lib, m, [seq], [[5, 6]])
+    elif what == "prefix_insert":
+        lib.baseRT_prefix_insert(m, u32(PROMPT), len(PROMPT), seq)
+    elif what == "prefix_evict":
+        lib.baseRT_prefix_evict(m, 1000)
+    else:
+        lib.baseRT_read_logits(m, (ctypes.c_float * 4096)(), 4096)
+
+
+@pytest.mark.parametrize("what", REENTRANT_CALLS)
+def test_generate_callback_cannot_reenter_its_model(lib: Library, model_path: Path, what: str) -> None:
+    """Reset, generate, free, prefill, sequences, steps and the prefix cache from inside the callback of a
+    generation on the same model are refused with INVALID_ARGUMENT (they used to pull the generation's
+    buffers away: a heap overflow past its history for reset / generate, a use-after-free for free); the
+    generation then runs on to its own limit undisturbed."""
+    m = load(lib, model_path, max_context=48)
+    seq = int(lib.baseRT_sequence_create(m))
+    assert step(lib, m, [seq], [PROMPT[:33]]) == OK
+    inside: list[tuple[int, str]] = []
+
+    def on_token(tok: int, text: bytes | None, _: Any) -> bool:
+        reentrant_call(lib, m, what, seq)
+        inside.append((int(lib.baseRT_get_error_code()), error(lib)))
+        return True
+
+    stats = generate(lib, m, PROMPT, 200, on_token)
+    # 40 prompt tokens in a 48-token context: at most 9 generated, whatever the callback tried.
+    assert stats.generated_tokens == len(inside) == 9, (stats.generated_tokens, inside[:2])
+    assert all(code == INVALID_ARGUMENT and "token callback" in msg for code, msg in inside), inside[0]
+    assert lib.baseRT_get_error_code() == OK, error(lib)  # the generation itself succeeded
+    assert Raw(lib.path).get_position(m) == 48
+    check_pool(lib, m)
+    lib.baseRT_sequence_free(seq)  # outside the callback: allowed again
+    lib.baseRT_reset(m)
+    assert lib.baseRT_get_error_code() == OK, error(lib)
+    lib.baseRT_free_model(m)
+    assert lib.baseRT_get_error_code() == OK, error(lib)
+
+
+def test_generate_callback_may_use_tokenizer_and_another_model(lib: Library, model_path: Path) -> None:
+    """Only the generating model is busy: tokenizer calls on it and any call on another model work."""
+    m, other = load(lib, model_path), load(lib, model_path)
+    seen: list[tuple[bool, int]] = []
+
+    def on_token(tok: int, text: bytes | None, _: Any) -> bool:
+        encoded = lib.baseRT_encode(m, b"hello", (c_uint32 * 16)(), 16)
+        inner = generate(lib, other, PROMPT[:5], 2, lambda *_: True)
+        seen.append((encoded > 0, int(inner.generated_tokens)))
+        return len(seen) < 3
+
+    stats = generate(lib, m, PROMPT[:10], 50, on_token)
+    assert stats.generated_tokens == 3 and seen == [(True, 2)] * 3, seen
+    lib.baseRT_free_model(other)
+    lib.baseRT_free_model(m)
+
+
+# ---- prefix cache: one block, two token paths ------------------------------------------------------
+
+
+def test_block_inserted_under_two_token_paths_stays_evictable(lib: Library, model: int) -> None:
+    """Inserting one sequence under two prompts used to give its blocks a second trie node each: a second
+    reference eviction (which frees blocks the trie alone holds) never dropped. A block is cached under one
+    path; the second insert stops where it would reuse a cached block, and everything evicts."""
+    s = int(lib.baseRT_sequence_create(model))
+    assert step(lib, model, [s], [PROMPT]) == OK, error(lib)
+    other = [t + 1 for t in PROMPT]
+    assert lib.baseRT_prefix_insert(model, u32(PROMPT), len(PROMPT), s) == OK, error(lib)
+    assert lib.baseRT_prefix_insert(model, u32(other), len(other), s) == OK, error(lib)
+    check_pool(lib, model)
+    lib.baseRT_sequence_free(s)
+    assert match(lib, model, [*other, 1])[0] == 0  # the other prompt was not cached over foreign KV
+    assert lib.baseRT_prefix_evict(model, 1000) == 2
+    check_pool(lib, model)
+    assert blocks_used(lib, model) == 0
+    cached = ctypes.c_int(-1)
+    lib.baseRT_prefix_cache_stats(model, None, None, None, byref(cached))
+    assert cached.value == 0
+
+
+# ---- NaN / Inf quantization scales --------------------------------------------------------------------
+
+
+def _poison_scale(src: Path, dst: Path, tensor: str, region: str, group: int, value: bytes) -> Path:
+    """Copy a quantized bundle with one group's scale (or bias) overwritten by the 2 raw bytes `value`."""
+    data = bytearray(src.read_bytes())
+    hlen = int.from_bytes(data[8:16], "little")
+    header = json.loads(data[16 : 16 + hlen])
+    blob = (16 + hlen + 65535) // 65536 * 65536
+    t = next(t for t in header["tensors"] if t["name"] == tensor)
+    at = blob + t[f"{region}_offset"] + 2 * group
+    data[at : at + 2] = value
+    dst.write_bytes(bytes(data))
+    return dst
+
+
+NON_FINITE = {  # (scale_dtype, raw bytes little-endian, what)
+    "f16 NaN": ("f16", b"\x00\x7e", "NaN"), "f16 +Inf": ("f16", b"\x00\x7c", "Inf"),
+    "f16 -Inf": ("f16", b"\x00\xfc", "Inf"), "bf16 NaN": ("bf16", b"\xc0\x7f", "NaN"),
+    "bf16 -Inf": ("bf16", b"\x80\xff", "Inf"),
+}
+
+
+@pytest.mark.parametrize("region", ["scale", "bias"])
+@pytest.mark.parametrize("case", sorted(NON_FINITE))
+def test_non_finite_quant_scales_are_refused_at_load(lib: Library, q4_model_path: Path, tmp_path: Path, case: str,
+                                                     region: str) -> None:
+    """A NaN / Inf group scale or bias made every value of its group non-finite, and the activations
+    quantized from them reached a float-to-int conversion (UB). Refused at load, naming the tensor."""
+    dtype, raw, what = NON_FINITE[case]
+    def edit(h: dict[str, Any]) -> None:
+        for t in h["tensors"]:
+            if t["dtype"] == "base_q4":
+                t["scale_dtype"] = dtype  # f16 scales read as bf16 are other finite numbers
+
+    src = _rewrite_header(q4_model_path, tmp_path / "dtype.base", edit)
+    name = "layers.1.mlp.down_proj.weight"
+    bad = _poison_scale(src, tmp_path / "bad.base", name, region, 3, raw)
+    assert not lib.baseRT_load_model_ex(os.fsencode(bad), None, 64, None)
+    msg = error(lib)
+    assert lib.baseRT_get_error_code() == INVALID_FORMAT and name in msg and region in msg and what in msg, msg
+    fine = lib.baseRT_load_model_ex(os.fsencode(src), None, 64, None)  # the unpoisoned bundle loads
+    assert fine, error(lib)
+    lib.baseRT_free_model(fine)
+
+
+# ---- cgroup CPU quotas ------------------------------------------------------------------------------
+
+
+def _fake_cgroups(root: Path, cgroup: str, mountinfo: str, files: dict[str, str]) -> Path:
+    (root / "proc" / "self").mkdir(parents=True)
+    (root / "proc" / "self" / "cgroup").write_text(cgroup)
+    (root / "proc" / "self" / "mountinfo").write_text(mountinfo)
+    for rel, text in files.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text(text)
+    return root
+
+
+V1_MOUNTS = ("31 23 0:28 / /sys/fs/cgroup rw,relatime - tmpfs tmpfs rw,mode=755\n"
+             "32 31 0:29 / /sys/fs/cgroup/cpu,cpuacct rw,relatime - cgroup cgroup rw,cpu,cpuacct\n"
+             "35 31 0:32 / /sys/fs/cgroup/memory rw,relatime - cgroup cgroup rw,memory\n")
+V2_MOUNTS = "29 23 0:26 / /sys/fs/cgroup rw,nosuid,nodev,noexec,relatime - cgroup2 cgroup2 rw,nsdelegate\n"
+V2_HYBRID_MOUNT = "41 31 0:38 / /sys/fs/cgroup/unified rw,relatime - cgroup2 cgroup2 rw\n"  # v1 + v2, systemd hybrid
+
+CGROUP_TREES: dict[str, tuple[str, str, dict[str, str], int | None]] = {
+    # name: (/proc/self/cgroup, mountinfo, files, expected CPU limit or None for none)
+    "v1 quota": ("4:memory:/job\n2:cpu,cpuacct:/job/step\n0::/\n", V1_MOUNTS, {
+        "sys/fs/cgroup/cpu,cpuacct/cpu.cfs_quota_us": "-1\n",
+        "sys/fs/cgroup/cpu,cpuacct/cpu.cfs_period_us": "100000\n",
+        "sys/fs/cgroup/cpu,cpuacct/job/cpu.cfs_quota_us": "50000\n",
+        "sys/fs/cgroup/cpu,cpuacct/job/cpu.cfs_period_us": "100000\n",
+        "sys/fs/cgroup/cpu,cpuacct/job/step/cpu.cfs_quota_us": "-1\n",
+        "sys/fs/cgroup/cpu,cpuacct/job/step/cpu.cfs_period_us": "100000\n",
+    }, 1),
+    "v2 nested": ("0::/user.slice/app.scope\n", V2_MOUNTS, {
+        "sys/fs/cgroup/cpu.max": "max 100000\n",  # the root's own file is ignored by the kernel; "max"
+        "sys/fs/cgroup/user.slice/cpu.max": "150000 200000\n",  # 0.75 CPU: rounds up to 1
+        "sys/fs/cgroup/user.slice/app.scope/cpu.max": "max 100000\n",
+    }, 1),
+    "v2 container view": ("0::/kubepods/pod1/c1\n",
+                          "29 23 0:26 /kubepods/pod1 /sys/fs/cgroup rw - cgroup2 cgroup2 rw\n", {
+        "sys/fs/cgroup/cpu.max": "100000 100000\n",  # the pod's level, seen at the mount point
+        "sys/fs/cgroup/c1/cpu.max": "max 100000\n",
+    }, 1),
+    "no limit": ("2:cpu,cpuacct:/a\n0::/b\n", V1_MOUNTS + V2_HYBRID_MOUNT, {
+        "sys/fs/cgroup/cpu,cpuacct/a/cpu.cfs_quota_us": "-1\n",
+        "sys/fs/cgroup/cpu,cpuacct/a/cpu.cfs_period_us": "100000\n",
+        "sys/fs/cgroup/unified/b/cpu.max": "max 100000\n",
+    }, None),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CGROUP_TREES))
+def test_usable_cpus_follow_the_processs_own_cgroup_quota(lib: Library, tmp_path: Path,
+                                                          monkeypatch: pytest.MonkeyPatch, case: str) -> None:
+    """The pool's CPU count is the affinity mask capped by the smallest quota from the process's own cgroup
+    (read from /proc/self/cgroup) up its hierarchy, v1 and v2; a fake tree stands in for / here."""
+    cgroup, mounts, files, limit = CGROUP_TREES[case]
+    monkeypatch.setenv("BASERT_REF_CGROUP_ROOT", str(_fake_cgroups(tmp_path, cgroup, mounts, files)))
+    affinity = len(os.sched_getaffinity(0))
+    assert lib.baseRT_ref_counter(b"usable_cpus") == (affinity if limit is None else min(limit, affinity))
 
 
 # ---- shared thread pool ------------------------------------------------------------------------
