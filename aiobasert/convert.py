@@ -61,7 +61,9 @@ class ConversionError(AioBaseRTError, ValueError):
 class _Llama:
     """The llama hyperparameters the bundle needs, read from `llama.*` keys."""
 
-    def __init__(self, meta: dict[str, Any], n_tokens: int, fail: Callable[[str], ConversionError]) -> None:
+    def __init__(
+        self, meta: dict[str, Any], n_tokens: int, n_tensors: int, fail: Callable[[str], ConversionError]
+    ) -> None:
         def get(key: str, default: Any = None) -> Any:
             value = meta.get(f"llama.{key}", default)
             if value is None:
@@ -74,7 +76,16 @@ class _Llama:
                 raise fail(f"'llama.{key}' must be a positive integer, got {value!r}")
             return value
 
+        def number(key: str, default: float | None = None) -> float:
+            value = get(key, default)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+                raise fail(f"'llama.{key}' must be a finite number, got {value!r}")
+            return float(value)
+
         self.n_layers = integer("block_count")
+        # Sized by the file before anything is sized by it: every layer has 9 tensors of the table.
+        if self.n_layers * len(_LAYER_NAMES) + 2 > n_tensors:
+            raise fail(f"'llama.block_count' {self.n_layers} needs more tensors than the file's {n_tensors}")
         self.dim = integer("embedding_length")
         self.ffn_dim = integer("feed_forward_length")
         self.n_heads = integer("attention.head_count")
@@ -82,8 +93,8 @@ class _Llama:
         self.context_length = integer("context_length")
         self.vocab_size = integer("vocab_size", n_tokens)
         self.head_dim = integer("rope.dimension_count", self.dim // self.n_heads)
-        self.rope_theta = float(get("rope.freq_base", 10000.0))
-        self.rms_norm_eps = float(get("attention.layer_norm_rms_epsilon"))
+        self.rope_theta = number("rope.freq_base", 10000.0)
+        self.rms_norm_eps = number("attention.layer_norm_rms_epsilon")
 
         if self.n_heads % self.n_kv_heads:
             raise fail(f"head_count {self.n_heads} is not a multiple of head_count_kv {self.n_kv_heads}")
@@ -99,7 +110,7 @@ class _Llama:
             )
         scaling = meta.get("llama.rope.scaling.type", "none")
         factor = meta.get("llama.rope.scaling.factor", meta.get("llama.rope.scale_linear", 1.0))
-        if scaling != "none" or float(factor) != 1.0:
+        if scaling != "none" or not isinstance(factor, (int, float)) or factor != 1.0:
             raise fail(f"unsupported RoPE scaling (type {scaling!r}, factor {factor}): the engine runs plain RoPE")
         if meta.get("llama.expert_count", 0):
             raise fail(f"unsupported: mixture of experts (llama.expert_count {meta['llama.expert_count']})")
@@ -173,9 +184,12 @@ def _f32(value: float) -> float:
 def _parse_metadata(buf: memoryview, offs: int, count: int) -> tuple[dict[str, Any], dict[str, int], int]:
     """The key/value section of a little-endian GGUF: (values, value types, offset after it)."""
     unpack_u64 = _U64.unpack_from
+    n_buf = len(buf)
 
     def string(o: int) -> tuple[str, int]:
         (n,) = unpack_u64(buf, o)
+        if n > n_buf - o - 8:
+            raise ValueError(f"a string of {n} bytes at offset {o} runs past the end of the file")
         return str(buf[o + 8 : o + 8 + n], "utf-8"), o + 8 + n
 
     def value(kind: int, o: int) -> tuple[Any, int]:
@@ -184,6 +198,8 @@ def _parse_metadata(buf: memoryview, offs: int, count: int) -> tuple[dict[str, A
         if kind == _VT.ARRAY:
             item, n = _ARRAY_HEAD.unpack_from(buf, o)
             o += _ARRAY_HEAD.size
+            if n > n_buf - o:  # every item takes at least a byte: a count the file cannot hold
+                raise ValueError(f"an array of {n} items at offset {o} runs past the end of the file")
             if item == _VT.STRING:
                 items = []
                 for _ in range(n):  # the hot loop: a 49k-token vocabulary and its merges
@@ -203,6 +219,8 @@ def _parse_metadata(buf: memoryview, offs: int, count: int) -> tuple[dict[str, A
 
     meta: dict[str, Any] = {}
     kinds: dict[str, int] = {}
+    if count > (n_buf - offs) // 13:  # a key/value takes at least 8 + 4 + 1 bytes
+        raise ValueError(f"{count} metadata entries cannot fit in the file")
     for _ in range(count):
         key, offs = string(offs)
         (kind,) = _SCALARS[_VT.UINT32].unpack_from(buf, offs)
@@ -227,10 +245,19 @@ class _Reader(gguf.GGUFReader):
             return int(super()._build_fields(offs, count))
         self.metadata, kinds, end = _parse_metadata(self.data.data, int(offs), int(count))
         if "general.alignment" in self.metadata:  # the one key gguf-py's reader itself consults
+            if kinds["general.alignment"] != _VT.UINT32:  # as gguf-py requires (and a negative one must not wrap)
+                raise ValueError("general.alignment is not a uint32")
             kind = gguf.GGUFValueType(kinds["general.alignment"])
             part = np.array([self.metadata["general.alignment"]], dtype=np.uint64).astype(np.uint32)
             self.fields["general.alignment"] = gguf.ReaderField(offs, "general.alignment", [part], [0], [kind])
         return end
+
+    def _build_tensor_info(self, offs: int, count: int) -> tuple[int, list[gguf.ReaderField]]:
+        # A tensor's entry takes at least 8 + 4 + 4 + 8 bytes: bound the count by the file before gguf-py loops.
+        if int(count) > (len(self.data) - int(offs)) // 24:
+            raise ValueError(f"{int(count)} tensors cannot fit in the file")
+        offs, fields = super()._build_tensor_info(offs, count)
+        return int(offs), list(fields)
 
 
 def _read_gguf(src: Path) -> tuple[gguf.GGUFReader, dict[str, Any]]:
@@ -278,7 +305,7 @@ def _canonical_name(gguf_name: str) -> str | None:
     if stem in _GLOBAL_NAMES:
         return f"{_GLOBAL_NAMES[stem]}.weight"
     parts = stem.split(".")
-    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _LAYER_NAMES:
+    if len(parts) == 3 and parts[0] == "blk" and parts[1].isascii() and parts[1].isdigit() and parts[2] in _LAYER_NAMES:
         return f"layers.{int(parts[1])}.{_LAYER_NAMES[parts[2]]}.weight"
     return None
 
@@ -355,7 +382,7 @@ def convert_gguf(
             f"unsupported tokenizer model {meta.get('tokenizer.ggml.model')!r}: the reference engine implements "
             "only byte-level BPE ('gpt2', as in SmolLM2, Llama 3, Qwen), not SentencePiece ('llama') or others"
         )
-    cfg = _Llama(meta, len(tokens), fail)
+    cfg = _Llama(meta, len(tokens), len(reader.tensors), fail)
     if len(tokens) != cfg.vocab_size:
         raise fail(f"llama.vocab_size {cfg.vocab_size} != {len(tokens)} tokens in the vocabulary")
 
@@ -388,11 +415,18 @@ def convert_gguf(
             else:
                 entries.append(TensorEntry(name, shape, dtype, region))
 
-    bos, eos = meta.get("tokenizer.ggml.bos_token_id"), meta.get("tokenizer.ggml.eos_token_id")
-    if not isinstance(bos, int) or not isinstance(eos, int):
-        raise fail("the vocabulary needs tokenizer.ggml.bos_token_id and tokenizer.ggml.eos_token_id")
+    def token_id(key: str) -> int:
+        value = meta.get(key)
+        if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < cfg.vocab_size:
+            raise fail(f"{key} must be a token id below the vocabulary size {cfg.vocab_size}, got {value!r}")
+        return value
+
+    for key in ("tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id"):
+        if key not in meta:
+            raise fail("the vocabulary needs tokenizer.ggml.bos_token_id and tokenizer.ggml.eos_token_id")
+    bos, eos = token_id("tokenizer.ggml.bos_token_id"), token_id("tokenizer.ggml.eos_token_id")
     stop_ids = sorted(
-        {meta[k] for k in ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id") if k in meta} - {eos}
+        {token_id(k) for k in ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id") if k in meta} - {eos}
     )
     tokenizer = {"tokenizer_type": "gguf"} | {k: v for k, v in meta.items() if k.startswith("tokenizer.")}
     chat_template = meta.get("tokenizer.chat_template")

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import copy
+import struct
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -9,6 +12,8 @@ import gguf
 import numpy as np
 import numpy.typing as npt
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from oracle import NumpyLlama, gguf_oracle
 from tiny_gguf import DIM, FFN, HEAD_DIM, HEADS, KV_HEADS, LAYERS, write_gguf
 from tokenizers import Tokenizer, pre_tokenizers
@@ -257,3 +262,147 @@ def test_smollm2_forward_agrees_with_gguf_oracle(smollm2_path: Path) -> None:
     vocab = bundle.tokenizer["tokenizer.ggml.tokens"]
     after_is = ids.index(vocab.index("ĠParis")) - 1
     assert int(reference[after_is].argmax()) == int(ours[after_is].argmax()) == ids[after_is + 1]
+
+
+# ---- malformed metadata: every path ends in ConversionError ---------------------------------------
+
+_VT = gguf.GGUFValueType
+_INT_TYPES = {_VT.UINT8: ("<B", 0, 2**8 - 1), _VT.INT8: ("<b", -(2**7), 2**7 - 1),
+              _VT.UINT16: ("<H", 0, 2**16 - 1), _VT.INT16: ("<h", -(2**15), 2**15 - 1),
+              _VT.UINT32: ("<I", 0, 2**32 - 1), _VT.INT32: ("<i", -(2**31), 2**31 - 1),
+              _VT.UINT64: ("<Q", 0, 2**64 - 1), _VT.INT64: ("<q", -(2**63), 2**63 - 1)}  # fmt: skip
+
+
+class RawGGUF:
+    """A little-endian GGUF split into its parts, to be written back with its metadata edited at the byte level
+    (the tensor table and data are copied; the data section is re-aligned after the new metadata)."""
+
+    def __init__(self, path: Path) -> None:
+        data = path.read_bytes()
+        self.version, n_tensors, n_kv = struct.unpack_from("<IQQ", data, 4)
+        self.kv: dict[str, tuple[int, bytes]] = {}  # key -> (value type, encoded value)
+        offs = 24
+        for _ in range(n_kv):
+            (n,) = struct.unpack_from("<Q", data, offs)
+            key = data[offs + 8 : offs + 8 + n].decode()
+            (kind,) = struct.unpack_from("<I", data, offs + 8 + n)
+            _, _, end = convert_module._parse_metadata(memoryview(data), offs, 1)
+            self.kv[key] = (kind, data[offs + 12 + n : end])
+            offs = end
+        info_start = offs
+        for _ in range(n_tensors):
+            (n,) = struct.unpack_from("<Q", data, offs)
+            (dims,) = struct.unpack_from("<I", data, offs + 8 + n)
+            offs += 8 + n + 4 + 8 * dims + 4 + 8
+        self.n_tensors, self.infos = n_tensors, data[info_start:offs]
+        self.body = data[(offs + 31) // 32 * 32 :]
+
+    def write(self, path: Path, *, n_tensors: int | None = None, n_kv: int | None = None) -> Path:
+        kv = b"".join(struct.pack("<Q", len(k.encode())) + k.encode() + struct.pack("<I", t) + v
+                      for k, (t, v) in self.kv.items())
+        head = b"GGUF" + struct.pack("<IQQ", self.version, self.n_tensors if n_tensors is None else n_tensors,
+                                     len(self.kv) if n_kv is None else n_kv)
+        meta = head + kv + self.infos
+        path.write_bytes(meta + b"\0" * (-len(meta) % 32) + self.body)
+        return path
+
+
+def gguf_string(text: bytes) -> bytes:
+    return struct.pack("<Q", len(text)) + text
+
+
+@st.composite
+def gguf_values(draw: st.DrawFn) -> tuple[int, bytes]:
+    """A (type, encoded value): well-formed values of every type, extreme numbers, bad UTF-8, arrays whose
+    declared length is larger than the file, unknown types with junk bytes."""
+    shape = draw(st.sampled_from(["int", "float", "bool", "string", "array", "raw"]))
+    if shape == "int":
+        kind = draw(st.sampled_from(sorted(_INT_TYPES)))
+        fmt, lo, hi = _INT_TYPES[kind]
+        value = draw(st.one_of(st.sampled_from([lo, hi, 0, 1, 2, 16, 2**31 - 1]).filter(lambda v: lo <= v <= hi),
+                               st.integers(lo, hi)))
+        return int(kind), struct.pack(fmt, value)
+    if shape == "float":
+        kind = draw(st.sampled_from([_VT.FLOAT32, _VT.FLOAT64]))
+        real = draw(st.floats(width=32 if kind == _VT.FLOAT32 else 64))
+        return int(kind), struct.pack("<f" if kind == _VT.FLOAT32 else "<d", real)
+    if shape == "bool":
+        return int(_VT.BOOL), bytes([draw(st.sampled_from([0, 1, 2, 255]))])
+    if shape == "string":
+        text = draw(st.one_of(st.text(max_size=12).map(str.encode), st.binary(max_size=12)))
+        return int(_VT.STRING), gguf_string(text)
+    if shape == "array":
+        item = draw(st.sampled_from([_VT.UINT32, _VT.INT32, _VT.FLOAT32, _VT.STRING, _VT.UINT64, _VT.BOOL,
+                                     _VT.ARRAY]))
+        items = draw(st.lists(st.integers(0, 2**31 - 1), max_size=4))
+        if item == _VT.STRING:
+            body = b"".join(gguf_string(str(i).encode()) for i in items)
+        elif item == _VT.FLOAT32:
+            body = b"".join(struct.pack("<f", float(i)) for i in items)
+        elif item == _VT.UINT64:
+            body = b"".join(struct.pack("<Q", i) for i in items)
+        elif item == _VT.BOOL:
+            body = bytes(i & 1 for i in items)
+        else:
+            body = b"".join(struct.pack("<I", i) for i in items)
+        count = draw(st.sampled_from([len(items), len(items), 2**32 - 1, 2**63, 2**64 - 1]))
+        return int(_VT.ARRAY), struct.pack("<IQ", item, count) + body
+    return draw(st.integers(0, 2**32 - 1)), draw(st.binary(max_size=16))
+
+
+_KEYS = ["llama.block_count", "llama.embedding_length", "llama.feed_forward_length", "llama.attention.head_count",
+         "llama.attention.head_count_kv", "llama.context_length", "llama.rope.dimension_count",
+         "llama.rope.freq_base", "llama.attention.layer_norm_rms_epsilon", "llama.vocab_size",
+         "llama.expert_count", "llama.rope.scaling.type", "llama.rope.scaling.factor", "llama.rope.scale_linear",
+         "llama.attention.key_length", "llama.attention.value_length", "general.architecture", "general.alignment",
+         "tokenizer.ggml.model", "tokenizer.ggml.tokens", "tokenizer.ggml.token_type", "tokenizer.ggml.merges",
+         "tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id",
+         "tokenizer.ggml.eom_token_id", "tokenizer.ggml.add_bos_token", "tokenizer.chat_template", "x.other"]
+
+
+@pytest.fixture(scope="module")
+def raw_tiny_gguf(tmp_path_factory: pytest.TempPathFactory) -> RawGGUF:
+    return RawGGUF(write_gguf(tmp_path_factory.mktemp("mutate") / "tiny.gguf"))
+
+
+def convert_mutated(raw: RawGGUF, *, n_tensors: int | None = None, n_kv: int | None = None) -> None:
+    """Convert the edited file: success or ConversionError naming the file, nothing else."""
+    with tempfile.TemporaryDirectory() as tmp:
+        src = raw.write(Path(tmp) / "m.gguf", n_tensors=n_tensors, n_kv=n_kv)
+        try:
+            convert_gguf(src, Path(tmp) / "m.base", dtype="f32", progress=False)
+        except ConversionError as exc:
+            assert str(src) in str(exc)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(edits=st.lists(st.tuples(st.sampled_from(_KEYS), st.none() | gguf_values()), min_size=1, max_size=3),
+       counts=st.sampled_from([(None, None)] * 4 + [(2**64 - 1, None), (None, 2**64 - 1), (10**6, None),
+                                                      (None, 10**6), (0, None)]))
+def test_mutated_metadata_converts_or_raises_conversion_error(
+    raw_tiny_gguf: RawGGUF, edits: list[tuple[str, tuple[int, bytes] | None]], counts: tuple[int | None, int | None]
+) -> None:
+    """Any metadata key set to any type and value (or removed), and the header's counts, over a valid tiny
+    GGUF: the converter succeeds or raises ConversionError, never another exception and never a runaway."""
+    raw = copy.copy(raw_tiny_gguf)
+    raw.kv = dict(raw_tiny_gguf.kv)
+    for key, value in edits:
+        if value is None:
+            raw.kv.pop(key, None)
+        else:
+            raw.kv[key] = value
+    convert_mutated(raw, n_tensors=counts[0], n_kv=counts[1])
+
+
+@pytest.mark.parametrize("kind, value", [(_VT.UINT32, 2**32 - 1), (_VT.UINT64, 2**64 - 1), (_VT.INT64, 2**62),
+                                         (_VT.UINT32, 3)])
+def test_block_count_beyond_the_tensor_table_is_refused_before_allocating(
+    raw_tiny_gguf: RawGGUF, tmp_path: Path, kind: gguf.GGUFValueType, value: int
+) -> None:
+    """block_count 2^32 - 1 used to build a 2^32-layer table of expected shapes (memory without bound); every
+    count is bounded by what the file holds before anything is sized by it."""
+    raw = copy.copy(raw_tiny_gguf)
+    raw.kv = dict(raw_tiny_gguf.kv) | {"llama.block_count": (int(kind), struct.pack(_INT_TYPES[kind][0], value))}
+    src = raw.write(tmp_path / "layers.gguf")
+    with pytest.raises(ConversionError, match="block_count"):
+        convert_gguf(src, tmp_path / "out.base", progress=False)
