@@ -419,15 +419,16 @@ def test_block_inserted_under_two_token_paths_stays_evictable(lib: Library, mode
 # ---- NaN / Inf quantization scales --------------------------------------------------------------------
 
 
-def _poison_scale(src: Path, dst: Path, tensor: str, region: str, group: int, value: bytes) -> Path:
-    """Copy a quantized bundle with one group's scale (or bias) overwritten by the 2 raw bytes `value`."""
+def _poison(src: Path, dst: Path, tensor: str, region: str, index: int, value: bytes) -> Path:
+    """Copy a bundle with element `index` of a tensor's region ("scale" / "bias" of a quantized tensor, ""
+    for its data) overwritten by the raw bytes `value`."""
     data = bytearray(src.read_bytes())
     hlen = int.from_bytes(data[8:16], "little")
     header = json.loads(data[16 : 16 + hlen])
     blob = (16 + hlen + 65535) // 65536 * 65536
     t = next(t for t in header["tensors"] if t["name"] == tensor)
-    at = blob + t[f"{region}_offset"] + 2 * group
-    data[at : at + 2] = value
+    at = blob + t[f"{region}_offset" if region else "offset"] + len(value) * index
+    data[at : at + len(value)] = value
     dst.write_bytes(bytes(data))
     return dst
 
@@ -453,13 +454,32 @@ def test_non_finite_quant_scales_are_refused_at_load(lib: Library, q4_model_path
 
     src = _rewrite_header(q4_model_path, tmp_path / "dtype.base", edit)
     name = "layers.1.mlp.down_proj.weight"
-    bad = _poison_scale(src, tmp_path / "bad.base", name, region, 3, raw)
+    bad = _poison(src, tmp_path / "bad.base", name, region, 3, raw)
     assert not lib.baseRT_load_model_ex(os.fsencode(bad), None, 64, None)
     msg = error(lib)
     assert lib.baseRT_get_error_code() == INVALID_FORMAT and name in msg and region in msg and what in msg, msg
     fine = lib.baseRT_load_model_ex(os.fsencode(src), None, 64, None)  # the unpoisoned bundle loads
     assert fine, error(lib)
     lib.baseRT_free_model(fine)
+
+
+def test_non_finite_weights_compute_without_undefined_behaviour(lib: Library,
+                                                               nonfinite_paths: tuple[list[Path], list[Path]]) -> None:
+    """A NaN or Inf norm weight loads (only quantization parameters are checked) and makes NaN / Inf
+    activations: the activation quantizer of the integer kernels and the Q8 KV pool clamp them before their
+    float-to-int conversions (UB, which the UBSan run of this file reports), and every call still answers."""
+    for path in nonfinite_paths[1]:
+        for kv_bits in (0, 8):
+            m = load(lib, path, kv_bits=kv_bits)
+            s = int(lib.baseRT_sequence_create(m))
+            assert step(lib, m, [s], [PROMPT]) == OK, error(lib)
+            assert step(lib, m, [s], [[5]]) == OK, error(lib)
+            rows(lib, m, 1)
+            stats = generate(lib, m, PROMPT[:20], 4, lambda *_: True)
+            assert stats.generated_tokens <= 4 and lib.baseRT_get_error_code() == OK, error(lib)  # NaN rows: any stop
+            lib.baseRT_sequence_free(s)
+            check_pool(lib, m)
+            lib.baseRT_free_model(m)
 
 
 # ---- cgroup CPU quotas ------------------------------------------------------------------------------
@@ -556,11 +576,35 @@ def test_two_models_share_one_thread_pool(lib: Library, model_path: Path) -> Non
 FUZZ_PROMPTS = [PROMPT, PROMPT[:33], PROMPT[:17] + [9] * 20, [11] * 50, [*PROMPT[:16], 3]]
 
 
-class Fuzzer:
-    """Random ABI calls on up to two live models, with every handle ever seen kept for reuse."""
+@pytest.fixture(scope="module")
+def nonfinite_paths(q4_model_path: Path, model_path: Path) -> tuple[list[Path], list[Path]]:
+    """(bundles the loader must refuse: NaN / Inf quantization scales and biases; bundles that load but
+    compute NaN / Inf: a NaN and an Inf norm weight, which the integer kernels' activation quantizer and
+    the Q8 KV pool then meet)."""
+    q4, name = q4_model_path, "layers.0.mlp.up_proj.weight"
+    refused = [_poison(q4, q4.with_name("nan-scale.base"), name, "scale", 5, b"\x00\x7e"),
+               _poison(q4, q4.with_name("inf-bias.base"), name, "bias", 0, b"\x00\xfc")]
+    loadable = [_poison(q4, q4.with_name("nan-norm.q4.base"), "layers.0.input_norm.weight", "", 7,
+                        np.float32("nan").tobytes()),
+                _poison(model_path, model_path.with_name("inf-norm.base"), "layers.1.post_attn_norm.weight", "", 0,
+                        np.float32("inf").tobytes())]
+    return refused, loadable
 
-    def __init__(self, lib: Library, raw: Raw, path: Path, rng: random.Random) -> None:
+
+class Fuzzer:
+    """Random ABI calls on up to two live models, with every handle ever seen kept for reuse.
+
+    baseRT_generate's token callback runs ops too: it stops the generation, calls the busy model (reset,
+    generate, free, steps, sequences, prefix cache: each refused), or runs any other op, another model's
+    generation (and its callback) included. Loads sometimes pick a bundle with NaN / Inf weights."""
+
+    def __init__(self, lib: Library, raw: Raw, path: Path, rng: random.Random,
+                 nonfinite: tuple[list[Path], list[Path]] = ([], [])) -> None:
         self.lib, self.raw, self.path, self.rng = lib, raw, path, rng
+        self.refused_paths, self.nonfinite_paths = nonfinite
+        self.busy: list[int] = []  # models whose generation is inside its callback, outermost first
+        self.depth = 0  # ops nested in callbacks
+        self.seen: dict[str, int] = dict.fromkeys(["callbacks", "refused", "nested", "nonfinite"], 0)
         self.models: list[int] = []  # live
         self.dead_models: list[int] = []
         self.seqs: dict[int, int] = {}  # live sequence -> model
@@ -580,17 +624,124 @@ class Fuzzer:
     def tokens(self, n: int) -> list[int]:
         return [self.rng.randrange(3, 200) for _ in range(n)]
 
+    def usable(self, m: int) -> bool:
+        return m in self.models and m not in self.busy
+
+    def generate(self) -> None:
+        lib, r = self.lib, self.rng
+        m = r.choice(self.models) if self.models and r.random() < 0.8 else self.any_model()
+        prompt = r.choice(FUZZ_PROMPTS)[: r.choice([1, 5, 17, 40])]
+        max_tokens = r.choice([0, 1, 3, 8, 100])
+        usable = self.usable(m)
+        emitted: list[int] = []
+        failures: list[BaseException] = []
+
+        def on_token(tok: int, text: bytes | None, _: Any) -> bool:
+            try:  # ctypes would swallow an exception raised here: carried out instead
+                emitted.append(tok)
+                self.seen["callbacks"] += 1
+                assert text is not None and 0 <= tok < 600
+                roll = r.random()
+                if roll < 0.15:
+                    return False
+                if roll < 0.6:
+                    self.reenter(m)
+                elif self.depth < 2:
+                    self.seen["nested"] += 1
+                    self.depth += 1
+                    try:
+                        self.op()
+                    finally:
+                        self.depth -= 1
+                return True
+            except BaseException as exc:
+                failures.append(exc)
+                return False
+
+        toks, vals = (ctypes.c_int32 * 1)(EOS), (ctypes.c_float * 1)(r.choice([0.0, -1e9]))
+        cfg = BaseRTSamplingConfig(temperature=r.choice([0.0, 0.7]), top_k=r.choice([0, 5]), top_p=1.0,
+                                   repeat_penalty=r.choice([1.0, 1.3]), seed=r.randrange(100), n_logit_bias=1,
+                                   logit_bias_tokens=toks, logit_bias_values=vals)
+        if usable:
+            self.busy.append(m)
+        try:
+            stats = lib.baseRT_generate(m, u32(prompt), len(prompt), max_tokens, cfg, TOKEN_CALLBACK(on_token), None)
+        finally:
+            if usable:
+                self.busy.pop()
+        if failures:
+            raise failures[0]
+        code = int(lib.baseRT_get_error_code())
+        if not usable:
+            assert stats.generated_tokens == 0 and not emitted and code == INVALID_ARGUMENT, (code, error(lib))
+        else:
+            assert stats.generated_tokens == len(emitted) <= max_tokens and code in (OK, OUT_OF_MEMORY), error(lib)
+
+    def reenter(self, m: int) -> None:
+        """A call on the model whose callback is running: refused, nothing changes."""
+        lib, r = self.lib, self.rng
+        own = [s for s, owner in self.seqs.items() if owner == m]
+        what = r.choice(["reset", "generate", "free_model", "prefill", "create", "free_seq", "rollback", "step",
+                         "insert", "evict", "match", "check", "read_logits", "embed"])
+        code = None
+        if what == "reset":
+            lib.baseRT_reset(m)
+        elif what == "generate":
+            lib.baseRT_generate(m, u32(PROMPT[:3]), 3, 4, BaseRTSamplingConfig(top_p=1.0), TOKEN_CALLBACK(
+                lambda *_: True), None)
+        elif what == "free_model":
+            lib.baseRT_free_model(m)
+        elif what == "prefill":
+            lib.baseRT_prefill(m, u32(PROMPT[:3]), 3)
+        elif what == "create":
+            assert not lib.baseRT_sequence_create(m)
+        elif what == "free_seq" and own:
+            lib.baseRT_sequence_free(r.choice(own))
+        elif what == "rollback" and own:
+            code = lib.baseRT_sequence_rollback(r.choice(own), 0)
+        elif what == "step":
+            code = step(lib, m, own[:1], [[5]] if own else [])
+        elif what == "insert" and own:
+            code = lib.baseRT_prefix_insert(m, u32(PROMPT), len(PROMPT), own[0])
+        elif what == "evict":
+            assert lib.baseRT_prefix_evict(m, 1000) == 0
+        elif what == "match":
+            assert match(lib, m, PROMPT)[0] == 0
+        elif what == "check":
+            code = lib.baseRT_ref_check_kv(m)
+        elif what == "read_logits":
+            assert lib.baseRT_read_logits(m, (ctypes.c_float * 1024)(), 1024) == 0
+        elif what == "embed":
+            assert lib.baseRT_embed(m, u32(PROMPT[:3]), 3, (ctypes.c_float * 64)(), 64) == 0
+        else:
+            return  # a sequence call without a sequence of this model
+        assert code in (None, INVALID_ARGUMENT), code
+        self.seen["refused"] += 1
+        assert lib.baseRT_get_error_code() == INVALID_ARGUMENT and "token callback" in error(lib), (what, error(lib))
+
     def op(self) -> None:
         lib, r = self.lib, self.rng
         kind = r.choice(["load", "free_model", "create", "create", "free_seq", "rollback", "step", "step", "step",
-                         "match", "seed", "insert", "settle", "evict", "query", "tap_step", "tap_read"])
+                         "match", "seed", "insert", "settle", "evict", "query", "tap_step", "tap_read", "generate",
+                         "generate"])
         self.calls += 1
         if kind == "load" and len(self.models) < 2:
-            self.models.append(load(lib, self.path, max_context=r.choice([48, 128]), max_batch_size=r.choice([1, 4])))
+            if self.refused_paths and r.random() < 0.2:  # NaN / Inf quantization parameters
+                bad = r.choice(self.refused_paths)
+                assert not lib.baseRT_load_model_ex(os.fsencode(bad), None, 64, None)
+                assert lib.baseRT_get_error_code() == INVALID_FORMAT and "weight" in error(lib), error(lib)
+            else:
+                path = r.choice(self.nonfinite_paths) if self.nonfinite_paths and r.random() < 0.3 else self.path
+                self.seen["nonfinite"] += path != self.path
+                self.models.append(load(lib, path, max_context=r.choice([48, 128]), max_batch_size=r.choice([1, 4])))
+        elif kind == "generate":
+            self.generate()
         elif kind == "free_model":
             m = self.any_model()
             lib.baseRT_free_model(m)
-            if m in self.models:
+            if m in self.busy:
+                assert lib.baseRT_get_error_code() == INVALID_ARGUMENT and "token callback" in error(lib)
+            elif m in self.models:
                 self.models.remove(m)
                 self.dead_models.append(m)
                 for s in [s for s, owner in self.seqs.items() if owner == m]:
@@ -599,13 +750,13 @@ class Fuzzer:
         elif kind == "create":
             m = self.any_model()
             s = lib.baseRT_sequence_create(m)
-            assert bool(s) == (m in self.models), error(lib)
+            assert bool(s) == self.usable(m), error(lib)
             if s:
                 self.seqs[int(s)] = m
         elif kind == "free_seq":
             s = self.any_seq()
             lib.baseRT_sequence_free(s)
-            if s in self.seqs:
+            if s in self.seqs and self.seqs[s] not in self.busy:
                 del self.seqs[s]
                 self.dead_seqs.append(s)
         elif kind == "rollback":
@@ -684,7 +835,8 @@ class Fuzzer:
             lib.baseRT_model_memory_stats(m, byref(st))
             lib.baseRT_read_batch_logits(m, r.choice([0, 1, 9]), None)
         for m in self.models:
-            check_pool(lib, m)
+            if m not in self.busy:
+                check_pool(lib, m)
 
     def drain(self) -> None:
         """Settle everything and free every sequence: each live model's pool must then be empty."""
@@ -696,6 +848,7 @@ class Fuzzer:
         self.seqs.clear()
         for m in self.models:
             check_pool(lib, m)
+            lib.baseRT_reset(m)  # the default sequence's KV (generate)
             lib.baseRT_prefix_evict(m, 10**6)
             assert blocks_used(lib, m) == 0
             lib.baseRT_free_model(m)
@@ -709,23 +862,28 @@ def q4_model_path(model_path: Path) -> Path:
 
 
 @pytest.mark.parametrize("seed_value", range(6))
-def test_fuzz_random_abi_call_sequences(lib: Library, raw: Raw, model_path: Path, seed_value: int) -> None:
-    fuzz(lib, raw, model_path, seed_value)
+def test_fuzz_random_abi_call_sequences(lib: Library, raw: Raw, model_path: Path, seed_value: int,
+                                        nonfinite_paths: tuple[list[Path], list[Path]]) -> None:
+    fuzz(lib, raw, model_path, seed_value, nonfinite_paths)
 
 
 @pytest.mark.parametrize("seed_value", range(3))
-def test_fuzz_random_abi_call_sequences_on_a_q4_model(lib: Library, raw: Raw, q4_model_path: Path,
-                                                     seed_value: int) -> None:
-    fuzz(lib, raw, q4_model_path, 2000 + seed_value)
+def test_fuzz_random_abi_call_sequences_on_a_q4_model(lib: Library, raw: Raw, q4_model_path: Path, seed_value: int,
+                                                     nonfinite_paths: tuple[list[Path], list[Path]]) -> None:
+    fuzz(lib, raw, q4_model_path, 2000 + seed_value, nonfinite_paths)
 
 
-def fuzz(lib: Library, raw: Raw, model_path: Path, seed_value: int) -> None:
+def fuzz(lib: Library, raw: Raw, model_path: Path, seed_value: int,
+         nonfinite: tuple[list[Path], list[Path]] = ([], [])) -> None:
     live_before = lib.baseRT_ref_counter(b"sequences"), lib.baseRT_ref_counter(b"models")
-    f = Fuzzer(lib, raw, model_path, random.Random(1000 + seed_value))
+    f = Fuzzer(lib, raw, model_path, random.Random(1000 + seed_value), nonfinite)
     f.models.append(load(lib, model_path))
     for _ in range(500):
         f.op()
     f.drain()
+    # The generate callback's paths and the non-finite bundles were exercised (structural, not by luck).
+    assert all(f.seen[k] > 0 for k in ("callbacks", "refused", "nested")), f.seen
+    assert f.seen["nonfinite"] > 0 or not nonfinite[1], f.seen
     assert (lib.baseRT_ref_counter(b"sequences"), lib.baseRT_ref_counter(b"models")) == live_before
 
 

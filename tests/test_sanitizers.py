@@ -40,7 +40,8 @@ def sanitized_env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     sources = sorted(str(p) for p in (ROOT / "native" / "src").glob("*.c"))
     subprocess.run(
         [cc, "-std=c11", "-O1", "-g", "-fPIC", "-shared", "-D_GNU_SOURCE", "-fno-omit-frame-pointer",
-         "-fsanitize=address,undefined", "-fno-sanitize-recover=undefined",
+         # float-cast-overflow is outside "undefined": a NaN or Inf reaching (int) is UB all the same
+         "-fsanitize=address,undefined,float-cast-overflow", "-fno-sanitize-recover=undefined,float-cast-overflow",
          f"-I{ROOT / 'native' / 'include'}", f"-I{ROOT / 'native' / 'src'}", *sources, "-o", str(lib),
          "-lm", "-lpthread"],
         check=True,
@@ -74,6 +75,8 @@ def test_native_suites_pass_under_asan_and_ubsan(sanitized_env: dict[str, str]) 
 @pytest.mark.slow
 @pytest.mark.parametrize("cap", ["avx2", "generic"])
 def test_kernel_suites_pass_under_asan_with_each_kernel_set(sanitized_env: dict[str, str], cap: str) -> None:
-    """The lower kernel sets (the main run above uses the CPU's best) read their own tails and layouts."""
+    """The lower kernel sets (the main run above uses the CPU's best) read their own tails and layouts; the
+    safety file's NaN / Inf weights reach the scalar activation quantizer here."""
     _run_sanitized(dict(sanitized_env, BASERT_REF_SIMD=cap),
-                   ["tests/test_native_quant.py", "tests/test_native_weights.py", "tests/test_native_runtime.py"])
+                   ["tests/test_native_quant.py", "tests/test_native_weights.py", "tests/test_native_runtime.py",
+                    "tests/test_native_safety.py"])
