@@ -377,6 +377,8 @@ def convert_gguf(
     tokens = meta.get("tokenizer.ggml.tokens")
     if not isinstance(tokens, list) or not tokens:
         raise fail("no tokenizer vocabulary (tokenizer.ggml.tokens)")
+    if not all(isinstance(t, str) for t in tokens):
+        raise fail("tokenizer.ggml.tokens must be an array of strings")
     if meta.get("tokenizer.ggml.model") != "gpt2":
         raise fail(
             f"unsupported tokenizer model {meta.get('tokenizer.ggml.model')!r}: the reference engine implements "

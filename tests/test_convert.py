@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import os
 import struct
 import tempfile
 from collections.abc import Callable
@@ -21,6 +22,7 @@ from tokenizers.models import BPE
 
 from aiobasert import convert as convert_module
 from aiobasert import models
+from aiobasert._ffi import Library
 from aiobasert.bundle import Bundle, read_bundle
 from aiobasert.convert import ConversionError, convert_gguf, main
 from aiobasert.tiny import CHATML_TEMPLATE, tiny_vocab
@@ -365,14 +367,21 @@ def raw_tiny_gguf(tmp_path_factory: pytest.TempPathFactory) -> RawGGUF:
     return RawGGUF(write_gguf(tmp_path_factory.mktemp("mutate") / "tiny.gguf"))
 
 
-def convert_mutated(raw: RawGGUF, *, n_tensors: int | None = None, n_kv: int | None = None) -> None:
-    """Convert the edited file: success or ConversionError naming the file, nothing else."""
+def convert_mutated(lib: Library, raw: RawGGUF, *, n_tensors: int | None = None, n_kv: int | None = None) -> None:
+    """Convert the edited file: success or ConversionError naming the file, nothing else; a bundle it wrote
+    loads in the engine or is refused with a code (INVALID_FORMAT, UNSUPPORTED), never a crash."""
     with tempfile.TemporaryDirectory() as tmp:
         src = raw.write(Path(tmp) / "m.gguf", n_tensors=n_tensors, n_kv=n_kv)
         try:
-            convert_gguf(src, Path(tmp) / "m.base", dtype="f32", progress=False)
+            out = convert_gguf(src, Path(tmp) / "m.base", dtype="f32", progress=False)
         except ConversionError as exc:
             assert str(src) in str(exc)
+            return
+        m = lib.baseRT_load_model_ex(os.fsencode(out), None, 64, None)
+        if m:
+            lib.baseRT_free_model(m)
+        else:
+            assert lib.baseRT_get_error_code() in (4, 5), lib.baseRT_get_error()
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -380,7 +389,8 @@ def convert_mutated(raw: RawGGUF, *, n_tensors: int | None = None, n_kv: int | N
        counts=st.sampled_from([(None, None)] * 4 + [(2**64 - 1, None), (None, 2**64 - 1), (10**6, None),
                                                       (None, 10**6), (0, None)]))
 def test_mutated_metadata_converts_or_raises_conversion_error(
-    raw_tiny_gguf: RawGGUF, edits: list[tuple[str, tuple[int, bytes] | None]], counts: tuple[int | None, int | None]
+    lib: Library, raw_tiny_gguf: RawGGUF, edits: list[tuple[str, tuple[int, bytes] | None]],
+    counts: tuple[int | None, int | None]
 ) -> None:
     """Any metadata key set to any type and value (or removed), and the header's counts, over a valid tiny
     GGUF: the converter succeeds or raises ConversionError, never another exception and never a runaway."""
@@ -391,7 +401,7 @@ def test_mutated_metadata_converts_or_raises_conversion_error(
             raw.kv.pop(key, None)
         else:
             raw.kv[key] = value
-    convert_mutated(raw, n_tensors=counts[0], n_kv=counts[1])
+    convert_mutated(lib, raw, n_tensors=counts[0], n_kv=counts[1])
 
 
 @pytest.mark.parametrize("kind, value", [(_VT.UINT32, 2**32 - 1), (_VT.UINT64, 2**64 - 1), (_VT.INT64, 2**62),
