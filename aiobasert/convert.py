@@ -515,6 +515,19 @@ def _quantized_entry(name: str, shape: tuple[int, ...], region: str, dtype: str,
 
 
 def _quantize(tensor: gguf.ReaderTensor, entry: TensorEntry, fail: Callable[[str], ConversionError]) -> QuantizedTensor:
+    with np.errstate(over="ignore", invalid="ignore"):  # an overflow is caught just below, as an error
+        q = _quantize_groups_of(tensor, entry, fail)
+    # A NaN / Inf scale or bias (copied from the GGUF, or an f16 overflow of a huge finite range) would make the
+    # whole group non-finite: the engine refuses such a bundle, so refuse it here, naming the tensor.
+    for what, part in (("scale", q.scales), ("bias", q.biases)):
+        if part is not None and not np.isfinite(part).all():
+            raise fail(f"tensor {tensor.name!r}: a non-finite group {what} when quantized to {entry.dtype}")
+    return q
+
+
+def _quantize_groups_of(
+    tensor: gguf.ReaderTensor, entry: TensorEntry, fail: Callable[[str], ConversionError]
+) -> QuantizedTensor:
     out_dim, in_dim = entry.shape
     groups = in_dim // _QUANT_GROUP
     kind = tensor.tensor_type

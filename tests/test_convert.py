@@ -292,10 +292,13 @@ class RawGGUF:
             self.kv[key] = (kind, data[offs + 12 + n : end])
             offs = end
         info_start = offs
+        self.offsets: dict[str, int] = {}  # tensor -> its data's offset in the data section
         for _ in range(n_tensors):
             (n,) = struct.unpack_from("<Q", data, offs)
             (dims,) = struct.unpack_from("<I", data, offs + 8 + n)
+            name = data[offs + 8 : offs + 8 + n].decode()
             offs += 8 + n + 4 + 8 * dims + 4 + 8
+            (self.offsets[name],) = struct.unpack_from("<Q", data, offs - 8)
         self.n_tensors, self.infos = n_tensors, data[info_start:offs]
         self.body = data[(offs + 31) // 32 * 32 :]
 
@@ -367,13 +370,14 @@ def raw_tiny_gguf(tmp_path_factory: pytest.TempPathFactory) -> RawGGUF:
     return RawGGUF(write_gguf(tmp_path_factory.mktemp("mutate") / "tiny.gguf"))
 
 
-def convert_mutated(lib: Library, raw: RawGGUF, *, n_tensors: int | None = None, n_kv: int | None = None) -> None:
+def convert_mutated(lib: Library, raw: RawGGUF, dtype: str, *, n_tensors: int | None = None,
+                    n_kv: int | None = None) -> None:
     """Convert the edited file: success or ConversionError naming the file, nothing else; a bundle it wrote
     loads in the engine or is refused with a code (INVALID_FORMAT, UNSUPPORTED), never a crash."""
     with tempfile.TemporaryDirectory() as tmp:
         src = raw.write(Path(tmp) / "m.gguf", n_tensors=n_tensors, n_kv=n_kv)
         try:
-            out = convert_gguf(src, Path(tmp) / "m.base", dtype="f32", progress=False)
+            out = convert_gguf(src, Path(tmp) / "m.base", dtype=dtype, progress=False)  # type: ignore[arg-type]
         except ConversionError as exc:
             assert str(src) in str(exc)
             return
@@ -387,10 +391,11 @@ def convert_mutated(lib: Library, raw: RawGGUF, *, n_tensors: int | None = None,
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(edits=st.lists(st.tuples(st.sampled_from(_KEYS), st.none() | gguf_values()), min_size=1, max_size=3),
        counts=st.sampled_from([(None, None)] * 4 + [(2**64 - 1, None), (None, 2**64 - 1), (10**6, None),
-                                                      (None, 10**6), (0, None)]))
+                                                      (None, 10**6), (0, None)]),
+       dtype=st.sampled_from(["f32", "q4"]))
 def test_mutated_metadata_converts_or_raises_conversion_error(
     lib: Library, raw_tiny_gguf: RawGGUF, edits: list[tuple[str, tuple[int, bytes] | None]],
-    counts: tuple[int | None, int | None]
+    counts: tuple[int | None, int | None], dtype: str
 ) -> None:
     """Any metadata key set to any type and value (or removed), and the header's counts, over a valid tiny
     GGUF: the converter succeeds or raises ConversionError, never another exception and never a runaway."""
@@ -401,7 +406,7 @@ def test_mutated_metadata_converts_or_raises_conversion_error(
             raw.kv.pop(key, None)
         else:
             raw.kv[key] = value
-    convert_mutated(lib, raw, n_tensors=counts[0], n_kv=counts[1])
+    convert_mutated(lib, raw, dtype, n_tensors=counts[0], n_kv=counts[1])
 
 
 @pytest.mark.parametrize("kind, value", [(_VT.UINT32, 2**32 - 1), (_VT.UINT64, 2**64 - 1), (_VT.INT64, 2**62),
@@ -416,3 +421,20 @@ def test_block_count_beyond_the_tensor_table_is_refused_before_allocating(
     src = raw.write(tmp_path / "layers.gguf")
     with pytest.raises(ConversionError, match="block_count"):
         convert_gguf(src, tmp_path / "out.base", progress=False)
+
+
+@pytest.mark.parametrize("dtype", ["q8", "q4"])
+def test_weights_whose_group_scale_overflows_f16_are_refused(raw_tiny_gguf: RawGGUF, tmp_path: Path,
+                                                             dtype: str) -> None:
+    """Finite f32 weights of a range past f16 (|w| ~ 1e7: scale = range / 15 or / 255 > 65504) used to be
+    written with an Inf group scale, which the engine now refuses at load: the converter refuses first,
+    naming the tensor."""
+    raw = copy.copy(raw_tiny_gguf)
+    body = bytearray(raw.body)
+    at = raw.offsets["blk.0.attn_v.weight"]  # an F32 tensor of the tiny GGUF
+    body[at : at + 8] = np.array([3e7, -3e7], dtype="<f4").tobytes()
+    raw.body = bytes(body)
+    src = raw.write(tmp_path / "big.gguf")
+    with pytest.raises(ConversionError, match=r"blk\.0\.attn_v\.weight.*non-finite group scale"):
+        convert_gguf(src, tmp_path / "out.base", dtype=dtype, progress=False)  # type: ignore[arg-type]
+    convert_gguf(src, tmp_path / "out.base", dtype="f32", progress=False)  # representable as f32
