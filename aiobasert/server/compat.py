@@ -1,4 +1,4 @@
-"""Every request field the server knows, what it does with it, and the README
+"""Every request field the server knows, what it does with it, and the docs
 table built from that (no silently ignored field).
 
 Each field is honoured exactly, or refused with a 400 whose `param` names it
@@ -7,9 +7,9 @@ nothing, e.g. `store: false`). Fields OpenAI does not define and this server
 does not know are refused the same way (`forbid_unknown_fields`).
 tests/test_server_compat.py sends every `ok` example (expecting 200) and every
 `bad` example (expecting 400 naming the field), checks the table lists exactly
-the request structs' fields, and that README.md carries `render_table()`:
+the request structs' fields, and that docs/openai-compat.md carries `render_table()`:
 
-    python -m aiobasert.server.compat      # rewrite the README section
+    python -m aiobasert.server.compat      # rewrite the table in docs/openai-compat.md
 """
 
 from __future__ import annotations
@@ -161,6 +161,6 @@ def update_readme(path: Path) -> bool:
 
 
 if __name__ == "__main__":
-    readme = Path(__file__).resolve().parents[2] / "README.md"
+    readme = Path(__file__).resolve().parents[2] / "docs" / "openai-compat.md"
     changed = update_readme(readme)
     sys.stdout.write(f"{readme}: {'updated' if changed else 'up to date'}\n")
