@@ -97,6 +97,19 @@ async def test_engine_opens_a_gguf_converting_once(
     assert len(models.list_models()) == 1
 
 
+def test_model_env_takes_what_engine_open_takes(tmp_path: Path, cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """$AIOBASERT_MODEL: a GGUF is converted into the cache, a cached NAME is its bundle, a miss says so."""
+    src = write_gguf(tmp_path / "envmodel.gguf")
+    monkeypatch.setenv("AIOBASERT_MODEL", str(src))
+    bundle = models.resolve_model(None, progress=False)
+    assert bundle.parent == cache and bundle.name.startswith("envmodel-") and bundle.suffix == ".base"
+    monkeypatch.setenv("AIOBASERT_MODEL", bundle.stem)
+    assert models.resolve_model(None, progress=False) == bundle
+    monkeypatch.setenv("AIOBASERT_MODEL", "no-such-model")
+    with pytest.raises(models.ModelNotAvailableError, match="no-such-model"):
+        models.resolve_model(None, progress=False)
+
+
 def test_a_bundle_path_is_passed_through(tmp_path: Path, tiny_model_path: Path, cache: Path) -> None:
     assert models.resolve_model(tiny_model_path) == tiny_model_path
     src = write_gguf(tmp_path / "x.gguf")

@@ -173,7 +173,8 @@ def create_app(
         `EngineFactory` for full control over `Engine.open`'s arguments, or an
         `EngineProvider` (several models, engines of your own); the engines are
         opened when the app starts and aborted when it stops.
-    api_key: when set, every endpoint but /health needs `Authorization: Bearer <api_key>`.
+    api_key: when set, every endpoint but /health, /metrics and /version needs
+        `Authorization: Bearer <api_key>`.
     model_name: the id reported by /v1/models and in responses (default: the file's stem).
     max_batch_size, max_context: passed to `Engine.open` when `model` is a path.
     allowed_origins: CORS origins allowed to call the API ("*" = any; None = no CORS).
