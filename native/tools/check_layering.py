@@ -55,7 +55,8 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("sampling", ["sampling"]),
     ("grammar", ["grammar"]),
     ("batch", ["batch"]),
-    ("api", ["api_runtime", "api_tokenizer", "api_model"]),
+    # the entry points: model lifecycle (load, free, describe), text in and out, the single-sequence path
+    ("entry points", ["generate", "text", "lifecycle"]),
 ]
 
 _INCLUDE = re.compile(r'^[ \t]*#[ \t]*include[ \t]*"([^"]+)"', re.M)
