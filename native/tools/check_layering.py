@@ -53,7 +53,8 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("prefix cache", ["prefix"]),
     ("forward", ["forward"]),
     ("sampling", ["sampling"]),
-    ("grammar", ["grammar"]),
+    # what a grammar accepts (the JSON automaton, the schema subset, structural tags), then the handle and masks
+    ("grammar", ["json_grammar", "json_schema", "structural_tag", "grammar"]),
     ("batch", ["batch"]),
     # the entry points: model lifecycle (load, free, describe), text in and out, the single-sequence path
     ("entry points", ["generate", "text", "lifecycle"]),
