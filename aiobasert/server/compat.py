@@ -1,10 +1,19 @@
 """Every request field the server knows, what it does with it, and the README
 table built from that (no silently ignored field).
 
-Each field is honoured exactly, or refused with a 400 whose `param` names it
-(a refused field may still accept its default or a value that asks for
-nothing, e.g. `store: false`). Fields OpenAI does not define and this server
-does not know are refused the same way (`forbid_unknown_fields`).
+The policy. A field is honoured exactly, or refused with a 400 whose `param`
+names it; a 200 never means a request was silently served less than it asked:
+
+- an OpenAI field this server does not implement is accepted when its value
+  asks for nothing (null, `[]`, false, its default: e.g. `include: []`, which
+  the Agents SDK always sends, or `store: false`) and refused otherwise;
+- a field that is only a hint about how to serve (`cache_control` on a content
+  part, a replayed `tool_calls[].index`) is accepted and ignored, and the
+  table says so;
+- a field nobody defined is refused by name (`forbid_unknown_fields`). vLLM
+  accepts and ignores such fields with a logged warning; here an unknown
+  field may be another server's instruction (`guided_json`, `chat_template`),
+  and ignoring it would answer 200 to a request not served as asked.
 tests/test_server_compat.py sends every `ok` example (expecting 200) and every
 `bad` example (expecting 400 naming the field), checks the table lists exactly
 the request structs' fields, and that README.md carries `render_table()`:
@@ -67,7 +76,9 @@ FIELDS: dict[str, list[Field]] = {
         Field("best_of", "refused", "only 1", bad=2, allowed=(None, 1)),
     ],
     "/v1/chat/completions": [
-        Field("messages", "honoured", "system/developer/user/assistant(+tool_calls)/tool; text parts", ok=None),
+        Field("messages", "honoured", "system/developer/user/assistant(+tool_calls)/tool; text parts. `name`: "
+              "given to the chat template (rendered only where it mentions it); `refusal`: an assistant turn's "
+              "text; ignored as hints: `cache_control` on parts, `tool_calls[].index`", ok=None),
         *_COMMON,
         Field("max_completion_tokens", "alias", "of max_tokens (wins when both are given)", ok=3, bad=0),
         Field("logprobs", "honoured", "", ok=True),
@@ -121,6 +132,18 @@ FIELDS: dict[str, list[Field]] = {
         Field("text", "honoured", "format text / json_object / json_schema", ok={"format": {"type": "text"}},
               bad={"format": {"type": "xml"}}),
         Field("truncation", "partial", "only disabled", ok="disabled", bad="auto"),
+        Field("include", "refused", "nothing extra to include: [] accepted", bad=["reasoning.encrypted_content"],
+              allowed=(None, [])),
+        Field("reasoning", "refused", "no reasoning models", bad={"effort": "high"}),
+        Field("background", "refused", "false accepted", bad=True, allowed=(None, False)),
+        Field("conversation", "refused", "use previous_response_id", bad="conv_1"),
+        Field("prompt", "refused", "no stored prompts", bad={"id": "pmpt_1"}),
+        Field("max_tool_calls", "refused", "", bad=2),
+        Field("top_logprobs", "refused", "0 accepted", bad=2, allowed=(None, 0)),
+        Field("service_tier", "refused", "one tier: auto/default accepted", bad="flex",
+              allowed=(None, "auto", "default")),
+        Field("prompt_cache_key", "refused", "the prefix cache is automatic", bad="k"),
+        Field("safety_identifier", "refused", "", bad="s"),
     ],
 }
 
