@@ -78,7 +78,8 @@ FIELDS: dict[str, list[Field]] = {
     "/v1/chat/completions": [
         Field("messages", "honoured", "system/developer/user/assistant(+tool_calls)/tool; text parts. `name`: "
               "given to the chat template (rendered only where it mentions it); `refusal`: an assistant turn's "
-              "text; ignored as hints: `cache_control` on parts, `tool_calls[].index`", ok=None),
+              "text; ignored (replayed or hints): `cache_control` on parts, `annotations`, `parsed`, "
+              "`tool_calls[].index`, `function.parsed_arguments`; `audio`/`function_call`: null only", ok=None),
         *_COMMON,
         Field("max_completion_tokens", "alias", "of max_tokens (wins when both are given)", ok=3, bad=0),
         Field("logprobs", "honoured", "", ok=True),
@@ -139,7 +140,6 @@ FIELDS: dict[str, list[Field]] = {
         Field("conversation", "refused", "use previous_response_id", bad="conv_1"),
         Field("prompt", "refused", "no stored prompts", bad={"id": "pmpt_1"}),
         Field("max_tool_calls", "refused", "", bad=2),
-        Field("top_logprobs", "refused", "0 accepted", bad=2, allowed=(None, 0)),
         Field("service_tier", "refused", "one tier: auto/default accepted", bad="flex",
               allowed=(None, "auto", "default")),
         Field("prompt_cache_key", "refused", "the prefix cache is automatic", bad="k"),

@@ -75,6 +75,10 @@ def chat_messages(messages: Sequence[RequestMessage]) -> list[dict[str, Any]]:
             raise APIError(400, f"messages[{i}]: role {m.role!r} is not supported", param="messages")
         if m.tool_calls and role != "assistant":
             raise APIError(400, f"messages[{i}]: only assistant turns carry tool_calls", param="messages")
+        if m.audio is not None:
+            raise APIError(400, f"messages[{i}]: audio is not supported", param="messages")
+        if m.function_call is not None:
+            raise APIError(400, f"messages[{i}]: function_call is deprecated: send tool_calls", param="messages")
         if m.refusal is not None and role != "assistant":
             raise APIError(400, f"messages[{i}]: only assistant turns carry a refusal", param="messages")
         if role == "tool" and not m.tool_call_id:

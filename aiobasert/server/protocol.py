@@ -108,6 +108,15 @@ class ToolCallOut(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     function: FunctionCall
 
 
+class RequestFunctionCall(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """A called function in a request's assistant turn. `parsed_arguments` is the openai
+    SDK's parsed copy of `arguments` (its `.stream()` / `.parse()` helpers replay it)."""
+
+    name: str
+    arguments: str
+    parsed_arguments: Any = None
+
+
 class RequestToolCall(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """A tool call in a request's assistant turn. `index` is the streamed delta's
     position, which the openai SDKs' `.stream()` helpers keep in the final message
@@ -115,7 +124,7 @@ class RequestToolCall(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
     id: str
     type: Literal["function"] = "function"
-    function: FunctionCall
+    function: RequestFunctionCall
     index: int | None = None
 
 
@@ -123,8 +132,11 @@ class RequestMessage(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """One chat turn as a client sends it (tool turns and assistant turns with calls included).
 
     `name` (a participant's name, as AutoGen sends) goes to the chat template, which
-    renders it only if it mentions it. `refusal` is an earlier assistant turn's
-    refusal text, replayed by clients: it is that turn's content."""
+    renders it only if it mentions it. An assistant turn replayed from a response
+    (the openai SDK's `.stream()` helper sends every field of its final message)
+    may carry `refusal` (that turn's text when it has no content), `annotations`
+    (citations of that text: nothing to render) and `parsed` (the SDK's parsed copy
+    of the content); `audio` and `function_call` must be null (params.py)."""
 
     role: str
     content: str | list[ContentPart] | None = None
@@ -132,6 +144,10 @@ class RequestMessage(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     tool_calls: list[RequestToolCall] | None = None
     tool_call_id: str | None = None
     refusal: str | None = None
+    annotations: list[Any] | None = None
+    parsed: Any = None
+    audio: Any = None
+    function_call: Any = None
 
 
 class FunctionDefinition(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):

@@ -147,7 +147,6 @@ class ResponsesRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
     conversation: Any = None
     prompt: Any = None
     max_tool_calls: Any = None
-    top_logprobs: Any = None
     service_tier: Any = None
     prompt_cache_key: Any = None
     safety_identifier: Any = None
