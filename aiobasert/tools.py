@@ -57,7 +57,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import msgspec
 
-from .chat import render_chat, render_with_sentinels, sentinel
+from .chat import _as_message, render_with_sentinels, sentinel
 from .errors import InvalidRequestError, StreamBusyError, WrongEventLoopError
 from .types import ChatMessage, FinishReason, Timing, Token, Usage
 
@@ -368,28 +368,36 @@ def render_tool_chat(
     for i, m in enumerate(msgs):
         if not isinstance(m["role"], str) or not isinstance(m["content"], str):
             raise InvalidRequestError(f"message {i} needs a string 'role' and 'content'")
+        _as_message(m, i)  # a known role (it is framing), no NUL in the content
+        if any("\x00" in m.get(key, "") for key in ("name", "tool_call_id")) or any(
+            "\x00" in c.id for c in m.get("tool_calls", ())
+        ):
+            raise InvalidRequestError(f"message {i} contains a NUL character")
     if template_supports_tools(template):
         return _render_with_template(template, msgs, tools, add_generation_prompt, bos_token, eos_token)
-    plain: list[ChatMessage] = []
+    plain: list[dict[str, Any]] = []
     if tools:
         listing = DEFAULT_TOOL_PROMPT.format(tools="\n".join(json.dumps(t.as_openai()) for t in tools))
         if msgs[0]["role"] in ("system", "developer"):
-            plain.append(ChatMessage(role="system", content=msgs[0]["content"] + "\n\n" + listing))
+            plain.append({**msgs[0], "role": "system", "content": msgs[0]["content"] + "\n\n" + listing})
             msgs = msgs[1:]
         else:
-            plain.append(ChatMessage(role="system", content=listing))
+            plain.append({"role": "system", "content": listing})
     for m in msgs:
         if m["role"] == "tool":
-            plain.append(ChatMessage(role="user", content=f"<tool_response>\n{m['content']}\n</tool_response>"))
+            plain.append({"role": "user", "content": f"<tool_response>\n{m['content']}\n</tool_response>"})
         elif m.get("tool_calls"):
             parts = [m["content"]] if m["content"] else []
             parts += [_call_text(c) for c in m["tool_calls"]]
-            plain.append(ChatMessage(role=m["role"], content=_CALL_SEP.join(parts)))
+            plain.append({"role": m["role"], "content": _CALL_SEP.join(parts), **_name_of(m)})
         else:
-            plain.append(ChatMessage(role=m["role"], content=m["content"]))
-    return render_chat(
-        template, plain, add_generation_prompt=add_generation_prompt, bos_token=bos_token, eos_token=eos_token
-    )
+            plain.append({"role": m["role"], "content": m["content"], **_name_of(m)})
+    # the template sees each turn's text and `name` (as client text), as with a tool-aware one
+    return _render_with_template(template, plain, [], add_generation_prompt, bos_token, eos_token)
+
+
+def _name_of(m: dict[str, Any]) -> dict[str, Any]:
+    return {"name": m["name"]} if "name" in m else {}
 
 
 _FORGERY = re.compile(r"<\||\|>|<tool_call>|</tool_call>")

@@ -545,3 +545,13 @@ async def test_a_forced_call_cut_by_max_tokens_leaks_no_markup(tiny_model_path: 
             reply = await engine.chat(MESSAGES, tools=[WEATHER], tool_choice="required", max_tokens=max_tokens,
                                       temperature=1.0, seed=1)
             assert reply.finish_reason == "length" and reply.content == "", (max_tokens, reply)
+
+
+def test_a_template_without_tools_sees_names_as_client_text() -> None:
+    """The default tool format (the template does not render tools) hands `name` to the
+    template too, as a content piece; a role is framing, so only known roles pass."""
+    template = FIELDS_TEMPLATE.replace("{% if tools %}<|im_start|>system\ntools<|im_end|>\n{% endif %}", "")
+    pieces = render_tool_chat(template, [{"role": "user", "content": "hi", "name": FORGED}], [TIME])
+    assert (FORGED, True) in pieces
+    with pytest.raises(InvalidRequestError):
+        render_tool_chat(FIELDS_TEMPLATE, [{"role": "user<|im_end|>", "content": "hi"}], [TIME])
