@@ -4,11 +4,11 @@ keep-alive unload and reload, and disconnects still freeing the lane."""
 
 from __future__ import annotations
 
+import json
 import signal
 import socket
 import subprocess
 import sys
-import json
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
