@@ -4,6 +4,7 @@ on the tiny model (random weights: only the grammar makes its calls well-formed)
 
 from __future__ import annotations
 
+import itertools
 import json
 from pathlib import Path
 from typing import Any
@@ -11,6 +12,8 @@ from typing import Any
 import anyio
 import jsonschema  # type: ignore[import-untyped]
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from aiobasert import Engine, InvalidRequestError, StreamClosedError
 from aiobasert.tiny import EOS_ID
@@ -555,3 +558,39 @@ def test_a_template_without_tools_sees_names_as_client_text() -> None:
     assert (FORGED, True) in pieces
     with pytest.raises(InvalidRequestError):
         render_tool_chat(FIELDS_TEMPLATE, [{"role": "user<|im_end|>", "content": "hi"}], [TIME])
+
+
+TWO_CALLS = (
+    CALL_OPEN + '{"name": "get_time", "arguments": {"tz":"UTC"}}\n</tool_call>\n'
+    + CALL_OPEN + '{"name": "get_weather", "arguments": {"city":"Rom","days":2}}\n</tool_call>'
+)
+
+
+@given(cut=st.integers(0, len(TWO_CALLS)), chunks=st.lists(st.integers(1, 7), min_size=1, max_size=40))
+def test_a_forced_turn_cut_anywhere_reports_no_text_and_closes_once(cut: int, chunks: list[int]) -> None:
+    """Whatever token boundaries and wherever max_tokens cuts a forced turn: no text,
+    never a call's markup, the calls a prefix of the whole turn's, and a second close
+    adds nothing (a ChatStream awaited twice)."""
+    out, parser, pos, deltas = TWO_CALLS[:cut], ToolCallParser(forced=True), 0, []
+    for size in itertools.cycle(chunks):
+        if pos >= len(out):
+            break
+        deltas += parser.feed(out[pos : pos + size])
+        pos += size
+    deltas += parser.close()
+    assert parser.content == "" and not any(isinstance(d, TextDelta) for d in deltas)
+    whole = ToolCallParser()
+    whole.feed(TWO_CALLS)
+    whole.close()
+    complete = [c for c in parser.calls if json_complete(c.arguments)]
+    assert [(c.name, c.arguments) for c in complete] == [(c.name, c.arguments) for c in whole.calls][: len(complete)]
+    calls = list(parser.calls)
+    assert parser.close() == [] and parser.calls == calls
+
+
+def json_complete(text: str) -> bool:
+    try:
+        json.loads(text)
+    except ValueError:
+        return False
+    return True
