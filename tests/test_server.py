@@ -298,6 +298,8 @@ def test_context_error_code_through_the_client(client: OpenAI) -> None:
     with pytest.raises(openai.BadRequestError) as info:
         client.completions.create(model=MODEL_NAME, prompt="x", max_tokens=20000)
     assert info.value.code == "context_length_exceeded"
+    # openai 3.x keeps only the message in the exception text; LangChain finds the code there
+    assert "context_length_exceeded" in str(info.value)
 
 
 def test_unknown_fields_are_refused_naming_them(http: httpx.Client) -> None:
@@ -318,6 +320,70 @@ def test_api_key_is_required(base_url: str) -> None:
         pytest.raises(openai.AuthenticationError),
     ):
         bad.models.list()
+
+
+def test_the_bearer_scheme_is_case_insensitive(base_url: str) -> None:
+    """RFC 6750 / RFC 7235: the auth scheme is case-insensitive."""
+    for scheme in ("bearer", "BEARER", "Bearer"):
+        r = httpx.post(f"{base_url}/v1/completions", json={"prompt": "x", "max_tokens": 1},
+                       headers={"Authorization": f"{scheme} {API_KEY}"})
+        assert r.status_code == 200, (scheme, r.text)
+    r = httpx.post(f"{base_url}/v1/completions", json={"prompt": "x"}, headers={"Authorization": f"Basic {API_KEY}"})
+    assert r.status_code == 401
+
+
+@pytest.mark.parametrize("content_type", [None, "text/plain", "text/plain;charset=UTF-8",
+                                          "application/x-www-form-urlencoded", "multipart/form-data; boundary=x"])
+def test_a_body_not_declared_json_is_415(http: httpx.Client, content_type: str | None) -> None:
+    """A web page may POST these to any origin without a CORS preflight (a "simple
+    request"): served, they would let any page drive a local server with no API key."""
+    before = stats(http)
+    body = json.dumps({"prompt": "x", "max_tokens": 1}).encode()
+    headers = {"Content-Type": content_type} if content_type else {}
+    request = http.build_request("POST", "/v1/completions", content=body, headers=headers)
+    assert request.headers.get("Content-Type") == content_type
+    r = http.send(request)
+    assert r.status_code == 415, r.text
+    assert r.json()["error"]["code"] == "unsupported_media_type"
+    assert stats(http)["requests_finished"] == before["requests_finished"]
+    ok = http.post("/v1/completions", content=body, headers={"Content-Type": "application/json; charset=utf-8"})
+    assert ok.status_code == 200
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [
+        ("/v1/chat/completions",
+         {"response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": {"type": "frob"}}}},
+         "response_format.json_schema.schema"),
+        ("/v1/chat/completions",
+         {"response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": {"$ref": "#/nope"}}}},
+         "response_format.json_schema.schema"),
+        ("/v1/chat/completions",
+         {"tools": [{"type": "function", "function": {"name": "f"}},
+                    {"type": "function", "function": {"name": "g", "parameters": {
+                        "type": "object", "properties": {"a": {"type": "frob"}}}}}],
+          "tool_choice": "required"},
+         "tools[1].function.parameters"),
+        ("/v1/responses", {"text": {"format": {"type": "json_schema", "name": "s", "schema": {"type": "frob"}}}},
+         "text.format.schema"),
+        ("/v1/responses", {"tools": [{"type": "function", "name": "f", "parameters": {
+            "type": "object", "properties": {"a": {"type": "frob"}}}}]},
+         "tools[0].parameters"),
+    ],
+)
+@pytest.mark.parametrize("stream", [False, True])
+def test_schema_errors_name_the_field(http: httpx.Client, path: str, body: dict[str, Any], param: str,
+                                      stream: bool) -> None:
+    """A schema the grammar cannot enforce is a 400 naming its field, in words of the
+    request (not the grammar's rules and source)."""
+    prompt = {"messages": [{"role": "user", "content": "x"}]} if "chat" in path else {"input": "x"}
+    r = http.post(path, json={**prompt, **body, "stream": stream})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == param and error["message"].startswith(param), error
+    for internal in ("%json", "args_", "call_0", "x-guidance", "\n"):
+        assert internal not in error["message"], error
 
 
 # ---- disconnects and shutdown ---------------------------------------------------------------

@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -164,3 +165,35 @@ def test_smollm2_responses_tool_turn_chained(smollm2_path: Path) -> None:
         assert "".join(deltas) and second is not None and second.output_text == "".join(deltas)
         assert first.usage is not None and second.usage is not None
         assert second.usage.input_tokens_details.cached_tokens >= first.usage.input_tokens - 16
+
+
+TIME_PARAMS: dict[str, Any] = {"type": "object", "properties": {"tz": {"enum": ["UTC", "CET"]}}, "required": ["tz"],
+                               "additionalProperties": False}
+
+
+def test_parallel_calls_stream_each_at_its_own_output_index(
+    asgi_server: Callable[[Any], str], untied_model_path: Path
+) -> None:
+    """The openai SDK's `responses.stream()` refuses a repeated output index ("Duplicate
+    response output index"): several calls in one turn are items 0, 1, 2, ...
+    (the untied tiny model calls tools several times in a row, greedily)."""
+    url = asgi_server(create_app(untied_model_path, model_name=MODEL_NAME, max_batch_size=2))
+    tools: list[Any] = [*TOOLS, {"type": "function", "name": "get_time", "parameters": TIME_PARAMS}]
+    kw: dict[str, Any] = dict(model=MODEL_NAME, input="Weather and time in Rome?", tools=tools,
+                              tool_choice="required", max_output_tokens=150, temperature=0)
+    with OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0) as client:
+        whole = client.responses.create(**kw)
+        added: list[int] = []
+        final = None
+        with client.responses.stream(**kw) as stream:
+            for event in stream:
+                if event.type == "response.output_item.added":
+                    added.append(event.output_index)
+                elif event.type in ("response.completed", "response.incomplete"):
+                    final = event.response
+    assert final is not None
+    calls = [item for item in whole.output if item.type == "function_call"]
+    assert len(calls) >= 2
+    assert added == list(range(len(final.output)))
+    streamed = [item for item in final.output if item.type == "function_call"]
+    assert [(c.name, c.arguments) for c in streamed] == [(c.name, c.arguments) for c in calls]

@@ -34,12 +34,14 @@ class _BearerAuth:
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
-        self._expected = f"Bearer {api_key}".encode()
+        self._expected = api_key.encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["path"] not in _OPEN_PATHS:
-            given = dict(scope["headers"]).get(b"authorization", b"")
-            if not hmac.compare_digest(given, self._expected):
+            scheme, _, token = dict(scope["headers"]).get(b"authorization", b"").partition(b" ")
+            # RFC 6750 / 7235: the scheme is case-insensitive ("bearer" is as good as "Bearer")
+            ok = hmac.compare_digest(token.strip(b" "), self._expected) and scheme.lower() == b"bearer"
+            if not ok:
                 err = APIError(
                     401,
                     "missing or incorrect API key: send 'Authorization: Bearer <key>'",

@@ -119,19 +119,27 @@ def _tool_call_out(call: ToolCall) -> ToolCallOut:
 
 
 def _chat_delta(deltas: Sequence[ChatDeltaSDK]) -> ChatDelta:
-    """One wire delta from the SDK deltas of one token: its text and call pieces."""
+    """One wire delta from the SDK deltas of one token: its text and call pieces,
+    one entry per call index (a call's head and its first argument fragment, released
+    by the same token, are merged: clients such as llama-index keep only one entry per
+    index and chunk)."""
     text = "".join(d.text for d in deltas if isinstance(d, TextDelta))
-    calls = [
-        ToolCallDeltaOut(
-            index=d.index,
-            id=d.id,
-            type="function" if d.id is not None else None,
-            function=FunctionCallDelta(name=d.name, arguments=d.arguments),
-        )
-        for d in deltas
-        if isinstance(d, ToolCallDelta)
-    ]
-    return ChatDelta(content=text if text or not calls else None, tool_calls=calls or None)
+    calls: dict[int, ToolCallDeltaOut] = {}
+    for d in deltas:
+        if not isinstance(d, ToolCallDelta):
+            continue
+        seen = calls.get(d.index)
+        if seen is None:
+            calls[d.index] = ToolCallDeltaOut(
+                index=d.index,
+                id=d.id,
+                type="function" if d.id is not None else None,
+                function=FunctionCallDelta(name=d.name, arguments=d.arguments),
+            )
+        else:
+            seen.function.arguments = (seen.function.arguments or "") + d.arguments
+    out = list(calls.values())
+    return ChatDelta(content=text if text or not out else None, tool_calls=out or None)
 
 
 class _ChatChunks(OpenAIChunks):

@@ -18,7 +18,7 @@ import os
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import msgspec
 from starlette.requests import Request
@@ -27,11 +27,13 @@ from starlette.responses import Response
 from ..errors import InvalidRequestError
 from ..tools import ChatStream, TextDelta, Tool, ToolCall, ToolCallDelta
 from ..types import SamplingParams, Token, Usage
+from .compat import check_refused
 from .errors import APIError, api_error
 from .events import collect, drive
 from .http import json_response, read_json
 from .metrics import Metrics
 from .params import finish_reason
+from .protocol import SchemaFields
 from .provider import ServedModel
 from .streaming import EventStream, unless_disconnected
 
@@ -113,6 +115,8 @@ class ResponsesText(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 class ResponsesRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """`POST /v1/responses`. Fields not listed here are refused (400 naming them)."""
 
+    schema_fields: ClassVar[SchemaFields] = SchemaFields("text.format.schema", "tools[{}].parameters")
+
     model: str | None = None
     input: str | list[dict[str, Any]]
     """Text, or items: messages, `function_call`s and `function_call_output`s."""
@@ -134,6 +138,18 @@ class ResponsesRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
     text: ResponsesText | None = None
     truncation: Literal["disabled"] | None = None
     """Only "disabled" (the default): a conversation longer than the context is refused."""
+    # Known OpenAI fields this server does not serve: accepted when they ask for
+    # nothing (null, [], false, the default), else a 400 naming them (compat.py).
+    include: list[str] | None = None
+    """Extra output data; the Agents SDK sends `[]` on every call."""
+    reasoning: Any = None
+    background: Any = None
+    conversation: Any = None
+    prompt: Any = None
+    max_tool_calls: Any = None
+    service_tier: Any = None
+    prompt_cache_key: Any = None
+    safety_identifier: Any = None
 
 
 # ---- response --------------------------------------------------------------------------------
@@ -330,8 +346,15 @@ class _Turn:
         self.items: list[OutputItem] = []
         self._seq = 0
         self._text_open = False
-        self._calls: dict[int, int] = {}  # call index -> output index
+        self._calls: dict[int, int] = {}  # call index -> output index, while the call streams
         self._call_ids: dict[int, str] = {}
+        self._order: dict[str, int] = {}  # item id -> output index, as announced in the stream
+
+    def announce(self, item_id: str) -> int:
+        """The output index of a streamed item: each its own, in the order they appear
+        (the openai SDK's `responses.stream()` refuses a repeated one)."""
+        self._order[item_id] = index = len(self._order)
+        return index
 
     def response(self, status: str, usage: Usage | None, finish: str | None) -> ResponseObject:
         req = self.req
@@ -370,6 +393,7 @@ class _Turn:
             item_id = self._call_ids.get(i) or _new_id("fc")
             items.append(OutputFunctionCall(id=item_id, call_id=call.id, name=call.name, arguments=call.arguments,
                                             status=status))
+        items.sort(key=lambda item: self._order.get(item.id, len(self._order)))  # as streamed
         self.items = items
         if self.req.store is not False:
             turn: dict[str, Any] = {"role": "assistant", "content": content}
@@ -406,18 +430,18 @@ class _ResponseEvents:
             out = b""
             if not t._text_open:
                 t._text_open = True
+                index = t.announce(t.msg_id)
                 item = OutputMessage(id=t.msg_id, status="in_progress", content=[])
-                out += t.event("response.output_item.added", output_index=0, item=item)
-                out += t.event("response.content_part.added", item_id=t.msg_id, output_index=0, content_index=0,
+                out += t.event("response.output_item.added", output_index=index, item=item)
+                out += t.event("response.content_part.added", item_id=t.msg_id, output_index=index, content_index=0,
                                part=OutputText(text=""))
-            return out + t.event("response.output_text.delta", item_id=t.msg_id, output_index=0, content_index=0,
-                                 delta=d.text, logprobs=[])
+            return out + t.event("response.output_text.delta", item_id=t.msg_id, output_index=t._order[t.msg_id],
+                                 content_index=0, delta=d.text, logprobs=[])
         out = b""
         if d.id is not None:  # a new call: close the previous one
             out += self._close_call(d.index - 1)
-            index = len(t._calls)
-            t._calls[d.index] = index
             t._call_ids[d.index] = _new_id("fc")
+            index = t._calls[d.index] = t.announce(t._call_ids[d.index])
             call = OutputFunctionCall(id=t._call_ids[d.index], call_id=d.id, name=d.name or "", arguments="",
                                       status="in_progress")
             return out + t.event("response.output_item.added", output_index=index, item=call)
@@ -443,13 +467,15 @@ class _ResponseEvents:
             out += self._close_call(index)
         final = t.finish(usage, finish)
         if t._text_open:
-            msg = final.output[0]
+            index = t._order[t.msg_id]
+            msg = final.output[index]
             assert isinstance(msg, OutputMessage)
             part = msg.content[0]
-            out += t.event("response.output_text.done", item_id=t.msg_id, output_index=0, content_index=0,
+            out += t.event("response.output_text.done", item_id=t.msg_id, output_index=index, content_index=0,
                            text=part.text, logprobs=[])
-            out += t.event("response.content_part.done", item_id=t.msg_id, output_index=0, content_index=0, part=part)
-            out += t.event("response.output_item.done", output_index=0, item=msg)
+            out += t.event("response.content_part.done", item_id=t.msg_id, output_index=index, content_index=0,
+                           part=part)
+            out += t.event("response.output_item.done", output_index=index, item=msg)
         kind = "response.incomplete" if final.status == "incomplete" else "response.completed"
         return out + t.event(kind, response=final)
 
@@ -477,6 +503,7 @@ class ResponsesAPI:
 
     async def create(self, request: Request) -> Response:
         req = await read_json(request, ResponsesRequest)
+        check_refused("/v1/responses", req)
         conversation: list[dict[str, Any]] = []
         if req.previous_response_id is not None:
             found = self.store.get(req.previous_response_id)
