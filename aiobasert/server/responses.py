@@ -6,8 +6,8 @@ A stored response keeps its conversation (input and output turns, not its
 plus the new input; the engine published the previous turn's KV (prompt and
 output) to its prefix cache when it finished, so the shared prefix is not
 prefilled again: `usage.input_tokens_details.cached_tokens` reports how much
-was reused. The store is bounded (`max_entries`, oldest dropped first) and
-entries expire after `ttl_s`; the KV itself lives in the engine's prefix cache
+was reused. The store is bounded in bytes (`max_bytes`, oldest dropped first)
+and entries expire after `ttl_s`; the KV itself lives in the engine's prefix cache
 and is evicted by it under memory pressure (the turn then prefills again).
 """
 
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -25,7 +26,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from ..errors import InvalidRequestError
-from ..tools import ChatStream, TextDelta, Tool, ToolCall, ToolCallDelta
+from ..tools import ChatStream, TextDelta, Tool, ToolCall, ToolCallDelta, template_supports_tools
 from ..types import SamplingParams, Token, Usage
 from .errors import APIError, api_error
 from .events import collect, drive
@@ -33,7 +34,7 @@ from .http import json_response, read_json
 from .metrics import Metrics
 from .params import finish_reason
 from .provider import ServedModel
-from .streaming import EventStream, unless_disconnected
+from .streaming import DEFAULT_WRITE_TIMEOUT_S, EventStream, unless_disconnected
 
 # ---- request ---------------------------------------------------------------------------------
 
@@ -228,32 +229,73 @@ class ResponseObject(msgspec.Struct, kw_only=True):
 # ---- the store -------------------------------------------------------------------------------
 
 
+DEFAULT_STORE_BYTES = 64 * 2**20
+"""The Responses store's default budget: the encoded size of every stored conversation."""
+
+
 class ResponseStore:
-    """Recent responses' conversations for `previous_response_id`: at most
-    `max_entries`, each for `ttl_s` seconds after it was stored."""
+    """Recent responses' conversations for `previous_response_id`, each for
+    `ttl_s` seconds after it was stored, within `max_bytes` in all (oldest
+    dropped first; a conversation larger than the whole budget is not stored).
 
-    def __init__(self, *, max_entries: int = 1024, ttl_s: float = 3600.0) -> None:
-        self.max_entries = max_entries
+    A conversation is kept as compact JSON, so its size is exactly what it
+    costs, and only with the fields a prompt renders: role, content, calls'
+    names and arguments, and call ids only for a template that renders them
+    (`keep_ids`); a replayed item's other fields never reach the prompt.
+    """
+
+    def __init__(self, *, max_bytes: int = DEFAULT_STORE_BYTES, ttl_s: float = 3600.0) -> None:
+        if max_bytes < 0:
+            raise ValueError(f"max_bytes must be >= 0, got {max_bytes}")
+        self.max_bytes = max_bytes
         self.ttl_s = ttl_s
-        self._entries: OrderedDict[str, tuple[float, list[dict[str, Any]], str]] = OrderedDict()
+        self.nbytes = 0
+        """The stored conversations' size in bytes (their JSON)."""
+        self._entries: OrderedDict[str, tuple[float, bytes, str]] = OrderedDict()
 
-    def put(self, response_id: str, conversation: list[dict[str, Any]], model: str) -> None:
-        self._entries[response_id] = (time.monotonic() + self.ttl_s, conversation, model)
-        while len(self._entries) > self.max_entries:
-            self._entries.popitem(last=False)
+    def put(
+        self, response_id: str, conversation: list[dict[str, Any]], model: str, *, keep_ids: bool = True
+    ) -> None:
+        blob = msgspec.json.encode([_rendered(m, keep_ids) for m in conversation])
+        if len(blob) > self.max_bytes:
+            return
+        self._entries[response_id] = (time.monotonic() + self.ttl_s, blob, model)
+        self.nbytes += len(blob)
+        while self.nbytes > self.max_bytes:
+            self.nbytes -= len(self._entries.popitem(last=False)[1][1])
 
     def get(self, response_id: str) -> tuple[list[dict[str, Any]], str] | None:
         entry = self._entries.get(response_id)
         if entry is None:
             return None
-        expires, conversation, model = entry
+        expires, blob, model = entry
         if time.monotonic() > expires:
             del self._entries[response_id]
+            self.nbytes -= len(blob)
             return None
+        conversation: list[dict[str, Any]] = msgspec.json.decode(blob)
         return conversation, model
 
     def __len__(self) -> int:
         return len(self._entries)
+
+
+def _rendered(message: dict[str, Any], keep_ids: bool) -> dict[str, Any]:
+    """The fields of one conversation message a chat prompt renders."""
+    out: dict[str, Any] = {"role": message["role"], "content": message.get("content") or ""}
+    calls: Sequence[ToolCall] = message.get("tool_calls") or ()
+    if calls:
+        out["tool_calls"] = [
+            {"name": c.name, "arguments": c.arguments, **({"id": c.id} if keep_ids else {})} for c in calls
+        ]
+    if keep_ids and message.get("tool_call_id") is not None:
+        out["tool_call_id"] = message["tool_call_id"]
+    return out
+
+
+def _renders_ids(template: str) -> bool:
+    """Whether a chat template renders call ids (most do not: then they are not stored)."""
+    return template_supports_tools(template) and re.search(r"tool_call_id|\bid\b", template) is not None
 
 
 def _new_id(prefix: str) -> str:
@@ -375,7 +417,8 @@ class _Turn:
             turn: dict[str, Any] = {"role": "assistant", "content": content}
             if calls:
                 turn["tool_calls"] = calls
-            self.store.put(self.id, [*self.conversation, turn], self.served.name)
+            keep_ids = _renders_ids(self.served.engine.chat_template)
+            self.store.put(self.id, [*self.conversation, turn], self.served.name, keep_ids=keep_ids)
         return self.response(status, usage, finish)
 
     # ---- streaming events ----
@@ -457,8 +500,15 @@ class _ResponseEvents:
         return b""
 
     def error(self, exc: BaseException) -> bytes:
+        # OpenAI's shape for a response that ended without completing (an abort, an
+        # engine error): the `error` event, then `response.failed` with the Response.
         err = api_error(exc).body.error
-        return self.t.event("error", code=err.code, message=err.message, param=err.param)
+        failed = msgspec.structs.replace(
+            self.t.response("failed", None, None), error={"code": err.code or "server_error", "message": err.message}
+        )
+        return self.t.event("error", code=err.code, message=err.message, param=err.param) + self.t.event(
+            "response.failed", response=failed
+        )
 
     def done(self) -> bytes:
         return b""
@@ -470,10 +520,14 @@ class _ResponseEvents:
 class ResponsesAPI:
     """`POST /v1/responses` over a model resolver and the app's metrics."""
 
-    def __init__(self, resolve: Any, metrics: Metrics, store: ResponseStore | None = None) -> None:
+    def __init__(
+        self, resolve: Any, metrics: Metrics, store: ResponseStore | None = None, *,
+        write_timeout: float | None = DEFAULT_WRITE_TIMEOUT_S,
+    ) -> None:
         self._resolve = resolve
         self._metrics = metrics
         self.store = store or ResponseStore()
+        self._write_timeout = write_timeout
 
     async def create(self, request: Request) -> Response:
         req = await read_json(request, ResponsesRequest)
@@ -520,7 +574,8 @@ class ResponsesAPI:
         turn = _Turn(req, served, chat, conversation, self.store)
         observer = self._metrics.observer(served.name, served.engine)
         if req.stream:
-            return EventStream(drive(chat.tokens, _ResponseEvents(turn), include_usage=False, observer=observer))
+            return EventStream(drive(chat.tokens, _ResponseEvents(turn), include_usage=False, observer=observer),
+                               write_timeout=self._write_timeout)
         tokens = await unless_disconnected(request.receive, functools.partial(collect, chat.tokens, observer))
         finish = finish_reason(chat.tokens.finish_reason)
         for tok in tokens:
