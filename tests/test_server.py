@@ -56,6 +56,7 @@ def long_model_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
 # A streaming request whose events (~2.5 KB each, with 20 logprobs) add up to far more than the
 # kernel and uvicorn buffer: a client that does not read keeps it in flight (its lane paused).
 LONG_STREAM = {"prompt": "Hello", "max_tokens": 16000, "temperature": 0, "stream": True, "logprobs": 20}
+RESPONSES_STREAM = {"input": "Hello", "max_output_tokens": 16000, "temperature": 0, "stream": True}
 
 
 @pytest.fixture(scope="module")
@@ -406,6 +407,17 @@ def test_sigterm_ends_streams_cleanly_and_exits(long_model_path: Path) -> None:
     proc, _, port = start_uvicorn(args, long_model_path)
     try:
         reader, stuck = raw_stream_request(port, LONG_STREAM), raw_stream_request(port, LONG_STREAM)
+        # and a Responses stream, read as it comes
+        responder = raw_stream_request(port, RESPONSES_STREAM, "/v1/responses")
+        responded = bytearray()
+
+        def read_responses() -> None:
+            responder.settimeout(30)
+            while chunk := responder.recv(65536):
+                responded.extend(chunk)
+
+        responses_reader = threading.Thread(target=read_responses, daemon=True)
+        responses_reader.start()
         reader.settimeout(10)
         received = bytearray(reader.recv(4096))
         assert received.startswith(b"HTTP/1.1 200")
@@ -416,8 +428,10 @@ def test_sigterm_ends_streams_cleanly_and_exits(long_model_path: Path) -> None:
             received += chunk
         proc.wait(timeout=30)  # a hang guard, not a speed check: a server that hangs fails here
         elapsed = time.monotonic() - sent_at
+        responses_reader.join(30)
         reader.close()
         stuck.close()
+        responder.close()
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -429,6 +443,12 @@ def test_sigterm_ends_streams_cleanly_and_exits(long_model_path: Path) -> None:
     tail = bytes(received[-600:])
     assert b'"code":"aborted"' in tail, tail  # the in-flight stream ended with an error event ...
     assert tail.rstrip().endswith(b"data: [DONE]\n\n\r\n0"), tail  # ... then [DONE] and the last HTTP chunk
+    # The Responses stream ended as OpenAI ends a failed response: `error`, then `response.failed`.
+    events = re.findall(rb"^event: (\S+)", bytes(responded), re.M)
+    assert events[:2] == [b"response.created", b"response.in_progress"], events[:4]
+    assert events[-2:] == [b"error", b"response.failed"], events[-4:]
+    failed = json.loads(bytes(responded).rsplit(b"data: ", 1)[1].split(b"\n")[0])
+    assert failed["response"]["status"] == "failed" and failed["response"]["error"]["code"] == "aborted"
 
 
 def test_full_queue_is_503_and_queued_disconnects_are_cancelled(long_model_path: Path) -> None:

@@ -526,7 +526,7 @@ class ResponsesAPI:
     ) -> None:
         self._resolve = resolve
         self._metrics = metrics
-        self.store = store or ResponseStore()
+        self.store = store if store is not None else ResponseStore()  # an empty store is falsy (len 0)
         self._write_timeout = write_timeout
 
     async def create(self, request: Request) -> Response:
