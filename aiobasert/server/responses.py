@@ -302,6 +302,12 @@ def _new_id(prefix: str) -> str:
     return f"{prefix}_{os.urandom(12).hex()}"
 
 
+def tag_of(response_id: str) -> str | None:
+    """The replica tag a response id carries (`ResponsesAPI.id_tag`), if any."""
+    parts = response_id.split("_")
+    return parts[1] if len(parts) == 3 and parts[0] == "resp" else None
+
+
 # ---- request -> engine -----------------------------------------------------------------------
 
 
@@ -360,13 +366,13 @@ class _Turn:
     and the final Response object."""
 
     def __init__(self, req: ResponsesRequest, served: ServedModel, chat: ChatStream,
-                 conversation: list[dict[str, Any]], store: ResponseStore) -> None:
+                 conversation: list[dict[str, Any]], store: ResponseStore, response_id: str) -> None:
         self.req = req
         self.served = served
         self.chat = chat
         self.conversation = conversation
         self.store = store
-        self.id = _new_id("resp")
+        self.id = response_id
         self.created = time.time()
         self.msg_id = _new_id("msg")
         self.items: list[OutputItem] = []
@@ -528,6 +534,12 @@ class ResponsesAPI:
         self._metrics = metrics
         self.store = store if store is not None else ResponseStore()  # an empty store is falsy (len 0)
         self._write_timeout = write_timeout
+        self.id_tag: str | None = None
+        """Set by a server with several replicas (Ray Serve): response ids carry it, so a
+        `previous_response_id` can be routed to the replica that stores it (`tag_of`)."""
+
+    def new_id(self) -> str:
+        return _new_id("resp") if self.id_tag is None else f"resp_{self.id_tag}_{os.urandom(12).hex()}"
 
     async def create(self, request: Request) -> Response:
         req = await read_json(request, ResponsesRequest)
@@ -535,7 +547,8 @@ class ResponsesAPI:
         if req.previous_response_id is not None:
             found = self.store.get(req.previous_response_id)
             if found is None:
-                raise APIError(404, f"no stored response {req.previous_response_id!r} (unknown or expired)",
+                raise APIError(404, f"no stored response {req.previous_response_id!r} (unknown, expired, or evicted; "
+                               "responses are kept in a bounded store, on the replica that made them)",
                                param="previous_response_id", code="response_not_found")
             conversation = list(found[0])
         conversation += _input_messages(req.input)
@@ -571,7 +584,7 @@ class ResponsesAPI:
                 err = APIError(400, msg, param="tool_choice" if "tool_choice" in msg else "tools" if "tool" in msg
                                else "input")
             raise err from None
-        turn = _Turn(req, served, chat, conversation, self.store)
+        turn = _Turn(req, served, chat, conversation, self.store, self.new_id())
         observer = self._metrics.observer(served.name, served.engine)
         if req.stream:
             return EventStream(drive(chat.tokens, _ResponseEvents(turn), include_usage=False, observer=observer),
