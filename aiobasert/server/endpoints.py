@@ -341,6 +341,8 @@ class Service:
                 if n > 1:
                     cached += await prefill_once(served.engine, start, params)
                 streams += [start(sample_params(params, i)) for i in range(n)]
+            for st in streams:  # one after the other in the FIFO: queued (and admitted) together
+                st.submit()
 
             def one(stream: TokenStream) -> Callable[[], Awaitable[tuple[TokenStream, list[Token]]]]:
                 async def go() -> tuple[TokenStream, list[Token]]:
@@ -357,7 +359,8 @@ class Service:
         params: SamplingParams, n: int,
     ) -> tuple[list[TokenStream], int]:
         """The streams of a streamed multi-choice request, all submitted at once
-        (after each prompt's one prefill), and the prefill's cached tokens."""
+        (after each prompt's one prefill: one after the other in the FIFO, so they
+        are queued, and admitted, together), and the prefill's cached tokens."""
         cached = 0
         streams: list[TokenStream] = []
         for start in starts:
