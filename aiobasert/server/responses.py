@@ -274,6 +274,10 @@ class ResponseStore:
             self.nbytes -= len(blob)
             return None
         conversation: list[dict[str, Any]] = msgspec.json.decode(blob)
+        for m in conversation:  # calls as the request side builds them (an id "" when not stored)
+            if "tool_calls" in m:
+                m["tool_calls"] = [ToolCall(id=c.get("id", ""), name=c["name"], arguments=c["arguments"])
+                                   for c in m["tool_calls"]]
         return conversation, model
 
     def __len__(self) -> int:
