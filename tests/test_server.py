@@ -504,24 +504,25 @@ def test_streamed_n_beyond_the_lanes_runs_every_choice(base_url: str, http: http
 
 
 def test_a_client_that_stops_reading_is_dropped_and_frees_its_lane(long_model_path: Path) -> None:
-    # Both lanes held by clients that never read (small receive buffers, streams far longer
-    # than every socket buffer): with a write timeout they are dropped, their generations
-    # cancelled, and a normal client is served; without one it would wait forever.
-    factory = functools.partial(Engine.open, long_model_path, max_batch_size=2, max_context=LONG_CONTEXT)
+    # Every lane held by clients that never read (small receive buffers, streams far longer
+    # than every socket buffer; one of them with 2 choices): with a write timeout they are
+    # dropped, their generations cancelled, and a normal client is served; without one it
+    # would wait forever.
+    factory = functools.partial(Engine.open, long_model_path, max_batch_size=3, max_context=LONG_CONTEXT)
     with serving(create_app(factory, write_timeout=1.0)) as url, httpx.Client(base_url=url, timeout=60) as http:
         port = int(url.rsplit(":", 1)[1])
         before = wait_idle(http)
-        stuck = [raw_stream_request(port, LONG_STREAM) for _ in range(2)]
+        stuck = [raw_stream_request(port, LONG_STREAM), raw_stream_request(port, {**LONG_STREAM, "n": 2})]
         try:
             deadline = time.monotonic() + 30
-            while stats(http)["active_lanes"] < 2:
+            while stats(http)["active_lanes"] < 3:
                 assert time.monotonic() < deadline, stats(http)
                 time.sleep(0.01)
             r = http.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 8, "temperature": 0})
             assert r.status_code == 200, r.text
             assert r.json()["choices"][0]["finish_reason"] in ("length", "stop")
             after = wait_idle(http, timeout=60)
-            assert after["requests_cancelled"] == before["requests_cancelled"] + 2
+            assert after["requests_cancelled"] == before["requests_cancelled"] + 3
             assert after["live_sequences"] == 0 and after["active_lanes"] == 0
             for sock in stuck:  # each got a cut stream: what was buffered, then the connection closed
                 sock.settimeout(30)

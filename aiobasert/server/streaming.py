@@ -218,7 +218,7 @@ class EventStream(Response):
                             await send({"type": "http.response.body", "body": item, "more_body": True})
                 except ClientTooSlow:
                     slow = True  # re-raised below, outside the task group (no ExceptionGroup)
-            tg.cancel_scope.cancel()
+                tg.cancel_scope.cancel()  # before the channel closes: a pump then sees only the cancel
         if slow:
             raise ClientTooSlow
         if failed is not None:
