@@ -197,4 +197,3 @@ def test_smollm2_responses_tool_turn_chained(smollm2_path: Path) -> None:
         assert "".join(deltas) and second is not None and second.output_text == "".join(deltas)
         assert first.usage is not None and second.usage is not None
         assert second.usage.input_tokens_details.cached_tokens >= first.usage.input_tokens - 16
-
