@@ -188,8 +188,8 @@ def create_app(
     max_batch_size, max_context: passed to `Engine.open` when `model` is a path.
     allowed_origins: CORS origins allowed to call the API ("*" = any; None = no CORS).
     write_timeout: seconds a streamed response waits for its client to take
-        bytes before the client is dropped and its generation aborted (None: wait
-        forever). See docs/fairness.md.
+        bytes before the client is dropped and its generation aborted (None or 0:
+        wait forever). See docs/fairness.md.
     response_store_bytes: the Responses API store's budget (stored
         conversations' encoded size; oldest dropped first).
 

@@ -262,9 +262,9 @@ class Service:
         self.provider = provider
         self.created = int(time.time())
         self.metrics = Metrics()
-        self.write_timeout = write_timeout
+        self.write_timeout = write_timeout if write_timeout is not None and write_timeout > 0 else None  # 0: never
         self.responses = ResponsesAPI(
-            self.resolve, self.metrics, ResponseStore(max_bytes=response_store_bytes), write_timeout=write_timeout
+            self.resolve, self.metrics, ResponseStore(max_bytes=response_store_bytes), write_timeout=self.write_timeout
         )
 
     def _observer(self, served: ServedModel) -> RequestObserver:
