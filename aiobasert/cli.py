@@ -166,6 +166,7 @@ def _serve(args: argparse.Namespace) -> int:
             raise SystemExit(f"aiobasert serve: {source}: no such model file, .gguf or cached model NAME")
         specs.append((args.served_model_name or name or resolved.stem, os.fspath(resolved)))
     api_key = args.api_key if args.api_key is not None else os.environ.get("AIOBASERT_API_KEY") or None
+    write_timeout = args.write_timeout if args.write_timeout > 0 else None
     if args.ray:
         from .server.ray_serve import run_ray
 
@@ -184,7 +185,8 @@ def _serve(args: argparse.Namespace) -> int:
         provider = GroupProvider(
             specs, keep_alive=args.keep_alive, max_batch_size=args.max_batch_size, max_context=args.max_context
         )
-        serve(provider, host=args.host, port=args.port, api_key=api_key, allowed_origins=args.allowed_origins)
+        serve(provider, host=args.host, port=args.port, api_key=api_key, allowed_origins=args.allowed_origins,
+              write_timeout=write_timeout, response_store_bytes=args.response_store_mb * 2**20)
         return 0
     ((name, path),) = specs
     serve(
@@ -196,6 +198,8 @@ def _serve(args: argparse.Namespace) -> int:
         max_context=args.max_context,
         model_name=name,
         allowed_origins=args.allowed_origins,
+        write_timeout=write_timeout,
+        response_store_bytes=args.response_store_mb * 2**20,
     )
     return 0
 
@@ -296,6 +300,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-batch-size", type=int, default=8, help="concurrent lanes (default 8)")
     serve.add_argument("--max-context", type=int, default=2048, help="tokens per lane (default 2048)")
     serve.add_argument("--keep-alive", type=float, default=None, help="unload a model after this many idle seconds")
+    serve.add_argument("--write-timeout", type=float, default=30.0,
+                       help="drop a streaming client that takes no bytes for this many seconds, aborting its "
+                            "generation (default 30; 0 = never)")  # fmt: skip
+    serve.add_argument("--response-store-mb", type=int, default=64,
+                       help="memory for stored Responses conversations (previous_response_id), MiB (default 64)")
     serve.add_argument("--ray", action="store_true", help="serve on Ray Serve (pip install 'aiobasert[ray]')")
     serve.add_argument("--replicas", type=int, default=1, help="with --ray: engine replicas (default 1)")
 

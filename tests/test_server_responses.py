@@ -17,6 +17,8 @@ from loopback import API_KEY, MODEL_NAME, serving
 from openai import AsyncOpenAI, OpenAI
 
 from aiobasert.server import create_app
+from aiobasert.server.app import build_app
+from aiobasert.server.provider import SingleEngineProvider
 
 PARAMS: dict[str, Any] = {
     "type": "object",
@@ -98,6 +100,37 @@ def test_previous_response_id_reuses_the_kv(tiny_client: OpenAI) -> None:
     # the previous prompt (at least) was not prefilled again
     assert second.usage.input_tokens_details.cached_tokens >= first.usage.input_tokens - 16
     assert not [item for item in second.output if item.type == "function_call"]
+
+
+def test_store_is_capped_in_bytes_and_keeps_only_what_the_prompt_renders(tiny_model_path: Path) -> None:
+    budget = 20_000
+    provider = SingleEngineProvider.from_path(tiny_model_path, model_name=MODEL_NAME, max_batch_size=4)
+    app, service = build_app(provider, response_store_bytes=budget)
+    store = service.responses.store
+    with serving(app) as url, OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0) as client:
+        # A replayed call with a 200 kB call_id: the tiny model's template never renders
+        # call ids, so the stored conversation is its text, not the id.
+        huge_id = "call_" + "x" * 200_000
+        first = client.responses.create(model=MODEL_NAME, max_output_tokens=2, input=[
+            {"role": "user", "content": "weather?"},
+            {"type": "function_call", "call_id": huge_id, "name": "get_weather", "arguments": '{"city": "Paris"}'},
+            {"type": "function_call_output", "call_id": huge_id, "output": '{"temp": 21}'},
+        ])
+        assert 0 < store.nbytes < 1_000 and len(store) == 1
+        # Stored turns of ~1 kB each: the oldest go once the budget is reached.
+        ids = [first.id]
+        for i in range(40):
+            r = client.responses.create(model=MODEL_NAME, input=f"{i} " + "word " * 200, max_output_tokens=2)
+            ids.append(r.id)
+            assert store.nbytes <= budget
+        assert 1 < len(store) < len(ids)
+        with pytest.raises(openai.NotFoundError) as gone:
+            client.responses.create(model=MODEL_NAME, previous_response_id=first.id, input="more")
+        assert gone.value.body["param"] == "previous_response_id"  # type: ignore[index]
+        follow = client.responses.create(
+            model=MODEL_NAME, previous_response_id=ids[-1], input="more", max_output_tokens=2
+        )
+        assert follow.previous_response_id == ids[-1]
 
 
 @pytest.mark.anyio
