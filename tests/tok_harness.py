@@ -46,12 +46,22 @@ def write_vocab(path: Path, fields: Mapping[str, Any]) -> None:
     """Dump GGUF-style tokenizer fields in the driver's vocabulary format."""
     tokens: Sequence[str] = fields["tokenizer.ggml.tokens"]
     types: Sequence[int] = fields.get("tokenizer.ggml.token_type") or [1] * len(tokens)
+    scores: Sequence[float] = fields.get("tokenizer.ggml.scores") or [0.0] * len(tokens)
     merges: Sequence[str] = fields.get("tokenizer.ggml.merges", [])
-    out = [b"pre %s\n%d\n" % (fields.get("tokenizer.ggml.pre", "default").encode(), len(tokens))]
-    out += [b"%d " % t + _blob(s.encode()) for s, t in zip(tokens, types, strict=True)]
+    model = fields.get("tokenizer.ggml.model", "gpt2")
+    out = [b"pre %s\nmodel %s\nspace_prefix %d\n%d\n" % (
+        fields.get("tokenizer.ggml.pre", "default").encode(), model.encode(),
+        _add_space_prefix(fields), len(tokens))]
+    out += [b"%d %s " % (t, repr(float(sc)).encode()) + _blob(s.encode())
+            for s, t, sc in zip(tokens, types, scores, strict=True)]
     out.append(b"%d\n" % len(merges))
     out += [_blob(m.encode()) for m in merges]
     path.write_bytes(b"".join(out))
+
+
+def _add_space_prefix(fields: Mapping[str, Any]) -> bool:
+    """llama.cpp's default: on for SentencePiece unless the GGUF says otherwise."""
+    return bool(fields.get("tokenizer.ggml.add_space_prefix", fields.get("tokenizer.ggml.model") == "llama"))
 
 
 def _run(cmd: list[str]) -> list[str]:

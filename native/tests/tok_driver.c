@@ -6,7 +6,8 @@
  *   tok_driver misuse VOCAB          invalid arguments must fail cleanly ("ok" when they do)
  *
  * Binary-safe formats ("<len>\n<bytes>\n" is a blob):
- *   VOCAB: "pre <name>\n" "<n_tokens>\n" then per token "<type> " blob,
+ *   VOCAB: "pre <name>\n" "model <name>\n" "space_prefix <0|1>\n"
+ *          "<n_tokens>\n" then per token "<type> <score> " blob,
  *          "<n_merges>\n" then per merge a blob.
  *   INPUT (encode): "<n_records>\n", per record "<n_pieces>\n" then per piece
  *          "<plain> " blob. One piece goes through bpe_encode, more through
@@ -63,13 +64,16 @@ static FILE *open_or_die(const char *path) {
 
 static bpe_tokenizer *load_vocab(const char *path) {
     FILE *f = open_or_die(path);
-    char pre[64];
-    if (fscanf(f, "pre %63s", pre) != 1) die("malformed vocab: pre");
+    char pre[64], model[64];
+    int space_prefix;
+    if (fscanf(f, "pre %63s model %63s space_prefix %d", pre, model, &space_prefix) != 3) die("malformed vocab header");
     int n_tokens = (int)read_long(f);
     char **tokens = xmalloc((size_t)n_tokens * sizeof *tokens);
     int32_t *types = xmalloc((size_t)n_tokens * sizeof *types);
+    float *scores = xmalloc((size_t)n_tokens * sizeof *scores);
     for (int i = 0; i < n_tokens; i++) {
         types[i] = (int32_t)read_long(f);
+        if (fscanf(f, "%f", &scores[i]) != 1 || fgetc(f) != ' ') die("malformed vocab: score");
         tokens[i] = read_blob(f, NULL);
     }
     int n_merges = (int)read_long(f);
@@ -78,8 +82,13 @@ static bpe_tokenizer *load_vocab(const char *path) {
     fclose(f);
 
     char err[256];
-    bpe_tokenizer *tok = bpe_create((const char *const *)tokens, types, n_tokens, (const char *const *)merges,
-                                    n_merges, pre, err, sizeof err);
+    bpe_options opt = {.model = model, .pre = pre, .scores = scores, .add_space_prefix = space_prefix};
+    bpe_tokenizer *tok = bpe_create_model((const char *const *)tokens, types, n_tokens, (const char *const *)merges,
+                                          n_merges, &opt, err, sizeof err);
+    /* bpe_supported answers what creation does (a refused name is refused by both). */
+    if (tok && !bpe_supported(model, pre)) die("bpe_supported refuses a tokenizer bpe_create_model built");
+    if (!tok && (strstr(err, "unsupported") != NULL) == (bpe_supported(model, pre) != 0))
+        die("bpe_supported accepts a tokenizer bpe_create_model refused");
     if (!tok) {
         printf("CREATE_ERROR: %s\n", err);
         exit(2);
@@ -99,6 +108,7 @@ static bpe_tokenizer *load_vocab(const char *path) {
     for (int i = 0; i < n_merges; i++) free(merges[i]);
     free(tokens);
     free(types);
+    free(scores);
     free(merges);
     return tok;
 }
