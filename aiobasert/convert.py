@@ -31,6 +31,7 @@ import numpy as np
 import numpy.typing as npt
 from tqdm import tqdm  # type: ignore[import-untyped,unused-ignore]  # no stubs in tqdm itself
 
+from ._gguf_tokenizer import tokenizer_refusal
 from ._progress import ticking
 from .bundle import BundleWriter, Progress, QuantizedTensor, TensorEntry, llama_header
 from .errors import AioBaseRTError
@@ -350,11 +351,8 @@ def convert_gguf(
     tokens = meta.get("tokenizer.ggml.tokens")
     if not isinstance(tokens, list) or not tokens:
         raise fail("no tokenizer vocabulary (tokenizer.ggml.tokens)")
-    if meta.get("tokenizer.ggml.model") != "gpt2":
-        raise fail(
-            f"unsupported tokenizer model {meta.get('tokenizer.ggml.model')!r}: the reference engine implements "
-            "only byte-level BPE ('gpt2', as in SmolLM2, Llama 3, Qwen), not SentencePiece ('llama') or others"
-        )
+    if refusal := tokenizer_refusal(meta):  # before any tensor is read
+        raise fail(refusal)
     cfg = _Llama(meta, len(tokens), fail)
     if len(tokens) != cfg.vocab_size:
         raise fail(f"llama.vocab_size {cfg.vocab_size} != {len(tokens)} tokens in the vocabulary")

@@ -19,6 +19,8 @@ from tok_harness import build_driver, hf_references, parity_mismatches, run_enco
 from tokenizer_corpus import corpus
 from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers, trainers
 
+import aiobasert.convert
+from aiobasert._gguf_tokenizer import tokenizer_refusal
 from aiobasert._hf_tokenizer import hf_tokenizer_json
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|im_sep|>"]
@@ -186,7 +188,9 @@ def _random_chunks(rng: random.Random, data: bytes) -> list[bytes]:
 @pytest.mark.parametrize(
     ("change", "message"),
     [
-        ({"tokenizer.ggml.pre": "llama3"}, "unsupported pre-tokenizer"),
+        ({"tokenizer.ggml.pre": "deepseek-llm"}, "unsupported pre-tokenizer"),
+        ({"tokenizer.ggml.pre": "default"}, "unsupported pre-tokenizer"),
+        ({"tokenizer.ggml.model": "t5"}, "unsupported tokenizer model"),
         ({"tokenizer.ggml.merges": ["a zzz_not_a_token"]}, "not in the vocabulary"),
         ({"tokenizer.ggml.merges": ["ab"]}, "is not \"left right\""),
         ({"tokenizer.ggml.token_type": [7, 1, 1]}, "not a GGUF token type"),
@@ -213,3 +217,65 @@ def test_invalid_arguments_fail_cleanly(trained: Tokenizer, driver: Path, workdi
 def test_hf_json_rejects_unknown_pre_tokenizer() -> None:
     with pytest.raises(ValueError, match="unsupported"):
         hf_tokenizer_json({"tokenizer.ggml.tokens": ["a"], "tokenizer.ggml.pre": "qwen2"})
+
+
+# ---- llama.cpp's own vocabulary test files ---------------------------------------------------------
+#
+# llama.cpp ships, per tokenizer, a GGUF with the vocabulary (no weights), input texts (.inp, separated by
+# "\n__ggml_vocab_test__\n") and the ids its test-tokenizer-0 must produce (.out, one line per text; made
+# by HF tokenizers with add_special_tokens=False and held by llama.cpp's tokenizer). Every vocabulary
+# there is either tokenized to exactly those ids, or refused by the GGUF inspection before conversion.
+
+LLAMA_CPP_SEPARATOR = b"\n__ggml_vocab_test__\n"
+# The vocabularies of the files, by what the engine does with them (a new sdist may add files: the
+# exhaustive test below then says which ones to place here).
+EXACT_VOCABS = ("llama-spm", "phi-3", "llama-bpe", "qwen2", "gpt-2", "starcoder", "refact", "command-r", "mpt")
+UNTESTED_VOCABS = ("baichuan",)  # SentencePiece, run as llama-spm is; llama.cpp ships no .inp / .out for it
+REFUSED_VOCABS = ("aquila", "bert-bge", "deepseek-coder", "deepseek-llm", "falcon", "gemma-4",
+                  "gpt-neox", "nomic-bert-moe", "qwen35")
+
+
+def llama_cpp_fields(vocab_dir: Path, name: str) -> dict[str, Any]:
+    _, meta = aiobasert.convert._read_gguf(vocab_dir / f"ggml-vocab-{name}.gguf")
+    return {k: v for k, v in meta.items() if k.startswith("tokenizer.")}
+
+
+def llama_cpp_cases(vocab_dir: Path, name: str) -> list[tuple[bytes, list[int]]]:
+    """(text, expected ids) pairs, read as llama.cpp's test-tokenizer-0 reads them."""
+    raw = (vocab_dir / f"ggml-vocab-{name}.gguf.inp").read_bytes()
+    texts = raw.split(LLAMA_CPP_SEPARATOR)
+    if raw.endswith(LLAMA_CPP_SEPARATOR):
+        texts.pop()  # the file ends with a separator, not with an empty text
+    lines = (vocab_dir / f"ggml-vocab-{name}.gguf.out").read_text().split("\n")
+    assert len(lines) >= len(texts) >= 30
+    return [(t, [int(x) for x in line.split()]) for t, line in zip(texts, lines, strict=False)]
+
+
+def test_every_llama_cpp_vocabulary_is_exact_or_refused(llama_cpp_vocab_dir: Path) -> None:
+    names = sorted(p.name.removeprefix("ggml-vocab-").removesuffix(".gguf")
+                   for p in llama_cpp_vocab_dir.glob("ggml-vocab-*.gguf"))
+    assert sorted((*EXACT_VOCABS, *UNTESTED_VOCABS, *REFUSED_VOCABS)) == names
+    for name in names:
+        refusal = tokenizer_refusal(llama_cpp_fields(llama_cpp_vocab_dir, name))
+        assert (refusal is None) == (name not in REFUSED_VOCABS), (name, refusal)
+
+
+@pytest.mark.parametrize("name", EXACT_VOCABS)
+def test_llama_cpp_vocabulary_ids(name: str, llama_cpp_vocab_dir: Path, driver: Path, workdir: Path) -> None:
+    fields = llama_cpp_fields(llama_cpp_vocab_dir, name)
+    vocab = workdir / f"llama-cpp-{name}.txt"
+    write_vocab(vocab, fields)
+    cases = llama_cpp_cases(llama_cpp_vocab_dir, name)
+    # llama.cpp's test tokenizes with parse_special=false; the texts hold no marker text, so framing (markers
+    # matched) and content (none matched) must both give the ids.
+    records = [[(plain, text)] for text, _ in cases for plain in (False, True)]
+    results = run_encode(driver, vocab, records, workdir)
+    spm = fields["tokenizer.ggml.model"] == "llama"
+    prefix = b" " if spm and fields.get("tokenizer.ggml.add_space_prefix", True) else b""
+    mismatches = []
+    for (text, want), (ids, data) in zip([c for c in cases for _ in (0, 1)], results, strict=True):
+        if ids != want:
+            mismatches.append(f"{text[:50]!r}: engine {ids[:16]} != llama.cpp {want[:16]}")
+        if data != (prefix + text if text else b""):  # the token bytes rebuild the text
+            mismatches.append(f"{text[:50]!r}: token bytes {data[:50]!r}")
+    assert not mismatches, f"{len(mismatches)} of {len(records)} differ:\n" + "\n".join(mismatches[:20])

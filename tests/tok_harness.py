@@ -105,12 +105,11 @@ def run_utf8(driver: Path, records: Sequence[Sequence[bytes]], tmp: Path) -> lis
 
 
 def hf_references(fields: Mapping[str, Any]) -> tuple[Tokenizer, Tokenizer]:
-    """HF tokenizers for framing text (added tokens matched) and for content text (no added tokens: the
-    marker text is ordinary text, which HF's encode_special_tokens gives only for special tokens)."""
+    """HF tokenizers for framing text (added tokens matched) and for content text (special added tokens,
+    the CONTROL ones, are not: HF's encode_special_tokens; USER_DEFINED ones still are)."""
     framing = Tokenizer.from_str(hf_tokenizer_json(fields))
-    plain_fields = dict(fields)
-    plain_fields["tokenizer.ggml.token_type"] = [1] * len(fields["tokenizer.ggml.tokens"])
-    plain = Tokenizer.from_str(hf_tokenizer_json(plain_fields))
+    plain = Tokenizer.from_str(hf_tokenizer_json(fields))
+    plain.encode_special_tokens = True
     return framing, plain
 
 

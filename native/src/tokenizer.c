@@ -21,9 +21,8 @@
  *      first, leftmost on ties (llama.cpp's llm_tokenizer_spm_session); a
  *      symbol that is not a token becomes its bytes' <0xNN> tokens.
  *
- * bpe_encode_pieces: consecutive framing pieces are matched as one text (a
- * marker may straddle their boundary); a content piece only extends the
- * current run of ordinary text.
+ * bpe_encode_pieces: consecutive pieces of one kind are matched as one text (a
+ * marker may straddle their boundary); content matches USER_DEFINED tokens only.
  *
  * Like HF (no unk token, no byte fallback), a byte-level BPE byte whose
  * one-symbol token is missing from the vocabulary is dropped: SmolLM2 lacks
@@ -1069,13 +1068,15 @@ static void run_flush(encoder *e, text_run *r) {
 }
 
 /* Longest added token starting at s[i]; returns its length (0: none). */
-static size_t added_match(const bpe_tokenizer *tok, const unsigned char *s, size_t n, size_t i, int32_t *id) {
+static size_t added_match(const bpe_tokenizer *tok, const unsigned char *s, size_t n, size_t i, bool user_only,
+                          int32_t *id) {
     size_t best = 0;
     int32_t node = 0;
     for (size_t k = i; k < n; k++) {
         node = trie_child(tok, node, s[k]);
         if (node < 0) break;
-        if (tok->trie[node].token >= 0) {
+        int32_t t = tok->trie[node].token;
+        if (t >= 0 && (!user_only || tok->types[t] == BPE_TOKEN_USER_DEFINED)) {
             best = k - i + 1;
             *id = tok->trie[node].token;
         }
@@ -1083,15 +1084,18 @@ static size_t added_match(const bpe_tokenizer *tok, const unsigned char *s, size
     return best;
 }
 
-/* Framing text: split at added tokens (leftmost-longest), the rest is ordinary. */
-static void encode_framing(encoder *e, text_run *r, const char *text, size_t n) {
+/* Split text at added tokens (leftmost-longest), the rest is ordinary. Framing
+ * text matches every added token; content text only the USER_DEFINED ones
+ * (llama.cpp with parse_special=false, HF with encode_special_tokens): a
+ * client's text never forges a CONTROL marker. */
+static void encode_marked(encoder *e, text_run *r, const char *text, size_t n, bool user_only) {
     const bpe_tokenizer *tok = e->tok;
     const unsigned char *s = (const unsigned char *)text;
     size_t copied = 0;
     if (tok->trie) {
         for (size_t i = 0; i < n;) {
             int32_t id;
-            size_t len = tok->starts_added[s[i]] ? added_match(tok, s, n, i, &id) : 0;
+            size_t len = tok->starts_added[s[i]] ? added_match(tok, s, n, i, user_only, &id) : 0;
             if (!len) {
                 i++;
                 continue;
@@ -1119,35 +1123,31 @@ int bpe_encode_pieces(const bpe_tokenizer *tok, const char *const *texts, const 
     }
     encoder e = {.tok = tok, .out = out, .max_out = max_out, .prev_special = true};
     text_run run = {malloc(total ? total : 1), 0};
-    char *framing = NULL; /* consecutive framing pieces are matched as one text */
+    char *joined = NULL; /* consecutive pieces of one kind are matched as one text */
     if (!run.buf) return -1;
     for (int i = 0; i < n_pieces;) {
-        if (plain && plain[i]) {
-            run_append(&run, texts[i], lens[i]);
-            i++;
-            continue;
-        }
+        bool content = plain && plain[i];
         int j = i + 1;
-        while (j < n_pieces && !(plain && plain[j])) j++;
+        while (j < n_pieces && (plain && plain[j]) == content) j++;
         if (j == i + 1) {
-            if (lens[i]) encode_framing(&e, &run, texts[i], lens[i]);
+            if (lens[i]) encode_marked(&e, &run, texts[i], lens[i], content);
         } else {
-            if (!framing && !(framing = malloc(total ? total : 1))) {
+            if (!joined && !(joined = malloc(total ? total : 1))) {
                 e.oom = true;
                 break;
             }
             size_t len = 0;
             for (int k = i; k < j; k++) {
-                if (lens[k]) memcpy(framing + len, texts[k], lens[k]);
+                if (lens[k]) memcpy(joined + len, texts[k], lens[k]);
                 len += lens[k];
             }
-            encode_framing(&e, &run, framing, len);
+            encode_marked(&e, &run, joined, len, content);
         }
         i = j;
     }
     run_flush(&e, &run);
     free(run.buf);
-    free(framing);
+    free(joined);
     free(e.symbols);
     free(e.heap);
     free(e.scratch);

@@ -61,12 +61,14 @@ int bpe_vocab_size(const bpe_tokenizer *tok);
 
 /* Encode n_pieces pieces as ONE text. Piece i is framing when plain[i] == 0
  * (substrings equal to a CONTROL / USER_DEFINED / UNKNOWN token's text become
- * that one id, leftmost-longest) and content otherwise (marker text stays
- * ordinary text). The pre-tokenizer and BPE see the concatenation of the
+ * that one id, leftmost-longest) and content otherwise (only USER_DEFINED
+ * tokens are matched, as llama.cpp does with parse_special=false: CONTROL
+ * marker text stays ordinary text). Consecutive pieces of one kind are matched
+ * as one text. The pre-tokenizer and BPE see the concatenation of the
  * ordinary-text runs, so a piece boundary tokenizes as the whole text would
  * (SentencePiece with add_space_prefix: each run that starts the text or
- * follows a special token gets the leading space, as in llama.cpp). `plain` may be
- * NULL (all framing). Writes up to max_out ids; returns the TOTAL count
+ * follows an added token gets the leading space, as in llama.cpp). `plain` may
+ * be NULL (all framing). Writes up to max_out ids; returns the TOTAL count
  * (which may exceed max_out: the caller retries with a larger buffer), or -1
  * on invalid arguments. No BOS is added (the engine decides that). */
 int bpe_encode_pieces(const bpe_tokenizer *tok, const char *const *texts, const size_t *lens, const int *plain,

@@ -1,0 +1,42 @@
+"""Which GGUF tokenizers the reference engine runs exactly: checked when a GGUF is inspected, before
+any tensor is converted, so a vocabulary the engine would tokenize differently from llama.cpp is
+refused at once with one line naming it.
+
+The names mirror native/src/tokenizer.c (bpe_supported); tests/test_tokenizer_native.py holds the two
+lists to each other through the C code.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Final
+
+__all__ = ["SUPPORTED_MODELS", "SUPPORTED_PRE", "tokenizer_refusal"]
+
+#: tokenizer.ggml.model values: byte-level BPE and SentencePiece BPE (scores, byte fallback).
+SUPPORTED_MODELS: Final = ("gpt2", "llama")
+
+#: tokenizer.ggml.pre values of byte-level BPE vocabularies, by the regex llama.cpp runs for them.
+SUPPORTED_PRE: Final[Mapping[str, tuple[str, ...]]] = {
+    "GPT-2": ("gpt2", "gpt-2", "phi-2", "mpt", "olmo"),
+    "digits, then GPT-2": ("smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva-7b"),
+    "Llama 3": ("llama-bpe", "llama3", "llama-v3", "falcon3", "falcon-h1", "pixtral", "midm-2.0", "lfm2"),
+    "Qwen2": ("qwen2", "deepseek-r1-qwen", "stablelm2"),
+}
+
+_PRE_NAMES: Final = frozenset(name for names in SUPPORTED_PRE.values() for name in names)
+
+
+def tokenizer_refusal(meta: Mapping[str, Any]) -> str | None:
+    """None when the engine tokenizes this GGUF's vocabulary exactly, else the one-line reason."""
+    model = meta.get("tokenizer.ggml.model")
+    if model not in SUPPORTED_MODELS:
+        return (f"tokenizer model {model!r} (tokenizer.ggml.model) is not one the engine runs exactly "
+                f"(it runs {', '.join(SUPPORTED_MODELS)})")
+    if model == "gpt2":
+        pre = meta.get("tokenizer.ggml.pre")
+        if pre not in _PRE_NAMES:
+            named = "no pre-tokenizer (tokenizer.ggml.pre)" if pre is None else f"pre-tokenizer {pre!r}"
+            return (f"{named} is not one the engine runs exactly (it runs llama-bpe, qwen2, smollm, gpt-2, "
+                    "starcoder and their aliases: docs/models.md)")
+    return None
