@@ -138,6 +138,13 @@ def test_progress_callback(tmp_path: Path, synthetic_gguf: Path) -> None:
         (lambda p: write_gguf(p, extra_tensors=("blk.2.attn_norm.weight",)), "beyond the 2 configured layers"),
         (lambda p: write_gguf(p, drop=("blk.1.ffn_up.weight",)), "missing tensors: layers.1.mlp.up_proj"),
         (lambda p: write_gguf(p, extra_kv={"llama.feed_forward_length": 100}), "expected \\[100, 64\\]"),
+        # Tokenizers the engine would not tokenize as llama.cpp does: refused before any tensor is looked at
+        # (the unknown tensor of the second one is not what the message names).
+        (lambda p: write_gguf(p, pre="deepseek-llm"), "^[^\n]*pre-tokenizer 'deepseek-llm' is not one the engine runs"),
+        (lambda p: write_gguf(p, pre="qwen35", extra_tensors=("blk.0.attn_q.bias",)), "pre-tokenizer 'qwen35'"),
+        (lambda p: write_gguf(p, pre="default"), "pre-tokenizer 'default'"),
+        (lambda p: write_gguf(p, tokenizer={"tokenizer.ggml.model": "t5", "tokenizer.ggml.tokens": ["a", "b"]}),
+         "tokenizer model 't5'"),
         (lambda p: p.write_bytes(b"not a model at all"), "not a GGUF file"),
         (lambda p: p.write_bytes(b"GGUF\x03\x00\x00\x00"), "unreadable GGUF"),
     ],

@@ -8,6 +8,7 @@ builds from the same arrays.
 
 from __future__ import annotations
 
+import ctypes
 import json
 import random
 import subprocess
@@ -15,11 +16,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from raw_abi import load
+from tiny_gguf import write_gguf
 from tok_harness import build_driver, hf_references, parity_mismatches, run_encode, run_utf8, write_vocab
 from tokenizer_corpus import corpus
 from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers, trainers
 
 import aiobasert.convert
+from aiobasert._ffi import Library
 from aiobasert._gguf_tokenizer import tokenizer_refusal
 from aiobasert._hf_tokenizer import hf_tokenizer_json
 
@@ -279,3 +283,32 @@ def test_llama_cpp_vocabulary_ids(name: str, llama_cpp_vocab_dir: Path, driver: 
         if data != (prefix + text if text else b""):  # the token bytes rebuild the text
             mismatches.append(f"{text[:50]!r}: token bytes {data[:50]!r}")
     assert not mismatches, f"{len(mismatches)} of {len(records)} differ:\n" + "\n".join(mismatches[:20])
+
+
+@pytest.mark.parametrize("name", ["llama-spm", "llama-bpe"])
+def test_llama_cpp_vocabulary_through_a_bundle(name: str, llama_cpp_vocab_dir: Path, tmp_path: Path,
+                                               lib: Library) -> None:
+    """The vocabulary carried by a GGUF -> .base conversion (random weights) into the loader: the engine's
+    own encode / decode entry points give llama.cpp's ids and the text back."""
+    fields = llama_cpp_fields(llama_cpp_vocab_dir, name)
+    bundle = aiobasert.convert.convert_gguf(write_gguf(tmp_path / f"{name}.gguf", tokenizer=fields),
+                                            tmp_path / f"{name}.base", progress=False)
+    m = load(lib, bundle, 64)
+    try:
+        spm = fields["tokenizer.ggml.model"] == "llama"
+        assert lib.baseRT_add_bos(m) == (1 if spm else 0)  # llama.cpp's default per model, or the GGUF's key
+        bos = [fields["tokenizer.ggml.bos_token_id"]] if spm else []
+        buf = (ctypes.c_uint32 * 4096)()
+        raw = ctypes.create_string_buffer(256)
+
+        def token_bytes(t: int) -> bytes:
+            n = lib.baseRT_decode_token_raw(m, t, raw, 256)
+            return raw.raw[:n]
+
+        for text, want in llama_cpp_cases(llama_cpp_vocab_dir, name):
+            n = lib.baseRT_encode_plain(m, text, buf, 4096)
+            assert list(buf[:n]) == bos + want, text
+            data = b"".join(token_bytes(t) for t in want)
+            assert data == (b" " + text if spm and text else text), text
+    finally:
+        lib.baseRT_free_model(m)
