@@ -5,9 +5,11 @@ The reference engine's C tokenizer (native/src/tokenizer.c) encodes from the ``t
 ids, so this mapping states what "equivalent" means:
 
 - model: byte-level BPE over the vocabulary and merges as stored (GGUF keeps the GPT-2 byte-level text),
-  no unk token, no byte fallback, merges applied even when a whole word is in the vocabulary;
-- pre-tokenizer: ``smollm`` splits every digit off, then applies the GPT-2 ByteLevel regex; ``gpt2`` /
-  ``default`` only the regex;
+  no unk token, no byte fallback, merges applied even when a whole word is in the vocabulary (except for
+  the Llama 3 names: ``ignore_merges``, as Llama 3's own tokenizer.json);
+- pre-tokenizer, by llama.cpp's names (aiobasert._gguf_tokenizer): ``smollm`` and its aliases split every
+  digit off, then apply the GPT-2 ByteLevel regex; ``gpt2`` / ``gpt-2`` / ``default`` ... only the regex;
+  ``llama-bpe`` / ``qwen2`` ... Llama 3's / Qwen2's Split regex, then ByteLevel without its own regex;
 - added tokens: every CONTROL (type 3, special) and USER_DEFINED (type 4, not special) token, matched
   verbatim in the raw text (normalized=false, no lstrip/rstrip/single_word);
 - decoder: ByteLevel.
@@ -20,7 +22,9 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, Final
+
+from ._gguf_tokenizer import SUPPORTED_PRE
 
 TOKEN_TYPE_NORMAL = 1
 TOKEN_TYPE_CONTROL = 3
@@ -34,12 +38,27 @@ _BYTE_LEVEL: dict[str, Any] = {
 }
 
 
+# Llama 3's and Qwen2's tokenizer.json regexes (they differ in \p{N}{1,3} / \p{N}).
+_LLAMA3_REGEX: Final = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+                        r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN2_REGEX: Final = _LLAMA3_REGEX.replace(r"\p{N}{1,3}", r"\p{N}")
+
+
+def _split_then_bytes(regex: str) -> dict[str, Any]:
+    split = {"type": "Split", "pattern": {"Regex": regex}, "behavior": "Isolated", "invert": False}
+    return {"type": "Sequence", "pretokenizers": [split, dict(_BYTE_LEVEL, use_regex=False)]}
+
+
 def _pre_tokenizer(pre: str) -> dict[str, Any]:
-    if pre == "smollm":
+    if pre in SUPPORTED_PRE["digits, then GPT-2"]:
         return {"type": "Sequence", "pretokenizers": [{"type": "Digits", "individual_digits": True}, _BYTE_LEVEL]}
-    if pre in ("gpt2", "default"):
+    if pre in SUPPORTED_PRE["GPT-2"] or pre == "default":
         return dict(_BYTE_LEVEL)
-    raise ValueError(f"unsupported tokenizer.ggml.pre {pre!r} (supported: smollm, gpt2, default)")
+    if pre in SUPPORTED_PRE["Llama 3"]:
+        return _split_then_bytes(_LLAMA3_REGEX)
+    if pre in SUPPORTED_PRE["Qwen2"]:
+        return _split_then_bytes(_QWEN2_REGEX)
+    raise ValueError(f"unsupported tokenizer.ggml.pre {pre!r}")
 
 
 def _str_list(tok: Mapping[str, Any], key: str) -> list[str]:
@@ -96,7 +115,7 @@ def hf_tokenizer_json(tok: Mapping[str, Any]) -> str:
             "end_of_word_suffix": None,
             "fuse_unk": False,
             "byte_fallback": False,
-            "ignore_merges": False,
+            "ignore_merges": pre in SUPPORTED_PRE["Llama 3"],
             "vocab": vocab,
             "merges": merges,
         },

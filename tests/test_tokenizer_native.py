@@ -220,7 +220,7 @@ def test_invalid_arguments_fail_cleanly(trained: Tokenizer, driver: Path, workdi
 
 def test_hf_json_rejects_unknown_pre_tokenizer() -> None:
     with pytest.raises(ValueError, match="unsupported"):
-        hf_tokenizer_json({"tokenizer.ggml.tokens": ["a"], "tokenizer.ggml.pre": "qwen2"})
+        hf_tokenizer_json({"tokenizer.ggml.tokens": ["a"], "tokenizer.ggml.pre": "deepseek-llm"})
 
 
 # ---- llama.cpp's own vocabulary test files ---------------------------------------------------------
@@ -312,3 +312,24 @@ def test_llama_cpp_vocabulary_through_a_bundle(name: str, llama_cpp_vocab_dir: P
             assert data == (b" " + text if spm and text else text), text
     finally:
         lib.baseRT_free_model(m)
+
+
+@pytest.mark.parametrize("name", ["llama-bpe", "qwen2", "starcoder", "gpt-2"])
+def test_llama_cpp_vocabulary_parity_with_hf(name: str, llama_cpp_vocab_dir: Path, driver: Path, workdir: Path,
+                                             strings: list[str]) -> None:
+    """The whole corpus (every pre-tokenizer branch, many scripts, whitespace runs, markers) on the real
+    vocabularies against HF tokenizers with the tokenizer.json built from the same GGUF fields (Llama 3's
+    and Qwen2's Split regexes run by HF's Oniguruma, not by the engine's hand-coded split)."""
+    fields = llama_cpp_fields(llama_cpp_vocab_dir, name)
+    vocab = workdir / f"llama-cpp-{name}.txt"
+    write_vocab(vocab, fields)
+    framing_tk, plain_tk = hf_references(fields)
+    records = [[(plain, s.encode())] for s in strings for plain in (False, True)]
+    results = run_encode(driver, vocab, records, workdir)
+    mismatches = []
+    for s, (got_framing, _), (got_plain, _) in zip(strings, results[0::2], results[1::2], strict=True):
+        if got_framing != framing_tk.encode(s, add_special_tokens=False).ids:
+            mismatches.append(f"framing {s!r}")
+        if got_plain != plain_tk.encode(s, add_special_tokens=False).ids:
+            mismatches.append(f"content {s!r}")
+    assert not mismatches, f"{len(mismatches)} of {len(records)} differ:\n" + "\n".join(mismatches[:20])
