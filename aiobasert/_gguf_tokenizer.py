@@ -33,6 +33,10 @@ def tokenizer_refusal(meta: Mapping[str, Any]) -> str | None:
     if model not in SUPPORTED_MODELS:
         return (f"tokenizer model {model!r} (tokenizer.ggml.model) is not one the engine runs exactly "
                 f"(it runs {', '.join(SUPPORTED_MODELS)})")
+    name = str(meta.get("general.name", "")).lower()
+    if model == "llama" and ("phi-3" in name or "phi3" in name):
+        return (f"Phi-3's vocabulary (general.name {meta.get('general.name')!r}): llama.cpp strips the whitespace "
+                "after its special tokens (RSTRIP), which the engine does not")
     if model == "gpt2":
         pre = meta.get("tokenizer.ggml.pre")
         if pre not in _PRE_NAMES:
