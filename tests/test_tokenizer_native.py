@@ -356,3 +356,25 @@ def test_inspection_and_engine_agree_on_pre_tokenizers(pre: str, driver: Path, w
         assert f"pre-tokenizer {pre!r}" in refused
         with pytest.raises(AssertionError, match="unsupported pre-tokenizer"):
             run_encode(driver, vocab, [[(False, b"ab")]], workdir)
+
+
+def test_sentencepiece_space_prefix(llama_cpp_vocab_dir: Path, driver: Path, workdir: Path) -> None:
+    """add_space_prefix as llama.cpp applies it: a space before the text and after every added token (Llama 2);
+    none at all when the GGUF turns it off (Gemma's add_space_prefix = false)."""
+    fields = llama_cpp_fields(llama_cpp_vocab_dir, "llama-spm")
+    texts = [t for t, _ in llama_cpp_cases(llama_cpp_vocab_dir, "llama-spm") if t]
+    on, off = workdir / "spm-on.txt", workdir / "spm-off.txt"
+    write_vocab(on, fields)
+    write_vocab(off, {**fields, "tokenizer.ggml.add_space_prefix": False})
+    bos, eos = fields["tokenizer.ggml.bos_token_id"], fields["tokenizer.ggml.eos_token_id"]
+    with_prefix = run_encode(driver, on, [[(True, t)] for t in texts], workdir)
+    spaced = run_encode(driver, off, [[(True, b" " + t)] for t in texts], workdir)
+    bare = run_encode(driver, off, [[(True, t)] for t in texts], workdir)
+    turns = run_encode(driver, on, [[(False, b"<s>" + t + b"</s>" + t)] for t in texts], workdir)
+    turns_off = run_encode(driver, off, [[(False, b"<s>"), (True, t), (False, b"</s>")] for t in texts], workdir)
+    for t, (a, _), (b, _), (c, c_bytes), (d, _), (e, _) in zip(texts, with_prefix, spaced, bare, turns, turns_off,
+                                                                strict=True):
+        assert a == b, t
+        assert c_bytes == t, t  # no space was added
+        assert d == [bos, *a, eos, *a], t
+        assert e == [bos, *c, eos], t
