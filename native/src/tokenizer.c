@@ -83,6 +83,7 @@ struct bpe_tokenizer {
     vocab_map vocab;
     merge_map merges;
     int32_t byte_token[256]; /* id of each byte's token (one-symbol / <0xNN>), -1 if absent */
+    uint32_t to_unicode[256]; /* GPT-2 bytes_to_unicode */
     int kind;                /* TOK_BPE or TOK_SPM */
     int pre;                 /* PRE_* (byte-level BPE) */
     bool ignore_merges;      /* Llama 3: a pre-token that is a token is that token */
@@ -520,6 +521,7 @@ bpe_tokenizer *bpe_create_model(const char *const *tokens, const int32_t *token_
     uint32_t to_unicode[256];
     int16_t from_unicode[BYTE_ALPHABET_END];
     build_byte_maps(to_unicode, from_unicode);
+    memcpy(tok->to_unicode, to_unicode, sizeof to_unicode);
     size_t text_pos = 0, bytes_pos = 0;
     for (int i = 0; i < n_tokens; i++) {
         size_t len = strlen(tokens[i]);
@@ -697,10 +699,7 @@ static void bpe_word(encoder *e, const unsigned char *s, size_t n) {
         char *text = scratch(e, 2 * n); /* byte-level symbols are U+0021..U+0143: 1 or 2 bytes */
         if (!text) return;
         size_t len = 0;
-        uint32_t to_unicode[256];
-        int16_t from_unicode[BYTE_ALPHABET_END];
-        build_byte_maps(to_unicode, from_unicode);
-        for (size_t i = 0; i < n; i++) len += (size_t)utf8_put(to_unicode[s[i]], text + len);
+        for (size_t i = 0; i < n; i++) len += (size_t)utf8_put(tok->to_unicode[s[i]], text + len);
         int32_t id = vocab_find(tok, text, len);
         if (id >= 0) {
             emit(e, id);
