@@ -8,10 +8,11 @@ lists to each other through the C code.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from typing import Any, Final
 
-__all__ = ["SUPPORTED_MODELS", "SUPPORTED_PRE", "tokenizer_refusal"]
+__all__ = ["SUPPORTED_MODELS", "SUPPORTED_PRE", "check_bundle_tokenizer", "tokenizer_refusal"]
 
 #: tokenizer.ggml.model values: byte-level BPE and SentencePiece BPE (scores, byte fallback).
 SUPPORTED_MODELS: Final = ("gpt2", "llama")
@@ -44,3 +45,16 @@ def tokenizer_refusal(meta: Mapping[str, Any]) -> str | None:
             return (f"{named} is not one the engine runs exactly (it runs llama-bpe, qwen2, smollm, gpt-2, "
                     "starcoder and their aliases: docs/models.md)")
     return None
+
+
+def check_bundle_tokenizer(path: str | os.PathLike[str]) -> None:
+    """Build only the bundle's tokenizer in the engine (no weights are read) and raise the engine's typed
+    error when it refuses it: `serve` checks this before its server starts, so a bundle converted by an
+    older aiobasert with a tokenizer the engine no longer runs is one line, not a failed startup."""
+    from ._ffi import load_library
+
+    lib = load_library()
+    model = lib.baseRT_load_tokenizer_only(os.fsencode(path))
+    if not model:
+        raise lib.last_error("baseRT_load_tokenizer_only", f"cannot read the tokenizer of {path}")
+    lib.baseRT_free_model(model)
