@@ -10,9 +10,13 @@ ids, so this mapping states what "equivalent" means:
 - pre-tokenizer, by llama.cpp's names (aiobasert._gguf_tokenizer): ``smollm`` and its aliases split every
   digit off, then apply the GPT-2 ByteLevel regex; ``gpt2`` / ``gpt-2`` / ``default`` ... only the regex;
   ``llama-bpe`` / ``qwen2`` ... Llama 3's / Qwen2's Split regex, then ByteLevel without its own regex;
-- added tokens: every CONTROL (type 3, special) and USER_DEFINED (type 4, not special) token, matched
-  verbatim in the raw text (normalized=false, no lstrip/rstrip/single_word);
+- added tokens: every CONTROL (type 3) and UNKNOWN (type 2) token, special, and USER_DEFINED (type 4) token,
+  not special, matched verbatim in the raw text (normalized=false, no lstrip/rstrip/single_word);
 - decoder: ByteLevel.
+
+A SentencePiece vocabulary (``tokenizer.ggml.model = llama``) becomes what HF's own Llama conversion
+writes: BPE with byte fallback, the merges derived from the scores (HF's SentencePieceExtractor), spaces
+replaced by U+2581 and, with ``add_space_prefix``, one prepended to every run of text.
 
 BOS/EOS are not part of tokenizer.json (HF keeps them in tokenizer_config.json); nothing is added
 around the encoded text, as in the engine, where the caller decides about BOS.
@@ -29,6 +33,8 @@ from ._gguf_tokenizer import SUPPORTED_PRE
 TOKEN_TYPE_NORMAL = 1
 TOKEN_TYPE_CONTROL = 3
 TOKEN_TYPE_USER_DEFINED = 4
+TOKEN_TYPE_UNKNOWN = 2
+_ADDED_TYPES: Final = (TOKEN_TYPE_CONTROL, TOKEN_TYPE_USER_DEFINED, TOKEN_TYPE_UNKNOWN)
 
 _BYTE_LEVEL: dict[str, Any] = {
     "type": "ByteLevel",
@@ -68,15 +74,29 @@ def _str_list(tok: Mapping[str, Any], key: str) -> list[str]:
     return list(value)
 
 
+def _spm_merges(tokens: list[str], scores: list[float], vocab: Mapping[str, int]) -> list[list[str]]:
+    """SentencePiece BPE as HF BPE merges (HF's SentencePieceExtractor): every split of a piece into two
+    pieces, ranked by the merged piece's score, highest first (so BPE by rank merges as by score)."""
+    merges: list[tuple[str, str, float]] = []
+    for token_id, piece in enumerate(tokens):
+        if vocab.get(piece) != token_id:
+            continue
+        local = [(piece[:k], piece[k:], scores[token_id]) for k in range(1, len(piece))
+                 if piece[:k] in vocab and piece[k:] in vocab]
+        merges += sorted(local, key=lambda m: (vocab[m[0]], vocab[m[1]]))
+    merges.sort(key=lambda m: m[2], reverse=True)
+    return [[left, right] for left, right, _ in merges]
+
+
 def hf_tokenizer_json(tok: Mapping[str, Any]) -> str:
     """Return the tokenizer.json text equivalent to the GGUF-style fields in ``tok``."""
     model = tok.get("tokenizer.ggml.model", "gpt2")
-    if model != "gpt2":
-        raise ValueError(f"tokenizer.ggml.model {model!r} is not a byte-level BPE (gpt2) tokenizer")
+    if model not in ("gpt2", "llama"):
+        raise ValueError(f"tokenizer.ggml.model {model!r} is neither byte-level BPE (gpt2) nor SentencePiece (llama)")
     tokens = _str_list(tok, "tokenizer.ggml.tokens")
     if not tokens:
         raise ValueError("tokenizer.ggml.tokens is empty")
-    merges = _str_list(tok, "tokenizer.ggml.merges")
+    merges: list[Any] = _str_list(tok, "tokenizer.ggml.merges")
     types_value = tok.get("tokenizer.ggml.token_type")
     types = [TOKEN_TYPE_NORMAL] * len(tokens) if types_value is None else [int(t) for t in types_value]
     if len(types) != len(tokens):
@@ -87,7 +107,7 @@ def hf_tokenizer_json(tok: Mapping[str, Any]) -> str:
     added_tokens: list[dict[str, Any]] = []
     for token_id, (text, token_type) in enumerate(zip(tokens, types, strict=True)):
         vocab.setdefault(text, token_id)  # the first id of a duplicated text wins, as in the engine
-        if token_type in (TOKEN_TYPE_CONTROL, TOKEN_TYPE_USER_DEFINED) and text and vocab[text] == token_id:
+        if token_type in _ADDED_TYPES and text and vocab[text] == token_id:
             added_tokens.append({
                 "id": token_id,
                 "content": text,
@@ -95,26 +115,43 @@ def hf_tokenizer_json(tok: Mapping[str, Any]) -> str:
                 "lstrip": False,
                 "rstrip": False,
                 "normalized": False,
-                "special": token_type == TOKEN_TYPE_CONTROL,
+                "special": token_type != TOKEN_TYPE_USER_DEFINED,
             })
 
+    if model == "llama":
+        scores = [float(x) for x in tok.get("tokenizer.ggml.scores") or [0.0] * len(tokens)]
+        if len(scores) != len(tokens):
+            raise ValueError(f"{len(scores)} scores for {len(tokens)} tokens")
+        space_prefix = bool(tok.get("tokenizer.ggml.add_space_prefix", True))
+        unk = next((t for t, ty in zip(tokens, types, strict=True) if ty == TOKEN_TYPE_UNKNOWN), None)
+        replace = {"type": "Replace", "pattern": {"String": " "}, "content": "\u2581"}
+        normalizer: Any = {"type": "Sequence", "normalizers": [
+            *([{"type": "Prepend", "prepend": "\u2581"}] if space_prefix else []), replace]}
+        pre_tokenizer: Any = None
+        decoder: Any = {"type": "Sequence", "decoders": [
+            {"type": "Replace", "pattern": {"String": "\u2581"}, "content": " "},
+            {"type": "ByteFallback"}, {"type": "Fuse"},
+            *([{"type": "Strip", "content": " ", "start": 1, "stop": 0}] if space_prefix else [])]}
+        merges = _spm_merges(tokens, scores, vocab)
+    else:
+        unk, normalizer, pre_tokenizer, decoder = None, None, _pre_tokenizer(pre), dict(_BYTE_LEVEL)
     document: dict[str, Any] = {
         "version": "1.0",
         "truncation": None,
         "padding": None,
         "added_tokens": added_tokens,
-        "normalizer": None,
-        "pre_tokenizer": _pre_tokenizer(pre),
+        "normalizer": normalizer,
+        "pre_tokenizer": pre_tokenizer,
         "post_processor": None,
-        "decoder": dict(_BYTE_LEVEL),
+        "decoder": decoder,
         "model": {
             "type": "BPE",
             "dropout": None,
-            "unk_token": None,
+            "unk_token": unk,
             "continuing_subword_prefix": None,
             "end_of_word_suffix": None,
-            "fuse_unk": False,
-            "byte_fallback": False,
+            "fuse_unk": model == "llama",
+            "byte_fallback": model == "llama",
             "ignore_merges": pre in SUPPORTED_PRE["Llama 3"],
             "vocab": vocab,
             "merges": merges,

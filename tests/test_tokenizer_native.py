@@ -18,7 +18,15 @@ from typing import Any
 import pytest
 from raw_abi import load
 from tiny_gguf import write_gguf
-from tok_harness import build_driver, hf_references, parity_mismatches, run_encode, run_utf8, write_vocab
+from tok_harness import (
+    build_driver,
+    hf_references,
+    parity_mismatches,
+    run_encode,
+    run_token_bytes,
+    run_utf8,
+    write_vocab,
+)
 from tokenizer_corpus import corpus
 from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers, trainers
 
@@ -320,7 +328,7 @@ def test_llama_cpp_vocabulary_through_a_bundle(name: str, llama_cpp_vocab_dir: P
         lib.baseRT_free_model(m)
 
 
-@pytest.mark.parametrize("name", ["llama-bpe", "qwen2", "starcoder", "gpt-2"])
+@pytest.mark.parametrize("name", ["llama-bpe", "qwen2", "starcoder", "gpt-2", "llama-spm"])
 def test_llama_cpp_vocabulary_parity_with_hf(name: str, llama_cpp_vocab_dir: Path, driver: Path, workdir: Path,
                                              strings: list[str]) -> None:
     """The whole corpus (every pre-tokenizer branch, many scripts, whitespace runs, markers) on the real
@@ -378,3 +386,23 @@ def test_sentencepiece_space_prefix(llama_cpp_vocab_dir: Path, driver: Path, wor
         assert c_bytes == t, t  # no space was added
         assert d == [bos, *a, eos, *a], t
         assert e == [bos, *c, eos], t
+
+
+@pytest.mark.parametrize("name", ["llama-spm", "llama-bpe"])
+def test_llguidance_sees_the_engine_token_bytes(name: str, llama_cpp_vocab_dir: Path, driver: Path,
+                                                workdir: Path) -> None:
+    """Structured output's host backend (llguidance, from the tokenizer.json built here) must see each
+    token as the same bytes the engine decodes it to, or its masks would allow the wrong tokens."""
+    llguidance = pytest.importorskip("llguidance")
+    fields = llama_cpp_fields(llama_cpp_vocab_dir, name)
+    n = len(fields["tokenizer.ggml.tokens"])
+    tk = llguidance.LLTokenizer(hf_tokenizer_json(fields), n_vocab=n, eos_token=fields["tokenizer.ggml.eos_token_id"])
+    types = fields["tokenizer.ggml.token_type"]
+    ordinary = [i for i in range(n) if types[i] in (1, 6)]  # normal and byte tokens (markers print differently)
+    vocab = workdir / f"llg-{name}.txt"
+    write_vocab(vocab, fields)
+    engine = dict(zip(ordinary, run_token_bytes(driver, vocab, ordinary, workdir), strict=True))
+    # llguidance reserves the byte 0xFF (never part of UTF-8) to mark special tokens: <0xFF> is b"" to it.
+    engine = {i: b for i, b in engine.items() if b != b"\xff"}
+    assert len(engine) >= n - 300
+    assert {i: tk.decode_bytes([i]) for i in engine} == engine

@@ -89,6 +89,13 @@ def run_encode(driver: Path, vocab: Path, records: Sequence[Sequence[Piece]],
     return results
 
 
+def run_token_bytes(driver: Path, vocab: Path, ids: Sequence[int], tmp: Path) -> list[bytes]:
+    """bpe_token_bytes of each id."""
+    inp = tmp / "ids.in"
+    inp.write_text(" ".join(map(str, ids)))
+    return [b"" if h == "-" else bytes.fromhex(h) for h in _run([str(driver), "bytes", str(vocab), str(inp)])]
+
+
 def run_utf8(driver: Path, records: Sequence[Sequence[bytes]], tmp: Path) -> list[tuple[list[bytes], int]]:
     """Feed each record's chunks to one utf8_assembler; returns (output per feed, pending bytes at the end)."""
     data = [b"%d\n" % len(records)]

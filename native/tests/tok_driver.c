@@ -2,6 +2,7 @@
  *
  *   tok_driver encode VOCAB INPUT    encode each record of INPUT
  *   tok_driver utf8 INPUT            run utf8_assembler over each record's feeds
+ *   tok_driver bytes VOCAB IDS       bpe_token_bytes of each id in IDS (whitespace-separated), one hex line each
  *   tok_driver bench VOCAB TEXT N    time N encodes (parse_special=1) of the file TEXT
  *   tok_driver misuse VOCAB          invalid arguments must fail cleanly ("ok" when they do)
  *
@@ -177,6 +178,22 @@ static int cmd_encode(const char *vocab_path, const char *input_path) {
     return 0;
 }
 
+static int cmd_bytes(const char *vocab_path, const char *ids_path) {
+    bpe_tokenizer *tok = load_vocab(vocab_path);
+    FILE *f = open_or_die(ids_path);
+    unsigned id;
+    char buf[4096];
+    while (fscanf(f, "%u", &id) == 1) {
+        int n = bpe_token_bytes(tok, id, buf, (int)sizeof buf);
+        if (n < 0 || n > (int)sizeof buf) die("bpe_token_bytes failed");
+        print_hex((const unsigned char *)buf, (size_t)n);
+        putchar('\n');
+    }
+    fclose(f);
+    bpe_free(tok);
+    return 0;
+}
+
 static int cmd_utf8(const char *input_path) {
     FILE *f = open_or_die(input_path);
     long n_records = read_long(f);
@@ -282,6 +299,7 @@ static int cmd_misuse(const char *vocab_path) {
 int main(int argc, char **argv) {
     if (argc == 4 && strcmp(argv[1], "encode") == 0) return cmd_encode(argv[2], argv[3]);
     if (argc == 3 && strcmp(argv[1], "utf8") == 0) return cmd_utf8(argv[2]);
+    if (argc == 4 && strcmp(argv[1], "bytes") == 0) return cmd_bytes(argv[2], argv[3]);
     if (argc == 5 && strcmp(argv[1], "bench") == 0) return cmd_bench(argv[2], argv[3], atoi(argv[4]));
     if (argc == 3 && strcmp(argv[1], "misuse") == 0) return cmd_misuse(argv[2]);
     fprintf(stderr, "usage: tok_driver encode VOCAB INPUT | utf8 INPUT | bench VOCAB TEXT N | misuse VOCAB\n");
