@@ -8,11 +8,14 @@ lists to each other through the C code.
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Mapping
 from typing import Any, Final
 
-__all__ = ["SUPPORTED_MODELS", "SUPPORTED_PRE", "check_bundle_tokenizer", "tokenizer_refusal"]
+__all__ = ["SUPPORTED_MODELS", "SUPPORTED_PRE", "bundle_tokenizer", "check_bundle_tokenizer", "tokenizer_refusal"]
+
+_FLT_MAX: Final = 3.4028234663852886e38
 
 #: tokenizer.ggml.model values: byte-level BPE and SentencePiece BPE (scores, byte fallback).
 SUPPORTED_MODELS: Final = ("gpt2", "llama")
@@ -34,6 +37,14 @@ def tokenizer_refusal(meta: Mapping[str, Any]) -> str | None:
     if model not in SUPPORTED_MODELS:
         return (f"tokenizer model {model!r} (tokenizer.ggml.model) is not one the engine runs exactly "
                 f"(it runs {', '.join(SUPPORTED_MODELS)})")
+    tokens = meta.get("tokenizer.ggml.tokens")
+    if isinstance(tokens, list):
+        bad = next((i for i, t in enumerate(tokens) if not isinstance(t, str) or not t or "\0" in t), None)
+        if bad is not None:
+            return f"tokenizer.ggml.tokens[{bad}] is {tokens[bad]!r}: the engine needs non-empty texts without NUL"
+    scores = meta.get("tokenizer.ggml.scores")
+    if isinstance(scores, list) and any(isinstance(x, float) and math.isnan(x) for x in scores):
+        return "tokenizer.ggml.scores holds NaN: SentencePiece merges by score need ordered scores"
     name = str(meta.get("general.name", "")).lower()
     if model == "llama" and ("phi-3" in name or "phi3" in name):
         return (f"Phi-3's vocabulary (general.name {meta.get('general.name')!r}): llama.cpp strips the whitespace "
@@ -58,3 +69,14 @@ def check_bundle_tokenizer(path: str | os.PathLike[str]) -> None:
     if not model:
         raise lib.last_error("baseRT_load_tokenizer_only", f"cannot read the tokenizer of {path}")
     lib.baseRT_free_model(model)
+
+
+def bundle_tokenizer(meta: Mapping[str, Any]) -> dict[str, Any]:
+    """The bundle header's `tokenizer` object: the GGUF's `tokenizer.*` keys as they are (docs/BUNDLE.md),
+    except infinite scores, which JSON cannot hold: +-FLT_MAX keeps their order against every finite one."""
+    fields = {k: v for k, v in meta.items() if k.startswith("tokenizer.")}
+    scores = fields.get("tokenizer.ggml.scores")
+    if isinstance(scores, list):
+        fields["tokenizer.ggml.scores"] = [math.copysign(_FLT_MAX, x) if isinstance(x, float) and math.isinf(x)
+                                           else x for x in scores]
+    return {"tokenizer_type": "gguf"} | fields

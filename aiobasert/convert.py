@@ -31,7 +31,7 @@ import numpy as np
 import numpy.typing as npt
 from tqdm import tqdm  # type: ignore[import-untyped,unused-ignore]  # no stubs in tqdm itself
 
-from ._gguf_tokenizer import tokenizer_refusal
+from ._gguf_tokenizer import bundle_tokenizer, tokenizer_refusal
 from ._progress import ticking
 from .bundle import BundleWriter, Progress, QuantizedTensor, TensorEntry, llama_header
 from .errors import AioBaseRTError
@@ -392,7 +392,7 @@ def convert_gguf(
     stop_ids = sorted(
         {meta[k] for k in ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id") if k in meta} - {eos}
     )
-    tokenizer = {"tokenizer_type": "gguf"} | {k: v for k, v in meta.items() if k.startswith("tokenizer.")}
+    tokenizer = bundle_tokenizer(meta)
     chat_template = meta.get("tokenizer.chat_template")
     header = llama_header(
         dtype=_QUANT_DTYPE.get(dtype, dtype),
