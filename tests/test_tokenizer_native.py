@@ -406,3 +406,14 @@ def test_llguidance_sees_the_engine_token_bytes(name: str, llama_cpp_vocab_dir: 
     engine = {i: b for i, b in engine.items() if b != b"\xff"}
     assert len(engine) >= n - 300
     assert {i: tk.decode_bytes([i]) for i in engine} == engine
+
+
+def test_content_matches_blank_user_tokens_only(llama_cpp_vocab_dir: Path, driver: Path, workdir: Path) -> None:
+    """Client content never becomes a marker (MPT's "[PAD50277]" is a USER_DEFINED token, as Qwen3's <think>
+    is): only the USER_DEFINED whitespace runs are matched in it, as llama.cpp matches them everywhere."""
+    vocab = workdir / "mpt-markers.txt"
+    write_vocab(vocab, llama_cpp_fields(llama_cpp_vocab_dir, "mpt"))
+    records = [[(False, b"x[PAD50277]")], [(True, b"x[PAD50277]")], [(False, b"a  b")], [(True, b"a  b")]]
+    (framing, _), (content, content_bytes), (blank_f, _), (blank_c, _) = run_encode(driver, vocab, records, workdir)
+    assert framing[-1] == 50277 and 50277 not in content and content_bytes == b"x[PAD50277]"
+    assert blank_f == blank_c and 50276 in blank_c  # "  "

@@ -22,7 +22,8 @@
  *      symbol that is not a token becomes its bytes' <0xNN> tokens.
  *
  * bpe_encode_pieces: consecutive pieces of one kind are matched as one text (a
- * marker may straddle their boundary); content matches USER_DEFINED tokens only.
+ * marker may straddle their boundary); content matches only the added tokens
+ * that are whitespace runs.
  *
  * Like HF (no unk token, no byte fallback), a byte-level BPE byte whose
  * one-symbol token is missing from the vocabulary is dropped: SmolLM2 lacks
@@ -1067,7 +1068,16 @@ static void run_flush(encoder *e, text_run *r) {
 }
 
 /* Longest added token starting at s[i]; returns its length (0: none). */
-static size_t added_match(const bpe_tokenizer *tok, const unsigned char *s, size_t n, size_t i, bool user_only,
+/* A USER_DEFINED token that is only ASCII whitespace (MPT's and Gemma's
+ * space / newline runs): text, never a marker, so content matches it too. */
+static bool is_blank_user_token(const bpe_tokenizer *tok, int32_t id) {
+    if (tok->types[id] != BPE_TOKEN_USER_DEFINED) return false;
+    for (const char *p = token_text(tok, id); *p; p++)
+        if (!strchr(" \t\n\r\v\f", *p)) return false;
+    return true;
+}
+
+static size_t added_match(const bpe_tokenizer *tok, const unsigned char *s, size_t n, size_t i, bool content,
                           int32_t *id) {
     size_t best = 0;
     int32_t node = 0;
@@ -1075,7 +1085,7 @@ static size_t added_match(const bpe_tokenizer *tok, const unsigned char *s, size
         node = trie_child(tok, node, s[k]);
         if (node < 0) break;
         int32_t t = tok->trie[node].token;
-        if (t >= 0 && (!user_only || tok->types[t] == BPE_TOKEN_USER_DEFINED)) {
+        if (t >= 0 && (!content || is_blank_user_token(tok, t))) {
             best = k - i + 1;
             *id = tok->trie[node].token;
         }
@@ -1084,17 +1094,18 @@ static size_t added_match(const bpe_tokenizer *tok, const unsigned char *s, size
 }
 
 /* Split text at added tokens (leftmost-longest), the rest is ordinary. Framing
- * text matches every added token; content text only the USER_DEFINED ones
- * (llama.cpp with parse_special=false, HF with encode_special_tokens): a
- * client's text never forges a CONTROL marker. */
-static void encode_marked(encoder *e, text_run *r, const char *text, size_t n, bool user_only) {
+ * text matches every added token; content (a client's text) only the
+ * whitespace-only USER_DEFINED ones, so it never forges a marker, CONTROL or
+ * USER_DEFINED (<think>, <tool_call>), while runs of spaces tokenize as in
+ * llama.cpp (which matches every USER_DEFINED token in all text). */
+static void encode_marked(encoder *e, text_run *r, const char *text, size_t n, bool content) {
     const bpe_tokenizer *tok = e->tok;
     const unsigned char *s = (const unsigned char *)text;
     size_t copied = 0;
     if (tok->trie) {
         for (size_t i = 0; i < n;) {
             int32_t id;
-            size_t len = tok->starts_added[s[i]] ? added_match(tok, s, n, i, user_only, &id) : 0;
+            size_t len = tok->starts_added[s[i]] ? added_match(tok, s, n, i, content, &id) : 0;
             if (!len) {
                 i++;
                 continue;

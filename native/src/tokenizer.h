@@ -61,9 +61,10 @@ int bpe_vocab_size(const bpe_tokenizer *tok);
 
 /* Encode n_pieces pieces as ONE text. Piece i is framing when plain[i] == 0
  * (substrings equal to a CONTROL / USER_DEFINED / UNKNOWN token's text become
- * that one id, leftmost-longest) and content otherwise (only USER_DEFINED
- * tokens are matched, as llama.cpp does with parse_special=false: CONTROL
- * marker text stays ordinary text). Consecutive pieces of one kind are matched
+ * that one id, leftmost-longest) and content otherwise (marker text stays
+ * ordinary text; only USER_DEFINED tokens made of ASCII whitespace, such as
+ * MPT's and Gemma's space runs, are matched, as llama.cpp matches them in all
+ * text). Consecutive pieces of one kind are matched
  * as one text. The pre-tokenizer and BPE see the concatenation of the
  * ordinary-text runs, so a piece boundary tokenizes as the whole text would
  * (SentencePiece with add_space_prefix: each run that starts the text or
