@@ -74,12 +74,13 @@ def _str_list(tok: Mapping[str, Any], key: str) -> list[str]:
     return list(value)
 
 
-def _spm_merges(tokens: list[str], scores: list[float], vocab: Mapping[str, int]) -> list[list[str]]:
+def _spm_merges(tokens: list[str], types: list[int], scores: list[float], vocab: Mapping[str, int]) -> list[list[str]]:
     """SentencePiece BPE as HF BPE merges (HF's SentencePieceExtractor): every split of a piece into two
-    pieces, ranked by the merged piece's score, highest first (so BPE by rank merges as by score)."""
+    pieces, ranked by the merged piece's score, highest first (so BPE by rank merges as by score). Added
+    tokens are whole-text matches, never merge results (as in the engine and SentencePiece)."""
     merges: list[tuple[str, str, float]] = []
     for token_id, piece in enumerate(tokens):
-        if vocab.get(piece) != token_id:
+        if vocab.get(piece) != token_id or types[token_id] in _ADDED_TYPES:
             continue
         local = [(piece[:k], piece[k:], scores[token_id]) for k in range(1, len(piece))
                  if piece[:k] in vocab and piece[k:] in vocab]
@@ -88,8 +89,13 @@ def _spm_merges(tokens: list[str], scores: list[float], vocab: Mapping[str, int]
     return [[left, right] for left, right, _ in merges]
 
 
-def hf_tokenizer_json(tok: Mapping[str, Any]) -> str:
-    """Return the tokenizer.json text equivalent to the GGUF-style fields in ``tok``."""
+def _blank(text: str) -> bool:
+    return not text.strip(" \t\n\r\v\f")
+
+
+def hf_tokenizer_json(tok: Mapping[str, Any], *, content: bool = False) -> str:
+    """Return the tokenizer.json text equivalent to the GGUF-style fields in ``tok``; with ``content``, the
+    engine's encoding of client content: the only added tokens are the USER_DEFINED whitespace runs."""
     model = tok.get("tokenizer.ggml.model", "gpt2")
     if model not in ("gpt2", "llama"):
         raise ValueError(f"tokenizer.ggml.model {model!r} is neither byte-level BPE (gpt2) nor SentencePiece (llama)")
@@ -107,6 +113,8 @@ def hf_tokenizer_json(tok: Mapping[str, Any]) -> str:
     added_tokens: list[dict[str, Any]] = []
     for token_id, (text, token_type) in enumerate(zip(tokens, types, strict=True)):
         vocab.setdefault(text, token_id)  # the first id of a duplicated text wins, as in the engine
+        if content and not (token_type == TOKEN_TYPE_USER_DEFINED and _blank(text)):
+            continue
         if token_type in _ADDED_TYPES and text and vocab[text] == token_id:
             added_tokens.append({
                 "id": token_id,
@@ -132,7 +140,7 @@ def hf_tokenizer_json(tok: Mapping[str, Any]) -> str:
             {"type": "Replace", "pattern": {"String": "\u2581"}, "content": " "},
             {"type": "ByteFallback"}, {"type": "Fuse"},
             *([{"type": "Strip", "content": " ", "start": 1, "stop": 0}] if space_prefix else [])]}
-        merges = _spm_merges(tokens, scores, vocab)
+        merges = _spm_merges(tokens, types, scores, vocab)
     else:
         unk, normalizer, pre_tokenizer, decoder = None, None, _pre_tokenizer(pre), dict(_BYTE_LEVEL)
     document: dict[str, Any] = {

@@ -34,6 +34,7 @@ import aiobasert.convert
 from aiobasert._ffi import Library
 from aiobasert._gguf_tokenizer import SUPPORTED_PRE, tokenizer_refusal
 from aiobasert._hf_tokenizer import hf_tokenizer_json
+from aiobasert.models import cache_dir
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|im_sep|>"]
 USER_DEFINED_TOKENS = ["<tool_call>"]
@@ -417,3 +418,24 @@ def test_content_matches_blank_user_tokens_only(llama_cpp_vocab_dir: Path, drive
     (framing, _), (content, content_bytes), (blank_f, _), (blank_c, _) = run_encode(driver, vocab, records, workdir)
     assert framing[-1] == 50277 and 50277 not in content and content_bytes == b"x[PAD50277]"
     assert blank_f == blank_c and 50276 in blank_c  # "  "
+
+
+def test_gemma3_vocabulary_parity_with_hf(driver: Path, workdir: Path, strings: list[str]) -> None:
+    """Gemma 3's SentencePiece vocabulary (262144 pieces, add_space_prefix = false, HTML tags and whitespace
+    runs as USER_DEFINED tokens) against HF over the corpus, framing and content. The GGUF is the Gemma 3
+    270M download of the model tests (llama.cpp ships no Gemma 3 vocabulary file)."""
+    gguf = cache_dir() / "downloads" / "gemma-3-270m-q4_k_m.gguf"
+    if not gguf.is_file():
+        pytest.skip(f"{gguf} is not downloaded (the Gemma 3 model tests fetch it)")
+    _, meta = aiobasert.convert._read_gguf(gguf)
+    fields = {k: v for k, v in meta.items() if k.startswith("tokenizer.")}
+    assert fields["tokenizer.ggml.model"] == "llama" and fields["tokenizer.ggml.add_space_prefix"] is False
+    assert tokenizer_refusal(meta) is None
+    vocab = workdir / "gemma3.txt"
+    write_vocab(vocab, fields)
+    framing_tk, plain_tk = hf_references(fields)
+    results = run_encode(driver, vocab, [[(plain, s.encode())] for s in strings for plain in (False, True)], workdir)
+    mismatches = [f"{kind} {s!r}" for s, framing, content in zip(strings, results[0::2], results[1::2], strict=True)
+                  for kind, (got, _), tk in (("framing", framing, framing_tk), ("content", content, plain_tk))
+                  if got != tk.encode(s, add_special_tokens=False).ids]
+    assert not mismatches, f"{len(mismatches)} differ:\n" + "\n".join(mismatches[:20])

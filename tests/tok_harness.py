@@ -113,15 +113,9 @@ def run_utf8(driver: Path, records: Sequence[Sequence[bytes]], tmp: Path) -> lis
 
 def hf_references(fields: Mapping[str, Any]) -> tuple[Tokenizer, Tokenizer]:
     """HF tokenizers for framing text (added tokens matched) and for content text (no added tokens but the
-    USER_DEFINED whitespace runs: the marker text is ordinary text, which HF's encode_special_tokens gives
-    only for special tokens)."""
+    USER_DEFINED whitespace runs: marker text is ordinary text)."""
     framing = Tokenizer.from_str(hf_tokenizer_json(fields))
-    plain_fields = dict(fields)
-    types = fields.get("tokenizer.ggml.token_type") or [1] * len(fields["tokenizer.ggml.tokens"])
-    plain_fields["tokenizer.ggml.token_type"] = [
-        t if t == 4 and not text.strip(" \t\n\r\v\f") else 1 if t in (2, 3, 4) else t
-        for text, t in zip(fields["tokenizer.ggml.tokens"], types, strict=True)]
-    plain = Tokenizer.from_str(hf_tokenizer_json(plain_fields))
+    plain = Tokenizer.from_str(hf_tokenizer_json(fields, content=True))
     return framing, plain
 
 

@@ -945,7 +945,10 @@ static void spm_try_bigram(const bpe_tokenizer *tok, const char *text, const spm
     if (left < 0 || right < 0) return;
     int32_t size = sym[left].n + sym[right].n;
     int32_t id = vocab_find(tok, text + sym[left].start, (size_t)size);
-    if (id < 0) return;
+    /* An added token is a whole-text match, never a merge result (SentencePiece's rule): in framing
+     * text its every occurrence is already split off (so llama.cpp agrees), and in content text a
+     * client cannot assemble a marker by merges. */
+    if (id < 0 || is_added_type(tok->types[id])) return;
     spm_push(h, (spm_bigram){tok->scores[id], left, right, size});
 }
 
