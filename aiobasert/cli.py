@@ -26,6 +26,7 @@ import anyio
 import msgspec
 
 from . import convert, models
+from ._gguf_tokenizer import check_bundle_tokenizer
 from ._progress import ticking
 from .engine import Engine
 from .errors import AioBaseRTError
@@ -164,6 +165,7 @@ def _serve(args: argparse.Namespace) -> int:
         resolved = models.resolve_model(source or None)
         if not resolved.is_file():
             raise SystemExit(f"aiobasert serve: {source}: no such model file, .gguf or cached model NAME")
+        check_bundle_tokenizer(resolved)  # a refused tokenizer: one line now, not a failed server startup
         specs.append((args.served_model_name or name or resolved.stem, os.fspath(resolved)))
     api_key = args.api_key if args.api_key is not None else os.environ.get("AIOBASERT_API_KEY") or None
     write_timeout = args.write_timeout if args.write_timeout > 0 else None
