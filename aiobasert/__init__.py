@@ -11,13 +11,16 @@ from .engine import Engine
 from .errors import (
     AbiMismatchError,
     AioBaseRTError,
+    BundleError,
     ContextLengthExceededError,
+    ConversionError,
     EngineClosedError,
     EngineError,
     EngineOutOfMemoryError,
     EngineOverloadedError,
     ErrorCode,
     GenerationFailedError,
+    GPUError,
     InvalidArgumentError,
     InvalidConfigError,
     InvalidFormatError,
@@ -25,13 +28,15 @@ from .errors import (
     InvalidSamplingParamsError,
     LibraryError,
     ModelFileNotFoundError,
+    ModelNotAvailableError,
     StreamBusyError,
     StreamClosedError,
     ThreadAffinityError,
+    UnknownModelError,
     UnsupportedError,
     WrongEventLoopError,
 )
-from .group import EngineGroup, ModelStats, UnknownModelError
+from .group import EngineGroup, ModelStats
 from .streams import TokenStream
 from .tools import ChatReply, ChatStream, TextDelta, Tool, ToolCall, ToolCallDelta
 from .types import (
@@ -51,11 +56,13 @@ __version__ = "0.1.0"
 __all__ = [
     "AbiMismatchError",
     "AioBaseRTError",
+    "BundleError",
     "ChatMessage",
     "ChatReply",
     "ChatStream",
     "Completion",
     "ContextLengthExceededError",
+    "ConversionError",
     "Engine",
     "EngineClosedError",
     "EngineError",
@@ -64,6 +71,7 @@ __all__ = [
     "EngineOverloadedError",
     "EngineStats",
     "ErrorCode",
+    "GPUError",
     "GenerationFailedError",
     "InvalidArgumentError",
     "InvalidConfigError",
@@ -73,6 +81,7 @@ __all__ = [
     "LibraryError",
     "ModelFileNotFoundError",
     "ModelInfo",
+    "ModelNotAvailableError",
     "ModelStats",
     "SamplingParams",
     "StreamBusyError",

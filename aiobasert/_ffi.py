@@ -32,7 +32,7 @@ from ctypes import (
     c_void_p,
 )
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .errors import AbiMismatchError, EngineError, LibraryError, ThreadAffinityError, engine_error
 
@@ -301,7 +301,13 @@ def _candidates(explicit: str | os.PathLike[str] | None) -> list[tuple[str, str]
     return out
 
 
-class Library:
+if TYPE_CHECKING:
+    from ._ffi_api import LibraryFunctions
+else:
+    LibraryFunctions = object
+
+
+class Library(LibraryFunctions):
     """A loaded libbaseRT with every signature declared.
 
     Attribute access (`lib.baseRT_encode`) returns the ctypes function, wrapped
@@ -439,3 +445,62 @@ def c_str(text: str) -> bytes:
     if b"\x00" in data:
         raise ValueError("text contains a NUL character, which a C string cannot carry")
     return data
+
+
+# ---- the typed stub of the functions (aiobasert/_ffi_api.pyi) -----------------------
+
+_INT_TYPES = (c_int, c_uint, c_int32, c_uint32, c_long, c_size_t, c_uint64)
+
+
+def _stub_type(ctype: Any, *, result: bool = False) -> str:
+    if ctype is None:
+        return "None"
+    if ctype in _INT_TYPES:
+        return "int"
+    if ctype is c_float:
+        return "float"
+    if ctype is c_bool:
+        return "bool"
+    if ctype is c_char_p:
+        return "bytes | None" if result else "_Text"
+    if ctype is c_void_p:
+        return "int | None" if result else "_Pointer"
+    if isinstance(ctype, type) and issubclass(ctype, Structure):
+        return f"_ffi.{ctype.__name__}"
+    return "Any"  # pointers, arrays, callbacks: ctypes checks them against argtypes at the call
+
+
+def render_stub() -> str:
+    """The text of aiobasert/_ffi_api.pyi: one typed method per entry of _SIGNATURES, so mypy
+    checks every `lib.baseRT_*` call (the runtime object is `Library`, through __getattr__)."""
+    lines = [
+        '"""Typed signatures of every libbaseRT function the SDK declares: a stub generated from',
+        "`aiobasert._ffi._SIGNATURES` by `aiobasert._ffi.write_stub()` (tests/test_ffi.py checks it is current).",
+        'Pointers, arrays and callbacks are `Any` here: ctypes checks them against argtypes at the call."""',
+        "",
+        "from _ctypes import _CArgObject, _CData",
+        "from ctypes import Array, c_char",
+        "from typing import Any",
+        "",
+        "from . import _ffi",
+        "",
+        "# a handle (int or None), or a buffer (a ctypes object, byref) where C takes a void *",
+        "_Pointer = int | None | _CData | _CArgObject",
+        "# a NUL-terminated string, or a buffer C writes one into",
+        "_Text = bytes | None | Array[c_char]",
+        "",
+        "class LibraryFunctions:",
+    ]
+    for name, (restype, argtypes, _required) in _SIGNATURES.items():
+        params = ", ".join(f"a{i}: {_stub_type(t)}" for i, t in enumerate(argtypes))
+        params = f"self, {params}, /" if params else "self"
+        lines.append(f"    def {name}({params}) -> {_stub_type(restype, result=True)}: ...")
+    return "\n".join(lines) + "\n"
+
+
+STUB_PATH = Path(__file__).with_name("_ffi_api.pyi")
+
+
+def write_stub() -> None:
+    """Regenerate aiobasert/_ffi_api.pyi after a change to _SIGNATURES."""
+    STUB_PATH.write_text(render_stub())

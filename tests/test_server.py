@@ -56,6 +56,7 @@ def long_model_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
 # A streaming request whose events (~2.5 KB each, with 20 logprobs) add up to far more than the
 # kernel and uvicorn buffer: a client that does not read keeps it in flight (its lane paused).
 LONG_STREAM = {"prompt": "Hello", "max_tokens": 16000, "temperature": 0, "stream": True, "logprobs": 20}
+RESPONSES_STREAM = {"input": "Hello", "max_output_tokens": 16000, "temperature": 0, "stream": True}
 
 
 @pytest.fixture(scope="module")
@@ -298,6 +299,8 @@ def test_context_error_code_through_the_client(client: OpenAI) -> None:
     with pytest.raises(openai.BadRequestError) as info:
         client.completions.create(model=MODEL_NAME, prompt="x", max_tokens=20000)
     assert info.value.code == "context_length_exceeded"
+    # openai 3.x keeps only the message in the exception text; LangChain finds the code there
+    assert "context_length_exceeded" in str(info.value)
 
 
 def test_unknown_fields_are_refused_naming_them(http: httpx.Client) -> None:
@@ -318,6 +321,70 @@ def test_api_key_is_required(base_url: str) -> None:
         pytest.raises(openai.AuthenticationError),
     ):
         bad.models.list()
+
+
+def test_the_bearer_scheme_is_case_insensitive(base_url: str) -> None:
+    """RFC 6750 / RFC 7235: the auth scheme is case-insensitive."""
+    for scheme in ("bearer", "BEARER", "Bearer"):
+        r = httpx.post(f"{base_url}/v1/completions", json={"prompt": "x", "max_tokens": 1},
+                       headers={"Authorization": f"{scheme} {API_KEY}"})
+        assert r.status_code == 200, (scheme, r.text)
+    r = httpx.post(f"{base_url}/v1/completions", json={"prompt": "x"}, headers={"Authorization": f"Basic {API_KEY}"})
+    assert r.status_code == 401
+
+
+@pytest.mark.parametrize("content_type", [None, "text/plain", "text/plain;charset=UTF-8",
+                                          "application/x-www-form-urlencoded", "multipart/form-data; boundary=x"])
+def test_a_body_not_declared_json_is_415(http: httpx.Client, content_type: str | None) -> None:
+    """A web page may POST these to any origin without a CORS preflight (a "simple
+    request"): served, they would let any page drive a local server with no API key."""
+    before = stats(http)
+    body = json.dumps({"prompt": "x", "max_tokens": 1}).encode()
+    headers = {"Content-Type": content_type} if content_type else {}
+    request = http.build_request("POST", "/v1/completions", content=body, headers=headers)
+    assert request.headers.get("Content-Type") == content_type
+    r = http.send(request)
+    assert r.status_code == 415, r.text
+    assert r.json()["error"]["code"] == "unsupported_media_type"
+    assert stats(http)["requests_finished"] == before["requests_finished"]
+    ok = http.post("/v1/completions", content=body, headers={"Content-Type": "application/json; charset=utf-8"})
+    assert ok.status_code == 200
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [
+        ("/v1/chat/completions",
+         {"response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": {"type": "frob"}}}},
+         "response_format.json_schema.schema"),
+        ("/v1/chat/completions",
+         {"response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": {"$ref": "#/nope"}}}},
+         "response_format.json_schema.schema"),
+        ("/v1/chat/completions",
+         {"tools": [{"type": "function", "function": {"name": "f"}},
+                    {"type": "function", "function": {"name": "g", "parameters": {
+                        "type": "object", "properties": {"a": {"type": "frob"}}}}}],
+          "tool_choice": "required"},
+         "tools[1].function.parameters"),
+        ("/v1/responses", {"text": {"format": {"type": "json_schema", "name": "s", "schema": {"type": "frob"}}}},
+         "text.format.schema"),
+        ("/v1/responses", {"tools": [{"type": "function", "name": "f", "parameters": {
+            "type": "object", "properties": {"a": {"type": "frob"}}}}]},
+         "tools[0].parameters"),
+    ],
+)
+@pytest.mark.parametrize("stream", [False, True])
+def test_schema_errors_name_the_field(http: httpx.Client, path: str, body: dict[str, Any], param: str,
+                                      stream: bool) -> None:
+    """A schema the grammar cannot enforce is a 400 naming its field, in words of the
+    request (not the grammar's rules and source)."""
+    prompt = {"messages": [{"role": "user", "content": "x"}]} if "chat" in path else {"input": "x"}
+    r = http.post(path, json={**prompt, **body, "stream": stream})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == param and error["message"].startswith(param), error
+    for internal in ("%json", "args_", "call_0", "x-guidance", "\n"):
+        assert internal not in error["message"], error
 
 
 # ---- disconnects and shutdown ---------------------------------------------------------------
@@ -387,14 +454,14 @@ def start_uvicorn(args: list[str], model: Path) -> tuple[subprocess.Popen[str], 
     return proc, lines, port
 
 
-def raw_stream_request(port: int, body: dict[str, Any]) -> socket.socket:
+def raw_stream_request(port: int, body: dict[str, Any], path: str = "/v1/completions") -> socket.socket:
     """POST a streaming request on a socket with a small receive buffer, to be read later (or never)."""
     sock = socket.socket()
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
     sock.connect(("127.0.0.1", port))
     data = json.dumps(body).encode()
     sock.sendall(
-        b"POST /v1/completions HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
+        f"POST {path} HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n".encode()
         + f"Content-Length: {len(data)}\r\n\r\n".encode()
         + data
     )
@@ -406,6 +473,17 @@ def test_sigterm_ends_streams_cleanly_and_exits(long_model_path: Path) -> None:
     proc, _, port = start_uvicorn(args, long_model_path)
     try:
         reader, stuck = raw_stream_request(port, LONG_STREAM), raw_stream_request(port, LONG_STREAM)
+        # and a Responses stream, read as it comes
+        responder = raw_stream_request(port, RESPONSES_STREAM, "/v1/responses")
+        responded = bytearray()
+
+        def read_responses() -> None:
+            responder.settimeout(30)
+            while chunk := responder.recv(65536):
+                responded.extend(chunk)
+
+        responses_reader = threading.Thread(target=read_responses, daemon=True)
+        responses_reader.start()
         reader.settimeout(10)
         received = bytearray(reader.recv(4096))
         assert received.startswith(b"HTTP/1.1 200")
@@ -416,8 +494,10 @@ def test_sigterm_ends_streams_cleanly_and_exits(long_model_path: Path) -> None:
             received += chunk
         proc.wait(timeout=30)  # a hang guard, not a speed check: a server that hangs fails here
         elapsed = time.monotonic() - sent_at
+        responses_reader.join(30)
         reader.close()
         stuck.close()
+        responder.close()
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -429,6 +509,12 @@ def test_sigterm_ends_streams_cleanly_and_exits(long_model_path: Path) -> None:
     tail = bytes(received[-600:])
     assert b'"code":"aborted"' in tail, tail  # the in-flight stream ended with an error event ...
     assert tail.rstrip().endswith(b"data: [DONE]\n\n\r\n0"), tail  # ... then [DONE] and the last HTTP chunk
+    # The Responses stream ended as OpenAI ends a failed response: `error`, then `response.failed`.
+    events = re.findall(rb"^event: (\S+)", bytes(responded), re.M)
+    assert events[:2] == [b"response.created", b"response.in_progress"], events[:4]
+    assert events[-2:] == [b"error", b"response.failed"], events[-4:]
+    failed = json.loads(bytes(responded).rsplit(b"data: ", 1)[1].split(b"\n")[0])
+    assert failed["response"]["status"] == "failed" and failed["response"]["error"]["code"] == "aborted"
 
 
 def test_full_queue_is_503_and_queued_disconnects_are_cancelled(long_model_path: Path) -> None:
@@ -455,3 +541,111 @@ def test_full_queue_is_503_and_queued_disconnects_are_cancelled(long_model_path:
         after = wait_idle(http)
         assert after["live_sequences"] == 0 and after["waiting_requests"] == 0
         assert after["requests_cancelled"] == 2 and after["requests_finished"] == 0
+
+
+# ---- fairness: no request can stall, starve or kill the others (docs/fairness.md) -----------------
+
+# Special tokens (EOS included) banned: a generation runs to max_tokens, whatever the random weights say.
+NO_END = {str(t): -100 for t in range(len(SPECIAL_TOKENS))}
+
+
+def test_streamed_n_beyond_the_lanes_runs_every_choice(base_url: str, http: httpx.Client) -> None:
+    # 8 choices on 4 lanes, each longer than a stream's 256-token buffer: the writer must
+    # forward the running choices while the others wait in the queue (it used to wait for
+    # every choice's first token: the first 4 filled their buffers, paused holding every
+    # lane, and the request never started nor ended).
+    n, max_tokens = 8, 300
+    with OpenAI(base_url=f"{base_url}/v1", api_key=API_KEY, max_retries=0, timeout=60) as client:
+        chunks = list(client.completions.create(
+            model=MODEL_NAME, prompt="Once upon a time", n=n, max_tokens=max_tokens, temperature=1.0, seed=3,
+            logit_bias=NO_END, stream=True, stream_options={"include_usage": True},
+        ))
+    ends = [c.choices[0] for c in chunks if c.choices and c.choices[0].finish_reason]
+    finish = {c.index: c.finish_reason for c in ends}
+    assert finish == {i: "length" for i in range(n)}
+    usage = chunks[-1].usage
+    assert usage is not None and usage.completion_tokens == n * max_tokens
+    after = wait_idle(http)
+    assert after["live_sequences"] == 0 and after["active_lanes"] == 0
+
+
+def test_a_client_that_stops_reading_is_dropped_and_frees_its_lane(long_model_path: Path) -> None:
+    # Every lane held by clients that never read (small receive buffers, streams far longer
+    # than every socket buffer; one of them with 2 choices): with a write timeout they are
+    # dropped, their generations cancelled, and a normal client is served; without one it
+    # would wait forever.
+    factory = functools.partial(Engine.open, long_model_path, max_batch_size=3, max_context=LONG_CONTEXT)
+    with serving(create_app(factory, write_timeout=1.0)) as url, httpx.Client(base_url=url, timeout=60) as http:
+        port = int(url.rsplit(":", 1)[1])
+        before = wait_idle(http)
+        stuck = [raw_stream_request(port, LONG_STREAM), raw_stream_request(port, {**LONG_STREAM, "n": 2})]
+        try:
+            deadline = time.monotonic() + 30
+            while stats(http)["active_lanes"] < 3:
+                assert time.monotonic() < deadline, stats(http)
+                time.sleep(0.01)
+            r = http.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 8, "temperature": 0})
+            assert r.status_code == 200, r.text
+            assert r.json()["choices"][0]["finish_reason"] in ("length", "stop")
+            after = wait_idle(http, timeout=60)
+            assert after["requests_cancelled"] == before["requests_cancelled"] + 3
+            assert after["live_sequences"] == 0 and after["active_lanes"] == 0
+            for sock in stuck:  # each got a cut stream: what was buffered, then the connection closed
+                sock.settimeout(30)
+                received = bytearray()
+                while chunk := sock.recv(1 << 20):
+                    received += chunk
+                assert received.startswith(b"HTTP/1.1 200") and b"[DONE]" not in received
+        finally:
+            for sock in stuck:
+                sock.close()
+
+
+@pytest.fixture(scope="module")
+def queue_of_two(long_model_path: Path) -> Iterator[str]:
+    """A server with 1 lane and a queue of 2 (3 requests at once at most), no write timeout."""
+    factory = functools.partial(Engine.open, long_model_path, max_batch_size=1, max_queue=2, max_context=LONG_CONTEXT)
+    with serving(create_app(factory, write_timeout=None)) as url:
+        yield url
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [
+        ("/v1/completions", {"prompt": ["a", "b", "c", "d"], "max_tokens": 2}, "prompt"),
+        ("/v1/completions", {"prompt": "a", "n": 4, "max_tokens": 2, "stream": True}, "n"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": 4, "max_tokens": 2}, "n"),
+        ("/v1/embeddings", {"input": ["a", "b", "c", "d"]}, "input"),
+    ],
+)
+def test_fan_out_past_lanes_and_queue_is_refused_before_any_work(
+    queue_of_two: str, path: str, body: dict[str, Any], param: str
+) -> None:
+    with httpx.Client(base_url=queue_of_two, timeout=60) as http:
+        before = wait_idle(http)
+        r = http.post(path, json=body)
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["param"] == param and "at most 3" in r.json()["error"]["message"]
+        after = wait_idle(http)
+        assert after["requests_finished"] == before["requests_finished"]  # nothing ran
+        assert after["requests_failed"] == before["requests_failed"]
+
+
+def test_fan_out_without_room_in_the_queue_is_503_before_any_work(queue_of_two: str) -> None:
+    with httpx.Client(base_url=queue_of_two, timeout=60) as http:
+        port = int(queue_of_two.rsplit(":", 1)[1])
+        before = wait_idle(http)
+        holder = raw_stream_request(port, LONG_STREAM)  # holds the lane: its client reads nothing
+        deadline = time.monotonic() + 10
+        while stats(http)["active_lanes"] < 1:
+            assert time.monotonic() < deadline, stats(http)
+            time.sleep(0.01)
+        r = http.post("/v1/completions", json={"prompt": ["a", "b", "c"], "max_tokens": 2})  # 2 places left
+        assert r.status_code == 503, r.text
+        assert r.json()["error"]["code"] == "engine_overloaded" and r.headers["retry-after"] == "1"
+        s = stats(http)
+        assert s["waiting_requests"] == 0  # none of the three was queued
+        holder.close()
+        after = wait_idle(http)
+        assert after["requests_finished"] == before["requests_finished"]
+        assert after["requests_cancelled"] == before["requests_cancelled"] + 1  # the holder only

@@ -1,18 +1,21 @@
 """No silently ignored field: every request field in aiobasert.server.compat is
 sent with its `ok` example (200) and its `bad` example (400 naming it), the
-table lists exactly the request structs' fields, and README.md carries the
+table lists exactly the request structs' fields, and docs/openai-compat.md carries the
 table rendered from it."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import msgspec
+import openai
 import pytest
 from loopback import serving
+from openai import OpenAI
 from test_server import REPO
 
 from aiobasert.server import create_app
@@ -50,7 +53,7 @@ def test_the_table_lists_exactly_the_request_fields() -> None:
 
 
 def test_readme_carries_the_table() -> None:
-    assert render_table() in (REPO / "README.md").read_text(), "run: python -m aiobasert.server.compat"
+    assert render_table() in (REPO / "docs" / "openai-compat.md").read_text(), "run: python -m aiobasert.server.compat"
 
 
 @pytest.mark.parametrize(("endpoint", "name", "ok", "bad"), CASES, ids=[f"{c[0]}:{c[1]}" for c in CASES])
@@ -74,3 +77,75 @@ def test_each_field_is_honoured_or_refused_by_name(
 def test_unknown_fields_are_refused(base_url: str, endpoint: str) -> None:
     r = httpx.post(f"{base_url}{endpoint}", json={**BASE[endpoint], "frobnicate": 1})
     assert r.status_code == 400 and r.json()["error"]["param"] == "frobnicate"
+
+
+# ---- what real clients send ----------------------------------------------------------------
+
+
+def test_the_agents_sdk_default_responses_call(base_url: str) -> None:
+    """openai-agents' OpenAIResponsesModel (the Agents SDK's default model) always sends
+    `include` (a list built from its tools and settings: `[]` by default) and `tools`
+    (`[]` without tools); `include` asking for something is refused by name."""
+    with OpenAI(base_url=f"{base_url}/v1", api_key="none", max_retries=0) as client:
+        r = client.responses.create(model="tiny", input=[{"content": "Hi", "role": "user"}], include=[], tools=[],
+                                    max_output_tokens=2)
+        assert r.status == "incomplete" and r.usage is not None and r.usage.output_tokens == 2
+        with pytest.raises(openai.BadRequestError) as info:
+            client.responses.create(model="tiny", input="Hi", include=["reasoning.encrypted_content"])
+        assert info.value.param == "include"
+
+
+def test_autogen_participant_names(base_url: str) -> None:
+    """autogen-ext's OpenAIChatCompletionClient names every user turn by its source
+    (`user_message_to_oai`: `name=message.source`) and assistant turns likewise."""
+    messages = [
+        {"content": "You are a helpful AI assistant.", "role": "system"},
+        {"content": "Hi", "role": "user", "name": "user"},
+        {"content": "Hello!", "role": "assistant", "name": "assistant"},
+        {"content": "Bye", "role": "user", "name": "user"},
+    ]
+    r = httpx.post(f"{base_url}/v1/chat/completions", json={"model": "tiny", "messages": messages, "max_tokens": 2})
+    assert r.status_code == 200, r.text
+
+
+def test_a_message_from_the_stream_helper_replays(base_url: str) -> None:
+    """The openai SDK's `chat.completions.stream()` helper builds its final message from
+    the deltas: it keeps `refusal: null` and each call's `index`, and sending that
+    message back (the usual tool loop) sends them too."""
+    sent: list[dict[str, Any]] = []
+
+    def record(request: httpx.Request) -> None:
+        sent.append(json.loads(request.content))
+
+    tools: list[Any] = [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"tz": {"enum": ["UTC", "CET"]}}, "required": ["tz"],
+        "additionalProperties": False}}}]
+    messages: list[Any] = [{"role": "user", "content": "Call f."}]
+    http = httpx.Client(event_hooks={"request": [record]})
+    with OpenAI(base_url=f"{base_url}/v1", api_key="none", max_retries=0, http_client=http) as client:
+        with client.chat.completions.stream(model="tiny", messages=messages, tools=tools, tool_choice="required",
+                                            parallel_tool_calls=False, max_tokens=150, seed=4) as stream:
+            final = stream.get_final_completion()
+        message = final.choices[0].message
+        (call,) = message.tool_calls or []
+        messages += [message, {"role": "tool", "tool_call_id": call.id, "content": "1"}]
+        r = client.chat.completions.create(model="tiny", messages=messages, tools=tools, max_tokens=2)
+        assert r.choices[0].finish_reason in ("length", "tool_calls", "stop")
+    replayed = sent[-1]["messages"][1]
+    # what the helper sends
+    assert replayed["refusal"] is None and "annotations" in replayed and "parsed" in replayed
+    assert replayed["tool_calls"][0]["index"] == 0 and "parsed_arguments" in replayed["tool_calls"][0]["function"]
+
+
+def test_cache_control_parts(base_url: str) -> None:
+    """Anthropic-style prompt caching marks on text parts, as gateways (LiteLLM,
+    OpenRouter) pass them to OpenAI-compatible servers: a hint, the prefix cache is
+    automatic here. Other part types are still refused by name."""
+    part = {"type": "text", "text": "A long shared system prompt.", "cache_control": {"type": "ephemeral"}}
+    body = {"model": "tiny", "messages": [{"role": "system", "content": [part]}, {"role": "user", "content": "Hi"}],
+            "max_tokens": 2}
+    assert httpx.post(f"{base_url}/v1/chat/completions", json=body).status_code == 200
+    image = {"type": "image_url", "image_url": {"url": "data:,"}}
+    body["messages"] = [{"role": "user", "content": [image]}]
+    r = httpx.post(f"{base_url}/v1/chat/completions", json=body)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages"

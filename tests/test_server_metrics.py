@@ -59,6 +59,10 @@ def test_metrics_count_traffic(base_url: str) -> None:
     assert grew("aiobasert:prefix_cache_hits_total") > 0
     assert grew("aiobasert:prefix_cache_queries_total") >= grew("aiobasert:prefix_cache_hits_total")
     assert grew("aiobasert:request_success_total{finished_reason=length}") == 3
+    # Idle again: live requests hold no KV; the long prompt's blocks stay in the prefix cache,
+    # reported apart (the engine's own count includes them: ~100% "used" on an idle server).
+    assert after["aiobasert:kv_blocks_used"] == 0 and after["aiobasert:num_requests_running"] == 0
+    assert after["aiobasert:kv_blocks_cached"] > 0
     # The probe runs every 0.1 s: the traffic above can finish before its first sample, so wait for one.
     deadline = time.monotonic() + 10
     while scrape(base_url).get("aiobasert:event_loop_lag_seconds_count", 0.0) == 0 and time.monotonic() < deadline:

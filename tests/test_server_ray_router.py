@@ -5,6 +5,7 @@ is in test_server_ray_serve.py."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -12,8 +13,8 @@ import pytest
 from ray.serve._private.common import DeploymentHandleSource, DeploymentID, ReplicaID, RequestMetadata
 from ray.serve._private.request_router.common import PendingRequest
 
-from aiobasert.server.ray_router import AffinityRouter
-from aiobasert.server.ray_serve import ForwardedRequest, affinity_of
+from aiobasert.server.ray_router import AffinityRouter, replica_tag
+from aiobasert.server.ray_serve import ForwardedRequest, affinity_of, continued_on
 
 # Serve's routers live on asyncio event loops.
 on_asyncio = pytest.mark.parametrize("anyio_backend", ["asyncio"])
@@ -115,3 +116,23 @@ def test_affinity_keys_from_requests() -> None:
     assert affinity_of({"x-session-id": "h"}, b'{"user": "u", "prompt": "P"}') == ("h", "P")
     assert affinity_of({}, b'{"user": "u", "prompt": [1, 2]}') == ("u", "1,2,")
     assert affinity_of({}, b"not json") == (None, None)
+
+
+@on_asyncio
+async def test_a_previous_response_id_goes_to_the_replica_storing_it() -> None:
+    r = router()
+    owner = REPLICAS[1]
+    response_id = f"resp_{replica_tag(owner.replica_id.to_full_id_str())}_{'0' * 24}"
+    body = json.dumps({"previous_response_id": response_id, "input": "more"}).encode()
+    tag = continued_on(body)
+    assert tag is not None and continued_on(b'{"previous_response_id": "resp_0123"}') is None
+    fwd = ForwardedRequest(method="POST", path="/v1/responses", query_string=b"", headers=[], body=body,
+                           session="someone-else", prompt="more", replica=tag)
+    pending = PendingRequest(args=[fwd], kwargs={}, metadata=RequestMetadata(request_id="x", internal_request_id="x"))
+    # Only that replica can answer, so it is the only candidate (also when it is the busiest).
+    r._replica_queue_len_cache.update(owner.replica_id, 100)
+    assert await r.choose_replicas(REPLICAS, pending) == [[owner]]
+    # Gone: routed as usual (the replica that gets it answers 404 naming previous_response_id).
+    others = [rep for rep in REPLICAS if rep is not owner]
+    ranks = await r.choose_replicas(others, pending)
+    assert ranks and all(rep in others for rank in ranks for rep in rank)

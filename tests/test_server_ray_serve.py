@@ -186,3 +186,17 @@ def test_a_killed_replica_fails_only_its_own_stream_and_is_replaced(http: httpx.
 
     wait_until("the new replica to take requests", routed_to_two)
     assert survivor in seen and victim not in seen
+
+
+def test_previous_response_id_follow_ups_reach_the_replica_storing_it(http: httpx.Client) -> None:
+    # Responses are stored on the replica that made them: follow-ups (other inputs, no
+    # session) must be routed there, not by their prompt (which would spread them).
+    first = http.post("/v1/responses", json={"model": "tiny", "input": "Hello there", "max_output_tokens": 2})
+    assert first.status_code == 200, first.text
+    owner = first.headers[REPLICA_HEADER]
+    for i in range(8):
+        body = {"model": "tiny", "previous_response_id": first.json()["id"], "input": f"question {i} " * (i + 1),
+                "max_output_tokens": 2}
+        r = http.post("/v1/responses", json=body)
+        assert r.status_code == 200, r.text
+        assert r.headers[REPLICA_HEADER] == owner

@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +17,8 @@ from loopback import API_KEY, MODEL_NAME, serving
 from openai import AsyncOpenAI, OpenAI
 
 from aiobasert.server import create_app
+from aiobasert.server.app import build_app
+from aiobasert.server.provider import SingleEngineProvider
 
 PARAMS: dict[str, Any] = {
     "type": "object",
@@ -99,6 +102,37 @@ def test_previous_response_id_reuses_the_kv(tiny_client: OpenAI) -> None:
     assert not [item for item in second.output if item.type == "function_call"]
 
 
+def test_store_is_capped_in_bytes_and_keeps_only_what_the_prompt_renders(tiny_model_path: Path) -> None:
+    budget = 20_000
+    provider = SingleEngineProvider.from_path(tiny_model_path, model_name=MODEL_NAME, max_batch_size=4)
+    app, service = build_app(provider, response_store_bytes=budget)
+    store = service.responses.store
+    with serving(app) as url, OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0) as client:
+        # A replayed call with a 200 kB call_id: the tiny model's template never renders
+        # call ids, so the stored conversation is its text, not the id.
+        huge_id = "call_" + "x" * 200_000
+        first = client.responses.create(model=MODEL_NAME, max_output_tokens=2, input=[
+            {"role": "user", "content": "weather?"},
+            {"type": "function_call", "call_id": huge_id, "name": "get_weather", "arguments": '{"city": "Paris"}'},
+            {"type": "function_call_output", "call_id": huge_id, "output": '{"temp": 21}'},
+        ])
+        assert 0 < store.nbytes < 1_000 and len(store) == 1
+        # Stored turns of ~1 kB each: the oldest go once the budget is reached.
+        ids = [first.id]
+        for i in range(40):
+            r = client.responses.create(model=MODEL_NAME, input=f"{i} " + "word " * 200, max_output_tokens=2)
+            ids.append(r.id)
+            assert store.nbytes <= budget
+        assert 1 < len(store) < len(ids)
+        with pytest.raises(openai.NotFoundError) as gone:
+            client.responses.create(model=MODEL_NAME, previous_response_id=first.id, input="more")
+        assert gone.value.body["param"] == "previous_response_id"  # type: ignore[index]
+        follow = client.responses.create(
+            model=MODEL_NAME, previous_response_id=ids[-1], input="more", max_output_tokens=2
+        )
+        assert follow.previous_response_id == ids[-1]
+
+
 @pytest.mark.anyio
 async def test_async_client_and_input_items(tiny_server: str) -> None:
     async with AsyncOpenAI(base_url=f"{tiny_server}/v1", api_key=API_KEY, max_retries=0) as client:
@@ -164,3 +198,35 @@ def test_smollm2_responses_tool_turn_chained(smollm2_path: Path) -> None:
         assert "".join(deltas) and second is not None and second.output_text == "".join(deltas)
         assert first.usage is not None and second.usage is not None
         assert second.usage.input_tokens_details.cached_tokens >= first.usage.input_tokens - 16
+
+
+TIME_PARAMS: dict[str, Any] = {"type": "object", "properties": {"tz": {"enum": ["UTC", "CET"]}}, "required": ["tz"],
+                               "additionalProperties": False}
+
+
+def test_parallel_calls_stream_each_at_its_own_output_index(
+    asgi_server: Callable[[Any], str], untied_model_path: Path
+) -> None:
+    """The openai SDK's `responses.stream()` refuses a repeated output index ("Duplicate
+    response output index"): several calls in one turn are items 0, 1, 2, ...
+    (the untied tiny model calls tools several times in a row, greedily)."""
+    url = asgi_server(create_app(untied_model_path, model_name=MODEL_NAME, max_batch_size=2))
+    tools: list[Any] = [*TOOLS, {"type": "function", "name": "get_time", "parameters": TIME_PARAMS}]
+    kw: dict[str, Any] = dict(model=MODEL_NAME, input="Weather and time in Rome?", tools=tools,
+                              tool_choice="required", max_output_tokens=150, temperature=0)
+    with OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0) as client:
+        whole = client.responses.create(**kw)
+        added: list[int] = []
+        final = None
+        with client.responses.stream(**kw) as stream:
+            for event in stream:
+                if event.type == "response.output_item.added":
+                    added.append(event.output_index)
+                elif event.type in ("response.completed", "response.incomplete"):
+                    final = event.response
+    assert final is not None
+    calls = [item for item in whole.output if item.type == "function_call"]
+    assert len(calls) >= 2
+    assert added == list(range(len(final.output)))
+    streamed = [item for item in final.output if item.type == "function_call"]
+    assert [(c.name, c.arguments) for c in streamed] == [(c.name, c.arguments) for c in calls]

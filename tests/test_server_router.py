@@ -4,6 +4,7 @@ keep-alive unload and reload, and disconnects still freeing the lane."""
 
 from __future__ import annotations
 
+import json
 import signal
 import socket
 import subprocess
@@ -231,3 +232,15 @@ def test_metrics_are_labelled_per_model(client: OpenAI, two_models: str) -> None
     gauges = httpx.get(f"{two_models}/metrics", timeout=30).text
     assert 'aiobasert:kv_blocks_total{model_name="other"}' in gauges
     assert 'aiobasert:kv_blocks_total{model_name="tiny"}' in gauges
+
+
+def test_a_body_not_declared_json_loads_no_model(idle_unloading: str) -> None:
+    """A `text/plain` POST (a web page's preflight-free "simple request") is refused
+    before the router leases, so it cannot make the server load a model either."""
+    wait_until("tiny to unload", lambda: not model_stats(idle_unloading)["tiny"]["loaded"])
+    loads = model_stats(idle_unloading)["tiny"]["loads"]
+    body = json.dumps({"model": "tiny", "prompt": "x", "max_tokens": 1})
+    r = httpx.post(f"{idle_unloading}/v1/completions", content=body, headers={"Content-Type": "text/plain"})
+    assert r.status_code == 415 and r.json()["error"]["code"] == "unsupported_media_type"
+    after = model_stats(idle_unloading)["tiny"]
+    assert after["loads"] == loads and not after["loaded"]

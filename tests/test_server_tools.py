@@ -304,3 +304,37 @@ def test_engine_structural_tag_over_http(untied_model_path: Path) -> None:
             jsonschema.validate(json.loads(call.function.arguments), tools[1]["function"]["parameters"])
         (served,) = provider.served()
         assert dict(served.engine._thread.grammar_backends) == {"engine": 6}
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_a_chunk_carries_one_delta_per_call(tiny_client: OpenAI, seed: int) -> None:
+    """llama-index reads one `tool_calls` entry per chunk (the first): a call's head and
+    its first argument fragment sent as two entries of one chunk lost that fragment
+    (the `{`). Each chunk carries at most one entry per call index."""
+    kw: dict[str, Any] = dict(model=MODEL_NAME, messages=MESSAGES, tools=TOOLS, tool_choice="required",
+                              max_tokens=150, seed=seed, temperature=1.0)
+    whole = tiny_client.chat.completions.create(**kw).choices[0].message.tool_calls or []
+    args: dict[int, str] = {}
+    for chunk in tiny_client.chat.completions.create(**kw, stream=True):
+        entries = chunk.choices[0].delta.tool_calls if chunk.choices else None
+        if not entries:
+            continue
+        assert len({e.index for e in entries}) == len(entries), entries
+        first = entries[0]  # what llama-index keeps
+        args[first.index] = args.get(first.index, "") + (first.function.arguments or "" if first.function else "")
+    assert [args[i] for i in sorted(args)] == [c.function.arguments for c in whole]
+
+
+@pytest.mark.parametrize("max_tokens", [1, 2, 3, 5, 8])
+def test_a_forced_call_cut_by_max_tokens_is_length_without_markup(tiny_client: OpenAI, max_tokens: int) -> None:
+    kw: dict[str, Any] = dict(model=MODEL_NAME, messages=MESSAGES, tools=TOOLS, tool_choice="required",
+                              max_tokens=max_tokens, seed=1)
+    (choice,) = tiny_client.chat.completions.create(**kw).choices
+    assert choice.finish_reason == "length"
+    assert not choice.message.content, choice.message.content  # no raw `<tool_call>` text
+    text, finish = "", None
+    for chunk in tiny_client.chat.completions.create(**kw, stream=True):
+        if chunk.choices:
+            text += chunk.choices[0].delta.content or ""
+            finish = chunk.choices[0].finish_reason or finish
+    assert finish == "length" and text == ""

@@ -23,10 +23,13 @@ def write_gguf(
     extra_kv: dict[str, Any] | None = None,
     drop: tuple[str, ...] = (),
     extra_tensors: tuple[str, ...] = (),
+    pre: str = "smollm",
+    tokenizer: dict[str, Any] | None = None,
 ) -> Path:
-    """A small llama GGUF with a mix of F32, F16 and Q8_0 tensors and the tiny BPE vocabulary."""
+    """A small llama GGUF with a mix of F32, F16 and Q8_0 tensors and the tiny BPE vocabulary (with the
+    pre-tokenizer name `pre`), or with the GGUF `tokenizer.*` fields given (another GGUF's vocabulary)."""
     vocab = tiny_vocab("bpe")
-    n_vocab = len(vocab.tokens)
+    n_vocab = len(tokenizer["tokenizer.ggml.tokens"]) if tokenizer else len(vocab.tokens)
     rng = np.random.default_rng(3)
     writer = gguf.GGUFWriter(path, arch)
     writer.add_block_count(LAYERS)
@@ -40,16 +43,20 @@ def write_gguf(
     writer.add_rope_freq_base(50000.0)
     writer.add_layer_norm_rms_eps(1e-6)
     writer.add_rope_dimension_count(HEAD_DIM)
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("smollm")
-    writer.add_token_list(list(vocab.tokens))
-    writer.add_token_types(list(vocab.token_types))
-    writer.add_token_merges(list(vocab.merges))
-    writer.add_bos_token_id(1)
-    writer.add_eos_token_id(2)
-    writer.add_eot_token_id(0)
-    writer.add_add_bos_token(False)
-    writer.add_chat_template(CHATML_TEMPLATE)
+    if tokenizer:
+        for key, value in tokenizer.items():  # (floats, scores included, are written as float32)
+            writer.add_key_value(key, value, gguf.GGUFValueType.get_type(value))
+    else:
+        writer.add_tokenizer_model("gpt2")
+        writer.add_tokenizer_pre(pre)
+        writer.add_token_list(list(vocab.tokens))
+        writer.add_token_types(list(vocab.token_types))
+        writer.add_token_merges(list(vocab.merges))
+        writer.add_bos_token_id(1)
+        writer.add_eos_token_id(2)
+        writer.add_eot_token_id(0)
+        writer.add_add_bos_token(False)
+        writer.add_chat_template(CHATML_TEMPLATE)
     for key, value in extra_kv.items():
         writer.add_key_value(key, value, gguf.GGUFValueType.get_type(value))
 

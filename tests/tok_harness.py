@@ -46,12 +46,22 @@ def write_vocab(path: Path, fields: Mapping[str, Any]) -> None:
     """Dump GGUF-style tokenizer fields in the driver's vocabulary format."""
     tokens: Sequence[str] = fields["tokenizer.ggml.tokens"]
     types: Sequence[int] = fields.get("tokenizer.ggml.token_type") or [1] * len(tokens)
+    scores: Sequence[float] = fields.get("tokenizer.ggml.scores") or [0.0] * len(tokens)
     merges: Sequence[str] = fields.get("tokenizer.ggml.merges", [])
-    out = [b"pre %s\n%d\n" % (fields.get("tokenizer.ggml.pre", "default").encode(), len(tokens))]
-    out += [b"%d " % t + _blob(s.encode()) for s, t in zip(tokens, types, strict=True)]
+    model = fields.get("tokenizer.ggml.model", "gpt2")
+    out = [b"pre %s\nmodel %s\nspace_prefix %d\n%d\n" % (
+        fields.get("tokenizer.ggml.pre", "default").encode(), model.encode(),
+        _add_space_prefix(fields), len(tokens))]
+    out += [b"%d %s " % (t, repr(float(sc)).encode()) + _blob(s.encode())
+            for s, t, sc in zip(tokens, types, scores, strict=True)]
     out.append(b"%d\n" % len(merges))
     out += [_blob(m.encode()) for m in merges]
     path.write_bytes(b"".join(out))
+
+
+def _add_space_prefix(fields: Mapping[str, Any]) -> bool:
+    """llama.cpp's default: on for SentencePiece unless the GGUF says otherwise."""
+    return bool(fields.get("tokenizer.ggml.add_space_prefix", fields.get("tokenizer.ggml.model") == "llama"))
 
 
 def _run(cmd: list[str]) -> list[str]:
@@ -79,6 +89,13 @@ def run_encode(driver: Path, vocab: Path, records: Sequence[Sequence[Piece]],
     return results
 
 
+def run_token_bytes(driver: Path, vocab: Path, ids: Sequence[int], tmp: Path) -> list[bytes]:
+    """bpe_token_bytes of each id."""
+    inp = tmp / "ids.in"
+    inp.write_text(" ".join(map(str, ids)))
+    return [b"" if h == "-" else bytes.fromhex(h) for h in _run([str(driver), "bytes", str(vocab), str(inp)])]
+
+
 def run_utf8(driver: Path, records: Sequence[Sequence[bytes]], tmp: Path) -> list[tuple[list[bytes], int]]:
     """Feed each record's chunks to one utf8_assembler; returns (output per feed, pending bytes at the end)."""
     data = [b"%d\n" % len(records)]
@@ -95,12 +112,10 @@ def run_utf8(driver: Path, records: Sequence[Sequence[bytes]], tmp: Path) -> lis
 
 
 def hf_references(fields: Mapping[str, Any]) -> tuple[Tokenizer, Tokenizer]:
-    """HF tokenizers for framing text (added tokens matched) and for content text (no added tokens: the
-    marker text is ordinary text, which HF's encode_special_tokens gives only for special tokens)."""
+    """HF tokenizers for framing text (added tokens matched) and for content text (no added tokens but the
+    USER_DEFINED whitespace runs: marker text is ordinary text)."""
     framing = Tokenizer.from_str(hf_tokenizer_json(fields))
-    plain_fields = dict(fields)
-    plain_fields["tokenizer.ggml.token_type"] = [1] * len(fields["tokenizer.ggml.tokens"])
-    plain = Tokenizer.from_str(hf_tokenizer_json(plain_fields))
+    plain = Tokenizer.from_str(hf_tokenizer_json(fields, content=True))
     return framing, plain
 
 

@@ -23,7 +23,9 @@ from ..errors import AioBaseRTError
 from .endpoints import Service
 from .errors import APIError, ClientGone, api_error
 from .provider import EngineFactory, EngineProvider, SingleEngineProvider
+from .responses import DEFAULT_STORE_BYTES
 from .router import GroupProvider, ModelRouter
+from .streaming import DEFAULT_WRITE_TIMEOUT_S
 
 _OPEN_PATHS = frozenset({"/health", "/metrics", "/version"})
 
@@ -34,12 +36,14 @@ class _BearerAuth:
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
-        self._expected = f"Bearer {api_key}".encode()
+        self._expected = api_key.encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["path"] not in _OPEN_PATHS:
-            given = dict(scope["headers"]).get(b"authorization", b"")
-            if not hmac.compare_digest(given, self._expected):
+            scheme, _, token = dict(scope["headers"]).get(b"authorization", b"").partition(b" ")
+            # RFC 6750 / 7235: the scheme is case-insensitive ("bearer" is as good as "Bearer")
+            ok = hmac.compare_digest(token.strip(b" "), self._expected) and scheme.lower() == b"bearer"
+            if not ok:
                 err = APIError(
                     401,
                     "missing or incorrect API key: send 'Authorization: Bearer <key>'",
@@ -89,11 +93,17 @@ class _RequestId:
 
 
 def build_app(
-    provider: EngineProvider, *, api_key: str | None = None, allowed_origins: Sequence[str] | None = None
+    provider: EngineProvider,
+    *,
+    api_key: str | None = None,
+    allowed_origins: Sequence[str] | None = None,
+    write_timeout: float | None = DEFAULT_WRITE_TIMEOUT_S,
+    response_store_bytes: int = DEFAULT_STORE_BYTES,
 ) -> tuple[Starlette, Service]:
     """The ASGI app over `provider`, and its `Service` (the endpoints).
-    `allowed_origins`: CORS origins allowed to call it (None: no CORS headers)."""
-    service = Service(provider)
+    `allowed_origins`: CORS origins allowed to call it (None: no CORS headers);
+    `write_timeout`, `response_store_bytes`: see `create_app`."""
+    service = Service(provider, write_timeout=write_timeout, response_store_bytes=response_store_bytes)
     routes = [
         Route("/health", service.health, methods=["GET"]),
         Route("/v1/models", service.models, methods=["GET"]),
@@ -166,6 +176,8 @@ def create_app(
     max_batch_size: int = 8,
     max_context: int = 2048,
     allowed_origins: Sequence[str] | None = None,
+    write_timeout: float | None = DEFAULT_WRITE_TIMEOUT_S,
+    response_store_bytes: int = DEFAULT_STORE_BYTES,
 ) -> Starlette:
     """The OpenAI-compatible ASGI app (run it with any ASGI server, e.g. uvicorn).
 
@@ -173,17 +185,26 @@ def create_app(
         `EngineFactory` for full control over `Engine.open`'s arguments, or an
         `EngineProvider` (several models, engines of your own); the engines are
         opened when the app starts and aborted when it stops.
-    api_key: when set, every endpoint but /health needs `Authorization: Bearer <api_key>`.
+    api_key: when set, every endpoint but /health, /metrics and /version needs
+        `Authorization: Bearer <api_key>`.
     model_name: the id reported by /v1/models and in responses (default: the file's stem).
     max_batch_size, max_context: passed to `Engine.open` when `model` is a path.
     allowed_origins: CORS origins allowed to call the API ("*" = any; None = no CORS).
+    write_timeout: seconds a streamed response waits for its client to take
+        bytes before the client is dropped and its generation aborted (None or 0:
+        wait forever). See docs/fairness.md.
+    response_store_bytes: the Responses API store's budget (stored
+        conversations' encoded size; oldest dropped first).
 
     Under a server of your own, in-flight streams keep the shutdown waiting
     until they finish (uvicorn runs the lifespan shutdown last); use `serve()`
     or a graceful-shutdown timeout to bound that.
     """
     provider = _provider(model, model_name=model_name, max_batch_size=max_batch_size, max_context=max_context)
-    return build_app(provider, api_key=api_key, allowed_origins=allowed_origins)[0]
+    return build_app(
+        provider, api_key=api_key, allowed_origins=allowed_origins, write_timeout=write_timeout,
+        response_store_bytes=response_store_bytes,
+    )[0]
 
 
 def serve(
@@ -197,12 +218,15 @@ def serve(
     model_name: str | None = None,
     log_level: str = "info",
     allowed_origins: Sequence[str] | None = None,
+    write_timeout: float | None = DEFAULT_WRITE_TIMEOUT_S,
+    response_store_bytes: int = DEFAULT_STORE_BYTES,
 ) -> None:
     """Run the server with uvicorn until SIGTERM or Ctrl-C.
 
     On shutdown, in-flight generations are aborted at once (streams get an
     error event and `[DONE]`, waiting non-streamed requests a 503); a client
     that does not read its response is cut off after one second.
+    `write_timeout`, `response_store_bytes`: see `create_app`.
     """
     try:
         import uvicorn
@@ -210,7 +234,10 @@ def serve(
         raise ModuleNotFoundError("aiobasert serve needs uvicorn: pip install 'aiobasert[server]'") from exc
 
     provider = _provider(model, model_name=model_name, max_batch_size=max_batch_size, max_context=max_context)
-    app, _service = build_app(provider, api_key=api_key, allowed_origins=allowed_origins)
+    app, _service = build_app(
+        provider, api_key=api_key, allowed_origins=allowed_origins, write_timeout=write_timeout,
+        response_store_bytes=response_store_bytes,
+    )
 
     class _Server(uvicorn.Server):
         async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:

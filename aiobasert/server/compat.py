@@ -1,15 +1,24 @@
-"""Every request field the server knows, what it does with it, and the README
+"""Every request field the server knows, what it does with it, and the docs
 table built from that (no silently ignored field).
 
-Each field is honoured exactly, or refused with a 400 whose `param` names it
-(a refused field may still accept its default or a value that asks for
-nothing, e.g. `store: false`). Fields OpenAI does not define and this server
-does not know are refused the same way (`forbid_unknown_fields`).
+The policy. A field is honoured exactly, or refused with a 400 whose `param`
+names it; a 200 never means a request was silently served less than it asked:
+
+- an OpenAI field this server does not implement is accepted when its value
+  asks for nothing (null, `[]`, false, its default: e.g. `include: []`, which
+  the Agents SDK always sends, or `store: false`) and refused otherwise;
+- a field that is only a hint about how to serve (`cache_control` on a content
+  part, a replayed `tool_calls[].index`) is accepted and ignored, and the
+  table says so;
+- a field nobody defined is refused by name (`forbid_unknown_fields`). vLLM
+  accepts and ignores such fields with a logged warning; here an unknown
+  field may be another server's instruction (`guided_json`, `chat_template`),
+  and ignoring it would answer 200 to a request not served as asked.
 tests/test_server_compat.py sends every `ok` example (expecting 200) and every
 `bad` example (expecting 400 naming the field), checks the table lists exactly
-the request structs' fields, and that README.md carries `render_table()`:
+the request structs' fields, and that docs/openai-compat.md carries `render_table()`:
 
-    python -m aiobasert.server.compat      # rewrite the README section
+    python -m aiobasert.server.compat      # rewrite the table in docs/openai-compat.md
 """
 
 from __future__ import annotations
@@ -67,7 +76,10 @@ FIELDS: dict[str, list[Field]] = {
         Field("best_of", "refused", "only 1", bad=2, allowed=(None, 1)),
     ],
     "/v1/chat/completions": [
-        Field("messages", "honoured", "system/developer/user/assistant(+tool_calls)/tool; text parts", ok=None),
+        Field("messages", "honoured", "system/developer/user/assistant(+tool_calls)/tool; text parts. `name`: "
+              "given to the chat template (rendered only where it mentions it); `refusal`: an assistant turn's "
+              "text; ignored (replayed or hints): `cache_control` on parts, `annotations`, `parsed`, "
+              "`tool_calls[].index`, `function.parsed_arguments`; `audio`/`function_call`: null only", ok=None),
         *_COMMON,
         Field("max_completion_tokens", "alias", "of max_tokens (wins when both are given)", ok=3, bad=0),
         Field("logprobs", "honoured", "", ok=True),
@@ -76,7 +88,8 @@ FIELDS: dict[str, list[Field]] = {
               ok={"type": "json_object"}, bad={"type": "xml"}),
         Field("tools", "honoured", "function tools, arguments grammar-enforced against their schema",
               ok=[{"type": "function", "function": {"name": "f"}}], bad=[{"type": "retrieval"}]),
-        Field("tool_choice", "honoured", "auto, none, required, or a named function", ok="none", bad="sometimes"),
+        Field("tool_choice", "honoured", "auto, none, required, or a named function (called exactly once)",
+              ok="none", bad="sometimes"),
         Field("parallel_tool_calls", "honoured", "false: at most one call", ok=False),
         Field("audio", "refused", "", bad={"voice": "x"}),
         Field("function_call", "refused", "deprecated: use tool_choice", bad="auto"),
@@ -109,7 +122,8 @@ FIELDS: dict[str, list[Field]] = {
               bad="resp_unknown"),
         Field("tools", "honoured", "function tools only", ok=[{"type": "function", "name": "f"}],
               bad=[{"type": "web_search"}]),
-        Field("tool_choice", "honoured", "auto, none, required, or a named function", ok="none", bad="required"),
+        Field("tool_choice", "honoured", "auto, none, required, or a named function (called exactly once)",
+              ok="none", bad="required"),
         Field("parallel_tool_calls", "honoured", "false: at most one call", ok=False),
         Field("max_output_tokens", "honoured", "", ok=3, bad=0),
         Field("temperature", "honoured", "default 1", ok=0.5, bad=-1),
@@ -121,6 +135,17 @@ FIELDS: dict[str, list[Field]] = {
         Field("text", "honoured", "format text / json_object / json_schema", ok={"format": {"type": "text"}},
               bad={"format": {"type": "xml"}}),
         Field("truncation", "partial", "only disabled", ok="disabled", bad="auto"),
+        Field("include", "refused", "nothing extra to include: [] accepted", bad=["reasoning.encrypted_content"],
+              allowed=(None, [])),
+        Field("reasoning", "refused", "no reasoning models", bad={"effort": "high"}),
+        Field("background", "refused", "false accepted", bad=True, allowed=(None, False)),
+        Field("conversation", "refused", "use previous_response_id", bad="conv_1"),
+        Field("prompt", "refused", "no stored prompts", bad={"id": "pmpt_1"}),
+        Field("max_tool_calls", "refused", "", bad=2),
+        Field("service_tier", "refused", "one tier: auto/default accepted", bad="flex",
+              allowed=(None, "auto", "default")),
+        Field("prompt_cache_key", "refused", "the prefix cache is automatic", bad="k"),
+        Field("safety_identifier", "refused", "", bad="s"),
     ],
 }
 
@@ -161,6 +186,6 @@ def update_readme(path: Path) -> bool:
 
 
 if __name__ == "__main__":
-    readme = Path(__file__).resolve().parents[2] / "README.md"
+    readme = Path(__file__).resolve().parents[2] / "docs" / "openai-compat.md"
     changed = update_readme(readme)
     sys.stdout.write(f"{readme}: {'updated' if changed else 'up to date'}\n")

@@ -13,8 +13,9 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
-from ..errors import InvalidRequestError
-from ..fanout import MAX_N, gather_all, prefill_once, sample_params
+from ..engine import Engine
+from ..errors import EngineOverloadedError, InvalidRequestError
+from ..fanout import MAX_N, prefill_once, sample_params
 from ..streams import TokenStream
 from ..tools import ChatDelta as ChatDeltaSDK
 from ..tools import ChatStream, TextDelta, Tool, ToolCall, ToolCallDelta
@@ -59,8 +60,8 @@ from .protocol import (
     VersionInfo,
 )
 from .provider import EngineProvider, ServedModel
-from .responses import ResponsesAPI
-from .streaming import SSE_DONE, EventStream, gather, sse, unless_disconnected
+from .responses import DEFAULT_STORE_BYTES, ResponsesAPI, ResponseStore
+from .streaming import DEFAULT_WRITE_TIMEOUT_S, SSE_DONE, EventStream, gather, sse, unless_disconnected
 
 
 class _CompletionChunks(OpenAIChunks):
@@ -119,19 +120,27 @@ def _tool_call_out(call: ToolCall) -> ToolCallOut:
 
 
 def _chat_delta(deltas: Sequence[ChatDeltaSDK]) -> ChatDelta:
-    """One wire delta from the SDK deltas of one token: its text and call pieces."""
+    """One wire delta from the SDK deltas of one token: its text and call pieces,
+    one entry per call index (a call's head and its first argument fragment, released
+    by the same token, are merged: clients such as llama-index keep only one entry per
+    index and chunk)."""
     text = "".join(d.text for d in deltas if isinstance(d, TextDelta))
-    calls = [
-        ToolCallDeltaOut(
-            index=d.index,
-            id=d.id,
-            type="function" if d.id is not None else None,
-            function=FunctionCallDelta(name=d.name, arguments=d.arguments),
-        )
-        for d in deltas
-        if isinstance(d, ToolCallDelta)
-    ]
-    return ChatDelta(content=text if text or not calls else None, tool_calls=calls or None)
+    calls: dict[int, ToolCallDeltaOut] = {}
+    for d in deltas:
+        if not isinstance(d, ToolCallDelta):
+            continue
+        seen = calls.get(d.index)
+        if seen is None:
+            calls[d.index] = ToolCallDeltaOut(
+                index=d.index,
+                id=d.id,
+                type="function" if d.id is not None else None,
+                function=FunctionCallDelta(name=d.name, arguments=d.arguments),
+            )
+        else:
+            seen.function.arguments = (seen.function.arguments or "") + d.arguments
+    out = list(calls.values())
+    return ChatDelta(content=text if text or not out else None, tool_calls=out or None)
 
 
 class _ChatChunks(OpenAIChunks):
@@ -213,6 +222,32 @@ def _n(n: int | None) -> int:
     return n
 
 
+def _queue_limit(engine: Engine) -> int:
+    """Requests the engine can hold at once: its lanes and its wait queue."""
+    return engine.info.max_batch_size + engine._thread.cfg.max_queue  # the queue bound Engine.open was given
+
+
+async def _admit_fanout(engine: Engine, count: int, param: str) -> None:
+    """Refuse a request that would fan out into `count` engine requests before
+    any of them starts: 400 naming `param` when the engine can never hold that
+    many at once, 503 (retry later) when its queue has no room for all of them
+    now. Either way nothing ran; without this the first ones would run (and be
+    paid for) and the rest fail on the full queue minutes later."""
+    limit = _queue_limit(engine)
+    if count > limit:
+        raise APIError(
+            400, f"this request fans out into {count} generations; the server holds at most {limit} "
+            f"(lanes + queue): send at most {limit} per request", param=param,
+        )
+    if count > 1:
+        s = await engine.stats()
+        room = limit - s.active_lanes - s.waiting_requests
+        if count > room:
+            raise EngineOverloadedError(
+                f"request queue has room for {max(0, room)} of this request's {count} generations; retry later"
+            )
+
+
 def _tool_param(message: str) -> str | None:
     """The request field a tool-setup error is about."""
     if "tool_choice" in message:
@@ -228,11 +263,17 @@ logger = logging.getLogger("aiobasert.server")
 class Service:
     """The endpoints of one app, over its `EngineProvider`."""
 
-    def __init__(self, provider: EngineProvider) -> None:
+    def __init__(
+        self, provider: EngineProvider, *, write_timeout: float | None = DEFAULT_WRITE_TIMEOUT_S,
+        response_store_bytes: int = DEFAULT_STORE_BYTES,
+    ) -> None:
         self.provider = provider
         self.created = int(time.time())
         self.metrics = Metrics()
-        self.responses = ResponsesAPI(self.resolve, self.metrics)
+        self.write_timeout = write_timeout if write_timeout is not None and write_timeout > 0 else None  # 0: never
+        self.responses = ResponsesAPI(
+            self.resolve, self.metrics, ResponseStore(max_bytes=response_store_bytes), write_timeout=self.write_timeout
+        )
 
     def _observer(self, served: ServedModel) -> RequestObserver:
         return self.metrics.observer(served.name, served.engine)
@@ -308,6 +349,8 @@ class Service:
                 if n > 1:
                     cached += await prefill_once(served.engine, start, params)
                 streams += [start(sample_params(params, i)) for i in range(n)]
+            for st in streams:  # one after the other in the FIFO: queued (and admitted) together
+                st.submit()
 
             def one(stream: TokenStream) -> Callable[[], Awaitable[tuple[TokenStream, list[Token]]]]:
                 async def go() -> tuple[TokenStream, list[Token]]:
@@ -315,7 +358,7 @@ class Service:
 
                 return go
 
-            return await gather_all([one(st) for st in streams])
+            return await gather([one(st) for st in streams])
 
         return await unless_disconnected(request.receive, run), cached
 
@@ -324,7 +367,8 @@ class Service:
         params: SamplingParams, n: int,
     ) -> tuple[list[TokenStream], int]:
         """The streams of a streamed multi-choice request, all submitted at once
-        (after each prompt's one prefill), and the prefill's cached tokens."""
+        (after each prompt's one prefill: one after the other in the FIFO, so they
+        are queued, and admitted, together), and the prefill's cached tokens."""
         cached = 0
         streams: list[TokenStream] = []
         for start in starts:
@@ -349,6 +393,7 @@ class Service:
         return EventStream(
             [drive(st, f, include_usage=False, observer=observer(served)) for st, f in zip(streams, fmts, strict=True)],
             tail,
+            write_timeout=self.write_timeout,
         )
 
     @staticmethod
@@ -378,13 +423,17 @@ class Service:
         params = sampling_params(req, max_tokens=max_tokens, logprobs=top is not None, top_logprobs=top or 0)
         served = self.resolve(req.model)
         engine = served.engine
+        await _admit_fanout(engine, n * len(prompts), "prompt" if len(prompts) > 1 else "n")
         starts = [functools.partial(engine.stream, p) for p in prompts]
         include_usage = req.stream_options is not None and req.stream_options.include_usage
         if req.stream and n * len(prompts) == 1:
             stream = engine.stream(prompts[0], params)
             self._log_user(stream.request_id, req.user)
             fmt = _CompletionChunks(served, logprobs=top is not None)
-            return EventStream(drive(stream, fmt, include_usage=include_usage, observer=self._observer(served)))
+            return EventStream(
+                drive(stream, fmt, include_usage=include_usage, observer=self._observer(served)),
+                write_timeout=self.write_timeout,
+            )
         if req.stream:
             streams, cached = await self._start_samples(served, starts, params, n)
             self._log_user(streams[0].request_id, req.user)
@@ -442,6 +491,7 @@ class Service:
         if tools and json_schema is not None and choice != "none":
             raise APIError(400, "response_format cannot be combined with tools", param="response_format")
         served = self.resolve(req.model)
+        await _admit_fanout(served.engine, n, "n")
         messages = chat_messages(req.messages)
         chats: list[ChatStream] = []
 
@@ -464,7 +514,10 @@ class Service:
             stream = start(params)
             self._log_user(stream.request_id, req.user)
             fmt = _ChatChunks(served, chats[0], logprobs=want_logprobs)
-            return EventStream(drive(stream, fmt, include_usage=include_usage, observer=self._observer(served)))
+            return EventStream(
+                drive(stream, fmt, include_usage=include_usage, observer=self._observer(served)),
+                write_timeout=self.write_timeout,
+            )
         if req.stream:
             streams, cached = await self._start_samples(served, [start], params, n)
             self._log_user(streams[0].request_id, req.user)
@@ -523,6 +576,7 @@ class Service:
         engine = served.engine
         if req.dimensions is not None and req.dimensions != engine.info.dim:
             raise APIError(400, f"this model's embeddings have {engine.info.dim} dimensions", param="dimensions")
+        await _admit_fanout(engine, len(inputs), "input")
         as_base64 = req.encoding_format == "base64"
         data: list[Embedding | None] = [None] * len(inputs)
         counts = [0] * len(inputs)

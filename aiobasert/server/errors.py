@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import re
+from contextvars import ContextVar
 
 import msgspec
 from starlette.responses import Response
@@ -16,7 +17,7 @@ from ..errors import (
     EngineOverloadedError,
     InvalidRequestError,
 )
-from .protocol import ErrorDetail, ErrorResponse
+from .protocol import ErrorDetail, ErrorResponse, SchemaFields
 
 logger = logging.getLogger("aiobasert.server")
 
@@ -58,10 +59,15 @@ def api_error(exc: BaseException, *, log: bool = True) -> APIError:
         message = (
             f"This model's maximum context length is {exc.max_context} tokens. However, you requested {total} "
             f"tokens ({exc.prompt_tokens} in the messages, {exc.max_tokens} in the completion). "
-            "Please reduce the length of the messages or completion."
+            # The code in the text too: openai 3.x keeps only the message in the exception's
+            # text, and LangChain maps an overflow by finding this code there.
+            "Please reduce the length of the messages or completion. (context_length_exceeded)"
         )
         return APIError(400, message, param="messages", code="context_length_exceeded")
     if isinstance(exc, InvalidRequestError):  # includes InvalidSamplingParamsError
+        schema = _schema_error(str(exc))
+        if schema is not None:
+            return schema
         match = _SAMPLING_FIELD.match(str(exc))
         return APIError(400, str(exc), param=match.group(1) if match else None)
     if isinstance(exc, EngineOverloadedError):
@@ -73,6 +79,34 @@ def api_error(exc: BaseException, *, log: bool = True) -> APIError:
     if log:
         logger.error("unexpected error while serving a request", exc_info=exc)
     return APIError(500, "internal server error", type="server_error")
+
+
+SCHEMA_FIELDS: ContextVar[SchemaFields | None] = ContextVar("aiobasert_schema_fields", default=None)
+"""Set by `http.read_json` for the request being served (from its body type's
+`schema_fields`): the engine reports a bad schema only once the request runs,
+through whichever error path its response takes."""
+
+
+def _schema_error(message: str) -> APIError | None:
+    """A 400 naming the schema field for the engine's grammar errors, without the
+    grammar's internals (its rules, its source), or None for other messages."""
+    fields = SCHEMA_FIELDS.get()
+    if fields is None:
+        return None
+    if message.startswith("invalid json_schema: "):
+        why = message[len("invalid json_schema: ") :].split("\n", 1)[0]
+        return APIError(400, f"{fields.output} is not a JSON Schema this server can enforce: {why}",
+                        param=fields.output)
+    if message.startswith("invalid grammar: "):
+        # llguidance: "at LINE(COL): failed to compile JSON schema: WHY\n  LINE | args_I: %json ..."
+        found = _GRAMMAR_AT.search(message)
+        rule = re.search(rf"^\s*{found.group(1)} \| args_(\d+):", message, re.M) if found else None
+        if found is None or rule is None:
+            return APIError(400, "the tools could not be compiled into an output grammar", param="tools")
+        param = fields.tool.format(int(rule.group(1)))
+        return APIError(400, f"{param} is not a JSON Schema this server can enforce: {found.group(2)}",
+                        param=param)
+    return None
 
 
 def aborted() -> APIError:
@@ -94,4 +128,5 @@ def error_param(message: str) -> str | None:
 
 
 _SAMPLING_FIELD = re.compile(r"invalid sampling parameter (\w+)")
+_GRAMMAR_AT = re.compile(r"at (\d+)\(\d+\): failed to compile JSON schema: ([^\n]*)")
 _UNKNOWN = re.compile(r"Object contains unknown field `([^`]*)`$")

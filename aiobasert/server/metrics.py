@@ -9,6 +9,7 @@ an `aiobasert:` prefix.
 | `aiobasert:request_queue_time_seconds` (histogram) | `vllm:request_queue_time_seconds` |
 | `aiobasert:num_requests_running` / `_waiting` (gauges) | `vllm:num_requests_running` / `_waiting` |
 | `aiobasert:kv_blocks_used` / `aiobasert:kv_blocks_total` (gauges) | `vllm:kv_cache_usage_perc` (as blocks) |
+| `aiobasert:kv_blocks_cached` (gauge) | none: blocks the prefix cache holds (evictable) |
 | `aiobasert:prefix_cache_hits_total` / `_queries_total` (counters, tokens) | `vllm:prefix_cache_hits` / `_queries` |
 | `aiobasert:request_success_total` (counter, by finish reason) | `vllm:request_success_total` |
 | `aiobasert:event_loop_lag_seconds` (histogram) | none: how late the server's loop wakes |
@@ -60,7 +61,10 @@ class Metrics:
                                label, buckets=_LATENCY, registry=r)
         self.running = Gauge("aiobasert:num_requests_running", "Requests holding a lane.", label, registry=r)
         self.waiting = Gauge("aiobasert:num_requests_waiting", "Requests waiting for a lane.", label, registry=r)
-        self.kv_used = Gauge("aiobasert:kv_blocks_used", "KV cache blocks in use.", label, registry=r)
+        self.kv_used = Gauge("aiobasert:kv_blocks_used",
+                             "KV cache blocks held by live sequences (beyond the prefix cache's).", label, registry=r)
+        self.kv_cached = Gauge("aiobasert:kv_blocks_cached", "KV cache blocks held by the prefix cache (evictable).",
+                               label, registry=r)
         self.kv_total = Gauge("aiobasert:kv_blocks_total", "KV cache blocks in the pool.", label, registry=r)
         self.prefix_hits = Counter("aiobasert:prefix_cache_hits", "Prompt tokens served from the prefix cache.",
                                    label, registry=r)
@@ -91,7 +95,11 @@ class Metrics:
             s = await engine.stats()
             self.running.labels(name).set(s.active_lanes)
             self.waiting.labels(name).set(s.waiting_requests)
-            self.kv_used.labels(name).set(s.kv_blocks_used)
+            # The engine counts the prefix cache's blocks as used (~100% at idle once it
+            # fills); like vLLM's usage, report what live requests hold, cache apart.
+            # A block a live sequence shares with the cache counts as cached.
+            self.kv_used.labels(name).set(max(0, s.kv_blocks_used - s.prefix_blocks_cached))
+            self.kv_cached.labels(name).set(s.prefix_blocks_cached)
             self.kv_total.labels(name).set(s.kv_blocks_total)
         return Response(generate_latest(self.registry), media_type=CONTENT_TYPE_LATEST)
 

@@ -65,17 +65,22 @@ _ROLES = {"system": "system", "developer": "system", "user": "user", "assistant"
 
 
 def chat_messages(messages: Sequence[RequestMessage]) -> list[dict[str, Any]]:
-    """The SDK's message mappings (`Engine.stream_chat`): role, content, and the
-    tool fields (assistant `tool_calls`, tool `tool_call_id`)."""
+    """The SDK's message mappings (`Engine.stream_chat`): role, content, `name`, and
+    the tool fields (assistant `tool_calls`, tool `tool_call_id`). The SDK renders
+    names and ids as client text (never parsed for turn markers), as it does content."""
     out: list[dict[str, Any]] = []
     for i, m in enumerate(messages):
         role = _ROLES.get(m.role)
         if role is None:
             raise APIError(400, f"messages[{i}]: role {m.role!r} is not supported", param="messages")
-        if m.name is not None and role != "tool":
-            raise APIError(400, f"messages[{i}]: participant names are not supported", param="messages")
         if m.tool_calls and role != "assistant":
             raise APIError(400, f"messages[{i}]: only assistant turns carry tool_calls", param="messages")
+        if m.audio is not None:
+            raise APIError(400, f"messages[{i}]: audio is not supported", param="messages")
+        if m.function_call is not None:
+            raise APIError(400, f"messages[{i}]: function_call is deprecated: send tool_calls", param="messages")
+        if m.refusal is not None and role != "assistant":
+            raise APIError(400, f"messages[{i}]: only assistant turns carry a refusal", param="messages")
         if role == "tool" and not m.tool_call_id:
             raise APIError(400, f"messages[{i}]: a tool turn needs tool_call_id", param="messages")
         if m.content is None:
@@ -93,6 +98,8 @@ def chat_messages(messages: Sequence[RequestMessage]) -> list[dict[str, Any]]:
                     )
                 texts.append(part.text)
             content = "\n".join(texts)
+        if not content and m.refusal:  # a refused turn's text is its refusal
+            content = m.refusal
         entry: dict[str, Any] = {"role": role, "content": content}
         if m.tool_calls:
             entry["tool_calls"] = [

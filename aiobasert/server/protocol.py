@@ -6,7 +6,7 @@ explicit `null`, as some clients send for "default".
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal, NamedTuple
 
 import msgspec
 
@@ -15,6 +15,14 @@ from ..types import Usage
 MAX_EMBEDDING_INPUTS = 2048
 
 # ---- request bodies ---------------------------------------------------------------------
+
+
+class SchemaFields(NamedTuple):
+    """Where a request body carries JSON Schemas, to name them in errors: the
+    output schema's field, and a tool's `parameters` (a format of the tool's index)."""
+
+    output: str
+    tool: str
 
 
 class StreamOptions(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -76,10 +84,13 @@ class CompletionRequest(SamplingRequest, kw_only=True):
 
 
 class ContentPart(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    """One part of a message's content; only `{"type": "text", "text": ...}` is served."""
+    """One part of a message's content; only `{"type": "text", "text": ...}` is served.
+    `cache_control` (Anthropic-style, sent through OpenAI-compatible gateways) is a
+    caching hint: the prefix cache here is automatic, so it asks for nothing."""
 
     type: str
     text: str | None = None
+    cache_control: dict[str, Any] | None = None
 
 
 class FunctionCall(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -90,21 +101,53 @@ class FunctionCall(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
 
 class ToolCallOut(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    """A tool call, in a request's assistant turn or a response message."""
+    """A tool call in a response message."""
 
     id: str
     type: Literal["function"] = "function"
     function: FunctionCall
 
 
+class RequestFunctionCall(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """A called function in a request's assistant turn. `parsed_arguments` is the openai
+    SDK's parsed copy of `arguments` (its `.stream()` / `.parse()` helpers replay it)."""
+
+    name: str
+    arguments: str
+    parsed_arguments: Any = None
+
+
+class RequestToolCall(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """A tool call in a request's assistant turn. `index` is the streamed delta's
+    position, which the openai SDKs' `.stream()` helpers keep in the final message
+    and so replay; it carries nothing the list order does not."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: RequestFunctionCall
+    index: int | None = None
+
+
 class RequestMessage(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    """One chat turn as a client sends it (tool turns and assistant turns with calls included)."""
+    """One chat turn as a client sends it (tool turns and assistant turns with calls included).
+
+    `name` (a participant's name, as AutoGen sends) goes to the chat template, which
+    renders it only if it mentions it. An assistant turn replayed from a response
+    (the openai SDK's `.stream()` helper sends every field of its final message)
+    may carry `refusal` (that turn's text when it has no content), `annotations`
+    (citations of that text: nothing to render) and `parsed` (the SDK's parsed copy
+    of the content); `audio` and `function_call` must be null (params.py)."""
 
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
-    tool_calls: list[ToolCallOut] | None = None
+    tool_calls: list[RequestToolCall] | None = None
     tool_call_id: str | None = None
+    refusal: str | None = None
+    annotations: list[Any] | None = None
+    parsed: Any = None
+    audio: Any = None
+    function_call: Any = None
 
 
 class FunctionDefinition(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -137,6 +180,10 @@ class NamedToolChoice(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
 class ChatCompletionRequest(SamplingRequest, kw_only=True):
     """`POST /v1/chat/completions`."""
+
+    schema_fields: ClassVar[SchemaFields] = SchemaFields(
+        "response_format.json_schema.schema", "tools[{}].function.parameters"
+    )
 
     messages: list[RequestMessage]
     max_completion_tokens: int | None = None

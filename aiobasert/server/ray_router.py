@@ -20,7 +20,7 @@ from typing import Any, Protocol, cast
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
-__all__ = ["AffinityRouter"]
+__all__ = ["AffinityRouter", "replica_tag"]
 
 _FIRST_BLOCK_CHARS = 64
 
@@ -28,6 +28,12 @@ _FIRST_BLOCK_CHARS = 64
 class _Affinity(Protocol):
     session: str | None
     prompt: str | None
+
+
+def replica_tag(full_id: str) -> str:
+    """A replica's short tag (from its full id): its Responses ids carry it, so a
+    `previous_response_id` follow-up is routed back to the replica that stores it."""
+    return hashlib.blake2b(full_id.encode(), digest_size=6).hexdigest()
 
 
 def _score(key: str, replica: RunningReplica) -> bytes:
@@ -43,6 +49,10 @@ def _rendezvous(key: str, replicas: Sequence[RunningReplica]) -> RunningReplica:
 class AffinityRouter(RequestRouter):
     """Serve request router: session / prompt-prefix affinity with load-aware fallback.
 
+    A request continuing a stored response (`replica`: the tag its
+    `previous_response_id` carries) goes to the replica that stores it, however
+    loaded (nowhere else can answer it); if that replica is gone, routing goes on
+    as usual and the replica that gets it answers 404 naming `previous_response_id`.
     A session key picks its replica by rendezvous hashing. A prompt first looks
     for the replica that last served its longest known prefix (a bounded table
     of prefix-block hashes, filled as requests are routed: where that prefix's
@@ -110,6 +120,11 @@ class AffinityRouter(RequestRouter):
             return []
         ranks: list[list[RunningReplica]] = []
         fwd = self._forwarded(pending_request)
+        tag = getattr(fwd, "replica", None)
+        if tag:
+            owner = [r for r in candidate_replicas if replica_tag(r.replica_id.to_full_id_str()) == tag]
+            if owner:
+                return [owner]
         preferred = self._preferred(fwd, candidate_replicas) if fwd is not None else None
         if preferred is not None and not self._overloaded(preferred, candidate_replicas):
             ranks.append([preferred])

@@ -58,7 +58,8 @@ from ..group import ModelSource
 from .app import build_app
 from .errors import APIError
 from .provider import EngineProvider, SingleEngineProvider
-from .ray_router import AffinityRouter
+from .ray_router import AffinityRouter, replica_tag
+from .responses import tag_of
 from .router import GroupProvider
 from .streaming import SSE_DONE, sse
 
@@ -93,6 +94,8 @@ class ForwardedRequest(msgspec.Struct, kw_only=True):
     """A session key: requests sharing it go to one replica."""
     prompt: str | None = None
     """The prompt's text (chat messages concatenated), for prefix affinity."""
+    replica: str | None = None
+    """The tag of the replica storing the request's `previous_response_id` (it must go there)."""
 
 
 class _Start(msgspec.Struct, kw_only=True):
@@ -139,6 +142,19 @@ def affinity_of(headers: Mapping[str, str], body: bytes) -> tuple[str | None, st
     return session, None
 
 
+class _Continues(msgspec.Struct):
+    previous_response_id: Any = None
+
+
+def continued_on(body: bytes) -> str | None:
+    """The replica tag of a request's `previous_response_id` (the replica storing it), if any."""
+    try:
+        previous = msgspec.json.decode(body, type=_Continues).previous_response_id if body else None
+    except msgspec.MsgspecError:
+        return None
+    return tag_of(previous) if isinstance(previous, str) else None
+
+
 def _provider(
     models: Sequence[ModelSource | None], keep_alive: float | None, options: dict[str, Any]
 ) -> EngineProvider:
@@ -159,8 +175,9 @@ class EngineReplica:
         api_key: str | None = None,
     ) -> None:
         self._provider = _provider(models, keep_alive, dict(engine_options or {}))
-        self._app, _ = build_app(self._provider, api_key=api_key)
+        self._app, service = build_app(self._provider, api_key=api_key)
         self._replica = serve.get_replica_context().replica_id.to_full_id_str()
+        service.responses.id_tag = replica_tag(self._replica)  # follow-ups are routed back here
         self._lifespan_events: asyncio.Queue[Message] = asyncio.Queue()
         self._lifespan_sent: asyncio.Queue[Message] = asyncio.Queue()
         self._lifespan = asyncio.create_task(
@@ -300,6 +317,7 @@ class OpenAIIngress:
             body=body,
             session=session,
             prompt=prompt,
+            replica=continued_on(body),
         )
         chunks = cast(DeploymentResponseGenerator[Any], self._engines.handle.remote(fwd))
         try:

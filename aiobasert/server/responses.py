@@ -6,8 +6,8 @@ A stored response keeps its conversation (input and output turns, not its
 plus the new input; the engine published the previous turn's KV (prompt and
 output) to its prefix cache when it finished, so the shared prefix is not
 prefilled again: `usage.input_tokens_details.cached_tokens` reports how much
-was reused. The store is bounded (`max_entries`, oldest dropped first) and
-entries expire after `ttl_s`; the KV itself lives in the engine's prefix cache
+was reused. The store is bounded in bytes (`max_bytes`, oldest dropped first)
+and entries expire after `ttl_s`; the KV itself lives in the engine's prefix cache
 and is evicted by it under memory pressure (the turn then prefills again).
 """
 
@@ -15,25 +15,28 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
 from ..errors import InvalidRequestError
-from ..tools import ChatStream, TextDelta, Tool, ToolCall, ToolCallDelta
+from ..tools import ChatStream, TextDelta, Tool, ToolCall, ToolCallDelta, template_supports_tools
 from ..types import SamplingParams, Token, Usage
+from .compat import check_refused
 from .errors import APIError, api_error
 from .events import collect, drive
 from .http import json_response, read_json
 from .metrics import Metrics
 from .params import finish_reason
+from .protocol import SchemaFields
 from .provider import ServedModel
-from .streaming import EventStream, unless_disconnected
+from .streaming import DEFAULT_WRITE_TIMEOUT_S, EventStream, unless_disconnected
 
 # ---- request ---------------------------------------------------------------------------------
 
@@ -113,6 +116,8 @@ class ResponsesText(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 class ResponsesRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """`POST /v1/responses`. Fields not listed here are refused (400 naming them)."""
 
+    schema_fields: ClassVar[SchemaFields] = SchemaFields("text.format.schema", "tools[{}].parameters")
+
     model: str | None = None
     input: str | list[dict[str, Any]]
     """Text, or items: messages, `function_call`s and `function_call_output`s."""
@@ -134,6 +139,18 @@ class ResponsesRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
     text: ResponsesText | None = None
     truncation: Literal["disabled"] | None = None
     """Only "disabled" (the default): a conversation longer than the context is refused."""
+    # Known OpenAI fields this server does not serve: accepted when they ask for
+    # nothing (null, [], false, the default), else a 400 naming them (compat.py).
+    include: list[str] | None = None
+    """Extra output data; the Agents SDK sends `[]` on every call."""
+    reasoning: Any = None
+    background: Any = None
+    conversation: Any = None
+    prompt: Any = None
+    max_tool_calls: Any = None
+    service_tier: Any = None
+    prompt_cache_key: Any = None
+    safety_identifier: Any = None
 
 
 # ---- response --------------------------------------------------------------------------------
@@ -228,36 +245,87 @@ class ResponseObject(msgspec.Struct, kw_only=True):
 # ---- the store -------------------------------------------------------------------------------
 
 
+DEFAULT_STORE_BYTES = 64 * 2**20
+"""The Responses store's default budget: the encoded size of every stored conversation."""
+
+
 class ResponseStore:
-    """Recent responses' conversations for `previous_response_id`: at most
-    `max_entries`, each for `ttl_s` seconds after it was stored."""
+    """Recent responses' conversations for `previous_response_id`, each for
+    `ttl_s` seconds after it was stored, within `max_bytes` in all (oldest
+    dropped first; a conversation larger than the whole budget is not stored).
 
-    def __init__(self, *, max_entries: int = 1024, ttl_s: float = 3600.0) -> None:
-        self.max_entries = max_entries
+    A conversation is kept as compact JSON, so its size is exactly what it
+    costs, and only with the fields a prompt renders: role, content, calls'
+    names and arguments, and call ids only for a template that renders them
+    (`keep_ids`); a replayed item's other fields never reach the prompt.
+    """
+
+    def __init__(self, *, max_bytes: int = DEFAULT_STORE_BYTES, ttl_s: float = 3600.0) -> None:
+        if max_bytes < 0:
+            raise ValueError(f"max_bytes must be >= 0, got {max_bytes}")
+        self.max_bytes = max_bytes
         self.ttl_s = ttl_s
-        self._entries: OrderedDict[str, tuple[float, list[dict[str, Any]], str]] = OrderedDict()
+        self.nbytes = 0
+        """The stored conversations' size in bytes (their JSON)."""
+        self._entries: OrderedDict[str, tuple[float, bytes, str]] = OrderedDict()
 
-    def put(self, response_id: str, conversation: list[dict[str, Any]], model: str) -> None:
-        self._entries[response_id] = (time.monotonic() + self.ttl_s, conversation, model)
-        while len(self._entries) > self.max_entries:
-            self._entries.popitem(last=False)
+    def put(
+        self, response_id: str, conversation: list[dict[str, Any]], model: str, *, keep_ids: bool = True
+    ) -> None:
+        blob = msgspec.json.encode([_rendered(m, keep_ids) for m in conversation])
+        if len(blob) > self.max_bytes:
+            return
+        self._entries[response_id] = (time.monotonic() + self.ttl_s, blob, model)
+        self.nbytes += len(blob)
+        while self.nbytes > self.max_bytes:
+            self.nbytes -= len(self._entries.popitem(last=False)[1][1])
 
     def get(self, response_id: str) -> tuple[list[dict[str, Any]], str] | None:
         entry = self._entries.get(response_id)
         if entry is None:
             return None
-        expires, conversation, model = entry
+        expires, blob, model = entry
         if time.monotonic() > expires:
             del self._entries[response_id]
+            self.nbytes -= len(blob)
             return None
+        conversation: list[dict[str, Any]] = msgspec.json.decode(blob)
+        for m in conversation:  # calls as the request side builds them (an id "" when not stored)
+            if "tool_calls" in m:
+                m["tool_calls"] = [ToolCall(id=c.get("id", ""), name=c["name"], arguments=c["arguments"])
+                                   for c in m["tool_calls"]]
         return conversation, model
 
     def __len__(self) -> int:
         return len(self._entries)
 
 
+def _rendered(message: dict[str, Any], keep_ids: bool) -> dict[str, Any]:
+    """The fields of one conversation message a chat prompt renders."""
+    out: dict[str, Any] = {"role": message["role"], "content": message.get("content") or ""}
+    calls: Sequence[ToolCall] = message.get("tool_calls") or ()
+    if calls:
+        out["tool_calls"] = [
+            {"name": c.name, "arguments": c.arguments, **({"id": c.id} if keep_ids else {})} for c in calls
+        ]
+    if keep_ids and message.get("tool_call_id") is not None:
+        out["tool_call_id"] = message["tool_call_id"]
+    return out
+
+
+def _renders_ids(template: str) -> bool:
+    """Whether a chat template renders call ids (most do not: then they are not stored)."""
+    return template_supports_tools(template) and re.search(r"tool_call_id|\bid\b", template) is not None
+
+
 def _new_id(prefix: str) -> str:
     return f"{prefix}_{os.urandom(12).hex()}"
+
+
+def tag_of(response_id: str) -> str | None:
+    """The replica tag a response id carries (`ResponsesAPI.id_tag`), if any."""
+    parts = response_id.split("_")
+    return parts[1] if len(parts) == 3 and parts[0] == "resp" else None
 
 
 # ---- request -> engine -----------------------------------------------------------------------
@@ -318,20 +386,27 @@ class _Turn:
     and the final Response object."""
 
     def __init__(self, req: ResponsesRequest, served: ServedModel, chat: ChatStream,
-                 conversation: list[dict[str, Any]], store: ResponseStore) -> None:
+                 conversation: list[dict[str, Any]], store: ResponseStore, response_id: str) -> None:
         self.req = req
         self.served = served
         self.chat = chat
         self.conversation = conversation
         self.store = store
-        self.id = _new_id("resp")
+        self.id = response_id
         self.created = time.time()
         self.msg_id = _new_id("msg")
         self.items: list[OutputItem] = []
         self._seq = 0
         self._text_open = False
-        self._calls: dict[int, int] = {}  # call index -> output index
+        self._calls: dict[int, int] = {}  # call index -> output index, while the call streams
         self._call_ids: dict[int, str] = {}
+        self._order: dict[str, int] = {}  # item id -> output index, as announced in the stream
+
+    def announce(self, item_id: str) -> int:
+        """The output index of a streamed item: each its own, in the order they appear
+        (the openai SDK's `responses.stream()` refuses a repeated one)."""
+        self._order[item_id] = index = len(self._order)
+        return index
 
     def response(self, status: str, usage: Usage | None, finish: str | None) -> ResponseObject:
         req = self.req
@@ -370,12 +445,14 @@ class _Turn:
             item_id = self._call_ids.get(i) or _new_id("fc")
             items.append(OutputFunctionCall(id=item_id, call_id=call.id, name=call.name, arguments=call.arguments,
                                             status=status))
+        items.sort(key=lambda item: self._order.get(item.id, len(self._order)))  # as streamed
         self.items = items
         if self.req.store is not False:
             turn: dict[str, Any] = {"role": "assistant", "content": content}
             if calls:
                 turn["tool_calls"] = calls
-            self.store.put(self.id, [*self.conversation, turn], self.served.name)
+            keep_ids = _renders_ids(self.served.engine.chat_template)
+            self.store.put(self.id, [*self.conversation, turn], self.served.name, keep_ids=keep_ids)
         return self.response(status, usage, finish)
 
     # ---- streaming events ----
@@ -406,18 +483,18 @@ class _ResponseEvents:
             out = b""
             if not t._text_open:
                 t._text_open = True
+                index = t.announce(t.msg_id)
                 item = OutputMessage(id=t.msg_id, status="in_progress", content=[])
-                out += t.event("response.output_item.added", output_index=0, item=item)
-                out += t.event("response.content_part.added", item_id=t.msg_id, output_index=0, content_index=0,
+                out += t.event("response.output_item.added", output_index=index, item=item)
+                out += t.event("response.content_part.added", item_id=t.msg_id, output_index=index, content_index=0,
                                part=OutputText(text=""))
-            return out + t.event("response.output_text.delta", item_id=t.msg_id, output_index=0, content_index=0,
-                                 delta=d.text, logprobs=[])
+            return out + t.event("response.output_text.delta", item_id=t.msg_id, output_index=t._order[t.msg_id],
+                                 content_index=0, delta=d.text, logprobs=[])
         out = b""
         if d.id is not None:  # a new call: close the previous one
             out += self._close_call(d.index - 1)
-            index = len(t._calls)
-            t._calls[d.index] = index
             t._call_ids[d.index] = _new_id("fc")
+            index = t._calls[d.index] = t.announce(t._call_ids[d.index])
             call = OutputFunctionCall(id=t._call_ids[d.index], call_id=d.id, name=d.name or "", arguments="",
                                       status="in_progress")
             return out + t.event("response.output_item.added", output_index=index, item=call)
@@ -443,13 +520,15 @@ class _ResponseEvents:
             out += self._close_call(index)
         final = t.finish(usage, finish)
         if t._text_open:
-            msg = final.output[0]
+            index = t._order[t.msg_id]
+            msg = final.output[index]
             assert isinstance(msg, OutputMessage)
             part = msg.content[0]
-            out += t.event("response.output_text.done", item_id=t.msg_id, output_index=0, content_index=0,
+            out += t.event("response.output_text.done", item_id=t.msg_id, output_index=index, content_index=0,
                            text=part.text, logprobs=[])
-            out += t.event("response.content_part.done", item_id=t.msg_id, output_index=0, content_index=0, part=part)
-            out += t.event("response.output_item.done", output_index=0, item=msg)
+            out += t.event("response.content_part.done", item_id=t.msg_id, output_index=index, content_index=0,
+                           part=part)
+            out += t.event("response.output_item.done", output_index=index, item=msg)
         kind = "response.incomplete" if final.status == "incomplete" else "response.completed"
         return out + t.event(kind, response=final)
 
@@ -457,8 +536,15 @@ class _ResponseEvents:
         return b""
 
     def error(self, exc: BaseException) -> bytes:
+        # OpenAI's shape for a response that ended without completing (an abort, an
+        # engine error): the `error` event, then `response.failed` with the Response.
         err = api_error(exc).body.error
-        return self.t.event("error", code=err.code, message=err.message, param=err.param)
+        failed = msgspec.structs.replace(
+            self.t.response("failed", None, None), error={"code": err.code or "server_error", "message": err.message}
+        )
+        return self.t.event("error", code=err.code, message=err.message, param=err.param) + self.t.event(
+            "response.failed", response=failed
+        )
 
     def done(self) -> bytes:
         return b""
@@ -470,18 +556,30 @@ class _ResponseEvents:
 class ResponsesAPI:
     """`POST /v1/responses` over a model resolver and the app's metrics."""
 
-    def __init__(self, resolve: Any, metrics: Metrics, store: ResponseStore | None = None) -> None:
+    def __init__(
+        self, resolve: Any, metrics: Metrics, store: ResponseStore | None = None, *,
+        write_timeout: float | None = DEFAULT_WRITE_TIMEOUT_S,
+    ) -> None:
         self._resolve = resolve
         self._metrics = metrics
-        self.store = store or ResponseStore()
+        self.store = store if store is not None else ResponseStore()  # an empty store is falsy (len 0)
+        self._write_timeout = write_timeout
+        self.id_tag: str | None = None
+        """Set by a server with several replicas (Ray Serve): response ids carry it, so a
+        `previous_response_id` can be routed to the replica that stores it (`tag_of`)."""
+
+    def new_id(self) -> str:
+        return _new_id("resp") if self.id_tag is None else f"resp_{self.id_tag}_{os.urandom(12).hex()}"
 
     async def create(self, request: Request) -> Response:
         req = await read_json(request, ResponsesRequest)
+        check_refused("/v1/responses", req)
         conversation: list[dict[str, Any]] = []
         if req.previous_response_id is not None:
             found = self.store.get(req.previous_response_id)
             if found is None:
-                raise APIError(404, f"no stored response {req.previous_response_id!r} (unknown or expired)",
+                raise APIError(404, f"no stored response {req.previous_response_id!r} (unknown, expired, or evicted; "
+                               "responses are kept in a bounded store, on the replica that made them)",
                                param="previous_response_id", code="response_not_found")
             conversation = list(found[0])
         conversation += _input_messages(req.input)
@@ -517,10 +615,11 @@ class ResponsesAPI:
                 err = APIError(400, msg, param="tool_choice" if "tool_choice" in msg else "tools" if "tool" in msg
                                else "input")
             raise err from None
-        turn = _Turn(req, served, chat, conversation, self.store)
+        turn = _Turn(req, served, chat, conversation, self.store, self.new_id())
         observer = self._metrics.observer(served.name, served.engine)
         if req.stream:
-            return EventStream(drive(chat.tokens, _ResponseEvents(turn), include_usage=False, observer=observer))
+            return EventStream(drive(chat.tokens, _ResponseEvents(turn), include_usage=False, observer=observer),
+                               write_timeout=self._write_timeout)
         tokens = await unless_disconnected(request.receive, functools.partial(collect, chat.tokens, observer))
         finish = finish_reason(chat.tokens.finish_reason)
         for tok in tokens:

@@ -36,7 +36,7 @@ from ..engine import Engine
 from ..errors import EngineClosedError
 from ..group import EngineGroup, ModelSource, UnknownModelError
 from .errors import APIError, api_error
-from .http import MAX_BODY_BYTES, json_response
+from .http import MAX_BODY_BYTES, is_json, json_response, not_json
 from .protocol import ModelCard, ModelList
 from .provider import EngineProvider, ServedModel
 
@@ -170,6 +170,9 @@ class ModelRouter:
                 return
         if method != "POST":
             await self.app(scope, receive, send)
+            return
+        if not is_json(dict(scope["headers"]).get(b"content-type", b"").decode("latin-1")):
+            await not_json().response()(scope, receive, send)  # refused before any model loads for it
             return
         body = bytearray()
         while True:

@@ -7,18 +7,21 @@ closes its `TokenStream`, which frees the engine lane before the next step.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import AsyncGenerator, Awaitable, Callable, Iterable, Sequence
-from typing import TypeVar
+from typing import TypeVar, cast
 
 import anyio
 import msgspec
 from anyio.streams.memory import MemoryObjectSendStream
 from starlette.responses import Response
-from starlette.types import Receive, Scope, Send
+from starlette.types import Message, Receive, Scope, Send
 
 from .errors import ClientGone, api_error
 
 T = TypeVar("T")
+
+logger = logging.getLogger("aiobasert.server")
 
 SSE_DONE = b"data: [DONE]\n\n"
 
@@ -58,21 +61,35 @@ async def unless_disconnected(receive: Receive, work: Callable[[], Awaitable[T]]
     return results[0]
 
 
-async def gather(calls: Iterable[Callable[[], Awaitable[None]]]) -> None:
-    """Run `calls` concurrently; re-raise the first failure as itself (not in an ExceptionGroup)."""
+async def gather(calls: Iterable[Callable[[], Awaitable[T]]]) -> list[T]:
+    """Run `calls` concurrently, results in order. The first failure cancels the
+    others (their requests are closed, so their lanes and queue places are freed
+    at once) and is re-raised as itself (not in an ExceptionGroup)."""
+    todo = list(calls)
+    results: list[T | None] = [None] * len(todo)
     errors: list[Exception] = []
 
-    async def guarded(call: Callable[[], Awaitable[None]]) -> None:
+    async def guarded(i: int, scope: anyio.CancelScope) -> None:
         try:
-            await call()
+            results[i] = await todo[i]()
         except Exception as exc:
             errors.append(exc)
+            scope.cancel()
 
     async with anyio.create_task_group() as tg:
-        for call in calls:
-            tg.start_soon(guarded, call)
+        for i in range(len(todo)):
+            tg.start_soon(guarded, i, tg.cancel_scope)
     if errors:
         raise errors[0]
+    return cast("list[T]", results)  # no failure and not cancelled: every call returned
+
+
+DEFAULT_WRITE_TIMEOUT_S = 30.0
+"""How long a streamed response may wait for its client to take bytes before it is dropped."""
+
+
+class ClientTooSlow(Exception):
+    """The client took no bytes of its streamed response for `write_timeout` seconds."""
 
 
 class EventStream(Response):
@@ -84,9 +101,16 @@ class EventStream(Response):
     request waits for a lane, and cancels the generator, which closes its
     `TokenStream` and so frees the lane.
 
-    Several generators (one per choice, n > 1) are merged: all their first
-    events are awaited before the response starts, then events go out as each
-    choice produces them, and `tail()` (usage, `[DONE]`) ends the stream.
+    Several generators (one per choice, n > 1) are merged: each choice's events
+    go out as that choice produces them, the first of any choice starts the
+    response (a choice still waiting for a lane never holds back the others,
+    whose lanes would otherwise fill their buffers and wait on this writer), a
+    choice that fails after the start reports in-band, and `tail()` (usage,
+    `[DONE]`) ends the stream.
+
+    `write_timeout`: a client that takes no bytes for that many seconds is
+    dropped: its generators are closed (their lanes freed) and the connection
+    is closed without ending the response, so the client sees a cut stream.
     """
 
     media_type = "text/event-stream"
@@ -95,9 +119,12 @@ class EventStream(Response):
         self,
         events: AsyncGenerator[bytes, None] | Sequence[AsyncGenerator[bytes, None]],
         tail: Callable[[], bytes] | None = None,
+        *,
+        write_timeout: float | None = DEFAULT_WRITE_TIMEOUT_S,
     ) -> None:
         self._all = [events] if isinstance(events, AsyncGenerator) else list(events)
         self._tail = tail
+        self._write_timeout = write_timeout
         self.status_code = 200
         self.background = None
         self.init_headers({"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
@@ -106,47 +133,97 @@ class EventStream(Response):
         async with anyio.create_task_group() as tg:
             tg.start_soon(cancel_on_disconnect, receive, tg.cancel_scope)
             try:
-                await self._send_events(scope, receive, send)
+                await self._send_events(scope, receive, self._bounded(send))
+            except ClientTooSlow:
+                # The generators are closed below (lanes freed); returning without ending
+                # the response makes the ASGI server close the connection.
+                logger.warning("dropped a client that took no bytes for %s s", self._write_timeout)
             finally:
                 with anyio.CancelScope(shield=True):
                     for events in self._all:
                         await events.aclose()
                 tg.cancel_scope.cancel()
 
+    def _bounded(self, send: Send) -> Send:
+        timeout = self._write_timeout
+        if timeout is None:
+            return send
+
+        async def bounded(message: Message) -> None:
+            # The server's send waits while the socket's write buffer is full: a
+            # client that stops reading would hold this response, and its lanes, forever.
+            with anyio.move_on_after(timeout) as scope:
+                await send(message)
+            if scope.cancelled_caught:
+                raise ClientTooSlow
+
+        return bounded
+
     async def _send_events(self, scope: Scope, receive: Receive, send: Send) -> None:
-        firsts: list[bytes] = []
-        for events in self._all:
+        if len(self._all) == 1:
+            events = self._all[0]
             try:
-                firsts.append(await events.__anext__())
+                first = await events.__anext__()
             except StopAsyncIteration:
-                pass
+                first = b""
             except Exception as exc:
                 await api_error(exc).response()(scope, receive, send)
                 return
-        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
-        await send({"type": "http.response.body", "body": b"".join(firsts), "more_body": True})
-        if len(self._all) == 1:
-            async for event in self._all[0]:
+            await self._start(send, first)
+            async for event in events:
                 await send({"type": "http.response.body", "body": event, "more_body": True})
-        else:
-            await self._merge(send)
+        elif not await self._merge(scope, receive, send):
+            return
         if self._tail is not None:
             await send({"type": "http.response.body", "body": self._tail(), "more_body": True})
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
-    async def _merge(self, send: Send) -> None:
+    async def _start(self, send: Send, first: bytes) -> None:
+        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+        await send({"type": "http.response.body", "body": first, "more_body": True})
+
+    async def _merge(self, scope: Scope, receive: Receive, send: Send) -> bool:
+        """Forward every choice's events as they come; False if the request failed
+        before the response started (the error response is sent)."""
         # One task per choice feeds a channel; only this task sends, so events never interleave.
-        tx, rx = anyio.create_memory_object_stream[bytes](16)
+        tx, rx = anyio.create_memory_object_stream[bytes | Exception](len(self._all))
+        started = slow = False
+        failed: Exception | None = None
 
-        async def pump(events: AsyncGenerator[bytes, None], out: MemoryObjectSendStream[bytes]) -> None:
+        async def pump(events: AsyncGenerator[bytes, None], out: MemoryObjectSendStream[bytes | Exception]) -> None:
             async with out:
-                async for event in events:
-                    if event:
-                        await out.send(event)
+                try:
+                    async for event in events:
+                        if event:
+                            await out.send(event)
+                except Exception as exc:  # before this choice's first event: a request error
+                    await out.send(exc)
 
-        async with anyio.create_task_group() as tg, rx:
+        async with anyio.create_task_group() as tg:
             async with tx:
                 for events in self._all:
                     tg.start_soon(pump, events, tx.clone())
-            async for event in rx:
-                await send({"type": "http.response.body", "body": event, "more_body": True})
+            async with rx:
+                try:
+                    async for item in rx:
+                        if isinstance(item, Exception):
+                            if not started:
+                                failed = item
+                                break
+                            item = error_event(item)  # this choice failed; the others go on
+                        if not started:
+                            started = True
+                            await self._start(send, item)
+                        else:
+                            await send({"type": "http.response.body", "body": item, "more_body": True})
+                except ClientTooSlow:
+                    slow = True  # re-raised below, outside the task group (no ExceptionGroup)
+                tg.cancel_scope.cancel()  # before the channel closes: a pump then sees only the cancel
+        if slow:
+            raise ClientTooSlow
+        if failed is not None:
+            await api_error(failed).response()(scope, receive, send)
+            return False
+        if not started:
+            await self._start(send, b"")
+        return True

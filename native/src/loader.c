@@ -622,15 +622,16 @@ static int load_tokenizer(const bundle *b, rt_model *m, const parsed_config *pc)
     if (!tk || tk->type != JSON_OBJECT)
         return bundle_fail(b, BASERT_ERR_INVALID_FORMAT, "the header has no tokenizer object");
     const json_value *model_kind = json_get(tk, "tokenizer.ggml.model");
-    if (model_kind && (!json_string(model_kind) || strcmp(json_string(model_kind), "gpt2") != 0))
-        return bundle_fail(b, BASERT_ERR_UNSUPPORTED,
-                           "tokenizer.ggml.model '%s' is not supported (the reference engine reads byte-level BPE, 'gpt2')",
-                           json_string(model_kind) ? json_string(model_kind) : "?");
+    const char *model = model_kind ? json_string(model_kind) : "gpt2";
     const char *pre = json_string(json_get(tk, "tokenizer.ggml.pre"));
     if (!pre) pre = "default";
-    if (strcmp(pre, "smollm") != 0 && strcmp(pre, "gpt2") != 0 && strcmp(pre, "default") != 0)
-        return bundle_fail(b, BASERT_ERR_UNSUPPORTED, "tokenizer.ggml.pre '%s' is not supported (smollm, gpt2, default)",
-                           pre);
+    if (!model || !bpe_supported(model, "gpt2"))
+        return bundle_fail(b, BASERT_ERR_UNSUPPORTED, "tokenizer.ggml.model '%s' is not supported (gpt2, llama)",
+                           model ? model : "?");
+    if (!bpe_supported(model, pre))
+        return bundle_fail(b, BASERT_ERR_UNSUPPORTED,
+                           "tokenizer.ggml.pre '%s' is not a pre-tokenizer the engine runs exactly (docs/models.md)", pre);
+    bool spm = strcmp(model, "llama") == 0;
 
     const json_value *tokens = json_get(tk, "tokenizer.ggml.tokens");
     size_t n_tokens = json_count(tokens);
@@ -647,12 +648,18 @@ static int load_tokenizer(const bundle *b, rt_model *m, const parsed_config *pc)
         return bundle_fail(b, BASERT_ERR_INVALID_FORMAT, "tokenizer.ggml.merges is not an array");
     size_t n_merges = json_count(merges);
     if (n_merges > (size_t)1 << 24) return bundle_fail(b, BASERT_ERR_INVALID_FORMAT, "too many merges");
+    const json_value *scores = json_get(tk, "tokenizer.ggml.scores");
+    if (scores && (scores->type != JSON_ARRAY || json_count(scores) != n_tokens))
+        return bundle_fail(b, BASERT_ERR_INVALID_FORMAT, "tokenizer.ggml.scores must list one score per token");
+    bool add_space_prefix = spm; /* llama.cpp's default for SentencePiece */
+    json_bool(json_get(tk, "tokenizer.ggml.add_space_prefix"), &add_space_prefix);
 
     const char **tok_text = malloc(n_tokens * sizeof *tok_text);
     int32_t *tok_type = types ? malloc(n_tokens * sizeof *tok_type) : NULL;
     const char **merge_text = malloc((n_merges ? n_merges : 1) * sizeof *merge_text);
+    float *tok_score = scores ? malloc(n_tokens * sizeof *tok_score) : NULL;
     int rc = BASERT_OK;
-    if (!tok_text || (types && !tok_type) || !merge_text) {
+    if (!tok_text || (types && !tok_type) || !merge_text || (scores && !tok_score)) {
         rc = bundle_fail(b, BASERT_ERR_OUT_OF_MEMORY, "out of memory reading the tokenizer");
         goto done;
     }
@@ -671,6 +678,12 @@ static int load_tokenizer(const bundle *b, rt_model *m, const parsed_config *pc)
             }
             tok_type[i] = (int32_t)ty;
         }
+        double sc;
+        if (scores && !json_number(json_at(scores, i), &sc)) {
+            rc = bundle_fail(b, BASERT_ERR_INVALID_FORMAT, "tokenizer.ggml.scores[%zu] is not a number", i);
+            goto done;
+        }
+        if (scores) tok_score[i] = (float)sc;
     }
     for (size_t i = 0; i < n_merges; i++) {
         const json_value *t = json_at(merges, i);
@@ -681,12 +694,14 @@ static int load_tokenizer(const bundle *b, rt_model *m, const parsed_config *pc)
         merge_text[i] = t->u.str.s;
     }
     char err[256] = "";
-    m->tok = bpe_create(tok_text, tok_type, (int)n_tokens, merge_text, (int)n_merges, pre, err, sizeof err);
+    bpe_options opt = {.model = model, .pre = pre, .scores = tok_score, .add_space_prefix = add_space_prefix};
+    m->tok = bpe_create_model(tok_text, tok_type, (int)n_tokens, merge_text, (int)n_merges, &opt, err, sizeof err);
     if (!m->tok) rc = bundle_fail(b, BASERT_ERR_INVALID_FORMAT, "cannot build the tokenizer: %s", err);
 done:
     free(tok_text);
     free(tok_type);
     free(merge_text);
+    free(tok_score);
     if (rc) return rc;
 
     /* bos / eos: the config first, then the tokenizer's keys. */
@@ -702,7 +717,7 @@ done:
     if (m->eos_id >= n_tokens || m->bos_id >= n_tokens)
         return bundle_fail(b, BASERT_ERR_INVALID_FORMAT, "bos/eos token id is outside the tokenizer's %zu tokens",
                            n_tokens);
-    bool add_bos = false;
+    bool add_bos = spm; /* llama.cpp's default: SentencePiece adds BOS */
     json_bool(json_get(tk, "tokenizer.ggml.add_bos_token"), &add_bos);
     m->add_bos = add_bos;
 

@@ -1,7 +1,7 @@
 #pragma once
 /* The bundle reader (loader.c): a .base file (docs/BUNDLE.md) into a model
  * object. It reads and validates; it creates no handle and no runtime state
- * (the model API does, api_model.c). */
+ * (the model API does, lifecycle.c). */
 
 #include "model.h"
 

@@ -1,6 +1,6 @@
 /* The model object: handle checks and teardown. Everything that takes a
  * model handle turns it into an rt_model here; the fields are filled by the
- * loader (loader.c) and by the model API (api_model.c). */
+ * loader (loader.c) and by the model API (lifecycle.c). */
 
 #include "model.h"
 

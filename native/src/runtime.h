@@ -3,7 +3,7 @@
  * sequences, forward scratch, logits buffers, taps, the prefix cache and the
  * thread pool of one model (rt_model.rt). One struct that every runtime file
  * sees, each section owned by the file its comment names; kv.h, prefix.h,
- * forward.h declare those files' functions, and api_runtime.c creates and
+ * forward.h declare those files' functions, and generate.c creates and
  * frees the whole (rt_runtime_init / rt_runtime_free). */
 
 #include "mathops.h"
@@ -72,7 +72,7 @@ typedef struct rt_runtime {
     int *lane_tap_first;        /* [max_lanes] a tapped step's first tap row of each lane */
     uint8_t *xq;                /* rt_matmul_scratch_bytes(chunk, max(dim, q_dim, ffn)): quantized matmul inputs */
 
-    /* ---- outputs (batch.c, api_runtime.c) ---- */
+    /* ---- outputs (batch.c, generate.c) ---- */
     float *logits;        /* [max_lanes][vocab]: forward output, then its f16-rounded values */
     uint16_t *logits_f16; /* [max_batch_size][vocab]: the batched logits scratch */
     int logits_rows;      /* rows the most recent fused step left there */

@@ -1,24 +1,35 @@
-/* Byte-level BPE tokenizer with HF `tokenizers` parity (see tokenizer.h).
+/* The engine's GGUF tokenizers (see tokenizer.h), held to llama.cpp's
+ * tokenizer (llama-vocab.cpp, unicode.cpp) and to HF `tokenizers`.
  *
- * Pipeline of one encode call, as HF tokenizers runs it for a GPT-2 family
- * tokenizer.json (BPE, ByteLevel pre-tokenizer, added tokens normalized=false):
+ * Pipeline of one encode call:
  *   1. added-token split: in framing text, the leftmost-longest occurrence of a
- *      CONTROL / USER_DEFINED token's text becomes that token;
- *   2. each run of ordinary text between those tokens is pre-tokenized: for
- *      "smollm" every numeric code point is split off on its own first (HF
- *      Digits(individual_digits=true)), then each part is split by the GPT-2
- *      regex (hand-coded below, same matches as Oniguruma's);
- *   3. each pre-token's bytes become byte-level symbols and are merged by BPE,
- *      lowest merge rank first, leftmost first on ties (HF's Word::merge_all).
+ *      CONTROL / USER_DEFINED / UNKNOWN token's text becomes that token;
+ *   2. byte-level BPE ("gpt2"): each run of ordinary text between those tokens
+ *      is pre-tokenized: for the digit-splitting names ("smollm", "starcoder",
+ *      ...) every numeric code point is split off on its own first (llama.cpp's
+ *      "\p{N}" regex, HF Digits(individual_digits=true)), then each part is
+ *      split by the GPT-2 regex; "llama-bpe" / "qwen2" use the Llama 3 / Qwen2
+ *      regexes instead (hand-coded below as llama.cpp's unicode.cpp does).
+ *      Each pre-token's bytes become byte-level symbols merged by BPE, lowest
+ *      merge rank first, leftmost first on ties (HF's Word::merge_all,
+ *      llama.cpp's llm_tokenizer_bpe_session); Llama 3 first looks the whole
+ *      pre-token up in the vocabulary (ignore_merges);
+ *   3. SentencePiece ("llama"): each run (with a leading space at the start of
+ *      the text or after a special token when add_space_prefix) has its spaces
+ *      replaced by U+2581, is split into UTF-8 characters, and adjacent
+ *      symbols are merged while their concatenation is a token, highest score
+ *      first, leftmost on ties (llama.cpp's llm_tokenizer_spm_session); a
+ *      symbol that is not a token becomes its bytes' <0xNN> tokens.
  *
- * bpe_encode_pieces: consecutive framing pieces are matched as one text (a
- * marker may straddle their boundary); a content piece only extends the
- * current run of ordinary text.
+ * bpe_encode_pieces: consecutive pieces of one kind are matched as one text (a
+ * marker may straddle their boundary); content matches only the added tokens
+ * that are whitespace runs.
  *
- * Like HF (no unk token, no byte fallback), a byte whose one-symbol token is
- * missing from the vocabulary is dropped: SmolLM2 lacks 21 of the 256.
+ * Like HF (no unk token, no byte fallback), a byte-level BPE byte whose
+ * one-symbol token is missing from the vocabulary is dropped: SmolLM2 lacks
+ * 21 of the 256.
  *
- * The tokenizer is immutable after bpe_create; every encode call allocates its
+ * The tokenizer is immutable after creation; every encode call allocates its
  * own scratch, so concurrent calls on one tokenizer are safe. */
 
 #include "tokenizer.h"
@@ -72,8 +83,13 @@ struct bpe_tokenizer {
     int32_t *types;
     vocab_map vocab;
     merge_map merges;
-    int32_t byte_token[256]; /* id of the one-symbol token of each byte, -1 if absent */
-    bool split_digits;
+    int32_t byte_token[256]; /* id of each byte's token (one-symbol / <0xNN>), -1 if absent */
+    uint32_t to_unicode[256]; /* GPT-2 bytes_to_unicode */
+    int kind;                /* TOK_BPE or TOK_SPM */
+    int pre;                 /* PRE_* (byte-level BPE) */
+    bool ignore_merges;      /* Llama 3: a pre-token that is a token is that token */
+    bool add_space_prefix;   /* SentencePiece */
+    float *scores;           /* SentencePiece: [n_tokens] */
     trie_node *trie; /* node 0 is the root; NULL when there are no added tokens */
     int n_trie;
     bool starts_added[256]; /* first bytes of added tokens: lets the scan skip cheaply */
@@ -289,18 +305,76 @@ static void trie_insert(bpe_tokenizer *tok, const char *text, int32_t id) {
     tok->starts_added[(unsigned char)text[0]] = true;
 }
 
-static bool is_added_type(int32_t type) { return type == BPE_TOKEN_CONTROL || type == BPE_TOKEN_USER_DEFINED; }
+/* Tokens matched as a whole in framing text (llama.cpp's cache_special_tokens). */
+static bool is_added_type(int32_t type) {
+    return type == BPE_TOKEN_CONTROL || type == BPE_TOKEN_USER_DEFINED || type == BPE_TOKEN_UNKNOWN;
+}
 
-static bool parse_pre(const char *pre, bool *split_digits) {
-    if (!pre || !*pre || strcmp(pre, "gpt2") == 0 || strcmp(pre, "default") == 0) {
-        *split_digits = false;
-        return true;
+enum { TOK_BPE, TOK_SPM };
+enum { PRE_GPT2, PRE_DIGITS_GPT2, PRE_LLAMA3, PRE_QWEN2 };
+
+/* llama.cpp's pre-tokenizer names (llama-vocab.cpp) whose regexes the engine
+ * runs, with nothing else that changes the ids ("gpt2" is this project's own
+ * name for the GPT-2 regex). Missing on purpose: "default" (llama.cpp's
+ * four-regex default sequence for an unrecognised tokenizer, not GPT-2's). */
+static const struct {
+    const char *name;
+    int pre;
+} PRE_NAMES[] = {
+    {"gpt2", PRE_GPT2},           {"gpt-2", PRE_GPT2},          {"phi-2", PRE_GPT2},
+    {"mpt", PRE_GPT2},            {"olmo", PRE_GPT2},           {"smollm", PRE_DIGITS_GPT2},
+    {"starcoder", PRE_DIGITS_GPT2}, {"refact", PRE_DIGITS_GPT2}, {"command-r", PRE_DIGITS_GPT2},
+    {"codeshell", PRE_DIGITS_GPT2}, {"exaone", PRE_DIGITS_GPT2}, {"minerva-7b", PRE_DIGITS_GPT2},
+    {"llama-bpe", PRE_LLAMA3},    {"llama3", PRE_LLAMA3},       {"llama-v3", PRE_LLAMA3},
+    {"falcon3", PRE_LLAMA3},      {"falcon-h1", PRE_LLAMA3},    {"pixtral", PRE_LLAMA3},
+    {"midm-2.0", PRE_LLAMA3},     {"lfm2", PRE_LLAMA3},         {"qwen2", PRE_QWEN2},
+    {"deepseek-r1-qwen", PRE_QWEN2}, {"stablelm2", PRE_QWEN2},
+};
+
+static int parse_pre(const char *pre) {
+    if (!pre) return -1;
+    for (size_t i = 0; i < sizeof PRE_NAMES / sizeof PRE_NAMES[0]; i++)
+        if (strcmp(pre, PRE_NAMES[i].name) == 0) return PRE_NAMES[i].pre;
+    return -1;
+}
+
+static int parse_model(const char *model) {
+    if (!model || strcmp(model, "gpt2") == 0) return TOK_BPE;
+    if (strcmp(model, "llama") == 0) return TOK_SPM;
+    return -1;
+}
+
+int bpe_supported(const char *model, const char *pre) {
+    int kind = parse_model(model);
+    return kind == TOK_SPM || (kind == TOK_BPE && parse_pre(pre) >= 0);
+}
+
+/* "<0xNN>" -> NN, or -1. */
+static int byte_token_value(const char *text) {
+    unsigned v;
+    char tail;
+    if (strlen(text) != 6 || strncmp(text, "<0x", 3) != 0 || text[5] != '>') return -1;
+    if (sscanf(text + 3, "%2x%c", &v, &tail) != 2 || tail != '>') return -1;
+    return (int)v;
+}
+
+/* SentencePiece piece -> raw bytes: U+2581 is a space, a BYTE token its byte. */
+static int32_t spm_token_bytes(const char *text, int32_t type, char *out) {
+    int b = type == BPE_TOKEN_BYTE ? byte_token_value(text) : -1;
+    if (b >= 0) {
+        out[0] = (char)b;
+        return 1;
     }
-    if (strcmp(pre, "smollm") == 0) {
-        *split_digits = true;
-        return true;
+    int32_t len = 0;
+    for (const char *p = text; *p;) {
+        if (strncmp(p, "\xE2\x96\x81", 3) == 0) {
+            out[len++] = ' ';
+            p += 3;
+        } else {
+            out[len++] = *p++;
+        }
     }
-    return false;
+    return len;
 }
 
 static bool build_merges(bpe_tokenizer *tok, const char *const *merges, int n_merges, char *err, size_t errlen) {
@@ -350,7 +424,18 @@ fail:
 
 bpe_tokenizer *bpe_create(const char *const *tokens, const int32_t *token_types, int n_tokens,
                           const char *const *merges, int n_merges, const char *pre, char *err, size_t errlen) {
+    bpe_options opt = {.model = "gpt2", .pre = pre};
+    return bpe_create_model(tokens, token_types, n_tokens, merges, n_merges, &opt, err, errlen);
+}
+
+bpe_tokenizer *bpe_create_model(const char *const *tokens, const int32_t *token_types, int n_tokens,
+                                const char *const *merges, int n_merges, const bpe_options *opt, char *err,
+                                size_t errlen) {
     if (err && errlen) err[0] = '\0';
+    if (!opt) {
+        set_err(err, errlen, "bpe_create: no options");
+        return NULL;
+    }
     if (!tokens || n_tokens <= 0) {
         set_err(err, errlen, "bpe_create: empty vocabulary (n_tokens=%d)", n_tokens);
         return NULL;
@@ -363,11 +448,17 @@ bpe_tokenizer *bpe_create(const char *const *tokens, const int32_t *token_types,
         set_err(err, errlen, "bpe_create: vocabulary too large (%d tokens, %d merges)", n_tokens, n_merges);
         return NULL;
     }
-    bool split_digits;
-    if (!parse_pre(pre, &split_digits)) {
-        set_err(err, errlen, "bpe_create: unsupported pre-tokenizer '%.64s' (supported: smollm, gpt2, default)", pre);
+    int kind = parse_model(opt->model);
+    if (kind < 0) {
+        set_err(err, errlen, "bpe_create: unsupported tokenizer model '%.64s' (supported: gpt2, llama)", opt->model);
         return NULL;
     }
+    int pre_kind = kind == TOK_BPE ? parse_pre(opt->pre) : PRE_GPT2;
+    if (pre_kind < 0) {
+        set_err(err, errlen, "bpe_create: unsupported pre-tokenizer '%.64s'", opt->pre ? opt->pre : "(none)");
+        return NULL;
+    }
+    if (kind == TOK_SPM) n_merges = 0; /* SentencePiece merges by score, not by a merge list */
     size_t text_total = 0, added_total = 0;
     for (int i = 0; i < n_tokens; i++) {
         if (!tokens[i]) {
@@ -394,8 +485,20 @@ bpe_tokenizer *bpe_create(const char *const *tokens, const int32_t *token_types,
         return NULL;
     }
     tok->n_tokens = n_tokens;
-    tok->split_digits = split_digits;
+    tok->kind = kind;
+    tok->pre = pre_kind;
+    tok->ignore_merges = kind == TOK_BPE && pre_kind == PRE_LLAMA3;
+    tok->add_space_prefix = kind == TOK_SPM && opt->add_space_prefix;
     size_t n = (size_t)n_tokens;
+    if (kind == TOK_SPM) {
+        tok->scores = malloc(n * sizeof *tok->scores);
+        if (!tok->scores) {
+            set_err(err, errlen, "bpe_create: out of memory");
+            bpe_free(tok);
+            return NULL;
+        }
+        for (size_t i = 0; i < n; i++) tok->scores[i] = opt->scores ? opt->scores[i] : 0.0f;
+    }
     tok->text_arena = malloc(text_total);
     tok->text_offset = malloc(n * sizeof *tok->text_offset);
     tok->bytes_arena = malloc(text_total);
@@ -419,6 +522,7 @@ bpe_tokenizer *bpe_create(const char *const *tokens, const int32_t *token_types,
     uint32_t to_unicode[256];
     int16_t from_unicode[BYTE_ALPHABET_END];
     build_byte_maps(to_unicode, from_unicode);
+    memcpy(tok->to_unicode, to_unicode, sizeof to_unicode);
     size_t text_pos = 0, bytes_pos = 0;
     for (int i = 0; i < n_tokens; i++) {
         size_t len = strlen(tokens[i]);
@@ -434,6 +538,8 @@ bpe_tokenizer *bpe_create(const char *const *tokens, const int32_t *token_types,
             tok->bytes_len[i] = (int32_t)len;
             /* a text that an earlier id already owns is that id's (as in HF) */
             if (len && vocab_find(tok, tokens[i], len) == i) trie_insert(tok, tokens[i], i);
+        } else if (kind == TOK_SPM) {
+            tok->bytes_len[i] = spm_token_bytes(tokens[i], type, tok->bytes_arena + bytes_pos);
         } else {
             tok->bytes_len[i] = decode_token_bytes(tokens[i], from_unicode, tok->bytes_arena + bytes_pos);
         }
@@ -441,8 +547,18 @@ bpe_tokenizer *bpe_create(const char *const *tokens, const int32_t *token_types,
     }
 
     for (unsigned b = 0; b < 256; b++) {
-        char sym[4];
-        int len = utf8_put(to_unicode[b], sym);
+        char sym[8];
+        int len;
+        if (kind == TOK_SPM) { /* llama.cpp's byte_to_token: <0xNN>, else the byte itself as a token */
+            len = snprintf(sym, sizeof sym, "<0x%02X>", b);
+            tok->byte_token[b] = vocab_find(tok, sym, (size_t)len);
+            if (tok->byte_token[b] >= 0) continue;
+            sym[0] = (char)b;
+            len = 1;
+            if (b == 0) continue; /* a NUL token text cannot exist */
+        } else {
+            len = utf8_put(to_unicode[b], sym);
+        }
         tok->byte_token[b] = vocab_find(tok, sym, (size_t)len);
     }
     if (!build_merges(tok, merges, n_merges, err, errlen)) {
@@ -463,6 +579,7 @@ void bpe_free(bpe_tokenizer *tok) {
     free(tok->vocab.slots);
     free(tok->merges.slots);
     free(tok->trie);
+    free(tok->scores);
     free(tok);
 }
 
@@ -492,8 +609,24 @@ typedef struct {
     size_t symbols_cap;
     bpe_candidate *heap;
     size_t heap_cap, heap_len;
+    char *scratch; /* a pre-token in byte-level form (ignore_merges), or SentencePiece text */
+    size_t scratch_cap;
+    bool prev_special; /* SentencePiece: the text so far is empty or ends in an added token */
     bool oom;
 } encoder;
+
+static char *scratch(encoder *e, size_t n) {
+    if (n > e->scratch_cap) {
+        char *p = realloc(e->scratch, n);
+        if (!p) {
+            e->oom = true;
+            return NULL;
+        }
+        e->scratch = p;
+        e->scratch_cap = n;
+    }
+    return e->scratch;
+}
 
 static void emit(encoder *e, int32_t id) {
     if (e->count < (size_t)e->max_out) e->out[e->count] = (uint32_t)id;
@@ -562,6 +695,17 @@ static void bpe_word(encoder *e, const unsigned char *s, size_t n) {
     if (n == 1) {
         if (tok->byte_token[s[0]] >= 0) emit(e, tok->byte_token[s[0]]);
         return;
+    }
+    if (tok->ignore_merges && n) { /* llama.cpp and HF ignore_merges: a whole-word token wins */
+        char *text = scratch(e, 2 * n); /* byte-level symbols are U+0021..U+0143: 1 or 2 bytes */
+        if (!text) return;
+        size_t len = 0;
+        for (size_t i = 0; i < n; i++) len += (size_t)utf8_put(tok->to_unicode[s[i]], text + len);
+        int32_t id = vocab_find(tok, text, len);
+        if (id >= 0) {
+            emit(e, id);
+            return;
+        }
     }
     if (!reserve(e, n)) {
         e->oom = true;
@@ -665,9 +809,232 @@ static void regex_split(encoder *e, const unsigned char *s, size_t n) {
     }
 }
 
+
+static bool is_cr_lf(const unsigned char *s, size_t n, size_t i) { return i < n && (s[i] == '\r' || s[i] == '\n'); }
+
+/* Class of the character at i, BPE_UCLASS_OTHER's stand-in -1 past the end. */
+static int class_at(const unsigned char *s, size_t n, size_t i, int *len) {
+    if (i >= n) {
+        *len = 0;
+        return -1;
+    }
+    return char_at(s, n, i, len);
+}
+
+static size_t next_char(const unsigned char *s, size_t n, size_t i) {
+    int len;
+    class_at(s, n, i, &len);
+    return i + (size_t)len;
+}
+
+/* The Llama 3 regex (max_digits 3) and Qwen2's (max_digits 1), alternatives in order:
+ *   (?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|
+ *   \s*[\r\n]+|\s+(?!\S)|\s+
+ * step for step as llama.cpp's unicode_regex_split_custom_llama3 / _qwen2. */
+static void regex_split_llama3(encoder *e, const unsigned char *s, size_t n, int max_digits) {
+    size_t pos = 0;
+    while (pos < n) {
+        size_t start = pos;
+        int len;
+        int cls = class_at(s, n, pos, &len);
+        unsigned char c = s[pos];
+        if (c == '\'' && pos + 1 < n) { /* contractions, ASCII case-insensitive */
+            unsigned char c1 = (unsigned char)(s[pos + 1] | 0x20), c2 = pos + 2 < n ? (unsigned char)(s[pos + 2] | 0x20) : 0;
+            size_t end = 0;
+            if (c1 == 's' || c1 == 't' || c1 == 'm' || c1 == 'd') end = pos + 2;
+            else if ((c1 == 'r' && c2 == 'e') || (c1 == 'v' && c2 == 'e') || (c1 == 'l' && c2 == 'l')) end = pos + 3;
+            if (end) {
+                bpe_word(e, s + pos, end - pos);
+                pos = end;
+                continue;
+            }
+        }
+        size_t after = pos + (size_t)len;
+        int len2;
+        int next_cls = class_at(s, n, after, &len2);
+        /* [^\r\n\p{L}\p{N}]?\p{L}+ */
+        if (!(c == '\r' || c == '\n' || cls == BPE_UCLASS_NUMBER) &&
+            (cls == BPE_UCLASS_LETTER || next_cls == BPE_UCLASS_LETTER)) {
+            pos = run_end(s, n, after, BPE_UCLASS_LETTER);
+            bpe_word(e, s + start, pos - start);
+            continue;
+        }
+        /* \p{N}{1,max_digits} */
+        if (cls == BPE_UCLASS_NUMBER) {
+            for (int k = 0; k < max_digits && pos < n && class_at(s, n, pos, &len) == BPE_UCLASS_NUMBER; k++)
+                pos += (size_t)len;
+            bpe_word(e, s + start, pos - start);
+            continue;
+        }
+        /* " ?[^\s\p{L}\p{N}]+[\r\n]*" */
+        int cls2 = c == ' ' ? next_cls : cls;
+        if (cls2 != BPE_UCLASS_SPACE && cls2 != BPE_UCLASS_LETTER && cls2 != BPE_UCLASS_NUMBER) {
+            if (c == ' ') pos = after;
+            while (pos < n && class_at(s, n, pos, &len) == BPE_UCLASS_OTHER) pos += (size_t)len;
+            while (is_cr_lf(s, n, pos)) pos++;
+            bpe_word(e, s + start, pos - start);
+            continue;
+        }
+        /* whitespace run: \s*[\r\n]+ up to its last CR/LF, else \s+(?!\S), else \s+ */
+        size_t ws_end = pos, last_crlf = 0, last_start = pos;
+        int n_ws = 0;
+        while (ws_end < n && class_at(s, n, ws_end, &len) == BPE_UCLASS_SPACE) {
+            if (s[ws_end] == '\r' || s[ws_end] == '\n') last_crlf = ws_end + 1;
+            last_start = ws_end;
+            ws_end += (size_t)len;
+            n_ws++;
+        }
+        if (last_crlf) pos = last_crlf;
+        else if (n_ws > 1 && ws_end < n) pos = last_start;
+        else if (n_ws > 0) pos = ws_end;
+        else pos = next_char(s, n, pos); /* unreachable: every class is handled above */
+        bpe_word(e, s + start, pos - start);
+    }
+}
+
+/* ---- SentencePiece ------------------------------------------------------------ */
+
+typedef struct {
+    int32_t start, n; /* bytes of the symbol in the text; n == 0 once merged away */
+    int32_t prev, next;
+} spm_symbol;
+
+typedef struct {
+    float score;
+    int32_t left, right;
+    int32_t size; /* bytes of left + right when pushed: stale when it differs */
+} spm_bigram;
+
+static bool spm_before(const spm_bigram *a, const spm_bigram *b) { /* highest score, then leftmost */
+    return a->score != b->score ? a->score > b->score : a->left < b->left;
+}
+
+typedef struct {
+    spm_bigram *heap;
+    size_t len;
+} spm_heap;
+
+static void spm_push(spm_heap *h, spm_bigram c) {
+    size_t i = h->len++;
+    while (i > 0) {
+        size_t parent = (i - 1) / 2;
+        if (!spm_before(&c, &h->heap[parent])) break;
+        h->heap[i] = h->heap[parent];
+        i = parent;
+    }
+    h->heap[i] = c;
+}
+
+static spm_bigram spm_pop(spm_heap *h) {
+    spm_bigram top = h->heap[0], last = h->heap[--h->len];
+    size_t i = 0, n = h->len;
+    for (;;) {
+        size_t child = 2 * i + 1;
+        if (child >= n) break;
+        if (child + 1 < n && spm_before(&h->heap[child + 1], &h->heap[child])) child++;
+        if (!spm_before(&h->heap[child], &last)) break;
+        h->heap[i] = h->heap[child];
+        i = child;
+    }
+    if (n) h->heap[i] = last;
+    return top;
+}
+
+static void spm_try_bigram(const bpe_tokenizer *tok, const char *text, const spm_symbol *sym, spm_heap *h,
+                           int32_t left, int32_t right) {
+    if (left < 0 || right < 0) return;
+    int32_t size = sym[left].n + sym[right].n;
+    int32_t id = vocab_find(tok, text + sym[left].start, (size_t)size);
+    /* An added token is a whole-text match, never a merge result (SentencePiece's rule): in framing
+     * text its every occurrence is already split off (so llama.cpp agrees), and in content text a
+     * client cannot assemble a marker by merges. */
+    if (id < 0 || is_added_type(tok->types[id])) return;
+    spm_push(h, (spm_bigram){tok->scores[id], left, right, size});
+}
+
+/* One SentencePiece run (spaces already U+2581): llama.cpp's llm_tokenizer_spm_session. */
+static void spm_encode(encoder *e, const char *text, size_t n) {
+    const bpe_tokenizer *tok = e->tok;
+    spm_symbol *sym = malloc((n ? n : 1) * sizeof *sym);
+    spm_heap h = {malloc(3 * (n ? n : 1) * sizeof *h.heap), 0}; /* n - 1 seeds + 2 per merge */
+    if (!sym || !h.heap) {
+        free(sym);
+        free(h.heap);
+        e->oom = true;
+        return;
+    }
+    int32_t count = 0;
+    for (size_t off = 0; off < n; count++) {
+        int len = utf8_valid_len((const unsigned char *)text + off, n - off);
+        if (len == 0) len = 1; /* (input is valid UTF-8) */
+        sym[count] = (spm_symbol){(int32_t)off, len, count - 1, off + (size_t)len == n ? -1 : count + 1};
+        off += (size_t)len;
+    }
+    for (int32_t i = 1; i < count; i++) spm_try_bigram(tok, text, sym, &h, i - 1, i);
+    while (h.len) {
+        spm_bigram b = spm_pop(&h);
+        spm_symbol *l = &sym[b.left], *r = &sym[b.right];
+        if (l->n == 0 || r->n == 0 || l->n + r->n != b.size) continue;
+        l->n += r->n;
+        r->n = 0;
+        l->next = r->next;
+        if (r->next >= 0) sym[r->next].prev = b.left;
+        spm_try_bigram(tok, text, sym, &h, l->prev, b.left);
+        spm_try_bigram(tok, text, sym, &h, b.left, l->next);
+    }
+    for (int32_t i = count ? 0 : -1; i >= 0; i = sym[i].next) {
+        int32_t id = vocab_find(tok, text + sym[i].start, (size_t)sym[i].n);
+        if (id >= 0) {
+            emit(e, id);
+            continue;
+        }
+        /* Every merged symbol is a token, so only a single character lands here: byte fallback. */
+        for (int32_t k = 0; k < sym[i].n; k++) {
+            int32_t bid = tok->byte_token[(unsigned char)text[sym[i].start + k]];
+            if (bid >= 0) emit(e, bid);
+        }
+    }
+    free(sym);
+    free(h.heap);
+}
+
+static void spm_run(encoder *e, const unsigned char *s, size_t n) {
+    bool prefix = e->tok->add_space_prefix && e->prev_special;
+    size_t spaces = prefix;
+    for (size_t i = 0; i < n; i++) spaces += s[i] == ' ';
+    char *text = scratch(e, n + 2 * spaces + 1);
+    if (!text) return;
+    size_t len = 0;
+    if (prefix) {
+        memcpy(text, "\xE2\x96\x81", 3);
+        len = 3;
+    }
+    for (size_t i = 0; i < n; i++) {
+        if (s[i] == ' ') {
+            memcpy(text + len, "\xE2\x96\x81", 3);
+            len += 3;
+        } else {
+            text[len++] = (char)s[i];
+        }
+    }
+    spm_encode(e, text, len);
+}
+
 /* Pre-tokenize and encode one run of ordinary text. */
 static void encode_ordinary(encoder *e, const unsigned char *s, size_t n) {
-    if (!e->tok->split_digits) {
+    const bpe_tokenizer *tok = e->tok;
+    if (tok->kind == TOK_SPM) {
+        if (n) { /* llama.cpp has no empty text fragments */
+            spm_run(e, s, n);
+            e->prev_special = false;
+        }
+        return;
+    }
+    if (tok->pre == PRE_LLAMA3 || tok->pre == PRE_QWEN2) {
+        regex_split_llama3(e, s, n, tok->pre == PRE_LLAMA3 ? 3 : 1);
+        return;
+    }
+    if (tok->pre == PRE_GPT2) {
         regex_split(e, s, n);
         return;
     }
@@ -704,13 +1071,24 @@ static void run_flush(encoder *e, text_run *r) {
 }
 
 /* Longest added token starting at s[i]; returns its length (0: none). */
-static size_t added_match(const bpe_tokenizer *tok, const unsigned char *s, size_t n, size_t i, int32_t *id) {
+/* A USER_DEFINED token that is only ASCII whitespace (MPT's and Gemma's
+ * space / newline runs): text, never a marker, so content matches it too. */
+static bool is_blank_user_token(const bpe_tokenizer *tok, int32_t id) {
+    if (tok->types[id] != BPE_TOKEN_USER_DEFINED) return false;
+    for (const char *p = token_text(tok, id); *p; p++)
+        if (!strchr(" \t\n\r\v\f", *p)) return false;
+    return true;
+}
+
+static size_t added_match(const bpe_tokenizer *tok, const unsigned char *s, size_t n, size_t i, bool content,
+                          int32_t *id) {
     size_t best = 0;
     int32_t node = 0;
     for (size_t k = i; k < n; k++) {
         node = trie_child(tok, node, s[k]);
         if (node < 0) break;
-        if (tok->trie[node].token >= 0) {
+        int32_t t = tok->trie[node].token;
+        if (t >= 0 && (!content || is_blank_user_token(tok, t))) {
             best = k - i + 1;
             *id = tok->trie[node].token;
         }
@@ -718,15 +1096,19 @@ static size_t added_match(const bpe_tokenizer *tok, const unsigned char *s, size
     return best;
 }
 
-/* Framing text: split at added tokens (leftmost-longest), the rest is ordinary. */
-static void encode_framing(encoder *e, text_run *r, const char *text, size_t n) {
+/* Split text at added tokens (leftmost-longest), the rest is ordinary. Framing
+ * text matches every added token; content (a client's text) only the
+ * whitespace-only USER_DEFINED ones, so it never forges a marker, CONTROL or
+ * USER_DEFINED (<think>, <tool_call>), while runs of spaces tokenize as in
+ * llama.cpp (which matches every USER_DEFINED token in all text). */
+static void encode_marked(encoder *e, text_run *r, const char *text, size_t n, bool content) {
     const bpe_tokenizer *tok = e->tok;
     const unsigned char *s = (const unsigned char *)text;
     size_t copied = 0;
     if (tok->trie) {
         for (size_t i = 0; i < n;) {
             int32_t id;
-            size_t len = tok->starts_added[s[i]] ? added_match(tok, s, n, i, &id) : 0;
+            size_t len = tok->starts_added[s[i]] ? added_match(tok, s, n, i, content, &id) : 0;
             if (!len) {
                 i++;
                 continue;
@@ -734,6 +1116,7 @@ static void encode_framing(encoder *e, text_run *r, const char *text, size_t n) 
             run_append(r, text + copied, i - copied);
             run_flush(e, r);
             emit(e, id);
+            e->prev_special = true;
             i += len;
             copied = i;
         }
@@ -751,39 +1134,36 @@ int bpe_encode_pieces(const bpe_tokenizer *tok, const char *const *texts, const 
         if (lens[i] > (size_t)INT_MAX - total) return -1;
         total += lens[i];
     }
-    encoder e = {.tok = tok, .out = out, .max_out = max_out};
+    encoder e = {.tok = tok, .out = out, .max_out = max_out, .prev_special = true};
     text_run run = {malloc(total ? total : 1), 0};
-    char *framing = NULL; /* consecutive framing pieces are matched as one text */
+    char *joined = NULL; /* consecutive pieces of one kind are matched as one text */
     if (!run.buf) return -1;
     for (int i = 0; i < n_pieces;) {
-        if (plain && plain[i]) {
-            run_append(&run, texts[i], lens[i]);
-            i++;
-            continue;
-        }
+        bool content = plain && plain[i];
         int j = i + 1;
-        while (j < n_pieces && !(plain && plain[j])) j++;
+        while (j < n_pieces && (plain && plain[j]) == content) j++;
         if (j == i + 1) {
-            if (lens[i]) encode_framing(&e, &run, texts[i], lens[i]);
+            if (lens[i]) encode_marked(&e, &run, texts[i], lens[i], content);
         } else {
-            if (!framing && !(framing = malloc(total ? total : 1))) {
+            if (!joined && !(joined = malloc(total ? total : 1))) {
                 e.oom = true;
                 break;
             }
             size_t len = 0;
             for (int k = i; k < j; k++) {
-                if (lens[k]) memcpy(framing + len, texts[k], lens[k]);
+                if (lens[k]) memcpy(joined + len, texts[k], lens[k]);
                 len += lens[k];
             }
-            encode_framing(&e, &run, framing, len);
+            encode_marked(&e, &run, joined, len, content);
         }
         i = j;
     }
     run_flush(&e, &run);
     free(run.buf);
-    free(framing);
+    free(joined);
     free(e.symbols);
     free(e.heap);
+    free(e.scratch);
     if (e.oom || e.count > (size_t)INT_MAX) return -1;
     return (int)e.count;
 }

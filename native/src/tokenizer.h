@@ -1,11 +1,16 @@
 #pragma once
-/* Byte-level BPE tokenizer (GPT-2 family, as SmolLM2 uses it) and the UTF-8
- * assembler behind decode streams. Pure C11, no engine state: the loader hands
- * it the vocabulary arrays it read from the bundle header
- * (`tokenizer.ggml.tokens`, `.token_type`, `.merges`, `.pre`).
+/* The GGUF tokenizers the engine runs exactly, and the UTF-8 assembler behind
+ * decode streams. Pure C11, no engine state: the loader hands it the
+ * vocabulary arrays it read from the bundle header (`tokenizer.ggml.tokens`,
+ * `.token_type`, `.merges`, `.scores`, `.model`, `.pre`, `.add_space_prefix`).
  *
- * Parity target: HF `tokenizers` with the equivalent tokenizer.json
- * (aiobasert/_hf_tokenizer.py builds it from the same arrays). */
+ *  - model "gpt2": byte-level BPE with one of the pre-tokenizer regexes below;
+ *  - model "llama": SentencePiece BPE (merge by highest score, <0xNN> byte
+ *    fallback, spaces as U+2581), as llama.cpp runs it (Llama 2, Mistral,
+ *    Phi-3, Gemma 1-3).
+ *
+ * Parity targets: llama.cpp's tokenizer on its own vocabulary test files, and
+ * HF `tokenizers` with the equivalent tokenizer.json (aiobasert/_hf_tokenizer.py). */
 
 #include <stddef.h>
 #include <stdint.h>
@@ -22,23 +27,49 @@ enum {
     BPE_TOKEN_BYTE = 6,
 };
 
-/* Build a tokenizer. `tokens[i]` is token i's text in byte-level (GPT-2
- * bytes-to-unicode) form, NUL-terminated UTF-8; `token_types` may be NULL
- * (all normal); `merges[i]` is "left right" (one space). `pre` names the
- * pre-tokenizer: "smollm" (digits split one by one, then the GPT-2 regex),
- * "gpt2" / "default" (GPT-2 regex only). Returns NULL and writes a message
- * into err on failure. */
+/* Build a byte-level BPE tokenizer (bpe_create_model with model "gpt2").
+ * `tokens[i]` is token i's text in byte-level (GPT-2 bytes-to-unicode) form,
+ * NUL-terminated UTF-8 (SentencePiece: its text with U+2581 for spaces);
+ * `token_types` may be NULL (all normal); `merges[i]` is "left right" (one
+ * space). `pre` names the pre-tokenizer (see bpe_supported). Returns NULL and
+ * writes a message into err on failure. */
 bpe_tokenizer *bpe_create(const char *const *tokens, const int32_t *token_types, int n_tokens,
                           const char *const *merges, int n_merges, const char *pre, char *err, size_t errlen);
+
+/* Everything bpe_create_model needs beyond the token and merge arrays. */
+typedef struct {
+    const char *model;     /* tokenizer.ggml.model: "gpt2" (NULL too) or "llama" */
+    const char *pre;       /* tokenizer.ggml.pre (byte-level BPE only; see bpe_supported) */
+    const float *scores;   /* "llama": one score per token (NULL: all 0) */
+    int add_space_prefix;  /* "llama": prefix a space to text at the start / after a special token */
+} bpe_options;
+
+/* 1 when the engine tokenizes (model, pre) exactly as llama.cpp does, else 0.
+ * "llama" takes any pre (llama.cpp ignores it for SentencePiece). Byte-level
+ * pre-tokenizers: the GPT-2 regex ("gpt2", "gpt-2", "phi-2", "mpt", "olmo"),
+ * digits alone then GPT-2 ("smollm", "starcoder", "refact", "command-r",
+ * "codeshell", "exaone", "minerva-7b"), Llama 3 ("llama-bpe", "llama3",
+ * "llama-v3", "falcon3", "falcon-h1", "pixtral", "midm-2.0", "lfm2"; also
+ * whole-word lookup before BPE) and Qwen2 ("qwen2", "deepseek-r1-qwen",
+ * "stablelm2"). */
+int bpe_supported(const char *model, const char *pre);
+bpe_tokenizer *bpe_create_model(const char *const *tokens, const int32_t *token_types, int n_tokens,
+                                const char *const *merges, int n_merges, const bpe_options *opt, char *err,
+                                size_t errlen);
 void bpe_free(bpe_tokenizer *tok);
 int bpe_vocab_size(const bpe_tokenizer *tok);
 
 /* Encode n_pieces pieces as ONE text. Piece i is framing when plain[i] == 0
- * (substrings equal to a CONTROL / USER_DEFINED token's text become that one
- * id, leftmost-longest) and content otherwise (marker text stays ordinary
- * text). The pre-tokenizer and BPE see the concatenation of the ordinary-text
- * runs, so a piece boundary tokenizes as the whole text would. `plain` may be
- * NULL (all framing). Writes up to max_out ids; returns the TOTAL count
+ * (substrings equal to a CONTROL / USER_DEFINED / UNKNOWN token's text become
+ * that one id, leftmost-longest) and content otherwise (marker text stays
+ * ordinary text; only USER_DEFINED tokens made of ASCII whitespace, such as
+ * MPT's and Gemma's space runs, are matched, as llama.cpp matches them in all
+ * text). Consecutive pieces of one kind are matched
+ * as one text. The pre-tokenizer and BPE see the concatenation of the
+ * ordinary-text runs, so a piece boundary tokenizes as the whole text would
+ * (SentencePiece with add_space_prefix: each run that starts the text or
+ * follows an added token gets the leading space, as in llama.cpp). `plain` may
+ * be NULL (all framing). Writes up to max_out ids; returns the TOTAL count
  * (which may exceed max_out: the caller retries with a larger buffer), or -1
  * on invalid arguments. No BOS is added (the engine decides that). */
 int bpe_encode_pieces(const bpe_tokenizer *tok, const char *const *texts, const size_t *lens, const int *plain,
@@ -47,7 +78,8 @@ int bpe_encode_pieces(const bpe_tokenizer *tok, const char *const *texts, const 
 int bpe_encode(const bpe_tokenizer *tok, const char *text, size_t len, int parse_special, uint32_t *out,
                int max_out);
 
-/* Token id -> its exact raw bytes (byte-level decoded; CONTROL/USER_DEFINED
+/* Token id -> its exact raw bytes (byte-level decoded, or for SentencePiece
+ * U+2581 -> space and <0xNN> -> the byte; CONTROL / USER_DEFINED / UNKNOWN
  * tokens give their literal text). Writes up to max_bytes; returns the full
  * length, or -1 for an out-of-range id. */
 int bpe_token_bytes(const bpe_tokenizer *tok, uint32_t id, char *out, int max_bytes);

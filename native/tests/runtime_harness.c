@@ -24,7 +24,7 @@
  */
 
 #include "baseRT/reference.h"
-#include "api_runtime.h"
+#include "generate.h"
 #include "errors.h"
 #include "forward.h"
 #include "handles.h"

@@ -2,11 +2,13 @@
  *
  *   tok_driver encode VOCAB INPUT    encode each record of INPUT
  *   tok_driver utf8 INPUT            run utf8_assembler over each record's feeds
+ *   tok_driver bytes VOCAB IDS       bpe_token_bytes of each id in IDS (whitespace-separated), one hex line each
  *   tok_driver bench VOCAB TEXT N    time N encodes (parse_special=1) of the file TEXT
  *   tok_driver misuse VOCAB          invalid arguments must fail cleanly ("ok" when they do)
  *
  * Binary-safe formats ("<len>\n<bytes>\n" is a blob):
- *   VOCAB: "pre <name>\n" "<n_tokens>\n" then per token "<type> " blob,
+ *   VOCAB: "pre <name>\n" "model <name>\n" "space_prefix <0|1>\n"
+ *          "<n_tokens>\n" then per token "<type> <score> " blob,
  *          "<n_merges>\n" then per merge a blob.
  *   INPUT (encode): "<n_records>\n", per record "<n_pieces>\n" then per piece
  *          "<plain> " blob. One piece goes through bpe_encode, more through
@@ -63,13 +65,16 @@ static FILE *open_or_die(const char *path) {
 
 static bpe_tokenizer *load_vocab(const char *path) {
     FILE *f = open_or_die(path);
-    char pre[64];
-    if (fscanf(f, "pre %63s", pre) != 1) die("malformed vocab: pre");
+    char pre[64], model[64];
+    int space_prefix;
+    if (fscanf(f, "pre %63s model %63s space_prefix %d", pre, model, &space_prefix) != 3) die("malformed vocab header");
     int n_tokens = (int)read_long(f);
     char **tokens = xmalloc((size_t)n_tokens * sizeof *tokens);
     int32_t *types = xmalloc((size_t)n_tokens * sizeof *types);
+    float *scores = xmalloc((size_t)n_tokens * sizeof *scores);
     for (int i = 0; i < n_tokens; i++) {
         types[i] = (int32_t)read_long(f);
+        if (fscanf(f, "%f", &scores[i]) != 1 || fgetc(f) != ' ') die("malformed vocab: score");
         tokens[i] = read_blob(f, NULL);
     }
     int n_merges = (int)read_long(f);
@@ -78,8 +83,13 @@ static bpe_tokenizer *load_vocab(const char *path) {
     fclose(f);
 
     char err[256];
-    bpe_tokenizer *tok = bpe_create((const char *const *)tokens, types, n_tokens, (const char *const *)merges,
-                                    n_merges, pre, err, sizeof err);
+    bpe_options opt = {.model = model, .pre = pre, .scores = scores, .add_space_prefix = space_prefix};
+    bpe_tokenizer *tok = bpe_create_model((const char *const *)tokens, types, n_tokens, (const char *const *)merges,
+                                          n_merges, &opt, err, sizeof err);
+    /* bpe_supported answers what creation does (a refused name is refused by both). */
+    if (tok && !bpe_supported(model, pre)) die("bpe_supported refuses a tokenizer bpe_create_model built");
+    if (!tok && (strstr(err, "unsupported") != NULL) == (bpe_supported(model, pre) != 0))
+        die("bpe_supported accepts a tokenizer bpe_create_model refused");
     if (!tok) {
         printf("CREATE_ERROR: %s\n", err);
         exit(2);
@@ -99,6 +109,7 @@ static bpe_tokenizer *load_vocab(const char *path) {
     for (int i = 0; i < n_merges; i++) free(merges[i]);
     free(tokens);
     free(types);
+    free(scores);
     free(merges);
     return tok;
 }
@@ -161,6 +172,22 @@ static int cmd_encode(const char *vocab_path, const char *input_path) {
         free(ids);
         free(prefix);
         free(bytes);
+    }
+    fclose(f);
+    bpe_free(tok);
+    return 0;
+}
+
+static int cmd_bytes(const char *vocab_path, const char *ids_path) {
+    bpe_tokenizer *tok = load_vocab(vocab_path);
+    FILE *f = open_or_die(ids_path);
+    unsigned id;
+    char buf[4096];
+    while (fscanf(f, "%u", &id) == 1) {
+        int n = bpe_token_bytes(tok, id, buf, (int)sizeof buf);
+        if (n < 0 || n > (int)sizeof buf) die("bpe_token_bytes failed");
+        print_hex((const unsigned char *)buf, (size_t)n);
+        putchar('\n');
     }
     fclose(f);
     bpe_free(tok);
@@ -272,6 +299,7 @@ static int cmd_misuse(const char *vocab_path) {
 int main(int argc, char **argv) {
     if (argc == 4 && strcmp(argv[1], "encode") == 0) return cmd_encode(argv[2], argv[3]);
     if (argc == 3 && strcmp(argv[1], "utf8") == 0) return cmd_utf8(argv[2]);
+    if (argc == 4 && strcmp(argv[1], "bytes") == 0) return cmd_bytes(argv[2], argv[3]);
     if (argc == 5 && strcmp(argv[1], "bench") == 0) return cmd_bench(argv[2], argv[3], atoi(argv[4]));
     if (argc == 3 && strcmp(argv[1], "misuse") == 0) return cmd_misuse(argv[2]);
     fprintf(stderr, "usage: tok_driver encode VOCAB INPUT | utf8 INPUT | bench VOCAB TEXT N | misuse VOCAB\n");

@@ -53,9 +53,11 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("prefix cache", ["prefix"]),
     ("forward", ["forward"]),
     ("sampling", ["sampling"]),
-    ("grammar", ["grammar"]),
+    # what a grammar accepts (the JSON automaton, the schema subset, structural tags), then the handle and masks
+    ("grammar", ["json_grammar", "json_schema", "structural_tag", "grammar"]),
     ("batch", ["batch"]),
-    ("api", ["api_runtime", "api_tokenizer", "api_model"]),
+    # the entry points: model lifecycle (load, free, describe), text in and out, the single-sequence path
+    ("entry points", ["generate", "text", "lifecycle"]),
 ]
 
 _INCLUDE = re.compile(r'^[ \t]*#[ \t]*include[ \t]*"([^"]+)"', re.M)

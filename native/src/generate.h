@@ -1,7 +1,7 @@
 #pragma once
-/* Runtime lifecycle (api_runtime.c, beside the single-sequence API it
- * serves): the model API creates a model's runtime state after loading and
- * frees it with the model. */
+/* A model's runtime state (created in generate.c, beside the single-sequence
+ * API it serves): lifecycle.c creates it after loading and frees it with the
+ * model. */
 
 #include "model.h"
 

@@ -1,7 +1,7 @@
 /* Runtime lifecycle and the single-sequence API (generate / prefill /
  * read_logits / reset / position / embed) on the model's default sequence. */
 
-#include "api_runtime.h"
+#include "generate.h"
 
 #include "errors.h"
 #include "forward.h"

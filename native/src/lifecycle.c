@@ -1,7 +1,7 @@
 /* Model lifecycle and inspection ABI: version, load / free, config,
  * capabilities and their descriptor, context sizing, identity. */
 
-#include "api_runtime.h"
+#include "generate.h"
 #include "errors.h"
 #include "handles.h"
 #include "json.h"
