@@ -289,6 +289,15 @@ def _plain_scalar(part: npt.NDArray[Any], kind: gguf.GGUFValueType) -> Any:
     return value
 
 
+def _json_finite(value: Any) -> bool:
+    """No NaN or infinity anywhere in a metadata value (strict JSON has neither)."""
+    if isinstance(value, float):
+        return math.isfinite(value)
+    if isinstance(value, list):
+        return all(_json_finite(v) for v in value)
+    return True
+
+
 def _sha256(path: Path) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as file:
@@ -428,6 +437,12 @@ def convert_gguf(
     )
     tokenizer = bundle_tokenizer(meta)
     chat_template = meta.get("tokenizer.chat_template")
+    # The header is strict JSON: a NaN / Inf anywhere in what it copies from the GGUF is a malformed file.
+    for key, value in tokenizer.items():
+        if not _json_finite(value):
+            raise fail(f"{key} holds a NaN or infinite number")
+    if chat_template is not None and not isinstance(chat_template, str):
+        raise fail(f"tokenizer.chat_template must be a string, got {type(chat_template).__name__}")
     header = llama_header(
         dtype=_QUANT_DTYPE.get(dtype, dtype),
         source={"format": "gguf", "sha256": _sha256(src), "filename": src.name},

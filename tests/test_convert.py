@@ -475,3 +475,20 @@ def test_weights_whose_group_scale_overflows_f16_are_refused(raw_tiny_gguf: RawG
     with pytest.raises(ConversionError, match=r"blk\.0\.attn_v\.weight.*non-finite group scale"):
         convert_gguf(src, tmp_path / "out.base", dtype=dtype, progress=False)  # type: ignore[arg-type]
     convert_gguf(src, tmp_path / "out.base", dtype="f32", progress=False)  # representable as f32
+
+
+@pytest.mark.parametrize(("key", "value", "match"), [
+    ("tokenizer.ggml.add_bos_token", (int(_VT.FLOAT32), struct.pack("<f", float("inf"))), "NaN or infinite"),
+    ("tokenizer.ggml.token_type", (int(_VT.ARRAY), struct.pack("<IQf", _VT.FLOAT32, 1, float("nan"))),
+     "NaN or infinite"),
+    ("tokenizer.chat_template", (int(_VT.UINT8), b"\x05"), "chat_template must be a string"),
+    ("llama.rope.freq_base", (int(_VT.STRING), gguf_string(b"")), "freq_base' must be a finite number"),
+])
+def test_metadata_the_bundle_header_cannot_hold_is_refused(raw_tiny_gguf: RawGGUF, tmp_path: Path, key: str,
+                                                           value: tuple[int, bytes], match: str) -> None:
+    """Examples the metadata property found: a NaN / Inf the strict-JSON header cannot carry, a template that
+    is not text, a number that is a string (they escaped as ValueError)."""
+    raw = copy.copy(raw_tiny_gguf)
+    raw.kv = dict(raw_tiny_gguf.kv) | {key: value}
+    with pytest.raises(ConversionError, match=match):
+        convert_gguf(raw.write(tmp_path / "m.gguf"), tmp_path / "m.base", progress=False)
