@@ -14,7 +14,7 @@ import anyio
 import numpy as np
 
 from . import _ffi
-from ._protocol import Call, Cancel, Close, Embed, EngineConfig, Prompt, RequestSpec, Resume, Submit
+from ._protocol import Call, Cancel, Close, Embed, EngineConfig, Prompt, RequestSpec, Submit
 from ._wakeup import LoopWaker
 from .chat import render_chat
 from .engine_thread import EngineThread
@@ -56,10 +56,6 @@ class _Port:
     def cancel(self, rid: str) -> None:
         if self.thread.alive:
             self.thread.post(Cancel(rid))
-
-    def resume(self) -> None:
-        if self.thread.alive:
-            self.thread.post(Resume())
 
     def check_loop(self) -> None:
         self.waker.check("this engine's stream")
@@ -128,7 +124,9 @@ class Engine:
             prompt never stalls running streams for more than one chunk.
         prefix_cache: reuse the KV of shared prompt prefixes across requests.
         max_queue: requests waiting for a lane before `EngineOverloadedError`.
-        max_buffered_tokens: unread tokens per stream before its lane pauses.
+        max_buffered_tokens: accepted for compatibility, no effect: a lane never
+            waits for its reader; a slow reader's tokens are buffered in its stream
+            (at most its max_tokens), so no reader can hold a lane (docs/fairness.md).
         library: libbaseRT to use (default: $BASERT_LIB_PATH, the system's, the bundled one).
         thread_check: debug mode asserting that only the engine thread enters the library.
         """

@@ -46,7 +46,6 @@ from ._protocol import (
     Message,
     Prompt,
     RequestSpec,
-    Resume,
     Sink,
     Submit,
     Ticket,
@@ -71,13 +70,11 @@ __all__ = [  # the contract types are re-exported for code that imported them fr
     "Message",
     "Prompt",
     "RequestSpec",
-    "Resume",
     "Sink",
     "Submit",
     "Ticket",
 ]
 
-_NO_PAUSE = 1 << 62
 _EMBED_TAPS_ENV = "AIOBASERT_EMBED_TAPS"
 """Set to 0 to embed with one baseRT_embed call per input (the engine then
 stalls for the whole forward): the comparison baseline of bench/embed_stall.py."""
@@ -212,7 +209,6 @@ class EngineThread:
             max_context=self.max_context,
             prefill_budget=self.prefill_budget,
             max_queue=cfg.max_queue,
-            max_buffered_tokens=cfg.max_buffered_tokens,
             page_size=self.page_size,
             prefix_cache=self.has_prefix,
         )
@@ -263,13 +259,11 @@ class EngineThread:
 
     def _serve(self) -> None:
         while True:
-            self._refresh_flow()
             idle = not self.batcher.has_runnable_work()
             busy = bool(self._lanes or self._embeds)
             self._drain(block=idle and not (self._closing and not busy))
             if self._closing and (self._abort or not (self._lanes or self._embeds)):
                 return
-            self._refresh_flow()
             if self.batcher.has_runnable_work():
                 try:
                     self._step()
@@ -285,24 +279,6 @@ class EngineThread:
             embed = self._embeds.get(state.rid)
             if embed is not None:
                 self._end_embed(embed, None, exc)
-
-    def _refresh_flow(self) -> None:
-        """Flow control: see what each consumer has read; pause lanes that are too far ahead.
-
-        A paused lane's ticket says so; its consumer posts `Resume` on its next
-        read. `paused` is set before the counter is re-read, so a read racing
-        with the pause is never missed.
-        """
-        for state in self.batcher.running:
-            if state.embed:  # an embedding has no reader to wait for
-                continue
-            t = self._lanes[state.rid].ticket
-            state.unread = t.delivered - t.consumed
-            if self.batcher.is_paused(state) and not t.paused:
-                t.paused = True
-                state.unread = t.delivered - t.consumed
-                if not self.batcher.is_paused(state):
-                    t.paused = False
 
     def _drain(self, *, block: bool) -> None:
         try:
@@ -336,10 +312,9 @@ class EngineThread:
             self._notify(msg.done, result, error)
         elif isinstance(msg, Close):
             self._closing = True
-            # A drain never waits on a reader: lanes nobody can read any more are
-            # cancelled, and no lane pauses for its reader from now on (every
-            # lane runs to its own end, bounded by max_tokens / the context).
-            self.batcher.max_buffered_tokens = _NO_PAUSE
+            # Lanes nobody can read any more are cancelled; the others run to
+            # their own end (bounded by max_tokens / the context: no lane ever
+            # waits for its reader).
             for lane in list(self._lanes.values()):
                 if not lane.sink.alive():
                     self._cancel(lane)
@@ -348,7 +323,6 @@ class EngineThread:
                 for lane in list(self._lanes.values()):
                     self._finish(lane, "aborted")
                 self._abort_embeds()
-        # Resume needs no action: waking up re-plans.
 
     def _cancel(self, lane: Lane) -> None:
         lane.state.cancelled = True

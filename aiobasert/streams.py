@@ -3,7 +3,7 @@
 A `TokenStream` is the consumer end of one engine lane. The engine thread
 pushes each step's tokens in one batched wake-up (`deliver`, on the loop);
 `__anext__` hands them out. The stream reaches its engine only through the
-narrow `StreamHost` interface (submit, cancel, resume, loop check).
+narrow `StreamHost` interface (submit, cancel, loop check).
 
 Leaving a stream early in any way frees its lane before the next step:
 `break` out of `async for` (named stream or not: the loop's iterator is
@@ -11,10 +11,10 @@ dropped), an exception or a cancellation while reading, `anyio.fail_after`,
 `aclose()` (from any task of the engine's loop), garbage collection. Nothing
 decodes on for a client that is gone (sglang #36333), and no KV block leaks.
 
-Backpressure: a consumer that lags `max_buffered_tokens` tokens behind pauses
-its own lane (it keeps its KV and resumes as soon as the consumer reads); the
-engine and the other lanes never wait for it. So a stream buffers at most
-`max_buffered_tokens` tokens plus one step's worth.
+No backpressure onto the engine: a lane never waits for its reader. A slow
+consumer's tokens accumulate in its stream's buffer (at most the request's
+max_tokens, itself bounded by the context window), and its lane is freed as
+soon as its generation ends, read or not (docs/fairness.md).
 """
 
 from __future__ import annotations
@@ -189,11 +189,7 @@ class TokenStream:
         self._ids.append(tok.id)
         if tok.logprob is not None:
             self._logprobs.append(tok.logprob)
-        t = self._ticket
-        t.consumed += 1
-        if t.paused:  # our lane waits for us to catch up
-            t.paused = False
-            self._host.resume()
+        self._ticket.consumed += 1
         return tok
 
     async def _wait(self) -> None:

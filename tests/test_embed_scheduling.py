@@ -302,9 +302,9 @@ async def test_smollm2_embed_equals_baseRT_embed(smollm2_path: Path, monkeypatch
 def test_batcher_feeds_an_embedding_from_the_prefill_budget_and_the_tap_budget() -> None:
     from aiobasert.batcher import Batcher, LaneState
 
-    b = Batcher(max_batch_size=4, max_context=4096, prefill_budget=64, max_buffered_tokens=2, tap_budget=40,
+    b = Batcher(max_batch_size=4, max_context=4096, prefill_budget=64, tap_budget=40,
                 prefix_cache=True)
-    decode = LaneState(rid="d", prompt_len=1, max_new_tokens=100, prefilled=1, unread=0)
+    decode = LaneState(rid="d", prompt_len=1, max_new_tokens=100, prefilled=1)
     embed = LaneState(rid="e", prompt_len=100, max_new_tokens=0, embed=True)
     prompt = LaneState(rid="p", prompt_len=100, max_new_tokens=10)
     for st in (decode, embed, prompt):
@@ -316,6 +316,3 @@ def test_batcher_feeds_an_embedding_from_the_prefill_budget_and_the_tap_budget()
     assert [(st.rid, k) for st, k in b.schedule()] == [("d", 1), ("e", 40), ("p", 24)]
     embed.prefilled, prompt.prefilled = 80, 24
     assert [(st.rid, k) for st, k in b.schedule()] == [("d", 1), ("e", 20), ("p", 44)]
-    embed.unread = decode.unread = 10  # past max_buffered_tokens: a stream pauses, an embedding never
-    assert b.is_paused(decode) and not b.is_paused(embed)
-    assert [(st.rid, k) for st, k in b.schedule()] == [("e", 20), ("p", 44)]
