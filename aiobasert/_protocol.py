@@ -143,7 +143,17 @@ class Close:
     abort: bool
 
 
-Message = Submit | Cancel | Call | Embed | Close
+@dataclass
+class Prepared:
+    """Engine-internal: a request's preparation (tokens, grammar) is done off the
+    engine thread; `result` is what the preparation returned, else `error`."""
+
+    msg: Submit | Embed
+    result: Any
+    error: BaseException | None
+
+
+Message = Submit | Cancel | Call | Embed | Close | Prepared
 
 
 class StreamHost(Protocol):

@@ -102,22 +102,26 @@ class Batcher:
             raise ContextLengthExceededError(prompt_len, max_tokens, self.max_context)
         return max_tokens
 
-    def queued(self) -> int:
-        """Requests waiting for a lane: those the next admission cannot place."""
-        return max(0, len(self.waiting) - max(0, self.max_batch_size - len(self.running)))
+    def queued(self, pending: int = 0) -> int:
+        """Requests waiting for a lane (plus `pending` ones still being prepared):
+        those the next admission cannot place."""
+        return max(0, len(self.waiting) + pending - max(0, self.max_batch_size - len(self.running)))
 
-    def check_room(self) -> None:
+    def check_room(self, pending: int = 0) -> None:
         """EngineOverloadedError when one more request would wait past `max_queue`.
 
-        Only requests that actually wait count: on an engine with free lanes a
+        Only requests that actually wait count (and the `pending` ones being
+        tokenized or compiled, which will): on an engine with free lanes a
         burst is admitted at the next step, whatever `max_queue` is."""
-        if self.queued() >= self.max_queue:
+        if self.queued(pending) >= self.max_queue:
             raise EngineOverloadedError(
                 f"request queue is full ({self.max_queue} waiting for a lane); retry later or raise max_queue"
             )
 
-    def enqueue(self, lane: LaneState) -> None:
-        self.check_room()
+    def enqueue(self, lane: LaneState, *, reserved: bool = False) -> None:
+        """Queue a lane; `reserved`: its room was checked when it arrived (before preparing it)."""
+        if not reserved:
+            self.check_room()
         self.waiting.append(lane)
 
     def remove(self, lane: LaneState) -> None:

@@ -414,7 +414,22 @@ class Engine:
         """Token ids of `text` (`special=True`: marker strings become control ids)."""
         if not isinstance(text, str):
             raise InvalidRequestError(f"encode takes a str, not {type(text).__name__}")
-        return await self._call(lambda: self._thread.encode_text(text, special=special))
+        # On the tokenizer worker, never the engine thread: a huge text must not pause the streams.
+        self._waker.check()
+        if self._port.closed:
+            raise EngineClosedError("the engine is closed")
+        intake = self._thread.intake
+        assert intake is not None
+        fut: concurrent.futures.Future[list[int]] = concurrent.futures.Future()
+
+        def done(result: Any, error: BaseException | None) -> None:
+            if error is not None:
+                fut.set_exception(error)
+            else:
+                fut.set_result(result)
+
+        intake.submit(lambda tok: tok.encode_text(text, special=special), done, grammar=False)
+        return await _wait_future(fut, self._waker)
 
     async def decode(self, ids: Sequence[int]) -> str:
         """Text of token ids (invalid UTF-8 across the whole sequence becomes U+FFFD).

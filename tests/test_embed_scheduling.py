@@ -224,15 +224,13 @@ async def test_close_mid_embed(untied_model_path: Path, abort: bool) -> None:
 async def test_embed_errors_cost_only_their_caller(untied_model_path: Path) -> None:
     """Refused embeds (too long, empty, past max_queue) raise in their caller only;
     an embed waits for a lane like any request."""
-    async with Engine.open(
-        untied_model_path, max_batch_size=1, max_queue=1, max_context=256, max_buffered_tokens=4
-    ) as engine:
+    async with Engine.open(untied_model_path, max_batch_size=1, max_queue=1, max_context=2048) as engine:
         with anyio.fail_after(BOUND):
-            alone = await engine.generate("neighbour", max_tokens=60, ignore_eos=True)
-            s = engine.stream("neighbour", max_tokens=60, ignore_eos=True)
-            await s.__anext__()  # unread, it pauses after 4 tokens and keeps the only lane
+            alone = await engine.generate("neighbour", max_tokens=2000, ignore_eos=True)
+            s = engine.stream("neighbour", max_tokens=2000, ignore_eos=True)
+            await s.__anext__()  # unread, it keeps the only lane for its 2000 steps
             with pytest.raises(InvalidRequestError, match="context window"):
-                await engine.embed([5] * 300)
+                await engine.embed([5] * 3000)
             with pytest.raises(InvalidRequestError, match="empty"):
                 await engine.embed("")
             async with anyio.create_task_group() as tg:
@@ -247,7 +245,7 @@ async def test_embed_errors_cost_only_their_caller(untied_model_path: Path) -> N
                 with pytest.raises(EngineOverloadedError):
                     await engine.embed([7, 8, 9])
                 assert waiting == []
-                assert (await s).token_ids == alone.token_ids  # reading frees the lane
+                assert (await s).token_ids == alone.token_ids  # its end frees the lane
             assert len(waiting) == 1 and np.array_equal(waiting[0], await engine.embed([7, 8, 9]))
         await assert_idle_and_whole(engine)
 
