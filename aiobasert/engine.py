@@ -141,6 +141,14 @@ class Engine:
                 raise InvalidConfigError(f"{name} must be an integer in [{low}, 2**31 - 1], got {value!r}")
         if not isinstance(prefix_cache, bool):
             raise InvalidConfigError(f"prefix_cache must be a bool, got {prefix_cache!r}")
+        for name, path in (("model", model), ("library", library)):
+            if path is not None and not isinstance(path, (str, os.PathLike)):
+                kind = type(path).__name__
+                raise InvalidConfigError(f"{name} must be a path (str or os.PathLike) or None, not {kind}")
+            if path is not None and not isinstance(os.fspath(path), str):
+                raise InvalidConfigError(f"{name} must be a text path, not {type(os.fspath(path)).__name__}")
+        if thread_check is not None and not isinstance(thread_check, bool):
+            raise InvalidConfigError(f"thread_check must be a bool or None, got {thread_check!r}")
         return _EngineOpener(
             model,
             dict(
@@ -341,6 +349,9 @@ class Engine:
         """Like `chat`, always as a `ChatStream` (text deltas, tool-call deltas);
         messages may include `tool` turns and assistant turns with `tool_calls`."""
         from .tools import open_chat_stream
+
+        if tools is not None and (isinstance(tools, (str, bytes, Mapping)) or not isinstance(tools, Sequence)):
+            raise InvalidRequestError(f"tools must be a list of tools, not {type(tools).__name__}")
 
         return open_chat_stream(
             self,

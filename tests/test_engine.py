@@ -387,3 +387,19 @@ async def test_a_slow_tokenization_does_not_stop_other_lanes(
         with anyio.fail_after(60):
             assert len((await huge).token_ids) == 4
         await running.aclose()
+
+
+@pytest.mark.parametrize("bad", [5, 2.5, ["a"], {"a": 1}, b"a", (1,), object()])
+async def test_wrong_typed_arguments_are_typed_errors(tiny_model_path: Path, bad: object) -> None:
+    from aiobasert import InvalidConfigError
+
+    for kwargs in ({"model": bad}, {"model": tiny_model_path, "library": bad}):
+        with pytest.raises(InvalidConfigError, match="must be a path"):
+            Engine.open(**kwargs)  # type: ignore[arg-type]
+    with pytest.raises(InvalidConfigError, match="thread_check"):
+        Engine.open(tiny_model_path, thread_check=bad)  # type: ignore[arg-type]
+    async with Engine.open(tiny_model_path, max_batch_size=2) as engine:
+        if not isinstance(bad, (list, tuple)):
+            with pytest.raises(InvalidRequestError, match="tools must be a list"):
+                engine.chat([{"role": "user", "content": "hi"}], tools=bad)  # type: ignore[call-overload]
+        assert len((await engine.generate("still serving", max_tokens=2, ignore_eos=True)).token_ids) == 2
