@@ -192,8 +192,8 @@ class Engine:
 
         `abort=False` (drain): no new requests; running and queued requests run
         to their own end (stop, length or EOS). A drain never waits on a reader:
-        lanes whose stream is gone or closed are cancelled, and no lane pauses
-        for a slow reader any more (its tokens are buffered). `abort=True`: every
+        lanes whose stream is gone or closed are cancelled, and no lane ever
+        pauses for a slow reader (its tokens are buffered). `abort=True`: every
         in-flight stream ends at once with finish_reason "aborted". Calling
         `aclose(abort=True)` after (or during) a drain escalates it; other
         repeated calls just wait for the close. Must be awaited in the engine's

@@ -63,7 +63,7 @@ from .errors import (
     ErrorCode,
     InvalidRequestError,
 )
-from .types import EngineStats, FinishReason, ModelInfo, Token
+from .types import MAX_SCHEMA_REFS, EngineStats, FinishReason, ModelInfo, Token
 
 if TYPE_CHECKING:  # the grammar module imports llguidance: loaded on first use only
     from .grammar import GrammarBackend
@@ -383,6 +383,11 @@ class EngineThread:
 
     def _prepare(self, tok: Tokenizer, spec: RequestSpec) -> tuple[list[int], Constraint | None]:
         """On an intake worker: the prompt's ids and the request's grammar."""
+        for text in (spec.lark, spec.structural_tag):
+            # tool schemas reach the compilers inside these texts: the same `$ref` cap
+            # as a json_schema (a cheap, conservative count of the key itself)
+            if text is not None and text.count('"$ref"') > MAX_SCHEMA_REFS:
+                raise InvalidRequestError(f"tools: the tool schemas hold more than {MAX_SCHEMA_REFS} $refs")
         prompt = self._tokenize_prompt(tok, spec)
         constraint: Constraint | None = None
         if spec.lark is not None or spec.structural_tag is not None:
