@@ -24,6 +24,7 @@ raises ever reaches a worker thread's top (it would end the worker).
 from __future__ import annotations
 
 import contextlib
+import os
 import queue
 import threading
 from collections.abc import Callable, Sequence
@@ -45,22 +46,32 @@ _stack_lock = threading.Lock()  # threading.stack_size is process-wide: set, sta
 class Tokenizer:
     """A worker's own tokenizer handle; used on that worker thread only."""
 
-    def __init__(self, lib: _ffi.Library, model_path: str) -> None:
+    def __init__(self, lib: _ffi.Library, handle: int, *, owned: bool) -> None:
+        self.lib = lib
+        self.handle = handle
+        self._owned = owned
+
+    @classmethod
+    def load(cls, lib: _ffi.Library, model_path: str) -> Tokenizer:
+        """A tokenizer-only handle of our own, on (and bound to) the calling worker thread."""
         # Our own view of the library, bound to this thread: calls on our handle
         # are legitimate here and never count against the engine's thread check.
-        self.lib = _ffi.Library(lib.path, lib.origin, thread_check=lib.thread_check)
-        self.lib.bind_thread()
-        import os
-
-        handle = self.lib.baseRT_load_tokenizer_only(os.fsencode(model_path))
+        own = _ffi.Library(lib.path, lib.origin, thread_check=lib.thread_check)
+        own.bind_thread()
+        handle = own.baseRT_load_tokenizer_only(os.fsencode(model_path))
         if not handle:
-            raise self.lib.last_error("baseRT_load_tokenizer_only")
-        self.handle: int = handle
+            raise own.last_error("baseRT_load_tokenizer_only")
+        return cls(own, handle, owned=True)
+
+    @classmethod
+    def borrow(cls, lib: _ffi.Library, handle: int) -> Tokenizer:
+        """The engine's own model handle (engines without a tokenizer-only load): engine thread only."""
+        return cls(lib, handle, owned=False)
 
     def close(self) -> None:
-        if self.handle:
+        if self.handle and self._owned:
             self.lib.baseRT_free_model(self.handle)
-            self.handle = 0
+        self.handle = 0
 
     def encode_text(self, text: str, *, special: bool) -> list[int]:
         if not isinstance(text, str):
@@ -93,6 +104,16 @@ class Tokenizer:
 
 
 Job = Callable[[Tokenizer], Any]
+
+
+def run_job(job: Job, tok: Tokenizer) -> tuple[Any, BaseException | None]:
+    """(result, None) or (None, a typed error): nothing a job raises escapes."""
+    try:
+        return job(tok), None
+    except AioBaseRTError as exc:
+        return None, exc
+    except Exception as exc:  # a bug in one request's preparation costs that request only
+        return None, internal_error("preparing the request", exc)
 Done = Callable[[Any, BaseException | None], None]
 
 
@@ -113,15 +134,13 @@ class _Worker:
         try:
             while (item := self._jobs.get()) is not None:
                 job, done = item
-                try:
-                    if self._tok is None:
-                        self._tok = Tokenizer(self._intake.lib, self._intake.model_path)
-                    result, error = job(self._tok), None
-                except AioBaseRTError as exc:
-                    result, error = None, exc
-                except Exception as exc:  # a bug in one request's preparation costs that request only
-                    result, error = None, internal_error("preparing the request", exc)
-                done(result, error)
+                if self._tok is None:
+                    try:
+                        self._tok = Tokenizer.load(self._intake.lib, self._intake.model_path)
+                    except Exception as exc:  # tried again by the next job
+                        done(None, exc if isinstance(exc, AioBaseRTError) else internal_error("loading", exc))
+                        continue
+                done(*run_job(job, self._tok))
         finally:
             if self._tok is not None:
                 self._tok.close()

@@ -430,7 +430,8 @@ class Engine:
         if self._port.closed:
             raise EngineClosedError("the engine is closed")
         intake = self._thread.intake
-        assert intake is not None
+        if intake is None:  # an engine without a tokenizer-only handle: between two steps
+            return await self._call(lambda: self._thread.encode_text(text, special=special))
         fut: concurrent.futures.Future[list[int]] = concurrent.futures.Future()
 
         def done(result: Any, error: BaseException | None) -> None:

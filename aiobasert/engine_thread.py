@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from . import _ffi
-from ._intake import Intake, Tokenizer
+from ._intake import Intake, Tokenizer, run_job
 from ._output import Detokenizer, OutputProcessor
 from ._protocol import (
     Call,
@@ -120,6 +120,7 @@ class EngineThread:
         self._grammar: GrammarBackend | None = None  # built on first host-grammar use (llguidance import is slow)
         self._grammar_lock = threading.Lock()  # the grammar workers build it
         self.intake: Intake | None = None
+        self._inline_tok: Tokenizer | None = None
         self._preparing = 0  # requests handed to the intake workers, not back yet
         self.steps = 0
         self.models_freed = 0
@@ -237,9 +238,12 @@ class EngineThread:
         if lib.has("baseRT_chat_template_jinja"):
             template = (lib.baseRT_chat_template_jinja(handle) or b"").decode("utf-8", "replace")
         self.chat_template = template
-        self.intake = Intake(lib, cfg.model_path)  # tokenization and grammar compiles run there
         self.bos_token = self._static_str("baseRT_bos_token")
         self.eos_token = self._static_str("baseRT_eos_token")
+        if lib.has("baseRT_load_tokenizer_only"):  # last: nothing after it can fail and leak its threads
+            self.intake = Intake(lib, cfg.model_path)  # tokenization and grammar compiles run there
+        else:  # an engine without a separate tokenizer handle: prepared here, between steps (as before)
+            self._inline_tok = Tokenizer.borrow(lib, handle)
         return ModelInfo(
             path=cfg.model_path,
             architecture=mc.architecture.decode("utf-8", "replace"),
@@ -377,9 +381,13 @@ class EngineThread:
         self._prepare_off_thread(msg, lambda tok: self._prepare(tok, spec), grammar=grammar)
 
     def _prepare_off_thread(self, msg: Submit | Embed, job: Callable[[Tokenizer], Any], *, grammar: bool) -> None:
-        assert self.intake is not None
         self._preparing += 1
-        self.intake.submit(job, lambda result, error: self.post(Prepared(msg, result, error)), grammar=grammar)
+        if self.intake is not None:
+            self.intake.submit(job, lambda result, error: self.post(Prepared(msg, result, error)), grammar=grammar)
+            return
+        assert self._inline_tok is not None
+        result, error = run_job(job, self._inline_tok)
+        self.post(Prepared(msg, result, error))
 
     def _prepare(self, tok: Tokenizer, spec: RequestSpec) -> tuple[list[int], Constraint | None]:
         """On an intake worker: the prompt's ids and the request's grammar."""

@@ -371,6 +371,8 @@ async def test_a_refused_structured_request_frees_its_grammar(untied_model_path:
         waiting = engine.stream("waits for the lane", max_tokens=3, json_schema=schema)
         waiting.submit()
         with anyio.fail_after(BOUND):
+            while (await engine.stats()).waiting_requests == 0:  # its grammar is built off the engine thread
+                await anyio.sleep(0.001)
             for _ in range(3):  # refused on arrival (a full queue), before its grammar is built
                 with pytest.raises(EngineOverloadedError):
                     await engine.generate("refused", max_tokens=3, json_schema=schema)
