@@ -280,7 +280,7 @@ class TokenStream:
         if self._error is not None:
             raise self._error
         final = self._final
-        if final is None:
+        if final is None or self._left_early:  # aclose() by another task while we collected
             raise StreamClosedError(f"stream {self._spec.rid} was closed before the request finished")
         self._completion = Completion(
             request_id=self._spec.rid,

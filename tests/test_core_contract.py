@@ -641,3 +641,33 @@ async def test_no_token_after_another_tasks_aclose_returned(tiny_model_path: Pat
                     closed[0] = True
             assert late == []
         await assert_idle_and_whole(engine)
+
+
+async def test_await_interrupted_by_another_tasks_aclose_raises(tiny_model_path: Path) -> None:
+    # Once aclose() has returned, a task in `await stream` may not get a
+    # Completion any more (it would hold tokens yielded after the close).
+    import random
+
+    rng = random.Random(8)
+    async with Engine.open(tiny_model_path, max_batch_size=4) as engine:
+        for _ in range(60):
+            s = engine.stream("collected", max_tokens=rng.choice([8, 40, 200]), ignore_eos=True)
+            closed = [False]
+            late: list[object] = []
+
+            async def collector(s: TokenStream = s, closed: list[bool] = closed, late: list[object] = late) -> None:
+                try:
+                    done = await s
+                except StreamClosedError:
+                    return
+                if closed[0]:
+                    late.append(done)
+
+            with anyio.fail_after(BOUND):
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(collector)
+                    while rng.random() < 0.95 and not (s._buffer and s._waiting) and not s._ended:
+                        await anyio.sleep(0)
+                    await s.aclose()
+                    closed[0] = True
+            assert late == []
