@@ -2,12 +2,12 @@
 
 Both can take unbounded time (a 15 MB prompt, a 40,000-entry enum) or stack
 (llguidance recurses once per chained `$ref`), so the engine thread, which
-must only step, never runs them. `Intake` owns a few worker threads, each
-created with its own large stack (`STACK_BYTES`) and its own tokenizer-only
-engine handle (`baseRT_load_tokenizer_only`: a handle of its own, so the
-engine's model handle stays single-owner) and its own `Library` view bound to
-it (the debug thread check then still proves the model handle is only entered
-by the engine thread).
+must only step, never runs them. `Intake` owns a few worker threads (the
+grammar workers with a large stack, `STACK_BYTES`), each with its own
+tokenizer-only engine handle (`baseRT_load_tokenizer_only`: a handle of its
+own, so the engine's model handle stays single-owner) and its own `Library`
+view bound to it (the debug thread check then still proves the model handle
+is only entered by the engine thread).
 
 Two queues, so cheap work is never stuck behind a slow compile:
 
@@ -36,8 +36,8 @@ from ._step import internal_error
 from .errors import AioBaseRTError, InvalidRequestError
 
 STACK_BYTES = 256 * 1024 * 1024
-"""Each worker's stack: address space reserved, touched only as far as a compile recurses
-(a 4,000-`$ref` chain compiles in it; `types.MAX_SCHEMA_REFS` stays far below)."""
+"""Each grammar worker's stack: address space reserved, touched only as far as a compile
+recurses (a 1,024-`$ref` chain, `types.MAX_SCHEMA_REFS`, needs < 32 MiB; 4,000 fit in this)."""
 GRAMMAR_WORKERS = 2
 
 _stack_lock = threading.Lock()  # threading.stack_size is process-wide: set, start, restore
@@ -118,12 +118,14 @@ Done = Callable[[Any, BaseException | None], None]
 
 
 class _Worker:
-    def __init__(self, name: str, jobs: queue.SimpleQueue[tuple[Job, Done] | None], intake: Intake) -> None:
+    def __init__(
+        self, name: str, jobs: queue.SimpleQueue[tuple[Job, Done] | None], intake: Intake, stack: int
+    ) -> None:
         self._jobs = jobs
         self._intake = intake
         self._tok: Tokenizer | None = None
         with _stack_lock:
-            old = threading.stack_size(STACK_BYTES)
+            old = threading.stack_size(stack)
             try:
                 self.thread = threading.Thread(target=self._main, name=name, daemon=True)
                 self.thread.start()
@@ -155,8 +157,11 @@ class Intake:
         self._light: queue.SimpleQueue[tuple[Job, Done] | None] = queue.SimpleQueue()
         self._heavy: queue.SimpleQueue[tuple[Job, Done] | None] = queue.SimpleQueue()
         self.jobs_done = 0
-        self._workers = [_Worker("aiobasert-tokenize", self._light, self)]
-        self._workers += [_Worker(f"aiobasert-grammar-{i}", self._heavy, self) for i in range(GRAMMAR_WORKERS)]
+        # Tokenizing does not recurse: the platform's default stack (0) does.
+        self._workers = [_Worker("aiobasert-tokenize", self._light, self, 0)]
+        self._workers += [
+            _Worker(f"aiobasert-grammar-{i}", self._heavy, self, STACK_BYTES) for i in range(GRAMMAR_WORKERS)
+        ]
 
     def submit(self, job: Job, done: Done, *, grammar: bool) -> None:
         """Run job(tokenizer) on a worker; done(result, error) is called on that worker."""
