@@ -122,6 +122,8 @@ class EngineThread:
         self.intake: Intake | None = None
         self._inline_tok: Tokenizer | None = None
         self._preparing = 0  # requests handed to the intake workers, not back yet
+        self._in_prep: set[str] = set()  # their request ids
+        self._dropped: set[str] = set()  # of those, cancelled meanwhile
         self.steps = 0
         self.models_freed = 0
         self.live_sequences = 0
@@ -320,6 +322,10 @@ class EngineThread:
             lane = self._lanes.get(msg.rid)
             if lane is not None:
                 self._cancel(lane)
+            if msg.rid in self._in_prep:  # cancelled while it is prepared: counted now, dropped on return
+                self._in_prep.discard(msg.rid)
+                self._dropped.add(msg.rid)
+                self.cancelled += 1
             embed = self._embeds.get(msg.rid)
             if embed is not None:  # its caller is gone: free the lane, nobody to tell
                 self._end_embed(embed, None, None)
@@ -371,6 +377,11 @@ class EngineThread:
             self._notify(msg.sink.deliver, [], None, exc)
             return
         grammar = spec.lark is not None or spec.structural_tag is not None or spec.params.json_schema is not None
+        sink = msg.sink
+
+        def prepare(tok: Tokenizer) -> tuple[list[int], Constraint | None] | None:
+            return self._prepare(tok, spec) if sink.alive() else None  # None: its reader left, skip the work
+
         if not grammar and _is_ids(spec.prompt):  # nothing to tokenize or compile: straight into the FIFO
             try:
                 ids, error = self._checked_ids(spec.prompt), None  # type: ignore[arg-type]
@@ -378,7 +389,8 @@ class EngineThread:
                 ids, error = None, exc
             self._enqueue(msg, (ids, None), error)
             return
-        self._prepare_off_thread(msg, lambda tok: self._prepare(tok, spec), grammar=grammar)
+        self._in_prep.add(spec.rid)
+        self._prepare_off_thread(msg, prepare, grammar=grammar)
 
     def _prepare_off_thread(self, msg: Submit | Embed, job: Callable[[Tokenizer], Any], *, grammar: bool) -> None:
         self._preparing += 1
@@ -408,9 +420,18 @@ class EngineThread:
         """A prepared request joins the FIFO queue (or is answered with its error)."""
         spec = msg.spec
         constraint: Constraint | None = None
+        self._in_prep.discard(spec.rid)
+        dropped = spec.rid in self._dropped  # its Cancel came (and was counted) while it was prepared
+        self._dropped.discard(spec.rid)
         try:
             if error is not None:
+                if dropped:  # nobody to tell
+                    return
                 raise error
+            if prepared is None:  # its reader had left before the work began
+                if not dropped:
+                    self.cancelled += 1
+                return
             prompt, constraint = prepared
             if constraint is not None:
                 self.live_grammars += 1
@@ -419,10 +440,11 @@ class EngineThread:
                     adopt(self.lib)
             if self._closing and self._abort:
                 raise EngineClosedError("the engine was closed before the request started")
-            if not msg.sink.alive():  # cancelled while it was prepared: nobody to serve
+            if dropped or not msg.sink.alive():  # cancelled while it was prepared: nobody to serve
                 if constraint is not None:
                     self._close_constraint(constraint)
-                self.cancelled += 1
+                if not dropped:
+                    self.cancelled += 1
                 return
             max_new = self.batcher.resolve_max_tokens(len(prompt), spec.params.max_tokens)
             lane = Lane(spec, msg.sink, msg.ticket, prompt, max_new, constraint)

@@ -359,3 +359,38 @@ async def test_a_deeply_nested_schema_is_a_typed_error(untied_model_path: Path, 
         with pytest.raises(InvalidRequestError, match="json_schema: is nested more than 64 levels"):
             await engine.generate("x", max_tokens=3, json_schema=schema)
         assert len((await engine.generate("x", max_tokens=3, ignore_eos=True)).token_ids) == 3
+
+
+@pytest.mark.anyio
+async def test_a_request_cancelled_while_its_grammar_compiles_is_dropped(
+    untied_model_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import threading
+
+    from aiobasert.engine_thread import EngineThread
+
+    entered, gate = threading.Event(), threading.Event()
+    real = EngineThread._build_constraint
+
+    def held(self: EngineThread, *args: Any) -> Any:
+        entered.set()
+        gate.wait(120)
+        return real(self, *args)
+
+    monkeypatch.setattr(EngineThread, "_build_constraint", held)
+    async with Engine.open(untied_model_path, max_batch_size=2) as engine:
+        s = engine.stream("json", max_tokens=16, json_schema=PERSON)
+        s.submit()
+        try:
+            with anyio.fail_after(30):
+                while not entered.is_set():
+                    await anyio.sleep(0.001)
+                await s.aclose()
+                stats = await engine.stats()  # answered while the compile is held
+                assert stats.requests_cancelled == 1 and stats.active_lanes == stats.waiting_requests == 0
+        finally:
+            gate.set()
+        with anyio.fail_after(30):  # the late grammar is freed, never run
+            while (await engine.stats()).live_grammars or engine._thread._preparing:
+                await anyio.sleep(0.001)
+            assert (await engine.stats()).active_lanes == 0
