@@ -85,8 +85,6 @@ __all__ = [  # the contract types are re-exported for code that imported them fr
     "Ticket",
 ]
 
-_INTAKE_JOIN_S = 5.0
-"""How long the shutdown waits for the intake workers (an `Engine.encode` may still run)."""
 _EMBED_TAPS_ENV = "AIOBASERT_EMBED_TAPS"
 """Set to 0 to embed with one baseRT_embed call per input (the engine then
 stalls for the whole forward): the comparison baseline of bench/embed_stall.py."""
@@ -122,8 +120,8 @@ class EngineThread:
         self.intake: Intake | None = None
         self._inline_tok: Tokenizer | None = None
         self._preparing = 0  # requests handed to the intake workers, not back yet
-        self._in_prep: set[str] = set()  # their request ids
-        self._dropped: set[str] = set()  # of those, cancelled meanwhile
+        self._in_prep: dict[str, Submit | Embed] = {}  # those requests, by id
+        self._dropped: set[str] = set()  # requests answered (cancelled, aborted) while they were prepared
         self.steps = 0
         self.models_freed = 0
         self.live_sequences = 0
@@ -284,8 +282,8 @@ class EngineThread:
             idle = not self.batcher.has_runnable_work()
             busy = bool(self._lanes or self._embeds or self._preparing)
             self._drain(block=idle and not (self._closing and not busy))
-            # requests still being prepared come back (and are answered) before the exit
-            if self._closing and not self._preparing and (self._abort or not (self._lanes or self._embeds)):
+            # a drain serves the requests still being prepared too; an abort has answered them
+            if self._closing and (self._abort or not (self._preparing or self._lanes or self._embeds)):
                 return
             if self.batcher.has_runnable_work():
                 try:
@@ -322,10 +320,11 @@ class EngineThread:
             lane = self._lanes.get(msg.rid)
             if lane is not None:
                 self._cancel(lane)
-            if msg.rid in self._in_prep:  # cancelled while it is prepared: counted now, dropped on return
-                self._in_prep.discard(msg.rid)
+            prep = self._in_prep.pop(msg.rid, None)
+            if prep is not None:  # cancelled while it is prepared: counted now, dropped on return
                 self._dropped.add(msg.rid)
-                self.cancelled += 1
+                if isinstance(prep, Submit):
+                    self.cancelled += 1
             embed = self._embeds.get(msg.rid)
             if embed is not None:  # its caller is gone: free the lane, nobody to tell
                 self._end_embed(embed, None, None)
@@ -356,6 +355,19 @@ class EngineThread:
                 for lane in list(self._lanes.values()):
                     self._finish(lane, "aborted")
                 self._abort_embeds()
+                self._abort_in_prep()
+
+    def _abort_in_prep(self) -> None:
+        """Answer the requests still being prepared now: an abort waits for no compile."""
+        closed = EngineClosedError("the engine was closed before the request started")
+        for rid, prep in self._in_prep.items():
+            self._dropped.add(rid)
+            self.cancelled += 1
+            if isinstance(prep, Submit):
+                self._notify(prep.sink.deliver, [], None, closed)
+            else:
+                self._notify(prep.done, None, closed)
+        self._in_prep.clear()
 
     def _cancel(self, lane: Lane) -> None:
         lane.state.cancelled = True
@@ -389,7 +401,7 @@ class EngineThread:
                 ids, error = None, exc
             self._enqueue(msg, (ids, None), error)
             return
-        self._in_prep.add(spec.rid)
+        self._in_prep[spec.rid] = msg
         self._prepare_off_thread(msg, prepare, grammar=grammar)
 
     def _prepare_off_thread(self, msg: Submit | Embed, job: Callable[[Tokenizer], Any], *, grammar: bool) -> None:
@@ -420,7 +432,7 @@ class EngineThread:
         """A prepared request joins the FIFO queue (or is answered with its error)."""
         spec = msg.spec
         constraint: Constraint | None = None
-        self._in_prep.discard(spec.rid)
+        self._in_prep.pop(spec.rid, None)
         dropped = spec.rid in self._dropped  # its Cancel came (and was counted) while it was prepared
         self._dropped.discard(spec.rid)
         try:
@@ -554,12 +566,17 @@ class EngineThread:
             return
         if isinstance(msg.source, str):
             text = msg.source
+            self._in_prep[msg.rid] = msg
             self._prepare_off_thread(msg, lambda tok: tok.encode_text(text, special=False), grammar=False)
         else:
             self._enqueue_embed(msg, list(msg.source), None)
 
     def _enqueue_embed(self, msg: Embed, ids: list[int] | None, error: BaseException | None) -> None:
         """Validate an embedding and queue it as a lane (or, without taps, run it now)."""
+        self._in_prep.pop(msg.rid, None)
+        if msg.rid in self._dropped:  # cancelled or aborted while it was tokenized: already answered
+            self._dropped.discard(msg.rid)
+            return
         try:
             if error is not None:
                 raise error
@@ -900,8 +917,9 @@ class EngineThread:
         self._abort_embeds()
         self._flush()
         if self.intake is not None:
-            self.intake.close()  # idle by now (nothing is being prepared); they free their handles
-            self.intake.join(_INTAKE_JOIN_S)
+            # The workers end after their current job (each frees its own tokenizer
+            # handle, independent of the model): an abort waits for no compile.
+            self.intake.close()
         self._free_model()
 
     def _free_model(self) -> None:

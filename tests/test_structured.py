@@ -394,3 +394,39 @@ async def test_a_request_cancelled_while_its_grammar_compiles_is_dropped(
             while (await engine.stats()).live_grammars or engine._thread._preparing:
                 await anyio.sleep(0.001)
             assert (await engine.stats()).active_lanes == 0
+
+
+@pytest.mark.anyio
+async def test_an_abort_does_not_wait_for_a_grammar_compile(
+    untied_model_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A compile is held; closing with abort=True answers its request with
+    # EngineClosedError and returns without it (the compile was on the engine
+    # thread and the close waited for it).
+    import threading
+
+    from aiobasert import EngineClosedError
+    from aiobasert.engine_thread import EngineThread
+
+    entered, gate = threading.Event(), threading.Event()
+    real = EngineThread._build_constraint
+
+    def held(self: EngineThread, *args: Any) -> Any:
+        entered.set()
+        gate.wait(120)
+        return real(self, *args)
+
+    monkeypatch.setattr(EngineThread, "_build_constraint", held)
+    engine = await Engine.open(untied_model_path, max_batch_size=2)
+    s = engine.stream("json", max_tokens=16, json_schema=PERSON)
+    s.submit()
+    try:
+        with anyio.fail_after(30):
+            while not entered.is_set():
+                await anyio.sleep(0.001)
+            await engine.aclose(abort=True)
+            assert not gate.is_set() and engine.models_freed == 1
+            with pytest.raises(EngineClosedError):
+                await s
+    finally:
+        gate.set()
