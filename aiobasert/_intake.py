@@ -23,7 +23,6 @@ raises ever reaches a worker thread's top (it would end the worker).
 
 from __future__ import annotations
 
-import contextlib
 import os
 import queue
 import threading
@@ -156,7 +155,6 @@ class Intake:
         self.model_path = model_path
         self._light: queue.SimpleQueue[tuple[Job, Done] | None] = queue.SimpleQueue()
         self._heavy: queue.SimpleQueue[tuple[Job, Done] | None] = queue.SimpleQueue()
-        self.jobs_done = 0
         # Tokenizing does not recurse: the platform's default stack (0) does.
         self._workers = [_Worker("aiobasert-tokenize", self._light, self, 0)]
         self._workers += [
@@ -172,8 +170,3 @@ class Intake:
         self._light.put(None)
         for _ in range(GRAMMAR_WORKERS):
             self._heavy.put(None)
-
-    def join(self, timeout: float | None = None) -> None:
-        for w in self._workers:
-            with contextlib.suppress(RuntimeError):
-                w.thread.join(timeout)
