@@ -320,19 +320,23 @@ class EngineGroup:
                 await self._released.wait()
 
     async def _unload(self, slot: _Slot) -> None:
-        # Detach before the first await: a lease arriving meanwhile sees no engine
-        # and waits on the lock for this close to finish, then loads afresh.
         if slot.leases or slot.engine is None:
             return
-        engine, slot.engine = slot.engine, None
-        slot.unloads += 1
-        self._unloading.add(engine)  # the group's aclose(abort=True) reaches it too
-        try:
-            with anyio.CancelScope(shield=True):  # a half-closed engine must not outlive the group
-                async with slot.lock:
+        with anyio.CancelScope(shield=True):  # a half-closed engine must not outlive the group
+            async with slot.lock:
+                # Checked again after the lock's checkpoint: a lease that came meanwhile
+                # keeps the engine. Detached and closed with no await in between, so
+                # nobody sees it unloaded yet open; a lease arriving later sees no engine
+                # and waits on the lock for this close to finish, then loads afresh.
+                if slot.leases or slot.engine is None:
+                    return
+                engine, slot.engine = slot.engine, None
+                slot.unloads += 1
+                self._unloading.add(engine)  # the group's aclose(abort=True) reaches it too
+                try:
                     await engine.aclose()
-        finally:
-            self._unloading.discard(engine)
+                finally:
+                    self._unloading.discard(engine)
 
     # ---- introspection and closing ----------------------------------------------------
 
