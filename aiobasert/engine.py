@@ -20,7 +20,7 @@ from .chat import render_chat
 from .engine_thread import EngineThread
 from .errors import EngineClosedError, InvalidConfigError, InvalidRequestError, InvalidSamplingParamsError
 from .streams import TokenStream, new_request_id
-from .types import ChatMessage, Completion, EngineStats, ModelInfo, SamplingParams
+from .types import ChatMessage, Completion, EngineStats, ModelInfo, SamplingParams, schema_problem
 
 if TYPE_CHECKING:
     from .tools import ChatStream, Tool, ToolChoice
@@ -352,6 +352,15 @@ class Engine:
 
         if tools is not None and (isinstance(tools, (str, bytes, Mapping)) or not isinstance(tools, Sequence)):
             raise InvalidRequestError(f"tools must be a list of tools, not {type(tools).__name__}")
+        for i, tool in enumerate(tools or ()):
+            # a tool's schema reaches recursive JSON encoders and the grammar compilers:
+            # measured first (iteratively), with json_schema's depth / $ref / size caps
+            data = tool if isinstance(tool, Mapping) else getattr(tool, "as_openai", None)
+            if callable(data):
+                data = data()
+            problem = schema_problem(data) if isinstance(data, Mapping) else None
+            if problem is not None:
+                raise InvalidRequestError(f"tools[{i}] {problem}")
 
         return open_chat_stream(
             self,

@@ -403,3 +403,16 @@ async def test_wrong_typed_arguments_are_typed_errors(tiny_model_path: Path, bad
             with pytest.raises(InvalidRequestError, match="tools must be a list"):
                 engine.chat([{"role": "user", "content": "hi"}], tools=bad)  # type: ignore[call-overload]
         assert len((await engine.generate("still serving", max_tokens=2, ignore_eos=True)).token_ids) == 2
+
+
+async def test_a_deeply_nested_tool_schema_is_a_typed_error(tiny_model_path: Path) -> None:
+    # It raised a raw RecursionError from the tool-grammar rendering.
+    schema: dict[str, object] = {"type": "string"}
+    for _ in range(5000):
+        schema = {"type": "array", "items": schema}
+    parameters = {"type": "object", "properties": {"a": schema}}
+    tool = {"type": "function", "function": {"name": "f", "parameters": parameters}}
+    async with Engine.open(tiny_model_path, max_batch_size=2) as engine:
+        with pytest.raises(InvalidRequestError, match=r"tools\[0\] is nested more than 64 levels"):
+            engine.chat([{"role": "user", "content": "hi"}], tools=[tool], max_tokens=3)
+        assert len((await engine.generate("still serving", max_tokens=2, ignore_eos=True)).token_ids) == 2
