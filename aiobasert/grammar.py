@@ -4,7 +4,8 @@
 per engine) and compiles each request's JSON Schema into a `JsonSchemaConstraint`,
 the `Constraint` the engine thread steps: before every sampled token it writes
 the allowed-token bitmask (the lane's logits row is then masked with it), after
-it the token is consumed. Everything here runs on the engine thread.
+it the token is consumed. Compiles run on an intake worker (aiobasert._intake:
+a large stack, off the engine thread); stepping runs on the engine thread.
 
 Generated JSON is compact by default (no free whitespace between tokens): a
 schema's ``"x-guidance": {"whitespace_flexible": true}`` turns free whitespace
@@ -234,6 +235,11 @@ class EngineGrammarConstraint:
             lib.baseRT_grammar_free(grammar)
             return None
         return cls(lib, grammar, words)
+
+    def adopt(self, lib: Any) -> None:
+        """Step (and free) through `lib` from now on: a grammar is built by an intake
+        worker through its own library view, then handed to the engine thread."""
+        self._lib = lib
 
     def fill_bitmask(self, out: np.ndarray[Any, Any]) -> bool:
         if out.shape[0] < self._words:
