@@ -256,7 +256,8 @@ def bundle_oracle_config(arch: str, c: dict[str, Any], tensor: Weights) -> Oracl
 
 
 # GGUF tensor names -> canonical bundle names, written out independently of aiobasert.convert.
-_GGUF_GLOBAL = {"token_embd": "embed_tokens", "output_norm": "final_norm", "output": "lm_head"}
+_GGUF_GLOBAL = {"token_embd": "embed_tokens", "output_norm": "final_norm", "output": "lm_head",
+                "rope_freqs": "rope_freqs"}
 _GGUF_LAYER = {
     "attn_norm": "input_norm",
     "attn_q": "self_attn.q_proj",
@@ -267,26 +268,35 @@ _GGUF_LAYER = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "post_attention_norm": "self_attn.out_norm",
+    "post_ffw_norm": "mlp.out_norm",
 }
 
 
 def _canonical(gguf_name: str) -> str:
-    stem = gguf_name.removesuffix(".weight")
+    stem, _, suffix = gguf_name.rpartition(".")
     if stem.startswith("blk."):
         _, layer, part = stem.split(".", 2)
-        return f"layers.{layer}.{_GGUF_LAYER[part]}.weight"
+        return f"layers.{layer}.{_GGUF_LAYER[part]}.{suffix}"
     return f"{_GGUF_GLOBAL[stem]}.weight"
 
 
-def _field(reader: gguf.GGUFReader, key: str) -> Any:
+def _field(reader: gguf.GGUFReader, key: str, default: Any = None) -> Any:
     field = reader.get_field(key)
     if field is None:
+        if default is not None:
+            return default
         raise KeyError(f"GGUF has no {key!r}")
+    if field.types[0] == gguf.GGUFValueType.STRING:
+        return bytes(field.parts[field.data[0]]).decode()
     return field.parts[field.data[0]].tolist()[0]
 
 
 def gguf_oracle(gguf_path: str | Path) -> LlamaForward:
-    """The reference forward over a llama GGUF's dequantized weights (no bundle involved)."""
+    """The reference forward over a GGUF's dequantized weights (no bundle involved), its
+    hyperparameters read as llama.cpp's llama-model.cpp reads them."""
     reader = gguf.GGUFReader(gguf_path)
     by_name = {_canonical(t.name): t for t in reader.tensors}
 
@@ -297,17 +307,38 @@ def gguf_oracle(gguf_path: str | Path) -> LlamaForward:
         # GGUF lists dims fastest-first; numpy's row-major shape is the reverse.
         return values.reshape(tuple(int(d) for d in reversed(t.shape.tolist())))
 
-    dim = int(_field(reader, "llama.embedding_length"))
-    n_heads = int(_field(reader, "llama.attention.head_count"))
+    arch = str(_field(reader, "general.architecture"))
+    dim = int(_field(reader, f"{arch}.embedding_length"))
+    n_heads = int(_field(reader, f"{arch}.attention.head_count"))
+    n_layers = int(_field(reader, f"{arch}.block_count"))
+    head_dim = int(_field(reader, f"{arch}.attention.key_length", dim // n_heads))
+    theta = float(_field(reader, f"{arch}.rope.freq_base"))
+    kind = _field(reader, f"{arch}.rope.scaling.type", "none")
+    factor = float(_field(reader, f"{arch}.rope.scaling.factor", 1.0))
+    rope = Rope(theta)
+    if kind in ("linear", "yarn"):
+        rope = Rope(theta, freq_scale=1.0 / factor, ext_factor=1.0 if kind == "yarn" else 0.0,
+                    orig_ctx=int(_field(reader, f"{arch}.rope.scaling.original_context_length", 0)))
+    if "rope_freqs.weight" in by_name:
+        rope = dataclasses.replace(rope, freq_factors=tuple(float(f) for f in weight("rope_freqs.weight")))
+    window = int(_field(reader, f"{arch}.attention.sliding_window", 0)) if arch == "gemma3" else 0
+    sliding = tuple(i % 6 < 5 for i in range(n_layers)) if window else ()  # gemma3: set_swa_pattern(6)
     config = OracleConfig(
         dim=dim,
-        n_layers=int(_field(reader, "llama.block_count")),
+        n_layers=n_layers,
         n_heads=n_heads,
-        n_kv_heads=int(_field(reader, "llama.attention.head_count_kv")),
-        head_dim=dim // n_heads,
+        n_kv_heads=int(_field(reader, f"{arch}.attention.head_count_kv")),
+        head_dim=head_dim,
         vocab_size=int(by_name["embed_tokens.weight"].shape[1]),
-        rope_theta=float(_field(reader, "llama.rope.freq_base")),
-        rms_norm_eps=float(_field(reader, "llama.attention.layer_norm_rms_epsilon")),
+        rope_theta=theta,
+        rms_norm_eps=float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon")),
         tied="lm_head.weight" not in by_name,
+        arch=arch,
+        rope=rope,
+        local_rope=Rope(10000.0) if window else None,
+        sliding=sliding,
+        sliding_window=window,
+        attn_scale=1.0 / math.sqrt(dim // n_heads if arch == "gemma3" and n_layers == 62 else head_dim),
+        final_softcap=float(_field(reader, f"{arch}.final_logit_softcapping", 0.0)) if arch == "gemma3" else 0.0,
     )
     return LlamaForward(config, weight)

@@ -18,8 +18,10 @@ from raw_abi import coded_error, load, step_logits
 
 from aiobasert._ffi import Library
 from aiobasert.bundle import read_bundle, write_bundle
+from aiobasert.convert import convert_gguf
 from aiobasert.tiny import build_tiny_model, llama3_rope_factors
-from tests.oracle import LlamaForward, NumpyLlama
+from tests.oracle import LlamaForward, NumpyLlama, gguf_oracle
+from tests.tiny_gguf import ARCH_GGUFS, write_gguf
 
 UNSUPPORTED, INVALID_FORMAT = 5, 4
 MAX_CONTEXT = 256
@@ -106,6 +108,22 @@ def test_the_architecture_matters(arch_model: Path) -> None:
                                              attn_scale=None, final_softcap=0.0), bundle.tensor)
     tokens = prompt(24, 3, cfg.vocab_size)
     assert np.abs(oracle.logits(tokens) - plain.logits(tokens)).max() > 0.05
+
+
+@pytest.mark.parametrize("kind", list(ARCH_GGUFS))
+def test_converted_gguf_runs_within_the_gguf_oracle_bound(lib: Library, tmp_path: Path, kind: str) -> None:
+    """A GGUF of each architecture (llama.cpp's key and tensor names), converted, runs in the engine
+    with logits within the bound of the oracle that reads the GGUF itself."""
+    src = write_gguf(tmp_path / f"{kind}.gguf", **ARCH_GGUFS[kind])
+    out = convert_gguf(src, tmp_path / "out.base", dtype="f32", progress=False)
+    oracle = gguf_oracle(src)
+    m = load(lib, out, MAX_CONTEXT, max_batch_size=2, prefill_chunk=16)
+    try:
+        tokens = prompt(30, 5, oracle.config.vocab_size)
+        rows = step_logits(lib, m, [int(lib.baseRT_sequence_create(m))], [tokens])
+        assert f16_close(rows[0], oracle.logits(tokens)[-1]) <= 1.0
+    finally:
+        lib.baseRT_free_model(m)
 
 
 # ---- refusals: one line naming the reason -------------------------------------------------
