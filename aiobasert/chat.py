@@ -10,8 +10,10 @@ the pieces still tokenize as one text.
 
 from __future__ import annotations
 
+import json
 import re
-from collections.abc import Mapping, Sequence
+import time
+from collections.abc import Iterable, Mapping, Sequence
 from functools import lru_cache
 from typing import Any
 
@@ -21,11 +23,38 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from .errors import InvalidRequestError
 from .types import ChatMessage
 
-# ChatML, for bundles without a template of their own.
+# ChatML, for bundles without a template of their own (Qwen, SmolLM2: <|im_start|> ... <|im_end|>).
 DEFAULT_TEMPLATE = (
     "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content']"
     " + '<|im_end|>' + '\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
+
+# Llama 3's turn format, for a Llama 3 vocabulary without a template: header, blank line, <|eot_id|>.
+LLAMA3_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n'"
+    " + message['content'] + '<|eot_id|>' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{% endif %}"
+)
+
+# Gemma's turn format, for a Gemma vocabulary without a template (Gemma 3 270M's GGUF has none): the
+# system prompt opens the first user turn, the assistant is "model", turns end with <end_of_turn>.
+GEMMA_TEMPLATE = (
+    "{{ bos_token }}{% if messages[0]['role'] == 'system' %}{% set prefix = messages[0]['content'] + '\\n\\n' %}"
+    "{% set turns = messages[1:] %}{% else %}{% set prefix = '' %}{% set turns = messages %}{% endif %}"
+    "{% for message in turns %}{% set role = 'model' if message['role'] == 'assistant' else message['role'] %}"
+    "{{ '<start_of_turn>' + role + '\\n' + (prefix if loop.first else '') + message['content'] + '<end_of_turn>\\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<start_of_turn>model\\n' }}{% endif %}"
+)
+
+# Each family's template, and the turn marker its vocabulary is known by.
+_FAMILY_TEMPLATES = (("<start_of_turn>", GEMMA_TEMPLATE), ("<|start_header_id|>", LLAMA3_TEMPLATE))
+
+
+def default_template(special_tokens: Iterable[str]) -> str:
+    """The template of the model's family, known by its vocabulary's special tokens, for a
+    model whose GGUF carries none: Gemma, Llama 3, else ChatML."""
+    specials = set(special_tokens)
+    return next((template for marker, template in _FAMILY_TEMPLATES if marker in specials), DEFAULT_TEMPLATE)
 
 ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 """The roles a chat message may have. The template writes the role into the
@@ -40,10 +69,24 @@ def _raise_exception(message: str) -> None:
     raise InvalidRequestError(f"chat template refused the conversation: {message}")
 
 
+def _tojson(value: Any, indent: int | None = None, separators: tuple[str, str] | None = None,
+            sort_keys: bool = False, ensure_ascii: bool = False) -> str:
+    # HF transformers' (and llama.cpp's) tojson: plain JSON, not Jinja's HTML-escaped one
+    # ("<" stays "<" in a tool description), with the indent Llama 3.1's template asks for.
+    return json.dumps(value, indent=indent, separators=separators, sort_keys=sort_keys, ensure_ascii=ensure_ascii)
+
+
+def _strftime_now(fmt: str) -> str:
+    # HF transformers' global: Llama 3.2's template writes today's date into its system turn.
+    return time.strftime(fmt)
+
+
 @lru_cache(maxsize=8)
 def _compile(template: str) -> Any:
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
     env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    env.filters["tojson"] = _tojson
     return env.from_string(template)
 
 

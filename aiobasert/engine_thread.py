@@ -154,6 +154,14 @@ class EngineThread:
             finally:
                 self.stopped.set_result(None)
 
+    def _special_tokens(self, handle: int) -> list[str]:
+        """The text of every special (control / user-defined) token of the model."""
+        lib = self.lib
+        if not (lib.has("baseRT_special_token_count") and lib.has("baseRT_special_token")):
+            return []
+        count = int(lib.baseRT_special_token_count(handle))
+        return [(lib.baseRT_special_token(handle, i, None) or b"").decode("utf-8", "replace") for i in range(count)]
+
     def _load(self) -> ModelInfo:
         lib, cfg = self.lib, self.cfg
         opts = _ffi.BaseRTLoadOptions(
@@ -225,6 +233,10 @@ class EngineThread:
         template = ""
         if lib.has("baseRT_chat_template_jinja"):
             template = (lib.baseRT_chat_template_jinja(handle) or b"").decode("utf-8", "replace")
+        if not template:  # a GGUF without a template (Gemma 3 270M): its family's, by the vocabulary
+            from .chat import default_template
+
+            template = default_template(self._special_tokens(handle))
         self.chat_template = template
         self.bos_token = self._static_str("baseRT_bos_token")
         self.eos_token = self._static_str("baseRT_eos_token")
@@ -427,9 +439,12 @@ class EngineThread:
     def _host_grammar(self) -> GrammarBackend:
         """The host (llguidance) backend, built once per engine, on first use."""
         if self._grammar is None:
-            from .grammar import GrammarBackend
+            from .grammar import GrammarBackend, engine_end_ids
 
-            self._grammar = GrammarBackend.for_bundle(self.cfg.model_path, vocab_size=self.vocab_size)
+            assert self._model is not None  # grammars are built only for a loaded model
+            end_ids = engine_end_ids(self.lib, self._model, self.vocab_size)
+            self._grammar = GrammarBackend.for_bundle(self.cfg.model_path, vocab_size=self.vocab_size,
+                                                      end_ids=end_ids)
         return self._grammar
 
     def _close_constraint(self, constraint: Constraint) -> None:

@@ -19,7 +19,7 @@ import json
 import math
 import unicodedata
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Final, Literal
 
@@ -335,6 +335,9 @@ def build_tiny_model(
     layer_types: list[str] | None = None,
     query_pre_attn_scalar: float | None = None,
     final_logit_softcapping: float | None = None,
+    extra_tokens: Sequence[tuple[str, int]] = (),
+    chat_template: str | None = CHATML_TEMPLATE,
+    tokenizer_keys: Mapping[str, Any] | None = None,
 ) -> Path:
     """Write a random-weight bundle of `arch` to `path` and return the path.
 
@@ -345,6 +348,11 @@ def build_tiny_model(
     llama3_rope_factors()), and for gemma3 `sliding_window` with `layer_types`
     (default: every 6th layer full attention), `query_pre_attn_scalar`,
     `final_logit_softcapping`.
+
+    A model family's vocabulary: `extra_tokens` ((text, GGUF token type) pairs, e.g.
+    ("<end_of_turn>", 3)) are appended after the tiny vocabulary (ids from
+    len(tiny_vocab(vocab).tokens) on), `tokenizer_keys` added to the tokenizer fields
+    (e.g. tokenizer.ggml.eot_token_id), and `chat_template` None leaves the template out.
 
     `eos_bias` (untied models only) shifts the EOS logit by roughly that many
     nats at every position: large positive values make generation stop almost
@@ -370,6 +378,11 @@ def build_tiny_model(
     head_dim = head_dim or dim // n_heads
     q_dim, kv_dim = n_heads * head_dim, n_kv_heads * head_dim
     words = tiny_vocab(vocab)
+    if extra_tokens:
+        if any(text in words.tokens for text, _ in extra_tokens):
+            raise ValueError("extra_tokens must not repeat a token of the vocabulary")
+        words = TinyVocab(words.tokens + tuple(t for t, _ in extra_tokens),
+                          words.token_types + tuple(ty for _, ty in extra_tokens), words.merges)
     n_vocab = len(words.tokens)
     rng = np.random.default_rng(seed)
 
@@ -484,6 +497,9 @@ def build_tiny_model(
         arch_config["query_pre_attn_scalar"] = query_pre_attn_scalar
     if final_logit_softcapping is not None:
         arch_config["final_logit_softcapping"] = final_logit_softcapping
+    if extra_tokens or chat_template != CHATML_TEMPLATE or tokenizer_keys:
+        recipe |= {"extra_tokens": [list(t) for t in extra_tokens], "chat_template": chat_template,
+                   "tokenizer_keys": dict(tokenizer_keys or {})}
     if arch != "llama" or arch_config or rope_freqs is not None:
         # Only the new models' recipes name these: an old recipe keeps its identity hash.
         recipe |= {"arch": arch, "head_dim": head_dim, **arch_config}
@@ -512,9 +528,11 @@ def build_tiny_model(
             "tokenizer.ggml.eos_token_id": EOS_ID,
             "tokenizer.ggml.padding_token_id": EOS_ID,
             "tokenizer.ggml.add_bos_token": False,
-            "tokenizer.chat_template": CHATML_TEMPLATE,
-        },
-        metadata={"tokenizer.chat_template": CHATML_TEMPLATE, "aiobasert.tiny": recipe},
+        }
+        | ({} if chat_template is None else {"tokenizer.chat_template": chat_template})
+        | dict(tokenizer_keys or {}),
+        metadata=({} if chat_template is None else {"tokenizer.chat_template": chat_template})
+        | {"aiobasert.tiny": recipe},
     )
     write_bundle(path, header, tensors)
     return path

@@ -166,3 +166,34 @@ def test_refusals_name_the_reason(lib: Library, tmp_path: Path, model: str, chan
     got_code, text = coded_error(lib)
     assert message in text and "\n" not in text, text
     assert got_code == code, text
+
+
+# ---- end markers: each family's, asked of the engine -----------------------------------------
+
+# Appended to the tiny vocabulary: Gemma's turn markers (older Gemma GGUFs store <end_of_turn> as a
+# normal token, type 1), Llama 3's end-of-turn / end-of-message markers, and a token only the GGUF's
+# tokenizer.ggml.eot_token_id names.
+FAMILY_TOKENS = (("<start_of_turn>", 3), ("<end_of_turn>", 1), ("<|eot_id|>", 3), ("<|eom_id|>", 3),
+                 ("<|my_end|>", 3))
+
+
+@pytest.fixture(scope="module")
+def family_vocab_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    base = len(read_bundle(build_tiny_model(tmp_path_factory.mktemp("v") / "v.base")).tokenizer[
+        "tokenizer.ggml.tokens"])
+    return build_tiny_model(tmp_path_factory.mktemp("family") / "family.base", extra_tokens=FAMILY_TOKENS,
+                            tokenizer_keys={"tokenizer.ggml.eot_token_id": base + 4})
+
+
+def test_every_family_end_marker_ends_generation(lib: Library, family_vocab_model: Path) -> None:
+    """llama.cpp's end-of-generation set: the markers by their text whatever their token type, and
+    the GGUF's eot / eom ids; a turn's opening marker and ordinary tokens are not in it."""
+    tokens = read_bundle(family_vocab_model).tokenizer["tokenizer.ggml.tokens"]
+    m = lib.baseRT_load_tokenizer_only(str(family_vocab_model).encode())
+    assert m, coded_error(lib)
+    try:
+        ends = {t for t in range(len(tokens)) if lib.baseRT_is_eos_token(m, t)}
+    finally:
+        lib.baseRT_free_model(m)
+    named = {tokens[t] for t in ends}
+    assert named == {"<|endoftext|>", "<|im_end|>", "<end_of_turn>", "<|eot_id|>", "<|eom_id|>", "<|my_end|>"}

@@ -5,6 +5,7 @@ on the tiny model (random weights: only the grammar makes its calls well-formed)
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -199,6 +200,22 @@ def test_default_rendering_lists_tools_and_wraps_tool_results() -> None:
     assert CALL_OPEN + '{"name": "get_weather", "arguments": {"city":"Paris","days":1}}\n</tool_call>' in text
     assert "<tool_response>\nsunny\n</tool_response>" in text
     assert all(is_content for p, is_content in pieces if "<tool_response>" in p)  # client text stays content
+
+
+def test_model_templates_render_json_and_dates_as_hf_transformers_does() -> None:
+    """Qwen's `tool | tojson` and Llama 3.1's `tojson(indent=4)` give plain JSON (Jinja's own
+    tojson HTML-escapes `<`, `>`, `&` and `'`), and Llama 3.2's `strftime_now` is defined."""
+    tool = Tool(name="cmp", description="is a < b & b > c? it's 'quoted'", parameters={"type": "object"})
+    template = (
+        "{% for t in tools %}{{ t | tojson }}|{{ t.function | tojson(indent=4) }}{% endfor %}"
+        "{% if strftime_now is defined %}[{{ strftime_now('%Y') }}]{% endif %}"
+        "{% for m in messages %}{{ m.content }}{% endfor %}"
+    )
+    text = "".join(p for p, _ in render_tool_chat(template, [{"role": "user", "content": "hi"}], [tool]))
+    assert json.dumps(tool.as_openai()) in text
+    assert json.dumps(tool.as_openai()["function"], indent=4) in text
+    assert "\\u003c" not in text and "a < b & b > c? it's 'quoted'" in text
+    assert re.search(r"\[\d{4}\]", text)
 
 
 def test_model_template_with_tools_is_used() -> None:

@@ -879,11 +879,21 @@ done:
             if (!add_eos_id(m, (uint32_t)x)) return bundle_fail(b, BASERT_ERR_OUT_OF_MEMORY, "out of memory");
         }
     }
-    static const char *const STOP_MARKERS[] = {"<|endoftext|>", "<|im_end|>", "<|eot_id|>", "<end_of_turn>"};
+    /* The GGUF's end-of-turn / end-of-message ids, then every family's end markers by
+     * their text, whatever their token type (llama.cpp's end-of-generation set:
+     * Gemma's GGUFs store <end_of_turn> as a normal token). */
+    static const char *const EOG_KEYS[] = {"tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"};
+    for (size_t i = 0; i < sizeof EOG_KEYS / sizeof *EOG_KEYS; i++)
+        if (json_int64(json_get(tk, EOG_KEYS[i]), &x) && x >= 0 && (size_t)x < n_tokens &&
+            !add_eos_id(m, (uint32_t)x))
+            return bundle_fail(b, BASERT_ERR_OUT_OF_MEMORY, "out of memory");
+    static const char *const STOP_MARKERS[] = {
+        "<|endoftext|>", "<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end_of_text|>", "<end_of_turn>",
+        "<|end|>",       "<|return|>", "<|call|>",   "<EOT>",      "_<EOT>",          "<end_of_utterance>",
+    };
     for (size_t i = 0; i < sizeof STOP_MARKERS / sizeof *STOP_MARKERS; i++) {
         int32_t id = bpe_token_id(m->tok, STOP_MARKERS[i]);
-        if (id >= 0 && bpe_token_type(m->tok, (uint32_t)id) == BPE_TOKEN_CONTROL && !add_eos_id(m, (uint32_t)id))
-            return bundle_fail(b, BASERT_ERR_OUT_OF_MEMORY, "out of memory");
+        if (id >= 0 && !add_eos_id(m, (uint32_t)id)) return bundle_fail(b, BASERT_ERR_OUT_OF_MEMORY, "out of memory");
     }
 
     size_t n_special = 0;
