@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 import pytest
+from quantized import quantize_bundle
 from raw_abi import coded_error, load, step_logits
 
 from aiobasert._ffi import Library
@@ -97,6 +98,21 @@ def test_batched_equals_solo(lib: Library, engine: int, arch_model: Path) -> Non
         for i in range(len(prompts)):
             np.testing.assert_array_equal(rows[i], solo[i])
         feeds = [[int(r.argmax())] for r in rows]
+
+
+def test_quantized_matrices_track_the_oracle(lib: Library, arch_model: Path, tmp_path: Path) -> None:
+    """base_q4 matrices (biases and norms stay f32): within the bound test_native_quant holds the llama
+    layout to, against the oracle that rounds every matmul input as the integer kernels do."""
+    path = quantize_bundle(arch_model, tmp_path / "q4.base", "base_q4")
+    m = load(lib, path, MAX_CONTEXT, max_batch_size=2, prefill_chunk=16)
+    try:
+        tokens = prompt(30, 4, read_bundle(path).config["vocab_size"])
+        got = step_logits(lib, m, [int(lib.baseRT_sequence_create(m))], [tokens])[0].astype(np.float64)
+        exact = NumpyLlama(path, q8_inputs=True).logits(tokens)[-1]
+        assert np.abs(got - exact).max() / np.abs(exact).max() < 0.02
+        assert np.corrcoef(got, NumpyLlama(path).logits(tokens)[-1])[0, 1] > 0.999
+    finally:
+        lib.baseRT_free_model(m)
 
 
 def test_the_architecture_matters(arch_model: Path) -> None:
