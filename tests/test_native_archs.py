@@ -142,6 +142,21 @@ def test_converted_gguf_runs_within_the_gguf_oracle_bound(lib: Library, tmp_path
         lib.baseRT_free_model(m)
 
 
+def test_a_zero_soft_cap_is_none(lib: Library, tmp_path: Path) -> None:
+    """HF configs write 0 or null for "no soft-capping": both load as none."""
+    kwargs = dict(dim=64, n_heads=4, n_kv_heads=2, ffn_dim=96, tied=False) | MODELS["gemma3"]
+    path = build_tiny_model(tmp_path / "g.base", **(kwargs | {"final_logit_softcapping": 0.0}))
+    m = load(lib, path, MAX_CONTEXT)
+    try:
+        tokens = prompt(12, 6, read_bundle(path).config["vocab_size"])
+        rows = step_logits(lib, m, [int(lib.baseRT_sequence_create(m))], [tokens])
+        ref = NumpyLlama(path).logits(tokens)[-1]
+        assert np.abs(ref).max() > 5.0  # a cap of 5 would have bounded these
+        assert f16_close(rows[0], ref) <= 1.0
+    finally:
+        lib.baseRT_free_model(m)
+
+
 # ---- refusals: one line naming the reason -------------------------------------------------
 
 
@@ -171,6 +186,8 @@ def _rewrite(src: Path, dst: Path, *, arch: str | None = None, drop: str | None 
         ("llama_linear", dict(config={"rope_scaling": {"rope_type": "longrope", "factor": 2.0}}), UNSUPPORTED,
          "rope_type 'longrope' is not supported"),
         ("gemma3", dict(config={"layer_types": ["full_attention"]}), INVALID_FORMAT, "one type per layer"),
+        ("gemma3", dict(config={"final_logit_softcapping": -30.0}), INVALID_FORMAT, "final_logit_softcapping"),
+        ("gemma3", dict(config={"sliding_window": 0}), INVALID_FORMAT, "sliding_window"),
     ],
 )
 def test_refusals_name_the_reason(lib: Library, tmp_path: Path, model: str, change: dict[str, Any], code: int,

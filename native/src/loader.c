@@ -303,8 +303,9 @@ static int parse_arch(const bundle *b, const json_value *c, const char *arch_nam
     if ((rc = cfg_float(b, c, "query_pre_attn_scalar", (double)cfg->head_dim, 0.0, 1e9, &scalar))) return rc;
     a->attn_scale = (float)(1.0 / sqrt((double)scalar));
     const json_value *cap = json_get(c, "final_logit_softcapping");
-    if (cap && cap->type != JSON_NULL && (rc = cfg_float(b, c, "final_logit_softcapping", 0.0, 0.0, 1e9, &a->final_softcap)))
-        return rc;
+    double cap0;
+    bool no_cap = !cap || cap->type == JSON_NULL || (json_number(cap, &cap0) && cap0 == 0.0); /* null or 0: none */
+    if (!no_cap && (rc = cfg_float(b, c, "final_logit_softcapping", 0.0, 0.0, 1e9, &a->final_softcap))) return rc;
 
     /* Sliding-window layers: which ones (config.layer_types, or every layer but each
      * sliding_window_pattern-th), how wide, and their own RoPE base (unscaled). */
