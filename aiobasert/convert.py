@@ -441,11 +441,12 @@ def convert_gguf(
             raise fail(f"tensor {tensor.name!r}: cannot dequantize GGML type {tensor.tensor_type.name}")
         sources[name] = tensor
     tied = "lm_head.weight" not in sources
-    expected = _expected_shapes(cfg, tied, "rope_freqs.weight" in sources)
+    # llama.cpp reads rope_freqs for llama only; elsewhere it is a tensor the model does not have.
+    expected = _expected_shapes(cfg, tied, arch == "llama" and "rope_freqs.weight" in sources)
     if missing := [name for name in expected if name not in sources]:
         raise fail(f"missing tensors: {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}")
     if extra := [name for name in sources if name not in expected]:
-        where = [n for n in extra if n.startswith("layers.") and int(n.split(".")[1]) < cfg.n_layers]
+        where = [n for n in extra if not (n.startswith("layers.") and int(n.split(".")[1]) >= cfg.n_layers)]
         if where:
             raise fail(f"unsupported tensor(s) for a {arch} model: {', '.join(where[:5])}")
         raise fail(f"tensors beyond the {cfg.n_layers} configured layers: {', '.join(extra[:5])}")

@@ -160,6 +160,7 @@ def test_progress_callback(tmp_path: Path, synthetic_gguf: Path) -> None:
         (lambda p: write_gguf(p, extra_tensors=("blk.0.attn_q.bias",)),
          "unsupported tensor\\(s\\) for a llama model: layers.0.self_attn.q_proj.bias"),
         (lambda p: write_gguf(p, arch="qwen2", drop=("blk.1.attn_v.bias",)), "missing tensors: layers.1.self_attn.v"),
+        (lambda p: write_gguf(p, arch="qwen2", rope_freqs=True), "unsupported tensor\\(s\\) for a qwen2 model: rope_freqs.weight"),
         (lambda p: write_gguf(p, arch="qwen3", extra_kv={"qwen3.attention.sliding_window": 8}), "sliding-window"),
         (lambda p: write_gguf(p, extra_tensors=("blk.2.attn_norm.weight",)), "beyond the 2 configured layers"),
         (lambda p: write_gguf(p, drop=("blk.1.ffn_up.weight",)), "missing tensors: layers.1.mlp.up_proj"),

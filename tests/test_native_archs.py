@@ -188,6 +188,7 @@ def _rewrite(src: Path, dst: Path, *, arch: str | None = None, drop: str | None 
         ("gemma3", dict(config={"layer_types": ["full_attention"]}), INVALID_FORMAT, "one type per layer"),
         ("gemma3", dict(config={"final_logit_softcapping": -30.0}), INVALID_FORMAT, "final_logit_softcapping"),
         ("gemma3", dict(config={"sliding_window": 0}), INVALID_FORMAT, "sliding_window"),
+        ("llama3_rope_freqs", dict(arch="qwen2"), UNSUPPORTED, "'rope_freqs.weight' is not part of the qwen2 layout"),
     ],
 )
 def test_refusals_name_the_reason(lib: Library, tmp_path: Path, model: str, change: dict[str, Any], code: int,

@@ -83,15 +83,16 @@ typedef struct {
     bool qkv_bias, qk_norm, out_norms;
     bool embed_scaled;   /* embedding times sqrt(dim) */
     bool sliding_layers; /* interleaved sliding-window layers (config.layer_types / sliding_window_pattern) */
+    bool rope_freqs;     /* may carry rope_freqs.weight (Llama 3.1's llama3 scaling) */
 } arch_traits;
 
 static const arch_traits ARCHS[] = {
     /* Llama 1-3, SmolLM2, Mistral-style: the GGUF permuted q/k rows for adjacent-pair RoPE. */
-    {"llama", RT_ROPE_ADJACENT, RT_ACT_SILU, false, false, false, false, false},
-    {"qwen2", RT_ROPE_NEOX, RT_ACT_SILU, true, false, false, false, false},
-    {"qwen3", RT_ROPE_NEOX, RT_ACT_SILU, false, true, false, false, false},
+    {"llama", RT_ROPE_ADJACENT, RT_ACT_SILU, false, false, false, false, false, true},
+    {"qwen2", RT_ROPE_NEOX, RT_ACT_SILU, true, false, false, false, false, false},
+    {"qwen3", RT_ROPE_NEOX, RT_ACT_SILU, false, true, false, false, false, false},
     /* Gemma 3: GGUF norm weights already hold Gemma's 1 + w (convert_hf_to_gguf adds the 1). */
-    {"gemma3", RT_ROPE_NEOX, RT_ACT_GELU_TANH, false, true, true, true, true},
+    {"gemma3", RT_ROPE_NEOX, RT_ACT_GELU_TANH, false, true, true, true, true, false},
 };
 
 static const arch_traits *find_arch(const char *name) {
@@ -600,6 +601,7 @@ static int parse_tensors(const bundle *b, const parsed_config *pc, tensor_entry 
         if (rc) return rc;
         long slot = tensor_slot(entries[i].name, cfg->n_layers);
         if (slot >= SLOT_LAYER0 && !layer_slot_used(arch, (int)((slot - SLOT_LAYER0) % LAYER_SLOTS))) slot = -1;
+        if (slot == SLOT_ROPE_FREQS && !arch->rope_freqs) slot = -1;
         if (slot < 0)
             return bundle_fail(b, BASERT_ERR_UNSUPPORTED,
                                "tensor '%s' is not part of the %s layout the reference engine runs",
