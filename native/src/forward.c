@@ -67,6 +67,7 @@ int rt_forward_init(rt_model *m) {
     size_t C = (size_t)m->prefill_chunk;
     size_t half = c->head_dim / 2;
     int n_threads = rt_threads_count(rt->threads);
+    size_t n_tables = m->arch.sliding_window ? 2 : 1; /* sliding-window layers have a RoPE table of their own */
     rt->chunk = m->prefill_chunk;
     rt->max_lanes = m->max_batch_size > 1 ? m->max_batch_size : 1;
     struct {
@@ -86,8 +87,8 @@ int rt_forward_init(rt_model *m) {
         {(void **)&rt->lane_out_first, (size_t)rt->max_lanes * sizeof(int)},
         {(void **)&rt->lane_tap_first, (size_t)rt->max_lanes * sizeof(int)},
         {(void **)&rt->att_scores, (size_t)n_threads * (c->n_heads / c->n_kv_heads) * c->max_seq_len * sizeof(float)},
-        {(void **)&rt->rope_cos, 2 * (size_t)c->max_seq_len * half * sizeof(float)},
-        {(void **)&rt->rope_sin, 2 * (size_t)c->max_seq_len * half * sizeof(float)},
+        {(void **)&rt->rope_cos, n_tables * c->max_seq_len * half * sizeof(float)},
+        {(void **)&rt->rope_sin, n_tables * c->max_seq_len * half * sizeof(float)},
         {(void **)&rt->final_h, (size_t)rt->max_lanes * c->dim * sizeof(float)},
         /* activations quantized per 32 for quantized weights: any matmul's input rows */
         {(void **)&rt->xq, rt_matmul_scratch_bytes((int)(C > (size_t)rt->max_lanes ? C : (size_t)rt->max_lanes),
@@ -102,8 +103,8 @@ int rt_forward_init(rt_model *m) {
         }
         rt->bytes += allocs[i].bytes;
     }
-    for (int table = 0; table < 2; table++) {
-        size_t at = (size_t)table * c->max_seq_len * half;
+    for (size_t table = 0; table < n_tables; table++) {
+        size_t at = table * c->max_seq_len * half;
         rope_table(&m->arch.rope[table], m->rope_freqs, (int)c->head_dim, c->max_seq_len, rt->rope_cos + at,
                    rt->rope_sin + at);
     }
