@@ -117,11 +117,6 @@ class _Hparams:
         if rot != self.head_dim:
             raise fail(f"unsupported: partial rotary ({arch}.rope.dimension_count {rot} of a "
                        f"{self.head_dim}-wide head)")
-        if arch == "llama" and self.n_heads * self.head_dim != self.dim:
-            raise fail(
-                f"unsupported: llama.attention.key_length {self.head_dim} x {self.n_heads} heads != "
-                f"embedding_length {self.dim} (a non-standard head size)"
-            )
         if meta.get(f"{arch}.expert_count", 0):
             raise fail(f"unsupported: mixture of experts ({arch}.expert_count {meta[f'{arch}.expert_count']})")
         self.extra: dict[str, Any] = {}

@@ -27,18 +27,19 @@ def write_gguf(
     extra_tensors: tuple[str, ...] = (),
     n_layers: int = LAYERS,
     rope_freqs: bool = False,
+    head_dim: int | None = None,
 ) -> Path:
     """A small GGUF of `arch` with a mix of F32, F16 and Q8_0 tensors and the tiny BPE vocabulary.
 
     qwen2 adds q/k/v biases; qwen3 and gemma3 a wider head (attention.key_length) and q/k norms;
     gemma3 the post-attention / post-FFN norms and a sliding window (every 6th layer global, as
     llama.cpp reads gemma3). `rope_freqs` adds Llama 3's per-frequency divisors. Any other arch
-    gets the llama tensors (for refusals)."""
+    gets the llama tensors (for refusals). `head_dim` overrides the head size (key_length)."""
     vocab = tiny_vocab("bpe")
     n_vocab = len(vocab.tokens)
     rng = np.random.default_rng(3)
     writer = gguf.GGUFWriter(path, arch)
-    head_dim = WIDE_HEAD if arch in ("qwen3", "gemma3") else HEAD_DIM
+    head_dim = head_dim or (WIDE_HEAD if arch in ("qwen3", "gemma3") else HEAD_DIM)
     writer.add_block_count(n_layers)
     writer.add_context_length(512)
     writer.add_embedding_length(DIM)
@@ -120,6 +121,7 @@ ARCH_GGUFS: dict[str, dict[str, Any]] = {
     "llama_linear": dict(extra_kv={"llama.rope.scaling.type": "linear", "llama.rope.scaling.factor": 4.0}),
     "qwen2_yarn": dict(arch="qwen2", extra_kv={"qwen2.rope.scaling.type": "yarn", "qwen2.rope.scaling.factor": 4.0,
                                                "qwen2.rope.scaling.original_context_length": 64}),
+    "llama_wide_head": dict(head_dim=WIDE_HEAD),  # Mistral Nemo's kind: key_length x heads != embedding_length
     "qwen3": dict(arch="qwen3"),
     "gemma3": dict(arch="gemma3", n_layers=6),
 }
