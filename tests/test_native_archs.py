@@ -5,6 +5,7 @@ other than this CPU's best run this file again (tests/test_native_isa.py)."""
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import json
 from collections.abc import Iterator
@@ -17,7 +18,7 @@ import pytest
 from quantized import quantize_bundle
 from raw_abi import coded_error, load, step_logits
 
-from aiobasert._ffi import Library
+from aiobasert._ffi import BaseRTModelConfig, Library
 from aiobasert.bundle import read_bundle, write_bundle
 from aiobasert.convert import convert_gguf
 from aiobasert.tiny import build_tiny_model, llama3_rope_factors
@@ -200,6 +201,24 @@ def test_refusals_name_the_reason(lib: Library, tmp_path: Path, model: str, chan
     got_code, text = coded_error(lib)
     assert message in text and "\n" not in text, text
     assert got_code == code, text
+
+
+def test_a_foreign_architecture_still_loads_its_tokenizer(lib: Library, tmp_path: Path) -> None:
+    """Tokenizer-only loads read any architecture's vocabulary, whatever its config says; the
+    full load refuses the architecture."""
+    kwargs = dict(dim=64, n_heads=4, n_kv_heads=2, ffn_dim=96, tied=False) | MODELS["gemma3"]
+    src = build_tiny_model(tmp_path / "src.base", **kwargs)
+    bad = _rewrite(src, tmp_path / "phi3.base", arch="phi3")  # keeps gemma3's sliding_window keys
+    m = lib.baseRT_load_tokenizer_only(str(bad).encode())
+    assert m, coded_error(lib)
+    try:
+        config = BaseRTModelConfig()
+        lib.baseRT_get_config_into(m, ctypes.byref(config), ctypes.sizeof(config))
+        assert config.architecture == b"phi3"
+        assert lib.baseRT_is_eos_token(m, 2)
+    finally:
+        lib.baseRT_free_model(m)
+    assert not lib.baseRT_load_model(str(bad).encode(), None, MAX_CONTEXT)
 
 
 # ---- end markers: each family's, asked of the engine -----------------------------------------

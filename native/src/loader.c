@@ -353,9 +353,10 @@ static int parse_config(const bundle *b, bool tokenizer_only, parsed_config *pc)
             return bundle_fail(b, BASERT_ERR_UNSUPPORTED,
                                "arch '%s' is not supported (the reference engine runs llama, qwen2, qwen3, gemma3)",
                                arch_name);
-        pc->traits = &ARCHS[0];
-        arch_name = pc->traits->name;
+        pc->traits = &ARCHS[0]; /* tokenizer-only: no forward reads it */
     }
+    bool foreign = strcmp(pc->traits->name, arch_name ? arch_name : "") != 0;
+    if (!arch_name) arch_name = pc->traits->name;
     const json_value *c = json_get(b->hdr, "config");
     if (!c || c->type != JSON_OBJECT) return bundle_fail(b, BASERT_ERR_INVALID_FORMAT, "the header has no config object");
     BaseRTModelConfig *cfg = &pc->cfg;
@@ -386,7 +387,7 @@ static int parse_config(const bundle *b, bool tokenizer_only, parsed_config *pc)
         return bundle_fail(b, BASERT_ERR_INVALID_FORMAT, "config: num_attention_heads * head_dim is too large");
     snprintf(cfg->architecture, sizeof cfg->architecture, "%s", arch_name);
     pc->trained_context = (int)trained;
-    if ((rc = parse_arch(b, c, arch_name, pc))) return rc;
+    if (!foreign && (rc = parse_arch(b, c, arch_name, pc))) return rc; /* a foreign arch's keys are not ours to read */
 
     const json_value *tie = json_get(c, "tie_word_embeddings");
     bool tb;
