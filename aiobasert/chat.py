@@ -32,7 +32,7 @@ DEFAULT_TEMPLATE = (
 # Llama 3's turn format, for a Llama 3 vocabulary without a template: header, blank line, <|eot_id|>.
 LLAMA3_TEMPLATE = (
     "{{ bos_token }}{% for message in messages %}{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n'"
-    " + message['content'] + '<|eot_id|>' }}{% endfor %}"
+    " + message['content'] | trim + '<|eot_id|>' }}{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{% endif %}"
 )
 
@@ -42,7 +42,8 @@ GEMMA_TEMPLATE = (
     "{{ bos_token }}{% if messages[0]['role'] == 'system' %}{% set prefix = messages[0]['content'] + '\\n\\n' %}"
     "{% set turns = messages[1:] %}{% else %}{% set prefix = '' %}{% set turns = messages %}{% endif %}"
     "{% for message in turns %}{% set role = 'model' if message['role'] == 'assistant' else message['role'] %}"
-    "{{ '<start_of_turn>' + role + '\\n' + (prefix if loop.first else '') + message['content'] + '<end_of_turn>\\n' }}"
+    "{{ '<start_of_turn>' + role + '\\n' + (prefix if loop.first else '') + message['content'] | trim"
+    " + '<end_of_turn>\\n' }}"
     "{% endfor %}{% if add_generation_prompt %}{{ '<start_of_turn>model\\n' }}{% endif %}"
 )
 
@@ -122,7 +123,7 @@ def render_chat(
     msgs = [_as_message(m, i) for i, m in enumerate(messages)]
     return render_with_sentinels(
         template,
-        [{"role": m.role, "content": sentinel(i)} for i, m in enumerate(msgs)],
+        [{"role": m.role, "content": sentinel(i, m.content)} for i, m in enumerate(msgs)],
         [m.content for m in msgs],
         add_generation_prompt=add_generation_prompt,
         bos_token=bos_token,
@@ -130,9 +131,20 @@ def render_chat(
     )
 
 
-def sentinel(i: int) -> str:
-    """The placeholder a template sees for message content `i` (see render_with_sentinels)."""
-    return _SENTINEL.format(i)
+def _split_space(content: str) -> tuple[str, str, str]:
+    """(leading whitespace, the rest, trailing whitespace), whitespace as Jinja's `trim` strips it."""
+    rest = content.lstrip()
+    lead = content[: len(content) - len(rest)]
+    core = rest.rstrip()
+    return lead, core, rest[len(core) :]
+
+
+def sentinel(i: int, content: str = "") -> str:
+    """The placeholder a template sees for message content `i` (see render_with_sentinels): the
+    content's own leading and trailing whitespace around a marker, so a template that trims the
+    content (Llama 3's and Gemma's `message['content'] | trim`) drops exactly that whitespace."""
+    lead, _, trail = _split_space(content)
+    return lead + _SENTINEL.format(i) + trail
 
 
 def render_with_sentinels(
@@ -145,10 +157,11 @@ def render_with_sentinels(
     eos_token: str,
     **context: Any,
 ) -> list[tuple[str, bool]]:
-    """Render `messages` (whose contents are `sentinel(i)` placeholders for
-    `contents[i]`) and split the result into (text, is_content) pieces: the
-    template's own text is framing (parsed for markers), each content a piece
-    that never is. `context` goes to the template too (e.g. `tools`)."""
+    """Render `messages` (whose contents are `sentinel(i, contents[i])` placeholders)
+    and split the result into (text, is_content) pieces: the template's own text is
+    framing (parsed for markers), each content a piece that never is (its outer
+    whitespace, outside the marker, is framing: plain whitespace either way). `context`
+    goes to the template too (e.g. `tools`)."""
     try:
         rendered = _compile(template or DEFAULT_TEMPLATE).render(
             messages=messages,
@@ -167,8 +180,9 @@ def render_with_sentinels(
         idx = int(match.group(1))
         if idx >= len(contents):
             raise InvalidRequestError("chat template produced an unknown message reference")
-        if contents[idx]:
-            pieces.append((contents[idx], True))
+        core = _split_space(contents[idx])[1]  # the whitespace around it was rendered with the sentinel
+        if core:
+            pieces.append((core, True))
         pos = match.end()
     if pos < len(rendered):
         pieces.append((rendered[pos:], False))

@@ -406,7 +406,7 @@ def _render_with_template(
     contents: list[str] = []
     ctx: list[dict[str, Any]] = []
     for m in msgs:
-        entry: dict[str, Any] = {"role": m["role"], "content": sentinel(len(contents))}
+        entry: dict[str, Any] = {"role": m["role"], "content": sentinel(len(contents), m["content"])}
         contents.append(m["content"])
         if m.get("tool_calls"):
             entry["tool_calls"] = []

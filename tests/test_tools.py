@@ -14,6 +14,7 @@ import jsonschema  # type: ignore[import-untyped]
 import pytest
 
 from aiobasert import Engine, InvalidRequestError
+from aiobasert.chat import GEMMA_TEMPLATE, render_chat
 from aiobasert.tiny import EOS_ID
 from aiobasert.tools import (
     CALL_OPEN,
@@ -216,6 +217,23 @@ def test_model_templates_render_json_and_dates_as_hf_transformers_does() -> None
     assert json.dumps(tool.as_openai()["function"], indent=4) in text
     assert "\\u003c" not in text and "a < b & b > c? it's 'quoted'" in text
     assert re.search(r"\[\d{4}\]", text)
+
+
+@pytest.mark.parametrize("content", ["  Hi there \n", "Hi", " \t ", "\nline one\n\nline two\n"])
+def test_trimmed_contents_render_as_the_template_says(content: str) -> None:
+    """Llama 3's and Gemma's templates trim each message's content: exactly its outer whitespace goes
+    (the text between stays a content piece); a template that does not trim keeps the content
+    whole. With and without tools."""
+    trim = "{% for m in messages %}[{{ m.content | trim }}]{% endfor %}{{ tools | length if tools else '' }}"
+    keep = trim.replace(" | trim", "")
+    for render in (lambda t: render_chat(t, [{"role": "user", "content": content}]),
+                   lambda t: render_tool_chat(t, [{"role": "user", "content": content}], [WEATHER])):
+        trimmed, kept = render(trim), render(keep)
+        assert "".join(p for p, _ in trimmed).startswith(f"[{content.strip()}]")
+        assert "".join(p for p, _ in kept).startswith(f"[{content}]")
+        assert [p for p, is_content in trimmed if is_content] == ([content.strip()] if content.strip() else [])
+    turn = render_chat(GEMMA_TEMPLATE, [{"role": "user", "content": content}])
+    assert "".join(p for p, _ in turn) == f"<start_of_turn>user\n{content.strip()}<end_of_turn>\n<start_of_turn>model\n"
 
 
 def test_model_template_with_tools_is_used() -> None:
