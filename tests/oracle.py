@@ -206,6 +206,17 @@ class NumpyLlama(LlamaForward):
         super().__init__(config, functools.cache(self.bundle.tensor), q8_inputs=q8_inputs)
 
 
+def llama3_divisors(head_dim: int, theta: float, factor: float, low: float, high: float,
+                    orig_ctx: int) -> npt.NDArray[np.float64]:
+    """Llama 3.1's `llama3` RoPE scaling as per-frequency divisors (HF's _compute_llama3_parameters)."""
+    wavelen = 2 * math.pi / theta ** (-2.0 * np.arange(head_dim // 2, dtype=np.float64) / head_dim)
+    smooth = (orig_ctx / wavelen - low) / (high - low)
+    blend = 1.0 / ((1 - smooth) / factor + smooth)
+    out: npt.NDArray[np.float64] = np.where(wavelen < orig_ctx / high, 1.0,
+                                            np.where(wavelen > orig_ctx / low, factor, blend))
+    return out
+
+
 def bundle_oracle_config(arch: str, c: dict[str, Any], tensor: Weights) -> OracleConfig:
     """The oracle's description of a bundle's model: its config keys read as docs/models.md says."""
     n_layers = c["num_hidden_layers"]
@@ -226,6 +237,11 @@ def bundle_oracle_config(arch: str, c: dict[str, Any], tensor: Weights) -> Oracl
         factors = tensor("rope_freqs.weight")
     except KeyError:
         factors = None
+    if factors is None and kind == "llama3":  # HF's config form: the same divisors, computed
+        factors = llama3_divisors(c["head_dim"], rope.theta, float(np.float32(scaling["factor"])),
+                                  float(np.float32(scaling.get("low_freq_factor", 1.0))),
+                                  float(np.float32(scaling.get("high_freq_factor", 4.0))),
+                                  int(scaling["original_max_position_embeddings"]))
     if factors is not None:
         rope = dataclasses.replace(rope, freq_factors=tuple(float(f) for f in factors))
     sliding: tuple[bool, ...] = ()

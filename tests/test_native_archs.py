@@ -33,6 +33,10 @@ MAX_CONTEXT = 256
 MODELS: dict[str, dict[str, Any]] = {
     "llama3_rope_freqs": dict(arch="llama", rope_freqs=llama3_rope_factors(16, 10000.0, original_context_length=256)),
     "llama_linear": dict(arch="llama", rope_scaling={"rope_type": "linear", "factor": 4.0}),
+    # HF's config form of Llama 3.1's scaling (no rope_freqs tensor): the engine computes the divisors
+    "llama3_config": dict(arch="llama", rope_scaling={
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 256}),
     "qwen2_yarn": dict(
         arch="qwen2",
         rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64},
@@ -186,6 +190,8 @@ def _rewrite(src: Path, dst: Path, *, arch: str | None = None, drop: str | None 
         ("qwen3", dict(config={"sliding_window": 4}), UNSUPPORTED, "sliding-window layers are not part of arch"),
         ("llama_linear", dict(config={"rope_scaling": {"rope_type": "longrope", "factor": 2.0}}), UNSUPPORTED,
          "rope_type 'longrope' is not supported"),
+        ("llama_linear", dict(config={"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}), INVALID_FORMAT,
+         "original_max_position_embeddings is missing"),
         ("gemma3", dict(config={"layer_types": ["full_attention"]}), INVALID_FORMAT, "one type per layer"),
         ("gemma3", dict(config={"final_logit_softcapping": -30.0}), INVALID_FORMAT, "final_logit_softcapping"),
         ("gemma3", dict(config={"sliding_window": 0}), INVALID_FORMAT, "sliding_window"),

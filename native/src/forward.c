@@ -33,6 +33,18 @@ static double yarn_corr_dim(int n_dims, uint32_t n_ctx_orig, double n_rot, doubl
     return n_dims * log((double)n_ctx_orig / (n_rot * 2.0 * M_PI)) / (2.0 * log(base));
 }
 
+/* Llama 3.1's llama3 scaling of pair i (HF's _compute_llama3_parameters, what llama.cpp's converter
+ * stores in rope_freqs): wavelengths shorter than orig_ctx / high_freq_factor kept, longer than
+ * orig_ctx / low_freq_factor divided by the factor, a smooth blend between. */
+static double llama3_divisor(const rt_rope_params *r, int head_dim, int i) {
+    double freq = pow(r->theta, -2.0 * (double)i / (double)head_dim);
+    double wavelen = 2.0 * M_PI / freq, ctx = (double)r->orig_ctx;
+    if (wavelen < ctx / r->high_freq_factor) return 1.0;
+    if (wavelen > ctx / r->low_freq_factor) return r->llama3_factor;
+    double smooth = (ctx / wavelen - r->low_freq_factor) / (r->high_freq_factor - r->low_freq_factor);
+    return 1.0 / ((1.0 - smooth) / r->llama3_factor + smooth);
+}
+
 /* One RoPE table [max_seq][head_dim/2] of cos / sin: pair i at position pos turns
  * by pos * theta^(-2i/head_dim) / freq_factor[i], then scaled as ggml's rope_yarn
  * does (linear: times freq_scale; YaRN: blended with the unscaled angle along a
@@ -50,6 +62,7 @@ static void rope_table(const rt_rope_params *r, const float *freq_factors, int h
         for (int i = 0; i < half; i++) {
             double extrap = (double)pos * pow(r->theta, -2.0 * (double)i / (double)head_dim);
             if (r->freq_factors && freq_factors) extrap /= (double)freq_factors[i];
+            else if (r->llama3_factor > 0.0) extrap /= llama3_divisor(r, head_dim, i);
             double angle = r->freq_scale * extrap;
             if (r->ext_factor != 0.0) {
                 double mix = yarn_ramp(lo, hi, i) * r->ext_factor;

@@ -254,10 +254,10 @@ static int parse_rope_scaling(const bundle *b, const json_value *c, rt_rope_para
     if (rs->type != JSON_OBJECT) return bundle_fail(b, BASERT_ERR_INVALID_FORMAT, "config.rope_scaling is not an object");
     const char *type = json_string(json_get(rs, "rope_type"));
     if (!type || strcmp(type, "none") == 0) return BASERT_OK;
-    bool yarn = strcmp(type, "yarn") == 0;
-    if (!yarn && strcmp(type, "linear") != 0)
+    bool yarn = strcmp(type, "yarn") == 0, llama3 = strcmp(type, "llama3") == 0;
+    if (!yarn && !llama3 && strcmp(type, "linear") != 0)
         return bundle_fail(b, BASERT_ERR_UNSUPPORTED,
-                           "config.rope_scaling.rope_type '%s' is not supported (linear, yarn)", type);
+                           "config.rope_scaling.rope_type '%s' is not supported (linear, yarn, llama3)", type);
     float factor = 1.0f, bf = 32.0f, bs = 1.0f, af = 1.0f, ef = 1.0f;
     uint32_t orig = 0;
     int rc;
@@ -265,8 +265,22 @@ static int parse_rope_scaling(const bundle *b, const json_value *c, rt_rope_para
         (rc = cfg_float(b, rs, "beta_fast", 32.0, 0.0, 1e6, &bf)) ||
         (rc = cfg_float(b, rs, "beta_slow", 1.0, 0.0, 1e6, &bs)) ||
         (rc = cfg_float(b, rs, "attn_factor", 1.0, 0.0, 1e6, &af)) ||
-        (rc = cfg_uint(b, rs, "original_max_position_embeddings", yarn, 0, 1, 1u << 24, &orig)))
+        (rc = cfg_uint(b, rs, "original_max_position_embeddings", yarn || llama3, 0, 1, 1u << 24, &orig)))
         return rc;
+    if (llama3) { /* HF's defaults; a rope_freqs tensor, where the bundle has one, takes precedence */
+        float low = 1.0f, high = 4.0f;
+        if ((rc = cfg_float(b, rs, "low_freq_factor", 1.0, 0.0, 1e6, &low)) ||
+            (rc = cfg_float(b, rs, "high_freq_factor", 4.0, 0.0, 1e6, &high)))
+            return rc;
+        if (!(high > low))
+            return bundle_fail(b, BASERT_ERR_INVALID_FORMAT,
+                               "config.rope_scaling: high_freq_factor must be above low_freq_factor");
+        r->llama3_factor = factor;
+        r->low_freq_factor = low;
+        r->high_freq_factor = high;
+        r->orig_ctx = orig;
+        return BASERT_OK;
+    }
     double ext = yarn ? 1.0 : 0.0;
     const json_value *ev = json_get(rs, "ext_factor");
     if (ev && ev->type != JSON_NULL) {

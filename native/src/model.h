@@ -29,6 +29,10 @@ typedef struct {
     double beta_fast, beta_slow;
     uint32_t orig_ctx;      /* YaRN: the context the model was trained at */
     bool freq_factors;      /* divide by the model's rope_freqs (Llama 3's llama3 scaling) */
+    /* Llama 3.1's llama3 scaling from the config (HF's rope_scaling) when there is no rope_freqs:
+     * long wavelengths divided by llama3_factor, short ones kept, a smooth blend between. */
+    double llama3_factor;   /* 0: not this scaling */
+    double low_freq_factor, high_freq_factor;
 } rt_rope_params;
 
 typedef enum { RT_ROPE_ADJACENT, RT_ROPE_NEOX } rt_rope_pairs; /* (2i, 2i+1) or (i, i + head_dim/2) */
