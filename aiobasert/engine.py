@@ -374,7 +374,8 @@ class Engine:
 
     @property
     def chat_template(self) -> str:
-        """The model's Jinja chat template ("" when the bundle has none: ChatML is used)."""
+        """The model's Jinja chat template; for a bundle without one, its family's (Gemma, Llama 3,
+        else ChatML: aiobasert.chat.default_template), known by the vocabulary's special tokens."""
         return self._thread.chat_template
 
     def _params(self, params: SamplingParams | None, kwargs: dict[str, Any]) -> SamplingParams:

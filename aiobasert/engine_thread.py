@@ -167,6 +167,14 @@ class EngineThread:
             finally:
                 self.stopped.set_result(None)
 
+    def _special_tokens(self, handle: int) -> list[str]:
+        """The text of every special (control / user-defined) token of the model."""
+        lib = self.lib
+        if not (lib.has("baseRT_special_token_count") and lib.has("baseRT_special_token")):
+            return []
+        count = int(lib.baseRT_special_token_count(handle))
+        return [(lib.baseRT_special_token(handle, i, None) or b"").decode("utf-8", "replace") for i in range(count)]
+
     def _load(self) -> ModelInfo:
         lib, cfg = self.lib, self.cfg
         opts = _ffi.BaseRTLoadOptions(
@@ -237,6 +245,10 @@ class EngineThread:
         template = ""
         if lib.has("baseRT_chat_template_jinja"):
             template = (lib.baseRT_chat_template_jinja(handle) or b"").decode("utf-8", "replace")
+        if not template:  # a GGUF without a template (Gemma 3 270M): its family's, by the vocabulary
+            from .chat import default_template
+
+            template = default_template(self._special_tokens(handle))
         self.chat_template = template
         self.bos_token = self._static_str("baseRT_bos_token")
         self.eos_token = self._static_str("baseRT_eos_token")
@@ -481,7 +493,7 @@ class EngineThread:
         native = None
         if lib.has("baseRT_grammar_create_from_schema") and lib.has("baseRT_grammar_fill_bitmask"):
             native = EngineGrammarConstraint.create(lib, model, schema)
-        return self._counted(native, lambda: self._host_grammar().compile(schema))
+        return self._counted(native, lambda: self._host_grammar(tok).compile(schema))
 
     def _build_tag_constraint(self, tok: Tokenizer, tag: str | None, lark: str | None) -> Constraint:
         """A tool-call grammar: the engine's structural tag where the library builds
@@ -498,7 +510,7 @@ class EngineThread:
             native = EngineGrammarConstraint.from_structural_tag(lib, model, tag)
         if native is None and lark is None:
             raise InvalidRequestError("the engine cannot build this structural tag and no host grammar was given")
-        return self._counted(native, lambda: self._host_grammar().compile_lark(lark or ""))  # lark: set here
+        return self._counted(native, lambda: self._host_grammar(tok).compile_lark(lark or ""))  # lark: set here
 
     def _counted(self, native: Constraint | None, host: Callable[[], Constraint]) -> Constraint:
         """The engine's grammar when it built one, else the host's; counted by backend."""
@@ -511,13 +523,16 @@ class EngineThread:
             self.grammar_backends["llguidance"] += 1
         return constraint
 
-    def _host_grammar(self) -> GrammarBackend:
-        """The host (llguidance) backend, built once per engine, on first use (by a grammar worker)."""
+    def _host_grammar(self, tok: Tokenizer) -> GrammarBackend:
+        """The host (llguidance) backend, built once per engine, on first use (by a grammar
+        worker, through its own tokenizer handle: the end ids are asked of the engine)."""
         with self._grammar_lock:
             if self._grammar is None:
-                from .grammar import GrammarBackend
+                from .grammar import GrammarBackend, engine_end_ids
 
-                self._grammar = GrammarBackend.for_bundle(self.cfg.model_path, vocab_size=self.vocab_size)
+                end_ids = engine_end_ids(tok.lib, tok.handle, self.vocab_size)
+                self._grammar = GrammarBackend.for_bundle(self.cfg.model_path, vocab_size=self.vocab_size,
+                                                          end_ids=end_ids)
             return self._grammar
 
     def _close_constraint(self, constraint: Constraint) -> None:

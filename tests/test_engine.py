@@ -19,6 +19,8 @@ from aiobasert import (
     InvalidRequestError,
     InvalidSamplingParamsError,
 )
+from aiobasert.chat import DEFAULT_TEMPLATE, GEMMA_TEMPLATE, LLAMA3_TEMPLATE, render_chat
+from aiobasert.tiny import build_tiny_model
 
 pytestmark = pytest.mark.anyio
 
@@ -258,6 +260,35 @@ async def test_encode_decode_chat(tiny_model_path: Path) -> None:
         assert len(out.token_ids) == 3
         vec = await engine.embed("Hello")
         assert vec.shape == (engine.info.dim,)
+
+
+@pytest.mark.parametrize(
+    ("markers", "template", "turn"),
+    [
+        (("<start_of_turn>", "<end_of_turn>"), GEMMA_TEMPLATE, "<start_of_turn>user\n"),
+        (("<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"), LLAMA3_TEMPLATE,
+         "<|start_header_id|>user<|end_header_id|>\n\n"),
+        ((), DEFAULT_TEMPLATE, "<|im_start|>user\n"),
+    ],
+    ids=["gemma", "llama3", "chatml"],
+)
+async def test_a_gguf_without_a_template_chats_in_its_familys_format(
+    tmp_path: Path, markers: tuple[str, ...], template: str, turn: str
+) -> None:
+    """Gemma 3 270M's GGUF has no chat template: the engine uses its family's, known by the
+    vocabulary's special tokens, and the family's markers are parsed as their tokens."""
+    path = build_tiny_model(tmp_path / "m.base", extra_tokens=tuple((m, 3) for m in markers), chat_template=None)
+    async with Engine.open(path) as engine:
+        assert engine.chat_template == template
+        pieces = render_chat(engine.chat_template, [{"role": "user", "content": "hi"}],
+                             bos_token=engine._thread.bos_token)
+        assert turn in "".join(text for text, _ in pieces)
+        first = markers[0] if markers else "<|im_start|>"
+        (marker_id,) = await engine.encode(first, special=True)  # the turn marker is one token
+        prompt_ids = await engine._call(lambda: engine._thread.encode_pieces(pieces))
+        assert marker_id in prompt_ids
+        out = await engine.chat([{"role": "user", "content": "hi"}], max_tokens=2, ignore_eos=True)
+        assert len(out.token_ids) == 2 and out.usage.prompt_tokens == len(prompt_ids)
 
 
 async def test_aclose_drain_abort_and_reuse(tiny_model_path: Path) -> None:

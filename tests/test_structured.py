@@ -13,9 +13,10 @@ import numpy as np
 import pytest
 
 from aiobasert import Completion, Engine, InvalidRequestError
+from aiobasert._ffi import Library
 from aiobasert.bundle import read_bundle
 from aiobasert.grammar import GrammarBackend
-from aiobasert.tiny import EOS_ID
+from aiobasert.tiny import EOS_ID, build_tiny_model
 
 PERSON: dict[str, Any] = {
     "type": "object",
@@ -430,3 +431,17 @@ async def test_an_abort_does_not_wait_for_a_grammar_compile(
                 await s
     finally:
         gate.set()
+
+def test_backend_end_ids_are_the_engines(lib: Library, tmp_path: Path) -> None:
+    """The grammar offers exactly the tokens the engine ends generation on (asked of the engine,
+    not a copy of its list): here Gemma's <end_of_turn> stored as a normal token, as older Gemma
+    GGUFs do."""
+    path = build_tiny_model(tmp_path / "gemma_vocab.base", extra_tokens=(("<start_of_turn>", 3), ("<end_of_turn>", 1)))
+    tokens = read_bundle(path).tokenizer["tokenizer.ggml.tokens"]
+    backend = GrammarBackend.for_bundle(path, vocab_size=len(tokens))
+    m = lib.baseRT_load_tokenizer_only(str(path).encode())
+    try:
+        engine_ends = [t for t in range(len(tokens)) if lib.baseRT_is_eos_token(m, t)]
+    finally:
+        lib.baseRT_free_model(m)
+    assert backend.end_ids == engine_ends and tokens.index("<end_of_turn>") in engine_ends
