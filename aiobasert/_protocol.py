@@ -29,6 +29,7 @@ class EngineConfig:
     prefix_cache: bool = True
     max_queue: int = 1024
     max_buffered_tokens: int = 256
+    """Accepted for compatibility; no lane waits for its reader any more (docs/fairness.md)."""
 
 
 Prompt = str | Sequence[int] | Sequence[tuple[str, bool]]
@@ -69,18 +70,18 @@ class RequestSpec:
 
 
 class Ticket:
-    """Flow-control counters shared by a stream and its lane.
+    """Counters shared by a stream and its lane.
 
-    The engine thread writes `delivered` and `paused`; the consumer writes
-    `consumed`. Each int is written by one side only, so no lock is needed.
+    The engine thread writes `delivered`; the consumer writes `consumed`. Each
+    int is written by one side only, so no lock is needed. Nothing waits on
+    them: a lane never pauses for its reader.
     """
 
-    __slots__ = ("consumed", "delivered", "paused")
+    __slots__ = ("consumed", "delivered")
 
     def __init__(self) -> None:
         self.delivered = 0
         self.consumed = 0
-        self.paused = False
 
 
 @dataclass(frozen=True)
@@ -115,11 +116,6 @@ class Cancel:
 
 
 @dataclass
-class Resume:
-    """A paused lane's consumer caught up: re-plan."""
-
-
-@dataclass
 class Call:
     """Run fn on the engine thread between steps; report through done (on the loop)."""
 
@@ -142,13 +138,22 @@ class Embed:
 class Close:
     """Stop taking requests; `abort=False` drains running lanes, `abort=True` ends them now.
 
-    A drain lifts backpressure (no lane pauses for its reader) so it always ends;
-    a later `Close(abort=True)` escalates a drain in progress."""
+    A drain always ends (no lane waits for its reader); a later `Close(abort=True)` escalates a drain in progress."""
 
     abort: bool
 
 
-Message = Submit | Cancel | Resume | Call | Embed | Close
+@dataclass
+class Prepared:
+    """Engine-internal: a request's preparation (tokens, grammar) is done off the
+    engine thread; `result` is what the preparation returned, else `error`."""
+
+    msg: Submit | Embed
+    result: Any
+    error: BaseException | None
+
+
+Message = Submit | Cancel | Call | Embed | Close | Prepared
 
 
 class StreamHost(Protocol):
@@ -160,10 +165,6 @@ class StreamHost(Protocol):
 
     def cancel(self, rid: str) -> None:
         """Free a request's lane; fire-and-forget, from any thread, also after close."""
-        ...
-
-    def resume(self) -> None:
-        """A paused lane's reader caught up."""
         ...
 
     def check_loop(self) -> None:

@@ -8,9 +8,13 @@ policy (in the spirit of vLLM's scheduler and llama.cpp's server slots):
   queue is bounded (`max_queue` requests waiting for a lane; those the next
   admission places do not count): past it `EngineOverloadedError`, never a
   silent drop.
-* Every running decode lane advances one token every step; a lane whose
-  consumer has fallen `max_buffered_tokens` behind is paused (it keeps its lane
-  and its KV) until the consumer catches up, so a slow reader costs nobody else.
+* Every running decode lane advances one token every step, read or not: no
+  lane ever waits for its reader (a slow or stuck reader's tokens spill into
+  its stream's buffer, bounded by the request's max_tokens, as vLLM v1 keeps
+  generating into its output queues). A lane is thus held only for as long as
+  its own generation runs, never for as long as its reader lives, so slow
+  readers cannot starve the queue and n streams > lanes always complete
+  (docs/fairness.md).
 * Prompt tokens share a per-step budget (`prefill_budget`), handed out to the
   lanes still prefilling in admission order, so a long prompt is prefilled in
   chunks over several steps while running streams keep decoding (vllm #1026),
@@ -19,7 +23,7 @@ policy (in the spirit of vLLM's scheduler and llama.cpp's server slots):
   the KV of a finished lane (prompt + output) is published for reuse.
 * An embedding is a lane too (`LaneState.embed`): admitted FIFO like any
   request, its input fed in chunks from the same prefill budget (and at most
-  `tap_budget` tapped rows a step), never paused, done when all of it is fed.
+  `tap_budget` tapped rows a step), done when all of it is fed.
   A long embedding thus costs running streams one chunk per step, never a
   whole forward (vllm's pooling requests share the scheduler the same way).
 """
@@ -42,8 +46,6 @@ class LaneState:
     prefilled: int = 0
     """Prompt tokens already in the KV (prefilled or seeded from the cache)."""
     generated: int = 0
-    unread: int = 0
-    """Tokens delivered to the consumer and not yet read."""
     admitted: bool = False
     cancelled: bool = False
     embed: bool = False
@@ -64,7 +66,6 @@ class Batcher:
         max_context: int,
         prefill_budget: int,
         max_queue: int = 1024,
-        max_buffered_tokens: int = 256,
         page_size: int = 16,
         prefix_cache: bool = False,
         tap_budget: int | None = None,
@@ -75,7 +76,6 @@ class Batcher:
         self.max_context = max_context
         self.prefill_budget = prefill_budget
         self.max_queue = max_queue
-        self.max_buffered_tokens = max(1, max_buffered_tokens)
         self.page_size = page_size
         self.prefix_cache = prefix_cache
         self.tap_budget = tap_budget
@@ -102,22 +102,26 @@ class Batcher:
             raise ContextLengthExceededError(prompt_len, max_tokens, self.max_context)
         return max_tokens
 
-    def queued(self) -> int:
-        """Requests waiting for a lane: those the next admission cannot place."""
-        return max(0, len(self.waiting) - max(0, self.max_batch_size - len(self.running)))
+    def queued(self, pending: int = 0) -> int:
+        """Requests waiting for a lane (plus `pending` ones still being prepared):
+        those the next admission cannot place."""
+        return max(0, len(self.waiting) + pending - max(0, self.max_batch_size - len(self.running)))
 
-    def check_room(self) -> None:
+    def check_room(self, pending: int = 0) -> None:
         """EngineOverloadedError when one more request would wait past `max_queue`.
 
-        Only requests that actually wait count: on an engine with free lanes a
+        Only requests that actually wait count (and the `pending` ones being
+        tokenized or compiled, which will): on an engine with free lanes a
         burst is admitted at the next step, whatever `max_queue` is."""
-        if self.queued() >= self.max_queue:
+        if self.queued(pending) >= self.max_queue:
             raise EngineOverloadedError(
                 f"request queue is full ({self.max_queue} waiting for a lane); retry later or raise max_queue"
             )
 
-    def enqueue(self, lane: LaneState) -> None:
-        self.check_room()
+    def enqueue(self, lane: LaneState, *, reserved: bool = False) -> None:
+        """Queue a lane; `reserved`: its room was checked when it arrived (before preparing it)."""
+        if not reserved:
+            self.check_room()
         self.waiting.append(lane)
 
     def remove(self, lane: LaneState) -> None:
@@ -137,13 +141,8 @@ class Batcher:
 
     # ---- the plan ---------------------------------------------------------------------
 
-    def is_paused(self, lane: LaneState) -> bool:
-        return not lane.embed and lane.unread >= self.max_buffered_tokens
-
     def has_runnable_work(self) -> bool:
-        if self.waiting and len(self.running) < self.max_batch_size:
-            return True
-        return any(not self.is_paused(lane) for lane in self.running)
+        return bool(self.running) or bool(self.waiting)
 
     def admit(self) -> list[LaneState]:
         """Move waiting requests into free lanes, FIFO. The engine then creates
@@ -171,6 +170,6 @@ class Batcher:
                 if lane.embed:
                     taps -= chunk
                 rows.append((lane, chunk))
-            elif not self.is_paused(lane):
+            else:
                 rows.append((lane, 1))
         return rows

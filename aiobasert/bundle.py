@@ -125,18 +125,20 @@ TIED_EMBEDDINGS_FLAG: Final = 0x400  # HeaderFlags bit 10
 
 def llama_header(
     *,
+    arch: str = "llama",
     dtype: str,
     source: Mapping[str, str],
     config: Mapping[str, Any],
     tokenizer: Mapping[str, Any],
     metadata: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """The header of a llama-family bundle: the fixed fields around a model's own
-    config, tokenizer (GGUF-style fields) and metadata, as docs/BUNDLE.md lays out."""
+    """The header of a bundle of `arch` (llama, qwen2, qwen3, gemma3: docs/models.md): the fixed
+    fields around a model's own config, tokenizer (GGUF-style fields) and metadata, as
+    docs/BUNDLE.md lays out."""
     tied = bool(config.get("tie_word_embeddings"))
     return {
         "schema": 1,
-        "arch": "llama",
+        "arch": arch,
         "quant_scheme": dtype,
         "min_hw": "cpu",
         "created": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),

@@ -10,8 +10,10 @@ the pieces still tokenize as one text.
 
 from __future__ import annotations
 
+import json
 import re
-from collections.abc import Mapping, Sequence
+import time
+from collections.abc import Iterable, Mapping, Sequence
 from functools import lru_cache
 from typing import Any
 
@@ -21,11 +23,39 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from .errors import InvalidRequestError
 from .types import ChatMessage
 
-# ChatML, for bundles without a template of their own.
+# ChatML, for bundles without a template of their own (Qwen, SmolLM2: <|im_start|> ... <|im_end|>).
 DEFAULT_TEMPLATE = (
     "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content']"
     " + '<|im_end|>' + '\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
+
+# Llama 3's turn format, for a Llama 3 vocabulary without a template: header, blank line, <|eot_id|>.
+LLAMA3_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n'"
+    " + message['content'] | trim + '<|eot_id|>' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{% endif %}"
+)
+
+# Gemma's turn format, for a Gemma vocabulary without a template (Gemma 3 270M's GGUF has none): the
+# system prompt opens the first user turn, the assistant is "model", turns end with <end_of_turn>.
+GEMMA_TEMPLATE = (
+    "{{ bos_token }}{% if messages[0]['role'] == 'system' %}{% set prefix = messages[0]['content'] + '\\n\\n' %}"
+    "{% set turns = messages[1:] %}{% else %}{% set prefix = '' %}{% set turns = messages %}{% endif %}"
+    "{% for message in turns %}{% set role = 'model' if message['role'] == 'assistant' else message['role'] %}"
+    "{{ '<start_of_turn>' + role + '\\n' + (prefix if loop.first else '') + message['content'] | trim"
+    " + '<end_of_turn>\\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<start_of_turn>model\\n' }}{% endif %}"
+)
+
+# Each family's template, and the turn marker its vocabulary is known by.
+_FAMILY_TEMPLATES = (("<start_of_turn>", GEMMA_TEMPLATE), ("<|start_header_id|>", LLAMA3_TEMPLATE))
+
+
+def default_template(special_tokens: Iterable[str]) -> str:
+    """The template of the model's family, known by its vocabulary's special tokens, for a
+    model whose GGUF carries none: Gemma, Llama 3, else ChatML."""
+    specials = set(special_tokens)
+    return next((template for marker, template in _FAMILY_TEMPLATES if marker in specials), DEFAULT_TEMPLATE)
 
 ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 """The roles a chat message may have. The template writes the role into the
@@ -40,10 +70,24 @@ def _raise_exception(message: str) -> None:
     raise InvalidRequestError(f"chat template refused the conversation: {message}")
 
 
+def _tojson(value: Any, indent: int | None = None, separators: tuple[str, str] | None = None,
+            sort_keys: bool = False, ensure_ascii: bool = False) -> str:
+    # HF transformers' (and llama.cpp's) tojson: plain JSON, not Jinja's HTML-escaped one
+    # ("<" stays "<" in a tool description), with the indent Llama 3.1's template asks for.
+    return json.dumps(value, indent=indent, separators=separators, sort_keys=sort_keys, ensure_ascii=ensure_ascii)
+
+
+def _strftime_now(fmt: str) -> str:
+    # HF transformers' global: Llama 3.2's template writes today's date into its system turn.
+    return time.strftime(fmt)
+
+
 @lru_cache(maxsize=8)
 def _compile(template: str) -> Any:
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
     env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    env.filters["tojson"] = _tojson
     return env.from_string(template)
 
 
@@ -79,7 +123,7 @@ def render_chat(
     msgs = [_as_message(m, i) for i, m in enumerate(messages)]
     return render_with_sentinels(
         template,
-        [{"role": m.role, "content": sentinel(i)} for i, m in enumerate(msgs)],
+        [{"role": m.role, "content": sentinel(i, m.content)} for i, m in enumerate(msgs)],
         [m.content for m in msgs],
         add_generation_prompt=add_generation_prompt,
         bos_token=bos_token,
@@ -87,9 +131,20 @@ def render_chat(
     )
 
 
-def sentinel(i: int) -> str:
-    """The placeholder a template sees for message content `i` (see render_with_sentinels)."""
-    return _SENTINEL.format(i)
+def _split_space(content: str) -> tuple[str, str, str]:
+    """(leading whitespace, the rest, trailing whitespace), whitespace as Jinja's `trim` strips it."""
+    rest = content.lstrip()
+    lead = content[: len(content) - len(rest)]
+    core = rest.rstrip()
+    return lead, core, rest[len(core) :]
+
+
+def sentinel(i: int, content: str = "") -> str:
+    """The placeholder a template sees for message content `i` (see render_with_sentinels): the
+    content's own leading and trailing whitespace around a marker, so a template that trims the
+    content (Llama 3's and Gemma's `message['content'] | trim`) drops exactly that whitespace."""
+    lead, _, trail = _split_space(content)
+    return lead + _SENTINEL.format(i) + trail
 
 
 def render_with_sentinels(
@@ -102,10 +157,11 @@ def render_with_sentinels(
     eos_token: str,
     **context: Any,
 ) -> list[tuple[str, bool]]:
-    """Render `messages` (whose contents are `sentinel(i)` placeholders for
-    `contents[i]`) and split the result into (text, is_content) pieces: the
-    template's own text is framing (parsed for markers), each content a piece
-    that never is. `context` goes to the template too (e.g. `tools`)."""
+    """Render `messages` (whose contents are `sentinel(i, contents[i])` placeholders)
+    and split the result into (text, is_content) pieces: the template's own text is
+    framing (parsed for markers), each content a piece that never is (its outer
+    whitespace, outside the marker, is framing: plain whitespace either way). `context`
+    goes to the template too (e.g. `tools`)."""
     try:
         rendered = _compile(template or DEFAULT_TEMPLATE).render(
             messages=messages,
@@ -124,8 +180,9 @@ def render_with_sentinels(
         idx = int(match.group(1))
         if idx >= len(contents):
             raise InvalidRequestError("chat template produced an unknown message reference")
-        if contents[idx]:
-            pieces.append((contents[idx], True))
+        core = _split_space(contents[idx])[1]  # the whitespace around it was rendered with the sentinel
+        if core:
+            pieces.append((core, True))
         pos = match.end()
     if pos < len(rendered):
         pieces.append((rendered[pos:], False))

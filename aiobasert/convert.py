@@ -1,9 +1,11 @@
-"""Convert a llama-family GGUF (e.g. SmolLM2-135M-Instruct Q4_1) into a `.base` bundle.
+"""Convert a GGUF of an architecture the engine runs (llama, qwen2, qwen3, gemma3; e.g.
+SmolLM2-135M-Instruct Q4_1) into a `.base` bundle.
 
 Quantized GGUF tensors are dequantized with the `gguf` package and stored as
-f16 (or f32); norms stay f32. q/k projection rows keep the GGUF order, which
-llama.cpp permuted at HF->GGUF conversion time so that RoPE rotates adjacent
-pairs, exactly what docs/BUNDLE.md's forward does.
+f16 (or f32); norms and biases stay f32. Tensors keep the GGUF's values and row
+order: llama.cpp permuted llama's q/k rows at HF->GGUF conversion time so that
+RoPE rotates adjacent pairs, and added Gemma's 1 to its norm weights; the
+engine's description of each architecture (docs/models.md) reads them so.
 
 With ``--dtype q8`` / ``q4`` the matrices are stored group-wise quantized
 (`base_q8` symmetric / `base_q4` asymmetric, groups of 32, f16 scales, the
@@ -40,8 +42,10 @@ __all__ = ["ConversionError", "convert_gguf", "main"]
 
 _GGUF_MAGIC: Final = b"GGUF"
 
-# GGUF tensor name stems -> canonical bundle names (base-convert's llama mapping).
-_GLOBAL_NAMES: Final = {"token_embd": "embed_tokens", "output_norm": "final_norm", "output": "lm_head"}
+# GGUF tensor name stems -> canonical bundle names (base-convert's llama mapping, and the
+# other architectures' extra tensors under names of their own).
+_GLOBAL_NAMES: Final = {"token_embd": "embed_tokens", "output_norm": "final_norm", "output": "lm_head",
+                        "rope_freqs": "rope_freqs"}
 _LAYER_NAMES: Final = {
     "attn_norm": "input_norm",
     "attn_q": "self_attn.q_proj",
@@ -52,46 +56,59 @@ _LAYER_NAMES: Final = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "post_attention_norm": "self_attn.out_norm",
+    "post_ffw_norm": "mlp.out_norm",
+}
+
+# The architectures the engine runs and the per-layer tensors each adds to llama's
+# (native/src/loader.c's table says the same from the engine's side).
+_ARCH_LAYER_EXTRAS: Final[dict[str, tuple[str, ...]]] = {
+    "llama": (),
+    "qwen2": ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"),
+    "qwen3": ("self_attn.q_norm.weight", "self_attn.k_norm.weight"),
+    "gemma3": ("self_attn.q_norm.weight", "self_attn.k_norm.weight", "self_attn.out_norm.weight",
+               "mlp.out_norm.weight"),
 }
 
 
-
-
-class _Llama:
-    """The llama hyperparameters the bundle needs, read from `llama.*` keys."""
+class _Hparams:
+    """The hyperparameters the bundle needs, read from the `{arch}.*` keys as llama.cpp reads them."""
 
     def __init__(
-        self, meta: dict[str, Any], n_tokens: int, n_tensors: int, fail: Callable[[str], ConversionError]
+        self, arch: str, meta: dict[str, Any], n_tokens: int, n_tensors: int, fail: Callable[[str], ConversionError]
     ) -> None:
+        self.arch = arch
+
         def get(key: str, default: Any = None) -> Any:
-            value = meta.get(f"llama.{key}", default)
+            value = meta.get(f"{arch}.{key}", default)
             if value is None:
-                raise fail(f"missing GGUF key 'llama.{key}'")
+                raise fail(f"missing GGUF key '{arch}.{key}'")
             return value
 
         def integer(key: str, default: int | None = None) -> int:
             value = get(key, default)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise fail(f"'llama.{key}' must be a positive integer, got {value!r}")
+                raise fail(f"'{arch}.{key}' must be a positive integer, got {value!r}")
             return value
 
         def number(key: str, default: float | None = None) -> float:
-            value = get(key, default)
-            if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
-                raise fail(f"'llama.{key}' must be a finite number, got {value!r}")
-            return float(value)
+            return _finite_number(f"{arch}.{key}", get(key, default), fail)
 
         self.n_layers = integer("block_count")
-        # Sized by the file before anything is sized by it: every layer has 9 tensors of the table.
-        if self.n_layers * len(_LAYER_NAMES) + 2 > n_tensors:
-            raise fail(f"'llama.block_count' {self.n_layers} needs more tensors than the file's {n_tensors}")
+        # Sized by the file before anything is sized by it: every layer has at least llama's 9 tensors.
+        if self.n_layers * 9 + 2 > n_tensors:
+            raise fail(f"'{arch}.block_count' {self.n_layers} needs more tensors than the file's {n_tensors}")
         self.dim = integer("embedding_length")
         self.ffn_dim = integer("feed_forward_length")
         self.n_heads = integer("attention.head_count")
         self.n_kv_heads = integer("attention.head_count_kv", self.n_heads)
         self.context_length = integer("context_length")
         self.vocab_size = integer("vocab_size", n_tokens)
-        self.head_dim = integer("rope.dimension_count", self.dim // self.n_heads)
+        # llama.cpp: n_embd_head_k = key_length, else n_embd / n_head; n_rot defaults to it.
+        self.head_dim = integer("attention.key_length", self.dim // self.n_heads)
+        rot = integer("rope.dimension_count", self.head_dim)
         self.rope_theta = number("rope.freq_base", 10000.0)
         self.rms_norm_eps = number("attention.layer_norm_rms_epsilon")
 
@@ -99,32 +116,87 @@ class _Llama:
             raise fail(f"head_count {self.n_heads} is not a multiple of head_count_kv {self.n_kv_heads}")
         if self.head_dim % 2:
             raise fail(f"odd head size {self.head_dim} cannot be rotated in pairs")
-        for key in ("attention.key_length", "attention.value_length"):
-            if meta.get(f"llama.{key}", self.head_dim) != self.head_dim:
-                raise fail(f"unsupported: llama.{key} {meta[f'llama.{key}']} != rotary head size {self.head_dim}")
-        if self.n_heads * self.head_dim != self.dim:
-            raise fail(
-                f"unsupported: rope.dimension_count {self.head_dim} x {self.n_heads} heads != "
-                f"embedding_length {self.dim} (partial rotary or a non-standard head size)"
-            )
-        scaling = meta.get("llama.rope.scaling.type", "none")
-        factor = meta.get("llama.rope.scaling.factor", meta.get("llama.rope.scale_linear", 1.0))
-        if scaling != "none" or not isinstance(factor, (int, float)) or factor != 1.0:
-            raise fail(f"unsupported RoPE scaling (type {scaling!r}, factor {factor}): the engine runs plain RoPE")
-        if meta.get("llama.expert_count", 0):
-            raise fail(f"unsupported: mixture of experts (llama.expert_count {meta['llama.expert_count']})")
+        if integer("attention.value_length", self.head_dim) != self.head_dim:
+            raise fail(f"unsupported: {arch}.attention.value_length {meta[f'{arch}.attention.value_length']} != "
+                       f"key_length {self.head_dim}")
+        if rot != self.head_dim:
+            raise fail(f"unsupported: partial rotary ({arch}.rope.dimension_count {rot} of a "
+                       f"{self.head_dim}-wide head)")
+        if meta.get(f"{arch}.expert_count", 0):
+            raise fail(f"unsupported: mixture of experts ({arch}.expert_count {meta[f'{arch}.expert_count']})")
+        self.extra: dict[str, Any] = {}
+        self._rope_scaling(get, fail)
+        if arch == "gemma3":
+            self._gemma3(meta, fail)
+        elif meta.get(f"{arch}.attention.sliding_window"):
+            raise fail(f"unsupported: sliding-window attention in a {arch} model")
+
+    def _rope_scaling(self, get: Callable[[str, Any], Any], fail: Callable[[str], ConversionError]) -> None:
+        def number(key: str, default: float) -> float:
+            return _finite_number(f"{self.arch}.{key}", get(key, default), fail)
+
+        scaling = get("rope.scaling.type", "none")
+        factor = _finite_number(f"{self.arch}.rope.scaling.factor",
+                                get("rope.scaling.factor", get("rope.scale_linear", 1.0)), fail)
+        if scaling == "none" and factor == 1.0:
+            return
+        if scaling == "none":  # a bare factor: llama.cpp treats it as linear
+            scaling = "linear"
+        if scaling not in ("linear", "yarn"):
+            raise fail(f"unsupported RoPE scaling type {scaling!r} (the engine runs linear and yarn)")
+        if not factor > 0:
+            raise fail(f"RoPE scaling factor {factor} must be positive")
+        rope: dict[str, Any] = {"rope_type": scaling, "factor": factor}
+        if scaling == "yarn":
+            if number("rope.scaling.yarn_log_multiplier", 0.0):
+                raise fail("unsupported: YaRN with a log multiplier (DeepSeek-style mscale)")
+            rope["original_max_position_embeddings"] = _positive_int(
+                f"{self.arch}.rope.scaling.original_context_length",
+                get("rope.scaling.original_context_length", self.context_length), fail)
+            for key, ours in (("yarn_beta_fast", "beta_fast"), ("yarn_beta_slow", "beta_slow"),
+                              ("yarn_ext_factor", "ext_factor"), ("attn_factor", "attn_factor")):
+                value = number(f"rope.scaling.{key}", -1.0)
+                if value >= 0:  # llama.cpp: negative or absent = its default
+                    rope[ours] = value
+        self.extra["rope_scaling"] = rope
+
+    def _gemma3(self, meta: dict[str, Any], fail: Callable[[str], ConversionError]) -> None:
+        # llama.cpp's gemma3 rules (llama-model.cpp): every 6th layer full attention, the others a
+        # sliding window with RoPE base 10000 and no scaling; attention scale 1/sqrt(key_length),
+        # except the 62-layer 27B's 1/sqrt(n_embd / n_head).
+        window = meta.get("gemma3.attention.sliding_window", 0)
+        if window:
+            self.extra |= {
+                "sliding_window": _positive_int("gemma3.attention.sliding_window", window, fail),
+                "layer_types": ["full_attention" if i % 6 == 5 else "sliding_attention" for i in range(self.n_layers)],
+                "rope_local_base_freq": 10000.0,
+            }
+        scalar = self.dim // self.n_heads if self.n_layers == 62 else self.head_dim
+        self.extra["query_pre_attn_scalar"] = float(scalar)
+        cap = meta.get("gemma3.final_logit_softcapping", 0.0)
+        if cap:
+            self.extra["final_logit_softcapping"] = _finite_number("gemma3.final_logit_softcapping", cap, fail)
 
 
-# What each architecture needs beyond the llama forward the reference engine runs
-# (RMSNorm, RoPE on adjacent pairs, SwiGLU, GQA, no biases), so a refusal names it.
+def _finite_number(key: str, value: Any, fail: Callable[[str], ConversionError]) -> float:
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+        raise fail(f"'{key}' must be a finite number, got {value!r}")
+    return float(value)
+
+
+def _positive_int(key: str, value: Any, fail: Callable[[str], ConversionError]) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise fail(f"'{key}' must be a positive integer, got {value!r}")
+    return value
+
+
+# What each other architecture needs beyond the forwards the reference engine runs, so a
+# refusal names it.
 _MISSING_FEATURES: Final = {
-    "qwen2": "biases on the q/k/v projections (attn_q.bias, attn_k.bias, attn_v.bias)",
-    "qwen3": "per-head RMSNorm of queries and keys (attn_q_norm, attn_k_norm)",
     "qwen2moe": "mixture-of-experts feed-forward layers and q/k/v biases",
     "qwen3moe": "mixture-of-experts feed-forward layers and q/k RMSNorm",
     "gemma": "GeGLU feed-forward, (1 + w) RMSNorm and scaled embeddings",
     "gemma2": "GeGLU feed-forward, sandwich norms, logit soft-capping and sliding-window attention",
-    "gemma3": "GeGLU feed-forward, sandwich norms, q/k RMSNorm and sliding-window attention",
     "phi2": "LayerNorm with biases, a GELU MLP and a parallel attention/MLP block",
     "phi3": "fused QKV and gate/up projections",
     "gpt2": "LayerNorm with biases, learned position embeddings and a GELU MLP",
@@ -143,11 +215,11 @@ _MISSING_FEATURES: Final = {
 
 def _unsupported_architecture(arch: object) -> str:
     missing = _MISSING_FEATURES.get(arch) if isinstance(arch, str) else None
-    what = f"it needs {missing}" if missing else "its layers are not the llama layout"
+    what = f"it needs {missing}" if missing else "its layers are none of these layouts"
     return (
-        f"unsupported architecture {arch!r}: the reference engine runs only 'llama'-architecture models "
-        f"(Llama, SmolLM2, Mistral-style: RMSNorm, RoPE, SwiGLU, grouped-query attention, no biases); {what}, "
-        "which the reference engine does not implement"
+        f"unsupported architecture {arch!r}: the reference engine runs 'llama' (Llama 1-3, SmolLM2, "
+        "Mistral-style: RMSNorm, RoPE, SwiGLU, grouped-query attention), 'qwen2', 'qwen3' and 'gemma3' models; "
+        f"{what}, which the reference engine does not implement"
     )
 
 
@@ -308,19 +380,26 @@ def _sha256(path: Path) -> str:
 
 def _canonical_name(gguf_name: str) -> str | None:
     stem, dot, suffix = gguf_name.rpartition(".")
-    if not dot or suffix != "weight":
+    if not dot or suffix not in ("weight", "bias"):
         return None
-    if stem in _GLOBAL_NAMES:
+    if stem in _GLOBAL_NAMES and suffix == "weight":
         return f"{_GLOBAL_NAMES[stem]}.weight"
     parts = stem.split(".")
     if len(parts) == 3 and parts[0] == "blk" and parts[1].isascii() and parts[1].isdigit() and parts[2] in _LAYER_NAMES:
-        return f"layers.{int(parts[1])}.{_LAYER_NAMES[parts[2]]}.weight"
+        return f"layers.{int(parts[1])}.{_LAYER_NAMES[parts[2]]}.{suffix}"
     return None
 
 
-def _expected_shapes(cfg: _Llama, tied: bool) -> dict[str, tuple[int, ...]]:
+def _expected_shapes(cfg: _Hparams, tied: bool, rope_freqs: bool) -> dict[str, tuple[int, ...]]:
     q_dim, kv_dim = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
     shapes: dict[str, tuple[int, ...]] = {"embed_tokens.weight": (cfg.vocab_size, cfg.dim)}
+    if rope_freqs:
+        shapes["rope_freqs.weight"] = (cfg.head_dim // 2,)
+    extra_shapes = {
+        "self_attn.q_proj.bias": (q_dim,), "self_attn.k_proj.bias": (kv_dim,), "self_attn.v_proj.bias": (kv_dim,),
+        "self_attn.q_norm.weight": (cfg.head_dim,), "self_attn.k_norm.weight": (cfg.head_dim,),
+        "self_attn.out_norm.weight": (cfg.dim,), "mlp.out_norm.weight": (cfg.dim,),
+    }  # fmt: skip
     for i in range(cfg.n_layers):
         p = f"layers.{i}."
         shapes |= {
@@ -334,6 +413,7 @@ def _expected_shapes(cfg: _Llama, tied: bool) -> dict[str, tuple[int, ...]]:
             p + "mlp.up_proj.weight": (cfg.ffn_dim, cfg.dim),
             p + "mlp.down_proj.weight": (cfg.dim, cfg.ffn_dim),
         }
+        shapes |= {p + name: extra_shapes[name] for name in _ARCH_LAYER_EXTRAS[cfg.arch]}
     shapes["final_norm.weight"] = (cfg.dim,)
     if not tied:
         shapes["lm_head.weight"] = (cfg.vocab_size, cfg.dim)
@@ -356,7 +436,7 @@ def convert_gguf(
     dtype: Literal["f16", "f32", "q8", "q4"] = "f16",
     progress: bool | Progress = True,
 ) -> Path:
-    """Convert the llama GGUF `src` into the bundle `dst` (written atomically); returns `dst`.
+    """Convert the GGUF `src` (llama, qwen2, qwen3 or gemma3) into the bundle `dst` (written atomically); returns `dst`.
 
     `progress`: True shows a tqdm bar on stderr, False nothing; a callable is
     called with (bytes written, bytes total) after each tensor.
@@ -380,7 +460,7 @@ def convert_gguf(
         raise fail(f"unreadable GGUF: {exc}") from None
 
     arch = meta.get("general.architecture")
-    if arch != "llama":
+    if not isinstance(arch, str) or arch not in _ARCH_LAYER_EXTRAS:
         raise fail(_unsupported_architecture(arch))
     tokens = meta.get("tokenizer.ggml.tokens")
     if not isinstance(tokens, list) or not tokens:
@@ -389,23 +469,27 @@ def convert_gguf(
         raise fail("tokenizer.ggml.tokens must be an array of strings")
     if refusal := tokenizer_refusal(meta):  # before any tensor is read
         raise fail(refusal)
-    cfg = _Llama(meta, len(tokens), len(reader.tensors), fail)
+    cfg = _Hparams(arch, meta, len(tokens), len(reader.tensors), fail)
     if len(tokens) != cfg.vocab_size:
-        raise fail(f"llama.vocab_size {cfg.vocab_size} != {len(tokens)} tokens in the vocabulary")
+        raise fail(f"{arch}.vocab_size {cfg.vocab_size} != {len(tokens)} tokens in the vocabulary")
 
     sources: dict[str, gguf.ReaderTensor] = {}
     for tensor in reader.tensors:
         name = _canonical_name(tensor.name)
         if name is None:
-            raise fail(f"unsupported tensor {tensor.name!r} (not part of a plain llama model)")
+            raise fail(f"unsupported tensor {tensor.name!r} (not part of a {arch} model the engine runs)")
         if not _can_dequantize(tensor.tensor_type):  # refuse now, not after converting half the file
             raise fail(f"tensor {tensor.name!r}: cannot dequantize GGML type {tensor.tensor_type.name}")
         sources[name] = tensor
     tied = "lm_head.weight" not in sources
-    expected = _expected_shapes(cfg, tied)
+    # llama.cpp reads rope_freqs for llama only; elsewhere it is a tensor the model does not have.
+    expected = _expected_shapes(cfg, tied, arch == "llama" and "rope_freqs.weight" in sources)
     if missing := [name for name in expected if name not in sources]:
         raise fail(f"missing tensors: {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}")
     if extra := [name for name in sources if name not in expected]:
+        where = [n for n in extra if not (n.startswith("layers.") and int(n.split(".")[1]) >= cfg.n_layers)]
+        if where:
+            raise fail(f"unsupported tensor(s) for a {arch} model: {', '.join(where[:5])}")
         raise fail(f"tensors beyond the {cfg.n_layers} configured layers: {', '.join(extra[:5])}")
     entries: list[TensorEntry] = []
     for name, shape in expected.items():
@@ -444,6 +528,7 @@ def convert_gguf(
     if chat_template is not None and not isinstance(chat_template, str):
         raise fail(f"tokenizer.chat_template must be a string, got {type(chat_template).__name__}")
     header = llama_header(
+        arch=arch,
         dtype=_QUANT_DTYPE.get(dtype, dtype),
         source={"format": "gguf", "sha256": _sha256(src), "filename": src.name},
         config={
@@ -461,7 +546,8 @@ def convert_gguf(
             "bos_token_id": bos,
             "eos_token_id": eos,
             "eos_token_ids": stop_ids,
-        },
+        }
+        | cfg.extra,
         tokenizer=tokenizer,
         metadata={} if chat_template is None else {"tokenizer.chat_template": chat_template},
     )
@@ -609,7 +695,8 @@ def run(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m aiobasert.convert", description="Convert a llama GGUF model into a BaseRT .base bundle."
+        prog="python -m aiobasert.convert",
+        description="Convert a GGUF model (llama, qwen2, qwen3, gemma3) into a BaseRT .base bundle.",
     )
     add_arguments(parser)
     return run(parser.parse_args(argv))

@@ -14,13 +14,13 @@ import anyio
 import numpy as np
 
 from . import _ffi
-from ._protocol import Call, Cancel, Close, Embed, EngineConfig, Prompt, RequestSpec, Resume, Submit
+from ._protocol import Call, Cancel, Close, Embed, EngineConfig, Prompt, RequestSpec, Submit
 from ._wakeup import LoopWaker
 from .chat import render_chat
 from .engine_thread import EngineThread
 from .errors import EngineClosedError, InvalidConfigError, InvalidRequestError, InvalidSamplingParamsError
 from .streams import TokenStream, new_request_id
-from .types import ChatMessage, Completion, EngineStats, ModelInfo, SamplingParams
+from .types import ChatMessage, Completion, EngineStats, ModelInfo, SamplingParams, schema_problem
 
 if TYPE_CHECKING:
     from .tools import ChatStream, Tool, ToolChoice
@@ -56,10 +56,6 @@ class _Port:
     def cancel(self, rid: str) -> None:
         if self.thread.alive:
             self.thread.post(Cancel(rid))
-
-    def resume(self) -> None:
-        if self.thread.alive:
-            self.thread.post(Resume())
 
     def check_loop(self) -> None:
         self.waker.check("this engine's stream")
@@ -128,7 +124,9 @@ class Engine:
             prompt never stalls running streams for more than one chunk.
         prefix_cache: reuse the KV of shared prompt prefixes across requests.
         max_queue: requests waiting for a lane before `EngineOverloadedError`.
-        max_buffered_tokens: unread tokens per stream before its lane pauses.
+        max_buffered_tokens: accepted for compatibility, no effect: a lane never
+            waits for its reader; a slow reader's tokens are buffered in its stream
+            (at most its max_tokens), so no reader can hold a lane (docs/fairness.md).
         library: libbaseRT to use (default: $BASERT_LIB_PATH, the system's, the bundled one).
         thread_check: debug mode asserting that only the engine thread enters the library.
         """
@@ -143,6 +141,14 @@ class Engine:
                 raise InvalidConfigError(f"{name} must be an integer in [{low}, 2**31 - 1], got {value!r}")
         if not isinstance(prefix_cache, bool):
             raise InvalidConfigError(f"prefix_cache must be a bool, got {prefix_cache!r}")
+        for name, path in (("model", model), ("library", library)):
+            if path is not None and not isinstance(path, (str, os.PathLike)):
+                kind = type(path).__name__
+                raise InvalidConfigError(f"{name} must be a path (str or os.PathLike) or None, not {kind}")
+            if path is not None and not isinstance(os.fspath(path), str):
+                raise InvalidConfigError(f"{name} must be a text path, not {type(os.fspath(path)).__name__}")
+        if thread_check is not None and not isinstance(thread_check, bool):
+            raise InvalidConfigError(f"thread_check must be a bool or None, got {thread_check!r}")
         return _EngineOpener(
             model,
             dict(
@@ -186,8 +192,8 @@ class Engine:
 
         `abort=False` (drain): no new requests; running and queued requests run
         to their own end (stop, length or EOS). A drain never waits on a reader:
-        lanes whose stream is gone or closed are cancelled, and no lane pauses
-        for a slow reader any more (its tokens are buffered). `abort=True`: every
+        lanes whose stream is gone or closed are cancelled, and no lane ever
+        pauses for a slow reader (its tokens are buffered). `abort=True`: every
         in-flight stream ends at once with finish_reason "aborted". Calling
         `aclose(abort=True)` after (or during) a drain escalates it; other
         repeated calls just wait for the close. Must be awaited in the engine's
@@ -344,6 +350,18 @@ class Engine:
         messages may include `tool` turns and assistant turns with `tool_calls`."""
         from .tools import open_chat_stream
 
+        if tools is not None and (isinstance(tools, (str, bytes, Mapping)) or not isinstance(tools, Sequence)):
+            raise InvalidRequestError(f"tools must be a list of tools, not {type(tools).__name__}")
+        for i, tool in enumerate(tools or ()):
+            # a tool's schema reaches recursive JSON encoders and the grammar compilers:
+            # measured first (iteratively), with json_schema's depth / $ref / size caps
+            data = tool if isinstance(tool, Mapping) else getattr(tool, "as_openai", None)
+            if callable(data):
+                data = data()
+            problem = schema_problem(data) if isinstance(data, Mapping) else None
+            if problem is not None:
+                raise InvalidRequestError(f"tools[{i}] {problem}")
+
         return open_chat_stream(
             self,
             messages,
@@ -356,7 +374,8 @@ class Engine:
 
     @property
     def chat_template(self) -> str:
-        """The model's Jinja chat template ("" when the bundle has none: ChatML is used)."""
+        """The model's Jinja chat template; for a bundle without one, its family's (Gemma, Llama 3,
+        else ChatML: aiobasert.chat.default_template), known by the vocabulary's special tokens."""
         return self._thread.chat_template
 
     def _params(self, params: SamplingParams | None, kwargs: dict[str, Any]) -> SamplingParams:
@@ -416,7 +435,23 @@ class Engine:
         """Token ids of `text` (`special=True`: marker strings become control ids)."""
         if not isinstance(text, str):
             raise InvalidRequestError(f"encode takes a str, not {type(text).__name__}")
-        return await self._call(lambda: self._thread.encode_text(text, special=special))
+        # On the tokenizer worker, never the engine thread: a huge text must not pause the streams.
+        self._waker.check()
+        if self._port.closed:
+            raise EngineClosedError("the engine is closed")
+        intake = self._thread.intake
+        if intake is None:  # an engine without a tokenizer-only handle: between two steps
+            return await self._call(lambda: self._thread.encode_text(text, special=special))
+        fut: concurrent.futures.Future[list[int]] = concurrent.futures.Future()
+
+        def done(result: Any, error: BaseException | None) -> None:
+            if error is not None:
+                fut.set_exception(error)
+            else:
+                fut.set_result(result)
+
+        intake.submit(lambda tok: tok.encode_text(text, special=special), done, grammar=False)
+        return await _wait_future(fut, self._waker)
 
     async def decode(self, ids: Sequence[int]) -> str:
         """Text of token ids (invalid UTF-8 across the whole sequence becomes U+FFFD).

@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from . import _ffi
+from ._intake import Intake, Tokenizer, run_job
 from ._output import Detokenizer, OutputProcessor
 from ._protocol import (
     Call,
@@ -44,17 +45,25 @@ from ._protocol import (
     EngineConfig,
     Final,
     Message,
+    Prepared,
     Prompt,
     RequestSpec,
-    Resume,
     Sink,
     Submit,
     Ticket,
 )
 from ._step import EmbedLane, Lane, StepRunner, TapPooler, internal_error
 from .batcher import Batcher
-from .errors import AioBaseRTError, EngineClosedError, EngineError, ErrorCode, InvalidRequestError
-from .types import EngineStats, FinishReason, ModelInfo, Token
+from .errors import (
+    AioBaseRTError,
+    ContextLengthExceededError,
+    EngineClosedError,
+    EngineError,
+    EngineOverloadedError,
+    ErrorCode,
+    InvalidRequestError,
+)
+from .types import MAX_SCHEMA_REFS, EngineStats, FinishReason, ModelInfo, Token
 
 if TYPE_CHECKING:  # the grammar module imports llguidance: loaded on first use only
     from .grammar import GrammarBackend
@@ -71,13 +80,11 @@ __all__ = [  # the contract types are re-exported for code that imported them fr
     "Message",
     "Prompt",
     "RequestSpec",
-    "Resume",
     "Sink",
     "Submit",
     "Ticket",
 ]
 
-_NO_PAUSE = 1 << 62
 _EMBED_TAPS_ENV = "AIOBASERT_EMBED_TAPS"
 """Set to 0 to embed with one baseRT_embed call per input (the engine then
 stalls for the whole forward): the comparison baseline of bench/embed_stall.py."""
@@ -109,6 +116,12 @@ class EngineThread:
         self._closing = False
         self._abort = False
         self._grammar: GrammarBackend | None = None  # built on first host-grammar use (llguidance import is slow)
+        self._grammar_lock = threading.Lock()  # the grammar workers build it
+        self.intake: Intake | None = None
+        self._inline_tok: Tokenizer | None = None
+        self._preparing = 0  # requests handed to the intake workers, not back yet
+        self._in_prep: dict[str, Submit | Embed] = {}  # those requests, by id
+        self._dropped: set[str] = set()  # requests answered (cancelled, aborted) while they were prepared
         self.steps = 0
         self.models_freed = 0
         self.live_sequences = 0
@@ -153,6 +166,14 @@ class EngineThread:
                 self._shutdown()
             finally:
                 self.stopped.set_result(None)
+
+    def _special_tokens(self, handle: int) -> list[str]:
+        """The text of every special (control / user-defined) token of the model."""
+        lib = self.lib
+        if not (lib.has("baseRT_special_token_count") and lib.has("baseRT_special_token")):
+            return []
+        count = int(lib.baseRT_special_token_count(handle))
+        return [(lib.baseRT_special_token(handle, i, None) or b"").decode("utf-8", "replace") for i in range(count)]
 
     def _load(self) -> ModelInfo:
         lib, cfg = self.lib, self.cfg
@@ -212,7 +233,6 @@ class EngineThread:
             max_context=self.max_context,
             prefill_budget=self.prefill_budget,
             max_queue=cfg.max_queue,
-            max_buffered_tokens=cfg.max_buffered_tokens,
             page_size=self.page_size,
             prefix_cache=self.has_prefix,
         )
@@ -225,9 +245,17 @@ class EngineThread:
         template = ""
         if lib.has("baseRT_chat_template_jinja"):
             template = (lib.baseRT_chat_template_jinja(handle) or b"").decode("utf-8", "replace")
+        if not template:  # a GGUF without a template (Gemma 3 270M): its family's, by the vocabulary
+            from .chat import default_template
+
+            template = default_template(self._special_tokens(handle))
         self.chat_template = template
         self.bos_token = self._static_str("baseRT_bos_token")
         self.eos_token = self._static_str("baseRT_eos_token")
+        if lib.has("baseRT_load_tokenizer_only"):  # last: nothing after it can fail and leak its threads
+            self.intake = Intake(lib, cfg.model_path)  # tokenization and grammar compiles run there
+        else:  # an engine without a separate tokenizer handle: prepared here, between steps (as before)
+            self._inline_tok = Tokenizer.borrow(lib, handle)
         return ModelInfo(
             path=cfg.model_path,
             architecture=mc.architecture.decode("utf-8", "replace"),
@@ -263,13 +291,12 @@ class EngineThread:
 
     def _serve(self) -> None:
         while True:
-            self._refresh_flow()
             idle = not self.batcher.has_runnable_work()
-            busy = bool(self._lanes or self._embeds)
+            busy = bool(self._lanes or self._embeds or self._preparing)
             self._drain(block=idle and not (self._closing and not busy))
-            if self._closing and (self._abort or not (self._lanes or self._embeds)):
+            # a drain serves the requests still being prepared too; an abort has answered them
+            if self._closing and (self._abort or not (self._preparing or self._lanes or self._embeds)):
                 return
-            self._refresh_flow()
             if self.batcher.has_runnable_work():
                 try:
                     self._step()
@@ -285,24 +312,6 @@ class EngineThread:
             embed = self._embeds.get(state.rid)
             if embed is not None:
                 self._end_embed(embed, None, exc)
-
-    def _refresh_flow(self) -> None:
-        """Flow control: see what each consumer has read; pause lanes that are too far ahead.
-
-        A paused lane's ticket says so; its consumer posts `Resume` on its next
-        read. `paused` is set before the counter is re-read, so a read racing
-        with the pause is never missed.
-        """
-        for state in self.batcher.running:
-            if state.embed:  # an embedding has no reader to wait for
-                continue
-            t = self._lanes[state.rid].ticket
-            state.unread = t.delivered - t.consumed
-            if self.batcher.is_paused(state) and not t.paused:
-                t.paused = True
-                state.unread = t.delivered - t.consumed
-                if not self.batcher.is_paused(state):
-                    t.paused = False
 
     def _drain(self, *, block: bool) -> None:
         try:
@@ -323,11 +332,22 @@ class EngineThread:
             lane = self._lanes.get(msg.rid)
             if lane is not None:
                 self._cancel(lane)
+            prep = self._in_prep.pop(msg.rid, None)
+            if prep is not None:  # cancelled while it is prepared: counted now, dropped on return
+                self._dropped.add(msg.rid)
+                if isinstance(prep, Submit):
+                    self.cancelled += 1
             embed = self._embeds.get(msg.rid)
             if embed is not None:  # its caller is gone: free the lane, nobody to tell
                 self._end_embed(embed, None, None)
         elif isinstance(msg, Embed):
             self._intake_embed(msg)
+        elif isinstance(msg, Prepared):
+            self._preparing -= 1
+            if isinstance(msg.msg, Submit):
+                self._enqueue(msg.msg, msg.result, msg.error)
+            else:
+                self._enqueue_embed(msg.msg, msg.result, msg.error)
         elif isinstance(msg, Call):
             try:
                 result, error = msg.fn(), None
@@ -336,10 +356,9 @@ class EngineThread:
             self._notify(msg.done, result, error)
         elif isinstance(msg, Close):
             self._closing = True
-            # A drain never waits on a reader: lanes nobody can read any more are
-            # cancelled, and no lane pauses for its reader from now on (every
-            # lane runs to its own end, bounded by max_tokens / the context).
-            self.batcher.max_buffered_tokens = _NO_PAUSE
+            # Lanes nobody can read any more are cancelled; the others run to
+            # their own end (bounded by max_tokens / the context: no lane ever
+            # waits for its reader).
             for lane in list(self._lanes.values()):
                 if not lane.sink.alive():
                     self._cancel(lane)
@@ -348,7 +367,19 @@ class EngineThread:
                 for lane in list(self._lanes.values()):
                     self._finish(lane, "aborted")
                 self._abort_embeds()
-        # Resume needs no action: waking up re-plans.
+                self._abort_in_prep()
+
+    def _abort_in_prep(self) -> None:
+        """Answer the requests still being prepared now: an abort waits for no compile."""
+        closed = EngineClosedError("the engine was closed before the request started")
+        for rid, prep in self._in_prep.items():
+            self._dropped.add(rid)
+            self.cancelled += 1
+            if isinstance(prep, Submit):
+                self._notify(prep.sink.deliver, [], None, closed)
+            else:
+                self._notify(prep.done, None, closed)
+        self._in_prep.clear()
 
     def _cancel(self, lane: Lane) -> None:
         lane.state.cancelled = True
@@ -358,24 +389,91 @@ class EngineThread:
     # ---- intake: tokenize and validate, on this thread, before queueing --------------
 
     def _intake(self, msg: Submit) -> None:
+        """Hand the request to the intake workers: tokenizing and grammar compiles
+        never run here (they can take unbounded time and stack)."""
         spec = msg.spec
         if self._closing:
             self._notify(msg.sink.deliver, [], None, EngineClosedError("the engine is closing"))
             return
+        try:  # refused before any work is spent on it; its queue slot is held while it is prepared
+            self.batcher.check_room(self._preparing)
+        except EngineOverloadedError as exc:
+            self._notify(msg.sink.deliver, [], None, exc)
+            return
+        grammar = spec.lark is not None or spec.structural_tag is not None or spec.params.json_schema is not None
+        sink = msg.sink
+
+        def prepare(tok: Tokenizer) -> tuple[list[int], Constraint | None] | None:
+            return self._prepare(tok, spec) if sink.alive() else None  # None: its reader left, skip the work
+
+        if not grammar and _is_ids(spec.prompt):  # nothing to tokenize or compile: straight into the FIFO
+            try:
+                ids, error = self._checked_ids(spec.prompt), None  # type: ignore[arg-type]
+            except AioBaseRTError as exc:
+                ids, error = None, exc
+            self._enqueue(msg, (ids, None), error)
+            return
+        self._in_prep[spec.rid] = msg
+        self._prepare_off_thread(msg, prepare, grammar=grammar)
+
+    def _prepare_off_thread(self, msg: Submit | Embed, job: Callable[[Tokenizer], Any], *, grammar: bool) -> None:
+        self._preparing += 1
+        if self.intake is not None:
+            self.intake.submit(job, lambda result, error: self.post(Prepared(msg, result, error)), grammar=grammar)
+            return
+        assert self._inline_tok is not None
+        result, error = run_job(job, self._inline_tok)
+        self.post(Prepared(msg, result, error))
+
+    def _prepare(self, tok: Tokenizer, spec: RequestSpec) -> tuple[list[int], Constraint | None]:
+        """On an intake worker: the prompt's ids and the request's grammar."""
+        for text in (spec.lark, spec.structural_tag):
+            # tool schemas reach the compilers inside these texts: the same `$ref` cap
+            # as a json_schema (a cheap, conservative count of the key itself)
+            if text is not None and text.count('"$ref"') > MAX_SCHEMA_REFS:
+                raise InvalidRequestError(f"tools: the tool schemas hold more than {MAX_SCHEMA_REFS} $refs")
+        prompt = self._tokenize_prompt(tok, spec)
         constraint: Constraint | None = None
+        if spec.lark is not None or spec.structural_tag is not None:
+            constraint = self._build_tag_constraint(tok, spec.structural_tag, spec.lark)
+        elif spec.params.json_schema is not None:
+            constraint = self._build_constraint(tok, spec.params.json_schema)
+        return prompt, constraint
+
+    def _enqueue(self, msg: Submit, prepared: Any, error: BaseException | None) -> None:
+        """A prepared request joins the FIFO queue (or is answered with its error)."""
+        spec = msg.spec
+        constraint: Constraint | None = None
+        self._in_prep.pop(spec.rid, None)
+        dropped = spec.rid in self._dropped  # its Cancel came (and was counted) while it was prepared
+        self._dropped.discard(spec.rid)
         try:
-            prompt = self._tokenize_prompt(spec)
+            if error is not None:
+                if dropped:  # nobody to tell
+                    return
+                raise error
+            if prepared is None:  # its reader had left before the work began
+                if not dropped:
+                    self.cancelled += 1
+                return
+            prompt, constraint = prepared
+            if constraint is not None:
+                self.live_grammars += 1
+                adopt = getattr(constraint, "adopt", None)
+                if adopt is not None:  # an engine grammar: stepped through the engine's library from now on
+                    adopt(self.lib)
+            if self._closing and self._abort:
+                raise EngineClosedError("the engine was closed before the request started")
+            if dropped or not msg.sink.alive():  # cancelled while it was prepared: nobody to serve
+                if constraint is not None:
+                    self._close_constraint(constraint)
+                if not dropped:
+                    self.cancelled += 1
+                return
             max_new = self.batcher.resolve_max_tokens(len(prompt), spec.params.max_tokens)
-            self.batcher.check_room()  # refuse before building anything that needs freeing
-            if spec.lark is not None or spec.structural_tag is not None:
-                constraint = self._build_tag_constraint(spec.structural_tag, spec.lark)
-                self.live_grammars += 1
-            elif spec.params.json_schema is not None:
-                constraint = self._build_constraint(spec.params.json_schema)
-                self.live_grammars += 1
             lane = Lane(spec, msg.sink, msg.ticket, prompt, max_new, constraint)
             lane.submitted_step = self.steps
-            self.batcher.enqueue(lane.state)
+            self.batcher.enqueue(lane.state, reserved=True)
         except BaseException as exc:
             if constraint is not None:  # refused after its grammar was built: free it
                 self._close_constraint(constraint)
@@ -386,24 +484,23 @@ class EngineThread:
             return
         self._lanes[spec.rid] = lane
 
-    def _build_constraint(self, schema: Mapping[str, Any] | bool) -> Constraint:
-        """The lane's grammar: the engine's own where it has one, else the host backend."""
+    def _build_constraint(self, tok: Tokenizer, schema: Mapping[str, Any] | bool) -> Constraint:
+        """The lane's grammar: the engine's own where it has one, else the host backend.
+        On an intake worker, through its own tokenizer handle."""
         from .grammar import EngineGrammarConstraint
 
-        lib, model = self.lib, self._model
-        assert model is not None
+        lib, model = tok.lib, tok.handle
         native = None
         if lib.has("baseRT_grammar_create_from_schema") and lib.has("baseRT_grammar_fill_bitmask"):
             native = EngineGrammarConstraint.create(lib, model, schema)
-        return self._counted(native, lambda: self._host_grammar().compile(schema))
+        return self._counted(native, lambda: self._host_grammar(tok).compile(schema))
 
-    def _build_tag_constraint(self, tag: str | None, lark: str | None) -> Constraint:
+    def _build_tag_constraint(self, tok: Tokenizer, tag: str | None, lark: str | None) -> Constraint:
         """A tool-call grammar: the engine's structural tag where the library builds
         it (bitmask stepping, like the schema path), else the host's Lark grammar."""
         from .grammar import EngineGrammarConstraint
 
-        lib, model = self.lib, self._model
-        assert model is not None
+        lib, model = tok.lib, tok.handle
         native = None
         if (
             tag is not None
@@ -413,24 +510,30 @@ class EngineThread:
             native = EngineGrammarConstraint.from_structural_tag(lib, model, tag)
         if native is None and lark is None:
             raise InvalidRequestError("the engine cannot build this structural tag and no host grammar was given")
-        return self._counted(native, lambda: self._host_grammar().compile_lark(lark or ""))  # lark: set here
+        return self._counted(native, lambda: self._host_grammar(tok).compile_lark(lark or ""))  # lark: set here
 
     def _counted(self, native: Constraint | None, host: Callable[[], Constraint]) -> Constraint:
         """The engine's grammar when it built one, else the host's; counted by backend."""
         if native is not None:
-            self.grammar_backends["engine"] += 1
+            with self._grammar_lock:
+                self.grammar_backends["engine"] += 1
             return native
         constraint = host()
-        self.grammar_backends["llguidance"] += 1
+        with self._grammar_lock:
+            self.grammar_backends["llguidance"] += 1
         return constraint
 
-    def _host_grammar(self) -> GrammarBackend:
-        """The host (llguidance) backend, built once per engine, on first use."""
-        if self._grammar is None:
-            from .grammar import GrammarBackend
+    def _host_grammar(self, tok: Tokenizer) -> GrammarBackend:
+        """The host (llguidance) backend, built once per engine, on first use (by a grammar
+        worker, through its own tokenizer handle: the end ids are asked of the engine)."""
+        with self._grammar_lock:
+            if self._grammar is None:
+                from .grammar import GrammarBackend, engine_end_ids
 
-            self._grammar = GrammarBackend.for_bundle(self.cfg.model_path, vocab_size=self.vocab_size)
-        return self._grammar
+                end_ids = engine_end_ids(tok.lib, tok.handle, self.vocab_size)
+                self._grammar = GrammarBackend.for_bundle(self.cfg.model_path, vocab_size=self.vocab_size,
+                                                          end_ids=end_ids)
+            return self._grammar
 
     def _close_constraint(self, constraint: Constraint) -> None:
         self.live_grammars -= 1
@@ -439,19 +542,28 @@ class EngineThread:
             with contextlib.suppress(Exception):  # freeing must not stop the teardown
                 close()
 
-    def _tokenize_prompt(self, spec: RequestSpec) -> list[int]:
+    def _tokenize_prompt(self, tok: Tokenizer, spec: RequestSpec) -> list[int]:
+        """On an intake worker."""
         prompt = spec.prompt
         if isinstance(prompt, str):
-            ids = self.encode_text(prompt, special=spec.parse_special)
+            ids = tok.encode_text(prompt, special=spec.parse_special)
         elif prompt and isinstance(prompt[0], tuple):
-            ids = self.encode_pieces(prompt)  # type: ignore[arg-type]
+            ids = tok.encode_pieces(prompt)  # type: ignore[arg-type]
         else:
-            ids = list(prompt)  # type: ignore[arg-type]
-            for i, t in enumerate(ids):
-                if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size:
-                    raise InvalidRequestError(
-                        f"prompt token {i} is {t!r}: not a token id of this model (vocab {self.vocab_size})"
-                    )
+            ids = self._checked_ids(prompt)  # type: ignore[arg-type]
+        if not ids:
+            raise InvalidRequestError("the prompt is empty: it encodes to no tokens")
+        return ids
+
+    def _checked_ids(self, prompt: Sequence[int]) -> list[int]:
+        if len(prompt) > self.max_context:  # refused before the loop below: its cost stays bounded
+            raise ContextLengthExceededError(len(prompt), 1, self.max_context)
+        ids = list(prompt)
+        for i, t in enumerate(ids):
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size:
+                raise InvalidRequestError(
+                    f"prompt token {i} is {t!r}: not a token id of this model (vocab {self.vocab_size})"
+                )
         if not ids:
             raise InvalidRequestError("the prompt is empty: it encodes to no tokens")
         return ids
@@ -459,12 +571,33 @@ class EngineThread:
     # ---- embeddings ---------------------------------------------------------------------
 
     def _intake_embed(self, msg: Embed) -> None:
-        """Validate an embedding and queue it as a lane (or, without taps, run it now)."""
+        """A text input is tokenized by the intake workers first; ids go straight on."""
         try:
             if self._closing:
                 raise EngineClosedError("the engine is closing")
-            src = msg.source
-            ids = self.encode_text(src, special=False) if isinstance(src, str) else list(src)
+            self.batcher.check_room(self._preparing)  # its queue slot is held while it is prepared
+        except AioBaseRTError as exc:
+            self._notify(msg.done, None, exc)
+            return
+        if isinstance(msg.source, str):
+            text = msg.source
+            self._in_prep[msg.rid] = msg
+            self._prepare_off_thread(msg, lambda tok: tok.encode_text(text, special=False), grammar=False)
+        else:
+            self._enqueue_embed(msg, list(msg.source), None)
+
+    def _enqueue_embed(self, msg: Embed, ids: list[int] | None, error: BaseException | None) -> None:
+        """Validate an embedding and queue it as a lane (or, without taps, run it now)."""
+        self._in_prep.pop(msg.rid, None)
+        if msg.rid in self._dropped:  # cancelled or aborted while it was tokenized: already answered
+            self._dropped.discard(msg.rid)
+            return
+        try:
+            if error is not None:
+                raise error
+            if self._closing and self._abort:
+                raise EngineClosedError("the engine was closed before the embedding started")
+            assert ids is not None
             if not ids:
                 raise InvalidRequestError("cannot embed an empty input")
             if len(ids) > self.max_context:
@@ -474,9 +607,8 @@ class EngineThread:
             if self._embed_path() is None:  # one atomic forward, between two steps (as before taps)
                 self._notify(msg.done, self.embed(ids, self.dim), None)
                 return
-            self.batcher.check_room()
             lane = EmbedLane(msg.rid, ids, self.dim, msg.done)
-            self.batcher.enqueue(lane.state)
+            self.batcher.enqueue(lane.state, reserved=True)
         except BaseException as exc:
             err = exc if isinstance(exc, AioBaseRTError) else internal_error("at intake", exc)
             self._notify(msg.done, None, err)
@@ -799,6 +931,10 @@ class EngineThread:
             self._finish(lane, "aborted")
         self._abort_embeds()
         self._flush()
+        if self.intake is not None:
+            # The workers end after their current job (each frees its own tokenizer
+            # handle, independent of the model): an abort waits for no compile.
+            self.intake.close()
         self._free_model()
 
     def _free_model(self) -> None:
@@ -806,6 +942,11 @@ class EngineThread:
             self.lib.baseRT_free_model(self._model)
             self._model = None
             self.models_freed += 1
+
+
+def _is_ids(prompt: Prompt) -> bool:
+    """A prompt of token ids (not text, not rendered chat pieces)."""
+    return not isinstance(prompt, str) and not (len(prompt) > 0 and isinstance(prompt[0], tuple))
 
 
 def _deliver_batch(batch: list[tuple[Sink, list[Token], Final | None, BaseException | None]]) -> None:

@@ -170,8 +170,8 @@ class StreamBusyError(AioBaseRTError, RuntimeError):
 
 
 class StreamClosedError(AioBaseRTError):
-    """`await stream` on a stream that was closed (break, aclose, cancellation)
-    before the request finished: there is no whole completion to return."""
+    """`await stream` on a stream that was left (break, aclose, cancellation)
+    before all of its output was read: there is no whole completion to return."""
 
 
 class ThreadAffinityError(AioBaseRTError, AssertionError):

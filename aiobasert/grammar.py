@@ -4,7 +4,8 @@
 per engine) and compiles each request's JSON Schema into a `JsonSchemaConstraint`,
 the `Constraint` the engine thread steps: before every sampled token it writes
 the allowed-token bitmask (the lane's logits row is then masked with it), after
-it the token is consumed. Everything here runs on the engine thread.
+it the token is consumed. Compiles run on an intake worker (aiobasert._intake:
+a large stack, off the engine thread); stepping runs on the engine thread.
 
 Generated JSON is compact by default (no free whitespace between tokens): a
 schema's ``"x-guidance": {"whitespace_flexible": true}`` turns free whitespace
@@ -15,12 +16,12 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Mapping
-from typing import Any, Final
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
-from ._hf_tokenizer import TOKEN_TYPE_CONTROL, hf_tokenizer_json
+from ._hf_tokenizer import hf_tokenizer_json
 from .bundle import read_bundle
 from .errors import InvalidRequestError
 
@@ -33,33 +34,25 @@ except ImportError:  # pragma: no cover - a dependency; without it structured re
 
 __all__ = ["EngineGrammarConstraint", "GrammarBackend", "JsonSchemaConstraint"]
 
-# The control tokens the reference engine also treats as end of generation
-# (native/src/loader.c, STOP_MARKERS); the grammar offers them wherever it may end.
-_STOP_MARKERS: Final = ("<|endoftext|>", "<|im_end|>", "<|eot_id|>", "<end_of_turn>")
+def engine_end_ids(lib: Any, model: int, n_tokens: int) -> list[int]:
+    """The ids that end generation, asked of the engine (baseRT_is_eos_token): its loader
+    knows each model family's end markers, the grammar offers exactly those."""
+    return [i for i in range(n_tokens) if lib.baseRT_is_eos_token(model, i)]
 
 
-def _int_ids(value: Any) -> list[int]:
-    """A token id or a list of them, as the bundle config stores eos ids; anything else: []."""
-    items = value if isinstance(value, list) else [value]
-    return [int(v) for v in items if isinstance(v, int) and not isinstance(v, bool) and v >= 0]
+def bundle_end_ids(path: str | os.PathLike[str], n_tokens: int) -> list[int]:
+    """engine_end_ids of a bundle without a loaded engine: its tokenizer, loaded alone."""
+    from ._ffi import load_library
 
-
-def end_token_ids(config: Mapping[str, Any], tokenizer: Mapping[str, Any]) -> list[int]:
-    """The ids that end generation, as the engine's loader derives them: the config's
-    eos_token_id (else the tokenizer's), the config's extra eos_token_ids, and the
-    known end-of-turn control tokens."""
-    ids = _int_ids(config.get("eos_token_id")) or _int_ids(tokenizer.get("tokenizer.ggml.eos_token_id"))
-    ids += _int_ids(config.get("eos_token_ids"))
-    tokens = tokenizer.get("tokenizer.ggml.tokens") or []
-    types = tokenizer.get("tokenizer.ggml.token_type") or []
-    for marker in _STOP_MARKERS:
-        try:
-            idx = tokens.index(marker)
-        except ValueError:
-            continue
-        if idx < len(types) and types[idx] == TOKEN_TYPE_CONTROL:
-            ids.append(idx)
-    return list(dict.fromkeys(ids))
+    lib = load_library()
+    model = lib.baseRT_load_tokenizer_only(os.fsencode(path))
+    if not model:
+        error = lib.last_error("baseRT_load_tokenizer_only", os.fspath(path))
+        raise InvalidRequestError(f"structured output: cannot read the model's tokenizer: {error}")
+    try:
+        return engine_end_ids(lib, model, n_tokens)
+    finally:
+        lib.baseRT_free_model(model)
 
 
 class JsonSchemaConstraint:
@@ -113,12 +106,16 @@ class GrammarBackend:
         self._mask_words = (vocab_size + 31) // 32
 
     @classmethod
-    def for_bundle(cls, path: str | os.PathLike[str], *, vocab_size: int) -> GrammarBackend:
+    def for_bundle(
+        cls, path: str | os.PathLike[str], *, vocab_size: int, end_ids: Sequence[int] | None = None
+    ) -> GrammarBackend:
         """Build the backend from the tokenizer in a .base bundle's header.
 
         `vocab_size` is the engine's (the logits row width); the llguidance
-        vocabulary is padded to it. Raises `InvalidRequestError` when llguidance
-        is missing or the tokenizer cannot back a grammar.
+        vocabulary is padded to it. `end_ids`: the ids that end generation, as the
+        engine running the model says (engine_end_ids); None asks the bundle's
+        tokenizer loaded alone. Raises `InvalidRequestError` when llguidance is
+        missing or the tokenizer cannot back a grammar.
         """
         if not _HAVE_LLGUIDANCE:
             raise InvalidRequestError("structured output needs the llguidance package (pip install llguidance)")
@@ -132,7 +129,9 @@ class GrammarBackend:
             raise InvalidRequestError(
                 f"structured output: the tokenizer has {n_tokens} tokens but the model only {vocab_size} logits"
             )
-        end_ids = [i for i in end_token_ids(bundle.config, fields) if i < n_tokens]
+        if end_ids is None:
+            end_ids = bundle_end_ids(path, n_tokens)
+        end_ids = [i for i in end_ids if i < n_tokens]
         if not end_ids:
             raise InvalidRequestError("structured output: the model defines no end-of-sequence token")
         try:
@@ -234,6 +233,11 @@ class EngineGrammarConstraint:
             lib.baseRT_grammar_free(grammar)
             return None
         return cls(lib, grammar, words)
+
+    def adopt(self, lib: Any) -> None:
+        """Step (and free) through `lib` from now on: a grammar is built by an intake
+        worker through its own library view, then handed to the engine thread."""
+        self._lib = lib
 
     def fill_bitmask(self, out: np.ndarray[Any, Any]) -> bool:
         if out.shape[0] < self._words:

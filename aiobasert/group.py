@@ -20,6 +20,7 @@ import contextlib
 import logging
 import math
 import os
+import sys
 import time
 from collections.abc import AsyncIterator, Iterable, Mapping
 from pathlib import Path
@@ -30,8 +31,11 @@ import anyio
 import msgspec
 
 from .engine import Engine
-from .errors import EngineClosedError, UnknownModelError
+from .errors import EngineClosedError, InvalidConfigError, InvalidRequestError, UnknownModelError
 from .types import EngineStats
+
+if sys.version_info < (3, 11):  # anyio's dependency on older Pythons
+    from exceptiongroup import BaseExceptionGroup
 
 __all__ = ["EngineGroup", "ModelStats", "UnknownModelError"]
 
@@ -76,22 +80,37 @@ class _Slot:
         self.lock = anyio.Lock()
 
 
+def _model_path(value: object) -> str:
+    """A model entry's path as text; InvalidConfigError (a ValueError) for anything but str / PathLike."""
+    if not isinstance(value, (str, os.PathLike)):
+        raise InvalidConfigError(f"a model must be a path (str or os.PathLike), not {type(value).__name__}")
+    path = os.fspath(value)
+    if not isinstance(path, str):
+        raise InvalidConfigError(f"a model path must be text, not {type(path).__name__}")
+    return path
+
+
 def _parse_models(
     models: Mapping[str, ModelSource] | Iterable[ModelSource | tuple[str, ModelSource]],
 ) -> list[tuple[str, str]]:
     """Names for the models: the mapping's keys, `name=path` strings, (name, path) pairs or file stems."""
     pairs: list[tuple[str, str]] = []
     if isinstance(models, Mapping):
-        pairs = [(str(k), os.fspath(v)) for k, v in models.items()]
+        pairs = [(str(k), _model_path(v)) for k, v in models.items()]
     else:
         if isinstance(models, (str, os.PathLike)):
-            raise TypeError("models must be a list of paths (or a mapping of name -> path), not one path")
+            raise InvalidConfigError("models must be a list of paths (or a mapping of name -> path), not one path")
+        if isinstance(models, (bytes, bytearray)) or not isinstance(models, Iterable):
+            raise InvalidConfigError(
+                f"models must be a list of paths (or a mapping of name -> path), not {type(models).__name__}"
+            )
         for item in models:
             if isinstance(item, tuple):
-                name, path = item
-                pairs.append((name, os.fspath(path)))
+                if len(item) != 2 or not isinstance(item[0], str):
+                    raise InvalidConfigError(f"a (name, path) model entry needs a str name and a path, got {item!r}")
+                pairs.append((item[0], _model_path(item[1])))
                 continue
-            text = os.fspath(item)
+            text = _model_path(item)
             name, sep, path = text.partition("=")
             # "name=path"; a path that itself contains "=" can be given as (name, path)
             if sep and name and "/" not in name and os.sep not in name:
@@ -99,13 +118,13 @@ def _parse_models(
             else:
                 pairs.append((Path(text).stem, text))
     if not pairs:
-        raise ValueError("an EngineGroup needs at least one model")
+        raise InvalidConfigError("an EngineGroup needs at least one model")
     seen: set[str] = set()
     for name, path in pairs:
         if not name:
-            raise ValueError(f"model {path!r} has an empty name")
+            raise InvalidConfigError(f"model {path!r} has an empty name")
         if name in seen:
-            raise ValueError(f"two models are named {name!r}: give one an alias (name=path)")
+            raise InvalidConfigError(f"two models are named {name!r}: give one an alias (name=path)")
         seen.add(name)
     return pairs
 
@@ -125,6 +144,7 @@ class EngineGroup:
         self._options = engine_options
         self._closed = False
         self._released = anyio.Event()  # set when a lease ends: the reaper re-plans
+        self._unloading: set[Engine] = set()  # engines the reaper is closing (draining) now
 
     @classmethod
     def open(
@@ -145,8 +165,12 @@ class EngineGroup:
         preload: load every model now (a bad path fails here); False loads each on first lease.
         engine_options: `Engine.open` keywords (max_batch_size, max_context, ...), for every model.
         """
-        if keep_alive is not None and (isinstance(keep_alive, bool) or not keep_alive >= 0):
-            raise ValueError(f"keep_alive must be None or a number of seconds >= 0, got {keep_alive!r}")
+        if keep_alive is not None and (
+            isinstance(keep_alive, bool) or not isinstance(keep_alive, (int, float)) or not keep_alive >= 0
+        ):
+            raise InvalidConfigError(f"keep_alive must be None or a number of seconds >= 0, got {keep_alive!r}")
+        if not isinstance(preload, bool):
+            raise InvalidConfigError(f"preload must be a bool, got {preload!r}")
         return cls._run(_parse_models(models), keep_alive, preload, engine_options)
 
     @classmethod
@@ -157,6 +181,7 @@ class EngineGroup:
         slots = [_Slot(name, path) for name, path in models]  # in the event loop: anyio primitives
         group = cls(slots, keep_alive, engine_options)
         abort = True  # leaving on an error (or a cancellation) aborts in-flight streams
+        body_error: BaseException | None = None
         try:
             if preload:
                 for slot in slots:
@@ -166,9 +191,22 @@ class EngineGroup:
                     tg.start_soon(group._reap_idle)
                 try:
                     yield group
+                    abort = False
+                except BaseException as exc:
+                    body_error = exc
+                    raise
                 finally:
                     tg.cancel_scope.cancel()
-            abort = False
+                    # Close before the task group waits for the reaper: an abort also
+                    # ends an unload's drain in progress, so leaving on a timeout is
+                    # bounded by the engines' in-flight steps, never by a drain.
+                    with anyio.CancelScope(shield=True):
+                        await group.aclose(abort=abort)
+        except BaseExceptionGroup as group_error:
+            # The body's own exception, not wrapped by the reaper's task group.
+            if body_error is not None and list(group_error.exceptions) == [body_error]:
+                raise body_error from None
+            raise
         finally:
             with anyio.CancelScope(shield=True):
                 await group.aclose(abort=abort)
@@ -196,6 +234,9 @@ class EngineGroup:
         return self._closed
 
     def _slot(self, name: str | None) -> _Slot:
+        if name is not None and not isinstance(name, str):
+            kind = type(name).__name__
+            raise InvalidRequestError(f"a model name must be a str (or None for the default), not {kind}")
         slot = self._slots.get(self._default if name is None else name)
         if slot is None:
             raise UnknownModelError(name, self._slots)
@@ -272,15 +313,23 @@ class EngineGroup:
                 await self._released.wait()
 
     async def _unload(self, slot: _Slot) -> None:
-        # Detach before the first await: a lease arriving meanwhile sees no engine
-        # and waits on the lock for this close to finish, then loads afresh.
         if slot.leases or slot.engine is None:
             return
-        engine, slot.engine = slot.engine, None
-        slot.unloads += 1
         with anyio.CancelScope(shield=True):  # a half-closed engine must not outlive the group
             async with slot.lock:
-                await engine.aclose()
+                # Checked again after the lock's checkpoint: a lease that came meanwhile
+                # keeps the engine. Detached and closed with no await in between, so
+                # nobody sees it unloaded yet open; a lease arriving later sees no engine
+                # and waits on the lock for this close to finish, then loads afresh.
+                if slot.leases or slot.engine is None:
+                    return
+                engine, slot.engine = slot.engine, None
+                slot.unloads += 1
+                self._unloading.add(engine)  # the group's aclose(abort=True) reaches it too
+                try:
+                    await engine.aclose()
+                finally:
+                    self._unloading.discard(engine)
 
     # ---- introspection and closing ----------------------------------------------------
 
@@ -311,10 +360,9 @@ class EngineGroup:
     async def aclose(self, *, abort: bool = False) -> None:
         """Close every engine (in-flight streams finish first unless `abort`). Idempotent."""
         self._closed = True
-        for slot in self._slots.values():
-            engine = slot.engine
+        for engine in [s.engine for s in self._slots.values()] + list(self._unloading):
             if engine is not None:
-                await engine.aclose(abort=abort)
+                await engine.aclose(abort=abort)  # on an engine an unload drains: escalates the drain
 
     async def __aenter__(self) -> EngineGroup:
         return self

@@ -3,7 +3,7 @@
 A `TokenStream` is the consumer end of one engine lane. The engine thread
 pushes each step's tokens in one batched wake-up (`deliver`, on the loop);
 `__anext__` hands them out. The stream reaches its engine only through the
-narrow `StreamHost` interface (submit, cancel, resume, loop check).
+narrow `StreamHost` interface (submit, cancel, loop check).
 
 Leaving a stream early in any way frees its lane before the next step:
 `break` out of `async for` (named stream or not: the loop's iterator is
@@ -11,10 +11,10 @@ dropped), an exception or a cancellation while reading, `anyio.fail_after`,
 `aclose()` (from any task of the engine's loop), garbage collection. Nothing
 decodes on for a client that is gone (sglang #36333), and no KV block leaks.
 
-Backpressure: a consumer that lags `max_buffered_tokens` tokens behind pauses
-its own lane (it keeps its KV and resumes as soon as the consumer reads); the
-engine and the other lanes never wait for it. So a stream buffers at most
-`max_buffered_tokens` tokens plus one step's worth.
+No backpressure onto the engine: a lane never waits for its reader. A slow
+consumer's tokens accumulate in its stream's buffer (at most the request's
+max_tokens, itself bounded by the context window), and its lane is freed as
+soon as its generation ends, read or not (docs/fairness.md).
 """
 
 from __future__ import annotations
@@ -122,6 +122,7 @@ class TokenStream:
         self._closed = False  # consumer side finished (exhausted, cancelled or closed)
         self._ended = False  # engine side finished (final or error delivered)
         self._waiting = False
+        self._left_early = False  # closed with output unread: there is no whole completion
         # Everything read so far, so `await stream` is whole after partial reads.
         self._text: list[str] = []
         self._ids: list[int] = []
@@ -184,16 +185,14 @@ class TokenStream:
             raise StopAsyncIteration
         if not self._buffer:
             await self._wait()
+            if self._closed:  # aclose() by another task while we waited: no token after it returned
+                raise StopAsyncIteration
         tok = self._buffer.popleft()
         self._text.append(tok.text)
         self._ids.append(tok.id)
         if tok.logprob is not None:
             self._logprobs.append(tok.logprob)
-        t = self._ticket
-        t.consumed += 1
-        if t.paused:  # our lane waits for us to catch up
-            t.paused = False
-            self._host.resume()
+        self._ticket.consumed += 1
         return tok
 
     async def _wait(self) -> None:
@@ -204,8 +203,8 @@ class TokenStream:
         self.submit()
         self._waiting = True
         try:
-            while not self._buffer:
-                if self._closed:  # aclose() from another task while we waited
+            while not self._buffer or self._closed:
+                if self._closed:  # aclose() from another task while we waited (even if tokens came too)
                     raise StopAsyncIteration
                 if self._error is not None:
                     self._closed = True
@@ -228,6 +227,7 @@ class TokenStream:
         if self._closed:
             return
         self._closed = True
+        self._left_early = not (self._ended and not self._buffer)
         if self._started and not self._ended:
             self._host.cancel(self._spec.rid)
         if self._event is not None:
@@ -241,9 +241,9 @@ class TokenStream:
         """Stop reading: the engine frees the lane before its next step.
 
         A task waiting in `async for` on this stream (another task of the same
-        loop) wakes at once and its loop ends (StopAsyncIteration); `await
-        stream` raises `StreamClosedError` unless the request had finished.
-        Idempotent; never waits for the engine."""
+        loop) wakes at once and its loop ends (StopAsyncIteration), with no
+        token after this returned; `await stream` raises `StreamClosedError`
+        unless every token had been read. Idempotent; never waits for the engine."""
         self._host.check_loop()
         self._abandon()
 
@@ -265,12 +265,13 @@ class TokenStream:
         """The whole completion: tokens already read plus the rest of the stream.
 
         Awaiting again returns the same `Completion`; a failed stream raises its
-        error again; a stream closed before the request finished raises
-        `StreamClosedError`."""
+        error again; a stream left early (break, `aclose()`, a cancellation)
+        with output it had not read raises `StreamClosedError`, whether or not
+        the request had finished: its text would not be whole."""
         if self._completion is not None:
             return self._completion
-        if self._closed and self._error is None and self._final is None:
-            raise StreamClosedError(f"stream {self._spec.rid} was closed before the request finished")
+        if self._left_early or (self._closed and self._error is None and self._final is None):
+            raise StreamClosedError(f"stream {self._spec.rid} was closed before all of its output was read")
         while True:
             try:
                 await self._next()
@@ -279,7 +280,7 @@ class TokenStream:
         if self._error is not None:
             raise self._error
         final = self._final
-        if final is None:
+        if final is None or self._left_early:  # aclose() by another task while we collected
             raise StreamClosedError(f"stream {self._spec.rid} was closed before the request finished")
         self._completion = Completion(
             request_id=self._spec.rid,

@@ -1,4 +1,5 @@
-"""Tiny random llama bundles with a real byte-level BPE vocabulary, for tests.
+"""Tiny random bundles of each architecture the engine runs (llama, qwen2, qwen3,
+gemma3) with a real byte-level BPE vocabulary, for tests.
 
 The weights are random (seeded) but scaled so activations stay in a sane
 range; the vocabulary is real: the 256 GPT-2 byte tokens plus merges learned
@@ -18,7 +19,7 @@ import json
 import math
 import unicodedata
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Final, Literal
 
@@ -28,11 +29,13 @@ import numpy.typing as npt
 from .bundle import f32_to_bf16, llama_header, write_bundle
 
 __all__ = [
+    "ARCHS",
     "CHATML_TEMPLATE",
     "SPECIAL_TOKENS",
     "TinyVocab",
     "build_tiny_model",
     "bytes_to_unicode",
+    "llama3_rope_factors",
     "pretokenize",
     "tiny_vocab",
 ]
@@ -269,6 +272,37 @@ def tiny_vocab(kind: Literal["bpe", "bytes"] = "bpe") -> TinyVocab:
 
 _Tensor = tuple[str, npt.NDArray[Any], str, str]
 
+Arch = Literal["llama", "qwen2", "qwen3", "gemma3"]
+ARCHS: Final[tuple[Arch, ...]] = ("llama", "qwen2", "qwen3", "gemma3")
+
+
+def llama3_rope_factors(
+    head_dim: int,
+    rope_theta: float,
+    *,
+    factor: float = 8.0,
+    low_freq_factor: float = 1.0,
+    high_freq_factor: float = 4.0,
+    original_context_length: int = 8192,
+) -> npt.NDArray[np.float32]:
+    """Llama 3.1's `llama3` RoPE scaling as the per-frequency divisors llama.cpp's converter
+    stores in `rope_freqs.weight`: long wavelengths divided by `factor`, short ones kept,
+    a smooth blend between."""
+    freqs = 1.0 / rope_theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    low_wavelen = original_context_length / low_freq_factor
+    high_wavelen = original_context_length / high_freq_factor
+    out = []
+    for freq in freqs:
+        wavelen = 2 * math.pi / freq
+        if wavelen < high_wavelen:
+            out.append(1.0)
+        elif wavelen > low_wavelen:
+            out.append(factor)
+        else:
+            smooth = (original_context_length / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+            out.append(1.0 / ((1 - smooth) / factor + smooth))
+    return np.asarray(out, dtype=np.float32)
+
 
 def _stored(name: str, values: npt.NDArray[np.float32], region: str, dtype: str) -> _Tensor:
     """A write_bundle entry holding `values` in bundle dtype `dtype`."""
@@ -293,8 +327,32 @@ def build_tiny_model(
     tied: bool = True,
     vocab: Literal["bpe", "bytes"] = "bpe",
     eos_bias: float = 0.0,
+    arch: Arch = "llama",
+    head_dim: int | None = None,
+    rope_scaling: dict[str, Any] | None = None,
+    rope_freqs: npt.ArrayLike | None = None,
+    sliding_window: int | None = None,
+    layer_types: list[str] | None = None,
+    query_pre_attn_scalar: float | None = None,
+    final_logit_softcapping: float | None = None,
+    extra_tokens: Sequence[tuple[str, int]] = (),
+    chat_template: str | None = CHATML_TEMPLATE,
+    tokenizer_keys: Mapping[str, Any] | None = None,
 ) -> Path:
-    """Write a random-weight llama bundle to `path` and return the path.
+    """Write a random-weight bundle of `arch` to `path` and return the path.
+
+    Each architecture gets its own tensors (qwen2: q/k/v biases; qwen3 and gemma3:
+    q/k norms; gemma3: attention / FFN output norms) and config keys (docs/models.md):
+    `head_dim` (default dim / n_heads), `rope_scaling` ({"rope_type": "linear" |
+    "yarn", "factor", ...}), `rope_freqs` (divisors per frequency, e.g.
+    llama3_rope_factors()), and for gemma3 `sliding_window` with `layer_types`
+    (default: every 6th layer full attention), `query_pre_attn_scalar`,
+    `final_logit_softcapping`.
+
+    A model family's vocabulary: `extra_tokens` ((text, GGUF token type) pairs, e.g.
+    ("<end_of_turn>", 3)) are appended after the tiny vocabulary (ids from
+    len(tiny_vocab(vocab).tokens) on), `tokenizer_keys` added to the tokenizer fields
+    (e.g. tokenizer.ggml.eot_token_id), and `chat_template` None leaves the template out.
 
     `eos_bias` (untied models only) shifts the EOS logit by roughly that many
     nats at every position: large positive values make generation stop almost
@@ -302,8 +360,14 @@ def build_tiny_model(
     through a constant residual channel (channel 0) that attention and MLP do
     not read or write, which only `lm_head`'s EOS row looks at.
     """
-    if dim % n_heads or (dim // n_heads) % 2:
+    if arch not in ARCHS:
+        raise ValueError(f"unknown arch {arch!r} (expected one of {', '.join(ARCHS)})")
+    if head_dim is None and (dim % n_heads or (dim // n_heads) % 2):
         raise ValueError(f"dim {dim} must split into {n_heads} heads of an even size")
+    if head_dim is not None and head_dim % 2:
+        raise ValueError(f"head_dim {head_dim} must be even")
+    if (sliding_window or layer_types) and arch != "gemma3":
+        raise ValueError("sliding-window layers are a gemma3 feature")
     if n_kv_heads <= 0 or n_heads % n_kv_heads:
         raise ValueError(f"n_heads {n_heads} must be a multiple of n_kv_heads {n_kv_heads}")
     if dtype not in ("f32", "f16", "bf16"):
@@ -311,9 +375,14 @@ def build_tiny_model(
     if eos_bias and tied:
         raise ValueError("eos_bias needs an untied lm_head (tied=False)")
     path = Path(path)
-    head_dim = dim // n_heads
+    head_dim = head_dim or dim // n_heads
     q_dim, kv_dim = n_heads * head_dim, n_kv_heads * head_dim
     words = tiny_vocab(vocab)
+    if extra_tokens:
+        if any(text in words.tokens for text, _ in extra_tokens):
+            raise ValueError("extra_tokens must not repeat a token of the vocabulary")
+        words = TinyVocab(words.tokens + tuple(t for t, _ in extra_tokens),
+                          words.token_types + tuple(ty for _, ty in extra_tokens), words.merges)
     n_vocab = len(words.tokens)
     rng = np.random.default_rng(seed)
 
@@ -345,8 +414,21 @@ def build_tiny_model(
                 "mlp.down_proj": normal((dim, ffn_dim), ffn_dim**-0.5),
             }
         )
+        extra = layers[-1]
+        if arch == "qwen2":
+            for t, width in (("q", q_dim), ("k", kv_dim), ("v", kv_dim)):
+                extra[f"self_attn.{t}_proj.bias"] = normal((width,), 0.5)
+        if arch in ("qwen3", "gemma3"):
+            extra["self_attn.q_norm"] = (1.0 + normal((head_dim,), 0.1)).astype(np.float32)
+            extra["self_attn.k_norm"] = (1.0 + normal((head_dim,), 0.1)).astype(np.float32)
+        if arch == "gemma3":
+            # Output norms keep each residual update at unit scale, like the pre-norms.
+            extra["self_attn.out_norm"] = norm_weight()
+            extra["mlp.out_norm"] = norm_weight()
     if eos_bias:
         assert lm_head is not None
+        if arch != "llama":
+            raise ValueError("eos_bias is implemented for the llama architecture")
         # Channel 0 holds a constant equal to the typical per-channel rms of the
         # final residual (each layer adds ~0.9, measured with tests/oracle.py),
         # so after the final rmsnorm it reads ~1 at every position.
@@ -360,9 +442,13 @@ def build_tiny_model(
 
     # Norms stay f32 ("gpu" region); embeddings and projections take `dtype`.
     tensors = [_stored("embed_tokens.weight", embed, "gpu", dtype)]
+    if rope_freqs is not None:
+        tensors.append(_stored("rope_freqs.weight", np.asarray(rope_freqs, dtype=np.float32), "gpu", "f32"))
     for i, layer in enumerate(layers):
         for key, values in layer.items():
-            if key.endswith("norm"):
+            if key.endswith(".bias"):
+                tensors.append(_stored(f"layers.{i}.{key}", values, "gpu", "f32"))
+            elif key.endswith("norm"):
                 tensors.append(_stored(f"layers.{i}.{key}.weight", values, "gpu", "f32"))
             else:
                 tensors.append(_stored(f"layers.{i}.{key}.weight", values, "accelerator", dtype))
@@ -383,7 +469,45 @@ def build_tiny_model(
         vocab=vocab,
         eos_bias=eos_bias,
     )
+    config: dict[str, Any] = {
+        "hidden_size": dim,
+        "num_hidden_layers": n_layers,
+        "num_attention_heads": n_heads,
+        "num_key_value_heads": n_kv_heads,
+        "head_dim": head_dim,
+        "intermediate_size": ffn_dim,
+        "vocab_size": n_vocab,
+        "max_position_embeddings": max_position_embeddings,
+        "rope_theta": 10000.0,
+        "rms_norm_eps": 1e-5,
+        "tie_word_embeddings": tied,
+        "bos_token_id": BOS_ID,
+        "eos_token_id": EOS_ID,
+        "eos_token_ids": [],
+    }
+    arch_config: dict[str, Any] = {}
+    if rope_scaling is not None:
+        arch_config["rope_scaling"] = dict(rope_scaling)
+    if sliding_window is not None:
+        types = layer_types or [
+            "full_attention" if i % 6 == 5 else "sliding_attention" for i in range(n_layers)
+        ]
+        arch_config |= {"sliding_window": sliding_window, "layer_types": types, "rope_local_base_freq": 10000.0}
+    if query_pre_attn_scalar is not None:
+        arch_config["query_pre_attn_scalar"] = query_pre_attn_scalar
+    if final_logit_softcapping is not None:
+        arch_config["final_logit_softcapping"] = final_logit_softcapping
+    if extra_tokens or chat_template != CHATML_TEMPLATE or tokenizer_keys:
+        recipe |= {"extra_tokens": [list(t) for t in extra_tokens], "chat_template": chat_template,
+                   "tokenizer_keys": dict(tokenizer_keys or {})}
+    if arch != "llama" or arch_config or rope_freqs is not None:
+        # Only the new models' recipes name these: an old recipe keeps its identity hash.
+        recipe |= {"arch": arch, "head_dim": head_dim, **arch_config}
+        if rope_freqs is not None:
+            recipe["rope_freqs"] = [float(f) for f in np.asarray(rope_freqs, dtype=np.float32)]
+    config |= arch_config
     header = llama_header(
+        arch=arch,
         dtype=dtype,
         # A synthetic bundle's source is its recipe: hash that, so two builds
         # with the same parameters carry the same identity.
@@ -392,22 +516,7 @@ def build_tiny_model(
             "sha256": hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest(),
             "filename": "aiobasert.tiny",
         },
-        config={
-            "hidden_size": dim,
-            "num_hidden_layers": n_layers,
-            "num_attention_heads": n_heads,
-            "num_key_value_heads": n_kv_heads,
-            "head_dim": head_dim,
-            "intermediate_size": ffn_dim,
-            "vocab_size": n_vocab,
-            "max_position_embeddings": max_position_embeddings,
-            "rope_theta": 10000.0,
-            "rms_norm_eps": 1e-5,
-            "tie_word_embeddings": tied,
-            "bos_token_id": BOS_ID,
-            "eos_token_id": EOS_ID,
-            "eos_token_ids": [],
-        },
+        config=config,
         tokenizer={
             "tokenizer_type": "gguf",
             "tokenizer.ggml.model": "gpt2",
@@ -419,9 +528,11 @@ def build_tiny_model(
             "tokenizer.ggml.eos_token_id": EOS_ID,
             "tokenizer.ggml.padding_token_id": EOS_ID,
             "tokenizer.ggml.add_bos_token": False,
-            "tokenizer.chat_template": CHATML_TEMPLATE,
-        },
-        metadata={"tokenizer.chat_template": CHATML_TEMPLATE, "aiobasert.tiny": recipe},
+        }
+        | ({} if chat_template is None else {"tokenizer.chat_template": chat_template})
+        | dict(tokenizer_keys or {}),
+        metadata=({} if chat_template is None else {"tokenizer.chat_template": chat_template})
+        | {"aiobasert.tiny": recipe},
     )
     write_bundle(path, header, tensors)
     return path

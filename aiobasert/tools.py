@@ -421,7 +421,7 @@ def _render_with_template(
 
     def protected(text: str) -> str:
         contents.append(text)
-        return sentinel(len(contents) - 1)
+        return sentinel(len(contents) - 1, text)
 
     ctx: list[dict[str, Any]] = []
     for m in msgs:

@@ -17,6 +17,47 @@ _INT32_MAX = 2**31 - 1
 _FLT_MAX = float(np.finfo(np.float32).max)
 
 
+MAX_SCHEMA_DEPTH = 64
+"""Nesting levels (objects and arrays) a json_schema may have: real schemas use a
+dozen; the grammar compilers recurse per level."""
+MAX_SCHEMA_REFS = 1024
+"""`$ref`s a json_schema may hold: llguidance recurses once per chained `$ref`
+(~8-32 kB of stack each), so this bounds the stack a compile needs (the
+grammar workers have 256 MiB: aiobasert._intake)."""
+MAX_SCHEMA_NODES = 250_000
+"""Values (keys' values, items, scalars) in a json_schema: bounds the compile's work."""
+
+
+def schema_problem(schema: Any) -> str | None:
+    """Why `schema` cannot be compiled safely (not JSON, too deep, too many `$ref`s
+    or values), or None. Iterative, so any depth is measured without recursing."""
+    stack: list[tuple[Any, int]] = [(schema, 0)]
+    nodes = refs = 0
+    while stack:
+        value, depth = stack.pop()
+        nodes += 1
+        if nodes > MAX_SCHEMA_NODES:
+            return f"has more than {MAX_SCHEMA_NODES} values"
+        if isinstance(value, dict):
+            if depth >= MAX_SCHEMA_DEPTH:
+                return f"is nested more than {MAX_SCHEMA_DEPTH} levels deep"
+            for key, item in value.items():
+                if not isinstance(key, str):
+                    return f"has a non-string key {key!r}"
+                if key == "$ref":
+                    refs += 1
+                    if refs > MAX_SCHEMA_REFS:
+                        return f"has more than {MAX_SCHEMA_REFS} $refs"
+                stack.append((item, depth + 1))
+        elif isinstance(value, (list, tuple)):
+            if depth >= MAX_SCHEMA_DEPTH:
+                return f"is nested more than {MAX_SCHEMA_DEPTH} levels deep"
+            stack.extend((item, depth + 1) for item in value)
+        elif not (value is None or isinstance(value, (str, int, float, bool, np.generic))):
+            return f"holds a {type(value).__name__}, which is not JSON"
+    return None
+
+
 def _plain(value: Any) -> Any:
     """numpy scalars -> Python values, tuples -> lists (recursively); anything else as is."""
     if isinstance(value, np.generic):
@@ -154,6 +195,9 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
                 raise bad("json_schema", "must be a JSON Schema object, or True for any JSON value")
             if self.json_schema is False:
                 raise bad("json_schema", "False admits no output")
+            problem = schema_problem(self.json_schema)
+            if problem is not None:
+                raise bad("json_schema", problem)
             try:
                 json.dumps(self.json_schema)
             except (TypeError, ValueError, RecursionError) as exc:
@@ -165,7 +209,14 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
         changes: dict[str, Any] = {}
         for name in self.__struct_fields__:
             value = getattr(self, name)
-            fixed = _plain(value)
+            if name == "json_schema":  # bounded before the recursive walk below
+                problem = schema_problem(value)
+                if problem is not None:
+                    raise InvalidSamplingParamsError(f"invalid sampling parameter json_schema: {problem}")
+            try:
+                fixed = _plain(value)
+            except RecursionError:  # any other field nested past Python's limit
+                raise InvalidSamplingParamsError(f"invalid sampling parameter {name}: nested too deeply") from None
             if name == "stop" and isinstance(fixed, str):
                 fixed = [fixed]
             if fixed is not value:

@@ -237,8 +237,8 @@ class LifecycleWalk:
 
     def unblock(self, keep: Tracked) -> None:
         """Before a blocking read of `keep`: every other submitted stream gets a
-        reader, so lanes held by paused (unread) streams come free. Without it a
-        queued stream may wait forever, by design: an unread lane keeps its KV."""
+        reader (lanes never wait for readers, so this only keeps the run's
+        readers busy, as a real client's would be)."""
         for t in self.tracked:
             if t is not keep and t.outcome is None and not t.has_reader and t.stream._started:
                 self.start_reader(t)

@@ -248,3 +248,17 @@ def test_serve_refuses_a_cached_bundle_with_an_inexact_tokenizer(tmp_path: Path,
     assert proc.returncode == 1, proc.stderr
     assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr, proc.stderr
     assert "tokenizer.ggml.pre 'falcon' is not a pre-tokenizer the engine runs exactly" in proc.stderr
+
+
+def test_serve_a_model_that_cannot_load_is_one_line(tmp_path: Path, tiny_model_path: Path) -> None:
+    # A bundle whose header is fine but whose tensor data is cut short: the engine refuses it when the server
+    # starts; the server says so in one line (the engine's message), no traceback, and exits non-zero.
+    cut = tmp_path / "cut.base"
+    data = tiny_model_path.read_bytes()
+    cut.write_bytes(data[: len(data) - 4096])
+    proc = subprocess.run([sys.executable, "-m", "aiobasert", "serve", str(cut), "--port", "0"], capture_output=True,
+                          text=True, timeout=120)  # fmt: skip
+    assert proc.returncode != 0, proc.stderr
+    assert "Traceback" not in proc.stderr and "File \"" not in proc.stderr, proc.stderr
+    lines = [ln for ln in proc.stderr.splitlines() if "aiobasert: cannot start:" in ln]
+    assert len(lines) == 1 and "cut.base" in lines[0], proc.stderr

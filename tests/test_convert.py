@@ -16,7 +16,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from oracle import NumpyLlama, gguf_oracle
-from tiny_gguf import DIM, FFN, HEAD_DIM, HEADS, KV_HEADS, LAYERS, write_gguf
+from tiny_gguf import ARCH_GGUFS, DIM, FFN, HEAD_DIM, HEADS, KV_HEADS, LAYERS, write_gguf
 from tokenizers import Tokenizer, pre_tokenizers
 from tokenizers.models import BPE
 
@@ -90,6 +90,29 @@ def test_synthetic_forward_agrees_with_gguf_oracle(tmp_path: Path, synthetic_ggu
     np.testing.assert_allclose(NumpyLlama(out).logits(tokens), gguf_oracle(synthetic_gguf).logits(tokens), atol=1e-9)
 
 
+@pytest.mark.parametrize("kind", list(ARCH_GGUFS))
+def test_each_architecture_converts_and_agrees_with_the_gguf_oracle(tmp_path: Path, kind: str) -> None:
+    """The bundle's forward (its config read by the oracle) equals the forward over the GGUF read as
+    llama.cpp reads it: the converter carries every architecture parameter over."""
+    src = write_gguf(tmp_path / f"{kind}.gguf", **ARCH_GGUFS[kind])
+    out = convert_gguf(src, tmp_path / "out.base", dtype="f32", progress=False)
+    bundle = read_bundle(out)
+    assert_matches_gguf(bundle, src, "f32")
+    assert bundle.header["arch"] == ARCH_GGUFS[kind].get("arch", "llama")
+    tokens = [1, 300, 301, 302, 77, 2, 5, 9, 400, 401, 12]
+    np.testing.assert_allclose(NumpyLlama(out).logits(tokens), gguf_oracle(src).logits(tokens), atol=1e-9)
+
+
+def test_gemma3_config(tmp_path: Path) -> None:
+    bundle = read_bundle(convert_gguf(write_gguf(tmp_path / "g.gguf", arch="gemma3", n_layers=6), tmp_path / "g.base",
+                                      progress=False))
+    config = bundle.config
+    assert config["layer_types"] == ["sliding_attention"] * 5 + ["full_attention"]
+    assert config["sliding_window"] == 4 and config["rope_local_base_freq"] == 10000.0
+    assert config["head_dim"] == 32 and config["query_pre_attn_scalar"] == 32.0
+    assert "final_logit_softcapping" not in config
+
+
 def test_fast_metadata_reader_agrees_with_gguf_py(tmp_path: Path) -> None:
     extra = {"t.bools": [True, False], "t.floats": [0.1, 2.5], "t.ints": [1, -2, 3], "t.flag": True,
              "t.f64": 0.1, "t.text": "héllo ✓"}  # fmt: skip
@@ -135,13 +158,18 @@ def test_progress_callback(tmp_path: Path, synthetic_gguf: Path) -> None:
 @pytest.mark.parametrize(
     ("make", "match"),
     [
-        (lambda p: write_gguf(p, arch="qwen2"), "unsupported architecture 'qwen2'"),
-        (lambda p: write_gguf(p, extra_kv={"llama.rope.scaling.type": "linear"}), "RoPE scaling"),
-        (lambda p: write_gguf(p, extra_kv={"llama.rope.scaling.factor": 4.0}), "RoPE scaling"),
+        (lambda p: write_gguf(p, arch="phi3"), "unsupported architecture 'phi3'"),
+        (lambda p: write_gguf(p, extra_kv={"llama.rope.scaling.type": "longrope"}), "RoPE scaling type 'longrope'"),
         (lambda p: write_gguf(p, extra_kv={"llama.expert_count": 8}), "mixture of experts"),
-        (lambda p: write_gguf(p, extra_kv={"llama.attention.key_length": 32}), "key_length"),
-        (lambda p: write_gguf(p, extra_tensors=("rope_freqs.weight",)), "unsupported tensor 'rope_freqs.weight'"),
-        (lambda p: write_gguf(p, extra_tensors=("blk.0.attn_q.bias",)), "unsupported tensor 'blk.0.attn_q.bias'"),
+        (lambda p: write_gguf(p, extra_kv={"llama.attention.key_length": 32}), "partial rotary"),
+        (lambda p: write_gguf(p, extra_kv={"llama.attention.value_length": 32}), "value_length 32"),
+        (lambda p: write_gguf(p, extra_tensors=("rope_freqs.weight",)), r"'rope_freqs.weight' has shape \[64\]"),
+        (lambda p: write_gguf(p, extra_tensors=("blk.0.attn_q.bias",)),
+         "unsupported tensor\\(s\\) for a llama model: layers.0.self_attn.q_proj.bias"),
+        (lambda p: write_gguf(p, arch="qwen2", drop=("blk.1.attn_v.bias",)), "missing tensors: layers.1.self_attn.v"),
+        (lambda p: write_gguf(p, arch="qwen2", rope_freqs=True),
+         "unsupported tensor\\(s\\) for a qwen2 model: rope_freqs.weight"),
+        (lambda p: write_gguf(p, arch="qwen3", extra_kv={"qwen3.attention.sliding_window": 8}), "sliding-window"),
         (lambda p: write_gguf(p, extra_tensors=("blk.2.attn_norm.weight",)), "beyond the 2 configured layers"),
         (lambda p: write_gguf(p, drop=("blk.1.ffn_up.weight",)), "missing tensors: layers.1.mlp.up_proj"),
         (lambda p: write_gguf(p, extra_kv={"llama.feed_forward_length": 100}), "expected \\[100, 64\\]"),
@@ -371,7 +399,8 @@ def gguf_values(draw: st.DrawFn) -> tuple[int, bytes]:
     if shape == "bool":
         return int(_VT.BOOL), bytes([draw(st.sampled_from([0, 1, 2, 255]))])
     if shape == "string":
-        text = draw(st.one_of(st.text(max_size=12).map(str.encode), st.binary(max_size=12)))
+        text = draw(st.one_of(st.text(max_size=12).map(str.encode), st.binary(max_size=12),
+                              st.sampled_from([b"llama", b"qwen2", b"qwen3", b"gemma3", b"yarn", b"linear", b"none"])))
         return int(_VT.STRING), gguf_string(text)
     if shape == "array":
         item = draw(st.sampled_from([_VT.UINT32, _VT.INT32, _VT.FLOAT32, _VT.STRING, _VT.UINT64, _VT.BOOL,
@@ -399,7 +428,10 @@ _KEYS = ["llama.block_count", "llama.embedding_length", "llama.feed_forward_leng
          "llama.attention.key_length", "llama.attention.value_length", "general.architecture", "general.alignment",
          "tokenizer.ggml.model", "tokenizer.ggml.tokens", "tokenizer.ggml.token_type", "tokenizer.ggml.merges",
          "tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id",
-         "tokenizer.ggml.eom_token_id", "tokenizer.ggml.add_bos_token", "tokenizer.chat_template", "x.other"]
+         "tokenizer.ggml.eom_token_id", "tokenizer.ggml.add_bos_token", "tokenizer.chat_template", "x.other",
+         "llama.rope.scaling.original_context_length", "llama.rope.scaling.yarn_log_multiplier",
+         "llama.rope.scaling.yarn_beta_fast", "llama.rope.scaling.attn_factor", "llama.attention.sliding_window",
+         "gemma3.attention.sliding_window", "gemma3.final_logit_softcapping"]
 
 
 @pytest.fixture(scope="module")

@@ -19,6 +19,8 @@ from aiobasert import (
     InvalidRequestError,
     InvalidSamplingParamsError,
 )
+from aiobasert.chat import DEFAULT_TEMPLATE, GEMMA_TEMPLATE, LLAMA3_TEMPLATE, render_chat
+from aiobasert.tiny import build_tiny_model
 
 pytestmark = pytest.mark.anyio
 
@@ -260,6 +262,35 @@ async def test_encode_decode_chat(tiny_model_path: Path) -> None:
         assert vec.shape == (engine.info.dim,)
 
 
+@pytest.mark.parametrize(
+    ("markers", "template", "turn"),
+    [
+        (("<start_of_turn>", "<end_of_turn>"), GEMMA_TEMPLATE, "<start_of_turn>user\n"),
+        (("<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"), LLAMA3_TEMPLATE,
+         "<|start_header_id|>user<|end_header_id|>\n\n"),
+        ((), DEFAULT_TEMPLATE, "<|im_start|>user\n"),
+    ],
+    ids=["gemma", "llama3", "chatml"],
+)
+async def test_a_gguf_without_a_template_chats_in_its_familys_format(
+    tmp_path: Path, markers: tuple[str, ...], template: str, turn: str
+) -> None:
+    """Gemma 3 270M's GGUF has no chat template: the engine uses its family's, known by the
+    vocabulary's special tokens, and the family's markers are parsed as their tokens."""
+    path = build_tiny_model(tmp_path / "m.base", extra_tokens=tuple((m, 3) for m in markers), chat_template=None)
+    async with Engine.open(path) as engine:
+        assert engine.chat_template == template
+        pieces = render_chat(engine.chat_template, [{"role": "user", "content": "hi"}],
+                             bos_token=engine._thread.bos_token)
+        assert turn in "".join(text for text, _ in pieces)
+        first = markers[0] if markers else "<|im_start|>"
+        (marker_id,) = await engine.encode(first, special=True)  # the turn marker is one token
+        prompt_ids = await engine._call(lambda: engine._thread.encode_pieces(pieces))
+        assert marker_id in prompt_ids
+        out = await engine.chat([{"role": "user", "content": "hi"}], max_tokens=2, ignore_eos=True)
+        assert len(out.token_ids) == 2 and out.usage.prompt_tokens == len(prompt_ids)
+
+
 async def test_aclose_drain_abort_and_reuse(tiny_model_path: Path) -> None:
     engine = await Engine.open(tiny_model_path, max_batch_size=2)
     s1 = engine.stream("a", max_tokens=30, ignore_eos=True)
@@ -349,3 +380,70 @@ async def test_penalties_change_repetitive_output(tiny_model_path: Path) -> None
         pen = await engine.generate("Once upon a time", presence_penalty=2.0, frequency_penalty=2.0, **sampled)
         assert pen.token_ids != free.token_ids
         assert len(set(pen.token_ids)) >= len(set(free.token_ids))
+
+
+async def test_a_slow_tokenization_does_not_stop_other_lanes(
+    tiny_model_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Tokenizing a huge prompt (15 MB: 0.8 s) runs off the engine thread: held
+    here until released, while the engine steps the running stream on (counted
+    in steps and delivered tokens, not seconds); Engine.encode likewise."""
+    from aiobasert.engine_thread import EngineThread
+
+    entered, gate = threading.Event(), threading.Event()
+    real = EngineThread._tokenize_prompt
+
+    def held(self: EngineThread, *args: object) -> list[int]:
+        if getattr(args[-1], "prompt", None) == "huge":
+            entered.set()
+            gate.wait(120)  # bounded, in case the hold is on the engine thread itself
+        return real(self, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(EngineThread, "_tokenize_prompt", held)
+    async with Engine.open(tiny_model_path, max_batch_size=4) as engine:
+        running = engine.stream("running", max_tokens=2000, ignore_eos=True)
+        await running.__anext__()
+        huge = engine.stream("huge", max_tokens=4, ignore_eos=True)
+        huge.submit()
+        try:
+            with anyio.fail_after(30):
+                while not entered.is_set():
+                    await anyio.sleep(0.001)
+                steps, delivered = engine._thread.steps, running._ticket.delivered
+                while engine._thread.steps < steps + 32:
+                    await anyio.sleep(0.001)
+                assert running._ticket.delivered >= delivered + 32 and not gate.is_set()
+        finally:
+            gate.set()
+        with anyio.fail_after(60):
+            assert len((await huge).token_ids) == 4
+        await running.aclose()
+
+
+@pytest.mark.parametrize("bad", [5, 2.5, ["a"], {"a": 1}, b"a", (1,), object()])
+async def test_wrong_typed_arguments_are_typed_errors(tiny_model_path: Path, bad: object) -> None:
+    from aiobasert import InvalidConfigError
+
+    for kwargs in ({"model": bad}, {"model": tiny_model_path, "library": bad}):
+        with pytest.raises(InvalidConfigError, match="must be a path"):
+            Engine.open(**kwargs)  # type: ignore[arg-type]
+    with pytest.raises(InvalidConfigError, match="thread_check"):
+        Engine.open(tiny_model_path, thread_check=bad)  # type: ignore[arg-type]
+    async with Engine.open(tiny_model_path, max_batch_size=2) as engine:
+        if not isinstance(bad, (list, tuple)):
+            with pytest.raises(InvalidRequestError, match="tools must be a list"):
+                engine.chat([{"role": "user", "content": "hi"}], tools=bad)  # type: ignore[call-overload]
+        assert len((await engine.generate("still serving", max_tokens=2, ignore_eos=True)).token_ids) == 2
+
+
+async def test_a_deeply_nested_tool_schema_is_a_typed_error(tiny_model_path: Path) -> None:
+    # It raised a raw RecursionError from the tool-grammar rendering.
+    schema: dict[str, object] = {"type": "string"}
+    for _ in range(5000):
+        schema = {"type": "array", "items": schema}
+    parameters = {"type": "object", "properties": {"a": schema}}
+    tool = {"type": "function", "function": {"name": "f", "parameters": parameters}}
+    async with Engine.open(tiny_model_path, max_batch_size=2) as engine:
+        with pytest.raises(InvalidRequestError, match=r"tools\[0\] is nested more than 64 levels"):
+            engine.chat([{"role": "user", "content": "hi"}], tools=[tool], max_tokens=3)
+        assert len((await engine.generate("still serving", max_tokens=2, ignore_eos=True)).token_ids) == 2

@@ -10,7 +10,15 @@ from pathlib import Path
 import anyio
 import pytest
 
-from aiobasert import AioBaseRTError, Engine, EngineClosedError, EngineGroup, UnknownModelError
+from aiobasert import (
+    AioBaseRTError,
+    Engine,
+    EngineClosedError,
+    EngineGroup,
+    InvalidConfigError,
+    InvalidRequestError,
+    UnknownModelError,
+)
 
 pytestmark = pytest.mark.anyio
 
@@ -61,7 +69,7 @@ def test_bad_model_lists_are_refused(tiny_model_path: Path) -> None:
         EngineGroup.open([tiny_model_path, tiny_model_path])
     with pytest.raises(ValueError, match="at least one model"):
         EngineGroup.open([])
-    with pytest.raises(TypeError):
+    with pytest.raises(InvalidConfigError, match="not one path"):
         EngineGroup.open(str(tiny_model_path))
     with pytest.raises(ValueError, match="keep_alive"):
         EngineGroup.open([tiny_model_path], keep_alive=-1)
@@ -143,4 +151,43 @@ async def test_close_closes_every_engine_and_refuses_leases(
     assert group.closed
     with pytest.raises(EngineClosedError):
         async with group.lease("tiny"):
+            pass
+
+
+async def test_leaving_on_a_timeout_aborts_an_unload_drain(tiny_model_path: Path) -> None:
+    # A stream outlives its lease; keep_alive=0 unloads (drains) its engine at
+    # once. Leaving the block on a timeout then aborts that drain (was: it ran the
+    # stream's 2000 tokens to their end, 43 s on a real model).
+    with anyio.fail_after(60):
+        with anyio.CancelScope() as timeout:
+            async with EngineGroup.open([tiny_model_path], keep_alive=0) as group:
+                async with group.lease() as engine:
+                    s = engine.stream("outlives its lease", max_tokens=2000, ignore_eos=True)
+                    await s.__anext__()
+                slot = group._slots[group.default]
+                while slot.unloads == 0:  # the reaper is draining the engine now
+                    await anyio.sleep(0.001)
+                timeout.cancel()
+                await anyio.sleep(0)
+    assert s.finish_reason == "aborted" and s._ticket.delivered < 2000
+    assert engine.closed and not engine._thread.alive
+
+
+@pytest.mark.parametrize("bad", [5, 2.5, ["a"], {"a": 1}, b"a", (1,), object()])
+async def test_wrong_types_are_typed_errors(tiny_model_path: Path, bad: object) -> None:
+    if bad != ["a"]:  # a list of one path "a" is a valid model list
+        with pytest.raises(InvalidConfigError):
+            EngineGroup.open(bad)  # type: ignore[arg-type]
+    with pytest.raises(InvalidConfigError):
+        EngineGroup.open([bad])  # type: ignore[list-item]
+    if not isinstance(bad, (int, float)):  # a number is a valid keep_alive
+        with pytest.raises(InvalidConfigError, match="keep_alive"):
+            EngineGroup.open([tiny_model_path], keep_alive=bad)  # type: ignore[arg-type]
+    async with EngineGroup.open([tiny_model_path], preload=False) as group:
+        with pytest.raises(InvalidRequestError, match="model name must be a str"):
+            async with group.lease(bad):  # type: ignore[arg-type]
+                pass
+    # the body's own typed error leaves the block as itself, not in an ExceptionGroup
+    with pytest.raises(UnknownModelError):
+        async with EngineGroup.open([tiny_model_path], preload=False) as group, group.lease("nope"):
             pass

@@ -190,24 +190,24 @@ def test_concurrent_first_use_of_the_demo_converts_once(
 
 @pytest.mark.anyio
 async def test_unsupported_architecture_is_refused_before_converting(tmp_path: Path, cache: Path) -> None:
-    src = write_gguf(tmp_path / "qwen.gguf", arch="qwen2")
+    src = write_gguf(tmp_path / "phi.gguf", arch="phi3")
     with pytest.raises(ConversionError) as info:
         async with Engine.open(src):
             pass
     message = str(info.value)
-    assert "unsupported architecture 'qwen2'" in message and "biases on the q/k/v projections" in message
+    assert "unsupported architecture 'phi3'" in message and "fused QKV" in message
     assert models.list_models() == []
     assert not list(cache.glob("*.base")) and not list(cache.glob(".*.tmp"))
 
     proc = subprocess.run([sys.executable, "-m", "aiobasert", "run", "hi", "-m", str(src)], capture_output=True,
                           text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(REPO)})  # fmt: skip
     assert proc.returncode == 1 and "Traceback" not in proc.stderr
-    assert "qwen2" in proc.stderr and "biases" in proc.stderr
+    assert "phi3" in proc.stderr and "fused QKV" in proc.stderr
 
 
-def test_unknown_architecture_names_the_llama_layout(tmp_path: Path, cache: Path) -> None:
+def test_unknown_architecture_names_the_layouts_the_engine_runs(tmp_path: Path, cache: Path) -> None:
     src = write_gguf(tmp_path / "odd.gguf", arch="frobnicator")
-    with pytest.raises(ConversionError, match=r"'frobnicator'.*only 'llama'.*RMSNorm, RoPE, SwiGLU"):
+    with pytest.raises(ConversionError, match=r"'frobnicator'.*runs 'llama'.*RMSNorm, RoPE, SwiGLU.*'gemma3'"):
         models.gguf_bundle_path(src, progress=False)
 
 

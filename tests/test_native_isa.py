@@ -25,7 +25,7 @@ from aiobasert.tiny import build_tiny_model
 
 ROOT = Path(__file__).resolve().parent.parent
 KERNEL_SUITES = ["tests/test_native_quant.py", "tests/test_native_weights.py", "tests/test_native_runtime.py",
-                 "tests/test_native_kv.py"]
+                 "tests/test_native_kv.py", "tests/test_native_archs.py"]
 
 
 def cpu_flags() -> set[str]:

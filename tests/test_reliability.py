@@ -29,6 +29,7 @@ from aiobasert.errors import EngineOutOfMemoryError
 pytestmark = pytest.mark.anyio
 
 FAULT_STEP, FAULT_SEQ_CREATE = 1, 2
+BOUND = 60.0
 
 
 @contextlib.contextmanager
@@ -54,18 +55,17 @@ async def assert_pool_whole(engine: Engine) -> None:
 
 
 async def test_failed_step_fails_its_lanes_and_engine_survives(tiny_model_path: Path) -> None:
-    # max_buffered_tokens=2: the lanes pause until read, so the armed fault hits
-    # a step that runs while this test consumes, not some later test's step.
-    async with Engine.open(tiny_model_path, max_batch_size=4, max_buffered_tokens=2) as engine:
+    # The fault is armed before the streams are submitted: the engine steps only
+    # for them, so it hits one of their steps (lanes never wait for a reader, so
+    # arming it after their first tokens could miss a run that already ended).
+    async with Engine.open(tiny_model_path, max_batch_size=4) as engine:
         reference = await engine.generate("after the fault", max_tokens=6, ignore_eos=True)
         streams = [engine.stream(f"lane {i}", max_tokens=20, ignore_eos=True) for i in range(3)]
-        for s in streams:
-            await s.__anext__()
         outcomes: list[str] = []
 
         async def consume(s: aiobasert.TokenStream) -> None:
             try:
-                n = 1 + len([t async for t in s])
+                n = len([t async for t in s])
                 outcomes.append("ok" if n == 20 else f"short {n}")
             except GenerationFailedError as exc:
                 assert exc.code == ErrorCode.GENERATION_FAILED and exc.message
@@ -125,14 +125,13 @@ async def test_burst_of_500_fifo_and_bounded_queue(tiny_model_path: Path) -> Non
 
 
 async def test_slow_consumer_does_not_stall_others(tiny_model_path: Path) -> None:
-    async with Engine.open(tiny_model_path, max_batch_size=4, max_buffered_tokens=4) as engine:
+    async with Engine.open(tiny_model_path, max_batch_size=4) as engine:
         slow = engine.stream("slow reader", max_tokens=64, ignore_eos=True)
         await slow.__anext__()
         fast = await engine.generate("fast reader", max_tokens=40, ignore_eos=True)
         assert len(fast.token_ids) == 40
-        buffered = len(slow._buffer)
-        assert buffered <= 4 + 1  # bounded: the slow lane paused instead of buffering on
-        rest = [t async for t in slow]  # and it resumes when read
+        assert len(slow._buffer) <= 63  # spilled into its buffer: bounded by its max_tokens
+        rest = [t async for t in slow]
         assert len(rest) == 63
 
 
@@ -157,6 +156,42 @@ sampling = st.fixed_dictionaries(
         "top_logprobs": st.integers(-1, 25),
     },
 )
+
+
+async def test_readers_that_never_read_hold_no_lane(tiny_model_path: Path) -> None:
+    # Every lane is taken by a stream whose reader read one token and stopped
+    # (a stuck client). On main these lanes paused forever and the next request
+    # never started; now they run to their own end and free their lanes.
+    async with Engine.open(tiny_model_path, max_batch_size=2, max_buffered_tokens=2) as engine:
+        stuck = [engine.stream(f"stuck {i}", max_tokens=40, ignore_eos=True) for i in range(4)]
+        with anyio.fail_after(BOUND):
+            for s in stuck[:2]:
+                await s.__anext__()
+            for s in stuck[2:]:
+                s.submit()
+            done = await engine.generate("served", max_tokens=5, ignore_eos=True)
+        assert done.finish_reason == "length" and len(done.token_ids) == 5
+        # the stuck streams kept every token (spilled, at most their max_tokens)
+        for i, s in enumerate(stuck):
+            rest = [t async for t in s]
+            assert len(rest) == (39 if i < 2 else 40) and s.finish_reason == "length"
+
+
+async def test_more_streams_than_lanes_complete_with_nobody_reading(tiny_model_path: Path) -> None:
+    # n choices > lanes, nobody reading until all are over (the SSE writer of
+    # issue 18 waited for every choice's first token): all complete.
+    async with Engine.open(tiny_model_path, max_batch_size=2, max_buffered_tokens=2) as engine:
+        streams = [engine.stream(f"choice {i}", max_tokens=12, ignore_eos=True) for i in range(7)]
+        for s in streams:
+            s.submit()
+        with anyio.fail_after(BOUND):
+            while (await engine.stats()).requests_finished < 7:
+                await anyio.sleep(0.01)
+        stats = await engine.stats()
+        assert stats.active_lanes == 0 and stats.waiting_requests == 0
+        for s in streams:
+            assert len(s._buffer) == 12  # the whole output waits in the stream, nothing more
+            assert len((await s).token_ids) == 12
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

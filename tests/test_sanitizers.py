@@ -22,7 +22,7 @@ SUITES = ["tests/test_native_front.py", "tests/test_native_runtime.py", "tests/t
           "tests/test_native_structural_tag.py",
           "tests/test_native_safety.py", "tests/test_native_weights.py", "tests/test_native_kv.py",
           "tests/test_native_quant.py", "tests/test_native_taps.py", "tests/test_embed_scheduling.py",
-          "tests/test_engine.py", "tests/test_reliability.py"]
+          "tests/test_engine.py", "tests/test_reliability.py", "tests/test_native_archs.py"]
 
 
 def _runtime(cc: str, name: str) -> str:

@@ -13,9 +13,10 @@ import numpy as np
 import pytest
 
 from aiobasert import Completion, Engine, InvalidRequestError
+from aiobasert._ffi import Library
 from aiobasert.bundle import read_bundle
 from aiobasert.grammar import GrammarBackend
-from aiobasert.tiny import EOS_ID
+from aiobasert.tiny import EOS_ID, build_tiny_model
 
 PERSON: dict[str, Any] = {
     "type": "object",
@@ -163,6 +164,10 @@ async def test_100_constrained_generations_batched_with_free_lanes(untied_model_
             constrained[j] = await engine.generate(jobs[j][0], **jobs[j][1])
 
         async def run_free(j: int) -> None:
+            # grammars compile off the engine thread, so a free request no longer waits
+            # behind them: start once constrained lanes are in the engine, to share steps
+            while (await engine.stats()).live_grammars == 0:
+                await anyio.sleep(0.001)
             free[j] = await engine.generate(free_prompts[j], **free_params[j % len(free_params)])
 
         async with anyio.create_task_group() as tg:
@@ -251,3 +256,192 @@ async def test_smollm2_chat_answers_in_schema(smollm2_f16_path: Path) -> None:
         done = await engine.chat(messages, max_tokens=80, json_schema=schema)
     value = check_json(done, schema)
     assert value["city"] == "Paris"
+
+
+def ref_chain(n: int) -> dict[str, Any]:
+    """A schema of n `$ref`s, each to the next (the issue-18 attack: llguidance
+    recurses once per link; ~1,000 of them overflowed the engine thread's stack)."""
+    defs: dict[str, Any] = {
+        f"d{i}": {"type": "object", "properties": {"x": {"$ref": f"#/$defs/d{i + 1}"}}} for i in range(n)
+    }
+    defs[f"d{n}"] = {"type": "string", "maxLength": 3}
+    return {"$defs": defs, "$ref": "#/$defs/d0"}
+
+
+_REF_CHAIN_RUN = """
+import json, sys, anyio
+from aiobasert import Engine, InvalidRequestError
+sys.path.insert(0, sys.argv[2])
+from test_structured import ref_chain
+
+async def main() -> None:
+    out = {}
+    async with Engine.open(sys.argv[1], max_batch_size=4) as engine:
+        neighbour = engine.stream("neighbour", max_tokens=64, ignore_eos=True)
+        await neighbour.__anext__()
+        for n in (1000, 5000):
+            try:
+                done = await engine.generate("chain", max_tokens=8, json_schema=ref_chain(n))
+                out[n] = "compiled:" + done.finish_reason
+            except InvalidRequestError as exc:
+                out[n] = "refused:" + str(exc)
+        out["neighbour"] = 1 + len([t async for t in neighbour])
+    print(json.dumps(out))
+
+anyio.run(main)
+"""
+
+
+def test_a_deep_ref_chain_cannot_crash_the_process(untied_model_path: Path) -> None:
+    # In a child process: on failure (a segfault) the suite survives to report it.
+    import subprocess
+    import sys
+
+    here = str(Path(__file__).parent)
+    proc = subprocess.run(
+        [sys.executable, "-c", _REF_CHAIN_RUN, str(untied_model_path), here],
+        capture_output=True, text=True, timeout=240,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["1000"].startswith(("compiled:", "refused:")), out  # within the caps: compiles on a worker
+    assert out["5000"].startswith("refused:") and "json_schema" in out["5000"] and "$ref" in out["5000"], out
+    assert out["neighbour"] == 64  # the other stream went on
+
+
+@pytest.mark.anyio
+async def test_a_slow_grammar_compile_does_not_stop_other_lanes(
+    untied_model_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The compile is held until released (a 40,000-entry enum took 0.7 s): the
+    # engine keeps stepping the running stream meanwhile. Counted in engine
+    # steps and delivered tokens, not seconds.
+    import threading
+
+    from aiobasert.engine_thread import EngineThread
+
+    entered, gate = threading.Event(), threading.Event()
+    real = EngineThread._build_constraint
+
+    def held(self: EngineThread, *args: Any) -> Any:
+        entered.set()
+        gate.wait(120)  # bounded, in case the hold is on the engine thread itself
+        return real(self, *args)
+
+    monkeypatch.setattr(EngineThread, "_build_constraint", held)
+    async with Engine.open(untied_model_path, max_batch_size=4) as engine:
+        running = engine.stream("running", max_tokens=2000, ignore_eos=True)
+        await running.__anext__()
+        constrained = engine.stream("json", max_tokens=64, json_schema=PERSON)
+        constrained.submit()
+        try:
+            with anyio.fail_after(30):
+                while not entered.is_set():
+                    await anyio.sleep(0.001)
+                steps, delivered = engine._thread.steps, running._ticket.delivered
+                while engine._thread.steps < steps + 32:  # the engine steps on while the compile is held
+                    await anyio.sleep(0.001)
+                assert running._ticket.delivered >= delivered + 32 and not gate.is_set()
+        finally:
+            gate.set()
+        with anyio.fail_after(60):
+            check_json(await constrained, PERSON)
+        await running.aclose()
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("levels", [100, 5000])
+async def test_a_deeply_nested_schema_is_a_typed_error(untied_model_path: Path, levels: int) -> None:
+    # 5000 levels raised a raw RecursionError in the caller; 100 reached the compilers.
+    schema: dict[str, Any] = {"type": "string"}
+    for _ in range(levels):
+        schema = {"type": "array", "items": schema}
+    async with Engine.open(untied_model_path, max_batch_size=2) as engine:
+        with pytest.raises(InvalidRequestError, match="json_schema: is nested more than 64 levels"):
+            await engine.generate("x", max_tokens=3, json_schema=schema)
+        assert len((await engine.generate("x", max_tokens=3, ignore_eos=True)).token_ids) == 3
+
+
+@pytest.mark.anyio
+async def test_a_request_cancelled_while_its_grammar_compiles_is_dropped(
+    untied_model_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import threading
+
+    from aiobasert.engine_thread import EngineThread
+
+    entered, gate = threading.Event(), threading.Event()
+    real = EngineThread._build_constraint
+
+    def held(self: EngineThread, *args: Any) -> Any:
+        entered.set()
+        gate.wait(120)
+        return real(self, *args)
+
+    monkeypatch.setattr(EngineThread, "_build_constraint", held)
+    async with Engine.open(untied_model_path, max_batch_size=2) as engine:
+        s = engine.stream("json", max_tokens=16, json_schema=PERSON)
+        s.submit()
+        try:
+            with anyio.fail_after(30):
+                while not entered.is_set():
+                    await anyio.sleep(0.001)
+                await s.aclose()
+                stats = await engine.stats()  # answered while the compile is held
+                assert stats.requests_cancelled == 1 and stats.active_lanes == stats.waiting_requests == 0
+        finally:
+            gate.set()
+        with anyio.fail_after(30):  # the late grammar is freed, never run
+            while (await engine.stats()).live_grammars or engine._thread._preparing:
+                await anyio.sleep(0.001)
+            assert (await engine.stats()).active_lanes == 0
+
+
+@pytest.mark.anyio
+async def test_an_abort_does_not_wait_for_a_grammar_compile(
+    untied_model_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A compile is held; closing with abort=True answers its request with
+    # EngineClosedError and returns without it (the compile was on the engine
+    # thread and the close waited for it).
+    import threading
+
+    from aiobasert import EngineClosedError
+    from aiobasert.engine_thread import EngineThread
+
+    entered, gate = threading.Event(), threading.Event()
+    real = EngineThread._build_constraint
+
+    def held(self: EngineThread, *args: Any) -> Any:
+        entered.set()
+        gate.wait(120)
+        return real(self, *args)
+
+    monkeypatch.setattr(EngineThread, "_build_constraint", held)
+    engine = await Engine.open(untied_model_path, max_batch_size=2)
+    s = engine.stream("json", max_tokens=16, json_schema=PERSON)
+    s.submit()
+    try:
+        with anyio.fail_after(30):
+            while not entered.is_set():
+                await anyio.sleep(0.001)
+            await engine.aclose(abort=True)
+            assert not gate.is_set() and engine.models_freed == 1
+            with pytest.raises(EngineClosedError):
+                await s
+    finally:
+        gate.set()
+
+def test_backend_end_ids_are_the_engines(lib: Library, tmp_path: Path) -> None:
+    """The grammar offers exactly the tokens the engine ends generation on (asked of the engine,
+    not a copy of its list): here Gemma's <end_of_turn> stored as a normal token, as older Gemma
+    GGUFs do."""
+    path = build_tiny_model(tmp_path / "gemma_vocab.base", extra_tokens=(("<start_of_turn>", 3), ("<end_of_turn>", 1)))
+    tokens = read_bundle(path).tokenizer["tokenizer.ggml.tokens"]
+    backend = GrammarBackend.for_bundle(path, vocab_size=len(tokens))
+    m = lib.baseRT_load_tokenizer_only(str(path).encode())
+    try:
+        engine_ends = [t for t in range(len(tokens)) if lib.baseRT_is_eos_token(m, t)]
+    finally:
+        lib.baseRT_free_model(m)
+    assert backend.end_ids == engine_ends and tokens.index("<end_of_turn>") in engine_ends

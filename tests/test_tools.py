@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +17,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from aiobasert import Engine, InvalidRequestError, StreamClosedError
+from aiobasert.chat import GEMMA_TEMPLATE, render_chat
 from aiobasert.tiny import EOS_ID
 from aiobasert.tools import (
     CALL_OPEN,
@@ -202,6 +204,39 @@ def test_default_rendering_lists_tools_and_wraps_tool_results() -> None:
     assert CALL_OPEN + '{"name": "get_weather", "arguments": {"city":"Paris","days":1}}\n</tool_call>' in text
     assert "<tool_response>\nsunny\n</tool_response>" in text
     assert all(is_content for p, is_content in pieces if "<tool_response>" in p)  # client text stays content
+
+
+def test_model_templates_render_json_and_dates_as_hf_transformers_does() -> None:
+    """Qwen's `tool | tojson` and Llama 3.1's `tojson(indent=4)` give plain JSON (Jinja's own
+    tojson HTML-escapes `<`, `>`, `&` and `'`), and Llama 3.2's `strftime_now` is defined."""
+    tool = Tool(name="cmp", description="is a < b & b > c? it's 'quoted'", parameters={"type": "object"})
+    template = (
+        "{% for t in tools %}{{ t | tojson }}|{{ t.function | tojson(indent=4) }}{% endfor %}"
+        "{% if strftime_now is defined %}[{{ strftime_now('%Y') }}]{% endif %}"
+        "{% for m in messages %}{{ m.content }}{% endfor %}"
+    )
+    text = "".join(p for p, _ in render_tool_chat(template, [{"role": "user", "content": "hi"}], [tool]))
+    assert json.dumps(tool.as_openai()) in text
+    assert json.dumps(tool.as_openai()["function"], indent=4) in text
+    assert "\\u003c" not in text and "a < b & b > c? it's 'quoted'" in text
+    assert re.search(r"\[\d{4}\]", text)
+
+
+@pytest.mark.parametrize("content", ["  Hi there \n", "Hi", " \t ", "\nline one\n\nline two\n"])
+def test_trimmed_contents_render_as_the_template_says(content: str) -> None:
+    """Llama 3's and Gemma's templates trim each message's content: exactly its outer whitespace goes
+    (the text between stays a content piece); a template that does not trim keeps the content
+    whole. With and without tools."""
+    trim = "{% for m in messages %}[{{ m.content | trim }}]{% endfor %}{{ tools | length if tools else '' }}"
+    keep = trim.replace(" | trim", "")
+    for render in (lambda t: render_chat(t, [{"role": "user", "content": content}]),
+                   lambda t: render_tool_chat(t, [{"role": "user", "content": content}], [WEATHER])):
+        trimmed, kept = render(trim), render(keep)
+        assert "".join(p for p, _ in trimmed).startswith(f"[{content.strip()}]")
+        assert "".join(p for p, _ in kept).startswith(f"[{content}]")
+        assert [p for p, is_content in trimmed if is_content] == ([content.strip()] if content.strip() else [])
+    turn = render_chat(GEMMA_TEMPLATE, [{"role": "user", "content": content}])
+    assert "".join(p for p, _ in turn) == f"<start_of_turn>user\n{content.strip()}<end_of_turn>\n<start_of_turn>model\n"
 
 
 def test_model_template_with_tools_is_used() -> None:
@@ -416,6 +451,10 @@ async def test_engine_tag_lanes_batch_with_free_lanes(untied_model_path: Path) -
                                            max_tokens=80, temperature=1.0, seed=j, logit_bias=bias)
 
         async def free_turn(j: int) -> None:
+            # grammars are built off the engine thread, so a free request no longer
+            # waits behind them: start once tool lanes are in the engine, to share steps
+            while (await engine.stats()).live_grammars == 0:
+                await anyio.sleep(0.001)
             free[j] = await engine.generate(free_prompts[j], **free_kw)
 
         async with anyio.create_task_group() as tg:

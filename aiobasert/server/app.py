@@ -30,6 +30,29 @@ from .streaming import DEFAULT_WRITE_TIMEOUT_S
 _OPEN_PATHS = frozenset({"/health", "/metrics", "/version"})
 
 
+class _StartupFailure:
+    """A model that cannot be loaded at startup is the server's one-line error (the engine's own
+    message), not a traceback: Starlette reports a failed lifespan with the formatted traceback,
+    which uvicorn prints; this replaces that text when the cause is one of ours."""
+
+    def __init__(self, app: ASGIApp, failures: list[AioBaseRTError]) -> None:
+        self.app = app
+        self._failures = failures
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "lifespan":
+            await self.app(scope, receive, send)
+            return
+
+        async def send_one_line(message: Message) -> None:
+            if message["type"] == "lifespan.startup.failed" and self._failures:
+                exc = self._failures[-1]
+                message = {**message, "message": f"aiobasert: cannot start: {type(exc).__name__}: {exc}"}
+            await send(message)
+
+        await self.app(scope, receive, send_one_line)
+
+
 class _BearerAuth:
     """Require `Authorization: Bearer <api_key>` on every path but the operator's
     unauthenticated ones (/health, /metrics, /version: probes and scrapers)."""
@@ -119,16 +142,25 @@ def build_app(
         Route("/detokenize", service.detokenize, methods=["POST"]),
     ]
 
+    startup_failures: list[AioBaseRTError] = []
+
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        async with provider.lifespan(), anyio.create_task_group() as tg:
-            tg.start_soon(service.metrics.probe_loop_lag)
-            try:
-                yield
-            finally:
-                tg.cancel_scope.cancel()
+        started = False
+        try:
+            async with provider.lifespan(), anyio.create_task_group() as tg:
+                tg.start_soon(service.metrics.probe_loop_lag)
+                started = True
+                try:
+                    yield
+                finally:
+                    tg.cancel_scope.cancel()
+        except AioBaseRTError as exc:
+            if not started:  # a model that cannot load: _StartupFailure reports it in one line
+                startup_failures.append(exc)
+            raise
 
-    middleware = [Middleware(_RequestId)]
+    middleware = [Middleware(_StartupFailure, failures=startup_failures), Middleware(_RequestId)]
     if allowed_origins:
         # outside the auth check, so browsers' preflight requests get their answer
         middleware.append(Middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["*"],

@@ -22,12 +22,65 @@
 #include <stdlib.h>
 #include <string.h>
 
+/* YaRN's ramp between the interpolated and extrapolated angle of pair i (llama.cpp's rope_yarn_ramp). */
+static double yarn_ramp(double low, double high, int i) {
+    double y = ((double)i - low) / fmax(0.001, high - low);
+    return 1.0 - fmin(1.0, fmax(0.0, y));
+}
+
+/* YaRN's correction dimension for a number of rotations (ggml_rope_yarn_corr_dim). */
+static double yarn_corr_dim(int n_dims, uint32_t n_ctx_orig, double n_rot, double base) {
+    return n_dims * log((double)n_ctx_orig / (n_rot * 2.0 * M_PI)) / (2.0 * log(base));
+}
+
+/* Llama 3.1's llama3 scaling of pair i (HF's _compute_llama3_parameters, what llama.cpp's converter
+ * stores in rope_freqs): wavelengths shorter than orig_ctx / high_freq_factor kept, longer than
+ * orig_ctx / low_freq_factor divided by the factor, a smooth blend between. */
+static double llama3_divisor(const rt_rope_params *r, int head_dim, int i) {
+    double freq = pow(r->theta, -2.0 * (double)i / (double)head_dim);
+    double wavelen = 2.0 * M_PI / freq, ctx = (double)r->orig_ctx;
+    if (wavelen < ctx / r->high_freq_factor) return 1.0;
+    if (wavelen > ctx / r->low_freq_factor) return r->llama3_factor;
+    double smooth = (ctx / wavelen - r->low_freq_factor) / (r->high_freq_factor - r->low_freq_factor);
+    return 1.0 / ((1.0 - smooth) / r->llama3_factor + smooth);
+}
+
+/* One RoPE table [max_seq][head_dim/2] of cos / sin: pair i at position pos turns
+ * by pos * theta^(-2i/head_dim) / freq_factor[i], then scaled as ggml's rope_yarn
+ * does (linear: times freq_scale; YaRN: blended with the unscaled angle along a
+ * ramp and the magnitude scaled). Angles in double, rounded once to f32. */
+static void rope_table(const rt_rope_params *r, const float *freq_factors, int head_dim, uint32_t max_seq,
+                       float *cos_out, float *sin_out) {
+    int half = head_dim / 2;
+    double lo = 0.0, hi = 0.0, mscale = r->attn_factor;
+    if (r->ext_factor != 0.0) {
+        lo = fmax(0.0, floor(yarn_corr_dim(head_dim, r->orig_ctx, r->beta_fast, r->theta)));
+        hi = fmin(head_dim - 1, ceil(yarn_corr_dim(head_dim, r->orig_ctx, r->beta_slow, r->theta)));
+        mscale *= 1.0 + 0.1 * log(1.0 / r->freq_scale);
+    }
+    for (uint32_t pos = 0; pos < max_seq; pos++) {
+        for (int i = 0; i < half; i++) {
+            double extrap = (double)pos * pow(r->theta, -2.0 * (double)i / (double)head_dim);
+            if (r->freq_factors && freq_factors) extrap /= (double)freq_factors[i];
+            else if (r->llama3_factor > 0.0) extrap /= llama3_divisor(r, head_dim, i);
+            double angle = r->freq_scale * extrap;
+            if (r->ext_factor != 0.0) {
+                double mix = yarn_ramp(lo, hi, i) * r->ext_factor;
+                angle = angle * (1.0 - mix) + extrap * mix;
+            }
+            cos_out[(size_t)pos * half + i] = (float)(cos(angle) * mscale);
+            sin_out[(size_t)pos * half + i] = (float)(sin(angle) * mscale);
+        }
+    }
+}
+
 int rt_forward_init(rt_model *m) {
     rt_runtime *rt = m->rt;
     const BaseRTModelConfig *c = &m->cfg;
     size_t C = (size_t)m->prefill_chunk;
     size_t half = c->head_dim / 2;
     int n_threads = rt_threads_count(rt->threads);
+    size_t n_tables = m->arch.sliding_window ? 2 : 1; /* sliding-window layers have a RoPE table of their own */
     rt->chunk = m->prefill_chunk;
     rt->max_lanes = m->max_batch_size > 1 ? m->max_batch_size : 1;
     struct {
@@ -47,8 +100,8 @@ int rt_forward_init(rt_model *m) {
         {(void **)&rt->lane_out_first, (size_t)rt->max_lanes * sizeof(int)},
         {(void **)&rt->lane_tap_first, (size_t)rt->max_lanes * sizeof(int)},
         {(void **)&rt->att_scores, (size_t)n_threads * (c->n_heads / c->n_kv_heads) * c->max_seq_len * sizeof(float)},
-        {(void **)&rt->rope_cos, (size_t)c->max_seq_len * half * sizeof(float)},
-        {(void **)&rt->rope_sin, (size_t)c->max_seq_len * half * sizeof(float)},
+        {(void **)&rt->rope_cos, n_tables * c->max_seq_len * half * sizeof(float)},
+        {(void **)&rt->rope_sin, n_tables * c->max_seq_len * half * sizeof(float)},
         {(void **)&rt->final_h, (size_t)rt->max_lanes * c->dim * sizeof(float)},
         /* activations quantized per 32 for quantized weights: any matmul's input rows */
         {(void **)&rt->xq, rt_matmul_scratch_bytes((int)(C > (size_t)rt->max_lanes ? C : (size_t)rt->max_lanes),
@@ -63,15 +116,10 @@ int rt_forward_init(rt_model *m) {
         }
         rt->bytes += allocs[i].bytes;
     }
-    /* Adjacent-pair RoPE: pair i of a head rotates by pos * theta^(-2i/head_dim).
-     * Angles in double, rounded once to f32. */
-    for (uint32_t pos = 0; pos < c->max_seq_len; pos++) {
-        for (size_t i = 0; i < half; i++) {
-            double freq = pow((double)c->rope_theta, -2.0 * (double)i / (double)c->head_dim);
-            double angle = (double)pos * freq;
-            rt->rope_cos[pos * half + i] = (float)cos(angle);
-            rt->rope_sin[pos * half + i] = (float)sin(angle);
-        }
+    for (size_t table = 0; table < n_tables; table++) {
+        size_t at = table * c->max_seq_len * half;
+        rope_table(&m->arch.rope[table], m->rope_freqs, (int)c->head_dim, c->max_seq_len, rt->rope_cos + at,
+                   rt->rope_sin + at);
     }
     return BASERT_OK;
 }
@@ -98,16 +146,25 @@ static void rmsnorm(float *out, const float *x, const float *w, int n, float eps
     for (int i = 0; i < n; i++) out[i] = (x[i] * scale) * w[i];
 }
 
-static void rope(float *vec, int n_heads, int head_dim, const float *cos_row, const float *sin_row) {
+/* Rotate pair i of each head by the table's angle: pairs (2i, 2i+1) (llama's
+ * GGUF-permuted rows) or (i, i + head_dim/2) (NeoX: Qwen, Gemma). */
+static void rope(float *vec, int n_heads, int head_dim, rt_rope_pairs pairs, const float *cos_row,
+                 const float *sin_row) {
     int half = head_dim / 2;
+    int stride = pairs == RT_ROPE_NEOX ? 1 : 2, other = pairs == RT_ROPE_NEOX ? half : 1;
     for (int h = 0; h < n_heads; h++) {
         float *v = vec + (size_t)h * head_dim;
         for (int i = 0; i < half; i++) {
-            float a = v[2 * i], b = v[2 * i + 1], c = cos_row[i], s = sin_row[i];
-            v[2 * i] = a * c - b * s;
-            v[2 * i + 1] = a * s + b * c;
+            float *x = v + i * stride, *y = x + other;
+            float a = *x, b = *y, c = cos_row[i], s = sin_row[i];
+            *x = a * c - b * s;
+            *y = a * s + b * c;
         }
     }
+}
+
+static void add_bias(float *x, const float *b, int n) {
+    for (int i = 0; i < n; i++) x[i] += b[i];
 }
 
 /* ---- attention ------------------------------------------------------------- */
@@ -125,6 +182,14 @@ static float *kv_widen_q8(float *out, const char *src, size_t rb, int cnt, int h
         }
     }
     return out;
+}
+
+/* The pool slot of position t0 of sequence s, and in *cnt how many positions from
+ * t0 (before n) follow it in the same page. */
+static size_t page_segment(const rt_seq *s, int t0, int n, int *cnt) {
+    int in_page = t0 % RT_PAGE_SIZE;
+    *cnt = n - t0 < RT_PAGE_SIZE - in_page ? n - t0 : RT_PAGE_SIZE - in_page;
+    return (size_t)s->blocks[t0 / RT_PAGE_SIZE] * RT_PAGE_SIZE + (size_t)in_page;
 }
 
 typedef struct {
@@ -154,12 +219,14 @@ static void attend(rt_model *m, const rt_seq *s, int layer, int pos, int kvh, co
     int wtype = rt->kv_type == RT_KV_F16 ? RT_W_F16 : RT_W_F32;
     size_t ld = q8 ? (size_t)hd : rb / (rt->kv_type == RT_KV_F16 ? 2 : 4); /* row stride in values */
     float page[RT_PAGE_SIZE * RT_KV_MAX_HEAD_DIM]; /* a Q8_0 page slice, widened */
-    float scale = 1.0f / sqrtf((float)hd);
+    float scale = m->arch.attn_scale;
     int n = pos + 1;
+    /* A sliding-window layer sees the last `window` positions, itself included. */
+    uint32_t window = m->layers[layer].sliding ? m->arch.sliding_window : 0;
+    int lo = window && (uint32_t)n > window ? n - (int)window : 0;
 
-    for (int t0 = 0; t0 < n; t0 += RT_PAGE_SIZE) {
-        size_t first = (size_t)s->blocks[t0 / RT_PAGE_SIZE] * RT_PAGE_SIZE;
-        int cnt = n - t0 < RT_PAGE_SIZE ? n - t0 : RT_PAGE_SIZE;
+    for (int t0 = lo, cnt; t0 < n; t0 += cnt) {
+        size_t first = page_segment(s, t0, n, &cnt);
         rt_weight keys = {(void *)(kl + first * rb + head_off), wtype, 0};
         if (q8) keys = (rt_weight){kv_widen_q8(page, kl + first * rb + head_off, rb, cnt, hd), RT_W_F32, 0};
         rt_dots(q, (size_t)hd, group, &keys, ld, cnt, scores + t0, (size_t)max_seq, hd);
@@ -167,20 +234,19 @@ static void attend(rt_model *m, const rt_seq *s, int layer, int pos, int kvh, co
     for (int g = 0; g < group; g++) {
         float *sc = scores + (size_t)g * max_seq;
         float mx = -INFINITY;
-        for (int t = 0; t < n; t++) {
+        for (int t = lo; t < n; t++) {
             sc[t] *= scale;
             if (sc[t] > mx) mx = sc[t];
         }
         float sum = 0.0f;
-        for (int t = 0; t < n; t++) {
+        for (int t = lo; t < n; t++) {
             sc[t] = expf(sc[t] - mx);
             sum += sc[t];
         }
         float *o = out + (size_t)g * hd;
         memset(o, 0, (size_t)hd * sizeof(float));
-        for (int t0 = 0; t0 < n; t0 += RT_PAGE_SIZE) {
-            size_t first = (size_t)s->blocks[t0 / RT_PAGE_SIZE] * RT_PAGE_SIZE;
-            int cnt = n - t0 < RT_PAGE_SIZE ? n - t0 : RT_PAGE_SIZE;
+        for (int t0 = lo, cnt; t0 < n; t0 += cnt) {
+            size_t first = page_segment(s, t0, n, &cnt);
             rt_weight vals = {(void *)(vl + first * rb + head_off), wtype, 0};
             if (q8) vals = (rt_weight){kv_widen_q8(page, vl + first * rb + head_off, rb, cnt, hd), RT_W_F32, 0};
             rt_axpy_rows(sc + t0, cnt, &vals, ld, o, hd);
@@ -208,14 +274,15 @@ static void attn_task(void *ctx, int tid) {
     }
 }
 
-/* SwiGLU's gate: g = silu(g) * u, element by element (so any split gives the same values), shared out in
- * chunks when a wide batch makes it worth a wake-up. */
+/* The gated FFN: g = act(g) * u (SwiGLU's silu, GeGLU's tanh-approximated gelu), element by element (so
+ * any split gives the same values), shared out in chunks when a wide batch makes it worth a wake-up. */
 enum { SILU_CHUNK = 4096, SILU_PARALLEL = 4 * SILU_CHUNK };
 
 typedef struct {
     float *g;
     const float *u;
     size_t n;
+    rt_activation act;
     atomic_size_t next;
 } silu_job;
 
@@ -226,10 +293,10 @@ static void silu_task(void *ctx, int tid) {
         size_t i0 = atomic_fetch_add_explicit(&j->next, SILU_CHUNK, memory_order_relaxed);
         if (i0 >= j->n) return;
         size_t i1 = i0 + SILU_CHUNK < j->n ? i0 + SILU_CHUNK : j->n;
-        for (size_t i = i0; i < i1; i++) {
-            float g = j->g[i];
-            j->g[i] = (g / (1.0f + expf(-g))) * j->u[i];
-        }
+        if (j->act == RT_ACT_GELU_TANH)
+            for (size_t i = i0; i < i1; i++) j->g[i] = rt_gelu_tanh(j->g[i]) * j->u[i];
+        else
+            for (size_t i = i0; i < i1; i++) j->g[i] = rt_silu(j->g[i]) * j->u[i];
     }
 }
 
@@ -286,6 +353,7 @@ static void tap_slice(rt_model *m, const rt_lane *lanes, int R, const rt_rows *r
 static void forward_slice(rt_model *m, const rt_lane *lanes, int R, const rt_rows *rows) {
     rt_runtime *rt = m->rt;
     const BaseRTModelConfig *c = &m->cfg;
+    const rt_arch *A = &m->arch;
     int dim = (int)c->dim, q_dim = (int)c->q_dim, kv_dim = (int)c->kv_dim, ffn = (int)c->ffn_dim;
     int hd = (int)c->head_dim, half = hd / 2;
 
@@ -304,15 +372,34 @@ static void forward_slice(rt_model *m, const rt_lane *lanes, int R, const rt_row
             {L->wv, rt->v, kv_dim, (size_t)kv_dim},
         };
         rt_matmul(rt->threads, rt->xb, (size_t)dim, R, dim, qkv, 3, rt->xq);
+        if (A->qkv_bias)
+            for (int r = 0; r < R; r++) {
+                add_bias(rt->q + (size_t)r * q_dim, L->bq, q_dim);
+                add_bias(rt->k + (size_t)r * kv_dim, L->bk, kv_dim);
+                add_bias(rt->v + (size_t)r * kv_dim, L->bv, kv_dim);
+            }
+        if (A->qk_norm)
+            for (int r = 0; r < R; r++) {
+                for (uint32_t h = 0; h < c->n_heads; h++) {
+                    float *qh = rt->q + (size_t)r * q_dim + (size_t)h * hd;
+                    rmsnorm(qh, qh, L->q_norm, hd, c->norm_eps);
+                }
+                for (uint32_t h = 0; h < c->n_kv_heads; h++) {
+                    float *kh = rt->k + (size_t)r * kv_dim + (size_t)h * hd;
+                    rmsnorm(kh, kh, L->k_norm, hd, c->norm_eps);
+                }
+            }
+        size_t table = L->sliding ? (size_t)c->max_seq_len * half : 0;
 
         char *kl = (char *)rt->k_pool + (size_t)l * rt->layer_bytes;
         char *vl = (char *)rt->v_pool + (size_t)l * rt->layer_bytes;
         for (int r = 0; r < R; r++) {
             int pos = rt->row_pos[r];
-            const float *cs = rt->rope_cos + (size_t)pos * half, *sn = rt->rope_sin + (size_t)pos * half;
+            const float *cs = rt->rope_cos + table + (size_t)pos * half;
+            const float *sn = rt->rope_sin + table + (size_t)pos * half;
             float *qr = rt->q + (size_t)r * q_dim, *kr = rt->k + (size_t)r * kv_dim;
-            rope(qr, (int)c->n_heads, hd, cs, sn);
-            rope(kr, (int)c->n_kv_heads, hd, cs, sn);
+            rope(qr, (int)c->n_heads, hd, A->rope_pairs, cs, sn);
+            rope(kr, (int)c->n_kv_heads, hd, A->rope_pairs, cs, sn);
             const rt_seq *s = lanes[rt->row_lane[r]].seq;
             size_t slot = (size_t)s->blocks[pos / RT_PAGE_SIZE] * RT_PAGE_SIZE + (size_t)(pos % RT_PAGE_SIZE);
             kv_store(rt, kl + slot * rt->kv_row_bytes, kr, kv_dim);
@@ -325,6 +412,9 @@ static void forward_slice(rt_model *m, const rt_lane *lanes, int R, const rt_row
 
         rt_mm_target o = {L->wo, rt->xb, dim, (size_t)dim};
         rt_matmul(rt->threads, rt->att, (size_t)q_dim, R, q_dim, &o, 1, rt->xq);
+        if (A->out_norms)
+            for (int r = 0; r < R; r++)
+                rmsnorm(rt->xb + (size_t)r * dim, rt->xb + (size_t)r * dim, L->attn_out_norm, dim, c->norm_eps);
         for (size_t i = 0; i < (size_t)R * dim; i++) rt->x[i] += rt->xb[i];
 
         for (int r = 0; r < R; r++)
@@ -334,10 +424,13 @@ static void forward_slice(rt_model *m, const rt_lane *lanes, int R, const rt_row
             {L->w_up, rt->hb2, ffn, (size_t)ffn},
         };
         rt_matmul(rt->threads, rt->xb, (size_t)dim, R, dim, gu, 2, rt->xq);
-        silu_job sj = {rt->hb, rt->hb2, (size_t)R * ffn, 0};
+        silu_job sj = {rt->hb, rt->hb2, (size_t)R * ffn, A->act, 0};
         rt_threads_run(rt->threads, silu_task, &sj, sj.n < SILU_PARALLEL ? 1 : rt_threads_count(rt->threads));
         rt_mm_target d = {L->w_down, rt->xb, dim, (size_t)dim};
         rt_matmul(rt->threads, rt->hb, (size_t)ffn, R, ffn, &d, 1, rt->xq);
+        if (A->out_norms)
+            for (int r = 0; r < R; r++)
+                rmsnorm(rt->xb + (size_t)r * dim, rt->xb + (size_t)r * dim, L->ffn_out_norm, dim, c->norm_eps);
         for (size_t i = 0; i < (size_t)R * dim; i++) rt->x[i] += rt->xb[i];
     }
     tap_slice(m, lanes, R, rows, (int)c->n_layers); /* the final pre-norm hidden */
@@ -368,7 +461,10 @@ void rt_forward(rt_model *m, const rt_lane *lanes, int n_lanes, float *logits, d
             for (int k = 0; k < take; k++, R++) {
                 rt->row_lane[R] = lane;
                 rt->row_pos[R] = ln->seq->length + off + k;
-                rt_weight_row(&m->tok_embd, ln->tokens[off + k], dim, rt->x + (size_t)R * dim);
+                float *xr = rt->x + (size_t)R * dim;
+                rt_weight_row(&m->tok_embd, ln->tokens[off + k], dim, xr);
+                if (m->arch.embed_scale != 1.0f)
+                    for (int i = 0; i < dim; i++) xr[i] *= m->arch.embed_scale;
             }
             off += take;
             if (off == ln->n) {
@@ -408,4 +504,7 @@ void rt_forward(rt_model *m, const rt_lane *lanes, int n_lanes, float *logits, d
         rt_mm_target head = {m->lm_head, logits + (size_t)r0 * vocab, (int)vocab, vocab};
         rt_matmul(rt->threads, rt->final_h + (size_t)r0 * dim, (size_t)dim, nr, dim, &head, 1, rt->xq);
     }
+    float cap = m->arch.final_softcap;
+    if (cap > 0.0f)
+        for (size_t i = 0; i < (size_t)n_out * vocab; i++) logits[i] = cap * tanhf(logits[i] / cap);
 }

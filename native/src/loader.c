@@ -57,13 +57,57 @@ typedef struct {
     const json_value *hdr;
 } bundle;
 
-/* The llama layout: slot 0 embed, 1 final norm, 2 lm_head, then 9 per layer. */
-enum { SLOT_EMBED, SLOT_FINAL_NORM, SLOT_LM_HEAD, SLOT_LAYER0 };
-static const char *const LAYER_SUFFIX[9] = {
-    "input_norm.weight",    "self_attn.q_proj.weight", "self_attn.k_proj.weight",
-    "self_attn.v_proj.weight", "self_attn.o_proj.weight", "post_attn_norm.weight",
-    "mlp.gate_proj.weight", "mlp.up_proj.weight",      "mlp.down_proj.weight",
+/* The tensor layout: slot 0 embed, 1 final norm, 2 lm_head, 3 rope_freqs, then
+ * LAYER_SLOTS per layer: the llama nine, then what other architectures add. */
+enum { SLOT_EMBED, SLOT_FINAL_NORM, SLOT_LM_HEAD, SLOT_ROPE_FREQS, SLOT_LAYER0 };
+enum {
+    L_ATTN_NORM, L_WQ, L_WK, L_WV, L_WO, L_FFN_NORM, L_GATE, L_UP, L_DOWN,
+    L_BQ, L_BK, L_BV, L_Q_NORM, L_K_NORM, L_ATTN_OUT_NORM, L_FFN_OUT_NORM, LAYER_SLOTS
 };
+static const char *const LAYER_SUFFIX[LAYER_SLOTS] = {
+    "input_norm.weight",       "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
+    "self_attn.o_proj.weight", "post_attn_norm.weight",   "mlp.gate_proj.weight",    "mlp.up_proj.weight",
+    "mlp.down_proj.weight",    "self_attn.q_proj.bias",   "self_attn.k_proj.bias",   "self_attn.v_proj.bias",
+    "self_attn.q_norm.weight", "self_attn.k_norm.weight", "self_attn.out_norm.weight", "mlp.out_norm.weight",
+};
+
+/* ---- architectures --------------------------------------------------------------- */
+
+/* The one place that says what each architecture is (docs/models.md): its fixed
+ * traits. Numbers (RoPE bases and scaling, window, soft-cap) come from the
+ * bundle's config; the forward pass reads only the resulting rt_arch. */
+typedef struct {
+    const char *name;
+    rt_rope_pairs rope_pairs;
+    rt_activation act;
+    bool qkv_bias, qk_norm, out_norms;
+    bool embed_scaled;   /* embedding times sqrt(dim) */
+    bool sliding_layers; /* interleaved sliding-window layers (config.layer_types / sliding_window_pattern) */
+    bool rope_freqs;     /* may carry rope_freqs.weight (Llama 3.1's llama3 scaling) */
+} arch_traits;
+
+static const arch_traits ARCHS[] = {
+    /* Llama 1-3, SmolLM2, Mistral-style: the GGUF permuted q/k rows for adjacent-pair RoPE. */
+    {"llama", RT_ROPE_ADJACENT, RT_ACT_SILU, false, false, false, false, false, true},
+    {"qwen2", RT_ROPE_NEOX, RT_ACT_SILU, true, false, false, false, false, false},
+    {"qwen3", RT_ROPE_NEOX, RT_ACT_SILU, false, true, false, false, false, false},
+    /* Gemma 3: GGUF norm weights already hold Gemma's 1 + w (convert_hf_to_gguf adds the 1). */
+    {"gemma3", RT_ROPE_NEOX, RT_ACT_GELU_TANH, false, true, true, true, true, false},
+};
+
+static const arch_traits *find_arch(const char *name) {
+    for (size_t i = 0; name && i < sizeof ARCHS / sizeof ARCHS[0]; i++)
+        if (strcmp(ARCHS[i].name, name) == 0) return &ARCHS[i];
+    return NULL;
+}
+
+/* Which optional per-layer tensors an architecture has. */
+static bool layer_slot_used(const arch_traits *a, int k) {
+    if (k < L_BQ) return true;
+    if (k <= L_BV) return a->qkv_bias;
+    if (k <= L_K_NORM) return a->qk_norm;
+    return a->out_norms;
+}
 
 static __attribute__((format(printf, 3, 4))) int bundle_fail(const bundle *b, BaseRTErrorCode code,
                                                              const char *fmt, ...) {
@@ -160,8 +204,13 @@ static int bundle_open(bundle *b, const char *fn, const char *path) {
 
 /* ---- config ---------------------------------------------------------------- */
 
+#define RT_MAX_LAYERS 1024
+
 typedef struct {
     BaseRTModelConfig cfg;
+    const arch_traits *traits;
+    rt_arch arch;
+    bool sliding[RT_MAX_LAYERS];
     int trained_context;
     int tie; /* -1 = unspecified */
     bool has_bos, has_eos;
@@ -196,15 +245,139 @@ static int cfg_float(const bundle *b, const json_value *cfg, const char *key, do
     return BASERT_OK;
 }
 
-static int parse_config(const bundle *b, parsed_config *pc) {
+/* config.rope_scaling (null or {"rope_type": "linear" | "yarn", "factor", and for
+ * YaRN "original_max_position_embeddings", "beta_fast", "beta_slow", "attn_factor",
+ * "ext_factor"}, llama.cpp's defaults) into the full-attention layers' RoPE. */
+static int parse_rope_scaling(const bundle *b, const json_value *c, rt_rope_params *r) {
+    const json_value *rs = json_get(c, "rope_scaling");
+    if (!rs || rs->type == JSON_NULL) return BASERT_OK;
+    if (rs->type != JSON_OBJECT) return bundle_fail(b, BASERT_ERR_INVALID_FORMAT, "config.rope_scaling is not an object");
+    const char *type = json_string(json_get(rs, "rope_type"));
+    if (!type || strcmp(type, "none") == 0) return BASERT_OK;
+    bool yarn = strcmp(type, "yarn") == 0, llama3 = strcmp(type, "llama3") == 0;
+    if (!yarn && !llama3 && strcmp(type, "linear") != 0)
+        return bundle_fail(b, BASERT_ERR_UNSUPPORTED,
+                           "config.rope_scaling.rope_type '%s' is not supported (linear, yarn, llama3)", type);
+    float factor = 1.0f, bf = 32.0f, bs = 1.0f, af = 1.0f, ef = 1.0f;
+    uint32_t orig = 0;
+    int rc;
+    if ((rc = cfg_float(b, rs, "factor", 1.0, 0.0, 1e6, &factor)) ||
+        (rc = cfg_float(b, rs, "beta_fast", 32.0, 0.0, 1e6, &bf)) ||
+        (rc = cfg_float(b, rs, "beta_slow", 1.0, 0.0, 1e6, &bs)) ||
+        (rc = cfg_float(b, rs, "attn_factor", 1.0, 0.0, 1e6, &af)) ||
+        (rc = cfg_uint(b, rs, "original_max_position_embeddings", yarn || llama3, 0, 1, 1u << 24, &orig)))
+        return rc;
+    if (llama3) { /* HF's defaults; a rope_freqs tensor, where the bundle has one, takes precedence */
+        float low = 1.0f, high = 4.0f;
+        if ((rc = cfg_float(b, rs, "low_freq_factor", 1.0, 0.0, 1e6, &low)) ||
+            (rc = cfg_float(b, rs, "high_freq_factor", 4.0, 0.0, 1e6, &high)))
+            return rc;
+        if (!(high > low))
+            return bundle_fail(b, BASERT_ERR_INVALID_FORMAT,
+                               "config.rope_scaling: high_freq_factor must be above low_freq_factor");
+        r->llama3_factor = factor;
+        r->low_freq_factor = low;
+        r->high_freq_factor = high;
+        r->orig_ctx = orig;
+        return BASERT_OK;
+    }
+    double ext = yarn ? 1.0 : 0.0;
+    const json_value *ev = json_get(rs, "ext_factor");
+    if (ev && ev->type != JSON_NULL) {
+        if ((rc = cfg_float(b, rs, "ext_factor", 1.0, 0.0, 1e6, &ef))) return rc;
+        ext = ef;
+    }
+    r->freq_scale = 1.0 / (double)factor;
+    r->ext_factor = ext;
+    r->attn_factor = af;
+    r->beta_fast = bf;
+    r->beta_slow = bs;
+    r->orig_ctx = orig;
+    return BASERT_OK;
+}
+
+/* The architecture's description: its traits, then the config's numbers. */
+static int parse_arch(const bundle *b, const json_value *c, const char *arch_name, parsed_config *pc) {
+    const BaseRTModelConfig *cfg = &pc->cfg;
+    const arch_traits *t = pc->traits;
+    rt_arch *a = &pc->arch;
+    snprintf(a->name, sizeof a->name, "%s", arch_name);
+    a->rope_pairs = t->rope_pairs;
+    a->act = t->act;
+    a->qkv_bias = t->qkv_bias;
+    a->qk_norm = t->qk_norm;
+    a->out_norms = t->out_norms;
+    a->embed_scale = t->embed_scaled ? sqrtf((float)cfg->dim) : 1.0f;
+    rt_rope_params plain = {.theta = cfg->rope_theta, .freq_scale = 1.0, .attn_factor = 1.0,
+                            .beta_fast = 32.0, .beta_slow = 1.0};
+    a->rope[0] = plain;
+    a->rope[0].freq_factors = true; /* used only when the bundle has rope_freqs */
+    int rc = parse_rope_scaling(b, c, &a->rope[0]);
+    if (rc) return rc;
+    float scalar = 1.0f;
+    if ((rc = cfg_float(b, c, "query_pre_attn_scalar", (double)cfg->head_dim, 0.0, 1e9, &scalar))) return rc;
+    a->attn_scale = (float)(1.0 / sqrt((double)scalar));
+    const json_value *cap = json_get(c, "final_logit_softcapping");
+    double cap0;
+    bool no_cap = !cap || cap->type == JSON_NULL || (json_number(cap, &cap0) && cap0 == 0.0); /* null or 0: none */
+    if (!no_cap && (rc = cfg_float(b, c, "final_logit_softcapping", 0.0, 0.0, 1e9, &a->final_softcap))) return rc;
+
+    /* Sliding-window layers: which ones (config.layer_types, or every layer but each
+     * sliding_window_pattern-th), how wide, and their own RoPE base (unscaled). */
+    const json_value *types = json_get(c, "layer_types");
+    const json_value *win = json_get(c, "sliding_window");
+    bool any = (types && types->type != JSON_NULL) || (win && win->type != JSON_NULL);
+    if (!any) return BASERT_OK;
+    if (!t->sliding_layers)
+        return bundle_fail(b, BASERT_ERR_UNSUPPORTED, "config: sliding-window layers are not part of arch '%s'",
+                           arch_name);
+    if ((rc = cfg_uint(b, c, "sliding_window", true, 0, 1, 1u << 24, &a->sliding_window))) return rc;
+    if (types && types->type != JSON_NULL) {
+        if (types->type != JSON_ARRAY || json_count(types) != cfg->n_layers)
+            return bundle_fail(b, BASERT_ERR_INVALID_FORMAT, "config.layer_types must list one type per layer");
+        for (uint32_t l = 0; l < cfg->n_layers; l++) {
+            const char *ty = json_string(json_at(types, l));
+            bool sliding = ty && strcmp(ty, "sliding_attention") == 0;
+            if (!sliding && !(ty && strcmp(ty, "full_attention") == 0))
+                return bundle_fail(b, BASERT_ERR_INVALID_FORMAT,
+                                   "config.layer_types[%u] is not 'sliding_attention' or 'full_attention'", l);
+            pc->sliding[l] = sliding;
+        }
+    } else {
+        uint32_t pattern = 6;
+        if ((rc = cfg_uint(b, c, "sliding_window_pattern", false, 6, 1, 1u << 16, &pattern))) return rc;
+        for (uint32_t l = 0; l < cfg->n_layers; l++) pc->sliding[l] = l % pattern < pattern - 1;
+    }
+    float local = 10000.0f;
+    if ((rc = cfg_float(b, c, "rope_local_base_freq", 10000.0, 1.0, 1e12, &local))) return rc;
+    a->rope[1] = plain;
+    a->rope[1].theta = local;
+    return BASERT_OK;
+}
+
+static int parse_config(const bundle *b, bool tokenizer_only, parsed_config *pc) {
     memset(pc, 0, sizeof *pc);
+    /* The architecture decides what the rest of the header means: check it first.
+     * A tokenizer-only load reads any architecture's tokenizer. */
+    const char *arch_name = json_string(json_get(b->hdr, "arch"));
+    if (!arch_name && !tokenizer_only) return bundle_fail(b, BASERT_ERR_INVALID_FORMAT, "the header has no arch");
+    pc->traits = find_arch(arch_name);
+    if (!pc->traits) {
+        if (!tokenizer_only)
+            return bundle_fail(b, BASERT_ERR_UNSUPPORTED,
+                               "arch '%s' is not supported (the reference engine runs llama, qwen2, qwen3, gemma3)",
+                               arch_name);
+        pc->traits = &ARCHS[0]; /* tokenizer-only: no forward reads it */
+    }
+    bool foreign = strcmp(pc->traits->name, arch_name ? arch_name : "") != 0;
+    if (!arch_name) arch_name = pc->traits->name;
     const json_value *c = json_get(b->hdr, "config");
     if (!c || c->type != JSON_OBJECT) return bundle_fail(b, BASERT_ERR_INVALID_FORMAT, "the header has no config object");
     BaseRTModelConfig *cfg = &pc->cfg;
     uint32_t trained = 0;
     int rc;
     if ((rc = cfg_uint(b, c, "hidden_size", true, 0, 1, 1u << 16, &cfg->dim)) ||
-        (rc = cfg_uint(b, c, "num_hidden_layers", true, 0, 1, 1024, &cfg->n_layers)) ||
+        (rc = cfg_uint(b, c, "num_hidden_layers", true, 0, 1, RT_MAX_LAYERS, &cfg->n_layers)) ||
         (rc = cfg_uint(b, c, "num_attention_heads", true, 0, 1, 1024, &cfg->n_heads)) ||
         (rc = cfg_uint(b, c, "num_key_value_heads", false, cfg->n_heads, 1, 1024, &cfg->n_kv_heads)) ||
         (rc = cfg_uint(b, c, "intermediate_size", true, 0, 1, 1u << 20, &cfg->ffn_dim)) ||
@@ -226,8 +399,9 @@ static int parse_config(const bundle *b, parsed_config *pc) {
     cfg->kv_dim = cfg->n_kv_heads * cfg->head_dim;
     if (cfg->q_dim > (1u << 20))
         return bundle_fail(b, BASERT_ERR_INVALID_FORMAT, "config: num_attention_heads * head_dim is too large");
-    snprintf(cfg->architecture, sizeof cfg->architecture, "llama");
+    snprintf(cfg->architecture, sizeof cfg->architecture, "%s", arch_name);
     pc->trained_context = (int)trained;
+    if (!foreign && (rc = parse_arch(b, c, arch_name, pc))) return rc; /* a foreign arch's keys are not ours to read */
 
     const json_value *tie = json_get(c, "tie_word_embeddings");
     bool tb;
@@ -381,6 +555,7 @@ static long tensor_slot(const char *name, uint32_t n_layers) {
     if (strcmp(name, "embed_tokens.weight") == 0) return SLOT_EMBED;
     if (strcmp(name, "final_norm.weight") == 0) return SLOT_FINAL_NORM;
     if (strcmp(name, "lm_head.weight") == 0) return SLOT_LM_HEAD;
+    if (strcmp(name, "rope_freqs.weight") == 0) return SLOT_ROPE_FREQS;
     if (strncmp(name, "layers.", 7) != 0) return -1;
     const char *p = name + 7;
     if (*p < '0' || *p > '9' || (*p == '0' && p[1] != '.')) return -1;
@@ -392,8 +567,8 @@ static long tensor_slot(const char *name, uint32_t n_layers) {
     }
     if (*p != '.') return -1;
     p++;
-    for (int k = 0; k < 9; k++)
-        if (strcmp(p, LAYER_SUFFIX[k]) == 0) return SLOT_LAYER0 + (long)layer * 9 + k;
+    for (int k = 0; k < LAYER_SLOTS; k++)
+        if (strcmp(p, LAYER_SUFFIX[k]) == 0) return SLOT_LAYER0 + (long)layer * LAYER_SLOTS + k;
     return -1;
 }
 
@@ -411,16 +586,19 @@ static int check_shape(const bundle *b, const tensor_entry *t, int ndim, uint32_
                        d0, d1);
 }
 
-/* Validate the whole table; slots[] receives the llama tensors. */
-static int parse_tensors(const bundle *b, const BaseRTModelConfig *cfg, int tie, tensor_entry **entries_out,
+/* Validate the whole table; slots[] receives the architecture's tensors. */
+static int parse_tensors(const bundle *b, const parsed_config *pc, tensor_entry **entries_out,
                          tensor_entry ***slots_out) {
+    const BaseRTModelConfig *cfg = &pc->cfg;
+    const arch_traits *arch = pc->traits;
+    int tie = pc->tie;
     *entries_out = NULL;
     *slots_out = NULL;
     const json_value *arr = json_get(b->hdr, "tensors");
     if (!arr || arr->type != JSON_ARRAY) return bundle_fail(b, BASERT_ERR_INVALID_FORMAT, "the header has no tensors array");
     size_t n = json_count(arr);
     if (n > BASE_MAX_TENSORS) return bundle_fail(b, BASERT_ERR_INVALID_FORMAT, "too many tensors (%zu)", n);
-    size_t n_slots = SLOT_LAYER0 + (size_t)cfg->n_layers * 9;
+    size_t n_slots = SLOT_LAYER0 + (size_t)cfg->n_layers * LAYER_SLOTS;
     tensor_entry *entries = calloc(n ? n : 1, sizeof *entries);
     tensor_entry **slots = calloc(n_slots, sizeof *slots);
     if (!entries || !slots) {
@@ -437,16 +615,18 @@ static int parse_tensors(const bundle *b, const BaseRTModelConfig *cfg, int tie,
         int rc = parse_tensor(b, t, i, &entries[i]);
         if (rc) return rc;
         long slot = tensor_slot(entries[i].name, cfg->n_layers);
+        if (slot >= SLOT_LAYER0 && !layer_slot_used(arch, (int)((slot - SLOT_LAYER0) % LAYER_SLOTS))) slot = -1;
+        if (slot == SLOT_ROPE_FREQS && !arch->rope_freqs) slot = -1;
         if (slot < 0)
             return bundle_fail(b, BASERT_ERR_UNSUPPORTED,
-                               "tensor '%s' is not part of the llama layout the reference engine runs",
-                               entries[i].name);
+                               "tensor '%s' is not part of the %s layout the reference engine runs",
+                               entries[i].name, arch->name);
         if (slots[slot]) return bundle_fail(b, BASERT_ERR_INVALID_FORMAT, "tensor '%s' appears twice", entries[i].name);
         slots[slot] = &entries[i];
     }
 
     static const char *const TOP_NAMES[3] = {"embed_tokens.weight", "final_norm.weight", "lm_head.weight"};
-    for (int s = 0; s < SLOT_LAYER0; s++) {
+    for (int s = 0; s < SLOT_ROPE_FREQS; s++) {
         bool needed = s != SLOT_LM_HEAD || tie == 0;
         if (!slots[s] && needed)
             return bundle_fail(b, BASERT_ERR_INVALID_FORMAT, "missing tensor '%s'%s", TOP_NAMES[s],
@@ -455,15 +635,18 @@ static int parse_tensors(const bundle *b, const BaseRTModelConfig *cfg, int tie,
     int rc;
     if ((rc = check_shape(b, slots[SLOT_EMBED], 2, cfg->vocab_size, cfg->dim)) ||
         (rc = check_shape(b, slots[SLOT_FINAL_NORM], 1, cfg->dim, 0)) ||
-        (slots[SLOT_LM_HEAD] && (rc = check_shape(b, slots[SLOT_LM_HEAD], 2, cfg->vocab_size, cfg->dim))))
+        (slots[SLOT_LM_HEAD] && (rc = check_shape(b, slots[SLOT_LM_HEAD], 2, cfg->vocab_size, cfg->dim))) ||
+        (slots[SLOT_ROPE_FREQS] && (rc = check_shape(b, slots[SLOT_ROPE_FREQS], 1, cfg->head_dim / 2, 0))))
         return rc;
-    const uint32_t D = cfg->dim, Q = cfg->q_dim, KV = cfg->kv_dim, F = cfg->ffn_dim;
-    const uint32_t shapes[9][3] = {
-        {1, D, 0}, {2, Q, D}, {2, KV, D}, {2, KV, D}, {2, D, Q}, {1, D, 0}, {2, F, D}, {2, F, D}, {2, D, F},
+    const uint32_t D = cfg->dim, Q = cfg->q_dim, KV = cfg->kv_dim, F = cfg->ffn_dim, H = cfg->head_dim;
+    const uint32_t shapes[LAYER_SLOTS][3] = {
+        {1, D, 0}, {2, Q, D},  {2, KV, D}, {2, KV, D}, {2, D, Q}, {1, D, 0}, {2, F, D}, {2, F, D},
+        {2, D, F}, {1, Q, 0},  {1, KV, 0}, {1, KV, 0}, {1, H, 0}, {1, H, 0}, {1, D, 0}, {1, D, 0},
     };
     for (uint32_t l = 0; l < cfg->n_layers; l++) {
-        for (int k = 0; k < 9; k++) {
-            const tensor_entry *t = slots[SLOT_LAYER0 + (size_t)l * 9 + k];
+        for (int k = 0; k < LAYER_SLOTS; k++) {
+            if (!layer_slot_used(arch, k)) continue;
+            const tensor_entry *t = slots[SLOT_LAYER0 + (size_t)l * LAYER_SLOTS + k];
             if (!t) return bundle_fail(b, BASERT_ERR_INVALID_FORMAT, "missing tensor 'layers.%u.%s'", l, LAYER_SUFFIX[k]);
             if ((rc = check_shape(b, t, (int)shapes[k][0], shapes[k][1], shapes[k][2]))) return rc;
         }
@@ -576,18 +759,32 @@ static int load_weights(const bundle *b, rt_model *m, tensor_entry **slots) {
         m->lm_head = m->tok_embd;
         m->tied_embeddings = true;
     }
+    if (slots[SLOT_ROPE_FREQS]) LOAD(m->rope_freqs, SLOT_ROPE_FREQS);
     for (uint32_t l = 0; l < cfg->n_layers; l++) {
         rt_layer *L = &m->layers[l];
-        size_t s = SLOT_LAYER0 + (size_t)l * 9;
-        LOAD(L->attn_norm, s + 0);
-        LOADW(L->wq, s + 1);
-        LOADW(L->wk, s + 2);
-        LOADW(L->wv, s + 3);
-        LOADW(L->wo, s + 4);
-        LOAD(L->ffn_norm, s + 5);
-        LOADW(L->w_gate, s + 6);
-        LOADW(L->w_up, s + 7);
-        LOADW(L->w_down, s + 8);
+        size_t s = SLOT_LAYER0 + (size_t)l * LAYER_SLOTS;
+        LOAD(L->attn_norm, s + L_ATTN_NORM);
+        LOADW(L->wq, s + L_WQ);
+        LOADW(L->wk, s + L_WK);
+        LOADW(L->wv, s + L_WV);
+        LOADW(L->wo, s + L_WO);
+        LOAD(L->ffn_norm, s + L_FFN_NORM);
+        LOADW(L->w_gate, s + L_GATE);
+        LOADW(L->w_up, s + L_UP);
+        LOADW(L->w_down, s + L_DOWN);
+        if (m->arch.qkv_bias) {
+            LOAD(L->bq, s + L_BQ);
+            LOAD(L->bk, s + L_BK);
+            LOAD(L->bv, s + L_BV);
+        }
+        if (m->arch.qk_norm) {
+            LOAD(L->q_norm, s + L_Q_NORM);
+            LOAD(L->k_norm, s + L_K_NORM);
+        }
+        if (m->arch.out_norms) {
+            LOAD(L->attn_out_norm, s + L_ATTN_OUT_NORM);
+            LOAD(L->ffn_out_norm, s + L_FFN_OUT_NORM);
+        }
     }
 #undef LOAD
 #undef LOADW
@@ -737,11 +934,21 @@ done:
             if (!add_eos_id(m, (uint32_t)x)) return bundle_fail(b, BASERT_ERR_OUT_OF_MEMORY, "out of memory");
         }
     }
-    static const char *const STOP_MARKERS[] = {"<|endoftext|>", "<|im_end|>", "<|eot_id|>", "<end_of_turn>"};
+    /* The GGUF's end-of-turn / end-of-message ids, then every family's end markers by
+     * their text, whatever their token type (llama.cpp's end-of-generation set:
+     * Gemma's GGUFs store <end_of_turn> as a normal token). */
+    static const char *const EOG_KEYS[] = {"tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"};
+    for (size_t i = 0; i < sizeof EOG_KEYS / sizeof *EOG_KEYS; i++)
+        if (json_int64(json_get(tk, EOG_KEYS[i]), &x) && x >= 0 && (size_t)x < n_tokens &&
+            !add_eos_id(m, (uint32_t)x))
+            return bundle_fail(b, BASERT_ERR_OUT_OF_MEMORY, "out of memory");
+    static const char *const STOP_MARKERS[] = {
+        "<|endoftext|>", "<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end_of_text|>", "<end_of_turn>",
+        "<|end|>",       "<|return|>", "<|call|>",   "<EOT>",      "_<EOT>",          "<end_of_utterance>",
+    };
     for (size_t i = 0; i < sizeof STOP_MARKERS / sizeof *STOP_MARKERS; i++) {
         int32_t id = bpe_token_id(m->tok, STOP_MARKERS[i]);
-        if (id >= 0 && bpe_token_type(m->tok, (uint32_t)id) == BPE_TOKEN_CONTROL && !add_eos_id(m, (uint32_t)id))
-            return bundle_fail(b, BASERT_ERR_OUT_OF_MEMORY, "out of memory");
+        if (id >= 0 && !add_eos_id(m, (uint32_t)id)) return bundle_fail(b, BASERT_ERR_OUT_OF_MEMORY, "out of memory");
     }
 
     size_t n_special = 0;
@@ -834,21 +1041,9 @@ rt_model *rt_load(const char *fn, const char *path, int max_context, const BaseR
     parsed_config pc;
     int rc = bundle_open(&b, fn, path);
     if (rc) goto fail;
-    if (!tokenizer_only) {
-        /* The architecture decides what the rest of the header means: check it first. */
-        const json_value *arch = json_get(b.hdr, "arch");
-        if (!json_string(arch)) {
-            rc = bundle_fail(&b, BASERT_ERR_INVALID_FORMAT, "the header has no arch");
-            goto fail;
-        }
-        if (strcmp(json_string(arch), "llama") != 0) {
-            rc = bundle_fail(&b, BASERT_ERR_UNSUPPORTED,
-                             "arch '%s' is not supported (the reference engine runs 'llama' only)", json_string(arch));
-            goto fail;
-        }
-    }
-    if ((rc = parse_config(&b, &pc))) goto fail;
+    if ((rc = parse_config(&b, tokenizer_only, &pc))) goto fail;
     m->cfg = pc.cfg;
+    m->arch = pc.arch;
     /* Q8_0 KV blocks must not straddle heads, and a widened page slice must fit attention's buffer. */
     if (m->kv_bits == 8 && (m->cfg.head_dim % 32 != 0 || m->cfg.head_dim > RT_KV_MAX_HEAD_DIM)) m->kv_bits = 16;
     m->trained_context = pc.trained_context;
@@ -857,10 +1052,13 @@ rt_model *rt_load(const char *fn, const char *path, int max_context, const BaseR
     } else {
         int ctx = max_context ? max_context : RT_DEFAULT_CONTEXT;
         m->cfg.max_seq_len = (uint32_t)(ctx < pc.trained_context ? ctx : pc.trained_context);
-        if ((rc = parse_tensors(&b, &m->cfg, pc.tie, &entries, &slots))) goto fail;
+        if ((rc = parse_tensors(&b, &pc, &entries, &slots))) goto fail;
     }
     if ((rc = load_tokenizer(&b, m, &pc))) goto fail;
-    if (!tokenizer_only && (rc = load_weights(&b, m, slots))) goto fail;
+    if (!tokenizer_only) {
+        if ((rc = load_weights(&b, m, slots))) goto fail;
+        for (uint32_t l = 0; l < m->cfg.n_layers; l++) m->layers[l].sliding = pc.sliding[l];
+    }
     m->weights_identity = fnv1a64(b.map, b.size < IDENTITY_BYTES ? b.size : IDENTITY_BYTES);
     free(entries);
     free(slots);
@@ -887,7 +1085,7 @@ int rt_bundle_read_budget(const char *fn, const char *path, rt_bundle_budget *ou
     bundle b;
     parsed_config pc;
     int rc = bundle_open(&b, fn, path);
-    if (!rc) rc = parse_config(&b, &pc);
+    if (!rc) rc = parse_config(&b, true, &pc);
     if (!rc) {
         const json_value *arr = json_get(b.hdr, "tensors");
         if (!arr || arr->type != JSON_ARRAY)

@@ -52,5 +52,15 @@ void rt_dots(const float *x, size_t ldx, int rows, const rt_weight *w, size_t ld
  * the other elements. */
 void rt_axpy_rows(const float *p, int n, const rt_weight *v, size_t ldv, float *y, int d);
 
+/* ---- activations (scalar, one fixed formula each) ------------------------- */
+#include <math.h>
+static inline float rt_silu(float x) { return x / (1.0f + expf(-x)); }
+/* GELU's tanh approximation, in f32. (ggml's CPU backend looks it up in an f16 table instead:
+ * input and output rounded to f16; the exact formula keeps the oracle's bound, and ggml's other
+ * roundings -- its 8-bit activations in quantized matmuls -- are larger.) */
+static inline float rt_gelu_tanh(float x) {
+    return 0.5f * x * (1.0f + tanhf(0.7978845608028654f * x * (1.0f + 0.044715f * x * x)));
+}
+
 /* Name of the float kernel set in use ("avx512", "avx2-fma" or "generic"), for diagnostics. */
 const char *rt_mathops_isa(void);

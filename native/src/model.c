@@ -61,12 +61,20 @@ void rt_model_destroy(rt_model *m) {
             free(L->w_gate.p);
             free(L->w_up.p);
             free(L->w_down.p);
+            free(L->bq);
+            free(L->bk);
+            free(L->bv);
+            free(L->q_norm);
+            free(L->k_norm);
+            free(L->attn_out_norm);
+            free(L->ffn_out_norm);
         }
         free(m->layers);
     }
     if (m->lm_head.p != m->tok_embd.p) free(m->lm_head.p);
     free(m->tok_embd.p);
     free(m->final_norm);
+    free(m->rope_freqs);
     if (m->tok) bpe_free(m->tok);
     free(m->eos_ids);
     free(m->special_ids);

@@ -18,18 +18,61 @@
  * stack); the loader falls back to an f16 pool above it. */
 #define RT_KV_MAX_HEAD_DIM 256
 
+/* RoPE on one table of angles: pair i of a head turns by
+ * pos * theta^(-2i/head_dim) / freq_factor[i], scaled and blended as llama.cpp's
+ * rope_yarn does (linear: freq_scale = 1/factor, ext_factor 0). */
+typedef struct {
+    double theta;
+    double freq_scale;      /* 1 / the linear or YaRN factor; 1 = unscaled */
+    double ext_factor;      /* YaRN's extrapolation mix: 1 for YaRN, else 0 */
+    double attn_factor;     /* YaRN's magnitude scale (1) */
+    double beta_fast, beta_slow;
+    uint32_t orig_ctx;      /* YaRN: the context the model was trained at */
+    bool freq_factors;      /* divide by the model's rope_freqs (Llama 3's llama3 scaling) */
+    /* Llama 3.1's llama3 scaling from the config (HF's rope_scaling) when there is no rope_freqs:
+     * long wavelengths divided by llama3_factor, short ones kept, a smooth blend between. */
+    double llama3_factor;   /* 0: not this scaling */
+    double low_freq_factor, high_freq_factor;
+} rt_rope_params;
+
+typedef enum { RT_ROPE_ADJACENT, RT_ROPE_NEOX } rt_rope_pairs; /* (2i, 2i+1) or (i, i + head_dim/2) */
+typedef enum { RT_ACT_SILU, RT_ACT_GELU_TANH } rt_activation;   /* the gated FFN's gate */
+
+/* What an architecture is: everything the forward pass reads that differs
+ * between model families. loader.c's architecture table sets the family's
+ * fixed traits; the bundle's config sets the numbers. */
+typedef struct {
+    char name[32];
+    rt_rope_pairs rope_pairs;
+    rt_activation act;
+    bool qkv_bias;         /* q/k/v projections have biases (Qwen2) */
+    bool qk_norm;          /* per-head RMSNorm of q and k before RoPE (Qwen3, Gemma 3) */
+    bool out_norms;        /* RMSNorm of the attention and FFN outputs before the residual add (Gemma 3) */
+    float embed_scale;     /* the embedding row times this (Gemma: sqrt(dim)), else 1 */
+    float attn_scale;      /* q.k times this: 1/sqrt(head_dim) unless the config says otherwise */
+    float final_softcap;   /* logits = c * tanh(logits / c); 0 = none */
+    uint32_t sliding_window; /* a sliding layer's query sees this many positions, itself included */
+    rt_rope_params rope[2]; /* [0] full-attention layers, [1] sliding-window layers */
+} rt_arch;
+
 typedef struct {
     /* Matrices row-major [out][in] (PyTorch Linear layout), f16 as stored in
      * the bundle or f32 (f32 and bf16 bundles); norms are f32 [dim]. */
     float *attn_norm;  /* [dim] */
-    rt_weight wq;      /* [q_dim][dim], GGUF-permuted rows: adjacent-pair RoPE */
-    rt_weight wk;      /* [kv_dim][dim], GGUF-permuted rows */
+    rt_weight wq;      /* [q_dim][dim]; rows GGUF-permuted for adjacent-pair RoPE */
+    rt_weight wk;      /* [kv_dim][dim] */
     rt_weight wv;      /* [kv_dim][dim] */
     rt_weight wo;      /* [dim][q_dim] */
     float *ffn_norm;   /* [dim] */
     rt_weight w_gate;  /* [ffn_dim][dim] */
     rt_weight w_up;    /* [ffn_dim][dim] */
     rt_weight w_down;  /* [dim][ffn_dim] */
+    /* per architecture (NULL when it has none) */
+    float *bq, *bk, *bv;          /* [q_dim], [kv_dim], [kv_dim] */
+    float *q_norm, *k_norm;       /* [head_dim] */
+    float *attn_out_norm;         /* [dim] */
+    float *ffn_out_norm;          /* [dim] */
+    bool sliding;                 /* sliding-window attention and rope[1] */
 } rt_layer;
 
 struct rt_runtime; /* runtime.h: KV pool, sequences, scratch, prefix cache */
@@ -38,7 +81,8 @@ typedef struct rt_model {
     uint32_t magic;
     baseRT_model_t handle; /* what the caller holds (handles.c) */
     char *path;
-    BaseRTModelConfig cfg; /* architecture "llama"; max_seq_len = effective context */
+    BaseRTModelConfig cfg; /* max_seq_len = effective context */
+    rt_arch arch;
     int trained_context;   /* from the bundle (max_position_embeddings) */
     bool tokenizer_only;
 
@@ -54,6 +98,7 @@ typedef struct rt_model {
     rt_weight lm_head;  /* [vocab][dim]; shares tok_embd's memory when tied */
     bool tied_embeddings;
     float *final_norm; /* [dim] */
+    float *rope_freqs; /* [head_dim / 2] frequency divisors, NULL when absent */
     rt_layer *layers;  /* [n_layers] */
     size_t weight_bytes;
 

@@ -66,7 +66,7 @@ typedef struct rt_runtime {
     float *x, *xb, *q, *k, *v, *att, *hb, *hb2;
     int *row_lane, *row_pos;
     float *att_scores;          /* [threads][n_heads / n_kv_heads][max_seq_len] */
-    float *rope_cos, *rope_sin; /* [max_seq_len][head_dim / 2] */
+    float *rope_cos, *rope_sin; /* [tables][max_seq_len][head_dim / 2]: full layers, then sliding ones */
     float *final_h;             /* [max(max_lanes, logits_cap)][dim] hidden rows whose logits a step returns */
     int *lane_out_first;        /* [max_lanes] a multi-row step's first logits row of each lane */
     int *lane_tap_first;        /* [max_lanes] a tapped step's first tap row of each lane */

@@ -1,0 +1,258 @@
+"""Every architecture the reference engine runs (docs/models.md), on tiny random models the suite
+builds: logits against the numpy oracle of that architecture (tests/oracle.py, written from
+llama.cpp's graphs), batched == solo bit for bit, and the loader's refusals. The kernel sets
+other than this CPU's best run this file again (tests/test_native_isa.py)."""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+import pytest
+from quantized import quantize_bundle
+from raw_abi import coded_error, load, step_logits
+
+from aiobasert._ffi import BaseRTModelConfig, Library
+from aiobasert.bundle import read_bundle, write_bundle
+from aiobasert.convert import convert_gguf
+from aiobasert.tiny import build_tiny_model, llama3_rope_factors
+from tests.oracle import LlamaForward, NumpyLlama, gguf_oracle
+from tests.tiny_gguf import ARCH_GGUFS, write_gguf
+
+UNSUPPORTED, INVALID_FORMAT = 5, 4
+MAX_CONTEXT = 256
+
+# One tiny model per architecture feature. Small windows, few heads and a prefill chunk
+# of 16 make a 40-token prompt cross pages, chunks and the sliding window.
+MODELS: dict[str, dict[str, Any]] = {
+    "llama3_rope_freqs": dict(arch="llama", rope_freqs=llama3_rope_factors(16, 10000.0, original_context_length=256)),
+    "llama_linear": dict(arch="llama", rope_scaling={"rope_type": "linear", "factor": 4.0}),
+    # HF's config form of Llama 3.1's scaling (no rope_freqs tensor): the engine computes the divisors
+    "llama3_config": dict(arch="llama", rope_scaling={
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 256}),
+    "qwen2_yarn": dict(
+        arch="qwen2",
+        rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64},
+    ),
+    "qwen3": dict(arch="qwen3", head_dim=32),  # q_dim 128 != dim 64
+    "gemma3": dict(
+        arch="gemma3",
+        n_layers=3,
+        head_dim=32,
+        sliding_window=5,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        query_pre_attn_scalar=16.0,  # not head_dim: the attention scale comes from the config
+        final_logit_softcapping=5.0,
+    ),
+}
+
+
+@pytest.fixture(scope="module", params=list(MODELS))
+def arch_model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    kwargs = dict(dim=64, n_heads=4, n_kv_heads=2, ffn_dim=96, tied=False) | MODELS[request.param]
+    return build_tiny_model(tmp_path_factory.mktemp("arch") / f"{request.param}.base", **kwargs)
+
+
+@pytest.fixture
+def engine(lib: Library, arch_model: Path) -> Iterator[int]:
+    m = load(lib, arch_model, MAX_CONTEXT, max_batch_size=8, prefix_cache=1, prefill_chunk=16)
+    yield m
+    lib.baseRT_free_model(m)
+
+
+def prompt(n: int, seed: int, vocab: int) -> list[int]:
+    return [int(t) for t in np.random.default_rng(seed).integers(3, vocab, size=n)]
+
+
+def f16_close(engine: npt.NDArray[Any], ref: npt.NDArray[np.float64]) -> float:
+    """Worst error in units of the tolerance: f16 rounding of each value + 1e-4 of the row scale."""
+    tol = np.abs(ref) * 2.0**-11 + 1e-4 * np.abs(ref).max()
+    return float((np.abs(engine.astype(np.float64) - ref) / tol).max())
+
+
+def test_logits_match_the_architecture_oracle(lib: Library, engine: int, arch_model: Path) -> None:
+    oracle = NumpyLlama(arch_model)
+    tokens = prompt(40, 1, oracle.config.vocab_size)
+    s = int(lib.baseRT_sequence_create(engine))
+    rows = step_logits(lib, engine, [s], [tokens])
+    assert f16_close(rows[0], oracle.logits(tokens)[-1]) <= 1.0
+    for _ in range(4):  # decode steps read the KV the prefill wrote
+        tokens.append(int(rows[0].argmax()))
+        rows = step_logits(lib, engine, [s], [[tokens[-1]]])
+        assert f16_close(rows[0], oracle.logits(tokens)[-1]) <= 1.0
+
+
+def test_batched_equals_solo(lib: Library, engine: int, arch_model: Path) -> None:
+    """Lanes of different lengths share steps (prefill chunks next to decode rows); each
+    lane's logits equal, bit for bit, those of the same lane stepped alone."""
+    vocab = read_bundle(arch_model).config["vocab_size"]
+    prompts = [prompt(n, 20 + i, vocab) for i, n in enumerate([37, 3, 21, 1])]
+    batched = [int(lib.baseRT_sequence_create(engine)) for _ in prompts]
+    alone = [int(lib.baseRT_sequence_create(engine)) for _ in prompts]
+    feeds = prompts
+    for _ in range(4):  # the prompts, then decode steps next to each other
+        rows = step_logits(lib, engine, batched, feeds)
+        solo = [step_logits(lib, engine, [s], [f])[0] for s, f in zip(alone, feeds, strict=True)]
+        for i in range(len(prompts)):
+            np.testing.assert_array_equal(rows[i], solo[i])
+        feeds = [[int(r.argmax())] for r in rows]
+
+
+def test_quantized_matrices_track_the_oracle(lib: Library, arch_model: Path, tmp_path: Path) -> None:
+    """base_q4 matrices (biases and norms stay f32): within the bound test_native_quant holds the llama
+    layout to, against the oracle that rounds every matmul input as the integer kernels do."""
+    path = quantize_bundle(arch_model, tmp_path / "q4.base", "base_q4")
+    m = load(lib, path, MAX_CONTEXT, max_batch_size=2, prefill_chunk=16)
+    try:
+        tokens = prompt(30, 4, read_bundle(path).config["vocab_size"])
+        got = step_logits(lib, m, [int(lib.baseRT_sequence_create(m))], [tokens])[0].astype(np.float64)
+        exact = NumpyLlama(path, q8_inputs=True).logits(tokens)[-1]
+        assert np.abs(got - exact).max() / np.abs(exact).max() < 0.02
+        assert np.corrcoef(got, NumpyLlama(path).logits(tokens)[-1])[0, 1] > 0.999
+    finally:
+        lib.baseRT_free_model(m)
+
+
+def test_the_architecture_matters(arch_model: Path) -> None:
+    """The oracle is not blind to the features: read as a plain llama, each model's logits differ."""
+    bundle = read_bundle(arch_model)
+    oracle = NumpyLlama(arch_model)
+    cfg = oracle.config
+    plain = LlamaForward(dataclasses.replace(cfg, arch="llama", rope=None, local_rope=None, sliding=(),
+                                             attn_scale=None, final_softcap=0.0), bundle.tensor)
+    tokens = prompt(24, 3, cfg.vocab_size)
+    assert np.abs(oracle.logits(tokens) - plain.logits(tokens)).max() > 0.05
+
+
+@pytest.mark.parametrize("kind", list(ARCH_GGUFS))
+def test_converted_gguf_runs_within_the_gguf_oracle_bound(lib: Library, tmp_path: Path, kind: str) -> None:
+    """A GGUF of each architecture (llama.cpp's key and tensor names), converted, runs in the engine
+    with logits within the bound of the oracle that reads the GGUF itself."""
+    src = write_gguf(tmp_path / f"{kind}.gguf", **ARCH_GGUFS[kind])
+    out = convert_gguf(src, tmp_path / "out.base", dtype="f32", progress=False)
+    oracle = gguf_oracle(src)
+    m = load(lib, out, MAX_CONTEXT, max_batch_size=2, prefill_chunk=16)
+    try:
+        tokens = prompt(30, 5, oracle.config.vocab_size)
+        rows = step_logits(lib, m, [int(lib.baseRT_sequence_create(m))], [tokens])
+        assert f16_close(rows[0], oracle.logits(tokens)[-1]) <= 1.0
+    finally:
+        lib.baseRT_free_model(m)
+
+
+def test_a_zero_soft_cap_is_none(lib: Library, tmp_path: Path) -> None:
+    """HF configs write 0 or null for "no soft-capping": both load as none."""
+    kwargs = dict(dim=64, n_heads=4, n_kv_heads=2, ffn_dim=96, tied=False) | MODELS["gemma3"]
+    path = build_tiny_model(tmp_path / "g.base", **(kwargs | {"final_logit_softcapping": 0.0}))
+    m = load(lib, path, MAX_CONTEXT)
+    try:
+        tokens = prompt(12, 6, read_bundle(path).config["vocab_size"])
+        rows = step_logits(lib, m, [int(lib.baseRT_sequence_create(m))], [tokens])
+        ref = NumpyLlama(path).logits(tokens)[-1]
+        assert np.abs(ref).max() > 5.0  # a cap of 5 would have bounded these
+        assert f16_close(rows[0], ref) <= 1.0
+    finally:
+        lib.baseRT_free_model(m)
+
+
+# ---- refusals: one line naming the reason -------------------------------------------------
+
+
+def _rewrite(src: Path, dst: Path, *, arch: str | None = None, drop: str | None = None,
+             config: dict[str, Any] | None = None) -> Path:
+    bundle = read_bundle(src)
+    header = json.loads(json.dumps(bundle.header))
+    del header["tensors"]
+    if arch is not None:
+        header["arch"] = arch
+    header["config"] |= config or {}
+    tensors = [(name, bundle.tensor(name), info.compute_region, "f32") for name, info in bundle.tensors.items()
+               if name != drop]
+    write_bundle(dst, header, tensors)
+    return dst
+
+
+@pytest.mark.parametrize(
+    ("model", "change", "code", "message"),
+    [
+        ("qwen2_yarn", dict(arch="llama"), UNSUPPORTED, "is not part of the llama layout"),
+        ("qwen2_yarn", dict(drop="layers.1.self_attn.k_proj.bias"), INVALID_FORMAT,
+         "missing tensor 'layers.1.self_attn.k_proj.bias'"),
+        ("qwen3", dict(arch="phi3"), UNSUPPORTED, "arch 'phi3' is not supported"),
+        ("gemma3", dict(drop="layers.0.mlp.out_norm.weight"), INVALID_FORMAT, "mlp.out_norm.weight"),
+        ("qwen3", dict(config={"sliding_window": 4}), UNSUPPORTED, "sliding-window layers are not part of arch"),
+        ("llama_linear", dict(config={"rope_scaling": {"rope_type": "longrope", "factor": 2.0}}), UNSUPPORTED,
+         "rope_type 'longrope' is not supported"),
+        ("llama_linear", dict(config={"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}), INVALID_FORMAT,
+         "original_max_position_embeddings is missing"),
+        ("gemma3", dict(config={"layer_types": ["full_attention"]}), INVALID_FORMAT, "one type per layer"),
+        ("gemma3", dict(config={"final_logit_softcapping": -30.0}), INVALID_FORMAT, "final_logit_softcapping"),
+        ("gemma3", dict(config={"sliding_window": 0}), INVALID_FORMAT, "sliding_window"),
+        ("llama3_rope_freqs", dict(arch="qwen2"), UNSUPPORTED, "'rope_freqs.weight' is not part of the qwen2 layout"),
+    ],
+)
+def test_refusals_name_the_reason(lib: Library, tmp_path: Path, model: str, change: dict[str, Any], code: int,
+                                  message: str) -> None:
+    kwargs = dict(dim=64, n_heads=4, n_kv_heads=2, ffn_dim=96, tied=False) | MODELS[model]
+    src = build_tiny_model(tmp_path / "src.base", **kwargs)
+    bad = _rewrite(src, tmp_path / "bad.base", **change)
+    assert not lib.baseRT_load_model(str(bad).encode(), None, MAX_CONTEXT)
+    got_code, text = coded_error(lib)
+    assert message in text and "\n" not in text, text
+    assert got_code == code, text
+
+
+def test_a_foreign_architecture_still_loads_its_tokenizer(lib: Library, tmp_path: Path) -> None:
+    """Tokenizer-only loads read any architecture's vocabulary, whatever its config says; the
+    full load refuses the architecture."""
+    kwargs = dict(dim=64, n_heads=4, n_kv_heads=2, ffn_dim=96, tied=False) | MODELS["gemma3"]
+    src = build_tiny_model(tmp_path / "src.base", **kwargs)
+    bad = _rewrite(src, tmp_path / "phi3.base", arch="phi3")  # keeps gemma3's sliding_window keys
+    m = lib.baseRT_load_tokenizer_only(str(bad).encode())
+    assert m, coded_error(lib)
+    try:
+        config = BaseRTModelConfig()
+        lib.baseRT_get_config_into(m, ctypes.byref(config), ctypes.sizeof(config))
+        assert config.architecture == b"phi3"
+        assert lib.baseRT_is_eos_token(m, 2)
+    finally:
+        lib.baseRT_free_model(m)
+    assert not lib.baseRT_load_model(str(bad).encode(), None, MAX_CONTEXT)
+
+
+# ---- end markers: each family's, asked of the engine -----------------------------------------
+
+# Appended to the tiny vocabulary: Gemma's turn markers (older Gemma GGUFs store <end_of_turn> as a
+# normal token, type 1), Llama 3's end-of-turn / end-of-message markers, and a token only the GGUF's
+# tokenizer.ggml.eot_token_id names.
+FAMILY_TOKENS = (("<start_of_turn>", 3), ("<end_of_turn>", 1), ("<|eot_id|>", 3), ("<|eom_id|>", 3),
+                 ("<|my_end|>", 3))
+
+
+@pytest.fixture(scope="module")
+def family_vocab_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    base = len(read_bundle(build_tiny_model(tmp_path_factory.mktemp("v") / "v.base")).tokenizer[
+        "tokenizer.ggml.tokens"])
+    return build_tiny_model(tmp_path_factory.mktemp("family") / "family.base", extra_tokens=FAMILY_TOKENS,
+                            tokenizer_keys={"tokenizer.ggml.eot_token_id": base + 4})
+
+
+def test_every_family_end_marker_ends_generation(lib: Library, family_vocab_model: Path) -> None:
+    """llama.cpp's end-of-generation set: the markers by their text whatever their token type, and
+    the GGUF's eot / eom ids; a turn's opening marker and ordinary tokens are not in it."""
+    tokens = read_bundle(family_vocab_model).tokenizer["tokenizer.ggml.tokens"]
+    m = lib.baseRT_load_tokenizer_only(str(family_vocab_model).encode())
+    assert m, coded_error(lib)
+    try:
+        ends = {t for t in range(len(tokens)) if lib.baseRT_is_eos_token(m, t)}
+    finally:
+        lib.baseRT_free_model(m)
+    named = {tokens[t] for t in ends}
+    assert named == {"<|endoftext|>", "<|im_end|>", "<end_of_turn>", "<|eot_id|>", "<|eom_id|>", "<|my_end|>"}
