@@ -72,6 +72,7 @@ _QUANT_BITS: Final[dict[str, int]] = {"base_q8": 8, "base_q4": 4}
 #: in its low nibble and value j + G/2 in its high nibble (GGML's Q4_1 order).
 QUANT_LAYOUT: Final[dict[str, str]] = {"base_q8": "rowmajor", "base_q4": "rowmajor_nibble_halves"}
 _QUANT_REGION_ALIGN: Final = 64
+_SCALE_SIZE: Final = {"f16": 2, "f32": 4}  # the scale dtypes the writer lays out
 # Storage dtype of each bundle dtype (bf16 has no numpy dtype: raw uint16 bits).
 _STORAGE: Final[dict[str, np.dtype[Any]]] = {
     "f32": np.dtype("<f4"),
@@ -210,17 +211,19 @@ class TensorEntry(msgspec.Struct, frozen=True):
     compute_region: str = "gpu"
     group_size: int = 32
     symmetric: bool = False
+    scale_dtype: str = "f16"  # or "f32": scales a GGUF K-quant makes (d * sub-block scale) that f16 cannot hold
 
 
 class QuantizedTensor(msgspec.Struct, frozen=True):
     """The data of a `base_q8` / `base_q4` tensor for :meth:`BundleWriter.write`.
 
     `packed`: uint8, the values packed as :data:`QUANT_LAYOUT` says; `scales` and
-    `biases` (None when symmetric): float16, one per group, row-major."""
+    `biases` (None when symmetric): one per group, row-major, float16 (float32 for an
+    entry whose scale_dtype is "f32")."""
 
     packed: npt.NDArray[np.uint8]
-    scales: npt.NDArray[np.float16]
-    biases: npt.NDArray[np.float16] | None = None
+    scales: npt.NDArray[np.float16] | npt.NDArray[np.float32]
+    biases: npt.NDArray[np.float16] | npt.NDArray[np.float32] | None = None
 
 
 def _quant_lengths(dtype: str, shape: tuple[int, ...], group_size: int) -> tuple[int, int]:
@@ -255,14 +258,17 @@ def _layout(entries: Sequence[TensorEntry], alignment: Mapping[str, Any]) -> lis
                 length, groups = _quant_lengths(entry.dtype, entry.shape, entry.group_size)
             except ValueError as exc:
                 raise ValueError(f"tensor {entry.name!r}: {exc}") from None
+            if entry.scale_dtype not in _SCALE_SIZE:
+                raise ValueError(f"tensor {entry.name!r}: scale_dtype {entry.scale_dtype!r} (f16 or f32)")
+            region = _SCALE_SIZE[entry.scale_dtype] * groups
             scale_offset = _align_up(offset + length, _QUANT_REGION_ALIGN)
-            bias_offset = None if entry.symmetric else _align_up(scale_offset + 2 * groups, _QUANT_REGION_ALIGN)
+            bias_offset = None if entry.symmetric else _align_up(scale_offset + region, _QUANT_REGION_ALIGN)
             infos.append(TensorInfo(
                 entry.name, entry.dtype, tuple(entry.shape), offset, length, entry.compute_region,
-                group_size=entry.group_size, scale_dtype="f16", symmetric=entry.symmetric,
-                layout=QUANT_LAYOUT[entry.dtype], scale_offset=scale_offset, scale_length=2 * groups,
-                bias_offset=bias_offset, bias_length=None if bias_offset is None else 2 * groups))
-            cursor = (scale_offset if bias_offset is None else bias_offset) + 2 * groups
+                group_size=entry.group_size, scale_dtype=entry.scale_dtype, symmetric=entry.symmetric,
+                layout=QUANT_LAYOUT[entry.dtype], scale_offset=scale_offset, scale_length=region,
+                bias_offset=bias_offset, bias_length=None if bias_offset is None else region))
+            cursor = (scale_offset if bias_offset is None else bias_offset) + region
             continue
         length = math.prod(entry.shape) * _ITEMSIZE[entry.dtype]
         infos.append(TensorInfo(entry.name, entry.dtype, tuple(entry.shape), offset, length, entry.compute_region))
@@ -350,11 +356,12 @@ class BundleWriter:
     def _write_quantized(self, info: TensorInfo, data: object) -> None:
         if not isinstance(data, QuantizedTensor):
             raise ValueError(f"tensor {info.name!r}: a {info.dtype} tensor is written as a QuantizedTensor")
-        groups = (info.scale_length or 0) // 2
+        region = info.scale_length or 0
+        scale_type = np.float32 if info.scale_dtype == "f32" else np.float16
         parts: list[tuple[int | None, npt.NDArray[Any] | None, int, str]] = [
             (info.offset, data.packed, info.length, "packed"),
-            (info.scale_offset, data.scales, 2 * groups, "scales"),
-            (info.bias_offset, data.biases, 2 * groups if info.bias_offset is not None else 0, "biases"),
+            (info.scale_offset, data.scales, region, "scales"),
+            (info.bias_offset, data.biases, region if info.bias_offset is not None else 0, "biases"),
         ]
         for offset, part, length, what in parts:
             if offset is None:
@@ -363,14 +370,14 @@ class BundleWriter:
                 continue
             if part is None:
                 raise ValueError(f"tensor {info.name!r}: {what} missing")
-            want = np.uint8 if what == "packed" else np.float16
+            want = np.uint8 if what == "packed" else scale_type
             flat = np.ascontiguousarray(part, dtype=np.dtype(want).newbyteorder("<")).reshape(-1).view(np.uint8)
             if np.asarray(part).dtype != want or flat.size != length:
                 raise ValueError(f"tensor {info.name!r}: {what} must be {length} bytes of {np.dtype(want)}")
             self._pad_to(self._blob_start + offset)
             self._file.write(flat.data)
         self._next += 1
-        self._written += info.length + 4 * groups
+        self._written += info.length + (region if info.bias_offset is None else 2 * region)
         if self._progress is not None:
             self._progress(self._written, self._total)
 
@@ -474,6 +481,8 @@ class Bundle:
         raw = np.asarray(self._memmap()[start : start + length])
         if scale_dtype == "bf16":
             return bf16_to_f32(raw.view("<u2"))
+        if scale_dtype == "f32":
+            return raw.view("<f4").astype(np.float32)
         return raw.view("<f2").astype(np.float32)
 
     def _dequantize(self, info: TensorInfo) -> npt.NDArray[np.float32]:
@@ -530,15 +539,15 @@ def _check_quantized(path: Path, info: TensorInfo, blob_size: int) -> None:
         raise BundleError(path, f"{where}: {exc}") from None
     if info.layout != QUANT_LAYOUT[info.dtype]:
         raise BundleError(path, f"{where}: layout {info.layout!r} is not supported ({QUANT_LAYOUT[info.dtype]!r})")
-    if info.scale_dtype not in ("f16", "bf16"):
-        raise BundleError(path, f"{where}: scale_dtype {info.scale_dtype!r} is not supported (f16, bf16)")
+    if info.scale_dtype not in ("f16", "bf16", "f32"):
+        raise BundleError(path, f"{where}: scale_dtype {info.scale_dtype!r} is not supported (f16, bf16, f32)")
     if info.length != length:
         raise BundleError(path, f"{where}: length {info.length} != {length} packed bytes")
     regions = [("scale", info.scale_offset, info.scale_length)]
     if not info.symmetric:
         regions.append(("bias", info.bias_offset, info.bias_length))
     for what, offset, size in regions:
-        if offset is None or size != 2 * groups or offset < 0 or offset + size > blob_size:
+        if offset is None or size != (4 if info.scale_dtype == "f32" else 2) * groups or offset < 0 or offset + size > blob_size:
             raise BundleError(path, f"{where}: the {what} region is missing, of the wrong size or outside the blob")
 
 

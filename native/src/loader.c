@@ -44,7 +44,8 @@ typedef struct {
     uint64_t offset, length; /* offset relative to the blob */
     /* base_q8 / base_q4 (CANONICAL_QUANT_SPEC.md): groups along each row */
     uint32_t group_size;
-    bool symmetric, bf16_scales;
+    bool symmetric;
+    int scale_type; /* RT_SCALE_* */
     uint64_t scale_offset, bias_offset; /* blob-relative, validated like offset */
 } tensor_entry;
 
@@ -280,10 +281,12 @@ static int parse_quant(const bundle *b, const json_value *t, tensor_entry *out) 
     out->group_size = (uint32_t)gs;
     const char *sd = json_string(json_get(t, "scale_dtype"));
     if (!sd) sd = "bf16"; /* the spec's default */
-    if (strcmp(sd, "f16") != 0 && strcmp(sd, "bf16") != 0)
-        return bundle_fail(b, BASERT_ERR_UNSUPPORTED, "tensor '%s': scale_dtype '%s' is not supported (f16, bf16)",
-                           name, sd);
-    out->bf16_scales = strcmp(sd, "bf16") == 0;
+    if (strcmp(sd, "f16") == 0) out->scale_type = RT_SCALE_F16;
+    else if (strcmp(sd, "bf16") == 0) out->scale_type = RT_SCALE_BF16;
+    else if (strcmp(sd, "f32") == 0) out->scale_type = RT_SCALE_F32; /* K-quant sub-block scales, exactly */
+    else
+        return bundle_fail(b, BASERT_ERR_UNSUPPORTED,
+                           "tensor '%s': scale_dtype '%s' is not supported (f16, bf16, f32)", name, sd);
     bool sym = false;
     const json_value *symv = json_get(t, "symmetric");
     if (symv && symv->type != JSON_NULL && !json_bool(symv, &sym))
@@ -299,7 +302,7 @@ static int parse_quant(const bundle *b, const json_value *t, tensor_entry *out) 
     if (out->length != packed)
         return bundle_fail(b, BASERT_ERR_INVALID_FORMAT, "tensor '%s': length %llu, expected %llu packed bytes",
                            name, (unsigned long long)out->length, (unsigned long long)packed);
-    uint64_t region = out->n_elems / (uint64_t)gs * 2;
+    uint64_t region = out->n_elems / (uint64_t)gs * (out->scale_type == RT_SCALE_F32 ? 4 : 2);
     const char *keys[2][2] = {{"scale_offset", "scale_length"}, {"bias_offset", "bias_length"}};
     uint64_t *offs[2] = {&out->scale_offset, &out->bias_offset};
     for (int k = 0; k < (sym ? 1 : 2); k++) {
@@ -500,7 +503,7 @@ static bool load_matrix(const bundle *b, const tensor_entry *t, bool widen_f16, 
     if (t->dtype == DT_Q8 || t->dtype == DT_Q4) {
         const unsigned char *blob = b->map + b->blob_start;
         size_t bytes = rt_weight_from_groups(out, t->dtype == DT_Q4, blob + t->offset, blob + t->scale_offset,
-                                             t->symmetric ? NULL : blob + t->bias_offset, t->bf16_scales,
+                                             t->symmetric ? NULL : blob + t->bias_offset, t->scale_type,
                                              t->symmetric, (size_t)t->shape[0], (size_t)t->shape[1],
                                              (int)t->group_size);
         if (!bytes) {

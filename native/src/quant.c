@@ -66,24 +66,29 @@ size_t rt_qx_row_bytes(int in) {
 
 /* ---- repack at load --------------------------------------------------------- */
 
-static float load_scale(const uint8_t *p, size_t i, bool bf16) {
+static float load_scale(const uint8_t *p, size_t i, int scale_type) {
+    if (scale_type == RT_SCALE_F32) {
+        float f;
+        memcpy(&f, p + 4 * i, 4);
+        return f;
+    }
     uint16_t h;
     memcpy(&h, p + 2 * i, 2);
-    return bf16 ? rt_bf16_to_f32(h) : rt_f16_to_f32(h);
+    return scale_type == RT_SCALE_BF16 ? rt_bf16_to_f32(h) : rt_f16_to_f32(h);
 }
 
 static bool f16_exact(float f) { return rt_f16_to_f32(rt_f32_to_f16(f)) == f || f != f; }
 
 size_t rt_weight_from_groups(rt_weight *out, bool q4, const uint8_t *packed, const uint8_t *scales,
-                             const uint8_t *biases, bool bf16_scales, bool symmetric, size_t rows, size_t cols,
+                             const uint8_t *biases, int scale_type, bool symmetric, size_t rows, size_t cols,
                              int gs) {
     size_t nb = cols / QBLK, groups_per_row = cols / (size_t)gs, half = (size_t)gs / 2;
     bool sym8 = symmetric && !q4;
     /* Block scale and bias of block k of row r, as the kernels use them: value = d * u + m. */
 #define GROUP_OF(r, k) ((r) * groups_per_row + (k) * QBLK / (size_t)gs)
-#define BLOCK_D(r, k) load_scale(scales, GROUP_OF(r, k), bf16_scales)
+#define BLOCK_D(r, k) load_scale(scales, GROUP_OF(r, k), scale_type)
 #define BLOCK_M(r, k)                                                                                  \
-    (symmetric ? (q4 ? -8.0f : -128.0f) * BLOCK_D(r, k) : load_scale(biases, GROUP_OF(r, k), bf16_scales))
+    (symmetric ? (q4 ? -8.0f : -128.0f) * BLOCK_D(r, k) : load_scale(biases, GROUP_OF(r, k), scale_type))
     bool sf32 = false; /* f16 storage unless some scale or bias would change */
     for (size_t r = 0; r < rows && !sf32; r++)
         for (size_t k = 0; k < nb && !sf32; k++)

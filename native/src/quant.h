@@ -35,12 +35,16 @@
 #include <stddef.h>
 #include <stdint.h>
 
+/* How a bundle stores a quantized tensor's scales and biases. f32 holds what a
+ * GGUF K-quant makes exactly: d (f16) times a 6- or 8-bit sub-block scale. */
+enum { RT_SCALE_F16 = 0, RT_SCALE_BF16 = 1, RT_SCALE_F32 = 2 };
+
 /* Repack a base_q8 / base_q4 tensor [rows][cols] (groups of gs values along a
- * row, gs % 32 == 0; f16 or bf16 scales / biases, one per group; symmetric:
+ * row, gs % 32 == 0; scales / biases of type scale_type (RT_SCALE_*), one per group; symmetric:
  * biases NULL and value = (u - 2^(bits-1)) * scale) into out. Returns the
  * bytes allocated, 0 when out of memory. */
 size_t rt_weight_from_groups(rt_weight *out, bool q4, const uint8_t *packed, const uint8_t *scales,
-                             const uint8_t *biases, bool bf16_scales, bool symmetric, size_t rows, size_t cols,
+                             const uint8_t *biases, int scale_type, bool symmetric, size_t rows, size_t cols,
                              int gs);
 
 /* Bytes of one quantized activation row of `in` values (in % 32 == 0). */
