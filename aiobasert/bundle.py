@@ -546,8 +546,9 @@ def _check_quantized(path: Path, info: TensorInfo, blob_size: int) -> None:
     regions = [("scale", info.scale_offset, info.scale_length)]
     if not info.symmetric:
         regions.append(("bias", info.bias_offset, info.bias_length))
+    region = (4 if info.scale_dtype == "f32" else 2) * groups
     for what, offset, size in regions:
-        if offset is None or size != (4 if info.scale_dtype == "f32" else 2) * groups or offset < 0 or offset + size > blob_size:
+        if offset is None or size != region or offset < 0 or offset + size > blob_size:
             raise BundleError(path, f"{where}: the {what} region is missing, of the wrong size or outside the blob")
 
 
