@@ -18,6 +18,7 @@ from ctypes import c_uint32
 from pathlib import Path
 from typing import Any
 
+import gguf
 import numpy as np
 import pytest
 import raw_abi
@@ -27,7 +28,8 @@ from raw_abi import step_logits
 from aiobasert._ffi import Library
 from aiobasert.convert import convert_gguf
 from aiobasert.tiny import build_tiny_model
-from tests.oracle import NumpyLlama
+from tests.oracle import NumpyLlama, gguf_oracle
+from tests.tiny_gguf import write_gguf
 
 OK, UNSUPPORTED = 0, 5
 
@@ -121,6 +123,49 @@ def test_quantized_tails_match_the_oracle_and_are_batch_invariant(lib: Library, 
             rows = step_logits(lib, m, batched, nxt)
             for i in range(len(prompts)):
                 assert step_logits(lib, m, [single[i]], nxt[i : i + 1])[0].tobytes() == rows[i].tobytes()
+    finally:
+        lib.baseRT_free_model(m)
+
+
+# ---- GGUF block types carried into the integer kernels (convert --dtype auto) ---------------------
+GGUF_TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"]
+
+
+@pytest.mark.parametrize("qtype", GGUF_TYPES)
+def test_gguf_block_types_run_against_the_oracle_and_are_batch_invariant(lib: Library, tmp_path: Path,
+                                                                         qtype: str) -> None:
+    """A tiny GGUF whose every matrix is `qtype` (K-quants: hand-written random blocks), converted with
+    `auto` (carried exactly: Q4_K / Q5_K with f32 sub-block scales; Q6_K quantized to q8): the engine's
+    logits against the oracle over the bundle's weights (which test_convert holds equal to gguf-py's
+    dequantization) with the kernels' input rounding, and against the GGUF's own values; batched == alone."""
+    kind = gguf.GGMLQuantizationType[qtype]
+    dims = {"dim": 256, "ffn": 512} if qtype.endswith("_K") else {}
+    src = write_gguf(tmp_path / f"{qtype}.gguf", matrices=kind, seed=9, **dims)
+    path = convert_gguf(src, tmp_path / "auto.base", dtype="auto", progress=False)
+    q8_oracle, gguf_ref = NumpyLlama(path, q8_inputs=True), gguf_oracle(src)
+    n_vocab = int(NumpyLlama(path).config.vocab_size)
+    m = load(lib, path, lanes=8)
+    try:
+        rng = np.random.default_rng(6)
+        prompts = [[int(t) for t in rng.integers(3, n_vocab, size=n)] for n in (1, 3, 5, 9, 70)]
+        batched = [int(lib.baseRT_sequence_create(m)) for _ in prompts]
+        single = [int(lib.baseRT_sequence_create(m)) for _ in prompts]
+        rows = step_logits(lib, m, batched, prompts)
+        errs = []
+        for i, p in enumerate(prompts):
+            alone = step_logits(lib, m, [single[i]], [p])[0]
+            assert alone.tobytes() == rows[i].tobytes(), f"prompt {i}: batched != alone"
+            got = alone.astype(np.float64)
+            exact = q8_oracle.logits(p)[-1]
+            errs.append(np.abs(got - exact).max() / np.abs(exact).max())
+            ref = gguf_ref.logits(p)[-1]
+            assert np.abs(got - ref).max() / np.abs(ref).max() < 0.05
+            assert np.corrcoef(got, ref)[0, 1] > 0.999
+        assert max(errs) < 0.02 and sorted(errs)[-2] < 0.002, errs  # see the tails test: a near-tie flip
+        nxt = [[int(np.argmax(r))] for r in rows]
+        rows = step_logits(lib, m, batched, nxt)
+        for i in range(len(prompts)):
+            assert step_logits(lib, m, [single[i]], nxt[i : i + 1])[0].tobytes() == rows[i].tobytes()
     finally:
         lib.baseRT_free_model(m)
 
