@@ -35,10 +35,11 @@ from ._progress import ticking
 from .bundle import BundleWriter, Progress, QuantizedTensor, TensorEntry, llama_header
 from .errors import AioBaseRTError
 
-__all__ = ["DTYPES", "ConversionError", "convert_gguf", "main"]
+__all__ = ["DTYPES", "ConversionError", "Dtype", "convert_gguf", "main"]
 
 #: The ``--dtype`` choices (``auto``: each tensor as the GGUF stores it, see the quantized-output section).
 DTYPES: Final = ("auto", "f16", "f32", "q8", "q4")
+Dtype = Literal["auto", "f16", "f32", "q8", "q4"]
 
 _GGUF_MAGIC: Final = b"GGUF"
 
@@ -321,10 +322,14 @@ def convert_gguf(
     src: str | Path,
     dst: str | Path,
     *,
-    dtype: Literal["auto", "f16", "f32", "q8", "q4"] = "f16",
+    dtype: Dtype = "f16",
     progress: bool | Progress = True,
 ) -> Path:
     """Convert the llama GGUF `src` into the bundle `dst` (written atomically); returns `dst`.
+
+    `dtype`: how the matrices are stored: f16 / f32, q8 / q4 (group-wise quantized), or auto (each as
+    the GGUF has it; GGML blocks the engine's integer kernels can hold are carried exactly). The
+    ``aiobasert convert`` command defaults to auto.
 
     `progress`: True shows a tqdm bar on stderr, False nothing; a callable is
     called with (bytes written, bytes total) after each tensor.
@@ -569,13 +574,15 @@ def _quantize(tensor: gguf.ReaderTensor, entry: TensorEntry, fail: Callable[[str
         values = _dequantize(tensor, TensorEntry(entry.name, entry.shape, "f32"), fail)
         return quantize_groups(values, entry.dtype, symmetric=entry.symmetric)
     u, scale, bias = _carried(tensor, entry.shape)
-    store = np.float32 if entry.scale_dtype == "f32" else np.float16
     if entry.dtype == "base_q4":
         g = u.reshape(entry.shape[0], -1, _QUANT_GROUP)
         half = _QUANT_GROUP // 2
-        u = g[:, :, :half] | (g[:, :, half:] << 4)
-    return QuantizedTensor(np.ascontiguousarray(u).reshape(-1), scale.astype(store).reshape(-1),
-                           None if bias is None else bias.astype(store).reshape(-1))
+        u = (g[:, :, :half] | (g[:, :, half:] << 4)).astype(np.uint8)
+    packed = np.ascontiguousarray(u).reshape(-1)
+    if entry.scale_dtype == "f32":
+        return QuantizedTensor(packed, scale.reshape(-1), None if bias is None else bias.reshape(-1))
+    return QuantizedTensor(packed, scale.astype(np.float16).reshape(-1),
+                           None if bias is None else bias.astype(np.float16).reshape(-1))
 
 
 def quantize_groups(values: npt.NDArray[np.float32], dtype: str, *, symmetric: bool = False,
@@ -610,7 +617,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The converter's options, shared by ``python -m aiobasert.convert`` and ``aiobasert convert``."""
     parser.add_argument("src", type=Path, help="input .gguf file")
     parser.add_argument("dst", type=Path, help="output .base file")
-    parser.add_argument("--dtype", choices=DTYPES, default="f16",
+    parser.add_argument("--dtype", choices=DTYPES, default="auto",
                         help="storage type of the matrices (q8 / q4: group-wise quantized, base_q8 / base_q4; "
                         "auto: as the GGUF has them, quantized blocks carried exactly where they can be)")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
