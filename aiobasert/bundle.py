@@ -66,11 +66,14 @@ Region = Literal["accelerator", "gpu", "cpu"]
 _ITEMSIZE: Final[dict[str, int]] = {"f32": 4, "f16": 2, "bf16": 2}
 # Group-wise quantized dtypes (CANONICAL_QUANT_SPEC.md): bits per value. Their
 # tensors carry scale (and, asymmetric, bias) regions beside the packed values.
-_QUANT_BITS: Final[dict[str, int]] = {"base_q8": 8, "base_q4": 4}
+_QUANT_BITS: Final[dict[str, int]] = {"base_q8": 8, "base_q5": 5, "base_q4": 4}
 #: Packing of each quantized dtype this module writes and reads (target_backend cpu_avx2):
 #: row-major; q8 one byte per value; q4 per group of G values G/2 bytes, byte j holding value j
-#: in its low nibble and value j + G/2 in its high nibble (GGML's Q4_1 order).
-QUANT_LAYOUT: Final[dict[str, str]] = {"base_q8": "rowmajor", "base_q4": "rowmajor_nibble_halves"}
+#: in its low nibble and value j + G/2 in its high nibble (GGML's Q4_1 order); q5 (GGML's Q5_0 / Q5_1 /
+#: Q5_K blocks, an aiobasert extension) per group G/8 bytes of fifth bits (bit j % 8 of byte j / 8 is
+#: value j's), then the G/2 bytes of nibbles as q4.
+QUANT_LAYOUT: Final[dict[str, str]] = {"base_q8": "rowmajor", "base_q5": "rowmajor_qh_nibble_halves",
+                                       "base_q4": "rowmajor_nibble_halves"}
 _QUANT_REGION_ALIGN: Final = 64
 _SCALE_SIZE: Final = {"f16": 2, "f32": 4}  # the scale dtypes the writer lays out
 # Storage dtype of each bundle dtype (bf16 has no numpy dtype: raw uint16 bits).
@@ -492,7 +495,11 @@ class Bundle:
         if info.dtype == "base_q8":
             q = packed.astype(np.float32)
         else:  # low nibbles are the group's first half, high nibbles its second half
-            q = np.concatenate([packed & 0x0F, packed >> 4], axis=2).astype(np.float32)
+            nibbles = packed[:, :, gs // 8 :] if info.dtype == "base_q5" else packed
+            u = np.concatenate([nibbles & 0x0F, nibbles >> 4], axis=2)
+            if info.dtype == "base_q5":
+                u |= np.unpackbits(packed[:, :, : gs // 8], axis=2, bitorder="little") << 4
+            q = u.astype(np.float32)
         scales = self._region_f32(info.scale_offset or 0, info.scale_length or 0, info.scale_dtype or "f16")
         scales = scales.reshape(out_dim, in_dim // gs, 1)
         if info.symmetric:

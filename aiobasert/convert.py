@@ -426,7 +426,7 @@ def convert_gguf(
         tokenizer=tokenizer,
         metadata={} if chat_template is None else {"tokenizer.chat_template": chat_template},
     )
-    if any(e.dtype in _QUANT_DTYPE.values() for e in entries):
+    if any(e.dtype in _QUANTIZED for e in entries):
         header["target_backend"] = "cpu_avx2"
 
     close_bar: Callable[[], None] | None = None
@@ -439,7 +439,7 @@ def convert_gguf(
     try:
         with BundleWriter(dst, header, entries, progress=callback) as writer:
             for entry in entries:
-                if entry.dtype in _QUANT_DTYPE.values():
+                if entry.dtype in _QUANTIZED:
                     writer.write(entry.name, _quantize(sources[entry.name], entry, fail))
                 else:
                     writer.write(entry.name, _dequantize(sources[entry.name], entry, fail))
@@ -483,9 +483,13 @@ def _dequantize(
 
 _QUANT_DTYPE: Final = {"q8": "base_q8", "q4": "base_q4"}
 _QUANT_GROUP: Final = 32
+_QUANTIZED: Final = frozenset({"base_q8", "base_q5", "base_q4"})  # the bundle dtypes written as QuantizedTensor
 _Q: Final = gguf.GGMLQuantizationType
 _FOUR_BIT: Final = frozenset({_Q.Q4_0, _Q.Q4_1, _Q.Q4_K})
-_CARRIED: Final = _FOUR_BIT | {_Q.Q5_0, _Q.Q5_1, _Q.Q5_K, _Q.Q8_0}
+_FIVE_BIT: Final = frozenset({_Q.Q5_0, _Q.Q5_1, _Q.Q5_K})
+_CARRIED: Final = _FOUR_BIT | _FIVE_BIT | {_Q.Q8_0}
+# Blocks whose bias is -2^(bits-1) * scale: stored symmetric (no bias region) in their own width.
+_SYMMETRIC: Final = {_Q.Q8_0: "base_q8", _Q.Q5_0: "base_q5", _Q.Q4_0: "base_q4"}
 _FLOAT: Final = frozenset({_Q.F32, _Q.F16, _Q.BF16})
 
 
@@ -494,24 +498,24 @@ def _quantized_entry(name: str, shape: tuple[int, ...], region: str, dtype: str,
     kind = tensor.tensor_type
     if dtype == "auto" and kind in _FLOAT:
         return TensorEntry(name, shape, "f16", region)
-    symmetric = kind == _Q.Q8_0
     if dtype == "q4":
-        target = "base_q4" if kind in _FOUR_BIT else "base_q8" if symmetric else "base_q4"
+        target = "base_q8" if kind == _Q.Q8_0 else "base_q4"
     elif dtype == "auto":
-        target = "base_q4" if kind in _FOUR_BIT else "base_q8"
+        target = "base_q4" if kind in _FOUR_BIT else "base_q5" if kind in _FIVE_BIT else "base_q8"
     else:
         target = "base_q8"
+    symmetric = _SYMMETRIC.get(kind) == target
     scale_dtype = "f16"
     if _is_carried(kind, target):
-        carried = _carried(tensor, shape)
-        if not all(_f16_exact(a) for a in carried[1:] if a is not None):
+        _, scale, bias = _carried(tensor, shape)
+        if not _f16_exact(scale) or (not symmetric and bias is not None and not _f16_exact(bias)):
             scale_dtype = "f32"
     return TensorEntry(name, shape, target, region, group_size=_QUANT_GROUP, symmetric=symmetric,
                        scale_dtype=scale_dtype)
 
 
 def _is_carried(kind: gguf.GGMLQuantizationType, target: str) -> bool:
-    return kind in _CARRIED and (target == "base_q8" or kind in _FOUR_BIT)
+    return kind in _CARRIED and (target == "base_q8" or kind in (_FOUR_BIT if target == "base_q4" else _FIVE_BIT))
 
 
 def _f16_exact(values: npt.NDArray[np.float32]) -> bool:
@@ -574,10 +578,14 @@ def _quantize(tensor: gguf.ReaderTensor, entry: TensorEntry, fail: Callable[[str
         values = _dequantize(tensor, TensorEntry(entry.name, entry.shape, "f32"), fail)
         return quantize_groups(values, entry.dtype, symmetric=entry.symmetric)
     u, scale, bias = _carried(tensor, entry.shape)
-    if entry.dtype == "base_q4":
+    if entry.symmetric:
+        bias = None  # the bias is -2^(bits-1) * scale, implied
+    if entry.dtype in ("base_q4", "base_q5"):
         g = u.reshape(entry.shape[0], -1, _QUANT_GROUP)
         half = _QUANT_GROUP // 2
-        u = (g[:, :, :half] | (g[:, :, half:] << 4)).astype(np.uint8)
+        u = ((g[:, :, :half] & 0x0F) | ((g[:, :, half:] & 0x0F) << 4)).astype(np.uint8)
+        if entry.dtype == "base_q5":  # each group's fifth bits first, bit v % 8 of byte v / 8
+            u = np.concatenate([np.packbits(g >> 4, axis=2, bitorder="little"), u], axis=2)
     packed = np.ascontiguousarray(u).reshape(-1)
     if entry.scale_dtype == "f32":
         return QuantizedTensor(packed, scale.reshape(-1), None if bias is None else bias.reshape(-1))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from pathlib import Path
 
@@ -168,14 +169,16 @@ def test_cli(tmp_path: Path, synthetic_gguf: Path, capsys: pytest.CaptureFixture
 # ---- GGML block types: carried exactly, or converted ----------------------------------------------
 Q = gguf.GGMLQuantizationType
 K_DIMS = {"dim": 256, "ffn": 512}  # K-quant rows are whole 256-value super-blocks
-# (type, --dtype) -> (bundle dtype of the matrices, scale dtype); every one of these is carried exactly
+# (type, --dtype) -> (bundle dtype of the matrices, scale dtype, symmetric); every one is carried exactly
 CARRIED = {
-    (Q.Q4_0, "auto"): ("base_q4", "f16"), (Q.Q4_0, "q4"): ("base_q4", "f16"), (Q.Q4_0, "q8"): ("base_q8", "f16"),
-    (Q.Q4_1, "auto"): ("base_q4", "f16"), (Q.Q4_1, "q8"): ("base_q8", "f16"),
-    (Q.Q5_0, "auto"): ("base_q8", "f16"), (Q.Q5_1, "auto"): ("base_q8", "f16"),
-    (Q.Q8_0, "auto"): ("base_q8", "f16"), (Q.Q8_0, "q4"): ("base_q8", "f16"),
-    (Q.Q4_K, "auto"): ("base_q4", "f32"), (Q.Q4_K, "q4"): ("base_q4", "f32"), (Q.Q4_K, "q8"): ("base_q8", "f32"),
-    (Q.Q5_K, "auto"): ("base_q8", "f32"), (Q.Q5_K, "q8"): ("base_q8", "f32"),
+    (Q.Q4_0, "auto"): ("base_q4", "f16", True), (Q.Q4_0, "q4"): ("base_q4", "f16", True),
+    (Q.Q4_0, "q8"): ("base_q8", "f16", False), (Q.Q4_1, "auto"): ("base_q4", "f16", False),
+    (Q.Q4_1, "q8"): ("base_q8", "f16", False), (Q.Q5_0, "auto"): ("base_q5", "f16", True),
+    (Q.Q5_0, "q8"): ("base_q8", "f16", False), (Q.Q5_1, "auto"): ("base_q5", "f16", False),
+    (Q.Q8_0, "auto"): ("base_q8", "f16", True), (Q.Q8_0, "q4"): ("base_q8", "f16", True),
+    (Q.Q4_K, "auto"): ("base_q4", "f32", False), (Q.Q4_K, "q4"): ("base_q4", "f32", False),
+    (Q.Q4_K, "q8"): ("base_q8", "f32", False), (Q.Q5_K, "auto"): ("base_q5", "f32", False),
+    (Q.Q5_K, "q8"): ("base_q8", "f32", False),
 }  # fmt: skip
 
 
@@ -197,8 +200,13 @@ def test_gguf_blocks_are_carried_exactly(tmp_path: Path, qtype: gguf.GGMLQuantiz
         reference = gguf.quants.dequantize(source.data, source.tensor_type).astype(np.float32)
         info = bundle.tensors[name]
         if reference.ndim == 2:
-            assert (info.dtype, info.scale_dtype, info.group_size) == (*want, 32), name
+            assert (info.dtype, info.scale_dtype, info.symmetric, info.group_size) == (*want, 32), name
         np.testing.assert_array_equal(bundle.tensor(name), reference, err_msg=name)  # -0.0 == 0.0 allowed
+    if dtype == "auto" and not qtype.name.endswith("_K"):  # the GGUF's own width: no bigger than its blocks
+        size = sum(math.prod(t.shape) for t in gguf.GGUFReader(src).tensors if len(t.shape) == 2)
+        stored = sum(i.length + (i.scale_length or 0) + (i.bias_length or 0)
+                     for i in bundle.tensors.values() if len(i.shape) == 2)
+        assert stored == size // gguf.GGML_QUANT_SIZES[qtype][0] * gguf.GGML_QUANT_SIZES[qtype][1]
 
 
 @pytest.mark.parametrize(("qtype", "dtype", "stored"), [(Q.Q6_K, "auto", "base_q8"), (Q.Q6_K, "q4", "base_q4"),

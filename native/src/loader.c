@@ -33,7 +33,7 @@
 #define RT_MAX_PREFILL_CHUNK 4096
 #define IDENTITY_BYTES ((size_t)1 << 20)
 
-enum { DT_F32, DT_F16, DT_BF16, DT_Q8, DT_Q4 };
+enum { DT_F32, DT_F16, DT_BF16, DT_Q8, DT_Q4, DT_Q5 };
 
 typedef struct {
     const char *name;
@@ -270,7 +270,7 @@ static bool blob_range_ok(const bundle *b, uint64_t off, uint64_t len) {
  * symmetric, a bias region. */
 static int parse_quant(const bundle *b, const json_value *t, tensor_entry *out) {
     const char *name = out->name;
-    bool q4 = out->dtype == DT_Q4;
+    int bits = out->dtype == DT_Q4 ? 4 : out->dtype == DT_Q5 ? 5 : 8;
     int64_t gs = 0, x;
     if (!json_int64(json_get(t, "group_size"), &gs) || (gs != 32 && gs != 64 && gs != 128))
         return bundle_fail(b, BASERT_ERR_UNSUPPORTED, "tensor '%s': group_size must be 32, 64 or 128", name);
@@ -293,12 +293,14 @@ static int parse_quant(const bundle *b, const json_value *t, tensor_entry *out) 
         return bundle_fail(b, BASERT_ERR_INVALID_FORMAT, "tensor '%s': symmetric is not a boolean", name);
     out->symmetric = sym;
     const char *layout = json_string(json_get(t, "layout"));
-    const char *want = q4 ? "rowmajor_nibble_halves" : "rowmajor";
+    /* base_q5 (GGML Q5_0 / Q5_1 / Q5_K blocks): per group, gs / 8 bytes of fifth bits (bit v % 8 of byte
+     * v / 8 for value v), then the nibbles as base_q4 stores them */
+    const char *want = bits == 4 ? "rowmajor_nibble_halves" : bits == 5 ? "rowmajor_qh_nibble_halves" : "rowmajor";
     if (!layout || strcmp(layout, want) != 0)
         return bundle_fail(b, BASERT_ERR_UNSUPPORTED,
                            "tensor '%s': layout '%s' is not supported (the reference engine reads '%s')", name,
                            layout ? layout : "(none)", want);
-    uint64_t packed = q4 ? out->n_elems / 2 : out->n_elems;
+    uint64_t packed = out->n_elems / 8 * (uint64_t)bits;
     if (out->length != packed)
         return bundle_fail(b, BASERT_ERR_INVALID_FORMAT, "tensor '%s': length %llu, expected %llu packed bytes",
                            name, (unsigned long long)out->length, (unsigned long long)packed);
@@ -331,10 +333,11 @@ static int parse_tensor(const bundle *b, const json_value *t, size_t index, tens
     else if (strcmp(dtype, "bf16") == 0) out->dtype = DT_BF16, esize = 2;
     else if (strcmp(dtype, "base_q8") == 0) out->dtype = DT_Q8, esize = 0;
     else if (strcmp(dtype, "base_q4") == 0) out->dtype = DT_Q4, esize = 0;
+    else if (strcmp(dtype, "base_q5") == 0) out->dtype = DT_Q5, esize = 0;
     else
         return bundle_fail(b, BASERT_ERR_UNSUPPORTED,
-                           "tensor '%s' has dtype '%s'; the reference engine reads f32, f16, bf16, base_q8 and "
-                           "base_q4",
+                           "tensor '%s' has dtype '%s'; the reference engine reads f32, f16, bf16, base_q8, "
+                           "base_q5 and base_q4",
                            name, dtype);
     const json_value *shape = json_get(t, "shape");
     size_t nd = json_count(shape);
@@ -500,9 +503,9 @@ static float *load_tensor_f32(const bundle *b, const tensor_entry *t) {
  * f32 and bf16 become f32. BASERT_REF_WIDEN_F16=1 widens f16 at load as
  * the engine used to (benchmarks and the bit-identity test compare both). */
 static bool load_matrix(const bundle *b, const tensor_entry *t, bool widen_f16, rt_weight *out, uint64_t *total) {
-    if (t->dtype == DT_Q8 || t->dtype == DT_Q4) {
+    if (t->dtype == DT_Q8 || t->dtype == DT_Q4 || t->dtype == DT_Q5) {
         const unsigned char *blob = b->map + b->blob_start;
-        size_t bytes = rt_weight_from_groups(out, t->dtype == DT_Q4, blob + t->offset, blob + t->scale_offset,
+        size_t bytes = rt_weight_from_groups(out, t->dtype == DT_Q4 ? 4 : t->dtype == DT_Q5 ? 5 : 8, blob + t->offset, blob + t->scale_offset,
                                              t->symmetric ? NULL : blob + t->bias_offset, t->scale_type,
                                              t->symmetric, (size_t)t->shape[0], (size_t)t->shape[1],
                                              (int)t->group_size);

@@ -21,7 +21,7 @@ enum { QBLK = 32, PANEL = 16 };
 
 /* ---- geometry ------------------------------------------------------------- */
 
-enum { KIND_Q4 = 0, KIND_Q8 = 1, KIND_Q8S = 2 /* symmetric q8: no bias term */ };
+enum { KIND_Q4 = 0, KIND_Q8 = 1, KIND_Q8S = 2 /* symmetric q8: no bias term */, KIND_Q5 = 3, N_KINDS = 4 };
 
 typedef struct {
     int nb, kind;
@@ -32,16 +32,34 @@ typedef struct {
     size_t panel_bytes;
 } qgeom;
 
-static qgeom geometry(int type, int flags, int in) {
+/* q5 = q4's nibbles plus, per block, 8 masks of 64 bits: mask 2s (2s + 1) holds the fifth bit of each byte's
+ * low (high) nibble in group s, bit j for byte j of the group. */
+enum { Q5_MASKS = 64 };
+
+static qgeom geometry_of(int kind, bool sf32, int in) {
     qgeom g;
     g.nb = in / QBLK;
-    g.kind = type == RT_W_Q4 ? KIND_Q4 : (flags & RT_WF_SYMMETRIC) ? KIND_Q8S : KIND_Q8;
-    g.sf32 = (flags & RT_WF_SCALES_F32) != 0;
-    g.q_bytes = (size_t)PANEL * (g.kind == KIND_Q4 ? 16 : 32);
+    g.kind = kind;
+    g.sf32 = sf32;
+    g.q_bytes = (size_t)PANEL * (kind == KIND_Q8 || kind == KIND_Q8S ? 32 : 16) + (kind == KIND_Q5 ? Q5_MASKS : 0);
     g.s_size = g.sf32 ? 4 : 2;
     g.block_bytes = g.q_bytes + PANEL * g.s_size * (g.kind == KIND_Q8S ? 1 : 2);
     g.panel_bytes = g.block_bytes * (size_t)g.nb;
     return g;
+}
+
+static qgeom geometry(int type, int flags, int in) {
+    int kind = type == RT_W_Q4 ? KIND_Q4 : type == RT_W_Q5 ? KIND_Q5 : (flags & RT_WF_SYMMETRIC) ? KIND_Q8S : KIND_Q8;
+    return geometry_of(kind, (flags & RT_WF_SCALES_F32) != 0, in);
+}
+
+/* Value i (0..31) of row L in a q4 / q5 block at bp, as an unsigned integer. */
+static int nibble_value(const uint8_t *bp, int kind, size_t L, int i) {
+    int hi = i >= 16, s = (i % 16) / 4;
+    size_t j = 4 * L + (size_t)(i % 4);
+    int u = hi ? bp[64 * s + j] >> 4 : bp[64 * s + j] & 0x0F;
+    if (kind == KIND_Q5) u |= ((bp[PANEL * 16 + 8 * (2 * s + hi) + j / 8] >> (j % 8)) & 1) << 4;
+    return u;
 }
 
 static float scale_at(const uint8_t *p, size_t i, bool sf32) {
@@ -79,22 +97,23 @@ static float load_scale(const uint8_t *p, size_t i, int scale_type) {
 
 static bool f16_exact(float f) { return rt_f16_to_f32(rt_f32_to_f16(f)) == f || f != f; }
 
-size_t rt_weight_from_groups(rt_weight *out, bool q4, const uint8_t *packed, const uint8_t *scales,
+size_t rt_weight_from_groups(rt_weight *out, int bits, const uint8_t *packed, const uint8_t *scales,
                              const uint8_t *biases, int scale_type, bool symmetric, size_t rows, size_t cols,
                              int gs) {
     size_t nb = cols / QBLK, groups_per_row = cols / (size_t)gs, half = (size_t)gs / 2;
-    bool sym8 = symmetric && !q4;
+    bool sym8 = symmetric && bits == 8, q4 = bits == 4, q5 = bits == 5;
+    int type = q4 ? RT_W_Q4 : q5 ? RT_W_Q5 : RT_W_Q8;
     /* Block scale and bias of block k of row r, as the kernels use them: value = d * u + m. */
 #define GROUP_OF(r, k) ((r) * groups_per_row + (k) * QBLK / (size_t)gs)
 #define BLOCK_D(r, k) load_scale(scales, GROUP_OF(r, k), scale_type)
 #define BLOCK_M(r, k)                                                                                  \
-    (symmetric ? (q4 ? -8.0f : -128.0f) * BLOCK_D(r, k) : load_scale(biases, GROUP_OF(r, k), scale_type))
+    (symmetric ? -(float)(1 << (bits - 1)) * BLOCK_D(r, k) : load_scale(biases, GROUP_OF(r, k), scale_type))
     bool sf32 = false; /* f16 storage unless some scale or bias would change */
     for (size_t r = 0; r < rows && !sf32; r++)
         for (size_t k = 0; k < nb && !sf32; k++)
             sf32 = !f16_exact(BLOCK_D(r, k)) || (!sym8 && !f16_exact(BLOCK_M(r, k)));
     int flags = (sf32 ? RT_WF_SCALES_F32 : 0) | (sym8 ? RT_WF_SYMMETRIC : 0);
-    qgeom g = geometry(q4 ? RT_W_Q4 : RT_W_Q8, flags, (int)cols);
+    qgeom g = geometry(type, flags, (int)cols);
     size_t panels = (rows + PANEL - 1) / PANEL, bytes = panels * g.panel_bytes;
     uint8_t *mem = calloc(1, bytes ? bytes : 1); /* rows past the matrix stay zero */
     if (!mem) return 0;
@@ -104,15 +123,24 @@ size_t rt_weight_from_groups(rt_weight *out, bool q4, const uint8_t *packed, con
             uint8_t *bp = mem + (r / PANEL) * g.panel_bytes + k * g.block_bytes;
             size_t v0 = k * QBLK, in_group = v0 % (size_t)gs, g0 = GROUP_OF(r, k);
             uint8_t u[QBLK];
-            if (q4) {
-                const uint8_t *gp = packed + g0 * half; /* value v of a group: byte v % (gs/2), nibble v / (gs/2) */
+            if (q4 || q5) {
+                /* value v of a group: byte v % (gs/2), nibble v / (gs/2); q5 groups start with gs/8 bytes
+                 * of fifth bits (bit v % 8 of byte v / 8), as GGML's Q5_0 / Q5_1 blocks */
+                const uint8_t *qh = packed + g0 * (q5 ? (size_t)gs / 8 * 5 : half), *gp = q5 ? qh + gs / 8 : qh;
                 for (size_t i = 0; i < QBLK; i++) {
                     size_t v = in_group + i;
                     u[i] = v < half ? gp[v] & 0x0F : gp[v - half] >> 4;
+                    if (q5) u[i] |= (uint8_t)(((qh[v / 8] >> (v % 8)) & 1) << 4);
                 }
                 for (size_t s = 0; s < 4; s++)
-                    for (size_t i = 0; i < 4; i++)
-                        bp[64 * s + 4 * L + i] = (uint8_t)(u[4 * s + i] | u[16 + 4 * s + i] << 4);
+                    for (size_t i = 0; i < 4; i++) {
+                        size_t j = 4 * L + i;
+                        bp[64 * s + j] = (uint8_t)((u[4 * s + i] & 0x0F) | (u[16 + 4 * s + i] & 0x0F) << 4);
+                        if (q5)
+                            for (size_t h = 0; h < 2; h++)
+                                bp[PANEL * 16 + 8 * (2 * s + h) + j / 8] |=
+                                    (uint8_t)(((u[16 * h + 4 * s + i] >> 4) & 1) << (j % 8));
+                    }
             } else {
                 memcpy(u, packed + r * cols + v0, QBLK);
                 for (size_t s = 0; s < 8; s++) memcpy(bp + 64 * s + 4 * L, u + 4 * s, 4);
@@ -132,7 +160,7 @@ size_t rt_weight_from_groups(rt_weight *out, bool q4, const uint8_t *packed, con
 #undef BLOCK_M
 #undef BLOCK_D
 #undef GROUP_OF
-    *out = (rt_weight){mem, q4 ? RT_W_Q4 : RT_W_Q8, flags};
+    *out = (rt_weight){mem, type, flags};
     return bytes;
 }
 
@@ -144,9 +172,8 @@ void rt_qweight_row(const rt_weight *w, size_t row, int n, float *out) {
         const uint8_t *bp = pp + (size_t)k * g.block_bytes, *dp = bp + g.q_bytes, *mp = dp + PANEL * g.s_size;
         float d = scale_at(dp, L, g.sf32), *o = out + k * QBLK;
         for (int i = 0; i < QBLK; i++) {
-            int u = g.kind == KIND_Q4 ? (i < 16 ? bp[64 * (i / 4) + 4 * L + (size_t)(i % 4)] & 0x0F
-                                                : bp[64 * ((i - 16) / 4) + 4 * L + (size_t)(i % 4)] >> 4)
-                                      : bp[64 * (i / 4) + 4 * L + (size_t)(i % 4)];
+            int u = g.kind == KIND_Q4 || g.kind == KIND_Q5 ? nibble_value(bp, g.kind, L, i)
+                                                          : bp[64 * (i / 4) + 4 * L + (size_t)(i % 4)];
             o[i] = g.kind == KIND_Q8S ? d * (float)(u - 128) : d * (float)u + scale_at(mp, L, g.sf32);
         }
     }
@@ -243,7 +270,7 @@ typedef void (*qk_fn)(const uint8_t *panel, int nb, int sf32, const uint8_t *x, 
                       int valid);
 
 typedef struct {
-    qk_fn k[3][8]; /* [kind][RT - 1] */
+    qk_fn k[N_KINDS][8]; /* [kind][RT - 1] */
     int rt_max;
     const char *name;
 } qkernel_set;
@@ -251,8 +278,7 @@ typedef struct {
 /* Portable path: the same per-(row, weight row) sequence as the SIMD lanes, with fmaf. */
 static void qk_generic(const uint8_t *panel, int nb, int sf32, const uint8_t *x, size_t xrow, float *y, size_t ldy,
                        int valid, int RT, int kind) {
-    qgeom g = geometry(kind == KIND_Q4 ? RT_W_Q4 : RT_W_Q8,
-                       (sf32 ? RT_WF_SCALES_F32 : 0) | (kind == KIND_Q8S ? RT_WF_SYMMETRIC : 0), nb * QBLK);
+    qgeom g = geometry_of(kind, sf32, nb * QBLK);
     for (int r = 0; r < RT; r++) {
         const uint8_t *xr = x + (size_t)r * xrow;
         const int8_t *q = (const int8_t *)xr;
@@ -265,9 +291,8 @@ static void qk_generic(const uint8_t *panel, int nb, int sf32, const uint8_t *x,
                 const int8_t *qk = q + k * QBLK;
                 int isum = 0;
                 for (int i = 0; i < QBLK; i++) {
-                    int u = kind == KIND_Q4 ? (i < 16 ? bp[64 * (i / 4) + 4 * L + i % 4] & 0x0F
-                                                      : bp[64 * ((i - 16) / 4) + 4 * L + i % 4] >> 4)
-                                            : bp[64 * (i / 4) + 4 * L + i % 4];
+                    int u = kind == KIND_Q4 || kind == KIND_Q5 ? nibble_value(bp, kind, (size_t)L, i)
+                                                               : bp[64 * (i / 4) + 4 * L + i % 4];
                     isum += u * qk[i];
                 }
                 if (kind == KIND_Q8S) isum += corr[k];
@@ -293,8 +318,11 @@ static void qk_generic(const uint8_t *panel, int nb, int sf32, const uint8_t *x,
      ISA##_##KIND##_5, ISA##_##KIND##_6, ISA##_##KIND##_7, ISA##_##KIND##_8}
 
 QK_KIND4(qk_generic, KIND_Q4) QK_KIND4(qk_generic, KIND_Q8) QK_KIND4(qk_generic, KIND_Q8S)
-static const qkernel_set generic_set = {
-    {QK_ROW4(qk_generic, KIND_Q4), QK_ROW4(qk_generic, KIND_Q8), QK_ROW4(qk_generic, KIND_Q8S)}, 4, "generic"};
+QK_KIND4(qk_generic, KIND_Q5)
+static const qkernel_set generic_set = {{QK_ROW4(qk_generic, KIND_Q4), QK_ROW4(qk_generic, KIND_Q8),
+                                         QK_ROW4(qk_generic, KIND_Q8S), QK_ROW4(qk_generic, KIND_Q5)},
+                                        4,
+                                        "generic"};
 
 #if defined(__x86_64__) && defined(__GNUC__)
 #include <immintrin.h>
@@ -315,12 +343,19 @@ static inline __m256i bcst4(const uint8_t *p) {
     memcpy(&v, p, 4);
     return _mm256_set1_epi32(v);
 }
+/* 32 mask bits at p -> 32 bytes, 0x10 where the bit is set (q5's fifth bit). */
+static inline __m256i fifth_bits(const uint8_t *p) {
+    const __m256i spread = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2,
+                                            3, 3, 3, 3, 3, 3, 3, 3);
+    const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
+    __m256i v = _mm256_and_si256(_mm256_shuffle_epi8(bcst4(p), spread), bit);
+    return _mm256_and_si256(_mm256_cmpeq_epi8(v, bit), _mm256_set1_epi8(0x10));
+}
 
 static inline __attribute__((always_inline)) void qk_avx2(const uint8_t *panel, int nb, int sf32, const uint8_t *x,
                                                           size_t xrow, float *y, size_t ldy, int valid, int RT,
                                                           int KIND) {
-    qgeom g = geometry(KIND == KIND_Q4 ? RT_W_Q4 : RT_W_Q8,
-                       (sf32 ? RT_WF_SCALES_F32 : 0) | (KIND == KIND_Q8S ? RT_WF_SYMMETRIC : 0), nb * QBLK);
+    qgeom g = geometry_of(KIND, sf32, nb * QBLK);
     const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1), flip = _mm256_set1_epi8((char)0x80);
     for (int h = 0; h < 2 && 8 * h < valid; h++) {
         __m256 acc[4], bias[4];
@@ -329,10 +364,14 @@ static inline __attribute__((always_inline)) void qk_avx2(const uint8_t *panel, 
             const uint8_t *bp = panel + (size_t)k * g.block_bytes;
             __m256i isum[4];
             for (int r = 0; r < RT; r++) isum[r] = _mm256_setzero_si256();
-            if (KIND == KIND_Q4) {
+            if (KIND == KIND_Q4 || KIND == KIND_Q5) {
                 for (int s = 0; s < 4; s++) {
                     __m256i w = _mm256_loadu_si256((const __m256i *)(const void *)(bp + 64 * s + 32 * h));
                     __m256i lo = _mm256_and_si256(w, low4), hi = _mm256_and_si256(_mm256_srli_epi16(w, 4), low4);
+                    if (KIND == KIND_Q5) { /* u <= 31: maddubs pairs stay below 2 * 31 * 127 */
+                        lo = _mm256_or_si256(lo, fifth_bits(bp + PANEL * 16 + 8 * (2 * s) + 4 * h));
+                        hi = _mm256_or_si256(hi, fifth_bits(bp + PANEL * 16 + 8 * (2 * s + 1) + 4 * h));
+                    }
                     for (int r = 0; r < RT; r++) {
                         const uint8_t *q = x + (size_t)r * xrow + (size_t)k * QBLK;
                         __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(lo, bcst4(q + 4 * s)),
@@ -373,10 +412,12 @@ static inline __attribute__((always_inline)) void qk_avx2(const uint8_t *panel, 
     _mm256_zeroupper();
 }
 
-QK_KIND4(qk_avx2, KIND_Q4) QK_KIND4(qk_avx2, KIND_Q8) QK_KIND4(qk_avx2, KIND_Q8S)
+QK_KIND4(qk_avx2, KIND_Q4) QK_KIND4(qk_avx2, KIND_Q8) QK_KIND4(qk_avx2, KIND_Q8S) QK_KIND4(qk_avx2, KIND_Q5)
 #pragma GCC pop_options
-static const qkernel_set avx2_set = {
-    {QK_ROW4(qk_avx2, KIND_Q4), QK_ROW4(qk_avx2, KIND_Q8), QK_ROW4(qk_avx2, KIND_Q8S)}, 4, "avx2"};
+static const qkernel_set avx2_set = {{QK_ROW4(qk_avx2, KIND_Q4), QK_ROW4(qk_avx2, KIND_Q8), QK_ROW4(qk_avx2, KIND_Q8S),
+                                      QK_ROW4(qk_avx2, KIND_Q5)},
+                                     4,
+                                     "avx2"};
 
 /* ---- AVX-512 VNNI: one dpbusd per 64-byte group and activation row, the 4 activation bytes broadcast. */
 #pragma GCC push_options
@@ -395,9 +436,8 @@ static inline __m512i bcst4_512(const uint8_t *p) {
 static inline __attribute__((always_inline)) void qk_vnni(const uint8_t *panel, int nb, int sf32, const uint8_t *x,
                                                           size_t xrow, float *y, size_t ldy, int valid, int RT,
                                                           int KIND) {
-    qgeom g = geometry(KIND == KIND_Q4 ? RT_W_Q4 : RT_W_Q8,
-                       (sf32 ? RT_WF_SCALES_F32 : 0) | (KIND == KIND_Q8S ? RT_WF_SYMMETRIC : 0), nb * QBLK);
-    const __m512i low4 = _mm512_set1_epi8(0x0F);
+    qgeom g = geometry_of(KIND, sf32, nb * QBLK);
+    const __m512i low4 = _mm512_set1_epi8(0x0F), fifth = _mm512_set1_epi8(0x10);
     __m512 acc[8], bias[8];
     for (int r = 0; r < RT; r++) acc[r] = bias[r] = _mm512_setzero_ps();
     for (int k = 0; k < nb; k++) {
@@ -406,10 +446,17 @@ static inline __attribute__((always_inline)) void qk_vnni(const uint8_t *panel, 
             _mm_prefetch((const char *)((uintptr_t)bp + PREFETCH_BYTES + off), _MM_HINT_T0);
         __m512i isum[8];
         for (int r = 0; r < RT; r++) isum[r] = _mm512_setzero_si512();
-        if (KIND == KIND_Q4) {
+        if (KIND == KIND_Q4 || KIND == KIND_Q5) {
             for (int s = 0; s < 4; s++) {
                 __m512i w = _mm512_loadu_si512(bp + 64 * s);
                 __m512i lo = _mm512_and_si512(w, low4), hi = _mm512_and_si512(_mm512_srli_epi16(w, 4), low4);
+                if (KIND == KIND_Q5) {
+                    uint64_t ml, mh;
+                    memcpy(&ml, bp + PANEL * 16 + 8 * (2 * s), 8);
+                    memcpy(&mh, bp + PANEL * 16 + 8 * (2 * s + 1), 8);
+                    lo = _mm512_or_si512(lo, _mm512_maskz_mov_epi8((__mmask64)ml, fifth));
+                    hi = _mm512_or_si512(hi, _mm512_maskz_mov_epi8((__mmask64)mh, fifth));
+                }
                 for (int r = 0; r < RT; r++) {
                     const uint8_t *q = x + (size_t)r * xrow + (size_t)k * QBLK;
                     isum[r] = _mm512_dpbusd_epi32(isum[r], lo, bcst4_512(q + 4 * s));
@@ -438,10 +485,12 @@ static inline __attribute__((always_inline)) void qk_vnni(const uint8_t *panel, 
     _mm256_zeroupper();
 }
 
-QK_KIND8(qk_vnni, KIND_Q4) QK_KIND8(qk_vnni, KIND_Q8) QK_KIND8(qk_vnni, KIND_Q8S)
+QK_KIND8(qk_vnni, KIND_Q4) QK_KIND8(qk_vnni, KIND_Q8) QK_KIND8(qk_vnni, KIND_Q8S) QK_KIND8(qk_vnni, KIND_Q5)
 #pragma GCC pop_options
-static const qkernel_set vnni_set = {
-    {QK_ROW8(qk_vnni, KIND_Q4), QK_ROW8(qk_vnni, KIND_Q8), QK_ROW8(qk_vnni, KIND_Q8S)}, 8, "avx512-vnni"};
+static const qkernel_set vnni_set = {{QK_ROW8(qk_vnni, KIND_Q4), QK_ROW8(qk_vnni, KIND_Q8), QK_ROW8(qk_vnni, KIND_Q8S),
+                                      QK_ROW8(qk_vnni, KIND_Q5)},
+                                     8,
+                                     "avx512-vnni"};
 #endif
 
 static const qkernel_set *g_qset;
