@@ -74,6 +74,11 @@ _QUANT_BITS: Final[dict[str, int]] = {"base_q8": 8, "base_q5": 5, "base_q4": 4}
 #: value j's), then the G/2 bytes of nibbles as q4.
 QUANT_LAYOUT: Final[dict[str, str]] = {"base_q8": "rowmajor", "base_q5": "rowmajor_qh_nibble_halves",
                                        "base_q4": "rowmajor_nibble_halves"}
+#: GGML K-quant super-blocks stored as the GGUF has them (an aiobasert extension): row-major rows of
+#: blocks of 256 values, bytes per block as ggml-common.h's block_q4_K / block_q5_K; the
+#: engine decodes them at load (exactly: K-quant sub-block scales are f16 x small integers).
+GGML_BLOCKS: Final[dict[str, tuple[str, int]]] = {
+    "ggml_q4_k": ("Q4_K", 144), "ggml_q5_k": ("Q5_K", 176)}
 _QUANT_REGION_ALIGN: Final = 64
 _SCALE_SIZE: Final = {"f16": 2, "f32": 4}  # the scale dtypes the writer lays out
 # Storage dtype of each bundle dtype (bf16 has no numpy dtype: raw uint16 bits).
@@ -105,7 +110,10 @@ class BundleError(AioBaseRTError, ValueError):
 class TensorInfo(msgspec.Struct, frozen=True):
     """One entry of the header's `tensors` list (unknown extra fields are ignored).
 
-    Quantized tensors (`base_q8`, `base_q4`) add the spec's group fields: `offset`
+    `ggml_q4_k` / `ggml_q5_k` tensors are GGML K-quant blocks as in a GGUF
+    (:data:`GGML_BLOCKS`), `length` bytes with no further fields.
+
+    Quantized tensors (`base_q8`, `base_q5`, `base_q4`) add the spec's group fields: `offset`
     / `length` then locate the packed values, `scale_offset` / `scale_length` the
     f16 or bf16 scales (one per group, row-major), and asymmetric ones
     `bias_offset` / `bias_length` (value = q * scale + bias; symmetric: value =
@@ -238,6 +246,13 @@ def _quant_lengths(dtype: str, shape: tuple[int, ...], group_size: int) -> tuple
     return n * _QUANT_BITS[dtype] // 8, n // group_size
 
 
+def _ggml_length(dtype: str, shape: tuple[int, ...]) -> int:
+    """Bytes of a GGML-block tensor; ValueError unless its rows are whole 256-value super-blocks."""
+    if len(shape) != 2 or shape[1] % 256 or shape[1] == 0:
+        raise ValueError(f"a {dtype} tensor needs a 2-D shape whose rows are multiples of 256 (shape {list(shape)})")
+    return shape[0] * shape[1] // 256 * GGML_BLOCKS[dtype][1]
+
+
 def _info_dict(info: TensorInfo) -> dict[str, Any]:
     """A header entry: the quantization fields appear only on quantized tensors."""
     return {k: v for k, v in msgspec.structs.asdict(info).items() if v is not None}
@@ -251,7 +266,7 @@ def _layout(entries: Sequence[TensorEntry], alignment: Mapping[str, Any]) -> lis
         if entry.name in seen:
             raise ValueError(f"duplicate tensor name {entry.name!r}")
         seen.add(entry.name)
-        if entry.dtype not in _ITEMSIZE and entry.dtype not in _QUANT_BITS:
+        if entry.dtype not in _ITEMSIZE and entry.dtype not in _QUANT_BITS and entry.dtype not in GGML_BLOCKS:
             raise ValueError(f"tensor {entry.name!r}: unsupported dtype {entry.dtype!r}")
         if any(dim < 0 for dim in entry.shape):
             raise ValueError(f"tensor {entry.name!r}: negative dimension in shape {entry.shape}")
@@ -273,7 +288,13 @@ def _layout(entries: Sequence[TensorEntry], alignment: Mapping[str, Any]) -> lis
                 bias_offset=bias_offset, bias_length=None if bias_offset is None else region))
             cursor = (scale_offset if bias_offset is None else bias_offset) + region
             continue
-        length = math.prod(entry.shape) * _ITEMSIZE[entry.dtype]
+        if entry.dtype in GGML_BLOCKS:
+            try:
+                length = _ggml_length(entry.dtype, entry.shape)
+            except ValueError as exc:
+                raise ValueError(f"tensor {entry.name!r}: {exc}") from None
+        else:
+            length = math.prod(entry.shape) * _ITEMSIZE[entry.dtype]
         infos.append(TensorInfo(entry.name, entry.dtype, tuple(entry.shape), offset, length, entry.compute_region))
         cursor = offset + length
     return infos
@@ -341,10 +362,16 @@ class BundleWriter:
         if isinstance(array, QuantizedTensor):
             raise ValueError(f"tensor {name!r}: a {info.dtype} tensor is written as an array, not a QuantizedTensor")
         data = np.asarray(array)
-        storage = _STORAGE[info.dtype]
+        if info.dtype in GGML_BLOCKS:  # the GGUF's block bytes, any shape
+            if data.dtype != np.uint8 or data.size != info.length:
+                raise ValueError(f"tensor {name!r}: a {info.dtype} tensor is {info.length} bytes of uint8")
+            data = data.reshape(info.shape[0], -1)
+            storage = np.dtype(np.uint8)
+        else:
+            storage = _STORAGE[info.dtype]
         if data.dtype.kind != storage.kind or data.dtype.itemsize != storage.itemsize:
             raise ValueError(f"tensor {name!r}: array dtype {data.dtype} does not store bundle dtype {info.dtype}")
-        if tuple(data.shape) != info.shape:
+        if tuple(data.shape) != info.shape and info.dtype not in GGML_BLOCKS:
             raise ValueError(f"tensor {name!r}: array shape {data.shape} != laid-out shape {info.shape}")
         data = np.ascontiguousarray(data, dtype=storage)  # also fixes byte order
         self._pad_to(self._blob_start + info.offset)
@@ -475,7 +502,7 @@ class Bundle:
             raise KeyError(f"{self.path}: no tensor named {name!r}")
         start = self.blob_start + info.offset
         data = np.asarray(self._memmap()[start : start + info.length])
-        if info.dtype in _QUANT_BITS:
+        if info.dtype in _QUANT_BITS or info.dtype in GGML_BLOCKS:
             return data
         return data.view(_STORAGE[info.dtype]).reshape(info.shape)
 
@@ -515,6 +542,13 @@ class Bundle:
         info = self.tensors.get(name)
         if info is not None and info.dtype in _QUANT_BITS:
             out = self._dequantize(info)
+            out.flags.writeable = False
+            return out
+        if info is not None and info.dtype in GGML_BLOCKS:
+            import gguf  # gguf-py's reference dequantization, only when such a tensor is read
+
+            kind = gguf.GGMLQuantizationType[GGML_BLOCKS[info.dtype][0]]
+            out = np.asarray(gguf.quants.dequantize(self.raw(name).reshape(info.shape[0], -1), kind), np.float32)
             out.flags.writeable = False
             return out
         data = self.raw(name)
@@ -600,12 +634,19 @@ def read_bundle(path: str | os.PathLike[str]) -> Bundle:
         where = f"tensor {info.name!r}"
         if info.name in infos:
             raise BundleError(path, f"duplicate {where}")
-        if info.dtype not in _ITEMSIZE and info.dtype not in _QUANT_BITS:
+        if info.dtype not in _ITEMSIZE and info.dtype not in _QUANT_BITS and info.dtype not in GGML_BLOCKS:
             raise BundleError(path, f"{where}: unsupported dtype {info.dtype!r}")
         if any(dim < 0 for dim in info.shape):
             raise BundleError(path, f"{where}: negative dimension in shape {list(info.shape)}")
         if info.dtype in _QUANT_BITS:
             _check_quantized(path, info, blob_size)
+        elif info.dtype in GGML_BLOCKS:
+            try:
+                length = _ggml_length(info.dtype, info.shape)
+            except ValueError as exc:
+                raise BundleError(path, f"{where}: {exc}") from None
+            if info.length != length:
+                raise BundleError(path, f"{where}: length {info.length} != {length} bytes of {info.dtype} blocks")
         elif info.length != info.numel * _ITEMSIZE[info.dtype]:
             raise BundleError(
                 path, f"{where}: length {info.length} != {info.numel} x {_ITEMSIZE[info.dtype]} bytes ({info.dtype})"

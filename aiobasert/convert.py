@@ -32,7 +32,7 @@ import numpy.typing as npt
 from tqdm import tqdm  # type: ignore[import-untyped,unused-ignore]  # no stubs in tqdm itself
 
 from ._progress import ticking
-from .bundle import BundleWriter, Progress, QuantizedTensor, TensorEntry, llama_header
+from .bundle import GGML_BLOCKS, BundleWriter, Progress, QuantizedTensor, TensorEntry, llama_header
 from .errors import AioBaseRTError
 
 __all__ = ["DTYPES", "ConversionError", "Dtype", "convert_gguf", "main"]
@@ -426,7 +426,7 @@ def convert_gguf(
         tokenizer=tokenizer,
         metadata={} if chat_template is None else {"tokenizer.chat_template": chat_template},
     )
-    if any(e.dtype in _QUANTIZED for e in entries):
+    if any(e.dtype in _QUANTIZED or e.dtype in GGML_BLOCKS for e in entries):
         header["target_backend"] = "cpu_avx2"
 
     close_bar: Callable[[], None] | None = None
@@ -441,6 +441,8 @@ def convert_gguf(
             for entry in entries:
                 if entry.dtype in _QUANTIZED:
                     writer.write(entry.name, _quantize(sources[entry.name], entry, fail))
+                elif entry.dtype in GGML_BLOCKS:
+                    writer.write(entry.name, np.asarray(sources[entry.name].data, dtype=np.uint8))
                 else:
                     writer.write(entry.name, _dequantize(sources[entry.name], entry, fail))
     finally:
@@ -491,6 +493,9 @@ _CARRIED: Final = _FOUR_BIT | _FIVE_BIT | {_Q.Q8_0}
 # Blocks whose bias is -2^(bits-1) * scale: stored symmetric (no bias region) in their own width.
 _SYMMETRIC: Final = {_Q.Q8_0: "base_q8", _Q.Q5_0: "base_q5", _Q.Q4_0: "base_q4"}
 _FLOAT: Final = frozenset({_Q.F32, _Q.F16, _Q.BF16})
+# K-quant blocks `auto` stores as the GGUF has them (bundle dtypes ggml_q4_k / ggml_q5_k, the GGUF's
+# size): the engine decodes them at load into its q4 / q5 kernels' layout with f32 sub-block scales.
+_K_BLOCKS: Final = {kind: dtype for dtype, (kind, _) in GGML_BLOCKS.items()}
 
 
 def _quantized_entry(name: str, shape: tuple[int, ...], region: str, dtype: str,
@@ -498,6 +503,8 @@ def _quantized_entry(name: str, shape: tuple[int, ...], region: str, dtype: str,
     kind = tensor.tensor_type
     if dtype == "auto" and kind in _FLOAT:
         return TensorEntry(name, shape, "f16", region)
+    if dtype == "auto" and kind.name in _K_BLOCKS:
+        return TensorEntry(name, shape, _K_BLOCKS[kind.name], region)
     if dtype == "q4":
         target = "base_q8" if kind == _Q.Q8_0 else "base_q4"
     elif dtype == "auto":

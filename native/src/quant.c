@@ -97,21 +97,77 @@ static float load_scale(const uint8_t *p, size_t i, int scale_type) {
 
 static bool f16_exact(float f) { return rt_f16_to_f32(rt_f32_to_f16(f)) == f || f != f; }
 
-size_t rt_weight_from_groups(rt_weight *out, int bits, const uint8_t *packed, const uint8_t *scales,
-                             const uint8_t *biases, int scale_type, bool symmetric, size_t rows, size_t cols,
-                             int gs) {
-    size_t nb = cols / QBLK, groups_per_row = cols / (size_t)gs, half = (size_t)gs / 2;
-    bool sym8 = symmetric && bits == 8, q4 = bits == 4, q5 = bits == 5;
-    int type = q4 ? RT_W_Q4 : q5 ? RT_W_Q5 : RT_W_Q8;
-    /* Block scale and bias of block k of row r, as the kernels use them: value = d * u + m. */
-#define GROUP_OF(r, k) ((r) * groups_per_row + (k) * QBLK / (size_t)gs)
-#define BLOCK_D(r, k) load_scale(scales, GROUP_OF(r, k), scale_type)
-#define BLOCK_M(r, k)                                                                                  \
-    (symmetric ? -(float)(1 << (bits - 1)) * BLOCK_D(r, k) : load_scale(biases, GROUP_OF(r, k), scale_type))
+/* A source of blocks: block k (32 values) of row r as unsigned values u (fitting the target kind) with
+ * value = d * u + m. */
+typedef struct {
+    const uint8_t *packed, *scales, *biases;
+    int scale_type, bits, gs, ggml; /* ggml: 0 = base_q* groups, else RT_GGML_* */
+    bool symmetric;
+    size_t cols;
+} block_source;
+
+
+static void group_block(const block_source *src, size_t r, size_t k, uint8_t *u, float *d, float *m) {
+    size_t gs = (size_t)src->gs, half = gs / 2, g0 = r * (src->cols / gs) + k * QBLK / gs, in_group = k * QBLK % gs;
+    bool q5 = src->bits == 5;
+    if (u && src->bits == 8) {
+        memcpy(u, src->packed + r * src->cols + k * QBLK, QBLK);
+    } else if (u) {
+        /* value v of a group: byte v % (gs/2), nibble v / (gs/2); q5 groups start with gs/8 bytes of fifth
+         * bits (bit v % 8 of byte v / 8), as GGML's Q5_0 / Q5_1 blocks */
+        const uint8_t *qh = src->packed + g0 * (q5 ? gs / 8 * 5 : half), *gp = q5 ? qh + gs / 8 : qh;
+        for (size_t i = 0; i < QBLK; i++) {
+            size_t v = in_group + i;
+            u[i] = v < half ? gp[v] & 0x0F : gp[v - half] >> 4;
+            if (q5) u[i] |= (uint8_t)(((qh[v / 8] >> (v % 8)) & 1) << 4);
+        }
+    }
+    *d = load_scale(src->scales, g0, src->scale_type);
+    *m = src->symmetric ? -(float)(1 << (src->bits - 1)) * *d : load_scale(src->biases, g0, src->scale_type);
+}
+
+/* GGML's block_q4_K / block_q5_K (ggml-common.h): super-blocks of 256 values, d and dmin f16, 8 sub-blocks
+ * of 32 with 6-bit scale and min (get_scale_min_k4); value = d * sc * q - dmin * m. d * sc and dmin * m
+ * are an f16 times an integer below 64: exact in f32, so the kernels compute with ggml's own values. */
+static void k_block(const block_source *src, size_t r, size_t k, uint8_t *u, float *d, float *m) {
+    size_t size = src->ggml == RT_GGML_Q4_K ? 144 : 176, j = k % 8, c = j / 2, hi = j % 2;
+    const uint8_t *b = src->packed + (r * (src->cols / 256) + k / 8) * size, *sc = b + 4;
+    uint16_t hd, hmin;
+    memcpy(&hd, b, 2);
+    memcpy(&hmin, b + 2, 2);
+    int s, mn;
+    if (j < 4) {
+        s = sc[j] & 63;
+        mn = sc[j + 4] & 63;
+    } else {
+        s = (sc[j + 4] & 0x0F) | ((sc[j - 4] >> 6) << 4);
+        mn = (sc[j + 4] >> 4) | ((sc[j] >> 6) << 4);
+    }
+    *d = rt_f16_to_f32(hd) * (float)s;
+    *m = -(rt_f16_to_f32(hmin) * (float)mn);
+    if (!u) return;
+    const uint8_t *qh = b + 16, *qs = b + (src->ggml == RT_GGML_Q4_K ? 16 : 48) + 32 * c;
+    for (size_t i = 0; i < QBLK; i++) {
+        u[i] = (uint8_t)(hi ? qs[i] >> 4 : qs[i] & 0x0F);
+        if (src->ggml == RT_GGML_Q5_K) u[i] |= (uint8_t)(((qh[i] >> j) & 1) << 4);
+    }
+}
+
+static void source_block(const block_source *src, size_t r, size_t k, uint8_t *u, float *d, float *m) {
+    if (src->ggml) k_block(src, r, k, u, d, m);
+    else group_block(src, r, k, u, d, m);
+}
+
+/* Repack every block of src into the panel layout of `type`. */
+static size_t repack(rt_weight *out, int type, bool sym8, const block_source *src, size_t rows, size_t cols) {
+    size_t nb = cols / QBLK;
     bool sf32 = false; /* f16 storage unless some scale or bias would change */
     for (size_t r = 0; r < rows && !sf32; r++)
-        for (size_t k = 0; k < nb && !sf32; k++)
-            sf32 = !f16_exact(BLOCK_D(r, k)) || (!sym8 && !f16_exact(BLOCK_M(r, k)));
+        for (size_t k = 0; k < nb && !sf32; k++) {
+            float d, m;
+            source_block(src, r, k, NULL, &d, &m);
+            sf32 = !f16_exact(d) || (!sym8 && !f16_exact(m));
+        }
     int flags = (sf32 ? RT_WF_SCALES_F32 : 0) | (sym8 ? RT_WF_SYMMETRIC : 0);
     qgeom g = geometry(type, flags, (int)cols);
     size_t panels = (rows + PANEL - 1) / PANEL, bytes = panels * g.panel_bytes;
@@ -121,32 +177,23 @@ size_t rt_weight_from_groups(rt_weight *out, int bits, const uint8_t *packed, co
         size_t L = r % PANEL;
         for (size_t k = 0; k < nb; k++) {
             uint8_t *bp = mem + (r / PANEL) * g.panel_bytes + k * g.block_bytes;
-            size_t v0 = k * QBLK, in_group = v0 % (size_t)gs, g0 = GROUP_OF(r, k);
             uint8_t u[QBLK];
-            if (q4 || q5) {
-                /* value v of a group: byte v % (gs/2), nibble v / (gs/2); q5 groups start with gs/8 bytes
-                 * of fifth bits (bit v % 8 of byte v / 8), as GGML's Q5_0 / Q5_1 blocks */
-                const uint8_t *qh = packed + g0 * (q5 ? (size_t)gs / 8 * 5 : half), *gp = q5 ? qh + gs / 8 : qh;
-                for (size_t i = 0; i < QBLK; i++) {
-                    size_t v = in_group + i;
-                    u[i] = v < half ? gp[v] & 0x0F : gp[v - half] >> 4;
-                    if (q5) u[i] |= (uint8_t)(((qh[v / 8] >> (v % 8)) & 1) << 4);
-                }
+            float d, m;
+            source_block(src, r, k, u, &d, &m);
+            if (type != RT_W_Q8) {
                 for (size_t s = 0; s < 4; s++)
                     for (size_t i = 0; i < 4; i++) {
                         size_t j = 4 * L + i;
                         bp[64 * s + j] = (uint8_t)((u[4 * s + i] & 0x0F) | (u[16 + 4 * s + i] & 0x0F) << 4);
-                        if (q5)
+                        if (type == RT_W_Q5)
                             for (size_t h = 0; h < 2; h++)
                                 bp[PANEL * 16 + 8 * (2 * s + h) + j / 8] |=
                                     (uint8_t)(((u[16 * h + 4 * s + i] >> 4) & 1) << (j % 8));
                     }
             } else {
-                memcpy(u, packed + r * cols + v0, QBLK);
                 for (size_t s = 0; s < 8; s++) memcpy(bp + 64 * s + 4 * L, u + 4 * s, 4);
             }
             uint8_t *dp = bp + g.q_bytes, *mp = dp + PANEL * g.s_size;
-            float d = BLOCK_D(r, k), m = BLOCK_M(r, k);
             if (sf32) {
                 memcpy(dp + 4 * L, &d, 4);
                 if (!sym8) memcpy(mp + 4 * L, &m, 4);
@@ -157,11 +204,23 @@ size_t rt_weight_from_groups(rt_weight *out, int bits, const uint8_t *packed, co
             }
         }
     }
-#undef BLOCK_M
-#undef BLOCK_D
-#undef GROUP_OF
     *out = (rt_weight){mem, type, flags};
     return bytes;
+}
+
+size_t rt_weight_from_groups(rt_weight *out, int bits, const uint8_t *packed, const uint8_t *scales,
+                             const uint8_t *biases, int scale_type, bool symmetric, size_t rows, size_t cols,
+                             int gs) {
+    block_source src = {packed, scales, biases, scale_type, bits, gs, 0, symmetric, cols};
+    return repack(out, bits == 4 ? RT_W_Q4 : bits == 5 ? RT_W_Q5 : RT_W_Q8, symmetric && bits == 8, &src, rows,
+                  cols);
+}
+
+size_t rt_weight_from_ggml(rt_weight *out, int ggml_type, const uint8_t *blocks, size_t rows, size_t cols) {
+    if (ggml_type != RT_GGML_Q4_K && ggml_type != RT_GGML_Q5_K) return 0;
+    bool q4 = ggml_type == RT_GGML_Q4_K;
+    block_source src = {blocks, NULL, NULL, 0, q4 ? 4 : 5, 32, q4 ? RT_GGML_Q4_K : RT_GGML_Q5_K, false, cols};
+    return repack(out, q4 ? RT_W_Q4 : RT_W_Q5, false, &src, rows, cols);
 }
 
 void rt_qweight_row(const rt_weight *w, size_t row, int n, float *out) {
