@@ -75,10 +75,10 @@ _QUANT_BITS: Final[dict[str, int]] = {"base_q8": 8, "base_q5": 5, "base_q4": 4}
 QUANT_LAYOUT: Final[dict[str, str]] = {"base_q8": "rowmajor", "base_q5": "rowmajor_qh_nibble_halves",
                                        "base_q4": "rowmajor_nibble_halves"}
 #: GGML K-quant super-blocks stored as the GGUF has them (an aiobasert extension): row-major rows of
-#: blocks of 256 values, bytes per block as ggml-common.h's block_q4_K / block_q5_K; the
+#: blocks of 256 values, bytes per block as ggml-common.h's block_q4_K / block_q5_K / block_q6_K; the
 #: engine decodes them at load (exactly: K-quant sub-block scales are f16 x small integers).
 GGML_BLOCKS: Final[dict[str, tuple[str, int]]] = {
-    "ggml_q4_k": ("Q4_K", 144), "ggml_q5_k": ("Q5_K", 176)}
+    "ggml_q4_k": ("Q4_K", 144), "ggml_q5_k": ("Q5_K", 176), "ggml_q6_k": ("Q6_K", 210)}
 _QUANT_REGION_ALIGN: Final = 64
 _SCALE_SIZE: Final = {"f16": 2, "f32": 4}  # the scale dtypes the writer lays out
 # Storage dtype of each bundle dtype (bf16 has no numpy dtype: raw uint16 bits).
@@ -110,7 +110,7 @@ class BundleError(AioBaseRTError, ValueError):
 class TensorInfo(msgspec.Struct, frozen=True):
     """One entry of the header's `tensors` list (unknown extra fields are ignored).
 
-    `ggml_q4_k` / `ggml_q5_k` tensors are GGML K-quant blocks as in a GGUF
+    `ggml_q4_k` / `ggml_q5_k` / `ggml_q6_k` tensors are GGML K-quant blocks as in a GGUF
     (:data:`GGML_BLOCKS`), `length` bytes with no further fields.
 
     Quantized tensors (`base_q8`, `base_q5`, `base_q4`) add the spec's group fields: `offset`

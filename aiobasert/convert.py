@@ -468,20 +468,21 @@ def _dequantize(
 
 
 # ---- quantized output (--dtype auto | q8 | q4) -------------------------------------------------
-# CANONICAL_QUANT_SPEC.md's base_q8 / base_q4 with group_size 32, the packing aiobasert.bundle.QUANT_LAYOUT
-# names: value = scale * u + bias per group of 32 (symmetric q8: scale * (u - 128)). Many GGML block types
-# are exactly that with integer u, so they are carried over block for block, with no added error
-# (_carried below): Q8_0 (symmetric q8), Q4_0 (u = q, bias = -8 d), Q4_1, Q5_0 (5-bit u in q8, bias = -16 d),
-# Q5_1, and the K-quants whose sub-blocks are 32 values: Q4_K / Q5_K (scale = d * sc, bias = -dmin * m,
-# sc, m 6-bit: a product of an f16 and a 6-bit integer, exact in f32 though rarely in f16, so such
-# tensors get f32 scales unless every one converts to f16 exactly). Q6_K's 16-value sub-blocks with their
-# own int8 scales (and the IQ / Q2_K / Q3_K codebooks) have no exact 32-group form: they are quantized
-# to q8 from their f32 values (q8's 255 steps per group over Q6_K's 63).
+# CANONICAL_QUANT_SPEC.md's base_q8 / base_q4 (and aiobasert's base_q5) with group_size 32, the packing
+# aiobasert.bundle.QUANT_LAYOUT names: value = scale * u + bias per group of 32 (symmetric: scale *
+# (u - 2^(bits-1))). Many GGML block types are exactly that with integer u, so they are carried over
+# block for block, with no added error (_carried below): Q8_0 (symmetric q8), Q4_0 (symmetric q4),
+# Q4_1, Q5_0 (symmetric q5), Q5_1, and the K-quants whose sub-blocks are 32 values, Q4_K / Q5_K (scale
+# = d * sc, bias = -dmin * m, sc and m 6-bit: an f16 times an integer below 64, exact in f32 though
+# rarely in f16, so such tensors get f32 scales unless every one converts to f16 exactly).
 #
-# `auto` keeps each tensor as the GGUF has it: carried types in their own width (4-bit ones as base_q4,
-# 5- and 8-bit ones as base_q8), f32 / f16 / bf16 matrices as f16, other blocks quantized to q8. `q8`
-# carries every exact type into base_q8; `q4` carries the 4-bit ones into base_q4, keeps Q8_0 at q8
-# (never lower its precision) and quantizes the rest to q4 (asymmetric, the spec's default).
+# `auto` keeps each tensor as the GGUF has it, in the GGUF's own size: the 32-value block types in
+# their own width, K-quant blocks (Q4_K / Q5_K / Q6_K) byte for byte as ggml_q*_k tensors that the
+# engine decodes at load (Q6_K's 16-value sub-blocks with int8 scales have no 32-group form: the
+# engine has a q6 kernel kind for them), f32 / f16 / bf16 matrices as f16, other blocks (Q2_K, Q3_K,
+# IQ*) quantized to q8 from their f32 values. `q8` carries every 32-group type into base_q8; `q4`
+# carries the 4-bit ones into base_q4, keeps Q8_0 at q8 (never lower its precision) and quantizes the
+# rest to q4 (asymmetric, the spec's default).
 
 _QUANT_DTYPE: Final = {"q8": "base_q8", "q4": "base_q4"}
 _QUANT_GROUP: Final = 32
@@ -493,8 +494,9 @@ _CARRIED: Final = _FOUR_BIT | _FIVE_BIT | {_Q.Q8_0}
 # Blocks whose bias is -2^(bits-1) * scale: stored symmetric (no bias region) in their own width.
 _SYMMETRIC: Final = {_Q.Q8_0: "base_q8", _Q.Q5_0: "base_q5", _Q.Q4_0: "base_q4"}
 _FLOAT: Final = frozenset({_Q.F32, _Q.F16, _Q.BF16})
-# K-quant blocks `auto` stores as the GGUF has them (bundle dtypes ggml_q4_k / ggml_q5_k, the GGUF's
-# size): the engine decodes them at load into its q4 / q5 kernels' layout with f32 sub-block scales.
+# K-quant blocks `auto` stores as the GGUF has them (bundle dtypes ggml_q4_k / ggml_q5_k / ggml_q6_k,
+# the GGUF's size): the engine decodes them at load into its q4 / q5 kernels' layout with f32 sub-block
+# scales, Q6_K into its q6 layout (two 16-value halves per block of 32, each with its scale).
 _K_BLOCKS: Final = {kind: dtype for dtype, (kind, _) in GGML_BLOCKS.items()}
 
 

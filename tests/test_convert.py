@@ -179,7 +179,7 @@ CARRIED = {
     (Q.Q8_0, "auto"): ("base_q8", "f16", True), (Q.Q8_0, "q4"): ("base_q8", "f16", True),
     (Q.Q4_K, "auto"): ("ggml_q4_k", None, None), (Q.Q4_K, "q4"): ("base_q4", "f32", False),
     (Q.Q4_K, "q8"): ("base_q8", "f32", False), (Q.Q5_K, "auto"): ("ggml_q5_k", None, None),
-    (Q.Q5_K, "q8"): ("base_q8", "f32", False),
+    (Q.Q5_K, "q8"): ("base_q8", "f32", False), (Q.Q6_K, "auto"): ("ggml_q6_k", None, None),
 }  # fmt: skip
 
 
@@ -211,7 +211,7 @@ def test_gguf_blocks_are_carried_exactly(tmp_path: Path, qtype: gguf.GGMLQuantiz
         assert stored == size // gguf.GGML_QUANT_SIZES[qtype][0] * gguf.GGML_QUANT_SIZES[qtype][1]
 
 
-@pytest.mark.parametrize(("qtype", "dtype", "stored"), [(Q.Q6_K, "auto", "base_q8"), (Q.Q6_K, "q4", "base_q4"),
+@pytest.mark.parametrize(("qtype", "dtype", "stored"), [(Q.Q6_K, "q8", "base_q8"), (Q.Q6_K, "q4", "base_q4"),
                                                         (Q.Q5_K, "q4", "base_q4"), (Q.Q5_0, "q4", "base_q4")])
 def test_blocks_without_an_exact_form_are_converted(tmp_path: Path, qtype: gguf.GGMLQuantizationType, dtype: str,
                                                     stored: str) -> None:

@@ -80,8 +80,9 @@ print(h.hexdigest())
 
 
 @pytest.mark.parametrize(("dtype", "symmetric"), [("base_q4", False), ("base_q8", False), ("base_q8", True),
-                                                  ("Q4_K", False), ("Q5_K", False), ("Q5_0", False)],
-                         ids=["q4", "q8", "q8sym", "gguf-q4k", "gguf-q5k", "gguf-q5_0"])
+                                                  ("Q4_K", False), ("Q5_K", False), ("Q5_0", False),
+                                                  ("Q6_K", False)],
+                         ids=["q4", "q8", "q8sym", "gguf-q4k", "gguf-q5k", "gguf-q5_0", "gguf-q6k"])
 def test_kernel_sets_compute_bit_identical_quantized_logits(tmp_path: Path, dtype: str, symmetric: bool) -> None:
     if dtype.startswith("base_"):
         f32 = build_tiny_model(tmp_path / "f32.base", dim=96, n_heads=3, n_kv_heads=1, ffn_dim=160, seed=7)

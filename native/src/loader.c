@@ -33,7 +33,7 @@
 #define RT_MAX_PREFILL_CHUNK 4096
 #define IDENTITY_BYTES ((size_t)1 << 20)
 
-enum { DT_F32, DT_F16, DT_BF16, DT_Q8, DT_Q4, DT_Q5, DT_GGML_Q4_K, DT_GGML_Q5_K };
+enum { DT_F32, DT_F16, DT_BF16, DT_Q8, DT_Q4, DT_Q5, DT_GGML_Q4_K, DT_GGML_Q5_K, DT_GGML_Q6_K };
 
 typedef struct {
     const char *name;
@@ -336,10 +336,11 @@ static int parse_tensor(const bundle *b, const json_value *t, size_t index, tens
     else if (strcmp(dtype, "base_q5") == 0) out->dtype = DT_Q5, esize = 0;
     else if (strcmp(dtype, "ggml_q4_k") == 0) out->dtype = DT_GGML_Q4_K, esize = 0;
     else if (strcmp(dtype, "ggml_q5_k") == 0) out->dtype = DT_GGML_Q5_K, esize = 0;
+    else if (strcmp(dtype, "ggml_q6_k") == 0) out->dtype = DT_GGML_Q6_K, esize = 0;
     else
         return bundle_fail(b, BASERT_ERR_UNSUPPORTED,
                            "tensor '%s' has dtype '%s'; the reference engine reads f32, f16, bf16, base_q8, "
-                           "base_q5, base_q4, ggml_q4_k and ggml_q5_k",
+                           "base_q5, base_q4, ggml_q4_k, ggml_q5_k and ggml_q6_k",
                            name, dtype);
     const json_value *shape = json_get(t, "shape");
     size_t nd = json_count(shape);
@@ -364,9 +365,9 @@ static int parse_tensor(const bundle *b, const json_value *t, size_t index, tens
         return bundle_fail(b, BASERT_ERR_INVALID_FORMAT, "tensor '%s' has no valid length", name);
     out->offset = (uint64_t)off;
     out->length = (uint64_t)len;
-    if (out->dtype == DT_GGML_Q4_K || out->dtype == DT_GGML_Q5_K) {
+    if (out->dtype >= DT_GGML_Q4_K) {
         /* GGML K-quant blocks as a GGUF stores them: rows of whole 256-value super-blocks */
-        uint64_t size = out->dtype == DT_GGML_Q4_K ? 144 : 176;
+        uint64_t size = out->dtype == DT_GGML_Q4_K ? 144 : out->dtype == DT_GGML_Q5_K ? 176 : 210;
         if (out->ndim != 2 || out->shape[1] % 256 != 0 || out->shape[1] == 0 || out->length != n / 256 * size)
             return bundle_fail(b, BASERT_ERR_INVALID_FORMAT,
                                "tensor '%s': a %s tensor is 2-D, its rows whole blocks of 256 values (%llu bytes "
@@ -513,8 +514,11 @@ static float *load_tensor_f32(const bundle *b, const tensor_entry *t) {
  * f32 and bf16 become f32. BASERT_REF_WIDEN_F16=1 widens f16 at load as
  * the engine used to (benchmarks and the bit-identity test compare both). */
 static bool load_matrix(const bundle *b, const tensor_entry *t, bool widen_f16, rt_weight *out, uint64_t *total) {
-    if (t->dtype == DT_GGML_Q4_K || t->dtype == DT_GGML_Q5_K) {
-        size_t bytes = rt_weight_from_ggml(out, t->dtype == DT_GGML_Q4_K ? RT_GGML_Q4_K : RT_GGML_Q5_K,
+    if (t->dtype >= DT_GGML_Q4_K) {
+        size_t bytes = rt_weight_from_ggml(out,
+                                           t->dtype == DT_GGML_Q4_K   ? RT_GGML_Q4_K
+                                           : t->dtype == DT_GGML_Q5_K ? RT_GGML_Q5_K
+                                                                      : RT_GGML_Q6_K,
                                            b->map + b->blob_start + t->offset, (size_t)t->shape[0],
                                            (size_t)t->shape[1]);
         if (!bytes) {
