@@ -312,7 +312,8 @@ def _expected_shapes(cfg: _Llama, tied: bool) -> dict[str, tuple[int, ...]]:
 def _tqdm_progress(desc: str, total: int) -> tuple[Progress, Callable[[], None]]:
     bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=desc, file=sys.stderr)
 
-    def update(done: int, _total: int) -> None:
+    def update(done: int, total: int) -> None:
+        bar.total = total  # the writer's own count (quantized and GGML-block tensors are not 2 bytes a value)
         bar.update(done - bar.n)
 
     return update, bar.close
