@@ -102,7 +102,7 @@ async def test_engine_opens_a_gguf_converting_once(
 async def test_engine_open_dtype_keeps_one_cached_bundle_per_dtype(
     tmp_path: Path, cache: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A Q4_K GGUF: the default (auto) bundle keeps the blocks as base_q4, `dtype="f16"` converts a
+    """A Q4_K GGUF: the default (auto) bundle keeps its blocks (ggml_q4_k), `dtype="f16"` converts a
     second bundle beside it; each is reused; an unknown dtype is refused before any conversion."""
     src = write_gguf(tmp_path / "kq.gguf", matrices=gguf.GGMLQuantizationType.Q4_K, dim=256, ffn=512)
     conversions = Conversions(monkeypatch)
@@ -114,7 +114,7 @@ async def test_engine_open_dtype_keeps_one_cached_bundle_per_dtype(
     auto, f16 = bundles["auto"], bundles["f16"]
     assert auto.name.endswith(".auto.base") and f16.name.endswith(".f16.base")
     assert conversions.targets == [auto, f16]
-    assert read_bundle(auto).tensors["layers.0.mlp.up_proj.weight"].dtype == "base_q4"
+    assert read_bundle(auto).tensors["layers.0.mlp.up_proj.weight"].dtype == "ggml_q4_k"
     assert read_bundle(f16).tensors["layers.0.mlp.up_proj.weight"].dtype == "f16"
     assert auto.stat().st_size < f16.stat().st_size
     with pytest.raises(InvalidConfigError, match="dtype"):

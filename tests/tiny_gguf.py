@@ -122,3 +122,103 @@ def k_quant_blocks(rng: np.random.Generator, qtype: gguf.GGMLQuantizationType,
         blocks[..., 0:2] = f16(1.5e-4 if qtype == Q.Q4_K else 8e-5)
         blocks[..., 2:4] = f16(1e-4)
     return blocks.reshape(rows, -1)
+
+
+def quantize_k(values: np.ndarray[Any, np.dtype[np.float32]], qtype: gguf.GGMLQuantizationType
+               ) -> np.ndarray[Any, np.dtype[np.uint8]]:
+    """Round-to-nearest K-quant blocks (Q4_K / Q6_K) of a [rows, cols] matrix, in ggml's block layout.
+
+    Not llama.cpp's search-based quantizer (gguf-py has none for K-quants): per 32 (Q4_K) or 16 (Q6_K)
+    values a plain min/max or absmax scale, the sub-block scales themselves quantized to 6 / 8 bits
+    against the super-block's d as ggml stores them. Enough for real weights in real block types."""
+    rows, cols = values.shape
+    x = values.astype(np.float32).reshape(rows, cols // 256, 256)
+    f16 = np.float16
+    if qtype == Q.Q6_K:
+        sub = x.reshape(rows, -1, 16, 16)
+        amax_i = np.argmax(np.abs(sub), axis=3)
+        top = np.take_along_axis(sub, amax_i[..., None], axis=3)[..., 0]
+        scale = -top / 32.0  # ggml's sign trick: the largest magnitude maps to -32
+        d = (np.abs(scale).max(axis=2) / 127.0).astype(f16)
+        df = d.astype(np.float32)[..., None]
+        sc = np.clip(np.rint(np.where(df > 0, scale / np.where(df > 0, df, 1), 0)), -128, 127).astype(np.int8)
+        step = (df * sc)[..., None]
+        q = np.clip(np.rint(np.where(step != 0, sub / np.where(step != 0, step, 1), 0)) + 32, 0, 63).astype(np.uint8)
+        q = q.reshape(rows, -1, 2, 4, 32)  # [half n][quarter t][l]
+        ql = np.concatenate([(q[:, :, :, 0] & 15) | ((q[:, :, :, 2] & 15) << 4),
+                             (q[:, :, :, 1] & 15) | ((q[:, :, :, 3] & 15) << 4)], axis=3)  # [n][64]
+        qh = sum((q[:, :, :, t] >> 4) << (2 * t) for t in range(4)).astype(np.uint8)
+        out = np.concatenate([ql.reshape(rows, -1, 128), qh.reshape(rows, -1, 64), sc.view(np.uint8),
+                              d[..., None].view(np.uint8).reshape(rows, -1, 2)], axis=2)
+        return out.reshape(rows, -1).astype(np.uint8)
+    if qtype != Q.Q4_K:
+        raise ValueError(f"quantize_k: {qtype.name}")
+    sub = x.reshape(rows, -1, 8, 32)
+    lo = np.minimum(sub.min(axis=3), 0.0)
+    scale = (sub.max(axis=3) - lo) / 15.0
+    d = (scale.max(axis=2) / 63.0).astype(f16)
+    dmin = (-lo.min(axis=2) / 63.0).astype(f16)
+    df, dmf = d.astype(np.float32)[..., None], dmin.astype(np.float32)[..., None]
+    sc = np.clip(np.rint(np.where(df > 0, scale / np.where(df > 0, df, 1), 0)), 0, 63).astype(np.uint8)
+    mn = np.clip(np.rint(np.where(dmf > 0, -lo / np.where(dmf > 0, dmf, 1), 0)), 0, 63).astype(np.uint8)
+    step, bias = (df * sc)[..., None], (dmf * mn)[..., None]
+    q = np.clip(np.rint(np.where(step > 0, (sub + bias) / np.where(step > 0, step, 1), 0)), 0, 15).astype(np.uint8)
+    q = q.reshape(rows, -1, 4, 2, 32)
+    qs = (q[:, :, :, 0] | (q[:, :, :, 1] << 4)).reshape(rows, -1, 128)
+    packed = np.zeros((rows, cols // 256, 12), dtype=np.uint8)  # inverse of get_scale_min_k4
+    packed[..., 0:4] = (sc[..., 0:4] & 63) | ((sc[..., 4:8] >> 4) << 6)
+    packed[..., 4:8] = (mn[..., 0:4] & 63) | ((mn[..., 4:8] >> 4) << 6)
+    packed[..., 8:12] = (sc[..., 4:8] & 15) | ((mn[..., 4:8] & 15) << 4)
+    out = np.concatenate([d[..., None].view(np.uint8).reshape(rows, -1, 2),
+                          dmin[..., None].view(np.uint8).reshape(rows, -1, 2), packed, qs], axis=2)
+    return out.reshape(rows, -1).astype(np.uint8)
+
+
+def k_mix_gguf(src: Path, dst: Path) -> Path:
+    """A llama.cpp-style Q4_K_M type mix of the llama GGUF `src`, requantized from its values with
+    :func:`quantize_k` and gguf-py: llama.cpp's per-tensor choice (llama_tensor_get_type for
+    LLAMA_FTYPE_MOSTLY_Q4_K_M: attn_v / ffn_down Q6_K in the use_more_bits layers, else Q4_K; the
+    output / tied embedding Q6_K), with its fallback for rows that are not whole 256-value blocks
+    (Q4_K -> Q5_0, Q6_K -> Q8_0: SmolLM2's 576-wide rows)."""
+    reader = gguf.GGUFReader(src)
+    arch = str(bytes(reader.fields["general.architecture"].parts[-1]), "utf-8")
+    writer = gguf.GGUFWriter(dst, arch)
+    for name, field in reader.fields.items():
+        if name.startswith("GGUF.") or name == "general.architecture":
+            continue
+        kind = field.types[0]
+        if kind == gguf.GGUFValueType.ARRAY:
+            item = field.types[1]
+            if item == gguf.GGUFValueType.STRING:
+                value: Any = [str(bytes(field.parts[i]), "utf-8") for i in field.data]
+            else:
+                value = [field.parts[i].tolist()[0] for i in field.data]
+            writer.add_key_value(name, value, kind, sub_type=item)
+        elif kind == gguf.GGUFValueType.STRING:
+            writer.add_key_value(name, str(bytes(field.parts[field.data[0]]), "utf-8"), kind)
+        else:
+            writer.add_key_value(name, field.parts[field.data[0]].tolist()[0], kind)
+    n_layers = int(reader.fields[f"{arch}.block_count"].parts[-1][0])
+
+    def more_bits(i: int) -> bool:
+        return i < n_layers // 8 or i >= 7 * n_layers // 8 or (i - n_layers // 8) % 3 == 2
+
+    for t in reader.tensors:
+        values = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32)
+        if values.ndim == 1:
+            writer.add_tensor(t.name, values)
+            continue
+        parts = t.name.split(".")
+        more = len(parts) == 4 and parts[2] in ("attn_v", "ffn_down") and more_bits(int(parts[1]))
+        qtype = Q.Q6_K if more or t.name in ("token_embd.weight", "output.weight") else Q.Q4_K
+        if values.shape[1] % 256:
+            qtype = Q.Q8_0 if qtype == Q.Q6_K else Q.Q5_0
+        if qtype in K_BLOCKS:
+            writer.add_tensor(t.name, quantize_k(values, qtype), raw_dtype=qtype)
+        else:
+            writer.add_tensor(t.name, gguf.quants.quantize(values, qtype), raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return dst

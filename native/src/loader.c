@@ -510,6 +510,26 @@ static float *load_tensor_f32(const bundle *b, const tensor_entry *t) {
     return out;
 }
 
+/* A repacked tensor's file pages are not read again: drop them from this process's resident set (the
+ * page cache keeps them), so loading a quantized model peaks near its repacked size, not that plus the
+ * file. Whole pages inside [off, off + len) only; a neighbour's pages stay. */
+static void release_pages(const bundle *b, uint64_t off, uint64_t len) {
+    uintptr_t page = (uintptr_t)sysconf(_SC_PAGESIZE), lo = (uintptr_t)(b->map + b->blob_start + off);
+    uintptr_t hi = lo + (uintptr_t)len;
+    lo = (lo + page - 1) & ~(page - 1);
+    hi &= ~(page - 1);
+    if (hi > lo) madvise((void *)lo, hi - lo, MADV_DONTNEED);
+}
+
+static void release_tensor(const bundle *b, const tensor_entry *t) {
+    release_pages(b, t->offset, t->length);
+    if (t->dtype == DT_Q8 || t->dtype == DT_Q4 || t->dtype == DT_Q5) { /* their scale and bias regions */
+        uint64_t region = t->n_elems / t->group_size * (t->scale_type == RT_SCALE_F32 ? 4 : 2);
+        release_pages(b, t->scale_offset, region);
+        if (!t->symmetric) release_pages(b, t->bias_offset, region);
+    }
+}
+
 /* A matrix: f16 stays f16 (the kernels widen it in registers, exactly);
  * f32 and bf16 become f32. BASERT_REF_WIDEN_F16=1 widens f16 at load as
  * the engine used to (benchmarks and the bit-identity test compare both). */
@@ -525,12 +545,14 @@ static bool load_matrix(const bundle *b, const tensor_entry *t, bool widen_f16, 
             bundle_fail(b, BASERT_ERR_OUT_OF_MEMORY, "out of memory loading tensor '%s'", t->name);
             return false;
         }
+        release_tensor(b, t);
         *total += bytes;
         return true;
     }
     if (t->dtype == DT_Q8 || t->dtype == DT_Q4 || t->dtype == DT_Q5) {
         const unsigned char *blob = b->map + b->blob_start;
-        size_t bytes = rt_weight_from_groups(out, t->dtype == DT_Q4 ? 4 : t->dtype == DT_Q5 ? 5 : 8, blob + t->offset, blob + t->scale_offset,
+        int bits = t->dtype == DT_Q4 ? 4 : t->dtype == DT_Q5 ? 5 : 8;
+        size_t bytes = rt_weight_from_groups(out, bits, blob + t->offset, blob + t->scale_offset,
                                              t->symmetric ? NULL : blob + t->bias_offset, t->scale_type,
                                              t->symmetric, (size_t)t->shape[0], (size_t)t->shape[1],
                                              (int)t->group_size);
@@ -538,6 +560,7 @@ static bool load_matrix(const bundle *b, const tensor_entry *t, bool widen_f16, 
             bundle_fail(b, BASERT_ERR_OUT_OF_MEMORY, "out of memory loading tensor '%s'", t->name);
             return false;
         }
+        release_tensor(b, t);
         *total += bytes;
         return true;
     }
@@ -550,6 +573,7 @@ static bool load_matrix(const bundle *b, const tensor_entry *t, bool widen_f16, 
         }
         memcpy(h, b->map + b->blob_start + t->offset, bytes);
         *out = (rt_weight){h, RT_W_F16, 0};
+        release_tensor(b, t);
         *total += bytes;
         return true;
     }
