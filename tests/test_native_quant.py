@@ -14,6 +14,8 @@ from __future__ import annotations
 import json
 import math
 import os
+import subprocess
+import sys
 from ctypes import c_uint32
 from pathlib import Path
 from typing import Any
@@ -26,10 +28,11 @@ from quantized import quantize_bundle
 from raw_abi import step_logits
 
 from aiobasert._ffi import Library
+from aiobasert.bundle import read_bundle
 from aiobasert.convert import convert_gguf
 from aiobasert.tiny import build_tiny_model
 from tests.oracle import NumpyLlama, gguf_oracle
-from tests.tiny_gguf import write_gguf
+from tests.tiny_gguf import k_mix_gguf, write_gguf
 
 OK, UNSUPPORTED = 0, 5
 
@@ -311,3 +314,47 @@ def test_smollm2_q8_and_q4_perplexity_within_1_percent_of_f16(lib: Library, smol
     assert 5 < ppl["f16"] < 200, ppl  # a sane model on English text
     for d in ("q8", "q4"):
         assert abs(ppl[d] / ppl["f16"] - 1) < 0.01, ppl
+
+
+# A fresh process's resident memory around one load: before, peak after, and the engine's own count.
+LOAD_RSS = """
+import ctypes, json, re, sys
+sys.path.insert(0, "tests")
+from pathlib import Path
+from raw_abi import load
+from aiobasert import _ffi
+lib = _ffi.load_library()
+def status(key):
+    return int(re.search(key + r":\\s+(\\d+)", Path("/proc/self/status").read_text())[1]) * 1024
+before = status("VmRSS")
+m = load(lib, Path(sys.argv[1]), 512, max_batch_size=1, prefill_chunk=64)
+st = _ffi.BaseRTMemoryStats()
+assert lib.baseRT_model_memory_stats(m, ctypes.byref(st))
+print(json.dumps({"before": before, "peak": status("VmHWM"), "engine": st.runtime_allocated_bytes}))
+"""
+
+
+@pytest.mark.slow
+def test_smollm2_q4_k_m_mix_stays_quantized(lib: Library, smollm2_gguf: Path,
+                                            tmp_path_factory: pytest.TempPathFactory) -> None:
+    """SmolLM2-135M in llama.cpp's Q4_K_M type mix (Q5_0 / Q8_0 where rows are 576 wide, Q4_K / Q6_K in
+    ffn_down), built here from the demo's weights by tiny_gguf.k_mix_gguf (llama.cpp's quantizer is not
+    available here): `auto` keeps every block, the bundle is no bigger than the GGUF, a load peaks near the
+    engine's own allocation (not that plus the file), and perplexity is within 1% of the same file's f16
+    bundle."""
+    out = tmp_path_factory.mktemp("kmix")
+    src = k_mix_gguf(smollm2_gguf, out / "SmolLM2-135M-Instruct.Q4_K_M-mix.gguf")
+    auto = convert_gguf(src, out / "auto.base", dtype="auto", progress=False)
+    f16 = convert_gguf(src, out / "f16.base", dtype="f16", progress=False)
+    assert auto.stat().st_size <= src.stat().st_size
+    assert {info.dtype for info in read_bundle(auto).tensors.values()} == {
+        "f32", "base_q5", "base_q8", "ggml_q4_k", "ggml_q6_k"}
+    proc = subprocess.run([sys.executable, "-c", LOAD_RSS, str(auto)], capture_output=True, text=True, timeout=600,
+                          cwd=Path(__file__).resolve().parent.parent)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rss = json.loads(proc.stdout)
+    # the file's pages are dropped as each tensor is repacked: the peak holds the engine's allocation and
+    # at most a tensor or so of the file, not all of it
+    assert rss["peak"] - rss["before"] < rss["engine"] + auto.stat().st_size // 4, rss
+    ppl_auto, ppl_f16 = perplexity(lib, auto, HELD_OUT), perplexity(lib, f16, HELD_OUT)
+    assert 5 < ppl_f16 < 200 and abs(ppl_auto / ppl_f16 - 1) < 0.01, (ppl_auto, ppl_f16)
