@@ -232,6 +232,15 @@ def test_blocks_without_an_exact_form_are_converted(tmp_path: Path, qtype: gguf.
     assert not np.array_equal(got, reference)
 
 
+@pytest.mark.parametrize("dtype", ["auto", "q8", "f16"])
+def test_a_type_nothing_dequantizes_is_refused_before_writing(tmp_path: Path, dtype: str) -> None:
+    src = write_gguf(tmp_path / "i32.gguf", matrices=Q.I32)
+    with pytest.raises(ConversionError, match="cannot dequantize GGML type I32") as info:
+        convert_gguf(src, tmp_path / "out.base", dtype=dtype, progress=False)  # type: ignore[arg-type]
+    assert str(src) in str(info.value) and "token_embd.weight" in str(info.value)
+    assert list(tmp_path.iterdir()) == [src]  # nothing written, not even a temporary file
+
+
 def test_auto_keeps_float_matrices_and_mixes_types(tmp_path: Path, synthetic_gguf: Path) -> None:
     """`auto` on the mixed synthetic GGUF: Q8_0 matrices stay base_q8, F16 / F32 ones become f16."""
     bundle = read_bundle(convert_gguf(synthetic_gguf, tmp_path / "auto.base", dtype="auto", progress=False))

@@ -67,6 +67,9 @@ def write_gguf(
         if qtype in K_BLOCKS:
             writer.add_tensor(name, k_quant_blocks(rng, qtype, shape), raw_dtype=qtype)
             return
+        if qtype == Q.I32:  # a type no converter dequantizes
+            writer.add_tensor(name, rng.integers(-9, 9, size=shape, dtype=np.int32), raw_dtype=qtype)
+            return
         values = (rng.standard_normal(shape, dtype=np.float32) * 0.1).astype(np.float32)
         if qtype == Q.F16:
             writer.add_tensor(name, values.astype(np.float16))
