@@ -27,12 +27,13 @@ import raw_abi
 from quantized import quantize_bundle
 from raw_abi import step_logits
 
+from aiobasert import models
 from aiobasert._ffi import Library
 from aiobasert.bundle import read_bundle
 from aiobasert.convert import convert_gguf
 from aiobasert.tiny import build_tiny_model
 from tests.oracle import NumpyLlama, gguf_oracle
-from tests.tiny_gguf import k_mix_gguf, write_gguf
+from tests.tiny_gguf import k_mix_gguf, real_blocks_gguf, write_gguf
 
 OK, UNSUPPORTED = 0, 5
 
@@ -358,3 +359,31 @@ def test_smollm2_q4_k_m_mix_stays_quantized(lib: Library, smollm2_gguf: Path,
     assert rss["peak"] - rss["before"] < rss["engine"] + auto.stat().st_size // 4, rss
     ppl_auto, ppl_f16 = perplexity(lib, auto, HELD_OUT), perplexity(lib, f16, HELD_OUT)
     assert 5 < ppl_f16 < 200 and abs(ppl_auto / ppl_f16 - 1) < 0.01, (ppl_auto, ppl_f16)
+
+
+GEMMA3_Q4_K_M = "gemma-3-270m-q4_k_m.gguf"  # in the cache's downloads once the Gemma 3 tests have fetched it
+
+
+@pytest.mark.slow
+def test_real_q4_k_and_q6_k_blocks_run_against_the_oracle(lib: Library, tmp_path: Path) -> None:
+    """Blocks from a real llama.cpp Q4_K_M file (Gemma 3 270M's Q4_K and Q6_K tensors, their rows stacked
+    into a one-layer llama): real scale / min distributions through the decode and the kernels."""
+    src = models.cache_dir() / "downloads" / GEMMA3_Q4_K_M
+    if not src.is_file():
+        pytest.skip(f"{src} is not in the cache (the Gemma 3 270M Q4_K_M tests download it)")
+    path = convert_gguf(real_blocks_gguf(src, tmp_path / "real.gguf"), tmp_path / "real.base", dtype="auto",
+                        progress=False)
+    assert {i.dtype for i in read_bundle(path).tensors.values() if len(i.shape) == 2} == {"ggml_q4_k", "ggml_q6_k"}
+    oracle = NumpyLlama(path, q8_inputs=True)
+    m = load(lib, path)
+    try:
+        rng = np.random.default_rng(8)
+        errs = []
+        for n in (1, 5, 30):
+            tokens = [int(t) for t in rng.integers(3, oracle.config.vocab_size, size=n)]
+            got = step_logits(lib, m, [int(lib.baseRT_sequence_create(m))], [tokens])[0].astype(np.float64)
+            exact = oracle.logits(tokens)[-1]
+            errs.append(np.abs(got - exact).max() / np.abs(exact).max())
+        assert max(errs) < 0.005, errs
+    finally:
+        lib.baseRT_free_model(m)

@@ -225,3 +225,60 @@ def k_mix_gguf(src: Path, dst: Path) -> Path:
     writer.write_tensors_to_file()
     writer.close()
     return dst
+
+
+def real_blocks_gguf(src: Path, dst: Path, *, dim: int = 1024, ffn: int = 2048) -> Path:
+    """A one-layer llama GGUF whose matrices are rows of real Q4_K / Q6_K blocks taken from the K-quant
+    GGUF `src` (any architecture: rows are independent runs of blocks, so rows of its tensors of the
+    right width are stacked into each matrix): real scale and min distributions, not random bytes.
+    Needs Q4_K tensors `dim` wide and Q6_K ones `ffn` wide (Gemma 3 270M Q4_K_M: 1024 and 2048)."""
+    pool: dict[tuple[gguf.GGMLQuantizationType, int], list[np.ndarray[Any, np.dtype[np.uint8]]]] = {}
+    for t in gguf.GGUFReader(src).tensors:
+        if t.tensor_type in (Q.Q4_K, Q.Q6_K):
+            rows = np.asarray(t.data, dtype=np.uint8).reshape(int(t.shape[1]), -1)
+            pool.setdefault((t.tensor_type, int(t.shape[0])), []).append(rows)
+    stacks = {key: np.concatenate(parts) for key, parts in pool.items()}
+    vocab = tiny_vocab("bpe")
+    n_heads, n_kv = 8, 2
+    writer = gguf.GGUFWriter(dst, "llama")
+    writer.add_block_count(1)
+    writer.add_context_length(512)
+    writer.add_embedding_length(dim)
+    writer.add_feed_forward_length(ffn)
+    writer.add_head_count(n_heads)
+    writer.add_head_count_kv(n_kv)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_layer_norm_rms_eps(1e-6)
+    writer.add_rope_dimension_count(dim // n_heads)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("smollm")
+    writer.add_token_list(list(vocab.tokens))
+    writer.add_token_types(list(vocab.token_types))
+    writer.add_token_merges(list(vocab.merges))
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    used = {key: 0 for key in stacks}
+
+    def add(name: str, qtype: gguf.GGMLQuantizationType, rows: int, cols: int) -> None:
+        key = (qtype, cols)
+        start = used[key] % max(1, stacks[key].shape[0] - rows)  # each matrix its own rows where there are enough
+        writer.add_tensor(name, stacks[key][start : start + rows], raw_dtype=qtype)
+        used[key] += rows
+
+    kv_dim = n_kv * dim // n_heads
+    add("token_embd.weight", Q.Q4_K, len(vocab.tokens), dim)
+    writer.add_tensor("blk.0.attn_norm.weight", np.ones(dim, np.float32))
+    add("blk.0.attn_q.weight", Q.Q4_K, dim, dim)
+    add("blk.0.attn_k.weight", Q.Q4_K, kv_dim, dim)
+    add("blk.0.attn_v.weight", Q.Q4_K, kv_dim, dim)
+    add("blk.0.attn_output.weight", Q.Q4_K, dim, dim)
+    writer.add_tensor("blk.0.ffn_norm.weight", np.ones(dim, np.float32))
+    add("blk.0.ffn_gate.weight", Q.Q4_K, ffn, dim)
+    add("blk.0.ffn_up.weight", Q.Q4_K, ffn, dim)
+    add("blk.0.ffn_down.weight", Q.Q6_K, dim, ffn)
+    writer.add_tensor("output_norm.weight", np.ones(dim, np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return dst
