@@ -1,17 +1,17 @@
 """Convert a llama-family GGUF (e.g. SmolLM2-135M-Instruct Q4_1) into a `.base` bundle.
 
-Quantized GGUF tensors are dequantized with the `gguf` package and stored as
-f16 (or f32); norms stay f32. q/k projection rows keep the GGUF order, which
-llama.cpp permuted at HF->GGUF conversion time so that RoPE rotates adjacent
-pairs, exactly what docs/BUNDLE.md's forward does.
+``--dtype auto`` (the command's default) keeps each matrix as the GGUF stores it:
+Q8_0 / Q4_0 / Q4_1 / Q5_0 / Q5_1 blocks as base_q8 / base_q4 / base_q5 groups,
+Q4_K / Q5_K / Q6_K blocks byte for byte (ggml_q*_k), all carried with no added
+error; float matrices as f16. ``f16`` / ``f32`` dequantize every matrix with the
+`gguf` package; ``q8`` / ``q4`` store them group-wise quantized (groups of 32),
+carrying the blocks the target width holds exactly and quantizing the rest from
+their f32 values. Norms stay f32. docs/models.md has the table per GGML type; the
+quantized-output section below has the details. q/k projection rows keep the GGUF
+order, which llama.cpp permuted at HF->GGUF conversion time so that RoPE rotates
+adjacent pairs, exactly what docs/BUNDLE.md's forward does.
 
-With ``--dtype q8`` / ``q4`` the matrices are stored group-wise quantized
-(`base_q8` symmetric / `base_q4` asymmetric, groups of 32, f16 scales, the
-cpu_avx2 row-major packing of aiobasert.bundle): a GGUF Q8_0 or Q4_1 tensor is
-carried over block for block (no added error), anything else is quantized from
-its f32 values. See the quantized-output section below.
-
-Usage: ``python -m aiobasert.convert SRC.gguf OUT.base [--dtype f16|f32|q8|q4]``
+Usage: ``python -m aiobasert.convert SRC.gguf OUT.base [--dtype auto|f16|f32|q8|q4]``
 """
 
 from __future__ import annotations
