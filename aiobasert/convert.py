@@ -1,19 +1,20 @@
 """Convert a GGUF of an architecture the engine runs (llama, qwen2, qwen3, gemma3; e.g.
 SmolLM2-135M-Instruct Q4_1) into a `.base` bundle.
 
-Quantized GGUF tensors are dequantized with the `gguf` package and stored as
-f16 (or f32); norms and biases stay f32. Tensors keep the GGUF's values and row
-order: llama.cpp permuted llama's q/k rows at HF->GGUF conversion time so that
-RoPE rotates adjacent pairs, and added Gemma's 1 to its norm weights; the
-engine's description of each architecture (docs/models.md) reads them so.
+``--dtype auto`` (the command's default) keeps each matrix as the GGUF stores it:
+Q8_0 / Q4_0 / Q4_1 / Q5_0 / Q5_1 blocks as base_q8 / base_q4 / base_q5 groups,
+Q4_K / Q5_K / Q6_K blocks byte for byte (ggml_q*_k), all carried with no added
+error; float matrices as f16. ``f16`` / ``f32`` dequantize every matrix with the
+`gguf` package; ``q8`` / ``q4`` store them group-wise quantized (groups of 32),
+carrying the blocks the target width holds exactly and quantizing the rest from
+their f32 values. Norms stay f32. docs/models.md has the table per GGML type; the
+quantized-output section below has the details. q/k projection rows keep the GGUF
+order, which llama.cpp permuted at HF->GGUF conversion time so that RoPE rotates
+adjacent pairs, exactly what docs/BUNDLE.md's forward does, and Gemma's norm weights
+carry the 1 llama.cpp added: the engine's description of each architecture
+(docs/models.md) reads them so.
 
-With ``--dtype q8`` / ``q4`` the matrices are stored group-wise quantized
-(`base_q8` symmetric / `base_q4` asymmetric, groups of 32, f16 scales, the
-cpu_avx2 row-major packing of aiobasert.bundle): a GGUF Q8_0 or Q4_1 tensor is
-carried over block for block (no added error), anything else is quantized from
-its f32 values. See the quantized-output section below.
-
-Usage: ``python -m aiobasert.convert SRC.gguf OUT.base [--dtype f16|f32|q8|q4]``
+Usage: ``python -m aiobasert.convert SRC.gguf OUT.base [--dtype auto|f16|f32|q8|q4]``
 """
 
 from __future__ import annotations
@@ -35,10 +36,14 @@ from tqdm import tqdm  # type: ignore[import-untyped,unused-ignore]  # no stubs 
 
 from ._gguf_tokenizer import bundle_tokenizer, tokenizer_refusal
 from ._progress import ticking
-from .bundle import BundleWriter, Progress, QuantizedTensor, TensorEntry, llama_header
+from .bundle import GGML_BLOCKS, BundleWriter, Progress, QuantizedTensor, TensorEntry, llama_header
 from .errors import ConversionError
 
-__all__ = ["ConversionError", "convert_gguf", "main"]
+__all__ = ["DTYPES", "ConversionError", "Dtype", "convert_gguf", "main"]
+
+#: The ``--dtype`` choices (``auto``: each tensor as the GGUF stores it, see the quantized-output section).
+DTYPES: Final = ("auto", "f16", "f32", "q8", "q4")
+Dtype = Literal["auto", "f16", "f32", "q8", "q4"]
 
 _GGUF_MAGIC: Final = b"GGUF"
 
@@ -423,7 +428,8 @@ def _expected_shapes(cfg: _Hparams, tied: bool, rope_freqs: bool) -> dict[str, t
 def _tqdm_progress(desc: str, total: int) -> tuple[Progress, Callable[[], None]]:
     bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=desc, file=sys.stderr)
 
-    def update(done: int, _total: int) -> None:
+    def update(done: int, total: int) -> None:
+        bar.total = total  # the writer's own count (quantized and GGML-block tensors are not 2 bytes a value)
         bar.update(done - bar.n)
 
     return update, bar.close
@@ -433,17 +439,21 @@ def convert_gguf(
     src: str | Path,
     dst: str | Path,
     *,
-    dtype: Literal["f16", "f32", "q8", "q4"] = "f16",
+    dtype: Dtype = "f16",
     progress: bool | Progress = True,
 ) -> Path:
     """Convert the GGUF `src` (llama, qwen2, qwen3 or gemma3) into the bundle `dst` (written atomically); returns `dst`.
+
+    `dtype`: how the matrices are stored: f16 / f32, q8 / q4 (group-wise quantized), or auto (each as
+    the GGUF has it; GGML blocks the engine's integer kernels can hold are carried exactly). The
+    ``aiobasert convert`` command defaults to auto.
 
     `progress`: True shows a tqdm bar on stderr, False nothing; a callable is
     called with (bytes written, bytes total) after each tensor.
     """
     src, dst = Path(src), Path(dst)
-    if dtype not in ("f16", "f32", "q8", "q4"):
-        raise ValueError(f"dtype must be 'f16', 'f32', 'q8' or 'q4', got {dtype!r}")
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(map(repr, DTYPES))}, got {dtype!r}")
 
     def fail(reason: str) -> ConversionError:
         return ConversionError(f"{src}: {reason}")
@@ -501,7 +511,7 @@ def convert_gguf(
             entries.append(TensorEntry(name, shape, "f32", "gpu"))
         else:
             region = "gpu" if name in ("embed_tokens.weight", "lm_head.weight") else "accelerator"
-            if dtype in ("q8", "q4"):
+            if dtype in ("auto", "q8", "q4"):
                 entries.append(_quantized_entry(name, shape, region, dtype, sources[name]))
             else:
                 entries.append(TensorEntry(name, shape, dtype, region))
@@ -529,7 +539,7 @@ def convert_gguf(
         raise fail(f"tokenizer.chat_template must be a string, got {type(chat_template).__name__}")
     header = llama_header(
         arch=arch,
-        dtype=_QUANT_DTYPE.get(dtype, dtype),
+        dtype=_QUANT_DTYPE.get(dtype, dtype),  # "auto": the mix the GGUF has
         source={"format": "gguf", "sha256": _sha256(src), "filename": src.name},
         config={
             "hidden_size": cfg.dim,
@@ -551,7 +561,7 @@ def convert_gguf(
         tokenizer=tokenizer,
         metadata={} if chat_template is None else {"tokenizer.chat_template": chat_template},
     )
-    if dtype in ("q8", "q4"):
+    if any(e.dtype in _QUANTIZED or e.dtype in GGML_BLOCKS for e in entries):
         header["target_backend"] = "cpu_avx2"
 
     close_bar: Callable[[], None] | None = None
@@ -564,8 +574,10 @@ def convert_gguf(
     try:
         with BundleWriter(dst, header, entries, progress=callback) as writer:
             for entry in entries:
-                if entry.dtype in _QUANT_DTYPE.values():
+                if entry.dtype in _QUANTIZED:
                     writer.write(entry.name, _quantize(sources[entry.name], entry, fail))
+                elif entry.dtype in GGML_BLOCKS:
+                    writer.write(entry.name, np.asarray(sources[entry.name].data, dtype=np.uint8))
                 else:
                     writer.write(entry.name, _dequantize(sources[entry.name], entry, fail))
     finally:
@@ -590,25 +602,119 @@ def _dequantize(
     return out
 
 
-# ---- quantized output (--dtype q8 | q4) ---------------------------------------------------------
-# CANONICAL_QUANT_SPEC.md's base_q8 / base_q4 with group_size 32 and f16 scales, the packing
-# aiobasert.bundle.QUANT_LAYOUT names. GGUF Q8_0 (32 int8 + f16 scale) is base_q8 symmetric and
-# Q4_1 (32 nibbles + f16 scale + f16 min) is base_q4 asymmetric block for block: such tensors are
-# copied, not requantized. A Q8_0 tensor stays base_q8 in a q4 bundle (never lower its precision).
-# Other tensors are quantized asymmetric (the spec's default): for a Q4_1 source the 255-step q8
-# grid holds every one of its 16 levels (255 = 15 x 17), so q8 adds almost no error on top.
+# ---- quantized output (--dtype auto | q8 | q4) -------------------------------------------------
+# CANONICAL_QUANT_SPEC.md's base_q8 / base_q4 (and aiobasert's base_q5) with group_size 32, the packing
+# aiobasert.bundle.QUANT_LAYOUT names: value = scale * u + bias per group of 32 (symmetric: scale *
+# (u - 2^(bits-1))). Many GGML block types are exactly that with integer u, so they are carried over
+# block for block, with no added error (_carried below): Q8_0 (symmetric q8), Q4_0 (symmetric q4),
+# Q4_1, Q5_0 (symmetric q5), Q5_1, and the K-quants whose sub-blocks are 32 values, Q4_K / Q5_K (scale
+# = d * sc, bias = -dmin * m, sc and m 6-bit: an f16 times an integer below 64, exact in f32 though
+# rarely in f16, so such tensors get f32 scales unless every one converts to f16 exactly).
+#
+# `auto` keeps each tensor as the GGUF has it, in the GGUF's own size: the 32-value block types in
+# their own width, K-quant blocks (Q4_K / Q5_K / Q6_K) byte for byte as ggml_q*_k tensors that the
+# engine decodes at load (Q6_K's 16-value sub-blocks with int8 scales have no 32-group form: the
+# engine has a q6 kernel kind for them), f32 / f16 / bf16 matrices as f16, other blocks (Q2_K, Q3_K,
+# IQ*) quantized to q8 from their f32 values. `q8` carries every 32-group type into base_q8; `q4`
+# carries the 4-bit ones into base_q4, keeps Q8_0 at q8 (never lower its precision) and quantizes the
+# rest to q4 (asymmetric, the spec's default).
 
 _QUANT_DTYPE: Final = {"q8": "base_q8", "q4": "base_q4"}
 _QUANT_GROUP: Final = 32
+_QUANTIZED: Final = frozenset({"base_q8", "base_q5", "base_q4"})  # the bundle dtypes written as QuantizedTensor
+_Q: Final = gguf.GGMLQuantizationType
+_FOUR_BIT: Final = frozenset({_Q.Q4_0, _Q.Q4_1, _Q.Q4_K})
+_FIVE_BIT: Final = frozenset({_Q.Q5_0, _Q.Q5_1, _Q.Q5_K})
+_CARRIED: Final = _FOUR_BIT | _FIVE_BIT | {_Q.Q8_0}
+# Blocks whose bias is -2^(bits-1) * scale: stored symmetric (no bias region) in their own width.
+_SYMMETRIC: Final = {_Q.Q8_0: "base_q8", _Q.Q5_0: "base_q5", _Q.Q4_0: "base_q4"}
+_FLOAT: Final = frozenset({_Q.F32, _Q.F16, _Q.BF16})
+# K-quant blocks `auto` stores as the GGUF has them (bundle dtypes ggml_q4_k / ggml_q5_k / ggml_q6_k,
+# the GGUF's size): the engine decodes them at load into its q4 / q5 kernels' layout with f32 sub-block
+# scales, Q6_K into its q6 layout (two 16-value halves per block of 32, each with its scale).
+_K_BLOCKS: Final = {kind: dtype for dtype, (kind, _) in GGML_BLOCKS.items()}
 
 
 def _quantized_entry(name: str, shape: tuple[int, ...], region: str, dtype: str,
                      tensor: gguf.ReaderTensor) -> TensorEntry:
-    target = _QUANT_DTYPE[dtype]
-    symmetric = tensor.tensor_type == gguf.GGMLQuantizationType.Q8_0
-    if symmetric:
+    kind = tensor.tensor_type
+    if dtype == "auto" and kind in _FLOAT:
+        return TensorEntry(name, shape, "f16", region)
+    if dtype == "auto" and kind.name in _K_BLOCKS:
+        return TensorEntry(name, shape, _K_BLOCKS[kind.name], region)
+    if dtype == "q4":
+        target = "base_q8" if kind == _Q.Q8_0 else "base_q4"
+    elif dtype == "auto":
+        target = "base_q4" if kind in _FOUR_BIT else "base_q5" if kind in _FIVE_BIT else "base_q8"
+    else:
         target = "base_q8"
-    return TensorEntry(name, shape, target, region, group_size=_QUANT_GROUP, symmetric=symmetric)
+    symmetric = _SYMMETRIC.get(kind) == target
+    scale_dtype = "f16"
+    if _is_carried(kind, target):
+        _, scale, bias = _carried(tensor, shape)
+        if not _f16_exact(scale) or (not symmetric and bias is not None and not _f16_exact(bias)):
+            scale_dtype = "f32"
+    return TensorEntry(name, shape, target, region, group_size=_QUANT_GROUP, symmetric=symmetric,
+                       scale_dtype=scale_dtype)
+
+
+def _is_carried(kind: gguf.GGMLQuantizationType, target: str) -> bool:
+    return kind in _CARRIED and (target == "base_q8" or kind in (_FOUR_BIT if target == "base_q4" else _FIVE_BIT))
+
+
+def _f16_exact(values: npt.NDArray[np.float32]) -> bool:
+    with np.errstate(over="ignore"):
+        return bool(np.array_equal(values.astype(np.float16).astype(np.float32), values))
+
+
+_Carried = tuple[npt.NDArray[np.uint8], npt.NDArray[np.float32], npt.NDArray[np.float32] | None]
+
+
+def _f16_field(blocks: npt.NDArray[np.uint8], at: int) -> npt.NDArray[np.float32]:
+    return blocks[..., at : at + 2].copy().view("<f2")[..., 0].astype(np.float32)
+
+
+def _k_scales(packed: npt.NDArray[np.uint8]) -> tuple[npt.NDArray[np.float32], npt.NDArray[np.float32]]:
+    """The 8 sub-block scales and mins of Q4_K / Q5_K, 6 bits each in 12 bytes (ggml's get_scale_min_k4)."""
+    s = packed.astype(np.uint8)
+    sc = np.concatenate([s[..., 0:4] & 63, (s[..., 8:12] & 0x0F) | ((s[..., 0:4] >> 6) << 4)], axis=-1)
+    mn = np.concatenate([s[..., 4:8] & 63, (s[..., 8:12] >> 4) | ((s[..., 4:8] >> 6) << 4)], axis=-1)
+    return sc.astype(np.float32), mn.astype(np.float32)
+
+
+def _carried(tensor: gguf.ReaderTensor, shape: tuple[int, ...]) -> _Carried:
+    """A tensor of a carried GGML type as (u [out, in], scale [out, in/32], bias [out, in/32] or None for
+    symmetric q8) with value = scale * u + bias, exactly as ggml (and gguf-py) dequantize it."""
+    out_dim, in_dim = shape
+    kind = tensor.tensor_type
+    size = gguf.GGML_QUANT_SIZES[kind][1]
+    raw = np.asarray(tensor.data, dtype=np.uint8).reshape(out_dim, -1, size)
+    if kind in (_Q.Q4_0, _Q.Q4_1, _Q.Q5_0, _Q.Q5_1):
+        d = _f16_field(raw, 0)
+        offset = 4 if kind in (_Q.Q4_1, _Q.Q5_1) else 2
+        five = kind in (_Q.Q5_0, _Q.Q5_1)
+        qs = raw[..., offset + 4 * five :]
+        u = np.concatenate([qs & 0x0F, qs >> 4], axis=-1)  # value j in the low nibble, j + 16 in the high one
+        if five:  # bit j of the little-endian qh word is value j's fifth bit
+            qh = raw[..., offset : offset + 4].copy().view("<u4")
+            u |= (((qh >> np.arange(32, dtype=np.uint32)) & 1) << 4).astype(np.uint8)
+        bias = _f16_field(raw, 2) if offset == 4 else -(8.0 if not five else 16.0) * d
+        return u.reshape(out_dim, in_dim), d, bias.astype(np.float32)
+    if kind == _Q.Q8_0:
+        u = (raw[..., 2:].view(np.int8).astype(np.int16) + 128).astype(np.uint8)
+        return u.reshape(out_dim, in_dim), _f16_field(raw, 0), None
+    # Q4_K / Q5_K: super-blocks of 256 = 4 chunks of 64, each two 32-value sub-blocks (low, high nibbles)
+    d, dmin = _f16_field(raw, 0)[..., None], _f16_field(raw, 2)[..., None]
+    sc, mn = _k_scales(raw[..., 4:16])
+    qs = raw[..., -128:].reshape(out_dim, -1, 4, 1, 32)
+    u = np.concatenate([qs & 0x0F, qs >> 4], axis=3)  # [row, super-block, chunk, sub-block, value]
+    if kind == _Q.Q5_K:
+        qh = raw[..., 16:48].reshape(out_dim, -1, 1, 1, 32)
+        bit = np.arange(8, dtype=np.uint8).reshape(1, 1, 4, 2, 1)  # sub-block 2i + j takes bit 2i + j
+        u |= ((qh >> bit) & 1) << 4
+    scale, bias = d * sc, -(dmin * mn)  # f16 x 6-bit integer: exact in f32
+    return (u.reshape(out_dim, in_dim), scale.reshape(out_dim, -1).astype(np.float32),
+            bias.reshape(out_dim, -1).astype(np.float32))
 
 
 def _quantize(tensor: gguf.ReaderTensor, entry: TensorEntry, fail: Callable[[str], ConversionError]) -> QuantizedTensor:
@@ -625,22 +731,23 @@ def _quantize(tensor: gguf.ReaderTensor, entry: TensorEntry, fail: Callable[[str
 def _quantize_groups_of(
     tensor: gguf.ReaderTensor, entry: TensorEntry, fail: Callable[[str], ConversionError]
 ) -> QuantizedTensor:
-    out_dim, in_dim = entry.shape
-    groups = in_dim // _QUANT_GROUP
-    kind = tensor.tensor_type
-    if entry.dtype == "base_q8" and entry.symmetric and kind == gguf.GGMLQuantizationType.Q8_0:
-        blocks = np.asarray(tensor.data, dtype=np.uint8).reshape(out_dim, groups, 34)
-        scales = blocks[:, :, :2].copy().view("<f2").reshape(out_dim, groups)
-        q = blocks[:, :, 2:].view(np.int8).astype(np.int16) + 128  # stored q - 128 = the GGUF int8
-        return QuantizedTensor(q.astype(np.uint8).reshape(-1), scales.astype(np.float16).reshape(-1))
-    if entry.dtype == "base_q4" and kind == gguf.GGMLQuantizationType.Q4_1:
-        blocks = np.asarray(tensor.data, dtype=np.uint8).reshape(out_dim, groups, 20)
-        scales4 = blocks[:, :, 0:2].copy().view("<f2").reshape(-1)
-        biases4 = blocks[:, :, 2:4].copy().view("<f2").reshape(-1)
-        return QuantizedTensor(blocks[:, :, 4:].copy().reshape(-1), scales4.astype(np.float16),
-                               biases4.astype(np.float16))
-    values = _dequantize(tensor, TensorEntry(entry.name, entry.shape, "f32"), fail)
-    return quantize_groups(values, entry.dtype, symmetric=entry.symmetric)
+    if not _is_carried(tensor.tensor_type, entry.dtype):
+        values = _dequantize(tensor, TensorEntry(entry.name, entry.shape, "f32"), fail)
+        return quantize_groups(values, entry.dtype, symmetric=entry.symmetric)
+    u, scale, bias = _carried(tensor, entry.shape)
+    if entry.symmetric:
+        bias = None  # the bias is -2^(bits-1) * scale, implied
+    if entry.dtype in ("base_q4", "base_q5"):
+        g = u.reshape(entry.shape[0], -1, _QUANT_GROUP)
+        half = _QUANT_GROUP // 2
+        u = ((g[:, :, :half] & 0x0F) | ((g[:, :, half:] & 0x0F) << 4)).astype(np.uint8)
+        if entry.dtype == "base_q5":  # each group's fifth bits first, bit v % 8 of byte v / 8
+            u = np.concatenate([np.packbits(g >> 4, axis=2, bitorder="little"), u], axis=2)
+    packed = np.ascontiguousarray(u).reshape(-1)
+    if entry.scale_dtype == "f32":
+        return QuantizedTensor(packed, scale.reshape(-1), None if bias is None else bias.reshape(-1))
+    return QuantizedTensor(packed, scale.astype(np.float16).reshape(-1),
+                           None if bias is None else bias.astype(np.float16).reshape(-1))
 
 
 def quantize_groups(values: npt.NDArray[np.float32], dtype: str, *, symmetric: bool = False,
@@ -675,8 +782,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The converter's options, shared by ``python -m aiobasert.convert`` and ``aiobasert convert``."""
     parser.add_argument("src", type=Path, help="input .gguf file")
     parser.add_argument("dst", type=Path, help="output .base file")
-    parser.add_argument("--dtype", choices=("f16", "f32", "q8", "q4"), default="f16",
-                        help="storage type of the matrices (q8 / q4: group-wise quantized, base_q8 / base_q4)")
+    parser.add_argument("--dtype", choices=DTYPES, default="auto",
+                        help="storage type of the matrices (q8 / q4: group-wise quantized, base_q8 / base_q4; "
+                        "auto: as the GGUF has them, quantized blocks carried exactly where they can be)")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
 
 

@@ -23,6 +23,7 @@ from .streams import TokenStream, new_request_id
 from .types import ChatMessage, Completion, EngineStats, ModelInfo, SamplingParams, schema_problem
 
 if TYPE_CHECKING:
+    from .convert import Dtype
     from .tools import ChatStream, Tool, ToolChoice
 
 T = TypeVar("T")
@@ -110,6 +111,7 @@ class Engine:
         max_buffered_tokens: int = 256,
         library: str | os.PathLike[str] | None = None,
         thread_check: bool | None = None,
+        dtype: Dtype = "auto",
     ) -> _EngineOpener:
         """Load a model; use as `async with Engine.open(...) as engine` or `await Engine.open(...)`.
 
@@ -129,7 +131,14 @@ class Engine:
             (at most its max_tokens), so no reader can hold a lane (docs/fairness.md).
         library: libbaseRT to use (default: $BASERT_LIB_PATH, the system's, the bundled one).
         thread_check: debug mode asserting that only the engine thread enters the library.
+        dtype: how a GGUF `model` is stored in its cached bundle (one bundle per dtype): "auto"
+            keeps what the GGUF has (quantized blocks carried exactly where the engine's integer
+            kernels can hold them, see docs/models.md), "f16" / "f32" dequantize, "q8" / "q4"
+            quantize group-wise. Ignored for a `.base` bundle or a cached name.
         """
+        from .models import check_dtype
+
+        check_dtype(dtype)
         for name, value, low in (
             ("max_batch_size", max_batch_size, 1),
             ("max_context", max_context, 2),
@@ -161,6 +170,7 @@ class Engine:
             ),
             library,
             thread_check,
+            dtype,
         )
 
     @classmethod
@@ -170,10 +180,11 @@ class Engine:
         limits: dict[str, Any],
         library: str | os.PathLike[str] | None,
         thread_check: bool | None,
+        dtype: Dtype,
     ) -> Engine:
         from .models import resolve_model  # None = the demo model; a GGUF is converted into the cache once
 
-        path = os.fspath(await anyio.to_thread.run_sync(resolve_model, model))
+        path = os.fspath(await anyio.to_thread.run_sync(lambda: resolve_model(model, dtype=dtype)))
         lib = _ffi.load_library(library, thread_check=thread_check)
         waker = LoopWaker()
         thread = EngineThread(lib, EngineConfig(model_path=path, **limits), waker.call_soon)
@@ -529,8 +540,9 @@ class _EngineOpener:
         limits: dict[str, Any],
         library: str | os.PathLike[str] | None,
         thread_check: bool | None,
+        dtype: Dtype,
     ) -> None:
-        self._args = (model, limits, library, thread_check)
+        self._args = (model, limits, library, thread_check, dtype)
         self._engine: Engine | None = None
 
     def __await__(self) -> Generator[Any, None, Engine]:

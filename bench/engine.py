@@ -12,6 +12,7 @@ there cannot take this process down).
     python bench/engine.py                          # q4 / q8 / f16 / f32 side by side
     python bench/engine.py --dtypes q4,f16 --rounds 3
     python bench/engine.py --model X.base --llama-python /tmp/llamabench/bin/python
+    python bench/engine.py --model X-Q4_K_M.gguf      # a K-quant GGUF kept quantized, beside llama.cpp
     (bash bench/setup_llama_cpp.sh builds llama-cpp-python into /tmp/llamabench)
 """
 
@@ -32,7 +33,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from aiobasert import _ffi
-from aiobasert.models import default_model_path, gguf_bundle_path, smollm2_gguf_path
+from aiobasert.models import default_model_path, gguf_bundle_path, is_gguf, smollm2_gguf_path
 
 PROMPT = "Once upon a time, in a land far away, there lived a"
 
@@ -128,6 +129,9 @@ def llama_cpp_rates(python: str, gguf: Path, threads: int, tokens: int) -> dict[
 
 def one_model(args: argparse.Namespace) -> None:
     model = args.model or str(default_model_path())
+    if is_gguf(model):  # a GGUF (a K-quant one included): its cached bundle, and llama.cpp runs the GGUF
+        args.gguf = args.gguf or model
+        model = str(gguf_bundle_path(model, dtype=args.dtype))
     lanes = [int(x) for x in args.lanes.split(",")]
     os.environ.setdefault("BASERT_REF_THREADS", str(args.threads))
     bench = Bench(model, max(lanes), max(1024, args.prefill + 64))
@@ -159,7 +163,7 @@ def one_model(args: argparse.Namespace) -> None:
               f"prefill {llama['prefill_tok_s']:.1f} tok/s; single-lane decode ours / llama.cpp: {ratio:.2f}x")
 
 
-DTYPES = ("q4", "q8", "f16", "f32")
+DTYPES = ("q4", "q8", "f16", "f32", "auto")
 
 
 def dtype_bundle(gguf: Path, dtype: str) -> tuple[str, dict[str, str]]:
@@ -206,7 +210,10 @@ def per_dtype(args: argparse.Namespace) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", help="one .base bundle (default: every --dtypes bundle of the demo GGUF)")
+    ap.add_argument("--model", help="one .base bundle, or a GGUF (e.g. Q4_K_M) converted as --dtype and run beside "
+                    "llama.cpp on the same file (default: every --dtypes bundle of the demo GGUF)")
+    ap.add_argument("--dtype", default="auto", choices=("auto", "f16", "q8", "q4"),
+                    help="with a GGUF --model: its bundle's storage (default auto: the GGUF's own blocks)")
     ap.add_argument("--dtypes", default=",".join(DTYPES), help=f"weight dtypes to compare ({', '.join(DTYPES)})")
     ap.add_argument("--rounds", type=int, default=1, help="alternated rounds per dtype (best is shown)")
     ap.add_argument("--tokens", type=int, default=32, help="decode steps per measurement")

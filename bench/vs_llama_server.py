@@ -27,6 +27,7 @@ server actually generated (its `usage`) are in the table.
 
     python bench/vs_llama_server.py                    # builds llama-server on first use; our q4 (the demo)
     python bench/vs_llama_server.py --dtype f16        # serve our f16 bundle of the GGUF instead
+    python bench/vs_llama_server.py --model X-Q4_K_M.gguf   # a K-quant GGUF side by side (kept quantized)
     python bench/vs_llama_server.py --build-only       # just build (~20 min on 2 shared cores)
 
 Measured 2026-12-03 on this project's 2-core AMD EPYC (AVX-512 + VNNI: llama-server built for
@@ -411,7 +412,7 @@ def our_model(gguf: Path, dtype: str, model: Path | None) -> Path:
     into its cache on first use), else a q8/q4 bundle converted once into CACHE."""
     if model is not None:
         return model
-    if dtype == "f16":
+    if dtype in ("auto", "f16"):  # serve --dtype converts it into aiobasert's cache
         return gguf
     dst = CACHE / "models" / f"{gguf.stem}.{dtype}.base"
     if not dst.is_file():
@@ -430,7 +431,8 @@ def make_server(who: str, streams: int, args: argparse.Namespace, logdir: Path) 
     log = logdir / f"{who}-{streams}.log"
     if who == OURS:
         cmd = [sys.executable, "-m", "aiobasert", "serve", str(args.ours_model), "--port", str(port),
-               "--max-batch-size", str(streams), "--max-context", str(args.ctx), "--served-model-name", "bench"]
+               "--max-batch-size", str(streams), "--max-context", str(args.ctx), "--served-model-name", "bench",
+               "--dtype", args.dtype]
         env = {**os.environ, "BASERT_REF_THREADS": str(args.threads),
                "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
         return Server(OURS, cmd, port, log, env)  # fmt: skip
@@ -552,10 +554,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--llama-cpp-python-version", default=None, help="sdist version to build (default: newest)")
     ap.add_argument("--build-jobs", type=int, default=2)
     ap.add_argument("--build-only", action="store_true", help="build llama-server, print its path and exit")
-    ap.add_argument("--gguf", type=Path, default=None, help="the GGUF both serve (default: the SmolLM2 demo)")
-    ap.add_argument("--dtype", choices=("f16", "q8", "q4"), default="q4",
-                    help="which aiobasert bundle of the GGUF to serve (default q4, the demo's: the GGUF's own "
-                         "Q4_1 / Q8_0 blocks)")
+    ap.add_argument("--model", "--gguf", dest="gguf", type=Path, default=None,
+                    help="the GGUF both serve, e.g. a K-quant (Q4_K_M) file (default: the SmolLM2 demo)")
+    ap.add_argument("--dtype", choices=("auto", "f16", "q8", "q4"), default="auto",
+                    help="which aiobasert bundle of the GGUF to serve (default auto: the GGUF's own blocks, "
+                         "K-quants included, as `aiobasert serve` converts it)")
     ap.add_argument("--ours-model", type=Path, default=None, help="serve this .base/.gguf instead of --dtype's")
     ap.add_argument("--streams", type=lambda s: [int(x) for x in s.split(",")], default=[1, 4, 16, 32],
                     help="concurrency levels, comma-separated (default 1,4,16,32)")

@@ -118,7 +118,7 @@ def test_help_runs_for_every_command() -> None:
 def test_serve_a_gguf(tmp_path: Path) -> None:
     src = write_gguf(tmp_path / "pocket.gguf")
     env = {**os.environ, "AIOBASERT_CACHE_DIR": str(tmp_path / "cache")}
-    proc = subprocess.Popen([sys.executable, "-m", "aiobasert", "serve", str(src), "--port", "0"],
+    proc = subprocess.Popen([sys.executable, "-m", "aiobasert", "serve", str(src), "--port", "0", "--dtype", "q8"],
                             stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env)  # fmt: skip
     lines: queue.Queue[str] = queue.Queue()
     assert proc.stderr is not None
@@ -147,7 +147,7 @@ def test_serve_a_gguf(tmp_path: Path) -> None:
     finally:
         proc.terminate()
         proc.wait(timeout=30)
-    assert list((tmp_path / "cache").glob("pocket-*.f16.base"))
+    assert list((tmp_path / "cache").glob("pocket-*.q8.base"))
 
 
 @pytest.mark.ray

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import math
 import os
 import struct
 import tempfile
@@ -205,6 +206,95 @@ def test_cli(tmp_path: Path, synthetic_gguf: Path, capsys: pytest.CaptureFixture
     assert "error" in err and str(text) in err and "not a GGUF file" in err
     assert main([str(tmp_path / "missing.gguf"), str(tmp_path / "x.base"), "--quiet"]) == 1
     assert "missing.gguf" in capsys.readouterr().err
+
+
+# ---- GGML block types: carried exactly, or converted ----------------------------------------------
+Q = gguf.GGMLQuantizationType
+K_DIMS = {"dim": 256, "ffn": 512}  # K-quant rows are whole 256-value super-blocks
+# (type, --dtype) -> (bundle dtype of the matrices, scale dtype, symmetric); every one is carried exactly
+# (auto keeps K-quant blocks as they are, the engine decodes them at load)
+CARRIED = {
+    (Q.Q4_0, "auto"): ("base_q4", "f16", True), (Q.Q4_0, "q4"): ("base_q4", "f16", True),
+    (Q.Q4_0, "q8"): ("base_q8", "f16", False), (Q.Q4_1, "auto"): ("base_q4", "f16", False),
+    (Q.Q4_1, "q8"): ("base_q8", "f16", False), (Q.Q5_0, "auto"): ("base_q5", "f16", True),
+    (Q.Q5_0, "q8"): ("base_q8", "f16", False), (Q.Q5_1, "auto"): ("base_q5", "f16", False),
+    (Q.Q8_0, "auto"): ("base_q8", "f16", True), (Q.Q8_0, "q4"): ("base_q8", "f16", True),
+    (Q.Q4_K, "auto"): ("ggml_q4_k", None, None), (Q.Q4_K, "q4"): ("base_q4", "f32", False),
+    (Q.Q4_K, "q8"): ("base_q8", "f32", False), (Q.Q5_K, "auto"): ("ggml_q5_k", None, None),
+    (Q.Q5_K, "q8"): ("base_q8", "f32", False), (Q.Q6_K, "auto"): ("ggml_q6_k", None, None),
+}  # fmt: skip
+
+
+def _gguf_of(tmp_path: Path, qtype: gguf.GGMLQuantizationType) -> Path:
+    dims = K_DIMS if qtype.name.endswith("_K") else {}
+    return write_gguf(tmp_path / f"{qtype.name}.gguf", matrices=qtype, **dims)
+
+
+@pytest.mark.parametrize(("qtype", "dtype"), list(CARRIED), ids=[f"{q.name}-{d}" for q, d in CARRIED])
+def test_gguf_blocks_are_carried_exactly(tmp_path: Path, qtype: gguf.GGMLQuantizationType, dtype: str) -> None:
+    """Every matrix of the bundle dequantizes to exactly gguf-py's dequantization of the GGUF's blocks
+    (value = scale * u + bias in f32, as the engine's rt_qweight_row and the integer kernels use it)."""
+    src = _gguf_of(tmp_path, qtype)
+    bundle = read_bundle(convert_gguf(src, tmp_path / "out.base", dtype=dtype, progress=False))  # type: ignore[arg-type]
+    want = CARRIED[(qtype, dtype)]
+    for source in gguf.GGUFReader(src).tensors:
+        name = convert_module._canonical_name(source.name)
+        assert name is not None
+        reference = gguf.quants.dequantize(source.data, source.tensor_type).astype(np.float32)
+        info = bundle.tensors[name]
+        if reference.ndim == 2:
+            assert (info.dtype, info.scale_dtype, info.symmetric) == want, name
+            assert info.group_size == (32 if info.dtype.startswith("base_") else None)
+        np.testing.assert_array_equal(bundle.tensor(name), reference, err_msg=name)  # -0.0 == 0.0 allowed
+    if dtype == "auto":  # the GGUF's own width and blocks: exactly as big
+        size = sum(math.prod(t.shape) for t in gguf.GGUFReader(src).tensors if len(t.shape) == 2)
+        stored = sum(i.length + (i.scale_length or 0) + (i.bias_length or 0)
+                     for i in bundle.tensors.values() if len(i.shape) == 2)
+        assert stored == size // gguf.GGML_QUANT_SIZES[qtype][0] * gguf.GGML_QUANT_SIZES[qtype][1]
+
+
+@pytest.mark.parametrize(("qtype", "dtype", "stored"), [(Q.Q6_K, "q8", "base_q8"), (Q.Q6_K, "q4", "base_q4"),
+                                                        (Q.Q5_K, "q4", "base_q4"), (Q.Q5_0, "q4", "base_q4")])
+def test_blocks_without_an_exact_form_are_converted(tmp_path: Path, qtype: gguf.GGMLQuantizationType, dtype: str,
+                                                    stored: str) -> None:
+    """Q6_K's 16-value sub-blocks (and a 5-bit type asked for q4) are quantized from their f32 values:
+    close to the GGUF's (within half a step of the group's range / 255 or / 15), not equal."""
+    src = _gguf_of(tmp_path, qtype)
+    bundle = read_bundle(convert_gguf(src, tmp_path / "out.base", dtype=dtype, progress=False))  # type: ignore[arg-type]
+    source = next(t for t in gguf.GGUFReader(src).tensors if t.name == "blk.0.ffn_down.weight")
+    reference = gguf.quants.dequantize(source.data, source.tensor_type).astype(np.float32)
+    info = bundle.tensors["layers.0.mlp.down_proj.weight"]
+    assert (info.dtype, info.scale_dtype) == (stored, "f16")
+    got = bundle.tensor(info.name)
+    groups = reference.reshape(reference.shape[0], -1, 32)
+    step = (groups.max(axis=2) - groups.min(axis=2)) / (255 if stored == "base_q8" else 15)
+    err = np.abs(got - reference).reshape(groups.shape).max(axis=2)
+    # half a step, plus the f16 rounding of the group's scale (x up to the top level) and bias
+    assert (err <= step * 0.52 + 2**-10 * np.abs(groups).max(axis=2)).all()
+    assert not np.array_equal(got, reference)
+
+
+@pytest.mark.parametrize("dtype", ["auto", "q8", "f16"])
+def test_a_type_nothing_dequantizes_is_refused_before_writing(tmp_path: Path, dtype: str) -> None:
+    src = write_gguf(tmp_path / "i32.gguf", matrices=Q.I32)
+    with pytest.raises(ConversionError, match="cannot dequantize GGML type I32") as info:
+        convert_gguf(src, tmp_path / "out.base", dtype=dtype, progress=False)  # type: ignore[arg-type]
+    assert str(src) in str(info.value) and "token_embd.weight" in str(info.value)
+    assert list(tmp_path.iterdir()) == [src]  # nothing written, not even a temporary file
+
+
+def test_auto_keeps_float_matrices_and_mixes_types(tmp_path: Path, synthetic_gguf: Path) -> None:
+    """`auto` on the mixed synthetic GGUF: Q8_0 matrices stay base_q8, F16 / F32 ones become f16."""
+    bundle = read_bundle(convert_gguf(synthetic_gguf, tmp_path / "auto.base", dtype="auto", progress=False))
+    assert bundle.header["quant_scheme"] == "auto" and bundle.header["target_backend"] == "cpu_avx2"
+    dtypes = {n.split(".", 2)[-1]: info.dtype for n, info in bundle.tensors.items() if n.startswith("layers.0")}
+    assert dtypes == {"input_norm.weight": "f32", "self_attn.q_proj.weight": "base_q8",
+                      "self_attn.k_proj.weight": "f16", "self_attn.v_proj.weight": "f16",
+                      "self_attn.o_proj.weight": "base_q8", "post_attn_norm.weight": "f32",
+                      "mlp.gate_proj.weight": "f16", "mlp.up_proj.weight": "base_q8",
+                      "mlp.down_proj.weight": "f16"}
+    assert main([str(synthetic_gguf), str(tmp_path / "cli.base"), "--dtype", "auto", "--quiet"]) == 0
+    assert read_bundle(tmp_path / "cli.base").header["quant_scheme"] == "auto"
 
 
 # ---- SmolLM2-135M-Instruct ------------------------------------------------

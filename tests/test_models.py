@@ -12,11 +12,12 @@ import zipfile
 from pathlib import Path
 from typing import Any
 
+import gguf
 import msgspec
 import pytest
 from tiny_gguf import write_gguf
 
-from aiobasert import AioBaseRTError, Engine, cli, models
+from aiobasert import AioBaseRTError, Engine, InvalidConfigError, cli, models
 from aiobasert.bundle import read_bundle
 from aiobasert.convert import ConversionError, convert_gguf
 
@@ -75,7 +76,7 @@ async def test_engine_opens_a_gguf_converting_once(
         bundle = Path(engine.info.path)
         done = await engine.generate("hello", max_tokens=4)
     assert done.usage.completion_tokens >= 1
-    assert bundle.parent == cache and bundle.name.startswith("little-") and bundle.name.endswith(".f16.base")
+    assert bundle.parent == cache and bundle.name.startswith("little-") and bundle.name.endswith(".auto.base")
     assert read_bundle(bundle).header["source"]["filename"] == "little.gguf"
     assert conversions.targets == [bundle]
 
@@ -84,7 +85,7 @@ async def test_engine_opens_a_gguf_converting_once(
         assert Path(engine.info.path) == bundle
     assert conversions.targets == [bundle]
     (entry,) = models.list_models()
-    assert entry.source == str(src.resolve()) and entry.dtype == "f16" and entry.path == str(bundle)
+    assert entry.source == str(src.resolve()) and entry.dtype == "auto" and entry.path == str(bundle)
 
     # A cached NAME opens the bundle too.
     assert models.resolve_model(entry.name) == bundle
@@ -108,6 +109,31 @@ def test_model_env_takes_what_engine_open_takes(tmp_path: Path, cache: Path, mon
     monkeypatch.setenv("AIOBASERT_MODEL", "no-such-model")
     with pytest.raises(models.ModelNotAvailableError, match="no-such-model"):
         models.resolve_model(None, progress=False)
+
+
+@pytest.mark.anyio
+async def test_engine_open_dtype_keeps_one_cached_bundle_per_dtype(
+    tmp_path: Path, cache: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A Q4_K GGUF: the default (auto) bundle keeps its blocks (ggml_q4_k), `dtype="f16"` converts a
+    second bundle beside it; each is reused; an unknown dtype is refused before any conversion."""
+    src = write_gguf(tmp_path / "kq.gguf", matrices=gguf.GGMLQuantizationType.Q4_K, dim=256, ffn=512)
+    conversions = Conversions(monkeypatch)
+    bundles = {}
+    for dtype in ("auto", "f16", "auto"):
+        async with Engine.open(src, max_batch_size=1, max_context=64, dtype=dtype) as engine:
+            bundles[dtype] = Path(engine.info.path)
+            assert (await engine.generate("hello", max_tokens=2)).usage.completion_tokens >= 1
+    auto, f16 = bundles["auto"], bundles["f16"]
+    assert auto.name.endswith(".auto.base") and f16.name.endswith(".f16.base")
+    assert conversions.targets == [auto, f16]
+    assert read_bundle(auto).tensors["layers.0.mlp.up_proj.weight"].dtype == "ggml_q4_k"
+    assert read_bundle(f16).tensors["layers.0.mlp.up_proj.weight"].dtype == "f16"
+    assert auto.stat().st_size < f16.stat().st_size
+    with pytest.raises(InvalidConfigError, match="dtype"):
+        Engine.open(src, dtype="q3")  # type: ignore[arg-type]
+    assert conversions.targets == [auto, f16]
+    assert {e.dtype for e in models.list_models()} == {"auto", "f16"}
 
 
 def test_a_bundle_path_is_passed_through(tmp_path: Path, tiny_model_path: Path, cache: Path) -> None:
@@ -233,7 +259,7 @@ def test_pull_list_rm(tmp_path: Path, cache: Path) -> None:
     assert table.returncode == 0, table.stderr
     header, row = table.stdout.splitlines()
     assert header.split() == ["NAME", "SIZE", "DTYPE", "SOURCE"]
-    assert row.split()[0] == entry.name and "f16" in row and row.endswith(str(src.resolve()))
+    assert row.split()[0] == entry.name and "auto" in row and row.endswith(str(src.resolve()))
     as_json = msgspec.json.decode(run_cli("list", "--json").stdout, type=list[models.CachedModel])
     assert as_json == [entry]
 
@@ -249,6 +275,17 @@ def test_pull_list_rm(tmp_path: Path, cache: Path) -> None:
 
     refused = run_cli("pull", str(tmp_path / "notes.txt"))
     assert refused.returncode == 1 and "not a GGUF file" in refused.stderr
+
+    # --dtype on pull and run: one bundle per dtype, named and listed by it
+    assert run_cli("pull", str(src), "--dtype", "q8").returncode == 0
+    (q8,) = models.list_models()
+    assert q8.dtype == "q8" and q8.name.endswith(".q8")
+    assert read_bundle(q8.path).tensors["layers.0.mlp.up_proj.weight"].dtype == "base_q8"
+    ran = run_cli("run", "hello", "-m", str(src), "--dtype", "q4", "-n", "2")
+    assert ran.returncode == 0, ran.stderr
+    assert sorted(e.dtype for e in models.list_models()) == ["q4", "q8"]
+    bad = run_cli("pull", str(src), "--dtype", "q3")
+    assert bad.returncode == 2 and "--dtype" in bad.stderr
 
 
 def test_list_shows_a_bundle_without_manifest(tiny_model_path: Path, cache: Path) -> None:

@@ -18,9 +18,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import gguf
 import pytest
 from quantized import quantize_bundle
+from tiny_gguf import write_gguf
 
+from aiobasert.convert import convert_gguf
 from aiobasert.tiny import build_tiny_model
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -76,11 +79,18 @@ print(h.hexdigest())
 """
 
 
-@pytest.mark.parametrize(("dtype", "symmetric"), [("base_q4", False), ("base_q8", False), ("base_q8", True)],
-                         ids=["q4", "q8", "q8sym"])
+@pytest.mark.parametrize(("dtype", "symmetric"), [("base_q4", False), ("base_q8", False), ("base_q8", True),
+                                                  ("Q4_K", False), ("Q5_K", False), ("Q5_0", False),
+                                                  ("Q6_K", False)],
+                         ids=["q4", "q8", "q8sym", "gguf-q4k", "gguf-q5k", "gguf-q5_0", "gguf-q6k"])
 def test_kernel_sets_compute_bit_identical_quantized_logits(tmp_path: Path, dtype: str, symmetric: bool) -> None:
-    f32 = build_tiny_model(tmp_path / "f32.base", dim=96, n_heads=3, n_kv_heads=1, ffn_dim=160, seed=7)
-    q = quantize_bundle(f32, tmp_path / "q.base", dtype, symmetric=symmetric)
+    if dtype.startswith("base_"):
+        f32 = build_tiny_model(tmp_path / "f32.base", dim=96, n_heads=3, n_kv_heads=1, ffn_dim=160, seed=7)
+        q = quantize_bundle(f32, tmp_path / "q.base", dtype, symmetric=symmetric)
+    else:  # GGUF blocks carried (convert --dtype auto): K-quants with f32 sub-block scales, 5-bit ones as base_q5
+        dims = {"dim": 256, "ffn": 512} if dtype.endswith("_K") else {}
+        src = write_gguf(tmp_path / "k.gguf", matrices=gguf.GGMLQuantizationType[dtype], **dims)
+        q = convert_gguf(src, tmp_path / "q.base", dtype="auto", progress=False)
     digests = {}
     for cap in ("generic", "avx2", ""):  # the float kernels (attention) stay the CPU's best
         env = {k: v for k, v in os.environ.items() if k != "BASERT_REF_SIMD"} | {"BASERT_REF_QUANT_SIMD": cap}

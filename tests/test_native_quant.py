@@ -14,20 +14,26 @@ from __future__ import annotations
 import json
 import math
 import os
+import subprocess
+import sys
 from ctypes import c_uint32
 from pathlib import Path
 from typing import Any
 
+import gguf
 import numpy as np
 import pytest
 import raw_abi
 from quantized import quantize_bundle
 from raw_abi import step_logits
 
+from aiobasert import models
 from aiobasert._ffi import Library
+from aiobasert.bundle import read_bundle
 from aiobasert.convert import convert_gguf
 from aiobasert.tiny import build_tiny_model
-from tests.oracle import NumpyLlama
+from tests.oracle import NumpyLlama, gguf_oracle
+from tests.tiny_gguf import k_mix_gguf, real_blocks_gguf, write_gguf
 
 OK, UNSUPPORTED = 0, 5
 
@@ -121,6 +127,49 @@ def test_quantized_tails_match_the_oracle_and_are_batch_invariant(lib: Library, 
             rows = step_logits(lib, m, batched, nxt)
             for i in range(len(prompts)):
                 assert step_logits(lib, m, [single[i]], nxt[i : i + 1])[0].tobytes() == rows[i].tobytes()
+    finally:
+        lib.baseRT_free_model(m)
+
+
+# ---- GGUF block types carried into the integer kernels (convert --dtype auto) ---------------------
+GGUF_TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"]
+
+
+@pytest.mark.parametrize("qtype", GGUF_TYPES)
+def test_gguf_block_types_run_against_the_oracle_and_are_batch_invariant(lib: Library, tmp_path: Path,
+                                                                         qtype: str) -> None:
+    """A tiny GGUF whose every matrix is `qtype` (K-quants: hand-written random blocks), converted with
+    `auto` (carried exactly: Q4_K / Q5_K with f32 sub-block scales; Q6_K quantized to q8): the engine's
+    logits against the oracle over the bundle's weights (which test_convert holds equal to gguf-py's
+    dequantization) with the kernels' input rounding, and against the GGUF's own values; batched == alone."""
+    kind = gguf.GGMLQuantizationType[qtype]
+    dims = {"dim": 256, "ffn": 512} if qtype.endswith("_K") else {}
+    src = write_gguf(tmp_path / f"{qtype}.gguf", matrices=kind, seed=9, **dims)
+    path = convert_gguf(src, tmp_path / "auto.base", dtype="auto", progress=False)
+    q8_oracle, gguf_ref = NumpyLlama(path, q8_inputs=True), gguf_oracle(src)
+    n_vocab = int(NumpyLlama(path).config.vocab_size)
+    m = load(lib, path, lanes=8)
+    try:
+        rng = np.random.default_rng(6)
+        prompts = [[int(t) for t in rng.integers(3, n_vocab, size=n)] for n in (1, 3, 5, 9, 70)]
+        batched = [int(lib.baseRT_sequence_create(m)) for _ in prompts]
+        single = [int(lib.baseRT_sequence_create(m)) for _ in prompts]
+        rows = step_logits(lib, m, batched, prompts)
+        errs = []
+        for i, p in enumerate(prompts):
+            alone = step_logits(lib, m, [single[i]], [p])[0]
+            assert alone.tobytes() == rows[i].tobytes(), f"prompt {i}: batched != alone"
+            got = alone.astype(np.float64)
+            exact = q8_oracle.logits(p)[-1]
+            errs.append(np.abs(got - exact).max() / np.abs(exact).max())
+            ref = gguf_ref.logits(p)[-1]
+            assert np.abs(got - ref).max() / np.abs(ref).max() < 0.05
+            assert np.corrcoef(got, ref)[0, 1] > 0.999
+        assert max(errs) < 0.02 and sorted(errs)[-2] < 0.002, errs  # see the tails test: a near-tie flip
+        nxt = [[int(np.argmax(r))] for r in rows]
+        rows = step_logits(lib, m, batched, nxt)
+        for i in range(len(prompts)):
+            assert step_logits(lib, m, [single[i]], nxt[i : i + 1])[0].tobytes() == rows[i].tobytes()
     finally:
         lib.baseRT_free_model(m)
 
@@ -266,3 +315,77 @@ def test_smollm2_q8_and_q4_perplexity_within_1_percent_of_f16(lib: Library, smol
     assert 5 < ppl["f16"] < 200, ppl  # a sane model on English text
     for d in ("q8", "q4"):
         assert abs(ppl[d] / ppl["f16"] - 1) < 0.01, ppl
+
+
+# A fresh process's resident memory around one load: before, peak after, and the engine's own count.
+LOAD_RSS = """
+import ctypes, json, re, sys
+sys.path.insert(0, "tests")
+from pathlib import Path
+from raw_abi import load
+from aiobasert import _ffi
+lib = _ffi.load_library()
+def status(key):
+    return int(re.search(key + r":\\s+(\\d+)", Path("/proc/self/status").read_text())[1]) * 1024
+before = status("VmRSS")
+m = load(lib, Path(sys.argv[1]), 512, max_batch_size=1, prefill_chunk=64)
+st = _ffi.BaseRTMemoryStats()
+assert lib.baseRT_model_memory_stats(m, ctypes.byref(st))
+print(json.dumps({"before": before, "peak": status("VmHWM"), "engine": st.runtime_allocated_bytes}))
+"""
+
+
+@pytest.mark.slow
+def test_smollm2_q4_k_m_mix_stays_quantized(lib: Library, smollm2_gguf: Path,
+                                            tmp_path_factory: pytest.TempPathFactory) -> None:
+    """SmolLM2-135M in llama.cpp's Q4_K_M type mix (Q5_0 / Q8_0 where rows are 576 wide, Q4_K / Q6_K in
+    ffn_down), built here from the demo's weights by tiny_gguf.k_mix_gguf (llama.cpp's quantizer is not
+    available here): `auto` keeps every block, the bundle is no bigger than the GGUF, a load peaks near the
+    engine's own allocation (not that plus the file), and perplexity is within 1% of the same file's f16
+    bundle."""
+    out = tmp_path_factory.mktemp("kmix")
+    src = k_mix_gguf(smollm2_gguf, out / "SmolLM2-135M-Instruct.Q4_K_M-mix.gguf")
+    auto = convert_gguf(src, out / "auto.base", dtype="auto", progress=False)
+    f16 = convert_gguf(src, out / "f16.base", dtype="f16", progress=False)
+    assert auto.stat().st_size <= src.stat().st_size
+    assert {info.dtype for info in read_bundle(auto).tensors.values()} == {
+        "f32", "base_q5", "base_q8", "ggml_q4_k", "ggml_q6_k"}
+    proc = subprocess.run([sys.executable, "-c", LOAD_RSS, str(auto)], capture_output=True, text=True, timeout=600,
+                          cwd=Path(__file__).resolve().parent.parent)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rss = json.loads(proc.stdout)
+    # the file's pages are dropped as each tensor is repacked: the peak holds the engine's allocation and
+    # at most a tensor or so of the file, not all of it
+    assert rss["peak"] - rss["before"] < rss["engine"] + auto.stat().st_size // 4, rss
+    ppl_auto, ppl_f16 = perplexity(lib, auto, HELD_OUT), perplexity(lib, f16, HELD_OUT)
+    assert 5 < ppl_f16 < 200 and abs(ppl_auto / ppl_f16 - 1) < 0.01, (ppl_auto, ppl_f16)
+
+
+GEMMA3_Q4_K_M = "gemma-3-270m-q4_k_m.gguf"  # in the cache's downloads once the Gemma 3 tests have fetched it
+
+
+@pytest.mark.slow
+def test_real_q4_k_and_q6_k_blocks_run_against_the_oracle(lib: Library, tmp_path: Path) -> None:
+    """Blocks from a real llama.cpp Q4_K_M file (Gemma 3 270M's Q4_K and Q6_K tensors, their rows stacked
+    into a one-layer llama): real scale / min distributions through the decode and the kernels."""
+    # the session may point AIOBASERT_CACHE_DIR at pytest's cache: look in the user's cache too
+    places = [models.cache_dir() / "downloads", Path.home() / ".cache" / "aiobasert" / "downloads"]
+    src = next((d / GEMMA3_Q4_K_M for d in places if (d / GEMMA3_Q4_K_M).is_file()), None)
+    if src is None:
+        pytest.skip(f"{GEMMA3_Q4_K_M} is in neither {places[0]} nor {places[1]} (the Gemma 3 tests download it)")
+    path = convert_gguf(real_blocks_gguf(src, tmp_path / "real.gguf"), tmp_path / "real.base", dtype="auto",
+                        progress=False)
+    assert {i.dtype for i in read_bundle(path).tensors.values() if len(i.shape) == 2} == {"ggml_q4_k", "ggml_q6_k"}
+    oracle = NumpyLlama(path, q8_inputs=True)
+    m = load(lib, path)
+    try:
+        rng = np.random.default_rng(8)
+        errs = []
+        for n in (1, 5, 30):
+            tokens = [int(t) for t in rng.integers(3, oracle.config.vocab_size, size=n)]
+            got = step_logits(lib, m, [int(lib.baseRT_sequence_create(m))], [tokens])[0].astype(np.float64)
+            exact = oracle.logits(tokens)[-1]
+            errs.append(np.abs(got - exact).max() / np.abs(exact).max())
+        assert max(errs) < 0.005, errs
+    finally:
+        lib.baseRT_free_model(m)

@@ -33,7 +33,7 @@
 #define RT_MAX_PREFILL_CHUNK 4096
 #define IDENTITY_BYTES ((size_t)1 << 20)
 
-enum { DT_F32, DT_F16, DT_BF16, DT_Q8, DT_Q4 };
+enum { DT_F32, DT_F16, DT_BF16, DT_Q8, DT_Q4, DT_Q5, DT_GGML_Q4_K, DT_GGML_Q5_K, DT_GGML_Q6_K };
 
 typedef struct {
     const char *name;
@@ -44,7 +44,8 @@ typedef struct {
     uint64_t offset, length; /* offset relative to the blob */
     /* base_q8 / base_q4 (CANONICAL_QUANT_SPEC.md): groups along each row */
     uint32_t group_size;
-    bool symmetric, bf16_scales;
+    bool symmetric;
+    int scale_type; /* RT_SCALE_* */
     uint64_t scale_offset, bias_offset; /* blob-relative, validated like offset */
 } tensor_entry;
 
@@ -443,7 +444,7 @@ static bool blob_range_ok(const bundle *b, uint64_t off, uint64_t len) {
  * symmetric, a bias region. */
 static int parse_quant(const bundle *b, const json_value *t, tensor_entry *out) {
     const char *name = out->name;
-    bool q4 = out->dtype == DT_Q4;
+    int bits = out->dtype == DT_Q4 ? 4 : out->dtype == DT_Q5 ? 5 : 8;
     int64_t gs = 0, x;
     if (!json_int64(json_get(t, "group_size"), &gs) || (gs != 32 && gs != 64 && gs != 128))
         return bundle_fail(b, BASERT_ERR_UNSUPPORTED, "tensor '%s': group_size must be 32, 64 or 128", name);
@@ -454,26 +455,30 @@ static int parse_quant(const bundle *b, const json_value *t, tensor_entry *out) 
     out->group_size = (uint32_t)gs;
     const char *sd = json_string(json_get(t, "scale_dtype"));
     if (!sd) sd = "bf16"; /* the spec's default */
-    if (strcmp(sd, "f16") != 0 && strcmp(sd, "bf16") != 0)
-        return bundle_fail(b, BASERT_ERR_UNSUPPORTED, "tensor '%s': scale_dtype '%s' is not supported (f16, bf16)",
-                           name, sd);
-    out->bf16_scales = strcmp(sd, "bf16") == 0;
+    if (strcmp(sd, "f16") == 0) out->scale_type = RT_SCALE_F16;
+    else if (strcmp(sd, "bf16") == 0) out->scale_type = RT_SCALE_BF16;
+    else if (strcmp(sd, "f32") == 0) out->scale_type = RT_SCALE_F32; /* K-quant sub-block scales, exactly */
+    else
+        return bundle_fail(b, BASERT_ERR_UNSUPPORTED,
+                           "tensor '%s': scale_dtype '%s' is not supported (f16, bf16, f32)", name, sd);
     bool sym = false;
     const json_value *symv = json_get(t, "symmetric");
     if (symv && symv->type != JSON_NULL && !json_bool(symv, &sym))
         return bundle_fail(b, BASERT_ERR_INVALID_FORMAT, "tensor '%s': symmetric is not a boolean", name);
     out->symmetric = sym;
     const char *layout = json_string(json_get(t, "layout"));
-    const char *want = q4 ? "rowmajor_nibble_halves" : "rowmajor";
+    /* base_q5 (GGML Q5_0 / Q5_1 / Q5_K blocks): per group, gs / 8 bytes of fifth bits (bit v % 8 of byte
+     * v / 8 for value v), then the nibbles as base_q4 stores them */
+    const char *want = bits == 4 ? "rowmajor_nibble_halves" : bits == 5 ? "rowmajor_qh_nibble_halves" : "rowmajor";
     if (!layout || strcmp(layout, want) != 0)
         return bundle_fail(b, BASERT_ERR_UNSUPPORTED,
                            "tensor '%s': layout '%s' is not supported (the reference engine reads '%s')", name,
                            layout ? layout : "(none)", want);
-    uint64_t packed = q4 ? out->n_elems / 2 : out->n_elems;
+    uint64_t packed = out->n_elems / 8 * (uint64_t)bits;
     if (out->length != packed)
         return bundle_fail(b, BASERT_ERR_INVALID_FORMAT, "tensor '%s': length %llu, expected %llu packed bytes",
                            name, (unsigned long long)out->length, (unsigned long long)packed);
-    uint64_t region = out->n_elems / (uint64_t)gs * 2;
+    uint64_t region = out->n_elems / (uint64_t)gs * (out->scale_type == RT_SCALE_F32 ? 4 : 2);
     const char *keys[2][2] = {{"scale_offset", "scale_length"}, {"bias_offset", "bias_length"}};
     uint64_t *offs[2] = {&out->scale_offset, &out->bias_offset};
     for (int k = 0; k < (sym ? 1 : 2); k++) {
@@ -502,10 +507,14 @@ static int parse_tensor(const bundle *b, const json_value *t, size_t index, tens
     else if (strcmp(dtype, "bf16") == 0) out->dtype = DT_BF16, esize = 2;
     else if (strcmp(dtype, "base_q8") == 0) out->dtype = DT_Q8, esize = 0;
     else if (strcmp(dtype, "base_q4") == 0) out->dtype = DT_Q4, esize = 0;
+    else if (strcmp(dtype, "base_q5") == 0) out->dtype = DT_Q5, esize = 0;
+    else if (strcmp(dtype, "ggml_q4_k") == 0) out->dtype = DT_GGML_Q4_K, esize = 0;
+    else if (strcmp(dtype, "ggml_q5_k") == 0) out->dtype = DT_GGML_Q5_K, esize = 0;
+    else if (strcmp(dtype, "ggml_q6_k") == 0) out->dtype = DT_GGML_Q6_K, esize = 0;
     else
         return bundle_fail(b, BASERT_ERR_UNSUPPORTED,
-                           "tensor '%s' has dtype '%s'; the reference engine reads f32, f16, bf16, base_q8 and "
-                           "base_q4",
+                           "tensor '%s' has dtype '%s'; the reference engine reads f32, f16, bf16, base_q8, "
+                           "base_q5, base_q4, ggml_q4_k, ggml_q5_k and ggml_q6_k",
                            name, dtype);
     const json_value *shape = json_get(t, "shape");
     size_t nd = json_count(shape);
@@ -530,7 +539,15 @@ static int parse_tensor(const bundle *b, const json_value *t, size_t index, tens
         return bundle_fail(b, BASERT_ERR_INVALID_FORMAT, "tensor '%s' has no valid length", name);
     out->offset = (uint64_t)off;
     out->length = (uint64_t)len;
-    if (esize == 0) {
+    if (out->dtype >= DT_GGML_Q4_K) {
+        /* GGML K-quant blocks as a GGUF stores them: rows of whole 256-value super-blocks */
+        uint64_t size = out->dtype == DT_GGML_Q4_K ? 144 : out->dtype == DT_GGML_Q5_K ? 176 : 210;
+        if (out->ndim != 2 || out->shape[1] % 256 != 0 || out->shape[1] == 0 || out->length != n / 256 * size)
+            return bundle_fail(b, BASERT_ERR_INVALID_FORMAT,
+                               "tensor '%s': a %s tensor is 2-D, its rows whole blocks of 256 values (%llu bytes "
+                               "each), length %llu",
+                               name, dtype, (unsigned long long)size, (unsigned long long)(n / 256 * size));
+    } else if (esize == 0) {
         int rc = parse_quant(b, t, out);
         if (rc) return rc;
     } else if (n * esize != out->length) {
@@ -676,6 +693,26 @@ static float *load_tensor_f32(const bundle *b, const tensor_entry *t) {
     return out;
 }
 
+/* A repacked tensor's file pages are not read again: drop them from this process's resident set (the
+ * page cache keeps them), so loading a quantized model peaks near its repacked size, not that plus the
+ * file. Whole pages inside [off, off + len) only; a neighbour's pages stay. */
+static void release_pages(const bundle *b, uint64_t off, uint64_t len) {
+    uintptr_t page = (uintptr_t)sysconf(_SC_PAGESIZE), lo = (uintptr_t)(b->map + b->blob_start + off);
+    uintptr_t hi = lo + (uintptr_t)len;
+    lo = (lo + page - 1) & ~(page - 1);
+    hi &= ~(page - 1);
+    if (hi > lo) madvise((void *)lo, hi - lo, MADV_DONTNEED);
+}
+
+static void release_tensor(const bundle *b, const tensor_entry *t) {
+    release_pages(b, t->offset, t->length);
+    if (t->dtype == DT_Q8 || t->dtype == DT_Q4 || t->dtype == DT_Q5) { /* their scale and bias regions */
+        uint64_t region = t->n_elems / t->group_size * (t->scale_type == RT_SCALE_F32 ? 4 : 2);
+        release_pages(b, t->scale_offset, region);
+        if (!t->symmetric) release_pages(b, t->bias_offset, region);
+    }
+}
+
 /* A matrix: f16 stays f16 (the kernels widen it in registers, exactly);
  * f32 and bf16 become f32. BASERT_REF_WIDEN_F16=1 widens f16 at load as
  * the engine used to (benchmarks and the bit-identity test compare both). */
@@ -683,16 +720,26 @@ static float *load_tensor_f32(const bundle *b, const tensor_entry *t) {
  * ones) is refused: every value of its group would be non-finite. */
 static bool quant_params_finite(const bundle *b, const tensor_entry *t) {
     const unsigned char *blob = b->map + b->blob_start;
-    uint16_t exp = t->bf16_scales ? 0x7f80u : 0x7c00u;
     size_t n = (size_t)(t->n_elems / t->group_size);
+    size_t width = t->scale_type == RT_SCALE_F32 ? 4 : 2;
+    uint16_t exp = t->scale_type == RT_SCALE_BF16 ? 0x7f80u : 0x7c00u;
     for (int k = 0; k < (t->symmetric ? 1 : 2); k++) {
         const unsigned char *p = blob + (k ? t->bias_offset : t->scale_offset);
         for (size_t i = 0; i < n; i++) {
-            uint16_t h;
-            memcpy(&h, p + 2 * i, 2);
-            if ((h & exp) == exp) {
+            bool nan, inf;
+            if (width == 4) {
+                float f;
+                memcpy(&f, p + 4 * i, 4);
+                nan = isnan(f), inf = isinf(f);
+            } else {
+                uint16_t h;
+                memcpy(&h, p + 2 * i, 2);
+                nan = (h & exp) == exp && (h & (exp ^ 0x7fffu));
+                inf = (h & exp) == exp && !(h & (exp ^ 0x7fffu));
+            }
+            if (nan || inf) {
                 bundle_fail(b, BASERT_ERR_INVALID_FORMAT, "tensor '%s': group %s %zu is %s", t->name,
-                            k ? "bias" : "scale", i, (h & (exp ^ 0x7fffu)) ? "NaN" : "Inf");
+                            k ? "bias" : "scale", i, nan ? "NaN" : "Inf");
                 return false;
             }
         }
@@ -701,17 +748,34 @@ static bool quant_params_finite(const bundle *b, const tensor_entry *t) {
 }
 
 static bool load_matrix(const bundle *b, const tensor_entry *t, bool widen_f16, rt_weight *out, uint64_t *total) {
-    if (t->dtype == DT_Q8 || t->dtype == DT_Q4) {
+    if (t->dtype >= DT_GGML_Q4_K) {
+        size_t bytes = rt_weight_from_ggml(out,
+                                           t->dtype == DT_GGML_Q4_K   ? RT_GGML_Q4_K
+                                           : t->dtype == DT_GGML_Q5_K ? RT_GGML_Q5_K
+                                                                      : RT_GGML_Q6_K,
+                                           b->map + b->blob_start + t->offset, (size_t)t->shape[0],
+                                           (size_t)t->shape[1]);
+        if (!bytes) {
+            bundle_fail(b, BASERT_ERR_OUT_OF_MEMORY, "out of memory loading tensor '%s'", t->name);
+            return false;
+        }
+        release_tensor(b, t);
+        *total += bytes;
+        return true;
+    }
+    if (t->dtype == DT_Q8 || t->dtype == DT_Q4 || t->dtype == DT_Q5) {
         if (!quant_params_finite(b, t)) return false;
         const unsigned char *blob = b->map + b->blob_start;
-        size_t bytes = rt_weight_from_groups(out, t->dtype == DT_Q4, blob + t->offset, blob + t->scale_offset,
-                                             t->symmetric ? NULL : blob + t->bias_offset, t->bf16_scales,
+        int bits = t->dtype == DT_Q4 ? 4 : t->dtype == DT_Q5 ? 5 : 8;
+        size_t bytes = rt_weight_from_groups(out, bits, blob + t->offset, blob + t->scale_offset,
+                                             t->symmetric ? NULL : blob + t->bias_offset, t->scale_type,
                                              t->symmetric, (size_t)t->shape[0], (size_t)t->shape[1],
                                              (int)t->group_size);
         if (!bytes) {
             bundle_fail(b, BASERT_ERR_OUT_OF_MEMORY, "out of memory loading tensor '%s'", t->name);
             return false;
         }
+        release_tensor(b, t);
         *total += bytes;
         return true;
     }
@@ -724,6 +788,7 @@ static bool load_matrix(const bundle *b, const tensor_entry *t, bool widen_f16, 
         }
         memcpy(h, b->map + b->blob_start + t->offset, bytes);
         *out = (rt_weight){h, RT_W_F16, 0};
+        release_tensor(b, t);
         *total += bytes;
         return true;
     }

@@ -22,7 +22,7 @@
 size_t rt_weight_elem_size(int type) { return type == RT_W_F16 ? 2 : 4; }
 
 void rt_weight_row(const rt_weight *w, size_t row, int n, float *out) {
-    if (w->type == RT_W_Q8 || w->type == RT_W_Q4) {
+    if (RT_W_IS_QUANT(w->type)) {
         rt_qweight_row(w, row, n, out);
         return;
     }
@@ -456,7 +456,7 @@ static void matmul_unit(const matmul_job *j, int u) {
     while (u >= units_of(j->targets[i].out)) u -= units_of(j->targets[i++].out);
     const rt_mm_target *t = &j->targets[i];
     int o0 = u * OUT_UNIT, o1 = o0 + OUT_UNIT < t->out ? o0 + OUT_UNIT : t->out;
-    if (t->w.type == RT_W_Q8 || t->w.type == RT_W_Q4)
+    if (RT_W_IS_QUANT(t->w.type))
         rt_qmatmul_range(&t->w, j->in, j->xq, j->rows, t->y, t->ldy, o0, o1);
     else
         matmul_range(j->ks, j->x, j->ldx, j->rows, j->in, (size_t)j->in, t, o0, o1);
@@ -485,7 +485,7 @@ void rt_matmul(rt_threads *th, const float *x, size_t ldx, int rows, int in, con
     for (int i = 0; i < n_targets; i++) {
         job.total_units += units_of(targets[i].out);
         flops += (double)rows * in * targets[i].out;
-        quant |= targets[i].w.type == RT_W_Q8 || targets[i].w.type == RT_W_Q4;
+        quant |= RT_W_IS_QUANT(targets[i].w.type);
     }
     if (quant) { /* the loader guarantees in % 32 == 0 for quantized weights */
         rt_qx_quantize(x, ldx, rows, in, xq);

@@ -21,7 +21,9 @@ enum { QBLK = 32, PANEL = 16 };
 
 /* ---- geometry ------------------------------------------------------------- */
 
-enum { KIND_Q4 = 0, KIND_Q8 = 1, KIND_Q8S = 2 /* symmetric q8: no bias term */ };
+/* KIND_Q6: GGML Q6_K's 16-value sub-blocks: u (0..63) stored as q8, the "d" and "m" slots hold the two
+ * halves' scales d * sc (value = scale * (u - 32)), no bias term. */
+enum { KIND_Q4 = 0, KIND_Q8 = 1, KIND_Q8S = 2 /* symmetric q8: no bias term */, KIND_Q5 = 3, KIND_Q6 = 4, N_KINDS = 5 };
 
 typedef struct {
     int nb, kind;
@@ -32,16 +34,39 @@ typedef struct {
     size_t panel_bytes;
 } qgeom;
 
-static qgeom geometry(int type, int flags, int in) {
+/* q5 = q4's nibbles plus, per block, 8 masks of 64 bits: mask 2s (2s + 1) holds the fifth bit of each byte's
+ * low (high) nibble in group s, bit j for byte j of the group. */
+enum { Q5_MASKS = 64 };
+
+static qgeom geometry_of(int kind, bool sf32, int in) {
     qgeom g;
     g.nb = in / QBLK;
-    g.kind = type == RT_W_Q4 ? KIND_Q4 : (flags & RT_WF_SYMMETRIC) ? KIND_Q8S : KIND_Q8;
-    g.sf32 = (flags & RT_WF_SCALES_F32) != 0;
-    g.q_bytes = (size_t)PANEL * (g.kind == KIND_Q4 ? 16 : 32);
+    g.kind = kind;
+    g.sf32 = sf32;
+    g.q_bytes = (size_t)PANEL * (kind == KIND_Q8 || kind == KIND_Q8S || kind == KIND_Q6 ? 32 : 16) +
+                (kind == KIND_Q5 ? Q5_MASKS : 0);
     g.s_size = g.sf32 ? 4 : 2;
     g.block_bytes = g.q_bytes + PANEL * g.s_size * (g.kind == KIND_Q8S ? 1 : 2);
     g.panel_bytes = g.block_bytes * (size_t)g.nb;
     return g;
+}
+
+static qgeom geometry(int type, int flags, int in) {
+    int kind = type == RT_W_Q4   ? KIND_Q4
+               : type == RT_W_Q5 ? KIND_Q5
+               : type == RT_W_Q6 ? KIND_Q6
+               : (flags & RT_WF_SYMMETRIC) ? KIND_Q8S
+                                           : KIND_Q8;
+    return geometry_of(kind, (flags & RT_WF_SCALES_F32) != 0, in);
+}
+
+/* Value i (0..31) of row L in a q4 / q5 block at bp, as an unsigned integer. */
+static int nibble_value(const uint8_t *bp, int kind, size_t L, int i) {
+    int hi = i >= 16, s = (i % 16) / 4;
+    size_t j = 4 * L + (size_t)(i % 4);
+    int u = hi ? bp[64 * s + j] >> 4 : bp[64 * s + j] & 0x0F;
+    if (kind == KIND_Q5) u |= ((bp[PANEL * 16 + 8 * (2 * s + hi) + j / 8] >> (j % 8)) & 1) << 4;
+    return u;
 }
 
 static float scale_at(const uint8_t *p, size_t i, bool sf32) {
@@ -55,41 +80,124 @@ static float scale_at(const uint8_t *p, size_t i, bool sf32) {
     return rt_f16_to_f32(h);
 }
 
-/* Activation row: q[nb * 32] | xd[nb] | xs[nb] | corr[nb] (int32), padded to 64 bytes. */
+/* Activation row: q[nb * 32] | xd[nb] | xs[nb] | corr[nb] (int32) | half[nb] (int32: sum of the block's
+ * first 16 q, for q6's half-block scales), padded to 64 bytes. */
 size_t rt_qx_row_bytes(int in) {
     size_t nb = (size_t)(in / QBLK);
-    return (nb * (QBLK + 3 * 4) + 63) & ~(size_t)63;
+    return (nb * (QBLK + 4 * 4) + 63) & ~(size_t)63;
 }
 #define XQ_D(xr, nb) ((const float *)(const void *)((xr) + (size_t)(nb) * QBLK))
 #define XQ_S(xr, nb) (XQ_D(xr, nb) + (nb))
 #define XQ_CORR(xr, nb) ((const int32_t *)(const void *)(XQ_S(xr, nb) + (nb)))
+#define XQ_HALF(xr, nb) (XQ_CORR(xr, nb) + (nb))
 
 /* ---- repack at load --------------------------------------------------------- */
 
-static float load_scale(const uint8_t *p, size_t i, bool bf16) {
+static float load_scale(const uint8_t *p, size_t i, int scale_type) {
+    if (scale_type == RT_SCALE_F32) {
+        float f;
+        memcpy(&f, p + 4 * i, 4);
+        return f;
+    }
     uint16_t h;
     memcpy(&h, p + 2 * i, 2);
-    return bf16 ? rt_bf16_to_f32(h) : rt_f16_to_f32(h);
+    return scale_type == RT_SCALE_BF16 ? rt_bf16_to_f32(h) : rt_f16_to_f32(h);
 }
 
 static bool f16_exact(float f) { return rt_f16_to_f32(rt_f32_to_f16(f)) == f || f != f; }
 
-size_t rt_weight_from_groups(rt_weight *out, bool q4, const uint8_t *packed, const uint8_t *scales,
-                             const uint8_t *biases, bool bf16_scales, bool symmetric, size_t rows, size_t cols,
-                             int gs) {
-    size_t nb = cols / QBLK, groups_per_row = cols / (size_t)gs, half = (size_t)gs / 2;
-    bool sym8 = symmetric && !q4;
-    /* Block scale and bias of block k of row r, as the kernels use them: value = d * u + m. */
-#define GROUP_OF(r, k) ((r) * groups_per_row + (k) * QBLK / (size_t)gs)
-#define BLOCK_D(r, k) load_scale(scales, GROUP_OF(r, k), bf16_scales)
-#define BLOCK_M(r, k)                                                                                  \
-    (symmetric ? (q4 ? -8.0f : -128.0f) * BLOCK_D(r, k) : load_scale(biases, GROUP_OF(r, k), bf16_scales))
+/* A source of blocks: block k (32 values) of row r as unsigned values u (fitting the target kind) with
+ * value = d * u + m. */
+typedef struct {
+    const uint8_t *packed, *scales, *biases;
+    int scale_type, bits, gs, ggml; /* ggml: 0 = base_q* groups, else RT_GGML_* */
+    bool symmetric;
+    size_t cols;
+} block_source;
+
+
+static void group_block(const block_source *src, size_t r, size_t k, uint8_t *u, float *d, float *m) {
+    size_t gs = (size_t)src->gs, half = gs / 2, g0 = r * (src->cols / gs) + k * QBLK / gs, in_group = k * QBLK % gs;
+    bool q5 = src->bits == 5;
+    if (u && src->bits == 8) {
+        memcpy(u, src->packed + r * src->cols + k * QBLK, QBLK);
+    } else if (u) {
+        /* value v of a group: byte v % (gs/2), nibble v / (gs/2); q5 groups start with gs/8 bytes of fifth
+         * bits (bit v % 8 of byte v / 8), as GGML's Q5_0 / Q5_1 blocks */
+        const uint8_t *qh = src->packed + g0 * (q5 ? gs / 8 * 5 : half), *gp = q5 ? qh + gs / 8 : qh;
+        for (size_t i = 0; i < QBLK; i++) {
+            size_t v = in_group + i;
+            u[i] = v < half ? gp[v] & 0x0F : gp[v - half] >> 4;
+            if (q5) u[i] |= (uint8_t)(((qh[v / 8] >> (v % 8)) & 1) << 4);
+        }
+    }
+    *d = load_scale(src->scales, g0, src->scale_type);
+    *m = src->symmetric ? -(float)(1 << (src->bits - 1)) * *d : load_scale(src->biases, g0, src->scale_type);
+}
+
+/* GGML's block_q4_K / block_q5_K (ggml-common.h): super-blocks of 256 values, d and dmin f16, 8 sub-blocks
+ * of 32 with 6-bit scale and min (get_scale_min_k4); value = d * sc * q - dmin * m. d * sc and dmin * m
+ * are an f16 times an integer below 64: exact in f32, so the kernels compute with ggml's own values. */
+static void k_block(const block_source *src, size_t r, size_t k, uint8_t *u, float *d, float *m) {
+    size_t size = src->ggml == RT_GGML_Q4_K ? 144 : 176, j = k % 8, c = j / 2, hi = j % 2;
+    const uint8_t *b = src->packed + (r * (src->cols / 256) + k / 8) * size, *sc = b + 4;
+    uint16_t hd, hmin;
+    memcpy(&hd, b, 2);
+    memcpy(&hmin, b + 2, 2);
+    int s, mn;
+    if (j < 4) {
+        s = sc[j] & 63;
+        mn = sc[j + 4] & 63;
+    } else {
+        s = (sc[j + 4] & 0x0F) | ((sc[j - 4] >> 6) << 4);
+        mn = (sc[j + 4] >> 4) | ((sc[j] >> 6) << 4);
+    }
+    *d = rt_f16_to_f32(hd) * (float)s;
+    *m = -(rt_f16_to_f32(hmin) * (float)mn);
+    if (!u) return;
+    const uint8_t *qh = b + 16, *qs = b + (src->ggml == RT_GGML_Q4_K ? 16 : 48) + 32 * c;
+    for (size_t i = 0; i < QBLK; i++) {
+        u[i] = (uint8_t)(hi ? qs[i] >> 4 : qs[i] & 0x0F);
+        if (src->ggml == RT_GGML_Q5_K) u[i] |= (uint8_t)(((qh[i] >> j) & 1) << 4);
+    }
+}
+
+/* GGML's block_q6_K: super-blocks of 256 values, ql[128] qh[64] int8 scales[16] and f16 d; value =
+ * d * sc * (q - 32) with one scale per 16 values (dequantize_row_q6_K). Block k is quarter t of half n of
+ * its super-block; "d" and "m" return the scales d * sc of its two halves (f16 x int8: exact in f32). */
+static void q6_block(const block_source *src, size_t r, size_t k, uint8_t *u, float *d, float *m) {
+    const uint8_t *b = src->packed + (r * (src->cols / 256) + k / 8) * 210;
+    size_t j = k % 8, n = j / 4, t = j % 4;
+    const int8_t *sc = (const int8_t *)(const void *)(b + 192) + 8 * n + 2 * t;
+    uint16_t hd;
+    memcpy(&hd, b + 208, 2);
+    float dd = rt_f16_to_f32(hd);
+    *d = dd * (float)sc[0];
+    *m = dd * (float)sc[1];
+    if (!u) return;
+    const uint8_t *ql = b + 64 * n + 32 * (t % 2), *qh = b + 128 + 32 * n;
+    for (size_t i = 0; i < QBLK; i++)
+        u[i] = (uint8_t)((t < 2 ? ql[i] & 0x0F : ql[i] >> 4) | ((qh[i] >> (2 * t)) & 3) << 4);
+}
+
+static void source_block(const block_source *src, size_t r, size_t k, uint8_t *u, float *d, float *m) {
+    if (src->ggml == RT_GGML_Q6_K) q6_block(src, r, k, u, d, m);
+    else if (src->ggml) k_block(src, r, k, u, d, m);
+    else group_block(src, r, k, u, d, m);
+}
+
+/* Repack every block of src into the panel layout of `type`. */
+static size_t repack(rt_weight *out, int type, bool sym8, const block_source *src, size_t rows, size_t cols) {
+    size_t nb = cols / QBLK;
     bool sf32 = false; /* f16 storage unless some scale or bias would change */
     for (size_t r = 0; r < rows && !sf32; r++)
-        for (size_t k = 0; k < nb && !sf32; k++)
-            sf32 = !f16_exact(BLOCK_D(r, k)) || (!sym8 && !f16_exact(BLOCK_M(r, k)));
+        for (size_t k = 0; k < nb && !sf32; k++) {
+            float d, m;
+            source_block(src, r, k, NULL, &d, &m);
+            sf32 = !f16_exact(d) || (!sym8 && !f16_exact(m));
+        }
     int flags = (sf32 ? RT_WF_SCALES_F32 : 0) | (sym8 ? RT_WF_SYMMETRIC : 0);
-    qgeom g = geometry(q4 ? RT_W_Q4 : RT_W_Q8, flags, (int)cols);
+    qgeom g = geometry(type, flags, (int)cols);
     size_t panels = (rows + PANEL - 1) / PANEL, bytes = panels * g.panel_bytes;
     uint8_t *mem = calloc(1, bytes ? bytes : 1); /* rows past the matrix stay zero */
     if (!mem) return 0;
@@ -97,23 +205,23 @@ size_t rt_weight_from_groups(rt_weight *out, bool q4, const uint8_t *packed, con
         size_t L = r % PANEL;
         for (size_t k = 0; k < nb; k++) {
             uint8_t *bp = mem + (r / PANEL) * g.panel_bytes + k * g.block_bytes;
-            size_t v0 = k * QBLK, in_group = v0 % (size_t)gs, g0 = GROUP_OF(r, k);
             uint8_t u[QBLK];
-            if (q4) {
-                const uint8_t *gp = packed + g0 * half; /* value v of a group: byte v % (gs/2), nibble v / (gs/2) */
-                for (size_t i = 0; i < QBLK; i++) {
-                    size_t v = in_group + i;
-                    u[i] = v < half ? gp[v] & 0x0F : gp[v - half] >> 4;
-                }
+            float d, m;
+            source_block(src, r, k, u, &d, &m);
+            if (type != RT_W_Q8 && type != RT_W_Q6) {
                 for (size_t s = 0; s < 4; s++)
-                    for (size_t i = 0; i < 4; i++)
-                        bp[64 * s + 4 * L + i] = (uint8_t)(u[4 * s + i] | u[16 + 4 * s + i] << 4);
+                    for (size_t i = 0; i < 4; i++) {
+                        size_t j = 4 * L + i;
+                        bp[64 * s + j] = (uint8_t)((u[4 * s + i] & 0x0F) | (u[16 + 4 * s + i] & 0x0F) << 4);
+                        if (type == RT_W_Q5)
+                            for (size_t h = 0; h < 2; h++)
+                                bp[PANEL * 16 + 8 * (2 * s + h) + j / 8] |=
+                                    (uint8_t)(((u[16 * h + 4 * s + i] >> 4) & 1) << (j % 8));
+                    }
             } else {
-                memcpy(u, packed + r * cols + v0, QBLK);
                 for (size_t s = 0; s < 8; s++) memcpy(bp + 64 * s + 4 * L, u + 4 * s, 4);
             }
             uint8_t *dp = bp + g.q_bytes, *mp = dp + PANEL * g.s_size;
-            float d = BLOCK_D(r, k), m = BLOCK_M(r, k);
             if (sf32) {
                 memcpy(dp + 4 * L, &d, 4);
                 if (!sym8) memcpy(mp + 4 * L, &m, 4);
@@ -124,11 +232,27 @@ size_t rt_weight_from_groups(rt_weight *out, bool q4, const uint8_t *packed, con
             }
         }
     }
-#undef BLOCK_M
-#undef BLOCK_D
-#undef GROUP_OF
-    *out = (rt_weight){mem, q4 ? RT_W_Q4 : RT_W_Q8, flags};
+    *out = (rt_weight){mem, type, flags};
     return bytes;
+}
+
+size_t rt_weight_from_groups(rt_weight *out, int bits, const uint8_t *packed, const uint8_t *scales,
+                             const uint8_t *biases, int scale_type, bool symmetric, size_t rows, size_t cols,
+                             int gs) {
+    block_source src = {packed, scales, biases, scale_type, bits, gs, 0, symmetric, cols};
+    return repack(out, bits == 4 ? RT_W_Q4 : bits == 5 ? RT_W_Q5 : RT_W_Q8, symmetric && bits == 8, &src, rows,
+                  cols);
+}
+
+size_t rt_weight_from_ggml(rt_weight *out, int ggml_type, const uint8_t *blocks, size_t rows, size_t cols) {
+    if (ggml_type == RT_GGML_Q6_K) {
+        block_source src = {blocks, NULL, NULL, 0, 8, 32, RT_GGML_Q6_K, false, cols};
+        return repack(out, RT_W_Q6, false, &src, rows, cols);
+    }
+    if (ggml_type != RT_GGML_Q4_K && ggml_type != RT_GGML_Q5_K) return 0;
+    bool q4 = ggml_type == RT_GGML_Q4_K;
+    block_source src = {blocks, NULL, NULL, 0, q4 ? 4 : 5, 32, q4 ? RT_GGML_Q4_K : RT_GGML_Q5_K, false, cols};
+    return repack(out, q4 ? RT_W_Q4 : RT_W_Q5, false, &src, rows, cols);
 }
 
 void rt_qweight_row(const rt_weight *w, size_t row, int n, float *out) {
@@ -139,9 +263,12 @@ void rt_qweight_row(const rt_weight *w, size_t row, int n, float *out) {
         const uint8_t *bp = pp + (size_t)k * g.block_bytes, *dp = bp + g.q_bytes, *mp = dp + PANEL * g.s_size;
         float d = scale_at(dp, L, g.sf32), *o = out + k * QBLK;
         for (int i = 0; i < QBLK; i++) {
-            int u = g.kind == KIND_Q4 ? (i < 16 ? bp[64 * (i / 4) + 4 * L + (size_t)(i % 4)] & 0x0F
-                                                : bp[64 * ((i - 16) / 4) + 4 * L + (size_t)(i % 4)] >> 4)
-                                      : bp[64 * (i / 4) + 4 * L + (size_t)(i % 4)];
+            int u = g.kind == KIND_Q4 || g.kind == KIND_Q5 ? nibble_value(bp, g.kind, L, i)
+                                                          : bp[64 * (i / 4) + 4 * L + (size_t)(i % 4)];
+            if (g.kind == KIND_Q6) {
+                o[i] = (i < 16 ? d : scale_at(mp, L, g.sf32)) * (float)(u - 32);
+                continue;
+            }
             o[i] = g.kind == KIND_Q8S ? d * (float)(u - 128) : d * (float)u + scale_at(mp, L, g.sf32);
         }
     }
@@ -152,7 +279,7 @@ void rt_qweight_row(const rt_weight *w, size_t row, int n, float *out) {
 /* Per block d = amax / 127, q = round(x / d) (nearbyintf's ties to even), as GGML's Q8 activations.
  * One block of 32; returns sum(q). The AVX2 version below performs the same operations 8 at a time (max
  * ignores NaN alike, no fused multiply-add): both give the same bytes. */
-static int quantize_block(const float *v, int8_t *q, float *d_out) {
+static int quantize_block(const float *v, int8_t *q, float *d_out, int *half) {
     float amax = 0.0f;
     for (int i = 0; i < QBLK; i++) {
         float a = fabsf(v[i]);
@@ -170,6 +297,7 @@ static int quantize_block(const float *v, int8_t *q, float *d_out) {
         qi = qi > 127 ? 127 : qi < -127 ? -127 : qi;
         q[i] = (int8_t)qi;
         sum += qi;
+        if (i == 15) *half = sum;
     }
     *d_out = d;
     return sum;
@@ -178,7 +306,7 @@ static int quantize_block(const float *v, int8_t *q, float *d_out) {
 #if defined(__x86_64__) && defined(__GNUC__)
 #include <immintrin.h>
 
-__attribute__((target("avx2"))) static int quantize_block_avx2(const float *v, int8_t *q, float *d_out) {
+__attribute__((target("avx2"))) static int quantize_block_avx2(const float *v, int8_t *q, float *d_out, int *half) {
     const __m256 sign = _mm256_set1_ps(-0.0f), magic = _mm256_set1_ps(12582912.0f);
     __m256 x[4], mx = _mm256_setzero_ps();
     for (int j = 0; j < 4; j++) {
@@ -191,12 +319,13 @@ __attribute__((target("avx2"))) static int quantize_block_avx2(const float *v, i
     float amax = _mm_cvtss_f32(m4);
     float d = amax / 127.0f, id = d > 0.0f ? 1.0f / d : 0.0f;
     __m256 vid = _mm256_set1_ps(id);
-    __m256i qi[4], sum = _mm256_setzero_si256();
+    __m256i qi[4], sum = _mm256_setzero_si256(), first = _mm256_setzero_si256();
     for (int j = 0; j < 4; j++) {
         __m256 t = _mm256_sub_ps(_mm256_add_ps(_mm256_mul_ps(x[j], vid), magic), magic);
         qi[j] = _mm256_min_epi32(_mm256_max_epi32(_mm256_cvttps_epi32(t), _mm256_set1_epi32(-127)),
                                  _mm256_set1_epi32(127));
         sum = _mm256_add_epi32(sum, qi[j]);
+        if (j == 1) first = sum;
     }
     __m256i b = _mm256_packs_epi16(_mm256_packs_epi32(qi[0], qi[1]), _mm256_packs_epi32(qi[2], qi[3]));
     b = _mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
@@ -204,6 +333,10 @@ __attribute__((target("avx2"))) static int quantize_block_avx2(const float *v, i
     __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
     s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
     s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
+    __m128i h4 = _mm_add_epi32(_mm256_castsi256_si128(first), _mm256_extracti128_si256(first, 1));
+    h4 = _mm_add_epi32(h4, _mm_shuffle_epi32(h4, 0x4E));
+    h4 = _mm_add_epi32(h4, _mm_shuffle_epi32(h4, 0xB1));
+    *half = _mm_cvtsi128_si32(h4);
     _mm256_zeroupper();
     *d_out = d;
     return _mm_cvtsi128_si32(s4);
@@ -215,21 +348,23 @@ static bool quantize_simd(void);
 void rt_qx_quantize(const float *x, size_t ldx, int rows, int in, uint8_t *xq) {
     int nb = in / QBLK;
     size_t rb = rt_qx_row_bytes(in);
-    int (*block)(const float *, int8_t *, float *) = quantize_block;
+    int (*block)(const float *, int8_t *, float *, int *) = quantize_block;
 #if defined(__x86_64__) && defined(__GNUC__)
     if (quantize_simd()) block = quantize_block_avx2;
 #endif
     for (int r = 0; r < rows; r++) {
         uint8_t *o = xq + (size_t)r * rb;
         float *xd = (float *)(void *)(o + (size_t)nb * QBLK), *xs = xd + nb;
-        int32_t *corr = (int32_t *)(void *)(xs + nb);
+        int32_t *corr = (int32_t *)(void *)(xs + nb), *halves = corr + nb;
         const float *xr = x + (size_t)r * ldx;
         for (int k = 0; k < nb; k++) {
             float d;
-            int sum = block(xr + k * QBLK, (int8_t *)(o + (size_t)k * QBLK), &d);
+            int half;
+            int sum = block(xr + k * QBLK, (int8_t *)(o + (size_t)k * QBLK), &d, &half);
             xd[k] = d;
             xs[k] = d * (float)sum;
             corr[k] = -128 * sum;
+            halves[k] = half;
         }
     }
 }
@@ -241,7 +376,7 @@ typedef void (*qk_fn)(const uint8_t *panel, int nb, int sf32, const uint8_t *x, 
                       int valid);
 
 typedef struct {
-    qk_fn k[3][8]; /* [kind][RT - 1] */
+    qk_fn k[N_KINDS][8]; /* [kind][RT - 1] */
     int rt_max;
     const char *name;
 } qkernel_set;
@@ -249,23 +384,32 @@ typedef struct {
 /* Portable path: the same per-(row, weight row) sequence as the SIMD lanes, with fmaf. */
 static void qk_generic(const uint8_t *panel, int nb, int sf32, const uint8_t *x, size_t xrow, float *y, size_t ldy,
                        int valid, int RT, int kind) {
-    qgeom g = geometry(kind == KIND_Q4 ? RT_W_Q4 : RT_W_Q8,
-                       (sf32 ? RT_WF_SCALES_F32 : 0) | (kind == KIND_Q8S ? RT_WF_SYMMETRIC : 0), nb * QBLK);
+    qgeom g = geometry_of(kind, sf32, nb * QBLK);
     for (int r = 0; r < RT; r++) {
         const uint8_t *xr = x + (size_t)r * xrow;
         const int8_t *q = (const int8_t *)xr;
         const float *xd = XQ_D(xr, nb), *xs = XQ_S(xr, nb);
-        const int32_t *corr = XQ_CORR(xr, nb);
+        const int32_t *corr = XQ_CORR(xr, nb), *halves = XQ_HALF(xr, nb);
         for (int L = 0; L < valid; L++) {
             float acc = 0.0f, bias = 0.0f;
             for (int k = 0; k < nb; k++) {
                 const uint8_t *bp = panel + (size_t)k * g.block_bytes, *dp = bp + g.q_bytes;
                 const int8_t *qk = q + k * QBLK;
+                if (kind == KIND_Q6) { /* per half: sum((u - 32) q) times that half's scale */
+                    int ia = 0, ib = 0, sa = halves[k], sb = -corr[k] / 128 - sa;
+                    for (int i = 0; i < QBLK; i++) {
+                        int p = bp[64 * (i / 4) + 4 * L + i % 4] * qk[i];
+                        if (i < 16) ia += p;
+                        else ib += p;
+                    }
+                    acc = fmaf((float)(ia - 32 * sa), scale_at(dp, (size_t)L, sf32) * xd[k], acc);
+                    acc = fmaf((float)(ib - 32 * sb), scale_at(dp + PANEL * g.s_size, (size_t)L, sf32) * xd[k], acc);
+                    continue;
+                }
                 int isum = 0;
                 for (int i = 0; i < QBLK; i++) {
-                    int u = kind == KIND_Q4 ? (i < 16 ? bp[64 * (i / 4) + 4 * L + i % 4] & 0x0F
-                                                      : bp[64 * ((i - 16) / 4) + 4 * L + i % 4] >> 4)
-                                            : bp[64 * (i / 4) + 4 * L + i % 4];
+                    int u = kind == KIND_Q4 || kind == KIND_Q5 ? nibble_value(bp, kind, (size_t)L, i)
+                                                               : bp[64 * (i / 4) + 4 * L + i % 4];
                     isum += u * qk[i];
                 }
                 if (kind == KIND_Q8S) isum += corr[k];
@@ -291,8 +435,12 @@ static void qk_generic(const uint8_t *panel, int nb, int sf32, const uint8_t *x,
      ISA##_##KIND##_5, ISA##_##KIND##_6, ISA##_##KIND##_7, ISA##_##KIND##_8}
 
 QK_KIND4(qk_generic, KIND_Q4) QK_KIND4(qk_generic, KIND_Q8) QK_KIND4(qk_generic, KIND_Q8S)
-static const qkernel_set generic_set = {
-    {QK_ROW4(qk_generic, KIND_Q4), QK_ROW4(qk_generic, KIND_Q8), QK_ROW4(qk_generic, KIND_Q8S)}, 4, "generic"};
+QK_KIND4(qk_generic, KIND_Q5) QK_KIND4(qk_generic, KIND_Q6)
+static const qkernel_set generic_set = {{QK_ROW4(qk_generic, KIND_Q4), QK_ROW4(qk_generic, KIND_Q8),
+                                         QK_ROW4(qk_generic, KIND_Q8S), QK_ROW4(qk_generic, KIND_Q5),
+                                         QK_ROW4(qk_generic, KIND_Q6)},
+                                        4,
+                                        "generic"};
 
 #if defined(__x86_64__) && defined(__GNUC__)
 #include <immintrin.h>
@@ -313,29 +461,50 @@ static inline __m256i bcst4(const uint8_t *p) {
     memcpy(&v, p, 4);
     return _mm256_set1_epi32(v);
 }
+/* 32 mask bits at p -> 32 bytes, 0x10 where the bit is set (q5's fifth bit). */
+static inline __m256i fifth_bits(const uint8_t *p) {
+    const __m256i spread = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2,
+                                            3, 3, 3, 3, 3, 3, 3, 3);
+    const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
+    __m256i v = _mm256_and_si256(_mm256_shuffle_epi8(bcst4(p), spread), bit);
+    return _mm256_and_si256(_mm256_cmpeq_epi8(v, bit), _mm256_set1_epi8(0x10));
+}
 
 static inline __attribute__((always_inline)) void qk_avx2(const uint8_t *panel, int nb, int sf32, const uint8_t *x,
                                                           size_t xrow, float *y, size_t ldy, int valid, int RT,
                                                           int KIND) {
-    qgeom g = geometry(KIND == KIND_Q4 ? RT_W_Q4 : RT_W_Q8,
-                       (sf32 ? RT_WF_SCALES_F32 : 0) | (KIND == KIND_Q8S ? RT_WF_SYMMETRIC : 0), nb * QBLK);
+    qgeom g = geometry_of(KIND, sf32, nb * QBLK);
     const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1), flip = _mm256_set1_epi8((char)0x80);
     for (int h = 0; h < 2 && 8 * h < valid; h++) {
         __m256 acc[4], bias[4];
         for (int r = 0; r < RT; r++) acc[r] = bias[r] = _mm256_setzero_ps();
         for (int k = 0; k < nb; k++) {
             const uint8_t *bp = panel + (size_t)k * g.block_bytes;
-            __m256i isum[4];
-            for (int r = 0; r < RT; r++) isum[r] = _mm256_setzero_si256();
-            if (KIND == KIND_Q4) {
+            __m256i isum[4], isum2[4];
+            for (int r = 0; r < RT; r++) isum[r] = isum2[r] = _mm256_setzero_si256();
+            if (KIND == KIND_Q4 || KIND == KIND_Q5) {
                 for (int s = 0; s < 4; s++) {
                     __m256i w = _mm256_loadu_si256((const __m256i *)(const void *)(bp + 64 * s + 32 * h));
                     __m256i lo = _mm256_and_si256(w, low4), hi = _mm256_and_si256(_mm256_srli_epi16(w, 4), low4);
+                    if (KIND == KIND_Q5) { /* u <= 31: maddubs pairs stay below 2 * 31 * 127 */
+                        lo = _mm256_or_si256(lo, fifth_bits(bp + PANEL * 16 + 8 * (2 * s) + 4 * h));
+                        hi = _mm256_or_si256(hi, fifth_bits(bp + PANEL * 16 + 8 * (2 * s + 1) + 4 * h));
+                    }
                     for (int r = 0; r < RT; r++) {
                         const uint8_t *q = x + (size_t)r * xrow + (size_t)k * QBLK;
                         __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(lo, bcst4(q + 4 * s)),
                                                      _mm256_maddubs_epi16(hi, bcst4(q + 16 + 4 * s)));
                         isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(p, ones));
+                    }
+                }
+            } else if (KIND == KIND_Q6) { /* u <= 63: maddubs directly; groups 0-3 are the first half */
+                for (int s = 0; s < 8; s++) {
+                    __m256i w = _mm256_loadu_si256((const __m256i *)(const void *)(bp + 64 * s + 32 * h));
+                    for (int r = 0; r < RT; r++) {
+                        const uint8_t *q = x + (size_t)r * xrow + (size_t)k * QBLK;
+                        __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(w, bcst4(q + 4 * s)), ones);
+                        if (s < 4) isum[r] = _mm256_add_epi32(isum[r], p);
+                        else isum2[r] = _mm256_add_epi32(isum2[r], p);
                     }
                 }
             } else {
@@ -352,7 +521,16 @@ static inline __attribute__((always_inline)) void qk_avx2(const uint8_t *panel, 
             }
             __m256 d = load_scales8(bp + g.q_bytes + 8 * h * g.s_size, sf32);
             __m256 m = KIND == KIND_Q8S ? d : load_scales8(bp + g.q_bytes + PANEL * g.s_size + 8 * h * g.s_size, sf32);
-            for (int r = 0; r < RT; r++) {
+            for (int r = 0; r < RT && KIND == KIND_Q6; r++) {
+                const uint8_t *xr = x + (size_t)r * xrow;
+                int sa = XQ_HALF(xr, nb)[k], sb = -XQ_CORR(xr, nb)[k] / 128 - sa;
+                __m256 xd = _mm256_set1_ps(XQ_D(xr, nb)[k]);
+                __m256i ia = _mm256_sub_epi32(isum[r], _mm256_set1_epi32(32 * sa));
+                __m256i ib = _mm256_sub_epi32(isum2[r], _mm256_set1_epi32(32 * sb));
+                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia), _mm256_mul_ps(d, xd), acc[r]);
+                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ib), _mm256_mul_ps(m, xd), acc[r]);
+            }
+            for (int r = 0; r < RT && KIND != KIND_Q6; r++) {
                 const uint8_t *xr = x + (size_t)r * xrow;
                 __m256i s = isum[r];
                 if (KIND == KIND_Q8) s = _mm256_sub_epi32(s, _mm256_set1_epi32(XQ_CORR(xr, nb)[k]));
@@ -371,10 +549,13 @@ static inline __attribute__((always_inline)) void qk_avx2(const uint8_t *panel, 
     _mm256_zeroupper();
 }
 
-QK_KIND4(qk_avx2, KIND_Q4) QK_KIND4(qk_avx2, KIND_Q8) QK_KIND4(qk_avx2, KIND_Q8S)
+QK_KIND4(qk_avx2, KIND_Q4) QK_KIND4(qk_avx2, KIND_Q8) QK_KIND4(qk_avx2, KIND_Q8S) QK_KIND4(qk_avx2, KIND_Q5)
+QK_KIND4(qk_avx2, KIND_Q6)
 #pragma GCC pop_options
-static const qkernel_set avx2_set = {
-    {QK_ROW4(qk_avx2, KIND_Q4), QK_ROW4(qk_avx2, KIND_Q8), QK_ROW4(qk_avx2, KIND_Q8S)}, 4, "avx2"};
+static const qkernel_set avx2_set = {{QK_ROW4(qk_avx2, KIND_Q4), QK_ROW4(qk_avx2, KIND_Q8), QK_ROW4(qk_avx2, KIND_Q8S),
+                                      QK_ROW4(qk_avx2, KIND_Q5), QK_ROW4(qk_avx2, KIND_Q6)},
+                                     4,
+                                     "avx2"};
 
 /* ---- AVX-512 VNNI: one dpbusd per 64-byte group and activation row, the 4 activation bytes broadcast. */
 #pragma GCC push_options
@@ -393,25 +574,40 @@ static inline __m512i bcst4_512(const uint8_t *p) {
 static inline __attribute__((always_inline)) void qk_vnni(const uint8_t *panel, int nb, int sf32, const uint8_t *x,
                                                           size_t xrow, float *y, size_t ldy, int valid, int RT,
                                                           int KIND) {
-    qgeom g = geometry(KIND == KIND_Q4 ? RT_W_Q4 : RT_W_Q8,
-                       (sf32 ? RT_WF_SCALES_F32 : 0) | (KIND == KIND_Q8S ? RT_WF_SYMMETRIC : 0), nb * QBLK);
-    const __m512i low4 = _mm512_set1_epi8(0x0F);
+    qgeom g = geometry_of(KIND, sf32, nb * QBLK);
+    const __m512i low4 = _mm512_set1_epi8(0x0F), fifth = _mm512_set1_epi8(0x10);
     __m512 acc[8], bias[8];
     for (int r = 0; r < RT; r++) acc[r] = bias[r] = _mm512_setzero_ps();
     for (int k = 0; k < nb; k++) {
         const uint8_t *bp = panel + (size_t)k * g.block_bytes;
         for (size_t off = 0; off < g.block_bytes; off += 64)
             _mm_prefetch((const char *)((uintptr_t)bp + PREFETCH_BYTES + off), _MM_HINT_T0);
-        __m512i isum[8];
-        for (int r = 0; r < RT; r++) isum[r] = _mm512_setzero_si512();
-        if (KIND == KIND_Q4) {
+        __m512i isum[8], isum2[8];
+        for (int r = 0; r < RT; r++) isum[r] = isum2[r] = _mm512_setzero_si512();
+        if (KIND == KIND_Q4 || KIND == KIND_Q5) {
             for (int s = 0; s < 4; s++) {
                 __m512i w = _mm512_loadu_si512(bp + 64 * s);
                 __m512i lo = _mm512_and_si512(w, low4), hi = _mm512_and_si512(_mm512_srli_epi16(w, 4), low4);
+                if (KIND == KIND_Q5) {
+                    uint64_t ml, mh;
+                    memcpy(&ml, bp + PANEL * 16 + 8 * (2 * s), 8);
+                    memcpy(&mh, bp + PANEL * 16 + 8 * (2 * s + 1), 8);
+                    lo = _mm512_or_si512(lo, _mm512_maskz_mov_epi8((__mmask64)ml, fifth));
+                    hi = _mm512_or_si512(hi, _mm512_maskz_mov_epi8((__mmask64)mh, fifth));
+                }
                 for (int r = 0; r < RT; r++) {
                     const uint8_t *q = x + (size_t)r * xrow + (size_t)k * QBLK;
                     isum[r] = _mm512_dpbusd_epi32(isum[r], lo, bcst4_512(q + 4 * s));
                     isum[r] = _mm512_dpbusd_epi32(isum[r], hi, bcst4_512(q + 16 + 4 * s));
+                }
+            }
+        } else if (KIND == KIND_Q6) { /* groups 0-3 hold the block's first half */
+            for (int s = 0; s < 8; s++) {
+                __m512i w = _mm512_loadu_si512(bp + 64 * s);
+                for (int r = 0; r < RT; r++) {
+                    __m512i xq = bcst4_512(x + (size_t)r * xrow + (size_t)k * QBLK + 4 * s);
+                    if (s < 4) isum[r] = _mm512_dpbusd_epi32(isum[r], w, xq);
+                    else isum2[r] = _mm512_dpbusd_epi32(isum2[r], w, xq);
                 }
             }
         } else {
@@ -423,7 +619,16 @@ static inline __attribute__((always_inline)) void qk_vnni(const uint8_t *panel, 
         }
         __m512 d = load_scales16(bp + g.q_bytes, sf32);
         __m512 m = KIND == KIND_Q8S ? d : load_scales16(bp + g.q_bytes + PANEL * g.s_size, sf32);
-        for (int r = 0; r < RT; r++) {
+        for (int r = 0; r < RT && KIND == KIND_Q6; r++) {
+            const uint8_t *xr = x + (size_t)r * xrow;
+            int sa = XQ_HALF(xr, nb)[k], sb = -XQ_CORR(xr, nb)[k] / 128 - sa;
+            __m512 xd = _mm512_set1_ps(XQ_D(xr, nb)[k]);
+            __m512i ia = _mm512_sub_epi32(isum[r], _mm512_set1_epi32(32 * sa));
+            __m512i ib = _mm512_sub_epi32(isum2[r], _mm512_set1_epi32(32 * sb));
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia), _mm512_mul_ps(d, xd), acc[r]);
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ib), _mm512_mul_ps(m, xd), acc[r]);
+        }
+        for (int r = 0; r < RT && KIND != KIND_Q6; r++) {
             const uint8_t *xr = x + (size_t)r * xrow;
             __m512i s = isum[r];
             if (KIND == KIND_Q8S) s = _mm512_add_epi32(s, _mm512_set1_epi32(XQ_CORR(xr, nb)[k]));
@@ -436,10 +641,13 @@ static inline __attribute__((always_inline)) void qk_vnni(const uint8_t *panel, 
     _mm256_zeroupper();
 }
 
-QK_KIND8(qk_vnni, KIND_Q4) QK_KIND8(qk_vnni, KIND_Q8) QK_KIND8(qk_vnni, KIND_Q8S)
+QK_KIND8(qk_vnni, KIND_Q4) QK_KIND8(qk_vnni, KIND_Q8) QK_KIND8(qk_vnni, KIND_Q8S) QK_KIND8(qk_vnni, KIND_Q5)
+QK_KIND8(qk_vnni, KIND_Q6)
 #pragma GCC pop_options
-static const qkernel_set vnni_set = {
-    {QK_ROW8(qk_vnni, KIND_Q4), QK_ROW8(qk_vnni, KIND_Q8), QK_ROW8(qk_vnni, KIND_Q8S)}, 8, "avx512-vnni"};
+static const qkernel_set vnni_set = {{QK_ROW8(qk_vnni, KIND_Q4), QK_ROW8(qk_vnni, KIND_Q8), QK_ROW8(qk_vnni, KIND_Q8S),
+                                      QK_ROW8(qk_vnni, KIND_Q5), QK_ROW8(qk_vnni, KIND_Q6)},
+                                     8,
+                                     "avx512-vnni"};
 #endif
 
 static const qkernel_set *g_qset;

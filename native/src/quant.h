@@ -6,11 +6,12 @@
  *
  * Layout. A matrix [rows][in] is repacked at load into panels of 16 rows;
  * along a row, blocks of 32 values, value = d * u + m with u unsigned (q8:
- * 0..255, q4: 0..15), one (d, m) per row and block. A panel stores, block
+ * 0..255, q5: 0..31, q4: 0..15), one (d, m) per row and block. A panel stores, block
  * after block: the 16 rows' values interleaved 4 bytes at a time (q8: 8
  * groups of 64 bytes, group s holding values 4s..4s+3 of row L at 4L; q4: 4
  * groups whose low nibbles hold values 4s..4s+3 and high nibbles values
- * 16+4s..16+4s+3), then the 16 rows' d, then their m (omitted for symmetric
+ * 16+4s..16+4s+3; q5: q4's 4 groups, then 8 masks of 64 bits, mask 2s / 2s+1 bit j
+ * the fifth bit of byte j's low / high nibble in group s), then the 16 rows' d, then their m (omitted for symmetric
  * q8: m = -128 d). d, m are f16 when every one converts exactly (the GGUF /
  * base-convert case), else f32 (RT_WF_SCALES_F32). Rows past the matrix in
  * the last panel are zero. One 64-byte load thus feeds one integer dot step
@@ -35,13 +36,26 @@
 #include <stddef.h>
 #include <stdint.h>
 
-/* Repack a base_q8 / base_q4 tensor [rows][cols] (groups of gs values along a
- * row, gs % 32 == 0; f16 or bf16 scales / biases, one per group; symmetric:
+/* How a bundle stores a quantized tensor's scales and biases. f32 holds what a
+ * GGUF K-quant makes exactly: d (f16) times a 6- or 8-bit sub-block scale. */
+enum { RT_SCALE_F16 = 0, RT_SCALE_BF16 = 1, RT_SCALE_F32 = 2 };
+
+/* Repack a base_q8 / base_q5 / base_q4 tensor (bits 8 / 5 / 4) [rows][cols] (groups of gs values along a
+ * row, gs % 32 == 0; scales / biases of type scale_type (RT_SCALE_*), one per group; symmetric:
  * biases NULL and value = (u - 2^(bits-1)) * scale) into out. Returns the
  * bytes allocated, 0 when out of memory. */
-size_t rt_weight_from_groups(rt_weight *out, bool q4, const uint8_t *packed, const uint8_t *scales,
-                             const uint8_t *biases, bool bf16_scales, bool symmetric, size_t rows, size_t cols,
+size_t rt_weight_from_groups(rt_weight *out, int bits, const uint8_t *packed, const uint8_t *scales,
+                             const uint8_t *biases, int scale_type, bool symmetric, size_t rows, size_t cols,
                              int gs);
+
+/* GGML K-quant blocks a bundle may carry as they are (bundle dtypes ggml_q4_k / ggml_q5_k): 256-value
+ * super-blocks (ggml-common.h), rows of cols / 256 blocks. */
+enum { RT_GGML_Q4_K = 12, RT_GGML_Q5_K = 13, RT_GGML_Q6_K = 14 }; /* GGML's type numbers */
+/* Repack such a tensor [rows][cols] (cols % 256 == 0) into the q4 / q5 panels (sub-block scales
+ * d * sc and biases -dmin * m) or, Q6_K, the q6 panels (u as q8, each half-block's scale d * sc),
+ * every scale kept exactly (f32 unless every one is an f16). Returns the bytes allocated, 0 when out
+ * of memory. */
+size_t rt_weight_from_ggml(rt_weight *out, int ggml_type, const uint8_t *blocks, size_t rows, size_t cols);
 
 /* Bytes of one quantized activation row of `in` values (in % 32 == 0). */
 size_t rt_qx_row_bytes(int in);
