@@ -29,6 +29,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import signal
 import socket
 import subprocess
@@ -490,6 +491,14 @@ async def _stats(http: httpx.AsyncClient) -> dict[str, int]:
     return out
 
 
+async def _gauges(http: httpx.AsyncClient) -> dict[str, float]:
+    """The /metrics gauges of the served model, by metric name."""
+    r = await http.get("/metrics")
+    assert r.status_code == 200, r.text
+    found = (re.match(r'(aiobasert:[a-z_]+)\{model_name="tiny"\} (\S+)$', line) for line in r.text.splitlines())
+    return {m[1]: float(m[2]) for m in found if m}
+
+
 async def _settled(server: Server, http: httpx.AsyncClient) -> dict[str, int]:
     """The engine's stats once nothing runs or waits (a bounded wait: the last snapshot otherwise)."""
     with anyio.move_on_after(30):
@@ -586,6 +595,9 @@ async def test_hostile_traffic_cannot_stall_starve_or_kill_normal_clients(server
         after = await _settled(server, http)
         assert after["active_lanes"] == after["waiting_requests"] == after["live_sequences"] == 0, after
         assert after["kv_blocks_used"] <= after["prefix_blocks_cached"], after  # only the prefix cache holds KV
+        gauges = await _gauges(http)
+        assert gauges["aiobasert:num_requests_running"] == gauges["aiobasert:num_requests_waiting"] == 0, gauges
+        assert gauges["aiobasert:kv_blocks_used"] == 0, f"/metrics at idle: {gauges}"  # issue 18 item 10
         rss_end = server.rss_mb()
         assert rss_end < 2 * rss_start + 384, f"server RSS {rss_start:.0f} MB -> {rss_end:.0f} MB"
         assert not hostile.problems, "hostile requests were not refused cleanly:\n" + "\n".join(hostile.problems)
