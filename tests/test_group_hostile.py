@@ -217,20 +217,30 @@ async def _cancel_other_task(h: Hostile, rng: random.Random) -> None:
 
 
 async def _aclose_midflight(h: Hostile, rng: random.Random) -> None:
-    """Read a few tokens, aclose(), then await the stream: the README's StreamClosedError."""
+    """Leave a stream early with output unread (aclose() mid-flight, aclose() once the request has
+    finished, or break), then await it: the README's StreamClosedError, never a partial Completion."""
+    how = rng.choice(["aclose mid-flight", "aclose after the end", "break"])
     async with h.group.lease(rng.choice(h.models)) as engine:
-        stream = engine.stream(_text(rng, 4), max_tokens=600, ignore_eos=True, temperature=0.9)
-        for _ in range(rng.randint(1, 5)):
-            await stream.__anext__()
-        await stream.aclose()
+        short = how == "aclose after the end"
+        stream = engine.stream(_text(rng, 4), max_tokens=4 if short else 600, ignore_eos=True, temperature=0.9)
+        await stream.__anext__()
+        if short:
+            with anyio.move_on_after(30):  # a bound, not a timing: the request is 4 tokens long
+                while stream.finish_reason is None:
+                    await anyio.sleep(0.01)
+        if how == "break":
+            async for _tok in stream:
+                break
+        else:
+            await stream.aclose()
         try:
             done = await stream
         except StreamClosedError:
             return
         except Exception as exc:
-            h.typed("await after aclose()", exc)
+            h.typed(f"await after {how}", exc)
             return
-        h.problems.append(f"await after aclose() returned a Completion ({len(done.token_ids)} tokens, "
+        h.problems.append(f"await after {how} returned a Completion ({len(done.token_ids)} tokens, "
                           f"finish {done.finish_reason!r}), not StreamClosedError")  # fmt: skip
 
 
@@ -317,7 +327,7 @@ _HOSTILE: dict[str, Callable[[Hostile, random.Random], Awaitable[None]]] = {
     "deep_schema": _deep_schema, "big_enum": _big_enum,
 }  # fmt: skip
 # Enough never-read streams to take every lane of both models.
-_COUNTS = {"never_read": (2 * LANES, 2 * LANES + 2), "cancel_other_task": (2, 6), "aclose_midflight": (2, 4),
+_COUNTS = {"never_read": (2 * LANES, 2 * LANES + 2), "cancel_other_task": (4, 8), "aclose_midflight": (3, 6),
            "chat_break": (1, 3)}  # fmt: skip
 _BOUNDED_TOKENS = {"cancel_other_task": 600, "aclose_midflight": 600, "chat_break": 600}
 
