@@ -633,6 +633,8 @@ async def test_hostile_traffic_cannot_stall_starve_or_kill_normal_clients(server
     finally:
         for sock in hostile.held:
             sock.close()
+    if findings:  # the server has exited: its log (tracebacks of any 5xx) is all there
+        findings.append(f"the server's log ends: {server.log_tail(30)}")
     assert not findings, f"{len(findings)} findings:\n" + "\n".join(f[:1500] for f in findings)
 
 
