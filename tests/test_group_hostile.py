@@ -17,7 +17,8 @@ A hostile call must end in a typed error (`AioBaseRTError`, the one root) or nor
 `TypeError` / `RecursionError`, or a stream that yields after `aclose()` returned, is a finding.
 tests/test_sanitizers.py runs this file again against the ASan + UBSan build of the engine.
 
-Repro aid: AIOBASERT_HOSTILE_KINDS=never_read,ref_chain (comma-separated) limits the hostile kinds.
+Repro aids: AIOBASERT_HOSTILE_SEEDS=1,2 runs other plans; AIOBASERT_HOSTILE_KINDS=never_read,ref_chain
+(comma-separated; "none" for none) limits the hostile kinds to those named, to see which breaks what.
 """
 
 from __future__ import annotations
@@ -51,6 +52,10 @@ SCHEMA = {"type": "object", "properties": {"n": {"type": "integer"}, "ok": {"typ
           "required": ["n", "ok"]}  # fmt: skip
 HOSTILE_KINDS = ("never_read", "cancel_other_task", "aclose_midflight", "chat_break", "wrong_types",
                  "huge_input", "ref_chain", "deep_schema", "big_enum")  # fmt: skip
+
+
+SEEDS = [int(seed) for seed in os.environ.get("AIOBASERT_HOSTILE_SEEDS", "18").split(",")]
+"""The plans run (each a different mix); AIOBASERT_HOSTILE_SEEDS=1,2,3 runs others."""
 
 
 def _kinds() -> tuple[str, ...]:
@@ -361,7 +366,7 @@ async def _settled(group: EngineGroup) -> dict[str, Any]:
 
 
 @pytest.mark.parametrize("anyio_backend", ["asyncio", "trio"])
-@pytest.mark.parametrize("seed", [18])
+@pytest.mark.parametrize("seed", SEEDS)
 async def test_hostile_callers_cannot_stall_starve_or_kill_normal_ones(
     untied_model_path: Path, second_tiny_model_path: Path, seed: int
 ) -> None:
