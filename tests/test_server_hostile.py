@@ -53,6 +53,8 @@ TEST_BUDGET_S = 200
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(300)]
 
 LANES = 4
+WRITE_TIMEOUT_S = 30.0
+"""`aiobasert serve`'s default write timeout: a streamed client that takes no bytes that long is dropped."""
 KEY = "sk-hostile"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 WORDS = ["river", "stone", "lamp", "cloud", "seven", "green", "quiet", "market", "window", "salt"]
@@ -573,9 +575,10 @@ async def test_hostile_traffic_cannot_stall_starve_or_kill_normal_clients(server
             died.append(why)
             scope.cancel()
 
-        # Generous: 10x the steps all the bounded traffic could take at the solo pace, plus 30 s.
+        # Generous: 10x the steps all the bounded traffic could take at the solo pace, plus 30 s, plus
+        # the longest a client that stops reading may hold a lane (the server's write timeout).
         budget_steps = sum(r.tokens for r in normal) + 2 * steps
-        deadline = 30 + 10 * per_step * (budget_steps + hostile_bound_tokens(kinds) / LANES)
+        deadline = 30 + WRITE_TIMEOUT_S + 10 * per_step * (budget_steps + hostile_bound_tokens(kinds) / LANES)
         deadline = min(deadline, TEST_BUDGET_S - (time.monotonic() - test_start))  # fail here, with names
         # Every hostile client but the trickle readers is bounded, so all of them are waited for (within
         # the deadline): a fan-out or a store filler must have run whole when the checks below run.
