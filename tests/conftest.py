@@ -56,6 +56,13 @@ def untied_model_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def long_untied_model_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The untied tiny model with an 8k window: room for a stream longer than every socket buffer."""
+    return build_tiny_model(tmp_path_factory.mktemp("long-untied") / "tiny.base", tied=False,
+                            max_position_embeddings=8192)  # fmt: skip
+
+
+@pytest.fixture(scope="session")
 def second_tiny_model_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Another tiny model (other random weights, so its greedy output differs): multi-model tests."""
     return build_tiny_model(tmp_path_factory.mktemp("second") / "second.base", seed=1)

@@ -80,3 +80,10 @@ def test_kernel_suites_pass_under_asan_with_each_kernel_set(sanitized_env: dict[
     _run_sanitized(dict(sanitized_env, BASERT_REF_SIMD=cap),
                    ["tests/test_native_quant.py", "tests/test_native_weights.py", "tests/test_native_runtime.py",
                     "tests/test_native_safety.py"])
+
+
+@pytest.mark.slow
+def test_hostile_sdk_traffic_under_asan_and_ubsan(sanitized_env: dict[str, str]) -> None:
+    """The SDK's hostile-traffic model test (never-read streams, cancels from other tasks, chained
+    `$ref`s, huge and wrong-typed inputs) against the sanitized engine: the C side of issue 18."""
+    _run_sanitized(sanitized_env, ["tests/test_group_hostile.py"])

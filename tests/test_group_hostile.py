@@ -1,0 +1,464 @@
+"""The hostile-traffic model test of the SDK (issue 18): `EngineGroup` callers that never read,
+cancel from other tasks, close mid-flight, pass wrong types and huge inputs, beside normal ones.
+
+Two tiny models in one group (LANES lanes each). Per seed, a plan (`random.Random(seed)`, so
+deterministic) draws the normal calls (stream, generate, chat, tool call, json_schema output,
+embeddings, on either model) and the hostile ones. Every normal call runs alone first ("solo"),
+then all again beside the hostile traffic. For the normal callers it asserts:
+
+- every call returns, within a deadline computed from the solo run's engine steps (generous:
+  several times the steps all the bounded traffic can take; a call past it is named);
+- greedy results equal the solo run's (embeddings to float tolerance);
+- afterwards no lane, queued request, sequence or grammar is held, no KV block beyond the prefix
+  cache's (`EngineGroup.stats()`), and the process's RSS is under 2x plus a fixed margin;
+- leaving the group with never-read streams still open returns (a bounded wait).
+
+A hostile call must end in a typed error (`AioBaseRTError`, the one root) or normally; a raw
+`TypeError` / `RecursionError`, or a stream that yields after `aclose()` returned, is a finding.
+tests/test_sanitizers.py runs this file again against the ASan + UBSan build of the engine.
+
+Repro aids: AIOBASERT_HOSTILE_SEEDS=1,2 runs other plans; AIOBASERT_HOSTILE_KINDS=never_read,ref_chain
+(comma-separated; "none" for none) limits the hostile kinds to those named, to see which breaks what.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import anyio
+import numpy as np
+import pytest
+
+from aiobasert import AioBaseRTError, Engine, EngineGroup
+from aiobasert.errors import StreamClosedError
+from aiobasert.streams import TokenStream
+
+TEST_BUDGET_S = 150
+"""Time for the traffic phase at most, so a hang is reported with names before the test timeout."""
+pytestmark = [pytest.mark.anyio, pytest.mark.timeout(240)]
+
+LANES = 4
+WORDS = ["river", "stone", "lamp", "cloud", "seven", "green", "quiet", "market", "window", "salt"]
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city.",
+          "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                         "required": ["city"]}}}]  # fmt: skip
+SCHEMA = {"type": "object", "properties": {"n": {"type": "integer"}, "ok": {"type": "boolean"}},
+          "required": ["n", "ok"]}  # fmt: skip
+HOSTILE_KINDS = ("never_read", "cancel_other_task", "aclose_midflight", "chat_break", "wrong_types",
+                 "huge_input", "ref_chain", "deep_schema", "big_enum")  # fmt: skip
+
+
+SEEDS = [int(seed) for seed in os.environ.get("AIOBASERT_HOSTILE_SEEDS", "18").split(",")]
+"""The plans run (each a different mix); AIOBASERT_HOSTILE_SEEDS=1,2,3 runs others."""
+
+
+def _kinds() -> tuple[str, ...]:
+    chosen = os.environ.get("AIOBASERT_HOSTILE_KINDS")
+    if not chosen:
+        return HOSTILE_KINDS
+    kinds = tuple(k.strip() for k in chosen.split(",") if k.strip() and k.strip() != "none")
+    unknown = set(kinds) - set(HOSTILE_KINDS)
+    assert not unknown, f"unknown hostile kinds {unknown}; known: {HOSTILE_KINDS}"
+    return kinds
+
+
+def _text(rng: random.Random, n: int) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(n))
+
+
+# ---- normal callers -------------------------------------------------------------------------
+
+
+@dataclass
+class Normal:
+    name: str
+    model: str
+    run: Callable[[Engine], Awaitable[Any]]
+    tokens: int
+
+
+def _normal_plan(rng: random.Random, models: list[str]) -> list[Normal]:
+    plan = []
+    for i in range(rng.randint(10, 14)):
+        kind = rng.choice(list(_NORMAL))
+        words, max_tokens = _text(rng, rng.randint(2, 8)), rng.randint(8, 40)
+        plan.append(Normal(f"{kind}#{i}", rng.choice(models), _NORMAL[kind](words, max_tokens), 4 * max_tokens))
+    return plan
+
+
+def _stream(words: str, max_tokens: int) -> Callable[[Engine], Awaitable[Any]]:
+    async def run(engine: Engine) -> Any:
+        return [t.id async for t in engine.stream(words, max_tokens=max_tokens, temperature=0)]
+
+    return run
+
+
+def _generate(words: str, max_tokens: int) -> Callable[[Engine], Awaitable[Any]]:
+    async def run(engine: Engine) -> Any:
+        done = await engine.generate(words, max_tokens=max_tokens, temperature=0)
+        return done.token_ids, done.finish_reason
+
+    return run
+
+
+def _chat(words: str, max_tokens: int) -> Callable[[Engine], Awaitable[Any]]:
+    async def run(engine: Engine) -> Any:
+        done = await engine.chat([{"role": "user", "content": words}], max_tokens=max_tokens, temperature=0)
+        return done.text, done.finish_reason
+
+    return run
+
+
+def _tools(words: str, max_tokens: int) -> Callable[[Engine], Awaitable[Any]]:
+    async def run(engine: Engine) -> Any:
+        reply = await engine.chat([{"role": "user", "content": f"weather in {words}?"}], tools=TOOLS,
+                                  tool_choice="required", max_tokens=4 * max_tokens, temperature=0)  # fmt: skip
+        return reply.content, [(c.name, c.arguments) for c in reply.tool_calls], reply.finish_reason
+
+    return run
+
+
+def _json(words: str, max_tokens: int) -> Callable[[Engine], Awaitable[Any]]:
+    async def run(engine: Engine) -> Any:
+        return (await engine.generate(words, max_tokens=2 * max_tokens, temperature=0, json_schema=SCHEMA)).text
+
+    return run
+
+
+def _embed(words: str, max_tokens: int) -> Callable[[Engine], Awaitable[Any]]:
+    async def run(engine: Engine) -> Any:
+        return np.asarray(await engine.embed(words), dtype=np.float64)
+
+    return run
+
+
+_NORMAL: dict[str, Callable[[str, int], Callable[[Engine], Awaitable[Any]]]] = {
+    "stream": _stream, "generate": _generate, "chat": _chat, "tools": _tools, "json": _json, "embed": _embed,
+}  # fmt: skip
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, np.ndarray):
+        return bool(np.allclose(a, b, rtol=1e-4, atol=1e-5))
+    return bool(a == b)
+
+
+# ---- hostile callers ------------------------------------------------------------------------
+
+
+@dataclass
+class Hostile:
+    group: EngineGroup
+    models: list[str]
+    held: list[TokenStream] = field(default_factory=list)
+    """Streams whose consumers stopped reading: left open until the group closes."""
+    problems: list[str] = field(default_factory=list)
+
+    def typed(self, what: str, exc: BaseException | None) -> None:
+        """A refusal must be the SDK's typed error (a normal end is allowed too)."""
+        if exc is not None and not isinstance(exc, AioBaseRTError):
+            self.problems.append(f"{what}: raw {type(exc).__name__}: {str(exc)[:160]}")
+
+
+async def _refused(h: Hostile, what: str, call: Callable[[], Awaitable[Any]]) -> None:
+    try:
+        await call()
+    except Exception as exc:
+        h.typed(what, exc)
+    else:
+        h.problems.append(f"{what}: accepted (expected a typed error)")
+
+
+async def _maybe_refused(h: Hostile, what: str, call: Callable[[], Awaitable[Any]]) -> None:
+    try:
+        await call()
+    except Exception as exc:
+        h.typed(what, exc)
+
+
+async def _never_read(h: Hostile, rng: random.Random) -> None:
+    """A long stream read for one token, then never again (held open until the group closes)."""
+    async with h.group.lease(rng.choice(h.models)) as engine:
+        stream = engine.stream(_text(rng, 3), max_tokens=1900, ignore_eos=True, temperature=0.9)
+        h.held.append(stream)
+        await stream.__anext__()
+
+
+async def _cancel_other_task(h: Hostile, rng: random.Random) -> None:
+    """One task reads a stream; another cancels the reader's scope or closes the stream under it.
+    After `aclose()` returned, the reader must get no further token."""
+    async with h.group.lease(rng.choice(h.models)) as engine:
+        stream = engine.stream(_text(rng, 4), max_tokens=600, ignore_eos=True, temperature=0.9)
+        closed = False
+        late: list[int] = []
+
+        async def reader(scope: anyio.CancelScope) -> None:
+            with scope:
+                try:
+                    async for tok in stream:
+                        if closed:
+                            late.append(tok.id)
+                except StreamClosedError:
+                    pass
+
+        async with anyio.create_task_group() as tg:
+            scope = anyio.CancelScope()
+            tg.start_soon(reader, scope)
+            await anyio.sleep(rng.uniform(0.0, 0.3))
+            if rng.random() < 0.5:
+                await stream.aclose()
+                closed = True
+            else:
+                scope.cancel()
+        if late:
+            h.problems.append(f"a stream yielded {len(late)} tokens after another task's aclose() returned")
+        await stream.aclose()
+
+
+async def _aclose_midflight(h: Hostile, rng: random.Random) -> None:
+    """Leave a stream early with output unread (aclose() mid-flight, aclose() once the request has
+    finished, or break), then await it: the README's StreamClosedError, never a partial Completion."""
+    how = rng.choice(["aclose mid-flight", "aclose after the end", "break"])
+    async with h.group.lease(rng.choice(h.models)) as engine:
+        short = how == "aclose after the end"
+        stream = engine.stream(_text(rng, 4), max_tokens=4 if short else 600, ignore_eos=True, temperature=0.9)
+        await stream.__anext__()
+        if short:
+            with anyio.move_on_after(30):  # a bound, not a timing: the request is 4 tokens long
+                while stream.finish_reason is None:
+                    await anyio.sleep(0.01)
+        if how == "break":
+            async for _tok in stream:
+                break
+        else:
+            await stream.aclose()
+        try:
+            done = await stream
+        except StreamClosedError:
+            return
+        except Exception as exc:
+            h.typed(f"await after {how}", exc)
+            return
+        h.problems.append(f"await after {how} returned a Completion ({len(done.token_ids)} tokens, "
+                          f"finish {done.finish_reason!r}), not StreamClosedError")  # fmt: skip
+
+
+async def _chat_break(h: Hostile, rng: random.Random) -> None:
+    """Break out of a tool-call ChatStream after its first delta (its lane must be freed)."""
+    async with h.group.lease(rng.choice(h.models)) as engine:
+        stream = engine.chat([{"role": "user", "content": _text(rng, 3)}], tools=TOOLS, tool_choice="required",
+                             max_tokens=600, temperature=0.9)  # fmt: skip
+        async for _delta in stream:
+            break
+
+
+async def _wrong_types(h: Hostile, rng: random.Random) -> None:
+    name = rng.choice(h.models)
+    async with h.group.lease(name) as engine:
+        calls: list[tuple[str, Callable[[], Awaitable[Any]]]] = [
+            ("stream(5)", lambda: engine.generate(5)),  # type: ignore[arg-type]
+            ("max_tokens='ten'", lambda: engine.generate("x", max_tokens="ten")),
+            ("temperature='hot'", lambda: engine.generate("x", temperature="hot")),
+            ("stop=7", lambda: engine.generate("x", stop=7)),
+            ("unknown sampling field", lambda: engine.generate("x", colour="red")),
+            ("messages=5", lambda: engine.chat(5)),  # type: ignore[call-overload]
+            ("tools='all'", lambda: engine.chat([{"role": "user", "content": "x"}], tools="all")),  # type: ignore[call-overload]
+            ("token id past the vocabulary", lambda: engine.generate([10**9])),
+            ("embed(None)", lambda: engine.embed(None)),  # type: ignore[arg-type]
+        ]
+    for what, call in calls:
+        async with h.group.lease(name):
+            await _refused(h, what, call)
+
+    async def lease_a_list() -> None:
+        async with h.group.lease(["a"]):  # type: ignore[arg-type]
+            pass
+
+    await _refused(h, "lease(['a'])", lease_a_list)
+
+    async def open_a_number() -> None:
+        async with Engine.open(5):  # type: ignore[arg-type]
+            pass
+
+    await _refused(h, "Engine.open(5)", open_a_number)
+
+
+async def _huge_input(h: Hostile, rng: random.Random) -> None:
+    """A 15 MB prompt (issue 18 item 6: tokenized on the engine thread) and 200,000 token ids."""
+    async with h.group.lease(rng.choice(h.models)) as engine:
+        await _refused(h, "a 15 MB prompt", lambda: engine.generate("lamp " * (3 * 1024 * 1024), max_tokens=1))
+        await _refused(h, "200,000 token ids", lambda: engine.generate([5] * 200_000, max_tokens=1))
+
+
+def _ref_chain(depth: int) -> dict[str, Any]:
+    """`depth` object definitions each `$ref`-ing the next (issue 18 item 1: ~100 kB at 1,000)."""
+    defs: dict[str, Any] = {f"d{i}": {"type": "object", "properties": {"next": {"$ref": f"#/$defs/d{i + 1}"}},
+                                      "required": ["next"]} for i in range(depth)}  # fmt: skip
+    defs[f"d{depth}"] = {"type": "integer"}
+    return {"$ref": "#/$defs/d0", "$defs": defs}
+
+
+async def _ref_chain_caller(h: Hostile, rng: random.Random) -> None:
+    async with h.group.lease(rng.choice(h.models)) as engine:
+        await _maybe_refused(h, "a json_schema of 1,000 chained $refs",
+                             lambda: engine.generate("json", max_tokens=16, json_schema=_ref_chain(1000)))  # fmt: skip
+
+
+async def _deep_schema(h: Hostile, rng: random.Random) -> None:
+    schema: dict[str, Any] = {"type": "string"}
+    for _ in range(3000):
+        schema = {"type": "object", "properties": {"a": schema}, "required": ["a"]}
+    async with h.group.lease(rng.choice(h.models)) as engine:
+        await _maybe_refused(h, "a json_schema nested 3,000 deep",
+                             lambda: engine.generate("json", max_tokens=16, json_schema=schema))  # fmt: skip
+
+
+async def _big_enum(h: Hostile, rng: random.Random) -> None:
+    schema = {"type": "object", "properties": {"v": {"enum": [f"value-{i}" for i in range(40_000)]}}}
+    async with h.group.lease(rng.choice(h.models)) as engine:
+        await _maybe_refused(h, "a 40,000-entry enum",
+                             lambda: engine.generate("json", max_tokens=16, json_schema=schema))  # fmt: skip
+
+
+_HOSTILE: dict[str, Callable[[Hostile, random.Random], Awaitable[None]]] = {
+    "never_read": _never_read, "cancel_other_task": _cancel_other_task, "aclose_midflight": _aclose_midflight,
+    "chat_break": _chat_break, "wrong_types": _wrong_types, "huge_input": _huge_input, "ref_chain": _ref_chain_caller,
+    "deep_schema": _deep_schema, "big_enum": _big_enum,
+}  # fmt: skip
+# Enough never-read streams to take every lane of both models.
+_COUNTS = {"never_read": (2 * LANES, 2 * LANES + 2), "cancel_other_task": (4, 8), "aclose_midflight": (3, 6),
+           "chat_break": (1, 3)}  # fmt: skip
+_BOUNDED_TOKENS = {"cancel_other_task": 600, "aclose_midflight": 600, "chat_break": 600}
+
+
+def _hostile_plan(rng: random.Random) -> list[str]:
+    plan = [kind for kind in _kinds() for _ in range(rng.randint(*_COUNTS.get(kind, (1, 1))))]
+    rng.shuffle(plan)
+    return plan
+
+
+def _rss_mb() -> float:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError("no VmRSS")
+
+
+async def _steps(group: EngineGroup) -> int:
+    return sum(s.engine.steps for s in (await group.stats()).values() if s.engine is not None)
+
+
+async def _settled(group: EngineGroup) -> dict[str, Any]:
+    """Each model's engine stats once nothing runs or waits (a bounded wait: the last snapshot otherwise)."""
+    with anyio.move_on_after(30):
+        while True:
+            stats = {name: s.engine for name, s in (await group.stats()).items()}
+            if all(e is None or e.active_lanes == e.waiting_requests == e.live_sequences == 0 for e in stats.values()):
+                return stats
+            await anyio.sleep(0.05)
+    return {name: s.engine for name, s in (await group.stats()).items()}
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio", "trio"])
+@pytest.mark.parametrize("seed", SEEDS)
+async def test_hostile_callers_cannot_stall_starve_or_kill_normal_ones(
+    untied_model_path: Path, second_tiny_model_path: Path, seed: int
+) -> None:
+    test_start = time.monotonic()
+    rng = random.Random(seed)
+    models = ["tiny", "other"]
+    normal = _normal_plan(rng, models)
+    kinds = _hostile_plan(rng)
+    opened = EngineGroup.open({"tiny": untied_model_path, "other": second_tiny_model_path}, keep_alive=300,
+                              max_batch_size=LANES)  # fmt: skip
+    left = False
+    with anyio.CancelScope() as leaving:
+        async with opened as group:
+            solo: dict[str, Any] = {}
+            before, started = await _steps(group), time.monotonic()
+            for req in normal:
+                async with group.lease(req.model) as engine:
+                    solo[req.name] = await req.run(engine)
+            steps = await _steps(group) - before
+            per_step = (time.monotonic() - started) / max(steps, 1)
+            rss_start = _rss_mb()
+
+            hostile = Hostile(group, models)
+            together: dict[str, Any] = {}
+            failures: dict[str, str] = {}
+            pending = {req.name for req in normal}
+
+            async def normal_caller(req: Normal) -> None:
+                try:
+                    async with group.lease(req.model) as engine:
+                        together[req.name] = await req.run(engine)
+                except Exception as exc:
+                    failures[req.name] = f"{type(exc).__name__}: {exc}"[:300]
+                pending.discard(req.name)  # answered (a failure is an answer too); not when cancelled
+
+            running: set[str] = set()
+
+            async def hostile_caller(name: str, kind: str) -> None:
+                running.add(name)
+                try:
+                    await _HOSTILE[kind](hostile, rng)
+                except Exception as exc:
+                    hostile.problems.append(f"{kind}: {type(exc).__name__}: {exc}"[:300])
+                running.discard(name)  # done; not when cancelled at the deadline
+
+            # Generous: 10x the steps all the bounded traffic could take at the solo pace, plus 30 s.
+            bounded = sum(r.tokens for r in normal) + 2 * steps + sum(_BOUNDED_TOKENS.get(k, 0) for k in kinds) / LANES
+            deadline = min(30 + 10 * per_step * bounded, TEST_BUDGET_S - (time.monotonic() - test_start))
+            # Every hostile call is bounded (a never-read stream returns once it holds its stream), so all
+            # are waited for within the deadline: each must have run whole when the checks below run.
+            with anyio.move_on_after(deadline):
+                async with anyio.create_task_group() as tasks:
+                    for i, kind in enumerate(kinds):
+                        tasks.start_soon(hostile_caller, f"{kind}#{i}", kind)
+                    await anyio.sleep(0.3)  # let the hostile callers take lanes first
+                    async with anyio.create_task_group() as callers:
+                        for req in normal:
+                            callers.start_soon(normal_caller, req)
+
+            # Every finding is collected, so one run shows all that broke (the first one masks none).
+            findings: list[str] = []
+            if hung := sorted(pending):
+                findings.append(
+                    f"{len(hung)} normal calls did not return within {deadline:.0f} s (solo: {steps} engine steps "
+                    f"at {per_step * 1000:.1f} ms): {hung}; stats: {await group.stats()}"
+                )
+            if failures:
+                findings.append(f"normal calls failed: {failures}")
+            if differ := {n: (solo[n], together[n]) for n in together if not _same(solo[n], together[n])}:
+                findings.append(f"greedy results differ from the solo run (solo, together): {differ}")
+            if running:
+                findings.append(f"hostile calls not done within {deadline:.0f} s: {sorted(running)}")
+
+            # Half of the never-read streams are closed by their owners; the rest stay open into aclose().
+            for stream in hostile.held[len(hostile.held) // 2 :]:
+                await stream.aclose()
+            after = await _settled(group)
+            for name, e in after.items():
+                if e is None:
+                    findings.append(f"{name} unloaded while streams were open")
+                elif not e.active_lanes == e.waiting_requests == e.live_sequences == e.live_grammars == 0:
+                    findings.append(f"{name} holds lanes, requests, sequences or grammars at idle: {e}")
+                elif e.kv_blocks_used > e.prefix_blocks_cached:  # only the prefix cache may hold KV
+                    findings.append(f"{name} holds KV blocks at idle beyond the prefix cache's: {e}")
+            rss_end = _rss_mb()
+            if rss_end >= 2 * rss_start + 384:
+                findings.append(f"RSS {rss_start:.0f} MB -> {rss_end:.0f} MB (bound: 2x + 384 MB)")
+            findings += [f"hostile call not refused cleanly: {p}" for p in hostile.problems]
+            assert not findings, f"{len(findings)} findings:\n" + "\n".join(f[:1500] for f in findings)
+
+            # Leaving the group with never-read streams still open (and a keep-alive reaper) returns
+            # once they are done: bounded by the steps the rest of them can take, generously.
+            leaving.deadline = anyio.current_time() + 30 + 10 * per_step * 1900
+        left = True
+    assert left, "leaving the EngineGroup with never-read streams open did not return"
