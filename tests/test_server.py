@@ -303,6 +303,32 @@ def test_context_error_code_through_the_client(client: OpenAI) -> None:
     assert "context_length_exceeded" in str(info.value)
 
 
+@pytest.mark.parametrize(
+    ("path", "prefix", "suffix", "param"),
+    [
+        ("/v1/chat/completions",
+         '{"messages":[{"role":"user","content":"x"}],"max_tokens":2,'
+         '"response_format":{"type":"json_schema","json_schema":{"name":"n","schema":', "}}}",
+         "response_format.json_schema.schema.a"),
+        ("/v1/chat/completions",
+         '{"messages":[{"role":"user","content":"x"}],"max_tokens":2,"tools":[{"type":"function",'
+         '"function":{"name":"f","parameters":', "}}]}", "tools.0.function.parameters"),
+        ("/v1/responses", '{"input":"x","max_output_tokens":2,"text":{"format":{"type":"json_schema","name":"n",'
+         '"schema":', "}}}", "text.format.schema.a"),
+    ],
+)
+def test_deeply_nested_json_is_a_400_naming_the_field(
+    http: httpx.Client, path: str, prefix: str, suffix: str, param: str
+) -> None:
+    # ~2,000 levels: past the JSON decoder's own recursion (a 500 and a logged traceback before)
+    deep = '{"a":' * 2000 + "1" + "}" * 2000
+    r = http.post(path, content=prefix + deep + suffix, headers={"content-type": "application/json"})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == param and "nests JSON deeper" in error["message"], error
+    assert http.post("/v1/completions", json={"prompt": "x", "max_tokens": 2}).status_code == 200  # still serving
+
+
 def test_unknown_fields_are_refused_naming_them(http: httpx.Client) -> None:
     r = http.post("/v1/completions", json={"prompt": "x", "max_tokens": 2, "frobnicate": {"a": 1}, "user": "u"})
     assert r.status_code == 400 and r.json()["error"]["param"] == "frobnicate"

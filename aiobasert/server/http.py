@@ -50,3 +50,47 @@ async def read_json(request: Request, body_type: type[T]) -> T:
         raise APIError(400, f"invalid request: {exc}", param=error_param(str(exc))) from None
     except msgspec.DecodeError as exc:
         raise APIError(400, f"request body is not valid JSON: {exc}") from None
+    except RecursionError:  # the decoder recurses per nesting level: a deep body is the client's error
+        field = deepest_field(bytes(data))
+        raise APIError(400, f"{field or 'the request body'} nests JSON deeper than {MAX_JSON_DEPTH} levels",
+                       param=field) from None
+
+
+#: Nesting this server reads in a body (msgspec itself stops at about 1,000 levels).
+MAX_JSON_DEPTH = 256
+
+
+def deepest_field(data: bytes, *, limit: int = MAX_JSON_DEPTH, keep: int = 4) -> str | None:
+    """The dotted path (its first `keep` keys) to where `data`'s JSON first nests `limit` deep,
+    found with an iterative scan (the decoder recursed there), or None when it never does."""
+    path: list[str] = []  # per open container: the key (object) or index (array) being read
+    is_object: list[bool] = []
+    string: bytearray | None = None
+    escaped = False
+    last_string = ""
+    for byte in data:
+        if string is not None:  # inside a string
+            if escaped:
+                escaped = False
+            elif byte == 0x5C:  # backslash
+                escaped = True
+            elif byte == 0x22:  # closing quote
+                last_string, string = string.decode("utf-8", "replace"), None
+            else:
+                string.append(byte)
+            continue
+        if byte == 0x22:
+            string = bytearray()
+        elif byte in b"{[":
+            if len(path) >= limit:
+                return ".".join(path[:keep]) or None
+            path.append("" if byte == 0x7B else "0")
+            is_object.append(byte == 0x7B)
+        elif byte in b"}]" and path:
+            path.pop()
+            is_object.pop()
+        elif byte == 0x3A and path and is_object[-1]:  # ':' after an object's key
+            path[-1] = last_string
+        elif byte == 0x2C and path and not is_object[-1]:  # ',' in an array: the next index
+            path[-1] = str(int(path[-1]) + 1)
+    return None
