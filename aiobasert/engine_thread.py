@@ -37,18 +37,25 @@ from . import _ffi
 from ._intake import Intake, Tokenizer, run_job
 from ._output import Detokenizer, OutputProcessor
 from ._protocol import (
+    Ask,
     Call,
     Cancel,
     Close,
     Constraint,
+    Decode,
+    Done,
     Embed,
     EngineConfig,
+    EvictPrefixCache,
     Final,
     Message,
+    Notify,
     Prepared,
     Prompt,
+    Query,
     RequestSpec,
     Sink,
+    Stats,
     Submit,
     Ticket,
 )
@@ -100,7 +107,7 @@ _UNDECIDED = object()
 class EngineThread:
     """Owns the model handle; everything below runs on this thread only."""
 
-    def __init__(self, lib: _ffi.Library, cfg: EngineConfig, notify: Callable[..., None]) -> None:
+    def __init__(self, lib: _ffi.Library, cfg: EngineConfig, notify: Notify) -> None:
         self.lib = lib
         self.cfg = cfg
         self._notify = notify  # LoopWaker.call_soon: fire-and-forget onto the loop
@@ -386,45 +393,70 @@ class EngineThread:
                 return
 
     def _handle(self, msg: Message) -> None:
+        """One inbox message, by its type."""
         if isinstance(msg, Submit):
             self._intake(msg)
         elif isinstance(msg, Cancel):
-            req = self.requests.get(msg.rid)
-            if req is not None:  # an embedding's caller is gone: free the lane, nobody to tell
-                self._end(req, None)
-            prep = self._in_prep.pop(msg.rid, None)
-            if prep is not None:  # cancelled while it is prepared: counted now, dropped on return
-                self._dropped.add(msg.rid)
-                if isinstance(prep, Submit):
-                    self.cancelled += 1
+            self._on_cancel(msg)
         elif isinstance(msg, Embed):
             self._intake_embed(msg)
         elif isinstance(msg, Prepared):
-            self._preparing -= 1
-            if isinstance(msg.msg, Submit):
-                self._enqueue(msg.msg, msg.result, msg.error)
-            else:
-                self._enqueue_embed(msg.msg, msg.result, msg.error)
+            self._on_prepared(msg)
+        elif isinstance(msg, Ask):
+            self._run_for(msg.done, lambda: self._answer(msg.query))
         elif isinstance(msg, Call):
-            try:
-                result, error = msg.fn(), None
-            except BaseException as exc:
-                result, error = None, exc
-            self._notify(msg.done, result, error)
-        elif isinstance(msg, Close):
-            self._closing = True
-            # Lanes nobody can read any more are cancelled; the others run to
-            # their own end (bounded by max_tokens / the context: no lane ever
-            # waits for its reader).
+            self._run_for(msg.done, msg.fn)
+        else:
+            self._on_close(msg)
+
+    def _run_for(self, done: Done, fn: Callable[[], Any]) -> None:
+        try:
+            result, error = fn(), None
+        except BaseException as exc:
+            result, error = None, exc
+        self._notify(done, result, error)
+
+    def _answer(self, query: Query) -> Any:
+        """A query's answer, read between two steps."""
+        if isinstance(query, Stats):
+            return self.stats()
+        if isinstance(query, EvictPrefixCache):
+            return self.evict_prefix_cache()
+        if isinstance(query, Decode):
+            return self.decode_ids(query.ids)
+        return self.encode_text(query.text, special=query.special)
+
+    def _on_cancel(self, msg: Cancel) -> None:
+        req = self.requests.get(msg.rid)
+        if req is not None:  # an embedding's caller is gone: free the lane, nobody to tell
+            self._end(req, None)
+        prep = self._in_prep.pop(msg.rid, None)
+        if prep is not None:  # cancelled while it is prepared: counted now, dropped on return
+            self._dropped.add(msg.rid)
+            if isinstance(prep, Submit):
+                self.cancelled += 1
+
+    def _on_prepared(self, msg: Prepared) -> None:
+        self._preparing -= 1
+        if isinstance(msg.msg, Submit):
+            self._enqueue(msg.msg, msg.result, msg.error)
+        else:
+            self._enqueue_embed(msg.msg, msg.result, msg.error)
+
+    def _on_close(self, msg: Close) -> None:
+        self._closing = True
+        # Lanes nobody can read any more are cancelled; the others run to
+        # their own end (bounded by max_tokens / the context: no lane ever
+        # waits for its reader).
+        for lane in self.requests.lanes():
+            if not lane.sink.alive():
+                self._cancel(lane)
+        if msg.abort:
+            self._abort = True
             for lane in self.requests.lanes():
-                if not lane.sink.alive():
-                    self._cancel(lane)
-            if msg.abort:
-                self._abort = True
-                for lane in self.requests.lanes():
-                    self._finish(lane, "aborted")
-                self._abort_embeds()
-                self._abort_in_prep()
+                self._finish(lane, "aborted")
+            self._abort_embeds()
+            self._abort_in_prep()
 
     def _abort_in_prep(self) -> None:
         """Answer the requests still being prepared now: an abort waits for no compile."""
