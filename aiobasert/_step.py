@@ -178,6 +178,8 @@ class TapPooler:
 class EmbedLane:
     """Engine-thread bookkeeping of one chunked embedding."""
 
+    host = False  # it samples nothing, so it never needs a host logits row
+
     def __init__(self, rid: str, ids: list[int], dim: int, done: Any) -> None:
         self.rid = rid
         self.ids = ids
@@ -246,7 +248,7 @@ class Batch:
         self.feed.extend(chunk)
         self.samplers.append(sampler)
         self.sampling = self.sampling or row.samples
-        self.host = self.host or (row.samples and isinstance(lane, Lane) and lane.host)
+        self.host = self.host or (row.samples and lane.host)
         if row.kind == "embed":
             self.tapped += row.tokens
 
