@@ -31,6 +31,7 @@ from ctypes import c_char_p, c_int, c_uint32
 from typing import Any
 
 from . import _ffi
+from ._protocol import Done
 from ._step import internal_error
 from .errors import AioBaseRTError, InvalidRequestError
 
@@ -113,7 +114,6 @@ def run_job(job: Job, tok: Tokenizer) -> tuple[Any, BaseException | None]:
         return None, exc
     except Exception as exc:  # a bug in one request's preparation costs that request only
         return None, internal_error("preparing the request", exc)
-Done = Callable[[Any, BaseException | None], None]
 
 
 class _Worker:

@@ -4,13 +4,15 @@ Detokenise (each token's exact bytes through the lane's incremental UTF-8
 decoder), apply stop conditions (EOS / stop ids, stop strings held back until
 they can no longer match, the grammar's end, the length budget) and build how
 the request finished. No engine state is touched here except read-only
-tokenizer queries, so the engine thread's lane lifecycle stays in one place.
+tokenizer queries, and no lane's lifecycle is written: `process` returns a
+`TokenOutput` that the engine thread applies, so the lifecycle stays in one place.
 """
 
 from __future__ import annotations
 
 import ctypes
 import time
+from dataclasses import dataclass
 
 from . import _ffi
 from ._protocol import Final
@@ -47,6 +49,15 @@ class Detokenizer:
         return self.token_bytes(tok).decode("utf-8", "replace")
 
 
+@dataclass(frozen=True, slots=True)
+class TokenOutput:
+    """What one sampled token changed: the stream's next `Token`, and how the lane
+    finished if that token was its last. The engine thread applies it."""
+
+    token: Token
+    finish: FinishReason | None
+
+
 class OutputProcessor:
     """Turns one lane's sampled token into a `Token` and says whether the lane ends."""
 
@@ -64,15 +75,14 @@ class OutputProcessor:
 
     def process(
         self, lane: Lane, tok: int, logprob: float | None, tops: list[TopLogprob] | None
-    ) -> tuple[Token, FinishReason | None]:
+    ) -> TokenOutput:
         """The token as the stream yields it, and the finish reason if it is the last.
 
+        Advances the lane's text state (decoder, stop matcher, grammar); its
+        lifecycle (generated ids, counts, finish) is the engine thread's to apply.
         Raises InvalidRequestError when the lane's grammar rejects the token."""
         p, st = lane.spec.params, lane.state
-        if not lane.generated:
-            lane.first_token_at = time.monotonic()
-        lane.generated.append(tok)
-        st.generated += 1
+        count = st.generated + 1  # this token included
         if lane.constraint is not None and not lane.constraint.accept(tok):
             why = getattr(lane.constraint, "error", None) or "rejected"
             raise InvalidRequestError(f"token {tok} was sampled outside the output grammar: {why}")
@@ -87,13 +97,13 @@ class OutputProcessor:
             elif lane.constraint is not None and lane.constraint.is_finished():
                 text += self._tail(lane)[0]
                 finish = "stop"
-            elif st.generated >= st.max_new_tokens:
+            elif count >= st.max_new_tokens:
                 tail, hit = self._tail(lane)
                 text += tail
                 finish = "stop" if hit else "length"
-        token = Token(id=tok, text=text, index=st.generated - 1, logprob=logprob, top_logprobs=tops,
+        token = Token(id=tok, text=text, index=count - 1, logprob=logprob, top_logprobs=tops,
                       finish_reason=finish)
-        return token, finish
+        return TokenOutput(token, finish)
 
     @staticmethod
     def _tail(lane: Lane) -> tuple[str, bool]:

@@ -115,12 +115,61 @@ class Cancel:
     rid: str
 
 
+Done = Callable[[Any, BaseException | None], None]
+"""Gets a thread-side job's result or its error; runs on the event loop."""
+
+
+class Notify(Protocol):
+    """How the engine thread reaches the event loop: schedule fn(*args) there,
+    fire-and-forget, from any thread (`_wakeup.LoopWaker.call_soon`)."""
+
+    def __call__(self, fn: Callable[..., object], /, *args: Any) -> None: ...
+
+
+@dataclass(frozen=True)
+class Stats:
+    """Query: the engine's `EngineStats`."""
+
+
+@dataclass(frozen=True)
+class EvictPrefixCache:
+    """Query: drop the prefix cache's unused blocks; answers how many."""
+
+
+@dataclass(frozen=True)
+class Decode:
+    """Query: the text of checked token ids."""
+
+    ids: Sequence[int]
+
+
+@dataclass(frozen=True)
+class Encode:
+    """Query: token ids of a text (engines without a tokenizer-only handle)."""
+
+    text: str
+    special: bool
+
+
+Query = Stats | EvictPrefixCache | Decode | Encode
+
+
+@dataclass
+class Ask:
+    """Answer `query` on the engine thread between two steps; `done` gets the answer (on the loop)."""
+
+    query: Query
+    done: Done
+
+
 @dataclass
 class Call:
-    """Run fn on the engine thread between steps; report through done (on the loop)."""
+    """Run fn on the engine thread between steps; report through done (on the loop).
+    A debugging hook (tests look at the thread's state between two steps with it);
+    the SDK itself asks typed `Ask` queries."""
 
     fn: Callable[[], Any]
-    done: Callable[[Any, BaseException | None], None]
+    done: Done
 
 
 @dataclass
@@ -131,7 +180,7 @@ class Embed:
 
     rid: str
     source: str | list[int]
-    done: Callable[[Any, BaseException | None], None]
+    done: Done
 
 
 @dataclass
@@ -153,7 +202,7 @@ class Prepared:
     error: BaseException | None
 
 
-Message = Submit | Cancel | Call | Embed | Close | Prepared
+Message = Submit | Cancel | Ask | Call | Embed | Close | Prepared
 
 
 class StreamHost(Protocol):

@@ -1,8 +1,11 @@
 """One fused batch step and its sampling (engine thread only).
 
-`Lane` is the engine thread's record of one request; `StepRunner.step` feeds
-every scheduled lane through ONE fused forward and samples each lane's next
-token: in the engine (`baseRT_batch_step_fused_sample`) when every sampling
+`Lane` is the engine thread's record of one request; `StepRunner.run` feeds
+every planned row (`batcher.StepPlan`) through ONE fused forward and samples
+each lane's next token, in three parts: `prepare` (the FFI arrays), `forward`
+(the one fused call; `Batch.path` picks which) and `collect` (a `RowResult`
+per lane, which the engine thread applies: nothing here writes a lane). It
+samples in the engine (`baseRT_batch_step_fused_sample`) when every sampling
 lane's parameters allow, else from host logits rows (grammar masks, logit
 bias, logprobs, penalties on greedy lanes).
 
@@ -23,14 +26,16 @@ from __future__ import annotations
 import codecs
 import ctypes
 import os
+from collections.abc import Sequence
 from ctypes import byref, c_float, c_int, c_int32, c_uint32, c_void_p
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Literal
 
 import numpy as np
 
 from . import _ffi
 from ._protocol import Constraint, Final, RequestSpec, Sink, Ticket
-from .batcher import LaneState
+from .batcher import LaneState, PlannedRow
 from .errors import AioBaseRTError, EngineError, InvalidRequestError
 from .stopping import StopStringMatcher
 from .types import TopLogprob
@@ -125,6 +130,13 @@ class Lane:
             tail = self.prompt[-(window - len(tail)) :] + tail
         return tail
 
+    def next_input(self, k: int) -> list[int]:
+        """The k tokens this lane feeds next: a prompt chunk, or its last sampled token."""
+        st = self.state
+        if st.prefilling:
+            return self.prompt[st.prefilled : st.prefilled + k]
+        return self.generated[-1:]
+
     def kv_tokens(self) -> list[int]:
         """The tokens whose KV the sequence holds (the last sampled one is not fed yet)."""
         return self.prompt[: self.state.prefilled] + self.generated[:-1]
@@ -166,6 +178,8 @@ class TapPooler:
 class EmbedLane:
     """Engine-thread bookkeeping of one chunked embedding."""
 
+    host = False  # it samples nothing, so it never needs a host logits row
+
     def __init__(self, rid: str, ids: list[int], dim: int, done: Any) -> None:
         self.rid = rid
         self.ids = ids
@@ -174,6 +188,17 @@ class EmbedLane:
         self.seq: int | None = None
         self.total = np.zeros(dim, dtype=np.float64)
         self.finite = True
+
+    def next_input(self, k: int) -> list[int]:
+        """The next chunk of the input to pool."""
+        return self.ids[self.state.prefilled : self.state.prefilled + k]
+
+    def add(self, part: np.ndarray) -> None:
+        """Pool one chunk's rows (engine thread). An f16 tap overflows where the
+        hidden state exceeds 65504: the engine thread then recomputes that input
+        with baseRT_embed."""
+        self.finite = self.finite and bool(np.isfinite(part).all())
+        self.total += part
 
     def result(self) -> np.ndarray:
         """The mean over all rows, as baseRT_embed rounds it: float64 sum / n, then float32."""
@@ -184,8 +209,56 @@ class EmbedLane:
 Sampled = tuple[int, float | None, list[TopLogprob] | None]
 """A lane's (token, logprob, top logprobs) from one step."""
 
-Outcome = Sampled | BaseException | None
-"""Per lane of a step: its token, why it failed, or None (a prefill chunk, no token yet)."""
+
+@dataclass(frozen=True, slots=True)
+class RowResult:
+    """What one step produced for one lane; the engine thread applies it (the lanes' one writer)."""
+
+    lane: Lane | EmbedLane
+    row: PlannedRow
+    sampled: Sampled | None = None
+    """The lane's next token (a decode row, or the chunk that ended its prompt)."""
+    pooled: np.ndarray | None = None
+    """An embedding chunk: the float64 sum of its rows' final-normed hidden states."""
+    error: BaseException | None = None
+    """Why this lane failed in this step (it alone, or the whole forward)."""
+
+
+ForwardPath = Literal["sample", "logits", "taps"]
+
+
+@dataclass(eq=False)
+class Batch:
+    """The inputs of one fused call, in row order (built by `StepRunner.prepare`)."""
+
+    fusable: bool
+    """The engine can sample in the fused call (`baseRT_batch_step_fused_sample`)."""
+    rows: list[tuple[Lane | EmbedLane, PlannedRow]] = field(default_factory=list)
+    feed: list[int] = field(default_factory=list)
+    samplers: list[_ffi.BaseRTRowSampling | None] = field(default_factory=list)
+    keep: list[Any] = field(default_factory=list)  # ctypes arrays the samplers point into
+    host: bool = False
+    """Some lane samples from host logits rows (grammar, logit bias, logprobs, ...)."""
+    tapped: int = 0
+    sampling: bool = False
+
+    def add(self, lane: Lane | EmbedLane, row: PlannedRow, chunk: list[int],
+            sampler: _ffi.BaseRTRowSampling | None) -> None:
+        self.rows.append((lane, row))
+        self.feed.extend(chunk)
+        self.samplers.append(sampler)
+        self.sampling = self.sampling or row.samples
+        self.host = self.host or (row.samples and lane.host)
+        if row.kind == "embed":
+            self.tapped += row.tokens
+
+    def path(self) -> ForwardPath:
+        """Which fused call runs the step: the only place that chooses."""
+        if self.tapped:
+            return "taps"  # embedding chunks need the hidden-state taps; samplers use host rows
+        if self.host or not self.fusable:
+            return "logits"
+        return "sample"
 
 
 def cpu_sampling_config(p: Any, seed32: int) -> _ffi.BaseRTSamplingConfig:
@@ -247,122 +320,105 @@ class StepRunner:
         self._token_text = token_text  # id -> str, for top_logprobs
         self.pooler: TapPooler | None = None  # set once the engine thread trusts the tapped embed path
 
-    def _prepare_embed(self, lane: EmbedLane, k: int) -> list[int]:
-        st = lane.state
-        chunk = lane.ids[st.prefilled : st.prefilled + k]
-        if lane.seq is None or len(chunk) != k or self.pooler is None:
-            raise RuntimeError(f"embedding {lane.rid} is not ready to step")
-        return chunk
+    def run(self, rows: Sequence[tuple[Lane | EmbedLane, PlannedRow]]) -> list[RowResult]:
+        """One step over `rows`: prepare -> forward (ONE fused call) -> collect.
 
-    def step(self, rows: list[tuple[Lane | EmbedLane, int]]) -> list[tuple[Lane | EmbedLane, Outcome]]:
-        """Feed `rows` ((lane, tokens fed)) through one forward; every lane's outcome.
-
-        An embedding lane's outcome is None (its chunk pooled) or its error."""
-        outcomes: list[tuple[Lane | EmbedLane, Outcome]] = []
-        batch: list[tuple[Lane | EmbedLane, int, bool]] = []  # lane, fed, samples this step
-        feed: list[int] = []
-        srows: list[_ffi.BaseRTRowSampling | None] = []
-        keep: list[Any] = []
-        fusable = self.has_fused_sample
-        host = not fusable
-        tapped = 0
-        for lane, k in rows:
-            st = lane.state
-            if isinstance(lane, EmbedLane):
-                try:
-                    chunk = self._prepare_embed(lane, k)
-                except Exception as exc:
-                    outcomes.append((lane, internal_error("preparing the step", exc)))
-                    continue
-                feed.extend(chunk)
-                batch.append((lane, k, False))
-                srows.append(None)
-                tapped += k
-                continue
-            # Each lane is prepared on its own: a lane whose input or sampling
-            # parameters cannot be marshalled fails alone, before the forward.
-            try:
-                if st.prefilling:
-                    chunk = lane.prompt[st.prefilled : st.prefilled + k]
-                    samples = st.prefilled + k == st.prompt_len
-                else:
-                    chunk = [lane.generated[-1]]
-                    samples = True
-                if lane.seq is None or len(chunk) != k:
-                    raise RuntimeError(f"lane {lane.rid} is not ready to step")
-                row = row_sampling(lane, keep) if fusable and samples and not lane.host else None
-            except Exception as exc:
-                outcomes.append((lane, internal_error("preparing the step", exc)))
-                continue
-            if samples and lane.host:
-                host = True
-            feed.extend(chunk)
-            batch.append((lane, k, samples))
-            srows.append(row)
-        if not batch:
-            return outcomes
-        n = len(batch)
-        seqs = (c_void_p * n)(*(lane.seq for lane, _, _ in batch))
-        counts = (c_int * n)(*(k for _, k, _ in batch))
-        toks = _ffi.u32_array(feed)
-        fused: ctypes.Array[c_uint32] | None
+        Every lane gets a result: its sampled token, its embedding chunk's
+        pooled rows, nothing yet (a prefill chunk), or its error. No lane is
+        written here: the engine thread applies the results."""
+        batch, failed = self.prepare(rows)
+        if not batch.rows:
+            return failed
         try:
-            if tapped:
-                # One row of logits per lane as in the other paths (the header
-                # wants out_rows >= 1; an embedding lane's row is ignored), taps
-                # of the embedding lanes' chunks. Samplers then use host rows.
-                assert self.pooler is not None
-                ones = (c_int * n)(*([1] * n))
-                layer = (c_int * 1)(self.pooler.hidden_index)
-                trows = (c_int * n)(*(k if isinstance(lane, EmbedLane) else 0 for lane, k, _ in batch))
-                rc = self.lib.baseRT_batch_step_fused_logits_rows_taps(
-                    self.model, seqs, n, toks, counts, ones, layer, 1, trows
-                )
-                self.lib.check(rc, "baseRT_batch_step_fused_logits_rows_taps")
-                sampling = any(samples for _, _, samples in batch)
-                if sampling and self.lib.baseRT_read_batch_logits(self.model, n, self._logits_ptr) < 0:
-                    raise self.lib.last_error("baseRT_read_batch_logits")
-                fused = None
-            elif host:
-                rc = self.lib.baseRT_batch_step_fused_logits(self.model, seqs, n, toks, counts)
-                self.lib.check(rc, "baseRT_batch_step_fused_logits")
-                if self.lib.baseRT_read_batch_logits(self.model, n, self._logits_ptr) < 0:
-                    raise self.lib.last_error("baseRT_read_batch_logits")
-                fused = None
-            else:
-                rows_c = (_ffi.BaseRTRowSampling * n)()
-                for i, r in enumerate(srows):
-                    if r is not None:
-                        rows_c[i] = r
-                fused = (c_uint32 * n)()
-                rc = self.lib.baseRT_batch_step_fused_sample(self.model, seqs, n, toks, counts, rows_c, fused)
-                self.lib.check(rc, "baseRT_batch_step_fused_sample")
+            fused = self.forward(batch)
         except EngineError as exc:  # the step failed as a whole: its lanes end with it
-            return outcomes + [(lane, exc) for lane, _, _ in batch]
+            return failed + [RowResult(lane, row, error=exc) for lane, row in batch.rows]
         except Exception as exc:
-            return outcomes + [(lane, internal_error("in the engine step", exc)) for lane, _, _ in batch]
-        taps_at = 0
-        taps_error = self._read_taps(tapped) if tapped else None
-        for i, (lane, k, samples) in enumerate(batch):
-            if lane.state.prefilling:
-                lane.state.prefilled += k
-            if isinstance(lane, EmbedLane):
-                outcomes.append((lane, taps_error or self._pool(lane, taps_at, k)))
-                taps_at += k
-                continue
-            if not samples:
-                outcomes.append((lane, None))
-                continue
-            if fused is not None:
-                outcomes.append((lane, (int(fused[i]), None, None)))
-                continue
+            err = internal_error("in the engine step", exc)
+            return failed + [RowResult(lane, row, error=err) for lane, row in batch.rows]
+        return failed + self.collect(batch, fused)
+
+    def prepare(self, rows: Sequence[tuple[Lane | EmbedLane, PlannedRow]]) -> tuple[Batch, list[RowResult]]:
+        """The fused call's inputs; the lanes that cannot be marshalled fail alone, before the forward."""
+        batch = Batch(fusable=self.has_fused_sample)
+        failed: list[RowResult] = []
+        for lane, row in rows:
             try:
-                outcomes.append((lane, self._sample_host_row(lane, i)))
-            except AioBaseRTError as exc:  # this lane's sampling failed: only this lane ends
-                outcomes.append((lane, exc))
+                chunk = lane.next_input(row.tokens)
+                if lane.seq is None or len(chunk) != row.tokens or (row.kind == "embed" and self.pooler is None):
+                    raise RuntimeError(f"request {lane.rid} is not ready to step")
+                sampler = None
+                if row.samples and isinstance(lane, Lane) and not lane.host and batch.fusable:
+                    sampler = row_sampling(lane, batch.keep)
             except Exception as exc:
-                outcomes.append((lane, internal_error("sampling", exc)))
-        return outcomes
+                failed.append(RowResult(lane, row, error=internal_error("preparing the step", exc)))
+                continue
+            batch.add(lane, row, chunk, sampler)
+        return batch, failed
+
+    def forward(self, batch: Batch) -> ctypes.Array[c_uint32] | None:
+        """The one fused call; the sampled ids when the engine sampled, else None
+        (the step's logits rows are then in the host buffer)."""
+        lib, model, n = self.lib, self.model, len(batch.rows)
+        seqs = (c_void_p * n)(*(lane.seq for lane, _ in batch.rows))
+        counts = (c_int * n)(*(row.tokens for _, row in batch.rows))
+        toks = _ffi.u32_array(batch.feed)
+        path = batch.path()
+        if path == "sample":
+            rows_c = (_ffi.BaseRTRowSampling * n)()
+            for i, r in enumerate(batch.samplers):
+                if r is not None:
+                    rows_c[i] = r
+            fused = (c_uint32 * n)()
+            lib.check(lib.baseRT_batch_step_fused_sample(model, seqs, n, toks, counts, rows_c, fused),
+                      "baseRT_batch_step_fused_sample")
+            return fused
+        if path == "taps":
+            # One row of logits per lane as in the other paths (the header wants
+            # out_rows >= 1; an embedding lane's row is ignored), taps of the
+            # embedding lanes' chunks. Samplers then use host rows.
+            assert self.pooler is not None
+            ones = (c_int * n)(*([1] * n))
+            layer = (c_int * 1)(self.pooler.hidden_index)
+            trows = (c_int * n)(*(row.tokens if row.kind == "embed" else 0 for _, row in batch.rows))
+            lib.check(lib.baseRT_batch_step_fused_logits_rows_taps(model, seqs, n, toks, counts, ones, layer, 1,
+                                                                   trows),
+                      "baseRT_batch_step_fused_logits_rows_taps")
+            read = batch.sampling
+        else:
+            lib.check(lib.baseRT_batch_step_fused_logits(model, seqs, n, toks, counts),
+                      "baseRT_batch_step_fused_logits")
+            read = True
+        if read and lib.baseRT_read_batch_logits(model, n, self._logits_ptr) < 0:
+            raise lib.last_error("baseRT_read_batch_logits")
+        return None
+
+    def collect(self, batch: Batch, fused: ctypes.Array[c_uint32] | None) -> list[RowResult]:
+        """Each lane's result of the forward: sampled ids, pooled tap rows, or its own error."""
+        results: list[RowResult] = []
+        taps_error = self._read_taps(batch.tapped) if batch.tapped else None
+        taps_at = 0
+        for i, (lane, row) in enumerate(batch.rows):
+            if row.kind == "embed":
+                results.append(RowResult(lane, row, error=taps_error) if taps_error
+                               else self._pool(lane, row, taps_at))
+                taps_at += row.tokens
+            elif not row.samples:
+                results.append(RowResult(lane, row))
+            elif fused is not None:
+                results.append(RowResult(lane, row, sampled=(int(fused[i]), None, None)))
+            else:
+                results.append(self._sample(lane, row, i))
+        return results
+
+    def _sample(self, lane: Lane | EmbedLane, row: PlannedRow, i: int) -> RowResult:
+        try:
+            assert isinstance(lane, Lane)
+            return RowResult(lane, row, sampled=self._sample_host_row(lane, i))
+        except AioBaseRTError as exc:  # this lane's sampling failed: only this lane ends
+            return RowResult(lane, row, error=exc)
+        except Exception as exc:
+            return RowResult(lane, row, error=internal_error("sampling", exc))
 
     def _read_taps(self, n_rows: int) -> AioBaseRTError | None:
         """Copy the step's tapped rows into the pooler's buffer; the error costs the embedding lanes only."""
@@ -379,17 +435,13 @@ class StepRunner:
             return internal_error("reading the hidden-state taps", exc)
         return None
 
-    def _pool(self, lane: EmbedLane, first: int, k: int) -> AioBaseRTError | None:
+    def _pool(self, lane: Lane | EmbedLane, row: PlannedRow, first: int) -> RowResult:
         assert self.pooler is not None
         try:
-            part = self.pooler.pooled_sum(self.pooler.rows[first : first + k])
+            part = self.pooler.pooled_sum(self.pooler.rows[first : first + row.tokens])
         except Exception as exc:
-            return internal_error("pooling the embedding", exc)
-        # An f16 tap overflows where the hidden state exceeds 65504: the engine
-        # thread then recomputes that input with baseRT_embed.
-        lane.finite = lane.finite and bool(np.isfinite(part).all())
-        lane.total += part
-        return None
+            return RowResult(lane, row, error=internal_error("pooling the embedding", exc))
+        return RowResult(lane, row, pooled=part)
 
     def _sample_host_row(self, lane: Lane, i: int) -> Sampled:
         """Pick lane's token from row i of the host logits (and its logprobs)."""
@@ -454,3 +506,37 @@ class StepRunner:
         else:  # an engine without the row op: the same on the f16 view
             allowed = np.unpackbits(self._mask.view(np.uint8), bitorder="little")[: self.vocab_size].astype(bool)
             self._logits[i, : self.vocab_size][~allowed] = -np.inf
+
+
+class Requests:
+    """The engine thread's registry of every request holding (or queued for) a
+    lane, by request id. An embedding is one kind of request (`EmbedLane`),
+    generation the other (`Lane`): one place to look either up."""
+
+    def __init__(self) -> None:
+        self._by_id: dict[str, Lane | EmbedLane] = {}
+
+    def add(self, req: Lane | EmbedLane) -> None:
+        self._by_id[req.rid] = req
+
+    def get(self, rid: str) -> Lane | EmbedLane | None:
+        return self._by_id.get(rid)
+
+    def pop(self, rid: str) -> None:
+        self._by_id.pop(rid, None)
+
+    def holds(self, req: Lane | EmbedLane) -> bool:
+        """`req` is still registered (not ended since it was planned)."""
+        return self._by_id.get(req.rid) is req
+
+    def of(self, state: LaneState) -> Lane | EmbedLane:
+        return self._by_id[state.rid]
+
+    def lanes(self) -> list[Lane]:
+        return [r for r in self._by_id.values() if isinstance(r, Lane)]
+
+    def embeds(self) -> list[EmbedLane]:
+        return [r for r in self._by_id.values() if isinstance(r, EmbedLane)]
+
+    def __len__(self) -> int:
+        return len(self._by_id)

@@ -1,7 +1,8 @@
 """Scheduling policy for continuous batching: no FFI, no asyncio, no threads.
 
-The engine thread asks `plan()` once per step and carries the plan out. The
-policy (in the spirit of vLLM's scheduler and llama.cpp's server slots):
+The engine thread asks `plan()` once per step and carries the `StepPlan` out
+(as vLLM v1's `Scheduler.schedule()` hands `EngineCore.step` a
+`SchedulerOutput`). The policy (in the spirit of vLLM's scheduler and llama.cpp's server slots):
 
 * Admission is strictly FIFO: a request gets a lane when one is free, in the
   order requests arrived, at most `max_batch_size` lanes at once. The wait
@@ -31,7 +32,9 @@ policy (in the spirit of vLLM's scheduler and llama.cpp's server slots):
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Literal
 
 from .errors import ContextLengthExceededError, EngineOverloadedError
 
@@ -54,6 +57,37 @@ class LaneState:
     @property
     def prefilling(self) -> bool:
         return self.prefilled < self.prompt_len
+
+
+RowKind = Literal["decode", "prefill", "embed"]
+
+
+@dataclass(frozen=True, slots=True)
+class PlannedRow:
+    """One lane's part of a step: `tokens` fed to its sequence."""
+
+    lane: LaneState
+    kind: RowKind
+    tokens: int
+    samples: bool
+    """A token is sampled from this row: a decode row, or the chunk that ends a prompt."""
+
+
+@dataclass(frozen=True, slots=True)
+class StepPlan:
+    """What one engine step does: the lanes admitted for it and its rows, in
+    admission order (the order of the fused call's sequences)."""
+
+    admitted: tuple[LaneState, ...]
+    rows: tuple[PlannedRow, ...]
+
+    def of(self, kind: RowKind) -> tuple[PlannedRow, ...]:
+        return tuple(r for r in self.rows if r.kind == kind)
+
+    @property
+    def tapped(self) -> int:
+        """Hidden-state rows the step taps: the embedding chunks' tokens."""
+        return sum(r.tokens for r in self.rows if r.kind == "embed")
 
 
 class Batcher:
@@ -146,7 +180,7 @@ class Batcher:
 
     def admit(self) -> list[LaneState]:
         """Move waiting requests into free lanes, FIFO. The engine then creates
-        their sequences (and seeds cached prefixes) before `schedule()`."""
+        their sequences (and seeds cached prefixes) before `schedule()` (`plan()` does both)."""
         admitted: list[LaneState] = []
         while self.waiting and len(self.running) < self.max_batch_size:
             lane = self.waiting.popleft()
@@ -154,6 +188,28 @@ class Batcher:
             self.running.append(lane)
             admitted.append(lane)
         return admitted
+
+    def plan(self, start: Callable[[LaneState], None] | None = None) -> StepPlan:
+        """The next step: admit waiting requests into free lanes (FIFO), then
+        plan every running lane's row.
+
+        `start` is called for each lane as it is admitted, before any row is
+        planned (as vLLM's scheduler allocates KV slots while it schedules): the
+        engine creates the lane's sequence there and seeds a cached prefix
+        (advancing `prefilled`), or removes the lane when it cannot start."""
+        admitted = self.admit()
+        if start is not None:
+            for lane in admitted:
+                start(lane)
+        rows: list[PlannedRow] = []
+        for lane, k in self.schedule():
+            if lane.embed:
+                rows.append(PlannedRow(lane, "embed", k, False))
+            elif lane.prefilling:
+                rows.append(PlannedRow(lane, "prefill", k, lane.prefilled + k == lane.prompt_len))
+            else:
+                rows.append(PlannedRow(lane, "decode", k, True))
+        return StepPlan(tuple(admitted), tuple(rows))
 
     def schedule(self) -> list[tuple[LaneState, int]]:
         """The rows of the next fused step: (lane, tokens fed), 1 for a decode

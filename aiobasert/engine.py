@@ -14,7 +14,22 @@ import anyio
 import numpy as np
 
 from . import _ffi
-from ._protocol import Call, Cancel, Close, Embed, EngineConfig, Prompt, RequestSpec, Submit
+from ._protocol import (
+    Ask,
+    Call,
+    Cancel,
+    Close,
+    Decode,
+    Embed,
+    Encode,
+    EngineConfig,
+    EvictPrefixCache,
+    Prompt,
+    Query,
+    RequestSpec,
+    Stats,
+    Submit,
+)
 from ._wakeup import LoopWaker
 from .chat import render_chat
 from .engine_thread import EngineThread
@@ -440,6 +455,22 @@ class Engine:
         self._thread.post(Call(fn, done))
         return await _wait_future(fut, self._waker)
 
+    async def _ask(self, query: Query) -> Any:
+        """Ask the engine thread `query` between two steps and await the answer."""
+        self._waker.check()
+        if self._port.closed:
+            raise EngineClosedError("the engine is closed")
+        fut: concurrent.futures.Future[Any] = concurrent.futures.Future()
+
+        def done(result: Any, error: BaseException | None) -> None:
+            if error is not None:
+                fut.set_exception(error)
+            else:
+                fut.set_result(result)
+
+        self._thread.post(Ask(query, done))
+        return await _wait_future(fut, self._waker)
+
     # ---- tokenizer, embeddings, introspection ---------------------------------------------
 
     async def encode(self, text: str, *, special: bool = False) -> list[int]:
@@ -452,7 +483,8 @@ class Engine:
             raise EngineClosedError("the engine is closed")
         intake = self._thread.intake
         if intake is None:  # an engine without a tokenizer-only handle: between two steps
-            return await self._call(lambda: self._thread.encode_text(text, special=special))
+            ids: list[int] = await self._ask(Encode(text, special))
+            return ids
         fut: concurrent.futures.Future[list[int]] = concurrent.futures.Future()
 
         def done(result: Any, error: BaseException | None) -> None:
@@ -470,7 +502,8 @@ class Engine:
         A stream's text is exactly this decode of its token ids (when no stop
         string or stop token cut it)."""
         checked = self._token_ids(ids, "decode input")
-        return await self._call(lambda: self._thread.decode_ids(checked))
+        text: str = await self._ask(Decode(checked))
+        return text
 
     async def embed(self, text: str | Sequence[int]) -> np.ndarray:
         """Mean-pooled final hidden state of `text` (float32, length dim): `baseRT_embed`'s result.
@@ -511,11 +544,13 @@ class Engine:
 
     async def stats(self) -> EngineStats:
         """Lanes, queue and KV-pool occupancy, read on the engine thread."""
-        return await self._call(self._thread.stats)
+        stats: EngineStats = await self._ask(Stats())
+        return stats
 
     async def evict_prefix_cache(self) -> int:
         """Drop every unlocked cached prefix; returns the KV blocks freed."""
-        return await self._call(self._thread.evict_prefix_cache)
+        evicted: int = await self._ask(EvictPrefixCache())
+        return evicted
 
     @property
     def engine_thread_id(self) -> int | None:

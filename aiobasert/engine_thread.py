@@ -37,23 +37,30 @@ from . import _ffi
 from ._intake import Intake, Tokenizer, run_job
 from ._output import Detokenizer, OutputProcessor
 from ._protocol import (
+    Ask,
     Call,
     Cancel,
     Close,
     Constraint,
+    Decode,
+    Done,
     Embed,
     EngineConfig,
+    EvictPrefixCache,
     Final,
     Message,
+    Notify,
     Prepared,
     Prompt,
+    Query,
     RequestSpec,
     Sink,
+    Stats,
     Submit,
     Ticket,
 )
-from ._step import EmbedLane, Lane, StepRunner, TapPooler, internal_error
-from .batcher import Batcher
+from ._step import EmbedLane, Lane, Requests, RowResult, Sampled, StepRunner, TapPooler, internal_error
+from .batcher import Batcher, LaneState
 from .errors import (
     AioBaseRTError,
     ContextLengthExceededError,
@@ -100,7 +107,7 @@ _UNDECIDED = object()
 class EngineThread:
     """Owns the model handle; everything below runs on this thread only."""
 
-    def __init__(self, lib: _ffi.Library, cfg: EngineConfig, notify: Callable[..., None]) -> None:
+    def __init__(self, lib: _ffi.Library, cfg: EngineConfig, notify: Notify) -> None:
         self.lib = lib
         self.cfg = cfg
         self._notify = notify  # LoopWaker.call_soon: fire-and-forget onto the loop
@@ -109,8 +116,7 @@ class EngineThread:
         self.stopped: concurrent.futures.Future[None] = concurrent.futures.Future()
         self._thread = threading.Thread(target=self._main, name="aiobasert-engine", daemon=True)
         self._model: int | None = None
-        self._lanes: dict[str, Lane] = {}
-        self._embeds: dict[str, EmbedLane] = {}
+        self.requests = Requests()  # every request with a lane (queued or running), generation or embedding
         self._embed_pooler: Any = _UNDECIDED  # TapPooler, or None for the single-call path
         self._dirty: dict[str, Lane] = {}
         self._closing = False
@@ -290,28 +296,89 @@ class EngineThread:
         return (raw or b"").decode("utf-8", "replace")
 
     def _serve(self) -> None:
-        while True:
-            idle = not self.batcher.has_runnable_work()
-            busy = bool(self._lanes or self._embeds or self._preparing)
-            self._drain(block=idle and not (self._closing and not busy))
-            # a drain serves the requests still being prepared too; an abort has answered them
-            if self._closing and (self._abort or not (self._preparing or self._lanes or self._embeds)):
-                return
-            if self.batcher.has_runnable_work():
-                try:
-                    self._step()
-                except Exception as exc:  # last resort: a bug outside any one lane costs the running lanes
-                    self._fail_running(internal_error("in the engine step", exc))
-            self._flush()
+        while self._step():
+            pass
+
+    # ---- one step -----------------------------------------------------------------------
+
+    def _step(self) -> bool:
+        """One engine step, as vLLM v1's `EngineCore.step` (schedule -> execute -> update):
+
+        1. drain the inbox: requests, cancels, queries, close (blocks when idle);
+        2. plan: the batcher admits waiting requests (`_start` creates their
+           sequences) and picks each running lane's row (`batcher.StepPlan`);
+        3. run: `StepRunner.run` = prepare -> ONE fused forward -> collect;
+        4. apply: each lane's `RowResult` is applied here, the lanes' one writer
+           (tokens through `OutputProcessor`, finish, failure, freeing);
+        5. deliver: everything the step produced reaches the loop in one wake-up.
+
+        False once the engine is closed (drained, or aborted)."""
+        idle = not self.batcher.has_runnable_work()
+        busy = bool(self.requests or self._preparing)
+        self._drain(block=idle and not (self._closing and not busy))
+        # a drain serves the requests still being prepared too; an abort has answered them
+        if self._closing and (self._abort or not (self._preparing or self.requests)):
+            return False
+        if self.batcher.has_runnable_work():
+            self.steps += 1
+            try:
+                plan = self.batcher.plan(self._start)
+                if plan.rows:
+                    for result in self.runner.run([(self.requests.of(r.lane), r) for r in plan.rows]):
+                        self._apply(result)
+            except Exception as exc:  # last resort: a bug outside any one lane costs the running lanes
+                self._fail_running(internal_error("in the engine step", exc))
+        self._deliver()
+        return True
+
+    def _apply(self, result: RowResult) -> None:
+        """Apply one lane's part of the step (the engine thread is the only writer of a lane)."""
+        lane, row = result.lane, result.row
+        if not self.requests.holds(lane):  # ended earlier in this step
+            return
+        if result.error is not None:
+            self._end(lane, result.error)
+            return
+        if row.kind != "decode":
+            lane.state.prefilled += row.tokens
+        if isinstance(lane, EmbedLane):
+            if result.pooled is not None:
+                lane.add(result.pooled)
+            self._embed_chunk_done(lane)
+        elif result.sampled is not None:
+            self._apply_token(lane, result.sampled)
+
+    def _apply_token(self, lane: Lane, sampled: Sampled) -> None:
+        try:
+            out = self.output.process(lane, *sampled)
+        except AioBaseRTError as exc:
+            self._fail(lane, exc)
+            return
+        except Exception as exc:  # a bug in one lane's output costs that lane only
+            self._fail(lane, internal_error("processing the output", exc))
+            return
+        if not lane.generated:
+            lane.first_token_at = time.monotonic()
+        lane.generated.append(out.token.id)
+        lane.state.generated += 1
+        self._emit(lane, out.token)
+        if out.finish is not None:
+            self._finish(lane, out.finish)
+
+    def _end(self, req: Lane | EmbedLane, error: BaseException | None) -> None:
+        """End a request with its error, or (None) because it was cancelled."""
+        if isinstance(req, EmbedLane):
+            self._end_embed(req, None, error)
+        elif error is None:
+            self._cancel(req)
+        else:
+            self._fail(req, error)
 
     def _fail_running(self, exc: AioBaseRTError) -> None:
         for state in list(self.batcher.running):
-            lane = self._lanes.get(state.rid)
-            if lane is not None:
-                self._fail(lane, exc)
-            embed = self._embeds.get(state.rid)
-            if embed is not None:
-                self._end_embed(embed, None, exc)
+            req = self.requests.get(state.rid)
+            if req is not None:
+                self._end(req, exc)
 
     def _drain(self, *, block: bool) -> None:
         try:
@@ -326,48 +393,70 @@ class EngineThread:
                 return
 
     def _handle(self, msg: Message) -> None:
+        """One inbox message, by its type."""
         if isinstance(msg, Submit):
             self._intake(msg)
         elif isinstance(msg, Cancel):
-            lane = self._lanes.get(msg.rid)
-            if lane is not None:
-                self._cancel(lane)
-            prep = self._in_prep.pop(msg.rid, None)
-            if prep is not None:  # cancelled while it is prepared: counted now, dropped on return
-                self._dropped.add(msg.rid)
-                if isinstance(prep, Submit):
-                    self.cancelled += 1
-            embed = self._embeds.get(msg.rid)
-            if embed is not None:  # its caller is gone: free the lane, nobody to tell
-                self._end_embed(embed, None, None)
+            self._on_cancel(msg)
         elif isinstance(msg, Embed):
             self._intake_embed(msg)
         elif isinstance(msg, Prepared):
-            self._preparing -= 1
-            if isinstance(msg.msg, Submit):
-                self._enqueue(msg.msg, msg.result, msg.error)
-            else:
-                self._enqueue_embed(msg.msg, msg.result, msg.error)
+            self._on_prepared(msg)
+        elif isinstance(msg, Ask):
+            self._run_for(msg.done, lambda: self._answer(msg.query))
         elif isinstance(msg, Call):
-            try:
-                result, error = msg.fn(), None
-            except BaseException as exc:
-                result, error = None, exc
-            self._notify(msg.done, result, error)
-        elif isinstance(msg, Close):
-            self._closing = True
-            # Lanes nobody can read any more are cancelled; the others run to
-            # their own end (bounded by max_tokens / the context: no lane ever
-            # waits for its reader).
-            for lane in list(self._lanes.values()):
-                if not lane.sink.alive():
-                    self._cancel(lane)
-            if msg.abort:
-                self._abort = True
-                for lane in list(self._lanes.values()):
-                    self._finish(lane, "aborted")
-                self._abort_embeds()
-                self._abort_in_prep()
+            self._run_for(msg.done, msg.fn)
+        else:
+            self._on_close(msg)
+
+    def _run_for(self, done: Done, fn: Callable[[], Any]) -> None:
+        try:
+            result, error = fn(), None
+        except BaseException as exc:
+            result, error = None, exc
+        self._notify(done, result, error)
+
+    def _answer(self, query: Query) -> Any:
+        """A query's answer, read between two steps."""
+        if isinstance(query, Stats):
+            return self.stats()
+        if isinstance(query, EvictPrefixCache):
+            return self.evict_prefix_cache()
+        if isinstance(query, Decode):
+            return self.decode_ids(query.ids)
+        return self.encode_text(query.text, special=query.special)
+
+    def _on_cancel(self, msg: Cancel) -> None:
+        req = self.requests.get(msg.rid)
+        if req is not None:  # an embedding's caller is gone: free the lane, nobody to tell
+            self._end(req, None)
+        prep = self._in_prep.pop(msg.rid, None)
+        if prep is not None:  # cancelled while it is prepared: counted now, dropped on return
+            self._dropped.add(msg.rid)
+            if isinstance(prep, Submit):
+                self.cancelled += 1
+
+    def _on_prepared(self, msg: Prepared) -> None:
+        self._preparing -= 1
+        if isinstance(msg.msg, Submit):
+            self._enqueue(msg.msg, msg.result, msg.error)
+        else:
+            self._enqueue_embed(msg.msg, msg.result, msg.error)
+
+    def _on_close(self, msg: Close) -> None:
+        self._closing = True
+        # Lanes nobody can read any more are cancelled; the others run to
+        # their own end (bounded by max_tokens / the context: no lane ever
+        # waits for its reader).
+        for lane in self.requests.lanes():
+            if not lane.sink.alive():
+                self._cancel(lane)
+        if msg.abort:
+            self._abort = True
+            for lane in self.requests.lanes():
+                self._finish(lane, "aborted")
+            self._abort_embeds()
+            self._abort_in_prep()
 
     def _abort_in_prep(self) -> None:
         """Answer the requests still being prepared now: an abort waits for no compile."""
@@ -482,7 +571,7 @@ class EngineThread:
             if not isinstance(exc, Exception):
                 raise
             return
-        self._lanes[spec.rid] = lane
+        self.requests.add(lane)
 
     def _build_constraint(self, tok: Tokenizer, schema: Mapping[str, Any] | bool) -> Constraint:
         """The lane's grammar: the engine's own where it has one, else the host backend.
@@ -615,7 +704,7 @@ class EngineThread:
             if not isinstance(exc, Exception):
                 raise
             return
-        self._embeds[msg.rid] = lane
+        self.requests.add(lane)
 
     def _embed_path(self) -> TapPooler | None:
         """The tapped (chunked) embedding path, or None for one baseRT_embed call.
@@ -722,10 +811,10 @@ class EngineThread:
         st = lane.state
         if st.admitted or st in self.batcher.waiting:
             self.batcher.remove(st)
-        self._embeds.pop(lane.rid, None)
+        self.requests.pop(lane.rid)
 
     def _abort_embeds(self) -> None:
-        for lane in list(self._embeds.values()):
+        for lane in self.requests.embeds():
             self._end_embed(lane, None, EngineClosedError("the engine was closed before the embedding finished"))
 
     # ---- tokenizer helpers (engine thread) ---------------------------------------------
@@ -803,47 +892,15 @@ class EngineThread:
             return 0
         return int(self.lib.baseRT_prefix_evict(self._model, 1 << 30))
 
-    # ---- one step -----------------------------------------------------------------------
-
-    def _step(self) -> None:
-        self.steps += 1
-        for state in self.batcher.admit():
-            if state.embed:
-                self._admit_embed(self._embeds[state.rid])
-            else:
-                self._admit(self._lanes[state.rid])
-        rows: list[tuple[Lane | EmbedLane, int]] = [
-            (self._embeds[st.rid] if st.embed else self._lanes[st.rid], k) for st, k in self.batcher.schedule()
-        ]
-        if not rows:
-            return
-        for lane, outcome in self.runner.step(rows):
-            if isinstance(lane, EmbedLane):
-                if lane.rid not in self._embeds:
-                    continue
-                if isinstance(outcome, BaseException):
-                    self._end_embed(lane, None, outcome)
-                else:
-                    self._embed_chunk_done(lane)
-                continue
-            if outcome is None or lane.rid not in self._lanes:
-                continue
-            if isinstance(outcome, BaseException):
-                self._fail(lane, outcome)
-                continue
-            try:
-                token, finish = self.output.process(lane, *outcome)
-            except AioBaseRTError as exc:
-                self._fail(lane, exc)
-                continue
-            except Exception as exc:  # a bug in one lane's output costs that lane only
-                self._fail(lane, internal_error("processing the output", exc))
-                continue
-            self._emit(lane, token)
-            if finish is not None:
-                self._finish(lane, finish)
-
     # ---- lane lifecycle ---------------------------------------------------------------
+
+    def _start(self, state: LaneState) -> None:
+        """A lane was admitted (`Batcher.plan`): its engine sequence, before its first row."""
+        req = self.requests.of(state)
+        if isinstance(req, EmbedLane):
+            self._admit_embed(req)
+        else:
+            self._admit(req)
 
     def _admit(self, lane: Lane) -> None:
         lib, model = self.lib, self._model
@@ -914,9 +971,9 @@ class EngineThread:
             self._close_constraint(constraint)
         if st.admitted or st in self.batcher.waiting:
             self.batcher.remove(st)
-        self._lanes.pop(lane.rid, None)
+        self.requests.pop(lane.rid)
 
-    def _flush(self) -> None:
+    def _deliver(self) -> None:
         """One wake-up of the loop for everything this step produced."""
         if not self._dirty:
             return
@@ -927,10 +984,10 @@ class EngineThread:
         self._notify(_deliver_batch, batch)
 
     def _shutdown(self) -> None:
-        for lane in list(self._lanes.values()):
+        for lane in self.requests.lanes():
             self._finish(lane, "aborted")
         self._abort_embeds()
-        self._flush()
+        self._deliver()
         if self.intake is not None:
             # The workers end after their current job (each frees its own tokenizer
             # handle, independent of the model): an abort waits for no compile.

@@ -671,3 +671,68 @@ async def test_await_interrupted_by_another_tasks_aclose_raises(tiny_model_path:
                     await s.aclose()
                     closed[0] = True
             assert late == []
+
+
+# ---- the shape of one step (issue 19) -------------------------------------------------
+
+# A Lane's lifecycle: what the engine thread decides (prefill progress, generated
+# ids, its sequence, how it ended, its pooled embedding). Only engine_thread.py
+# writes these, from the results the step and the output processor return.
+LANE_LIFECYCLE = {"prefilled", "generated", "seq", "final", "error", "first_token_at", "admitted_at",
+                  "cached", "prefix_handle", "pending", "total", "finite", "admitted_step"}
+
+
+def test_only_the_engine_thread_writes_a_lanes_lifecycle() -> None:
+    import ast
+
+    package = Path(aiobasert.__file__).parent
+    writes: list[str] = []
+    for path in sorted(package.rglob("*.py")):
+        if path.name == "engine_thread.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            targets: list[ast.expr] = []
+            if isinstance(node, ast.Assign):
+                targets = list(node.targets)
+            elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+                targets = [node.target]
+            elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                  and node.func.attr in ("append", "extend") and isinstance(node.func.value, ast.Attribute)):
+                targets = [node.func.value]  # lane.generated.append(...)
+            for t in targets:
+                # a lane's own constructor and methods write `self.x`: that is the lane itself
+                if (isinstance(t, ast.Attribute) and t.attr in LANE_LIFECYCLE
+                        and not (isinstance(t.value, ast.Name) and t.value.id == "self")):
+                    writes.append(f"{path.name}:{t.lineno}: {ast.unparse(t)}")
+    assert writes == []
+
+
+def test_the_fused_call_is_chosen_in_one_place() -> None:
+    from aiobasert._step import Batch
+
+    assert Batch(fusable=True).path() == "sample"
+    assert Batch(fusable=False).path() == "logits"  # no engine-side sampling: host rows
+    assert Batch(fusable=True, host=True).path() == "logits"  # a lane needs its logits row
+    assert Batch(fusable=True, host=True, tapped=3).path() == "taps"  # an embedding chunk rides along
+
+
+async def test_thread_side_queries_are_typed_messages(tiny_model_path: Path) -> None:
+    from aiobasert._protocol import Ask, Decode, EvictPrefixCache, Stats
+
+    async with Engine.open(tiny_model_path) as engine:
+        posted: list[Any] = []
+        post = engine._thread.post
+
+        def spy(msg: Any) -> None:
+            posted.append(msg)
+            post(msg)
+
+        engine._thread.post = spy  # type: ignore[method-assign]
+        with anyio.fail_after(BOUND):
+            ids = [5, 6, 7]
+            assert await engine.decode(ids) == await engine.decode(list(ids))
+            assert (await engine.stats()).steps >= 0
+            assert await engine.evict_prefix_cache() >= 0
+        queries = [type(m.query) for m in posted if isinstance(m, Ask)]
+        assert queries == [Decode, Decode, Stats, EvictPrefixCache]
+        assert all(isinstance(m, Ask) for m in posted)  # no Call(lambda) on the SDK's paths

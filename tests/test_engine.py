@@ -340,7 +340,7 @@ async def test_long_prompt_prefills_in_chunks_without_freezing_streams(tiny_mode
         long.submit()
 
         def snapshot() -> tuple[int, int, bool]:  # taken on the engine thread, between two steps
-            lane = engine._thread._lanes.get(long.request_id)
+            lane = engine._thread.requests.get(long.request_id)
             return engine._thread.steps, runner._ticket.delivered, lane is not None and lane.state.prefilling
 
         steps0, runner0, _ = await engine._call(snapshot)  # queued behind the submit
