@@ -25,12 +25,13 @@ from typing import Any
 import anyio
 import msgspec
 
-from . import convert, models
-from ._gguf_tokenizer import check_bundle_tokenizer
-from ._progress import ticking
 from .engine import Engine
 from .errors import AioBaseRTError
 from .group import _parse_models
+from .models import cache as models
+from .models import convert
+from .models._gguf_tokenizer import check_bundle_tokenizer
+from .models._progress import ticking
 from .types import ChatMessage, SamplingParams, Timing, Usage
 
 # Typed refusals whose message is the whole story: printed without a traceback.

@@ -13,8 +13,8 @@ from typing import TYPE_CHECKING, Any, TypeVar, cast, overload
 import anyio
 import numpy as np
 
-from . import _ffi
-from ._protocol import (
+from ._core import ffi as _ffi
+from ._core.protocol import (
     Ask,
     Call,
     Cancel,
@@ -30,7 +30,7 @@ from ._protocol import (
     Stats,
     Submit,
 )
-from ._wakeup import LoopWaker
+from ._core.wakeup import LoopWaker
 from .chat import render_chat
 from .engine_thread import EngineThread
 from .errors import EngineClosedError, InvalidConfigError, InvalidRequestError, InvalidSamplingParamsError
@@ -38,7 +38,7 @@ from .streams import TokenStream, new_request_id
 from .types import ChatMessage, Completion, EngineStats, ModelInfo, SamplingParams, schema_problem
 
 if TYPE_CHECKING:
-    from .convert import Dtype
+    from .models.convert import Dtype
     from .tools import ChatStream, Tool, ToolChoice
 
 T = TypeVar("T")
@@ -133,7 +133,7 @@ class Engine:
         model: a `.base` bundle, a llama-family `.gguf` (converted into the cache on
             first use, then reused), or a cached model's name (`aiobasert list`);
             None = the default model (SmolLM2-135M-Instruct, fetched, converted and
-            cached on first use; see `aiobasert.models`).
+            cached on first use; see `aiobasert.models.cache`).
         max_batch_size: concurrent lanes (sequences decoded together each step);
             capped by the engine's own limit (`info.max_batch_size` is what is served).
         max_context: tokens per lane (prompt + output), clamped to the model's window.
@@ -151,7 +151,7 @@ class Engine:
             kernels can hold them, see docs/models.md), "f16" / "f32" dequantize, "q8" / "q4"
             quantize group-wise. Ignored for a `.base` bundle or a cached name.
         """
-        from .models import check_dtype
+        from .models.cache import check_dtype
 
         check_dtype(dtype)
         for name, value, low in (
@@ -197,7 +197,7 @@ class Engine:
         thread_check: bool | None,
         dtype: Dtype,
     ) -> Engine:
-        from .models import resolve_model  # None = the demo model; a GGUF is converted into the cache once
+        from .models.cache import resolve_model  # None = the demo model; a GGUF is converted into the cache once
 
         path = os.fspath(await anyio.to_thread.run_sync(lambda: resolve_model(model, dtype=dtype)))
         lib = _ffi.load_library(library, thread_check=thread_check)

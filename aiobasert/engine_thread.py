@@ -33,10 +33,10 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from . import _ffi
-from ._intake import Intake, Tokenizer, run_job
-from ._output import Detokenizer, OutputProcessor
-from ._protocol import (
+from ._core import ffi as _ffi
+from ._core.intake import Intake, Tokenizer, run_job
+from ._core.output import Detokenizer, OutputProcessor
+from ._core.protocol import (
     Ask,
     Call,
     Cancel,
@@ -59,7 +59,7 @@ from ._protocol import (
     Submit,
     Ticket,
 )
-from ._step import EmbedLane, Lane, Requests, RowResult, Sampled, StepRunner, TapPooler, internal_error
+from ._core.step import EmbedLane, Lane, Requests, RowResult, Sampled, StepRunner, TapPooler, internal_error
 from .batcher import Batcher, LaneState
 from .errors import (
     AioBaseRTError,
@@ -73,7 +73,7 @@ from .errors import (
 from .types import MAX_SCHEMA_REFS, EngineStats, FinishReason, ModelInfo, Token
 
 if TYPE_CHECKING:  # the grammar module imports llguidance: loaded on first use only
-    from .grammar import GrammarBackend
+    from ._core.grammar import GrammarBackend
 
 __all__ = [  # the contract types are re-exported for code that imported them from here
     "Call",
@@ -576,7 +576,7 @@ class EngineThread:
     def _build_constraint(self, tok: Tokenizer, schema: Mapping[str, Any] | bool) -> Constraint:
         """The lane's grammar: the engine's own where it has one, else the host backend.
         On an intake worker, through its own tokenizer handle."""
-        from .grammar import EngineGrammarConstraint
+        from ._core.grammar import EngineGrammarConstraint
 
         lib, model = tok.lib, tok.handle
         native = None
@@ -587,7 +587,7 @@ class EngineThread:
     def _build_tag_constraint(self, tok: Tokenizer, tag: str | None, lark: str | None) -> Constraint:
         """A tool-call grammar: the engine's structural tag where the library builds
         it (bitmask stepping, like the schema path), else the host's Lark grammar."""
-        from .grammar import EngineGrammarConstraint
+        from ._core.grammar import EngineGrammarConstraint
 
         lib, model = tok.lib, tok.handle
         native = None
@@ -617,7 +617,7 @@ class EngineThread:
         worker, through its own tokenizer handle: the end ids are asked of the engine)."""
         with self._grammar_lock:
             if self._grammar is None:
-                from .grammar import GrammarBackend, engine_end_ids
+                from ._core.grammar import GrammarBackend, engine_end_ids
 
                 end_ids = engine_end_ids(tok.lib, tok.handle, self.vocab_size)
                 self._grammar = GrammarBackend.for_bundle(self.cfg.model_path, vocab_size=self.vocab_size,
@@ -735,7 +735,7 @@ class EngineThread:
             return None
         if lib.baseRT_model_supports_taps(model) != 1:
             return None
-        from .bundle import read_bundle
+        from .models.bundle import read_bundle
 
         with read_bundle(self.cfg.model_path) as bundle:
             weight = np.asarray(bundle.tensor("final_norm.weight"), dtype=np.float32).reshape(-1)

@@ -29,7 +29,7 @@ from typing import Any
 
 import anyio
 
-from ._protocol import Final, RequestSpec, StreamHost, Submit, Ticket
+from ._core.protocol import Final, RequestSpec, StreamHost, Submit, Ticket
 from .errors import StreamBusyError, StreamClosedError, WrongEventLoopError
 from .types import Completion, FinishReason, Token
 

@@ -23,7 +23,7 @@ dozen; the grammar compilers recurse per level."""
 MAX_SCHEMA_REFS = 1024
 """`$ref`s a json_schema may hold: llguidance recurses once per chained `$ref`
 (~8-32 kB of stack each), so this bounds the stack a compile needs (the
-grammar workers have 256 MiB: aiobasert._intake)."""
+grammar workers have 256 MiB: aiobasert._core.intake)."""
 MAX_SCHEMA_NODES = 250_000
 """Values (keys' values, items, scalars) in a json_schema: bounds the compile's work."""
 

@@ -79,12 +79,12 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=1000, help="tokens to embed")
     args = ap.parse_args()
     if args.tiny:
-        from aiobasert.tiny import build_tiny_model
+        from aiobasert.models.tiny import build_tiny_model
 
         model = str(build_tiny_model(Path(tempfile.mkdtemp()) / "tiny.base", n_layers=4, dim=256, n_heads=8,
                                      n_kv_heads=4, ffn_dim=512, tied=False))
     else:
-        from aiobasert.models import default_model_path
+        from aiobasert.models.cache import default_model_path
 
         model = str(default_model_path())
     anyio.run(main_async, model, args.chunks, args.tokens)

@@ -24,7 +24,7 @@ import anyio
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from aiobasert.tiny import build_tiny_model
+from aiobasert.models.tiny import build_tiny_model
 from tests.lifecycle_model import LifecycleWalk
 
 

@@ -28,8 +28,8 @@ import ray
 from openai import OpenAI
 from ray import serve
 
+from aiobasert.models.tiny import build_tiny_model
 from aiobasert.server.ray_serve import build_ray_app
-from aiobasert.tiny import build_tiny_model
 
 SYSTEM = "You are the support assistant of a parcel delivery company. Be brief and polite."
 

@@ -26,7 +26,8 @@ import anyio
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from aiobasert import Engine, _ffi
+from aiobasert import Engine
+from aiobasert._core import ffi as _ffi
 
 PROMPT = "Once upon a time, in a land far away, there lived"
 TICK = 0.005  # the lag probe's period: how late each 5 ms sleep wakes is the loop's lag
@@ -109,14 +110,14 @@ def main() -> None:
                          "of load from other processes on a shared machine does not land on one side only")
     args = ap.parse_args()
     if args.tiny:
-        from aiobasert.tiny import build_tiny_model
+        from aiobasert.models.tiny import build_tiny_model
 
         model = str(build_tiny_model(Path(tempfile.mkdtemp()) / "tiny.base", n_layers=4, dim=256, n_heads=8,
                                      n_kv_heads=4, ffn_dim=768))
     elif args.model:
         model = args.model
     else:
-        from aiobasert.models import default_model_path
+        from aiobasert.models.cache import default_model_path
 
         model = str(default_model_path())
     print(f"model: {model}\ntokens per stream: {args.tokens}")

@@ -23,7 +23,7 @@ import anyio
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from aiobasert import AioBaseRTError, Engine
-from aiobasert.tiny import build_tiny_model
+from aiobasert.models.tiny import build_tiny_model
 
 
 def rss_mb() -> float:

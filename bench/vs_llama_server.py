@@ -73,7 +73,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from aiobasert.models import smollm2_gguf_path
+from aiobasert.models.cache import smollm2_gguf_path
 
 CACHE = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "aiobasert" / "bench"
 ROOT = Path(__file__).resolve().parent.parent
@@ -418,10 +418,10 @@ def our_model(gguf: Path, dtype: str, model: Path | None) -> Path:
     if not dst.is_file():
         dst.parent.mkdir(parents=True, exist_ok=True)
         tmp = dst.with_name(f".{dst.stem}.tmp.base")
-        cmd = [sys.executable, "-m", "aiobasert.convert", str(gguf), str(tmp), "--dtype", dtype, "--quiet"]
+        cmd = [sys.executable, "-m", "aiobasert.models.convert", str(gguf), str(tmp), "--dtype", dtype, "--quiet"]
         print("converting:", " ".join(cmd), flush=True)
         if subprocess.run(cmd, env={**os.environ, "PYTHONPATH": str(ROOT)}).returncode != 0:
-            raise BenchError(f"aiobasert.convert --dtype {dtype} failed")
+            raise BenchError(f"aiobasert.models.convert --dtype {dtype} failed")
         os.replace(tmp, dst)
     return dst
 

@@ -23,17 +23,17 @@ import anyio
 import pytest
 from loopback import API_KEY, MODEL_NAME, serving
 
-import aiobasert.bundle
-import aiobasert.convert
-from aiobasert._ffi import Library, load_library
-from aiobasert.models import (
+import aiobasert.models.bundle
+import aiobasert.models.convert
+from aiobasert._core.ffi import Library, load_library
+from aiobasert.models.cache import (
     ModelNotAvailableError,
     cache_dir,
     default_model_path,
     gguf_bundle_path,
     smollm2_gguf_path,
 )
-from aiobasert.tiny import build_tiny_model
+from aiobasert.models.tiny import build_tiny_model
 
 
 @pytest.fixture(scope="session")
@@ -71,7 +71,7 @@ def second_tiny_model_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def _converter_digest() -> str:
     """Identifies the converter code, so a cached conversion is reused only while it is current."""
     digest = hashlib.sha256()
-    for module in (aiobasert.convert, aiobasert.bundle):
+    for module in (aiobasert.models.convert, aiobasert.models.bundle):
         assert module.__file__ is not None
         digest.update(Path(module.__file__).read_bytes())
     return digest.hexdigest()[:16]

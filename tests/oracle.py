@@ -23,7 +23,7 @@ import gguf
 import numpy as np
 import numpy.typing as npt
 
-from aiobasert.bundle import read_bundle
+from aiobasert.models.bundle import read_bundle
 
 Weights = Callable[[str], npt.NDArray[np.float32]]
 
@@ -271,7 +271,7 @@ def bundle_oracle_config(arch: str, c: dict[str, Any], tensor: Weights) -> Oracl
     )
 
 
-# GGUF tensor names -> canonical bundle names, written out independently of aiobasert.convert.
+# GGUF tensor names -> canonical bundle names, written out independently of aiobasert.models.convert.
 _GGUF_GLOBAL = {"token_embd": "embed_tokens", "output_norm": "final_norm", "output": "lm_head",
                 "rope_freqs": "rope_freqs"}
 _GGUF_LAYER = {

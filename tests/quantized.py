@@ -6,8 +6,8 @@ from pathlib import Path
 
 import numpy as np
 
-from aiobasert.bundle import BundleWriter, TensorEntry, read_bundle
-from aiobasert.convert import quantize_groups
+from aiobasert.models.bundle import BundleWriter, TensorEntry, read_bundle
+from aiobasert.models.convert import quantize_groups
 
 
 def quantize_bundle(src: Path, dst: Path, dtype: str, *, group_size: int = 32, symmetric: bool = False) -> Path:

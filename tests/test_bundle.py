@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from aiobasert.bundle import (
+from aiobasert.models.bundle import (
     BLOB_ALIGNMENT,
     BundleError,
     BundleWriter,

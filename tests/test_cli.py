@@ -19,8 +19,9 @@ import msgspec
 import pytest
 from tiny_gguf import write_gguf
 
-from aiobasert import Completion, convert
+from aiobasert import Completion
 from aiobasert import cli as cli_module
+from aiobasert.models import convert
 
 
 def cli(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
@@ -78,7 +79,7 @@ def test_convert_refuses_a_non_gguf(tmp_path: Path) -> None:
 
 
 def _converter_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m aiobasert.convert")
+    parser = argparse.ArgumentParser(prog="python -m aiobasert.models.convert")
     convert.add_arguments(parser)
     return parser
 
@@ -95,7 +96,7 @@ def _parsers(parser: argparse.ArgumentParser, path: str) -> list[tuple[str, argp
 @pytest.mark.parametrize(
     "parser",
     [cli_module.build_parser(), _converter_parser()],
-    ids=["aiobasert", "python -m aiobasert.convert"],
+    ids=["aiobasert", "python -m aiobasert.models.convert"],
 )
 def test_every_option_has_help(parser: argparse.ArgumentParser) -> None:
     checked = 0

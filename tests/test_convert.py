@@ -21,12 +21,12 @@ from tiny_gguf import ARCH_GGUFS, DIM, FFN, HEAD_DIM, HEADS, KV_HEADS, LAYERS, w
 from tokenizers import Tokenizer, pre_tokenizers
 from tokenizers.models import BPE
 
-from aiobasert import convert as convert_module
-from aiobasert import models
-from aiobasert._ffi import Library
-from aiobasert.bundle import Bundle, read_bundle
-from aiobasert.convert import ConversionError, convert_gguf, main
-from aiobasert.tiny import CHATML_TEMPLATE, tiny_vocab
+from aiobasert._core.ffi import Library
+from aiobasert.models import cache as models
+from aiobasert.models import convert as convert_module
+from aiobasert.models.bundle import Bundle, read_bundle
+from aiobasert.models.convert import ConversionError, convert_gguf, main
+from aiobasert.models.tiny import CHATML_TEMPLATE, tiny_vocab
 
 
 def assert_matches_gguf(bundle: Bundle, gguf_path: Path, dtype: str) -> None:

@@ -34,7 +34,7 @@ from aiobasert import (
     TokenStream,
     WrongEventLoopError,
 )
-from aiobasert.tiny import bytes_to_unicode, tiny_vocab
+from aiobasert.models.tiny import bytes_to_unicode, tiny_vocab
 
 pytestmark = pytest.mark.anyio
 
@@ -296,8 +296,8 @@ async def test_numpy_scalars_are_accepted_as_python_values(tiny_model_path: Path
 async def test_an_unexpected_error_in_one_lane_fails_only_that_lane(
     tiny_model_path: Path, monkeypatch: pytest.MonkeyPatch, path: str
 ) -> None:
-    import aiobasert._output
-    import aiobasert._step
+    import aiobasert._core.output
+    import aiobasert._core.step
 
     victim_seed = 666
 
@@ -306,22 +306,22 @@ async def test_an_unexpected_error_in_one_lane_fails_only_that_lane(
             raise RuntimeError("a bug that only this request's parameters reach")
 
     if path == "fused":
-        real = aiobasert._step.row_sampling
+        real = aiobasert._core.step.row_sampling
 
         def row_sampling(lane: Any, keep: list[Any]) -> Any:
             boom_if_victim(lane)
             return real(lane, keep)
 
-        monkeypatch.setattr(aiobasert._step, "row_sampling", row_sampling)
+        monkeypatch.setattr(aiobasert._core.step, "row_sampling", row_sampling)
         extra: dict[str, Any] = {}
     else:
-        real_process = aiobasert._output.OutputProcessor.process
+        real_process = aiobasert._core.output.OutputProcessor.process
 
         def process(self: Any, lane: Any, *args: Any) -> Any:
             boom_if_victim(lane)
             return real_process(self, lane, *args)
 
-        monkeypatch.setattr(aiobasert._output.OutputProcessor, "process", process)
+        monkeypatch.setattr(aiobasert._core.output.OutputProcessor, "process", process)
         extra = {"logprobs": True}
     async with Engine.open(tiny_model_path, max_batch_size=4) as engine:
         with anyio.fail_after(BOUND):
@@ -494,9 +494,9 @@ async def test_small_refusals_are_typed_and_exact(tiny_model_path: Path, tmp_pat
 
 
 def test_every_exception_derives_from_the_root() -> None:
-    from aiobasert.bundle import BundleError
-    from aiobasert.convert import ConversionError
-    from aiobasert.models import ModelNotAvailableError
+    from aiobasert.models.bundle import BundleError
+    from aiobasert.models.cache import ModelNotAvailableError
+    from aiobasert.models.convert import ConversionError
 
     for cls in (BundleError, ConversionError, ModelNotAvailableError, InvalidConfigError, WrongEventLoopError,
                 StreamBusyError, StreamClosedError):
@@ -687,7 +687,9 @@ def test_only_the_engine_thread_writes_a_lanes_lifecycle() -> None:
 
     package = Path(aiobasert.__file__).parent
     writes: list[str] = []
-    for path in sorted(package.rglob("*.py")):
+    # where lanes live: the SDK's top level and its engine machinery (not models/ or server/, whose
+    # objects share attribute names such as a progress bar's `total`)
+    for path in sorted([*package.glob("*.py"), *(package / "_core").glob("*.py")]):
         if path.name == "engine_thread.py":
             continue
         for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
@@ -708,7 +710,7 @@ def test_only_the_engine_thread_writes_a_lanes_lifecycle() -> None:
 
 
 def test_the_fused_call_is_chosen_in_one_place() -> None:
-    from aiobasert._step import Batch
+    from aiobasert._core.step import Batch
 
     assert Batch(fusable=True).path() == "sample"
     assert Batch(fusable=False).path() == "logits"  # no engine-side sampling: host rows
@@ -717,7 +719,7 @@ def test_the_fused_call_is_chosen_in_one_place() -> None:
 
 
 async def test_thread_side_queries_are_typed_messages(tiny_model_path: Path) -> None:
-    from aiobasert._protocol import Ask, Decode, EvictPrefixCache, Stats
+    from aiobasert._core.protocol import Ask, Decode, EvictPrefixCache, Stats
 
     async with Engine.open(tiny_model_path) as engine:
         posted: list[Any] = []

@@ -25,7 +25,7 @@ from aiobasert import (
     InvalidRequestError,
     TokenStream,
 )
-from aiobasert._ffi import Library
+from aiobasert._core.ffi import Library
 
 pytestmark = pytest.mark.anyio
 

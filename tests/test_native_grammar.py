@@ -18,9 +18,9 @@ from raw_abi import coded_error as error
 from raw_abi import encode
 
 from aiobasert import Engine
-from aiobasert._ffi import Library
-from aiobasert.bundle import read_bundle
-from aiobasert.tiny import EOS_ID
+from aiobasert._core.ffi import Library
+from aiobasert.models.bundle import read_bundle
+from aiobasert.models.tiny import EOS_ID
 
 INVALID_ARGUMENT, UNSUPPORTED = 2, 5
 CONTROL = 3

@@ -23,8 +23,8 @@ import pytest
 from quantized import quantize_bundle
 from tiny_gguf import write_gguf
 
-from aiobasert.convert import convert_gguf
-from aiobasert.tiny import build_tiny_model
+from aiobasert.models.convert import convert_gguf
+from aiobasert.models.tiny import build_tiny_model
 
 ROOT = Path(__file__).resolve().parent.parent
 KERNEL_SUITES = ["tests/test_native_quant.py", "tests/test_native_weights.py", "tests/test_native_runtime.py",
@@ -53,7 +53,7 @@ def expected_kernels(cap: str | None, flags: set[str]) -> str:
 
 
 def chosen_kernels(env: dict[str, str]) -> str:
-    code = "from aiobasert._ffi import load_library; print(load_library().baseRT_ref_kernels().decode())"
+    code = "from aiobasert._core.ffi import load_library; print(load_library().baseRT_ref_kernels().decode())"
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
                          timeout=120, check=True)
     return out.stdout.strip()
@@ -65,7 +65,7 @@ import hashlib, sys
 from pathlib import Path
 sys.path.insert(0, "tests")
 from raw_abi import load, step_logits
-from aiobasert._ffi import load_library
+from aiobasert._core.ffi import load_library
 lib = load_library()
 m = load(lib, Path(sys.argv[1]), 64, max_batch_size=4, prefill_chunk=64)
 seqs = [int(lib.baseRT_sequence_create(m)) for _ in range(3)]

@@ -22,8 +22,8 @@ import pytest
 import raw_abi
 from raw_abi import step_logits
 
-from aiobasert._ffi import BaseRTLoadOptions, BaseRTMemoryStats, Library
-from aiobasert.tiny import build_tiny_model
+from aiobasert._core.ffi import BaseRTLoadOptions, BaseRTMemoryStats, Library
+from aiobasert.models.tiny import build_tiny_model
 
 OK, INVALID_ARGUMENT = 0, 2
 

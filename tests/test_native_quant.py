@@ -27,11 +27,11 @@ import raw_abi
 from quantized import quantize_bundle
 from raw_abi import step_logits
 
-from aiobasert import models
-from aiobasert._ffi import Library
-from aiobasert.bundle import read_bundle
-from aiobasert.convert import convert_gguf
-from aiobasert.tiny import build_tiny_model
+from aiobasert._core.ffi import Library
+from aiobasert.models import cache as models
+from aiobasert.models.bundle import read_bundle
+from aiobasert.models.convert import convert_gguf
+from aiobasert.models.tiny import build_tiny_model
 from tests.oracle import NumpyLlama, gguf_oracle
 from tests.tiny_gguf import k_mix_gguf, real_blocks_gguf, write_gguf
 
@@ -323,7 +323,7 @@ import ctypes, json, re, sys
 sys.path.insert(0, "tests")
 from pathlib import Path
 from raw_abi import load
-from aiobasert import _ffi
+from aiobasert._core import ffi as _ffi
 lib = _ffi.load_library()
 def status(key):
     return int(re.search(key + r":\\s+(\\d+)", Path("/proc/self/status").read_text())[1]) * 1024

@@ -4,7 +4,7 @@ sequences, batched steps, the prefix cache and the single-sequence API.
 The invariants the SDK relies on are checked bit for bit: a lane's logits do not
 depend on what else is in its batch, on how its prompt was chunked, or on
 whether its prefix came from the cache. Values are checked against the numpy
-oracle (tests/oracle.py). The library is the one aiobasert._ffi finds (the
+oracle (tests/oracle.py). The library is the one aiobasert._core.ffi finds (the
 bundled build, or $BASERT_LIB_PATH).
 """
 
@@ -22,7 +22,7 @@ import numpy as np
 import numpy.typing as npt
 import pytest
 
-from aiobasert._ffi import (
+from aiobasert._core.ffi import (
     TOKEN_CALLBACK,
     BaseRTGenerationStats,
     BaseRTLoadOptions,
@@ -31,7 +31,7 @@ from aiobasert._ffi import (
     BaseRTSamplingConfig,
     Library,
 )
-from aiobasert.tiny import build_tiny_model
+from aiobasert.models.tiny import build_tiny_model
 from tests.oracle import LlamaForward, NumpyLlama
 
 OK, INVALID_ARGUMENT, UNSUPPORTED, OUT_OF_MEMORY, GENERATION_FAILED = 0, 2, 5, 6, 8

@@ -24,8 +24,8 @@ import numpy as np
 import pytest
 from quantized import quantize_bundle
 
-from aiobasert._ffi import TOKEN_CALLBACK, BaseRTLoadOptions, BaseRTMemoryStats, BaseRTSamplingConfig, Library
-from aiobasert.tiny import build_tiny_model
+from aiobasert._core.ffi import TOKEN_CALLBACK, BaseRTLoadOptions, BaseRTMemoryStats, BaseRTSamplingConfig, Library
+from aiobasert.models.tiny import build_tiny_model
 
 OK, INVALID_ARGUMENT, INVALID_FORMAT, OUT_OF_MEMORY = 0, 2, 4, 6
 PAGE = 16

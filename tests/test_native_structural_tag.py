@@ -22,9 +22,9 @@ from hypothesis import strategies as st
 from raw_abi import coded_error as error
 from raw_abi import encode
 
-from aiobasert._ffi import Library
-from aiobasert.bundle import read_bundle
-from aiobasert.tiny import EOS_ID
+from aiobasert._core.ffi import Library
+from aiobasert.models.bundle import read_bundle
+from aiobasert.models.tiny import EOS_ID
 
 INVALID_ARGUMENT, UNSUPPORTED = 2, 5
 IM_START = 1  # a CONTROL token of the tiny vocabulary that is not an end token

@@ -16,9 +16,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-from aiobasert._ffi import BaseRTLoadOptions, BaseRTMemoryStats, Library
-from aiobasert.bundle import read_bundle
-from aiobasert.tiny import build_tiny_model
+from aiobasert._core.ffi import BaseRTLoadOptions, BaseRTMemoryStats, Library
+from aiobasert.models.bundle import read_bundle
+from aiobasert.models.tiny import build_tiny_model
 
 OK, INVALID_ARGUMENT, UNSUPPORTED = 0, 2, 5
 N_LAYERS, DIM, CHUNK = 2, 64, 16

@@ -19,8 +19,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from aiobasert._ffi import BaseRTLoadOptions, BaseRTMemoryStats, Library
-from aiobasert.tiny import build_tiny_model
+from aiobasert._core.ffi import BaseRTLoadOptions, BaseRTMemoryStats, Library
+from aiobasert.models.tiny import build_tiny_model
 
 
 def load(lib: Library, path: Path, *, widen: bool) -> int:

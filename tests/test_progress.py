@@ -1,4 +1,4 @@
-"""The elapsed-time line for steps without progress of their own (aiobasert._progress)."""
+"""The elapsed-time line for steps without progress of their own (aiobasert.models._progress)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-from aiobasert._progress import ticking
+from aiobasert.models._progress import ticking
 
 
 def test_a_slow_step_shows_its_elapsed_time(capsys: pytest.CaptureFixture[str]) -> None:

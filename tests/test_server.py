@@ -31,8 +31,8 @@ from loopback import API_KEY, MODEL_NAME, serving
 from openai import AsyncOpenAI, OpenAI
 
 from aiobasert import Engine
+from aiobasert.models.tiny import SPECIAL_TOKENS, build_tiny_model
 from aiobasert.server import create_app
-from aiobasert.tiny import SPECIAL_TOKENS, build_tiny_model
 
 REPO = Path(__file__).resolve().parent.parent
 LONG_CONTEXT = 16384

@@ -13,8 +13,8 @@ from loopback import serving
 from openai import OpenAI
 from prometheus_client.parser import text_string_to_metric_families
 
+from aiobasert.models.tiny import SPECIAL_TOKENS
 from aiobasert.server import create_app
-from aiobasert.tiny import SPECIAL_TOKENS
 
 MODEL_NAME = "tiny"
 

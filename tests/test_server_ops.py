@@ -18,8 +18,8 @@ from test_server import start_uvicorn
 import aiobasert
 from aiobasert import Engine, SamplingParams
 from aiobasert.fanout import chat_n, generate_n
+from aiobasert.models.tiny import SPECIAL_TOKENS
 from aiobasert.server import create_app
-from aiobasert.tiny import SPECIAL_TOKENS
 
 MODEL_NAME = "tiny"
 ORIGIN = "http://app.example"

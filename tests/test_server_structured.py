@@ -16,9 +16,9 @@ from loopback import serving
 from openai import OpenAI
 from openai.types.chat import ChatCompletionMessageParam
 
-from aiobasert.bundle import read_bundle
+from aiobasert.models.bundle import read_bundle
+from aiobasert.models.tiny import EOS_ID
 from aiobasert.server import create_app
-from aiobasert.tiny import EOS_ID
 
 API_KEY = "sk-test-key"
 MODEL_NAME = "tiny"

@@ -266,9 +266,9 @@ def test_engine_structural_tag_over_http(untied_model_path: Path) -> None:
     tag (not llguidance) behind /v1/chat/completions: required calls stream the same
     arguments as the whole response and validate; a named call with
     parallel_tool_calls=false is the only one."""
-    from aiobasert.bundle import read_bundle
+    from aiobasert.models.bundle import read_bundle
+    from aiobasert.models.tiny import EOS_ID
     from aiobasert.server.provider import SingleEngineProvider
-    from aiobasert.tiny import EOS_ID
 
     params = {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
               "required": ["city", "days"], "additionalProperties": False}

@@ -17,9 +17,11 @@ import tokenizers
 from oracle import gguf_oracle
 from tokenizer_corpus import corpus
 
-from aiobasert import Engine, _ffi, models
-from aiobasert._hf_tokenizer import hf_tokenizer_json
-from aiobasert.bundle import read_bundle
+from aiobasert import Engine
+from aiobasert._core import ffi as _ffi
+from aiobasert.models import cache as models
+from aiobasert.models._hf_tokenizer import hf_tokenizer_json
+from aiobasert.models.bundle import read_bundle
 
 pytestmark = pytest.mark.slow
 

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from aiobasert.stopping import StopStringMatcher
+from aiobasert._core.stopping import StopStringMatcher
 
 
 def run(stops: list[str], pieces: list[str]) -> tuple[str, bool]:

@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 
 from aiobasert import Completion, Engine, InvalidRequestError
-from aiobasert._ffi import Library
-from aiobasert.bundle import read_bundle
-from aiobasert.grammar import GrammarBackend
-from aiobasert.tiny import EOS_ID, build_tiny_model
+from aiobasert._core.ffi import Library
+from aiobasert._core.grammar import GrammarBackend
+from aiobasert.models.bundle import read_bundle
+from aiobasert.models.tiny import EOS_ID, build_tiny_model
 
 PERSON: dict[str, Any] = {
     "type": "object",

@@ -11,9 +11,9 @@ import pytest
 from oracle import NumpyLlama
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-from aiobasert import tiny
-from aiobasert.bundle import read_bundle
-from aiobasert.tiny import build_tiny_model, bytes_to_unicode, pretokenize, tiny_vocab
+from aiobasert.models import tiny
+from aiobasert.models.bundle import read_bundle
+from aiobasert.models.tiny import build_tiny_model, bytes_to_unicode, pretokenize, tiny_vocab
 
 TRICKY_TEXTS = [
     "Hello world's 12ab  x\n\n  y  ",

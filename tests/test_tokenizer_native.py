@@ -2,7 +2,7 @@
 
 The vocabulary is trained with HF's BpeTrainer (byte-level, digits split, a few hundred merges) over the
 test corpus, exported to the GGUF-style arrays a bundle carries, and then both sides tokenize the corpus:
-the C code through native/tests/tok_driver.c, HF through the tokenizer.json that aiobasert._hf_tokenizer
+the C code through native/tests/tok_driver.c, HF through the tokenizer.json that aiobasert.models._hf_tokenizer
 builds from the same arrays.
 """
 
@@ -30,11 +30,11 @@ from tok_harness import (
 from tokenizer_corpus import corpus
 from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers, trainers
 
-import aiobasert.convert
-from aiobasert._ffi import Library
-from aiobasert._gguf_tokenizer import SUPPORTED_PRE, tokenizer_refusal
-from aiobasert._hf_tokenizer import hf_tokenizer_json
-from aiobasert.models import cache_dir
+import aiobasert.models.convert
+from aiobasert._core.ffi import Library
+from aiobasert.models._gguf_tokenizer import SUPPORTED_PRE, tokenizer_refusal
+from aiobasert.models._hf_tokenizer import hf_tokenizer_json
+from aiobasert.models.cache import cache_dir
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|im_sep|>"]
 USER_DEFINED_TOKENS = ["<tool_call>"]
@@ -251,7 +251,7 @@ REFUSED_VOCABS = ("phi-3", "aquila", "bert-bge", "deepseek-coder", "deepseek-llm
 
 
 def llama_cpp_meta(vocab_dir: Path, name: str) -> dict[str, Any]:
-    _, meta = aiobasert.convert._read_gguf(vocab_dir / f"ggml-vocab-{name}.gguf")
+    _, meta = aiobasert.models.convert._read_gguf(vocab_dir / f"ggml-vocab-{name}.gguf")
     return meta
 
 
@@ -306,7 +306,7 @@ def test_llama_cpp_vocabulary_through_a_bundle(name: str, llama_cpp_vocab_dir: P
     """The vocabulary carried by a GGUF -> .base conversion (random weights) into the loader: the engine's
     own encode / decode entry points give llama.cpp's ids and the text back."""
     fields = llama_cpp_fields(llama_cpp_vocab_dir, name)
-    bundle = aiobasert.convert.convert_gguf(write_gguf(tmp_path / f"{name}.gguf", tokenizer=fields),
+    bundle = aiobasert.models.convert.convert_gguf(write_gguf(tmp_path / f"{name}.gguf", tokenizer=fields),
                                             tmp_path / f"{name}.base", progress=False)
     m = load(lib, bundle, 64)
     try:
@@ -427,7 +427,7 @@ def test_gemma3_vocabulary_parity_with_hf(driver: Path, workdir: Path, strings: 
     gguf = cache_dir() / "downloads" / "gemma-3-270m-q4_k_m.gguf"
     if not gguf.is_file():
         pytest.skip(f"{gguf} is not downloaded (the Gemma 3 model tests fetch it)")
-    _, meta = aiobasert.convert._read_gguf(gguf)
+    _, meta = aiobasert.models.convert._read_gguf(gguf)
     fields = {k: v for k, v in meta.items() if k.startswith("tokenizer.")}
     assert fields["tokenizer.ggml.model"] == "llama" and fields["tokenizer.ggml.add_space_prefix"] is False
     assert tokenizer_refusal(meta) is None

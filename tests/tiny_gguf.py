@@ -9,7 +9,7 @@ from typing import Any
 import gguf
 import numpy as np
 
-from aiobasert.tiny import CHATML_TEMPLATE, llama3_rope_factors, tiny_vocab
+from aiobasert.models.tiny import CHATML_TEMPLATE, llama3_rope_factors, tiny_vocab
 
 Q = gguf.GGMLQuantizationType
 DIM, FFN, HEADS, KV_HEADS, LAYERS = 64, 96, 4, 2, 2

@@ -1,5 +1,5 @@
 """Shared helpers of the native tokenizer tests: build native/tests/tok_driver.c, feed it, and compare
-its ids with HF ``tokenizers`` on the same vocabulary (the tokenizer.json from aiobasert._hf_tokenizer)."""
+its ids with HF ``tokenizers`` on the same vocabulary (the tokenizer.json from aiobasert.models._hf_tokenizer)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from typing import Any
 
 from tokenizers import Tokenizer
 
-from aiobasert._hf_tokenizer import hf_tokenizer_json
+from aiobasert.models._hf_tokenizer import hf_tokenizer_json
 
 REPO = Path(__file__).resolve().parents[1]
 DRIVER_SOURCES = [

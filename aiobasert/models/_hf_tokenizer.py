@@ -7,7 +7,7 @@ ids, so this mapping states what "equivalent" means:
 - model: byte-level BPE over the vocabulary and merges as stored (GGUF keeps the GPT-2 byte-level text),
   no unk token, no byte fallback, merges applied even when a whole word is in the vocabulary (except for
   the Llama 3 names: ``ignore_merges``, as Llama 3's own tokenizer.json);
-- pre-tokenizer, by llama.cpp's names (aiobasert._gguf_tokenizer): ``smollm`` and its aliases split every
+- pre-tokenizer, by llama.cpp's names (aiobasert.models._gguf_tokenizer): ``smollm`` and its aliases split every
   digit off, then apply the GPT-2 ByteLevel regex; ``gpt2`` / ``gpt-2`` / ``default`` ... only the regex;
   ``llama-bpe`` / ``qwen2`` ... Llama 3's / Qwen2's Split regex, then ByteLevel without its own regex;
 - added tokens: every CONTROL (type 3) and UNKNOWN (type 2) token, special, and USER_DEFINED (type 4) token,

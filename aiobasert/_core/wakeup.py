@@ -21,7 +21,7 @@ from typing import Any
 
 import sniffio
 
-from .errors import WrongEventLoopError
+from ..errors import WrongEventLoopError
 
 
 class LoopWaker:

@@ -14,7 +14,7 @@ adjacent pairs, exactly what docs/BUNDLE.md's forward does, and Gemma's norm wei
 carry the 1 llama.cpp added: the engine's description of each architecture
 (docs/models.md) reads them so.
 
-Usage: ``python -m aiobasert.convert SRC.gguf OUT.base [--dtype auto|f16|f32|q8|q4]``
+Usage: ``python -m aiobasert.models.convert SRC.gguf OUT.base [--dtype auto|f16|f32|q8|q4]``
 """
 
 from __future__ import annotations
@@ -34,10 +34,10 @@ import numpy as np
 import numpy.typing as npt
 from tqdm import tqdm  # type: ignore[import-untyped,unused-ignore]  # no stubs in tqdm itself
 
+from ..errors import ConversionError
 from ._gguf_tokenizer import bundle_tokenizer, tokenizer_refusal
 from ._progress import ticking
 from .bundle import GGML_BLOCKS, BundleWriter, Progress, QuantizedTensor, TensorEntry, llama_header
-from .errors import ConversionError
 
 __all__ = ["DTYPES", "ConversionError", "Dtype", "convert_gguf", "main"]
 
@@ -604,7 +604,7 @@ def _dequantize(
 
 # ---- quantized output (--dtype auto | q8 | q4) -------------------------------------------------
 # CANONICAL_QUANT_SPEC.md's base_q8 / base_q4 (and aiobasert's base_q5) with group_size 32, the packing
-# aiobasert.bundle.QUANT_LAYOUT names: value = scale * u + bias per group of 32 (symmetric: scale *
+# aiobasert.models.bundle.QUANT_LAYOUT names: value = scale * u + bias per group of 32 (symmetric: scale *
 # (u - 2^(bits-1))). Many GGML block types are exactly that with integer u, so they are carried over
 # block for block, with no added error (_carried below): Q8_0 (symmetric q8), Q4_0 (symmetric q4),
 # Q4_1, Q5_0 (symmetric q5), Q5_1, and the K-quants whose sub-blocks are 32 values, Q4_K / Q5_K (scale
@@ -779,7 +779,7 @@ def quantize_groups(values: npt.NDArray[np.float32], dtype: str, *, symmetric: b
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The converter's options, shared by ``python -m aiobasert.convert`` and ``aiobasert convert``."""
+    """The converter's options, shared by ``python -m aiobasert.models.convert`` and ``aiobasert convert``."""
     parser.add_argument("src", type=Path, help="input .gguf file")
     parser.add_argument("dst", type=Path, help="output .base file")
     parser.add_argument("--dtype", choices=DTYPES, default="auto",
@@ -803,7 +803,7 @@ def run(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m aiobasert.convert",
+        prog="python -m aiobasert.models.convert",
         description="Convert a GGUF model (llama, qwen2, qwen3, gemma3) into a BaseRT .base bundle.",
     )
     add_arguments(parser)

@@ -15,7 +15,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from .types import FinishReason, SamplingParams, Timing, Token, Usage
+from ..types import FinishReason, SamplingParams, Timing, Token, Usage
 
 
 @dataclass

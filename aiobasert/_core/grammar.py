@@ -4,7 +4,7 @@
 per engine) and compiles each request's JSON Schema into a `JsonSchemaConstraint`,
 the `Constraint` the engine thread steps: before every sampled token it writes
 the allowed-token bitmask (the lane's logits row is then masked with it), after
-it the token is consumed. Compiles run on an intake worker (aiobasert._intake:
+it the token is consumed. Compiles run on an intake worker (aiobasert._core.intake:
 a large stack, off the engine thread); stepping runs on the engine thread.
 
 Generated JSON is compact by default (no free whitespace between tokens): a
@@ -21,9 +21,9 @@ from typing import Any
 
 import numpy as np
 
-from ._hf_tokenizer import hf_tokenizer_json
-from .bundle import read_bundle
-from .errors import InvalidRequestError
+from ..errors import InvalidRequestError
+from ..models._hf_tokenizer import hf_tokenizer_json
+from ..models.bundle import read_bundle
 
 try:
     import llguidance
@@ -42,7 +42,7 @@ def engine_end_ids(lib: Any, model: int, n_tokens: int) -> list[int]:
 
 def bundle_end_ids(path: str | os.PathLike[str], n_tokens: int) -> list[int]:
     """engine_end_ids of a bundle without a loaded engine: its tokenizer, loaded alone."""
-    from ._ffi import load_library
+    from .ffi import load_library
 
     lib = load_library()
     model = lib.baseRT_load_tokenizer_only(os.fsencode(path))

@@ -35,8 +35,8 @@ from typing import IO, Final
 import msgspec
 from tqdm import tqdm  # type: ignore[import-untyped,unused-ignore]  # no stubs in tqdm itself
 
+from ..errors import InvalidConfigError, ModelNotAvailableError
 from .convert import DTYPES, Dtype, convert_gguf
-from .errors import InvalidConfigError, ModelNotAvailableError
 
 __all__ = [
     "DEFAULT_MODEL_FILENAME",
@@ -440,7 +440,7 @@ def gguf_bundle_path(
 
     Converted once per source identity, under a lock, so concurrent processes
     wait for one conversion and reuse it. A model the reference engine cannot run
-    raises :class:`aiobasert.convert.ConversionError` at once, before anything is
+    raises :class:`aiobasert.models.convert.ConversionError` at once, before anything is
     written, naming what is missing.
     """
     bundle, wanted = _gguf_entry(Path(src), dtype)
@@ -455,7 +455,7 @@ def gguf_bundle_path(
 
 
 def check_dtype(dtype: object) -> None:
-    """InvalidConfigError unless `dtype` is one of :data:`aiobasert.convert.DTYPES`."""
+    """InvalidConfigError unless `dtype` is one of :data:`aiobasert.models.convert.DTYPES`."""
     if not isinstance(dtype, str) or dtype not in DTYPES:
         raise InvalidConfigError(f"dtype must be one of {', '.join(map(repr, DTYPES))}, got {dtype!r}")
 

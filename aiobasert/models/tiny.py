@@ -514,7 +514,7 @@ def build_tiny_model(
         source={
             "format": "synthetic",
             "sha256": hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest(),
-            "filename": "aiobasert.tiny",
+            "filename": "aiobasert.models.tiny",
         },
         config=config,
         tokenizer={
@@ -532,7 +532,7 @@ def build_tiny_model(
         | ({} if chat_template is None else {"tokenizer.chat_template": chat_template})
         | dict(tokenizer_keys or {}),
         metadata=({} if chat_template is None else {"tokenizer.chat_template": chat_template})
-        | {"aiobasert.tiny": recipe},
+        | {"aiobasert.models.tiny": recipe},
     )
     write_bundle(path, header, tensors)
     return path

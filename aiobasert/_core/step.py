@@ -33,12 +33,12 @@ from typing import Any, Literal
 
 import numpy as np
 
-from . import _ffi
-from ._protocol import Constraint, Final, RequestSpec, Sink, Ticket
-from .batcher import LaneState, PlannedRow
-from .errors import AioBaseRTError, EngineError, InvalidRequestError
+from ..batcher import LaneState, PlannedRow
+from ..errors import AioBaseRTError, EngineError, InvalidRequestError
+from ..types import TopLogprob
+from . import ffi as _ffi
+from .protocol import Constraint, Final, RequestSpec, Sink, Ticket
 from .stopping import StopStringMatcher
-from .types import TopLogprob
 
 
 def mix32(seed: int, counter: int) -> int:

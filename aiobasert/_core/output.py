@@ -14,11 +14,11 @@ import ctypes
 import time
 from dataclasses import dataclass
 
-from . import _ffi
-from ._protocol import Final
-from ._step import Lane
-from .errors import InvalidRequestError
-from .types import FinishReason, Timing, Token, TopLogprob, Usage
+from ..errors import InvalidRequestError
+from ..types import FinishReason, Timing, Token, TopLogprob, Usage
+from . import ffi as _ffi
+from .protocol import Final
+from .step import Lane
 
 
 class Detokenizer:

@@ -29,7 +29,7 @@ import msgspec
 import numpy as np
 import numpy.typing as npt
 
-from .errors import BundleError
+from ..errors import BundleError
 
 __all__ = [
     "BASERT_VERSION",

@@ -30,10 +30,10 @@ from collections.abc import Callable, Sequence
 from ctypes import c_char_p, c_int, c_uint32
 from typing import Any
 
-from . import _ffi
-from ._protocol import Done
-from ._step import internal_error
-from .errors import AioBaseRTError, InvalidRequestError
+from ..errors import AioBaseRTError, InvalidRequestError
+from . import ffi as _ffi
+from .protocol import Done
+from .step import internal_error
 
 STACK_BYTES = 256 * 1024 * 1024
 """Each grammar worker's stack: address space reserved, touched only as far as a compile

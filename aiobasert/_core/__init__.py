@@ -1,0 +1,13 @@
+"""The private machinery of one engine, below the engine thread (aiobasert/engine_thread.py,
+whose `_step` is one engine step: drain -> plan -> run -> apply -> deliver).
+
+- `protocol`: the messages between the event loop and the thread (requests, tickets, queries).
+- `intake`: the worker threads that tokenize prompts and compile grammars, off the engine thread.
+- `step`: one fused batch step (prepare -> forward -> collect) and the lanes it runs.
+- `output`: a sampled token becomes stream output (text, stops, finish).
+- `wakeup`: hands each step's output back to the loop that opened the engine.
+- `grammar`: constrained decoding (the engine's grammars, llguidance on the host).
+- `stopping`: stop strings, never split or leaked.
+- `ffi` (+ `ffi_api.pyi`): the ctypes mirror of the C ABI, typed.
+
+Nothing here is public."""
