@@ -226,7 +226,8 @@ async def llama_server_side(server: Path, gguf_path: Path, facts: dict[str, Any]
     cmd = [str(server), "-m", str(gguf_path), "--host", "127.0.0.1", "--port", str(port), "-np", "1",
            "-c", str(args.ctx), "-t", str(args.threads), "-tb", str(args.threads), "--no-webui"]  # fmt: skip
     builtin = None if facts["has_chat_template"] else BUILTIN_TEMPLATE.get(str(facts["architecture"]))
-    cmd += ["--chat-template", builtin] if builtin else ["--jinja"]
+    # a built-in name is only a name without jinja (with it, the text would be the template)
+    cmd += ["--no-jinja", "--chat-template", builtin] if builtin else ["--jinja"]
     srv = vls.Server("llama-server", cmd, port, logdir / "llama-server.log")
     srv.start()
     assert srv.proc is not None
@@ -257,7 +258,9 @@ async def llama_server_side(server: Path, gguf_path: Path, facts: dict[str, Any]
                 ids = (await post("/tokenize", {"content": rendered, "add_special": True, "parse_special": True}))[
                     "tokens"
                 ]
+                # greedy (temperature 0 keeps only the top logit), no penalties, full-softmax top-2 logprobs
                 out = await post("/completion", {"prompt": ids, "n_predict": N_PREDICT, "temperature": 0.0,
+                                                 "repeat_penalty": 1.0, "dry_multiplier": 0.0,
                                                  "return_tokens": True, "cache_prompt": False, "n_probs": 2,
                                                  "post_sampling_probs": False})  # fmt: skip
                 top2 = [[[p["id"], p["logprob"]] for p in step["top_logprobs"][:2]]
