@@ -215,7 +215,7 @@ def llama_commit(server: Path, version: str, given: str | None) -> str:
     for line in version.split("; "):
         if line.startswith("llama.cpp commit "):
             return line.removeprefix("llama.cpp commit ")
-    m = re.search(r"\(([0-9a-f]{7,40})\)", version)
+    m = re.search(r"commit ([0-9a-f]{7,40})", version)
     return m.group(1) if m else "unknown"
 
 
@@ -305,6 +305,7 @@ def llama_side(args: argparse.Namespace, gguf_path: Path, facts: dict[str, Any])
         "format": FORMAT,
         "model": facts,
         "llama_cpp": {
+            "source": args.llama_source,
             "version": version,
             "commit": llama_commit(server, version, args.llama_commit),
             "server_args": f"-np 1 -c {args.ctx} -t {args.threads}",
@@ -554,6 +555,7 @@ def main(argv: list[str] | None = None) -> int:
         help="directory with llama-server and llama-perplexity (else built from the sdist)",
     )
     ap.add_argument("--llama-commit", default=None, help="llama.cpp commit to record (else from the build info)")
+    ap.add_argument("--llama-source", default=None, help="where the llama.cpp build came from, to record")
     ap.add_argument("--build-jobs", type=int, default=2)
     ap.add_argument("--record", type=Path, default=None, help="write llama.cpp's side as JSON here")
     ap.add_argument("--recorded", type=Path, default=None, help="compare against this recording (no llama.cpp)")
