@@ -1,0 +1,235 @@
+"""The reference engine against llama.cpp's recorded output on the same GGUF (issue 17's proof).
+
+tests/data/llama_cpp/<model>.json is llama.cpp's side as `bench/llama_oracle.py --record` wrote it
+(llama.cpp's version and commit, the texts and prompts, in the file): the token ids of each text,
+the 5 chat prompts rendered by the model's template with their prompt ids, llama.cpp's first 32
+greedy ids per prompt with its top-2 log-probabilities, and the perplexity of
+bench/data/held_out.txt. Here the engine must give the same ids for every text and prompt, the
+same greedy ids, and a perplexity within 1% of llama.cpp's, without llama.cpp being built.
+
+SmolLM2-135M-Instruct Q4_1 runs as the demo bundle (q4: the GGUF's own Q4_1 blocks). Gemma 3 270M
+Q4_K_M runs through Engine.open on the GGUF; while the converter refuses the `gemma3`
+architecture those tests are xfail(strict=True), and only for that refusal: any other failure
+fails, and the day they pass the strict xfail fails until its marker is removed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from aiobasert import Engine
+from aiobasert.errors import ConversionError
+from aiobasert.models import resolve_model
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "bench"))
+import llama_oracle  # noqa: E402  (the bench's chunking and perplexity, so both compute it one way)
+
+RECORDINGS = Path(__file__).resolve().parent / "data" / "llama_cpp"
+SMOLLM2 = "SmolLM2-135M-Instruct.Q4_1"
+GEMMA3 = "gemma-3-270m-q4_k_m"
+PPL_TOLERANCE = 0.01  # issue 17: perplexity on held-out text within 1% of llama.cpp's
+
+pytestmark = [pytest.mark.slow, pytest.mark.anyio]
+
+
+class ArchitectureRefused(Exception):
+    """The converter refused the GGUF's architecture (the only failure the Gemma xfail covers)."""
+
+
+@contextmanager
+def refusal_as_xfail() -> Iterator[None]:
+    try:
+        yield
+    except ConversionError as exc:
+        if "unsupported architecture" in str(exc):
+            raise ArchitectureRefused(str(exc)) from exc
+        raise
+
+
+GEMMA_XFAIL = pytest.mark.xfail(
+    strict=True,
+    raises=ArchitectureRefused,
+    reason="the converter refuses the gemma3 architecture until issue 17's architecture branch lands",
+)
+
+
+def recording(name: str, gguf: Path) -> dict[str, Any]:
+    rec: dict[str, Any] = json.loads((RECORDINGS / f"{name}.json").read_text())
+    digest = hashlib.sha256(gguf.read_bytes()).hexdigest()
+    assert rec["model"]["sha256"] == digest, f"{gguf} is not the file the recording was made on"
+    return rec
+
+
+async def check_tokens(engine: Engine, rec: dict[str, Any], add_bos: bool) -> None:
+    """Every text id for id (plain text), and each rendered chat prompt as llama-server's chat
+    path tokenizes it (template markers parsed, the vocab's BOS added once)."""
+    for t in rec["texts"]:
+        assert await engine.encode(t["text"]) == t["ids"], t["text"]
+    bos = await engine.encode(engine._thread.bos_token, special=True) if add_bos else []
+    for p in rec["prompts"]:
+        ids = await engine.encode(p["rendered"], special=True)
+        if bos and ids[: len(bos)] != bos:
+            ids = bos + ids
+        assert ids == p["ids"], p["rendered"]
+
+
+# Where llama.cpp's greedy choice is not ours on the q4 demo, measured (2026-12-03, llama.cpp 0c1e570,
+# AVX-512 build): {prompt index: {position on llama.cpp's greedy path: (llama.cpp's gap between its
+# top-2, in nats)}}. At each, the two engines' top-2 are the same two tokens swapped, and the exact
+# float64 forward over the GGUF's dequantized weights (tests/oracle.py's gguf_oracle) picks OUR token:
+#   prompt 0 pos 15: llama.cpp 26261 (-2.0675) over 28 (-2.1010); ours 28 (-1.9205) over 26261 (-2.2330);
+#                    exact 28 (-1.9081) over 26261 (-2.1919)
+#   prompt 3 pos 9:  llama.cpp 492 (-1.9451) over 718 (-2.1743); ours 718 (-2.0321) over 492 (-2.1180);
+#                    exact 718 (-2.1287) over 492 (-2.1615)
+#   prompt 3 pos 27: llama.cpp 2 (-0.7257) over 198 (-0.7315); ours 198 (-0.6033) over 2 (-0.8689);
+#                    exact 198 (-0.6521) over 2 (-0.8103)
+# (pos 27 is only reached teacher-forced: free-running, prompt 3 already diverged at 9). Elsewhere
+# the engines' log-probability of llama.cpp's token differs by 0.040 nats on average (p90 0.096, max
+# 0.309) over the 136 positions: llama.cpp rounds activations to Q8_1 and keeps an f16 KV cache.
+# No other position may differ, and a listed one that stops differing must be removed from here.
+NEAR_TIES: dict[str, dict[int, dict[int, float]]] = {
+    "SmolLM2-135M-Instruct.Q4_1": {0: {15: 0.0336}, 3: {9: 0.2292, 27: 0.0058}},
+}
+NEAR_TIE_NATS = 0.25  # the most a listed position's llama.cpp top-2 gap may be
+
+
+def their_gap(p: dict[str, Any], k: int) -> float:
+    (_, first), (_, second) = p["top2"][k]
+    return float(first - second)
+
+
+async def teacher_forced_report(engine: Engine, rec: dict[str, Any], name: str) -> list[str]:
+    """Our greedy choice after every prefix of llama.cpp's greedy path, against its token there:
+    equal everywhere but the listed near-ties, which must be top-2 swaps within NEAR_TIE_NATS."""
+    problems = []
+    for i, p in enumerate(rec["prompts"]):
+        allowed = NEAR_TIES.get(name, {}).get(i, {})
+        for k, theirs in enumerate(p["greedy"]):
+            prefix = p["ids"] + p["greedy"][:k]
+            (ours,) = (await engine.generate(prefix, max_tokens=1, temperature=0.0)).token_ids
+            if ours == theirs and k not in allowed:
+                continue
+            top = await llama_oracle.top2_at(engine, prefix, theirs)
+            where = (
+                f"prompt {i} position {k}: llama.cpp chose {theirs}, ours {ours}; llama.cpp top-2 (id, logprob) "
+                f"{p['top2'][k]}, ours {top['top2']}"
+            )
+            if ours == theirs:
+                problems.append(f"{where}: listed as a near-tie but equal now: remove it from NEAR_TIES")
+            elif k not in allowed:
+                problems.append(f"{where}: not a listed near-tie")
+            elif abs(their_gap(p, k) - allowed[k]) > 1e-3:
+                problems.append(f"{where}: the recording's gap is not the listed {allowed[k]}: re-measure NEAR_TIES")
+            elif not (top["top2"][1][0] == theirs and p["top2"][k][1][0] == ours and allowed[k] <= NEAR_TIE_NATS):
+                problems.append(f"{where}: listed as a near-tie, but not a top-2 swap within {NEAR_TIE_NATS} nats")
+    return problems
+
+
+async def free_running_report(engine: Engine, rec: dict[str, Any], name: str, *, chat: bool) -> list[str]:
+    """Each prompt's own greedy run (on llama.cpp's prompt ids, or rendered by engine.chat) equals
+    llama.cpp's up to its end or to a listed near-tie, where the two runs part."""
+    problems = []
+    for i, p in enumerate(rec["prompts"]):
+        if chat:
+            done = await engine.chat(p["messages"], max_tokens=rec["n_predict"], temperature=0.0)
+            if done.usage.prompt_tokens != len(p["ids"]):
+                n = done.usage.prompt_tokens
+                problems.append(f"prompt {i}: engine.chat rendered {n} prompt tokens, llama.cpp {len(p['ids'])}")
+        else:
+            done = await engine.generate(p["ids"], max_tokens=rec["n_predict"], temperature=0.0)
+        k = llama_oracle.first_divergence(p["greedy"], done.token_ids)
+        if k is not None and k not in NEAR_TIES.get(name, {}).get(i, {}):
+            problems.append(
+                f"prompt {i}: greedy diverges at position {k} (not a listed near-tie): llama.cpp "
+                f"{p['greedy'][k : k + 3]}, ours {done.token_ids[k : k + 3]}"
+            )
+    return problems
+
+
+def perplexity(bundle: Path, rec: dict[str, Any], add_bos: bool) -> dict[str, Any]:
+    """Ours over the recording's held-out text, llama-perplexity's chunking (the bench's code)."""
+    pp = rec["perplexity"]
+    text = (ROOT / pp["file"]).read_bytes()
+    assert hashlib.sha256(text).hexdigest() == pp["sha256"], f"{pp['file']} changed since the recording"
+    spec = {"model": str(bundle), "n_ctx": pp["n_ctx"], "add_bos": add_bos}
+    return llama_oracle.ppl_worker(spec)
+
+
+# ---- SmolLM2-135M-Instruct Q4_1: the demo -------------------------------------------------------
+
+
+async def test_smollm2_tokens_match_llama_cpp(smollm2_path: Path, smollm2_gguf: Path) -> None:
+    rec = recording(SMOLLM2, smollm2_gguf)
+    async with Engine.open(smollm2_path, max_batch_size=1) as engine:
+        await check_tokens(engine, rec, add_bos=False)
+
+
+async def test_smollm2_greedy_matches_llama_cpp(smollm2_path: Path, smollm2_gguf: Path) -> None:
+    rec = recording(SMOLLM2, smollm2_gguf)
+    async with Engine.open(smollm2_path, max_batch_size=1) as engine:
+        assert await free_running_report(engine, rec, SMOLLM2, chat=False) == []
+        assert await teacher_forced_report(engine, rec, SMOLLM2) == []
+
+
+async def test_smollm2_chat_matches_llama_cpp(smollm2_path: Path, smollm2_gguf: Path) -> None:
+    """engine.chat renders with our own template: the same prompt length and greedy ids as llama.cpp's."""
+    rec = recording(SMOLLM2, smollm2_gguf)
+    async with Engine.open(smollm2_path, max_batch_size=1) as engine:
+        assert await free_running_report(engine, rec, SMOLLM2, chat=True) == []
+
+
+def test_smollm2_perplexity_within_1_percent_of_llama_cpp(smollm2_path: Path, smollm2_gguf: Path) -> None:
+    rec = recording(SMOLLM2, smollm2_gguf)
+    ours = perplexity(smollm2_path, rec, add_bos=False)
+    assert ours["ids_sha256"] == rec["perplexity"]["ids_sha256"], "the held-out text tokenizes differently"
+    assert abs(ours["ppl"] / rec["perplexity"]["ppl"] - 1) <= PPL_TOLERANCE, (ours, rec["perplexity"])
+
+
+# ---- Gemma 3 270M Q4_K_M (issue 17's real model) -------------------------------------------------
+
+
+@GEMMA_XFAIL
+async def test_gemma3_tokens_match_llama_cpp(gemma3_gguf: Path) -> None:
+    rec = recording(GEMMA3, gemma3_gguf)
+    with refusal_as_xfail():
+        engine = await Engine.open(gemma3_gguf, max_batch_size=1)
+    async with engine:
+        await check_tokens(engine, rec, add_bos=True)
+
+
+@GEMMA_XFAIL
+async def test_gemma3_greedy_matches_llama_cpp(gemma3_gguf: Path) -> None:
+    rec = recording(GEMMA3, gemma3_gguf)
+    with refusal_as_xfail():
+        engine = await Engine.open(gemma3_gguf, max_batch_size=1)
+    async with engine:
+        assert await free_running_report(engine, rec, GEMMA3, chat=False) == []
+        assert await teacher_forced_report(engine, rec, GEMMA3) == []
+
+
+@GEMMA_XFAIL
+async def test_gemma3_chat_matches_llama_cpp(gemma3_gguf: Path) -> None:
+    rec = recording(GEMMA3, gemma3_gguf)
+    with refusal_as_xfail():
+        engine = await Engine.open(gemma3_gguf, max_batch_size=1)
+    async with engine:
+        assert await free_running_report(engine, rec, GEMMA3, chat=True) == []
+
+
+@GEMMA_XFAIL
+def test_gemma3_perplexity_within_1_percent_of_llama_cpp(gemma3_gguf: Path) -> None:
+    rec = recording(GEMMA3, gemma3_gguf)
+    with refusal_as_xfail():
+        bundle = resolve_model(gemma3_gguf, progress=False)
+    ours = perplexity(bundle, rec, add_bos=True)
+    assert ours["ids_sha256"] == rec["perplexity"]["ids_sha256"], "the held-out text tokenizes differently"
+    assert abs(ours["ppl"] / rec["perplexity"]["ppl"] - 1) <= PPL_TOLERANCE, (ours, rec["perplexity"])
