@@ -21,7 +21,8 @@ llama.cpp is the project's oracle for any GGUF. One run puts both engines side b
     (baseRT_batch_step_fused_logits_rows), from the same bundle Engine.open loads;
 (d) peak RSS of each side: llama-server (which served (a) and (b)) against our Engine process
     (which did (a) and (b)), and llama-perplexity against our perplexity process, each a child
-    process measured by wait4's ru_maxrss. Both use --threads (default 2) threads.
+    process's VmHWM (not wait4's ru_maxrss, which starts at the parent's RSS). Both use --threads
+    (default 2) threads.
 
     python bench/llama_oracle.py --model GGUF --llama-bin-dir DIR        # DIR: llama-server, llama-perplexity
     python bench/llama_oracle.py --model GGUF --record tests/data/llama_cpp/NAME.json
@@ -161,35 +162,43 @@ def our_bundle(gguf_path: Path, dtype: str) -> Path:
     return gguf_bundle_path(gguf_path, dtype=dtype, progress=False)  # type: ignore[arg-type]
 
 
-# ---- child processes measured by wait4 ------------------------------------------------------------
+# ---- child processes, peak RSS by VmHWM -----------------------------------------------------------
+
+
+def vm_hwm(pid: int | str) -> int | None:
+    """The process's peak RSS so far (VmHWM, bytes), None once it is gone. Not wait4's ru_maxrss:
+    a child's ru_maxrss starts at its parent's RSS at fork (Linux keeps the pre-exec high-water
+    mark), so it would report this bench's own RSS for any child smaller than it."""
+    try:
+        with open(f"/proc/{pid}/status") as fh:
+            for line in fh:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
 
 
 def run_measured(cmd: list[str], env: dict[str, str] | None = None, timeout: float = 3600.0) -> tuple[int, str, int]:
-    """(exit code, output, peak RSS in bytes) of cmd, run in its own process group (killed
-    as a whole on timeout or interrupt); the RSS is the kernel's ru_maxrss of that child."""
+    """(exit code, output, peak RSS in bytes) of cmd, run in its own process group (killed as a
+    whole on timeout or interrupt). The RSS is VmHWM sampled every 20 ms while it runs (growth in
+    its last 20 ms can be missed; our workers report their own VmHWM at exit instead)."""
     with tempfile.TemporaryFile() as out:
         proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, env=env,
                                 start_new_session=True)  # fmt: skip
         vls._LIVE[proc.pid] = proc
+        peak = 0
+        deadline = time.monotonic() + timeout
         try:
-            status, rss = wait4(proc, timeout)
+            while proc.poll() is None:
+                peak = max(peak, vm_hwm(proc.pid) or 0)
+                if time.monotonic() > deadline:
+                    raise OracleError(f"{cmd[0]} did not finish within {timeout:.0f} s")
+                time.sleep(0.02)
         finally:
             vls._stop(proc, grace=2.0)
         out.seek(0)
-        return status, out.read().decode(errors="replace"), rss
-
-
-def wait4(proc: subprocess.Popen[bytes], timeout: float) -> tuple[int, int]:
-    """Reap proc ourselves (so its rusage is ours to read): (exit code, ru_maxrss bytes)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
-        if pid == proc.pid:
-            proc.returncode = os.waitstatus_to_exitcode(status)
-            return proc.returncode, usage.ru_maxrss * 1024  # KiB on Linux
-        if time.monotonic() > deadline:
-            raise OracleError(f"{proc.args!r} did not finish within {timeout:.0f} s")
-        time.sleep(0.05)
+        return int(proc.returncode), out.read().decode(errors="replace"), peak
 
 
 # ---- llama.cpp's side -----------------------------------------------------------------------------
@@ -271,13 +280,9 @@ async def llama_server_side(server: Path, gguf_path: Path, facts: dict[str, Any]
             ppl_text = HELD_OUT.read_text()
             record["ppl_ids"] = (await post("/tokenize", {"content": ppl_text, "add_special": True,
                                                           "parse_special": False}))["tokens"]  # fmt: skip
+        rss = vm_hwm(srv.proc.pid) or 0  # alive: its whole high-water mark
     finally:
-        try:
-            if srv.proc.poll() is None:
-                os.killpg(srv.proc.pid, signal.SIGTERM)
-            _, rss = wait4(srv.proc, 30.0)
-        finally:
-            srv.stop()
+        srv.stop()
     return record, rss
 
 
@@ -479,7 +484,8 @@ def run_worker(kind: str, spec: dict[str, Any], threads: int) -> tuple[dict[str,
         rc, out, rss = run_measured(cmd, env=env)
         if rc != 0 or not out_path.is_file():
             raise OracleError(f"our {kind} process failed (exit {rc}):\n  " + "\n  ".join(out.splitlines()[-20:]))
-        return json.loads(out_path.read_text()), rss
+        result = json.loads(out_path.read_text())
+        return result, max(rss, result.pop("vm_hwm"))
 
 
 # ---- the report ---------------------------------------------------------------------------------
@@ -539,10 +545,25 @@ def compare(rec: dict[str, Any], ours: dict[str, Any], ppl: dict[str, Any] | Non
             f"ratio ours/llama {ppl['ppl'] / pp['ppl']:.4f}; token ids of the text "
             + ("identical" if same else "DIFFER")
         )
-    lines.append("(d) peak RSS (ru_maxrss of each process):")
+    lines.append("(d) peak RSS (VmHWM of each process):")
     for name, v in rss.items():
         lines.append(f"    {name:34} {mib(v)}")
     return lines, ok
+
+
+def llama_summary(rec: dict[str, Any]) -> list[str]:
+    """llama.cpp's side alone (for a model the engine refuses)."""
+    pp = rec["perplexity"]
+    lines = [f"llama.cpp: {rec['llama_cpp']['version']} (commit {rec['llama_cpp']['commit']})",
+             f"(a) {len(rec['texts'])} texts tokenized by llama.cpp: {sum(len(t['ids']) for t in rec['texts'])} ids",
+             f"(b) greedy continuations, template: {rec['template']}:"]  # fmt: skip
+    for i, p in enumerate(rec["prompts"]):
+        lines.append(f"    {i} {p['messages'][-1]['content'][:40]!r:44} {len(p['greedy'])} tokens: {p['text'][:70]!r}")
+    lines.append(f"(c) llama-perplexity {pp['ppl']:.4f} +/- {pp['ppl_std']:.4f} ({pp['n_tokens']} tokens, "
+                 f"{pp['chunks']} chunks of {pp['n_ctx']})")  # fmt: skip
+    for name, v in rec.get("rss", {}).items():
+        lines.append(f"(d) {name} peak RSS {mib(v)}")
+    return lines
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -570,6 +591,7 @@ def main(argv: list[str] | None = None) -> int:
         kind, spec_path, out_path = args.worker
         spec = json.loads(Path(spec_path).read_text())
         result = asyncio.run(engine_worker(spec)) if kind == "engine" else ppl_worker(spec)
+        result["vm_hwm"] = vm_hwm("self")
         Path(out_path).write_text(json.dumps(result))
         return 0
     for sig in (signal.SIGTERM, signal.SIGHUP):
@@ -614,7 +636,7 @@ def ours_and_report(args: argparse.Namespace, gguf_path: Path, facts: dict[str, 
     try:
         bundle = gguf_path if auto else our_bundle(gguf_path, dtype)
     except ConversionError as exc:
-        print(f"llama.cpp: {rec['llama_cpp']['version']}")
+        print("\n".join(llama_summary(rec)))
         print(f"aiobasert REFUSES this model: {exc}")
         return 3
     how = "Engine.open(gguf, dtype='auto')" if auto else f"bundle {bundle.name} (--dtype {args.dtype} -> {dtype})"
