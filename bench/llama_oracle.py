@@ -165,14 +165,15 @@ def our_bundle(gguf_path: Path, dtype: str) -> Path:
 # ---- child processes, peak RSS by VmHWM -----------------------------------------------------------
 
 
-def vm_hwm(pid: int | str) -> int | None:
-    """The process's peak RSS so far (VmHWM, bytes), None once it is gone. Not wait4's ru_maxrss:
-    a child's ru_maxrss starts at its parent's RSS at fork (Linux keeps the pre-exec high-water
-    mark), so it would report this bench's own RSS for any child smaller than it."""
+def vm_hwm(pid: int | str, key: str = "VmHWM") -> int | None:
+    """The process's peak RSS so far (VmHWM, bytes; key="VmRSS": its RSS now), None once it is
+    gone. Not wait4's ru_maxrss: a child's ru_maxrss starts at its parent's RSS at fork (Linux
+    keeps the pre-exec high-water mark), so it would report this bench's own RSS for any child
+    smaller than it."""
     try:
         with open(f"/proc/{pid}/status") as fh:
             for line in fh:
-                if line.startswith("VmHWM:"):
+                if line.startswith(key + ":"):
                     return int(line.split()[1]) * 1024
     except OSError:
         return None
@@ -229,7 +230,7 @@ def llama_commit(server: Path, version: str, given: str | None) -> str:
 
 
 async def llama_server_side(server: Path, gguf_path: Path, facts: dict[str, Any], args: argparse.Namespace,
-                            logdir: Path) -> tuple[dict[str, Any], int]:  # fmt: skip
+                            logdir: Path) -> tuple[dict[str, Any], dict[str, int]]:  # fmt: skip
     """(a) and (b) through one llama-server: the record's texts and prompts, and its peak RSS."""
     port = vls.free_port()
     cmd = [str(server), "-m", str(gguf_path), "--host", "127.0.0.1", "--port", str(port), "-np", "1",
@@ -280,7 +281,8 @@ async def llama_server_side(server: Path, gguf_path: Path, facts: dict[str, Any]
             ppl_text = HELD_OUT.read_text()
             record["ppl_ids"] = (await post("/tokenize", {"content": ppl_text, "add_special": True,
                                                           "parse_special": False}))["tokens"]  # fmt: skip
-        rss = vm_hwm(srv.proc.pid) or 0  # alive: its whole high-water mark
+        # alive: its whole high-water mark, and what it holds once loaded and served
+        rss = {"llama-server": vm_hwm(srv.proc.pid) or 0, "llama-server-end": vm_hwm(srv.proc.pid, "VmRSS") or 0}
     finally:
         srv.stop()
     return record, rss
@@ -328,7 +330,7 @@ def llama_side(args: argparse.Namespace, gguf_path: Path, facts: dict[str, Any])
             "ids_sha256": ids_digest(ids),
             **ppl,
         },
-        "rss": {"llama-server": server_rss, "llama-perplexity": ppl_rss},
+        "rss": {**server_rss, "llama-perplexity": ppl_rss},
     }
 
 
@@ -366,6 +368,7 @@ async def engine_worker(spec: dict[str, Any]) -> dict[str, Any]:
                                                        if k < len(p["greedy"]) else None)  # fmt: skip
             prompts.append(entry)
         out["prompts"] = prompts
+        out["vm_rss_end"] = vm_hwm("self", "VmRSS")
     return out
 
 
@@ -545,7 +548,7 @@ def compare(rec: dict[str, Any], ours: dict[str, Any], ppl: dict[str, Any] | Non
             f"ratio ours/llama {ppl['ppl'] / pp['ppl']:.4f}; token ids of the text "
             + ("identical" if same else "DIFFER")
         )
-    lines.append("(d) peak RSS (VmHWM of each process):")
+    lines.append("(d) RSS (peak: VmHWM of each process; after (b): VmRSS once served):")
     for name, v in rss.items():
         lines.append(f"    {name:34} {mib(v)}")
     return lines, ok
@@ -648,10 +651,12 @@ def ours_and_report(args: argparse.Namespace, gguf_path: Path, facts: dict[str, 
     if auto:  # the engine converted into the cache: the perplexity process loads that bundle
         spec["model"] = str(our_bundle(gguf_path, "auto"))
     ppl, ppl_rss = run_worker("ppl", spec, args.threads)
-    rss = {"aiobasert Engine (a)+(b)": engine_rss, "aiobasert perplexity (c)": ppl_rss}
+    rss = {"aiobasert Engine (a)+(b), peak": engine_rss, "aiobasert Engine, after (b)": ours["vm_rss_end"],
+           "aiobasert perplexity (c), peak": ppl_rss}  # fmt: skip
     if "rss" in rec and args.recorded is None:
-        rss = {"llama-server (a)+(b)": rec["rss"]["llama-server"], **rss,
-               "llama-perplexity (c)": rec["rss"]["llama-perplexity"]}  # fmt: skip
+        rss = {"llama-server (a)+(b), peak": rec["rss"]["llama-server"],
+               "llama-server, after (b)": rec["rss"]["llama-server-end"], **rss,
+               "llama-perplexity (c), peak": rec["rss"]["llama-perplexity"]}  # fmt: skip
     lines, ok = compare(rec, ours, ppl, rss)
     print(f"llama.cpp: {rec['llama_cpp']['version']} (commit {rec['llama_cpp']['commit']})")
     print("\n".join(lines))
