@@ -5,7 +5,9 @@ tests/data/llama_cpp/<model>.json is llama.cpp's side as `bench/llama_oracle.py 
 the 5 chat prompts rendered by the model's template with their prompt ids, llama.cpp's first 32
 greedy ids per prompt with its top-2 log-probabilities, and the perplexity of
 bench/data/held_out.txt. Here the engine must give the same ids for every text and prompt, the
-same greedy ids, and a perplexity within 1% of llama.cpp's, without llama.cpp being built.
+same greedy ids (free-running, and teacher-forced along llama.cpp's path: at every position but the
+measured near-ties listed in NEAR_TIES), and a perplexity within 1% of llama.cpp's, without
+llama.cpp being built.
 
 SmolLM2-135M-Instruct Q4_1 runs as the demo bundle (q4: the GGUF's own Q4_1 blocks). Gemma 3 270M
 Q4_K_M runs through Engine.open on the GGUF; while the converter refuses the `gemma3`
