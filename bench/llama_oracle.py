@@ -564,8 +564,10 @@ def llama_summary(rec: dict[str, Any]) -> list[str]:
         lines.append(f"    {i} {p['messages'][-1]['content'][:40]!r:44} {len(p['greedy'])} tokens: {p['text'][:70]!r}")
     lines.append(f"(c) llama-perplexity {pp['ppl']:.4f} +/- {pp['ppl_std']:.4f} ({pp['n_tokens']} tokens, "
                  f"{pp['chunks']} chunks of {pp['n_ctx']})")  # fmt: skip
+    labels = {"llama-server": "llama-server peak", "llama-server-end": "llama-server once served",
+              "llama-perplexity": "llama-perplexity peak"}  # fmt: skip
     for name, v in rec.get("rss", {}).items():
-        lines.append(f"(d) {name} peak RSS {mib(v)}")
+        lines.append(f"(d) RSS, {labels.get(name, name)}: {mib(v)}")
     return lines
 
 
