@@ -351,13 +351,9 @@ async def engine_worker(spec: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     async with Engine.open(spec["model"], **kw) as engine:
         out["texts"] = [await engine.encode(t) for t in spec["texts"]]
-        bos = engine._thread.bos_token  # the vocab's BOS string: our BOS id for the rendered prompts
-        bos_ids = await engine.encode(bos, special=True) if spec["add_bos"] and bos else []
         prompts = []
         for p in spec["prompts"]:
             ours_ids = await engine.encode(p["rendered"], special=True)
-            if bos_ids and ours_ids[: len(bos_ids)] != bos_ids:  # as llama.cpp: BOS added, never doubled
-                ours_ids = [*bos_ids, *ours_ids]
             done = await engine.generate(p["ids"], max_tokens=N_PREDICT, temperature=0.0)
             chat = await engine.chat(p["messages"], max_tokens=N_PREDICT, temperature=0.0)
             entry: dict[str, Any] = {"prompt_ids": ours_ids, "greedy": done.token_ids, "chat_greedy": chat.token_ids,
@@ -498,12 +494,24 @@ def mib(n: int) -> str:
     return f"{n / 2**20:.0f} MiB"
 
 
-def compare(rec: dict[str, Any], ours: dict[str, Any], ppl: dict[str, Any] | None,
+def bos_added(path: Path) -> list[int]:
+    """[the BOS id] when the GGUF says its vocab adds one, else []: engine.encode adds it as llama.cpp's
+    tokenizer does with add_special; the recorded texts are tokenized without it (add_special off)."""
+    import gguf
+
+    fields = gguf.GGUFReader(path).fields
+    add = fields.get("tokenizer.ggml.add_bos_token")
+    bos = fields.get("tokenizer.ggml.bos_token_id")
+    return [int(bos.contents())] if add is not None and add.contents() and bos is not None else []
+
+
+def compare(gguf_path: Path, rec: dict[str, Any], ours: dict[str, Any], ppl: dict[str, Any] | None,
             rss: dict[str, int]) -> tuple[list[str], bool]:  # fmt: skip
     lines, ok = [], True
     lines.append("(a) tokenization, llama-server /tokenize vs engine.encode:")
+    bos = bos_added(gguf_path)
     for t, mine in zip(rec["texts"], ours["texts"], strict=True):
-        k = first_divergence(t["ids"], mine)
+        k = first_divergence(bos + t["ids"], mine)
         ok &= k is None
         status = f"equal ({len(mine)} ids)"
         if k is not None:
@@ -659,7 +667,7 @@ def ours_and_report(args: argparse.Namespace, gguf_path: Path, facts: dict[str, 
         rss = {"llama-server (a)+(b), peak": rec["rss"]["llama-server"],
                "llama-server, after (b)": rec["rss"]["llama-server-end"], **rss,
                "llama-perplexity (c), peak": rec["rss"]["llama-perplexity"]}  # fmt: skip
-    lines, ok = compare(rec, ours, ppl, rss)
+    lines, ok = compare(gguf_path, rec, ours, ppl, rss)
     print(f"llama.cpp: {rec['llama_cpp']['version']} (commit {rec['llama_cpp']['commit']})")
     print("\n".join(lines))
     print("all tokens and greedy ids equal" if ok else "DIFFERENCES above")
