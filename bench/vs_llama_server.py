@@ -133,17 +133,18 @@ def fetch_sdist(dest: Path, version: str | None) -> Path:
     return have[-1]
 
 
-def build_llama_server(version: str | None, jobs: int) -> Path:
+def build_llama_server(version: str | None, jobs: int, targets: tuple[str, ...] = ("llama-server",)) -> Path:
     """llama-server built from the sdist's vendor/llama.cpp into CACHE (once; later runs reuse it).
 
-    Only the llama-server target, static, no OpenSSL/curl, no web UI download, under nice so
-    a build on a shared machine yields to everything else."""
+    Only the `targets` (llama-server, plus e.g. llama-perplexity for bench/llama_oracle.py), static,
+    no OpenSSL/curl, no web UI download, under nice so a build on a shared machine yields to
+    everything else. Returns llama-server's path; the other targets are beside it."""
     label, isa = isa_cmake_flags(cpu_flags())
     sdist = fetch_sdist(CACHE / "sdist", version)
     ver = sdist.name.removeprefix("llama_cpp_python-").removesuffix(".tar.gz")
     out = CACHE / f"llama-server-{ver}-{label}"
     binary = out / "llama-server"
-    if binary.is_file():
+    if all((out / t).is_file() for t in targets):
         return binary
     out.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="build-", dir=out))
@@ -165,7 +166,7 @@ def build_llama_server(version: str | None, jobs: int) -> Path:
                      "-DBUILD_SHARED_LIBS=OFF", "-DGGML_OPENMP=OFF", "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF",
                      "-DLLAMA_BUILD_UI=OFF", "-DLLAMA_USE_PREBUILT_UI=OFF", "-DLLAMA_BUILD_TESTS=OFF",
                      "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_SERVER=ON", *isa]  # fmt: skip
-        build = ["cmake", "--build", str(work / "build"), "--target", "llama-server", "-j", str(jobs)]
+        build = ["cmake", "--build", str(work / "build"), "--target", *targets, "-j", str(jobs)]
         with open(log, "w") as fh:
             for cmd in (configure, build):
                 fh.write("$ " + " ".join(cmd) + "\n")
@@ -173,15 +174,16 @@ def build_llama_server(version: str | None, jobs: int) -> Path:
                 if _run_group(["nice", "-n", "10", *cmd], fh):
                     tail = log.read_text().splitlines()[-30:]
                     raise BenchError("llama-server build failed:\n  " + "\n  ".join(tail) + f"\n(full log: {log})")
-        built = work / "build" / "bin" / "llama-server"
-        if not built.is_file():
-            raise BenchError(f"the build finished without {built}")
+        for target in targets:
+            if not (work / "build" / "bin" / target).is_file():
+                raise BenchError(f"the build finished without {work / 'build' / 'bin' / target}")
         (out / "BUILD-INFO").write_text(
             f"llama-cpp-python {ver}\nllama.cpp commit {commit_id}\nisa {label}\ncmake {' '.join(configure[5:])}\n"
         )
-        tmp = out / ".llama-server.tmp"
-        shutil.copy2(built, tmp)
-        os.replace(tmp, binary)  # atomic: a half-copied binary is never taken for a build
+        for target in sorted(targets, key=lambda t: t == "llama-server"):  # llama-server last: it marks a build
+            tmp = out / f".{target}.tmp"
+            shutil.copy2(work / "build" / "bin" / target, tmp)
+            os.replace(tmp, out / target)  # atomic: a half-copied binary is never taken for a build
         return binary
     finally:
         shutil.rmtree(work, ignore_errors=True)

