@@ -1,7 +1,7 @@
 """The `aiobasert` command: run, chat, pull, list, rm, convert, serve, bench.
 
     aiobasert run "Once upon a time"        # stream a completion (default model)
-    aiobasert run -m model.gguf "Hi"        # any llama-family GGUF, converted once and cached
+    aiobasert run -m model.gguf "Hi"        # a Llama / Qwen / Gemma 3 GGUF, converted once and cached
     aiobasert chat                          # interactive chat, keeps history
     aiobasert pull                          # fetch + convert the demo model (or: pull model.gguf, pull gemma3-270m)
     aiobasert list                          # cached models: name, size, dtype, source
@@ -38,7 +38,7 @@ from .types import ChatMessage, SamplingParams, Timing, Usage
 _USER_ERRORS = (AioBaseRTError, models.ModelNotAvailableError, convert.ConversionError)
 
 _MODEL_HELP = (
-    "a .base bundle, a llama-family .gguf (converted into the cache on first use) or a cached model's "
+    "a .base bundle, a .gguf of a family the engine runs (converted into the cache on first use) or a cached model's "
     "NAME from `aiobasert list` (default: SmolLM2-135M-Instruct, fetched and prepared on first use)"
 )
 
@@ -295,7 +295,7 @@ def build_parser() -> argparse.ArgumentParser:
     rm = sub.add_parser("rm", help="delete cached models")
     rm.add_argument("names", nargs="+", metavar="NAME", help="a NAME from `aiobasert list`")
 
-    conv = sub.add_parser("convert", help="convert a GGUF (llama family) into a .base bundle")
+    conv = sub.add_parser("convert", help="convert a GGUF (Llama, Qwen2/3, Gemma 3 families) into a .base bundle")
     convert.add_arguments(conv)
 
     serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server")

@@ -130,7 +130,7 @@ class Engine:
     ) -> _EngineOpener:
         """Load a model; use as `async with Engine.open(...) as engine` or `await Engine.open(...)`.
 
-        model: a `.base` bundle, a llama-family `.gguf` (converted into the cache on
+        model: a `.base` bundle, a `.gguf` of a family the engine runs (converted into the cache on
             first use, then reused), or a cached model's name (`aiobasert list`);
             None = the default model (SmolLM2-135M-Instruct, fetched, converted and
             cached on first use; see `aiobasert.models.cache`).
