@@ -28,7 +28,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from ctypes import byref, c_char_p, c_float, c_int, c_uint32, sizeof
+from ctypes import byref, c_float, c_int, sizeof
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -258,10 +258,11 @@ class EngineThread:
         self.chat_template = template
         self.bos_token = self._static_str("baseRT_bos_token")
         self.eos_token = self._static_str("baseRT_eos_token")
+        self.tokenizer = Tokenizer.borrow(lib, handle)  # the model handle's own, for this thread only
         if lib.has("baseRT_load_tokenizer_only"):  # last: nothing after it can fail and leak its threads
             self.intake = Intake(lib, cfg.model_path)  # tokenization and grammar compiles run there
         else:  # an engine without a separate tokenizer handle: prepared here, between steps (as before)
-            self._inline_tok = Tokenizer.borrow(lib, handle)
+            self._inline_tok = self.tokenizer
         return ModelInfo(
             path=cfg.model_path,
             architecture=mc.architecture.decode("utf-8", "replace"),
@@ -820,33 +821,10 @@ class EngineThread:
     # ---- tokenizer helpers (engine thread) ---------------------------------------------
 
     def encode_text(self, text: str, *, special: bool) -> list[int]:
-        if not isinstance(text, str):
-            raise InvalidRequestError(f"prompt must be str or a list of token ids, not {type(text).__name__}")
-        try:
-            data = _ffi.c_str(text)
-        except ValueError as exc:
-            raise InvalidRequestError(f"prompt cannot be encoded: {exc}") from None
-        cap = len(data) + 8  # byte-level BPE: at most one token per byte, plus BOS
-        out = (c_uint32 * cap)()
-        fn = "baseRT_encode" if special else "baseRT_encode_plain"
-        n = getattr(self.lib, fn)(self._model, data, out, cap)
-        if n < 0:
-            raise self.lib.last_error(fn)
-        return list(out[:n])
+        return self.tokenizer.encode_text(text, special=special)
 
     def encode_pieces(self, pieces: Sequence[tuple[str, bool]]) -> list[int]:
-        try:
-            datas = [_ffi.c_str(t) for t, _ in pieces]
-        except ValueError as exc:
-            raise InvalidRequestError(f"message cannot be encoded: {exc}") from None
-        texts = (c_char_p * len(datas))(*datas)
-        plain = (c_int * len(datas))(*(1 if content else 0 for _, content in pieces))
-        cap = sum(len(d) for d in datas) + 8
-        out = (c_uint32 * cap)()
-        n = self.lib.baseRT_encode_pieces(self._model, texts, plain, len(datas), out, cap)
-        if n < 0:
-            raise self.lib.last_error("baseRT_encode_pieces")
-        return list(out[:n])
+        return self.tokenizer.encode_pieces(pieces)
 
     def token_bytes(self, tok: int) -> bytes:
         return self.detok.token_bytes(tok)
