@@ -124,7 +124,7 @@ class LifecycleWalk:
             if s.active_lanes == 0 and s.waiting_requests == 0:
                 break
             await anyio.sleep(0.002)
-        assert s.live_sequences == 0 and s.live_decode_streams == 0 and s.live_grammars == 0, (self.seed, s)
+        assert s.live_sequences == 0 and s.live_grammars == 0, (self.seed, s)
         assert s.kv_blocks_used == s.prefix_blocks_cached, (self.seed, s)
         self.stats.idle_checks += 1
 
@@ -375,7 +375,7 @@ class LifecycleWalk:
             await engine.aclose(abort=True)
         else:
             await engine.aclose(abort=how == "abort")
-        assert engine.closed and not engine._thread.alive and engine.models_freed == 1
+        assert engine.closed and not engine._thread.alive and engine._thread.models_freed == 1
         for t in self.tracked:  # every reader has ended, with tokens or a typed error
             if t.has_reader:
                 await t.reader_done.wait()

@@ -211,7 +211,7 @@ async def test_close_mid_embed(untied_model_path: Path, abort: bool) -> None:
             while (s := await engine.stats()).active_lanes == 0 or s.waiting_requests == 0:
                 await anyio.sleep(0.001)
             await engine.aclose(abort=abort)
-    assert engine.models_freed == 1 and not engine._thread.alive
+    assert engine._thread.models_freed == 1 and not engine._thread.alive
     if abort:
         assert all(isinstance(o, EngineClosedError) for o in outcomes), outcomes
     else:
