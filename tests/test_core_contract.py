@@ -149,14 +149,28 @@ async def test_abort_after_a_timed_out_drain_escalates(tiny_model_path: Path) ->
     assert not engine._thread.alive and engine._thread.models_freed == 1
 
 
-async def test_leaving_the_block_on_a_timeout_aborts_the_drain(tiny_model_path: Path) -> None:
+async def test_leaving_the_block_on_a_timeout_aborts_the_drain(
+    tiny_model_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Once the drain has begun, the engine thread takes no step until its next
+    # message: the drain cannot finish by itself, only the timeout's abort ends it.
+    from aiobasert.engine_thread import EngineThread
+
+    real = EngineThread._step
+
+    def stalled(self: EngineThread) -> bool:
+        if self._closing and not self._abort:
+            self._drain(block=True)
+        return real(self)
+
+    monkeypatch.setattr(EngineThread, "_step", stalled)
     with anyio.fail_after(BOUND):
-        with anyio.move_on_after(0.3):
+        with anyio.move_on_after(0.3) as scope:
             async with Engine.open(tiny_model_path, max_batch_size=2, max_buffered_tokens=2) as engine:
                 s = engine.stream("long", max_tokens=2000, ignore_eos=True)
                 await s.__anext__()  # referenced, never read again: the drain would run 2000 tokens
-        assert engine.closed and not engine._thread.alive
-    assert s.finish_reason in ("aborted", "length")
+        assert scope.cancelled_caught and engine.closed and not engine._thread.alive
+    assert s.finish_reason == "aborted"
 
 
 async def _foreign_calls(engine: Engine, stream: TokenStream) -> list[str]:
