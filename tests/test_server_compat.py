@@ -14,9 +14,8 @@ import httpx
 import msgspec
 import openai
 import pytest
-from loopback import serving
+from loopback import REPO, serving
 from openai import OpenAI
-from test_server import REPO
 
 from aiobasert.server import create_app
 from aiobasert.server.compat import _UNSET, FIELDS, render_table

@@ -11,9 +11,8 @@ from typing import Any
 
 import httpx
 import pytest
-from loopback import serving
+from loopback import serving, start_uvicorn
 from openai import OpenAI
-from test_server import start_uvicorn
 
 import aiobasert
 from aiobasert import Engine, SamplingParams
