@@ -2,7 +2,7 @@
 baseRT_batch_step_fused_logits_rows[_taps], baseRT_read_tap_rows,
 baseRT_tap_rows_capacity, baseRT_model_supports_taps): what the rows and taps
 hold, every bound the header states, and that a refused call changes nothing.
-Also run under ASan + UBSan by tests/test_sanitizers.py."""
+Also run under ASan + UBSan by tests/native/test_sanitizers.py."""
 
 from __future__ import annotations
 

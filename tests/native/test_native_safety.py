@@ -6,7 +6,7 @@ sequence past its model. Each such call must fail with a code and a message,
 never corrupt the KV pool or crash. The regression tests pin the holes issue 10
 lists; the fuzz test drives random call sequences with valid and invalid handles
 and checks the pool's bookkeeping (baseRT_ref_check_kv) after every call.
-Under tests/test_sanitizers.py the same file runs against the ASan + UBSan build.
+Under tests/native/test_sanitizers.py the same file runs against the ASan + UBSan build.
 """
 
 from __future__ import annotations
