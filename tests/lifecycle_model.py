@@ -47,6 +47,18 @@ BOUND = 30.0
 WORDS = ["the", "a", "of", "time", "once", "upon", "model", "😀", "日本", "\n", "token", "lane"]
 
 
+async def assert_idle_and_whole(engine: Engine) -> None:
+    """Nothing running, and nothing held: sequences, grammars, KV outside the prefix cache."""
+    with anyio.fail_after(BOUND):
+        while True:
+            s = await engine.stats()
+            if s.active_lanes == 0 and s.waiting_requests == 0:
+                break
+            await anyio.sleep(0.005)
+    assert s.live_sequences == 0 and s.live_grammars == 0, s
+    assert s.kv_blocks_used == s.prefix_blocks_cached, s
+
+
 def engine_threads() -> set[threading.Thread]:
     return {t for t in threading.enumerate() if t.name == "aiobasert-engine" and t.is_alive()}
 

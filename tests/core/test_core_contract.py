@@ -18,6 +18,7 @@ from typing import Any
 import anyio
 import numpy as np
 import pytest
+from lifecycle_model import assert_idle_and_whole, engine_threads
 
 import aiobasert
 from aiobasert import (
@@ -41,27 +42,11 @@ pytestmark = pytest.mark.anyio
 BOUND = 30.0  # seconds any single wait below may take before it is a hang
 
 
-def engine_threads() -> set[threading.Thread]:
-    return {t for t in threading.enumerate() if t.name == "aiobasert-engine" and t.is_alive()}
-
-
 async def wait_until_threads(expected: set[threading.Thread]) -> None:
     with anyio.fail_after(BOUND):
         while engine_threads() - expected:
             gc.collect()
             await anyio.sleep(0.01)
-
-
-async def assert_idle_and_whole(engine: Engine) -> None:
-    """Nothing running, and nothing held: sequences, grammars, KV outside the prefix cache."""
-    with anyio.fail_after(BOUND):
-        while True:
-            s = await engine.stats()
-            if s.active_lanes == 0 and s.waiting_requests == 0:
-                break
-            await anyio.sleep(0.005)
-    assert s.live_sequences == 0 and s.live_grammars == 0, s
-    assert s.kv_blocks_used == s.prefix_blocks_cached, s
 
 
 async def occupy(engine: Engine) -> TokenStream:

@@ -16,6 +16,7 @@ from typing import Any
 import anyio
 import numpy as np
 import pytest
+from lifecycle_model import assert_idle_and_whole
 
 from aiobasert import (
     AioBaseRTError,
@@ -51,17 +52,6 @@ async def reference(path: Path, inputs: list[Any], monkeypatch: pytest.MonkeyPat
             out = [await engine.embed(x) for x in inputs]
             assert engine._thread._embed_pooler is None  # the fallback really ran
             return out
-
-
-async def assert_idle_and_whole(engine: Engine) -> None:
-    with anyio.fail_after(BOUND):
-        while True:
-            s = await engine.stats()
-            if s.active_lanes == 0 and s.waiting_requests == 0:
-                break
-            await anyio.sleep(0.005)
-    assert s.live_sequences == 0 and s.live_grammars == 0, s
-    assert s.kv_blocks_used == s.prefix_blocks_cached, s
 
 
 async def read_all(stream: TokenStream, got: list[int]) -> None:

@@ -34,12 +34,13 @@ LONG_CONTEXT = 16384
 
 
 @pytest.fixture(scope="module")
-def base_url(long_model_path: Path) -> Iterator[str]:
-    app = create_app(
-        long_model_path, api_key=API_KEY, model_name=MODEL_NAME, max_batch_size=4, max_context=LONG_CONTEXT
-    )
-    with serving(app) as url:
-        yield url
+def served_model(long_model_path: Path) -> Path:
+    return long_model_path
+
+
+@pytest.fixture(scope="module")
+def server_options() -> dict[str, Any]:
+    return {"api_key": API_KEY, "model_name": MODEL_NAME, "max_batch_size": 4, "max_context": LONG_CONTEXT}
 
 
 @pytest.fixture(scope="module")
@@ -52,12 +53,6 @@ def long_model_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
 # kernel and uvicorn buffer: a client that does not read keeps it in flight (its lane paused).
 LONG_STREAM = {"prompt": "Hello", "max_tokens": 16000, "temperature": 0, "stream": True, "logprobs": 20}
 RESPONSES_STREAM = {"input": "Hello", "max_output_tokens": 16000, "temperature": 0, "stream": True}
-
-
-@pytest.fixture(scope="module")
-def client(base_url: str) -> Iterator[OpenAI]:
-    with OpenAI(base_url=f"{base_url}/v1", api_key=API_KEY, max_retries=0) as c:
-        yield c
 
 
 @pytest.fixture(scope="module")
