@@ -552,16 +552,6 @@ class Engine:
         evicted: int = await self._ask(EvictPrefixCache())
         return evicted
 
-    @property
-    def engine_thread_id(self) -> int | None:
-        """`threading.get_ident()` of the thread that owns the model handle."""
-        return self._thread.thread_id
-
-    @property
-    def models_freed(self) -> int:
-        """How many times this engine freed its model handle (1 after close)."""
-        return self._thread.models_freed
-
     def __repr__(self) -> str:
         return f"<aiobasert.Engine {self.info.path!r} lanes={self.info.max_batch_size} closed={self._port.closed}>"
 

@@ -855,7 +855,6 @@ class EngineThread:
             active_lanes=len(self.batcher.running),
             waiting_requests=len(self.batcher.waiting),
             live_sequences=self.live_sequences,
-            live_decode_streams=0,  # text is assembled from token bytes: no engine decode streams
             live_grammars=self.live_grammars,
             kv_blocks_total=int(ms.kv_cache_blocks_total),
             kv_blocks_used=int(ms.kv_cache_blocks_used),

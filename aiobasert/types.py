@@ -11,7 +11,7 @@ import numpy as np
 
 from .errors import InvalidSamplingParamsError
 
-FinishReason = Literal["stop", "length", "aborted", "error"]
+FinishReason = Literal["stop", "length", "aborted"]
 
 _INT32_MAX = 2**31 - 1
 _FLT_MAX = float(np.finfo(np.float32).max)
@@ -311,8 +311,6 @@ class EngineStats(msgspec.Struct, frozen=True, kw_only=True):
     waiting_requests: int
     live_sequences: int
     """Sequences the SDK holds in the engine (created and not yet freed)."""
-    live_decode_streams: int
-    """Engine decode streams held (0: the SDK assembles text from token bytes)."""
     live_grammars: int = 0
     """Structured-output grammars held (engine grammar handles or host matchers)."""
     kv_blocks_total: int

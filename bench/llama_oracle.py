@@ -32,7 +32,7 @@ Without --llama-bin-dir the llama.cpp tools are built once from the llama-cpp-py
 (vs_llama_server.build_llama_server, with the llama-perplexity target too). --record writes
 llama.cpp's side (the texts and their ids, the chat prompts, rendered text, prompt ids, greedy ids
 with top-2 log-probabilities, the perplexity with its chunking, llama.cpp's version and commit)
-as JSON: tests/test_llama_cpp_parity.py holds the engine to it without building llama.cpp.
+as JSON: tests/models/test_llama_cpp_parity.py holds the engine to it without building llama.cpp.
 A model the engine refuses (conversion error) still gets llama.cpp's side printed and recorded;
 ours is reported as refused, exit 3.
 

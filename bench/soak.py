@@ -76,7 +76,7 @@ async def soak(model: Path, requests: int, lanes: int, concurrency: int, seed: i
     growth = (rss[-1] - rss[1]) / rss[1] * 100 if len(rss) > 2 else 0.0
     print(f"requests: {requests} in {elapsed:.1f} s ({requests / elapsed:.0f} req/s) at {lanes} lanes")
     print(f"done: {done}  cancelled: {cancelled}  failed: {failed}")
-    print(f"live sequences at end: {stats.live_sequences}  decode streams: {stats.live_decode_streams}")
+    print(f"live sequences at end: {stats.live_sequences}")
     print(f"KV blocks in use at end: {after.kv_blocks_used} (prefix cache held {stats.prefix_blocks_cached})")
     print(f"RSS: {rss[1]:.1f} MB after 10% -> {rss[-1]:.1f} MB at end ({growth:+.1f}%)")
     ok = (done + cancelled + failed == requests and failed == 0 and after.kv_blocks_used == 0

@@ -229,20 +229,33 @@ def asgi_server() -> Iterator[Callable[[Any], str]]:
 
 
 @pytest.fixture(scope="module")
-def tiny_server(asgi_server: Callable[[Any], str], tiny_model_path: Path) -> str:
-    """The OpenAI-compatible server on the tiny model (bearer API_KEY, model MODEL_NAME, 4 lanes)."""
-    from aiobasert.server import create_app
-
-    return asgi_server(create_app(tiny_model_path, api_key=API_KEY, model_name=MODEL_NAME, max_batch_size=4))
+def served_model(tiny_model_path: Path) -> Path:
+    """The model `base_url` serves: the tiny one, unless a module overrides this fixture."""
+    return tiny_model_path
 
 
 @pytest.fixture(scope="module")
-def tiny_client(tiny_server: str) -> Iterator[Any]:
-    """The official openai client on `tiny_server` (no retries: a failure shows at once)."""
+def server_options() -> dict[str, Any]:
+    """`create_app`'s options for `base_url` (bearer API_KEY, model MODEL_NAME, 4 lanes),
+    unless a module overrides this fixture."""
+    return {"api_key": API_KEY, "model_name": MODEL_NAME, "max_batch_size": 4}
+
+
+@pytest.fixture(scope="module")
+def base_url(asgi_server: Callable[[Any], str], served_model: Path, server_options: dict[str, Any]) -> str:
+    """The OpenAI-compatible server on `served_model` with `server_options`, on loopback."""
+    from aiobasert.server import create_app
+
+    return asgi_server(create_app(served_model, **server_options))
+
+
+@pytest.fixture(scope="module")
+def client(base_url: str) -> Iterator[Any]:
+    """The official openai client on `base_url` (no retries: a failure shows at once)."""
     from openai import OpenAI
 
-    with OpenAI(base_url=f"{tiny_server}/v1", api_key=API_KEY, max_retries=0) as client:
-        yield client
+    with OpenAI(base_url=f"{base_url}/v1", api_key=API_KEY, max_retries=0) as c:
+        yield c
 
 
 @pytest.fixture(scope="module")

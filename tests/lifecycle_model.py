@@ -17,7 +17,7 @@ drain timed out then abort, abort) and reopen. After every step the invariants:
 * after close: the engine's thread is gone and its model freed, every reader
   has ended.
 
-The suite runs it short (tests/test_lifecycle_model.py); bench/lifecycle_soak.py
+The suite runs it short (tests/core/test_lifecycle_model.py); bench/lifecycle_soak.py
 runs it long.
 """
 
@@ -45,6 +45,18 @@ from aiobasert import (
 BOUND = 30.0
 
 WORDS = ["the", "a", "of", "time", "once", "upon", "model", "😀", "日本", "\n", "token", "lane"]
+
+
+async def assert_idle_and_whole(engine: Engine) -> None:
+    """Nothing running, and nothing held: sequences, grammars, KV outside the prefix cache."""
+    with anyio.fail_after(BOUND):
+        while True:
+            s = await engine.stats()
+            if s.active_lanes == 0 and s.waiting_requests == 0:
+                break
+            await anyio.sleep(0.005)
+    assert s.live_sequences == 0 and s.live_grammars == 0, s
+    assert s.kv_blocks_used == s.prefix_blocks_cached, s
 
 
 def engine_threads() -> set[threading.Thread]:
@@ -124,7 +136,7 @@ class LifecycleWalk:
             if s.active_lanes == 0 and s.waiting_requests == 0:
                 break
             await anyio.sleep(0.002)
-        assert s.live_sequences == 0 and s.live_decode_streams == 0 and s.live_grammars == 0, (self.seed, s)
+        assert s.live_sequences == 0 and s.live_grammars == 0, (self.seed, s)
         assert s.kv_blocks_used == s.prefix_blocks_cached, (self.seed, s)
         self.stats.idle_checks += 1
 
@@ -375,7 +387,7 @@ class LifecycleWalk:
             await engine.aclose(abort=True)
         else:
             await engine.aclose(abort=how == "abort")
-        assert engine.closed and not engine._thread.alive and engine.models_freed == 1
+        assert engine.closed and not engine._thread.alive and engine._thread.models_freed == 1
         for t in self.tracked:  # every reader has ended, with tokens or a typed error
             if t.has_reader:
                 await t.reader_done.wait()

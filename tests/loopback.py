@@ -1,17 +1,25 @@
-"""Servers on loopback for the tests: an ASGI app run by uvicorn in a thread."""
+"""Servers on loopback for the tests: an ASGI app run by uvicorn in a thread, or
+`python -m ...` serving in a subprocess (its stderr read by `Lines`)."""
 
 from __future__ import annotations
 
 import contextlib
+import os
+import queue
+import re
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import uvicorn
 
 API_KEY = "sk-test-key"
 MODEL_NAME = "tiny"
+REPO = Path(__file__).resolve().parents[1]
 
 
 @contextlib.contextmanager
@@ -32,3 +40,49 @@ def serving(app: Any) -> Iterator[str]:
         server.should_exit = True
         thread.join(15)
         assert not thread.is_alive(), "the test server did not stop"
+
+
+class Lines:
+    """Lines of a subprocess's stream, read by a thread so the pipe never fills up."""
+
+    def __init__(self, stream: Any) -> None:
+        self._queue: queue.Queue[str] = queue.Queue()
+        self.seen: list[str] = []
+        threading.Thread(target=self._pump, args=(stream,), daemon=True).start()
+
+    def _pump(self, stream: Any) -> None:
+        for line in stream:
+            self._queue.put(line)
+
+    def wait_for(self, pattern: str, timeout: float) -> re.Match[str]:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                line = self._queue.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                raise AssertionError(f"no line matching {pattern!r} in {timeout} s; got {self.seen}") from None
+            self.seen.append(line)
+            match = re.search(pattern, line)
+            if match:
+                return match
+
+
+def subprocess_env(model: Path) -> dict[str, str]:
+    env = dict(os.environ, AIOBASERT_MODEL=str(model), PYTHONUNBUFFERED="1")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
+    return env
+
+
+def start_uvicorn(args: list[str], model: Path) -> tuple[subprocess.Popen[str], Lines, int]:
+    proc = subprocess.Popen(
+        [sys.executable, *args], stderr=subprocess.PIPE, text=True, cwd=REPO, env=subprocess_env(model)
+    )
+    assert proc.stderr is not None
+    lines = Lines(proc.stderr)
+    try:
+        port = int(lines.wait_for(r"Uvicorn running on http://127\.0\.0\.1:(\d+)", 60).group(1))
+    except BaseException:
+        proc.kill()
+        proc.wait()
+        raise
+    return proc, lines, port

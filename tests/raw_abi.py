@@ -22,6 +22,14 @@ def error(lib: Library) -> str:
     return (lib.baseRT_get_error() or b"").decode()
 
 
+def u32(values: Sequence[int]) -> ctypes.Array[c_uint32]:
+    return (c_uint32 * max(len(values), 1))(*values)
+
+
+def ints(values: Sequence[int]) -> ctypes.Array[c_int]:
+    return (c_int * max(len(values), 1))(*values)
+
+
 def load(lib: Library, path: Path, max_context: int, **options: Any) -> int:
     """baseRT_load_model_ex with paged KV and the given BaseRTLoadOptions fields."""
     o = BaseRTLoadOptions(struct_size=ctypes.sizeof(BaseRTLoadOptions), paged_kv=1, **options)

@@ -12,7 +12,7 @@ from pathlib import Path
 import anyio
 import httpx
 import pytest
-from test_server import REPO, start_uvicorn, subprocess_env
+from loopback import REPO, start_uvicorn, subprocess_env
 
 from aiobasert.models.tiny import build_tiny_model
 

@@ -2,7 +2,7 @@
 any tensor is converted, so a vocabulary the engine would tokenize differently from llama.cpp is
 refused at once with one line naming it.
 
-The names mirror native/src/tokenizer.c (bpe_supported); tests/test_tokenizer_native.py holds the two
+The names mirror native/src/tokenizer.c (bpe_supported); tests/models/test_tokenizer_native.py holds the two
 lists to each other through the C code.
 """
 

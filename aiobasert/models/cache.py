@@ -62,7 +62,7 @@ SMOLLM2_GGUF: Final = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_SHA256: Final = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 SMOLLM2_SIZE: Final = 98_362_432
 # The demo bundle: the GGUF's own Q4_1 / Q8_0 blocks carried over exactly (base_q4 / base_q8), the fastest
-# bundle that keeps perplexity within 1% of f16 (tests/test_native_quant.py), the weights llama.cpp runs.
+# bundle that keeps perplexity within 1% of f16 (tests/native/test_native_quant.py), the weights llama.cpp runs.
 DEFAULT_MODEL_DTYPE: Final = "q4"
 DEFAULT_MODEL_FILENAME: Final = f"SmolLM2-135M-Instruct.{DEFAULT_MODEL_DTYPE}.base"
 # pip's own socket timeout and retries bound a dead network; this bounds everything else

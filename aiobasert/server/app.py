@@ -106,6 +106,8 @@ class _RequestId:
             return
         given = dict(scope["headers"]).get(b"x-request-id")
         rid = given if given and len(given) <= 128 else uuid.uuid4().hex.encode()
+        # for the handlers' logs (`request.state.request_id`) where no engine request id exists
+        scope.setdefault("state", {})["request_id"] = rid.decode("latin-1")
 
         async def send_with_id(message: Message) -> None:
             if message["type"] == "http.response.start":

@@ -14,7 +14,8 @@ names it; a 200 never means a request was silently served less than it asked:
   accepts and ignores such fields with a logged warning; here an unknown
   field may be another server's instruction (`guided_json`, `chat_template`),
   and ignoring it would answer 200 to a request not served as asked.
-tests/test_server_compat.py sends every `ok` example (expecting 200) and every
+tests/server/test_server_compat.py sends every `ok` example (expecting 200, and for
+a served field a different engine request or reply than without it) and every
 `bad` example (expecting 400 naming the field), checks the table lists exactly
 the request structs' fields, and that docs/openai-compat.md carries `render_table()`:
 

@@ -577,6 +577,7 @@ class Service:
         if req.dimensions is not None and req.dimensions != engine.info.dim:
             raise APIError(400, f"this model's embeddings have {engine.info.dim} dimensions", param="dimensions")
         await _admit_fanout(engine, len(inputs), "input")
+        self._log_user(request.state.request_id, req.user)
         as_base64 = req.encoding_format == "base64"
         data: list[Embedding | None] = [None] * len(inputs)
         counts = [0] * len(inputs)

@@ -117,8 +117,8 @@ def finish_reason(reason: FinishReason | None) -> str:
     """OpenAI's finish_reason for a generation that ended normally; an aborted one raises."""
     if reason == "aborted":
         raise aborted()
-    if reason not in ("stop", "length"):
-        raise APIError(500, f"the generation ended with {reason!r}", type="server_error")
+    if reason is None:  # the stream was read to its end, so it always has a reason
+        raise APIError(500, "the generation ended without a finish reason", type="server_error")
     return reason
 
 

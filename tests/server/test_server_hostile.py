@@ -46,7 +46,7 @@ import anyio
 import httpx
 import numpy as np
 import pytest
-from test_server import REPO, _Lines, subprocess_env
+from loopback import REPO, Lines, subprocess_env
 
 TEST_BUDGET_S = 200
 """Time for the traffic phase at most, so a hang is reported with names before the 300 s test timeout."""
@@ -91,7 +91,7 @@ def _kinds() -> tuple[str, ...]:
 @dataclass
 class Server:
     proc: subprocess.Popen[str]
-    lines: _Lines
+    lines: Lines
     port: int
 
     @property
@@ -128,7 +128,7 @@ def server(long_untied_model_path: Path) -> Iterator[Server]:
             "--served-model-name", "tiny", "--max-batch-size", str(LANES), "--max-context", "8192"]  # fmt: skip
     proc = subprocess.Popen(args, stderr=subprocess.PIPE, text=True, cwd=REPO, env=subprocess_env(model))
     assert proc.stderr is not None
-    lines = _Lines(proc.stderr)
+    lines = Lines(proc.stderr)
     try:
         port = int(lines.wait_for(r"Uvicorn running on http://127\.0\.0\.1:(\d+)", 60).group(1))
         yield Server(proc, lines, port)

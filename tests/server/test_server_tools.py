@@ -45,12 +45,12 @@ def valid(name: str, arguments: str) -> None:
 
 
 @pytest.mark.parametrize("seed", [1, 2, 3])
-def test_required_call_stream_equals_non_stream(tiny_client: OpenAI, seed: int) -> None:
+def test_required_call_stream_equals_non_stream(client: OpenAI, seed: int) -> None:
     kw: dict[str, Any] = dict(
         model=MODEL_NAME, messages=MESSAGES, tools=TOOLS, tool_choice="required", max_tokens=150, seed=seed,
         temperature=1.0,
     )
-    whole = tiny_client.chat.completions.create(**kw)
+    whole = client.chat.completions.create(**kw)
     (choice,) = whole.choices
     calls = choice.message.tool_calls
     assert calls
@@ -65,7 +65,7 @@ def test_required_call_stream_equals_non_stream(tiny_client: OpenAI, seed: int) 
     names: dict[int, str] = {}
     args: dict[int, list[str]] = {}
     finish = None
-    for chunk in tiny_client.chat.completions.create(**kw, stream=True):
+    for chunk in client.chat.completions.create(**kw, stream=True):
         if not chunk.choices:
             continue
         delta = chunk.choices[0].delta
@@ -85,8 +85,8 @@ def test_required_call_stream_equals_non_stream(tiny_client: OpenAI, seed: int) 
 
 
 @pytest.mark.parametrize("seed", [4, 5])
-def test_named_function_and_parallel_false(tiny_client: OpenAI, seed: int) -> None:
-    r = tiny_client.chat.completions.create(
+def test_named_function_and_parallel_false(client: OpenAI, seed: int) -> None:
+    r = client.chat.completions.create(
         model=MODEL_NAME,
         messages=MESSAGES,
         tools=TOOLS,
@@ -103,14 +103,14 @@ def test_named_function_and_parallel_false(tiny_client: OpenAI, seed: int) -> No
     valid("get_time", call.function.arguments)
 
 
-def test_none_and_auto(tiny_client: OpenAI) -> None:
+def test_none_and_auto(client: OpenAI) -> None:
     for seed in range(3):
-        none = tiny_client.chat.completions.create(
+        none = client.chat.completions.create(
             model=MODEL_NAME, messages=MESSAGES, tools=TOOLS, tool_choice="none", max_tokens=24, seed=seed,
             temperature=1.0,
         )
         assert not none.choices[0].message.tool_calls and none.choices[0].finish_reason in ("stop", "length")
-        auto = tiny_client.chat.completions.create(
+        auto = client.chat.completions.create(
             model=MODEL_NAME, messages=MESSAGES, tools=TOOLS, max_tokens=24, seed=seed, temperature=1.0
         )
         msg = auto.choices[0].message
@@ -118,8 +118,8 @@ def test_none_and_auto(tiny_client: OpenAI) -> None:
 
 
 @pytest.mark.anyio
-async def test_full_tool_loop_with_the_async_client(tiny_server: str) -> None:
-    async with AsyncOpenAI(base_url=f"{tiny_server}/v1", api_key=API_KEY, max_retries=0) as client:
+async def test_full_tool_loop_with_the_async_client(base_url: str) -> None:
+    async with AsyncOpenAI(base_url=f"{base_url}/v1", api_key=API_KEY, max_retries=0) as client:
         first = await client.chat.completions.create(
             model=MODEL_NAME, messages=MESSAGES, tools=TOOLS, tool_choice="required", parallel_tool_calls=False,
             max_tokens=150, seed=1,
@@ -156,10 +156,10 @@ async def test_full_tool_loop_with_the_async_client(tiny_server: str) -> None:
         ({"tools": TOOLS, "response_format": {"type": "json_object"}}, "response_format", "tools"),
     ],
 )
-def test_bad_tool_requests_are_400_naming_the_param(tiny_server: str, body: dict[str, Any], param: str,
+def test_bad_tool_requests_are_400_naming_the_param(base_url: str, body: dict[str, Any], param: str,
                                                      message: str) -> None:
     r = httpx.post(
-        f"{tiny_server}/v1/chat/completions",
+        f"{base_url}/v1/chat/completions",
         json={"model": MODEL_NAME, "messages": MESSAGES, "max_tokens": 4, **body},
         headers={"Authorization": f"Bearer {API_KEY}"},
     )
@@ -168,9 +168,9 @@ def test_bad_tool_requests_are_400_naming_the_param(tiny_server: str, body: dict
     assert error["param"] == param and message in error["message"]
 
 
-def test_client_sees_bad_request(tiny_client: OpenAI) -> None:
+def test_client_sees_bad_request(client: OpenAI) -> None:
     with pytest.raises(openai.BadRequestError):
-        tiny_client.chat.completions.create(
+        client.chat.completions.create(
             model=MODEL_NAME, messages=MESSAGES, tools=TOOLS, tool_choice={"type": "function",
                                                                            "function": {"name": "nope"}},
         )
@@ -219,7 +219,7 @@ def test_smollm2_tool_loop_stream_and_not(smollm2_path: Path) -> None:
     max_tokens=st.integers(1, 60),
 )
 def test_stream_and_whole_bodies_agree(
-    tiny_client: OpenAI, seed: int, with_tools: bool, choice: str, logprobs: bool, max_tokens: int
+    client: OpenAI, seed: int, with_tools: bool, choice: str, logprobs: bool, max_tokens: int
 ) -> None:
     """Same seed, same request: the streamed chunks add up to the whole body
     (text, tool calls, logprobs, usage, finish reason)."""
@@ -227,7 +227,7 @@ def test_stream_and_whole_bodies_agree(
                               logprobs=logprobs, top_logprobs=2 if logprobs else None)
     if with_tools:
         kw |= dict(tools=TOOLS, tool_choice=choice)
-    whole = tiny_client.chat.completions.create(**kw)
+    whole = client.chat.completions.create(**kw)
     (wc,) = whole.choices
     content: list[str] = []
     calls: dict[int, list[str]] = {}
@@ -235,7 +235,7 @@ def test_stream_and_whole_bodies_agree(
     lps: list[tuple[str, float]] = []
     finish = None
     usage = None
-    for chunk in tiny_client.chat.completions.create(**kw, stream=True, stream_options={"include_usage": True}):
+    for chunk in client.chat.completions.create(**kw, stream=True, stream_options={"include_usage": True}):
         usage = chunk.usage or usage
         if not chunk.choices:
             continue
@@ -307,15 +307,15 @@ def test_engine_structural_tag_over_http(untied_model_path: Path) -> None:
 
 
 @pytest.mark.parametrize("seed", [1, 2, 3])
-def test_a_chunk_carries_one_delta_per_call(tiny_client: OpenAI, seed: int) -> None:
+def test_a_chunk_carries_one_delta_per_call(client: OpenAI, seed: int) -> None:
     """llama-index reads one `tool_calls` entry per chunk (the first): a call's head and
     its first argument fragment sent as two entries of one chunk lost that fragment
     (the `{`). Each chunk carries at most one entry per call index."""
     kw: dict[str, Any] = dict(model=MODEL_NAME, messages=MESSAGES, tools=TOOLS, tool_choice="required",
                               max_tokens=150, seed=seed, temperature=1.0)
-    whole = tiny_client.chat.completions.create(**kw).choices[0].message.tool_calls or []
+    whole = client.chat.completions.create(**kw).choices[0].message.tool_calls or []
     args: dict[int, str] = {}
-    for chunk in tiny_client.chat.completions.create(**kw, stream=True):
+    for chunk in client.chat.completions.create(**kw, stream=True):
         entries = chunk.choices[0].delta.tool_calls if chunk.choices else None
         if not entries:
             continue
@@ -326,14 +326,14 @@ def test_a_chunk_carries_one_delta_per_call(tiny_client: OpenAI, seed: int) -> N
 
 
 @pytest.mark.parametrize("max_tokens", [1, 2, 3, 5, 8])
-def test_a_forced_call_cut_by_max_tokens_is_length_without_markup(tiny_client: OpenAI, max_tokens: int) -> None:
+def test_a_forced_call_cut_by_max_tokens_is_length_without_markup(client: OpenAI, max_tokens: int) -> None:
     kw: dict[str, Any] = dict(model=MODEL_NAME, messages=MESSAGES, tools=TOOLS, tool_choice="required",
                               max_tokens=max_tokens, seed=1)
-    (choice,) = tiny_client.chat.completions.create(**kw).choices
+    (choice,) = client.chat.completions.create(**kw).choices
     assert choice.finish_reason == "length"
     assert not choice.message.content, choice.message.content  # no raw `<tool_call>` text
     text, finish = "", None
-    for chunk in tiny_client.chat.completions.create(**kw, stream=True):
+    for chunk in client.chat.completions.create(**kw, stream=True):
         if chunk.choices:
             text += chunk.choices[0].delta.content or ""
             finish = chunk.choices[0].finish_reason or finish

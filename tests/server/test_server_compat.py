@@ -1,24 +1,22 @@
 """No silently ignored field: every request field in aiobasert.server.compat is
-sent with its `ok` example (200) and its `bad` example (400 naming it), the
-table lists exactly the request structs' fields, and docs/openai-compat.md carries the
-table rendered from it."""
+sent with its `ok` example (200) and its `bad` example (400 naming it); a served
+field's `ok` example changes what the engine is asked for or the reply (a 200
+alone is not "honoured"); the table lists exactly the request structs' fields, and
+docs/openai-compat.md carries the table rendered from it."""
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
-from pathlib import Path
+import re
 from typing import Any
 
 import httpx
 import msgspec
 import openai
 import pytest
-from loopback import serving
+from loopback import REPO
 from openai import OpenAI
-from test_server import REPO
 
-from aiobasert.server import create_app
 from aiobasert.server.compat import _UNSET, FIELDS, render_table
 from aiobasert.server.protocol import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
 from aiobasert.server.responses import ResponsesRequest
@@ -41,9 +39,8 @@ CASES = [(e, f.name, f.ok, f.bad) for e, fields in FIELDS.items() for f in field
 
 
 @pytest.fixture(scope="module")
-def base_url(tiny_model_path: Path) -> Iterator[str]:
-    with serving(create_app(tiny_model_path, model_name="tiny", max_batch_size=4)) as url:
-        yield url
+def server_options() -> dict[str, Any]:
+    return {"model_name": "tiny", "max_batch_size": 4}  # without an API key: the rows send none
 
 
 def test_the_table_lists_exactly_the_request_fields() -> None:
@@ -71,6 +68,68 @@ def test_each_field_is_honoured_or_refused_by_name(
             r = http.post(endpoint, json=body)
             assert r.status_code in (400, 404), r.text
             assert r.json()["error"]["param"] == name, r.text
+
+
+# what a field needs, besides itself, to have an effect to observe (tool_choice and
+# parallel_tool_calls act on tools)
+_TOOLS: dict[str, Any] = {"tools": [{"type": "function", "function": {"name": "f"}}]}
+_RESPONSES_TOOLS: dict[str, Any] = {"tools": [{"type": "function", "name": "f"}]}
+EFFECT_NEEDS: dict[tuple[str, str], dict[str, Any]] = {
+    ("/v1/chat/completions", "tool_choice"): _TOOLS,
+    ("/v1/chat/completions", "parallel_tool_calls"): _TOOLS,
+    ("/v1/responses", "tool_choice"): _RESPONSES_TOOLS,
+    ("/v1/responses", "parallel_tool_calls"): _RESPONSES_TOOLS,
+}
+# greedy, so two runs of the same request answer the same and a difference is the field's
+GREEDY = {"/v1/completions": {"temperature": 0}, "/v1/chat/completions": {"temperature": 0},
+          "/v1/responses": {"temperature": 0}, "/v1/embeddings": {}}
+SERVED = [(e, f.name, f.ok) for e, fields in FIELDS.items() for f in fields
+          if f.status in ("honoured", "alias", "extension") and f.ok is not _UNSET and f.ok is not None]
+# ids, times, and the prefix cache's hits (the second of two requests finds the first's prompt)
+_VOLATILE = re.compile(
+    r'"(id|created|created_at|call_id|item_id|response_id|system_fingerprint|cached_tokens)":\s*("[^"]*"|[\d.]+)'
+)
+
+
+def _served(http: httpx.Client, endpoint: str, body: dict[str, Any], asked: list[Any]) -> tuple[Any, ...]:
+    """What the engine was asked for and the reply (less its ids and times) to one request."""
+    del asked[:]
+    r = http.post(endpoint, json=body)
+    assert r.status_code == 200, r.text
+    return (list(asked), r.headers["content-type"], _VOLATILE.sub(r'"\1":"_"', r.text))
+
+
+@pytest.mark.parametrize(("endpoint", "name", "ok"), SERVED, ids=[f"{c[0]}:{c[1]}" for c in SERVED])
+def test_each_served_field_changes_what_is_served(
+    base_url: str, endpoint: str, name: str, ok: Any, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A 200 is not enough: the same request without the field asks the engine for
+    something else or is answered otherwise (`model` and a logged `user` show elsewhere)."""
+    from aiobasert import Engine
+
+    asked: list[Any] = []
+    new_stream, embed = Engine._new_stream, Engine.embed
+
+    def recorded(self: Engine, *args: Any, **kwargs: Any) -> Any:
+        asked.append((args, kwargs))
+        return new_stream(self, *args, **kwargs)
+
+    async def recorded_embed(self: Engine, text: Any) -> Any:
+        asked.append(text)
+        return await embed(self, text)
+
+    monkeypatch.setattr(Engine, "_new_stream", recorded)
+    monkeypatch.setattr(Engine, "embed", recorded_embed)
+    base = {**BASE[endpoint], **GREEDY[endpoint], **NEEDS.get(name, {}), **EFFECT_NEEDS.get((endpoint, name), {})}
+    with httpx.Client(base_url=base_url, timeout=60) as http, caplog.at_level("INFO", "aiobasert.server"):
+        without = _served(http, endpoint, base, asked)
+        with_field = _served(http, endpoint, {**base, name: ok}, asked)
+        if name == "model":  # the single-model server resolves any name to its model, named in the reply
+            assert with_field == without and json.loads(with_field[2])["model"] == "tiny"
+        elif name == "user" and endpoint != "/v1/responses":  # logged with the request id (Responses: echoed)
+            assert with_field == without and repr(ok) in caplog.text, caplog.text
+        else:
+            assert with_field != without, f"{endpoint} {name}={ok!r} served the same as without it"
 
 
 @pytest.mark.parametrize("endpoint", list(BASE))

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import ctypes
 import json
-import os
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -57,15 +55,7 @@ def tag_doc(*, at_least_one: bool = False, stop_after_first: bool = False, names
                                                  "at_least_one": at_least_one, "stop_after_first": stop_after_first}}
 
 
-@pytest.fixture(scope="module")
-def model(lib: Library, tiny_model_path: Path) -> Iterator[int]:
-    m = lib.baseRT_load_model(os.fsencode(tiny_model_path), None, 0)
-    assert m, lib.baseRT_get_error()
-    yield m
-    lib.baseRT_free_model(m)
-
-
-@pytest.fixture(scope="module")
+@pytest.fixture
 def token_bytes(lib: Library, model: int, tiny_model_path: Path) -> list[bytes]:
     vocab = int(read_bundle(tiny_model_path).config["vocab_size"])
     out: list[bytes] = []

@@ -29,9 +29,9 @@ PARAMS: dict[str, Any] = {
 TOOLS: list[Any] = [{"type": "function", "name": "get_weather", "parameters": PARAMS, "strict": True}]
 
 
-def test_text_response_stream_equals_create(tiny_client: OpenAI) -> None:
+def test_text_response_stream_equals_create(client: OpenAI) -> None:
     kw: dict[str, Any] = dict(model=MODEL_NAME, input="Tell me a story.", max_output_tokens=12, temperature=0)
-    whole = tiny_client.responses.create(**kw)
+    whole = client.responses.create(**kw)
     assert whole.object == "response" and whole.model == MODEL_NAME
     assert whole.status == "incomplete" and whole.incomplete_details is not None
     assert whole.incomplete_details.reason == "max_output_tokens"
@@ -42,7 +42,7 @@ def test_text_response_stream_equals_create(tiny_client: OpenAI) -> None:
     deltas: list[str] = []
     kinds: list[str] = []
     final = None
-    with tiny_client.responses.stream(**kw) as stream:
+    with client.responses.stream(**kw) as stream:
         for event in stream:
             kinds.append(event.type)
             if event.type == "response.output_text.delta":
@@ -59,10 +59,10 @@ def test_text_response_stream_equals_create(tiny_client: OpenAI) -> None:
     assert final.usage is not None and final.usage.output_tokens == 12
 
 
-def test_function_call_stream_and_create(tiny_client: OpenAI) -> None:
+def test_function_call_stream_and_create(client: OpenAI) -> None:
     kw: dict[str, Any] = dict(model=MODEL_NAME, input="Weather in Paris?", tools=TOOLS, tool_choice="required",
                               parallel_tool_calls=False, max_output_tokens=80, temperature=0)
-    whole = tiny_client.responses.create(**kw)
+    whole = client.responses.create(**kw)
     (call,) = [item for item in whole.output if item.type == "function_call"]
     assert call.name == "get_weather" and call.call_id.startswith("call_")
     jsonschema.validate(json.loads(call.arguments), PARAMS)
@@ -70,7 +70,7 @@ def test_function_call_stream_and_create(tiny_client: OpenAI) -> None:
 
     fragments: list[str] = []
     done_args = None
-    with tiny_client.responses.stream(**kw) as stream:
+    with client.responses.stream(**kw) as stream:
         for event in stream:
             if event.type == "response.function_call_arguments.delta":
                 fragments.append(event.delta)
@@ -83,13 +83,13 @@ def test_function_call_stream_and_create(tiny_client: OpenAI) -> None:
     assert streamed.arguments == call.arguments
 
 
-def test_previous_response_id_reuses_the_kv(tiny_client: OpenAI) -> None:
-    first = tiny_client.responses.create(
+def test_previous_response_id_reuses_the_kv(client: OpenAI) -> None:
+    first = client.responses.create(
         model=MODEL_NAME, instructions="Be brief.", input="What is the weather in Paris? " * 8, tools=TOOLS,
         tool_choice="required", parallel_tool_calls=False, max_output_tokens=80, temperature=0,
     )
     (call,) = [item for item in first.output if item.type == "function_call"]
-    second = tiny_client.responses.create(
+    second = client.responses.create(
         model=MODEL_NAME, previous_response_id=first.id, instructions="Be brief.", tools=TOOLS, tool_choice="none",
         input=[{"type": "function_call_output", "call_id": call.call_id, "output": '{"temp": 21}'}],
         max_output_tokens=6, temperature=0,
@@ -134,8 +134,8 @@ def test_store_is_capped_in_bytes_and_keeps_only_what_the_prompt_renders(tiny_mo
 
 
 @pytest.mark.anyio
-async def test_async_client_and_input_items(tiny_server: str) -> None:
-    async with AsyncOpenAI(base_url=f"{tiny_server}/v1", api_key=API_KEY, max_retries=0) as client:
+async def test_async_client_and_input_items(base_url: str) -> None:
+    async with AsyncOpenAI(base_url=f"{base_url}/v1", api_key=API_KEY, max_retries=0) as client:
         r = await client.responses.create(
             model=MODEL_NAME,
             input=[
@@ -162,8 +162,8 @@ async def test_async_client_and_input_items(tiny_server: str) -> None:
         ({"input": "x", "tool_choice": "required"}, "tool_choice"),
     ],
 )
-def test_refused_fields_name_the_param(tiny_server: str, body: dict[str, Any], param: str) -> None:
-    r = httpx.post(f"{tiny_server}/v1/responses", json={"model": MODEL_NAME, **body},
+def test_refused_fields_name_the_param(base_url: str, body: dict[str, Any], param: str) -> None:
+    r = httpx.post(f"{base_url}/v1/responses", json={"model": MODEL_NAME, **body},
                    headers={"Authorization": f"Bearer {API_KEY}"})
     assert r.status_code in (400, 404), r.text
     assert r.json()["error"]["param"] == param

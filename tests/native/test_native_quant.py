@@ -351,7 +351,7 @@ def test_smollm2_q4_k_m_mix_stays_quantized(lib: Library, smollm2_gguf: Path,
     assert {info.dtype for info in read_bundle(auto).tensors.values()} == {
         "f32", "base_q5", "base_q8", "ggml_q4_k", "ggml_q6_k"}
     proc = subprocess.run([sys.executable, "-c", LOAD_RSS, str(auto)], capture_output=True, text=True, timeout=600,
-                          cwd=Path(__file__).resolve().parent.parent)
+                          cwd=Path(__file__).resolve().parents[2])
     assert proc.returncode == 0, proc.stderr[-2000:]
     rss = json.loads(proc.stdout)
     # the file's pages are dropped as each tensor is repacked: the peak holds the engine's allocation and

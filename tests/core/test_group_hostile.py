@@ -15,7 +15,7 @@ then all again beside the hostile traffic. For the normal callers it asserts:
 
 A hostile call must end in a typed error (`AioBaseRTError`, the one root) or normally; a raw
 `TypeError` / `RecursionError`, or a stream that yields after `aclose()` returned, is a finding.
-tests/test_sanitizers.py runs this file again against the ASan + UBSan build of the engine.
+tests/native/test_sanitizers.py runs this file again against the ASan + UBSan build of the engine.
 
 Repro aids: AIOBASERT_HOSTILE_SEEDS=1,2 runs other plans; AIOBASERT_HOSTILE_KINDS=never_read,ref_chain
 (comma-separated; "none" for none) limits the hostile kinds to those named, to see which breaks what.

@@ -6,7 +6,7 @@ sequence past its model. Each such call must fail with a code and a message,
 never corrupt the KV pool or crash. The regression tests pin the holes issue 10
 lists; the fuzz test drives random call sequences with valid and invalid handles
 and checks the pool's bookkeeping (baseRT_ref_check_kv) after every call.
-Under tests/test_sanitizers.py the same file runs against the ASan + UBSan build.
+Under tests/native/test_sanitizers.py the same file runs against the ASan + UBSan build.
 """
 
 from __future__ import annotations
@@ -15,36 +15,21 @@ import ctypes
 import json
 import os
 import random
-from collections.abc import Iterator, Sequence
-from ctypes import byref, c_int, c_uint32, c_void_p
+from collections.abc import Sequence
+from ctypes import byref, c_uint32, c_void_p
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 from quantized import quantize_bundle
+from raw_abi import error, ints, u32
 
 from aiobasert._core.ffi import TOKEN_CALLBACK, BaseRTLoadOptions, BaseRTMemoryStats, BaseRTSamplingConfig, Library
 from aiobasert.models.tiny import build_tiny_model
 
 OK, INVALID_ARGUMENT, INVALID_FORMAT, OUT_OF_MEMORY = 0, 2, 4, 6
 PAGE = 16
-
-
-class Raw:
-    """Entry points the SDK's mirror does not declare, through a plain CDLL of the same library."""
-
-    def __init__(self, path: str) -> None:
-        c = ctypes.CDLL(path)
-        self.get_position = c.baseRT_get_position
-        self.get_position.restype, self.get_position.argtypes = c_int, [c_void_p]
-        self.prefix_discard = c.baseRT_prefix_discard
-        self.prefix_discard.restype, self.prefix_discard.argtypes = None, [c_void_p, ctypes.c_uint64]
-
-
-@pytest.fixture(scope="module")
-def raw(lib: Library) -> Raw:
-    return Raw(lib.path)
 
 
 @pytest.fixture(scope="module")
@@ -59,18 +44,6 @@ def load(lib: Library, path: Path, max_context: int = 128, **opts: int) -> int:
     m = lib.baseRT_load_model_ex(os.fsencode(path), None, max_context, byref(o))
     assert m, error(lib)
     return int(m)
-
-
-def error(lib: Library) -> str:
-    return (lib.baseRT_get_error() or b"").decode()
-
-
-def u32(values: Sequence[int]) -> ctypes.Array[c_uint32]:
-    return (c_uint32 * max(len(values), 1))(*values)
-
-
-def ints(values: Sequence[int]) -> ctypes.Array[c_int]:
-    return (c_int * max(len(values), 1))(*values)
 
 
 def step(lib: Library, m: int, seqs: Sequence[int], feeds: Sequence[Sequence[int]]) -> int:
@@ -105,11 +78,9 @@ def blocks_used(lib: Library, m: int) -> int:
     return int(st.kv_cache_blocks_used)
 
 
-@pytest.fixture
-def model(lib: Library, model_path: Path) -> Iterator[int]:
-    m = load(lib, model_path)
-    yield m
-    lib.baseRT_free_model(m)
+@pytest.fixture(scope="module")
+def model_options() -> dict[str, int]:
+    return {"max_context": 128, "max_batch_size": 4, "prefix_cache": 1, "prefill_chunk": 16}  # as `load`
 
 
 PROMPT = [int(t) for t in np.random.default_rng(5).integers(3, 200, size=40)]
@@ -187,7 +158,7 @@ def test_unlock_without_seed_does_not_leak(lib: Library, model: int) -> None:
     assert blocks_used(lib, model) == 0
 
 
-def test_sequence_handles_die_with_their_model(lib: Library, raw: Raw, model_path: Path) -> None:
+def test_sequence_handles_die_with_their_model(lib: Library, raw: ctypes.CDLL, model_path: Path) -> None:
     m = load(lib, model_path)
     s = int(lib.baseRT_sequence_create(m))
     assert step(lib, m, [s], [PROMPT[:5]]) == OK
@@ -202,7 +173,7 @@ def test_sequence_handles_die_with_their_model(lib: Library, raw: Raw, model_pat
     try:
         assert lib.baseRT_sequence_rollback(s, 0) == INVALID_ARGUMENT
         assert step(lib, m2, [s], [[5]]) == INVALID_ARGUMENT
-        assert raw.get_position(m) == -1 and "freed" in error(lib)
+        assert raw.baseRT_get_position(m) == -1 and "freed" in error(lib)
     finally:
         lib.baseRT_free_model(m2)
 
@@ -230,11 +201,11 @@ def test_stale_sequence_handle_never_reaches_a_new_sequence(lib: Library, model:
     check_pool(lib, model)
 
 
-def test_foreign_handles_are_refused(lib: Library, raw: Raw, model: int) -> None:
+def test_foreign_handles_are_refused(lib: Library, raw: ctypes.CDLL, model: int) -> None:
     s = int(lib.baseRT_sequence_create(model))
     for bogus in (1, 0xDEADBEEF, model, s + 8, s ^ (1 << 40), 2**64 - 8):
         assert lib.baseRT_sequence_rollback(bogus, 0) == INVALID_ARGUMENT
-        assert raw.get_position(bogus if bogus != model else s) == -1
+        assert raw.baseRT_get_position(bogus if bogus != model else s) == -1
         assert lib.baseRT_ref_check_kv(bogus if bogus != model else s) == INVALID_ARGUMENT
     lib.baseRT_sequence_free(s)
 
@@ -347,7 +318,9 @@ def reentrant_call(lib: Library, m: int, what: str, seq: int) -> None:
 
 
 @pytest.mark.parametrize("what", REENTRANT_CALLS)
-def test_generate_callback_cannot_reenter_its_model(lib: Library, model_path: Path, what: str) -> None:
+def test_generate_callback_cannot_reenter_its_model(
+    lib: Library, raw: ctypes.CDLL, model_path: Path, what: str
+) -> None:
     """Reset, generate, free, prefill, sequences, steps and the prefix cache from inside the callback of a
     generation on the same model are refused with INVALID_ARGUMENT (they used to pull the generation's
     buffers away: a heap overflow past its history for reset / generate, a use-after-free for free); the
@@ -367,7 +340,7 @@ def test_generate_callback_cannot_reenter_its_model(lib: Library, model_path: Pa
     assert stats.generated_tokens == len(inside) == 9, (stats.generated_tokens, inside[:2])
     assert all(code == INVALID_ARGUMENT and "token callback" in msg for code, msg in inside), inside[0]
     assert lib.baseRT_get_error_code() == OK, error(lib)  # the generation itself succeeded
-    assert Raw(lib.path).get_position(m) == 48
+    assert raw.baseRT_get_position(m) == 48
     check_pool(lib, m)
     lib.baseRT_sequence_free(seq)  # outside the callback: allowed again
     lib.baseRT_reset(m)
@@ -598,7 +571,7 @@ class Fuzzer:
     generate, free, steps, sequences, prefix cache: each refused), or runs any other op, another model's
     generation (and its callback) included. Loads sometimes pick a bundle with NaN / Inf weights."""
 
-    def __init__(self, lib: Library, raw: Raw, path: Path, rng: random.Random,
+    def __init__(self, lib: Library, raw: ctypes.CDLL, path: Path, rng: random.Random,
                  nonfinite: tuple[list[Path], list[Path]] = ([], [])) -> None:
         self.lib, self.raw, self.path, self.rng = lib, raw, path, rng
         self.refused_paths, self.nonfinite_paths = nonfinite
@@ -824,13 +797,13 @@ class Fuzzer:
                     m = self.any_model()
             else:
                 m, handle = self.any_model(), r.randrange(0, 50)
-            settle = r.choice([lib.baseRT_prefix_unlock, lib.baseRT_prefix_release, self.raw.prefix_discard])
+            settle = r.choice([lib.baseRT_prefix_unlock, lib.baseRT_prefix_release, self.raw.baseRT_prefix_discard])
             settle(m, handle)
         elif kind == "evict":
             lib.baseRT_prefix_evict(self.any_model(), r.choice([0, 1, 3, 1000]))
         else:
             m = self.any_model()
-            self.raw.get_position(m)
+            self.raw.baseRT_get_position(m)
             st = BaseRTMemoryStats()
             lib.baseRT_model_memory_stats(m, byref(st))
             lib.baseRT_read_batch_logits(m, r.choice([0, 1, 9]), None)
@@ -862,18 +835,19 @@ def q4_model_path(model_path: Path) -> Path:
 
 
 @pytest.mark.parametrize("seed_value", range(6))
-def test_fuzz_random_abi_call_sequences(lib: Library, raw: Raw, model_path: Path, seed_value: int,
+def test_fuzz_random_abi_call_sequences(lib: Library, raw: ctypes.CDLL, model_path: Path, seed_value: int,
                                         nonfinite_paths: tuple[list[Path], list[Path]]) -> None:
     fuzz(lib, raw, model_path, seed_value, nonfinite_paths)
 
 
 @pytest.mark.parametrize("seed_value", range(3))
-def test_fuzz_random_abi_call_sequences_on_a_q4_model(lib: Library, raw: Raw, q4_model_path: Path, seed_value: int,
-                                                     nonfinite_paths: tuple[list[Path], list[Path]]) -> None:
+def test_fuzz_random_abi_call_sequences_on_a_q4_model(
+    lib: Library, raw: ctypes.CDLL, q4_model_path: Path, seed_value: int, nonfinite_paths: tuple[list[Path], list[Path]]
+) -> None:
     fuzz(lib, raw, q4_model_path, 2000 + seed_value, nonfinite_paths)
 
 
-def fuzz(lib: Library, raw: Raw, model_path: Path, seed_value: int,
+def fuzz(lib: Library, raw: ctypes.CDLL, model_path: Path, seed_value: int,
          nonfinite: tuple[list[Path], list[Path]] = ([], [])) -> None:
     live_before = lib.baseRT_ref_counter(b"sequences"), lib.baseRT_ref_counter(b"models")
     f = Fuzzer(lib, raw, model_path, random.Random(1000 + seed_value), nonfinite)

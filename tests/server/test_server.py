@@ -9,13 +9,9 @@ from __future__ import annotations
 
 import functools
 import json
-import os
-import queue
 import re
 import signal
 import socket
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -27,24 +23,24 @@ import httpx
 import numpy as np
 import openai
 import pytest
-from loopback import API_KEY, MODEL_NAME, serving
+from loopback import API_KEY, MODEL_NAME, serving, start_uvicorn
 from openai import AsyncOpenAI, OpenAI
 
 from aiobasert import Engine
 from aiobasert.models.tiny import SPECIAL_TOKENS, build_tiny_model
 from aiobasert.server import create_app
 
-REPO = Path(__file__).resolve().parent.parent
 LONG_CONTEXT = 16384
 
 
 @pytest.fixture(scope="module")
-def base_url(long_model_path: Path) -> Iterator[str]:
-    app = create_app(
-        long_model_path, api_key=API_KEY, model_name=MODEL_NAME, max_batch_size=4, max_context=LONG_CONTEXT
-    )
-    with serving(app) as url:
-        yield url
+def served_model(long_model_path: Path) -> Path:
+    return long_model_path
+
+
+@pytest.fixture(scope="module")
+def server_options() -> dict[str, Any]:
+    return {"api_key": API_KEY, "model_name": MODEL_NAME, "max_batch_size": 4, "max_context": LONG_CONTEXT}
 
 
 @pytest.fixture(scope="module")
@@ -57,12 +53,6 @@ def long_model_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
 # kernel and uvicorn buffer: a client that does not read keeps it in flight (its lane paused).
 LONG_STREAM = {"prompt": "Hello", "max_tokens": 16000, "temperature": 0, "stream": True, "logprobs": 20}
 RESPONSES_STREAM = {"input": "Hello", "max_output_tokens": 16000, "temperature": 0, "stream": True}
-
-
-@pytest.fixture(scope="module")
-def client(base_url: str) -> Iterator[OpenAI]:
-    with OpenAI(base_url=f"{base_url}/v1", api_key=API_KEY, max_retries=0) as c:
-        yield c
 
 
 @pytest.fixture(scope="module")
@@ -432,52 +422,6 @@ def test_client_disconnect_frees_the_lane(http: httpx.Client) -> None:
     assert after["live_sequences"] == 0 and after["active_lanes"] == 0
     assert after["requests_cancelled"] == before["requests_cancelled"] + 1
     assert after["requests_finished"] == before["requests_finished"]
-
-
-class _Lines:
-    """Lines of a subprocess's stream, read by a thread so the pipe never fills up."""
-
-    def __init__(self, stream: Any) -> None:
-        self._queue: queue.Queue[str] = queue.Queue()
-        self.seen: list[str] = []
-        threading.Thread(target=self._pump, args=(stream,), daemon=True).start()
-
-    def _pump(self, stream: Any) -> None:
-        for line in stream:
-            self._queue.put(line)
-
-    def wait_for(self, pattern: str, timeout: float) -> re.Match[str]:
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                line = self._queue.get(timeout=max(0.0, deadline - time.monotonic()))
-            except queue.Empty:
-                raise AssertionError(f"no line matching {pattern!r} in {timeout} s; got {self.seen}") from None
-            self.seen.append(line)
-            match = re.search(pattern, line)
-            if match:
-                return match
-
-
-def subprocess_env(model: Path) -> dict[str, str]:
-    env = dict(os.environ, AIOBASERT_MODEL=str(model), PYTHONUNBUFFERED="1")
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
-    return env
-
-
-def start_uvicorn(args: list[str], model: Path) -> tuple[subprocess.Popen[str], _Lines, int]:
-    proc = subprocess.Popen(
-        [sys.executable, *args], stderr=subprocess.PIPE, text=True, cwd=REPO, env=subprocess_env(model)
-    )
-    assert proc.stderr is not None
-    lines = _Lines(proc.stderr)
-    try:
-        port = int(lines.wait_for(r"Uvicorn running on http://127\.0\.0\.1:(\d+)", 60).group(1))
-    except BaseException:
-        proc.kill()
-        proc.wait()
-        raise
-    return proc, lines, port
 
 
 def raw_stream_request(port: int, body: dict[str, Any], path: str = "/v1/completions") -> socket.socket:

@@ -2,19 +2,20 @@
 baseRT_batch_step_fused_logits_rows[_taps], baseRT_read_tap_rows,
 baseRT_tap_rows_capacity, baseRT_model_supports_taps): what the rows and taps
 hold, every bound the header states, and that a refused call changes nothing.
-Also run under ASan + UBSan by tests/test_sanitizers.py."""
+Also run under ASan + UBSan by tests/native/test_sanitizers.py."""
 
 from __future__ import annotations
 
 import ctypes
 import os
-from collections.abc import Iterator, Sequence
-from ctypes import byref, c_int, c_uint32, c_void_p
+from collections.abc import Sequence
+from ctypes import byref, c_void_p
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
+from raw_abi import error, ints, u32
 
 from aiobasert._core.ffi import BaseRTLoadOptions, BaseRTMemoryStats, Library
 from aiobasert.models.bundle import read_bundle
@@ -38,23 +39,9 @@ def load(lib: Library, path: Path, **opts: int) -> int:
     return int(m)
 
 
-@pytest.fixture
-def model(lib: Library, model_path: Path) -> Iterator[int]:
-    m = load(lib, model_path)
-    yield m
-    lib.baseRT_free_model(m)
-
-
-def error(lib: Library) -> str:
-    return (lib.baseRT_get_error() or b"").decode()
-
-
-def u32(values: Sequence[int]) -> ctypes.Array[c_uint32]:
-    return (c_uint32 * max(len(values), 1))(*values)
-
-
-def ints(values: Sequence[int]) -> ctypes.Array[c_int]:
-    return (c_int * max(len(values), 1))(*values)
+@pytest.fixture(scope="module")
+def model_options() -> dict[str, int]:
+    return {"max_context": 256, "max_batch_size": 4, "prefix_cache": 0, "prefill_chunk": CHUNK}  # as `load`
 
 
 def seqs_of(values: Sequence[int]) -> ctypes.Array[c_void_p]:

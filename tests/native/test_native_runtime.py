@@ -14,13 +14,14 @@ import ctypes
 import dataclasses
 import os
 from collections.abc import Iterator, Sequence
-from ctypes import POINTER, byref, c_char_p, c_float, c_int, c_uint32, c_uint64, c_void_p
+from ctypes import byref, c_float, c_int, c_uint64, c_void_p
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 import pytest
+from raw_abi import ints, u32
 
 from aiobasert._core.ffi import (
     TOKEN_CALLBACK,
@@ -43,27 +44,6 @@ FAULT_STEP, FAULT_SEQ_CREATE = 1, 2
 # ---- library, models and a thin driver ------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def raw(lib: Library) -> ctypes.CDLL:
-    """The same library through a plain CDLL, for functions the SDK mirror does not declare."""
-    c = ctypes.CDLL(lib.path)
-    u32p, intp = POINTER(c_uint32), POINTER(c_int)
-    sigs: dict[str, tuple[Any, list[Any]]] = {
-        "baseRT_batch_decode_step": (c_int, [c_void_p, POINTER(c_void_p), c_int, u32p, u32p]),
-        "baseRT_batch_step": (c_int, [c_void_p, POINTER(c_void_p), c_int, u32p, intp, u32p]),
-        "baseRT_batch_step_fused_pads": (c_int, [c_void_p, POINTER(c_void_p), c_int, u32p, intp, intp, u32p]),
-        "baseRT_get_position": (c_int, [c_void_p]),
-        "baseRT_prefix_discard": (None, [c_void_p, c_uint64]),
-        "baseRT_ref_inject_fault": (c_int, [c_int, c_int]),
-        "baseRT_get_error": (c_char_p, []),
-        "baseRT_get_error_code": (c_int, []),
-    }
-    for name, (restype, argtypes) in sigs.items():
-        fn = getattr(c, name)
-        fn.restype, fn.argtypes = restype, argtypes
-    return c
-
-
 @pytest.fixture(scope="module", params=[(64, 4, 2), (128, 2, 1)], ids=["head_dim16", "head_dim64"])
 def tiny_path(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """f32 weights, untied head: the oracle reads exactly the engine's weights.
@@ -82,14 +62,6 @@ def tiny_path(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathF
 @pytest.fixture(scope="module")
 def oracle(tiny_path: Path) -> NumpyLlama:
     return NumpyLlama(tiny_path)
-
-
-def u32(values: Sequence[int]) -> ctypes.Array[c_uint32]:
-    return (c_uint32 * max(len(values), 1))(*values)
-
-
-def ints(values: Sequence[int]) -> ctypes.Array[c_int]:
-    return (c_int * max(len(values), 1))(*values)
 
 
 class Runtime:

@@ -15,7 +15,7 @@ import textwrap
 from pathlib import Path
 from types import ModuleType
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 CHECKER = ROOT / "native" / "tools" / "check_layering.py"
 
 

@@ -4,25 +4,20 @@ and after traffic (the official openai client), on the tiny model."""
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
-from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
-from loopback import serving
+from loopback import MODEL_NAME
 from openai import OpenAI
 from prometheus_client.parser import text_string_to_metric_families
 
 from aiobasert.models.tiny import SPECIAL_TOKENS
-from aiobasert.server import create_app
-
-MODEL_NAME = "tiny"
 
 
 @pytest.fixture(scope="module")
-def base_url(tiny_model_path: Path) -> Iterator[str]:
-    with serving(create_app(tiny_model_path, model_name=MODEL_NAME, max_batch_size=4)) as url:
-        yield url
+def server_options() -> dict[str, Any]:
+    return {"model_name": MODEL_NAME, "max_batch_size": 4}  # without an API key
 
 
 def scrape(base_url: str) -> dict[str, float]:

@@ -16,7 +16,7 @@ import subprocess
 import sys
 from collections import Counter
 from collections.abc import Iterator
-from ctypes import POINTER, byref, c_char_p, c_float, c_int, c_int32, c_size_t, c_uint32, c_uint64, c_void_p
+from ctypes import POINTER, byref, c_char_p, c_float, c_int, c_int32, c_uint32, c_void_p
 from pathlib import Path
 from typing import Any
 
@@ -44,26 +44,6 @@ BLOB_ALIGN = 64 * 1024
 
 
 @pytest.fixture(scope="module")
-def raw(lib: Library) -> ctypes.CDLL:
-    """The same library through a plain CDLL, for functions the SDK mirror does not declare."""
-    c = ctypes.CDLL(lib.path)
-    sigs: dict[str, tuple[Any, list[Any]]] = {
-        "baseRT_get_config": (BaseRTModelConfig, [c_void_p]),
-        "baseRT_weights_identity": (c_uint64, [c_void_p]),
-        "baseRT_kv_bits_effective": (c_int, [c_void_p]),
-        "baseRT_model_memory": (c_size_t, [c_void_p]),
-        "baseRT_decode_token": (c_char_p, [c_void_p, c_uint32]),
-        "baseRT_chat_template": (c_char_p, [c_void_p]),
-        "baseRT_device_memory_budget": (c_size_t, []),
-        "baseRT_ref_inject_fault": (c_int, [c_int, c_int]),
-    }
-    for name, (restype, argtypes) in sigs.items():
-        fn = getattr(c, name)
-        fn.restype, fn.argtypes = restype, argtypes
-    return c
-
-
-@pytest.fixture(scope="module")
 def tiny_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
     # A trained window above the default context, so the default and the clamp differ.
     return build_tiny_model(tmp_path_factory.mktemp("front") / "tiny.base", max_position_embeddings=4096)
@@ -77,11 +57,8 @@ def load(lib: Library, path: Path | str, max_context: int = 0, **opts: int) -> i
 
 
 @pytest.fixture(scope="module")
-def model(lib: Library, tiny_path: Path) -> Iterator[int]:
-    m = load(lib, tiny_path)
-    assert m, lib.baseRT_get_error()
-    yield m
-    lib.baseRT_free_model(m)
+def model_path(tiny_path: Path) -> Path:
+    return tiny_path
 
 
 @pytest.fixture(scope="module")
@@ -572,7 +549,7 @@ def sample(
     return int(tok)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def vocab(lib: Library, model: int) -> int:
     return int(config(lib, model).vocab_size)
 

@@ -28,11 +28,11 @@ from oracle import gguf_oracle
 from aiobasert import Engine
 from aiobasert.models.cache import resolve_model
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "bench"))
 import llama_oracle  # noqa: E402  (the bench's chunking and perplexity, so both compute it one way)
 
-RECORDINGS = Path(__file__).resolve().parent / "data" / "llama_cpp"
+RECORDINGS = Path(__file__).resolve().parents[1] / "data" / "llama_cpp"
 SMOLLM2 = "SmolLM2-135M-Instruct.Q4_1"
 GEMMA3 = "gemma-3-270m-q4_k_m"
 PPL_TOLERANCE = 0.01  # issue 17: perplexity on held-out text within 1% of llama.cpp's

@@ -22,7 +22,7 @@ from aiobasert.models import cache as models
 from aiobasert.models.bundle import read_bundle
 from aiobasert.models.convert import ConversionError, convert_gguf
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture

@@ -26,9 +26,10 @@ from tiny_gguf import write_gguf
 from aiobasert.models.convert import convert_gguf
 from aiobasert.models.tiny import build_tiny_model
 
-ROOT = Path(__file__).resolve().parent.parent
-KERNEL_SUITES = ["tests/test_native_quant.py", "tests/test_native_weights.py", "tests/test_native_runtime.py",
-                 "tests/test_native_kv.py", "tests/test_native_archs.py"]
+ROOT = Path(__file__).resolve().parents[2]
+KERNEL_SUITES = ["tests/native/test_native_quant.py", "tests/native/test_native_weights.py",
+                 "tests/native/test_native_runtime.py", "tests/native/test_native_kv.py",
+                 "tests/native/test_native_archs.py"]
 
 
 def cpu_flags() -> set[str]:

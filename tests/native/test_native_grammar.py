@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import ctypes
 import json
-import os
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -26,15 +24,7 @@ INVALID_ARGUMENT, UNSUPPORTED = 2, 5
 CONTROL = 3
 
 
-@pytest.fixture(scope="module")
-def model(lib: Library, tiny_model_path: Path) -> Iterator[int]:
-    m = lib.baseRT_load_model(os.fsencode(tiny_model_path), None, 0)
-    assert m, lib.baseRT_get_error()
-    yield m
-    lib.baseRT_free_model(m)
-
-
-@pytest.fixture(scope="module")
+@pytest.fixture
 def vocab_info(lib: Library, model: int, tiny_model_path: Path) -> tuple[int, list[bytes], list[int]]:
     header = read_bundle(tiny_model_path)
     vocab = int(header.config["vocab_size"])
@@ -49,7 +39,7 @@ def vocab_info(lib: Library, model: int, tiny_model_path: Path) -> tuple[int, li
     return vocab, raw, types
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def eos_ids(lib: Library, model: int, vocab_info: Any) -> set[int]:
     """The model's end ids: what a completed grammar allows (every one a control token)."""
     g = lib.baseRT_grammar_create_json(model)

@@ -41,7 +41,7 @@ async def test_models_are_named_routed_and_separate(tiny_model_path: Path, secon
         assert group.default == "tiny"
         async with group.lease("tiny") as a, group.lease("other") as b, group.lease(None) as default:
             assert default is a and a is not b
-            assert a.engine_thread_id != b.engine_thread_id  # one engine thread per model
+            assert a._thread.thread_id != b._thread.thread_id  # one engine thread per model
             out_a, out_b = await greedy(a), await greedy(b)
         stats = await group.stats()
     assert out_a != out_b  # different weights: the lease really picked the named model

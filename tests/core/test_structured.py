@@ -426,7 +426,7 @@ async def test_an_abort_does_not_wait_for_a_grammar_compile(
             while not entered.is_set():
                 await anyio.sleep(0.001)
             await engine.aclose(abort=True)
-            assert not gate.is_set() and engine.models_freed == 1
+            assert not gate.is_set() and engine._thread.models_freed == 1
             with pytest.raises(EngineClosedError):
                 await s
     finally:

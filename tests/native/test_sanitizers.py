@@ -17,12 +17,13 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
-SUITES = ["tests/test_native_front.py", "tests/test_native_runtime.py", "tests/test_native_grammar.py",
-          "tests/test_native_structural_tag.py",
-          "tests/test_native_safety.py", "tests/test_native_weights.py", "tests/test_native_kv.py",
-          "tests/test_native_quant.py", "tests/test_native_taps.py", "tests/test_embed_scheduling.py",
-          "tests/test_engine.py", "tests/test_reliability.py", "tests/test_native_archs.py"]
+ROOT = Path(__file__).resolve().parents[2]
+SUITES = ["tests/native/test_native_front.py", "tests/native/test_native_runtime.py",
+          "tests/native/test_native_grammar.py", "tests/native/test_native_structural_tag.py",
+          "tests/native/test_native_safety.py", "tests/native/test_native_weights.py", "tests/native/test_native_kv.py",
+          "tests/native/test_native_quant.py", "tests/native/test_native_taps.py",
+          "tests/core/test_embed_scheduling.py", "tests/core/test_engine.py", "tests/core/test_reliability.py",
+          "tests/native/test_native_archs.py"]
 
 
 def _runtime(cc: str, name: str) -> str:
@@ -78,12 +79,12 @@ def test_kernel_suites_pass_under_asan_with_each_kernel_set(sanitized_env: dict[
     """The lower kernel sets (the main run above uses the CPU's best) read their own tails and layouts; the
     safety file's NaN / Inf weights reach the scalar activation quantizer here."""
     _run_sanitized(dict(sanitized_env, BASERT_REF_SIMD=cap),
-                   ["tests/test_native_quant.py", "tests/test_native_weights.py", "tests/test_native_runtime.py",
-                    "tests/test_native_safety.py"])
+                   ["tests/native/test_native_quant.py", "tests/native/test_native_weights.py",
+                    "tests/native/test_native_runtime.py", "tests/native/test_native_safety.py"])
 
 
 @pytest.mark.slow
 def test_hostile_sdk_traffic_under_asan_and_ubsan(sanitized_env: dict[str, str]) -> None:
     """The SDK's hostile-traffic model test (never-read streams, cancels from other tasks, chained
     `$ref`s, huge and wrong-typed inputs) against the sanitized engine: the C side of issue 18."""
-    _run_sanitized(sanitized_env, ["tests/test_group_hostile.py"])
+    _run_sanitized(sanitized_env, ["tests/core/test_group_hostile.py"])

@@ -5,32 +5,26 @@ n > 1 sharing the prompt's KV through the prefix cache."""
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-from loopback import serving
+from loopback import MODEL_NAME, start_uvicorn
 from openai import OpenAI
-from test_server import start_uvicorn
 
 import aiobasert
 from aiobasert import Engine, SamplingParams
 from aiobasert.fanout import chat_n, generate_n
 from aiobasert.models.tiny import SPECIAL_TOKENS
-from aiobasert.server import create_app
 
-MODEL_NAME = "tiny"
 ORIGIN = "http://app.example"
 LONG_PROMPT = " ".join(["the quick brown fox jumps over the lazy dog"] * 6)
 
 
 @pytest.fixture(scope="module")
-def base_url(tiny_model_path: Path) -> Iterator[str]:
-    app = create_app(tiny_model_path, api_key="k", model_name=MODEL_NAME, max_batch_size=4, allowed_origins=[ORIGIN])
-    with serving(app) as url:
-        yield url
+def server_options() -> dict[str, Any]:
+    return {"api_key": "k", "model_name": MODEL_NAME, "max_batch_size": 4, "allowed_origins": [ORIGIN]}
 
 
 def test_request_id_is_echoed_or_generated(base_url: str) -> None:

@@ -16,6 +16,7 @@ from typing import Any
 import anyio
 import numpy as np
 import pytest
+from lifecycle_model import assert_idle_and_whole
 
 from aiobasert import (
     AioBaseRTError,
@@ -51,17 +52,6 @@ async def reference(path: Path, inputs: list[Any], monkeypatch: pytest.MonkeyPat
             out = [await engine.embed(x) for x in inputs]
             assert engine._thread._embed_pooler is None  # the fallback really ran
             return out
-
-
-async def assert_idle_and_whole(engine: Engine) -> None:
-    with anyio.fail_after(BOUND):
-        while True:
-            s = await engine.stats()
-            if s.active_lanes == 0 and s.waiting_requests == 0:
-                break
-            await anyio.sleep(0.005)
-    assert s.live_sequences == 0 and s.live_grammars == 0, s
-    assert s.kv_blocks_used == s.prefix_blocks_cached, s
 
 
 async def read_all(stream: TokenStream, got: list[int]) -> None:
@@ -211,7 +201,7 @@ async def test_close_mid_embed(untied_model_path: Path, abort: bool) -> None:
             while (s := await engine.stats()).active_lanes == 0 or s.waiting_requests == 0:
                 await anyio.sleep(0.001)
             await engine.aclose(abort=abort)
-    assert engine.models_freed == 1 and not engine._thread.alive
+    assert engine._thread.models_freed == 1 and not engine._thread.alive
     if abort:
         assert all(isinstance(o, EngineClosedError) for o in outcomes), outcomes
     else:

@@ -1,7 +1,7 @@
 """Every architecture the reference engine runs (docs/models.md), on tiny random models the suite
 builds: logits against the numpy oracle of that architecture (tests/oracle.py, written from
 llama.cpp's graphs), batched == solo bit for bit, and the loader's refusals. The kernel sets
-other than this CPU's best run this file again (tests/test_native_isa.py)."""
+other than this CPU's best run this file again (tests/native/test_native_isa.py)."""
 
 from __future__ import annotations
 

@@ -4,7 +4,6 @@ json_schema and json_object on /v1/chat/completions, with the official client.""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -12,16 +11,13 @@ import httpx
 import jsonschema  # type: ignore[import-untyped]
 import openai
 import pytest
-from loopback import serving
+from loopback import API_KEY, MODEL_NAME
 from openai import OpenAI
 from openai.types.chat import ChatCompletionMessageParam
 
 from aiobasert.models.bundle import read_bundle
 from aiobasert.models.tiny import EOS_ID
-from aiobasert.server import create_app
 
-API_KEY = "sk-test-key"
-MODEL_NAME = "tiny"
 MESSAGES: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Describe a pet as JSON."}]
 PET: dict[str, Any] = {
     "type": "object",
@@ -36,15 +32,8 @@ PET: dict[str, Any] = {
 
 
 @pytest.fixture(scope="module")
-def base_url(untied_model_path: Path) -> Iterator[str]:
-    with serving(create_app(untied_model_path, api_key=API_KEY, model_name=MODEL_NAME, max_batch_size=4)) as url:
-        yield url
-
-
-@pytest.fixture(scope="module")
-def client(base_url: str) -> Iterator[OpenAI]:
-    with OpenAI(base_url=f"{base_url}/v1", api_key=API_KEY, max_retries=0) as c:
-        yield c
+def served_model(untied_model_path: Path) -> Path:
+    return untied_model_path
 
 
 def schema_format(schema: dict[str, Any]) -> Any:
