@@ -10,7 +10,7 @@
  *       the cached prefixes, and nothing once they are evicted;
  *   plus the failure paths (validation, context limit, pool exhaustion).
  *
- * The numpy comparison of values lives in tests/native/test_native_runtime.py.
+ * The numpy comparison of values lives in tests/native/test_native_batch_steps.py.
  *
  *   `runtime_harness`        run the checks (exit status 1 on failure)
  *   `runtime_harness bench`  decode tok/s for 1 and 16 lanes on a random

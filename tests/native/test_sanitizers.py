@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-SUITES = ["tests/native/test_native_front.py", "tests/native/test_native_runtime.py",
+SUITES = ["tests/native/test_native_load_tokenize_sample.py", "tests/native/test_native_batch_steps.py",
           "tests/native/test_native_grammar.py", "tests/native/test_native_structural_tag.py",
           "tests/native/test_native_safety.py", "tests/native/test_native_weights.py", "tests/native/test_native_kv.py",
           "tests/native/test_native_quant.py", "tests/native/test_native_taps.py",
@@ -80,7 +80,7 @@ def test_kernel_suites_pass_under_asan_with_each_kernel_set(sanitized_env: dict[
     safety file's NaN / Inf weights reach the scalar activation quantizer here."""
     _run_sanitized(dict(sanitized_env, BASERT_REF_SIMD=cap),
                    ["tests/native/test_native_quant.py", "tests/native/test_native_weights.py",
-                    "tests/native/test_native_runtime.py", "tests/native/test_native_safety.py"])
+                    "tests/native/test_native_batch_steps.py", "tests/native/test_native_safety.py"])
 
 
 @pytest.mark.slow
