@@ -10,6 +10,7 @@ from pathlib import Path
 
 import anyio
 import pytest
+from held_calls import HeldCall, assert_engine_steps_on
 
 import aiobasert
 from aiobasert import (
@@ -389,16 +390,8 @@ async def test_a_slow_tokenization_does_not_stop_other_lanes(
     in steps and delivered tokens, not seconds); Engine.encode likewise."""
     from aiobasert.engine_thread import EngineThread
 
-    entered, gate = threading.Event(), threading.Event()
-    real = EngineThread._tokenize_prompt
-
-    def held(self: EngineThread, *args: object) -> list[int]:
-        if getattr(args[-1], "prompt", None) == "huge":
-            entered.set()
-            gate.wait(120)  # bounded, in case the hold is on the engine thread itself
-        return real(self, *args)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(EngineThread, "_tokenize_prompt", held)
+    tokenize = HeldCall(monkeypatch, EngineThread, "_tokenize_prompt",
+                        when=lambda args: getattr(args[-1], "prompt", None) == "huge")
     async with Engine.open(tiny_model_path, max_batch_size=4) as engine:
         running = engine.stream("running", max_tokens=2000, ignore_eos=True)
         await running.__anext__()
@@ -406,14 +399,10 @@ async def test_a_slow_tokenization_does_not_stop_other_lanes(
         huge.submit()
         try:
             with anyio.fail_after(30):
-                while not entered.is_set():
-                    await anyio.sleep(0.001)
-                steps, delivered = engine._thread.steps, running._ticket.delivered
-                while engine._thread.steps < steps + 32:
-                    await anyio.sleep(0.001)
-                assert running._ticket.delivered >= delivered + 32 and not gate.is_set()
+                await tokenize.wait_entered()
+                await assert_engine_steps_on(engine, running, tokenize)
         finally:
-            gate.set()
+            tokenize.release()
         with anyio.fail_after(60):
             assert len((await huge).token_ids) == 4
         await running.aclose()

@@ -11,6 +11,7 @@ import anyio
 import jsonschema  # type: ignore[import-untyped]
 import numpy as np
 import pytest
+from held_calls import HeldCall, assert_engine_steps_on
 
 from aiobasert import Completion, Engine, InvalidRequestError
 from aiobasert._core.ffi import Library
@@ -316,19 +317,9 @@ async def test_a_slow_grammar_compile_does_not_stop_other_lanes(
     # The compile is held until released (a 40,000-entry enum took 0.7 s): the
     # engine keeps stepping the running stream meanwhile. Counted in engine
     # steps and delivered tokens, not seconds.
-    import threading
-
     from aiobasert.engine_thread import EngineThread
 
-    entered, gate = threading.Event(), threading.Event()
-    real = EngineThread._build_constraint
-
-    def held(self: EngineThread, *args: Any) -> Any:
-        entered.set()
-        gate.wait(120)  # bounded, in case the hold is on the engine thread itself
-        return real(self, *args)
-
-    monkeypatch.setattr(EngineThread, "_build_constraint", held)
+    compile = HeldCall(monkeypatch, EngineThread, "_build_constraint")
     async with Engine.open(untied_model_path, max_batch_size=4) as engine:
         running = engine.stream("running", max_tokens=2000, ignore_eos=True)
         await running.__anext__()
@@ -336,14 +327,10 @@ async def test_a_slow_grammar_compile_does_not_stop_other_lanes(
         constrained.submit()
         try:
             with anyio.fail_after(30):
-                while not entered.is_set():
-                    await anyio.sleep(0.001)
-                steps, delivered = engine._thread.steps, running._ticket.delivered
-                while engine._thread.steps < steps + 32:  # the engine steps on while the compile is held
-                    await anyio.sleep(0.001)
-                assert running._ticket.delivered >= delivered + 32 and not gate.is_set()
+                await compile.wait_entered()
+                await assert_engine_steps_on(engine, running, compile)  # steps on while the compile is held
         finally:
-            gate.set()
+            compile.release()
         with anyio.fail_after(60):
             check_json(await constrained, PERSON)
         await running.aclose()
@@ -366,31 +353,20 @@ async def test_a_deeply_nested_schema_is_a_typed_error(untied_model_path: Path, 
 async def test_a_request_cancelled_while_its_grammar_compiles_is_dropped(
     untied_model_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import threading
-
     from aiobasert.engine_thread import EngineThread
 
-    entered, gate = threading.Event(), threading.Event()
-    real = EngineThread._build_constraint
-
-    def held(self: EngineThread, *args: Any) -> Any:
-        entered.set()
-        gate.wait(120)
-        return real(self, *args)
-
-    monkeypatch.setattr(EngineThread, "_build_constraint", held)
+    compile = HeldCall(monkeypatch, EngineThread, "_build_constraint")
     async with Engine.open(untied_model_path, max_batch_size=2) as engine:
         s = engine.stream("json", max_tokens=16, json_schema=PERSON)
         s.submit()
         try:
             with anyio.fail_after(30):
-                while not entered.is_set():
-                    await anyio.sleep(0.001)
+                await compile.wait_entered()
                 await s.aclose()
                 stats = await engine.stats()  # answered while the compile is held
                 assert stats.requests_cancelled == 1 and stats.active_lanes == stats.waiting_requests == 0
         finally:
-            gate.set()
+            compile.release()
         with anyio.fail_after(30):  # the late grammar is freed, never run
             while (await engine.stats()).live_grammars or engine._thread._preparing:
                 await anyio.sleep(0.001)
@@ -404,33 +380,22 @@ async def test_an_abort_does_not_wait_for_a_grammar_compile(
     # A compile is held; closing with abort=True answers its request with
     # EngineClosedError and returns without it (the compile was on the engine
     # thread and the close waited for it).
-    import threading
-
     from aiobasert import EngineClosedError
     from aiobasert.engine_thread import EngineThread
 
-    entered, gate = threading.Event(), threading.Event()
-    real = EngineThread._build_constraint
-
-    def held(self: EngineThread, *args: Any) -> Any:
-        entered.set()
-        gate.wait(120)
-        return real(self, *args)
-
-    monkeypatch.setattr(EngineThread, "_build_constraint", held)
+    compile = HeldCall(monkeypatch, EngineThread, "_build_constraint")
     engine = await Engine.open(untied_model_path, max_batch_size=2)
     s = engine.stream("json", max_tokens=16, json_schema=PERSON)
     s.submit()
     try:
         with anyio.fail_after(30):
-            while not entered.is_set():
-                await anyio.sleep(0.001)
+            await compile.wait_entered()
             await engine.aclose(abort=True)
-            assert not gate.is_set() and engine._thread.models_freed == 1
+            assert not compile.released and engine._thread.models_freed == 1
             with pytest.raises(EngineClosedError):
                 await s
     finally:
-        gate.set()
+        compile.release()
 
 def test_backend_end_ids_are_the_engines(lib: Library, tmp_path: Path) -> None:
     """The grammar offers exactly the tokens the engine ends generation on (asked of the engine,
