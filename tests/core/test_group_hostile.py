@@ -23,7 +23,6 @@ Repro aids: AIOBASERT_HOSTILE_SEEDS=1,2 runs other plans; AIOBASERT_HOSTILE_KIND
 
 from __future__ import annotations
 
-import os
 import random
 import time
 from collections.abc import Awaitable, Callable
@@ -34,6 +33,7 @@ from typing import Any
 import anyio
 import numpy as np
 import pytest
+from hostile_plan import SEEDS, chosen_kinds, ref_chain
 
 from aiobasert import AioBaseRTError, Engine, EngineGroup
 from aiobasert.errors import StreamClosedError
@@ -53,19 +53,6 @@ SCHEMA = {"type": "object", "properties": {"n": {"type": "integer"}, "ok": {"typ
 HOSTILE_KINDS = ("never_read", "cancel_other_task", "aclose_midflight", "chat_break", "wrong_types",
                  "huge_input", "ref_chain", "deep_schema", "big_enum")  # fmt: skip
 
-
-SEEDS = [int(seed) for seed in os.environ.get("AIOBASERT_HOSTILE_SEEDS", "18").split(",")]
-"""The plans run (each a different mix); AIOBASERT_HOSTILE_SEEDS=1,2,3 runs others."""
-
-
-def _kinds() -> tuple[str, ...]:
-    chosen = os.environ.get("AIOBASERT_HOSTILE_KINDS")
-    if not chosen:
-        return HOSTILE_KINDS
-    kinds = tuple(k.strip() for k in chosen.split(",") if k.strip() and k.strip() != "none")
-    unknown = set(kinds) - set(HOSTILE_KINDS)
-    assert not unknown, f"unknown hostile kinds {unknown}; known: {HOSTILE_KINDS}"
-    return kinds
 
 
 def _text(rng: random.Random, n: int) -> str:
@@ -296,18 +283,10 @@ async def _huge_input(h: Hostile, rng: random.Random) -> None:
         await _refused(h, "200,000 token ids", lambda: engine.generate([5] * 200_000, max_tokens=1))
 
 
-def _ref_chain(depth: int) -> dict[str, Any]:
-    """`depth` object definitions each `$ref`-ing the next (issue 18 item 1: ~100 kB at 1,000)."""
-    defs: dict[str, Any] = {f"d{i}": {"type": "object", "properties": {"next": {"$ref": f"#/$defs/d{i + 1}"}},
-                                      "required": ["next"]} for i in range(depth)}  # fmt: skip
-    defs[f"d{depth}"] = {"type": "integer"}
-    return {"$ref": "#/$defs/d0", "$defs": defs}
-
-
 async def _ref_chain_caller(h: Hostile, rng: random.Random) -> None:
     async with h.group.lease(rng.choice(h.models)) as engine:
         await _maybe_refused(h, "a json_schema of 1,000 chained $refs",
-                             lambda: engine.generate("json", max_tokens=16, json_schema=_ref_chain(1000)))  # fmt: skip
+                             lambda: engine.generate("json", max_tokens=16, json_schema=ref_chain(1000)))  # fmt: skip
 
 
 async def _deep_schema(h: Hostile, rng: random.Random) -> None:
@@ -338,7 +317,7 @@ _BOUNDED_TOKENS = {"cancel_other_task": 600, "aclose_midflight": 600, "chat_brea
 
 
 def _hostile_plan(rng: random.Random) -> list[str]:
-    plan = [kind for kind in _kinds() for _ in range(rng.randint(*_COUNTS.get(kind, (1, 1))))]
+    plan = [kind for kind in chosen_kinds(HOSTILE_KINDS) for _ in range(rng.randint(*_COUNTS.get(kind, (1, 1))))]
     rng.shuffle(plan)
     return plan
 

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import queue
 import random
 import re
@@ -46,6 +45,7 @@ import anyio
 import httpx
 import numpy as np
 import pytest
+from hostile_plan import SEEDS, chosen_kinds, ref_chain
 from loopback import REPO, Lines, subprocess_env
 
 TEST_BUDGET_S = 200
@@ -70,19 +70,6 @@ LONG_STREAM = {"messages": [{"role": "user", "content": "Hello"}], "max_tokens":
 HOSTILE_KINDS = ("slow_reader", "trickle_reader", "disconnect", "abort", "n_over_lanes", "huge_body", "deep_json",
                  "ref_chain", "deep_schema", "big_enum", "bad_fields", "fanout", "store_bytes")  # fmt: skip
 
-
-SEEDS = [int(seed) for seed in os.environ.get("AIOBASERT_HOSTILE_SEEDS", "18").split(",")]
-"""The plans run (each a different mix); AIOBASERT_HOSTILE_SEEDS=1,2,3 runs others."""
-
-
-def _kinds() -> tuple[str, ...]:
-    chosen = os.environ.get("AIOBASERT_HOSTILE_KINDS")
-    if not chosen:
-        return HOSTILE_KINDS
-    kinds = tuple(k.strip() for k in chosen.split(",") if k.strip() and k.strip() != "none")
-    unknown = set(kinds) - set(HOSTILE_KINDS)
-    assert not unknown, f"unknown hostile kinds {unknown}; known: {HOSTILE_KINDS}"
-    return kinds
 
 
 # ---- the server -----------------------------------------------------------------------------
@@ -293,15 +280,6 @@ class Hostile:
             self.problems.append(f"{what}: 400 with param={error.get('param')!r}: {error.get('message', '')[:160]!r}")
 
 
-def _ref_chain(depth: int) -> dict[str, Any]:
-    """A schema of `depth` chained `$ref`s (issue 18 item 1: llguidance recursed per $ref on the
-    engine thread's stack)."""
-    defs: dict[str, Any] = {f"d{i}": {"type": "object", "properties": {"next": {"$ref": f"#/$defs/d{i + 1}"}},
-                                      "required": ["next"]} for i in range(depth)}  # fmt: skip
-    defs[f"d{depth}"] = {"type": "integer"}
-    return {"$ref": "#/$defs/d0", "$defs": defs}
-
-
 def _deep_schema_json(depth: int) -> str:
     """A schema of objects nested `depth` deep, as JSON text (too deep for `json.dumps`)."""
     return '{"type":"object","required":["a"],"properties":{"a":' * depth + '{"type":"string"}' + "}}" * depth
@@ -434,7 +412,7 @@ async def _deep_json(h: Hostile, rng: random.Random) -> None:
 
 async def _ref_chain_client(h: Hostile, rng: random.Random) -> None:
     async with httpx.AsyncClient(base_url=h.server.url, headers=AUTH, timeout=None) as http:
-        r = await http.post("/v1/chat/completions", json=_schema_body("chain", _ref_chain(1000)))
+        r = await http.post("/v1/chat/completions", json=_schema_body("chain", ref_chain(1000)))
         h.check_refusal("a json_schema of 1,000 chained $refs", r, ok=(200,))
 
 
@@ -495,7 +473,7 @@ _COUNTS = {"slow_reader": (LANES, LANES + 2), "trickle_reader": (1, 2), "disconn
 
 
 def _hostile_plan(rng: random.Random) -> list[str]:
-    plan = [kind for kind in _kinds() for _ in range(rng.randint(*_COUNTS.get(kind, (1, 1))))]
+    plan = [kind for kind in chosen_kinds(HOSTILE_KINDS) for _ in range(rng.randint(*_COUNTS.get(kind, (1, 1))))]
     rng.shuffle(plan)
     return plan
 
