@@ -271,8 +271,9 @@ def ref_chain(n: int) -> dict[str, Any]:
 
 _REF_CHAIN_RUN = """
 import json, sys, anyio
+from pathlib import Path
 from aiobasert import Engine, InvalidRequestError
-sys.path.insert(0, sys.argv[2])
+sys.path[:0] = [sys.argv[2], str(Path(sys.argv[2]).parent)]  # tests/core and tests/ (its helpers)
 from test_structured import ref_chain
 
 async def main() -> None:
