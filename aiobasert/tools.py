@@ -64,6 +64,7 @@ from .types import ChatMessage, FinishReason, Timing, Token, Usage
 if TYPE_CHECKING:
     from .engine import Engine
     from .streams import TokenStream
+    from .tool_formats import CallParser, ToolFormat
     from .types import SamplingParams
 
 __all__ = [
@@ -359,9 +360,14 @@ def render_tool_chat(
     add_generation_prompt: bool = True,
     bos_token: str = "",
     eos_token: str = "",
+    tool_format: ToolFormat | None = None,
 ) -> list[tuple[str, bool]]:
     """Render a conversation with tools (and tool turns) into encodable pieces,
-    with the model's template when it supports tools, else the default format."""
+    with the model's template when it supports tools, else the default format.
+    `tool_format`: how the model writes calls (default: the template's,
+    aiobasert.tool_formats.tool_format_for)."""
+    from .tool_formats import tool_format_for
+
     if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence) or not messages:
         raise InvalidRequestError("messages must be a non-empty list of {role, content} messages")
     msgs = [_message_fields(m, i) for i, m in enumerate(messages)]
@@ -373,6 +379,8 @@ def render_tool_chat(
             "\x00" in c.id for c in m.get("tool_calls", ())
         ):
             raise InvalidRequestError(f"message {i} contains a NUL character")
+    fmt = tool_format if tool_format is not None else tool_format_for(template)
+    msgs = fmt.shape_messages(msgs)
     if template_supports_tools(template):
         return _render_with_template(template, msgs, tools, add_generation_prompt, bos_token, eos_token)
     plain: list[dict[str, Any]] = []
@@ -388,7 +396,7 @@ def render_tool_chat(
             plain.append({"role": "user", "content": f"<tool_response>\n{m['content']}\n</tool_response>"})
         elif m.get("tool_calls"):
             parts = [m["content"]] if m["content"] else []
-            parts += [_call_text(c) for c in m["tool_calls"]]
+            parts.append(fmt.call_text(m["tool_calls"]))
             plain.append({"role": m["role"], "content": _CALL_SEP.join(parts), **_name_of(m)})
         else:
             plain.append({"role": m["role"], "content": m["content"], **_name_of(m)})
@@ -613,14 +621,16 @@ def open_chat_stream(
     parallel: bool,
     add_generation_prompt: bool = True,
 ) -> ChatStream:
-    """Render, constrain and submit one tool-aware chat turn (`Engine.stream_chat`)."""
+    """Render, constrain and submit one tool-aware chat turn (`Engine.stream_chat`),
+    in the model's tool-call format (`engine.tool_format`)."""
+    fmt = engine.tool_format
     parsed = parse_tools(tools)
     choice = parse_tool_choice(tool_choice, parsed)
     forced = choice != "none" and choice != "auto"
     if forced and choice != "required":
         parallel = False  # a named function is called exactly once (as OpenAI and vLLM do)
-    lark = tool_grammar(parsed, choice, parallel=parallel)
-    tag = tool_structural_tag(parsed, choice, parallel=parallel)
+    lark = fmt.grammar(parsed, choice, parallel=parallel)
+    tag = fmt.structural_tag(parsed, choice, parallel=parallel)
     if lark is not None and params.json_schema is not None:
         raise InvalidRequestError("json_schema cannot be combined with tools")
     thread = engine._thread
@@ -631,9 +641,10 @@ def open_chat_stream(
         add_generation_prompt=add_generation_prompt,
         bos_token=thread.bos_token,
         eos_token=thread.eos_token,
+        tool_format=fmt,
     )
     tokens = engine._new_stream(pieces, params, True, lark, json.dumps(tag) if tag is not None else None)
-    return ChatStream(tokens, parse_calls=choice != "none" and bool(parsed), forced=forced)
+    return ChatStream(tokens, parse_calls=choice != "none" and bool(parsed), forced=forced, tool_format=fmt)
 
 
 def finish_reason_with_tools(reason: FinishReason | None, calls: Sequence[ToolCall]) -> Any:
@@ -688,9 +699,13 @@ class ChatStream:
     (`stream.tokens`); closing one closes the other. Leaving the loop early
     (`break`, an exception) frees the lane at once, as for a `TokenStream`."""
 
-    def __init__(self, tokens: TokenStream, *, parse_calls: bool, forced: bool = False) -> None:
+    def __init__(
+        self, tokens: TokenStream, *, parse_calls: bool, forced: bool = False, tool_format: ToolFormat | None = None
+    ) -> None:
         self.tokens = tokens
-        self._parser = ToolCallParser(forced=forced) if parse_calls else None
+        self._parser: CallParser | None = None
+        if parse_calls:  # in the model's call format (default Hermes)
+            self._parser = tool_format.parser(forced=forced) if tool_format else ToolCallParser(forced=forced)
         self._text: list[str] = []
         self._reply: ChatReply | None = None
 
