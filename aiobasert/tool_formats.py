@@ -93,7 +93,8 @@ class ToolFormat(ABC):
         does not render `tool_calls` itself."""
 
     def shape_messages(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        """The conversation as the model's own template expects it (default: unchanged)."""
+        """The conversation as the model's own template expects it, when it renders tools
+        itself (default: unchanged)."""
         return messages
 
     def __repr__(self) -> str:

@@ -11,7 +11,11 @@ async for delta in engine.stream_chat(messages, tools=[weather]):
     ...                                   # TextDelta | ToolCallDelta
 ```
 
-The wire format of a call is Hermes / Qwen style, exactly::
+Each model calls tools in its family's format, chosen once from its chat template
+(`aiobasert.tool_formats`: `engine.tool_format`): Llama 3.x's templates ask for
+bare JSON, ``{"name": "get_weather", "parameters": {"city":"Paris"}}`` as the
+whole reply (its grammar and parser live in tool_formats); every other model
+uses the Hermes / Qwen format, whose grammar and parser are this module's::
 
     <tool_call>
     {"name": "get_weather", "arguments": {"city":"Paris"}}
@@ -20,10 +24,11 @@ The wire format of a call is Hermes / Qwen style, exactly::
 (several calls are separated by one newline). Tools are rendered into the
 prompt by the model's own chat template when it knows about tools (it mentions
 `tools`), otherwise by the default below: a system-prompt tool list
-(`DEFAULT_TOOL_PROMPT`), assistant calls in the format above, and tool results
-as user turns wrapped in `<tool_response>` tags.
+(`DEFAULT_TOOL_PROMPT`), assistant calls in the model's format (Hermes, which
+that prompt asks for), and tool results as user turns wrapped in
+`<tool_response>` tags.
 
-The output is constrained by a grammar, never filtered afterwards. The engine's
+The output is constrained by a grammar, never filtered afterwards. For Hermes, the engine's
 own grammar backend is tried first with an xgrammar STRUCTURAL TAG
 (`tool_structural_tag`: free text, and after the trigger `<tool_call>` one of
 the allowed calls, its arguments under the tool's schema); where the engine
@@ -380,8 +385,8 @@ def render_tool_chat(
         ):
             raise InvalidRequestError(f"message {i} contains a NUL character")
     fmt = tool_format if tool_format is not None else tool_format_for(template)
-    msgs = fmt.shape_messages(msgs)
     if template_supports_tools(template):
+        msgs = fmt.shape_messages(msgs)
         return _render_with_template(template, msgs, tools, add_generation_prompt, bos_token, eos_token)
     plain: list[dict[str, Any]] = []
     if tools:
