@@ -254,6 +254,7 @@ class Llama3JsonParser:
         self._in_str = False
         self._escape = False
         self._scanned = 0  # chars of _buf after _obj the scanner has read
+        self._keyed = False  # the held object's first key has begun
         self.calls: list[ToolCall] = []
         self.text: list[str] = []
 
@@ -329,7 +330,7 @@ class Llama3JsonParser:
             if not rest:
                 return  # blanks so far
             if rest.startswith("{"):
-                self._mode, self._obj, self._scanned = "call", i, 0
+                self._mode, self._obj, self._scanned, self._keyed = "call", i, 0, False
                 self._depth, self._in_str, self._escape = 0, False, False
             else:
                 self._to_text()
@@ -353,9 +354,13 @@ class Llama3JsonParser:
         self._mode = "text"
 
     def _hopeless(self) -> bool:
-        """The held object cannot be a call: its first key does not start at once."""
+        """The held object cannot be a call: its first key does not start at once
+        (looked at until that key's quote is seen: a long call is not rescanned)."""
+        if self._keyed:
+            return False
         body = self._buf[self._obj + 1 :].lstrip()
-        return bool(body) and body[0] != '"'
+        self._keyed = body.startswith('"')
+        return bool(body) and not self._keyed
 
     def _scan(self) -> int | None:
         """Where the held JSON object ends in _buf (just past its `}`), or None if it is still open."""
