@@ -424,3 +424,35 @@ async def test_a_llama_tool_loop_completes(llama3_tools_model_path: Path) -> Non
         again = engine.stream_chat(history, tools=[E_WEATHER, E_TIME], tool_choice="required", max_tokens=100,
                                    temperature=1.0, seed=3)
         check_llama_turn(*await raw_turn(again), {"get_weather": E_WEATHER, "get_time": E_TIME})
+
+
+async def test_a_gguf_with_llama3s_vocabulary_and_template_calls_in_its_format(
+    llama_cpp_vocab_dir: Path, llama_cpp_templates_dir: Path, tmp_path: Path
+) -> None:
+    """Llama 3's real vocabulary (llama.cpp's llama-bpe test GGUF, 128k tokens) with Llama 3.1's
+    template in the GGUF, converted and opened as a model would be: the format comes from the
+    GGUF's template, the grammars compile over the real tokenizer (the engine's tag and
+    llguidance), and forced calls are Llama's JSON with schema-valid arguments."""
+    from tiny_gguf import write_gguf
+
+    import aiobasert.models.convert
+
+    _, meta = aiobasert.models.convert._read_gguf(llama_cpp_vocab_dir / "ggml-vocab-llama-bpe.gguf")
+    fields = {k: v for k, v in meta.items() if k.startswith("tokenizer.")}
+    fields["tokenizer.chat_template"] = (llama_cpp_templates_dir / "meta-llama-Llama-3.1-8B-Instruct.jinja").read_text()
+    bundle = aiobasert.models.convert.convert_gguf(write_gguf(tmp_path / "llama3.gguf", tokenizer=fields),
+                                                   tmp_path / "llama3.base", progress=False)
+    async with Engine.open(bundle, max_batch_size=2) as engine:
+        assert engine.tool_format is LLAMA3_JSON
+        # towards closing strings, numbers and objects (random weights otherwise run on to max_tokens)
+        bias = {(await engine.encode(s))[0]: 6.0 for s in ('"', "}", ",")}
+        for tools in ([E_WEATHER, E_TIME], [WEATHER]):
+            chat = engine.stream_chat(MESSAGES, tools=tools, tool_choice="required", max_tokens=120,
+                                      temperature=1.0, seed=1, logit_bias=bias)
+            raw, reply = await raw_turn(chat)
+            read = check_llama_turn(raw, reply, {t.name: t for t in tools})
+            assert read, raw  # at least one whole call
+        auto = engine.stream_chat(MESSAGES, tools=[WEATHER], max_tokens=120, temperature=1.0, seed=1,
+                                  logit_bias=bias | {(await engine.encode("{"))[0]: 20.0})
+        check_llama_turn(*await raw_turn(auto), {"get_weather": WEATHER})
+        assert backends(engine) == {"engine": 1, "llguidance": 2}
