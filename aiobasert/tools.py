@@ -702,7 +702,9 @@ class ChatStream:
     """`async for delta in stream` yields `TextDelta` / `ToolCallDelta`;
     `await stream` gives the `ChatReply`. Wraps the turn's `TokenStream`
     (`stream.tokens`); closing one closes the other. Leaving the loop early
-    (`break`, an exception) frees the lane at once, as for a `TokenStream`."""
+    (`break`, an exception) frees the lane at once, as for a `TokenStream`.
+    `tool_format`: the model's call format the text is parsed in (default Hermes;
+    `engine.stream_chat` passes `engine.tool_format`)."""
 
     def __init__(
         self, tokens: TokenStream, *, parse_calls: bool, forced: bool = False, tool_format: ToolFormat | None = None
