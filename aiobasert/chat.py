@@ -63,7 +63,10 @@ turn header as framing (where markers ARE parsed), so a free-form role could
 forge turn markers; only these known words are accepted."""
 
 _SENTINEL = "\x00\x01{}\x01\x00"
-_SENTINEL_RE = re.compile("\x00\x01(\\d+)\x01\x00")
+# the sentinel as tojson writes it inside a JSON string, and what it becomes: content i, JSON-escaped
+_ESCAPED_SENTINEL_RE = re.compile(r"\\u0000\\u0001(\d+)\\u0001\\u0000")
+_JSON_SENTINEL = "\x00\x02{}:{}\x02\x00"
+_SENTINEL_RE = re.compile("\x00(?:\x01(\\d+)\x01|\x02(\\d+):([01])\x02)\x00")
 
 
 def _raise_exception(message: str) -> None:
@@ -74,7 +77,11 @@ def _tojson(value: Any, indent: int | None = None, separators: tuple[str, str] |
             sort_keys: bool = False, ensure_ascii: bool = False) -> str:
     # HF transformers' (and llama.cpp's) tojson: plain JSON, not Jinja's HTML-escaped one
     # ("<" stays "<" in a tool description), with the indent Llama 3.1's template asks for.
-    return json.dumps(value, indent=indent, separators=separators, sort_keys=sort_keys, ensure_ascii=ensure_ascii)
+    text = json.dumps(value, indent=indent, separators=separators, sort_keys=sort_keys, ensure_ascii=ensure_ascii)
+    # A message content inside the value (Llama 3.1's template writes a tool result as
+    # `content | tojson`) comes out as an escaped sentinel: marked so that the content is
+    # put back as a content piece, JSON-escaped as the template asked.
+    return _ESCAPED_SENTINEL_RE.sub(lambda m: _JSON_SENTINEL.format(m.group(1), int(ensure_ascii)), text)
 
 
 def _strftime_now(fmt: str) -> str:
@@ -177,10 +184,12 @@ def render_with_sentinels(
     for match in _SENTINEL_RE.finditer(rendered):
         if match.start() > pos:
             pieces.append((rendered[pos : match.start()], False))
-        idx = int(match.group(1))
+        idx = int(match.group(1) or match.group(2))
         if idx >= len(contents):
             raise InvalidRequestError("chat template produced an unknown message reference")
         core = _split_space(contents[idx])[1]  # the whitespace around it was rendered with the sentinel
+        if match.group(2) is not None:  # inside a tojson string: escaped as json.dumps escapes it
+            core = json.dumps(core, ensure_ascii=match.group(3) == "1")[1:-1]
         if core:
             pieces.append((core, True))
         pos = match.end()

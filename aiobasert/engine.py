@@ -39,6 +39,7 @@ from .types import ChatMessage, Completion, EngineStats, ModelInfo, SamplingPara
 
 if TYPE_CHECKING:
     from .models.convert import Dtype
+    from .tool_formats import ToolFormat
     from .tools import ChatStream, Tool, ToolChoice
 
 T = TypeVar("T")
@@ -403,6 +404,14 @@ class Engine:
         """The model's Jinja chat template; for a bundle without one, its family's (Gemma, Llama 3,
         else ChatML: aiobasert.chat.default_template), known by the vocabulary's special tokens."""
         return self._thread.chat_template
+
+    @property
+    def tool_format(self) -> ToolFormat:
+        """How this model writes tool calls, chosen from its chat template
+        (aiobasert.tool_formats: Hermes `<tool_call>` by default, Llama 3's bare JSON)."""
+        from .tool_formats import tool_format_for
+
+        return tool_format_for(self.chat_template)
 
     def _params(self, params: SamplingParams | None, kwargs: dict[str, Any]) -> SamplingParams:
         if params is not None and kwargs:

@@ -11,7 +11,11 @@ async for delta in engine.stream_chat(messages, tools=[weather]):
     ...                                   # TextDelta | ToolCallDelta
 ```
 
-The wire format of a call is Hermes / Qwen style, exactly::
+Each model calls tools in its family's format, chosen once from its chat template
+(`aiobasert.tool_formats`: `engine.tool_format`): Llama 3.x's templates ask for
+bare JSON, ``{"name": "get_weather", "parameters": {"city":"Paris"}}`` as the
+whole reply (its grammar and parser live in tool_formats); every other model
+uses the Hermes / Qwen format, whose grammar and parser are this module's::
 
     <tool_call>
     {"name": "get_weather", "arguments": {"city":"Paris"}}
@@ -20,10 +24,11 @@ The wire format of a call is Hermes / Qwen style, exactly::
 (several calls are separated by one newline). Tools are rendered into the
 prompt by the model's own chat template when it knows about tools (it mentions
 `tools`), otherwise by the default below: a system-prompt tool list
-(`DEFAULT_TOOL_PROMPT`), assistant calls in the format above, and tool results
-as user turns wrapped in `<tool_response>` tags.
+(`DEFAULT_TOOL_PROMPT`), assistant calls in the model's format (Hermes, which
+that prompt asks for), and tool results as user turns wrapped in
+`<tool_response>` tags.
 
-The output is constrained by a grammar, never filtered afterwards. The engine's
+The output is constrained by a grammar, never filtered afterwards. For Hermes, the engine's
 own grammar backend is tried first with an xgrammar STRUCTURAL TAG
 (`tool_structural_tag`: free text, and after the trigger `<tool_call>` one of
 the allowed calls, its arguments under the tool's schema); where the engine
@@ -64,6 +69,7 @@ from .types import ChatMessage, FinishReason, Timing, Token, Usage
 if TYPE_CHECKING:
     from .engine import Engine
     from .streams import TokenStream
+    from .tool_formats import CallParser, ToolFormat
     from .types import SamplingParams
 
 __all__ = [
@@ -359,9 +365,14 @@ def render_tool_chat(
     add_generation_prompt: bool = True,
     bos_token: str = "",
     eos_token: str = "",
+    tool_format: ToolFormat | None = None,
 ) -> list[tuple[str, bool]]:
     """Render a conversation with tools (and tool turns) into encodable pieces,
-    with the model's template when it supports tools, else the default format."""
+    with the model's template when it supports tools, else the default format.
+    `tool_format`: how the model writes calls (default: the template's,
+    aiobasert.tool_formats.tool_format_for)."""
+    from .tool_formats import tool_format_for
+
     if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence) or not messages:
         raise InvalidRequestError("messages must be a non-empty list of {role, content} messages")
     msgs = [_message_fields(m, i) for i, m in enumerate(messages)]
@@ -373,7 +384,9 @@ def render_tool_chat(
             "\x00" in c.id for c in m.get("tool_calls", ())
         ):
             raise InvalidRequestError(f"message {i} contains a NUL character")
+    fmt = tool_format if tool_format is not None else tool_format_for(template)
     if template_supports_tools(template):
+        msgs = fmt.shape_messages(msgs)
         return _render_with_template(template, msgs, tools, add_generation_prompt, bos_token, eos_token)
     plain: list[dict[str, Any]] = []
     if tools:
@@ -388,7 +401,7 @@ def render_tool_chat(
             plain.append({"role": "user", "content": f"<tool_response>\n{m['content']}\n</tool_response>"})
         elif m.get("tool_calls"):
             parts = [m["content"]] if m["content"] else []
-            parts += [_call_text(c) for c in m["tool_calls"]]
+            parts.append(fmt.call_text(m["tool_calls"]))
             plain.append({"role": m["role"], "content": _CALL_SEP.join(parts), **_name_of(m)})
         else:
             plain.append({"role": m["role"], "content": m["content"], **_name_of(m)})
@@ -613,14 +626,16 @@ def open_chat_stream(
     parallel: bool,
     add_generation_prompt: bool = True,
 ) -> ChatStream:
-    """Render, constrain and submit one tool-aware chat turn (`Engine.stream_chat`)."""
+    """Render, constrain and submit one tool-aware chat turn (`Engine.stream_chat`),
+    in the model's tool-call format (`engine.tool_format`)."""
+    fmt = engine.tool_format
     parsed = parse_tools(tools)
     choice = parse_tool_choice(tool_choice, parsed)
     forced = choice != "none" and choice != "auto"
     if forced and choice != "required":
         parallel = False  # a named function is called exactly once (as OpenAI and vLLM do)
-    lark = tool_grammar(parsed, choice, parallel=parallel)
-    tag = tool_structural_tag(parsed, choice, parallel=parallel)
+    lark = fmt.grammar(parsed, choice, parallel=parallel)
+    tag = fmt.structural_tag(parsed, choice, parallel=parallel)
     if lark is not None and params.json_schema is not None:
         raise InvalidRequestError("json_schema cannot be combined with tools")
     thread = engine._thread
@@ -631,9 +646,10 @@ def open_chat_stream(
         add_generation_prompt=add_generation_prompt,
         bos_token=thread.bos_token,
         eos_token=thread.eos_token,
+        tool_format=fmt,
     )
     tokens = engine._new_stream(pieces, params, True, lark, json.dumps(tag) if tag is not None else None)
-    return ChatStream(tokens, parse_calls=choice != "none" and bool(parsed), forced=forced)
+    return ChatStream(tokens, parse_calls=choice != "none" and bool(parsed), forced=forced, tool_format=fmt)
 
 
 def finish_reason_with_tools(reason: FinishReason | None, calls: Sequence[ToolCall]) -> Any:
@@ -686,11 +702,17 @@ class ChatStream:
     """`async for delta in stream` yields `TextDelta` / `ToolCallDelta`;
     `await stream` gives the `ChatReply`. Wraps the turn's `TokenStream`
     (`stream.tokens`); closing one closes the other. Leaving the loop early
-    (`break`, an exception) frees the lane at once, as for a `TokenStream`."""
+    (`break`, an exception) frees the lane at once, as for a `TokenStream`.
+    `tool_format`: the model's call format the text is parsed in (default Hermes;
+    `engine.stream_chat` passes `engine.tool_format`)."""
 
-    def __init__(self, tokens: TokenStream, *, parse_calls: bool, forced: bool = False) -> None:
+    def __init__(
+        self, tokens: TokenStream, *, parse_calls: bool, forced: bool = False, tool_format: ToolFormat | None = None
+    ) -> None:
         self.tokens = tokens
-        self._parser = ToolCallParser(forced=forced) if parse_calls else None
+        self._parser: CallParser | None = None
+        if parse_calls:  # in the model's call format (default Hermes)
+            self._parser = tool_format.parser(forced=forced) if tool_format else ToolCallParser(forced=forced)
         self._text: list[str] = []
         self._reply: ChatReply | None = None
 

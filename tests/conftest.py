@@ -120,17 +120,25 @@ def smollm2_f16_path(smollm2_path: Path, smollm2_gguf: Path) -> Path:
 LLAMA_CPP_PYTHON_VERSION = "0.3.36"
 
 
-@pytest.fixture(scope="session")
-def llama_cpp_vocab_dir() -> Path:
-    """llama.cpp's own tokenizer test files (models/ggml-vocab-*.gguf with their .inp / .out pairs: the
-    vocabulary without weights, inputs, and the ids llama.cpp must produce), as vendored in the
-    llama-cpp-python sdist on PyPI. Downloaded with pip once into the aiobasert cache dir and only those
-    files extracted (they are not part of this repository); skipped where the download is impossible."""
-    target = cache_dir() / f"llama.cpp-vocab-{LLAMA_CPP_PYTHON_VERSION}"
-    if (target / "ggml-vocab-llama-spm.gguf.out").is_file():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+# What the tests take from the llama-cpp-python sdist: kind -> (folder under vendor/llama.cpp, file name
+# prefix, a file that must be there).
+_LLAMA_CPP_FILES = {
+    "vocab": ("models", "ggml-vocab-", "ggml-vocab-llama-spm.gguf.out"),
+    "templates": ("models/templates", "", "meta-llama-Llama-3.1-8B-Instruct.jinja"),
+}
+
+
+def _from_llama_cpp_sdist(kind: str) -> Path:
+    """The `kind` files of the llama-cpp-python sdist on PyPI (not part of this repository): downloaded
+    with pip once into the aiobasert cache dir, where only those files are kept (every kind's, from one
+    download); skipped where the download is impossible."""
+    def target(k: str) -> Path:
+        return cache_dir() / f"llama.cpp-{k}-{LLAMA_CPP_PYTHON_VERSION}"
+
+    if (target(kind) / _LLAMA_CPP_FILES[kind][2]).is_file():
+        return target(kind)
+    target(kind).parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target(kind).parent) as tmp:
         proc = subprocess.run(
             [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", "--quiet",
              f"llama-cpp-python=={LLAMA_CPP_PYTHON_VERSION}", "-d", tmp],
@@ -138,21 +146,50 @@ def llama_cpp_vocab_dir() -> Path:
         sdists = list(Path(tmp).glob("llama_cpp_python-*.tar.gz"))
         if proc.returncode != 0 or not sdists:
             pytest.skip(f"cannot download the llama-cpp-python {LLAMA_CPP_PYTHON_VERSION} sdist "
-                        f"(llama.cpp's vocabulary test files): {proc.stderr.strip()[-300:]}")
-        staged = Path(tmp) / "vocab"
-        staged.mkdir()
+                        f"(llama.cpp's {kind} files): {proc.stderr.strip()[-300:]}")
+        for k in _LLAMA_CPP_FILES:
+            (Path(tmp) / k).mkdir()
         with tarfile.open(sdists[0]) as tar:
             for member in tar.getmembers():
                 parent, _, name = member.name.rpartition("/")
-                if member.isfile() and parent.endswith("vendor/llama.cpp/models") and name.startswith("ggml-vocab-"):
-                    source = tar.extractfile(member)
-                    assert source is not None
-                    (staged / name).write_bytes(source.read())
-        if not (staged / "ggml-vocab-llama-spm.gguf.out").is_file():
-            pytest.fail(f"the llama-cpp-python {LLAMA_CPP_PYTHON_VERSION} sdist has no models/ggml-vocab-* files")
-        with contextlib.suppress(OSError):  # another process may have finished first
-            os.replace(staged, target)
-    return target
+                for k, (folder, prefix, _) in _LLAMA_CPP_FILES.items():
+                    if member.isfile() and parent.endswith(f"vendor/llama.cpp/{folder}") and name.startswith(prefix):
+                        source = tar.extractfile(member)
+                        assert source is not None
+                        (Path(tmp) / k / name).write_bytes(source.read())
+        for k, (folder, _, check) in _LLAMA_CPP_FILES.items():
+            if not (Path(tmp) / k / check).is_file():
+                pytest.fail(f"the llama-cpp-python {LLAMA_CPP_PYTHON_VERSION} sdist has no {folder}/{check}")
+            with contextlib.suppress(OSError):  # another process may have finished first (or an older run)
+                os.replace(Path(tmp) / k, target(k))
+    return target(kind)
+
+
+@pytest.fixture(scope="session")
+def llama_cpp_vocab_dir() -> Path:
+    """llama.cpp's own tokenizer test files (models/ggml-vocab-*.gguf with their .inp / .out pairs: the
+    vocabulary without weights, inputs, and the ids llama.cpp must produce), from the llama-cpp-python sdist."""
+    return _from_llama_cpp_sdist("vocab")
+
+
+@pytest.fixture(scope="session")
+def llama_cpp_templates_dir() -> Path:
+    """The models' own chat templates llama.cpp tests against (models/templates/*.jinja: Llama 3.1 / 3.2,
+    Qwen 2.5, ...), from the llama-cpp-python sdist."""
+    return _from_llama_cpp_sdist("templates")
+
+
+# Llama 3's markers, appended to the tiny vocabulary as control tokens (<|eot_id|> / <|eom_id|> end a turn).
+LLAMA3_MARKERS = ("<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>", "<|eom_id|>", "<|python_tag|>")
+
+
+@pytest.fixture(scope="session")
+def llama3_tools_model_path(tmp_path_factory: pytest.TempPathFactory, llama_cpp_templates_dir: Path) -> Path:
+    """The untied tiny model with Llama 3's markers and Llama 3.1 8B Instruct's own chat template
+    (whose tool calls are bare JSON, `{"name": ..., "parameters": ...}`)."""
+    template = (llama_cpp_templates_dir / "meta-llama-Llama-3.1-8B-Instruct.jinja").read_text()
+    return build_tiny_model(tmp_path_factory.mktemp("llama3-tools") / "tiny.base", tied=False,
+                            extra_tokens=tuple((m, 3) for m in LLAMA3_MARKERS), chat_template=template)  # fmt: skip
 
 
 @pytest.fixture(scope="session")

@@ -230,3 +230,43 @@ def test_parallel_calls_stream_each_at_its_own_output_index(
     assert added == list(range(len(final.output)))
     streamed = [item for item in final.output if item.type == "function_call"]
     assert [(c.name, c.arguments) for c in streamed] == [(c.name, c.arguments) for c in calls]
+
+
+def test_llama3_function_calls_in_responses(llama3_tools_model_path: Path) -> None:
+    """A model with Llama 3.1's template writes its calls as bare JSON: /v1/responses reads them
+    back as function_call items (stream and create alike), and a chained turn with the call's
+    output renders through the template and calls again."""
+    app = create_app(llama3_tools_model_path, api_key=API_KEY, model_name=MODEL_NAME, max_batch_size=2)
+    with serving(app) as url, OpenAI(base_url=f"{url}/v1", api_key=API_KEY, max_retries=0) as client:
+        kw: dict[str, Any] = dict(model=MODEL_NAME, input="Weather in Paris?", tools=TOOLS, tool_choice="required",
+                                  parallel_tool_calls=False, max_output_tokens=200, temperature=0)
+        whole = client.responses.create(**kw)
+        (call,) = [item for item in whole.output if item.type == "function_call"]
+        assert call.name == "get_weather" and call.call_id.startswith("call_") and not whole.output_text
+        assert whole.status == "completed"
+        jsonschema.validate(json.loads(call.arguments), PARAMS)
+        done_args = None
+        with client.responses.stream(**kw) as stream:
+            for event in stream:
+                if event.type == "response.function_call_arguments.done":
+                    done_args = event.arguments
+            final = stream.get_final_response()
+        (streamed,) = [item for item in final.output if item.type == "function_call"]
+        assert done_args == streamed.arguments == call.arguments  # greedy: the same call
+        second = client.responses.create(
+            model=MODEL_NAME, previous_response_id=whole.id, tools=TOOLS, tool_choice="required",
+            parallel_tool_calls=False, max_output_tokens=200, temperature=0,
+            input=[{"type": "function_call_output", "call_id": call.call_id, "output": '{"temp": 21}'}],
+        )
+        (again,) = [item for item in second.output if item.type == "function_call"]
+        jsonschema.validate(json.loads(again.arguments), PARAMS)
+        assert second.usage is not None and whole.usage is not None
+        assert second.usage.input_tokens > whole.usage.input_tokens
+        # two calls in one turn (Llama 3.1's template takes one per turn: rendered as two turns)
+        both = client.responses.create(model=MODEL_NAME, tools=TOOLS, max_output_tokens=8, temperature=0, input=[
+            {"role": "user", "content": "Weather in Paris and Rome?"},
+            *({"type": "function_call", "call_id": f"call_{c}", "name": "get_weather",
+               "arguments": json.dumps({"city": c})} for c in ("Paris", "Rome")),
+            *({"type": "function_call_output", "call_id": f"call_{c}", "output": "sunny"} for c in ("Paris", "Rome")),
+        ])
+        assert both.status in ("completed", "incomplete")

@@ -338,3 +338,61 @@ def test_a_forced_call_cut_by_max_tokens_is_length_without_markup(client: OpenAI
             text += chunk.choices[0].delta.content or ""
             finish = chunk.choices[0].finish_reason or finish
     assert finish == "length" and text == ""
+
+
+def test_llama3_tool_calls_over_http(llama3_tools_model_path: Path) -> None:
+    """A model with Llama 3.1's own template answers in its format, bare JSON `{"name": ...,
+    "parameters": ...}`: the server reads it back as OpenAI tool_calls with schema-valid JSON
+    arguments (stream and whole alike, finish_reason "tool_calls"); "auto" nudged to open with
+    "{" calls too; a past turn with two calls and their results renders through the template;
+    a bad tool_choice stays a 400 naming it."""
+    from aiobasert.models.bundle import read_bundle
+
+    brace = str(list(read_bundle(llama3_tools_model_path).tokenizer["tokenizer.ggml.tokens"]).index("{"))
+    app = create_app(llama3_tools_model_path, api_key=API_KEY, model_name=MODEL_NAME, max_batch_size=4)
+    with serving(app) as url, OpenAI(base_url=f"{url}/v1", api_key=API_KEY, max_retries=0) as client:
+        for seed in (1, 2):
+            kw: dict[str, Any] = dict(model=MODEL_NAME, messages=MESSAGES, tools=TOOLS, tool_choice="required",
+                                      max_tokens=150, temperature=1.0, seed=seed)
+            whole = client.chat.completions.create(**kw)
+            (choice,) = whole.choices
+            calls = choice.message.tool_calls or []
+            assert calls and choice.message.content is None
+            complete = calls if choice.finish_reason == "tool_calls" else calls[:-1]
+            assert choice.finish_reason in ("tool_calls", "length")
+            for c in complete:
+                assert c.type == "function" and c.id.startswith("call_")
+                valid(c.function.name, c.function.arguments)
+            fragments: dict[int, list[str]] = {}
+            names: dict[int, str] = {}
+            for chunk in client.chat.completions.create(**kw, stream=True):
+                for tc in (chunk.choices[0].delta.tool_calls or []) if chunk.choices else []:
+                    assert tc.function is not None
+                    if tc.function.name:
+                        names[tc.index] = tc.function.name
+                    fragments.setdefault(tc.index, []).append(tc.function.arguments or "")
+            assert list(names.values()) == [c.function.name for c in calls]
+            assert ["".join(f) for f in fragments.values()] == [c.function.arguments for c in calls]
+        auto = client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, tools=TOOLS, max_tokens=150,
+                                              temperature=1.0, seed=1, logit_bias={brace: 10})
+        (call, *_) = auto.choices[0].message.tool_calls or []
+        if auto.choices[0].finish_reason == "tool_calls":
+            valid(call.function.name, call.function.arguments)
+        history: list[ChatCompletionMessageParam] = [
+            *MESSAGES,
+            {"role": "assistant", "content": None, "tool_calls": [
+                {"id": f"call_{i}", "type": "function", "function": {"name": "get_time", "arguments": '{"tz":"UTC"}'}}
+                for i in range(2)]},
+            {"role": "tool", "tool_call_id": "call_0", "content": "noon"},
+            {"role": "tool", "tool_call_id": "call_1", "content": "noon"},
+        ]
+        answer = client.chat.completions.create(
+            model=MODEL_NAME, messages=history, tools=TOOLS, max_tokens=60, temperature=1.0, seed=3,
+            tool_choice={"type": "function", "function": {"name": "get_time"}})
+        (named,) = answer.choices[0].message.tool_calls or []
+        assert named.function.name == "get_time"
+        if answer.choices[0].finish_reason == "tool_calls":
+            valid("get_time", named.function.arguments)
+        with pytest.raises(openai.BadRequestError) as bad:
+            client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, tools=TOOLS, tool_choice="sometimes")  # type: ignore[call-overload]
+        assert bad.value.body["param"] == "tool_choice"  # type: ignore[index]

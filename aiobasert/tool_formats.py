@@ -1,0 +1,408 @@
+"""Tool-call formats: how each model family writes a call, chosen once per model
+from its chat template (`tool_format_for`).
+
+A format is one place that says, for its family: the grammar of an assistant turn
+under each `tool_choice` (a Lark grammar for llguidance, and where the engine's own
+grammar backend can express it an xgrammar structural tag), the incremental parser
+that turns the generated text back into text and `ToolCallDelta`s, how a past
+assistant call is written when the chat template does not render it itself, and
+how a conversation is shaped for the template (Llama 3's renders one call per turn).
+
+- `HERMES` (the default; Qwen 2.5 / 3, SmolLM2, Hermes):
+  ``<tool_call>\\n{"name": "f", "arguments": {...}}\\n</tool_call>``, calls anywhere
+  after the trigger `<tool_call>` (see aiobasert.tools).
+- `LLAMA3_JSON` (Llama 3.1 / 3.2 / 3.3, whose templates ask for
+  `{"name": function name, "parameters": ...}`): the whole reply is the call,
+  bare JSON ``{"name": "f", "parameters": {...}}`` (several separated by ``; ``, as
+  vLLM's llama3_json parser reads them), optionally after `<|python_tag|>`.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from functools import lru_cache
+from typing import Any, Final, Protocol
+
+from .tools import (
+    _CALL_SEP,
+    ChatDelta,
+    TextDelta,
+    Tool,
+    ToolCall,
+    ToolCallDelta,
+    ToolCallParser,
+    _call_text,
+    _lark_str,
+    new_call_id,
+    template_supports_tools,
+    tool_grammar,
+    tool_structural_tag,
+)
+
+__all__ = [
+    "HERMES",
+    "LLAMA3_JSON",
+    "CallParser",
+    "HermesFormat",
+    "Llama3JsonFormat",
+    "Llama3JsonParser",
+    "ToolFormat",
+    "tool_format_for",
+]
+
+
+class CallParser(Protocol):
+    """What a ChatStream feeds its generated text through (ToolCallParser, Llama3JsonParser)."""
+
+    calls: list[ToolCall]
+
+    def feed(self, text: str) -> list[ChatDelta]: ...
+
+    def close(self) -> list[ChatDelta]: ...
+
+    @property
+    def content(self) -> str: ...
+
+
+class ToolFormat(ABC):
+    """One family's tool-call format (see the module docstring)."""
+
+    name: str
+    trigger: str
+    """What starts a call in the generated text."""
+
+    @abstractmethod
+    def grammar(self, tools: Sequence[Tool], choice: str, *, parallel: bool = True) -> str | None:
+        """The Lark grammar (llguidance) of an assistant turn under `choice`; None without tools."""
+
+    @abstractmethod
+    def structural_tag(self, tools: Sequence[Tool], choice: str, *, parallel: bool = True) -> dict[str, Any] | None:
+        """The same contract as an xgrammar structural tag for the engine's grammar backend,
+        or None where a structural tag cannot say it (the Lark grammar then runs on the host)."""
+
+    @abstractmethod
+    def parser(self, *, forced: bool = False) -> CallParser:
+        """A fresh incremental parser of one turn (`forced`: only calls were allowed)."""
+
+    @abstractmethod
+    def call_text(self, calls: Sequence[ToolCall]) -> str:
+        """A past assistant turn's calls as the model writes them, for a template that
+        does not render `tool_calls` itself."""
+
+    def shape_messages(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """The conversation as the model's own template expects it, when it renders tools
+        itself (default: unchanged)."""
+        return messages
+
+    def __repr__(self) -> str:
+        return f"<ToolFormat {self.name}>"
+
+
+class HermesFormat(ToolFormat):
+    """`<tool_call>` JSON `</tool_call>` (aiobasert.tools' grammar and parser)."""
+
+    name = "hermes"
+    trigger = "<tool_call>"
+
+    def grammar(self, tools: Sequence[Tool], choice: str, *, parallel: bool = True) -> str | None:
+        return tool_grammar(tools, choice, parallel=parallel)
+
+    def structural_tag(self, tools: Sequence[Tool], choice: str, *, parallel: bool = True) -> dict[str, Any] | None:
+        return tool_structural_tag(tools, choice, parallel=parallel)
+
+    def parser(self, *, forced: bool = False) -> CallParser:
+        return ToolCallParser(forced=forced)
+
+    def call_text(self, calls: Sequence[ToolCall]) -> str:
+        return _CALL_SEP.join(_call_text(c) for c in calls)
+
+
+# ---- Llama 3.x: bare JSON -------------------------------------------------------------------
+
+PYTHON_TAG: Final = "<|python_tag|>"
+_LLAMA_SEP = "; "
+_LLAMA_ARGS_KEY = "parameters"
+
+
+def _llama_head(name: str) -> str:
+    return '{"name": "' + name + '", "' + _LLAMA_ARGS_KEY + '": '
+
+
+class Llama3JsonFormat(ToolFormat):
+    """Llama 3.x's JSON calls: `{"name": "f", "parameters": {...}}` is the whole reply.
+
+    "auto": text that does not start with `{` (after whitespace), or calls from the
+    first character; "required" / a named function: calls only, each
+    `{"name": <one of the tools>, "parameters": <its schema>}`, separated by `; `
+    (`parallel=False`: exactly one); "none": text that does not start with `{`.
+    Only "required" / named run on the engine's structural tag (calls with a
+    separator); "auto" and "none" say "at the start" and run on llguidance."""
+
+    name = "llama3_json"
+    trigger = "{"
+
+    def grammar(self, tools: Sequence[Tool], choice: str, *, parallel: bool = True) -> str | None:
+        if not tools:
+            return None
+        # whitespace then "{" opens a call (as the parser reads it): text never does
+        text = r"TEXT: /(?s:.+)/ & ~/(?s:[ \t\r\n]*\{.*)/"
+        if choice == "none":
+            return f"start: TEXT\n{text}\n"
+        allowed = [(i, t) for i, t in enumerate(tools) if choice in ("auto", "required") or t.name == choice]
+        lines = [f"start: TEXT | calls\n{text}" if choice == "auto" else "start: calls"]
+        lines.append("calls: call" + (f" ({_lark_str(_LLAMA_SEP)} call)*" if parallel else ""))
+        lines.append("call: " + " | ".join(f"call_{i}" for i, _ in allowed))
+        for i, tool in allowed:
+            lines.append(f"call_{i}: {_lark_str(_llama_head(tool.name))} args_{i} {_lark_str('}')}")
+            lines.append(f"args_{i}: %json {json.dumps(tool.arguments_schema())}")
+        return "\n".join(lines) + "\n"
+
+    def structural_tag(self, tools: Sequence[Tool], choice: str, *, parallel: bool = True) -> dict[str, Any] | None:
+        if not tools or choice in ("auto", "none"):
+            return None  # "a call only at the start" is no structural tag: the Lark grammar runs
+        tag = tool_structural_tag(tools, choice, parallel=parallel)
+        assert tag is not None
+        fmt = tag["format"]
+        for t, tool in zip(fmt["tags"], [t for t in tools if choice == "required" or t.name == choice], strict=True):
+            t["begin"], t["end"] = _llama_head(tool.name), "}"
+        fmt["separator"] = _LLAMA_SEP
+        return tag
+
+    def parser(self, *, forced: bool = False) -> CallParser:
+        return Llama3JsonParser(forced=forced)
+
+    def call_text(self, calls: Sequence[ToolCall]) -> str:
+        return _LLAMA_SEP.join(_llama_head(c.name) + c.arguments + "}" for c in calls)
+
+    def shape_messages(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        # Llama 3.1's template refuses an assistant turn with several calls ("This model
+        # only supports single tool-calls at once!"): one turn per call, in order
+        out: list[dict[str, Any]] = []
+        for m in messages:
+            calls = m.get("tool_calls") or []
+            if len(calls) <= 1:
+                out.append(m)
+                continue
+            for j, call in enumerate(calls):
+                out.append({**m, "content": m["content"] if j == 0 else "", "tool_calls": [call]})
+        return out
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+def _json_string(text: str) -> str | None:
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return None
+    return value if isinstance(value, str) else None
+
+
+# A cut-off call's head: `{"name": "f", "parameters": ` (what follows is its partial arguments).
+_HEAD_RE = re.compile(r'\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"(?:parameters|arguments)"\s*:\s*')
+
+
+def _as_call(text: str) -> tuple[str, str] | None:
+    """(name, arguments as compact JSON) when `text` (one whole JSON object) is a Llama call:
+    `{"name": str, "parameters" | "arguments": object}`, optionally with `"type": "function"`."""
+    try:
+        obj = json.loads(text, parse_constant=_no_constant)
+    except (ValueError, RecursionError):
+        return None
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        return None
+    keys = set(obj) - {"name"}
+    if obj.pop("type", "function") != "function":
+        return None
+    keys.discard("type")
+    if len(keys) != 1 or not keys <= {"parameters", "arguments"}:
+        return None
+    args = obj[keys.pop()]
+    if not isinstance(args, dict):
+        return None
+    return obj["name"], json.dumps(args, ensure_ascii=False, separators=(",", ":"))
+
+
+class Llama3JsonParser:
+    """Incremental parser of Llama 3.x replies (same interface as ToolCallParser).
+
+    A reply whose first non-blank text is `{` or `<|python_tag|>` may be calls: it is
+    held back until each JSON object closes, then a call (`_as_call`) is reported as
+    two deltas (its id and name, then its arguments, re-serialised compactly from
+    "parameters"); whatever turns out not to be a call is released as text unchanged,
+    and so is every reply that starts otherwise (at once). After a call, `;` or
+    whitespace may lead to the next one; anything else is text.
+
+    At `close()` (the turn ended, e.g. cut by max_tokens): an unfinished call whose
+    head (`{"name": "f", "parameters": `) is complete is a call with the arguments
+    generated so far (finish_reason "length" says it was cut); framing cut off after a
+    call is dropped, as is an unfinished first call when `forced` (only calls were
+    allowed); otherwise the held text is released."""
+
+    def __init__(self, *, forced: bool = False) -> None:
+        self._forced = forced
+        self._closed = False
+        self._buf = ""  # text held back: maybe (part of) a call
+        self._mode: str = "start"  # start | text | call | after
+        self._obj = 0  # where the held call's `{` is in _buf
+        self._depth = 0
+        self._in_str = False
+        self._escape = False
+        self._scanned = 0  # chars of _buf after _obj the scanner has read
+        self._keyed = False  # the held object's first key has begun
+        self.calls: list[ToolCall] = []
+        self.text: list[str] = []
+
+    @property
+    def content(self) -> str:
+        """The text parsed so far (outside calls)."""
+        return "".join(self.text)
+
+    def feed(self, text: str) -> list[ChatDelta]:
+        out: list[ChatDelta] = []
+        if self._closed:
+            return out
+        if self._mode == "text":
+            self._emit_text(text, out)
+            return out
+        self._buf += text
+        while self._buf and self._mode != "text":
+            before = (self._mode, len(self._buf))
+            self._step(out)
+            if (self._mode, len(self._buf)) == before:
+                break  # needs more text
+        if self._mode == "text" and self._buf:
+            self._emit_text(self._buf, out)
+            self._buf = ""
+        return out
+
+    def close(self) -> list[ChatDelta]:
+        """The end of the output (idempotent: a second close reports nothing)."""
+        out: list[ChatDelta] = []
+        if self._closed:
+            return out
+        self._closed = True
+        buf, self._buf = self._buf, ""
+        if self._mode == "call":
+            head = _HEAD_RE.match(buf, self._obj)
+            name = _json_string(head.group(1)) if head is not None else None
+            if head is not None and name is not None:  # a call cut off in its arguments
+                self._report(name, buf[head.end() :], out)
+            elif not self.calls and not self._forced:
+                self._emit_text(buf, out)
+        elif self._mode == "start" and not self._forced:
+            self._emit_text(buf, out)
+        # "after": a separator / blank after a call, cut off: nothing to report
+        return out
+
+    def _emit_text(self, text: str, out: list[ChatDelta]) -> None:
+        if text:
+            self.text.append(text)
+            out.append(TextDelta(text))
+
+    def _report(self, name: str, arguments: str, out: list[ChatDelta]) -> None:
+        call = ToolCall(id=new_call_id(), name=name, arguments=arguments)
+        out.append(ToolCallDelta(index=len(self.calls), id=call.id, name=name, arguments=""))
+        out.append(ToolCallDelta(index=len(self.calls), arguments=arguments))
+        self.calls.append(call)
+
+    def _step(self, out: list[ChatDelta]) -> None:
+        buf = self._buf
+        if self._mode in ("start", "after"):
+            # leading blanks, then (at the start) <|python_tag|>, (after a call) one `;`
+            i = len(buf) - len(buf.lstrip())
+            rest = buf[i:]
+            if self._mode == "start" and rest.startswith(PYTHON_TAG):
+                i += len(PYTHON_TAG)
+                i += len(buf[i:]) - len(buf[i:].lstrip())
+                rest = buf[i:]
+            elif self._mode == "start" and rest and PYTHON_TAG.startswith(rest):
+                return  # may still become <|python_tag|>
+            if self._mode == "after" and rest.startswith(";"):
+                i += 1
+                i += len(buf[i:]) - len(buf[i:].lstrip())
+                rest = buf[i:]
+            if not rest:
+                return  # blanks so far
+            if rest.startswith("{"):
+                self._mode, self._obj, self._scanned, self._keyed = "call", i, 0, False
+                self._depth, self._in_str, self._escape = 0, False, False
+            else:
+                self._to_text()
+        elif self._mode == "call":
+            end = self._scan()
+            if end is None:
+                if self._hopeless():
+                    self._to_text()
+                return
+            call = _as_call(buf[self._obj : end])
+            if call is None:
+                self._to_text()
+                return
+            self._report(*call, out)
+            self._buf = buf[end:]
+            self._mode = "after"
+
+    def _to_text(self) -> None:
+        """The held text is no call: it (and all that follows) is text. A separator
+        after a call stays with the text after it (that is where the calls ended)."""
+        self._mode = "text"
+
+    def _hopeless(self) -> bool:
+        """The held object cannot be a call: its first key does not start at once
+        (looked at until that key's quote is seen: a long call is not rescanned)."""
+        if self._keyed:
+            return False
+        body = self._buf[self._obj + 1 :].lstrip()
+        self._keyed = body.startswith('"')
+        return bool(body) and not self._keyed
+
+    def _scan(self) -> int | None:
+        """Where the held JSON object ends in _buf (just past its `}`), or None if it is still open."""
+        buf, start = self._buf, self._obj + self._scanned
+        for j in range(start, len(buf)):
+            ch = buf[j]
+            if self._in_str:
+                if self._escape:
+                    self._escape = False
+                elif ch == "\\":
+                    self._escape = True
+                elif ch == '"':
+                    self._in_str = False
+            elif ch == '"':
+                self._in_str = True
+            elif ch in "{[":
+                self._depth += 1
+            elif ch in "}]":
+                self._depth -= 1
+                if self._depth <= 0:
+                    return j + 1
+        self._scanned = len(buf) - self._obj
+        return None
+
+
+HERMES: Final = HermesFormat()
+LLAMA3_JSON: Final = Llama3JsonFormat()
+
+# Llama 3.1 / 3.2 / 3.3's tool instruction: 'Respond in the format {"name": function name, "parameters": ...'
+_LLAMA3_INSTRUCTION = re.compile(r'\{"name": [^{}]{0,40}"parameters"')
+
+
+@lru_cache(maxsize=16)
+def tool_format_for(template: str) -> ToolFormat:
+    """The tool-call format a chat template teaches its model: Llama 3's bare JSON for a
+    template that renders tools and asks for `{"name": ..., "parameters": ...}`
+    (without Hermes' `<tool_call>`), else Hermes (also what the default tool prompt
+    asks for, when the template renders no tools)."""
+    if (
+        template_supports_tools(template)
+        and "<tool_call>" not in template
+        and _LLAMA3_INSTRUCTION.search(template) is not None
+    ):
+        return LLAMA3_JSON
+    return HERMES
