@@ -1,4 +1,4 @@
-"""aiobasert serve against llama.cpp's llama-server: aggregate tok/s and TTFT p50.
+"""aiobasert serve against llama.cpp's llama-server: aggregate tok/s, TTFT p50 and peak RSS.
 
 Issue 10's proof, in one run: `python -m aiobasert serve` and llama.cpp's own
 `llama-server` (`-np N`, continuous batching) on the same GGUF (the SmolLM2 demo's
@@ -11,7 +11,8 @@ stopped before the other starts; which goes first alternates by level and round,
 a shared machine's load falls on both alike. Prints each run, then the median round
 (with the rounds' range and the load average seen) and each server's best round,
 with ours/theirs ratios. aggregate tok/s = every generated token / wall time from sending the N
-requests to the last one's end; TTFT = request sent -> first streamed text.
+requests to the last one's end; TTFT = request sent -> first streamed text; peak RSS =
+the server process's VmHWM (load included) after its level, the highest of the rounds.
 
 llama-server is built once from the llama.cpp vendored in the llama-cpp-python sdist
 (pip download --no-binary :all:) into ~/.cache/aiobasert/bench/llama-server-VER-ISA/
@@ -272,6 +273,19 @@ class Server:
         if self.proc is not None:
             _stop(self.proc)
 
+    def peak_rss_mb(self) -> float:
+        """The server process's peak resident set so far (VmHWM: load included), 0 when unreadable.
+        Both servers are one process (threads only), so this is each one's whole footprint."""
+        if self.proc is None:
+            return 0.0
+        try:
+            for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024
+        except (OSError, ValueError):
+            pass
+        return 0.0
+
     def log_tail(self, n: int = 20) -> str:
         try:
             lines = self.log.read_text(errors="replace").splitlines()[-n:]
@@ -377,6 +391,7 @@ class Run:
     usage_counted: bool
     wall: float
     load: float
+    peak_rss_mb: float = 0.0  # the server process's VmHWM after its level (read before it is stopped)
 
 
 async def measure(client: httpx.AsyncClient, server: Server, streams: int, max_tokens: int,
@@ -469,6 +484,7 @@ async def bench(args: argparse.Namespace) -> dict[str, dict[int, list[Run]]]:
                         await asyncio.wait_for(one_stream(client, server.base + "/v1/completions", warm),
                                                args.start_timeout)  # fmt: skip
                         run = await measure(client, server, n, args.max_tokens, extra[who], args.level_timeout)
+                        run.peak_rss_mb = server.peak_rss_mb()
                     except (httpx.HTTPError, asyncio.TimeoutError, ValueError) as exc:  # ValueError: bad JSON
                         raise BenchError(f"{who} at {n} streams failed: {exc!r}. Log {server.log}:\n"
                                          f"    {server.log_tail()}") from exc  # fmt: skip
@@ -477,7 +493,8 @@ async def bench(args: argparse.Namespace) -> dict[str, dict[int, list[Run]]]:
                     results[who].setdefault(n, []).append(run)
                     print(f"  round {r + 1} streams {n:2d} {who:12s} {run.tok_s:8.1f} tok/s  TTFT p50 "
                           f"{run.ttft_p50 * 1000:7.0f} ms  wall {run.wall:6.1f} s  tokens/stream "
-                          f"{min(run.tokens)}-{max(run.tokens)}  load {run.load:.2f}", flush=True)  # fmt: skip
+                          f"{min(run.tokens)}-{max(run.tokens)}  load {run.load:.2f}  "
+                          f"peak RSS {run.peak_rss_mb:.0f} MB", flush=True)  # fmt: skip
     shutil.rmtree(logdir, ignore_errors=True)  # kept on failure, for the error's log path
     return results
 
@@ -501,6 +518,9 @@ def report(results: dict[str, dict[int, list[Run]]], args: argparse.Namespace) -
         src = "" if all(x.usage_counted for x in results[who][n]) else " (chunks)"
         return (f"{min(toks)}" if min(toks) == max(toks) else f"{min(toks)}-{max(toks)}") + src
 
+    def rss(who: str, n: int) -> float:
+        return max(x.peak_rss_mb for x in results[who][n])  # the worst round: a peak is a bound
+
     med: Callable[[list[float]], float] = statistics.median
     lines = [
         "tok/s = all generated tokens / batch wall time; TTFT p50 = median over the streams; ratio = "
@@ -509,8 +529,8 @@ def report(results: dict[str, dict[int, list[Run]]], args: argparse.Namespace) -
         f"median of {args.rounds} round(s) (range of the rounds' tok/s in brackets):",
         "",
         "| streams | aiobasert tok/s | llama-server tok/s | ratio | aiobasert TTFT p50 | llama-server TTFT p50 "
-        "| TTFT ratio | tokens/stream ours / theirs | load avg (1 min) |",
-        "|---:|---:|---:|---:|---:|---:|---:|---|---|",
+        "| TTFT ratio | peak RSS MB ours / theirs | tokens/stream ours / theirs | load avg (1 min) |",
+        "|---:|---:|---:|---:|---:|---:|---:|---|---|---|",
     ]
     for n in args.streams:
         o_tok, t_tok, o_ttft, t_ttft = tok(OURS, n, med), tok(THEIRS, n, med), ttft(OURS, n, med), ttft(THEIRS, n, med)
@@ -518,6 +538,7 @@ def report(results: dict[str, dict[int, list[Run]]], args: argparse.Namespace) -
         lines.append(
             f"| {n} | {o_tok:.1f} ({spread(OURS, n)}) | {t_tok:.1f} ({spread(THEIRS, n)}) | {o_tok / t_tok:.2f}x | "
             f"{o_ttft * 1000:.0f} ms | {t_ttft * 1000:.0f} ms | {o_ttft / t_ttft:.2f}x | "
+            f"{rss(OURS, n):.0f} / {rss(THEIRS, n):.0f} | "
             f"{tokens(OURS, n)} / {tokens(THEIRS, n)} | {min(loads):.1f}-{max(loads):.1f} |"
         )
     lines += [
