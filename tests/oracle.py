@@ -62,8 +62,9 @@ class OracleConfig:
     final_softcap: float = 0.0
 
 
-# What each architecture's graph does (llama.cpp: src/models/llama.cpp, qwen2.cpp, qwen3.cpp, gemma3.cpp).
-NEOX_ROPE = {"qwen2", "qwen3", "gemma3"}  # LLAMA_ROPE_TYPE_NEOX: pairs (i, i + head_dim/2)
+# What each architecture's graph does (llama.cpp: src/models/llama.cpp, qwen2.cpp, qwen3.cpp, gemma3.cpp,
+# phi3.cpp: llama's layers once its fused matrices are split, see gguf_oracle).
+NEOX_ROPE = {"qwen2", "qwen3", "gemma3", "phi3"}  # LLAMA_ROPE_TYPE_NEOX: pairs (i, i + head_dim/2)
 QKV_BIAS = {"qwen2"}
 QK_NORM = {"qwen3", "gemma3"}
 GEMMA = {"gemma3"}  # GeGLU (tanh gelu), post-attention / post-FFN norms, embedding * sqrt(dim)
@@ -314,16 +315,32 @@ def gguf_oracle(gguf_path: str | Path) -> LlamaForward:
     """The reference forward over a GGUF's dequantized weights (no bundle involved), its
     hyperparameters read as llama.cpp's llama-model.cpp reads them."""
     reader = gguf.GGUFReader(gguf_path)
-    by_name = {_canonical(t.name): t for t in reader.tensors}
+    arch = str(_field(reader, "general.architecture"))
+    fused = {t.name: t for t in reader.tensors if arch == "phi3" and t.name.endswith((".attn_qkv.weight",
+                                                                                     ".ffn_up.weight"))}
+    by_name = {_canonical(t.name): t for t in reader.tensors if t.name not in fused}
 
-    @functools.cache
-    def weight(name: str) -> npt.NDArray[np.float32]:
-        t = by_name[name]
+    def values_of(t: gguf.ReaderTensor) -> npt.NDArray[np.float32]:
         values = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
         # GGUF lists dims fastest-first; numpy's row-major shape is the reverse.
         return values.reshape(tuple(int(d) for d in reversed(t.shape.tolist())))
 
-    arch = str(_field(reader, "general.architecture"))
+    @functools.cache
+    def weight(name: str) -> npt.NDArray[np.float32]:
+        if name in by_name:
+            return values_of(by_name[name])
+        # phi3 (llama.cpp's build_qkv views and ggml_swiglu): attn_qkv's rows are q (n_head * head),
+        # k, v (n_head_kv * head each); ffn_up's first half is the gate, its second the up projection.
+        _, layer, part, what, _ = name.split(".")
+        if part == "mlp":
+            both = values_of(fused[f"blk.{layer}.ffn_up.weight"])
+            half = both.shape[0] // 2
+            return both[:half] if what == "gate_proj" else both[half:]
+        qkv = values_of(fused[f"blk.{layer}.attn_qkv.weight"])
+        q_rows, kv_rows = n_heads * head_dim, int(_field(reader, f"{arch}.attention.head_count_kv")) * head_dim
+        start = {"q_proj": 0, "k_proj": q_rows, "v_proj": q_rows + kv_rows}[what]
+        return qkv[start : start + (q_rows if what == "q_proj" else kv_rows)]
+
     dim = int(_field(reader, f"{arch}.embedding_length"))
     n_heads = int(_field(reader, f"{arch}.attention.head_count"))
     n_layers = int(_field(reader, f"{arch}.block_count"))

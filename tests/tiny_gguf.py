@@ -1,4 +1,4 @@
-"""Small GGUFs of each architecture the engine runs (llama, qwen2, qwen3, gemma3), written with the
+"""Small GGUFs of each architecture the engine runs (llama, qwen2, qwen3, gemma3, phi3), written with the
 `gguf` package under llama.cpp's key and tensor names: the converter's and the model cache's test input."""
 
 from __future__ import annotations
@@ -34,13 +34,16 @@ def write_gguf(
     dim: int = DIM,
     ffn: int = FFN,
     seed: int = 3,
+    fused_qkv: bool = True,
 ) -> Path:
     """A small GGUF of `arch` with a mix of F32, F16 and Q8_0 tensors and the tiny BPE vocabulary (with the
     pre-tokenizer name `pre`), or with the GGUF `tokenizer.*` fields given (another GGUF's vocabulary).
 
     qwen2 adds q/k/v biases; qwen3 and gemma3 a wider head (attention.key_length) and q/k norms;
     gemma3 the post-attention / post-FFN norms and a sliding window (every 6th layer global, as
-    llama.cpp reads gemma3). `rope_freqs` adds Llama 3's per-frequency divisors. Any other arch
+    llama.cpp reads gemma3); phi3 its fused matrices as llama.cpp's converter writes them: attn_qkv (q, k, v
+    rows; separate attn_q/k/v with `fused_qkv` False) and ffn_up holding gate then up (2 x ffn rows), and a
+    sliding window (which llama.cpp ignores for phi3). `rope_freqs` adds Llama 3's per-frequency divisors. Any other arch
     gets the llama tensors (for refusals). `head_dim` overrides the head size (key_length). With
     `matrices`, every matrix in that GGML type (K-quants: rows of a multiple of 256 values, `dim` / `ffn`)."""
     vocab = tiny_vocab("bpe")
@@ -62,7 +65,7 @@ def write_gguf(
     if head_dim != dim // HEADS:
         writer.add_key_length(head_dim)
         writer.add_value_length(head_dim)
-    if arch == "gemma3":
+    if arch in ("gemma3", "phi3"):
         writer.add_sliding_window(4)
     if tokenizer:
         for key, value in tokenizer.items():  # (floats, scores included, are written as float32)
@@ -105,9 +108,12 @@ def write_gguf(
         writer.add_tensor("rope_freqs.weight", llama3_rope_factors(head_dim, 50000.0, original_context_length=256))
     for i in range(n_layers):
         add(f"blk.{i}.attn_norm.weight", (dim,))
-        add(f"blk.{i}.attn_q.weight", (HEADS * head_dim, dim), Q.Q8_0)
-        add(f"blk.{i}.attn_k.weight", (KV_HEADS * head_dim, dim), Q.F16)
-        add(f"blk.{i}.attn_v.weight", (KV_HEADS * head_dim, dim))
+        if arch == "phi3" and fused_qkv:
+            add(f"blk.{i}.attn_qkv.weight", ((HEADS + 2 * KV_HEADS) * head_dim, dim), Q.Q8_0)
+        else:
+            add(f"blk.{i}.attn_q.weight", (HEADS * head_dim, dim), Q.Q8_0)
+            add(f"blk.{i}.attn_k.weight", (KV_HEADS * head_dim, dim), Q.F16)
+            add(f"blk.{i}.attn_v.weight", (KV_HEADS * head_dim, dim))
         add(f"blk.{i}.attn_output.weight", (dim, HEADS * head_dim), Q.Q8_0)
         if arch == "qwen2":
             add(f"blk.{i}.attn_q.bias", (HEADS * head_dim,))
@@ -120,8 +126,11 @@ def write_gguf(
             add(f"blk.{i}.post_attention_norm.weight", (dim,), center=1.0)
             add(f"blk.{i}.post_ffw_norm.weight", (dim,), center=1.0)
         add(f"blk.{i}.ffn_norm.weight", (dim,))
-        add(f"blk.{i}.ffn_gate.weight", (ffn, dim), Q.F16)
-        add(f"blk.{i}.ffn_up.weight", (ffn, dim), Q.Q8_0)
+        if arch == "phi3":
+            add(f"blk.{i}.ffn_up.weight", (2 * ffn, dim), Q.F16)
+        else:
+            add(f"blk.{i}.ffn_gate.weight", (ffn, dim), Q.F16)
+            add(f"blk.{i}.ffn_up.weight", (ffn, dim), Q.Q8_0)
         add(f"blk.{i}.ffn_down.weight", (dim, ffn))
     add("output_norm.weight", (dim,))
     if not tied:
@@ -144,6 +153,8 @@ ARCH_GGUFS: dict[str, dict[str, Any]] = {
     "llama_wide_head": dict(head_dim=WIDE_HEAD),  # Mistral Nemo's kind: key_length x heads != embedding_length
     "qwen3": dict(arch="qwen3"),
     "gemma3": dict(arch="gemma3", n_layers=6),
+    "phi3": dict(arch="phi3"),
+    "phi3_separate_qkv": dict(arch="phi3", fused_qkv=False),
 }
 
 

@@ -144,7 +144,7 @@ def llama_header(
     tokenizer: Mapping[str, Any],
     metadata: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """The header of a bundle of `arch` (llama, qwen2, qwen3, gemma3: docs/models.md): the fixed
+    """The header of a bundle of `arch` (llama, qwen2, qwen3, gemma3, phi3: docs/models.md): the fixed
     fields around a model's own config, tokenizer (GGUF-style fields) and metadata, as
     docs/BUNDLE.md lays out."""
     tied = bool(config.get("tie_word_embeddings"))

@@ -1,4 +1,4 @@
-"""Convert a GGUF of an architecture the engine runs (llama, qwen2, qwen3, gemma3; e.g.
+"""Convert a GGUF of an architecture the engine runs (llama, qwen2, qwen3, gemma3, phi3; e.g.
 SmolLM2-135M-Instruct Q4_1) into a `.base` bundle.
 
 ``--dtype auto`` (the command's default) keeps each matrix as the GGUF stores it:
@@ -12,7 +12,9 @@ quantized-output section below has the details. q/k projection rows keep the GGU
 order, which llama.cpp permuted at HF->GGUF conversion time so that RoPE rotates
 adjacent pairs, exactly what docs/BUNDLE.md's forward does, and Gemma's norm weights
 carry the 1 llama.cpp added: the engine's description of each architecture
-(docs/models.md) reads them so.
+(docs/models.md) reads them so. Phi-3's fused projections (attn_qkv, ffn_up holding
+gate and up) are split into the canonical q/k/v and gate/up matrices by rows, each
+part in the GGUF's own type (rows are independent: no value changes).
 
 Usage: ``python -m aiobasert.models.convert SRC.gguf OUT.base [--dtype auto|f16|f32|q8|q4]``
 """
@@ -75,6 +77,15 @@ _ARCH_LAYER_EXTRAS: Final[dict[str, tuple[str, ...]]] = {
     "qwen3": ("self_attn.q_norm.weight", "self_attn.k_norm.weight"),
     "gemma3": ("self_attn.q_norm.weight", "self_attn.k_norm.weight", "self_attn.out_norm.weight",
                "mlp.out_norm.weight"),
+    "phi3": (),
+}
+
+# Fused GGUF matrices: per architecture, stem -> the canonical matrices its row blocks hold, in order
+# (llama.cpp: create_tensor_qkv's {n_embd, n_embd_q + 2 n_embd_gqa}; phi3's ffn_up is {n_embd, 2 n_ff},
+# split by ggml_swiglu: the first half is the gate, SiLU'd, times the second).
+_FUSED: Final[dict[str, dict[str, tuple[str, ...]]]] = {
+    "phi3": {"attn_qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+             "ffn_up": ("mlp.gate_proj", "mlp.up_proj")},
 }
 
 
@@ -102,8 +113,9 @@ class _Hparams:
             return _finite_number(f"{arch}.{key}", get(key, default), fail)
 
         self.n_layers = integer("block_count")
-        # Sized by the file before anything is sized by it: every layer has at least llama's 9 tensors.
-        if self.n_layers * 9 + 2 > n_tensors:
+        # Sized by the file before anything is sized by it: every layer has at least llama's 9 tensors
+        # (6 where q/k/v and gate/up may come fused).
+        if self.n_layers * (6 if arch in _FUSED else 9) + 2 > n_tensors:
             raise fail(f"'{arch}.block_count' {self.n_layers} needs more tensors than the file's {n_tensors}")
         self.dim = integer("embedding_length")
         self.ffn_dim = integer("feed_forward_length")
@@ -133,6 +145,12 @@ class _Hparams:
         self._rope_scaling(get, fail)
         if arch == "gemma3":
             self._gemma3(meta, fail)
+        elif arch == "phi3":
+            # llama.cpp reads phi3.attention.sliding_window and then disables it (phi3.cpp: "Phi SWA is
+            # currently disabled"): every layer attends to the whole context, here too.
+            # The converter writes rope.scaling.attn_factor only beside LongRoPE's factor tensors.
+            if number("rope.scaling.attn_factor", 1.0) != 1.0:
+                raise fail(_LONGROPE)
         elif meta.get(f"{arch}.attention.sliding_window"):
             raise fail(f"unsupported: sliding-window attention in a {arch} model")
 
@@ -183,6 +201,13 @@ class _Hparams:
             self.extra["final_logit_softcapping"] = _finite_number("gemma3.final_logit_softcapping", cap, fail)
 
 
+# Phi-3's 128k variants (Phi-3-*-128k, Phi-3.5): llama.cpp picks rope_factors_long or _short by the
+# context it is run with (longer than rope.scaling.original_context_length: long) and scales q and k by
+# rope.scaling.attn_factor; the engine does not implement that choice, so such a file is refused whole.
+_LONGROPE: Final = ("unsupported: LongRoPE (rope_factors_long / rope_factors_short, Phi-3's 128k-context "
+                    "scaling); the 4k-context variants run")
+
+
 def _finite_number(key: str, value: Any, fail: Callable[[str], ConversionError]) -> float:
     if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
         raise fail(f"'{key}' must be a finite number, got {value!r}")
@@ -203,7 +228,6 @@ _MISSING_FEATURES: Final = {
     "gemma": "GeGLU feed-forward, (1 + w) RMSNorm and scaled embeddings",
     "gemma2": "GeGLU feed-forward, sandwich norms, logit soft-capping and sliding-window attention",
     "phi2": "LayerNorm with biases, a GELU MLP and a parallel attention/MLP block",
-    "phi3": "fused QKV and gate/up projections",
     "gpt2": "LayerNorm with biases, learned position embeddings and a GELU MLP",
     "gptneox": "LayerNorm with biases, partial rotary embeddings and a parallel attention/MLP block",
     "falcon": "LayerNorm, multi-query fused QKV and a parallel attention/MLP block",
@@ -223,7 +247,8 @@ def _unsupported_architecture(arch: object) -> str:
     what = f"it needs {missing}" if missing else "its layers are none of these layouts"
     return (
         f"unsupported architecture {arch!r}: the reference engine runs 'llama' (Llama 1-3, SmolLM2, "
-        "Mistral-style: RMSNorm, RoPE, SwiGLU, grouped-query attention), 'qwen2', 'qwen3' and 'gemma3' models; "
+        "Mistral-style: RMSNorm, RoPE, SwiGLU, grouped-query attention), 'qwen2', 'qwen3', 'gemma3' and 'phi3' "
+        "models; "
         f"{what}, which the reference engine does not implement"
     )
 
@@ -395,6 +420,34 @@ def _canonical_name(gguf_name: str) -> str | None:
     return None
 
 
+def _split_fused(
+    cfg: _Hparams, tensor: gguf.ReaderTensor, fail: Callable[[str], ConversionError]
+) -> dict[str, gguf.ReaderTensor]:
+    """A fused matrix of `cfg.arch` as its canonical parts (row blocks, each in the GGUF's own type and
+    bytes: a row of any GGML type is whole blocks, so the split is exact); {} when `tensor` is not one."""
+    stem, _, suffix = tensor.name.rpartition(".")
+    parts = stem.split(".")
+    fused = _FUSED.get(cfg.arch, {})
+    if suffix != "weight" or len(parts) != 3 or parts[0] != "blk" or parts[2] not in fused:
+        return {}
+    if not (parts[1].isascii() and parts[1].isdigit()):
+        return {}
+    q_dim, kv_dim = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+    widths = (q_dim, kv_dim, kv_dim) if parts[2] == "attn_qkv" else (cfg.ffn_dim, cfg.ffn_dim)
+    shape = [int(d) for d in tensor.shape.tolist()]  # GGUF order: [in, out]
+    if len(shape) != 2 or shape[1] != sum(widths) or len(tensor.data) != shape[1]:
+        raise fail(f"tensor {tensor.name!r} has shape {shape[::-1]}, expected [{sum(widths)}, {cfg.dim}]")
+    out: dict[str, gguf.ReaderTensor] = {}
+    start = 0
+    for canonical, width in zip(fused[parts[2]], widths, strict=True):
+        rows = tensor.data[start : start + width]  # [out, in] values, or [out, row bytes] of blocks
+        out[f"layers.{int(parts[1])}.{canonical}.weight"] = tensor._replace(
+            name=f"{tensor.name}[{start}:{start + width}]", shape=np.array([shape[0], width], dtype=np.uint64),
+            n_elements=shape[0] * width, n_bytes=int(rows.nbytes), data=rows)
+        start += width
+    return out
+
+
 def _expected_shapes(cfg: _Hparams, tied: bool, rope_freqs: bool) -> dict[str, tuple[int, ...]]:
     q_dim, kv_dim = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
     shapes: dict[str, tuple[int, ...]] = {"embed_tokens.weight": (cfg.vocab_size, cfg.dim)}
@@ -442,7 +495,7 @@ def convert_gguf(
     dtype: Dtype = "f16",
     progress: bool | Progress = True,
 ) -> Path:
-    """Convert the GGUF `src` (llama, qwen2, qwen3 or gemma3) into the bundle `dst` (written atomically); returns `dst`.
+    """Convert the GGUF `src` (llama, qwen2, qwen3, gemma3 or phi3) into the bundle `dst` (written atomically); returns `dst`.
 
     `dtype`: how the matrices are stored: f16 / f32, q8 / q4 (group-wise quantized), or auto (each as
     the GGUF has it; GGML blocks the engine's integer kernels can hold are carried exactly). The
@@ -472,6 +525,8 @@ def convert_gguf(
     arch = meta.get("general.architecture")
     if not isinstance(arch, str) or arch not in _ARCH_LAYER_EXTRAS:
         raise fail(_unsupported_architecture(arch))
+    if any(t.name.startswith(("rope_factors_long.", "rope_factors_short.")) for t in reader.tensors):
+        raise fail(_LONGROPE)
     tokens = meta.get("tokenizer.ggml.tokens")
     if not isinstance(tokens, list) or not tokens:
         raise fail("no tokenizer vocabulary (tokenizer.ggml.tokens)")
@@ -485,12 +540,17 @@ def convert_gguf(
 
     sources: dict[str, gguf.ReaderTensor] = {}
     for tensor in reader.tensors:
-        name = _canonical_name(tensor.name)
-        if name is None:
-            raise fail(f"unsupported tensor {tensor.name!r} (not part of a {arch} model the engine runs)")
         if not _can_dequantize(tensor.tensor_type):  # refuse now, not after converting half the file
             raise fail(f"tensor {tensor.name!r}: cannot dequantize GGML type {tensor.tensor_type.name}")
-        sources[name] = tensor
+        parts = _split_fused(cfg, tensor, fail)
+        if not parts:
+            name = _canonical_name(tensor.name)
+            if name is None:
+                raise fail(f"unsupported tensor {tensor.name!r} (not part of a {arch} model the engine runs)")
+            parts = {name: tensor}
+        if twice := sorted(parts.keys() & sources.keys()):  # e.g. attn_qkv beside attn_q
+            raise fail(f"tensor {tensor.name!r} holds {twice[0]!r}, which another tensor already holds")
+        sources |= parts
     tied = "lm_head.weight" not in sources
     # llama.cpp reads rope_freqs for llama only; elsewhere it is a tensor the model does not have.
     expected = _expected_shapes(cfg, tied, arch == "llama" and "rope_freqs.weight" in sources)
@@ -804,7 +864,7 @@ def run(args: argparse.Namespace) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m aiobasert.models.convert",
-        description="Convert a GGUF model (llama, qwen2, qwen3, gemma3) into a BaseRT .base bundle.",
+        description="Convert a GGUF model (llama, qwen2, qwen3, gemma3, phi3) into a BaseRT .base bundle.",
     )
     add_arguments(parser)
     return run(parser.parse_args(argv))

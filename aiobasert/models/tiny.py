@@ -1,5 +1,5 @@
 """Tiny random bundles of each architecture the engine runs (llama, qwen2, qwen3,
-gemma3) with a real byte-level BPE vocabulary, for tests.
+gemma3, phi3) with a real byte-level BPE vocabulary, for tests.
 
 The weights are random (seeded) but scaled so activations stay in a sane
 range; the vocabulary is real: the 256 GPT-2 byte tokens plus merges learned
@@ -272,8 +272,8 @@ def tiny_vocab(kind: Literal["bpe", "bytes"] = "bpe") -> TinyVocab:
 
 _Tensor = tuple[str, npt.NDArray[Any], str, str]
 
-Arch = Literal["llama", "qwen2", "qwen3", "gemma3"]
-ARCHS: Final[tuple[Arch, ...]] = ("llama", "qwen2", "qwen3", "gemma3")
+Arch = Literal["llama", "qwen2", "qwen3", "gemma3", "phi3"]
+ARCHS: Final[tuple[Arch, ...]] = ("llama", "qwen2", "qwen3", "gemma3", "phi3")
 
 
 def llama3_rope_factors(

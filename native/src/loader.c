@@ -94,6 +94,9 @@ static const arch_traits ARCHS[] = {
     {"qwen3", RT_ROPE_NEOX, RT_ACT_SILU, false, true, false, false, false, false},
     /* Gemma 3: GGUF norm weights already hold Gemma's 1 + w (convert_hf_to_gguf adds the 1). */
     {"gemma3", RT_ROPE_NEOX, RT_ACT_GELU_TANH, false, true, true, true, true, false},
+    /* Phi-3 / 3.5 (4k context): llama's layers with NeoX RoPE; the converter splits its fused qkv and
+     * gate|up matrices. llama.cpp disables its sliding window (phi3.cpp), so none here either. */
+    {"phi3", RT_ROPE_NEOX, RT_ACT_SILU, false, false, false, false, false, false},
 };
 
 static const arch_traits *find_arch(const char *name) {
@@ -366,7 +369,7 @@ static int parse_config(const bundle *b, bool tokenizer_only, parsed_config *pc)
     if (!pc->traits) {
         if (!tokenizer_only)
             return bundle_fail(b, BASERT_ERR_UNSUPPORTED,
-                               "arch '%s' is not supported (the reference engine runs llama, qwen2, qwen3, gemma3)",
+                               "arch '%s' is not supported (the reference engine runs llama, qwen2, qwen3, gemma3, phi3)",
                                arch_name);
         pc->traits = &ARCHS[0]; /* tokenizer-only: no forward reads it */
     }

@@ -29,26 +29,42 @@ from aiobasert.models.convert import ConversionError, convert_gguf, main
 from aiobasert.models.tiny import CHATML_TEMPLATE, tiny_vocab
 
 
+# phi3's fused GGUF matrices and the bundle matrices their rows become, in row order (llama.cpp's
+# build_qkv views; ggml_swiglu takes the first half of ffn_up as the gate).
+PHI3_FUSED = {"attn_qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+              "ffn_up": ("mlp.gate_proj", "mlp.up_proj")}
+
+
 def assert_matches_gguf(bundle: Bundle, gguf_path: Path, dtype: str) -> None:
-    """Every bundle tensor equals the dequantized GGUF tensor it came from (up to f16 rounding)."""
+    """Every bundle tensor equals the dequantized GGUF tensor it came from (up to f16 rounding); a fused
+    phi3 tensor equals its bundle parts stacked."""
     reader = gguf.GGUFReader(gguf_path)
     sources = {t.name: t for t in reader.tensors}
-    expected_names = {convert_module._canonical_name(name) for name in sources}
-    assert set(bundle.tensors) == expected_names
-    for gguf_name, source in sources.items():
+    phi3 = bundle.header["arch"] == "phi3"
+
+    def names_of(gguf_name: str) -> list[str]:
+        stem, _, suffix = gguf_name.rpartition(".")
+        blk, _, part = stem.rpartition(".")
+        if phi3 and part in PHI3_FUSED:
+            return [f"layers.{blk.split('.')[1]}.{p}.{suffix}" for p in PHI3_FUSED[part]]
         name = convert_module._canonical_name(gguf_name)
         assert name is not None
+        return [name]
+
+    assert set(bundle.tensors) == {name for gguf_name in sources for name in names_of(gguf_name)}
+    for gguf_name, source in sources.items():
+        names = names_of(gguf_name)
         reference = gguf.quants.dequantize(source.data, source.tensor_type).astype(np.float32)
-        got = bundle.tensor(name)
-        assert got.shape == reference.shape, name
-        info = bundle.tensors[name]
+        got = np.concatenate([bundle.tensor(name) for name in names])
+        assert got.shape == reference.shape, names
+        infos = [bundle.tensors[name] for name in names]
         if reference.ndim == 1 or dtype == "f32":
-            assert info.dtype == "f32"
-            np.testing.assert_array_equal(got, reference, err_msg=name)
+            assert all(info.dtype == "f32" for info in infos)
+            np.testing.assert_array_equal(got, reference, err_msg=gguf_name)
         else:
-            assert info.dtype == "f16"
+            assert all(info.dtype == "f16" for info in infos)
             # Round to nearest f16: within half an f16 ulp (2^-11 relative), or the subnormal step.
-            np.testing.assert_allclose(got, reference, rtol=2**-11, atol=2**-25, err_msg=name)
+            np.testing.assert_allclose(got, reference, rtol=2**-11, atol=2**-25, err_msg=gguf_name)
 
 
 @pytest.fixture

@@ -42,6 +42,7 @@ MODELS: dict[str, dict[str, Any]] = {
         rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64},
     ),
     "qwen3": dict(arch="qwen3", head_dim=32),  # q_dim 128 != dim 64
+    "phi3": dict(arch="phi3"),  # llama's tensors (the converter split the fused ones), NeoX RoPE
     "gemma3": dict(
         arch="gemma3",
         n_layers=3,
@@ -185,7 +186,9 @@ def _rewrite(src: Path, dst: Path, *, arch: str | None = None, drop: str | None 
         ("qwen2_yarn", dict(arch="llama"), UNSUPPORTED, "is not part of the llama layout"),
         ("qwen2_yarn", dict(drop="layers.1.self_attn.k_proj.bias"), INVALID_FORMAT,
          "missing tensor 'layers.1.self_attn.k_proj.bias'"),
-        ("qwen3", dict(arch="phi3"), UNSUPPORTED, "arch 'phi3' is not supported"),
+        ("qwen3", dict(arch="phi2"), UNSUPPORTED, "arch 'phi2' is not supported"),
+        ("qwen3", dict(arch="phi3"), UNSUPPORTED, "'layers.0.self_attn.q_norm.weight' is not part of the phi3 layout"),
+        ("phi3", dict(config={"sliding_window": 4}), UNSUPPORTED, "sliding-window layers are not part of arch 'phi3'"),
         ("gemma3", dict(drop="layers.0.mlp.out_norm.weight"), INVALID_FORMAT, "mlp.out_norm.weight"),
         ("qwen3", dict(config={"sliding_window": 4}), UNSUPPORTED, "sliding-window layers are not part of arch"),
         ("llama_linear", dict(config={"rope_scaling": {"rope_type": "longrope", "factor": 2.0}}), UNSUPPORTED,
@@ -214,13 +217,13 @@ def test_a_foreign_architecture_still_loads_its_tokenizer(lib: Library, tmp_path
     full load refuses the architecture."""
     kwargs = dict(dim=64, n_heads=4, n_kv_heads=2, ffn_dim=96, tied=False) | MODELS["gemma3"]
     src = build_tiny_model(tmp_path / "src.base", **kwargs)
-    bad = _rewrite(src, tmp_path / "phi3.base", arch="phi3")  # keeps gemma3's sliding_window keys
+    bad = _rewrite(src, tmp_path / "phi2.base", arch="phi2")  # keeps gemma3's sliding_window keys
     m = lib.baseRT_load_tokenizer_only(str(bad).encode())
     assert m, coded_error(lib)
     try:
         config = BaseRTModelConfig()
         lib.baseRT_get_config_into(m, ctypes.byref(config), ctypes.sizeof(config))
-        assert config.architecture == b"phi3"
+        assert config.architecture == b"phi2"
         assert lib.baseRT_is_eos_token(m, 2)
     finally:
         lib.baseRT_free_model(m)
