@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import gguf
 import numpy as np
 import numpy.typing as npt
 import pytest
@@ -144,6 +145,42 @@ def test_converted_gguf_runs_within_the_gguf_oracle_bound(lib: Library, tmp_path
         tokens = prompt(30, 5, oracle.config.vocab_size)
         rows = step_logits(lib, m, [int(lib.baseRT_sequence_create(m))], [tokens])
         assert f16_close(rows[0], oracle.logits(tokens)[-1]) <= 1.0
+    finally:
+        lib.baseRT_free_model(m)
+
+
+PHI3_STORED = {"F16": "f16", "Q8_0": "base_q8", "Q4_K": "ggml_q4_k"}
+
+
+@pytest.mark.parametrize("qtype", list(PHI3_STORED))
+def test_phi3_fused_matrices_split_exactly_in_their_own_type(lib: Library, tmp_path: Path, qtype: str) -> None:
+    """Phi-3's fused attn_qkv and gate|up ffn_up, every matrix in one GGML type, converted with auto: each
+    part stays in the GGUF's type (a row split of whole blocks, no requantization) and holds exactly the
+    rows the oracle cuts from the fused tensor itself; the engine tracks that oracle, batched == solo."""
+    kind = gguf.GGMLQuantizationType[qtype]
+    dims = {"dim": 256, "ffn": 512} if qtype.endswith("_K") else {}
+    src = write_gguf(tmp_path / "phi3.gguf", arch="phi3", matrices=kind, seed=9, **dims)
+    path = convert_gguf(src, tmp_path / "auto.base", dtype="auto", progress=False)
+    bundle, ref = read_bundle(path), gguf_oracle(src)
+    for layer in range(ref.config.n_layers):
+        for part in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj"):
+            name = f"layers.{layer}.{part}.weight"
+            assert bundle.tensors[name].dtype == PHI3_STORED[qtype], name
+            np.testing.assert_array_equal(bundle.tensor(name).astype(np.float32), ref._weight(name), err_msg=name)
+    m = load(lib, path, MAX_CONTEXT, max_batch_size=4, prefill_chunk=16)
+    try:
+        prompts = [prompt(n, 30 + n, ref.config.vocab_size) for n in (29, 4, 1)]
+        batched = [int(lib.baseRT_sequence_create(m)) for _ in prompts]
+        rows = step_logits(lib, m, batched, prompts)
+        for p, row in zip(prompts, rows, strict=True):
+            assert step_logits(lib, m, [int(lib.baseRT_sequence_create(m))], [p])[0].tobytes() == row.tobytes()
+            want = ref.logits(p)[-1]
+            if qtype == "F16":
+                assert f16_close(row, want) <= 1.0
+            else:  # the integer kernels round each matmul input to q8 (test_native_quant's bound)
+                exact = NumpyLlama(path, q8_inputs=True).logits(p)[-1]
+                assert np.abs(row - exact).max() / np.abs(exact).max() < 0.02
+                assert np.corrcoef(row, want)[0, 1] > 0.999
     finally:
         lib.baseRT_free_model(m)
 
