@@ -175,7 +175,17 @@ def test_progress_callback(tmp_path: Path, synthetic_gguf: Path) -> None:
 @pytest.mark.parametrize(
     ("make", "match"),
     [
-        (lambda p: write_gguf(p, arch="phi3"), "unsupported architecture 'phi3'"),
+        (lambda p: write_gguf(p, arch="phi2"), "unsupported architecture 'phi2'"),
+        # Phi-3's 128k variants (LongRoPE: llama.cpp picks the long or short factors by the context it runs with)
+        (lambda p: write_gguf(p, arch="phi3", extra_tensors=("rope_factors_long.weight", "rope_factors_short.weight")),
+         "^[^\n]*LongRoPE \\(rope_factors_long / rope_factors_short, Phi-3's 128k-context scaling\\)[^\n]*$"),
+        (lambda p: write_gguf(p, arch="phi3", extra_kv={"phi3.rope.scaling.attn_factor": 1.19}), "LongRoPE"),
+        (lambda p: write_gguf(p, arch="phi3", extra_kv={"phi3.feed_forward_length": 100}),
+         r"'blk\.0\.ffn_up\.weight' has shape \[192, 64\], expected \[200, 64\]"),
+        (lambda p: write_gguf(p, arch="phi3", extra_tensors=("blk.0.attn_q.weight",)),
+         "'blk.0.attn_q.weight' holds 'layers.0.self_attn.q_proj.weight', which another tensor already holds"),
+        (lambda p: write_gguf(p, arch="phi3", extra_tensors=("blk.1.ffn_gate.weight",)),
+         "'blk.1.ffn_gate.weight' holds 'layers.1.mlp.gate_proj.weight'"),
         (lambda p: write_gguf(p, extra_kv={"llama.rope.scaling.type": "longrope"}), "RoPE scaling type 'longrope'"),
         (lambda p: write_gguf(p, extra_kv={"llama.expert_count": 8}), "mixture of experts"),
         (lambda p: write_gguf(p, extra_kv={"llama.attention.key_length": 32}), "partial rotary"),
