@@ -13,7 +13,8 @@ import os
 from collections.abc import Mapping
 from typing import Any, Final
 
-__all__ = ["SUPPORTED_MODELS", "SUPPORTED_PRE", "bundle_tokenizer", "check_bundle_tokenizer", "tokenizer_refusal"]
+__all__ = ["SUPPORTED_MODELS", "SUPPORTED_PRE", "bundle_tokenizer", "check_bundle_tokenizer", "rstrip_token_ids",
+           "tokenizer_refusal"]
 
 _FLT_MAX: Final = 3.4028234663852886e38
 
@@ -45,10 +46,6 @@ def tokenizer_refusal(meta: Mapping[str, Any]) -> str | None:
     scores = meta.get("tokenizer.ggml.scores")
     if isinstance(scores, list) and any(isinstance(x, float) and math.isnan(x) for x in scores):
         return "tokenizer.ggml.scores holds NaN: SentencePiece merges by score need ordered scores"
-    name = str(meta.get("general.name", "")).lower()
-    if model == "llama" and ("phi-3" in name or "phi3" in name):
-        return (f"Phi-3's vocabulary (general.name {meta.get('general.name')!r}): llama.cpp strips the whitespace "
-                "after its special tokens (RSTRIP), which the engine does not")
     if model == "gpt2":
         pre = meta.get("tokenizer.ggml.pre")
         if pre not in _PRE_NAMES:
@@ -79,4 +76,22 @@ def bundle_tokenizer(meta: Mapping[str, Any]) -> dict[str, Any]:
     if isinstance(scores, list):
         fields["tokenizer.ggml.scores"] = [math.copysign(_FLT_MAX, x) if isinstance(x, float) and math.isinf(x)
                                            else x for x in scores]
+    if ids := rstrip_token_ids(meta):
+        fields["tokenizer.aiobasert.rstrip_token_ids"] = ids
     return {"tokenizer_type": "gguf"} | fields
+
+
+def rstrip_token_ids(meta: Mapping[str, Any]) -> list[int]:
+    """The added tokens after which llama.cpp drops whitespace in text it matches them in (its
+    LLAMA_TOKEN_ATTR_RSTRIP, llama-vocab.cpp): for a model whose general.name holds "phi-3" or "phi3",
+    every CONTROL / USER_DEFINED / UNKNOWN token and </s>, except <unk>, <s> and <|endoftext|>."""
+    name = str(meta.get("general.name", "")).lower()
+    tokens, types = meta.get("tokenizer.ggml.tokens"), meta.get("tokenizer.ggml.token_type")
+    if not ("phi-3" in name or "phi3" in name) or not isinstance(tokens, list):
+        return []
+    types = types if isinstance(types, list) and len(types) == len(tokens) else [1] * len(tokens)
+    last = {text: i for i, text in enumerate(tokens)}  # llama.cpp's token_to_id: the last id of a text
+    strip = {i for i, ty in enumerate(types) if ty in (2, 3, 4)}  # UNKNOWN, CONTROL, USER_DEFINED
+    strip |= {last[t] for t in ("</s>",) if t in last}
+    strip -= {last[t] for t in ("<unk>", "<s>", "<|endoftext|>") if t in last}
+    return sorted(strip)

@@ -918,13 +918,18 @@ static int load_tokenizer(const bundle *b, rt_model *m, const parsed_config *pc)
         return bundle_fail(b, BASERT_ERR_INVALID_FORMAT, "tokenizer.ggml.scores must list one score per token");
     bool add_space_prefix = spm; /* llama.cpp's default for SentencePiece */
     json_bool(json_get(tk, "tokenizer.ggml.add_space_prefix"), &add_space_prefix);
+    /* the added tokens llama.cpp strips the whitespace after (Phi-3's: the converter lists them) */
+    const json_value *rstrip_ids = json_get(tk, "tokenizer.aiobasert.rstrip_token_ids");
+    if (rstrip_ids && rstrip_ids->type != JSON_ARRAY)
+        return bundle_fail(b, BASERT_ERR_INVALID_FORMAT, "tokenizer.aiobasert.rstrip_token_ids is not an array");
 
     const char **tok_text = malloc(n_tokens * sizeof *tok_text);
     int32_t *tok_type = types ? malloc(n_tokens * sizeof *tok_type) : NULL;
     const char **merge_text = malloc((n_merges ? n_merges : 1) * sizeof *merge_text);
     float *tok_score = scores ? malloc(n_tokens * sizeof *tok_score) : NULL;
+    unsigned char *rstrip = rstrip_ids ? calloc(n_tokens, 1) : NULL;
     int rc = BASERT_OK;
-    if (!tok_text || (types && !tok_type) || !merge_text || (scores && !tok_score)) {
+    if (!tok_text || (types && !tok_type) || !merge_text || (scores && !tok_score) || (rstrip_ids && !rstrip)) {
         rc = bundle_fail(b, BASERT_ERR_OUT_OF_MEMORY, "out of memory reading the tokenizer");
         goto done;
     }
@@ -958,8 +963,18 @@ static int load_tokenizer(const bundle *b, rt_model *m, const parsed_config *pc)
         }
         merge_text[i] = t->u.str.s;
     }
+    for (size_t i = 0; i < json_count(rstrip_ids); i++) {
+        int64_t id;
+        if (!json_int64(json_at(rstrip_ids, i), &id) || id < 0 || (uint64_t)id >= n_tokens) {
+            rc = bundle_fail(b, BASERT_ERR_INVALID_FORMAT,
+                             "tokenizer.aiobasert.rstrip_token_ids[%zu] is not a token id below %zu", i, n_tokens);
+            goto done;
+        }
+        rstrip[id] = 1;
+    }
     char err[256] = "";
-    bpe_options opt = {.model = model, .pre = pre, .scores = tok_score, .add_space_prefix = add_space_prefix};
+    bpe_options opt = {.model = model, .pre = pre, .scores = tok_score, .add_space_prefix = add_space_prefix,
+                       .rstrip = rstrip};
     m->tok = bpe_create_model(tok_text, tok_type, (int)n_tokens, merge_text, (int)n_merges, &opt, err, sizeof err);
     if (!m->tok) rc = bundle_fail(b, BASERT_ERR_INVALID_FORMAT, "cannot build the tokenizer: %s", err);
 done:
@@ -967,6 +982,7 @@ done:
     free(tok_type);
     free(merge_text);
     free(tok_score);
+    free(rstrip);
     if (rc) return rc;
 
     /* bos / eos: the config first, then the tokenizer's keys. */

@@ -90,6 +90,7 @@ struct bpe_tokenizer {
     bool ignore_merges;      /* Llama 3: a pre-token that is a token is that token */
     bool add_space_prefix;   /* SentencePiece */
     float *scores;           /* SentencePiece: [n_tokens] */
+    unsigned char *rstrip;   /* [n_tokens] or NULL: drop the whitespace after this added token */
     trie_node *trie; /* node 0 is the root; NULL when there are no added tokens */
     int n_trie;
     bool starts_added[256]; /* first bytes of added tokens: lets the scan skip cheaply */
@@ -490,6 +491,15 @@ bpe_tokenizer *bpe_create_model(const char *const *tokens, const int32_t *token_
     tok->ignore_merges = kind == TOK_BPE && pre_kind == PRE_LLAMA3;
     tok->add_space_prefix = kind == TOK_SPM && opt->add_space_prefix;
     size_t n = (size_t)n_tokens;
+    if (opt->rstrip) {
+        tok->rstrip = malloc(n);
+        if (!tok->rstrip) {
+            set_err(err, errlen, "bpe_create: out of memory");
+            bpe_free(tok);
+            return NULL;
+        }
+        memcpy(tok->rstrip, opt->rstrip, n);
+    }
     if (kind == TOK_SPM) {
         tok->scores = malloc(n * sizeof *tok->scores);
         if (!tok->scores) {
@@ -580,6 +590,7 @@ void bpe_free(bpe_tokenizer *tok) {
     free(tok->merges.slots);
     free(tok->trie);
     free(tok->scores);
+    free(tok->rstrip);
     free(tok);
 }
 
@@ -612,6 +623,7 @@ typedef struct {
     char *scratch; /* a pre-token in byte-level form (ignore_merges), or SentencePiece text */
     size_t scratch_cap;
     bool prev_special; /* SentencePiece: the text so far is empty or ends in an added token */
+    bool strip_space;  /* the last token was an RSTRIP one and no text has followed it yet */
     bool oom;
 } encoder;
 
@@ -1101,12 +1113,21 @@ static size_t added_match(const bpe_tokenizer *tok, const unsigned char *s, size
  * whitespace-only USER_DEFINED ones, so it never forges a marker, CONTROL or
  * USER_DEFINED (<think>, <tool_call>), while runs of spaces tokenize as in
  * llama.cpp (which matches every USER_DEFINED token in all text). */
+/* Past the whitespace an RSTRIP token drops (llama.cpp's isspace: space, \t \n \v \f \r), which goes on
+ * into the next piece, content too, as llama.cpp strips it from the one rendered text. */
+static size_t skip_stripped(encoder *e, const unsigned char *s, size_t n, size_t i) {
+    if (!e->strip_space) return i;
+    while (i < n && (s[i] == ' ' || (s[i] >= '\t' && s[i] <= '\r'))) i++;
+    if (i < n) e->strip_space = false;
+    return i;
+}
+
 static void encode_marked(encoder *e, text_run *r, const char *text, size_t n, bool content) {
     const bpe_tokenizer *tok = e->tok;
     const unsigned char *s = (const unsigned char *)text;
-    size_t copied = 0;
+    size_t copied = skip_stripped(e, s, n, 0);
     if (tok->trie) {
-        for (size_t i = 0; i < n;) {
+        for (size_t i = copied; i < n;) {
             int32_t id;
             size_t len = tok->starts_added[s[i]] ? added_match(tok, s, n, i, content, &id) : 0;
             if (!len) {
@@ -1117,7 +1138,8 @@ static void encode_marked(encoder *e, text_run *r, const char *text, size_t n, b
             run_flush(e, r);
             emit(e, id);
             e->prev_special = true;
-            i += len;
+            e->strip_space = tok->rstrip && tok->rstrip[id];
+            i = skip_stripped(e, s, n, i + len);
             copied = i;
         }
     }

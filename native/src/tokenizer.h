@@ -42,6 +42,9 @@ typedef struct {
     const char *pre;       /* tokenizer.ggml.pre (byte-level BPE only; see bpe_supported) */
     const float *scores;   /* "llama": one score per token (NULL: all 0) */
     int add_space_prefix;  /* "llama": prefix a space to text at the start / after a special token */
+    /* NULL, or one flag per token: in framing text, the whitespace after this added token is dropped
+     * (llama.cpp's LLAMA_TOKEN_ATTR_RSTRIP, which it sets on Phi-3's special tokens) */
+    const unsigned char *rstrip;
 } bpe_options;
 
 /* 1 when the engine tokenizes (model, pre) exactly as llama.cpp does, else 0.

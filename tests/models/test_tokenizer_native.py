@@ -32,6 +32,7 @@ from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers, trainers
 
 import aiobasert.models.convert
 from aiobasert._core.ffi import Library
+from aiobasert.chat import render_chat
 from aiobasert.models._gguf_tokenizer import SUPPORTED_PRE, tokenizer_refusal
 from aiobasert.models._hf_tokenizer import hf_tokenizer_json
 from aiobasert.models.cache import cache_dir
@@ -242,11 +243,9 @@ def test_hf_json_rejects_unknown_pre_tokenizer() -> None:
 LLAMA_CPP_SEPARATOR = b"\n__ggml_vocab_test__\n"
 # The vocabularies of the files, by what the engine does with them (a new sdist may add files: the
 # exhaustive test below then says which ones to place here).
-EXACT_VOCABS = ("llama-spm", "llama-bpe", "qwen2", "gpt-2", "starcoder", "refact", "command-r", "mpt")
+EXACT_VOCABS = ("llama-spm", "llama-bpe", "qwen2", "gpt-2", "starcoder", "refact", "command-r", "mpt", "phi-3")
 UNTESTED_VOCABS = ("baichuan",)  # SentencePiece, run as llama-spm is; llama.cpp ships no .inp / .out for it
-# Refused although its test texts come out exact: in chat text llama.cpp strips the whitespace after Phi-3's
-# special tokens, which the engine does not do.
-REFUSED_VOCABS = ("phi-3", "aquila", "bert-bge", "deepseek-coder", "deepseek-llm", "falcon", "gemma-4",
+REFUSED_VOCABS = ("aquila", "bert-bge", "deepseek-coder", "deepseek-llm", "falcon", "gemma-4",
                   "gpt-neox", "nomic-bert-moe", "qwen35")
 
 
@@ -279,7 +278,7 @@ def test_every_llama_cpp_vocabulary_is_exact_or_refused(llama_cpp_vocab_dir: Pat
         assert (refusal is None) == (name not in REFUSED_VOCABS), (name, refusal)
 
 
-@pytest.mark.parametrize("name", [*EXACT_VOCABS, "phi-3"])
+@pytest.mark.parametrize("name", EXACT_VOCABS)
 def test_llama_cpp_vocabulary_ids(name: str, llama_cpp_vocab_dir: Path, driver: Path, workdir: Path) -> None:
     fields = llama_cpp_fields(llama_cpp_vocab_dir, name)
     vocab = workdir / f"llama-cpp-{name}.txt"
@@ -407,6 +406,89 @@ def test_llguidance_sees_the_engine_token_bytes(name: str, llama_cpp_vocab_dir: 
     engine = {i: b for i, b in engine.items() if b != b"\xff"}
     assert len(engine) >= n - 300
     assert {i: tk.decode_bytes([i]) for i in engine} == engine
+
+
+def llama_cpp_partition(text: str, fields: dict[str, Any], rstrip: set[int]) -> list[int | str]:
+    """llama.cpp's tokenizer_st_partition with parse_special: each special token (CONTROL / USER_DEFINED /
+    UNKNOWN), longest text first, splits every text fragment at each occurrence; after an RSTRIP token the
+    whitespace (C isspace) of the right remainder is dropped. Fragments: token ids and texts."""
+    tokens, types = fields["tokenizer.ggml.tokens"], fields["tokenizer.ggml.token_type"]
+    special = sorted((i for i, ty in enumerate(types) if ty in (2, 3, 4)), key=lambda i: -len(tokens[i]))
+    frags: list[int | str] = [text]
+    for sid in special:
+        marker, out = tokens[sid], []
+        for frag in frags:
+            while isinstance(frag, str) and marker in frag:
+                left, frag = frag.split(marker, 1)
+                out += [left] if left else []
+                out.append(sid)
+                if sid in rstrip:
+                    frag = frag.lstrip(" \t\n\v\f\r")
+            if frag != "":
+                out.append(frag)
+        frags = out
+    return frags
+
+
+@pytest.fixture(scope="module")
+def phi3_fields(llama_cpp_vocab_dir: Path, llama_cpp_templates_dir: Path) -> dict[str, Any]:
+    """Phi-3's vocabulary (llama.cpp's test GGUF, general.name "Phi3") with Phi-3.5-mini-instruct's template."""
+    fields = llama_cpp_fields(llama_cpp_vocab_dir, "phi-3")
+    fields["tokenizer.chat_template"] = (llama_cpp_templates_dir / "microsoft-Phi-3.5-mini-instruct.jinja").read_text()
+    return fields
+
+
+@pytest.mark.parametrize("name", ["Phi3", "Phi-3-mini-4k-instruct", "Llama 2"])
+def test_phi3_markers_strip_the_whitespace_after_them(name: str, phi3_fields: dict[str, Any], tmp_path: Path,
+                                                      lib: Library) -> None:
+    """A Phi-3 GGUF (general.name with "phi3" / "phi-3", as llama.cpp decides it) converted and loaded:
+    framing text drops the whitespace after every special token but <unk>, <s> and <|endoftext|> (llama.cpp's
+    RSTRIP), on into the content that follows; the chat template renders with <|end|> closing each turn, and
+    <|end|> ends generation. Under another name the same vocabulary keeps the whitespace."""
+    gguf_path = write_gguf(tmp_path / "phi3.gguf", arch="phi3", tokenizer=phi3_fields, extra_kv={"general.name": name})
+    bundle = aiobasert.models.convert.convert_gguf(gguf_path, tmp_path / "phi3.base", progress=False)
+    tokens = phi3_fields["tokenizer.ggml.tokens"]
+    ids = {t: tokens.index(t) for t in ("<s>", "</s>", "<unk>", "<|endoftext|>", "<|user|>", "<|end|>",
+                                         "<|assistant|>", "<|system|>", "<|placeholder1|>")}
+    phi3 = name != "Llama 2"
+    rstrip = {i for i, ty in enumerate(phi3_fields["tokenizer.ggml.token_type"]) if ty in (2, 3, 4)} - {
+        ids["<s>"], ids["<unk>"], ids["<|endoftext|>"]} if phi3 else set()
+    m = load(lib, bundle, 64)
+    try:
+        buf = (ctypes.c_uint32 * 4096)()
+
+        def plain(text: str) -> list[int]:  # SentencePiece of one fragment (llama.cpp's .out holds it exact)
+            n = lib.baseRT_encode_plain(m, text.encode(), buf, 4096)
+            return list(buf[1:n])  # after the BOS
+
+        def reference(text: str) -> list[int]:
+            out = [ids["<s>"]]
+            for frag in llama_cpp_partition(text, phi3_fields, rstrip):
+                out += [frag] if isinstance(frag, int) else plain(frag)
+            return out
+
+        def framing(text: str) -> list[int]:
+            n = lib.baseRT_encode(m, text.encode(), buf, 4096)
+            return list(buf[:n])
+
+        texts = ["<|user|>\nHi<|end|>\n<|assistant|>\n", "<|system|>  \n\t\v\f\r You are<|end|>x",
+                 "x<s>\nkeep</s>\n drop<|endoftext|>\n keep <unk> keep", "a<|placeholder1|>\n\n", "<|end|> \n"]
+        for text in texts:
+            assert framing(text) == reference(text), text
+        stripped = [ids["<s>"], ids["<|user|>"], *plain("Hi"), ids["<|end|>"], ids["<|assistant|>"]]
+        assert (framing(texts[0]) == stripped) == phi3
+
+        messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": " \n Hi there "}]
+        pieces = render_chat(phi3_fields["tokenizer.chat_template"], messages)
+        rendered = "".join(text for text, _ in pieces)
+        assert rendered == "<|system|>\nBe brief.<|end|>\n<|user|>\n \n Hi there <|end|>\n<|assistant|>\n"
+        datas = [text.encode() for text, _ in pieces]
+        n = lib.baseRT_encode_pieces(m, (ctypes.c_char_p * len(datas))(*datas),
+                                     (ctypes.c_int * len(datas))(*(int(c) for _, c in pieces)), len(datas), buf, 4096)
+        assert list(buf[:n]) == reference(rendered)  # the user's leading whitespace goes too, as in llama.cpp
+        assert lib.baseRT_is_eos_token(m, ids["<|end|>"]) and lib.baseRT_is_eos_token(m, ids["<|endoftext|>"])
+    finally:
+        lib.baseRT_free_model(m)
 
 
 def test_content_matches_blank_user_tokens_only(llama_cpp_vocab_dir: Path, driver: Path, workdir: Path) -> None:
