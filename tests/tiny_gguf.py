@@ -43,8 +43,8 @@ def write_gguf(
     gemma3 the post-attention / post-FFN norms and a sliding window (every 6th layer global, as
     llama.cpp reads gemma3); phi3 its fused matrices as llama.cpp's converter writes them: attn_qkv (q, k, v
     rows; separate attn_q/k/v with `fused_qkv` False) and ffn_up holding gate then up (2 x ffn rows), and a
-    sliding window (which llama.cpp ignores for phi3). `rope_freqs` adds Llama 3's per-frequency divisors. Any other arch
-    gets the llama tensors (for refusals). `head_dim` overrides the head size (key_length). With
+    sliding window (which llama.cpp ignores for phi3). `rope_freqs` adds Llama 3's per-frequency divisors.
+    Any other arch gets the llama tensors (for refusals). `head_dim` overrides the head size (key_length). With
     `matrices`, every matrix in that GGML type (K-quants: rows of a multiple of 256 values, `dim` / `ffn`)."""
     vocab = tiny_vocab("bpe")
     n_vocab = len(tokenizer["tokenizer.ggml.tokens"]) if tokenizer else len(vocab.tokens)

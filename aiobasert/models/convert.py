@@ -495,7 +495,8 @@ def convert_gguf(
     dtype: Dtype = "f16",
     progress: bool | Progress = True,
 ) -> Path:
-    """Convert the GGUF `src` (llama, qwen2, qwen3, gemma3 or phi3) into the bundle `dst` (written atomically); returns `dst`.
+    """Convert the GGUF `src` (llama, qwen2, qwen3, gemma3 or phi3) into the bundle `dst` (written atomically);
+    returns `dst`.
 
     `dtype`: how the matrices are stored: f16 / f32, q8 / q4 (group-wise quantized), or auto (each as
     the GGUF has it; GGML blocks the engine's integer kernels can hold are carried exactly). The

@@ -28,7 +28,6 @@ from aiobasert.models.bundle import Bundle, read_bundle
 from aiobasert.models.convert import ConversionError, convert_gguf, main
 from aiobasert.models.tiny import CHATML_TEMPLATE, tiny_vocab
 
-
 # phi3's fused GGUF matrices and the bundle matrices their rows become, in row order (llama.cpp's
 # build_qkv views; ggml_swiglu takes the first half of ffn_up as the gate).
 PHI3_FUSED = {"attn_qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),

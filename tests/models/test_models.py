@@ -216,20 +216,37 @@ def test_concurrent_first_use_of_the_demo_converts_once(
 
 
 @pytest.mark.anyio
+async def test_a_phi3_gguf_opens_and_a_longrope_one_is_refused_before_converting(tmp_path: Path, cache: Path) -> None:
+    """Phi-3 (fused attn_qkv / ffn_up) opens from its GGUF and generates; a 128k one (LongRoPE factor tensors)
+    is one line naming LongRoPE, with nothing written to the cache."""
+    async with Engine.open(write_gguf(tmp_path / "phi3.gguf", arch="phi3"), max_batch_size=1, max_context=64) as e:
+        assert e.info.architecture == "phi3"
+        assert (await e.generate("hello", max_tokens=2)).usage.completion_tokens >= 1
+    cached = sorted(cache.glob("*.base"))
+    src = write_gguf(tmp_path / "long.gguf", arch="phi3",
+                     extra_tensors=("rope_factors_long.weight", "rope_factors_short.weight"))
+    with pytest.raises(ConversionError, match="LongRoPE") as info:
+        async with Engine.open(src):
+            pass
+    assert "\n" not in str(info.value)
+    assert sorted(cache.glob("*.base")) == cached and not list(cache.glob(".*.tmp"))
+
+
+@pytest.mark.anyio
 async def test_unsupported_architecture_is_refused_before_converting(tmp_path: Path, cache: Path) -> None:
-    src = write_gguf(tmp_path / "phi.gguf", arch="phi3")
+    src = write_gguf(tmp_path / "phi.gguf", arch="phi2")
     with pytest.raises(ConversionError) as info:
         async with Engine.open(src):
             pass
     message = str(info.value)
-    assert "unsupported architecture 'phi3'" in message and "fused QKV" in message
+    assert "unsupported architecture 'phi2'" in message and "a GELU MLP" in message
     assert models.list_models() == []
     assert not list(cache.glob("*.base")) and not list(cache.glob(".*.tmp"))
 
     proc = subprocess.run([sys.executable, "-m", "aiobasert", "run", "hi", "-m", str(src)], capture_output=True,
                           text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(REPO)})  # fmt: skip
     assert proc.returncode == 1 and "Traceback" not in proc.stderr
-    assert "phi3" in proc.stderr and "fused QKV" in proc.stderr
+    assert "phi2" in proc.stderr and "a GELU MLP" in proc.stderr
 
 
 def test_unknown_architecture_names_the_layouts_the_engine_runs(tmp_path: Path, cache: Path) -> None:

@@ -176,8 +176,8 @@ def test_bad_magic_version_and_json(lib: Library, tiny_path: Path, tmp_path: Pat
 
 def test_foreign_arch_and_dtype(lib: Library, tiny_path: Path, tmp_path: Path) -> None:
     header, blob = read_bundle(tiny_path)
-    header["arch"] = "phi3"
-    expect_load_error(lib, write_bundle(tmp_path / "phi3.base", header, blob), UNSUPPORTED, "'phi3'")
+    header["arch"] = "phi2"
+    expect_load_error(lib, write_bundle(tmp_path / "phi2.base", header, blob), UNSUPPORTED, "'phi2'")
     header, blob = read_bundle(tiny_path)
     tensor(header, "layers.0.mlp.up_proj.weight")["dtype"] = "q4_0"
     expect_load_error(
