@@ -201,9 +201,9 @@ class LlamaForward:
 class NumpyLlama(LlamaForward):
     """The reference forward over a `.base` bundle (weights widened to float32, cached)."""
 
-    def __init__(self, bundle_path: str | Path, *, q8_inputs: bool = False) -> None:
+    def __init__(self, bundle_path: str | Path, *, q8_inputs: bool = False, context: int | None = None) -> None:
         self.bundle = read_bundle(bundle_path)
-        config = bundle_oracle_config(self.bundle.header["arch"], self.bundle.config, self.bundle.tensor)
+        config = bundle_oracle_config(self.bundle.header["arch"], self.bundle.config, self.bundle.tensor, context)
         super().__init__(config, functools.cache(self.bundle.tensor), q8_inputs=q8_inputs)
 
 
@@ -218,8 +218,9 @@ def llama3_divisors(head_dim: int, theta: float, factor: float, low: float, high
     return out
 
 
-def bundle_oracle_config(arch: str, c: dict[str, Any], tensor: Weights) -> OracleConfig:
-    """The oracle's description of a bundle's model: its config keys read as docs/models.md says."""
+def bundle_oracle_config(arch: str, c: dict[str, Any], tensor: Weights, context: int | None = None) -> OracleConfig:
+    """The oracle's description of a bundle's model: its config keys read as docs/models.md says. `context`:
+    the engine's context per sequence (LongRoPE's choice of factors), default max_position_embeddings."""
     n_layers = c["num_hidden_layers"]
     rope = Rope(float(c["rope_theta"]))
     scaling = c.get("rope_scaling") or {}
@@ -243,6 +244,10 @@ def bundle_oracle_config(arch: str, c: dict[str, Any], tensor: Weights) -> Oracl
                                   float(np.float32(scaling.get("low_freq_factor", 1.0))),
                                   float(np.float32(scaling.get("high_freq_factor", 4.0))),
                                   int(scaling["original_max_position_embeddings"]))
+    if kind == "longrope":
+        longer = (context or c["max_position_embeddings"]) > int(scaling["original_max_position_embeddings"])
+        factors = tensor("rope_factors_long.weight" if longer else "rope_factors_short.weight")
+        rope = dataclasses.replace(rope, attn_factor=float(np.float32(scaling.get("attn_factor", 1.0))))
     if factors is not None:
         rope = dataclasses.replace(rope, freq_factors=tuple(float(f) for f in factors))
     sliding: tuple[bool, ...] = ()
@@ -274,7 +279,8 @@ def bundle_oracle_config(arch: str, c: dict[str, Any], tensor: Weights) -> Oracl
 
 # GGUF tensor names -> canonical bundle names, written out independently of aiobasert.models.convert.
 _GGUF_GLOBAL = {"token_embd": "embed_tokens", "output_norm": "final_norm", "output": "lm_head",
-                "rope_freqs": "rope_freqs"}
+                "rope_freqs": "rope_freqs", "rope_factors_long": "rope_factors_long",
+                "rope_factors_short": "rope_factors_short"}
 _GGUF_LAYER = {
     "attn_norm": "input_norm",
     "attn_q": "self_attn.q_proj",
@@ -311,9 +317,10 @@ def _field(reader: gguf.GGUFReader, key: str, default: Any = None) -> Any:
     return field.parts[field.data[0]].tolist()[0]
 
 
-def gguf_oracle(gguf_path: str | Path) -> LlamaForward:
+def gguf_oracle(gguf_path: str | Path, context: int | None = None) -> LlamaForward:
     """The reference forward over a GGUF's dequantized weights (no bundle involved), its
-    hyperparameters read as llama.cpp's llama-model.cpp reads them."""
+    hyperparameters read as llama.cpp's llama-model.cpp reads them. `context`: llama.cpp's n_ctx_seq
+    (which LongRoPE factors), default the trained context."""
     reader = gguf.GGUFReader(gguf_path)
     arch = str(_field(reader, "general.architecture"))
     fused = {t.name: t for t in reader.tensors if arch == "phi3" and t.name.endswith((".attn_qkv.weight",
@@ -354,6 +361,12 @@ def gguf_oracle(gguf_path: str | Path) -> LlamaForward:
                     orig_ctx=int(_field(reader, f"{arch}.rope.scaling.original_context_length", 0)))
     if "rope_freqs.weight" in by_name:
         rope = dataclasses.replace(rope, freq_factors=tuple(float(f) for f in weight("rope_freqs.weight")))
+    elif "rope_factors_long.weight" in by_name:  # llama_model::get_rope_factors; attn_factor: llama-context.cpp
+        trained = int(_field(reader, f"{arch}.context_length"))
+        longer = (context or trained) > int(_field(reader, f"{arch}.rope.scaling.original_context_length", trained))
+        factors = weight("rope_factors_long.weight" if longer else "rope_factors_short.weight")
+        rope = dataclasses.replace(rope, freq_factors=tuple(float(f) for f in factors),
+                                   attn_factor=float(_field(reader, f"{arch}.rope.scaling.attn_factor", 1.0)))
     window = int(_field(reader, f"{arch}.attention.sliding_window", 0)) if arch == "gemma3" else 0
     sliding = tuple(i % 6 < 5 for i in range(n_layers)) if window else ()  # gemma3: set_swa_pattern(6)
     config = OracleConfig(

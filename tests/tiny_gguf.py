@@ -35,6 +35,8 @@ def write_gguf(
     ffn: int = FFN,
     seed: int = 3,
     fused_qkv: bool = True,
+    longrope: bool = False,
+    qk_std: float = 0.1,
 ) -> Path:
     """A small GGUF of `arch` with a mix of F32, F16 and Q8_0 tensors and the tiny BPE vocabulary (with the
     pre-tokenizer name `pre`), or with the GGUF `tokenizer.*` fields given (another GGUF's vocabulary).
@@ -43,7 +45,10 @@ def write_gguf(
     gemma3 the post-attention / post-FFN norms and a sliding window (every 6th layer global, as
     llama.cpp reads gemma3); phi3 its fused matrices as llama.cpp's converter writes them: attn_qkv (q, k, v
     rows; separate attn_q/k/v with `fused_qkv` False) and ffn_up holding gate then up (2 x ffn rows), and a
-    sliding window (which llama.cpp ignores for phi3). `rope_freqs` adds Llama 3's per-frequency divisors.
+    sliding window (which llama.cpp ignores for phi3); `longrope` adds the 128k variants' LongRoPE (factor
+    tensors rope_factors_long / _short, original context 64, attn_factor). `rope_freqs` adds Llama 3's
+    per-frequency divisors. `qk_std`: the spread of the q / k (phi3: qkv) weights; larger ones make attention
+    peaked, so that RoPE shows in the logits.
     Any other arch gets the llama tensors (for refusals). `head_dim` overrides the head size (key_length). With
     `matrices`, every matrix in that GGML type (K-quants: rows of a multiple of 256 values, `dim` / `ffn`)."""
     vocab = tiny_vocab("bpe")
@@ -84,7 +89,8 @@ def write_gguf(
     for key, value in extra_kv.items():
         writer.add_key_value(key, value, gguf.GGUFValueType.get_type(value))
 
-    def add(name: str, shape: tuple[int, ...], qtype: gguf.GGMLQuantizationType = Q.F32, center: float = 0.0) -> None:
+    def add(name: str, shape: tuple[int, ...], qtype: gguf.GGMLQuantizationType = Q.F32, center: float = 0.0,
+            std: float = 0.1) -> None:
         if name in drop:
             return
         if matrices is not None and len(shape) == 2:
@@ -95,7 +101,7 @@ def write_gguf(
         if qtype == Q.I32:  # a type no converter dequantizes
             writer.add_tensor(name, rng.integers(-9, 9, size=shape, dtype=np.int32), raw_dtype=qtype)
             return
-        values = (center + rng.standard_normal(shape, dtype=np.float32) * 0.1).astype(np.float32)
+        values = (center + rng.standard_normal(shape, dtype=np.float32) * std).astype(np.float32)
         if qtype == Q.F16:
             writer.add_tensor(name, values.astype(np.float16))
         elif qtype == Q.F32:
@@ -106,13 +112,20 @@ def write_gguf(
     add("token_embd.weight", (n_vocab, dim), Q.Q8_0)
     if rope_freqs:
         writer.add_tensor("rope_freqs.weight", llama3_rope_factors(head_dim, 50000.0, original_context_length=256))
+    if longrope:  # growing toward the slow frequencies as Phi-3.5's; the long ones far from 1 throughout, so
+        # that which set is used shows in a tiny model's logits
+        ramp = np.linspace(0.0, 1.0, head_dim // 2, dtype=np.float32)
+        writer.add_tensor("rope_factors_long.weight", (2.5 + 13.5 * ramp**2).astype(np.float32))
+        writer.add_tensor("rope_factors_short.weight", (1.0 + 0.5 * ramp).astype(np.float32))
+        writer.add_rope_scaling_orig_ctx_len(64)
+        writer.add_rope_scaling_attn_factors(1.1902380714238083)  # sqrt(1 + ln(32) / ln(4096)): Phi-3.5's
     for i in range(n_layers):
         add(f"blk.{i}.attn_norm.weight", (dim,))
         if arch == "phi3" and fused_qkv:
-            add(f"blk.{i}.attn_qkv.weight", ((HEADS + 2 * KV_HEADS) * head_dim, dim), Q.Q8_0)
+            add(f"blk.{i}.attn_qkv.weight", ((HEADS + 2 * KV_HEADS) * head_dim, dim), Q.Q8_0, std=qk_std)
         else:
-            add(f"blk.{i}.attn_q.weight", (HEADS * head_dim, dim), Q.Q8_0)
-            add(f"blk.{i}.attn_k.weight", (KV_HEADS * head_dim, dim), Q.F16)
+            add(f"blk.{i}.attn_q.weight", (HEADS * head_dim, dim), Q.Q8_0, std=qk_std)
+            add(f"blk.{i}.attn_k.weight", (KV_HEADS * head_dim, dim), Q.F16, std=qk_std)
             add(f"blk.{i}.attn_v.weight", (KV_HEADS * head_dim, dim))
         add(f"blk.{i}.attn_output.weight", (dim, HEADS * head_dim), Q.Q8_0)
         if arch == "qwen2":
@@ -155,6 +168,7 @@ ARCH_GGUFS: dict[str, dict[str, Any]] = {
     "gemma3": dict(arch="gemma3", n_layers=6),
     "phi3": dict(arch="phi3"),
     "phi3_separate_qkv": dict(arch="phi3", fused_qkv=False),
+    "phi3_longrope": dict(arch="phi3", longrope=True),  # run with a context above 64: the long factors
 }
 
 

@@ -52,7 +52,8 @@ _GGUF_MAGIC: Final = b"GGUF"
 # GGUF tensor name stems -> canonical bundle names (base-convert's llama mapping, and the
 # other architectures' extra tensors under names of their own).
 _GLOBAL_NAMES: Final = {"token_embd": "embed_tokens", "output_norm": "final_norm", "output": "lm_head",
-                        "rope_freqs": "rope_freqs"}
+                        "rope_freqs": "rope_freqs", "rope_factors_long": "rope_factors_long",
+                        "rope_factors_short": "rope_factors_short"}
 _LAYER_NAMES: Final = {
     "attn_norm": "input_norm",
     "attn_q": "self_attn.q_proj",
@@ -93,7 +94,8 @@ class _Hparams:
     """The hyperparameters the bundle needs, read from the `{arch}.*` keys as llama.cpp reads them."""
 
     def __init__(
-        self, arch: str, meta: dict[str, Any], n_tokens: int, n_tensors: int, fail: Callable[[str], ConversionError]
+        self, arch: str, meta: dict[str, Any], n_tokens: int, n_tensors: int, fail: Callable[[str], ConversionError],
+        *, longrope: bool = False,
     ) -> None:
         self.arch = arch
 
@@ -148,9 +150,7 @@ class _Hparams:
         elif arch == "phi3":
             # llama.cpp reads phi3.attention.sliding_window and then disables it (phi3.cpp: "Phi SWA is
             # currently disabled"): every layer attends to the whole context, here too.
-            # The converter writes rope.scaling.attn_factor only beside LongRoPE's factor tensors.
-            if number("rope.scaling.attn_factor", 1.0) != 1.0:
-                raise fail(_LONGROPE)
+            self._longrope(longrope, number, fail)
         elif meta.get(f"{arch}.attention.sliding_window"):
             raise fail(f"unsupported: sliding-window attention in a {arch} model")
 
@@ -183,6 +183,25 @@ class _Hparams:
                     rope[ours] = value
         self.extra["rope_scaling"] = rope
 
+    def _longrope(self, longrope: bool, number: Callable[[str, float], float],
+                  fail: Callable[[str], ConversionError]) -> None:
+        # Phi-3's 128k variants (llama.cpp: llama_model::get_rope_factors, llama-context.cpp): each frequency is
+        # divided by rope_factors_long when the context per sequence is longer than
+        # rope.scaling.original_context_length, else by rope_factors_short, and q / k turn scaled by
+        # rope.scaling.attn_factor (which llama.cpp's converter writes only beside those tensors).
+        attn_factor = number("rope.scaling.attn_factor", 1.0)
+        if not longrope:
+            if attn_factor != 1.0:
+                raise fail("unsupported: phi3.rope.scaling.attn_factor without LongRoPE's factor tensors")
+            return
+        if "rope_scaling" in self.extra:
+            raise fail("unsupported: LongRoPE factor tensors beside another RoPE scaling type")
+        orig = number("rope.scaling.original_context_length", float(self.context_length))
+        if orig != int(orig) or orig < 1:
+            raise fail(f"phi3.rope.scaling.original_context_length must be a positive integer, got {orig}")
+        self.extra["rope_scaling"] = {"rope_type": "longrope", "original_max_position_embeddings": int(orig),
+                                      "attn_factor": attn_factor}
+
     def _gemma3(self, meta: dict[str, Any], fail: Callable[[str], ConversionError]) -> None:
         # llama.cpp's gemma3 rules (llama-model.cpp): every 6th layer full attention, the others a
         # sliding window with RoPE base 10000 and no scaling; attention scale 1/sqrt(key_length),
@@ -199,13 +218,6 @@ class _Hparams:
         cap = meta.get("gemma3.final_logit_softcapping", 0.0)
         if cap:
             self.extra["final_logit_softcapping"] = _finite_number("gemma3.final_logit_softcapping", cap, fail)
-
-
-# Phi-3's 128k variants (Phi-3-*-128k, Phi-3.5): llama.cpp picks rope_factors_long or _short by the
-# context it is run with (longer than rope.scaling.original_context_length: long) and scales q and k by
-# rope.scaling.attn_factor; the engine does not implement that choice, so such a file is refused whole.
-_LONGROPE: Final = ("unsupported: LongRoPE (rope_factors_long / rope_factors_short, Phi-3's 128k-context "
-                    "scaling); the 4k-context variants run")
 
 
 def _finite_number(key: str, value: Any, fail: Callable[[str], ConversionError]) -> float:
@@ -448,11 +460,13 @@ def _split_fused(
     return out
 
 
-def _expected_shapes(cfg: _Hparams, tied: bool, rope_freqs: bool) -> dict[str, tuple[int, ...]]:
+def _expected_shapes(cfg: _Hparams, tied: bool, rope_freqs: bool, longrope: bool) -> dict[str, tuple[int, ...]]:
     q_dim, kv_dim = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
     shapes: dict[str, tuple[int, ...]] = {"embed_tokens.weight": (cfg.vocab_size, cfg.dim)}
     if rope_freqs:
         shapes["rope_freqs.weight"] = (cfg.head_dim // 2,)
+    if longrope:
+        shapes["rope_factors_long.weight"] = shapes["rope_factors_short.weight"] = (cfg.head_dim // 2,)
     extra_shapes = {
         "self_attn.q_proj.bias": (q_dim,), "self_attn.k_proj.bias": (kv_dim,), "self_attn.v_proj.bias": (kv_dim,),
         "self_attn.q_norm.weight": (cfg.head_dim,), "self_attn.k_norm.weight": (cfg.head_dim,),
@@ -526,8 +540,6 @@ def convert_gguf(
     arch = meta.get("general.architecture")
     if not isinstance(arch, str) or arch not in _ARCH_LAYER_EXTRAS:
         raise fail(_unsupported_architecture(arch))
-    if any(t.name.startswith(("rope_factors_long.", "rope_factors_short.")) for t in reader.tensors):
-        raise fail(_LONGROPE)
     tokens = meta.get("tokenizer.ggml.tokens")
     if not isinstance(tokens, list) or not tokens:
         raise fail("no tokenizer vocabulary (tokenizer.ggml.tokens)")
@@ -535,7 +547,8 @@ def convert_gguf(
         raise fail("tokenizer.ggml.tokens must be an array of strings")
     if refusal := tokenizer_refusal(meta):  # before any tensor is read
         raise fail(refusal)
-    cfg = _Hparams(arch, meta, len(tokens), len(reader.tensors), fail)
+    longrope = arch == "phi3" and any(t.name.startswith("rope_factors_") for t in reader.tensors)
+    cfg = _Hparams(arch, meta, len(tokens), len(reader.tensors), fail, longrope=longrope)
     if len(tokens) != cfg.vocab_size:
         raise fail(f"{arch}.vocab_size {cfg.vocab_size} != {len(tokens)} tokens in the vocabulary")
 
@@ -554,7 +567,7 @@ def convert_gguf(
         sources |= parts
     tied = "lm_head.weight" not in sources
     # llama.cpp reads rope_freqs for llama only; elsewhere it is a tensor the model does not have.
-    expected = _expected_shapes(cfg, tied, arch == "llama" and "rope_freqs.weight" in sources)
+    expected = _expected_shapes(cfg, tied, arch == "llama" and "rope_freqs.weight" in sources, longrope)
     if missing := [name for name in expected if name not in sources]:
         raise fail(f"missing tensors: {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}")
     if extra := [name for name in sources if name not in expected]:

@@ -94,9 +94,10 @@ static const arch_traits ARCHS[] = {
     {"qwen3", RT_ROPE_NEOX, RT_ACT_SILU, false, true, false, false, false, false},
     /* Gemma 3: GGUF norm weights already hold Gemma's 1 + w (convert_hf_to_gguf adds the 1). */
     {"gemma3", RT_ROPE_NEOX, RT_ACT_GELU_TANH, false, true, true, true, true, false},
-    /* Phi-3 / 3.5 (4k context): llama's layers with NeoX RoPE; the converter splits its fused qkv and
-     * gate|up matrices. llama.cpp disables its sliding window (phi3.cpp), so none here either. */
-    {"phi3", RT_ROPE_NEOX, RT_ACT_SILU, false, false, false, false, false, false},
+    /* Phi-3 / 3.5: llama's layers with NeoX RoPE; the converter splits its fused qkv and gate|up
+     * matrices. llama.cpp disables its sliding window (phi3.cpp), so none here either. The 128k
+     * variants' LongRoPE factors become the frequency divisors (rope_scaling "longrope"). */
+    {"phi3", RT_ROPE_NEOX, RT_ACT_SILU, false, false, false, false, false, true},
 };
 
 static const arch_traits *find_arch(const char *name) {
@@ -215,6 +216,7 @@ typedef struct {
     const arch_traits *traits;
     rt_arch arch;
     bool sliding[RT_MAX_LAYERS];
+    uint32_t longrope_orig; /* rope_scaling "longrope": its original context; 0 = none */
     int trained_context;
     int tie; /* -1 = unspecified */
     bool has_bos, has_eos;
@@ -252,16 +254,17 @@ static int cfg_float(const bundle *b, const json_value *cfg, const char *key, do
 /* config.rope_scaling (null or {"rope_type": "linear" | "yarn", "factor", and for
  * YaRN "original_max_position_embeddings", "beta_fast", "beta_slow", "attn_factor",
  * "ext_factor"}, llama.cpp's defaults) into the full-attention layers' RoPE. */
-static int parse_rope_scaling(const bundle *b, const json_value *c, rt_rope_params *r) {
+static int parse_rope_scaling(const bundle *b, const json_value *c, rt_rope_params *r, uint32_t *longrope_orig) {
     const json_value *rs = json_get(c, "rope_scaling");
     if (!rs || rs->type == JSON_NULL) return BASERT_OK;
     if (rs->type != JSON_OBJECT) return bundle_fail(b, BASERT_ERR_INVALID_FORMAT, "config.rope_scaling is not an object");
     const char *type = json_string(json_get(rs, "rope_type"));
     if (!type || strcmp(type, "none") == 0) return BASERT_OK;
     bool yarn = strcmp(type, "yarn") == 0, llama3 = strcmp(type, "llama3") == 0;
-    if (!yarn && !llama3 && strcmp(type, "linear") != 0)
+    bool longrope = strcmp(type, "longrope") == 0;
+    if (!yarn && !llama3 && !longrope && strcmp(type, "linear") != 0)
         return bundle_fail(b, BASERT_ERR_UNSUPPORTED,
-                           "config.rope_scaling.rope_type '%s' is not supported (linear, yarn, llama3)", type);
+                           "config.rope_scaling.rope_type '%s' is not supported (linear, yarn, llama3, longrope)", type);
     float factor = 1.0f, bf = 32.0f, bs = 1.0f, af = 1.0f, ef = 1.0f;
     uint32_t orig = 0;
     int rc;
@@ -269,8 +272,15 @@ static int parse_rope_scaling(const bundle *b, const json_value *c, rt_rope_para
         (rc = cfg_float(b, rs, "beta_fast", 32.0, 0.0, 1e6, &bf)) ||
         (rc = cfg_float(b, rs, "beta_slow", 1.0, 0.0, 1e6, &bs)) ||
         (rc = cfg_float(b, rs, "attn_factor", 1.0, 0.0, 1e6, &af)) ||
-        (rc = cfg_uint(b, rs, "original_max_position_embeddings", yarn || llama3, 0, 1, 1u << 24, &orig)))
+        (rc = cfg_uint(b, rs, "original_max_position_embeddings", yarn || llama3 || longrope, 0, 1, 1u << 24,
+                       &orig)))
         return rc;
+    if (longrope) { /* llama.cpp's phi3: the long or short factor tensor divides each frequency (which one:
+                     * parse_tensors, by the context), and q and k turn scaled by attn_factor */
+        r->attn_factor = af;
+        *longrope_orig = orig;
+        return BASERT_OK;
+    }
     if (llama3) { /* HF's defaults; a rope_freqs tensor, where the bundle has one, takes precedence */
         float low = 1.0f, high = 4.0f;
         if ((rc = cfg_float(b, rs, "low_freq_factor", 1.0, 0.0, 1e6, &low)) ||
@@ -316,7 +326,7 @@ static int parse_arch(const bundle *b, const json_value *c, const char *arch_nam
                             .beta_fast = 32.0, .beta_slow = 1.0};
     a->rope[0] = plain;
     a->rope[0].freq_factors = true; /* used only when the bundle has rope_freqs */
-    int rc = parse_rope_scaling(b, c, &a->rope[0]);
+    int rc = parse_rope_scaling(b, c, &a->rope[0], &pc->longrope_orig);
     if (rc) return rc;
     float scalar = 1.0f;
     if ((rc = cfg_float(b, c, "query_pre_attn_scalar", (double)cfg->head_dim, 0.0, 1e9, &scalar))) return rc;
@@ -635,6 +645,13 @@ static int parse_tensors(const bundle *b, const parsed_config *pc, tensor_entry 
         int rc = parse_tensor(b, t, i, &entries[i]);
         if (rc) return rc;
         long slot = tensor_slot(entries[i].name, cfg->n_layers);
+        /* LongRoPE: llama.cpp divides by rope_factors_long when the context (per sequence) is longer than
+         * the original one, else by rope_factors_short (llama_model::get_rope_factors); the other stays unread */
+        bool is_long = strcmp(entries[i].name, "rope_factors_long.weight") == 0;
+        if (pc->longrope_orig && (is_long || strcmp(entries[i].name, "rope_factors_short.weight") == 0)) {
+            if (is_long != (cfg->max_seq_len > pc->longrope_orig)) continue;
+            slot = SLOT_ROPE_FREQS;
+        }
         if (slot >= SLOT_LAYER0 && !layer_slot_used(arch, (int)((slot - SLOT_LAYER0) % LAYER_SLOTS))) slot = -1;
         if (slot == SLOT_ROPE_FREQS && !arch->rope_freqs) slot = -1;
         if (slot < 0)
@@ -645,6 +662,10 @@ static int parse_tensors(const bundle *b, const parsed_config *pc, tensor_entry 
         slots[slot] = &entries[i];
     }
 
+    if (pc->longrope_orig && !slots[SLOT_ROPE_FREQS])
+        return bundle_fail(b, BASERT_ERR_INVALID_FORMAT, "missing tensor '%s' (config.rope_scaling is longrope)",
+                           cfg->max_seq_len > pc->longrope_orig ? "rope_factors_long.weight"
+                                                                : "rope_factors_short.weight");
     static const char *const TOP_NAMES[3] = {"embed_tokens.weight", "final_norm.weight", "lm_head.weight"};
     for (int s = 0; s < SLOT_ROPE_FREQS; s++) {
         bool needed = s != SLOT_LM_HEAD || tie == 0;
@@ -1136,6 +1157,7 @@ rt_model *rt_load(const char *fn, const char *path, int max_context, const BaseR
     } else {
         int ctx = max_context ? max_context : RT_DEFAULT_CONTEXT;
         m->cfg.max_seq_len = (uint32_t)(ctx < pc.trained_context ? ctx : pc.trained_context);
+        pc.cfg.max_seq_len = m->cfg.max_seq_len; /* LongRoPE's factors depend on it */
         if ((rc = parse_tensors(&b, &pc, &entries, &slots))) goto fail;
     }
     if ((rc = load_tokenizer(&b, m, &pc))) goto fail;

@@ -175,10 +175,16 @@ def test_progress_callback(tmp_path: Path, synthetic_gguf: Path) -> None:
     ("make", "match"),
     [
         (lambda p: write_gguf(p, arch="phi2"), "unsupported architecture 'phi2'"),
-        # Phi-3's 128k variants (LongRoPE: llama.cpp picks the long or short factors by the context it runs with)
-        (lambda p: write_gguf(p, arch="phi3", extra_tensors=("rope_factors_long.weight", "rope_factors_short.weight")),
-         "^[^\n]*LongRoPE \\(rope_factors_long / rope_factors_short, Phi-3's 128k-context scaling\\)[^\n]*$"),
-        (lambda p: write_gguf(p, arch="phi3", extra_kv={"phi3.rope.scaling.attn_factor": 1.19}), "LongRoPE"),
+        # LongRoPE (Phi-3's 128k variants): both factor tensors, phi3 only; its attn_factor not without them
+        (lambda p: write_gguf(p, arch="phi3", extra_tensors=("rope_factors_long.weight",)),
+         "missing tensors: rope_factors_short.weight"),
+        (lambda p: write_gguf(p, extra_tensors=("rope_factors_long.weight", "rope_factors_short.weight")),
+         "unsupported tensor\\(s\\) for a llama model: rope_factors_long.weight"),
+        (lambda p: write_gguf(p, arch="phi3", extra_kv={"phi3.rope.scaling.attn_factor": 1.19}),
+         "attn_factor without LongRoPE's factor tensors"),
+        (lambda p: write_gguf(p, arch="phi3", longrope=True, extra_kv={"phi3.rope.scaling.type": "linear",
+                                                                       "phi3.rope.scaling.factor": 2.0}),
+         "LongRoPE factor tensors beside another RoPE scaling type"),
         (lambda p: write_gguf(p, arch="phi3", extra_kv={"phi3.feed_forward_length": 100}),
          r"'blk\.0\.ffn_up\.weight' has shape \[192, 64\], expected \[200, 64\]"),
         (lambda p: write_gguf(p, arch="phi3", extra_tensors=("blk.0.attn_q.weight",)),

@@ -216,20 +216,14 @@ def test_concurrent_first_use_of_the_demo_converts_once(
 
 
 @pytest.mark.anyio
-async def test_a_phi3_gguf_opens_and_a_longrope_one_is_refused_before_converting(tmp_path: Path, cache: Path) -> None:
-    """Phi-3 (fused attn_qkv / ffn_up) opens from its GGUF and generates; a 128k one (LongRoPE factor tensors)
-    is one line naming LongRoPE, with nothing written to the cache."""
-    async with Engine.open(write_gguf(tmp_path / "phi3.gguf", arch="phi3"), max_batch_size=1, max_context=64) as e:
-        assert e.info.architecture == "phi3"
-        assert (await e.generate("hello", max_tokens=2)).usage.completion_tokens >= 1
-    cached = sorted(cache.glob("*.base"))
-    src = write_gguf(tmp_path / "long.gguf", arch="phi3",
-                     extra_tensors=("rope_factors_long.weight", "rope_factors_short.weight"))
-    with pytest.raises(ConversionError, match="LongRoPE") as info:
-        async with Engine.open(src):
-            pass
-    assert "\n" not in str(info.value)
-    assert sorted(cache.glob("*.base")) == cached and not list(cache.glob(".*.tmp"))
+async def test_phi3_ggufs_open_and_generate(tmp_path: Path, cache: Path) -> None:
+    """Phi-3 GGUFs (fused attn_qkv / ffn_up; the 128k kind with LongRoPE) open from the GGUF and generate."""
+    for kwargs in ({}, {"longrope": True}):
+        src = write_gguf(tmp_path / f"phi3-{len(kwargs)}.gguf", arch="phi3", **kwargs)
+        async with Engine.open(src, max_batch_size=1, max_context=128) as e:
+            assert e.info.architecture == "phi3"
+            assert (await e.generate("hello", max_tokens=2)).usage.completion_tokens >= 1
+    assert len(models.list_models()) == 2
 
 
 @pytest.mark.anyio

@@ -149,6 +149,30 @@ def test_converted_gguf_runs_within_the_gguf_oracle_bound(lib: Library, tmp_path
         lib.baseRT_free_model(m)
 
 
+@pytest.mark.parametrize("context", [64, 65, MAX_CONTEXT])
+def test_phi3_longrope_takes_the_factors_llama_cpp_takes_for_the_context(lib: Library, tmp_path: Path,
+                                                                          context: int) -> None:
+    """Phi-3's 128k LongRoPE (original context 64): loaded for a context above 64 per sequence, the engine
+    divides by rope_factors_long, else by rope_factors_short (llama.cpp's get_rope_factors), q and k scaled
+    by attn_factor; against the GGUF-reading oracle for that context, which the choice changes."""
+    src = write_gguf(tmp_path / "long.gguf", arch="phi3", longrope=True, qk_std=0.5)
+    out = convert_gguf(src, tmp_path / "long.base", dtype="f32", progress=False)
+    oracle, other = gguf_oracle(src, context), gguf_oracle(src, 64 if context > 64 else MAX_CONTEXT)
+    m = load(lib, out, context, max_batch_size=2, prefill_chunk=16)
+    try:
+        tokens = prompt(40, 8, oracle.config.vocab_size)
+        rows = step_logits(lib, m, [int(lib.baseRT_sequence_create(m))], [tokens])
+        want = oracle.logits(tokens)[-1]
+        assert f16_close(rows[0], want) <= 1.0
+        assert f16_close(rows[0], other.logits(tokens)[-1]) > 10.0  # the other factors give other logits
+        assert oracle.config.rope is not None and oracle.config.rope.attn_factor > 1.0
+        unscaled = dataclasses.replace(oracle.config, rope=dataclasses.replace(oracle.config.rope, attn_factor=1.0))
+        assert f16_close(rows[0], LlamaForward(unscaled, oracle._weight).logits(tokens)[-1]) > 10.0
+        np.testing.assert_allclose(NumpyLlama(out, context=context).logits(tokens)[-1], want, rtol=0, atol=1e-9)
+    finally:
+        lib.baseRT_free_model(m)
+
+
 PHI3_STORED = {"F16": "f16", "Q8_0": "base_q8", "Q4_K": "ggml_q4_k"}
 
 
@@ -228,8 +252,10 @@ def _rewrite(src: Path, dst: Path, *, arch: str | None = None, drop: str | None 
         ("phi3", dict(config={"sliding_window": 4}), UNSUPPORTED, "sliding-window layers are not part of arch 'phi3'"),
         ("gemma3", dict(drop="layers.0.mlp.out_norm.weight"), INVALID_FORMAT, "mlp.out_norm.weight"),
         ("qwen3", dict(config={"sliding_window": 4}), UNSUPPORTED, "sliding-window layers are not part of arch"),
-        ("llama_linear", dict(config={"rope_scaling": {"rope_type": "longrope", "factor": 2.0}}), UNSUPPORTED,
-         "rope_type 'longrope' is not supported"),
+        ("llama_linear", dict(config={"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}), UNSUPPORTED,
+         "rope_type 'dynamic' is not supported"),
+        ("phi3", dict(config={"rope_scaling": {"rope_type": "longrope", "original_max_position_embeddings": 64}}),
+         INVALID_FORMAT, "missing tensor 'rope_factors_long.weight' (config.rope_scaling is longrope)"),
         ("llama_linear", dict(config={"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}), INVALID_FORMAT,
          "original_max_position_embeddings is missing"),
         ("gemma3", dict(config={"layer_types": ["full_attention"]}), INVALID_FORMAT, "one type per layer"),
