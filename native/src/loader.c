@@ -253,7 +253,8 @@ static int cfg_float(const bundle *b, const json_value *cfg, const char *key, do
 
 /* config.rope_scaling (null or {"rope_type": "linear" | "yarn", "factor", and for
  * YaRN "original_max_position_embeddings", "beta_fast", "beta_slow", "attn_factor",
- * "ext_factor"}, llama.cpp's defaults) into the full-attention layers' RoPE. */
+ * "ext_factor"}, llama.cpp's defaults; "llama3"; "longrope" with
+ * "original_max_position_embeddings" and "attn_factor") into the full-attention layers' RoPE. */
 static int parse_rope_scaling(const bundle *b, const json_value *c, rt_rope_params *r, uint32_t *longrope_orig) {
     const json_value *rs = json_get(c, "rope_scaling");
     if (!rs || rs->type == JSON_NULL) return BASERT_OK;
@@ -264,7 +265,8 @@ static int parse_rope_scaling(const bundle *b, const json_value *c, rt_rope_para
     bool longrope = strcmp(type, "longrope") == 0;
     if (!yarn && !llama3 && !longrope && strcmp(type, "linear") != 0)
         return bundle_fail(b, BASERT_ERR_UNSUPPORTED,
-                           "config.rope_scaling.rope_type '%s' is not supported (linear, yarn, llama3, longrope)", type);
+                           "config.rope_scaling.rope_type '%s' is not supported (linear, yarn, llama3, longrope)",
+                           type);
     float factor = 1.0f, bf = 32.0f, bs = 1.0f, af = 1.0f, ef = 1.0f;
     uint32_t orig = 0;
     int rc;
@@ -379,7 +381,8 @@ static int parse_config(const bundle *b, bool tokenizer_only, parsed_config *pc)
     if (!pc->traits) {
         if (!tokenizer_only)
             return bundle_fail(b, BASERT_ERR_UNSUPPORTED,
-                               "arch '%s' is not supported (the reference engine runs llama, qwen2, qwen3, gemma3, phi3)",
+                               "arch '%s' is not supported (the reference engine runs llama, qwen2, qwen3, gemma3, "
+                               "phi3)",
                                arch_name);
         pc->traits = &ARCHS[0]; /* tokenizer-only: no forward reads it */
     }
