@@ -747,19 +747,40 @@ static bool quant_params_finite(const bundle *b, const tensor_entry *t) {
     return true;
 }
 
+/* A K-quant tensor being repacked: its rows [0, rows_done) are read, so their whole pages go (release_pages'
+ * rule) as each chunk is done; the load thus peaks at the repacked weights plus about one chunk. */
+typedef struct {
+    const bundle *b;
+    const tensor_entry *t;
+    uint64_t row_bytes, released; /* bytes of the tensor already handed to release_pages */
+} chunk_release;
+
+static void release_rows(void *ctx, size_t rows_done) {
+    chunk_release *c = ctx;
+    uintptr_t page = (uintptr_t)sysconf(_SC_PAGESIZE), base = (uintptr_t)(c->b->map + c->b->blob_start);
+    uint64_t end = (uint64_t)rows_done * c->row_bytes;
+    /* round the new end down to a page boundary (the last chunk: the tensor's end) so no page is split
+     * between two calls and skipped by both */
+    if (rows_done < (size_t)c->t->shape[0]) end = ((base + c->t->offset + end) & ~(page - 1)) - base - c->t->offset;
+    if (end > c->released && end <= c->t->length) {
+        release_pages(c->b, c->t->offset + c->released, end - c->released);
+        c->released = end;
+    }
+}
+
 static bool load_matrix(const bundle *b, const tensor_entry *t, bool widen_f16, rt_weight *out, uint64_t *total) {
     if (t->dtype >= DT_GGML_Q4_K) {
+        chunk_release c = {b, t, t->shape[0] > 0 ? t->length / (uint64_t)t->shape[0] : 0, 0};
         size_t bytes = rt_weight_from_ggml(out,
                                            t->dtype == DT_GGML_Q4_K   ? RT_GGML_Q4_K
                                            : t->dtype == DT_GGML_Q5_K ? RT_GGML_Q5_K
                                                                       : RT_GGML_Q6_K,
                                            b->map + b->blob_start + t->offset, (size_t)t->shape[0],
-                                           (size_t)t->shape[1]);
+                                           (size_t)t->shape[1], release_rows, &c);
         if (!bytes) {
             bundle_fail(b, BASERT_ERR_OUT_OF_MEMORY, "out of memory loading tensor '%s'", t->name);
             return false;
         }
-        release_tensor(b, t);
         *total += bytes;
         return true;
     }

@@ -51,11 +51,12 @@ size_t rt_weight_from_groups(rt_weight *out, int bits, const uint8_t *packed, co
 /* GGML K-quant blocks a bundle may carry as they are (bundle dtypes ggml_q4_k / ggml_q5_k): 256-value
  * super-blocks (ggml-common.h), rows of cols / 256 blocks. */
 enum { RT_GGML_Q4_K = 12, RT_GGML_Q5_K = 13, RT_GGML_Q6_K = 14 }; /* GGML's type numbers */
-/* Repack such a tensor [rows][cols] (cols % 256 == 0) into the q4 / q5 panels (sub-block scales
- * d * sc and biases -dmin * m) or, Q6_K, the q6 panels (u as q8, each half-block's scale d * sc),
- * every scale kept exactly (f32 unless every one is an f16). Returns the bytes allocated, 0 when out
- * of memory. */
-size_t rt_weight_from_ggml(rt_weight *out, int ggml_type, const uint8_t *blocks, size_t rows, size_t cols);
+/* Repack such a tensor [rows][cols] (cols % 256 == 0) into the K panels (RT_W_Q4K / RT_W_Q5K / RT_W_Q6:
+ * GGML's own super-block scales, layout above), calling done(ctx, rows_done) (when not NULL) after every
+ * chunk of whole panels (about 2 MB of blocks) and at the end: the caller may release the source rows read
+ * so far. Returns the bytes allocated, 0 when out of memory or not a K type. */
+size_t rt_weight_from_ggml(rt_weight *out, int ggml_type, const uint8_t *blocks, size_t rows, size_t cols,
+                           void (*done)(void *ctx, size_t rows_done), void *ctx);
 
 /* Bytes of one quantized activation row of `in` values (in % 32 == 0). */
 size_t rt_qx_row_bytes(int in);
