@@ -704,15 +704,6 @@ static void release_pages(const bundle *b, uint64_t off, uint64_t len) {
     if (hi > lo) madvise((void *)lo, hi - lo, MADV_DONTNEED);
 }
 
-static void release_tensor(const bundle *b, const tensor_entry *t) {
-    release_pages(b, t->offset, t->length);
-    if (t->dtype == DT_Q8 || t->dtype == DT_Q4 || t->dtype == DT_Q5) { /* their scale and bias regions */
-        uint64_t region = t->n_elems / t->group_size * (t->scale_type == RT_SCALE_F32 ? 4 : 2);
-        release_pages(b, t->scale_offset, region);
-        if (!t->symmetric) release_pages(b, t->bias_offset, region);
-    }
-}
-
 /* A matrix: f16 stays f16 (the kernels widen it in registers, exactly);
  * f32 and bf16 become f32. BASERT_REF_WIDEN_F16=1 widens f16 at load as
  * the engine used to (benchmarks and the bit-identity test compare both). */
@@ -747,30 +738,50 @@ static bool quant_params_finite(const bundle *b, const tensor_entry *t) {
     return true;
 }
 
-/* A K-quant tensor being repacked: its rows [0, rows_done) are read, so their whole pages go (release_pages'
- * rule) as each chunk is done; the load thus peaks at the repacked weights plus about one chunk. */
+/* A tensor being repacked: its rows [0, rows_done) are read, so their whole pages go (release_pages' rule)
+ * as each chunk is done, in every region of the tensor (values, group scales, group biases); the load thus
+ * peaks at the repacked weights plus about one chunk, not plus the whole source tensor. */
+typedef struct {
+    uint64_t off, row_bytes, released; /* blob-relative; bytes of the region already released */
+} row_region;
 typedef struct {
     const bundle *b;
-    const tensor_entry *t;
-    uint64_t row_bytes, released; /* bytes of the tensor already handed to release_pages */
+    size_t rows;
+    int n;
+    row_region r[3];
 } chunk_release;
+
+static chunk_release chunk_release_of(const bundle *b, const tensor_entry *t) {
+    chunk_release c = {b, (size_t)t->shape[0], 1, {{t->offset, 0, 0}}};
+    if (!c.rows) return c;
+    c.r[0].row_bytes = t->length / c.rows;
+    if (t->dtype == DT_Q8 || t->dtype == DT_Q4 || t->dtype == DT_Q5) { /* their scale and bias regions */
+        uint64_t row_scales = (uint64_t)t->shape[1] / t->group_size * (t->scale_type == RT_SCALE_F32 ? 4 : 2);
+        c.r[c.n++] = (row_region){t->scale_offset, row_scales, 0};
+        if (!t->symmetric) c.r[c.n++] = (row_region){t->bias_offset, row_scales, 0};
+    }
+    return c;
+}
 
 static void release_rows(void *ctx, size_t rows_done) {
     chunk_release *c = ctx;
     uintptr_t page = (uintptr_t)sysconf(_SC_PAGESIZE), base = (uintptr_t)(c->b->map + c->b->blob_start);
-    uint64_t end = (uint64_t)rows_done * c->row_bytes;
-    /* round the new end down to a page boundary (the last chunk: the tensor's end) so no page is split
-     * between two calls and skipped by both */
-    if (rows_done < (size_t)c->t->shape[0]) end = ((base + c->t->offset + end) & ~(page - 1)) - base - c->t->offset;
-    if (end > c->released && end <= c->t->length) {
-        release_pages(c->b, c->t->offset + c->released, end - c->released);
-        c->released = end;
+    for (int i = 0; i < c->n; i++) {
+        row_region *r = &c->r[i];
+        uint64_t end = (uint64_t)rows_done * r->row_bytes;
+        /* an end inside the tensor goes down to a page boundary, so a page split between two chunks is
+         * released with the later one, not skipped by both */
+        if (rows_done < c->rows) end = ((base + r->off + end) & ~(page - 1)) - base - r->off;
+        if (end > r->released) {
+            release_pages(c->b, r->off + r->released, end - r->released);
+            r->released = end;
+        }
     }
 }
 
 static bool load_matrix(const bundle *b, const tensor_entry *t, bool widen_f16, rt_weight *out, uint64_t *total) {
     if (t->dtype >= DT_GGML_Q4_K) {
-        chunk_release c = {b, t, t->shape[0] > 0 ? t->length / (uint64_t)t->shape[0] : 0, 0};
+        chunk_release c = chunk_release_of(b, t);
         size_t bytes = rt_weight_from_ggml(out,
                                            t->dtype == DT_GGML_Q4_K   ? RT_GGML_Q4_K
                                            : t->dtype == DT_GGML_Q5_K ? RT_GGML_Q5_K
@@ -788,15 +799,15 @@ static bool load_matrix(const bundle *b, const tensor_entry *t, bool widen_f16, 
         if (!quant_params_finite(b, t)) return false;
         const unsigned char *blob = b->map + b->blob_start;
         int bits = t->dtype == DT_Q4 ? 4 : t->dtype == DT_Q5 ? 5 : 8;
+        chunk_release c = chunk_release_of(b, t);
         size_t bytes = rt_weight_from_groups(out, bits, blob + t->offset, blob + t->scale_offset,
                                              t->symmetric ? NULL : blob + t->bias_offset, t->scale_type,
                                              t->symmetric, (size_t)t->shape[0], (size_t)t->shape[1],
-                                             (int)t->group_size);
+                                             (int)t->group_size, release_rows, &c);
         if (!bytes) {
             bundle_fail(b, BASERT_ERR_OUT_OF_MEMORY, "out of memory loading tensor '%s'", t->name);
             return false;
         }
-        release_tensor(b, t);
         *total += bytes;
         return true;
     }
@@ -807,14 +818,22 @@ static bool load_matrix(const bundle *b, const tensor_entry *t, bool widen_f16, 
             bundle_fail(b, BASERT_ERR_OUT_OF_MEMORY, "out of memory loading tensor '%s' (%zu bytes)", t->name, bytes);
             return false;
         }
-        memcpy(h, b->map + b->blob_start + t->offset, bytes);
+        /* in chunks of whole rows (about 2 MB), each released once copied */
+        chunk_release c = chunk_release_of(b, t);
+        size_t row = (size_t)t->shape[1] * 2, step = row ? ((2u << 20) / row + 1) : 1;
+        for (size_t r0 = 0; r0 < c.rows; r0 += step) {
+            size_t n = c.rows - r0 < step ? c.rows - r0 : step;
+            memcpy((uint8_t *)h + r0 * row, b->map + b->blob_start + t->offset + r0 * row, n * row);
+            release_rows(&c, r0 + n);
+        }
         *out = (rt_weight){h, RT_W_F16, 0};
-        release_tensor(b, t);
         *total += bytes;
         return true;
     }
     float *f = load_tensor_f32(b, t);
     if (!f) return false;
+    chunk_release c = chunk_release_of(b, t);
+    release_rows(&c, c.rows);
     *out = (rt_weight){f, RT_W_F32, 0};
     *total += t->n_elems * sizeof(float);
     return true;

@@ -237,8 +237,16 @@ static void put_nibbles(uint8_t *bp, int kind, size_t L, const uint8_t *u) {
         }
 }
 
-/* Repack every block of src into the panel layout of `type`. */
-static size_t repack(rt_weight *out, int type, bool sym8, const block_source *src, size_t rows, size_t cols) {
+/* Rows per repack chunk: whole panels, about 2 MB of rows of row_bytes each (`done` may release what was
+ * read, so the load peaks at the repacked weights plus about one chunk). */
+static size_t chunk_rows(size_t row_bytes) {
+    size_t n = (2u << 20) / (row_bytes + 1) / PANEL * PANEL;
+    return n < PANEL ? PANEL : n;
+}
+
+/* Repack every block of src into the panel layout of `type`, calling done(ctx, rows) after each chunk. */
+static size_t repack(rt_weight *out, int type, bool sym8, const block_source *src, size_t rows, size_t cols,
+                     void (*done)(void *ctx, size_t rows_done), void *ctx) {
     size_t nb = cols / QBLK;
     bool sf32 = false; /* f16 storage unless some scale or bias would change */
     for (size_t r = 0; r < rows && !sf32; r++)
@@ -252,6 +260,7 @@ static size_t repack(rt_weight *out, int type, bool sym8, const block_source *sr
     size_t panels = (rows + PANEL - 1) / PANEL, bytes = panels * g.panel_bytes;
     uint8_t *mem = calloc(1, bytes ? bytes : 1); /* rows past the matrix stay zero */
     if (!mem) return 0;
+    size_t chunk = chunk_rows(g.panel_bytes / PANEL);
     for (size_t r = 0; r < rows; r++) {
         size_t L = r % PANEL;
         for (size_t k = 0; k < nb; k++) {
@@ -272,6 +281,7 @@ static size_t repack(rt_weight *out, int type, bool sym8, const block_source *sr
                 if (!sym8) memcpy(mp + 2 * L, &hm, 2);
             }
         }
+        if (done && ((r + 1) % chunk == 0 || r + 1 == rows)) done(ctx, r + 1);
     }
     *out = (rt_weight){mem, type, flags};
     return bytes;
@@ -279,10 +289,10 @@ static size_t repack(rt_weight *out, int type, bool sym8, const block_source *sr
 
 size_t rt_weight_from_groups(rt_weight *out, int bits, const uint8_t *packed, const uint8_t *scales,
                              const uint8_t *biases, int scale_type, bool symmetric, size_t rows, size_t cols,
-                             int gs) {
+                             int gs, void (*done)(void *ctx, size_t rows_done), void *ctx) {
     block_source src = {packed, scales, biases, scale_type, bits, gs, symmetric, cols};
     return repack(out, bits == 4 ? RT_W_Q4 : bits == 5 ? RT_W_Q5 : RT_W_Q8, symmetric && bits == 8, &src, rows,
-                  cols);
+                  cols, done, ctx);
 }
 
 size_t rt_weight_from_ggml(rt_weight *out, int ggml_type, const uint8_t *blocks, size_t rows, size_t cols,
@@ -294,9 +304,7 @@ size_t rt_weight_from_ggml(rt_weight *out, int ggml_type, const uint8_t *blocks,
     size_t panels = (rows + PANEL - 1) / PANEL, bytes = panels * g.panel_bytes;
     uint8_t *mem = calloc(1, bytes ? bytes : 1); /* rows past the matrix stay zero (d = 0) */
     if (!mem) return 0;
-    /* Chunks of whole panels, about 2 MB of source each: `done` may release what was read. */
-    size_t chunk = (2u << 20) / (nsb * size + 1) / PANEL * PANEL;
-    if (chunk < PANEL) chunk = PANEL;
+    size_t chunk = chunk_rows(nsb * size);
     for (size_t r = 0; r < rows; r++) {
         size_t L = r % PANEL;
         uint8_t *pp = mem + (r / PANEL) * g.panel_bytes;

@@ -42,11 +42,11 @@ enum { RT_SCALE_F16 = 0, RT_SCALE_BF16 = 1, RT_SCALE_F32 = 2 };
 
 /* Repack a base_q8 / base_q5 / base_q4 tensor (bits 8 / 5 / 4) [rows][cols] (groups of gs values along a
  * row, gs % 32 == 0; scales / biases of type scale_type (RT_SCALE_*), one per group; symmetric:
- * biases NULL and value = (u - 2^(bits-1)) * scale) into out. Returns the
- * bytes allocated, 0 when out of memory. */
+ * biases NULL and value = (u - 2^(bits-1)) * scale) into out, calling done(ctx, rows_done) (when not NULL)
+ * after every chunk of rows, as rt_weight_from_ggml. Returns the bytes allocated, 0 when out of memory. */
 size_t rt_weight_from_groups(rt_weight *out, int bits, const uint8_t *packed, const uint8_t *scales,
                              const uint8_t *biases, int scale_type, bool symmetric, size_t rows, size_t cols,
-                             int gs);
+                             int gs, void (*done)(void *ctx, size_t rows_done), void *ctx);
 
 /* GGML K-quant blocks a bundle may carry as they are (bundle dtypes ggml_q4_k / ggml_q5_k): 256-value
  * super-blocks (ggml-common.h), rows of cols / 256 blocks. */
