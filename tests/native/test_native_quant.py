@@ -16,7 +16,7 @@ import math
 import os
 import subprocess
 import sys
-from ctypes import c_uint32
+from ctypes import byref, c_uint32
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +27,7 @@ import raw_abi
 from quantized import quantize_bundle
 from raw_abi import step_logits
 
-from aiobasert._core.ffi import Library
+from aiobasert._core.ffi import BaseRTMemoryStats, Library
 from aiobasert.models import cache as models
 from aiobasert.models.bundle import read_bundle
 from aiobasert.models.convert import convert_gguf
@@ -331,8 +331,50 @@ before = status("VmRSS")
 m = load(lib, Path(sys.argv[1]), 512, max_batch_size=1, prefill_chunk=64)
 st = _ffi.BaseRTMemoryStats()
 assert lib.baseRT_model_memory_stats(m, ctypes.byref(st))
-print(json.dumps({"before": before, "peak": status("VmHWM"), "engine": st.runtime_allocated_bytes}))
+print(json.dumps({"before": before, "peak": status("VmHWM"), "steady": status("VmRSS"),
+                  "engine": st.runtime_allocated_bytes}))
 """
+
+
+def weight_bytes(lib: Library, m: int) -> int:
+    """The engine's resident weight bytes: baseRT_model_memory counts them and the KV pool's capacity."""
+    st = BaseRTMemoryStats()
+    assert lib.baseRT_model_memory_stats(m, byref(st))
+    return int(lib.baseRT_model_memory(m)) - int(st.kv_cache_capacity_bytes)
+
+
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q5_K", "Q6_K"])
+def test_k_quant_weights_stay_near_their_gguf_size(lib: Library, tmp_path: Path, qtype: str) -> None:
+    """GGML K-quant blocks stay resident at about their GGUF size: the panels keep each super-block's f16
+    d / dmin and the 6-bit sub-block scales as bytes (Q4_K 18.5 bytes per row and 32 values against GGML's 18,
+    Q5_K 22.5 against 22, Q6_K GGML's own 26.25), not one f32 scale and bias per block of 32."""
+    src = write_gguf(tmp_path / f"{qtype}.gguf", matrices=gguf.GGMLQuantizationType[qtype], seed=4, dim=256,
+                     ffn=1024)
+    path = convert_gguf(src, tmp_path / "auto.base", dtype="auto", progress=False)
+    gguf_bytes = sum(int(t.n_bytes) for t in gguf.GGUFReader(src).tensors)
+    m = load(lib, path)
+    try:
+        resident = weight_bytes(lib, m)
+    finally:
+        lib.baseRT_free_model(m)
+    assert gguf_bytes * 0.99 < resident <= gguf_bytes * 1.03, (resident, gguf_bytes)
+
+
+@pytest.mark.parametrize("qtype", ["Q6_K", "Q8_0"])
+def test_a_load_peaks_near_its_steady_state(tmp_path: Path, qtype: str) -> None:
+    """Big matrices are repacked in chunks of rows whose source pages are released as each is done (K-quant
+    blocks and base_q groups alike): loading peaks at the steady state plus about a chunk, not plus a whole
+    source tensor (each ffn matrix here is 14-18 MB of blocks). VmHWM in a fresh child process."""
+    kind = gguf.GGMLQuantizationType[qtype]
+    src = write_gguf(tmp_path / f"{qtype}.gguf", matrices=kind, seed=4, dim=256, ffn=65536, n_layers=1)
+    path = convert_gguf(src, tmp_path / "auto.base", dtype="auto", progress=False)
+    biggest = max(int(t.n_bytes) for t in gguf.GGUFReader(src).tensors)
+    assert biggest > 12 << 20
+    proc = subprocess.run([sys.executable, "-c", LOAD_RSS, str(path)], capture_output=True, text=True, timeout=600,
+                          cwd=Path(__file__).resolve().parents[2])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rss = json.loads(proc.stdout)
+    assert rss["peak"] - rss["steady"] < biggest // 2, (rss, biggest)
 
 
 @pytest.mark.slow
