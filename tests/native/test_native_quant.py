@@ -357,7 +357,8 @@ def test_k_quant_weights_stay_near_their_gguf_size(lib: Library, tmp_path: Path,
         resident = weight_bytes(lib, m)
     finally:
         lib.baseRT_free_model(m)
-    assert gguf_bytes * 0.99 < resident <= gguf_bytes * 1.03, (resident, gguf_bytes)
+    # Q4_K 148 / 144 = 1.028 (Q5_K 1.023, Q6_K 1.0), plus the tiny vocabulary's padding rows in its last panel
+    assert gguf_bytes * 0.99 < resident <= gguf_bytes * 1.035, (resident, gguf_bytes)
 
 
 @pytest.mark.parametrize("qtype", ["Q6_K", "Q8_0"])
