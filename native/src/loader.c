@@ -56,6 +56,7 @@ typedef struct {
     uint64_t blob_start;
     json_doc *doc;
     const json_value *hdr;
+    uint64_t file_id[4]; /* device, inode, mtime and ctime (ns): which file this is, for sharing */
 } bundle;
 
 /* The tensor layout: slot 0 embed, 1 final norm, 2 lm_head, 3 rope_freqs, then
@@ -171,6 +172,10 @@ static int bundle_open(bundle *b, const char *fn, const char *path) {
         return bundle_fail(b, BASERT_ERR_UNSUPPORTED, "file too large to map");
     }
     b->size = (size_t)st.st_size;
+    b->file_id[0] = (uint64_t)st.st_dev;
+    b->file_id[1] = (uint64_t)st.st_ino;
+    b->file_id[2] = (uint64_t)st.st_mtim.tv_sec * 1000000000u + (uint64_t)st.st_mtim.tv_nsec;
+    b->file_id[3] = (uint64_t)st.st_ctim.tv_sec * 1000000000u + (uint64_t)st.st_ctim.tv_nsec;
     void *map = mmap(NULL, b->size, PROT_READ, MAP_PRIVATE, fd, 0);
     int e = errno;
     close(fd);
@@ -899,6 +904,8 @@ static int load_weights(const bundle *b, rt_model *m, tensor_entry **slots) {
 
 /* ---- tokenizer metadata ------------------------------------------------------------ */
 
+static uint64_t fnv1a64(const unsigned char *p, size_t n);
+
 static char *token_string(const bpe_tokenizer *tok, uint32_t id) {
     int n = bpe_token_bytes(tok, id, NULL, 0);
     if (n < 0) n = 0;
@@ -997,7 +1004,14 @@ static int load_tokenizer(const bundle *b, rt_model *m, const parsed_config *pc)
     }
     char err[256] = "";
     bpe_options opt = {.model = model, .pre = pre, .scores = tok_score, .add_space_prefix = add_space_prefix};
-    m->tok = bpe_create_model(tok_text, tok_type, (int)n_tokens, merge_text, (int)n_merges, &opt, err, sizeof err);
+    /* the same file (and header bytes) as a handle already open: share its tokenizer (bpe_shared_get) */
+    uint64_t key[BPE_SHARE_KEY] = {b->file_id[0], b->file_id[1], b->file_id[2], b->file_id[3],
+                                   (uint64_t)b->blob_start, fnv1a64(b->map, (size_t)b->blob_start)};
+    m->tok = bpe_shared_get(key);
+    if (!m->tok) {
+        m->tok = bpe_create_model(tok_text, tok_type, (int)n_tokens, merge_text, (int)n_merges, &opt, err, sizeof err);
+        bpe_shared_put(m->tok, key);
+    }
     if (!m->tok) rc = bundle_fail(b, BASERT_ERR_INVALID_FORMAT, "cannot build the tokenizer: %s", err);
 done:
     free(tok_text);
