@@ -139,7 +139,7 @@ GGUF_TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"]
 def test_gguf_block_types_run_against_the_oracle_and_are_batch_invariant(lib: Library, tmp_path: Path,
                                                                          qtype: str) -> None:
     """A tiny GGUF whose every matrix is `qtype` (K-quants: hand-written random blocks), converted with
-    `auto` (carried exactly: Q4_K / Q5_K with f32 sub-block scales; Q6_K quantized to q8): the engine's
+    `auto` (carried exactly: K-quants as GGML's blocks, repacked into the K panels): the engine's
     logits against the oracle over the bundle's weights (which test_convert holds equal to gguf-py's
     dequantization) with the kernels' input rounding, and against the GGUF's own values; batched == alone."""
     kind = gguf.GGMLQuantizationType[qtype]
