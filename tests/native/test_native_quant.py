@@ -16,7 +16,7 @@ import math
 import os
 import subprocess
 import sys
-from ctypes import byref, c_uint32
+from ctypes import byref, c_uint32, c_void_p
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 import raw_abi
 from quantized import quantize_bundle
-from raw_abi import step_logits
+from raw_abi import ints, step_logits, u32
 
 from aiobasert._core.ffi import BaseRTMemoryStats, Library
 from aiobasert.models import cache as models
@@ -359,6 +359,34 @@ def test_k_quant_weights_stay_near_their_gguf_size(lib: Library, tmp_path: Path,
         lib.baseRT_free_model(m)
     # Q4_K 148 / 144 = 1.028 (Q5_K 1.023, Q6_K 1.0), plus the tiny vocabulary's padding rows in its last panel
     assert gguf_bytes * 0.99 < resident <= gguf_bytes * 1.035, (resident, gguf_bytes)
+
+
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q5_K", "Q6_K"])
+def test_k_quant_embedding_rows_are_ggml_values(lib: Library, tmp_path: Path, qtype: str) -> None:
+    """Embedding lookups read single rows out of the K panels (rt_qweight_row, not the kernels): tap 0 (the
+    embedding rows, f16) holds gguf-py's dequantization of the same blocks, value for value, across panel
+    boundaries (16 rows) and in the last, partial panel."""
+    src = write_gguf(tmp_path / f"{qtype}.gguf", matrices=gguf.GGMLQuantizationType[qtype], seed=5, dim=256,
+                     ffn=512)
+    t = next(t for t in gguf.GGUFReader(src).tensors if t.name == "token_embd.weight")
+    assert t.tensor_type == gguf.GGMLQuantizationType[qtype]
+    ref = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32)
+    path = convert_gguf(src, tmp_path / "auto.base", dtype="auto", progress=False)
+    n_vocab = ref.shape[0]
+    tokens = sorted({0, 1, 15, 16, 17, 31, 32, n_vocab - 17, n_vocab - 16, n_vocab - 2, n_vocab - 1} |
+                    {int(x) for x in np.random.default_rng(1).integers(0, n_vocab, size=40)})
+    m = load(lib, path, lanes=1)
+    try:
+        s = int(lib.baseRT_sequence_create(m))
+        n = len(tokens)
+        rc = lib.baseRT_batch_step_fused_logits_rows_taps(m, (c_void_p * 1)(s), 1, u32(tokens), ints([n]), ints([1]),
+                                                          ints([0]), 1, ints([n]))
+        assert rc == OK, raw_abi.error(lib)
+        rows = np.empty((n, ref.shape[1]), dtype=np.float16)
+        assert lib.baseRT_read_tap_rows(m, 0, n, rows.ctypes.data_as(c_void_p)) == ref.shape[1]
+    finally:
+        lib.baseRT_free_model(m)
+    assert rows.tobytes() == ref[tokens].astype(np.float16).tobytes()
 
 
 @pytest.mark.parametrize("qtype", ["Q6_K", "Q8_0"])
