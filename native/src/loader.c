@@ -775,8 +775,11 @@ static void release_rows(void *ctx, size_t rows_done) {
         row_region *r = &c->r[i];
         uint64_t end = (uint64_t)rows_done * r->row_bytes;
         /* an end inside the tensor goes down to a page boundary, so a page split between two chunks is
-         * released with the later one, not skipped by both */
-        if (rows_done < c->rows) end = ((base + r->off + end) & ~(page - 1)) - base - r->off;
+         * released with the later one, not skipped by both (none yet: nothing to release) */
+        if (rows_done < c->rows) {
+            uintptr_t at = (base + r->off + end) & ~(page - 1);
+            end = at > base + r->off ? at - base - r->off : 0;
+        }
         if (end > r->released) {
             release_pages(c->b, r->off + r->released, end - r->released);
             r->released = end;
