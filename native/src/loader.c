@@ -13,6 +13,9 @@
 #include "tokenizer.h"
 
 #include <errno.h>
+#ifdef __GLIBC__
+#include <malloc.h>
+#endif
 #include <float.h>
 #include <fcntl.h>
 #include <math.h>
@@ -1187,6 +1190,11 @@ rt_model *rt_load(const char *fn, const char *path, int max_context, const BaseR
     entries = NULL;
     slots = NULL;
     bundle_close(&b);
+#ifdef __GLIBC__
+    /* the header's parse tree (tens of MB for a 262k vocabulary) was freed in small chunks the heap keeps
+     * resident: hand them back, so a handle costs what it holds */
+    malloc_trim(0);
+#endif
 
     return m;
 
