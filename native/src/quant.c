@@ -24,19 +24,19 @@ enum { QBLK = 32, PANEL = 16 };
 /* The GGML K kinds keep their 256-value super-blocks (quant.h): per panel and super-block a header (the
  * 16 rows' f16 d, and for Q4_K / Q5_K their f16 dmin), then its 8 blocks of 32, each the values and the
  * rows' integer sub-block scales (Q4_K / Q5_K: 6-bit scale and min as bytes; Q6_K: the two 16-value
- * halves' int8 scales). KIND_Q6 is GGML Q6_K: u (0..63) as q4's nibbles plus 2-bit high planes, value =
+ * halves' int8 scales). KIND_Q6K is GGML Q6_K: u (0..63) as q4's nibbles plus 2-bit high planes, value =
  * d * sc * (u - 32), no bias term. */
 enum {
     KIND_Q4 = 0,
     KIND_Q8 = 1,
     KIND_Q8S = 2 /* symmetric q8: no bias term */,
     KIND_Q5 = 3,
-    KIND_Q6 = 4,
+    KIND_Q6K = 4,
     KIND_Q4K = 5,
     KIND_Q5K = 6,
     N_KINDS = 7
 };
-#define KIND_IS_K(kind) ((kind) == KIND_Q4K || (kind) == KIND_Q5K || (kind) == KIND_Q6)
+#define KIND_IS_K(kind) ((kind) == KIND_Q4K || (kind) == KIND_Q5K || (kind) == KIND_Q6K)
 #define KIND_NIBBLES(kind) ((kind) == KIND_Q4 || (kind) == KIND_Q5 || (kind) == KIND_Q4K || (kind) == KIND_Q5K)
 #define KIND_FIFTH(kind) ((kind) == KIND_Q5 || (kind) == KIND_Q5K)
 
@@ -63,10 +63,10 @@ static qgeom geometry_of(int kind, bool sf32, int in) {
     g.kind = kind;
     g.sf32 = sf32;
     g.q_bytes = (size_t)PANEL * (kind == KIND_Q8 || kind == KIND_Q8S ? 32 : 16) +
-                (KIND_FIFTH(kind) ? Q5_MASKS : kind == KIND_Q6 ? Q6_PLANES : 0);
+                (KIND_FIFTH(kind) ? Q5_MASKS : kind == KIND_Q6K ? Q6_PLANES : 0);
     g.s_size = g.sf32 ? 4 : 2;
     g.block_bytes = g.q_bytes + (KIND_IS_K(kind) ? 2 * PANEL : PANEL * g.s_size * (g.kind == KIND_Q8S ? 1 : 2));
-    g.hdr_bytes = kind == KIND_Q6 ? 2 * PANEL : KIND_IS_K(kind) ? 4 * PANEL : 0;
+    g.hdr_bytes = kind == KIND_Q6K ? 2 * PANEL : KIND_IS_K(kind) ? 4 * PANEL : 0;
     g.sb_bytes = g.hdr_bytes + 8 * g.block_bytes;
     g.panel_bytes = KIND_IS_K(kind) ? g.sb_bytes * (size_t)(g.nb / 8) : g.block_bytes * (size_t)g.nb;
     return g;
@@ -75,7 +75,7 @@ static qgeom geometry_of(int kind, bool sf32, int in) {
 static qgeom geometry(int type, int flags, int in) {
     int kind = type == RT_W_Q4    ? KIND_Q4
                : type == RT_W_Q5  ? KIND_Q5
-               : type == RT_W_Q6  ? KIND_Q6
+               : type == RT_W_Q6K  ? KIND_Q6K
                : type == RT_W_Q4K ? KIND_Q4K
                : type == RT_W_Q5K ? KIND_Q5K
                : (flags & RT_WF_SYMMETRIC) ? KIND_Q8S
@@ -94,12 +94,12 @@ static inline const uint8_t *header_at(const qgeom *g, const uint8_t *panel, int
 
 /* Value i (0..31) of row L in block bp of a panel, as an unsigned integer. */
 static int value_at(const uint8_t *bp, int kind, size_t L, int i) {
-    if (!KIND_NIBBLES(kind) && kind != KIND_Q6) return bp[64 * (i / 4) + 4 * L + (size_t)(i % 4)];
+    if (!KIND_NIBBLES(kind) && kind != KIND_Q6K) return bp[64 * (i / 4) + 4 * L + (size_t)(i % 4)];
     int hi = i >= 16, s = (i % 16) / 4;
     size_t j = 4 * L + (size_t)(i % 4);
     int u = hi ? bp[64 * s + j] >> 4 : bp[64 * s + j] & 0x0F;
     if (KIND_FIFTH(kind)) u |= ((bp[PANEL * 16 + 8 * (2 * s + hi) + j / 8] >> (j % 8)) & 1) << 4;
-    if (kind == KIND_Q6) u |= ((bp[PANEL * 16 + 64 * (s / 2) + j] >> (4 * (s % 2) + 2 * hi)) & 3) << 4;
+    if (kind == KIND_Q6K) u |= ((bp[PANEL * 16 + 64 * (s / 2) + j] >> (4 * (s % 2) + 2 * hi)) & 3) << 4;
     return u;
 }
 
@@ -127,7 +127,7 @@ static void block_scales(const qgeom *g, const uint8_t *panel, int k, const uint
     }
     const uint8_t *hp = header_at(g, panel, k);
     float dd = scale_at(hp, L, false);
-    if (g->kind == KIND_Q6) {
+    if (g->kind == KIND_Q6K) {
         *d = dd * (float)(int8_t)dp[L];
         *m = dd * (float)(int8_t)dp[PANEL + L];
         return;
@@ -232,7 +232,7 @@ static void put_nibbles(uint8_t *bp, int kind, size_t L, const uint8_t *u) {
             for (size_t h = 0; h < 2; h++) {
                 uint8_t v = u[16 * h + 4 * s + i];
                 if (KIND_FIFTH(kind)) bp[PANEL * 16 + 8 * (2 * s + h) + j / 8] |= (uint8_t)(((v >> 4) & 1) << (j % 8));
-                if (kind == KIND_Q6) bp[PANEL * 16 + 64 * (s / 2) + j] |= (uint8_t)((v >> 4) << (4 * (s % 2) + 2 * h));
+                if (kind == KIND_Q6K) bp[PANEL * 16 + 64 * (s / 2) + j] |= (uint8_t)((v >> 4) << (4 * (s % 2) + 2 * h));
             }
         }
 }
@@ -297,7 +297,7 @@ size_t rt_weight_from_groups(rt_weight *out, int bits, const uint8_t *packed, co
 
 size_t rt_weight_from_ggml(rt_weight *out, int ggml_type, const uint8_t *blocks, size_t rows, size_t cols,
                            void (*done)(void *ctx, size_t rows_done), void *ctx) {
-    int type = ggml_type == RT_GGML_Q4_K ? RT_W_Q4K : ggml_type == RT_GGML_Q5_K ? RT_W_Q5K : RT_W_Q6;
+    int type = ggml_type == RT_GGML_Q4_K ? RT_W_Q4K : ggml_type == RT_GGML_Q5_K ? RT_W_Q5K : RT_W_Q6K;
     if (ggml_type != RT_GGML_Q4_K && ggml_type != RT_GGML_Q5_K && ggml_type != RT_GGML_Q6_K) return 0;
     qgeom g = geometry(type, 0, (int)cols);
     size_t size = ggml_type == RT_GGML_Q4_K ? 144 : ggml_type == RT_GGML_Q5_K ? 176 : 210, nsb = cols / 256;
@@ -342,7 +342,7 @@ void rt_qweight_row(const rt_weight *w, size_t row, int n, float *out) {
         block_scales(&g, pp, k, bp, L, &d, &m);
         for (int i = 0; i < QBLK; i++) {
             int u = value_at(bp, g.kind, L, i);
-            if (g.kind == KIND_Q6) o[i] = (i < 16 ? d : m) * (float)(u - 32);
+            if (g.kind == KIND_Q6K) o[i] = (i < 16 ? d : m) * (float)(u - 32);
             else o[i] = g.kind == KIND_Q8S ? d * (float)(u - 128) : d * (float)u + m;
         }
     }
@@ -471,7 +471,7 @@ static void qk_generic(const uint8_t *panel, int nb, int sf32, const uint8_t *x,
                 const int8_t *qk = q + k * QBLK;
                 float d, m;
                 block_scales(&g, panel, k, bp, (size_t)L, &d, &m);
-                if (kind == KIND_Q6) { /* per half: sum((u - 32) q) times that half's scale */
+                if (kind == KIND_Q6K) { /* per half: sum((u - 32) q) times that half's scale */
                     int ia = 0, ib = 0, sa = halves[k], sb = -corr[k] / 128 - sa;
                     for (int i = 0; i < QBLK; i++) {
                         int p = value_at(bp, kind, (size_t)L, i) * qk[i];
@@ -507,11 +507,11 @@ static void qk_generic(const uint8_t *panel, int nb, int sf32, const uint8_t *x,
      ISA##_##KIND##_5, ISA##_##KIND##_6, ISA##_##KIND##_7, ISA##_##KIND##_8}
 
 QK_KIND4(qk_generic, KIND_Q4) QK_KIND4(qk_generic, KIND_Q8) QK_KIND4(qk_generic, KIND_Q8S)
-QK_KIND4(qk_generic, KIND_Q5) QK_KIND4(qk_generic, KIND_Q6) QK_KIND4(qk_generic, KIND_Q4K)
+QK_KIND4(qk_generic, KIND_Q5) QK_KIND4(qk_generic, KIND_Q6K) QK_KIND4(qk_generic, KIND_Q4K)
 QK_KIND4(qk_generic, KIND_Q5K)
 static const qkernel_set generic_set = {{QK_ROW4(qk_generic, KIND_Q4), QK_ROW4(qk_generic, KIND_Q8),
                                          QK_ROW4(qk_generic, KIND_Q8S), QK_ROW4(qk_generic, KIND_Q5),
-                                         QK_ROW4(qk_generic, KIND_Q6), QK_ROW4(qk_generic, KIND_Q4K),
+                                         QK_ROW4(qk_generic, KIND_Q6K), QK_ROW4(qk_generic, KIND_Q4K),
                                          QK_ROW4(qk_generic, KIND_Q5K)},
                                         4,
                                         "generic"};
@@ -556,7 +556,7 @@ static inline __attribute__((always_inline)) void qk_avx2(const uint8_t *panel, 
             const uint8_t *bp = block_at(&g, panel, k);
             __m256i isum[4], isum2[4];
             for (int r = 0; r < RT; r++) isum[r] = isum2[r] = _mm256_setzero_si256();
-            if (KIND_NIBBLES(KIND) || KIND == KIND_Q6) {
+            if (KIND_NIBBLES(KIND) || KIND == KIND_Q6K) {
                 for (int s = 0; s < 4; s++) {
                     __m256i w = _mm256_loadu_si256((const __m256i *)(const void *)(bp + 64 * s + 32 * h));
                     __m256i lo = _mm256_and_si256(w, low4), hi = _mm256_and_si256(_mm256_srli_epi16(w, 4), low4);
@@ -564,7 +564,7 @@ static inline __attribute__((always_inline)) void qk_avx2(const uint8_t *panel, 
                         lo = _mm256_or_si256(lo, fifth_bits(bp + PANEL * 16 + 8 * (2 * s) + 4 * h));
                         hi = _mm256_or_si256(hi, fifth_bits(bp + PANEL * 16 + 8 * (2 * s + 1) + 4 * h));
                     }
-                    if (KIND == KIND_Q6) { /* u <= 63: maddubs pairs stay below 2 * 63 * 127 */
+                    if (KIND == KIND_Q6K) { /* u <= 63: maddubs pairs stay below 2 * 63 * 127 */
                         __m256i hb = _mm256_loadu_si256(
                             (const __m256i *)(const void *)(bp + PANEL * 16 + 64 * (s / 2) + 32 * h));
                         __m256i top = _mm256_set1_epi8(0x30);
@@ -576,7 +576,7 @@ static inline __attribute__((always_inline)) void qk_avx2(const uint8_t *panel, 
                         const uint8_t *q = x + (size_t)r * xrow + (size_t)k * QBLK;
                         __m256i pl = _mm256_maddubs_epi16(lo, bcst4(q + 4 * s)),
                                 ph = _mm256_maddubs_epi16(hi, bcst4(q + 16 + 4 * s));
-                        if (KIND == KIND_Q6) { /* low nibbles: the first half, high: the second */
+                        if (KIND == KIND_Q6K) { /* low nibbles: the first half, high: the second */
                             isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(pl, ones));
                             isum2[r] = _mm256_add_epi32(isum2[r], _mm256_madd_epi16(ph, ones));
                         } else {
@@ -602,7 +602,7 @@ static inline __attribute__((always_inline)) void qk_avx2(const uint8_t *panel, 
                 __m256 dd = load_scales8(hp + 16 * h, 0);
                 __m128i sa = _mm_loadl_epi64((const __m128i *)(const void *)sp),
                         sb = _mm_loadl_epi64((const __m128i *)(const void *)(sp + PANEL));
-                if (KIND == KIND_Q6) {
+                if (KIND == KIND_Q6K) {
                     d = _mm256_mul_ps(dd, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sa)));
                     m = _mm256_mul_ps(dd, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sb)));
                 } else {
@@ -615,7 +615,7 @@ static inline __attribute__((always_inline)) void qk_avx2(const uint8_t *panel, 
                 d = load_scales8(bp + g.q_bytes + 8 * h * g.s_size, sf32);
                 m = KIND == KIND_Q8S ? d : load_scales8(bp + g.q_bytes + PANEL * g.s_size + 8 * h * g.s_size, sf32);
             }
-            for (int r = 0; r < RT && KIND == KIND_Q6; r++) {
+            for (int r = 0; r < RT && KIND == KIND_Q6K; r++) {
                 const uint8_t *xr = x + (size_t)r * xrow;
                 int sa = XQ_HALF(xr, nb)[k], sb = -XQ_CORR(xr, nb)[k] / 128 - sa;
                 __m256 xd = _mm256_set1_ps(XQ_D(xr, nb)[k]);
@@ -624,7 +624,7 @@ static inline __attribute__((always_inline)) void qk_avx2(const uint8_t *panel, 
                 acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia), _mm256_mul_ps(d, xd), acc[r]);
                 acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ib), _mm256_mul_ps(m, xd), acc[r]);
             }
-            for (int r = 0; r < RT && KIND != KIND_Q6; r++) {
+            for (int r = 0; r < RT && KIND != KIND_Q6K; r++) {
                 const uint8_t *xr = x + (size_t)r * xrow;
                 __m256i s = isum[r];
                 if (KIND == KIND_Q8) s = _mm256_sub_epi32(s, _mm256_set1_epi32(XQ_CORR(xr, nb)[k]));
@@ -644,10 +644,10 @@ static inline __attribute__((always_inline)) void qk_avx2(const uint8_t *panel, 
 }
 
 QK_KIND4(qk_avx2, KIND_Q4) QK_KIND4(qk_avx2, KIND_Q8) QK_KIND4(qk_avx2, KIND_Q8S) QK_KIND4(qk_avx2, KIND_Q5)
-QK_KIND4(qk_avx2, KIND_Q6) QK_KIND4(qk_avx2, KIND_Q4K) QK_KIND4(qk_avx2, KIND_Q5K)
+QK_KIND4(qk_avx2, KIND_Q6K) QK_KIND4(qk_avx2, KIND_Q4K) QK_KIND4(qk_avx2, KIND_Q5K)
 #pragma GCC pop_options
 static const qkernel_set avx2_set = {{QK_ROW4(qk_avx2, KIND_Q4), QK_ROW4(qk_avx2, KIND_Q8), QK_ROW4(qk_avx2, KIND_Q8S),
-                                      QK_ROW4(qk_avx2, KIND_Q5), QK_ROW4(qk_avx2, KIND_Q6), QK_ROW4(qk_avx2, KIND_Q4K),
+                                      QK_ROW4(qk_avx2, KIND_Q5), QK_ROW4(qk_avx2, KIND_Q6K), QK_ROW4(qk_avx2, KIND_Q4K),
                                       QK_ROW4(qk_avx2, KIND_Q5K)},
                                      4,
                                      "avx2"};
@@ -679,7 +679,7 @@ static inline __attribute__((always_inline)) void qk_vnni(const uint8_t *panel, 
             _mm_prefetch((const char *)((uintptr_t)bp + PREFETCH_BYTES + off), _MM_HINT_T0);
         __m512i isum[8], isum2[8];
         for (int r = 0; r < RT; r++) isum[r] = isum2[r] = _mm512_setzero_si512();
-        if (KIND_NIBBLES(KIND) || KIND == KIND_Q6) {
+        if (KIND_NIBBLES(KIND) || KIND == KIND_Q6K) {
             for (int s = 0; s < 4; s++) {
                 __m512i w = _mm512_loadu_si512(bp + 64 * s);
                 __m512i lo = _mm512_and_si512(w, low4), hi = _mm512_and_si512(_mm512_srli_epi16(w, 4), low4);
@@ -690,7 +690,7 @@ static inline __attribute__((always_inline)) void qk_vnni(const uint8_t *panel, 
                     lo = _mm512_or_si512(lo, _mm512_maskz_mov_epi8((__mmask64)ml, fifth));
                     hi = _mm512_or_si512(hi, _mm512_maskz_mov_epi8((__mmask64)mh, fifth));
                 }
-                if (KIND == KIND_Q6) { /* the 2-bit planes: bits 4e, 4e + 2 of byte j for group 2p + e */
+                if (KIND == KIND_Q6K) { /* the 2-bit planes: bits 4e, 4e + 2 of byte j for group 2p + e */
                     __m512i hb = _mm512_loadu_si512(bp + PANEL * 16 + 64 * (s / 2)), top = _mm512_set1_epi8(0x30);
                     lo = _mm512_or_si512(lo, _mm512_and_si512(s % 2 ? hb : _mm512_slli_epi16(hb, 4), top));
                     hi = _mm512_or_si512(
@@ -699,7 +699,7 @@ static inline __attribute__((always_inline)) void qk_vnni(const uint8_t *panel, 
                 for (int r = 0; r < RT; r++) {
                     const uint8_t *q = x + (size_t)r * xrow + (size_t)k * QBLK;
                     isum[r] = _mm512_dpbusd_epi32(isum[r], lo, bcst4_512(q + 4 * s));
-                    if (KIND == KIND_Q6) /* high nibbles: the block's second half */
+                    if (KIND == KIND_Q6K) /* high nibbles: the block's second half */
                         isum2[r] = _mm512_dpbusd_epi32(isum2[r], hi, bcst4_512(q + 16 + 4 * s));
                     else
                         isum[r] = _mm512_dpbusd_epi32(isum[r], hi, bcst4_512(q + 16 + 4 * s));
@@ -718,7 +718,7 @@ static inline __attribute__((always_inline)) void qk_vnni(const uint8_t *panel, 
             __m512 dd = load_scales16(hp, 0);
             __m128i sa = _mm_loadu_si128((const __m128i *)(const void *)sp),
                     sb = _mm_loadu_si128((const __m128i *)(const void *)(sp + PANEL));
-            if (KIND == KIND_Q6) {
+            if (KIND == KIND_Q6K) {
                 d = _mm512_mul_ps(dd, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(sa)));
                 m = _mm512_mul_ps(dd, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(sb)));
             } else {
@@ -732,7 +732,7 @@ static inline __attribute__((always_inline)) void qk_vnni(const uint8_t *panel, 
             d = load_scales16(bp + g.q_bytes, sf32);
             m = KIND == KIND_Q8S ? d : load_scales16(bp + g.q_bytes + PANEL * g.s_size, sf32);
         }
-        for (int r = 0; r < RT && KIND == KIND_Q6; r++) {
+        for (int r = 0; r < RT && KIND == KIND_Q6K; r++) {
             const uint8_t *xr = x + (size_t)r * xrow;
             int sa = XQ_HALF(xr, nb)[k], sb = -XQ_CORR(xr, nb)[k] / 128 - sa;
             __m512 xd = _mm512_set1_ps(XQ_D(xr, nb)[k]);
@@ -741,7 +741,7 @@ static inline __attribute__((always_inline)) void qk_vnni(const uint8_t *panel, 
             acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia), _mm512_mul_ps(d, xd), acc[r]);
             acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ib), _mm512_mul_ps(m, xd), acc[r]);
         }
-        for (int r = 0; r < RT && KIND != KIND_Q6; r++) {
+        for (int r = 0; r < RT && KIND != KIND_Q6K; r++) {
             const uint8_t *xr = x + (size_t)r * xrow;
             __m512i s = isum[r];
             if (KIND == KIND_Q8S) s = _mm512_add_epi32(s, _mm512_set1_epi32(XQ_CORR(xr, nb)[k]));
@@ -755,10 +755,10 @@ static inline __attribute__((always_inline)) void qk_vnni(const uint8_t *panel, 
 }
 
 QK_KIND8(qk_vnni, KIND_Q4) QK_KIND8(qk_vnni, KIND_Q8) QK_KIND8(qk_vnni, KIND_Q8S) QK_KIND8(qk_vnni, KIND_Q5)
-QK_KIND8(qk_vnni, KIND_Q6) QK_KIND8(qk_vnni, KIND_Q4K) QK_KIND8(qk_vnni, KIND_Q5K)
+QK_KIND8(qk_vnni, KIND_Q6K) QK_KIND8(qk_vnni, KIND_Q4K) QK_KIND8(qk_vnni, KIND_Q5K)
 #pragma GCC pop_options
 static const qkernel_set vnni_set = {{QK_ROW8(qk_vnni, KIND_Q4), QK_ROW8(qk_vnni, KIND_Q8), QK_ROW8(qk_vnni, KIND_Q8S),
-                                      QK_ROW8(qk_vnni, KIND_Q5), QK_ROW8(qk_vnni, KIND_Q6), QK_ROW8(qk_vnni, KIND_Q4K),
+                                      QK_ROW8(qk_vnni, KIND_Q5), QK_ROW8(qk_vnni, KIND_Q6K), QK_ROW8(qk_vnni, KIND_Q4K),
                                       QK_ROW8(qk_vnni, KIND_Q5K)},
                                      8,
                                      "avx512-vnni"};

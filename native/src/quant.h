@@ -17,7 +17,7 @@
  * of 16 rows against 4 activation bytes broadcast, and an int32 lane ends a
  * block holding one row's whole block sum.
  *
- * GGML K-quants (RT_W_Q4K / RT_W_Q5K / RT_W_Q6) keep GGML's scale structure, so they stay about their
+ * GGML K-quants (RT_W_Q4K / RT_W_Q5K / RT_W_Q6K) keep GGML's scale structure, so they stay about their
  * GGUF size: per panel and 256-value super-block a header, the 16 rows' f16 d (then, Q4_K / Q5_K, their
  * f16 dmin), then the super-block's 8 blocks, each the values (Q4_K: q4's groups, Q5_K: q5's; Q6_K: q4's
  * nibbles for u's low 4 bits plus 2 planes of 64 bytes, plane p byte j holding the high 2 bits of group
@@ -62,7 +62,7 @@ size_t rt_weight_from_groups(rt_weight *out, int bits, const uint8_t *packed, co
 /* GGML K-quant blocks a bundle may carry as they are (bundle dtypes ggml_q4_k / ggml_q5_k): 256-value
  * super-blocks (ggml-common.h), rows of cols / 256 blocks. */
 enum { RT_GGML_Q4_K = 12, RT_GGML_Q5_K = 13, RT_GGML_Q6_K = 14 }; /* GGML's type numbers */
-/* Repack such a tensor [rows][cols] (cols % 256 == 0) into the K panels (RT_W_Q4K / RT_W_Q5K / RT_W_Q6:
+/* Repack such a tensor [rows][cols] (cols % 256 == 0) into the K panels (RT_W_Q4K / RT_W_Q5K / RT_W_Q6K:
  * GGML's own super-block scales, layout above), calling done(ctx, rows_done) (when not NULL) after every
  * chunk of whole panels (about 2 MB of blocks) and at the end: the caller may release the source rows read
  * so far. Returns the bytes allocated, 0 when out of memory or not a K type. */
