@@ -105,12 +105,12 @@ class Bench:
             self.lib.baseRT_sequence_free(seq)
 
     def weight_mb(self) -> float:
-        """Resident weight bytes (the runtime's allocation minus its KV pool and scratch is not exposed
-        separately; runtime_allocated - kv capacity is weights + scratch)."""
+        """Resident weight bytes: baseRT_model_memory counts the weights and the KV pool's capacity (the
+        runtime's scratch is not in it)."""
         st = _ffi.BaseRTMemoryStats()
         if not self.lib.baseRT_model_memory_stats(self.model, byref(st)):
             return float("nan")
-        return (st.runtime_allocated_bytes - st.kv_cache_capacity_bytes) / 2**20
+        return (int(self.lib.baseRT_model_memory(self.model)) - st.kv_cache_capacity_bytes) / 2**20
 
     def close(self) -> None:
         self.lib.baseRT_free_model(self.model)

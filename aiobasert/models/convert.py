@@ -704,8 +704,8 @@ _CARRIED: Final = _FOUR_BIT | _FIVE_BIT | {_Q.Q8_0}
 _SYMMETRIC: Final = {_Q.Q8_0: "base_q8", _Q.Q5_0: "base_q5", _Q.Q4_0: "base_q4"}
 _FLOAT: Final = frozenset({_Q.F32, _Q.F16, _Q.BF16})
 # K-quant blocks `auto` stores as the GGUF has them (bundle dtypes ggml_q4_k / ggml_q5_k / ggml_q6_k,
-# the GGUF's size): the engine decodes them at load into its q4 / q5 kernels' layout with f32 sub-block
-# scales, Q6_K into its q6 layout (two 16-value halves per block of 32, each with its scale).
+# the GGUF's size): the engine repacks them at load into K panels that keep GGML's super-block scales
+# (native/src/quant.h), Q6_K's two 16-value halves per block of 32 each with its int8 scale.
 _K_BLOCKS: Final = {kind: dtype for dtype, (kind, _) in GGML_BLOCKS.items()}
 
 

@@ -13,6 +13,9 @@
 #include "tokenizer.h"
 
 #include <errno.h>
+#ifdef __GLIBC__
+#include <malloc.h>
+#endif
 #include <float.h>
 #include <fcntl.h>
 #include <math.h>
@@ -56,6 +59,7 @@ typedef struct {
     uint64_t blob_start;
     json_doc *doc;
     const json_value *hdr;
+    uint64_t file_id[4]; /* device, inode, mtime and ctime (ns): which file this is, for sharing */
 } bundle;
 
 /* The tensor layout: slot 0 embed, 1 final norm, 2 lm_head, 3 rope_freqs, then
@@ -175,6 +179,10 @@ static int bundle_open(bundle *b, const char *fn, const char *path) {
         return bundle_fail(b, BASERT_ERR_UNSUPPORTED, "file too large to map");
     }
     b->size = (size_t)st.st_size;
+    b->file_id[0] = (uint64_t)st.st_dev;
+    b->file_id[1] = (uint64_t)st.st_ino;
+    b->file_id[2] = (uint64_t)st.st_mtim.tv_sec * 1000000000u + (uint64_t)st.st_mtim.tv_nsec;
+    b->file_id[3] = (uint64_t)st.st_ctim.tv_sec * 1000000000u + (uint64_t)st.st_ctim.tv_nsec;
     void *map = mmap(NULL, b->size, PROT_READ, MAP_PRIVATE, fd, 0);
     int e = errno;
     close(fd);
@@ -731,15 +739,6 @@ static void release_pages(const bundle *b, uint64_t off, uint64_t len) {
     if (hi > lo) madvise((void *)lo, hi - lo, MADV_DONTNEED);
 }
 
-static void release_tensor(const bundle *b, const tensor_entry *t) {
-    release_pages(b, t->offset, t->length);
-    if (t->dtype == DT_Q8 || t->dtype == DT_Q4 || t->dtype == DT_Q5) { /* their scale and bias regions */
-        uint64_t region = t->n_elems / t->group_size * (t->scale_type == RT_SCALE_F32 ? 4 : 2);
-        release_pages(b, t->scale_offset, region);
-        if (!t->symmetric) release_pages(b, t->bias_offset, region);
-    }
-}
-
 /* A matrix: f16 stays f16 (the kernels widen it in registers, exactly);
  * f32 and bf16 become f32. BASERT_REF_WIDEN_F16=1 widens f16 at load as
  * the engine used to (benchmarks and the bit-identity test compare both). */
@@ -774,19 +773,63 @@ static bool quant_params_finite(const bundle *b, const tensor_entry *t) {
     return true;
 }
 
+/* A tensor being repacked: its rows [0, rows_done) are read, so their whole pages go (release_pages' rule)
+ * as each chunk is done, in every region of the tensor (values, group scales, group biases); the load thus
+ * peaks at the repacked weights plus about one chunk, not plus the whole source tensor. */
+typedef struct {
+    uint64_t off, row_bytes, released; /* blob-relative; bytes of the region already released */
+} row_region;
+typedef struct {
+    const bundle *b;
+    size_t rows;
+    int n;
+    row_region r[3];
+} chunk_release;
+
+static chunk_release chunk_release_of(const bundle *b, const tensor_entry *t) {
+    chunk_release c = {b, (size_t)t->shape[0], 1, {{t->offset, 0, 0}}};
+    if (!c.rows) return c;
+    c.r[0].row_bytes = t->length / c.rows;
+    if (t->dtype == DT_Q8 || t->dtype == DT_Q4 || t->dtype == DT_Q5) { /* their scale and bias regions */
+        uint64_t row_scales = (uint64_t)t->shape[1] / t->group_size * (t->scale_type == RT_SCALE_F32 ? 4 : 2);
+        c.r[c.n++] = (row_region){t->scale_offset, row_scales, 0};
+        if (!t->symmetric) c.r[c.n++] = (row_region){t->bias_offset, row_scales, 0};
+    }
+    return c;
+}
+
+static void release_rows(void *ctx, size_t rows_done) {
+    chunk_release *c = ctx;
+    uintptr_t page = (uintptr_t)sysconf(_SC_PAGESIZE), base = (uintptr_t)(c->b->map + c->b->blob_start);
+    for (int i = 0; i < c->n; i++) {
+        row_region *r = &c->r[i];
+        uint64_t end = (uint64_t)rows_done * r->row_bytes;
+        /* an end inside the tensor goes down to a page boundary, so a page split between two chunks is
+         * released with the later one, not skipped by both (none yet: nothing to release) */
+        if (rows_done < c->rows) {
+            uintptr_t at = (base + r->off + end) & ~(page - 1);
+            end = at > base + r->off ? at - base - r->off : 0;
+        }
+        if (end > r->released) {
+            release_pages(c->b, r->off + r->released, end - r->released);
+            r->released = end;
+        }
+    }
+}
+
 static bool load_matrix(const bundle *b, const tensor_entry *t, bool widen_f16, rt_weight *out, uint64_t *total) {
     if (t->dtype >= DT_GGML_Q4_K) {
+        chunk_release c = chunk_release_of(b, t);
         size_t bytes = rt_weight_from_ggml(out,
                                            t->dtype == DT_GGML_Q4_K   ? RT_GGML_Q4_K
                                            : t->dtype == DT_GGML_Q5_K ? RT_GGML_Q5_K
                                                                       : RT_GGML_Q6_K,
                                            b->map + b->blob_start + t->offset, (size_t)t->shape[0],
-                                           (size_t)t->shape[1]);
+                                           (size_t)t->shape[1], release_rows, &c);
         if (!bytes) {
             bundle_fail(b, BASERT_ERR_OUT_OF_MEMORY, "out of memory loading tensor '%s'", t->name);
             return false;
         }
-        release_tensor(b, t);
         *total += bytes;
         return true;
     }
@@ -794,15 +837,15 @@ static bool load_matrix(const bundle *b, const tensor_entry *t, bool widen_f16, 
         if (!quant_params_finite(b, t)) return false;
         const unsigned char *blob = b->map + b->blob_start;
         int bits = t->dtype == DT_Q4 ? 4 : t->dtype == DT_Q5 ? 5 : 8;
+        chunk_release c = chunk_release_of(b, t);
         size_t bytes = rt_weight_from_groups(out, bits, blob + t->offset, blob + t->scale_offset,
                                              t->symmetric ? NULL : blob + t->bias_offset, t->scale_type,
                                              t->symmetric, (size_t)t->shape[0], (size_t)t->shape[1],
-                                             (int)t->group_size);
+                                             (int)t->group_size, release_rows, &c);
         if (!bytes) {
             bundle_fail(b, BASERT_ERR_OUT_OF_MEMORY, "out of memory loading tensor '%s'", t->name);
             return false;
         }
-        release_tensor(b, t);
         *total += bytes;
         return true;
     }
@@ -813,14 +856,22 @@ static bool load_matrix(const bundle *b, const tensor_entry *t, bool widen_f16, 
             bundle_fail(b, BASERT_ERR_OUT_OF_MEMORY, "out of memory loading tensor '%s' (%zu bytes)", t->name, bytes);
             return false;
         }
-        memcpy(h, b->map + b->blob_start + t->offset, bytes);
+        /* in chunks of whole rows (about 2 MB), each released once copied */
+        chunk_release c = chunk_release_of(b, t);
+        size_t row = (size_t)t->shape[1] * 2, step = row ? ((2u << 20) / row + 1) : 1;
+        for (size_t r0 = 0; r0 < c.rows; r0 += step) {
+            size_t n = c.rows - r0 < step ? c.rows - r0 : step;
+            memcpy((uint8_t *)h + r0 * row, b->map + b->blob_start + t->offset + r0 * row, n * row);
+            release_rows(&c, r0 + n);
+        }
         *out = (rt_weight){h, RT_W_F16, 0};
-        release_tensor(b, t);
         *total += bytes;
         return true;
     }
     float *f = load_tensor_f32(b, t);
     if (!f) return false;
+    chunk_release c = chunk_release_of(b, t);
+    release_rows(&c, c.rows);
     *out = (rt_weight){f, RT_W_F32, 0};
     *total += t->n_elems * sizeof(float);
     return true;
@@ -885,6 +936,8 @@ static int load_weights(const bundle *b, rt_model *m, tensor_entry **slots) {
 }
 
 /* ---- tokenizer metadata ------------------------------------------------------------ */
+
+static uint64_t fnv1a64(const unsigned char *p, size_t n);
 
 static char *token_string(const bpe_tokenizer *tok, uint32_t id) {
     int n = bpe_token_bytes(tok, id, NULL, 0);
@@ -999,7 +1052,14 @@ static int load_tokenizer(const bundle *b, rt_model *m, const parsed_config *pc)
     char err[256] = "";
     bpe_options opt = {.model = model, .pre = pre, .scores = tok_score, .add_space_prefix = add_space_prefix,
                        .rstrip = rstrip};
-    m->tok = bpe_create_model(tok_text, tok_type, (int)n_tokens, merge_text, (int)n_merges, &opt, err, sizeof err);
+    /* the same file (and header bytes) as a handle already open: share its tokenizer (bpe_shared_get) */
+    uint64_t key[BPE_SHARE_KEY] = {b->file_id[0], b->file_id[1], b->file_id[2], b->file_id[3],
+                                   (uint64_t)b->blob_start, fnv1a64(b->map, (size_t)b->blob_start)};
+    m->tok = bpe_shared_get(key);
+    if (!m->tok) {
+        m->tok = bpe_create_model(tok_text, tok_type, (int)n_tokens, merge_text, (int)n_merges, &opt, err, sizeof err);
+        bpe_shared_put(m->tok, key);
+    }
     if (!m->tok) rc = bundle_fail(b, BASERT_ERR_INVALID_FORMAT, "cannot build the tokenizer: %s", err);
 done:
     free(tok_text);
@@ -1174,6 +1234,11 @@ rt_model *rt_load(const char *fn, const char *path, int max_context, const BaseR
     entries = NULL;
     slots = NULL;
     bundle_close(&b);
+#ifdef __GLIBC__
+    /* the header's parse tree (tens of MB for a 262k vocabulary) was freed in small chunks the heap keeps
+     * resident: hand them back, so a handle costs what it holds */
+    malloc_trim(0);
+#endif
 
     return m;
 

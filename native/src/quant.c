@@ -21,51 +21,85 @@ enum { QBLK = 32, PANEL = 16 };
 
 /* ---- geometry ------------------------------------------------------------- */
 
-/* KIND_Q6: GGML Q6_K's 16-value sub-blocks: u (0..63) stored as q8, the "d" and "m" slots hold the two
- * halves' scales d * sc (value = scale * (u - 32)), no bias term. */
-enum { KIND_Q4 = 0, KIND_Q8 = 1, KIND_Q8S = 2 /* symmetric q8: no bias term */, KIND_Q5 = 3, KIND_Q6 = 4, N_KINDS = 5 };
+/* The GGML K kinds keep their 256-value super-blocks (quant.h): per panel and super-block a header (the
+ * 16 rows' f16 d, and for Q4_K / Q5_K their f16 dmin), then its 8 blocks of 32, each the values and the
+ * rows' integer sub-block scales (Q4_K / Q5_K: 6-bit scale and min as bytes; Q6_K: the two 16-value
+ * halves' int8 scales). KIND_Q6K is GGML Q6_K: u (0..63) as q4's nibbles plus 2-bit high planes, value =
+ * d * sc * (u - 32), no bias term. */
+enum {
+    KIND_Q4 = 0,
+    KIND_Q8 = 1,
+    KIND_Q8S = 2 /* symmetric q8: no bias term */,
+    KIND_Q5 = 3,
+    KIND_Q6K = 4,
+    KIND_Q4K = 5,
+    KIND_Q5K = 6,
+    N_KINDS = 7
+};
+#define KIND_IS_K(kind) ((kind) == KIND_Q4K || (kind) == KIND_Q5K || (kind) == KIND_Q6K)
+#define KIND_NIBBLES(kind) ((kind) == KIND_Q4 || (kind) == KIND_Q5 || (kind) == KIND_Q4K || (kind) == KIND_Q5K)
+#define KIND_FIFTH(kind) ((kind) == KIND_Q5 || (kind) == KIND_Q5K)
 
 typedef struct {
     int nb, kind;
     bool sf32;
     size_t q_bytes;     /* per panel and block: the 16 rows' values */
-    size_t s_size;      /* bytes of one scale */
-    size_t block_bytes; /* per panel and block: values, d[16], m[16] */
+    size_t s_size;      /* bytes of one scale (base kinds) */
+    size_t block_bytes; /* per panel and block: values, then d[16], m[16] (K kinds: sc[16], mn[16]) */
+    size_t hdr_bytes;   /* K kinds: per panel and super-block, the rows' f16 d[16] (and dmin[16]) */
+    size_t sb_bytes;    /* hdr_bytes + 8 blocks */
     size_t panel_bytes;
 } qgeom;
 
 /* q5 = q4's nibbles plus, per block, 8 masks of 64 bits: mask 2s (2s + 1) holds the fifth bit of each byte's
- * low (high) nibble in group s, bit j for byte j of the group. */
-enum { Q5_MASKS = 64 };
+ * low (high) nibble in group s, bit j for byte j of the group. q6 = q4's nibbles plus 2 planes of 64 bytes:
+ * plane p byte j holds, 2 bits each from bit 0, the high bits of group 2p's low / high nibble and group
+ * 2p + 1's low / high nibble at byte j. */
+enum { Q5_MASKS = 64, Q6_PLANES = 128 };
 
 static qgeom geometry_of(int kind, bool sf32, int in) {
     qgeom g;
     g.nb = in / QBLK;
     g.kind = kind;
     g.sf32 = sf32;
-    g.q_bytes = (size_t)PANEL * (kind == KIND_Q8 || kind == KIND_Q8S || kind == KIND_Q6 ? 32 : 16) +
-                (kind == KIND_Q5 ? Q5_MASKS : 0);
+    g.q_bytes = (size_t)PANEL * (kind == KIND_Q8 || kind == KIND_Q8S ? 32 : 16) +
+                (KIND_FIFTH(kind) ? Q5_MASKS : kind == KIND_Q6K ? Q6_PLANES : 0);
     g.s_size = g.sf32 ? 4 : 2;
-    g.block_bytes = g.q_bytes + PANEL * g.s_size * (g.kind == KIND_Q8S ? 1 : 2);
-    g.panel_bytes = g.block_bytes * (size_t)g.nb;
+    g.block_bytes = g.q_bytes + (KIND_IS_K(kind) ? 2 * PANEL : PANEL * g.s_size * (g.kind == KIND_Q8S ? 1 : 2));
+    g.hdr_bytes = kind == KIND_Q6K ? 2 * PANEL : KIND_IS_K(kind) ? 4 * PANEL : 0;
+    g.sb_bytes = g.hdr_bytes + 8 * g.block_bytes;
+    g.panel_bytes = KIND_IS_K(kind) ? g.sb_bytes * (size_t)(g.nb / 8) : g.block_bytes * (size_t)g.nb;
     return g;
 }
 
 static qgeom geometry(int type, int flags, int in) {
-    int kind = type == RT_W_Q4   ? KIND_Q4
-               : type == RT_W_Q5 ? KIND_Q5
-               : type == RT_W_Q6 ? KIND_Q6
+    int kind = type == RT_W_Q4    ? KIND_Q4
+               : type == RT_W_Q5  ? KIND_Q5
+               : type == RT_W_Q6K  ? KIND_Q6K
+               : type == RT_W_Q4K ? KIND_Q4K
+               : type == RT_W_Q5K ? KIND_Q5K
                : (flags & RT_WF_SYMMETRIC) ? KIND_Q8S
                                            : KIND_Q8;
     return geometry_of(kind, (flags & RT_WF_SCALES_F32) != 0, in);
 }
 
-/* Value i (0..31) of row L in a q4 / q5 block at bp, as an unsigned integer. */
-static int nibble_value(const uint8_t *bp, int kind, size_t L, int i) {
+/* Block k of a panel and its super-block's header (K kinds; k >= 0). */
+static inline const uint8_t *block_at(const qgeom *g, const uint8_t *panel, int k) {
+    if (!KIND_IS_K(g->kind)) return panel + (size_t)k * g->block_bytes; /* the plain form: AVX2 is faster so */
+    return panel + ((size_t)k >> 3) * g->sb_bytes + g->hdr_bytes + ((size_t)k & 7) * g->block_bytes;
+}
+static inline const uint8_t *header_at(const qgeom *g, const uint8_t *panel, int k) {
+    return panel + ((size_t)k >> 3) * g->sb_bytes;
+}
+
+/* Value i (0..31) of row L in block bp of a panel, as an unsigned integer. */
+static int value_at(const uint8_t *bp, int kind, size_t L, int i) {
+    if (!KIND_NIBBLES(kind) && kind != KIND_Q6K) return bp[64 * (i / 4) + 4 * L + (size_t)(i % 4)];
     int hi = i >= 16, s = (i % 16) / 4;
     size_t j = 4 * L + (size_t)(i % 4);
     int u = hi ? bp[64 * s + j] >> 4 : bp[64 * s + j] & 0x0F;
-    if (kind == KIND_Q5) u |= ((bp[PANEL * 16 + 8 * (2 * s + hi) + j / 8] >> (j % 8)) & 1) << 4;
+    if (KIND_FIFTH(kind)) u |= ((bp[PANEL * 16 + 8 * (2 * s + hi) + j / 8] >> (j % 8)) & 1) << 4;
+    if (kind == KIND_Q6K) u |= ((bp[PANEL * 16 + 64 * (s / 2) + j] >> (4 * (s % 2) + 2 * hi)) & 3) << 4;
     return u;
 }
 
@@ -78,6 +112,28 @@ static float scale_at(const uint8_t *p, size_t i, bool sf32) {
     uint16_t h;
     memcpy(&h, p + 2 * i, 2);
     return rt_f16_to_f32(h);
+}
+
+/* Row L's d and m of block k (bp = block_at(panel, k)). K kinds compute GGML's own products: d * sc and
+ * -(dmin * m) (Q4_K / Q5_K), the halves' d * sc (Q6_K: "m" is the second half's), an f16 times an integer
+ * below 64 or an int8, exact in f32 -- the SIMD kernels compute the same product in registers. */
+static void block_scales(const qgeom *g, const uint8_t *panel, int k, const uint8_t *bp, size_t L, float *d,
+                         float *m) {
+    const uint8_t *dp = bp + g->q_bytes;
+    if (!KIND_IS_K(g->kind)) {
+        *d = scale_at(dp, L, g->sf32);
+        *m = g->kind == KIND_Q8S ? *d : scale_at(dp + PANEL * g->s_size, L, g->sf32);
+        return;
+    }
+    const uint8_t *hp = header_at(g, panel, k);
+    float dd = scale_at(hp, L, false);
+    if (g->kind == KIND_Q6K) {
+        *d = dd * (float)(int8_t)dp[L];
+        *m = dd * (float)(int8_t)dp[PANEL + L];
+        return;
+    }
+    *d = dd * (float)dp[L];
+    *m = -(scale_at(hp + 2 * PANEL, L, false) * (float)dp[PANEL + L]);
 }
 
 /* Activation row: q[nb * 32] | xd[nb] | xs[nb] | corr[nb] (int32) | half[nb] (int32: sum of the block's
@@ -110,7 +166,7 @@ static bool f16_exact(float f) { return rt_f16_to_f32(rt_f32_to_f16(f)) == f || 
  * value = d * u + m. */
 typedef struct {
     const uint8_t *packed, *scales, *biases;
-    int scale_type, bits, gs, ggml; /* ggml: 0 = base_q* groups, else RT_GGML_* */
+    int scale_type, bits, gs;
     bool symmetric;
     size_t cols;
 } block_source;
@@ -136,64 +192,67 @@ static void group_block(const block_source *src, size_t r, size_t k, uint8_t *u,
 }
 
 /* GGML's block_q4_K / block_q5_K (ggml-common.h): super-blocks of 256 values, d and dmin f16, 8 sub-blocks
- * of 32 with 6-bit scale and min (get_scale_min_k4); value = d * sc * q - dmin * m. d * sc and dmin * m
- * are an f16 times an integer below 64: exact in f32, so the kernels compute with ggml's own values. */
-static void k_block(const block_source *src, size_t r, size_t k, uint8_t *u, float *d, float *m) {
-    size_t size = src->ggml == RT_GGML_Q4_K ? 144 : 176, j = k % 8, c = j / 2, hi = j % 2;
-    const uint8_t *b = src->packed + (r * (src->cols / 256) + k / 8) * size, *sc = b + 4;
-    uint16_t hd, hmin;
-    memcpy(&hd, b, 2);
-    memcpy(&hmin, b + 2, 2);
-    int s, mn;
+ * of 32 with 6-bit scale and min (get_scale_min_k4); value = d * sc * q - dmin * m. Sub-block j of super-block
+ * b: its values u, scale *s and min *mn. */
+static void k_block(int ggml, const uint8_t *b, size_t j, uint8_t *u, uint8_t *s, uint8_t *mn) {
+    size_t c = j / 2, hi = j % 2;
+    const uint8_t *sc = b + 4;
     if (j < 4) {
-        s = sc[j] & 63;
-        mn = sc[j + 4] & 63;
+        *s = sc[j] & 63;
+        *mn = sc[j + 4] & 63;
     } else {
-        s = (sc[j + 4] & 0x0F) | ((sc[j - 4] >> 6) << 4);
-        mn = (sc[j + 4] >> 4) | ((sc[j] >> 6) << 4);
+        *s = (uint8_t)((sc[j + 4] & 0x0F) | ((sc[j - 4] >> 6) << 4));
+        *mn = (uint8_t)((sc[j + 4] >> 4) | ((sc[j] >> 6) << 4));
     }
-    *d = rt_f16_to_f32(hd) * (float)s;
-    *m = -(rt_f16_to_f32(hmin) * (float)mn);
-    if (!u) return;
-    const uint8_t *qh = b + 16, *qs = b + (src->ggml == RT_GGML_Q4_K ? 16 : 48) + 32 * c;
+    const uint8_t *qh = b + 16, *qs = b + (ggml == RT_GGML_Q4_K ? 16 : 48) + 32 * c;
     for (size_t i = 0; i < QBLK; i++) {
         u[i] = (uint8_t)(hi ? qs[i] >> 4 : qs[i] & 0x0F);
-        if (src->ggml == RT_GGML_Q5_K) u[i] |= (uint8_t)(((qh[i] >> j) & 1) << 4);
+        if (ggml == RT_GGML_Q5_K) u[i] |= (uint8_t)(((qh[i] >> j) & 1) << 4);
     }
 }
 
 /* GGML's block_q6_K: super-blocks of 256 values, ql[128] qh[64] int8 scales[16] and f16 d; value =
- * d * sc * (q - 32) with one scale per 16 values (dequantize_row_q6_K). Block k is quarter t of half n of
- * its super-block; "d" and "m" return the scales d * sc of its two halves (f16 x int8: exact in f32). */
-static void q6_block(const block_source *src, size_t r, size_t k, uint8_t *u, float *d, float *m) {
-    const uint8_t *b = src->packed + (r * (src->cols / 256) + k / 8) * 210;
-    size_t j = k % 8, n = j / 4, t = j % 4;
-    const int8_t *sc = (const int8_t *)(const void *)(b + 192) + 8 * n + 2 * t;
-    uint16_t hd;
-    memcpy(&hd, b + 208, 2);
-    float dd = rt_f16_to_f32(hd);
-    *d = dd * (float)sc[0];
-    *m = dd * (float)sc[1];
-    if (!u) return;
+ * d * sc * (q - 32) with one scale per 16 values (dequantize_row_q6_K). Block j is quarter t of half n of
+ * its super-block; s[0], s[1]: the scales of its two 16-value halves. */
+static void q6_block(const uint8_t *b, size_t j, uint8_t *u, int8_t *s) {
+    size_t n = j / 4, t = j % 4;
+    memcpy(s, b + 192 + 8 * n + 2 * t, 2);
     const uint8_t *ql = b + 64 * n + 32 * (t % 2), *qh = b + 128 + 32 * n;
     for (size_t i = 0; i < QBLK; i++)
         u[i] = (uint8_t)((t < 2 ? ql[i] & 0x0F : ql[i] >> 4) | ((qh[i] >> (2 * t)) & 3) << 4);
 }
 
-static void source_block(const block_source *src, size_t r, size_t k, uint8_t *u, float *d, float *m) {
-    if (src->ggml == RT_GGML_Q6_K) q6_block(src, r, k, u, d, m);
-    else if (src->ggml) k_block(src, r, k, u, d, m);
-    else group_block(src, r, k, u, d, m);
+/* Row L's 32 values u of a q4 / q5 / q6 block: low nibbles 0..15, high nibbles 16..31, the fifth bits
+ * (q5: masks) or high 2 bits (q6: planes), into a zeroed block bp. */
+static void put_nibbles(uint8_t *bp, int kind, size_t L, const uint8_t *u) {
+    for (size_t s = 0; s < 4; s++)
+        for (size_t i = 0; i < 4; i++) {
+            size_t j = 4 * L + i;
+            bp[64 * s + j] = (uint8_t)((u[4 * s + i] & 0x0F) | (u[16 + 4 * s + i] & 0x0F) << 4);
+            for (size_t h = 0; h < 2; h++) {
+                uint8_t v = u[16 * h + 4 * s + i];
+                if (KIND_FIFTH(kind)) bp[PANEL * 16 + 8 * (2 * s + h) + j / 8] |= (uint8_t)(((v >> 4) & 1) << (j % 8));
+                if (kind == KIND_Q6K) bp[PANEL * 16 + 64 * (s / 2) + j] |= (uint8_t)((v >> 4) << (4 * (s % 2) + 2 * h));
+            }
+        }
 }
 
-/* Repack every block of src into the panel layout of `type`. */
-static size_t repack(rt_weight *out, int type, bool sym8, const block_source *src, size_t rows, size_t cols) {
+/* Rows per repack chunk: whole panels, about 2 MB of rows of row_bytes each (`done` may release what was
+ * read, so the load peaks at the repacked weights plus about one chunk). */
+static size_t chunk_rows(size_t row_bytes) {
+    size_t n = (2u << 20) / (row_bytes + 1) / PANEL * PANEL;
+    return n < PANEL ? PANEL : n;
+}
+
+/* Repack every block of src into the panel layout of `type`, calling done(ctx, rows) after each chunk. */
+static size_t repack(rt_weight *out, int type, bool sym8, const block_source *src, size_t rows, size_t cols,
+                     void (*done)(void *ctx, size_t rows_done), void *ctx) {
     size_t nb = cols / QBLK;
     bool sf32 = false; /* f16 storage unless some scale or bias would change */
     for (size_t r = 0; r < rows && !sf32; r++)
         for (size_t k = 0; k < nb && !sf32; k++) {
             float d, m;
-            source_block(src, r, k, NULL, &d, &m);
+            group_block(src, r, k, NULL, &d, &m);
             sf32 = !f16_exact(d) || (!sym8 && !f16_exact(m));
         }
     int flags = (sf32 ? RT_WF_SCALES_F32 : 0) | (sym8 ? RT_WF_SYMMETRIC : 0);
@@ -201,26 +260,17 @@ static size_t repack(rt_weight *out, int type, bool sym8, const block_source *sr
     size_t panels = (rows + PANEL - 1) / PANEL, bytes = panels * g.panel_bytes;
     uint8_t *mem = calloc(1, bytes ? bytes : 1); /* rows past the matrix stay zero */
     if (!mem) return 0;
+    size_t chunk = chunk_rows(g.panel_bytes / PANEL);
     for (size_t r = 0; r < rows; r++) {
         size_t L = r % PANEL;
         for (size_t k = 0; k < nb; k++) {
             uint8_t *bp = mem + (r / PANEL) * g.panel_bytes + k * g.block_bytes;
             uint8_t u[QBLK];
             float d, m;
-            source_block(src, r, k, u, &d, &m);
-            if (type != RT_W_Q8 && type != RT_W_Q6) {
-                for (size_t s = 0; s < 4; s++)
-                    for (size_t i = 0; i < 4; i++) {
-                        size_t j = 4 * L + i;
-                        bp[64 * s + j] = (uint8_t)((u[4 * s + i] & 0x0F) | (u[16 + 4 * s + i] & 0x0F) << 4);
-                        if (type == RT_W_Q5)
-                            for (size_t h = 0; h < 2; h++)
-                                bp[PANEL * 16 + 8 * (2 * s + h) + j / 8] |=
-                                    (uint8_t)(((u[16 * h + 4 * s + i] >> 4) & 1) << (j % 8));
-                    }
-            } else {
+            group_block(src, r, k, u, &d, &m);
+            if (type != RT_W_Q8) put_nibbles(bp, g.kind, L, u);
+            else
                 for (size_t s = 0; s < 8; s++) memcpy(bp + 64 * s + 4 * L, u + 4 * s, 4);
-            }
             uint8_t *dp = bp + g.q_bytes, *mp = dp + PANEL * g.s_size;
             if (sf32) {
                 memcpy(dp + 4 * L, &d, 4);
@@ -231,6 +281,7 @@ static size_t repack(rt_weight *out, int type, bool sym8, const block_source *sr
                 if (!sym8) memcpy(mp + 2 * L, &hm, 2);
             }
         }
+        if (done && ((r + 1) % chunk == 0 || r + 1 == rows)) done(ctx, r + 1);
     }
     *out = (rt_weight){mem, type, flags};
     return bytes;
@@ -238,21 +289,47 @@ static size_t repack(rt_weight *out, int type, bool sym8, const block_source *sr
 
 size_t rt_weight_from_groups(rt_weight *out, int bits, const uint8_t *packed, const uint8_t *scales,
                              const uint8_t *biases, int scale_type, bool symmetric, size_t rows, size_t cols,
-                             int gs) {
-    block_source src = {packed, scales, biases, scale_type, bits, gs, 0, symmetric, cols};
+                             int gs, void (*done)(void *ctx, size_t rows_done), void *ctx) {
+    block_source src = {packed, scales, biases, scale_type, bits, gs, symmetric, cols};
     return repack(out, bits == 4 ? RT_W_Q4 : bits == 5 ? RT_W_Q5 : RT_W_Q8, symmetric && bits == 8, &src, rows,
-                  cols);
+                  cols, done, ctx);
 }
 
-size_t rt_weight_from_ggml(rt_weight *out, int ggml_type, const uint8_t *blocks, size_t rows, size_t cols) {
-    if (ggml_type == RT_GGML_Q6_K) {
-        block_source src = {blocks, NULL, NULL, 0, 8, 32, RT_GGML_Q6_K, false, cols};
-        return repack(out, RT_W_Q6, false, &src, rows, cols);
+size_t rt_weight_from_ggml(rt_weight *out, int ggml_type, const uint8_t *blocks, size_t rows, size_t cols,
+                           void (*done)(void *ctx, size_t rows_done), void *ctx) {
+    int type = ggml_type == RT_GGML_Q4_K ? RT_W_Q4K : ggml_type == RT_GGML_Q5_K ? RT_W_Q5K : RT_W_Q6K;
+    if (ggml_type != RT_GGML_Q4_K && ggml_type != RT_GGML_Q5_K && ggml_type != RT_GGML_Q6_K) return 0;
+    qgeom g = geometry(type, 0, (int)cols);
+    size_t size = ggml_type == RT_GGML_Q4_K ? 144 : ggml_type == RT_GGML_Q5_K ? 176 : 210, nsb = cols / 256;
+    size_t panels = (rows + PANEL - 1) / PANEL, bytes = panels * g.panel_bytes;
+    uint8_t *mem = calloc(1, bytes ? bytes : 1); /* rows past the matrix stay zero (d = 0) */
+    if (!mem) return 0;
+    size_t chunk = chunk_rows(nsb * size);
+    for (size_t r = 0; r < rows; r++) {
+        size_t L = r % PANEL;
+        uint8_t *pp = mem + (r / PANEL) * g.panel_bytes;
+        for (size_t sb = 0; sb < nsb; sb++) {
+            const uint8_t *b = blocks + (r * nsb + sb) * size;
+            uint8_t *hp = pp + sb * g.sb_bytes;
+            memcpy(hp + 2 * L, ggml_type == RT_GGML_Q6_K ? b + 208 : b, 2); /* d */
+            if (ggml_type != RT_GGML_Q6_K) memcpy(hp + 2 * PANEL + 2 * L, b + 2, 2); /* dmin */
+            for (size_t j = 0; j < 8; j++) {
+                uint8_t *bp = hp + g.hdr_bytes + j * g.block_bytes, u[QBLK];
+                if (ggml_type == RT_GGML_Q6_K) {
+                    int8_t sc[2];
+                    q6_block(b, j, u, sc);
+                    memcpy(bp + g.q_bytes + L, &sc[0], 1);
+                    memcpy(bp + g.q_bytes + PANEL + L, &sc[1], 1);
+                } else {
+                    k_block(ggml_type, b, j, u, bp + g.q_bytes + L, bp + g.q_bytes + PANEL + L);
+                }
+                put_nibbles(bp, g.kind, L, u);
+            }
+        }
+        if (done && ((r + 1) % chunk == 0 || r + 1 == rows)) done(ctx, r + 1);
     }
-    if (ggml_type != RT_GGML_Q4_K && ggml_type != RT_GGML_Q5_K) return 0;
-    bool q4 = ggml_type == RT_GGML_Q4_K;
-    block_source src = {blocks, NULL, NULL, 0, q4 ? 4 : 5, 32, q4 ? RT_GGML_Q4_K : RT_GGML_Q5_K, false, cols};
-    return repack(out, q4 ? RT_W_Q4 : RT_W_Q5, false, &src, rows, cols);
+    *out = (rt_weight){mem, type, 0};
+    return bytes;
 }
 
 void rt_qweight_row(const rt_weight *w, size_t row, int n, float *out) {
@@ -260,16 +337,13 @@ void rt_qweight_row(const rt_weight *w, size_t row, int n, float *out) {
     size_t L = row % PANEL;
     const uint8_t *pp = (const uint8_t *)w->p + (row / PANEL) * g.panel_bytes;
     for (int k = 0; k < g.nb; k++) {
-        const uint8_t *bp = pp + (size_t)k * g.block_bytes, *dp = bp + g.q_bytes, *mp = dp + PANEL * g.s_size;
-        float d = scale_at(dp, L, g.sf32), *o = out + k * QBLK;
+        const uint8_t *bp = block_at(&g, pp, k);
+        float d, m, *o = out + k * QBLK;
+        block_scales(&g, pp, k, bp, L, &d, &m);
         for (int i = 0; i < QBLK; i++) {
-            int u = g.kind == KIND_Q4 || g.kind == KIND_Q5 ? nibble_value(bp, g.kind, L, i)
-                                                          : bp[64 * (i / 4) + 4 * L + (size_t)(i % 4)];
-            if (g.kind == KIND_Q6) {
-                o[i] = (i < 16 ? d : scale_at(mp, L, g.sf32)) * (float)(u - 32);
-                continue;
-            }
-            o[i] = g.kind == KIND_Q8S ? d * (float)(u - 128) : d * (float)u + scale_at(mp, L, g.sf32);
+            int u = value_at(bp, g.kind, L, i);
+            if (g.kind == KIND_Q6K) o[i] = (i < 16 ? d : m) * (float)(u - 32);
+            else o[i] = g.kind == KIND_Q8S ? d * (float)(u - 128) : d * (float)u + m;
         }
     }
 }
@@ -393,28 +467,26 @@ static void qk_generic(const uint8_t *panel, int nb, int sf32, const uint8_t *x,
         for (int L = 0; L < valid; L++) {
             float acc = 0.0f, bias = 0.0f;
             for (int k = 0; k < nb; k++) {
-                const uint8_t *bp = panel + (size_t)k * g.block_bytes, *dp = bp + g.q_bytes;
+                const uint8_t *bp = block_at(&g, panel, k);
                 const int8_t *qk = q + k * QBLK;
-                if (kind == KIND_Q6) { /* per half: sum((u - 32) q) times that half's scale */
+                float d, m;
+                block_scales(&g, panel, k, bp, (size_t)L, &d, &m);
+                if (kind == KIND_Q6K) { /* per half: sum((u - 32) q) times that half's scale */
                     int ia = 0, ib = 0, sa = halves[k], sb = -corr[k] / 128 - sa;
                     for (int i = 0; i < QBLK; i++) {
-                        int p = bp[64 * (i / 4) + 4 * L + i % 4] * qk[i];
+                        int p = value_at(bp, kind, (size_t)L, i) * qk[i];
                         if (i < 16) ia += p;
                         else ib += p;
                     }
-                    acc = fmaf((float)(ia - 32 * sa), scale_at(dp, (size_t)L, sf32) * xd[k], acc);
-                    acc = fmaf((float)(ib - 32 * sb), scale_at(dp + PANEL * g.s_size, (size_t)L, sf32) * xd[k], acc);
+                    acc = fmaf((float)(ia - 32 * sa), d * xd[k], acc);
+                    acc = fmaf((float)(ib - 32 * sb), m * xd[k], acc);
                     continue;
                 }
                 int isum = 0;
-                for (int i = 0; i < QBLK; i++) {
-                    int u = kind == KIND_Q4 || kind == KIND_Q5 ? nibble_value(bp, kind, (size_t)L, i)
-                                                               : bp[64 * (i / 4) + 4 * L + i % 4];
-                    isum += u * qk[i];
-                }
+                for (int i = 0; i < QBLK; i++) isum += value_at(bp, kind, (size_t)L, i) * qk[i];
                 if (kind == KIND_Q8S) isum += corr[k];
-                acc = fmaf((float)isum, scale_at(dp, (size_t)L, sf32) * xd[k], acc);
-                if (kind != KIND_Q8S) bias = fmaf(scale_at(dp + PANEL * g.s_size, (size_t)L, sf32), xs[k], bias);
+                acc = fmaf((float)isum, d * xd[k], acc);
+                if (kind != KIND_Q8S) bias = fmaf(m, xs[k], bias);
             }
             y[(size_t)r * ldy + L] = acc + bias;
         }
@@ -435,10 +507,12 @@ static void qk_generic(const uint8_t *panel, int nb, int sf32, const uint8_t *x,
      ISA##_##KIND##_5, ISA##_##KIND##_6, ISA##_##KIND##_7, ISA##_##KIND##_8}
 
 QK_KIND4(qk_generic, KIND_Q4) QK_KIND4(qk_generic, KIND_Q8) QK_KIND4(qk_generic, KIND_Q8S)
-QK_KIND4(qk_generic, KIND_Q5) QK_KIND4(qk_generic, KIND_Q6)
+QK_KIND4(qk_generic, KIND_Q5) QK_KIND4(qk_generic, KIND_Q6K) QK_KIND4(qk_generic, KIND_Q4K)
+QK_KIND4(qk_generic, KIND_Q5K)
 static const qkernel_set generic_set = {{QK_ROW4(qk_generic, KIND_Q4), QK_ROW4(qk_generic, KIND_Q8),
                                          QK_ROW4(qk_generic, KIND_Q8S), QK_ROW4(qk_generic, KIND_Q5),
-                                         QK_ROW4(qk_generic, KIND_Q6)},
+                                         QK_ROW4(qk_generic, KIND_Q6K), QK_ROW4(qk_generic, KIND_Q4K),
+                                         QK_ROW4(qk_generic, KIND_Q5K)},
                                         4,
                                         "generic"};
 
@@ -479,32 +553,35 @@ static inline __attribute__((always_inline)) void qk_avx2(const uint8_t *panel, 
         __m256 acc[4], bias[4];
         for (int r = 0; r < RT; r++) acc[r] = bias[r] = _mm256_setzero_ps();
         for (int k = 0; k < nb; k++) {
-            const uint8_t *bp = panel + (size_t)k * g.block_bytes;
+            const uint8_t *bp = block_at(&g, panel, k);
             __m256i isum[4], isum2[4];
             for (int r = 0; r < RT; r++) isum[r] = isum2[r] = _mm256_setzero_si256();
-            if (KIND == KIND_Q4 || KIND == KIND_Q5) {
+            if (KIND_NIBBLES(KIND) || KIND == KIND_Q6K) {
                 for (int s = 0; s < 4; s++) {
                     __m256i w = _mm256_loadu_si256((const __m256i *)(const void *)(bp + 64 * s + 32 * h));
                     __m256i lo = _mm256_and_si256(w, low4), hi = _mm256_and_si256(_mm256_srli_epi16(w, 4), low4);
-                    if (KIND == KIND_Q5) { /* u <= 31: maddubs pairs stay below 2 * 31 * 127 */
+                    if (KIND_FIFTH(KIND)) { /* u <= 31: maddubs pairs stay below 2 * 31 * 127 */
                         lo = _mm256_or_si256(lo, fifth_bits(bp + PANEL * 16 + 8 * (2 * s) + 4 * h));
                         hi = _mm256_or_si256(hi, fifth_bits(bp + PANEL * 16 + 8 * (2 * s + 1) + 4 * h));
                     }
-                    for (int r = 0; r < RT; r++) {
-                        const uint8_t *q = x + (size_t)r * xrow + (size_t)k * QBLK;
-                        __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(lo, bcst4(q + 4 * s)),
-                                                     _mm256_maddubs_epi16(hi, bcst4(q + 16 + 4 * s)));
-                        isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(p, ones));
+                    if (KIND == KIND_Q6K) { /* u <= 63: maddubs pairs stay below 2 * 63 * 127 */
+                        __m256i hb = _mm256_loadu_si256(
+                            (const __m256i *)(const void *)(bp + PANEL * 16 + 64 * (s / 2) + 32 * h));
+                        __m256i top = _mm256_set1_epi8(0x30);
+                        lo = _mm256_or_si256(lo, _mm256_and_si256(s % 2 ? hb : _mm256_slli_epi16(hb, 4), top));
+                        hi = _mm256_or_si256(
+                            hi, _mm256_and_si256(s % 2 ? _mm256_srli_epi16(hb, 2) : _mm256_slli_epi16(hb, 2), top));
                     }
-                }
-            } else if (KIND == KIND_Q6) { /* u <= 63: maddubs directly; groups 0-3 are the first half */
-                for (int s = 0; s < 8; s++) {
-                    __m256i w = _mm256_loadu_si256((const __m256i *)(const void *)(bp + 64 * s + 32 * h));
                     for (int r = 0; r < RT; r++) {
                         const uint8_t *q = x + (size_t)r * xrow + (size_t)k * QBLK;
-                        __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(w, bcst4(q + 4 * s)), ones);
-                        if (s < 4) isum[r] = _mm256_add_epi32(isum[r], p);
-                        else isum2[r] = _mm256_add_epi32(isum2[r], p);
+                        __m256i pl = _mm256_maddubs_epi16(lo, bcst4(q + 4 * s)),
+                                ph = _mm256_maddubs_epi16(hi, bcst4(q + 16 + 4 * s));
+                        if (KIND == KIND_Q6K) { /* low nibbles: the first half, high: the second */
+                            isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(pl, ones));
+                            isum2[r] = _mm256_add_epi32(isum2[r], _mm256_madd_epi16(ph, ones));
+                        } else {
+                            isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(_mm256_add_epi16(pl, ph), ones));
+                        }
                     }
                 }
             } else {
@@ -519,9 +596,26 @@ static inline __attribute__((always_inline)) void qk_avx2(const uint8_t *panel, 
                     }
                 }
             }
-            __m256 d = load_scales8(bp + g.q_bytes + 8 * h * g.s_size, sf32);
-            __m256 m = KIND == KIND_Q8S ? d : load_scales8(bp + g.q_bytes + PANEL * g.s_size + 8 * h * g.s_size, sf32);
-            for (int r = 0; r < RT && KIND == KIND_Q6; r++) {
+            __m256 d, m;
+            if (KIND_IS_K(KIND)) { /* GGML's products d * sc, -(dmin * mn) (Q6_K: both halves' d * sc) */
+                const uint8_t *hp = header_at(&g, panel, k), *sp = bp + g.q_bytes + 8 * h;
+                __m256 dd = load_scales8(hp + 16 * h, 0);
+                __m128i sa = _mm_loadl_epi64((const __m128i *)(const void *)sp),
+                        sb = _mm_loadl_epi64((const __m128i *)(const void *)(sp + PANEL));
+                if (KIND == KIND_Q6K) {
+                    d = _mm256_mul_ps(dd, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sa)));
+                    m = _mm256_mul_ps(dd, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sb)));
+                } else {
+                    d = _mm256_mul_ps(dd, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(sa)));
+                    m = _mm256_xor_ps(_mm256_mul_ps(load_scales8(hp + 2 * PANEL + 16 * h, 0),
+                                                    _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(sb))),
+                                      _mm256_set1_ps(-0.0f));
+                }
+            } else {
+                d = load_scales8(bp + g.q_bytes + 8 * h * g.s_size, sf32);
+                m = KIND == KIND_Q8S ? d : load_scales8(bp + g.q_bytes + PANEL * g.s_size + 8 * h * g.s_size, sf32);
+            }
+            for (int r = 0; r < RT && KIND == KIND_Q6K; r++) {
                 const uint8_t *xr = x + (size_t)r * xrow;
                 int sa = XQ_HALF(xr, nb)[k], sb = -XQ_CORR(xr, nb)[k] / 128 - sa;
                 __m256 xd = _mm256_set1_ps(XQ_D(xr, nb)[k]);
@@ -530,7 +624,7 @@ static inline __attribute__((always_inline)) void qk_avx2(const uint8_t *panel, 
                 acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia), _mm256_mul_ps(d, xd), acc[r]);
                 acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ib), _mm256_mul_ps(m, xd), acc[r]);
             }
-            for (int r = 0; r < RT && KIND != KIND_Q6; r++) {
+            for (int r = 0; r < RT && KIND != KIND_Q6K; r++) {
                 const uint8_t *xr = x + (size_t)r * xrow;
                 __m256i s = isum[r];
                 if (KIND == KIND_Q8) s = _mm256_sub_epi32(s, _mm256_set1_epi32(XQ_CORR(xr, nb)[k]));
@@ -550,10 +644,11 @@ static inline __attribute__((always_inline)) void qk_avx2(const uint8_t *panel, 
 }
 
 QK_KIND4(qk_avx2, KIND_Q4) QK_KIND4(qk_avx2, KIND_Q8) QK_KIND4(qk_avx2, KIND_Q8S) QK_KIND4(qk_avx2, KIND_Q5)
-QK_KIND4(qk_avx2, KIND_Q6)
+QK_KIND4(qk_avx2, KIND_Q6K) QK_KIND4(qk_avx2, KIND_Q4K) QK_KIND4(qk_avx2, KIND_Q5K)
 #pragma GCC pop_options
 static const qkernel_set avx2_set = {{QK_ROW4(qk_avx2, KIND_Q4), QK_ROW4(qk_avx2, KIND_Q8), QK_ROW4(qk_avx2, KIND_Q8S),
-                                      QK_ROW4(qk_avx2, KIND_Q5), QK_ROW4(qk_avx2, KIND_Q6)},
+                                      QK_ROW4(qk_avx2, KIND_Q5), QK_ROW4(qk_avx2, KIND_Q6K), QK_ROW4(qk_avx2, KIND_Q4K),
+                                      QK_ROW4(qk_avx2, KIND_Q5K)},
                                      4,
                                      "avx2"};
 
@@ -579,35 +674,35 @@ static inline __attribute__((always_inline)) void qk_vnni(const uint8_t *panel, 
     __m512 acc[8], bias[8];
     for (int r = 0; r < RT; r++) acc[r] = bias[r] = _mm512_setzero_ps();
     for (int k = 0; k < nb; k++) {
-        const uint8_t *bp = panel + (size_t)k * g.block_bytes;
+        const uint8_t *bp = block_at(&g, panel, k);
         for (size_t off = 0; off < g.block_bytes; off += 64)
             _mm_prefetch((const char *)((uintptr_t)bp + PREFETCH_BYTES + off), _MM_HINT_T0);
         __m512i isum[8], isum2[8];
         for (int r = 0; r < RT; r++) isum[r] = isum2[r] = _mm512_setzero_si512();
-        if (KIND == KIND_Q4 || KIND == KIND_Q5) {
+        if (KIND_NIBBLES(KIND) || KIND == KIND_Q6K) {
             for (int s = 0; s < 4; s++) {
                 __m512i w = _mm512_loadu_si512(bp + 64 * s);
                 __m512i lo = _mm512_and_si512(w, low4), hi = _mm512_and_si512(_mm512_srli_epi16(w, 4), low4);
-                if (KIND == KIND_Q5) {
+                if (KIND_FIFTH(KIND)) {
                     uint64_t ml, mh;
                     memcpy(&ml, bp + PANEL * 16 + 8 * (2 * s), 8);
                     memcpy(&mh, bp + PANEL * 16 + 8 * (2 * s + 1), 8);
                     lo = _mm512_or_si512(lo, _mm512_maskz_mov_epi8((__mmask64)ml, fifth));
                     hi = _mm512_or_si512(hi, _mm512_maskz_mov_epi8((__mmask64)mh, fifth));
                 }
+                if (KIND == KIND_Q6K) { /* the 2-bit planes: bits 4e, 4e + 2 of byte j for group 2p + e */
+                    __m512i hb = _mm512_loadu_si512(bp + PANEL * 16 + 64 * (s / 2)), top = _mm512_set1_epi8(0x30);
+                    lo = _mm512_or_si512(lo, _mm512_and_si512(s % 2 ? hb : _mm512_slli_epi16(hb, 4), top));
+                    hi = _mm512_or_si512(
+                        hi, _mm512_and_si512(s % 2 ? _mm512_srli_epi16(hb, 2) : _mm512_slli_epi16(hb, 2), top));
+                }
                 for (int r = 0; r < RT; r++) {
                     const uint8_t *q = x + (size_t)r * xrow + (size_t)k * QBLK;
                     isum[r] = _mm512_dpbusd_epi32(isum[r], lo, bcst4_512(q + 4 * s));
-                    isum[r] = _mm512_dpbusd_epi32(isum[r], hi, bcst4_512(q + 16 + 4 * s));
-                }
-            }
-        } else if (KIND == KIND_Q6) { /* groups 0-3 hold the block's first half */
-            for (int s = 0; s < 8; s++) {
-                __m512i w = _mm512_loadu_si512(bp + 64 * s);
-                for (int r = 0; r < RT; r++) {
-                    __m512i xq = bcst4_512(x + (size_t)r * xrow + (size_t)k * QBLK + 4 * s);
-                    if (s < 4) isum[r] = _mm512_dpbusd_epi32(isum[r], w, xq);
-                    else isum2[r] = _mm512_dpbusd_epi32(isum2[r], w, xq);
+                    if (KIND == KIND_Q6K) /* high nibbles: the block's second half */
+                        isum2[r] = _mm512_dpbusd_epi32(isum2[r], hi, bcst4_512(q + 16 + 4 * s));
+                    else
+                        isum[r] = _mm512_dpbusd_epi32(isum[r], hi, bcst4_512(q + 16 + 4 * s));
                 }
             }
         } else {
@@ -617,9 +712,27 @@ static inline __attribute__((always_inline)) void qk_vnni(const uint8_t *panel, 
                     isum[r] = _mm512_dpbusd_epi32(isum[r], w, bcst4_512(x + (size_t)r * xrow + (size_t)k * QBLK + 4 * s));
             }
         }
-        __m512 d = load_scales16(bp + g.q_bytes, sf32);
-        __m512 m = KIND == KIND_Q8S ? d : load_scales16(bp + g.q_bytes + PANEL * g.s_size, sf32);
-        for (int r = 0; r < RT && KIND == KIND_Q6; r++) {
+        __m512 d, m;
+        if (KIND_IS_K(KIND)) { /* GGML's products d * sc, -(dmin * mn) (Q6_K: both halves' d * sc) */
+            const uint8_t *hp = header_at(&g, panel, k), *sp = bp + g.q_bytes;
+            __m512 dd = load_scales16(hp, 0);
+            __m128i sa = _mm_loadu_si128((const __m128i *)(const void *)sp),
+                    sb = _mm_loadu_si128((const __m128i *)(const void *)(sp + PANEL));
+            if (KIND == KIND_Q6K) {
+                d = _mm512_mul_ps(dd, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(sa)));
+                m = _mm512_mul_ps(dd, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(sb)));
+            } else {
+                d = _mm512_mul_ps(dd, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(sa)));
+                m = _mm512_castsi512_ps(_mm512_xor_si512(
+                    _mm512_castps_si512(_mm512_mul_ps(load_scales16(hp + 2 * PANEL, 0),
+                                                      _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(sb)))),
+                    _mm512_set1_epi32((int)0x80000000u)));
+            }
+        } else {
+            d = load_scales16(bp + g.q_bytes, sf32);
+            m = KIND == KIND_Q8S ? d : load_scales16(bp + g.q_bytes + PANEL * g.s_size, sf32);
+        }
+        for (int r = 0; r < RT && KIND == KIND_Q6K; r++) {
             const uint8_t *xr = x + (size_t)r * xrow;
             int sa = XQ_HALF(xr, nb)[k], sb = -XQ_CORR(xr, nb)[k] / 128 - sa;
             __m512 xd = _mm512_set1_ps(XQ_D(xr, nb)[k]);
@@ -628,7 +741,7 @@ static inline __attribute__((always_inline)) void qk_vnni(const uint8_t *panel, 
             acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia), _mm512_mul_ps(d, xd), acc[r]);
             acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ib), _mm512_mul_ps(m, xd), acc[r]);
         }
-        for (int r = 0; r < RT && KIND != KIND_Q6; r++) {
+        for (int r = 0; r < RT && KIND != KIND_Q6K; r++) {
             const uint8_t *xr = x + (size_t)r * xrow;
             __m512i s = isum[r];
             if (KIND == KIND_Q8S) s = _mm512_add_epi32(s, _mm512_set1_epi32(XQ_CORR(xr, nb)[k]));
@@ -642,10 +755,11 @@ static inline __attribute__((always_inline)) void qk_vnni(const uint8_t *panel, 
 }
 
 QK_KIND8(qk_vnni, KIND_Q4) QK_KIND8(qk_vnni, KIND_Q8) QK_KIND8(qk_vnni, KIND_Q8S) QK_KIND8(qk_vnni, KIND_Q5)
-QK_KIND8(qk_vnni, KIND_Q6)
+QK_KIND8(qk_vnni, KIND_Q6K) QK_KIND8(qk_vnni, KIND_Q4K) QK_KIND8(qk_vnni, KIND_Q5K)
 #pragma GCC pop_options
 static const qkernel_set vnni_set = {{QK_ROW8(qk_vnni, KIND_Q4), QK_ROW8(qk_vnni, KIND_Q8), QK_ROW8(qk_vnni, KIND_Q8S),
-                                      QK_ROW8(qk_vnni, KIND_Q5), QK_ROW8(qk_vnni, KIND_Q6)},
+                                      QK_ROW8(qk_vnni, KIND_Q5), QK_ROW8(qk_vnni, KIND_Q6K), QK_ROW8(qk_vnni, KIND_Q4K),
+                                      QK_ROW8(qk_vnni, KIND_Q5K)},
                                      8,
                                      "avx512-vnni"};
 #endif

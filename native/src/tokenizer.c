@@ -37,6 +37,7 @@
 #include "unicode_data.h"
 
 #include <limits.h>
+#include <pthread.h>
 #include <stdarg.h>
 #include <stdbool.h>
 #include <stdio.h>
@@ -94,6 +95,11 @@ struct bpe_tokenizer {
     trie_node *trie; /* node 0 is the root; NULL when there are no added tokens */
     int n_trie;
     bool starts_added[256]; /* first bytes of added tokens: lets the scan skip cheaply */
+    /* sharing (bpe_shared_*): guarded by g_shared_mu once registered */
+    bool shared;
+    int refs;
+    uint64_t key[BPE_SHARE_KEY];
+    struct bpe_tokenizer *next_shared;
 };
 
 static void set_err(char *err, size_t errlen, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
@@ -578,8 +584,42 @@ bpe_tokenizer *bpe_create_model(const char *const *tokens, const int32_t *token_
     return tok;
 }
 
+static pthread_mutex_t g_shared_mu = PTHREAD_MUTEX_INITIALIZER;
+static bpe_tokenizer *g_shared; /* registered tokenizers, each with refs >= 1 */
+
+bpe_tokenizer *bpe_shared_get(const uint64_t key[BPE_SHARE_KEY]) {
+    pthread_mutex_lock(&g_shared_mu);
+    bpe_tokenizer *t = g_shared;
+    while (t && memcmp(t->key, key, sizeof t->key) != 0) t = t->next_shared;
+    if (t) t->refs++;
+    pthread_mutex_unlock(&g_shared_mu);
+    return t;
+}
+
+void bpe_shared_put(bpe_tokenizer *tok, const uint64_t key[BPE_SHARE_KEY]) {
+    if (!tok || tok->shared) return;
+    pthread_mutex_lock(&g_shared_mu);
+    memcpy(tok->key, key, sizeof tok->key);
+    tok->shared = true;
+    tok->refs = 1;
+    tok->next_shared = g_shared;
+    g_shared = tok;
+    pthread_mutex_unlock(&g_shared_mu);
+}
+
 void bpe_free(bpe_tokenizer *tok) {
     if (!tok) return;
+    if (tok->shared) {
+        pthread_mutex_lock(&g_shared_mu);
+        bool last = --tok->refs == 0;
+        if (last) { /* unlink: no bpe_shared_get can return it any more */
+            bpe_tokenizer **pp = &g_shared;
+            while (*pp != tok) pp = &(*pp)->next_shared;
+            *pp = tok->next_shared;
+        }
+        pthread_mutex_unlock(&g_shared_mu);
+        if (!last) return;
+    }
     free(tok->text_arena);
     free(tok->text_offset);
     free(tok->bytes_arena);

@@ -60,6 +60,13 @@ bpe_tokenizer *bpe_create_model(const char *const *tokens, const int32_t *token_
                                 const char *const *merges, int n_merges, const bpe_options *opt, char *err,
                                 size_t errlen);
 void bpe_free(bpe_tokenizer *tok);
+/* Sharing: a built tokenizer is immutable, so handles loading the same bundle file share one (a
+ * 262k-token vocabulary is ~30 MB; every intake worker opens a tokenizer-only handle). key: the
+ * loader's identity of the file. bpe_shared_get returns a registered tokenizer with that key, retained
+ * (NULL: none); bpe_shared_put registers tok (then bpe_free drops one reference, the last frees it). */
+enum { BPE_SHARE_KEY = 6 };
+bpe_tokenizer *bpe_shared_get(const uint64_t key[BPE_SHARE_KEY]);
+void bpe_shared_put(bpe_tokenizer *tok, const uint64_t key[BPE_SHARE_KEY]);
 int bpe_vocab_size(const bpe_tokenizer *tok);
 
 /* Encode n_pieces pieces as ONE text. Piece i is framing when plain[i] == 0

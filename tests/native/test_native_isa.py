@@ -88,7 +88,7 @@ def test_kernel_sets_compute_bit_identical_quantized_logits(tmp_path: Path, dtyp
     if dtype.startswith("base_"):
         f32 = build_tiny_model(tmp_path / "f32.base", dim=96, n_heads=3, n_kv_heads=1, ffn_dim=160, seed=7)
         q = quantize_bundle(f32, tmp_path / "q.base", dtype, symmetric=symmetric)
-    else:  # GGUF blocks carried (convert --dtype auto): K-quants with f32 sub-block scales, 5-bit ones as base_q5
+    else:  # GGUF blocks carried (convert --dtype auto): K-quants in their K panels, 5-bit ones as base_q5
         dims = {"dim": 256, "ffn": 512} if dtype.endswith("_K") else {}
         src = write_gguf(tmp_path / "k.gguf", matrices=gguf.GGMLQuantizationType[dtype], **dims)
         q = convert_gguf(src, tmp_path / "q.base", dtype="auto", progress=False)

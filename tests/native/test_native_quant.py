@@ -16,7 +16,7 @@ import math
 import os
 import subprocess
 import sys
-from ctypes import c_uint32
+from ctypes import byref, c_uint32, c_void_p
 from pathlib import Path
 from typing import Any
 
@@ -25,9 +25,9 @@ import numpy as np
 import pytest
 import raw_abi
 from quantized import quantize_bundle
-from raw_abi import step_logits
+from raw_abi import ints, step_logits, u32
 
-from aiobasert._core.ffi import Library
+from aiobasert._core.ffi import BaseRTMemoryStats, Library
 from aiobasert.models import cache as models
 from aiobasert.models.bundle import read_bundle
 from aiobasert.models.convert import convert_gguf
@@ -139,7 +139,7 @@ GGUF_TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"]
 def test_gguf_block_types_run_against_the_oracle_and_are_batch_invariant(lib: Library, tmp_path: Path,
                                                                          qtype: str) -> None:
     """A tiny GGUF whose every matrix is `qtype` (K-quants: hand-written random blocks), converted with
-    `auto` (carried exactly: Q4_K / Q5_K with f32 sub-block scales; Q6_K quantized to q8): the engine's
+    `auto` (carried exactly: K-quants as GGML's blocks, repacked into the K panels): the engine's
     logits against the oracle over the bundle's weights (which test_convert holds equal to gguf-py's
     dequantization) with the kernels' input rounding, and against the GGUF's own values; batched == alone."""
     kind = gguf.GGMLQuantizationType[qtype]
@@ -331,8 +331,79 @@ before = status("VmRSS")
 m = load(lib, Path(sys.argv[1]), 512, max_batch_size=1, prefill_chunk=64)
 st = _ffi.BaseRTMemoryStats()
 assert lib.baseRT_model_memory_stats(m, ctypes.byref(st))
-print(json.dumps({"before": before, "peak": status("VmHWM"), "engine": st.runtime_allocated_bytes}))
+print(json.dumps({"before": before, "peak": status("VmHWM"), "steady": status("VmRSS"),
+                  "engine": st.runtime_allocated_bytes}))
 """
+
+
+def weight_bytes(lib: Library, m: int) -> int:
+    """The engine's resident weight bytes: baseRT_model_memory counts them and the KV pool's capacity."""
+    st = BaseRTMemoryStats()
+    assert lib.baseRT_model_memory_stats(m, byref(st))
+    return int(lib.baseRT_model_memory(m)) - int(st.kv_cache_capacity_bytes)
+
+
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q5_K", "Q6_K"])
+def test_k_quant_weights_stay_near_their_gguf_size(lib: Library, tmp_path: Path, qtype: str) -> None:
+    """GGML K-quant blocks stay resident at about their GGUF size: the panels keep each super-block's f16
+    d / dmin and the 6-bit sub-block scales as bytes (Q4_K 18.5 bytes per row and 32 values against GGML's 18,
+    Q5_K 22.5 against 22, Q6_K GGML's own 26.25), not one f32 scale and bias per block of 32."""
+    src = write_gguf(tmp_path / f"{qtype}.gguf", matrices=gguf.GGMLQuantizationType[qtype], seed=4, dim=256,
+                     ffn=1024)
+    path = convert_gguf(src, tmp_path / "auto.base", dtype="auto", progress=False)
+    gguf_bytes = sum(int(t.n_bytes) for t in gguf.GGUFReader(src).tensors)
+    m = load(lib, path)
+    try:
+        resident = weight_bytes(lib, m)
+    finally:
+        lib.baseRT_free_model(m)
+    # Q4_K 148 / 144 = 1.028 (Q5_K 1.023, Q6_K 1.0), plus the tiny vocabulary's padding rows in its last panel
+    assert gguf_bytes * 0.99 < resident <= gguf_bytes * 1.035, (resident, gguf_bytes)
+
+
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q5_K", "Q6_K"])
+def test_k_quant_embedding_rows_are_ggml_values(lib: Library, tmp_path: Path, qtype: str) -> None:
+    """Embedding lookups read single rows out of the K panels (rt_qweight_row, not the kernels): tap 0 (the
+    embedding rows, f16) holds gguf-py's dequantization of the same blocks, value for value, across panel
+    boundaries (16 rows) and in the last, partial panel."""
+    src = write_gguf(tmp_path / f"{qtype}.gguf", matrices=gguf.GGMLQuantizationType[qtype], seed=5, dim=256,
+                     ffn=512)
+    t = next(t for t in gguf.GGUFReader(src).tensors if t.name == "token_embd.weight")
+    assert t.tensor_type == gguf.GGMLQuantizationType[qtype]
+    ref = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32)
+    path = convert_gguf(src, tmp_path / "auto.base", dtype="auto", progress=False)
+    n_vocab = ref.shape[0]
+    tokens = sorted({0, 1, 15, 16, 17, 31, 32, n_vocab - 17, n_vocab - 16, n_vocab - 2, n_vocab - 1} |
+                    {int(x) for x in np.random.default_rng(1).integers(0, n_vocab, size=40)})
+    m = load(lib, path, lanes=1)
+    try:
+        s = int(lib.baseRT_sequence_create(m))
+        n = len(tokens)
+        rc = lib.baseRT_batch_step_fused_logits_rows_taps(m, (c_void_p * 1)(s), 1, u32(tokens), ints([n]), ints([1]),
+                                                          ints([0]), 1, ints([n]))
+        assert rc == OK, raw_abi.error(lib)
+        rows = np.empty((n, ref.shape[1]), dtype=np.float16)
+        assert lib.baseRT_read_tap_rows(m, 0, n, rows.ctypes.data_as(c_void_p)) == ref.shape[1]
+    finally:
+        lib.baseRT_free_model(m)
+    assert rows.tobytes() == ref[tokens].astype(np.float16).tobytes()
+
+
+@pytest.mark.parametrize("qtype", ["Q6_K", "Q8_0"])
+def test_a_load_peaks_near_its_steady_state(tmp_path: Path, qtype: str) -> None:
+    """Big matrices are repacked in chunks of rows whose source pages are released as each is done (K-quant
+    blocks and base_q groups alike): loading peaks at the steady state plus about a chunk, not plus a whole
+    source tensor (each ffn matrix here is 14-18 MB of blocks). VmHWM in a fresh child process."""
+    kind = gguf.GGMLQuantizationType[qtype]
+    src = write_gguf(tmp_path / f"{qtype}.gguf", matrices=kind, seed=4, dim=256, ffn=65536, n_layers=1)
+    path = convert_gguf(src, tmp_path / "auto.base", dtype="auto", progress=False)
+    biggest = max(int(t.n_bytes) for t in gguf.GGUFReader(src).tensors)
+    assert biggest > 12 << 20
+    proc = subprocess.run([sys.executable, "-c", LOAD_RSS, str(path)], capture_output=True, text=True, timeout=600,
+                          cwd=Path(__file__).resolve().parents[2])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rss = json.loads(proc.stdout)
+    assert rss["peak"] - rss["steady"] < biggest // 2, (rss, biggest)
 
 
 @pytest.mark.slow
