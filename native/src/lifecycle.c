@@ -2,6 +2,7 @@
  * capabilities and their descriptor, context sizing, identity. */
 
 #include "generate.h"
+#include "cgroup.h"
 #include "errors.h"
 #include "handles.h"
 #include "json.h"
@@ -291,10 +292,14 @@ static char *rt_build_capability_descriptor(const rt_model *m) {
 /* ---- context sizing and memory ------------------------------------------------- */
 
 size_t baseRT_device_memory_budget(void) {
-    /* The CPU reference plans within half of physical RAM. */
+    /* The CPU reference plans within half of the memory the process may use: physical RAM, or its
+     * cgroup's limit where that is lower (a container's memory.max). */
     long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGESIZE);
     if (pages <= 0 || page <= 0) return 0;
-    return (size_t)((unsigned long long)pages * (unsigned long long)page / 2);
+    unsigned long long ram = (unsigned long long)pages * (unsigned long long)page;
+    long long limit = rt_cgroup_limit(RT_CGROUP_MEMORY);
+    if (limit > 0 && (unsigned long long)limit < ram) ram = (unsigned long long)limit;
+    return (size_t)(ram / 2);
 }
 
 int baseRT_suggest_max_context(const char *model_path, int max_batch, int kv_bits, int paged_kv) {

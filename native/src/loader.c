@@ -1250,6 +1250,17 @@ fail:
     return NULL;
 }
 
+/* About what a tensor costs once loaded: quantized matrices are repacked into panels of about their
+ * stored size (values, scales and biases; quant.h), f16 matrices stay f16, everything else becomes f32. */
+static uint64_t resident_bytes(const tensor_entry *t) {
+    if (t->dtype >= DT_GGML_Q4_K) return t->length;
+    if (t->dtype == DT_Q8 || t->dtype == DT_Q4 || t->dtype == DT_Q5) {
+        uint64_t region = t->n_elems / t->group_size * (t->scale_type == RT_SCALE_F32 ? 4 : 2);
+        return t->length + region * (t->symmetric ? 1 : 2);
+    }
+    return t->n_elems * (t->dtype == DT_F16 && t->ndim == 2 ? 2 : sizeof(float));
+}
+
 int rt_bundle_read_budget(const char *fn, const char *path, rt_bundle_budget *out) {
     memset(out, 0, sizeof *out);
     if (!path) {
@@ -1268,8 +1279,7 @@ int rt_bundle_read_budget(const char *fn, const char *path, rt_bundle_budget *ou
         for (size_t i = 0; !rc && i < json_count(arr); i++) {
             tensor_entry t;
             rc = parse_tensor(&b, json_at(arr, i), i, &t);
-            /* resident bytes: matrices keep f16, everything else is f32 */
-            weights += t.n_elems * (t.dtype == DT_F16 && t.ndim == 2 ? 2 : sizeof(float));
+            if (!rc) weights += resident_bytes(&t);
         }
         out->trained_context = pc.trained_context;
         out->weight_bytes = weights;

@@ -29,6 +29,7 @@ from aiobasert._core.ffi import (
     CAP_PREFIX_CACHE,
     CAP_SEQUENCES,
     BaseRTLoadOptions,
+    BaseRTMemoryStats,
     BaseRTModelConfig,
     BaseRTRowSampling,
     BaseRTSamplingConfig,
@@ -360,6 +361,42 @@ def test_suggest_max_context(lib: Library, raw: ctypes.CDLL, tiny_path: Path, tm
     assert lib.baseRT_suggest_max_context(os.fsencode(tmp_path / "nope.base"), 1, 0, 0) == 0
     assert error(lib)[0] == FILE_NOT_FOUND
     assert raw.baseRT_device_memory_budget() > 0
+
+
+def test_suggest_max_context_counts_quantized_weights_at_their_size(
+    lib: Library, raw: ctypes.CDLL, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The context suggested for a budget leaves room for the weights as they are resident: a q4 bundle's
+    matrices at about their stored size, not at 4 bytes a value (which left a Gemma 3 270M Q4_K_M a
+    fraction of the context it fits)."""
+    from quantized import quantize_bundle
+
+    wide = build_tiny_model(tmp_path / "wide.base", dim=256, n_heads=4, n_kv_heads=1, ffn_dim=1024,
+                            max_position_embeddings=1 << 20)  # fmt: skip
+    q4 = quantize_bundle(wide, tmp_path / "wide-q4.base", "base_q4")
+    m = load(lib, q4)
+    try:
+        weights = raw.baseRT_model_memory(m)  # weights, no KV pool (contiguous cache): the resident size
+        st = BaseRTMemoryStats()
+        assert lib.baseRT_model_memory_stats(m, byref(st)), error(lib)
+        weights -= st.kv_cache_capacity_bytes
+    finally:
+        lib.baseRT_free_model(m)
+    per_token = 2 * 2 * 64 * 4  # layers x (k, v) x kv_dim x f32: kv_bits 0
+    # a cgroup limit whose half holds the resident weights and 6,000 tokens of cache; counted at 4
+    # bytes a value, the q4 weights alone (about 6x bigger) would not fit it: the 4,096 floor
+    budget = weights + 6000 * per_token
+    root = tmp_path / "cg"
+    (root / "proc" / "self").mkdir(parents=True)
+    (root / "proc" / "self" / "cgroup").write_text("0::/job\n")
+    (root / "proc" / "self" / "mountinfo").write_text("29 23 0:26 / /sys/fs/cgroup rw - cgroup2 cgroup2 rw\n")
+    (root / "sys" / "fs" / "cgroup" / "job").mkdir(parents=True)
+    (root / "sys" / "fs" / "cgroup" / "job" / "memory.max").write_text(f"{2 * budget}\n")
+    monkeypatch.setenv("BASERT_REF_CGROUP_ROOT", str(root))
+    assert raw.baseRT_device_memory_budget() == budget
+    got = lib.baseRT_suggest_max_context(os.fsencode(q4), 1, 0, 0)
+    # the estimate of resident bytes is within a few percent of the real one: 5,120 (whole KiB-tokens)
+    assert got == 5120, got
 
 
 def test_use_after_free_and_double_free(lib: Library, raw: ctypes.CDLL, tiny_path: Path) -> None:

@@ -513,6 +513,40 @@ def test_usable_cpus_follow_the_processs_own_cgroup_quota(lib: Library, tmp_path
     assert lib.baseRT_ref_counter(b"usable_cpus") == (affinity if limit is None else min(limit, affinity))
 
 
+MEMORY_TREES: dict[str, tuple[str, str, dict[str, str], int | None]] = {
+    # name: (/proc/self/cgroup, mountinfo, files, expected memory limit in bytes or None for none)
+    "v2 nested": ("0::/user.slice/app.scope\n", V2_MOUNTS, {
+        "sys/fs/cgroup/user.slice/memory.max": "3221225472\n",  # 3 GiB at the slice
+        "sys/fs/cgroup/user.slice/app.scope/memory.max": "max\n",
+    }, 3 << 30),
+    "v2 container view": ("0::/kubepods/pod1/c1\n",
+                          "29 23 0:26 /kubepods/pod1 /sys/fs/cgroup rw - cgroup2 cgroup2 rw\n", {
+        "sys/fs/cgroup/memory.max": "2147483648\n",  # the pod's level, seen at the mount point
+        "sys/fs/cgroup/c1/memory.max": "4294967296\n",
+    }, 2 << 30),
+    "v1 limit": ("4:memory:/job\n2:cpu,cpuacct:/job\n0::/\n", V1_MOUNTS, {
+        "sys/fs/cgroup/memory/memory.limit_in_bytes": "9223372036854771712\n",  # v1's "none"
+        "sys/fs/cgroup/memory/job/memory.limit_in_bytes": "1073741824\n",
+    }, 1 << 30),
+    "no limit": ("4:memory:/a\n0::/b\n", V1_MOUNTS + V2_HYBRID_MOUNT, {
+        "sys/fs/cgroup/memory/a/memory.limit_in_bytes": "9223372036854771712\n",
+        "sys/fs/cgroup/unified/b/memory.max": "max\n",
+    }, None),
+}
+
+
+@pytest.mark.parametrize("case", sorted(MEMORY_TREES))
+def test_memory_budget_follows_the_processs_own_cgroup_limit(raw: ctypes.CDLL, tmp_path: Path,
+                                                             monkeypatch: pytest.MonkeyPatch, case: str) -> None:
+    """The engine plans within half of the memory the process may use: physical RAM, capped by the smallest
+    memory limit from its own cgroup up (v2 memory.max, v1 memory.limit_in_bytes): in a container with a
+    2 GiB limit on a large host, context sizing must not plan for half the host."""
+    cgroup, mounts, files, limit = MEMORY_TREES[case]
+    monkeypatch.setenv("BASERT_REF_CGROUP_ROOT", str(_fake_cgroups(tmp_path, cgroup, mounts, files)))
+    ram = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGESIZE")
+    assert raw.baseRT_device_memory_budget() == (ram if limit is None else min(limit, ram)) // 2
+
+
 # ---- shared thread pool ------------------------------------------------------------------------
 
 
