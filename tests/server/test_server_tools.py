@@ -154,6 +154,14 @@ async def test_full_tool_loop_with_the_async_client(base_url: str) -> None:
         ({"tool_choice": "required"}, "tool_choice", "needs tools"),
         ({"tools": [TOOLS[0], TOOLS[0]]}, "tools", "duplicate"),
         ({"tools": TOOLS, "response_format": {"type": "json_object"}}, "response_format", "tools"),
+        # a past call in the history is the messages' fault, not the tools'
+        ({"tools": TOOLS, "messages": [*MESSAGES, {"role": "assistant", "tool_calls": [
+            {"id": "c", "type": "function", "function": {"name": "get_time", "arguments": "not json"}}]}]},
+         "messages", "messages[1].tool_calls[0]"),
+        ({"tools": TOOLS, "messages": [*MESSAGES, {"role": "assistant", "tool_calls": [
+            {"id": "c", "type": "function", "function": {"name": "get_time", "arguments": '{"tz": "UTC"}'}},
+            {"id": "d", "type": "function", "function": {"name": "get_time", "arguments": '{"tz": '}}]}]},
+         "messages", "messages[1].tool_calls[1]"),
     ],
 )
 def test_bad_tool_requests_are_400_naming_the_param(base_url: str, body: dict[str, Any], param: str,
