@@ -541,6 +541,88 @@ def test_tokenizer_handles_of_one_file_share_its_tokenizer(lib: Library, tiny_pa
     lib.baseRT_free_model(b)
 
 
+
+@pytest.mark.parametrize("seed", range(4))
+def test_tokenizer_sharing_under_concurrent_random_loads_frees_and_rewrites(
+    lib: Library, tiny_path: Path, tmp_path: Path, seed: int
+) -> None:
+    """A model of tokenizer sharing under threads: each thread runs a random sequence of loads (tokenizer-only
+    and full handles), encodes with any of its live handles and frees them in any order, while siblings of
+    the same file are loaded, encoding and freed on the other threads. One file is rewritten in place
+    (same inode, same size, two tokens' texts swapped) between loads: every handle keeps encoding as the
+    content it was loaded from, never the stale or the other file's tokenizer. Run by the sanitizer suite
+    under ASan + UBSan as well."""
+    import random
+    import threading
+
+    header, blob = read_bundle(tiny_path)
+    steady = write_bundle(tmp_path / "steady.base", header, blob)
+    text = "Hello there, the quick brown fox <|im_start|> naive"
+    t = lib.baseRT_load_tokenizer_only(os.fsencode(steady))
+    assert t, error(lib)
+    ids = encode(lib, t, text)
+    lib.baseRT_free_model(t)
+    tokens = header["tokenizer"]["tokenizer.ggml.tokens"]
+    types = header["tokenizer"]["tokenizer.ggml.token_type"]
+    x, y = sorted({i for i in ids if types[i] == 1 and len(tokens[i]) == 1})[:2]  # two plain one-symbol tokens
+    variants: list[bytes] = [steady.read_bytes()]
+    swapped = json.loads(json.dumps(header))
+    swapped["tokenizer"]["tokenizer.ggml.tokens"][x], swapped["tokenizer"]["tokenizer.ggml.tokens"][y] = (
+        tokens[y], tokens[x])
+    variants.append(write_bundle(tmp_path / "swapped.base", swapped, blob).read_bytes())
+    assert len(variants[0]) == len(variants[1]) and variants[0] != variants[1]
+    want = [ids, [{x: y, y: x}.get(i, i) for i in ids]]
+    assert want[0] != want[1]
+    moving = tmp_path / "moving.base"
+    moving.write_bytes(variants[0])
+    current = [0]  # the variant `moving` holds now
+    rewrite = threading.Lock()  # a load of `moving` never sees it half rewritten
+    failures: list[str] = []
+
+    def worker(k: int) -> None:
+        rng = random.Random(seed * 100 + k)
+        live: list[tuple[int, int]] = []  # (handle, variant it must encode as)
+        try:
+            for _ in range(40):
+                op = rng.random()
+                if op < 0.35 or not live:
+                    full = rng.random() < 0.3
+                    if rng.random() < 0.5:
+                        with rewrite:
+                            h = (load(lib, moving, 64) if full
+                                 else lib.baseRT_load_tokenizer_only(os.fsencode(moving)))
+                            v = current[0]
+                    else:
+                        h = load(lib, steady, 64) if full else lib.baseRT_load_tokenizer_only(os.fsencode(steady))
+                        v = 0
+                    assert h, error(lib)
+                    live.append((h, v))
+                elif op < 0.45:
+                    with rewrite:
+                        current[0] = 1 - current[0]
+                        with open(moving, "r+b") as f:  # in place: same inode, same size
+                            f.write(variants[current[0]])
+                elif op < 0.7:
+                    h, v = live.pop(rng.randrange(len(live)))
+                    lib.baseRT_free_model(h)
+                else:
+                    h, v = rng.choice(live)
+                    got = encode(lib, h, text)
+                    if got != want[v]:
+                        failures.append(f"thread {k}: a variant-{v} handle encoded {got}")
+        except AssertionError as exc:
+            failures.append(f"thread {k}: {exc}")
+        finally:
+            for h, _ in live:
+                lib.baseRT_free_model(h)
+
+    threads = [threading.Thread(target=worker, args=(k,)) for k in range(4)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert not failures, failures[:5]
+
 TOKENIZER_RSS = """
 import ctypes, json, os, re, sys
 from pathlib import Path
