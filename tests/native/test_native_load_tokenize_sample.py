@@ -227,6 +227,44 @@ def test_header_json_escapes_and_depth(lib: Library, tiny_path: Path, tmp_path: 
     expect_load_error(lib, write_bundle(tmp_path / "deep.base", header, blob), INVALID_FORMAT, "nesting")
 
 
+@pytest.mark.parametrize(
+    ("ids", "needle"),
+    [
+        ("all", None),  # every token, a token listed twice, the last one: taken
+        ([-1], "rstrip_token_ids[0]"),
+        ([0, 10**6], "rstrip_token_ids[1]"),
+        ([2**63], "rstrip_token_ids[0]"),
+        ([1.5], "rstrip_token_ids[0]"),
+        (["1"], "rstrip_token_ids[0]"),
+        ([[1]], "rstrip_token_ids[0]"),
+        ([None], "rstrip_token_ids[0]"),
+        ({"1": 1}, "not an array"),
+        ("1", "not an array"),
+    ],
+)
+def test_hostile_rstrip_token_ids_are_refused_in_one_line(
+    lib: Library, tiny_path: Path, tmp_path: Path, ids: Any, needle: str | None
+) -> None:
+    """tokenizer.aiobasert.rstrip_token_ids out of range, of the wrong type or not a list: one line naming
+    the entry, for full and tokenizer-only loads alike (never a crash); a huge or duplicated list in range
+    loads."""
+    header, blob = read_bundle(tiny_path)
+    n = len(header["tokenizer"]["tokenizer.ggml.tokens"])
+    if ids == "all":
+        ids = [*range(n), 0, n - 1] * 8
+    header["tokenizer"]["tokenizer.aiobasert.rstrip_token_ids"] = ids
+    path = write_bundle(tmp_path / "rstrip.base", header, blob)
+    if needle is None:
+        for h in (load(lib, path, 64), lib.baseRT_load_tokenizer_only(os.fsencode(path))):
+            assert h, error(lib)
+            assert encode(lib, h, "<|im_start|> \n x") != []
+            lib.baseRT_free_model(h)
+        return
+    msg = expect_load_error(lib, path, INVALID_FORMAT, needle)
+    assert "\n" not in msg
+    assert not lib.baseRT_load_tokenizer_only(os.fsencode(path))
+    assert needle in error(lib)[1]
+
 def test_error_state_clears_on_success(lib: Library, tiny_path: Path, tmp_path: Path) -> None:
     assert load(lib, tmp_path / "nope.base") is None
     assert error(lib)[0] == FILE_NOT_FOUND
