@@ -820,12 +820,18 @@ static void release_rows(void *ctx, size_t rows_done) {
 static bool load_matrix(const bundle *b, const tensor_entry *t, bool widen_f16, rt_weight *out, uint64_t *total) {
     if (t->dtype >= DT_GGML_Q4_K) {
         chunk_release c = chunk_release_of(b, t);
+        rt_ggml_bad bad = {0, NULL, NULL};
         size_t bytes = rt_weight_from_ggml(out,
                                            t->dtype == DT_GGML_Q4_K   ? RT_GGML_Q4_K
                                            : t->dtype == DT_GGML_Q5_K ? RT_GGML_Q5_K
                                                                       : RT_GGML_Q6_K,
                                            b->map + b->blob_start + t->offset, (size_t)t->shape[0],
-                                           (size_t)t->shape[1], release_rows, &c);
+                                           (size_t)t->shape[1], release_rows, &c, &bad);
+        if (bad.field) {
+            bundle_fail(b, BASERT_ERR_INVALID_FORMAT, "tensor '%s': super-block %zu %s is %s", t->name, bad.block,
+                        bad.field, bad.what);
+            return false;
+        }
         if (!bytes) {
             bundle_fail(b, BASERT_ERR_OUT_OF_MEMORY, "out of memory loading tensor '%s'", t->name);
             return false;
