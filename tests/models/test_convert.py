@@ -695,6 +695,26 @@ def test_weights_whose_group_scale_overflows_f16_are_refused(raw_tiny_gguf: RawG
     convert_gguf(src, tmp_path / "out.base", dtype="f32", progress=False)  # representable as f32
 
 
+
+@pytest.mark.parametrize(("qtype", "at"), [("Q4_K", 0), ("Q4_K", 2), ("Q5_K", 0), ("Q5_K", 2), ("Q6_K", 208)])
+@pytest.mark.parametrize("value", [b"\x00\x7e", b"\x00\x7c", b"\x00\xfc"], ids=["NaN", "+Inf", "-Inf"])
+def test_k_blocks_with_a_non_finite_super_block_scale_are_refused(tmp_path: Path, qtype: str, at: int,
+                                                                  value: bytes) -> None:
+    """K blocks `auto` carries byte for byte, one of whose f16 d / dmin is NaN or Inf (every value of its
+    super-block non-finite): the engine refuses such a bundle at load, so the converter refuses first, naming
+    the tensor (the other dtypes dequantize it and refuse the non-finite values, as before)."""
+    kind = gguf.GGMLQuantizationType[qtype]
+    raw = RawGGUF(write_gguf(tmp_path / "k.gguf", matrices=kind, dim=256, ffn=512))
+    body = bytearray(raw.body)
+    start = raw.offsets["blk.1.ffn_down.weight"] + 5 * gguf.GGML_QUANT_SIZES[kind][1] + at  # the 6th super-block
+    body[start : start + 2] = value
+    raw.body = bytes(body)
+    src = raw.write(tmp_path / "bad.gguf")
+    with pytest.raises(ConversionError, match=r"blk\.1\.ffn_down\.weight.*super-block 5.*non-finite"):
+        convert_gguf(src, tmp_path / "out.base", dtype="auto", progress=False)
+    with pytest.raises(ConversionError, match=r"blk\.1\.ffn_down\.weight"):
+        convert_gguf(src, tmp_path / "out.base", dtype="f32", progress=False)
+
 @pytest.mark.parametrize(("key", "value", "match"), [
     ("tokenizer.ggml.add_bos_token", (int(_VT.FLOAT32), struct.pack("<f", float("inf"))), "NaN or infinite"),
     ("tokenizer.ggml.token_type", (int(_VT.ARRAY), struct.pack("<IQf", _VT.FLOAT32, 1, float("nan"))),

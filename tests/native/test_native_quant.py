@@ -181,22 +181,27 @@ K_BLOCK_BYTES = {"Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
 
 
 def _k_gguf(tmp_path: Path, qtype: str, edit: Any) -> Path:
-    """A tiny all-`qtype` GGUF converted with `auto` (its K blocks carried as they are) after edit(block, row)
-    rewrote the first four rows' first super-block of the first layer's q and down matrices."""
+    """A tiny all-`qtype` GGUF converted with `auto` (its K blocks carried as they are), then edit(block, row)
+    rewriting the first four rows' first super-block of the first layer's q and down matrices in the bundle
+    (as a hostile bundle may hold them: the converter refuses non-finite ones)."""
     tmp_path.mkdir(exist_ok=True)
     src = write_gguf(tmp_path / "k.gguf", matrices=gguf.GGMLQuantizationType[qtype], seed=4, dim=256, ffn=512)
-    data = bytearray(src.read_bytes())
+    path = convert_gguf(src, tmp_path / "k.base", dtype="auto", progress=False)
+    data = bytearray(path.read_bytes())
+    hlen = int.from_bytes(data[8:16], "little")
+    header = json.loads(data[16 : 16 + hlen])
+    blob = (16 + hlen + 65535) // 65536 * 65536
     size = K_BLOCK_BYTES[qtype]
-    for t in gguf.GGUFReader(src).tensors:
-        if t.name in ("blk.0.attn_q.weight", "blk.0.ffn_down.weight"):
-            per_row = int(t.shape[0]) // 256  # gguf-py's shape is [cols, rows]
+    for t in header["tensors"]:
+        if t["name"].endswith(("layers.0.self_attn.q_proj.weight", "layers.0.mlp.down_proj.weight")):
+            per_row = t["shape"][1] // 256
             for row in range(4):
-                at = int(t.data_offset) + row * per_row * size
+                at = blob + t["offset"] + row * per_row * size
                 block = bytearray(data[at : at + size])
                 edit(block, row)
                 data[at : at + size] = block
-    src.write_bytes(bytes(data))
-    return convert_gguf(src, tmp_path / "k.base", dtype="auto", progress=False)
+    path.write_bytes(bytes(data))
+    return path
 
 
 F16_NON_FINITE = {"NaN": b"\x00\x7e", "+Inf": b"\x00\x7c", "-Inf": b"\x00\xfc"}
