@@ -167,6 +167,27 @@ def test_any_text_parses_the_same_from_any_split_and_non_calls_stay_text(
         assert "".join(d.text for d in streamed.feed(text) if isinstance(d, TextDelta)) == text  # not held back
 
 
+
+# Replies mixing whole calls, call-like JSON, separators, markers and free text, in any order.
+MIXED = st.lists(st.one_of(
+    st.builds(lambda n, a: json.dumps({"name": n, "parameters": a}), NAMES, ARGS),
+    TEXT, st.text(max_size=8), st.sampled_from(["; ", ";", " ", "\n", "<|python_tag|>", "{", "}", '"', "\\"]),
+), max_size=6).map("".join)
+
+
+@given(text=MIXED, splits=SPLITS, forced=st.booleans())
+def test_llama_parser_never_loses_or_duplicates_text(text: str, splits: list[int], forced: bool) -> None:
+    """Any reply in any chunks: the text reported is exactly a suffix of the reply (nothing lost inside it,
+    nothing twice), all of it when there are no calls (unless forced), and the calls are the ones the rest,
+    the reply's prefix, holds when parsed alone."""
+    parser, deltas = parse(text, splits, forced=forced)
+    check_deltas(parser, deltas)
+    assert text.endswith(parser.content)
+    if not parser.calls and not forced:
+        assert parser.content == text
+    prefix, _ = parse(text[: len(text) - len(parser.content)], [len(text) + 1], forced=forced)
+    assert [(c.name, c.arguments) for c in prefix.calls] == [(c.name, c.arguments) for c in parser.calls]
+
 @given(
     obj=st.dictionaries(st.text(max_size=8), JSON_VALUES, max_size=4),
     tail=st.text(max_size=20),
