@@ -587,9 +587,9 @@ def test_tokenizer_sharing_under_concurrent_random_loads_frees_and_rewrites(
     """A model of tokenizer sharing under threads: each thread runs a random sequence of loads (tokenizer-only
     and full handles), encodes with any of its live handles and frees them in any order, while siblings of
     the same file are loaded, encoding and freed on the other threads. One file is rewritten in place
-    (same inode, same size, two tokens' texts swapped) between loads: every handle keeps encoding as the
-    content it was loaded from, never the stale or the other file's tokenizer. Run by the sanitizer suite
-    under ASan + UBSan as well."""
+    (same inode, same size, two tokens' texts swapped) or replaced by a file renamed over it between loads:
+    every handle keeps encoding as the content it was loaded from, never the stale or the other's tokenizer.
+    Run by the sanitizer suite under ASan + UBSan as well (and clean under TSan: -fsanitize=thread)."""
     import random
     import threading
 
@@ -638,8 +638,13 @@ def test_tokenizer_sharing_under_concurrent_random_loads_frees_and_rewrites(
                 elif op < 0.45:
                     with rewrite:
                         current[0] = 1 - current[0]
-                        with open(moving, "r+b") as f:  # in place: same inode, same size
-                            f.write(variants[current[0]])
+                        if rng.random() < 0.5:
+                            with open(moving, "r+b") as f:  # in place: same inode, same size
+                                f.write(variants[current[0]])
+                        else:  # replaced: a new file renamed over the path (its inode may be a freed one)
+                            fresh = tmp_path / f"fresh-{k}.base"
+                            fresh.write_bytes(variants[current[0]])
+                            os.replace(fresh, moving)
                 elif op < 0.7:
                     h, v = live.pop(rng.randrange(len(live)))
                     lib.baseRT_free_model(h)
