@@ -908,7 +908,15 @@ static int load_weights(const bundle *b, rt_model *m, tensor_entry **slots) {
         m->lm_head = m->tok_embd;
         m->tied_embeddings = true;
     }
-    if (slots[SLOT_ROPE_FREQS]) LOAD(m->rope_freqs, SLOT_ROPE_FREQS);
+    if (slots[SLOT_ROPE_FREQS]) {
+        LOAD(m->rope_freqs, SLOT_ROPE_FREQS);
+        /* frequency divisors: a zero, negative or non-finite one turns RoPE's angles into NaN / nonsense */
+        for (uint64_t i = 0; i < slots[SLOT_ROPE_FREQS]->n_elems; i++)
+            if (!(m->rope_freqs[i] > 0.0f) || !isfinite(m->rope_freqs[i]))
+                return bundle_fail(b, BASERT_ERR_INVALID_FORMAT,
+                                   "tensor '%s': RoPE frequency divisor %llu is %g, not a positive number",
+                                   slots[SLOT_ROPE_FREQS]->name, (unsigned long long)i, (double)m->rope_freqs[i]);
+    }
     for (uint32_t l = 0; l < cfg->n_layers; l++) {
         rt_layer *L = &m->layers[l];
         size_t s = SLOT_LAYER0 + (size_t)l * LAYER_SLOTS;
