@@ -687,6 +687,9 @@ def _dequantize(
     out = values.astype(np.float16) if entry.dtype == "f16" else values
     if not np.isfinite(out).all():
         raise fail(f"tensor {tensor.name!r}: non-finite values after conversion to {entry.dtype}")
+    if tensor.name.startswith(("rope_freqs", "rope_factors_")) and not (out > 0).all():
+        # RoPE frequency divisors: the engine refuses a zero or negative one (its angles would be NaN)
+        raise fail(f"tensor {tensor.name!r}: RoPE frequency divisors must be positive")
     return out
 
 

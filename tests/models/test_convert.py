@@ -715,6 +715,21 @@ def test_k_blocks_with_a_non_finite_super_block_scale_are_refused(tmp_path: Path
     with pytest.raises(ConversionError, match=r"blk\.1\.ffn_down\.weight"):
         convert_gguf(src, tmp_path / "out.base", dtype="f32", progress=False)
 
+
+@pytest.mark.parametrize("value", [0.0, -1.0])
+@pytest.mark.parametrize("name", ["rope_factors_long.weight", "rope_factors_short.weight", "rope_freqs.weight"])
+def test_rope_divisors_that_are_not_positive_are_refused(tmp_path: Path, name: str, value: float) -> None:
+    """A zero or negative RoPE frequency divisor (Llama 3's rope_freqs, Phi-3's LongRoPE factors), which the
+    engine refuses at load: the converter refuses first, naming the tensor."""
+    kw: dict[str, object] = {"rope_freqs": True} if name == "rope_freqs.weight" else {"arch": "phi3", "longrope": True}
+    raw = RawGGUF(write_gguf(tmp_path / "r.gguf", **kw))  # type: ignore[arg-type]
+    body = bytearray(raw.body)
+    at = raw.offsets[name] + 4 * 3
+    body[at : at + 4] = struct.pack("<f", value)
+    raw.body = bytes(body)
+    with pytest.raises(ConversionError, match=name.replace(".", r"\.") + ".*must be positive"):
+        convert_gguf(raw.write(tmp_path / "bad.gguf"), tmp_path / "out.base", progress=False)
+
 @pytest.mark.parametrize(("key", "value", "match"), [
     ("tokenizer.ggml.add_bos_token", (int(_VT.FLOAT32), struct.pack("<f", float("inf"))), "NaN or infinite"),
     ("tokenizer.ggml.token_type", (int(_VT.ARRAY), struct.pack("<IQf", _VT.FLOAT32, 1, float("nan"))),
