@@ -188,6 +188,18 @@ def test_llama_parser_never_loses_or_duplicates_text(text: str, splits: list[int
     prefix, _ = parse(text[: len(text) - len(parser.content)], [len(text) + 1], forced=forced)
     assert [(c.name, c.arguments) for c in prefix.calls] == [(c.name, c.arguments) for c in parser.calls]
 
+@given(blank=st.sampled_from(["\v", "\f", "\u00a0", "\x1c", "\x85", "\u2028", "\u3000"]),
+       lead=st.sampled_from(["", " ", "\n\t", "<|python_tag|>"]), name=NAMES, args=ARGS, splits=SPLITS)
+def test_a_call_after_a_space_json_does_not_know_is_text(blank: str, lead: str, name: str,
+                                                         args: dict[str, Any], splits: list[int]) -> None:
+    """The "auto" grammar opens a call only after JSON's blanks (space, tab, CR, LF): after any other white
+    space (str.isspace's \\v, NBSP, ...) the reply is TEXT, unconstrained, so a call written there was never
+    held to its schema. The parser agrees: it is text, whole, not a call."""
+    text = lead + blank + json.dumps({"name": name, "parameters": args})
+    parser, deltas = parse(text, splits)
+    assert parser.calls == [] and parser.content == text
+    check_deltas(parser, deltas)
+
 @given(
     obj=st.dictionaries(st.text(max_size=8), JSON_VALUES, max_size=4),
     tail=st.text(max_size=20),
@@ -260,6 +272,10 @@ def llama_call(name: str, args: str) -> str:
         ("auto", True, "Sunny, I think.", True),
         ("auto", True, llama_call("get_weather", '{"city":"Rom","days":9}'), True),
         ("auto", True, "  {not a call}", False),  # a reply starting with "{" is a call
+        # only JSON's blanks lead to a call: after any other space the reply is text, even a call's text
+        ("auto", True, "\v" + llama_call("get_weather", '{"city":"Rom","days":"x"}'), True),
+        ("auto", True, "\u00a0" + llama_call("get_weather", '{"nope":1}'), True),
+        ("required", True, "\v" + llama_call("get_weather", '{"city":"Rom","days":9}'), False),
         ("auto", True, "Text, then " + llama_call("get_weather", '{"city":"Rom","days":9}'), True),  # text
         ("auto", True, llama_call("get_weather", '{"city":"Paris"}'), False),  # days is required
         ("auto", True, llama_call("get_weather", '{"city":"Paris","days":0}'), False),  # minimum 1
