@@ -150,8 +150,9 @@ class Llama3JsonFormat(ToolFormat):
     def grammar(self, tools: Sequence[Tool], choice: str, *, parallel: bool = True) -> str | None:
         if not tools:
             return None
-        # whitespace then "{" opens a call (as the parser reads it): text never does
-        text = r"TEXT: /(?s:.+)/ & ~/(?s:[ \t\r\n]*\{.*)/"
+        # whitespace then "{" opens a call (as the parser reads it), also after "<|python_tag|>" (which
+        # ordinary tokens can spell): text never does
+        text = r"TEXT: /(?s:.+)/ & ~/(?s:[ \t\r\n]*(<\|python_tag\|>[ \t\r\n]*)?\{.*)/"
         if choice == "none":
             return f"start: TEXT\n{text}\n"
         allowed = [(i, t) for i, t in enumerate(tools) if choice in ("auto", "required") or t.name == choice]

@@ -276,6 +276,10 @@ def llama_call(name: str, args: str) -> str:
         ("auto", True, "\v" + llama_call("get_weather", '{"city":"Rom","days":"x"}'), True),
         ("auto", True, "\u00a0" + llama_call("get_weather", '{"nope":1}'), True),
         ("required", True, "\v" + llama_call("get_weather", '{"city":"Rom","days":9}'), False),
+        # "<|python_tag|>" spelt in ordinary tokens then "{": the parser reads a call there, so it is no text
+        ("auto", True, "<|python_tag|>" + llama_call("get_weather", '{"nope":1}'), False),
+        ("auto", True, "<|python_tag|> \n{x", False),
+        ("auto", True, "<|python_tag|>print(1)", True),
         ("auto", True, "Text, then " + llama_call("get_weather", '{"city":"Rom","days":9}'), True),  # text
         ("auto", True, llama_call("get_weather", '{"city":"Paris"}'), False),  # days is required
         ("auto", True, llama_call("get_weather", '{"city":"Paris","days":0}'), False),  # minimum 1
