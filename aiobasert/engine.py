@@ -379,6 +379,9 @@ class Engine:
 
         if tools is not None and (isinstance(tools, (str, bytes, Mapping)) or not isinstance(tools, Sequence)):
             raise InvalidRequestError(f"tools must be a list of tools, not {type(tools).__name__}")
+        if not isinstance(parallel_tool_calls, bool):  # "no" is truthy: it would have allowed several calls
+            raise InvalidRequestError(
+                f"parallel_tool_calls must be a bool, not {type(parallel_tool_calls).__name__}")
         for i, tool in enumerate(tools or ()):
             # a tool's schema reaches recursive JSON encoders and the grammar compilers:
             # measured first (iteratively), with json_schema's depth / $ref / size caps

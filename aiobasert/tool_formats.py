@@ -123,6 +123,9 @@ class HermesFormat(ToolFormat):
 # ---- Llama 3.x: bare JSON -------------------------------------------------------------------
 
 PYTHON_TAG: Final = "<|python_tag|>"
+# JSON's blanks, the only ones the "auto" grammar lets lead to a call: after str.isspace's others (\v, NBSP,
+# ...) a reply is TEXT, never held to a schema, so the parser must not read a call there either
+_BLANK: Final = " \t\r\n"
 _LLAMA_SEP = "; "
 _LLAMA_ARGS_KEY = "parameters"
 
@@ -147,8 +150,9 @@ class Llama3JsonFormat(ToolFormat):
     def grammar(self, tools: Sequence[Tool], choice: str, *, parallel: bool = True) -> str | None:
         if not tools:
             return None
-        # whitespace then "{" opens a call (as the parser reads it): text never does
-        text = r"TEXT: /(?s:.+)/ & ~/(?s:[ \t\r\n]*\{.*)/"
+        # whitespace then "{" opens a call (as the parser reads it), also after "<|python_tag|>" (which
+        # ordinary tokens can spell): text never does
+        text = r"TEXT: /(?s:.+)/ & ~/(?s:[ \t\r\n]*(<\|python_tag\|>[ \t\r\n]*)?\{.*)/"
         if choice == "none":
             return f"start: TEXT\n{text}\n"
         allowed = [(i, t) for i, t in enumerate(tools) if choice in ("auto", "required") or t.name == choice]
@@ -315,17 +319,17 @@ class Llama3JsonParser:
         buf = self._buf
         if self._mode in ("start", "after"):
             # leading blanks, then (at the start) <|python_tag|>, (after a call) one `;`
-            i = len(buf) - len(buf.lstrip())
+            i = len(buf) - len(buf.lstrip(_BLANK))
             rest = buf[i:]
             if self._mode == "start" and rest.startswith(PYTHON_TAG):
                 i += len(PYTHON_TAG)
-                i += len(buf[i:]) - len(buf[i:].lstrip())
+                i += len(buf[i:]) - len(buf[i:].lstrip(_BLANK))
                 rest = buf[i:]
             elif self._mode == "start" and rest and PYTHON_TAG.startswith(rest):
                 return  # may still become <|python_tag|>
             if self._mode == "after" and rest.startswith(";"):
                 i += 1
-                i += len(buf[i:]) - len(buf[i:].lstrip())
+                i += len(buf[i:]) - len(buf[i:].lstrip(_BLANK))
                 rest = buf[i:]
             if not rest:
                 return  # blanks so far
@@ -358,7 +362,7 @@ class Llama3JsonParser:
         (looked at until that key's quote is seen: a long call is not rescanned)."""
         if self._keyed:
             return False
-        body = self._buf[self._obj + 1 :].lstrip()
+        body = self._buf[self._obj + 1 :].lstrip(_BLANK)
         self._keyed = body.startswith('"')
         return bool(body) and not self._keyed
 

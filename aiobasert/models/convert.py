@@ -651,13 +651,27 @@ def convert_gguf(
                 if entry.dtype in _QUANTIZED:
                     writer.write(entry.name, _quantize(sources[entry.name], entry, fail))
                 elif entry.dtype in GGML_BLOCKS:
-                    writer.write(entry.name, np.asarray(sources[entry.name].data, dtype=np.uint8))
+                    writer.write(entry.name, _k_blocks(sources[entry.name], fail))
                 else:
                     writer.write(entry.name, _dequantize(sources[entry.name], entry, fail))
     finally:
         if close_bar is not None:
             close_bar()
     return dst
+
+
+def _k_blocks(tensor: gguf.ReaderTensor, fail: Callable[[str], ConversionError]) -> npt.NDArray[np.uint8]:
+    """A K-quant tensor's blocks as they are, refused when a super-block's f16 d or dmin is NaN / Inf (all its
+    256 values non-finite), as the engine refuses it at load."""
+    blocks = np.asarray(tensor.data, dtype=np.uint8)
+    size = gguf.GGML_QUANT_SIZES[tensor.tensor_type][1]
+    flat = blocks.reshape(-1, size)
+    fields = (("d", 208),) if tensor.tensor_type == _Q.Q6_K else (("d", 0), ("dmin", 2))
+    for field, at in fields:
+        bad = np.flatnonzero(~np.isfinite(_f16_field(flat, at)))
+        if bad.size:
+            raise fail(f"tensor {tensor.name!r}: super-block {int(bad[0])} has a non-finite {field}")
+    return blocks
 
 
 def _dequantize(
@@ -673,6 +687,9 @@ def _dequantize(
     out = values.astype(np.float16) if entry.dtype == "f16" else values
     if not np.isfinite(out).all():
         raise fail(f"tensor {tensor.name!r}: non-finite values after conversion to {entry.dtype}")
+    if tensor.name.startswith(("rope_freqs", "rope_factors_")) and not (out > 0).all():
+        # RoPE frequency divisors: the engine refuses a zero or negative one (its angles would be NaN)
+        raise fail(f"tensor {tensor.name!r}: RoPE frequency divisors must be positive")
     return out
 
 

@@ -252,6 +252,8 @@ def _tool_param(message: str) -> str | None:
     """The request field a tool-setup error is about."""
     if "tool_choice" in message:
         return "tool_choice"
+    if message.startswith("tool call"):  # a past call in the history (aiobasert.tools' render)
+        return "messages"
     if "tool" in message:
         return "tools"
     return "messages" if "message" in message else None

@@ -3,6 +3,7 @@ messages, and the engine's finish reasons as OpenAI's."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from typing import Any
 
@@ -102,6 +103,14 @@ def chat_messages(messages: Sequence[RequestMessage]) -> list[dict[str, Any]]:
             content = m.refusal
         entry: dict[str, Any] = {"role": role, "content": content}
         if m.tool_calls:
+            for j, c in enumerate(m.tool_calls):
+                # a past call's arguments the model could never have written: the messages' fault,
+                # on every model (a template that renders them raw would otherwise take them)
+                try:
+                    json.loads(c.function.arguments)
+                except ValueError:
+                    raise APIError(400, f"messages[{i}].tool_calls[{j}].function.arguments is not JSON",
+                                   param="messages") from None
             entry["tool_calls"] = [
                 ToolCall(id=c.id, name=c.function.name, arguments=c.function.arguments) for c in m.tool_calls
             ]

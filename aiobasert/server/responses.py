@@ -14,6 +14,7 @@ and is evicted by it under memory pressure (the turn then prefills again).
 from __future__ import annotations
 
 import functools
+import json
 import os
 import re
 import time
@@ -360,6 +361,10 @@ def _input_messages(raw_items: str | Sequence[dict[str, Any]]) -> list[dict[str,
             text = item.content if isinstance(item.content, str) else "\n".join(p.text for p in item.content)
             out.append({"role": "system" if item.role == "developer" else item.role, "content": text})
         elif isinstance(item, InputFunctionCall):
+            try:  # arguments the model could never have written: the input's fault, on every template
+                json.loads(item.arguments)
+            except ValueError:
+                raise APIError(400, f"input[{i}].arguments is not JSON", param="input") from None
             call = ToolCall(id=item.call_id, name=item.name, arguments=item.arguments)
             if out and out[-1]["role"] == "assistant" and "tool_calls" in out[-1]:
                 out[-1]["tool_calls"].append(call)  # consecutive calls are one assistant turn
@@ -612,8 +617,9 @@ class ResponsesAPI:
         except InvalidRequestError as exc:
             msg, err = str(exc), api_error(exc)
             if err.body.error.param is None:
-                err = APIError(400, msg, param="tool_choice" if "tool_choice" in msg else "tools" if "tool" in msg
-                               else "input")
+                # "tool call ...": a past call of the input (aiobasert.tools' render)
+                err = APIError(400, msg, param="tool_choice" if "tool_choice" in msg else "input"
+                               if msg.startswith("tool call") else "tools" if "tool" in msg else "input")
             raise err from None
         turn = _Turn(req, served, chat, conversation, self.store, self.new_id())
         observer = self._metrics.observer(served.name, served.engine)

@@ -820,12 +820,18 @@ static void release_rows(void *ctx, size_t rows_done) {
 static bool load_matrix(const bundle *b, const tensor_entry *t, bool widen_f16, rt_weight *out, uint64_t *total) {
     if (t->dtype >= DT_GGML_Q4_K) {
         chunk_release c = chunk_release_of(b, t);
+        rt_ggml_bad bad = {0, NULL, NULL};
         size_t bytes = rt_weight_from_ggml(out,
                                            t->dtype == DT_GGML_Q4_K   ? RT_GGML_Q4_K
                                            : t->dtype == DT_GGML_Q5_K ? RT_GGML_Q5_K
                                                                       : RT_GGML_Q6_K,
                                            b->map + b->blob_start + t->offset, (size_t)t->shape[0],
-                                           (size_t)t->shape[1], release_rows, &c);
+                                           (size_t)t->shape[1], release_rows, &c, &bad);
+        if (bad.field) {
+            bundle_fail(b, BASERT_ERR_INVALID_FORMAT, "tensor '%s': super-block %zu %s is %s", t->name, bad.block,
+                        bad.field, bad.what);
+            return false;
+        }
         if (!bytes) {
             bundle_fail(b, BASERT_ERR_OUT_OF_MEMORY, "out of memory loading tensor '%s'", t->name);
             return false;
@@ -902,7 +908,15 @@ static int load_weights(const bundle *b, rt_model *m, tensor_entry **slots) {
         m->lm_head = m->tok_embd;
         m->tied_embeddings = true;
     }
-    if (slots[SLOT_ROPE_FREQS]) LOAD(m->rope_freqs, SLOT_ROPE_FREQS);
+    if (slots[SLOT_ROPE_FREQS]) {
+        LOAD(m->rope_freqs, SLOT_ROPE_FREQS);
+        /* frequency divisors: a zero, negative or non-finite one turns RoPE's angles into NaN / nonsense */
+        for (uint64_t i = 0; i < slots[SLOT_ROPE_FREQS]->n_elems; i++)
+            if (!(m->rope_freqs[i] > 0.0f) || !isfinite(m->rope_freqs[i]))
+                return bundle_fail(b, BASERT_ERR_INVALID_FORMAT,
+                                   "tensor '%s': RoPE frequency divisor %llu is %g, not a positive number",
+                                   slots[SLOT_ROPE_FREQS]->name, (unsigned long long)i, (double)m->rope_freqs[i]);
+    }
     for (uint32_t l = 0; l < cfg->n_layers; l++) {
         rt_layer *L = &m->layers[l];
         size_t s = SLOT_LAYER0 + (size_t)l * LAYER_SLOTS;

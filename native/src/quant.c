@@ -295,8 +295,14 @@ size_t rt_weight_from_groups(rt_weight *out, int bits, const uint8_t *packed, co
                   cols, done, ctx);
 }
 
+/* An f16 (little-endian bytes) that is NaN (2) or Inf (1), else 0. */
+static int f16_non_finite(const uint8_t *h) {
+    unsigned v = (unsigned)h[0] | (unsigned)h[1] << 8;
+    return (v & 0x7c00u) != 0x7c00u ? 0 : (v & 0x03ffu) ? 2 : 1;
+}
+
 size_t rt_weight_from_ggml(rt_weight *out, int ggml_type, const uint8_t *blocks, size_t rows, size_t cols,
-                           void (*done)(void *ctx, size_t rows_done), void *ctx) {
+                           void (*done)(void *ctx, size_t rows_done), void *ctx, rt_ggml_bad *bad) {
     int type = ggml_type == RT_GGML_Q4_K ? RT_W_Q4K : ggml_type == RT_GGML_Q5_K ? RT_W_Q5K : RT_W_Q6K;
     if (ggml_type != RT_GGML_Q4_K && ggml_type != RT_GGML_Q5_K && ggml_type != RT_GGML_Q6_K) return 0;
     qgeom g = geometry(type, 0, (int)cols);
@@ -311,6 +317,16 @@ size_t rt_weight_from_ggml(rt_weight *out, int ggml_type, const uint8_t *blocks,
         for (size_t sb = 0; sb < nsb; sb++) {
             const uint8_t *b = blocks + (r * nsb + sb) * size;
             uint8_t *hp = pp + sb * g.sb_bytes;
+            /* a NaN / Inf d or dmin makes its 256 values non-finite: refused, as a base group's scale is
+             * (checked here, as each block is read, so the source pages still go chunk by chunk) */
+            int dbad = f16_non_finite(ggml_type == RT_GGML_Q6_K ? b + 208 : b);
+            int mbad = ggml_type == RT_GGML_Q6_K ? 0 : f16_non_finite(b + 2);
+            if (dbad || mbad) {
+                if (bad)
+                    *bad = (rt_ggml_bad){r * nsb + sb, dbad ? "d" : "dmin", (dbad ? dbad : mbad) == 2 ? "NaN" : "Inf"};
+                free(mem);
+                return 0;
+            }
             memcpy(hp + 2 * L, ggml_type == RT_GGML_Q6_K ? b + 208 : b, 2); /* d */
             if (ggml_type != RT_GGML_Q6_K) memcpy(hp + 2 * PANEL + 2 * L, b + 2, 2); /* dmin */
             for (size_t j = 0; j < 8; j++) {

@@ -66,8 +66,15 @@ enum { RT_GGML_Q4_K = 12, RT_GGML_Q5_K = 13, RT_GGML_Q6_K = 14 }; /* GGML's type
  * GGML's own super-block scales, layout above), calling done(ctx, rows_done) (when not NULL) after every
  * chunk of whole panels (about 2 MB of blocks) and at the end: the caller may release the source rows read
  * so far. Returns the bytes allocated, 0 when out of memory or not a K type. */
+/* bad (when not NULL): set when a super-block's d or dmin is NaN / Inf, which returns 0 as well (its
+ * `field` is then not NULL). */
+typedef struct {
+    size_t block;      /* super-block index, row-major */
+    const char *field; /* "d" / "dmin", NULL when none was */
+    const char *what;  /* "NaN" / "Inf" */
+} rt_ggml_bad;
 size_t rt_weight_from_ggml(rt_weight *out, int ggml_type, const uint8_t *blocks, size_t rows, size_t cols,
-                           void (*done)(void *ctx, size_t rows_done), void *ctx);
+                           void (*done)(void *ctx, size_t rows_done), void *ctx, rt_ggml_bad *bad);
 
 /* Bytes of one quantized activation row of `in` values (in % 32 == 0). */
 size_t rt_qx_row_bytes(int in);

@@ -167,6 +167,39 @@ def test_any_text_parses_the_same_from_any_split_and_non_calls_stay_text(
         assert "".join(d.text for d in streamed.feed(text) if isinstance(d, TextDelta)) == text  # not held back
 
 
+
+# Replies mixing whole calls, call-like JSON, separators, markers and free text, in any order.
+MIXED = st.lists(st.one_of(
+    st.builds(lambda n, a: json.dumps({"name": n, "parameters": a}), NAMES, ARGS),
+    TEXT, st.text(max_size=8), st.sampled_from(["; ", ";", " ", "\n", "<|python_tag|>", "{", "}", '"', "\\"]),
+), max_size=6).map("".join)
+
+
+@given(text=MIXED, splits=SPLITS, forced=st.booleans())
+def test_llama_parser_never_loses_or_duplicates_text(text: str, splits: list[int], forced: bool) -> None:
+    """Any reply in any chunks: the text reported is exactly a suffix of the reply (nothing lost inside it,
+    nothing twice), all of it when there are no calls (unless forced), and the calls are the ones the rest,
+    the reply's prefix, holds when parsed alone."""
+    parser, deltas = parse(text, splits, forced=forced)
+    check_deltas(parser, deltas)
+    assert text.endswith(parser.content)
+    if not parser.calls and not forced:
+        assert parser.content == text
+    prefix, _ = parse(text[: len(text) - len(parser.content)], [len(text) + 1], forced=forced)
+    assert [(c.name, c.arguments) for c in prefix.calls] == [(c.name, c.arguments) for c in parser.calls]
+
+@given(blank=st.sampled_from(["\v", "\f", "\u00a0", "\x1c", "\x85", "\u2028", "\u3000"]),
+       lead=st.sampled_from(["", " ", "\n\t", "<|python_tag|>"]), name=NAMES, args=ARGS, splits=SPLITS)
+def test_a_call_after_a_space_json_does_not_know_is_text(blank: str, lead: str, name: str,
+                                                         args: dict[str, Any], splits: list[int]) -> None:
+    """The "auto" grammar opens a call only after JSON's blanks (space, tab, CR, LF): after any other white
+    space (str.isspace's \\v, NBSP, ...) the reply is TEXT, unconstrained, so a call written there was never
+    held to its schema. The parser agrees: it is text, whole, not a call."""
+    text = lead + blank + json.dumps({"name": name, "parameters": args})
+    parser, deltas = parse(text, splits)
+    assert parser.calls == [] and parser.content == text
+    check_deltas(parser, deltas)
+
 @given(
     obj=st.dictionaries(st.text(max_size=8), JSON_VALUES, max_size=4),
     tail=st.text(max_size=20),
@@ -239,6 +272,14 @@ def llama_call(name: str, args: str) -> str:
         ("auto", True, "Sunny, I think.", True),
         ("auto", True, llama_call("get_weather", '{"city":"Rom","days":9}'), True),
         ("auto", True, "  {not a call}", False),  # a reply starting with "{" is a call
+        # only JSON's blanks lead to a call: after any other space the reply is text, even a call's text
+        ("auto", True, "\v" + llama_call("get_weather", '{"city":"Rom","days":"x"}'), True),
+        ("auto", True, "\u00a0" + llama_call("get_weather", '{"nope":1}'), True),
+        ("required", True, "\v" + llama_call("get_weather", '{"city":"Rom","days":9}'), False),
+        # "<|python_tag|>" spelt in ordinary tokens then "{": the parser reads a call there, so it is no text
+        ("auto", True, "<|python_tag|>" + llama_call("get_weather", '{"nope":1}'), False),
+        ("auto", True, "<|python_tag|> \n{x", False),
+        ("auto", True, "<|python_tag|>print(1)", True),
         ("auto", True, "Text, then " + llama_call("get_weather", '{"city":"Rom","days":9}'), True),  # text
         ("auto", True, llama_call("get_weather", '{"city":"Paris"}'), False),  # days is required
         ("auto", True, llama_call("get_weather", '{"city":"Paris","days":0}'), False),  # minimum 1

@@ -289,6 +289,8 @@ async def test_bad_tools_and_choices_raise_in_the_caller(tiny_model_path: Path) 
             dict(tools=[WEATHER, WEATHER]),
             dict(tools=[Tool(name="bad name")]),
             dict(tools=[WEATHER], json_schema=True),
+            dict(tools=[WEATHER], parallel_tool_calls="no"),  # a truthy string would have meant "parallel"
+            dict(tools=[WEATHER], parallel_tool_calls=None),
         ]
         for kw in bad:
             with pytest.raises(InvalidRequestError):

@@ -599,6 +599,71 @@ def test_mutated_metadata_converts_or_raises_conversion_error(
     convert_mutated(lib, raw, dtype, n_tensors=counts[0], n_kv=counts[1])
 
 
+
+def edit_tensor_info(raw: RawGGUF, name: str, dims: list[int] | None, kind: int | None) -> None:
+    """Rewrite one tensor's entry in raw's tensor table: its dims (GGUF order, fastest first) and / or its
+    GGML type; its data offset is kept (the data is not resized)."""
+    out, offs, infos = b"", 0, raw.infos
+    while offs < len(infos):
+        (n,) = struct.unpack_from("<Q", infos, offs)
+        (nd,) = struct.unpack_from("<I", infos, offs + 8 + n)
+        start, at = offs, offs + 8 + n + 4
+        old_dims = list(struct.unpack_from(f"<{nd}Q", infos, at))
+        old_kind, off = struct.unpack_from("<IQ", infos, at + 8 * nd)
+        offs = at + 8 * nd + 12
+        if infos[start + 8 : start + 8 + n].decode() != name:
+            out += infos[start:offs]
+            continue
+        d = old_dims if dims is None else dims
+        out += infos[start : start + 8 + n] + struct.pack(f"<I{len(d)}Q", len(d), *d)
+        out += struct.pack("<IQ", old_kind if kind is None else kind, off)
+    raw.infos = out
+
+
+_PHI3_TENSORS = ["blk.0.attn_qkv.weight", "blk.1.attn_qkv.weight", "blk.0.ffn_up.weight", "rope_factors_long.weight",
+                 "rope_factors_short.weight", "blk.0.ffn_down.weight", "token_embd.weight"]
+_Q = gguf.GGMLQuantizationType
+
+
+@pytest.fixture(scope="module")
+def raw_phi3_ggufs(tmp_path_factory: pytest.TempPathFactory) -> list[RawGGUF]:
+    """phi3's fused GGUFs (attn_qkv, gate|up ffn_up): plain, with LongRoPE's factor tensors, and in Q4_K."""
+    d = tmp_path_factory.mktemp("mutate-phi3")
+    return [RawGGUF(write_gguf(d / "phi3.gguf", arch="phi3")),
+            RawGGUF(write_gguf(d / "phi3-long.gguf", arch="phi3", longrope=True)),
+            RawGGUF(write_gguf(d / "phi3-k.gguf", arch="phi3", matrices=_Q.Q4_K, dim=256, ffn=256))]
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(base=st.integers(0, 2),
+       edits=st.lists(st.tuples(st.sampled_from([k.replace("llama.", "phi3.") for k in _KEYS]),
+                                st.none() | gguf_values()), max_size=2),
+       tensors=st.lists(st.tuples(
+           st.sampled_from(_PHI3_TENSORS),
+           st.none() | st.lists(st.sampled_from([0, 1, 2, 3, 31, 32, 64, 96, 128, 192, 256, 320, 585, 2**40]),
+                                min_size=1, max_size=3),
+           st.none() | st.sampled_from([_Q.F32, _Q.F16, _Q.Q8_0, _Q.Q4_K, _Q.Q6_K, _Q.I32, _Q.BF16, 99])),
+           min_size=1, max_size=2),
+       dtype=st.sampled_from(["auto", "q4"]))
+def test_mutated_phi3_converts_or_raises_conversion_error(
+    lib: Library, raw_phi3_ggufs: list[RawGGUF], base: int, edits: list[tuple[str, tuple[int, bytes] | None]],
+    tensors: list[tuple[str, list[int] | None, int | None]], dtype: str
+) -> None:
+    """phi3's fused GGUFs with their tensor table edited (a fused attn_qkv / ffn_up of other shapes: rows not
+    q + 2 kv heads or not 2 x ffn, the wrong width, a type the split cannot carry; LongRoPE factor tensors
+    of the wrong length or type, or given to a file without them) and phi3.* metadata of any value: the
+    converter succeeds or raises ConversionError, and what it writes loads or is refused with a code."""
+    raw = copy.copy(raw_phi3_ggufs[base])
+    raw.kv = dict(raw.kv)
+    for key, value in edits:
+        if value is None:
+            raw.kv.pop(key, None)
+        else:
+            raw.kv[key] = value
+    for name, dims, kind in tensors:
+        edit_tensor_info(raw, name, dims, None if kind is None else int(kind))
+    convert_mutated(lib, raw, dtype)
+
 @pytest.mark.parametrize("kind, value", [(_VT.UINT32, 2**32 - 1), (_VT.UINT64, 2**64 - 1), (_VT.INT64, 2**62),
                                          (_VT.UINT32, 3)])
 def test_block_count_beyond_the_tensor_table_is_refused_before_allocating(
@@ -629,6 +694,41 @@ def test_weights_whose_group_scale_overflows_f16_are_refused(raw_tiny_gguf: RawG
         convert_gguf(src, tmp_path / "out.base", dtype=dtype, progress=False)  # type: ignore[arg-type]
     convert_gguf(src, tmp_path / "out.base", dtype="f32", progress=False)  # representable as f32
 
+
+
+@pytest.mark.parametrize(("qtype", "at"), [("Q4_K", 0), ("Q4_K", 2), ("Q5_K", 0), ("Q5_K", 2), ("Q6_K", 208)])
+@pytest.mark.parametrize("value", [b"\x00\x7e", b"\x00\x7c", b"\x00\xfc"], ids=["NaN", "+Inf", "-Inf"])
+def test_k_blocks_with_a_non_finite_super_block_scale_are_refused(tmp_path: Path, qtype: str, at: int,
+                                                                  value: bytes) -> None:
+    """K blocks `auto` carries byte for byte, one of whose f16 d / dmin is NaN or Inf (every value of its
+    super-block non-finite): the engine refuses such a bundle at load, so the converter refuses first, naming
+    the tensor (the other dtypes dequantize it and refuse the non-finite values, as before)."""
+    kind = gguf.GGMLQuantizationType[qtype]
+    raw = RawGGUF(write_gguf(tmp_path / "k.gguf", matrices=kind, dim=256, ffn=512))
+    body = bytearray(raw.body)
+    start = raw.offsets["blk.1.ffn_down.weight"] + 5 * gguf.GGML_QUANT_SIZES[kind][1] + at  # the 6th super-block
+    body[start : start + 2] = value
+    raw.body = bytes(body)
+    src = raw.write(tmp_path / "bad.gguf")
+    with pytest.raises(ConversionError, match=r"blk\.1\.ffn_down\.weight.*super-block 5.*non-finite"):
+        convert_gguf(src, tmp_path / "out.base", dtype="auto", progress=False)
+    with pytest.raises(ConversionError, match=r"blk\.1\.ffn_down\.weight"):
+        convert_gguf(src, tmp_path / "out.base", dtype="f32", progress=False)
+
+
+@pytest.mark.parametrize("value", [0.0, -1.0])
+@pytest.mark.parametrize("name", ["rope_factors_long.weight", "rope_factors_short.weight", "rope_freqs.weight"])
+def test_rope_divisors_that_are_not_positive_are_refused(tmp_path: Path, name: str, value: float) -> None:
+    """A zero or negative RoPE frequency divisor (Llama 3's rope_freqs, Phi-3's LongRoPE factors), which the
+    engine refuses at load: the converter refuses first, naming the tensor."""
+    kw: dict[str, object] = {"rope_freqs": True} if name == "rope_freqs.weight" else {"arch": "phi3", "longrope": True}
+    raw = RawGGUF(write_gguf(tmp_path / "r.gguf", **kw))  # type: ignore[arg-type]
+    body = bytearray(raw.body)
+    at = raw.offsets[name] + 4 * 3
+    body[at : at + 4] = struct.pack("<f", value)
+    raw.body = bytes(body)
+    with pytest.raises(ConversionError, match=name.replace(".", r"\.") + ".*must be positive"):
+        convert_gguf(raw.write(tmp_path / "bad.gguf"), tmp_path / "out.base", progress=False)
 
 @pytest.mark.parametrize(("key", "value", "match"), [
     ("tokenizer.ggml.add_bos_token", (int(_VT.FLOAT32), struct.pack("<f", float("inf"))), "NaN or infinite"),

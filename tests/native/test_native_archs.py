@@ -173,6 +173,25 @@ def test_phi3_longrope_takes_the_factors_llama_cpp_takes_for_the_context(lib: Li
         lib.baseRT_free_model(m)
 
 
+
+@pytest.mark.parametrize("value", [0.0, -2.0, float("nan")])
+@pytest.mark.parametrize(("context", "factors"), [(64, "rope_factors_short"), (MAX_CONTEXT, "rope_factors_long")])
+def test_phi3_longrope_factors_that_are_no_divisors_are_refused(lib: Library, tmp_path: Path, context: int,
+                                                               factors: str, value: float) -> None:
+    """A LongRoPE factor (the set the context picks) of zero, below zero or NaN in a hostile bundle is refused
+    in one line naming the tensor: a zero one made the logits NaN. The other set is not read."""
+    src = write_gguf(tmp_path / "long.gguf", arch="phi3", longrope=True)
+    out = convert_gguf(src, tmp_path / "long.base", dtype="f32", progress=False)
+    bad = _rewrite(out, tmp_path / "bad.base", value=(f"{factors}.weight", 5, value))
+    assert not lib.baseRT_load_model(str(bad).encode(), None, context)
+    code, text = coded_error(lib)
+    assert code == INVALID_FORMAT and f"'{factors}.weight': RoPE frequency divisor 5 is" in text, text
+    other = "rope_factors_long" if factors == "rope_factors_short" else "rope_factors_short"
+    unread = _rewrite(out, tmp_path / "fine.base", value=(f"{other}.weight", 5, value))
+    fine = lib.baseRT_load_model(str(unread).encode(), None, context)
+    assert fine, coded_error(lib)
+    lib.baseRT_free_model(fine)
+
 PHI3_STORED = {"F16": "f16", "Q8_0": "base_q8", "Q4_K": "ggml_q4_k"}
 
 
@@ -228,14 +247,22 @@ def test_a_zero_soft_cap_is_none(lib: Library, tmp_path: Path) -> None:
 
 
 def _rewrite(src: Path, dst: Path, *, arch: str | None = None, drop: str | None = None,
-             config: dict[str, Any] | None = None) -> Path:
+             config: dict[str, Any] | None = None, value: tuple[str, int, float] | None = None) -> Path:
+    """src's bundle with its arch / config changed, a tensor dropped or (value) one element of one set."""
     bundle = read_bundle(src)
     header = json.loads(json.dumps(bundle.header))
     del header["tensors"]
     if arch is not None:
         header["arch"] = arch
     header["config"] |= config or {}
-    tensors = [(name, bundle.tensor(name), info.compute_region, "f32") for name, info in bundle.tensors.items()
+
+    def data(name: str) -> Any:
+        t = np.array(bundle.tensor(name), dtype=np.float32)
+        if value is not None and value[0] == name:
+            t.reshape(-1)[value[1]] = value[2]
+        return t
+
+    tensors = [(name, data(name), info.compute_region, "f32") for name, info in bundle.tensors.items()
                if name != drop]
     write_bundle(dst, header, tensors)
     return dst
@@ -262,6 +289,9 @@ def _rewrite(src: Path, dst: Path, *, arch: str | None = None, drop: str | None 
         ("gemma3", dict(config={"final_logit_softcapping": -30.0}), INVALID_FORMAT, "final_logit_softcapping"),
         ("gemma3", dict(config={"sliding_window": 0}), INVALID_FORMAT, "sliding_window"),
         ("llama3_rope_freqs", dict(arch="qwen2"), UNSUPPORTED, "'rope_freqs.weight' is not part of the qwen2 layout"),
+        # frequency divisors a hostile bundle may hold: RoPE's angles would be NaN (zero) or nonsense
+        *(("llama3_rope_freqs", dict(value=("rope_freqs.weight", 3, v)), INVALID_FORMAT,
+           "'rope_freqs.weight': RoPE frequency divisor 3 is") for v in (0.0, -1.0, float("nan"), float("inf"))),
     ],
 )
 def test_refusals_name_the_reason(lib: Library, tmp_path: Path, model: str, change: dict[str, Any], code: int,

@@ -82,14 +82,20 @@ print(h.hexdigest())
 
 @pytest.mark.parametrize(("dtype", "symmetric"), [("base_q4", False), ("base_q8", False), ("base_q8", True),
                                                   ("Q4_K", False), ("Q5_K", False), ("Q5_0", False),
-                                                  ("Q6_K", False)],
-                         ids=["q4", "q8", "q8sym", "gguf-q4k", "gguf-q5k", "gguf-q5_0", "gguf-q6k"])
+                                                  ("Q6_K", False), ("Q4_K+", False), ("Q5_K+", False),
+                                                  ("Q6_K+", False)],
+                         ids=["q4", "q8", "q8sym", "gguf-q4k", "gguf-q5k", "gguf-q5_0", "gguf-q6k", "gguf-q4k-wide",
+                              "gguf-q5k-wide", "gguf-q6k-wide"])
 def test_kernel_sets_compute_bit_identical_quantized_logits(tmp_path: Path, dtype: str, symmetric: bool) -> None:
+    """`+`: K-quant rows of 2 and 3 super-blocks (an odd count, past what one 512-bit pass covers), beside
+    1 and 2; the vocabulary's 585 rows end in a partial panel either way."""
     if dtype.startswith("base_"):
         f32 = build_tiny_model(tmp_path / "f32.base", dim=96, n_heads=3, n_kv_heads=1, ffn_dim=160, seed=7)
         q = quantize_bundle(f32, tmp_path / "q.base", dtype, symmetric=symmetric)
     else:  # GGUF blocks carried (convert --dtype auto): K-quants in their K panels, 5-bit ones as base_q5
-        dims = {"dim": 256, "ffn": 512} if dtype.endswith("_K") else {}
+        wide = dtype.endswith("+")
+        dtype = dtype.rstrip("+")
+        dims = ({"dim": 512, "ffn": 768} if wide else {"dim": 256, "ffn": 512}) if dtype.endswith("_K") else {}
         src = write_gguf(tmp_path / "k.gguf", matrices=gguf.GGMLQuantizationType[dtype], **dims)
         q = convert_gguf(src, tmp_path / "q.base", dtype="auto", progress=False)
     digests = {}

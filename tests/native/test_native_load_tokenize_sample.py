@@ -228,6 +228,44 @@ def test_header_json_escapes_and_depth(lib: Library, tiny_path: Path, tmp_path: 
     expect_load_error(lib, write_bundle(tmp_path / "deep.base", header, blob), INVALID_FORMAT, "nesting")
 
 
+@pytest.mark.parametrize(
+    ("ids", "needle"),
+    [
+        ("all", None),  # every token, a token listed twice, the last one: taken
+        ([-1], "rstrip_token_ids[0]"),
+        ([0, 10**6], "rstrip_token_ids[1]"),
+        ([2**63], "rstrip_token_ids[0]"),
+        ([1.5], "rstrip_token_ids[0]"),
+        (["1"], "rstrip_token_ids[0]"),
+        ([[1]], "rstrip_token_ids[0]"),
+        ([None], "rstrip_token_ids[0]"),
+        ({"1": 1}, "not an array"),
+        ("1", "not an array"),
+    ],
+)
+def test_hostile_rstrip_token_ids_are_refused_in_one_line(
+    lib: Library, tiny_path: Path, tmp_path: Path, ids: Any, needle: str | None
+) -> None:
+    """tokenizer.aiobasert.rstrip_token_ids out of range, of the wrong type or not a list: one line naming
+    the entry, for full and tokenizer-only loads alike (never a crash); a huge or duplicated list in range
+    loads."""
+    header, blob = read_bundle(tiny_path)
+    n = len(header["tokenizer"]["tokenizer.ggml.tokens"])
+    if ids == "all":
+        ids = [*range(n), 0, n - 1] * 8
+    header["tokenizer"]["tokenizer.aiobasert.rstrip_token_ids"] = ids
+    path = write_bundle(tmp_path / "rstrip.base", header, blob)
+    if needle is None:
+        for h in (load(lib, path, 64), lib.baseRT_load_tokenizer_only(os.fsencode(path))):
+            assert h, error(lib)
+            assert encode(lib, h, "<|im_start|> \n x") != []
+            lib.baseRT_free_model(h)
+        return
+    msg = expect_load_error(lib, path, INVALID_FORMAT, needle)
+    assert "\n" not in msg
+    assert not lib.baseRT_load_tokenizer_only(os.fsencode(path))
+    assert needle in error(lib)[1]
+
 def test_error_state_clears_on_success(lib: Library, tiny_path: Path, tmp_path: Path) -> None:
     assert load(lib, tmp_path / "nope.base") is None
     assert error(lib)[0] == FILE_NOT_FOUND
@@ -577,6 +615,93 @@ def test_tokenizer_handles_of_one_file_share_its_tokenizer(lib: Library, tiny_pa
     lib.baseRT_free_model(a)
     lib.baseRT_free_model(b)
 
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_tokenizer_sharing_under_concurrent_random_loads_frees_and_rewrites(
+    lib: Library, tiny_path: Path, tmp_path: Path, seed: int
+) -> None:
+    """A model of tokenizer sharing under threads: each thread runs a random sequence of loads (tokenizer-only
+    and full handles), encodes with any of its live handles and frees them in any order, while siblings of
+    the same file are loaded, encoding and freed on the other threads. One file is rewritten in place
+    (same inode, same size, two tokens' texts swapped) or replaced by a file renamed over it between loads:
+    every handle keeps encoding as the content it was loaded from, never the stale or the other's tokenizer.
+    Run by the sanitizer suite under ASan + UBSan as well (and clean under TSan: -fsanitize=thread)."""
+    import random
+    import threading
+
+    header, blob = read_bundle(tiny_path)
+    steady = write_bundle(tmp_path / "steady.base", header, blob)
+    text = "Hello there, the quick brown fox <|im_start|> naive"
+    t = lib.baseRT_load_tokenizer_only(os.fsencode(steady))
+    assert t, error(lib)
+    ids = encode(lib, t, text)
+    lib.baseRT_free_model(t)
+    tokens = header["tokenizer"]["tokenizer.ggml.tokens"]
+    types = header["tokenizer"]["tokenizer.ggml.token_type"]
+    x, y = sorted({i for i in ids if types[i] == 1 and len(tokens[i]) == 1})[:2]  # two plain one-symbol tokens
+    variants: list[bytes] = [steady.read_bytes()]
+    swapped = json.loads(json.dumps(header))
+    swapped["tokenizer"]["tokenizer.ggml.tokens"][x], swapped["tokenizer"]["tokenizer.ggml.tokens"][y] = (
+        tokens[y], tokens[x])
+    variants.append(write_bundle(tmp_path / "swapped.base", swapped, blob).read_bytes())
+    assert len(variants[0]) == len(variants[1]) and variants[0] != variants[1]
+    want = [ids, [{x: y, y: x}.get(i, i) for i in ids]]
+    assert want[0] != want[1]
+    moving = tmp_path / "moving.base"
+    moving.write_bytes(variants[0])
+    current = [0]  # the variant `moving` holds now
+    rewrite = threading.Lock()  # a load of `moving` never sees it half rewritten
+    failures: list[str] = []
+
+    def worker(k: int) -> None:
+        rng = random.Random(seed * 100 + k)
+        live: list[tuple[int, int]] = []  # (handle, variant it must encode as)
+        try:
+            for _ in range(40):
+                op = rng.random()
+                if op < 0.35 or not live:
+                    full = rng.random() < 0.3
+                    if rng.random() < 0.5:
+                        with rewrite:
+                            h = (load(lib, moving, 64) if full
+                                 else lib.baseRT_load_tokenizer_only(os.fsencode(moving)))
+                            v = current[0]
+                    else:
+                        h = load(lib, steady, 64) if full else lib.baseRT_load_tokenizer_only(os.fsencode(steady))
+                        v = 0
+                    assert h, error(lib)
+                    live.append((h, v))
+                elif op < 0.45:
+                    with rewrite:
+                        current[0] = 1 - current[0]
+                        if rng.random() < 0.5:
+                            with open(moving, "r+b") as f:  # in place: same inode, same size
+                                f.write(variants[current[0]])
+                        else:  # replaced: a new file renamed over the path (its inode may be a freed one)
+                            fresh = tmp_path / f"fresh-{k}.base"
+                            fresh.write_bytes(variants[current[0]])
+                            os.replace(fresh, moving)
+                elif op < 0.7:
+                    h, v = live.pop(rng.randrange(len(live)))
+                    lib.baseRT_free_model(h)
+                else:
+                    h, v = rng.choice(live)
+                    got = encode(lib, h, text)
+                    if got != want[v]:
+                        failures.append(f"thread {k}: a variant-{v} handle encoded {got}")
+        except AssertionError as exc:
+            failures.append(f"thread {k}: {exc}")
+        finally:
+            for h, _ in live:
+                lib.baseRT_free_model(h)
+
+    threads = [threading.Thread(target=worker, args=(k,)) for k in range(4)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert not failures, failures[:5]
 
 TOKENIZER_RSS = """
 import ctypes, json, os, re, sys

@@ -135,15 +135,18 @@ def test_quantized_tails_match_the_oracle_and_are_batch_invariant(lib: Library, 
 GGUF_TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"]
 
 
-@pytest.mark.parametrize("qtype", GGUF_TYPES)
+@pytest.mark.parametrize("qtype", [*GGUF_TYPES, "Q4_K+", "Q5_K+", "Q6_K+"])
 def test_gguf_block_types_run_against_the_oracle_and_are_batch_invariant(lib: Library, tmp_path: Path,
                                                                          qtype: str) -> None:
     """A tiny GGUF whose every matrix is `qtype` (K-quants: hand-written random blocks), converted with
     `auto` (carried exactly: K-quants as GGML's blocks, repacked into the K panels): the engine's
     logits against the oracle over the bundle's weights (which test_convert holds equal to gguf-py's
-    dequantization) with the kernels' input rounding, and against the GGUF's own values; batched == alone."""
+    dequantization) with the kernels' input rounding, and against the GGUF's own values; batched == alone.
+    `+`: K rows of 2 and 3 super-blocks (dim 512, ffn 768) beside 1 and 2; the 585 vocabulary rows end in a
+    partial panel."""
+    wide, qtype = qtype.endswith("+"), qtype.rstrip("+")
     kind = gguf.GGMLQuantizationType[qtype]
-    dims = {"dim": 256, "ffn": 512} if qtype.endswith("_K") else {}
+    dims = ({"dim": 512, "ffn": 768} if wide else {"dim": 256, "ffn": 512}) if qtype.endswith("_K") else {}
     src = write_gguf(tmp_path / f"{qtype}.gguf", matrices=kind, seed=9, **dims)
     path = convert_gguf(src, tmp_path / "auto.base", dtype="auto", progress=False)
     q8_oracle, gguf_ref = NumpyLlama(path, q8_inputs=True), gguf_oracle(src)
@@ -173,6 +176,86 @@ def test_gguf_block_types_run_against_the_oracle_and_are_batch_invariant(lib: Li
     finally:
         lib.baseRT_free_model(m)
 
+
+K_BLOCK_BYTES = {"Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
+
+
+def _k_gguf(tmp_path: Path, qtype: str, edit: Any) -> Path:
+    """A tiny all-`qtype` GGUF converted with `auto` (its K blocks carried as they are), then edit(block, row)
+    rewriting the first four rows' first super-block of the first layer's q and down matrices in the bundle
+    (as a hostile bundle may hold them: the converter refuses non-finite ones)."""
+    tmp_path.mkdir(exist_ok=True)
+    src = write_gguf(tmp_path / "k.gguf", matrices=gguf.GGMLQuantizationType[qtype], seed=4, dim=256, ffn=512)
+    path = convert_gguf(src, tmp_path / "k.base", dtype="auto", progress=False)
+    data = bytearray(path.read_bytes())
+    hlen = int.from_bytes(data[8:16], "little")
+    header = json.loads(data[16 : 16 + hlen])
+    blob = (16 + hlen + 65535) // 65536 * 65536
+    size = K_BLOCK_BYTES[qtype]
+    for t in header["tensors"]:
+        if t["name"].endswith(("layers.0.self_attn.q_proj.weight", "layers.0.mlp.down_proj.weight")):
+            per_row = t["shape"][1] // 256
+            for row in range(4):
+                at = blob + t["offset"] + row * per_row * size
+                block = bytearray(data[at : at + size])
+                edit(block, row)
+                data[at : at + size] = block
+    path.write_bytes(bytes(data))
+    return path
+
+
+F16_NON_FINITE = {"NaN": b"\x00\x7e", "+Inf": b"\x00\x7c", "-Inf": b"\x00\xfc"}
+
+
+@pytest.mark.parametrize("what", sorted(F16_NON_FINITE))
+@pytest.mark.parametrize(("qtype", "field"), [("Q4_K", "d"), ("Q4_K", "dmin"), ("Q5_K", "d"), ("Q5_K", "dmin"),
+                                              ("Q6_K", "d")])
+def test_non_finite_k_super_block_scales_are_refused_at_load(lib: Library, tmp_path: Path, qtype: str, what: str,
+                                                             field: str) -> None:
+    """A NaN / Inf super-block d or dmin (f16) makes every value of its 256 non-finite, as a base group's NaN
+    scale does (which test_native_safety holds refused): refused at load in one line naming the tensor, the
+    field and what it is, as those are; the file otherwise the same loads."""
+    at = (208 if qtype == "Q6_K" else 0) if field == "d" else 2
+
+    def poison(block: bytearray, row: int) -> None:
+        if row == 3:
+            block[at : at + 2] = F16_NON_FINITE[what]
+
+    m = lib.baseRT_load_model_ex(os.fsencode(_k_gguf(tmp_path, qtype, poison)), None, 64, None)
+    assert not m
+    code, msg = int(lib.baseRT_get_error_code()), raw_abi.error(lib)  # 4: BASERT_ERR_INVALID_FORMAT
+    assert code == 4 and "layers.0" in msg and f" {field} " in msg, msg
+    assert what.lstrip("+-") in msg and "\n" not in msg
+    fine = lib.baseRT_load_model_ex(os.fsencode(_k_gguf(tmp_path / "fine", qtype, lambda b, r: None)), None, 64,
+                                    None)
+    assert fine, raw_abi.error(lib)
+    lib.baseRT_free_model(fine)
+
+
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q5_K", "Q6_K"])
+def test_extreme_k_blocks_compute_without_undefined_behaviour(lib: Library, tmp_path: Path, qtype: str) -> None:
+    """Finite but extreme K blocks: d and dmin at f16's largest and smallest, every sub-block scale and min
+    at its maximum (Q6_K: int8 scales at -128 and 127). They load, and every step completes (their
+    activations overflow to Inf / NaN): prefill, a batch, decode on the argmax. The sanitizer suite runs
+    this under UBSan's float-cast-overflow, where a NaN or Inf reaching an integer conversion fails."""
+    d_at = 208 if qtype == "Q6_K" else 0
+
+    def extreme(block: bytearray, row: int) -> None:
+        block[d_at : d_at + 2] = b"\xff\x7b" if row % 2 == 0 else b"\xff\xfb"  # +-65504
+        if qtype == "Q6_K":
+            block[192:208] = (b"\x80" if row < 2 else b"\x7f") * 16
+        else:
+            block[2:4] = b"\xff\x7b" if row < 2 else b"\x01\x00"  # dmin 65504 / the smallest subnormal
+            block[4:16] = b"\xff" * 12  # 6-bit scales and mins all 63
+
+    m = raw_abi.load(lib, _k_gguf(tmp_path, qtype, extreme), 64, max_batch_size=4)
+    try:
+        seqs = [int(lib.baseRT_sequence_create(m)) for _ in range(3)]
+        rows = step_logits(lib, m, seqs, [[5, 9, 17, 33, 65], [21, 22], [40]])
+        for _ in range(2):
+            rows = step_logits(lib, m, seqs, [[int(np.nan_to_num(r.astype(np.float32)).argmax())] for r in rows])
+    finally:
+        lib.baseRT_free_model(m)
 
 def _to_bf16_scales(src: Path, dst: Path, *, big_bias: bool) -> Path:
     """A copy of a quantized bundle whose first q_proj keeps its scales (and biases) as bf16; with

@@ -88,3 +88,27 @@ def test_hostile_sdk_traffic_under_asan_and_ubsan(sanitized_env: dict[str, str])
     """The SDK's hostile-traffic model test (never-read streams, cancels from other tasks, chained
     `$ref`s, huge and wrong-typed inputs) against the sanitized engine: the C side of issue 18."""
     _run_sanitized(sanitized_env, ["tests/core/test_group_hostile.py"])
+
+
+@pytest.mark.slow
+def test_shared_tokenizers_under_tsan(tmp_path: Path) -> None:
+    """Tokenizer sharing (bpe_shared_get / _put, refcounted under one mutex) against a ThreadSanitizer build:
+    the model test's threads load, encode with and free sibling handles of one file concurrently, and a
+    reported data race fails the run."""
+    cc = shutil.which("gcc") or shutil.which("cc")
+    assert cc, "a C compiler is needed to build the sanitizer library"
+    lib = tmp_path / "libbaseRT.so"
+    sources = sorted(str(p) for p in (ROOT / "native" / "src").glob("*.c"))
+    subprocess.run([cc, "-std=c11", "-O1", "-g", "-fPIC", "-shared", "-D_GNU_SOURCE", "-fsanitize=thread",
+                    f"-I{ROOT / 'native' / 'include'}", f"-I{ROOT / 'native' / 'src'}", *sources, "-o", str(lib),
+                    "-lm", "-lpthread"], check=True)
+    env = dict(os.environ, BASERT_LIB_PATH=str(lib), LD_PRELOAD=_runtime(cc, "libtsan.so"), BASERT_REF_THREADS="2",
+               TSAN_OPTIONS="halt_on_error=1:exitcode=66:report_signal_unsafe=0")
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
+         "tests/native/test_native_load_tokenize_sample.py", "-k", "share or concurrent_random"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200,
+    )
+    report = (proc.stdout[-4000:] + "\n" + proc.stderr[-6000:]).strip()
+    assert proc.returncode == 0 and "passed" in proc.stdout, f"TSan run failed:\n{report}"
+    assert "WARNING: ThreadSanitizer" not in proc.stderr, report
