@@ -951,6 +951,23 @@ static int load_weights(const bundle *b, rt_model *m, tensor_entry **slots) {
 
 /* ---- tokenizer metadata ------------------------------------------------------------ */
 
+/* Copy every tensor's name (pointers into the header's parse tree) into one buffer and point the
+ * entries at it, so the tree can be freed while they are still used. Returns the buffer, NULL when out
+ * of memory (the entries are then unchanged). */
+static char *detach_names(const bundle *b, tensor_entry *entries) {
+    size_t n = json_count(json_get(b->hdr, "tensors")), total = 1;
+    for (size_t i = 0; i < n; i++) total += strlen(entries[i].name) + 1;
+    char *buf = malloc(total), *at = buf;
+    if (!buf) return NULL;
+    for (size_t i = 0; i < n; i++) {
+        size_t len = strlen(entries[i].name) + 1;
+        memcpy(at, entries[i].name, len);
+        entries[i].name = at;
+        at += len;
+    }
+    return buf;
+}
+
 static uint64_t fnv1a64(const unsigned char *p, size_t n);
 
 static char *token_string(const bpe_tokenizer *tok, uint32_t id) {
@@ -1220,6 +1237,7 @@ rt_model *rt_load(const char *fn, const char *path, int max_context, const BaseR
 
     bundle b;
     tensor_entry *entries = NULL, **slots = NULL;
+    char *names = NULL;
     parsed_config pc;
     int rc = bundle_open(&b, fn, path);
     if (rc) goto fail;
@@ -1239,12 +1257,26 @@ rt_model *rt_load(const char *fn, const char *path, int max_context, const BaseR
     }
     if ((rc = load_tokenizer(&b, m, &pc))) goto fail;
     if (!tokenizer_only) {
+        /* The header is read: free its parse tree (tens of MB for a 262k vocabulary) before the weights
+         * are repacked, so a load peaks at the weights, not the weights plus the tree. The tensor names
+         * (for load errors) move to one copy first. */
+        if (!(names = detach_names(&b, entries))) {
+            rc = bundle_fail(&b, BASERT_ERR_OUT_OF_MEMORY, "out of memory");
+            goto fail;
+        }
+        json_free(b.doc);
+        b.doc = NULL;
+        b.hdr = NULL;
+#ifdef __GLIBC__
+        malloc_trim(0);
+#endif
         if ((rc = load_weights(&b, m, slots))) goto fail;
         for (uint32_t l = 0; l < m->cfg.n_layers; l++) m->layers[l].sliding = pc.sliding[l];
     }
     m->weights_identity = fnv1a64(b.map, b.size < IDENTITY_BYTES ? b.size : IDENTITY_BYTES);
     free(entries);
     free(slots);
+    free(names);
     entries = NULL;
     slots = NULL;
     bundle_close(&b);
@@ -1259,6 +1291,7 @@ rt_model *rt_load(const char *fn, const char *path, int max_context, const BaseR
 fail:
     free(entries);
     free(slots);
+    free(names);
     bundle_close(&b);
     rt_model_destroy(m);
     return NULL;
