@@ -191,17 +191,30 @@ class EngineThread:
             prefill_chunk=cfg.prefill_chunk,
         )
         path = os.fsencode(cfg.model_path)
-        handle = lib.baseRT_load_model_ex(path, None, cfg.max_context, byref(opts))
-        if not handle:
-            raise lib.last_error("baseRT_load_model_ex", f"cannot load {cfg.model_path}")
-        self._model = handle
+        # The intake's tokenizer handles first (tokenization and grammar compiles run there): their
+        # loads parse the bundle's header while no weights are resident, and the model's own load then
+        # shares their tokenizer, so the process peaks at the weights, not the weights plus a header.
+        intake = Intake(lib, cfg.model_path) if lib.has("baseRT_load_tokenizer_only") else None
         try:
-            return self._configure(handle)
+            if intake is not None:
+                intake.wait_loaded()
+            handle = lib.baseRT_load_model_ex(path, None, cfg.max_context, byref(opts))
+            if not handle:
+                raise lib.last_error("baseRT_load_model_ex", f"cannot load {cfg.model_path}")
+            self._model = handle
+            try:
+                info = self._configure(handle, inline_tokenizer=intake is None)
+            except BaseException:
+                self._free_model()
+                raise
         except BaseException:
-            self._free_model()
+            if intake is not None:
+                intake.close()
             raise
+        self.intake = intake
+        return info
 
-    def _configure(self, handle: int) -> ModelInfo:
+    def _configure(self, handle: int, *, inline_tokenizer: bool) -> ModelInfo:
         """Read the effective limits back from the loaded engine and plan with them."""
         lib, cfg = self.lib, self.cfg
         caps = int(lib.baseRT_capabilities(handle))
@@ -259,9 +272,7 @@ class EngineThread:
         self.bos_token = self._static_str("baseRT_bos_token")
         self.eos_token = self._static_str("baseRT_eos_token")
         self.tokenizer = Tokenizer.borrow(lib, handle)  # the model handle's own, for this thread only
-        if lib.has("baseRT_load_tokenizer_only"):  # last: nothing after it can fail and leak its threads
-            self.intake = Intake(lib, cfg.model_path)  # tokenization and grammar compiles run there
-        else:  # an engine without a separate tokenizer handle: prepared here, between steps (as before)
+        if inline_tokenizer:  # an engine without a separate tokenizer handle: prepared here, between steps
             self._inline_tok = self.tokenizer
         return ModelInfo(
             path=cfg.model_path,

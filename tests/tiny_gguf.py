@@ -176,6 +176,24 @@ ARCH_GGUFS: dict[str, dict[str, Any]] = {
 K_BLOCKS = {Q.Q4_K: 144, Q.Q5_K: 176, Q.Q6_K: 210}
 
 
+def big_vocab_gguf(path: Path, *, extra_tokens: int = 200_000, dim: int = 256, ffn: int = 512) -> Path:
+    """A 2-layer Q8_0 GGUF whose vocabulary is the tiny one plus `extra_tokens` USER_DEFINED strings: a
+    header as big as a 262k-vocabulary model's (its parse tree ~25 MB for 200k), weights mostly the
+    [vocab, dim] embedding (~55 MB at the defaults)."""
+    vocab = tiny_vocab("bpe")
+    extra = [f"<extra_token_{i:06d}>" for i in range(extra_tokens)]
+    tokenizer = {
+        "tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "smollm",
+        "tokenizer.ggml.tokens": [*vocab.tokens, *extra],
+        "tokenizer.ggml.token_type": [*vocab.token_types, *([4] * len(extra))],  # USER_DEFINED
+        "tokenizer.ggml.merges": list(vocab.merges),
+        "tokenizer.ggml.bos_token_id": 1, "tokenizer.ggml.eos_token_id": 2,
+        "tokenizer.chat_template": CHATML_TEMPLATE,
+    }  # fmt: skip
+    return write_gguf(path, tokenizer=tokenizer, matrices=gguf.GGMLQuantizationType.Q8_0, dim=dim, ffn=ffn,
+                      n_layers=2)  # fmt: skip
+
+
 def k_quant_blocks(rng: np.random.Generator, qtype: gguf.GGMLQuantizationType,
                    shape: tuple[int, ...]) -> np.ndarray[Any, np.dtype[np.uint8]]:
     """Random K-quant blocks for a [rows, cols] matrix, as raw GGUF bytes [rows, cols / 256 * block bytes].

@@ -31,9 +31,9 @@ from aiobasert._core.ffi import BaseRTMemoryStats, Library
 from aiobasert.models import cache as models
 from aiobasert.models.bundle import read_bundle
 from aiobasert.models.convert import convert_gguf
-from aiobasert.models.tiny import build_tiny_model, tiny_vocab
+from aiobasert.models.tiny import build_tiny_model
 from tests.oracle import NumpyLlama, gguf_oracle
-from tests.tiny_gguf import k_mix_gguf, real_blocks_gguf, write_gguf
+from tests.tiny_gguf import big_vocab_gguf, k_mix_gguf, real_blocks_gguf, write_gguf
 
 OK, UNSUPPORTED = 0, 5
 
@@ -493,17 +493,7 @@ def test_a_load_frees_the_header_before_the_weights(tmp_path: Path) -> None:
     """The header's parse tree (for a big vocabulary tens of MB: Gemma 3's 262k tokens ~25 MB) is freed
     once the tokenizer and tensor table are read, before the weights are repacked: a load peaks at the
     weights, not at the weights plus the tree. Here 200k vocabulary strings and a 200k x 256 embedding."""
-    vocab = tiny_vocab("bpe")
-    extra = [f"<extra_token_{i:06d}>" for i in range(200_000)]
-    tokenizer = {
-        "tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "smollm",
-        "tokenizer.ggml.tokens": [*vocab.tokens, *extra],
-        "tokenizer.ggml.token_type": [*vocab.token_types, *([4] * len(extra))],  # USER_DEFINED
-        "tokenizer.ggml.merges": list(vocab.merges),
-        "tokenizer.ggml.bos_token_id": 1, "tokenizer.ggml.eos_token_id": 2,
-    }  # fmt: skip
-    src = write_gguf(tmp_path / "big-vocab.gguf", tokenizer=tokenizer, matrices=gguf.GGMLQuantizationType.Q8_0,
-                     dim=256, ffn=512, n_layers=2)  # fmt: skip
+    src = big_vocab_gguf(tmp_path / "big-vocab.gguf")
     path = convert_gguf(src, tmp_path / "auto.base", dtype="auto", progress=False)
     # under the sanitizer suite ASan would hold the freed tree in its quarantine: RSS then counts it
     env = dict(os.environ, ASAN_OPTIONS=os.environ.get("ASAN_OPTIONS", "") + ":quarantine_size_mb=0")
