@@ -35,6 +35,7 @@ from .tools import (
     ToolCallDelta,
     ToolCallParser,
     _call_text,
+    _JsonExtent,
     _lark_str,
     new_call_id,
     template_supports_tools,
@@ -254,9 +255,7 @@ class Llama3JsonParser:
         self._buf = ""  # text held back: maybe (part of) a call
         self._mode: str = "start"  # start | text | call | after
         self._obj = 0  # where the held call's `{` is in _buf
-        self._depth = 0
-        self._in_str = False
-        self._escape = False
+        self._json = _JsonExtent()
         self._scanned = 0  # chars of _buf after _obj the scanner has read
         self._keyed = False  # the held object's first key has begun
         self.calls: list[ToolCall] = []
@@ -335,7 +334,7 @@ class Llama3JsonParser:
                 return  # blanks so far
             if rest.startswith("{"):
                 self._mode, self._obj, self._scanned, self._keyed = "call", i, 0, False
-                self._depth, self._in_str, self._escape = 0, False, False
+                self._json = _JsonExtent()
             else:
                 self._to_text()
         elif self._mode == "call":
@@ -368,26 +367,11 @@ class Llama3JsonParser:
 
     def _scan(self) -> int | None:
         """Where the held JSON object ends in _buf (just past its `}`), or None if it is still open."""
-        buf, start = self._buf, self._obj + self._scanned
-        for j in range(start, len(buf)):
-            ch = buf[j]
-            if self._in_str:
-                if self._escape:
-                    self._escape = False
-                elif ch == "\\":
-                    self._escape = True
-                elif ch == '"':
-                    self._in_str = False
-            elif ch == '"':
-                self._in_str = True
-            elif ch in "{[":
-                self._depth += 1
-            elif ch in "}]":
-                self._depth -= 1
-                if self._depth <= 0:
-                    return j + 1
-        self._scanned = len(buf) - self._obj
-        return None
+        buf = self._buf
+        end = self._json.end(buf, self._obj + self._scanned)
+        if end is None:
+            self._scanned = len(buf) - self._obj
+        return end
 
 
 HERMES: Final = HermesFormat()

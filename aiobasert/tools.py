@@ -479,6 +479,38 @@ def new_call_id() -> str:
     return f"call_{_call_prefix}{next(_call_ids):06d}"
 
 
+class _JsonExtent:
+    """Incremental: where a JSON object or array fed in pieces ends (its closing bracket), aware of
+    strings and escapes; `depth` is the nesting still open."""
+
+    def __init__(self) -> None:
+        self.depth = 0
+        self._in_str = False
+        self._escape = False
+
+    def end(self, text: str, start: int = 0) -> int | None:
+        """Scan text[start:] (the part not scanned before): just past the bracket that closes the
+        value, or None if it is still open."""
+        for j in range(start, len(text)):
+            ch = text[j]
+            if self._in_str:
+                if self._escape:
+                    self._escape = False
+                elif ch == "\\":
+                    self._escape = True
+                elif ch == '"':
+                    self._in_str = False
+            elif ch == '"':
+                self._in_str = True
+            elif ch in "{[":
+                self.depth += 1
+            elif ch in "}]":
+                self.depth -= 1
+                if self.depth == 0:
+                    return j + 1
+        return None
+
+
 class ToolCallParser:
     """Incremental: `feed(text)` returns the deltas the new text completes, `close()`
     the rest. Text that may still become `<tool_call>` is held back until it
@@ -496,9 +528,7 @@ class ToolCallParser:
         self._buf = ""
         self._mode: Literal["start", "text", "head", "args", "tail", "between"] = "start"
         self._index = -1
-        self._depth = 0
-        self._in_str = False
-        self._escape = False
+        self._json = _JsonExtent()
         self.calls: list[ToolCall] = []
         self._name = ""
         self._id = ""
@@ -572,7 +602,7 @@ class ToolCallParser:
             self._index += 1
             self._id = new_call_id()
             self._args = []
-            self._depth, self._in_str, self._escape = 0, False, False
+            self._json = _JsonExtent()
             out.append(ToolCallDelta(index=self._index, id=self._id, name=self._name, arguments=""))
             self._mode = "args"
         elif self._mode == "args":
@@ -581,7 +611,7 @@ class ToolCallParser:
                 self._args.append(buf[:n])
                 out.append(ToolCallDelta(index=self._index, arguments=buf[:n]))
                 self._buf = buf[n:]
-            if self._depth == 0 and self._args:
+            if self._json.depth == 0 and self._args:
                 self._finish_call()
                 self._mode = "tail"
         elif self._mode == "tail":
@@ -593,23 +623,8 @@ class ToolCallParser:
 
     def _scan(self, buf: str) -> int:
         """How many chars of `buf` belong to the arguments (stops after the closing bracket)."""
-        for i, ch in enumerate(buf):
-            if self._in_str:
-                if self._escape:
-                    self._escape = False
-                elif ch == "\\":
-                    self._escape = True
-                elif ch == '"':
-                    self._in_str = False
-            elif ch == '"':
-                self._in_str = True
-            elif ch in "{[":
-                self._depth += 1
-            elif ch in "}]":
-                self._depth -= 1
-                if self._depth == 0:
-                    return i + 1
-        return len(buf)
+        end = self._json.end(buf)
+        return len(buf) if end is None else end
 
     def _finish_call(self) -> None:
         self.calls.append(ToolCall(id=self._id, name=self._name, arguments="".join(self._args)))
