@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 from collections.abc import Sequence
@@ -32,7 +33,7 @@ from .models import cache as models
 from .models import convert
 from .models._gguf_tokenizer import check_bundle_tokenizer
 from .models._progress import ticking
-from .types import ChatMessage, SamplingParams, Timing, Usage
+from .types import KV_CACHE_DTYPES, ChatMessage, SamplingParams, Timing, Usage
 
 # Typed refusals whose message is the whole story: printed without a traceback.
 _USER_ERRORS = (AioBaseRTError, models.ModelNotAvailableError, convert.ConversionError)
@@ -47,6 +48,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", "-m", help=_MODEL_HELP)
     _dtype_argument(p)
     p.add_argument("--max-context", type=int, default=2048, help="tokens per lane (default 2048)")
+    _kv_cache_argument(p)
 
 
 def _add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
@@ -66,6 +68,12 @@ def _dtype_argument(p: argparse.ArgumentParser) -> None:
                    "quantized; f16 / f32 dequantize; q8 / q4 quantize)")
 
 
+def _kv_cache_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
+                   help="how the KV cache is stored (default auto: the engine's choice, exact f32 on the "
+                   "reference engine; f16 halves it; q8 = Q8_0 blocks, about a quarter)")  # fmt: skip
+
+
 def _params(args: argparse.Namespace) -> SamplingParams:
     return SamplingParams(
         max_tokens=args.max_tokens,
@@ -83,7 +91,9 @@ async def _open(args: argparse.Namespace) -> Engine:
     load into the engine (seconds for a real model, silent otherwise) shows its elapsed time."""
     path = await anyio.to_thread.run_sync(lambda: models.resolve_model(args.model, dtype=args.dtype))
     with ticking(f"loading {path.name}"):
-        return await Engine.open(path, max_batch_size=1, max_context=args.max_context)
+        return await Engine.open(
+            path, max_batch_size=1, max_context=args.max_context, kv_cache_dtype=args.kv_cache_dtype
+        )
 
 
 async def _run(args: argparse.Namespace) -> int:
@@ -149,7 +159,7 @@ async def _chat(args: argparse.Namespace) -> int:
 
 def _serve(args: argparse.Namespace) -> int:
     try:
-        from .server import GroupProvider, serve
+        from .server import GroupProvider, SingleEngineProvider, serve
     except ModuleNotFoundError as exc:  # starlette / uvicorn: the `server` extra
         raise SystemExit(f"aiobasert serve needs {exc.name!r}: pip install 'aiobasert[server]'") from None
 
@@ -161,7 +171,10 @@ def _serve(args: argparse.Namespace) -> int:
         raise SystemExit(f"aiobasert serve: --replicas must be at least 1, got {args.replicas}")
     # The cheap checks first, before any download or conversion: the engine options
     # (Engine.open validates before it loads) and the names (EngineGroup's own rules).
-    Engine.open(None, max_batch_size=args.max_batch_size, max_context=args.max_context)
+    options: dict[str, Any] = dict(
+        max_batch_size=args.max_batch_size, max_context=args.max_context, kv_cache_dtype=args.kv_cache_dtype
+    )
+    Engine.open(None, **options)
     try:
         named = _parse_models(given) if given else [("", "")]  # "": the default model
     except ValueError as exc:
@@ -189,24 +202,20 @@ def _serve(args: argparse.Namespace) -> int:
             keep_alive=args.keep_alive,
             max_batch_size=args.max_batch_size,
             max_context=args.max_context,
+            engine_options={"kv_cache_dtype": args.kv_cache_dtype},
         )
         return 0
     if len(specs) > 1 or args.keep_alive is not None:
-        provider = GroupProvider(
-            specs, keep_alive=args.keep_alive, max_batch_size=args.max_batch_size, max_context=args.max_context
-        )
+        provider = GroupProvider(specs, keep_alive=args.keep_alive, **options)
         serve(provider, host=args.host, port=args.port, api_key=api_key, allowed_origins=args.allowed_origins,
               write_timeout=write_timeout, response_store_bytes=args.response_store_mb * 2**20)
         return 0
     ((name, path),) = specs
     serve(
-        model=path,
+        SingleEngineProvider(functools.partial(Engine.open, path, **options), model_name=name),
         host=args.host,
         port=args.port,
         api_key=api_key,
-        max_batch_size=args.max_batch_size,
-        max_context=args.max_context,
-        model_name=name,
         allowed_origins=args.allowed_origins,
         write_timeout=write_timeout,
         response_store_bytes=args.response_store_mb * 2**20,
@@ -311,6 +320,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="a CORS origin allowed to call the API (repeatable; '*' = any)")  # fmt: skip
     serve.add_argument("--max-batch-size", type=int, default=8, help="concurrent lanes (default 8)")
     serve.add_argument("--max-context", type=int, default=2048, help="tokens per lane (default 2048)")
+    _kv_cache_argument(serve)
     serve.add_argument("--keep-alive", type=float, default=None, help="unload a model after this many idle seconds")
     serve.add_argument("--write-timeout", type=float, default=30.0,
                        help="drop a streaming client that takes no bytes for this many seconds, aborting its "

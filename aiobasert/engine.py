@@ -35,7 +35,16 @@ from .chat import render_chat
 from .engine_thread import EngineThread
 from .errors import EngineClosedError, InvalidConfigError, InvalidRequestError, InvalidSamplingParamsError
 from .streams import TokenStream, new_request_id
-from .types import ChatMessage, Completion, EngineStats, ModelInfo, SamplingParams, schema_problem
+from .types import (
+    KV_CACHE_DTYPES,
+    ChatMessage,
+    Completion,
+    EngineStats,
+    KVCacheDtype,
+    ModelInfo,
+    SamplingParams,
+    schema_problem,
+)
 
 if TYPE_CHECKING:
     from .models.convert import Dtype
@@ -128,6 +137,7 @@ class Engine:
         library: str | os.PathLike[str] | None = None,
         thread_check: bool | None = None,
         dtype: Dtype = "auto",
+        kv_cache_dtype: KVCacheDtype = "auto",
     ) -> _EngineOpener:
         """Load a model; use as `async with Engine.open(...) as engine` or `await Engine.open(...)`.
 
@@ -151,6 +161,11 @@ class Engine:
             keeps what the GGUF has (quantized blocks carried exactly where the engine's integer
             kernels can hold them, see docs/models.md), "f16" / "f32" dequantize, "q8" / "q4"
             quantize group-wise. Ignored for a `.base` bundle or a cached name.
+        kv_cache_dtype: how the KV cache is stored: "auto" (the library's default for the model:
+            exact f32 on the reference engine, Q8_0 on BaseRT where head_dim allows), "f16" (half
+            the reference engine's memory per token), "q8" (Q8_0 blocks, about a quarter; a
+            head_dim that is not a multiple of 32 falls back to f16). `info.kv_cache_dtype` says
+            what was allocated.
         """
         from .models.cache import check_dtype
 
@@ -164,6 +179,9 @@ class Engine:
         ):
             if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= 2**31 - 1:
                 raise InvalidConfigError(f"{name} must be an integer in [{low}, 2**31 - 1], got {value!r}")
+        if not isinstance(kv_cache_dtype, str) or kv_cache_dtype not in KV_CACHE_DTYPES:
+            choices = ", ".join(map(repr, KV_CACHE_DTYPES))
+            raise InvalidConfigError(f"kv_cache_dtype must be one of {choices}, got {kv_cache_dtype!r}")
         if not isinstance(prefix_cache, bool):
             raise InvalidConfigError(f"prefix_cache must be a bool, got {prefix_cache!r}")
         for name, path in (("model", model), ("library", library)):
@@ -183,6 +201,7 @@ class Engine:
                 prefix_cache=prefix_cache,
                 max_queue=max_queue,
                 max_buffered_tokens=max_buffered_tokens,
+                kv_cache_dtype=kv_cache_dtype,
             ),
             library,
             thread_check,

@@ -102,6 +102,10 @@ _TAP_FUNCTIONS = (
     "baseRT_model_supports_taps",
 )
 _UNDECIDED = object()
+# Engine.open's kv_cache_dtype -> BaseRTLoadOptions.kv_bits, and baseRT_kv_bits_effective's answer -> a name
+# (the reference engine reports its exact f32 pool as 32).
+_KV_BITS = {"auto": 0, "f16": 16, "q8": 8}
+_KV_NAMES = {32: "f32", 16: "f16", 8: "q8", 4: "q4", 84: "q8/q4"}
 
 
 class EngineThread:
@@ -185,6 +189,7 @@ class EngineThread:
         lib, cfg = self.lib, self.cfg
         opts = _ffi.BaseRTLoadOptions(
             struct_size=sizeof(_ffi.BaseRTLoadOptions),
+            kv_bits=_KV_BITS[cfg.kv_cache_dtype],
             paged_kv=1,
             max_batch_size=cfg.max_batch_size,
             prefix_cache=int(cfg.prefix_cache),
@@ -289,7 +294,14 @@ class EngineThread:
             library_version=self.lib.version,
             capabilities=caps,
             prefill_chunk=self.prefill_budget,
+            kv_cache_dtype=self._kv_cache_dtype(handle),
         )
+
+    def _kv_cache_dtype(self, handle: int) -> str:
+        """What the engine allocated (it may override the request: a head_dim Q8_0 cannot split)."""
+        if not self.lib.has("baseRT_kv_bits_effective"):
+            return ""
+        return _KV_NAMES.get(int(self.lib.baseRT_kv_bits_effective(handle)), "")
 
     def _descriptor(self, handle: int) -> dict[str, Any]:
         if not self.lib.has("baseRT_capability_descriptor"):
@@ -873,6 +885,8 @@ class EngineThread:
             requests_finished=self.finished,
             requests_cancelled=self.cancelled,
             requests_failed=self.failed,
+            kv_cache_bytes=int(ms.kv_cache_capacity_bytes),
+            engine_bytes=int(ms.runtime_allocated_bytes),
         )
 
     def evict_prefix_cache(self) -> int:

@@ -12,6 +12,11 @@ import numpy as np
 from .errors import InvalidSamplingParamsError
 
 FinishReason = Literal["stop", "length", "aborted"]
+KVCacheDtype = Literal["auto", "f16", "q8"]
+"""How the engine stores the KV cache (`Engine.open(kv_cache_dtype=...)`): "auto" = the library's
+per-model default (the reference engine: exact f32; BaseRT: Q8_0 where head_dim allows), "f16",
+or "q8" (Q8_0 blocks of 32, as llama.cpp's `-ctk q8_0 -ctv q8_0`)."""
+KV_CACHE_DTYPES: tuple[str, ...] = ("auto", "f16", "q8")
 
 _INT32_MAX = 2**31 - 1
 _FLT_MAX = float(np.finfo(np.float32).max)
@@ -319,6 +324,11 @@ class EngineStats(msgspec.Struct, frozen=True, kw_only=True):
     requests_finished: int
     requests_cancelled: int
     requests_failed: int
+    kv_cache_bytes: int = 0
+    """The KV pool's capacity in bytes (`kv_blocks_total` blocks at `ModelInfo.kv_cache_dtype`);
+    pages the engine has not yet written take no memory."""
+    engine_bytes: int = 0
+    """What the engine holds: resident weights, the KV pool's capacity and its runtime buffers."""
 
 
 class ModelInfo(msgspec.Struct, frozen=True, kw_only=True):
@@ -340,3 +350,6 @@ class ModelInfo(msgspec.Struct, frozen=True, kw_only=True):
     capabilities: int
     prefill_chunk: int = 0
     """Prompt tokens prefilled per step (the requested value capped by the engine's)."""
+    kv_cache_dtype: str = ""
+    """The KV cache's element type as the engine allocated it: "f32", "f16", "q8" (Q8_0 blocks),
+    "q4", or "q8/q4" (K at Q8_0, V at Q4_0); "" where the library cannot say."""

@@ -120,7 +120,8 @@ def test_help_runs_for_every_command() -> None:
 def test_serve_a_gguf(tmp_path: Path) -> None:
     src = write_gguf(tmp_path / "pocket.gguf")
     env = {**os.environ, "AIOBASERT_CACHE_DIR": str(tmp_path / "cache")}
-    proc = subprocess.Popen([sys.executable, "-m", "aiobasert", "serve", str(src), "--port", "0", "--dtype", "q8"],
+    proc = subprocess.Popen([sys.executable, "-m", "aiobasert", "serve", str(src), "--port", "0", "--dtype", "q8",
+                             "--kv-cache-dtype", "f16"],
                             stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env)  # fmt: skip
     lines: queue.Queue[str] = queue.Queue()
     assert proc.stderr is not None
@@ -146,6 +147,9 @@ def test_serve_a_gguf(tmp_path: Path) -> None:
             assert [m["id"] for m in http.get("/v1/models").json()["data"]] == ["pocket"]
             reply = http.post("/v1/completions", json={"model": "pocket", "prompt": "hi", "max_tokens": 3})
             assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] >= 1
+            # --kv-cache-dtype reached the engine's load: the pool is f16
+            assert re.search(r'aiobasert:kv_cache_bytes\{kv_cache_dtype="f16",model_name="pocket"\} [1-9]',
+                             http.get("/metrics").text)
     finally:
         proc.terminate()
         proc.wait(timeout=30)
@@ -215,6 +219,7 @@ def test_run_into_a_closed_pipe_ends_quietly(tiny_model_path: Path) -> None:
         (["missing.base"], "missing.base: no such model file"),
         (["{model}", "--ray", "--replicas", "0"], "--replicas must be at least 1"),
         (["{model}", "--max-batch-size", "0"], "max_batch_size must be an integer"),
+        (["{model}", "--kv-cache-dtype", "f32"], "--kv-cache-dtype: invalid choice: 'f32'"),
         (["{model}", "--served-model-name", "x", "--model", "y={model}"], "--served-model-name names one model"),
     ],
 )

@@ -172,6 +172,7 @@ _SIGNATURES: dict[str, tuple[Any, list[Any], bool]] = {
     "baseRT_model_memory_stats": (c_bool, [c_void_p, POINTER(BaseRTMemoryStats)], True),
     "baseRT_model_memory": (c_size_t, [c_void_p], True),  # resident weights + the KV pool's capacity
     "baseRT_suggest_max_context": (c_int, [c_char_p, c_int, c_int, c_int], False),
+    "baseRT_kv_bits_effective": (c_int, [c_void_p], False),
     # tokenizer
     "baseRT_encode": (c_int, [c_void_p, c_char_p, _u32p, c_int], True),
     "baseRT_encode_plain": (c_int, [c_void_p, c_char_p, _u32p, c_int], True),

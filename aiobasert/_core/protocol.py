@@ -30,6 +30,7 @@ class EngineConfig:
     max_queue: int = 1024
     max_buffered_tokens: int = 256
     """Accepted for compatibility; no lane waits for its reader any more (docs/fairness.md)."""
+    kv_cache_dtype: str = "auto"
 
 
 Prompt = str | Sequence[int] | Sequence[tuple[str, bool]]

@@ -10,6 +10,7 @@ an `aiobasert:` prefix.
 | `aiobasert:num_requests_running` / `_waiting` (gauges) | `vllm:num_requests_running` / `_waiting` |
 | `aiobasert:kv_blocks_used` / `aiobasert:kv_blocks_total` (gauges) | `vllm:kv_cache_usage_perc` (as blocks) |
 | `aiobasert:kv_blocks_cached` (gauge) | none: blocks the prefix cache holds (evictable) |
+| `aiobasert:kv_cache_bytes` (gauge, labelled `kv_cache_dtype`) | `vllm:cache_config_info`'s `cache_dtype` |
 | `aiobasert:prefix_cache_hits_total` / `_queries_total` (counters, tokens) | `vllm:prefix_cache_hits` / `_queries` |
 | `aiobasert:request_success_total` (counter, by finish reason) | `vllm:request_success_total` |
 | `aiobasert:event_loop_lag_seconds` (histogram) | none: how late the server's loop wakes |
@@ -66,6 +67,8 @@ class Metrics:
         self.kv_cached = Gauge("aiobasert:kv_blocks_cached", "KV cache blocks held by the prefix cache (evictable).",
                                label, registry=r)
         self.kv_total = Gauge("aiobasert:kv_blocks_total", "KV cache blocks in the pool.", label, registry=r)
+        self.kv_bytes = Gauge("aiobasert:kv_cache_bytes", "The KV pool's capacity in bytes, by element type.",
+                              [*label, "kv_cache_dtype"], registry=r)
         self.prefix_hits = Counter("aiobasert:prefix_cache_hits", "Prompt tokens served from the prefix cache.",
                                    label, registry=r)
         self.prefix_queries = Counter("aiobasert:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
@@ -101,6 +104,7 @@ class Metrics:
             self.kv_used.labels(name).set(max(0, s.kv_blocks_used - s.prefix_blocks_cached))
             self.kv_cached.labels(name).set(s.prefix_blocks_cached)
             self.kv_total.labels(name).set(s.kv_blocks_total)
+            self.kv_bytes.labels(name, engine.info.kv_cache_dtype).set(s.kv_cache_bytes)
         return Response(generate_latest(self.registry), media_type=CONTENT_TYPE_LATEST)
 
 

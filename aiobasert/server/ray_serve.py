@@ -386,9 +386,11 @@ def run_ray(
     max_batch_size: int = 8,
     max_context: int = 2048,
     engine_num_cpus: float = 1,
+    engine_options: dict[str, Any] | None = None,
 ) -> None:
     """`aiobasert serve --ray`: start (or join, with $RAY_ADDRESS) a Ray cluster, run the
-    app behind Serve's proxy on host:port, and block until SIGTERM or Ctrl-C."""
+    app behind Serve's proxy on host:port, and block until SIGTERM or Ctrl-C. `engine_options`:
+    further `Engine.open` keywords (e.g. kv_cache_dtype), over max_batch_size / max_context."""
     ray.init(address=os.environ.get("RAY_ADDRESS"), include_dashboard=False)
     serve.start(http_options={"host": host, "port": port})
     app = build_ray_app(
@@ -398,6 +400,7 @@ def run_ray(
         api_key=api_key,
         max_batch_size=max_batch_size,
         max_context=max_context,
+        engine_options=engine_options,
         engine_num_cpus=engine_num_cpus,
     )
     serve.run(app, name="aiobasert", route_prefix="/")

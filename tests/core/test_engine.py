@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import random
 import threading
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import anyio
@@ -477,3 +478,37 @@ def test_tokenizer_handles_load_before_the_weights(tmp_path: Path) -> None:
     rss = json.loads(proc.stdout)
     assert rss["peak"] - rss["ready"] < 10 << 20, rss  # the first requests load no header
     assert rss["peak"] - rss["steady"] < 10 << 20, rss  # nor did opening, beside the weights
+
+
+async def _collect(run: Callable[[str], Awaitable[list[int]]], p: str, out: dict[int, list[int]], i: int) -> None:
+    out[i] = await run(p)
+
+
+async def test_kv_cache_dtype_is_the_pool_the_engine_allocates(tmp_path: Path) -> None:
+    """kv_cache_dtype reaches the load: info names what was allocated, the pool's capacity is half
+    (f16) and 34/128 (Q8_0) of the exact f32 pool's, and concurrent greedy streams still equal solo."""
+    path = build_tiny_model(tmp_path / "hd32.base", dim=128, n_heads=4, n_kv_heads=2, ffn_dim=96, tied=False, seed=5)
+    capacity: dict[str, int] = {}
+    for kv, want in (("auto", "f32"), ("f16", "f16"), ("q8", "q8")):
+        async with Engine.open(path, kv_cache_dtype=kv, max_batch_size=4, max_context=128) as engine:  # type: ignore[arg-type]
+            assert engine.info.kv_cache_dtype == want
+            stats = await engine.stats()
+            capacity[want] = stats.kv_cache_bytes
+            assert stats.engine_bytes > stats.kv_cache_bytes > 0
+            run = functools.partial(tokens_of, engine, max_tokens=12, ignore_eos=True)
+            solo = [await run(prompt(i)) for i in range(4)]
+            together: dict[int, list[int]] = {}
+            async with anyio.create_task_group() as tg:
+                for i in range(4):
+                    tg.start_soon(_collect, run, prompt(i), together, i)
+            assert [together[i] for i in range(4)] == solo
+    assert capacity["f16"] * 2 == capacity["f32"]
+    assert capacity["q8"] * 128 == capacity["f32"] * 34
+
+
+async def test_kv_cache_dtype_falls_back_where_the_head_cannot_take_q8(tmp_path: Path) -> None:
+    """head_dim 16: a Q8_0 block of 32 would straddle two heads, so the engine allocates f16 and says so."""
+    path = build_tiny_model(tmp_path / "hd16.base", dim=64, n_heads=4, n_kv_heads=2, ffn_dim=96, tied=False, seed=4)
+    async with Engine.open(path, kv_cache_dtype="q8", max_batch_size=2, max_context=64) as engine:
+        assert engine.info.kv_cache_dtype == "f16"
+        assert len(await tokens_of(engine, "abc", max_tokens=4, ignore_eos=True)) == 4
