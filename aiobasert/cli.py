@@ -27,16 +27,16 @@ import anyio
 import msgspec
 
 from .engine import Engine
-from .errors import AioBaseRTError
+from .errors import AioBaseRTError, ConversionError
 from .group import _parse_models
+from .models import _options as convert_options
 from .models import cache as models
-from .models import convert
 from .models._gguf_tokenizer import check_bundle_tokenizer
 from .models._progress import ticking
 from .types import KV_CACHE_DTYPES, ChatMessage, SamplingParams, Timing, Usage
 
 # Typed refusals whose message is the whole story: printed without a traceback.
-_USER_ERRORS = (AioBaseRTError, models.ModelNotAvailableError, convert.ConversionError)
+_USER_ERRORS = (AioBaseRTError, models.ModelNotAvailableError, ConversionError)
 
 _MODEL_HELP = (
     "a .base bundle, a .gguf of a family the engine runs (converted into the cache on first use) or a cached model's "
@@ -63,7 +63,7 @@ def _add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
 
 
 def _dtype_argument(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--dtype", choices=convert.DTYPES, default="auto",
+    p.add_argument("--dtype", choices=convert_options.DTYPES, default="auto",
                    help="how a GGUF is stored in the cache (default auto: as the GGUF has it, K-quants stay "
                    "quantized; f16 / f32 dequantize; q8 / q4 quantize)")
 
@@ -305,7 +305,7 @@ def build_parser() -> argparse.ArgumentParser:
     rm.add_argument("names", nargs="+", metavar="NAME", help="a NAME from `aiobasert list`")
 
     conv = sub.add_parser("convert", help="convert a GGUF (Llama, Qwen2/3, Gemma 3 families) into a .base bundle")
-    convert.add_arguments(conv)
+    convert_options.add_arguments(conv)
 
     serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     serve.add_argument("models", nargs="*", metavar="MODEL",
@@ -343,6 +343,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     try:
         if args.command == "convert":
+            from .models import convert  # the GGUF reader, only for this command
+
             return convert.run(args)
         if args.command == "bench":
             return _bench(args, rest)

@@ -269,3 +269,19 @@ def test_serve_a_model_that_cannot_load_is_one_line(tmp_path: Path, tiny_model_p
     assert "Traceback" not in proc.stderr and "File \"" not in proc.stderr, proc.stderr
     lines = [ln for ln in proc.stderr.splitlines() if "aiobasert: cannot start:" in ln]
     assert len(lines) == 1 and "cut.base" in lines[0], proc.stderr
+
+
+def test_serving_a_bundle_never_loads_the_gguf_reader(tiny_model_path: Path) -> None:
+    """The converter (and `gguf`, a few MB of RSS) is imported only to convert: a server and an engine
+    on a `.base` bundle run without it."""
+    code = (
+        "import sys, anyio, aiobasert.cli, aiobasert.server\n"
+        "async def main():\n"
+        f"    async with aiobasert.Engine.open({str(tiny_model_path)!r}) as e:\n"
+        "        await e.generate('hi', max_tokens=2)\n"
+        "anyio.run(main)\n"
+        "print(sorted(m for m in sys.modules if m == 'gguf' or m.endswith('models.convert')))\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "[]", proc.stdout

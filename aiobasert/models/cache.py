@@ -36,7 +36,7 @@ import msgspec
 from tqdm import tqdm  # type: ignore[import-untyped,unused-ignore]  # no stubs in tqdm itself
 
 from ..errors import InvalidConfigError, ModelNotAvailableError
-from .convert import DTYPES, Dtype, convert_gguf
+from ._options import DTYPES, Dtype
 
 __all__ = [
     "DEFAULT_MODEL_FILENAME",
@@ -392,6 +392,8 @@ def _demo_bundle(*, progress: bool, wheel: Path | None = None) -> Path:
     with _locked(target.stem):
         if not target.is_file():  # another process may have finished while we waited
             source = smollm2_gguf_path(progress=progress)
+            from .convert import convert_gguf  # the GGUF reader only when converting (see _options)
+
             convert_gguf(source, target, dtype=DEFAULT_MODEL_DTYPE, progress=progress)
             _write_manifest(target, _Manifest(source=_DEMO_SOURCE, dtype=DEFAULT_MODEL_DTYPE,
                                               converted_at=time.time()))
@@ -449,6 +451,8 @@ def gguf_bundle_path(
     bundle.parent.mkdir(parents=True, exist_ok=True)
     with _locked(bundle.stem):
         if not _is_current(bundle, wanted):
+            from .convert import convert_gguf
+
             convert_gguf(Path(src), bundle, dtype=dtype, progress=progress)
             _write_manifest(bundle, msgspec.structs.replace(wanted, converted_at=time.time()))
     return bundle

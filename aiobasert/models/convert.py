@@ -29,7 +29,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Final, Literal
+from typing import Any, Final
 
 import gguf
 import numpy as np
@@ -38,14 +38,12 @@ from tqdm import tqdm  # type: ignore[import-untyped,unused-ignore]  # no stubs 
 
 from ..errors import ConversionError
 from ._gguf_tokenizer import bundle_tokenizer, tokenizer_refusal
+from ._options import DTYPES, Dtype, add_arguments
 from ._progress import ticking
 from .bundle import GGML_BLOCKS, BundleWriter, Progress, QuantizedTensor, TensorEntry, llama_header
 
 __all__ = ["DTYPES", "ConversionError", "Dtype", "convert_gguf", "main"]
 
-#: The ``--dtype`` choices (``auto``: each tensor as the GGUF stores it, see the quantized-output section).
-DTYPES: Final = ("auto", "f16", "f32", "q8", "q4")
-Dtype = Literal["auto", "f16", "f32", "q8", "q4"]
 
 _GGUF_MAGIC: Final = b"GGUF"
 
@@ -867,16 +865,6 @@ def quantize_groups(values: npt.NDArray[np.float32], dtype: str, *, symmetric: b
     half = group_size // 2
     packed = q[:, :, :half] | (q[:, :, half:] << 4)
     return QuantizedTensor(packed.reshape(-1), scale.reshape(-1), bias.reshape(-1))
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The converter's options, shared by ``python -m aiobasert.models.convert`` and ``aiobasert convert``."""
-    parser.add_argument("src", type=Path, help="input .gguf file")
-    parser.add_argument("dst", type=Path, help="output .base file")
-    parser.add_argument("--dtype", choices=DTYPES, default="auto",
-                        help="storage type of the matrices (q8 / q4: group-wise quantized, base_q8 / base_q4; "
-                        "auto: as the GGUF has them, quantized blocks carried exactly where they can be)")
-    parser.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
 def run(args: argparse.Namespace) -> int:
