@@ -22,6 +22,9 @@ nice) -- or pass --llama-server PATH. Each server runs in its own process group 
 always stopped (finally, atexit, SIGTERM/SIGHUP/Ctrl-C); a server that fails to start
 is an error naming it with its log's tail (exit 2).
 
+KV cache: both store it in the same element type, --kv-cache-dtype (default f16, llama-server's
+own default; q8 = Q8_0 for both, llama-server `-ctk q8_0 -ctv q8_0 -fa on`).
+
 Token counts: llama-server gets `ignore_eos`; aiobasert's HTTP API has no ignore_eos,
 so the prompts are ones the model continues past 128 tokens, and the counts each
 server actually generated (its `usage`) are in the table.
@@ -449,13 +452,15 @@ def make_server(who: str, streams: int, args: argparse.Namespace, logdir: Path) 
     if who == OURS:
         cmd = [sys.executable, "-m", "aiobasert", "serve", str(args.ours_model), "--port", str(port),
                "--max-batch-size", str(streams), "--max-context", str(args.ctx), "--served-model-name", "bench",
-               "--dtype", args.dtype]
+               "--dtype", args.dtype, "--kv-cache-dtype", args.kv_cache_dtype]
         env = {**os.environ, "BASERT_REF_THREADS": str(args.threads),
                "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
         return Server(OURS, cmd, port, log, env)  # fmt: skip
     cmd = [str(args.llama_server), "-m", str(args.gguf), "--host", "127.0.0.1", "--port", str(port),
            "-np", str(streams), "-cb", "-c", str(args.ctx * streams), "-t", str(args.threads),
            "-tb", str(args.threads), "--alias", "bench"]  # fmt: skip
+    if args.kv_cache_dtype == "q8":  # a quantized V cache needs llama.cpp's flash attention
+        cmd += ["-ctk", "q8_0", "-ctv", "q8_0", "-fa", "on"]
     return Server(THEIRS, cmd, port, log)
 
 
@@ -582,6 +587,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", choices=("auto", "f16", "q8", "q4"), default="auto",
                     help="which aiobasert bundle of the GGUF to serve (default auto: the GGUF's own blocks, "
                          "K-quants included, as `aiobasert serve` converts it)")
+    ap.add_argument("--kv-cache-dtype", choices=("f16", "q8"), default="f16",
+                    help="the KV cache's element type for both servers (default f16, llama-server's default)")
     ap.add_argument("--ours-model", type=Path, default=None, help="serve this .base/.gguf instead of --dtype's")
     ap.add_argument("--streams", type=lambda s: [int(x) for x in s.split(",")], default=[1, 4, 16, 32],
                     help="concurrency levels, comma-separated (default 1,4,16,32)")
@@ -610,7 +617,8 @@ def main(argv: list[str] | None = None) -> int:
         header = [
             f"aiobasert serve vs llama-server: {os.cpu_count()} CPUs "
             f"({len(os.sched_getaffinity(0))} usable), {args.threads} threads each, "
-            f"{args.max_tokens} tokens/stream, greedy, same prompts, same httpx client",
+            f"{args.max_tokens} tokens/stream, greedy, same prompts, same httpx client, "
+            f"KV cache {args.kv_cache_dtype} in both",
             f"GGUF: {args.gguf}",
             f"aiobasert: {git_head()}; serving {args.ours_model} ({served})",
             f"llama-server: {version}",
