@@ -171,6 +171,12 @@ class EngineGroup:
             raise InvalidConfigError(f"keep_alive must be None or a number of seconds >= 0, got {keep_alive!r}")
         if not isinstance(preload, bool):
             raise InvalidConfigError(f"preload must be a bool, got {preload!r}")
+        # The options are checked now, not at a model's first load (which preload=False or keep_alive
+        # puts off until a lease): Engine.open validates everything before anything is loaded.
+        try:
+            Engine.open(None, **engine_options)
+        except TypeError as exc:  # an unknown keyword
+            raise InvalidConfigError(f"engine option: {exc}") from None
         return cls._run(_parse_models(models), keep_alive, preload, engine_options)
 
     @classmethod

@@ -73,6 +73,13 @@ def test_bad_model_lists_are_refused(tiny_model_path: Path) -> None:
         EngineGroup.open(str(tiny_model_path))
     with pytest.raises(ValueError, match="keep_alive"):
         EngineGroup.open([tiny_model_path], keep_alive=-1)
+    # Engine options are refused at open, not at a lazily loaded model's first lease
+    with pytest.raises(InvalidConfigError, match="kv_cache_dtype must be one of"):
+        EngineGroup.open([tiny_model_path], preload=False, kv_cache_dtype="f32")
+    with pytest.raises(InvalidConfigError, match="max_context must be an integer"):
+        EngineGroup.open([tiny_model_path], preload=False, max_context="2048")
+    with pytest.raises(InvalidConfigError, match="unexpected keyword argument 'max_ctx'"):
+        EngineGroup.open([tiny_model_path], preload=False, max_ctx=2048)
 
 
 async def test_idle_model_unloads_and_reloads_on_next_lease(tiny_model_path: Path) -> None:
