@@ -78,6 +78,7 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from aiobasert.models.cache import smollm2_gguf_path
+from tests.cpu_features import cpu_flags
 
 CACHE = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "aiobasert" / "bench"
 ROOT = Path(__file__).resolve().parent.parent
@@ -88,17 +89,6 @@ class BenchError(Exception):
 
 
 # ---- llama-server: built once from the llama-cpp-python sdist ------------------------------------
-
-
-def cpu_flags() -> set[str]:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return set()
-    for line in text.splitlines():
-        if line.startswith("flags"):
-            return set(line.split(":", 1)[1].split())
-    return set()
 
 
 def isa_cmake_flags(flags: set[str]) -> tuple[str, list[str]]:

@@ -3,8 +3,9 @@ deterministic (a slow grammar compile or tokenization, without a slow input)."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import anyio
@@ -41,6 +42,17 @@ class HeldCall:
 
     def release(self) -> None:
         self.gate.set()
+
+    @contextlib.asynccontextmanager
+    async def holding(self, bound: float = 30) -> AsyncIterator[None]:
+        """The block runs once the call is held and while it is (both within `bound` s); leaving it,
+        however, releases the call."""
+        try:
+            with anyio.fail_after(bound):
+                await self.wait_entered()
+                yield
+        finally:
+            self.release()
 
     @property
     def released(self) -> bool:

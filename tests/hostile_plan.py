@@ -1,10 +1,12 @@
 """What the two hostile-traffic model tests (tests/core/test_group_hostile.py over the SDK,
-tests/server/test_server_hostile.py over HTTP) share: which plans and hostile kinds run, and
-the hostile inputs both send."""
+tests/server/test_server_hostile.py over HTTP) share: which plans and hostile kinds run, how a
+plan is drawn, the hostile inputs and the words both send, and how both read RSS."""
 
 from __future__ import annotations
 
 import os
+import random
+from pathlib import Path
 from typing import Any
 
 SEEDS = [int(seed) for seed in os.environ.get("AIOBASERT_HOSTILE_SEEDS", "18").split(",")]
@@ -29,3 +31,30 @@ def ref_chain(depth: int) -> dict[str, Any]:
                                       "required": ["next"]} for i in range(depth)}  # fmt: skip
     defs[f"d{depth}"] = {"type": "integer"}
     return {"$ref": "#/$defs/d0", "$defs": defs}
+
+
+WORDS = ["river", "stone", "lamp", "cloud", "seven", "green", "quiet", "market", "window", "salt"]
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city.",
+          "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                         "required": ["city"]}}}]  # fmt: skip
+
+
+def random_text(rng: random.Random, n: int) -> str:
+    """`n` words drawn from WORDS."""
+    return " ".join(rng.choice(WORDS) for _ in range(n))
+
+
+def draw_hostile_plan(rng: random.Random, known: tuple[str, ...], counts: dict[str, tuple[int, int]]) -> list[str]:
+    """The hostile calls of one run, shuffled: each kind of chosen_kinds(known) as many times as
+    `rng.randint(*counts[kind])` draws (once for a kind `counts` does not name)."""
+    plan = [kind for kind in chosen_kinds(known) for _ in range(rng.randint(*counts.get(kind, (1, 1))))]
+    rng.shuffle(plan)
+    return plan
+
+
+def rss_mb(pid: int | str = "self") -> float:
+    """The resident set size of process `pid` (this one by default), in MB."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError(f"no VmRSS in /proc/{pid}/status")

@@ -7,6 +7,7 @@ import contextlib
 import os
 import queue
 import re
+import signal
 import subprocess
 import sys
 import threading
@@ -86,3 +87,16 @@ def start_uvicorn(args: list[str], model: Path) -> tuple[subprocess.Popen[str], 
         proc.wait()
         raise
     return proc, lines, port
+
+
+def sigterm_and_wait(proc: subprocess.Popen[str], timeout: float) -> bool:
+    """SIGTERM `proc` and wait up to `timeout` s for it to exit (True); one still running then is
+    killed (False), so no server outlives its test."""
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(10)
+        return False
+    return True

@@ -207,6 +207,18 @@ class NumpyLlama(LlamaForward):
         super().__init__(config, functools.cache(self.bundle.tensor), q8_inputs=q8_inputs)
 
 
+def prompt(n: int, seed: int, vocab: int) -> list[int]:
+    """`n` token ids drawn from [3, vocab) with `seed` (0-2: the tiny vocabularies' special tokens)."""
+    return [int(t) for t in np.random.default_rng(seed).integers(3, vocab, size=n)]
+
+
+def f16_close(engine: npt.NDArray[Any], ref: npt.NDArray[np.float64]) -> float:
+    """Worst error of the engine's (f16) logits against the oracle's, in units of the tolerance: f16
+    rounding of each value + 1e-4 of the row scale (below 1: close)."""
+    tol = np.abs(ref) * 2.0**-11 + 1e-4 * np.abs(ref).max()
+    return float((np.abs(engine.astype(np.float64) - ref) / tol).max())
+
+
 def llama3_divisors(head_dim: int, theta: float, factor: float, low: float, high: float,
                     orig_ctx: int) -> npt.NDArray[np.float64]:
     """Llama 3.1's `llama3` RoPE scaling as per-frequency divisors (HF's _compute_llama3_parameters)."""

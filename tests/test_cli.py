@@ -8,7 +8,6 @@ import json
 import os
 import queue
 import re
-import signal
 import subprocess
 import sys
 import threading
@@ -17,6 +16,7 @@ from pathlib import Path
 import httpx
 import msgspec
 import pytest
+from loopback import sigterm_and_wait
 from tiny_gguf import write_gguf
 
 from aiobasert import Completion
@@ -190,12 +190,7 @@ def test_serve_ray_starts_a_cluster_and_serves(tiny_model_path: Path, second_tin
             )
             assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(90)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
+        if not sigterm_and_wait(proc, 90):
             pytest.fail("serve --ray did not stop on SIGTERM")
     assert proc.returncode == 0, "".join(seen)
 

@@ -8,10 +8,12 @@ Every wait on the engine is bounded, so a regression fails instead of hanging.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import gc
 import json
 import threading
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +57,24 @@ async def occupy(engine: Engine) -> TokenStream:
     with anyio.fail_after(BOUND):
         await blocker.__anext__()
     return blocker
+
+
+@contextlib.asynccontextmanager
+async def reading_in_a_task(s: TokenStream) -> AsyncIterator[list[aiobasert.Token]]:
+    """Another task reads `s` into the list yielded; the body runs once a token has come, and the block
+    ends when the reader does (all within BOUND)."""
+    got: list[aiobasert.Token] = []
+
+    async def reader() -> None:
+        async for tok in s:
+            got.append(tok)
+
+    with anyio.fail_after(BOUND):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(reader)
+            while not got:
+                await anyio.sleep(0.001)
+            yield got
 
 
 # ---- hangs --------------------------------------------------------------------------
@@ -116,20 +136,10 @@ async def test_aclose_from_another_task_wakes_the_reader(tiny_model_path: Path) 
 async def test_abort_after_a_timed_out_drain_escalates(tiny_model_path: Path) -> None:
     engine = await Engine.open(tiny_model_path, max_batch_size=2)
     s = engine.stream("long", max_tokens=2000, ignore_eos=True)
-    got: list[aiobasert.Token] = []
-
-    async def reader() -> None:
-        async for tok in s:
-            got.append(tok)
-
-    with anyio.fail_after(BOUND):
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(reader)
-            while not got:
-                await anyio.sleep(0.001)
-            with anyio.move_on_after(0.02):
-                await engine.aclose()  # drain: far from done when the timeout hits
-            await engine.aclose(abort=True)
+    async with reading_in_a_task(s) as got:
+        with anyio.move_on_after(0.02):
+            await engine.aclose()  # drain: far from done when the timeout hits
+        await engine.aclose(abort=True)
     assert s.finish_reason == "aborted" and len(got) < 2000
     assert not engine._thread.alive and engine._thread.models_freed == 1
 
@@ -565,18 +575,8 @@ async def test_two_awaiters_and_a_close_while_awaited(tiny_model_path: Path) -> 
 async def test_engine_abort_ends_a_reader_in_another_task(tiny_model_path: Path) -> None:
     engine = await Engine.open(tiny_model_path, max_batch_size=2)
     s = engine.stream("aborted", max_tokens=1500, ignore_eos=True)
-    seen: list[aiobasert.Token] = []
-
-    async def reader() -> None:
-        async for tok in s:
-            seen.append(tok)
-
-    with anyio.fail_after(BOUND):
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(reader)
-            while not seen:
-                await anyio.sleep(0.001)
-            await engine.aclose(abort=True)
+    async with reading_in_a_task(s):
+        await engine.aclose(abort=True)
     assert s.finish_reason == "aborted" and (await s).finish_reason == "aborted"
 
 

@@ -398,12 +398,8 @@ async def test_a_slow_tokenization_does_not_stop_other_lanes(
         await running.__anext__()
         huge = engine.stream("huge", max_tokens=4, ignore_eos=True)
         huge.submit()
-        try:
-            with anyio.fail_after(30):
-                await tokenize.wait_entered()
-                await assert_engine_steps_on(engine, running, tokenize)
-        finally:
-            tokenize.release()
+        async with tokenize.holding():
+            await assert_engine_steps_on(engine, running, tokenize)
         with anyio.fail_after(60):
             assert len((await huge).token_ids) == 4
         await running.aclose()

@@ -33,7 +33,7 @@ from typing import Any
 import anyio
 import numpy as np
 import pytest
-from hostile_plan import SEEDS, chosen_kinds, ref_chain
+from hostile_plan import SEEDS, TOOLS, draw_hostile_plan, random_text, ref_chain, rss_mb
 
 from aiobasert import AioBaseRTError, Engine, EngineGroup
 from aiobasert.errors import StreamClosedError
@@ -44,19 +44,11 @@ TEST_BUDGET_S = 150
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(240)]
 
 LANES = 4
-WORDS = ["river", "stone", "lamp", "cloud", "seven", "green", "quiet", "market", "window", "salt"]
-TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city.",
-          "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
-                         "required": ["city"]}}}]  # fmt: skip
 SCHEMA = {"type": "object", "properties": {"n": {"type": "integer"}, "ok": {"type": "boolean"}},
           "required": ["n", "ok"]}  # fmt: skip
 HOSTILE_KINDS = ("never_read", "cancel_other_task", "aclose_midflight", "chat_break", "wrong_types",
                  "huge_input", "ref_chain", "deep_schema", "big_enum")  # fmt: skip
 
-
-
-def _text(rng: random.Random, n: int) -> str:
-    return " ".join(rng.choice(WORDS) for _ in range(n))
 
 
 # ---- normal callers -------------------------------------------------------------------------
@@ -74,7 +66,7 @@ def _normal_plan(rng: random.Random, models: list[str]) -> list[Normal]:
     plan = []
     for i in range(rng.randint(10, 14)):
         kind = rng.choice(list(_NORMAL))
-        words, max_tokens = _text(rng, rng.randint(2, 8)), rng.randint(8, 40)
+        words, max_tokens = random_text(rng, rng.randint(2, 8)), rng.randint(8, 40)
         plan.append(Normal(f"{kind}#{i}", rng.choice(models), _NORMAL[kind](words, max_tokens), 4 * max_tokens))
     return plan
 
@@ -153,26 +145,21 @@ class Hostile:
             self.problems.append(f"{what}: raw {type(exc).__name__}: {str(exc)[:160]}")
 
 
-async def _refused(h: Hostile, what: str, call: Callable[[], Awaitable[Any]]) -> None:
+async def _refused(h: Hostile, what: str, call: Callable[[], Awaitable[Any]], *, or_served: bool = False) -> None:
+    """`call` must end in a typed error (with `or_served`, a normal end is allowed too)."""
     try:
         await call()
     except Exception as exc:
         h.typed(what, exc)
     else:
-        h.problems.append(f"{what}: accepted (expected a typed error)")
-
-
-async def _maybe_refused(h: Hostile, what: str, call: Callable[[], Awaitable[Any]]) -> None:
-    try:
-        await call()
-    except Exception as exc:
-        h.typed(what, exc)
+        if not or_served:
+            h.problems.append(f"{what}: accepted (expected a typed error)")
 
 
 async def _never_read(h: Hostile, rng: random.Random) -> None:
     """A long stream read for one token, then never again (held open until the group closes)."""
     async with h.group.lease(rng.choice(h.models)) as engine:
-        stream = engine.stream(_text(rng, 3), max_tokens=1900, ignore_eos=True, temperature=0.9)
+        stream = engine.stream(random_text(rng, 3), max_tokens=1900, ignore_eos=True, temperature=0.9)
         h.held.append(stream)
         await stream.__anext__()
 
@@ -181,7 +168,7 @@ async def _cancel_other_task(h: Hostile, rng: random.Random) -> None:
     """One task reads a stream; another cancels the reader's scope or closes the stream under it.
     After `aclose()` returned, the reader must get no further token."""
     async with h.group.lease(rng.choice(h.models)) as engine:
-        stream = engine.stream(_text(rng, 4), max_tokens=600, ignore_eos=True, temperature=0.9)
+        stream = engine.stream(random_text(rng, 4), max_tokens=600, ignore_eos=True, temperature=0.9)
         closed = False
         late: list[int] = []
 
@@ -214,7 +201,7 @@ async def _aclose_midflight(h: Hostile, rng: random.Random) -> None:
     how = rng.choice(["aclose mid-flight", "aclose after the end", "break"])
     async with h.group.lease(rng.choice(h.models)) as engine:
         short = how == "aclose after the end"
-        stream = engine.stream(_text(rng, 4), max_tokens=4 if short else 600, ignore_eos=True, temperature=0.9)
+        stream = engine.stream(random_text(rng, 4), max_tokens=4 if short else 600, ignore_eos=True, temperature=0.9)
         await stream.__anext__()
         if short:
             with anyio.move_on_after(30):  # a bound, not a timing: the request is 4 tokens long
@@ -239,7 +226,7 @@ async def _aclose_midflight(h: Hostile, rng: random.Random) -> None:
 async def _chat_break(h: Hostile, rng: random.Random) -> None:
     """Break out of a tool-call ChatStream after its first delta (its lane must be freed)."""
     async with h.group.lease(rng.choice(h.models)) as engine:
-        stream = engine.chat([{"role": "user", "content": _text(rng, 3)}], tools=TOOLS, tool_choice="required",
+        stream = engine.chat([{"role": "user", "content": random_text(rng, 3)}], tools=TOOLS, tool_choice="required",
                              max_tokens=600, temperature=0.9)  # fmt: skip
         async for _delta in stream:
             break
@@ -285,8 +272,8 @@ async def _huge_input(h: Hostile, rng: random.Random) -> None:
 
 async def _ref_chain_caller(h: Hostile, rng: random.Random) -> None:
     async with h.group.lease(rng.choice(h.models)) as engine:
-        await _maybe_refused(h, "a json_schema of 1,000 chained $refs",
-                             lambda: engine.generate("json", max_tokens=16, json_schema=ref_chain(1000)))  # fmt: skip
+        await _refused(h, "a json_schema of 1,000 chained $refs",
+                       lambda: engine.generate("json", max_tokens=16, json_schema=ref_chain(1000)), or_served=True)
 
 
 async def _deep_schema(h: Hostile, rng: random.Random) -> None:
@@ -294,15 +281,15 @@ async def _deep_schema(h: Hostile, rng: random.Random) -> None:
     for _ in range(3000):
         schema = {"type": "object", "properties": {"a": schema}, "required": ["a"]}
     async with h.group.lease(rng.choice(h.models)) as engine:
-        await _maybe_refused(h, "a json_schema nested 3,000 deep",
-                             lambda: engine.generate("json", max_tokens=16, json_schema=schema))  # fmt: skip
+        await _refused(h, "a json_schema nested 3,000 deep",
+                       lambda: engine.generate("json", max_tokens=16, json_schema=schema), or_served=True)
 
 
 async def _big_enum(h: Hostile, rng: random.Random) -> None:
     schema = {"type": "object", "properties": {"v": {"enum": [f"value-{i}" for i in range(40_000)]}}}
     async with h.group.lease(rng.choice(h.models)) as engine:
-        await _maybe_refused(h, "a 40,000-entry enum",
-                             lambda: engine.generate("json", max_tokens=16, json_schema=schema))  # fmt: skip
+        await _refused(h, "a 40,000-entry enum",
+                       lambda: engine.generate("json", max_tokens=16, json_schema=schema), or_served=True)
 
 
 _HOSTILE: dict[str, Callable[[Hostile, random.Random], Awaitable[None]]] = {
@@ -314,19 +301,6 @@ _HOSTILE: dict[str, Callable[[Hostile, random.Random], Awaitable[None]]] = {
 _COUNTS = {"never_read": (2 * LANES, 2 * LANES + 2), "cancel_other_task": (4, 8), "aclose_midflight": (3, 6),
            "chat_break": (1, 3)}  # fmt: skip
 _BOUNDED_TOKENS = {"cancel_other_task": 600, "aclose_midflight": 600, "chat_break": 600}
-
-
-def _hostile_plan(rng: random.Random) -> list[str]:
-    plan = [kind for kind in chosen_kinds(HOSTILE_KINDS) for _ in range(rng.randint(*_COUNTS.get(kind, (1, 1))))]
-    rng.shuffle(plan)
-    return plan
-
-
-def _rss_mb() -> float:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    raise AssertionError("no VmRSS")
 
 
 async def _steps(group: EngineGroup) -> int:
@@ -353,7 +327,7 @@ async def test_hostile_callers_cannot_stall_starve_or_kill_normal_ones(
     rng = random.Random(seed)
     models = ["tiny", "other"]
     normal = _normal_plan(rng, models)
-    kinds = _hostile_plan(rng)
+    kinds = draw_hostile_plan(rng, HOSTILE_KINDS, _COUNTS)
     opened = EngineGroup.open({"tiny": untied_model_path, "other": second_tiny_model_path}, keep_alive=300,
                               max_batch_size=LANES)  # fmt: skip
     left = False
@@ -366,7 +340,7 @@ async def test_hostile_callers_cannot_stall_starve_or_kill_normal_ones(
                     solo[req.name] = await req.run(engine)
             steps = await _steps(group) - before
             per_step = (time.monotonic() - started) / max(steps, 1)
-            rss_start = _rss_mb()
+            rss_start = rss_mb()
 
             hostile = Hostile(group, models)
             together: dict[str, Any] = {}
@@ -430,7 +404,7 @@ async def test_hostile_callers_cannot_stall_starve_or_kill_normal_ones(
                     findings.append(f"{name} holds lanes, requests, sequences or grammars at idle: {e}")
                 elif e.kv_blocks_used > e.prefix_blocks_cached:  # only the prefix cache may hold KV
                     findings.append(f"{name} holds KV blocks at idle beyond the prefix cache's: {e}")
-            rss_end = _rss_mb()
+            rss_end = rss_mb()
             if rss_end >= 2 * rss_start + 384:
                 findings.append(f"RSS {rss_start:.0f} MB -> {rss_end:.0f} MB (bound: 2x + 384 MB)")
             findings += [f"hostile call not refused cleanly: {p}" for p in hostile.problems]

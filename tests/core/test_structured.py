@@ -326,12 +326,8 @@ async def test_a_slow_grammar_compile_does_not_stop_other_lanes(
         await running.__anext__()
         constrained = engine.stream("json", max_tokens=64, json_schema=PERSON)
         constrained.submit()
-        try:
-            with anyio.fail_after(30):
-                await compile.wait_entered()
-                await assert_engine_steps_on(engine, running, compile)  # steps on while the compile is held
-        finally:
-            compile.release()
+        async with compile.holding():
+            await assert_engine_steps_on(engine, running, compile)  # steps on while the compile is held
         with anyio.fail_after(60):
             check_json(await constrained, PERSON)
         await running.aclose()
@@ -360,14 +356,10 @@ async def test_a_request_cancelled_while_its_grammar_compiles_is_dropped(
     async with Engine.open(untied_model_path, max_batch_size=2) as engine:
         s = engine.stream("json", max_tokens=16, json_schema=PERSON)
         s.submit()
-        try:
-            with anyio.fail_after(30):
-                await compile.wait_entered()
-                await s.aclose()
-                stats = await engine.stats()  # answered while the compile is held
-                assert stats.requests_cancelled == 1 and stats.active_lanes == stats.waiting_requests == 0
-        finally:
-            compile.release()
+        async with compile.holding():
+            await s.aclose()
+            stats = await engine.stats()  # answered while the compile is held
+            assert stats.requests_cancelled == 1 and stats.active_lanes == stats.waiting_requests == 0
         with anyio.fail_after(30):  # the late grammar is freed, never run
             while (await engine.stats()).live_grammars or engine._thread._preparing:
                 await anyio.sleep(0.001)
@@ -388,15 +380,11 @@ async def test_an_abort_does_not_wait_for_a_grammar_compile(
     engine = await Engine.open(untied_model_path, max_batch_size=2)
     s = engine.stream("json", max_tokens=16, json_schema=PERSON)
     s.submit()
-    try:
-        with anyio.fail_after(30):
-            await compile.wait_entered()
-            await engine.aclose(abort=True)
-            assert not compile.released and engine._thread.models_freed == 1
-            with pytest.raises(EngineClosedError):
-                await s
-    finally:
-        compile.release()
+    async with compile.holding():
+        await engine.aclose(abort=True)
+        assert not compile.released and engine._thread.models_freed == 1
+        with pytest.raises(EngineClosedError):
+            await s
 
 def test_backend_end_ids_are_the_engines(lib: Library, tmp_path: Path) -> None:
     """The grammar offers exactly the tokens the engine ends generation on (asked of the engine,

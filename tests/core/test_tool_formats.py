@@ -14,6 +14,7 @@ import jsonschema  # type: ignore[import-untyped]
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from tool_checks import backends, json_complete
 
 from aiobasert import Engine
 from aiobasert.chat import DEFAULT_TEMPLATE, GEMMA_TEMPLATE, LLAMA3_TEMPLATE
@@ -238,14 +239,6 @@ def test_a_forced_llama_turn_cut_anywhere_reports_no_text_and_closes_once(cut: i
     assert parser.close() == [] and parser.calls == calls
 
 
-def json_complete(text: str) -> bool:
-    try:
-        json.loads(text)
-    except ValueError:
-        return False
-    return True
-
-
 def test_llama_parser_examples() -> None:
     parser = Llama3JsonParser()
     assert parser.feed('  {"name": "f", "param') == []  # may still be a call: held back
@@ -360,10 +353,6 @@ def test_llama_history_renders_one_call_per_turn(llama_cpp_templates_dir: Path) 
 
 
 # ---- a tiny model with Llama 3.1's template: the grammar-forced paths -----------------------
-
-
-def backends(engine: Engine) -> dict[str, int]:
-    return dict(engine._thread.grammar_backends)
 
 
 async def raw_turn(chat: ChatStream) -> tuple[str, ChatReply]:

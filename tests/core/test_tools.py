@@ -15,6 +15,7 @@ import jsonschema  # type: ignore[import-untyped]
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from tool_checks import backends, json_complete
 
 from aiobasert import Engine, InvalidRequestError, StreamClosedError
 from aiobasert.chat import GEMMA_TEMPLATE, render_chat
@@ -333,10 +334,6 @@ async def closers(engine: Engine) -> dict[int, float]:
     return bias
 
 
-def backends(engine: Engine) -> dict[str, int]:
-    return dict(engine._thread.grammar_backends)
-
-
 def test_structural_tag_shapes() -> None:
     assert tool_structural_tag([], "auto") is None
     assert tool_structural_tag([E_WEATHER], "none") == {
@@ -627,11 +624,3 @@ def test_a_forced_turn_cut_anywhere_reports_no_text_and_closes_once(cut: int, ch
     assert [(c.name, c.arguments) for c in complete] == [(c.name, c.arguments) for c in whole.calls][: len(complete)]
     calls = list(parser.calls)
     assert parser.close() == [] and parser.calls == calls
-
-
-def json_complete(text: str) -> bool:
-    try:
-        json.loads(text)
-    except ValueError:
-        return False
-    return True

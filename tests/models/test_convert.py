@@ -7,7 +7,7 @@ import math
 import os
 import struct
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import gguf
@@ -488,6 +488,17 @@ class RawGGUF:
         self.n_tensors, self.infos = n_tensors, data[info_start:offs]
         self.body = data[(offs + 31) // 32 * 32 :]
 
+    def edited(self, kv: Iterable[tuple[str, tuple[int, bytes] | None]]) -> RawGGUF:
+        """A copy with the metadata edits `kv` applied in order (None removes the key); tensors shared."""
+        raw = copy.copy(self)
+        raw.kv = dict(self.kv)
+        for key, value in kv:
+            if value is None:
+                raw.kv.pop(key, None)
+            else:
+                raw.kv[key] = value
+        return raw
+
     def write(self, path: Path, *, n_tensors: int | None = None, n_kv: int | None = None) -> Path:
         kv = b"".join(struct.pack("<Q", len(k.encode())) + k.encode() + struct.pack("<I", t) + v
                       for k, (t, v) in self.kv.items())
@@ -589,13 +600,7 @@ def test_mutated_metadata_converts_or_raises_conversion_error(
 ) -> None:
     """Any metadata key set to any type and value (or removed), and the header's counts, over a valid tiny
     GGUF: the converter succeeds or raises ConversionError, never another exception and never a runaway."""
-    raw = copy.copy(raw_tiny_gguf)
-    raw.kv = dict(raw_tiny_gguf.kv)
-    for key, value in edits:
-        if value is None:
-            raw.kv.pop(key, None)
-        else:
-            raw.kv[key] = value
+    raw = raw_tiny_gguf.edited(edits)
     convert_mutated(lib, raw, dtype, n_tensors=counts[0], n_kv=counts[1])
 
 
@@ -653,13 +658,7 @@ def test_mutated_phi3_converts_or_raises_conversion_error(
     q + 2 kv heads or not 2 x ffn, the wrong width, a type the split cannot carry; LongRoPE factor tensors
     of the wrong length or type, or given to a file without them) and phi3.* metadata of any value: the
     converter succeeds or raises ConversionError, and what it writes loads or is refused with a code."""
-    raw = copy.copy(raw_phi3_ggufs[base])
-    raw.kv = dict(raw.kv)
-    for key, value in edits:
-        if value is None:
-            raw.kv.pop(key, None)
-        else:
-            raw.kv[key] = value
+    raw = raw_phi3_ggufs[base].edited(edits)
     for name, dims, kind in tensors:
         edit_tensor_info(raw, name, dims, None if kind is None else int(kind))
     convert_mutated(lib, raw, dtype)
@@ -671,8 +670,7 @@ def test_block_count_beyond_the_tensor_table_is_refused_before_allocating(
 ) -> None:
     """block_count 2^32 - 1 used to build a 2^32-layer table of expected shapes (memory without bound); every
     count is bounded by what the file holds before anything is sized by it."""
-    raw = copy.copy(raw_tiny_gguf)
-    raw.kv = dict(raw_tiny_gguf.kv) | {"llama.block_count": (int(kind), struct.pack(_INT_TYPES[kind][0], value))}
+    raw = raw_tiny_gguf.edited([("llama.block_count", (int(kind), struct.pack(_INT_TYPES[kind][0], value)))])
     src = raw.write(tmp_path / "layers.gguf")
     with pytest.raises(ConversionError, match="block_count"):
         convert_gguf(src, tmp_path / "out.base", progress=False)
@@ -741,7 +739,6 @@ def test_metadata_the_bundle_header_cannot_hold_is_refused(raw_tiny_gguf: RawGGU
                                                            value: tuple[int, bytes], match: str) -> None:
     """Examples the metadata property found: a NaN / Inf the strict-JSON header cannot carry, a template that
     is not text, a number that is a string (they escaped as ValueError)."""
-    raw = copy.copy(raw_tiny_gguf)
-    raw.kv = dict(raw_tiny_gguf.kv) | {key: value}
+    raw = raw_tiny_gguf.edited([(key, value)])
     with pytest.raises(ConversionError, match=match):
         convert_gguf(raw.write(tmp_path / "m.gguf"), tmp_path / "m.base", progress=False)

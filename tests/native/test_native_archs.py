@@ -14,7 +14,6 @@ from typing import Any
 
 import gguf
 import numpy as np
-import numpy.typing as npt
 import pytest
 from quantized import quantize_bundle
 from raw_abi import coded_error, load, step_logits
@@ -23,7 +22,7 @@ from aiobasert._core.ffi import BaseRTModelConfig, Library
 from aiobasert.models.bundle import read_bundle, write_bundle
 from aiobasert.models.convert import convert_gguf
 from aiobasert.models.tiny import build_tiny_model, llama3_rope_factors
-from tests.oracle import LlamaForward, NumpyLlama, gguf_oracle
+from tests.oracle import LlamaForward, NumpyLlama, f16_close, gguf_oracle, prompt
 from tests.tiny_gguf import ARCH_GGUFS, write_gguf
 
 UNSUPPORTED, INVALID_FORMAT = 5, 4
@@ -67,16 +66,6 @@ def engine(lib: Library, arch_model: Path) -> Iterator[int]:
     m = load(lib, arch_model, MAX_CONTEXT, max_batch_size=8, prefix_cache=1, prefill_chunk=16)
     yield m
     lib.baseRT_free_model(m)
-
-
-def prompt(n: int, seed: int, vocab: int) -> list[int]:
-    return [int(t) for t in np.random.default_rng(seed).integers(3, vocab, size=n)]
-
-
-def f16_close(engine: npt.NDArray[Any], ref: npt.NDArray[np.float64]) -> float:
-    """Worst error in units of the tolerance: f16 rounding of each value + 1e-4 of the row scale."""
-    tol = np.abs(ref) * 2.0**-11 + 1e-4 * np.abs(ref).max()
-    return float((np.abs(engine.astype(np.float64) - ref) / tol).max())
 
 
 def test_logits_match_the_architecture_oracle(lib: Library, engine: int, arch_model: Path) -> None:

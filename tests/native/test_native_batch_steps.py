@@ -33,7 +33,7 @@ from aiobasert._core.ffi import (
     Library,
 )
 from aiobasert.models.tiny import build_tiny_model
-from tests.oracle import LlamaForward, NumpyLlama
+from tests.oracle import LlamaForward, NumpyLlama, f16_close, prompt
 
 OK, INVALID_ARGUMENT, UNSUPPORTED, OUT_OF_MEMORY, GENERATION_FAILED = 0, 2, 5, 6, 8
 PAGE = 16
@@ -135,16 +135,6 @@ def rt(lib: Library, raw: ctypes.CDLL, tiny_path: Path) -> Iterator[Runtime]:
     r = Runtime(lib, raw, tiny_path)
     yield r
     r.free()
-
-
-def prompt(n: int, seed: int, vocab: int) -> list[int]:
-    return [int(t) for t in np.random.default_rng(seed).integers(3, vocab, size=n)]
-
-
-def f16_close(engine: npt.NDArray[Any], ref: npt.NDArray[np.float64]) -> float:
-    """Worst error in units of the tolerance: f16 rounding of each value + 1e-4 of the row scale."""
-    tol = np.abs(ref) * 2.0**-11 + 1e-4 * np.abs(ref).max()
-    return float((np.abs(engine.astype(np.float64) - ref) / tol).max())
 
 
 # ---- values against the oracle -----------------------------------------------------------

@@ -25,22 +25,12 @@ from tiny_gguf import write_gguf
 
 from aiobasert.models.convert import convert_gguf
 from aiobasert.models.tiny import build_tiny_model
+from tests.cpu_features import cpu_flags
 
 ROOT = Path(__file__).resolve().parents[2]
 KERNEL_SUITES = ["tests/native/test_native_quant.py", "tests/native/test_native_weights.py",
                  "tests/native/test_native_batch_steps.py", "tests/native/test_native_kv.py",
                  "tests/native/test_native_archs.py"]
-
-
-def cpu_flags() -> set[str]:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return set()
-    for line in text.splitlines():
-        if line.startswith("flags"):
-            return set(line.split(":", 1)[1].split())
-    return set()
 
 
 def expected_kernels(cap: str | None, flags: set[str]) -> str:

@@ -7,8 +7,10 @@ arguments that validate against their schema."""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import json
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -70,6 +72,31 @@ def create(lib: Library, m: int, doc: Any) -> int:
     g = lib.baseRT_grammar_create_from_structural_tag(m, json.dumps(doc).encode())
     assert g, error(lib)
     return int(g)
+
+
+@contextlib.contextmanager
+def grammar(lib: Library, m: int, doc: Any) -> Iterator[int]:
+    """create()'s grammar, freed on leaving the block."""
+    g = create(lib, m, doc)
+    try:
+        yield g
+    finally:
+        lib.baseRT_grammar_free(g)
+
+
+@contextlib.contextmanager
+def grammar_or_refusal(lib: Library, m: int, text: bytes) -> Iterator[int]:
+    """The grammar of the document `text`, freed on leaving the block; 0 where the engine refuses the
+    document, which it must do with a typed code."""
+    g = lib.baseRT_grammar_create_from_structural_tag(m, text)
+    if not g:
+        assert error(lib)[0] in (INVALID_ARGUMENT, UNSUPPORTED)
+        yield 0
+        return
+    try:
+        yield int(g)
+    finally:
+        lib.baseRT_grammar_free(g)
 
 
 def fill(lib: Library, g: int) -> tuple[int, set[int]]:
@@ -155,20 +182,16 @@ def test_null_arguments(lib: Library, model: int) -> None:
 def test_legacy_structures_form(lib: Library, model: int) -> None:
     doc = {"type": "structural_tag", "triggers": [TRIGGER],
            "structures": [{"begin": begin("get_time"), "schema": TIME, "end": END}]}
-    g = create(lib, model, doc)
-    try:
+    with grammar(lib, model, doc) as g:
         assert feed(lib, g, encode(lib, model, "ok " + call_text("get_time", '{"tz":"UTC"}') + " bye"))
         assert not feed(lib, g, encode(lib, model, "<tool_call>\nx"))
-    finally:
-        lib.baseRT_grammar_free(g)
 
 
 # ---- stepping -------------------------------------------------------------------------------
 
 
 def test_free_text_trigger_call_and_eos(lib: Library, model: int) -> None:
-    g = create(lib, model, tag_doc())
-    try:
+    with grammar(lib, model, tag_doc()) as g:
         rc, allowed = fill(lib, g)
         assert rc == 0  # free text: every token may follow, nothing to apply
         assert EOS_ID in allowed and IM_START in allowed
@@ -189,8 +212,6 @@ def test_free_text_trigger_call_and_eos(lib: Library, model: int) -> None:
         assert lib.baseRT_grammar_is_terminated(g) == 1 and lib.baseRT_grammar_is_completed(g) == 0
         lib.baseRT_grammar_reset(g)
         assert lib.baseRT_grammar_is_terminated(g) == 0 and fill(lib, g)[0] == 0
-    finally:
-        lib.baseRT_grammar_free(g)
 
 
 @pytest.mark.parametrize(
@@ -211,16 +232,12 @@ def test_free_text_trigger_call_and_eos(lib: Library, model: int) -> None:
     ],
 )
 def test_the_tag_admits_exactly_the_contract(lib: Library, model: int, text: str, ok: bool) -> None:
-    g = create(lib, model, tag_doc())
-    try:
+    with grammar(lib, model, tag_doc()) as g:
         assert feed(lib, g, encode(lib, model, "Sure. " + text)) == ok, error(lib)
-    finally:
-        lib.baseRT_grammar_free(g)
 
 
 def test_at_least_one_and_stop_after_first(lib: Library, model: int, token_bytes: list[bytes]) -> None:
-    g = create(lib, model, tag_doc(at_least_one=True, stop_after_first=True))
-    try:
+    with grammar(lib, model, tag_doc(at_least_one=True, stop_after_first=True)) as g:
         rc, allowed = fill(lib, g)
         assert rc == 1 and EOS_ID not in allowed
         assert allowed and all(b"<tool_call>".startswith(token_bytes[t][:11]) for t in allowed)
@@ -231,15 +248,10 @@ def test_at_least_one_and_stop_after_first(lib: Library, model: int, token_bytes
         assert rc == 1 and EOS_ID in allowed and IM_START not in allowed and max(allowed) < 3  # end tokens only
         assert not feed(lib, g, encode(lib, model, "\n"))  # nothing but an end token after the one call
         assert lib.baseRT_grammar_accept_token(g, EOS_ID) == 1 and lib.baseRT_grammar_is_terminated(g) == 1
-    finally:
-        lib.baseRT_grammar_free(g)
-    g = create(lib, model, tag_doc(at_least_one=True))
-    try:  # at_least_one alone: a call first, then free text and more calls
+    with grammar(lib, model, tag_doc(at_least_one=True)) as g:  # alone: a call first, then text and more calls
         assert feed(lib, g, encode(lib, model, call_text("get_time", '{"tz":"x"}') + " and " +
                                    call_text("get_time", '{"tz":"y"}')))
         assert lib.baseRT_grammar_accept_token(g, EOS_ID) == 1
-    finally:
-        lib.baseRT_grammar_free(g)
 
 
 @pytest.mark.parametrize(
@@ -258,20 +270,17 @@ def test_at_least_one_and_stop_after_first(lib: Library, model: int, token_bytes
 )
 def test_tags_with_separator(lib: Library, model: int, at_least_one: bool, stop_after_first: bool, text: str,
                              ok: bool, may_end: bool) -> None:
-    g = create(lib, model, tag_doc(at_least_one=at_least_one, stop_after_first=stop_after_first, separator="\n"))
-    try:
+    doc = tag_doc(at_least_one=at_least_one, stop_after_first=stop_after_first, separator="\n")
+    with grammar(lib, model, doc) as g:
         assert feed(lib, g, encode(lib, model, text) if text else []) == ok, error(lib)
         if ok:
             rc, allowed = fill(lib, g)
             assert rc == 1 and (EOS_ID in allowed) == may_end
             assert lib.baseRT_grammar_is_completed(g) == 0
-    finally:
-        lib.baseRT_grammar_free(g)
 
 
 def test_any_text_and_excludes(lib: Library, model: int, token_bytes: list[bytes]) -> None:
-    g = create(lib, model, {"type": "structural_tag", "format": {"type": "any_text", "excludes": [TRIGGER]}})
-    try:
+    with grammar(lib, model, {"type": "structural_tag", "format": {"type": "any_text", "excludes": [TRIGGER]}}) as g:
         rc, allowed = fill(lib, g)
         assert EOS_ID in allowed and IM_START in allowed
         assert feed(lib, g, encode(lib, model, "text <tool call> <tool_call"))
@@ -280,16 +289,11 @@ def test_any_text_and_excludes(lib: Library, model: int, token_bytes: list[bytes
         assert rc == 1 and not any(token_bytes[t].startswith(b">") for t in allowed)  # nothing completes it
         assert encode(lib, model, "xy>") and all(not feed(lib, g, [t]) for t in encode(lib, model, ">"))
         assert lib.baseRT_grammar_accept_token(g, EOS_ID) == 1 and lib.baseRT_grammar_is_terminated(g) == 1
-    finally:
-        lib.baseRT_grammar_free(g)
     doc = tag_doc()
     doc["format"]["excludes"] = ["zz"]  # free text around the calls must not contain it; a call's JSON may
-    g = create(lib, model, doc)
-    try:
+    with grammar(lib, model, doc) as g:
         assert feed(lib, g, encode(lib, model, "ok z " + call_text("get_time", '{"tz":"zz"}') + " ok z"))
         assert not feed(lib, g, encode(lib, model, "zz"))
-    finally:
-        lib.baseRT_grammar_free(g)
 
 
 def test_bad_handles(lib: Library, model: int) -> None:
@@ -359,12 +363,11 @@ def test_walks_through_the_masks_stay_well_formed(
     lib: Library, model: int, token_bytes: list[bytes], flags: tuple[bool, bool, bool], choices: list[float]
 ) -> None:
     at_least_one, stop_after_first, tags_only = flags
-    g = create(lib, model, tag_doc(at_least_one=at_least_one, stop_after_first=stop_after_first,
-                                   separator="\n" if tags_only else None))
     prefer = {t for s in PREFERRED for t in encode(lib, model, s)} | {EOS_ID}
     out = b""
     ended = False
-    try:
+    doc = tag_doc(at_least_one=at_least_one, stop_after_first=stop_after_first, separator="\n" if tags_only else None)
+    with grammar(lib, model, doc) as g:
         for x in choices:
             rc, allowed = fill(lib, g)
             assert allowed, "the grammar dead-ended"
@@ -380,8 +383,6 @@ def test_walks_through_the_masks_stay_well_formed(
             out += token_bytes[t]
         assert lib.baseRT_grammar_is_completed(g) == 0
         assert lib.baseRT_grammar_is_terminated(g) == int(ended)
-    finally:
-        lib.baseRT_grammar_free(g)
     check_output(out.decode("utf-8", "replace"), ended=ended, at_least_one=at_least_one,
                  stop_after_first=stop_after_first, tags_only=tags_only)
 
@@ -404,17 +405,13 @@ _json = st.recursive(
 @given(doc=_json, raw=st.binary(max_size=40), steps=st.lists(st.integers(0, 10**6), max_size=12))
 def test_fuzz_documents(lib: Library, model: int, doc: Any, raw: bytes, steps: list[int]) -> None:
     for text in (json.dumps(doc).encode(), raw.replace(b"\0", b" ")):
-        g = lib.baseRT_grammar_create_from_structural_tag(model, text)
-        if not g:
-            assert error(lib)[0] in (INVALID_ARGUMENT, UNSUPPORTED)
-            continue
-        try:
+        with grammar_or_refusal(lib, model, text) as g:
+            if not g:  # refused, with a typed code
+                continue
             for k in steps:
                 allowed = sorted(fill(lib, g)[1])
                 assert allowed  # never a dead end
                 assert lib.baseRT_grammar_accept_token(g, allowed[k % len(allowed)]) == 1
-        finally:
-            lib.baseRT_grammar_free(g)
 
 
 _schemas = st.sampled_from([True, {}, {"type": "object"}, {"type": "string"}, {"type": "array"}, {"type": "null"},
@@ -443,11 +440,9 @@ def test_fuzz_well_shaped_tags_never_dead_end(
     lib: Library, model: int, token_bytes: list[bytes], doc: Any, steps: list[int]
 ) -> None:
     """Accepted documents step without a dead end, and the mask agrees with accept."""
-    g = lib.baseRT_grammar_create_from_structural_tag(model, json.dumps(doc).encode())
-    if not g:
-        assert error(lib)[0] in (INVALID_ARGUMENT, UNSUPPORTED)
-        return
-    try:
+    with grammar_or_refusal(lib, model, json.dumps(doc).encode()) as g:
+        if not g:  # refused, with a typed code
+            return
         for k in steps:
             rc, allowed = fill(lib, g)
             assert allowed and (rc == 1 or len(allowed) == len(token_bytes))  # 0: nothing to apply, every token
@@ -456,5 +451,3 @@ def test_fuzz_well_shaped_tags_never_dead_end(
             if outside not in allowed and outside < lib.baseRT_grammar_bitmask_size(g) * 32:
                 assert lib.baseRT_grammar_accept_token(g, outside) == 0
             assert lib.baseRT_grammar_accept_token(g, pick) == 1
-    finally:
-        lib.baseRT_grammar_free(g)

@@ -45,7 +45,7 @@ import anyio
 import httpx
 import numpy as np
 import pytest
-from hostile_plan import SEEDS, chosen_kinds, ref_chain
+from hostile_plan import SEEDS, TOOLS, draw_hostile_plan, random_text, ref_chain, rss_mb
 from loopback import REPO, Lines, subprocess_env
 
 TEST_BUDGET_S = 200
@@ -57,10 +57,6 @@ WRITE_TIMEOUT_S = 30.0
 """`aiobasert serve`'s default write timeout: a streamed client that takes no bytes that long is dropped."""
 KEY = "sk-hostile"
 AUTH = {"Authorization": f"Bearer {KEY}"}
-WORDS = ["river", "stone", "lamp", "cloud", "seven", "green", "quiet", "market", "window", "salt"]
-TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city.",
-          "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
-                         "required": ["city"]}}}]  # fmt: skip
 NO_END = {"0": -100, "1": -100, "2": -100}
 """logit_bias that keeps the tiny model's special tokens (end of text, turn markers) from ending a stream."""
 # ~1.6 KB of SSE per token (20 top logprobs), 8,000 tokens: a stream longer than every socket buffer,
@@ -84,12 +80,6 @@ class Server:
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
-
-    def rss_mb(self) -> float:
-        for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-        raise AssertionError("no VmRSS for the server")
 
     def log_tail(self, n: int = 15) -> str:
         """The last `n` lines the server logged (read off its pipe so far)."""
@@ -128,10 +118,6 @@ def server(long_untied_model_path: Path) -> Iterator[Server]:
 # ---- the plan -------------------------------------------------------------------------------
 
 
-def _text(rng: random.Random, n: int) -> str:
-    return " ".join(rng.choice(WORDS) for _ in range(n))
-
-
 @dataclass
 class Normal:
     """One normal client's request: `run` returns what greedy decoding must reproduce."""
@@ -146,7 +132,7 @@ def _normal_plan(rng: random.Random) -> list[Normal]:
     plan: list[Normal] = []
     for i in range(rng.randint(10, 14)):
         kind = rng.choice(["chat", "chat_stream", "completion", "tools", "responses_chain", "embeddings"])
-        words, max_tokens = _text(rng, rng.randint(2, 8)), rng.randint(8, 40)
+        words, max_tokens = random_text(rng, rng.randint(2, 8)), rng.randint(8, 40)
         plan.append(Normal(f"{kind}#{i}", _NORMAL[kind](words, max_tokens), 2 * max_tokens))
     return plan
 
@@ -342,7 +328,7 @@ async def _trickle_reader(h: Hostile, rng: random.Random) -> None:
 
 async def _disconnect(h: Hostile, rng: random.Random) -> None:
     """A stream read for a few events, then hung up on."""
-    body = {"model": "tiny", "messages": [{"role": "user", "content": _text(rng, 4)}], "max_tokens": 400,
+    body = {"model": "tiny", "messages": [{"role": "user", "content": random_text(rng, 4)}], "max_tokens": 400,
             "temperature": 0.9, "stream": True, "logit_bias": NO_END}  # fmt: skip
     async with (
         httpx.AsyncClient(base_url=h.server.url, headers=AUTH, timeout=None) as http,
@@ -357,7 +343,8 @@ async def _disconnect(h: Hostile, rng: random.Random) -> None:
 
 async def _abort(h: Hostile, rng: random.Random) -> None:
     """A non-streamed request given up on mid-flight (the client cancels: the connection closes)."""
-    body = {"model": "tiny", "prompt": _text(rng, 5), "max_tokens": 600, "logit_bias": NO_END, "n": rng.randint(1, 3)}
+    body = {"model": "tiny", "prompt": random_text(rng, 5), "max_tokens": 600, "logit_bias": NO_END,
+            "n": rng.randint(1, 3)}  # fmt: skip
     async with httpx.AsyncClient(base_url=h.server.url, headers=AUTH, timeout=None) as http:
         with anyio.move_on_after(rng.uniform(0.05, 1.0)):
             await http.post("/v1/completions", json=body)
@@ -367,7 +354,7 @@ async def _n_over_lanes(h: Hostile, rng: random.Random) -> None:
     """A streamed request with more choices than lanes (issue 18 item 2): it must be served (or
     refused) like any other, not deadlock the server. Read normally."""
     n = 2 * LANES
-    body = {"model": "tiny", "messages": [{"role": "user", "content": _text(rng, 3)}], "max_tokens": 300, "n": n,
+    body = {"model": "tiny", "messages": [{"role": "user", "content": random_text(rng, 3)}], "max_tokens": 300, "n": n,
             "temperature": 0.8, "stream": True, "logit_bias": NO_END}  # fmt: skip
     what = f"n={n} stream over {LANES} lanes"
     h.unfinished[what] = "no response yet"
@@ -441,7 +428,7 @@ async def _bad_fields(h: Hostile, rng: random.Random) -> None:
 async def _fanout(h: Hostile, rng: random.Random) -> None:
     """1,100 prompts in one completion and 2,048 embedding inputs (issue 18 item 4): refused at once or
     served; never a queue-filling run that ends in 503."""
-    prompts = [_text(rng, 3) for _ in range(1100)]
+    prompts = [random_text(rng, 3) for _ in range(1100)]
     async with httpx.AsyncClient(base_url=h.server.url, headers=AUTH, timeout=None) as http:
         r = await http.post("/v1/completions", json={"model": "tiny", "prompt": prompts, "max_tokens": 16})
         h.check_refusal("a completion of 1,100 prompts", r, ok=(200,))
@@ -470,12 +457,6 @@ _HOSTILE: dict[str, Callable[[Hostile, random.Random], Awaitable[None]]] = {
 }  # fmt: skip
 _COUNTS = {"slow_reader": (LANES, LANES + 2), "trickle_reader": (1, 2), "disconnect": (2, 6), "abort": (2, 6),
            "n_over_lanes": (1, 1)}  # fmt: skip
-
-
-def _hostile_plan(rng: random.Random) -> list[str]:
-    plan = [kind for kind in chosen_kinds(HOSTILE_KINDS) for _ in range(rng.randint(*_COUNTS.get(kind, (1, 1))))]
-    rng.shuffle(plan)
-    return plan
 
 
 # ---- the test -------------------------------------------------------------------------------
@@ -513,7 +494,7 @@ async def test_hostile_traffic_cannot_stall_starve_or_kill_normal_clients(server
     test_start = time.monotonic()
     rng = random.Random(seed)
     normal = _normal_plan(rng)
-    kinds = _hostile_plan(rng)
+    kinds = draw_hostile_plan(rng, HOSTILE_KINDS, _COUNTS)
     async with httpx.AsyncClient(base_url=server.url, headers=AUTH, timeout=None) as http:
         # Solo: each normal request alone, its result the reference; the steps it took set the deadline.
         solo: dict[str, Any] = {}
@@ -522,7 +503,7 @@ async def test_hostile_traffic_cannot_stall_starve_or_kill_normal_clients(server
             solo[req.name] = await req.run(http)
         steps = (await _stats(http))["steps"] - before["steps"]
         per_step = (time.monotonic() - started) / max(steps, 1)
-        rss_start = server.rss_mb()
+        rss_start = rss_mb(server.proc.pid)
 
         # Together: the hostile clients first (so they hold what they can), then the normal ones.
         hostile = Hostile(server)
@@ -600,7 +581,7 @@ async def test_hostile_traffic_cannot_stall_starve_or_kill_normal_clients(server
             findings.append(f"/metrics at idle: {gauges}")
         if gauges["aiobasert:kv_blocks_used"] != 0:  # issue 18 item 10: the prefix cache is not "used"
             findings.append(f"/metrics kv_blocks_used at idle is not 0: {gauges}")
-        rss_end = server.rss_mb()
+        rss_end = rss_mb(server.proc.pid)
         print(f"server RSS {rss_start:.0f} MB after the solo run, {rss_end:.0f} MB after the traffic")
         if rss_end >= 2 * rss_start + 384:
             findings.append(f"server RSS {rss_start:.0f} MB -> {rss_end:.0f} MB (bound: 2x + 384 MB)")

@@ -17,6 +17,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
+from loopback import sigterm_and_wait
 from openai import OpenAI
 
 from aiobasert.server import GroupProvider, create_app
@@ -201,12 +202,7 @@ def test_serve_command_serves_several_models(tiny_model_path: Path, second_tiny_
             with pytest.raises(openai.NotFoundError):
                 chat(client, "tiny2")
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
+        sigterm_and_wait(proc, 30)
     assert proc.returncode in (0, -signal.SIGTERM)  # uvicorn re-raises the signal after a graceful exit
 
 

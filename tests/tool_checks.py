@@ -1,0 +1,22 @@
+"""Checks shared by the tool-calling tests (tests/core/test_tools.py: the Hermes format,
+tests/core/test_tool_formats.py: the others)."""
+
+from __future__ import annotations
+
+import json
+
+from aiobasert import Engine
+
+
+def json_complete(text: str) -> bool:
+    """Whether `text` is one whole JSON value (a call's arguments not cut off)."""
+    try:
+        json.loads(text)
+    except ValueError:
+        return False
+    return True
+
+
+def backends(engine: Engine) -> dict[str, int]:
+    """How many grammars each backend ("engine": the structural tag, "llguidance") has compiled."""
+    return dict(engine._thread.grammar_backends)
