@@ -472,22 +472,15 @@ class Engine:
 
     async def _call(self, fn: Callable[[], T]) -> T:
         """Run fn on the engine thread between steps and await its result."""
-        self._waker.check()
-        if self._port.closed:
-            raise EngineClosedError("the engine is closed")
-        fut: concurrent.futures.Future[T] = concurrent.futures.Future()
-
-        def done(result: Any, error: BaseException | None) -> None:
-            if error is not None:
-                fut.set_exception(error)
-            else:
-                fut.set_result(result)
-
-        self._thread.post(Call(fn, done))
-        return await _wait_future(fut, self._waker)
+        result: T = await self._round_trip(lambda done: Call(fn, done))
+        return result
 
     async def _ask(self, query: Query) -> Any:
         """Ask the engine thread `query` between two steps and await the answer."""
+        return await self._round_trip(lambda done: Ask(query, done))
+
+    async def _round_trip(self, message: Callable[[Callable[[Any, BaseException | None], None]], Call | Ask]) -> Any:
+        """Post message(done) to the engine thread and await what `done` is given."""
         self._waker.check()
         if self._port.closed:
             raise EngineClosedError("the engine is closed")
@@ -499,7 +492,7 @@ class Engine:
             else:
                 fut.set_result(result)
 
-        self._thread.post(Ask(query, done))
+        self._thread.post(message(done))
         return await _wait_future(fut, self._waker)
 
     # ---- tokenizer, embeddings, introspection ---------------------------------------------
