@@ -27,7 +27,8 @@ from aiobasert.models.convert import convert_gguf
 from aiobasert.models.tiny import build_tiny_model
 
 ROOT = Path(__file__).resolve().parents[2]
-KERNEL_SUITES = ["tests/native/test_native_quant.py", "tests/native/test_native_weights.py",
+KERNEL_SUITES = ["tests/native/test_native_quant.py", "tests/native/test_native_quant_symmetric.py",
+                 "tests/native/test_native_weights.py",
                  "tests/native/test_native_batch_steps.py", "tests/native/test_native_kv.py",
                  "tests/native/test_native_archs.py"]
 
