@@ -34,11 +34,20 @@ enum {
     KIND_Q6K = 4,
     KIND_Q4K = 5,
     KIND_Q5K = 6,
-    N_KINDS = 7
+    KIND_Q4S = 7 /* symmetric q4 (GGML Q4_0): m = -8 d, not stored */,
+    KIND_Q5S = 8 /* symmetric q5 (GGML Q5_0): m = -16 d, not stored */,
+    N_KINDS = 9
 };
 #define KIND_IS_K(kind) ((kind) == KIND_Q4K || (kind) == KIND_Q5K || (kind) == KIND_Q6K)
-#define KIND_NIBBLES(kind) ((kind) == KIND_Q4 || (kind) == KIND_Q5 || (kind) == KIND_Q4K || (kind) == KIND_Q5K)
-#define KIND_FIFTH(kind) ((kind) == KIND_Q5 || (kind) == KIND_Q5K)
+#define KIND_NIBBLES(kind)                                                                                      \
+    ((kind) == KIND_Q4 || (kind) == KIND_Q5 || (kind) == KIND_Q4K || (kind) == KIND_Q5K || (kind) == KIND_Q4S ||  \
+     (kind) == KIND_Q5S)
+#define KIND_FIFTH(kind) ((kind) == KIND_Q5 || (kind) == KIND_Q5K || (kind) == KIND_Q5S)
+/* Symmetric q4 / q5 store no m: the kernels form m = d * -8 (-16), exact in f32 (a power of two), the very
+ * value the asymmetric panel would have stored, and run the asymmetric arithmetic on it (bit-identical). */
+#define KIND_SYM_NIBBLES(kind) ((kind) == KIND_Q4S || (kind) == KIND_Q5S)
+#define KIND_ZERO(kind) ((kind) == KIND_Q5S ? -16.0f : -8.0f)
+#define KIND_NO_M(kind) ((kind) == KIND_Q8S || KIND_SYM_NIBBLES(kind))
 
 typedef struct {
     int nb, kind;
@@ -65,7 +74,7 @@ static qgeom geometry_of(int kind, bool sf32, int in) {
     g.q_bytes = (size_t)PANEL * (kind == KIND_Q8 || kind == KIND_Q8S ? 32 : 16) +
                 (KIND_FIFTH(kind) ? Q5_MASKS : kind == KIND_Q6K ? Q6_PLANES : 0);
     g.s_size = g.sf32 ? 4 : 2;
-    g.block_bytes = g.q_bytes + (KIND_IS_K(kind) ? 2 * PANEL : PANEL * g.s_size * (g.kind == KIND_Q8S ? 1 : 2));
+    g.block_bytes = g.q_bytes + (KIND_IS_K(kind) ? 2 * PANEL : PANEL * g.s_size * (KIND_NO_M(kind) ? 1 : 2));
     g.hdr_bytes = kind == KIND_Q6K ? 2 * PANEL : KIND_IS_K(kind) ? 4 * PANEL : 0;
     g.sb_bytes = g.hdr_bytes + 8 * g.block_bytes;
     g.panel_bytes = KIND_IS_K(kind) ? g.sb_bytes * (size_t)(g.nb / 8) : g.block_bytes * (size_t)g.nb;
@@ -73,13 +82,14 @@ static qgeom geometry_of(int kind, bool sf32, int in) {
 }
 
 static qgeom geometry(int type, int flags, int in) {
-    int kind = type == RT_W_Q4    ? KIND_Q4
-               : type == RT_W_Q5  ? KIND_Q5
-               : type == RT_W_Q6K  ? KIND_Q6K
+    bool sym = (flags & RT_WF_SYMMETRIC) != 0;
+    int kind = type == RT_W_Q4    ? (sym ? KIND_Q4S : KIND_Q4)
+               : type == RT_W_Q5  ? (sym ? KIND_Q5S : KIND_Q5)
+               : type == RT_W_Q6K ? KIND_Q6K
                : type == RT_W_Q4K ? KIND_Q4K
                : type == RT_W_Q5K ? KIND_Q5K
-               : (flags & RT_WF_SYMMETRIC) ? KIND_Q8S
-                                           : KIND_Q8;
+               : sym               ? KIND_Q8S
+                                   : KIND_Q8;
     return geometry_of(kind, (flags & RT_WF_SCALES_F32) != 0, in);
 }
 
@@ -122,7 +132,9 @@ static void block_scales(const qgeom *g, const uint8_t *panel, int k, const uint
     const uint8_t *dp = bp + g->q_bytes;
     if (!KIND_IS_K(g->kind)) {
         *d = scale_at(dp, L, g->sf32);
-        *m = g->kind == KIND_Q8S ? *d : scale_at(dp + PANEL * g->s_size, L, g->sf32);
+        *m = g->kind == KIND_Q8S           ? *d
+             : KIND_SYM_NIBBLES(g->kind) ? *d * KIND_ZERO(g->kind)
+                                         : scale_at(dp + PANEL * g->s_size, L, g->sf32);
         return;
     }
     const uint8_t *hp = header_at(g, panel, k);
@@ -245,17 +257,19 @@ static size_t chunk_rows(size_t row_bytes) {
 }
 
 /* Repack every block of src into the panel layout of `type`, calling done(ctx, rows) after each chunk. */
-static size_t repack(rt_weight *out, int type, bool sym8, const block_source *src, size_t rows, size_t cols,
+static size_t repack(rt_weight *out, int type, bool sym, const block_source *src, size_t rows, size_t cols,
                      void (*done)(void *ctx, size_t rows_done), void *ctx) {
     size_t nb = cols / QBLK;
-    bool sf32 = false; /* f16 storage unless some scale or bias would change */
+    /* f16 storage unless some scale or stored bias would change (symmetric: no bias is stored; its m = -2^(bits-1)
+     * d is formed exactly in f32 from d either way) */
+    bool sf32 = false;
     for (size_t r = 0; r < rows && !sf32; r++)
         for (size_t k = 0; k < nb && !sf32; k++) {
             float d, m;
             group_block(src, r, k, NULL, &d, &m);
-            sf32 = !f16_exact(d) || (!sym8 && !f16_exact(m));
+            sf32 = !f16_exact(d) || (!sym && !f16_exact(m));
         }
-    int flags = (sf32 ? RT_WF_SCALES_F32 : 0) | (sym8 ? RT_WF_SYMMETRIC : 0);
+    int flags = (sf32 ? RT_WF_SCALES_F32 : 0) | (sym ? RT_WF_SYMMETRIC : 0);
     qgeom g = geometry(type, flags, (int)cols);
     size_t panels = (rows + PANEL - 1) / PANEL, bytes = panels * g.panel_bytes;
     uint8_t *mem = calloc(1, bytes ? bytes : 1); /* rows past the matrix stay zero */
@@ -274,11 +288,11 @@ static size_t repack(rt_weight *out, int type, bool sym8, const block_source *sr
             uint8_t *dp = bp + g.q_bytes, *mp = dp + PANEL * g.s_size;
             if (sf32) {
                 memcpy(dp + 4 * L, &d, 4);
-                if (!sym8) memcpy(mp + 4 * L, &m, 4);
+                if (!sym) memcpy(mp + 4 * L, &m, 4);
             } else {
                 uint16_t hd = rt_f32_to_f16(d), hm = rt_f32_to_f16(m);
                 memcpy(dp + 2 * L, &hd, 2);
-                if (!sym8) memcpy(mp + 2 * L, &hm, 2);
+                if (!sym) memcpy(mp + 2 * L, &hm, 2);
             }
         }
         if (done && ((r + 1) % chunk == 0 || r + 1 == rows)) done(ctx, r + 1);
@@ -291,8 +305,7 @@ size_t rt_weight_from_groups(rt_weight *out, int bits, const uint8_t *packed, co
                              const uint8_t *biases, int scale_type, bool symmetric, size_t rows, size_t cols,
                              int gs, void (*done)(void *ctx, size_t rows_done), void *ctx) {
     block_source src = {packed, scales, biases, scale_type, bits, gs, symmetric, cols};
-    return repack(out, bits == 4 ? RT_W_Q4 : bits == 5 ? RT_W_Q5 : RT_W_Q8, symmetric && bits == 8, &src, rows,
-                  cols, done, ctx);
+    return repack(out, bits == 4 ? RT_W_Q4 : bits == 5 ? RT_W_Q5 : RT_W_Q8, symmetric, &src, rows, cols, done, ctx);
 }
 
 /* An f16 (little-endian bytes) that is NaN (2) or Inf (1), else 0. */
@@ -524,11 +537,12 @@ static void qk_generic(const uint8_t *panel, int nb, int sf32, const uint8_t *x,
 
 QK_KIND4(qk_generic, KIND_Q4) QK_KIND4(qk_generic, KIND_Q8) QK_KIND4(qk_generic, KIND_Q8S)
 QK_KIND4(qk_generic, KIND_Q5) QK_KIND4(qk_generic, KIND_Q6K) QK_KIND4(qk_generic, KIND_Q4K)
-QK_KIND4(qk_generic, KIND_Q5K)
+QK_KIND4(qk_generic, KIND_Q5K) QK_KIND4(qk_generic, KIND_Q4S) QK_KIND4(qk_generic, KIND_Q5S)
 static const qkernel_set generic_set = {{QK_ROW4(qk_generic, KIND_Q4), QK_ROW4(qk_generic, KIND_Q8),
                                          QK_ROW4(qk_generic, KIND_Q8S), QK_ROW4(qk_generic, KIND_Q5),
                                          QK_ROW4(qk_generic, KIND_Q6K), QK_ROW4(qk_generic, KIND_Q4K),
-                                         QK_ROW4(qk_generic, KIND_Q5K)},
+                                         QK_ROW4(qk_generic, KIND_Q5K), QK_ROW4(qk_generic, KIND_Q4S),
+                                         QK_ROW4(qk_generic, KIND_Q5S)},
                                         4,
                                         "generic"};
 
@@ -629,7 +643,9 @@ static inline __attribute__((always_inline)) void qk_avx2(const uint8_t *panel, 
                 }
             } else {
                 d = load_scales8(bp + g.q_bytes + 8 * h * g.s_size, sf32);
-                m = KIND == KIND_Q8S ? d : load_scales8(bp + g.q_bytes + PANEL * g.s_size + 8 * h * g.s_size, sf32);
+                m = KIND == KIND_Q8S           ? d
+                    : KIND_SYM_NIBBLES(KIND) ? _mm256_mul_ps(d, _mm256_set1_ps(KIND_ZERO(KIND)))
+                                             : load_scales8(bp + g.q_bytes + PANEL * g.s_size + 8 * h * g.s_size, sf32);
             }
             for (int r = 0; r < RT && KIND == KIND_Q6K; r++) {
                 const uint8_t *xr = x + (size_t)r * xrow;
@@ -660,11 +676,12 @@ static inline __attribute__((always_inline)) void qk_avx2(const uint8_t *panel, 
 }
 
 QK_KIND4(qk_avx2, KIND_Q4) QK_KIND4(qk_avx2, KIND_Q8) QK_KIND4(qk_avx2, KIND_Q8S) QK_KIND4(qk_avx2, KIND_Q5)
-QK_KIND4(qk_avx2, KIND_Q6K) QK_KIND4(qk_avx2, KIND_Q4K) QK_KIND4(qk_avx2, KIND_Q5K)
+QK_KIND4(qk_avx2, KIND_Q6K) QK_KIND4(qk_avx2, KIND_Q4K) QK_KIND4(qk_avx2, KIND_Q5K) QK_KIND4(qk_avx2, KIND_Q4S)
+QK_KIND4(qk_avx2, KIND_Q5S)
 #pragma GCC pop_options
 static const qkernel_set avx2_set = {{QK_ROW4(qk_avx2, KIND_Q4), QK_ROW4(qk_avx2, KIND_Q8), QK_ROW4(qk_avx2, KIND_Q8S),
                                       QK_ROW4(qk_avx2, KIND_Q5), QK_ROW4(qk_avx2, KIND_Q6K), QK_ROW4(qk_avx2, KIND_Q4K),
-                                      QK_ROW4(qk_avx2, KIND_Q5K)},
+                                      QK_ROW4(qk_avx2, KIND_Q5K), QK_ROW4(qk_avx2, KIND_Q4S), QK_ROW4(qk_avx2, KIND_Q5S)},
                                      4,
                                      "avx2"};
 
@@ -746,7 +763,9 @@ static inline __attribute__((always_inline)) void qk_vnni(const uint8_t *panel, 
             }
         } else {
             d = load_scales16(bp + g.q_bytes, sf32);
-            m = KIND == KIND_Q8S ? d : load_scales16(bp + g.q_bytes + PANEL * g.s_size, sf32);
+            m = KIND == KIND_Q8S           ? d
+                : KIND_SYM_NIBBLES(KIND) ? _mm512_mul_ps(d, _mm512_set1_ps(KIND_ZERO(KIND)))
+                                         : load_scales16(bp + g.q_bytes + PANEL * g.s_size, sf32);
         }
         for (int r = 0; r < RT && KIND == KIND_Q6K; r++) {
             const uint8_t *xr = x + (size_t)r * xrow;
@@ -771,11 +790,12 @@ static inline __attribute__((always_inline)) void qk_vnni(const uint8_t *panel, 
 }
 
 QK_KIND8(qk_vnni, KIND_Q4) QK_KIND8(qk_vnni, KIND_Q8) QK_KIND8(qk_vnni, KIND_Q8S) QK_KIND8(qk_vnni, KIND_Q5)
-QK_KIND8(qk_vnni, KIND_Q6K) QK_KIND8(qk_vnni, KIND_Q4K) QK_KIND8(qk_vnni, KIND_Q5K)
+QK_KIND8(qk_vnni, KIND_Q6K) QK_KIND8(qk_vnni, KIND_Q4K) QK_KIND8(qk_vnni, KIND_Q5K) QK_KIND8(qk_vnni, KIND_Q4S)
+QK_KIND8(qk_vnni, KIND_Q5S)
 #pragma GCC pop_options
 static const qkernel_set vnni_set = {{QK_ROW8(qk_vnni, KIND_Q4), QK_ROW8(qk_vnni, KIND_Q8), QK_ROW8(qk_vnni, KIND_Q8S),
                                       QK_ROW8(qk_vnni, KIND_Q5), QK_ROW8(qk_vnni, KIND_Q6K), QK_ROW8(qk_vnni, KIND_Q4K),
-                                      QK_ROW8(qk_vnni, KIND_Q5K)},
+                                      QK_ROW8(qk_vnni, KIND_Q5K), QK_ROW8(qk_vnni, KIND_Q4S), QK_ROW8(qk_vnni, KIND_Q5S)},
                                      8,
                                      "avx512-vnni"};
 #endif

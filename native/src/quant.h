@@ -10,8 +10,9 @@
  * groups of 64 bytes, group s holding values 4s..4s+3 of row L at 4L; q4: 4
  * groups whose low nibbles hold values 4s..4s+3 and high nibbles values
  * 16+4s..16+4s+3; q5: q4's 4 groups, then 8 masks of 64 bits, mask 2s / 2s+1 bit j
- * the fifth bit of byte j's low / high nibble in group s), then the 16 rows' d, then their m (omitted for symmetric
- * q8: m = -128 d). d, m are f16 when every one converts exactly (the
+ * the fifth bit of byte j's low / high nibble in group s), then the 16 rows' d, then their m (omitted for a
+ * symmetric matrix, RT_WF_SYMMETRIC: q8 m = -128 d, q5 (GGML Q5_0) -16 d, q4 (Q4_0) -8 d; so Q5_0 / Q4_0 keep
+ * GGML's 22 / 18 bytes per row and 32 values). d, m are f16 when every one converts exactly (the
  * base-convert case), else f32 (RT_WF_SCALES_F32). Rows past the matrix in
  * the last panel are zero. One 64-byte load thus feeds one integer dot step
  * of 16 rows against 4 activation bytes broadcast, and an int32 lane ends a
@@ -38,7 +39,9 @@
  * acc = fma(float(isum), d * xd, acc) and bias = fma(m, xs, bias) (Q6_K: per half,
  * acc = fma(float(isum_half - 32 * sum(q_half)), d_half * xd, acc)); then
  * y = acc + bias. So batched, chunked and single-row products, and the
- * kernel sets, are bit-identical. */
+ * kernel sets, are bit-identical. Symmetric q4 / q5 run the same sequence with m = d * -8 (-16), formed
+ * in registers and exact in f32: what an asymmetric panel storing that m computes, bit for bit. (Symmetric
+ * q8 instead folds its offset into the integer sum: isum += corr, no bias term.) */
 
 #include "weight.h"
 

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import gguf
 import pytest
-from quantized import quantize_bundle
+from quantized import asymmetric_twin, quantize_bundle
 from tiny_gguf import write_gguf
 
 from aiobasert.models.convert import convert_gguf
@@ -28,7 +28,8 @@ from aiobasert.models.tiny import build_tiny_model
 from tests.cpu_features import cpu_flags
 
 ROOT = Path(__file__).resolve().parents[2]
-KERNEL_SUITES = ["tests/native/test_native_quant.py", "tests/native/test_native_weights.py",
+KERNEL_SUITES = ["tests/native/test_native_quant.py", "tests/native/test_native_quant_symmetric.py",
+                 "tests/native/test_native_weights.py",
                  "tests/native/test_native_batch_steps.py", "tests/native/test_native_kv.py",
                  "tests/native/test_native_archs.py"]
 
@@ -112,3 +113,23 @@ def test_kernel_suites_pass_under_each_cap(cap: str) -> None:
     report = f"{proc.stdout[-4000:]}\n{proc.stderr[-3000:]}"
     assert proc.returncode == 0, f"kernel suites under BASERT_REF_SIMD={cap}:\n{report}"
     assert " passed" in proc.stdout
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q5_0"])
+def test_kernel_sets_compute_symmetric_q4_q5_as_their_asymmetric_twin(tmp_path: Path, qtype: str) -> None:
+    """GGML Q4_0 / Q5_0 carried as symmetric base_q4 / base_q5 (panels without the per-block m, which the
+    kernels form as d * -8 / -16) give, under every kernel set, the logits of the same bundle with the
+    implied biases stored (the asymmetric panels and kernels)."""
+    src = write_gguf(tmp_path / "s.gguf", matrices=gguf.GGMLQuantizationType[qtype])
+    sym = convert_gguf(src, tmp_path / "sym.base", dtype="auto", progress=False)
+    asym = asymmetric_twin(sym, tmp_path / "asym.base")
+    digests = {}
+    for cap in ("generic", "avx2", ""):
+        env = {k: v for k, v in os.environ.items() if k != "BASERT_REF_SIMD"} | {"BASERT_REF_QUANT_SIMD": cap}
+        kernels = chosen_kernels(env).split("quant=")[1]
+        for name, path in (("sym", sym), ("asym", asym)):
+            out = subprocess.run([sys.executable, "-c", LOGITS_DIGEST, str(path)], cwd=ROOT, env=env,
+                                 capture_output=True, text=True, timeout=120)
+            assert out.returncode == 0, out.stderr[-3000:]
+            digests[f"{kernels}/{name}"] = out.stdout.strip()
+    assert len(set(digests.values())) == 1, digests

@@ -21,7 +21,8 @@ ROOT = Path(__file__).resolve().parents[2]
 SUITES = ["tests/native/test_native_load_tokenize_sample.py", "tests/native/test_native_batch_steps.py",
           "tests/native/test_native_grammar.py", "tests/native/test_native_structural_tag.py",
           "tests/native/test_native_safety.py", "tests/native/test_native_weights.py", "tests/native/test_native_kv.py",
-          "tests/native/test_native_quant.py", "tests/native/test_native_taps.py",
+          "tests/native/test_native_quant.py", "tests/native/test_native_quant_symmetric.py",
+          "tests/native/test_native_taps.py",
           "tests/core/test_embed_scheduling.py", "tests/core/test_engine.py", "tests/core/test_reliability.py",
           "tests/native/test_native_archs.py"]
 
@@ -79,7 +80,8 @@ def test_kernel_suites_pass_under_asan_with_each_kernel_set(sanitized_env: dict[
     """The lower kernel sets (the main run above uses the CPU's best) read their own tails and layouts; the
     safety file's NaN / Inf weights reach the scalar activation quantizer here."""
     _run_sanitized(dict(sanitized_env, BASERT_REF_SIMD=cap),
-                   ["tests/native/test_native_quant.py", "tests/native/test_native_weights.py",
+                   ["tests/native/test_native_quant.py", "tests/native/test_native_quant_symmetric.py",
+                    "tests/native/test_native_weights.py",
                     "tests/native/test_native_batch_steps.py", "tests/native/test_native_safety.py"])
 
 
