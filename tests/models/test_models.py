@@ -19,6 +19,7 @@ from tiny_gguf import write_gguf
 
 from aiobasert import AioBaseRTError, Engine, InvalidConfigError, cli
 from aiobasert.models import cache as models
+from aiobasert.models import convert as convert_module
 from aiobasert.models.bundle import read_bundle
 from aiobasert.models.convert import ConversionError, convert_gguf
 
@@ -35,11 +36,12 @@ def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 
 class Conversions:
-    """Counts calls of models.convert_gguf (still converting for real)."""
+    """Counts calls of convert_gguf (still converting for real); the cache imports it from
+    aiobasert.models.convert where a conversion runs."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.targets: list[Path] = []
-        monkeypatch.setattr(models, "convert_gguf", self)
+        monkeypatch.setattr(convert_module, "convert_gguf", self)
 
     def __call__(self, src: Path, dst: Path, **kwargs: Any) -> Path:
         self.targets.append(Path(dst))
@@ -153,7 +155,8 @@ _CONVERT_IN_CHILD = """
 import os, sys, time
 from pathlib import Path
 from aiobasert.models import cache as models
-from aiobasert.models.convert import convert_gguf
+from aiobasert.models import convert
+convert_gguf = convert.convert_gguf
 src, log, go = sys.argv[1:4]
 
 def logged(s, d, **kw):
@@ -163,7 +166,7 @@ def logged(s, d, **kw):
     time.sleep(1.0)
     return convert_gguf(s, d, **kw)
 
-models.convert_gguf = logged
+convert.convert_gguf = logged  # the cache imports it from here where it converts
 if sys.argv[4] == "second":
     deadline = time.monotonic() + 60
     while not Path(go).exists() and time.monotonic() < deadline:
