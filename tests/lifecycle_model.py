@@ -202,6 +202,7 @@ class LifecycleWalk:
             max_queue=rng.choice([1, 2, 16]),
             prefill_chunk=rng.choice([4, 16, 256]),
             max_context=256,
+            kv_cache_dtype=rng.choice(["auto", "f16", "q8"]),
         )
         self.stats.opens += 1
 
