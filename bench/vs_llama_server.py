@@ -489,7 +489,7 @@ async def bench(args: argparse.Namespace) -> dict[str, dict[int, list[Run]]]:
                     print(f"  round {r + 1} streams {n:2d} {who:12s} {run.tok_s:8.1f} tok/s  TTFT p50 "
                           f"{run.ttft_p50 * 1000:7.0f} ms  wall {run.wall:6.1f} s  tokens/stream "
                           f"{min(run.tokens)}-{max(run.tokens)}  load {run.load:.2f}  "
-                          f"peak RSS {run.peak_rss_mb:.0f} MB", flush=True)  # fmt: skip
+                          f"peak RSS {run.peak_rss_mb:.0f} MiB", flush=True)  # fmt: skip
     shutil.rmtree(logdir, ignore_errors=True)  # kept on failure, for the error's log path
     return results
 
@@ -524,7 +524,7 @@ def report(results: dict[str, dict[int, list[Run]]], args: argparse.Namespace) -
         f"median of {args.rounds} round(s) (range of the rounds' tok/s in brackets):",
         "",
         "| streams | aiobasert tok/s | llama-server tok/s | ratio | aiobasert TTFT p50 | llama-server TTFT p50 "
-        "| TTFT ratio | peak RSS MB ours / theirs | tokens/stream ours / theirs | load avg (1 min) |",
+        "| TTFT ratio | peak RSS MiB ours / theirs | tokens/stream ours / theirs | load avg (1 min) |",
         "|---:|---:|---:|---:|---:|---:|---:|---|---|---|",
     ]
     for n in args.streams:
