@@ -6,7 +6,6 @@ from __future__ import annotations
 import functools
 import random
 import threading
-from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import anyio
@@ -46,6 +45,20 @@ async def tokens_of(engine: Engine, p: str | list[int], **kw: object) -> list[in
     return [t.id async for t in engine.stream(p, **kw)]  # type: ignore[arg-type]
 
 
+async def solo_and_together(engine: Engine, n: int, *, max_tokens: int) -> tuple[list[list[int]], list[list[int]]]:
+    """Greedy tokens of prompt(0..n-1), each run alone, then all n at once."""
+    solo = [await tokens_of(engine, prompt(i), max_tokens=max_tokens, ignore_eos=True) for i in range(n)]
+    together: list[list[int]] = [[] for _ in range(n)]
+
+    async def run(i: int) -> None:
+        together[i] = await tokens_of(engine, prompt(i), max_tokens=max_tokens, ignore_eos=True)
+
+    async with anyio.create_task_group() as tg:
+        for i in range(n):
+            tg.start_soon(run, i)
+    return solo, together
+
+
 async def test_stream_yields_tokens_and_final(tiny_model_path: Path) -> None:
     async with Engine.open(tiny_model_path, max_batch_size=4) as engine:
         toks = [t async for t in engine.stream("Once upon a time", max_tokens=12, ignore_eos=True)]
@@ -64,15 +77,7 @@ async def test_stream_yields_tokens_and_final(tiny_model_path: Path) -> None:
 async def test_32_concurrent_greedy_streams_equal_solo(tiny_model_path: Path) -> None:
     n = 32
     async with Engine.open(tiny_model_path, max_batch_size=32, prefix_cache=False) as engine:
-        solo = [await tokens_of(engine, prompt(i), max_tokens=10, ignore_eos=True) for i in range(n)]
-        together: list[list[int]] = [[] for _ in range(n)]
-
-        async def run(i: int) -> None:
-            together[i] = await tokens_of(engine, prompt(i), max_tokens=10, ignore_eos=True)
-
-        async with anyio.create_task_group() as tg:
-            for i in range(n):
-                tg.start_soon(run, i)
+        solo, together = await solo_and_together(engine, n, max_tokens=10)
         assert together == solo
         assert len({tuple(s) for s in solo}) > 1  # the prompts really differ
 
@@ -479,35 +484,24 @@ def test_tokenizer_handles_load_before_the_weights(tmp_path: Path) -> None:
     assert rss["peak"] - rss["steady"] < 10 << 20, rss  # nor did opening, beside the weights
 
 
-async def _collect(run: Callable[[str], Awaitable[list[int]]], p: str, out: dict[int, list[int]], i: int) -> None:
-    out[i] = await run(p)
-
-
-async def test_kv_cache_dtype_is_the_pool_the_engine_allocates(tmp_path: Path) -> None:
+async def test_kv_cache_dtype_is_the_pool_the_engine_allocates(head32_model_path: Path) -> None:
     """kv_cache_dtype reaches the load: info names what was allocated, the pool's capacity is half
     (f16) and 34/128 (Q8_0) of the exact f32 pool's, and concurrent greedy streams still equal solo."""
-    path = build_tiny_model(tmp_path / "hd32.base", dim=128, n_heads=4, n_kv_heads=2, ffn_dim=96, tied=False, seed=5)
     capacity: dict[str, int] = {}
     for kv, want in (("auto", "f32"), ("f16", "f16"), ("q8", "q8")):
-        async with Engine.open(path, kv_cache_dtype=kv, max_batch_size=4, max_context=128) as engine:  # type: ignore[arg-type]
+        async with Engine.open(head32_model_path, kv_cache_dtype=kv, max_batch_size=4, max_context=128) as engine:  # type: ignore[arg-type]
             assert engine.info.kv_cache_dtype == want
             stats = await engine.stats()
             capacity[want] = stats.kv_cache_bytes
             assert stats.engine_bytes > stats.kv_cache_bytes > 0
-            run = functools.partial(tokens_of, engine, max_tokens=12, ignore_eos=True)
-            solo = [await run(prompt(i)) for i in range(4)]
-            together: dict[int, list[int]] = {}
-            async with anyio.create_task_group() as tg:
-                for i in range(4):
-                    tg.start_soon(_collect, run, prompt(i), together, i)
-            assert [together[i] for i in range(4)] == solo
+            solo, together = await solo_and_together(engine, 4, max_tokens=12)
+            assert together == solo
     assert capacity["f16"] * 2 == capacity["f32"]
     assert capacity["q8"] * 128 == capacity["f32"] * 34
 
 
-async def test_kv_cache_dtype_falls_back_where_the_head_cannot_take_q8(tmp_path: Path) -> None:
+async def test_kv_cache_dtype_falls_back_where_the_head_cannot_take_q8(head16_model_path: Path) -> None:
     """head_dim 16: a Q8_0 block of 32 would straddle two heads, so the engine allocates f16 and says so."""
-    path = build_tiny_model(tmp_path / "hd16.base", dim=64, n_heads=4, n_kv_heads=2, ffn_dim=96, tied=False, seed=4)
-    async with Engine.open(path, kv_cache_dtype="q8", max_batch_size=2, max_context=64) as engine:
+    async with Engine.open(head16_model_path, kv_cache_dtype="q8", max_batch_size=2, max_context=64) as engine:
         assert engine.info.kv_cache_dtype == "f16"
         assert len(await tokens_of(engine, "abc", max_tokens=4, ignore_eos=True)) == 4

@@ -23,7 +23,6 @@ import raw_abi
 from raw_abi import step_logits
 
 from aiobasert._core.ffi import BaseRTLoadOptions, BaseRTMemoryStats, Library
-from aiobasert.models.tiny import build_tiny_model
 
 OK, INVALID_ARGUMENT = 0, 2
 
@@ -35,28 +34,16 @@ def kv_bits_effective(lib: Library) -> ctypes._CFuncPtr:
     return fn
 
 
-@pytest.fixture(scope="module")
-def path(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """head_dim 16: Q8_0 blocks of 32 would straddle heads, so kv_bits 8 falls back to f16."""
-    return build_tiny_model(tmp_path_factory.mktemp("kv") / "tiny.base", dim=64, n_heads=4, n_kv_heads=2,
-                            ffn_dim=96, tied=False, seed=4)
-
-
-@pytest.fixture(scope="module")
-def path32(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """head_dim 32: takes a Q8_0 pool."""
-    return build_tiny_model(tmp_path_factory.mktemp("kv32") / "tiny.base", dim=128, n_heads=4, n_kv_heads=2,
-                            ffn_dim=96, tied=False, seed=5)
-
-
 def load(lib: Library, path: Path, kv_bits: int) -> int:
     return raw_abi.load(lib, path, 256, max_batch_size=4, prefix_cache=1, prefill_chunk=16, kv_bits=kv_bits)
 
 
 @pytest.fixture(params=[16, 8], ids=["f16", "q8_0"])
-def f16(request: pytest.FixtureRequest, lib: Library, path: Path, path32: Path) -> Iterator[int]:
+def f16(
+    request: pytest.FixtureRequest, lib: Library, head16_model_path: Path, head32_model_path: Path
+) -> Iterator[int]:
     """A model with a reduced-precision pool: f16 (head_dim 16) or Q8_0 (head_dim 32)."""
-    m = load(lib, path if request.param == 16 else path32, request.param)
+    m = load(lib, head16_model_path if request.param == 16 else head32_model_path, request.param)
     yield m
     lib.baseRT_free_model(m)
 
@@ -65,10 +52,11 @@ def prompt(n: int, seed: int) -> list[int]:
     return [int(t) for t in np.random.default_rng(seed).integers(3, 200, size=n)]
 
 
-def test_kv_bits_effective_is_what_was_allocated(lib: Library, path: Path, path32: Path,
+def test_kv_bits_effective_is_what_was_allocated(lib: Library, head16_model_path: Path, head32_model_path: Path,
                                                  kv_bits_effective: ctypes._CFuncPtr) -> None:
-    cases = [(path, 0, 32), (path, 16, 16), (path, 8, 16), (path, 4, 16), (path, 84, 16),
-             (path32, 0, 32), (path32, 16, 16), (path32, 8, 8), (path32, 4, 8), (path32, 84, 8)]
+    h16, h32 = head16_model_path, head32_model_path
+    cases = [(h16, 0, 32), (h16, 16, 16), (h16, 8, 16), (h16, 4, 16), (h16, 84, 16),
+             (h32, 0, 32), (h32, 16, 16), (h32, 8, 8), (h32, 4, 8), (h32, 84, 8)]
     for p, asked, got in cases:
         m = load(lib, p, asked)
         try:
@@ -76,13 +64,13 @@ def test_kv_bits_effective_is_what_was_allocated(lib: Library, path: Path, path3
             st = BaseRTMemoryStats()
             assert lib.baseRT_model_memory_stats(m, byref(st))
             per_block = st.kv_cache_capacity_bytes // st.kv_cache_blocks_total
-            kv_dim = 32 if p == path else 64
+            kv_dim = 32 if p == h16 else 64
             row = {32: kv_dim * 4, 16: kv_dim * 2, 8: kv_dim // 32 * 34}[got]
             assert per_block == 2 * 2 * 16 * row  # 2 layers x (K + V) x 16 tokens x one row
         finally:
             lib.baseRT_free_model(m)
     o = BaseRTLoadOptions(struct_size=ctypes.sizeof(BaseRTLoadOptions), paged_kv=1, kv_bits=32)
-    assert not lib.baseRT_load_model_ex(os.fsencode(path), None, 256, byref(o))
+    assert not lib.baseRT_load_model_ex(os.fsencode(head16_model_path), None, 256, byref(o))
     assert lib.baseRT_get_error_code() == INVALID_ARGUMENT and "kv_bits" in (lib.baseRT_get_error() or b"").decode()
 
 
@@ -125,9 +113,9 @@ def test_f16_pool_prefix_seeded_equals_cold(lib: Library, f16: int) -> None:
         lib.baseRT_sequence_free(s)
 
 
-def test_f16_pool_stays_close_to_f32(lib: Library, path: Path, path32: Path, f16: int,
+def test_f16_pool_stays_close_to_f32(lib: Library, head16_model_path: Path, head32_model_path: Path, f16: int,
                                     kv_bits_effective: ctypes._CFuncPtr) -> None:
-    exact = load(lib, path if kv_bits_effective(f16) == 16 else path32, 0)
+    exact = load(lib, head16_model_path if kv_bits_effective(f16) == 16 else head32_model_path, 0)
     try:
         p = prompt(60, 3)
         a, b = int(lib.baseRT_sequence_create(exact)), int(lib.baseRT_sequence_create(f16))
