@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import math
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import msgspec
 import numpy as np
@@ -16,7 +16,7 @@ KVCacheDtype = Literal["auto", "f16", "q8"]
 """How the engine stores the KV cache (`Engine.open(kv_cache_dtype=...)`): "auto" = the library's
 per-model default (the reference engine: exact f32; BaseRT: Q8_0 where head_dim allows), "f16",
 or "q8" (Q8_0 blocks of 32, as llama.cpp's `-ctk q8_0 -ctv q8_0`)."""
-KV_CACHE_DTYPES: tuple[str, ...] = ("auto", "f16", "q8")
+KV_CACHE_DTYPES: tuple[str, ...] = get_args(KVCacheDtype)
 
 _INT32_MAX = 2**31 - 1
 _FLT_MAX = float(np.finfo(np.float32).max)

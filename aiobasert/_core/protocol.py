@@ -15,7 +15,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from ..types import FinishReason, SamplingParams, Timing, Token, Usage
+from ..types import FinishReason, KVCacheDtype, SamplingParams, Timing, Token, Usage
 
 
 @dataclass
@@ -30,7 +30,7 @@ class EngineConfig:
     max_queue: int = 1024
     max_buffered_tokens: int = 256
     """Accepted for compatibility; no lane waits for its reader any more (docs/fairness.md)."""
-    kv_cache_dtype: str = "auto"
+    kv_cache_dtype: KVCacheDtype = "auto"
 
 
 Prompt = str | Sequence[int] | Sequence[tuple[str, bool]]
