@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import os
+import sys
 import threading
 import weakref
 from collections.abc import Callable, Generator, Mapping, Sequence
@@ -11,7 +12,6 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any, TypeVar, cast, overload
 
 import anyio
-import numpy as np
 
 from ._core import ffi as _ffi
 from ._core.protocol import (
@@ -47,6 +47,8 @@ from .types import (
 )
 
 if TYPE_CHECKING:
+    import numpy as np
+
     from .models.convert import Dtype
     from .tool_formats import ToolFormat
     from .tools import ChatStream, Tool, ToolChoice
@@ -299,9 +301,11 @@ class Engine:
 
     def _token_ids(self, ids: object, what: str) -> list[int]:
         """A list of this model's token ids (numpy integers accepted), or InvalidRequestError."""
-        if isinstance(ids, (str, bytes, bytearray, memoryview)) or not isinstance(ids, (Sequence, np.ndarray)):
+        numpy = sys.modules.get("numpy")  # numpy values exist only once it is imported (types.is_numpy_scalar)
+        sequences = (Sequence,) if numpy is None else (Sequence, numpy.ndarray)
+        if isinstance(ids, (str, bytes, bytearray, memoryview)) or not isinstance(ids, sequences):
             raise InvalidRequestError(f"{what} must be str or a list of token ids, not {type(ids).__name__}")
-        out = [int(t) if isinstance(t, np.integer) else t for t in ids]
+        out = [int(t) if numpy is not None and isinstance(t, numpy.integer) else t for t in ids]
         vocab = self.info.vocab_size
         for i, t in enumerate(out):
             if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:

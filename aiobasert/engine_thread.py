@@ -31,8 +31,6 @@ from collections.abc import Callable, Mapping, Sequence
 from ctypes import byref, c_float, c_int, sizeof
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
-
 from ._core import ffi as _ffi
 from ._core.intake import Intake, Tokenizer, run_job
 from ._core.output import Detokenizer, OutputProcessor
@@ -72,7 +70,9 @@ from .errors import (
 )
 from .types import MAX_SCHEMA_REFS, EngineStats, FinishReason, ModelInfo, Token
 
-if TYPE_CHECKING:  # the grammar module imports llguidance: loaded on first use only
+if TYPE_CHECKING:  # llguidance (the grammar module) and numpy (embeddings): imported on first use only
+    import numpy as np
+
     from ._core.grammar import GrammarBackend
 
 __all__ = [  # the contract types are re-exported for code that imported them from here
@@ -759,6 +759,8 @@ class EngineThread:
             return None
         if lib.baseRT_model_supports_taps(model) != 1:
             return None
+        import numpy as np
+
         from .models.bundle import read_bundle
 
         with read_bundle(self.cfg.model_path) as bundle:
@@ -859,6 +861,8 @@ class EngineThread:
         return b"".join(self.token_bytes(t) for t in ids).decode("utf-8", "replace")
 
     def embed(self, ids: Sequence[int], dim: int) -> np.ndarray:
+        import numpy as np
+
         arr = _ffi.u32_array(ids)
         out = np.zeros(dim, dtype=np.float32)
         n = self.lib.baseRT_embed(self._model, arr, len(ids), out.ctypes.data_as(ctypes.POINTER(c_float)), dim)

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import json
 import math
+import struct
+import sys
 from typing import Any, Literal, get_args
 
 import msgspec
-import numpy as np
 
 from .errors import InvalidSamplingParamsError
 
@@ -19,7 +20,21 @@ or "q8" (Q8_0 blocks of 32, as llama.cpp's `-ctk q8_0 -ctv q8_0`)."""
 KV_CACHE_DTYPES: tuple[str, ...] = get_args(KVCacheDtype)
 
 _INT32_MAX = 2**31 - 1
-_FLT_MAX = float(np.finfo(np.float32).max)
+_FLT_MAX: float = struct.unpack("<f", b"\xff\xff\x7f\x7f")[0]  # 3.4028234663852886e38
+
+
+def _as_float32(x: float) -> float:
+    """x rounded to the nearest float32, as the engine will store it (x within +-_FLT_MAX)."""
+    rounded: float = struct.unpack("<f", struct.pack("<f", x))[0]
+    return rounded
+
+
+def is_numpy_scalar(value: Any) -> bool:
+    """A numpy scalar (np.float32(1), np.int64(3), ...), recognised without importing numpy: a
+    value can only be one once numpy is imported, and a server that only generates text never
+    imports it (~15 MiB of resident memory; embeddings and grammars import it when first used)."""
+    np = sys.modules.get("numpy")
+    return np is not None and isinstance(value, np.generic)
 
 
 MAX_SCHEMA_DEPTH = 64
@@ -58,14 +73,14 @@ def schema_problem(schema: Any) -> str | None:
             if depth >= MAX_SCHEMA_DEPTH:
                 return f"is nested more than {MAX_SCHEMA_DEPTH} levels deep"
             stack.extend((item, depth + 1) for item in value)
-        elif not (value is None or isinstance(value, (str, int, float, bool, np.generic))):
+        elif not (value is None or (isinstance(value, (str, int, float, bool)) or is_numpy_scalar(value))):
             return f"holds a {type(value).__name__}, which is not JSON"
     return None
 
 
 def _plain(value: Any) -> Any:
     """numpy scalars -> Python values, tuples -> lists (recursively); anything else as is."""
-    if isinstance(value, np.generic):
+    if is_numpy_scalar(value):
         return value.item()
     if isinstance(value, tuple):
         return [_plain(v) for v in value]
@@ -139,7 +154,7 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
             if value < low or value > high or (open_low and value <= low):
                 span = f"({low:g}, {high:g}]" if open_low else f"[{low:g}, {high:g}]"
                 raise bad(field, f"{value!r} must be in {span}")
-            if open_low and float(np.float32(value)) <= low:
+            if open_low and _as_float32(value) <= low:
                 raise bad(field, f"{value!r} is too small for a float32 (it would be {low:g})")
 
         def integer(field: str, value: Any, low: int, high: int) -> None:

@@ -418,11 +418,16 @@ OURS, THEIRS = "aiobasert", "llama-server"
 
 
 def our_model(gguf: Path, dtype: str, model: Path | None) -> Path:
-    """What `aiobasert serve` gets: --ours-model, the GGUF itself for f16 (serve converts it
-    into its cache on first use), else a q8/q4 bundle converted once into CACHE."""
+    """What `aiobasert serve` gets: --ours-model, the GGUF itself for auto / f16 (converted into
+    aiobasert's cache here, by `aiobasert pull`, so no measured server's peak RSS holds a one-time
+    conversion), else a q8/q4 bundle converted once into CACHE."""
     if model is not None:
         return model
-    if dtype in ("auto", "f16"):  # serve --dtype converts it into aiobasert's cache
+    if dtype in ("auto", "f16"):  # serve --dtype finds the bundle pull made in aiobasert's cache
+        cmd = [sys.executable, "-m", "aiobasert", "pull", str(gguf), "--dtype", dtype]
+        print("converting:", " ".join(cmd), flush=True)
+        if subprocess.run(cmd, env={**os.environ, "PYTHONPATH": str(ROOT)}).returncode != 0:
+            raise BenchError(f"aiobasert pull {gguf} --dtype {dtype} failed")
         return gguf
     dst = CACHE / "models" / f"{gguf.stem}.{dtype}.base"
     if not dst.is_file():

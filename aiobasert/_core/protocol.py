@@ -11,11 +11,12 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
-
-import numpy as np
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ..types import FinishReason, KVCacheDtype, SamplingParams, Timing, Token, Usage
+
+if TYPE_CHECKING:
+    import numpy as np
 
 
 @dataclass

@@ -15,6 +15,9 @@ state of the chunk's rows, which `TapPooler` normalises and sums; every
 sampling lane of that step samples from host logits rows (the engine's row
 sampler on the same rows: the same tokens as the fused-sample path).
 
+numpy is imported where an embedding or a host-side grammar mask first needs it, not
+here: a server that only generates text never pays its ~15 MiB of resident memory.
+
 Fault isolation: whatever goes wrong while preparing or sampling ONE lane (a
 bad value, a grammar that raises, a bug) becomes that lane's outcome and
 nobody else's. Only a failure of the shared forward itself fails the lanes
@@ -25,13 +28,12 @@ from __future__ import annotations
 
 import codecs
 import ctypes
+import mmap
 import os
 from collections.abc import Sequence
 from ctypes import byref, c_float, c_int, c_int32, c_uint32, c_void_p
 from dataclasses import dataclass, field
-from typing import Any, Literal
-
-import numpy as np
+from typing import TYPE_CHECKING, Any, Literal
 
 from ..batcher import LaneState, PlannedRow
 from ..errors import AioBaseRTError, EngineError, InvalidRequestError
@@ -39,6 +41,9 @@ from ..types import TopLogprob
 from . import ffi as _ffi
 from .protocol import Constraint, Final, RequestSpec, Sink, Ticket
 from .stopping import StopStringMatcher
+
+if TYPE_CHECKING:
+    import numpy as np
 
 
 def mix32(seed: int, counter: int) -> int:
@@ -156,6 +161,8 @@ class TapPooler:
     """
 
     def __init__(self, weight: np.ndarray, eps: float, hidden_index: int, capacity: int) -> None:
+        import numpy as np
+
         self.weight = np.ascontiguousarray(weight, dtype=np.float32)
         self.dim = int(self.weight.shape[0])
         self.eps = float(eps)
@@ -166,6 +173,8 @@ class TapPooler:
 
     def pooled_sum(self, rows: np.ndarray) -> np.ndarray:
         """Sum over `rows` ([n, dim] f16 pre-norm hidden) of their final-normed values, float64."""
+        import numpy as np
+
         x = rows.astype(np.float32)
         x64 = x.astype(np.float64)
         ss = np.einsum("ij,ij->i", x64, x64)
@@ -181,6 +190,8 @@ class EmbedLane:
     host = False  # it samples nothing, so it never needs a host logits row
 
     def __init__(self, rid: str, ids: list[int], dim: int, done: Any) -> None:
+        import numpy as np
+
         self.rid = rid
         self.ids = ids
         self.done = done  # (result, error) callback, run on the loop
@@ -197,12 +208,14 @@ class EmbedLane:
         """Pool one chunk's rows (engine thread). An f16 tap overflows where the
         hidden state exceeds 65504: the engine thread then recomputes that input
         with baseRT_embed."""
+        import numpy as np
+
         self.finite = self.finite and bool(np.isfinite(part).all())
         self.total += part
 
     def result(self) -> np.ndarray:
         """The mean over all rows, as baseRT_embed rounds it: float64 sum / n, then float32."""
-        out: np.ndarray = (self.total / len(self.ids)).astype(np.float32)
+        out: np.ndarray = (self.total / len(self.ids)).astype("float32")
         return out
 
 
@@ -314,8 +327,10 @@ class StepRunner:
         self.vocab_size = vocab_size
         self.stride = stride
         self.has_fused_sample = lib.has("baseRT_batch_step_fused_sample")
-        self._logits = np.zeros((max_rows, stride // 2), dtype=np.float16)
-        self._logits_ptr = self._logits.ctypes.data
+        # Anonymous pages: zero, and resident only once the engine writes a row into them.
+        self._logits = mmap.mmap(-1, max(max_rows, 1) * stride)
+        self._logits_ptr = ctypes.addressof(ctypes.c_char.from_buffer(self._logits))
+        self.max_rows = max(max_rows, 1)
         self._mask: np.ndarray | None = None
         self._token_text = token_text  # id -> str, for top_logprobs
         self.pooler: TapPooler | None = None  # set once the engine thread trusts the tapped embed path
@@ -492,6 +507,8 @@ class StepRunner:
     def _apply_constraint(self, lane: Lane, i: int) -> None:
         """Mask row i of the host logits with the lane's grammar (disallowed -> -inf)."""
         assert lane.constraint is not None
+        import numpy as np  # the bitmask llguidance fills
+
         words = (self.vocab_size + 31) // 32
         if self._mask is None or self._mask.shape[0] != words:
             self._mask = np.zeros(words, dtype=np.int32)
@@ -505,7 +522,8 @@ class StepRunner:
             self.lib.check(self.lib.baseRT_mask_logits_row(self.model, row, mask_ptr), "baseRT_mask_logits_row")
         else:  # an engine without the row op: the same on the f16 view
             allowed = np.unpackbits(self._mask.view(np.uint8), bitorder="little")[: self.vocab_size].astype(bool)
-            self._logits[i, : self.vocab_size][~allowed] = -np.inf
+            logits = np.frombuffer(self._logits, dtype=np.float16).reshape(self.max_rows, self.stride // 2)
+            logits[i, : self.vocab_size][~allowed] = -np.inf
 
 
 class Requests:

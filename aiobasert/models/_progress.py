@@ -10,8 +10,6 @@ import threading
 import time
 from collections.abc import Iterator
 
-from tqdm import tqdm  # type: ignore[import-untyped,unused-ignore]  # no stubs in tqdm itself
-
 __all__ = ["ticking"]
 
 
@@ -27,6 +25,8 @@ def ticking(desc: str, *, enabled: bool = True, after_s: float = 1.0) -> Iterato
     def tick() -> None:
         if done.wait(after_s):
             return
+        from tqdm import tqdm  # type: ignore[import-untyped,unused-ignore]  # only once the step has been slow
+
         with tqdm(total=None, bar_format="{desc}", file=sys.stderr) as bar:
             while True:
                 bar.set_description_str(f"{desc}: {time.monotonic() - started:.1f} s")

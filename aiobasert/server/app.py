@@ -278,5 +278,7 @@ def serve(
             await provider.abort()
             await super().shutdown(sockets=sockets)
 
-    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=1, lifespan="on")
+    # ws="none": no route here is a WebSocket, so uvicorn need not import a WebSocket library.
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=1,
+                            lifespan="on", ws="none")
     _Server(config).run()

@@ -194,6 +194,36 @@ async def test_100_constrained_generations_batched_with_free_lanes(untied_model_
 
 
 @pytest.mark.anyio
+async def test_an_engine_without_the_mask_op_masks_on_the_host(
+    untied_model_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An engine older than baseRT_mask_logits_row: the grammar mask is applied to the host's f16
+    logits row instead, with the same outputs (greedy and seeded) as the engine's own mask op."""
+    jobs = [(f"{PROMPTS[i % len(PROMPTS)]} {i}", dict(max_tokens=64, json_schema=SCHEMAS[i % len(SCHEMAS)],
+             **({"temperature": 0.9, "seed": i} if i % 2 else {}))) for i in range(6)]  # fmt: skip
+
+    async def run() -> list[Completion]:  # the jobs at once, sharing steps
+        out: dict[int, Completion] = {}
+        async with Engine.open(untied_model_path, max_batch_size=4) as engine:
+
+            async def one(i: int) -> None:
+                out[i] = await engine.generate(jobs[i][0], **jobs[i][1])
+
+            async with anyio.create_task_group() as tg:
+                for i in range(len(jobs)):
+                    tg.start_soon(one, i)
+        return [out[i] for i in range(len(jobs))]
+
+    with_op = await run()
+    real_has = Library.has
+    monkeypatch.setattr(Library, "has", lambda self, name: name != "baseRT_mask_logits_row" and real_has(self, name))
+    on_host = await run()
+    for (_, params), a, b in zip(jobs, with_op, on_host, strict=True):
+        check_json(b, params["json_schema"])
+        assert a.token_ids == b.token_ids
+
+
+@pytest.mark.anyio
 async def test_any_json_value(untied_model_path: Path) -> None:
     async with Engine.open(untied_model_path, max_batch_size=8) as engine:
         # A random model rarely closes what it opens; a mild bias toward the closing

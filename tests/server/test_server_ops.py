@@ -165,3 +165,36 @@ def test_disconnect_frees_every_choice_of_a_streamed_n(base_url: str) -> None:
             assert time.monotonic() < deadline, s
             time.sleep(0.02)
         assert s["requests_cancelled"] == cancelled + 3, repr(s)  # cancelled, not run to the end
+
+
+def _maps_numpy(pid: int) -> bool:
+    """Whether process `pid` has numpy's C core mapped (it is, from the moment numpy is imported)."""
+    with open(f"/proc/{pid}/maps") as f:
+        return "_multiarray_umath" in f.read()
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="reads the server's memory map from /proc")
+def test_a_text_server_never_imports_numpy_until_an_embedding_needs_it(tiny_model_path: Path) -> None:
+    """numpy is ~15 MiB of a server's resident memory: `aiobasert serve` generating text (completions,
+    chat, streamed, with logprobs, a sampled n) never imports it; the first embedding does, and works."""
+    proc, _, port = start_uvicorn(["-m", "aiobasert", "serve", str(tiny_model_path), "--port", "0"], tiny_model_path)
+    try:
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60) as http:
+            assert not _maps_numpy(proc.pid)
+            r = http.post("/v1/completions", json={"model": MODEL_NAME, "prompt": "Hi", "max_tokens": 4,
+                                                   "logprobs": 2, "n": 2, "temperature": 0.7})
+            assert r.status_code == 200, r.text
+            with http.stream("POST", "/v1/chat/completions", json={
+                "model": MODEL_NAME, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4,
+                "stream": True, "logprobs": True, "top_logprobs": 3, "logit_bias": {"5": 2}, "seed": 1,
+            }) as s:
+                assert s.status_code == 200
+                assert any(line.startswith("data: [DONE]") for line in s.iter_lines())
+            assert not _maps_numpy(proc.pid)
+            r = http.post("/v1/embeddings", json={"model": MODEL_NAME, "input": "a cat", "encoding_format": "float"})
+            assert r.status_code == 200, r.text
+            assert len(r.json()["data"][0]["embedding"]) > 0
+            assert _maps_numpy(proc.pid)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
