@@ -162,6 +162,9 @@ def _serve(args: argparse.Namespace) -> int:
         from .server import GroupProvider, SingleEngineProvider, serve
     except ModuleNotFoundError as exc:  # starlette / uvicorn: the `server` extra
         raise SystemExit(f"aiobasert serve needs {exc.name!r}: pip install 'aiobasert[server]'") from None
+    from .server._malloc import limit_malloc_arenas
+
+    limit_malloc_arenas()  # before any thread: this process is the server's own
 
     # Models: positional MODEL or NAME=MODEL, and --model (repeatable); several are routed by `model`.
     given: list[str] = [*args.models, *(args.model or [])]

@@ -4,6 +4,10 @@ n > 1 sharing the prompt's KV through the prefix cache."""
 
 from __future__ import annotations
 
+import ctypes
+import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -17,6 +21,7 @@ import aiobasert
 from aiobasert import Engine, SamplingParams
 from aiobasert.fanout import chat_n, generate_n
 from aiobasert.models.tiny import SPECIAL_TOKENS
+from aiobasert.server._malloc import SERVER_ARENAS
 
 ORIGIN = "http://app.example"
 LONG_PROMPT = " ".join(["the quick brown fox jumps over the lazy dog"] * 6)
@@ -124,8 +129,6 @@ async def test_sdk_n_samples_hit_the_prefix_cache(tiny_model_path: Path) -> None
 
 
 def test_cli_serve_positional_model_name_and_env_key(tiny_model_path: Path) -> None:
-    import os
-
     os.environ["AIOBASERT_API_KEY"] = "env-key"
     try:
         proc, _, port = start_uvicorn(
@@ -198,3 +201,42 @@ def test_a_text_server_never_imports_numpy_until_an_embedding_needs_it(tiny_mode
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+_ARENAS_OF_EIGHT_THREADS = """
+import ctypes, sys, threading
+from aiobasert.server._malloc import limit_malloc_arenas
+print(limit_malloc_arenas() if sys.argv[1] == "limit" else None)
+libc = ctypes.CDLL(None)
+libc.malloc.restype = ctypes.c_void_p
+go = threading.Barrier(9)
+def hold():
+    libc.malloc(1 << 16)  # this thread's first malloc picks (or makes) its arena
+    go.wait()
+threads = [threading.Thread(target=hold) for _ in range(8)]
+for t in threads: t.start()
+go.wait()
+libc.malloc_stats()  # one "Arena N:" block per arena, on stderr
+for t in threads: t.join()
+"""
+
+
+@pytest.mark.skipif(not hasattr(ctypes.CDLL(None), "gnu_get_libc_version"), reason="glibc's malloc arenas")
+@pytest.mark.parametrize("mode", ["limit", "default"])
+def test_the_server_process_keeps_two_malloc_arenas(mode: str) -> None:
+    """`aiobasert serve` caps glibc's arenas (server/_malloc.py): eight allocating threads share two,
+    where glibc's default gives most of them one each."""
+    env = {k: v for k, v in os.environ.items() if k != "MALLOC_ARENA_MAX"}
+    proc = subprocess.run([sys.executable, "-c", _ARENAS_OF_EIGHT_THREADS, mode], capture_output=True, text=True,
+                          env=env, timeout=60)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    arenas = proc.stderr.count("Arena ")
+    if mode == "limit":
+        assert proc.stdout.strip() == "True"
+        assert arenas <= SERVER_ARENAS, proc.stderr
+    else:
+        assert arenas > SERVER_ARENAS, proc.stderr  # what the cap saves: glibc's own default
+    refused = subprocess.run([sys.executable, "-c", "from aiobasert.server._malloc import limit_malloc_arenas as f;"
+                              "print(f())"], capture_output=True, text=True, env={**env, "MALLOC_ARENA_MAX": "4"},
+                             timeout=60)  # fmt: skip
+    assert refused.stdout.strip() == "False", refused.stderr  # the environment's own setting wins
