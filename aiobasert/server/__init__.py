@@ -34,7 +34,8 @@ disconnects), `events` (the one event driver of every streamed endpoint),
 `provider` (where engines come from; the per-request model resolution),
 `endpoints` (the routes' handlers), `responses` (the Responses API and its
 store), `metrics` (Prometheus), `compat` (the field table),
-`app` (wiring, `build_app`, `create_app`, `serve`).
+`app` (wiring, `build_app`, `create_app`, `serve`), `_malloc` (the malloc arenas of the
+`aiobasert serve` process).
 """
 
 from __future__ import annotations
