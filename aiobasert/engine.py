@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+import importlib
 import os
 import sys
 import threading
@@ -552,6 +553,8 @@ class Engine:
         self._waker.check()
         if self._port.closed:
             raise EngineClosedError("the engine is closed")
+        if "numpy" not in sys.modules:  # the pooling needs it: imported here, not on the engine thread
+            await anyio.to_thread.run_sync(importlib.import_module, "numpy")  # (~0.1 s there stalls every stream)
         fut: concurrent.futures.Future[np.ndarray] = concurrent.futures.Future()
 
         def done(result: Any, error: BaseException | None) -> None:

@@ -10,6 +10,8 @@ every wait is bounded.
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -304,3 +306,34 @@ def test_batcher_feeds_an_embedding_from_the_prefill_budget_and_the_tap_budget()
     assert [(st.rid, k) for st, k in b.schedule()] == [("d", 1), ("e", 40), ("p", 24)]
     embed.prefilled, prompt.prefilled = 80, 24
     assert [(st.rid, k) for st, k in b.schedule()] == [("d", 1), ("e", 20), ("p", 44)]
+
+
+_FIRST_NUMPY_IMPORT = """
+import sys, threading, anyio, aiobasert
+class Watch:  # records the thread that first asks for numpy, then steps aside
+    seen = None
+    def find_spec(self, name, path=None, target=None):
+        if name == "numpy" and Watch.seen is None:
+            Watch.seen = threading.current_thread().name
+        return None
+sys.meta_path.insert(0, Watch())
+async def main():
+    async with aiobasert.Engine.open(sys.argv[1], max_batch_size=2) as engine:
+        stream = engine.stream("running", max_tokens=64, ignore_eos=True)
+        await stream.__anext__()
+        assert "numpy" not in sys.modules
+        vector = await engine.embed("a cat")
+        print(Watch.seen, len(vector), len([t async for t in stream]), sep="|")
+anyio.run(main)
+"""
+
+
+def test_the_first_embedding_imports_numpy_off_the_engine_thread(tiny_model_path: Path) -> None:
+    """numpy is imported on first use (a text-only process never pays for it), but not on the engine
+    thread, where its import (~0.1 s) would stall every running stream's next token."""
+    proc = subprocess.run([sys.executable, "-c", _FIRST_NUMPY_IMPORT, str(tiny_model_path)],
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    importer, dim, rest = proc.stdout.strip().split("|")
+    assert importer not in ("None", "aiobasert-engine"), proc.stdout
+    assert int(dim) > 0 and int(rest) == 63
