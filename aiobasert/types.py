@@ -73,7 +73,7 @@ def schema_problem(schema: Any) -> str | None:
             if depth >= MAX_SCHEMA_DEPTH:
                 return f"is nested more than {MAX_SCHEMA_DEPTH} levels deep"
             stack.extend((item, depth + 1) for item in value)
-        elif not (value is None or (isinstance(value, (str, int, float, bool)) or is_numpy_scalar(value))):
+        elif not (value is None or isinstance(value, (str, int, float, bool)) or is_numpy_scalar(value)):
             return f"holds a {type(value).__name__}, which is not JSON"
     return None
 

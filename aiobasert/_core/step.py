@@ -327,10 +327,10 @@ class StepRunner:
         self.vocab_size = vocab_size
         self.stride = stride
         self.has_fused_sample = lib.has("baseRT_batch_step_fused_sample")
-        # Anonymous pages: zero, and resident only once the engine writes a row into them.
-        self._logits = mmap.mmap(-1, max(max_rows, 1) * stride)
-        self._logits_ptr = ctypes.addressof(ctypes.c_char.from_buffer(self._logits))
         self.max_rows = max(max_rows, 1)
+        # Anonymous pages: zero, and resident only once the engine writes a row into them.
+        self._logits = mmap.mmap(-1, self.max_rows * stride)
+        self._logits_ptr = ctypes.addressof(ctypes.c_char.from_buffer(self._logits))
         self._mask: np.ndarray | None = None
         self._token_text = token_text  # id -> str, for top_logprobs
         self.pooler: TapPooler | None = None  # set once the engine thread trusts the tapped embed path
