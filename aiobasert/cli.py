@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import argparse
 import functools
+import importlib.util
 import os
+import socket
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -26,6 +28,7 @@ from typing import Any
 import anyio
 import msgspec
 
+from . import __version__
 from .engine import Engine
 from .errors import AioBaseRTError, ConversionError
 from .group import _parse_models
@@ -84,6 +87,52 @@ def _params(args: argparse.Namespace) -> SamplingParams:
         stop=args.stop,
         ignore_eos=args.ignore_eos,
     )
+
+
+# ---- the cheap checks, before any download, conversion or load -----------------------------------
+
+
+def _check_run_args(args: argparse.Namespace) -> None:
+    """`run` / `chat`: the sampling flags and the engine options, refused before the model is touched."""
+    _params(args).normalized().validate()
+    Engine.open(None, max_batch_size=1, max_context=args.max_context, kv_cache_dtype=args.kv_cache_dtype)
+
+
+# The server's third-party modules and the extra that installs them.
+_SERVER_MODULES = ("starlette", "uvicorn", "prometheus_client")
+
+
+def _installed(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:  # a dotted name whose parent is missing
+        return False
+
+
+def _require_extra(extra: str, modules: Sequence[str]) -> None:
+    """One line naming the missing modules and the extra that installs them, before anything is loaded."""
+    missing = [name for name in modules if not _installed(name)]
+    if missing:
+        raise SystemExit(f"aiobasert serve needs {', '.join(missing)} (not installed): "
+                         f"pip install 'aiobasert[{extra}]'")  # fmt: skip
+
+
+def _check_listen_address(host: str, port: int) -> None:
+    """--host / --port: a port number, an address of this machine, free to listen on (a probe bind,
+    as uvicorn's own, released at once); `serve` stops here before it loads any model."""
+    if not 0 <= port <= 65535:
+        raise SystemExit(f"aiobasert serve: --port must be in 0..65535, got {port}")
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                             flags=socket.AI_PASSIVE)[0]  # fmt: skip
+    except (socket.gaierror, UnicodeError) as exc:
+        raise SystemExit(f"aiobasert serve: --host {host!r} is not an address: {exc}") from None
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(address)
+        except OSError as exc:
+            raise SystemExit(f"aiobasert serve: cannot listen on {host}:{port}: {exc.strerror or exc}") from None
 
 
 async def _open(args: argparse.Namespace) -> Engine:
@@ -158,10 +207,10 @@ async def _chat(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    try:
-        from .server import GroupProvider, SingleEngineProvider, serve
-    except ModuleNotFoundError as exc:  # starlette / uvicorn: the `server` extra
-        raise SystemExit(f"aiobasert serve needs {exc.name!r}: pip install 'aiobasert[server]'") from None
+    _require_extra("server", _SERVER_MODULES)
+    if args.ray:
+        _require_extra("ray", ["ray", "ray.serve"])
+    from .server import GroupProvider, SingleEngineProvider, serve
     from .server._malloc import limit_malloc_arenas
 
     limit_malloc_arenas()  # before any thread: this process is the server's own
@@ -172,6 +221,7 @@ def _serve(args: argparse.Namespace) -> int:
         raise SystemExit("aiobasert serve: --served-model-name names one model; for several use NAME=MODEL")
     if args.replicas < 1:
         raise SystemExit(f"aiobasert serve: --replicas must be at least 1, got {args.replicas}")
+    _check_listen_address(args.host, args.port)
     # The cheap checks first, before any download or conversion: the engine options
     # (Engine.open validates before it loads) and the names (EngineGroup's own rules).
     options: dict[str, Any] = dict(
@@ -280,6 +330,8 @@ def _bench(args: argparse.Namespace, rest: Sequence[str]) -> int:
 def build_parser() -> argparse.ArgumentParser:
     """The whole command line (every option carries help text; tests/test_cli.py walks it)."""
     parser = argparse.ArgumentParser(prog="aiobasert", description="Stream text from a BaseRT model.")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}",
+                        help="print the version and exit")  # fmt: skip
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", help="what to do")
 
     run = sub.add_parser("run", help="stream a completion of PROMPT to the terminal")
@@ -359,6 +411,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _list(args)
         if args.command == "rm":
             return _rm(args)
+        _check_run_args(args)
         runner: Any = _run if args.command == "run" else _chat
         return int(anyio.run(runner, args))
     except _USER_ERRORS as exc:

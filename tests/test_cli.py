@@ -280,3 +280,150 @@ def test_serving_a_bundle_never_loads_the_gguf_reader(tiny_model_path: Path) -> 
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "[]", proc.stdout
+
+
+# ---- the edges: version, checks before loading, names, damaged files, missing extras -----------------
+
+
+def cli_with_cache(cache: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    """`aiobasert ARGS` with its own model cache, so what it converted (or did not) can be looked at."""
+    env = {k: v for k, v in os.environ.items() if k != "AIOBASERT_MODEL"} | {"AIOBASERT_CACHE_DIR": str(cache)}
+    return subprocess.run([sys.executable, "-m", "aiobasert", *args], capture_output=True, text=True,
+                          timeout=120, env=env)  # fmt: skip
+
+
+def left_in(cache: Path) -> list[str]:
+    """The files a command left in the cache (bundles, manifests, temporaries, lock files)."""
+    return sorted(str(p.relative_to(cache)) for p in cache.rglob("*") if p.is_file()) if cache.exists() else []
+
+
+def test_version() -> None:
+    import aiobasert
+
+    proc = cli("--version")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == f"aiobasert {aiobasert.__version__}\n"
+
+
+@pytest.mark.parametrize("command", ["run", "chat"])
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--top-p", "5"], "top_p"),
+        (["--temperature", "-1"], "temperature"),
+        (["--top-k", "-3"], "top_k"),
+        (["-n", "-1"], "max_tokens"),
+        (["--max-context", "0"], "max_context"),
+    ],
+)
+def test_run_refuses_bad_flags_before_touching_the_model(tmp_path: Path, command: str, flags: list[str],
+                                                         message: str) -> None:  # fmt: skip
+    # A GGUF model: had it been resolved first, its conversion would be in the cache.
+    src = write_gguf(tmp_path / "pocket.gguf")
+    prompt = ["hi"] if command == "run" else []
+    proc = cli_with_cache(tmp_path / "cache", command, *prompt, "--model", str(src), *flags)
+    assert proc.returncode == 1, proc.stderr
+    assert message in proc.stderr and proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert not [f for f in left_in(tmp_path / "cache") if f.endswith(".base")]
+
+
+@pytest.mark.parametrize(
+    ("host", "port", "message"),
+    [
+        ("127.0.0.1", "70000", "--port must be in 0..65535, got 70000"),
+        ("192.0.2.1", "0", "cannot listen on 192.0.2.1:0"),  # TEST-NET-1: an address of no machine here
+        ("127.0.0.1", "{busy}", "cannot listen on 127.0.0.1:{busy}"),
+    ],
+    ids=["port-range", "foreign-address", "port-in-use"],
+)
+def test_serve_checks_where_it_listens_before_loading(tmp_path: Path, host: str, port: str, message: str) -> None:
+    import socket
+
+    src = write_gguf(tmp_path / "pocket.gguf")
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        busy = str(taken.getsockname()[1])
+        proc = cli_with_cache(tmp_path / "cache", "serve", str(src), "--host", host, "--port", port.format(busy=busy))
+    assert proc.returncode != 0
+    assert message.format(busy=busy) in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+    assert not [f for f in left_in(tmp_path / "cache") if f.endswith(".base")]  # nothing converted, nothing loaded
+
+
+@pytest.mark.parametrize("command", [["run", "hi", "-n", "2", "--model"], ["serve", "--port", "0"]])
+def test_a_name_typo_offers_the_cached_names(tmp_path: Path, tiny_model_path: Path, command: list[str]) -> None:
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    (cache / "tiny-model.f32.base").write_bytes(tiny_model_path.read_bytes())
+    (cache / "other.base").write_bytes(tiny_model_path.read_bytes())
+    proc = cli_with_cache(cache, *command, "Tiny-modle.f32")
+    assert proc.returncode == 1, proc.stderr
+    assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert "no model file and no cached model named 'Tiny-modle.f32'; did you mean 'tiny-model.f32'?" in proc.stderr
+    assert "cached models: other, tiny-model.f32" in proc.stderr
+    good = cli_with_cache(cache, "run", "hi", "-n", "2", "--model", "tiny-model.f32")
+    assert good.returncode == 0, good.stderr
+
+
+def test_a_file_named_gguf_that_is_not_one_is_refused_as_such(tmp_path: Path) -> None:
+    text = tmp_path / "notes.gguf"
+    text.write_text("these are my notes, not a model\n")
+    proc = cli_with_cache(tmp_path / "cache", "run", "hi", "--model", str(text))
+    assert proc.returncode == 1, proc.stderr
+    assert proc.stderr == f"aiobasert: {text}: not a GGUF file (it does not start with the GGUF magic b'GGUF')\n"
+    assert left_in(tmp_path / "cache") == []
+
+
+@pytest.mark.parametrize("keep", [0.005, 0.3, 0.8], ids=["in-metadata", "in-tensor-table", "in-tensor-data"])
+@pytest.mark.parametrize("command", [["run", "hi", "--model"], ["pull"], ["convert"]])
+def test_a_truncated_gguf_is_one_line_and_leaves_nothing(tmp_path: Path, keep: float, command: list[str]) -> None:
+    whole = write_gguf(tmp_path / "whole.gguf").read_bytes()
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(whole[: int(len(whole) * keep)])
+    cache = tmp_path / "cache"
+    extra = [str(tmp_path / "out.base")] if command == ["convert"] else []
+    proc = cli_with_cache(cache, *command, str(cut), *extra)
+    assert proc.returncode == 1, proc.stderr
+    assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert f"{cut}: unreadable GGUF: " in proc.stderr
+    if keep > 0.01:  # the header's counts are cut off first; past them, the file's length is what is wrong
+        assert "truncated: the file" in proc.stderr and "(an interrupted download?)" in proc.stderr, proc.stderr
+    for python_words in ("unpack_from", "dtype", "buffer", "Error:"):
+        assert python_words not in proc.stderr, proc.stderr
+    assert [f for f in left_in(cache) if not f.startswith("downloads/")] == []  # no bundle, temporary or lock
+    assert not (tmp_path / "out.base").exists()
+
+
+def test_the_cache_lock_is_exclusive_and_leaves_no_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from aiobasert.models import cache as models
+
+    monkeypatch.setenv("AIOBASERT_CACHE_DIR", str(tmp_path))
+    inside: list[int] = []
+    overlaps: list[int] = []
+    gate = threading.Barrier(6)
+
+    def worker(n: int) -> None:
+        gate.wait()
+        for _ in range(20):
+            with models._locked("entry"):
+                inside.append(n)
+                if len(inside) > 1:
+                    overlaps.append(n)
+                inside.remove(n)
+
+    threads = [threading.Thread(target=worker, args=(n,)) for n in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert overlaps == [] and not any(t.is_alive() for t in threads)
+    assert list((tmp_path / "locks").iterdir()) == []
+
+
+def test_serve_without_the_server_extra_names_it(tiny_model_path: Path) -> None:
+    code = ("import sys\nsys.modules['uvicorn'] = None  # as if not installed\n"
+            "from aiobasert.cli import main\n"
+            f"sys.exit(main(['serve', {str(tiny_model_path)!r}, '--port', '0']))\n")  # fmt: skip
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    assert proc.stderr == "aiobasert serve needs uvicorn (not installed): pip install 'aiobasert[server]'\n"

@@ -19,6 +19,7 @@ is still used directly when present.
 from __future__ import annotations
 
 import contextlib
+import difflib
 import fcntl
 import hashlib
 import importlib.metadata
@@ -34,7 +35,7 @@ from typing import IO, Final
 
 import msgspec
 
-from ..errors import InvalidConfigError, ModelNotAvailableError
+from ..errors import ConversionError, InvalidConfigError, ModelNotAvailableError
 from ._options import DTYPES, Dtype
 
 __all__ = [
@@ -112,13 +113,31 @@ def cache_dir() -> Path:
 def _locked(name: str) -> Iterator[None]:
     """An exclusive lock across processes (flock, released when the file closes, even on a crash).
 
-    Lock files stay behind in locks/: deleting one while another process waits on it
-    would let a third process take a second, unrelated lock on a new file."""
+    The holder deletes the lock file before it lets go, so none stays behind after a failed
+    conversion either; a process that was waiting on the deleted file finds, once it holds its
+    lock, that the path no longer names that file and starts over on the current one (so two
+    processes never hold "the" lock on two different files)."""
     locks = cache_dir() / "locks"
     locks.mkdir(parents=True, exist_ok=True)
-    with open(locks / f"{name}.lock", "a+b") as lock:
-        fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
-        yield
+    path = locks / f"{name}.lock"
+    while True:
+        lock = open(path, "a+b")  # noqa: SIM115 - closed below, after the unlink
+        try:
+            fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
+            try:
+                current = os.stat(path)
+            except FileNotFoundError:
+                continue  # its holder deleted it while we waited
+            held = os.fstat(lock.fileno())
+            if (current.st_ino, current.st_dev) != (held.st_ino, held.st_dev):
+                continue  # deleted and made anew by a third process: lock that one
+            try:
+                yield
+            finally:
+                path.unlink(missing_ok=True)
+            return
+        finally:
+            lock.close()
 
 
 def _write_manifest(bundle: Path, manifest: _Manifest) -> None:
@@ -468,8 +487,11 @@ def check_dtype(dtype: object) -> None:
 def resolve_model(model: str | os.PathLike[str] | None, *, dtype: Dtype = "auto", progress: bool = True) -> Path:
     """What `Engine.open(model)` loads: None = the default model; a GGUF file is
     converted into the cache on first use (as `dtype`); a cached model's NAME (``aiobasert list``)
-    is its bundle; anything else is returned as given (the engine reports a missing
-    or foreign file). `dtype` applies to GGUF sources (the default model's included)."""
+    is its bundle, a published model's name (``gemma3-270m``) its pulled GGUF's. A file named
+    ``.gguf`` that is not one raises :class:`ConversionError` ("not a GGUF file"); a NAME nothing is
+    called raises :class:`ModelNotAvailableError` offering the closest cached names; any other path
+    is returned as given (the engine reports a missing or foreign file). `dtype` applies to GGUF
+    sources (the default model's included)."""
     check_dtype(dtype)
     if model is None:
         # $AIOBASERT_MODEL names a model the same ways `model` does (a .base, a GGUF, a cached NAME)
@@ -485,9 +507,40 @@ def resolve_model(model: str | os.PathLike[str] | None, *, dtype: Dtype = "auto"
     if path.is_file():
         # By content, so a GGUF named anything converts; but a file named .base goes to the
         # engine as given, which reports what it really is.
-        convertible = path.suffix.lower() != ".base" and is_gguf(path)
-        return gguf_bundle_path(path, dtype=dtype, progress=progress) if convertible else path
-    return _cached_bundle(os.fspath(model)) or path
+        if is_gguf(path) and path.suffix.lower() != ".base":
+            return gguf_bundle_path(path, dtype=dtype, progress=progress)
+        if path.suffix.lower() == ".gguf":  # never handed to the engine as if it were a bundle
+            raise ConversionError(f"{path}: not a GGUF file (it does not start with the GGUF magic {_GGUF_MAGIC!r})")
+        return path
+    cached = _cached_bundle(os.fspath(model))
+    if cached is not None:
+        return cached
+    if os.fspath(model) in PUBLISHED and _downloaded_gguf(PUBLISHED[os.fspath(model)]).is_file():
+        return gguf_bundle_path(_downloaded_gguf(PUBLISHED[os.fspath(model)]), dtype=dtype, progress=progress)
+    if _looks_like_a_name(os.fspath(model)):
+        raise _no_such_name(os.fspath(model))
+    return path  # a missing file: the engine's FILE_NOT_FOUND names it
+
+
+def _looks_like_a_name(model: str) -> bool:
+    """A cached model's NAME rather than a path: no folder, not a .gguf / .base file name."""
+    return bool(model) and "/" not in model and os.sep not in model and not model.lower().endswith((".gguf", ".base"))
+
+
+def _no_such_name(name: str, *, to_open: bool = True) -> ModelNotAvailableError:
+    """No cached model is called `name`: the closest cached names, the list, and (`to_open`: a model to
+    load) the published model to pull first."""
+    if to_open and name in PUBLISHED:
+        return ModelNotAvailableError(f"{name} is not in the cache yet: run `aiobasert pull {name}` first")
+    known = [m.name for m in list_models()]
+    by_lower = {k.lower(): k for k in known}
+    close = [by_lower[c] for c in difflib.get_close_matches(name.lower(), list(by_lower), n=3, cutoff=0.6)]
+    if to_open:
+        close += difflib.get_close_matches(name, [p for p in PUBLISHED if p not in close], n=1, cutoff=0.6)
+    hint = f"did you mean {' or '.join(map(repr, close))}? " if close else ""
+    listed = ", ".join(known) or "none (`aiobasert pull` fetches the demo model)"
+    what = "no model file and no cached model" if to_open else "no cached model"
+    return ModelNotAvailableError(f"{what} named {name!r}; {hint}cached models: {listed}")
 
 
 def _cached_bundle(name: str) -> Path | None:
@@ -572,8 +625,7 @@ def remove_model(name: str) -> CachedModel:
     name = name.removesuffix(".base")
     bundle = cache_dir() / f"{name}.base"
     if os.sep in name or not bundle.is_file():
-        known = ", ".join(m.name for m in list_models()) or "none (aiobasert pull fetches the demo model)"
-        raise ModelNotAvailableError(f"no cached model named {name!r}; cached models: {known}")
+        raise _no_such_name(name, to_open=False)
     with _locked(bundle.stem):
         entry = _entry(bundle)
         bundle.unlink(missing_ok=True)

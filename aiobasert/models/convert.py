@@ -340,6 +340,13 @@ def _parse_metadata(buf: memoryview, offs: int, count: int) -> tuple[dict[str, A
     return meta, kinds, offs
 
 
+def _truncated(size: int, needed: int | None = None) -> ValueError:
+    if needed is None:
+        return ValueError(f"truncated: the file ends ({size:,} bytes) inside its metadata (an interrupted download?)")
+    return ValueError(f"truncated: the file is {size:,} bytes but its contents run to byte {needed:,} "
+                      "(an interrupted download?)")  # fmt: skip
+
+
 class _Reader(gguf.GGUFReader):
     """gguf-py's reader with a fast metadata pass.
 
@@ -351,10 +358,20 @@ class _Reader(gguf.GGUFReader):
 
     metadata: dict[str, Any] | None = None
 
+    def _get(self, offset: int, dtype: npt.DTypeLike, count: int = 1, override_order: Any = None) -> Any:
+        # Every read of gguf-py's goes through here: a cut-off file is named as such, not as numpy's complaint.
+        end = int(offset) + np.dtype(dtype).itemsize * int(count)
+        if end > len(self.data):
+            raise _truncated(len(self.data), end)
+        return super()._get(offset, dtype, count, override_order)
+
     def _build_fields(self, offs: int, count: int) -> int:
         if self.byte_order != "I" or sys.byteorder != "little":
             return int(super()._build_fields(offs, count))
-        self.metadata, kinds, end = _parse_metadata(self.data.data, int(offs), int(count))
+        try:
+            self.metadata, kinds, end = _parse_metadata(self.data.data, int(offs), int(count))
+        except struct.error:  # unpack_from past the end
+            raise _truncated(len(self.data)) from None
         if "general.alignment" in self.metadata:  # the one key gguf-py's reader itself consults
             if kinds["general.alignment"] != _VT.UINT32:  # as gguf-py requires (and a negative one must not wrap)
                 raise ValueError("general.alignment is not a uint32")
