@@ -8,13 +8,18 @@ import functools
 import hashlib
 import inspect
 import os
+import re
 import shutil
 import signal
+import ssl
 import subprocess
 import sys
 import tarfile
 import tempfile
 import threading
+import time
+import urllib.parse
+import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -142,10 +147,68 @@ _LLAMA_CPP_FILES = {
 }
 
 
+# Bounds the whole sdist fetch (the index page and about 50 MB), so a slow network skips instead of erroring.
+_SDIST_FETCH_S = 240.0
+
+
+def _pip_index_urls() -> list[str]:
+    """The indexes pip is configured with ($PIP_INDEX_URL / index-url, else PyPI; then the extra ones)."""
+    proc = subprocess.run([sys.executable, "-m", "pip", "config", "list"], capture_output=True, text=True,
+                          timeout=60, check=False)  # fmt: skip
+    found: dict[str, list[str]] = {"index-url": [], "extra-index-url": []}
+    for line in proc.stdout.splitlines():
+        match = re.fullmatch(r"[\w:-]*\.(index-url|extra-index-url)='(.*)'", line.strip())
+        if match:
+            found[match[1]] = match[2].split()
+    main = os.environ.get("PIP_INDEX_URL") or next(iter(found["index-url"]), "https://pypi.org/simple")
+    extra = os.environ.get("PIP_EXTRA_INDEX_URL", "").split() or found["extra-index-url"]
+    return [main, *extra]
+
+
+def _fetch_sdist(distribution: str, version: str, dest: Path) -> Path:
+    """The sdist file itself from the first index that lists it (PEP 503 pages, as pip reads them), checked
+    against the page's sha256: nothing is built or installed (`pip download` would prepare the package's
+    metadata with its build backend). Raises OSError / ValueError / TimeoutError when it cannot."""
+    deadline = time.monotonic() + _SDIST_FETCH_S
+    project = re.sub(r"[-_.]+", "-", distribution).lower()
+    filenames = {f"{project.replace('-', '_')}-{version}.tar.gz", f"{project}-{version}.tar.gz"}
+    context = ssl.create_default_context(cafile=os.environ.get("PIP_CERT") or None)
+    tried = []
+    for index in _pip_index_urls():
+        page_url = f"{index.rstrip('/')}/{project}/"
+        if page_url.startswith("file:"):  # a local index, as pip reads one: the folder's index.html
+            page_url += "index.html"
+        try:
+            with urllib.request.urlopen(page_url, timeout=30, context=context) as page:
+                html = page.read().decode("utf-8", "replace")
+        except (OSError, ValueError) as exc:
+            tried.append(f"{page_url}: {exc}")
+            continue
+        for href in re.findall(r'href="([^"]+)"', html):
+            url = urllib.parse.urljoin(page_url, href.replace("&amp;", "&"))
+            path, _, fragment = url.partition("#")
+            if path.rsplit("/", 1)[-1] not in filenames:
+                continue
+            target = dest / path.rsplit("/", 1)[-1]
+            digest = hashlib.sha256()
+            with urllib.request.urlopen(path, timeout=30, context=context) as src, open(target, "wb") as out:
+                while chunk := src.read(1 << 20):
+                    if time.monotonic() > deadline:
+                        raise TimeoutError(f"{path} not fetched in {_SDIST_FETCH_S:.0f} s")
+                    digest.update(chunk)
+                    out.write(chunk)
+            expected = dict(p.split("=", 1) for p in fragment.split("&") if "=" in p).get("sha256")
+            if expected and digest.hexdigest() != expected:
+                raise ValueError(f"{path}: sha256 {digest.hexdigest()}, the index says {expected}")
+            return target
+        tried.append(f"{page_url}: no {' / '.join(sorted(filenames))}")
+    raise FileNotFoundError("; ".join(tried))
+
+
 def _from_llama_cpp_sdist(kind: str) -> Path:
-    """The `kind` files of the llama-cpp-python sdist on PyPI (not part of this repository): downloaded
-    with pip once into the aiobasert cache dir, where only those files are kept (every kind's, from one
-    download); skipped where the download is impossible."""
+    """The `kind` files of the llama-cpp-python sdist (not part of this repository): the sdist file fetched
+    once from pip's index into the aiobasert cache dir, where only those files are kept (every kind's, from
+    one download); skipped, with the reason, where the fetch fails or takes too long."""
     def target(k: str) -> Path:
         return cache_dir() / f"llama.cpp-{k}-{LLAMA_CPP_PYTHON_VERSION}"
 
@@ -153,17 +216,14 @@ def _from_llama_cpp_sdist(kind: str) -> Path:
         return target(kind)
     target(kind).parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target(kind).parent) as tmp:
-        proc = subprocess.run(
-            [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", "--quiet",
-             f"llama-cpp-python=={LLAMA_CPP_PYTHON_VERSION}", "-d", tmp],
-            capture_output=True, text=True, timeout=240, check=False)  # fmt: skip
-        sdists = list(Path(tmp).glob("llama_cpp_python-*.tar.gz"))
-        if proc.returncode != 0 or not sdists:
-            pytest.skip(f"cannot download the llama-cpp-python {LLAMA_CPP_PYTHON_VERSION} sdist "
-                        f"(llama.cpp's {kind} files): {proc.stderr.strip()[-300:]}")
+        try:
+            sdist = _fetch_sdist("llama-cpp-python", LLAMA_CPP_PYTHON_VERSION, Path(tmp))
+        except (OSError, ValueError, subprocess.SubprocessError) as exc:  # TimeoutError is an OSError
+            pytest.skip(f"cannot fetch the llama-cpp-python {LLAMA_CPP_PYTHON_VERSION} sdist "
+                        f"(llama.cpp's {kind} files): {str(exc)[-1000:]}")  # fmt: skip
         for k in _LLAMA_CPP_FILES:
             (Path(tmp) / k).mkdir()
-        with tarfile.open(sdists[0]) as tar:
+        with tarfile.open(sdist) as tar:
             for member in tar.getmembers():
                 parent, _, name = member.name.rpartition("/")
                 for k, (folder, prefix, _) in _LLAMA_CPP_FILES.items():
