@@ -118,7 +118,7 @@ def test_wheel_from_the_sdist_installs_and_runs_without_a_compiler(unpacked: Pat
     proc = _build(["--wheel"], unpacked, tmp_path / "dist")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     (wheel,) = (tmp_path / "dist").glob("*.whl")
-    _, _, python, abi, plat = wheel.stem.split("-")
+    _, version, python, abi, plat = wheel.stem.split("-")
     assert (python, abi) == ("py3", "none"), wheel.name  # a ctypes library: no Python ABI
     members = zipfile.ZipFile(wheel).namelist()
     assert "aiobasert/_native/libbaseRT.so" in members or "aiobasert/_native/libbaseRT.dylib" in members
@@ -148,6 +148,8 @@ def test_wheel_from_the_sdist_installs_and_runs_without_a_compiler(unpacked: Pat
     where = _run([str(venv / "bin" / "python"), "-c", "import aiobasert; print(aiobasert.__file__)"],
                  cwd=elsewhere, env=env)  # fmt: skip
     assert where.stdout.startswith(str(venv)), where.stdout + where.stderr
+    told = _run([str(venv / "bin" / "aiobasert"), "--version"], cwd=elsewhere, env=env)
+    assert told.stdout == f"aiobasert {version}\n", told.stdout + told.stderr
     ran = _run([str(venv / "bin" / "aiobasert"), "run", "Once upon a time", "-m", str(tiny_model_path), "-n", "6",
                 "--ignore-eos", "--json"], cwd=elsewhere, env=env | {"AIOBASERT_CACHE_DIR": str(tmp_path / "cache")})
     assert ran.returncode == 0, ran.stderr[-3000:]
