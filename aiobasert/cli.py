@@ -118,19 +118,16 @@ def _require_extra(extra: str, modules: Sequence[str]) -> None:
 
 
 def _check_listen_address(host: str, port: int) -> None:
-    """--host / --port: a port number, an address of this machine, free to listen on (a probe bind,
-    as uvicorn's own, released at once); `serve` stops here before it loads any model."""
+    """--host / --port: a port number, an address of this machine, free to listen on (a probe bind made
+    as uvicorn makes its own, released at once); `serve` stops here before it loads any model."""
     if not 0 <= port <= 65535:
         raise SystemExit(f"aiobasert serve: --port must be in 0..65535, got {port}")
-    try:
-        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
-                                                             flags=socket.AI_PASSIVE)[0]  # fmt: skip
-    except (socket.gaierror, UnicodeError) as exc:
-        raise SystemExit(f"aiobasert serve: --host {host!r} is not an address: {exc}") from None
-    with socket.socket(family, kind, proto) as probe:
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as probe:
         probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
-            probe.bind(address)
+            probe.bind((host, port))
+        except (socket.gaierror, UnicodeError) as exc:
+            raise SystemExit(f"aiobasert serve: --host {host!r} is not an address: {exc}") from None
         except OSError as exc:
             raise SystemExit(f"aiobasert serve: cannot listen on {host}:{port}: {exc.strerror or exc}") from None
 
