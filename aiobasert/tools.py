@@ -189,6 +189,12 @@ class ChatReply(msgspec.Struct, frozen=True, kw_only=True):
     usage: Usage
     timing: Timing
 
+    @property
+    def text(self) -> str:
+        """The turn's text (`content`), under `Completion`'s name: `(await engine.chat(...)).text`
+        reads the same with and without `tools`."""
+        return self.content
+
 
 # ---- input normalisation -------------------------------------------------------------------
 

@@ -714,3 +714,22 @@ async def test_a_forced_call_without_additional_properties_ends(tiny_model_path:
         (call,) = reply.tool_calls
         assert set(json.loads(call.arguments)) <= {"setup", "rating"}
         jsonschema.validate(json.loads(call.arguments), JOKE.parameters)
+
+
+@pytest.mark.parametrize("with_tools", [False, True])
+async def test_chat_reads_the_same_with_and_without_tools(tiny_model_path: Path, with_tools: bool) -> None:
+    """`engine.chat` gives a `Completion` without tools and a `ChatReply` with them: both
+    have `.text` (and what their streams yield too), so one caller serves both."""
+
+    async def answer(engine: Engine, tools: list[Tool] | None) -> tuple[str, str, str]:
+        kw: dict[str, Any] = dict(tools=tools, tool_choice="none" if tools else None, max_tokens=6, temperature=0)
+        reply = await engine.chat(MESSAGES, **kw)
+        streamed = "".join([piece.text async for piece in engine.chat(MESSAGES, **kw)])
+        return reply.text, streamed, reply.finish_reason
+
+    async with Engine.open(tiny_model_path, max_batch_size=2) as engine:
+        text, streamed, finish = await answer(engine, [WEATHER] if with_tools else None)
+        assert text and text == streamed and finish == "length"
+        if with_tools:
+            reply = await engine.chat(MESSAGES, tools=[WEATHER], tool_choice="none", max_tokens=6, temperature=0)
+            assert isinstance(reply, ChatReply) and reply.text == reply.content == text
