@@ -269,16 +269,17 @@ def closed_objects(schema: Any, *, partial: bool = False) -> Any:
     """`schema` (a copy) with every object schema that declares `properties` and says
     nothing of `additionalProperties` closed (`"additionalProperties": false`).
 
-    The policy of tool-call arguments (vLLM's default xgrammar backend has the same):
-    a call gets exactly the properties its tool declares, so a forced call ends once
-    they are written instead of adding undeclared ones until `max_tokens`.
-    `additionalProperties: true` or a schema is honoured, and so is an object that
-    declares no properties (`{"type": "object"}`: any object). An object is left as it
-    is beside `allOf` / `anyOf` / `oneOf` / `$ref` or `unevaluatedProperties` (those
-    may declare its properties), and so are the branches of an `allOf` of several
-    schemas or of an applicator beside `properties` (each declares only some of them:
-    `partial`). `not`, `if`/`then`/`else` are not entered (closing them would loosen
-    or change what they mean)."""
+    The policy of tool-call arguments and `json_schema` output (vLLM's default xgrammar
+    backend has the same, and so does the engine's own grammar): a call gets exactly the
+    properties its tool declares, so a forced call ends once they are written instead of
+    adding undeclared ones until `max_tokens`. `additionalProperties: true` or a schema
+    is honoured, and so is an object that declares no properties (`{"type": "object"}`:
+    any object). An object is left as it is beside `allOf` / `anyOf` / `oneOf` / `$ref`
+    or `unevaluatedProperties` (those may declare its properties), and so are the
+    branches of an `allOf` of several schemas or of an applicator beside `properties`
+    (each declares only some of them: `partial`), and an object whose `required` names
+    a property it does not declare (closed, it would admit nothing). `not`, `if` / `then`
+    / `else` are not entered (closing them would loosen or change what they mean)."""
     if not isinstance(schema, dict):
         return schema
     out = dict(schema)
@@ -301,7 +302,9 @@ def closed_objects(schema: Any, *, partial: bool = False) -> Any:
     kind = out.get("type", "object")
     is_object = kind == "object" or (isinstance(kind, list) and "object" in kind)
     open_beside = ("additionalProperties", "unevaluatedProperties", "$ref", *_APPLICATORS)
-    if is_object and declares and not partial and not any(k in out for k in open_beside):
+    required = out.get("required")
+    undeclared = isinstance(required, list) and declares and any(r not in out["properties"] for r in required)
+    if is_object and declares and not partial and not undeclared and not any(k in out for k in open_beside):
         out["additionalProperties"] = False
     return out
 

@@ -666,6 +666,8 @@ def test_closed_objects_policy() -> None:
     one_of = closed_objects({"anyOf": [{"type": "object", "properties": {"a": {}}}, {"type": "null"}]})
     assert one_of["anyOf"][0]["additionalProperties"] is False  # an alternative is a whole schema
     assert closed_objects({"$ref": "#/$defs/M", "properties": {}}) == {"$ref": "#/$defs/M", "properties": {}}
+    requires_more = {"type": "object", "properties": {"a": {}}, "required": ["a", "b"]}
+    assert closed_objects(requires_more) == requires_more  # closing it would admit nothing
     assert closed_objects({"not": {"type": "object", "properties": {}}}) == {
         "not": {"type": "object", "properties": {}}}
     assert JOKE.parameters is not None and "additionalProperties" not in JOKE.parameters  # the tool is not changed
