@@ -366,6 +366,10 @@ class Engine:
         and tool-call deltas instead, awaitable for a `ChatReply` with typed
         `ToolCall`s; `tool_choice` ("auto", "none", "required" or a function name)
         and `parallel_tool_calls` are enforced by the output grammar.
+
+        Either way the reply reads the same: `.text` (a `ChatReply`'s `content`),
+        `.finish_reason`, `.usage`, `.timing`, `.request_id`, and what the stream
+        yields has `.text` too (a `Token`, a `TextDelta`).
         """
         if tools is not None or tool_choice is not None:
             return self.stream_chat(

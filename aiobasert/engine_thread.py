@@ -599,9 +599,13 @@ class EngineThread:
 
     def _build_constraint(self, tok: Tokenizer, schema: Mapping[str, Any] | bool) -> Constraint:
         """The lane's grammar: the engine's own where it has one, else the host backend.
-        On an intake worker, through its own tokenizer handle."""
+        On an intake worker, through its own tokenizer handle. Objects are closed
+        (`tools.closed_objects`): the engine's grammar reads an absent additionalProperties
+        as false, and the host's then reads the schema the same way."""
         from ._core.grammar import EngineGrammarConstraint
+        from .tools import closed_objects
 
+        schema = closed_objects(schema)
         lib, model = tok.lib, tok.handle
         native = None
         if lib.has("baseRT_grammar_create_from_schema") and lib.has("baseRT_grammar_fill_bitmask"):

@@ -116,8 +116,9 @@ FIELDS: dict[str, list[Field]] = {
     ],
     "/v1/responses": [
         Field("model", "honoured", "resolved by the server's engine provider", ok="x"),
-        Field("input", "honoured", "text, or message / function_call / function_call_output items", ok="hi",
-              bad=[{"type": "image"}]),
+        Field("input", "honoured", "text, or message / function_call / function_call_output items; a call's "
+              "`output` is text or a list of `input_text` parts (joined with newlines; image and file parts are "
+              "refused naming the part)", ok="hi", bad=[{"type": "image"}]),
         Field("instructions", "honoured", "a system turn; not carried to the next turn (as OpenAI)", ok="Be brief."),
         Field("previous_response_id", "honoured", "bounded TTL store; the previous turn's KV is reused",
               bad="resp_unknown"),

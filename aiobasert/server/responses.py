@@ -51,6 +51,13 @@ class InputText(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     logprobs: list[Any] | None = None
 
 
+class OutputTextPart(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """An `input_text` part of a `function_call_output`'s `output` list."""
+
+    type: Literal["input_text"]
+    text: str
+
+
 class InputMessage(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """`{"role": ..., "content": ...}` (type "message" optional)."""
 
@@ -76,10 +83,11 @@ class InputFunctionCall(
 class InputFunctionOutput(
     msgspec.Struct, kw_only=True, forbid_unknown_fields=True, tag="function_call_output", tag_field="type"
 ):
-    """The result of a function call."""
+    """The result of a function call: text, or a list of content parts of which
+    only `input_text` is served (the texts are joined with newlines, as a message's)."""
 
     call_id: str
-    output: str
+    output: str | list[dict[str, Any]]
     id: str | None = None
     status: str | None = None
 
@@ -371,8 +379,27 @@ def _input_messages(raw_items: str | Sequence[dict[str, Any]]) -> list[dict[str,
             else:
                 out.append({"role": "assistant", "content": "", "tool_calls": [call]})
         else:
-            out.append({"role": "tool", "tool_call_id": item.call_id, "content": item.output})
+            out.append({"role": "tool", "tool_call_id": item.call_id, "content": _output_text(item.output, i)})
     return out
+
+
+def _output_text(output: str | list[dict[str, Any]], i: int) -> str:
+    """A function call's output as the text a prompt renders: a list's `input_text`
+    parts joined (the other part types, images and files, are refused by name)."""
+    if isinstance(output, str):
+        return output
+    texts: list[str] = []
+    for j, part in enumerate(output):
+        field = f"input[{i}].output[{j}]"
+        kind = part.get("type")
+        if kind != "input_text":
+            raise APIError(400, f"{field}.type: parts of type {kind!r} are not supported (only 'input_text')",
+                           param=f"{field}.type")
+        try:
+            texts.append(msgspec.convert(part, OutputTextPart).text)
+        except msgspec.ValidationError as exc:
+            raise APIError(400, f"{field}: {exc}", param=field) from None
+    return "\n".join(texts)
 
 
 def _json_schema(text: ResponsesText | None) -> dict[str, Any] | bool | None:

@@ -429,3 +429,27 @@ def test_backend_end_ids_are_the_engines(lib: Library, tmp_path: Path) -> None:
     finally:
         lib.baseRT_free_model(m)
     assert backend.end_ids == engine_ends and tokens.index("<end_of_turn>") in engine_ends
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("host", [False, True])
+async def test_an_object_without_additional_properties_gets_only_its_properties(
+    tiny_model_path: Path, host: bool
+) -> None:
+    """The engine's own grammar reads an absent additionalProperties as false; the host's
+    (llguidance, for schemas the engine cannot enforce: here an anyOf) reads the schema the
+    same way, so one request means one thing on either. Biased towards "," (a model adding
+    properties), the output still closes once its properties are written."""
+    from tool_checks import backends
+
+    schema: dict[str, Any] = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    if host:
+        schema["properties"]["b"] = {"anyOf": [{"type": "integer"}, {"type": "null"}]}
+    async with Engine.open(tiny_model_path, max_batch_size=2) as engine:
+        bias = {(await engine.encode(","))[0]: 8.0, (await engine.encode('"'))[0]: 4.0}
+        done = await engine.generate("{", json_schema=schema, max_tokens=200, temperature=1.0, seed=1,
+                                     logit_bias=bias)  # fmt: skip
+        assert backends(engine) == ({"llguidance": 1} if host else {"engine": 1})
+        assert done.finish_reason == "stop", done
+        assert set(json.loads(done.text)) <= set(schema["properties"])
+        jsonschema.validate(json.loads(done.text), schema)

@@ -319,7 +319,7 @@ def test_llama_structural_tag_shapes() -> None:
     assert fmt["at_least_one"] and fmt["stop_after_first"]
     (only,) = fmt["tags"]
     assert only["begin"] == '{"name": "get_time", "parameters": ' and only["end"] == "}"
-    assert only["content"]["json_schema"] == E_TIME.parameters
+    assert only["content"]["json_schema"] == {**(E_TIME.parameters or {}), "additionalProperties": False}
     both = LLAMA3_JSON.structural_tag([E_WEATHER, E_TIME], "required")
     assert both is not None and not both["format"]["stop_after_first"]
     assert [t["begin"] for t in both["format"]["tags"]] == ['{"name": "get_weather", "parameters": ', only["begin"]]

@@ -345,7 +345,8 @@ def test_structural_tag_shapes() -> None:
     assert fmt["at_least_one"] and fmt["stop_after_first"]
     (only,) = fmt["tags"]
     assert only["begin"] == CALL_OPEN + '{"name": "get_time", "arguments": ' and only["end"] == "}\n</tool_call>"
-    assert only["content"]["json_schema"] == E_TIME.parameters  # no host-only options in it
+    # no host-only options in it; closed, as the engine's grammar reads an absent additionalProperties
+    assert only["content"]["json_schema"] == {**(E_TIME.parameters or {}), "additionalProperties": False}
     auto = tool_structural_tag([E_WEATHER, E_TIME], "auto")
     assert auto is not None and auto["format"]["type"] == "triggered_tags"
     assert auto["format"]["triggers"] == ["<tool_call>"]
@@ -624,3 +625,113 @@ def test_a_forced_turn_cut_anywhere_reports_no_text_and_closes_once(cut: int, ch
     assert [(c.name, c.arguments) for c in complete] == [(c.name, c.arguments) for c in whole.calls][: len(complete)]
     calls = list(parser.calls)
     assert parser.close() == [] and parser.calls == calls
+
+
+# ---- undeclared properties: a call gets exactly the properties its tool declares ------------
+
+# A schema as pydantic writes it for LangChain's with_structured_output (no
+# additionalProperties; an Optional field's anyOf keeps it off the engine's own grammar).
+JOKE = Tool(name="Joke", parameters={
+    "title": "Joke", "type": "object",
+    "properties": {"setup": {"title": "Setup", "type": "string", "maxLength": 8},
+                   "rating": {"anyOf": [{"type": "integer"}, {"type": "null"}], "default": None}},
+    "required": ["setup"],
+})
+OPEN_MAP = Tool(name="tag", parameters={
+    "type": "object",
+    "properties": {"labels": {"type": "object"}, "extra": {"type": "object", "properties": {"a": {"type": "integer"}},
+                                                           "additionalProperties": True}},
+    "required": ["labels"],
+})
+
+
+def test_closed_objects_policy() -> None:
+    from aiobasert.tools import closed_objects
+
+    assert closed_objects({"type": "object", "properties": {}}) == {
+        "type": "object", "properties": {}, "additionalProperties": False}
+    assert closed_objects({"type": "object"}) == {"type": "object"}  # any object: declares nothing
+    honoured = {"type": "object", "properties": {"a": {}}, "additionalProperties": {"type": "integer"}}
+    assert closed_objects(honoured) == honoured
+    nested = closed_objects({"type": "object", "properties": {"p": {"properties": {"x": {}}}},
+                             "$defs": {"M": {"type": "object", "properties": {}}},
+                             "items": {"type": "object", "properties": {}}})
+    assert nested["properties"]["p"]["additionalProperties"] is False
+    assert nested["$defs"]["M"]["additionalProperties"] is False
+    assert nested["additionalProperties"] is False
+    # beside an applicator or $ref the object is left open, and partial branches too
+    composed = {"type": "object", "properties": {"k": {}},
+                "allOf": [{"properties": {"a": {}}}, {"properties": {"b": {}}}]}
+    assert closed_objects(composed) == composed
+    one_of = closed_objects({"anyOf": [{"type": "object", "properties": {"a": {}}}, {"type": "null"}]})
+    assert one_of["anyOf"][0]["additionalProperties"] is False  # an alternative is a whole schema
+    assert closed_objects({"$ref": "#/$defs/M", "properties": {}}) == {"$ref": "#/$defs/M", "properties": {}}
+    requires_more = {"type": "object", "properties": {"a": {}}, "required": ["a", "b"]}
+    assert closed_objects(requires_more) == requires_more  # closing it would admit nothing
+    assert closed_objects({"not": {"type": "object", "properties": {}}}) == {
+        "not": {"type": "object", "properties": {}}}
+    assert JOKE.parameters is not None and "additionalProperties" not in JOKE.parameters  # the tool is not changed
+
+
+@pytest.mark.parametrize(
+    ("tool", "args", "ok"),
+    [
+        (JOKE, '{"setup":"Knock"}', True),
+        (JOKE, '{"setup":"Knock","rating":3}', True),
+        (JOKE, '{"setup":"Knock","punchline":"x"}', False),  # undeclared: the call must end
+        (JOKE, '{"setup":"Knock","rating":3,"x":1}', False),
+        (OPEN_MAP, '{"labels":{"any":1,"key":[]}}', True),  # {"type": "object"}: any object
+        (OPEN_MAP, '{"labels":{},"extra":{"a":1,"b":2}}', True),  # additionalProperties true honoured
+        (OPEN_MAP, '{"labels":{},"other":1}', False),
+    ],
+)
+def test_the_call_grammar_refuses_undeclared_properties(
+    tiny_model_path: Path, tool: Tool, args: str, ok: bool
+) -> None:
+    from aiobasert._core.grammar import GrammarBackend
+    from aiobasert.models.bundle import read_bundle
+
+    vocab = len(read_bundle(tiny_model_path).tokenizer["tokenizer.ggml.tokens"])
+    backend = GrammarBackend.for_bundle(tiny_model_path, vocab_size=vocab)
+    for choice in ("required", tool.name):
+        lark = tool_grammar([tool], choice, parallel=False)
+        assert lark is not None
+        constraint = backend.compile_lark(lark)
+        text = CALL_OPEN + f'{{"name": "{tool.name}", "arguments": {args}}}\n</tool_call>'
+        ids = backend._tokenizer.tokenize_str(text)
+        assert all(constraint.accept(t) for t in ids) == ok, constraint.error
+
+
+@pytest.mark.parametrize("choice", ["required", "Joke"])
+async def test_a_forced_call_without_additional_properties_ends(tiny_model_path: Path, choice: str) -> None:
+    """LangChain's with_structured_output(method="function_calling") got None: a bias towards ","
+    (what a model adding properties writes) kept the forced call going until max_tokens. The
+    call now ends once the declared properties are written."""
+    async with Engine.open(tiny_model_path, max_batch_size=2) as engine:
+        bias = {(await engine.encode(","))[0]: 8.0, (await engine.encode('"'))[0]: 4.0}
+        reply = await engine.chat(MESSAGES, tools=[JOKE], tool_choice=choice, parallel_tool_calls=False,
+                                  max_tokens=200, temperature=1.0, seed=1, logit_bias=bias)
+        assert backends(engine) == {"llguidance": 1}
+        assert reply.finish_reason == "tool_calls", reply
+        (call,) = reply.tool_calls
+        assert set(json.loads(call.arguments)) <= {"setup", "rating"}
+        jsonschema.validate(json.loads(call.arguments), JOKE.parameters)
+
+
+@pytest.mark.parametrize("with_tools", [False, True])
+async def test_chat_reads_the_same_with_and_without_tools(tiny_model_path: Path, with_tools: bool) -> None:
+    """`engine.chat` gives a `Completion` without tools and a `ChatReply` with them: both
+    have `.text` (and what their streams yield too), so one caller serves both."""
+
+    async def answer(engine: Engine, tools: list[Tool] | None) -> tuple[str, str, str]:
+        kw: dict[str, Any] = dict(tools=tools, tool_choice="none" if tools else None, max_tokens=6, temperature=0)
+        reply = await engine.chat(MESSAGES, **kw)
+        streamed = "".join([piece.text async for piece in engine.chat(MESSAGES, **kw)])
+        return reply.text, streamed, reply.finish_reason
+
+    async with Engine.open(tiny_model_path, max_batch_size=2) as engine:
+        text, streamed, finish = await answer(engine, [WEATHER] if with_tools else None)
+        assert text and text == streamed and finish == "length"
+        if with_tools:
+            reply = await engine.chat(MESSAGES, tools=[WEATHER], tool_choice="none", max_tokens=6, temperature=0)
+            assert isinstance(reply, ChatReply) and reply.text == reply.content == text

@@ -151,6 +151,47 @@ async def test_async_client_and_input_items(base_url: str) -> None:
             await client.responses.create(model=MODEL_NAME, previous_response_id=r.id, input="more")
 
 
+def _turn_with_output(output: Any) -> list[dict[str, Any]]:
+    return [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": '{"city": "Paris"}'},
+        {"type": "function_call_output", "call_id": "call_1", "output": output},
+    ]
+
+
+def test_function_call_output_as_a_list_of_text_parts(client: OpenAI) -> None:
+    """Haystack sends a call's output as `input_text` parts (OpenAI's type allows a string
+    or a list of parts): their texts, joined with newlines, are the tool message a string gives."""
+    kw: dict[str, Any] = dict(model=MODEL_NAME, tools=TOOLS, max_output_tokens=8, temperature=0, store=False)
+    parts = client.responses.create(input=_turn_with_output(  # type: ignore[arg-type]
+        [{"type": "input_text", "text": '{"temp": 21,'}, {"type": "input_text", "text": '"sky": "clear"}'}]), **kw)
+    joined = client.responses.create(input=_turn_with_output('{"temp": 21,\n"sky": "clear"}'), **kw)
+    other = client.responses.create(input=_turn_with_output('{"temp": 4}'), **kw)
+    assert parts.usage is not None and joined.usage is not None and other.usage is not None
+    assert parts.usage.input_tokens == joined.usage.input_tokens != other.usage.input_tokens
+    assert parts.output_text == joined.output_text
+
+
+@pytest.mark.parametrize(
+    ("output", "param"),
+    [
+        ([{"type": "input_text", "text": "ok"}, {"type": "input_image", "image_url": "data:,"}],
+         "input[2].output[1].type"),
+        ([{"type": "input_file", "file_id": "f"}], "input[2].output[0].type"),
+        ([{"text": "no type"}], "input[2].output[0].type"),
+        ([{"type": "input_text", "text": "ok", "extra": 1}], "input[2].output[0]"),
+        ([{"type": "input_text", "text": 5}], "input[2].output[0]"),
+    ],
+)
+def test_function_call_output_parts_other_than_text_are_refused_by_name(
+    base_url: str, output: Any, param: str
+) -> None:
+    r = httpx.post(f"{base_url}/v1/responses", json={"model": MODEL_NAME, "input": _turn_with_output(output)},
+                   headers={"Authorization": f"Bearer {API_KEY}"})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param
+
+
 @pytest.mark.parametrize(
     ("body", "param"),
     [

@@ -488,3 +488,33 @@ async def test_llama3_hostile_tool_traffic_leaves_a_neighbour_stream_alone(llama
                 tg.start_soon(hostile)
             assert got == [solo]
             assert await calls(client) == solo
+
+
+def test_a_forced_call_of_a_pydantic_schema_ends_with_its_declared_properties(client: OpenAI, base_url: str) -> None:
+    """LangChain's with_structured_output(method="function_calling") forces a call of the
+    pydantic model's schema, which has no additionalProperties: biased towards "," (a model
+    adding properties), the call kept going until max_tokens and LangChain got None. The call
+    grammar now closes the object: the call ends holding only the declared properties."""
+    import pydantic
+
+    class Joke(pydantic.BaseModel):
+        """A joke."""
+
+        setup: str = pydantic.Field(max_length=8)
+        rating: int | None = None
+
+    schema = Joke.model_json_schema()
+    assert "additionalProperties" not in schema
+    ids = httpx.post(f"{base_url}/tokenize", json={"prompt": ',"'},
+                     headers={"Authorization": f"Bearer {API_KEY}"}).json()["tokens"]  # fmt: skip
+    assert len(ids) == 2  # "," and "\""
+    whole = client.chat.completions.create(
+        model=MODEL_NAME, messages=MESSAGES, max_tokens=200, temperature=1.0, seed=1,
+        tools=[{"type": "function", "function": {"name": "Joke", "description": "A joke.", "parameters": schema}}],
+        tool_choice={"type": "function", "function": {"name": "Joke"}}, logit_bias={str(ids[0]): 8, str(ids[1]): 4},
+    )  # fmt: skip
+    (choice,) = whole.choices
+    assert choice.finish_reason == "tool_calls", choice
+    (call,) = choice.message.tool_calls or []
+    Joke.model_validate_json(call.function.arguments)
+    assert set(json.loads(call.function.arguments)) <= {"setup", "rating"}
