@@ -148,7 +148,7 @@ def test_serve_a_gguf(tmp_path: Path) -> None:
             reply = http.post("/v1/completions", json={"model": "pocket", "prompt": "hi", "max_tokens": 3})
             assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] >= 1
             # --kv-cache-dtype reached the engine's load: the pool is f16
-            assert re.search(r'aiobasert:kv_cache_bytes\{kv_cache_dtype="f16",model_name="pocket"\} [1-9]',
+            assert re.search(r'aiobasert_kv_cache_bytes\{kv_cache_dtype="f16",model_name="pocket"\} [1-9]',
                              http.get("/metrics").text)
     finally:
         proc.terminate()
