@@ -70,8 +70,9 @@ def _dtype_argument(p: argparse.ArgumentParser) -> None:
 
 def _kv_cache_argument(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
-                   help="how the KV cache is stored (default auto: the engine's choice, exact f32 on the "
-                   "reference engine; f16 halves it; q8 = Q8_0 blocks, about a quarter)")  # fmt: skip
+                   help="how the KV cache is stored (default auto: the engine's choice, f16 on the reference "
+                   "engine as llama.cpp; q8 = Q8_0 blocks, about half of f16; f32 = the reference engine's exact "
+                   "pool, twice f16)")  # fmt: skip
 
 
 def _params(args: argparse.Namespace) -> SamplingParams:

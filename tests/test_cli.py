@@ -214,7 +214,7 @@ def test_run_into_a_closed_pipe_ends_quietly(tiny_model_path: Path) -> None:
         (["missing.base"], "missing.base: no such model file"),
         (["{model}", "--ray", "--replicas", "0"], "--replicas must be at least 1"),
         (["{model}", "--max-batch-size", "0"], "max_batch_size must be an integer"),
-        (["{model}", "--kv-cache-dtype", "f32"], "--kv-cache-dtype: invalid choice: 'f32'"),
+        (["{model}", "--kv-cache-dtype", "bf16"], "--kv-cache-dtype: invalid choice: 'bf16'"),
         (["{model}", "--served-model-name", "x", "--model", "y={model}"], "--served-model-name names one model"),
     ],
 )
