@@ -22,7 +22,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from ..errors import AioBaseRTError
 from .endpoints import Service
 from .errors import APIError, ClientGone, api_error
-from .oplog import LOG_LEVELS, RequestOps, log_config, startup_line
+from .oplog import RequestOps, log_config, startup_line
 from .provider import EngineFactory, EngineProvider, SingleEngineProvider
 from .responses import DEFAULT_STORE_BYTES
 from .router import GroupProvider, ModelRouter
@@ -242,8 +242,8 @@ def serve(
 ) -> None:
     """Run the server with uvicorn until SIGTERM or Ctrl-C.
 
-    Logging: uvicorn's loggers and `aiobasert`'s at `log_level` ("debug", "info",
-    "warning", "error"), lines on stderr with their time, level and logger (uvicorn's
+    Logging: uvicorn's loggers and `aiobasert`'s at `log_level` (uvicorn's names: "trace",
+    "debug", "info", "warning", "error", "critical"), lines on stderr with their time, level and logger (uvicorn's
     access lines on stdout); once listening, one line names the models, lanes, KV
     cache, engine threads and address. See docs/operations.md.
 
@@ -256,6 +256,8 @@ def serve(
         import uvicorn
     except ModuleNotFoundError as exc:  # pragma: no cover - depends on the install
         raise ModuleNotFoundError("aiobasert serve needs uvicorn: pip install 'aiobasert[server]'") from exc
+
+    from uvicorn.config import LOG_LEVELS
 
     if log_level not in LOG_LEVELS:
         raise ValueError(f"log_level must be one of {', '.join(LOG_LEVELS)}, got {log_level!r}")

@@ -12,7 +12,8 @@ and for every request answered with an error it writes one line to the
 - an error event inside a stream already started (HTTP 200 sent) is logged and
   counted alike, marked `in-band`.
 
-A client that went away (499) is neither: the metrics count it as cancelled.
+A client that went away (499) is neither: the metrics count it as cancelled;
+nor is /health's 503 while the server is not ready (a probe's answer).
 The library installs no log handler; `aiobasert serve` configures logging.
 """
 
@@ -80,6 +81,12 @@ class _Witness:
         )
 
 
+def _an_error(status: int, path: str) -> bool:
+    """Whether an error status not sent as an `APIError` is one to report: not 499 (the client
+    went away, nobody was refused) nor /health's 503 (a probe's answer while not ready)."""
+    return status != 499 and path != "/health"
+
+
 class RequestOps:
     """Request ids, and a log line and a count for every refused or failed request."""
 
@@ -104,7 +111,7 @@ class RequestOps:
             if message["type"] == "http.response.start":
                 started = True
                 status = int(message["status"])
-                if status >= 400 and status != 499:  # 499: the client went away, nobody was refused
+                if status >= 400 and (witness.error is not None or _an_error(status, witness.path)):
                     witness.report(status, witness.error)
                 message = {**message, "headers": [*message.get("headers", []), (b"x-request-id", rid)]}
             await send(message)
@@ -120,8 +127,6 @@ class RequestOps:
             WITNESS.reset(token)
 
 
-LOG_LEVELS = ("debug", "info", "warning", "error")
-
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
@@ -129,7 +134,9 @@ def log_config(level: str) -> dict[str, Any]:
     """`aiobasert serve`'s logging (a `logging.config.dictConfig`, applied by uvicorn):
     uvicorn's loggers and `aiobasert`'s at `level`, each line with its time, level and
     logger; the access lines on stdout as uvicorn has them, the rest on stderr."""
-    upper = level.upper()
+    from uvicorn.config import LOG_LEVELS as UVICORN_LEVELS
+
+    number = UVICORN_LEVELS[level]  # a number: "trace" (5) has no name until uvicorn registers it
     return {
         "version": 1,
         "disable_existing_loggers": False,
@@ -146,10 +153,10 @@ def log_config(level: str) -> dict[str, Any]:
             "access": {"class": "logging.StreamHandler", "formatter": "access", "stream": "ext://sys.stdout"},
         },
         "loggers": {
-            "uvicorn": {"handlers": ["default"], "level": upper, "propagate": False},
-            "uvicorn.error": {"level": upper},
-            "uvicorn.access": {"handlers": ["access"], "level": upper, "propagate": False},
-            "aiobasert": {"handlers": ["default"], "level": upper, "propagate": False},
+            "uvicorn": {"handlers": ["default"], "level": number, "propagate": False},
+            "uvicorn.error": {"level": number},
+            "uvicorn.access": {"handlers": ["access"], "level": number, "propagate": False},
+            "aiobasert": {"handlers": ["default"], "level": number, "propagate": False},
         },
     }
 

@@ -124,6 +124,16 @@ def test_cli_serve_logs_its_start_and_each_refusal(tiny_model_path: Path) -> Non
     assert all(re.match(_LOG_LINE, line) for line in lines.seen), lines.seen  # every line: time, level, logger
 
 
+def test_an_unknown_log_level_is_refused_before_anything_loads(tmp_path: Path) -> None:
+    from aiobasert.server import serve
+
+    with pytest.raises(ValueError, match=r"log_level must be one of critical, error, warning, info, debug, trace"):
+        serve(tmp_path / "never-opened.base", log_level="loud")
+    proc = subprocess.run([sys.executable, "-m", "aiobasert", "serve", "--log-level", "loud"], capture_output=True,
+                          text=True, cwd=REPO, timeout=60)  # fmt: skip
+    assert proc.returncode == 2 and "--log-level: invalid choice: 'loud'" in proc.stderr, proc.stderr
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
