@@ -336,7 +336,10 @@ class EngineStats(msgspec.Struct, frozen=True, kw_only=True):
     """Structured-output grammars held (engine grammar handles or host matchers)."""
     kv_blocks_total: int
     kv_blocks_used: int
+    """Blocks allocated, the prefix cache's included (at idle, once the cache fills, close to
+    `kv_blocks_total`); what live requests hold is `kv_blocks_used - prefix_blocks_cached`."""
     prefix_blocks_cached: int
+    """Blocks the prefix cache holds (evictable); a block a live request shares with it counts here."""
     requests_finished: int
     requests_cancelled: int
     requests_failed: int
