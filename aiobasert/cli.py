@@ -73,8 +73,9 @@ def _dtype_argument(p: argparse.ArgumentParser) -> None:
 
 def _kv_cache_argument(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
-                   help="how the KV cache is stored (default auto: the engine's choice, exact f32 on the "
-                   "reference engine; f16 halves it; q8 = Q8_0 blocks, about a quarter)")  # fmt: skip
+                   help="how the KV cache is stored (default auto: the engine's choice, f16 on the reference "
+                   "engine as llama.cpp; q8 = Q8_0 blocks, about half of f16; f32 = the reference engine's exact "
+                   "pool, twice f16)")  # fmt: skip
 
 
 def _params(args: argparse.Namespace) -> SamplingParams:
@@ -258,7 +259,8 @@ def _serve(args: argparse.Namespace) -> int:
     if len(specs) > 1 or args.keep_alive is not None:
         provider = GroupProvider(specs, keep_alive=args.keep_alive, **options)
         serve(provider, host=args.host, port=args.port, api_key=api_key, allowed_origins=args.allowed_origins,
-              write_timeout=write_timeout, response_store_bytes=args.response_store_mb * 2**20)
+              write_timeout=write_timeout, response_store_bytes=args.response_store_mb * 2**20,
+              log_level=args.log_level)
         return 0
     ((name, path),) = specs
     serve(
@@ -269,6 +271,7 @@ def _serve(args: argparse.Namespace) -> int:
         allowed_origins=args.allowed_origins,
         write_timeout=write_timeout,
         response_store_bytes=args.response_store_mb * 2**20,
+        log_level=args.log_level,
     )
     return 0
 
@@ -379,6 +382,9 @@ def build_parser() -> argparse.ArgumentParser:
                             "generation (default 30; 0 = never)")  # fmt: skip
     serve.add_argument("--response-store-mb", type=int, default=64,
                        help="memory for stored Responses conversations (previous_response_id), MiB (default 64)")
+    serve.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info",
+                       help="the server's log level, uvicorn's loggers included (default info: the startup line, "
+                            "each request, each refused or failed request's reason)")  # fmt: skip
     serve.add_argument("--ray", action="store_true", help="serve on Ray Serve (pip install 'aiobasert[ray]')")
     serve.add_argument("--replicas", type=int, default=1, help="with --ray: engine replicas (default 1)")
 

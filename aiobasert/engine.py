@@ -164,11 +164,11 @@ class Engine:
             keeps what the GGUF has (quantized blocks carried exactly where the engine's integer
             kernels can hold them, see docs/models.md), "f16" / "f32" dequantize, "q8" / "q4"
             quantize group-wise. Ignored for a `.base` bundle or a cached name.
-        kv_cache_dtype: how the KV cache is stored: "auto" (the library's default for the model:
-            exact f32 on the reference engine, Q8_0 on BaseRT where head_dim allows), "f16" (half
-            the reference engine's memory per token), "q8" (Q8_0 blocks, about a quarter; a
-            head_dim that is not a multiple of 32 falls back to f16). `info.kv_cache_dtype` says
-            what was allocated.
+        kv_cache_dtype: how the KV cache is stored: "auto" (f16 on the reference engine, as
+            llama.cpp; the library's default elsewhere: Q8_0 on BaseRT where head_dim allows),
+            "f16", "q8" (Q8_0 blocks, about half of f16; a head_dim that is not a multiple of 32
+            falls back to f16), "f32" (the reference engine's exact pool, twice f16: for results
+            bit-equal to an f32 reference). `info.kv_cache_dtype` says what was allocated.
         """
         from .models.cache import check_dtype
 

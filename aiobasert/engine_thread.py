@@ -66,6 +66,7 @@ from .errors import (
     EngineError,
     EngineOverloadedError,
     ErrorCode,
+    InvalidConfigError,
     InvalidRequestError,
 )
 from .types import MAX_SCHEMA_REFS, EngineStats, FinishReason, ModelInfo, Token
@@ -103,8 +104,8 @@ _TAP_FUNCTIONS = (
 )
 _UNDECIDED = object()
 # Engine.open's kv_cache_dtype -> BaseRTLoadOptions.kv_bits, and baseRT_kv_bits_effective's answer -> a name
-# (the reference engine reports its exact f32 pool as 32).
-_KV_BITS = {"auto": 0, "f16": 16, "q8": 8}
+# (the reference engine reports its exact f32 pool as 32). "auto" and "f32": see _kv_bits.
+_KV_BITS = {"f16": 16, "q8": 8}
 _KV_NAMES = {32: "f32", 16: "f16", 8: "q8", 4: "q4", 84: "q8/q4"}
 
 
@@ -189,7 +190,7 @@ class EngineThread:
         lib, cfg = self.lib, self.cfg
         opts = _ffi.BaseRTLoadOptions(
             struct_size=sizeof(_ffi.BaseRTLoadOptions),
-            kv_bits=_KV_BITS[cfg.kv_cache_dtype],
+            kv_bits=self._kv_bits(cfg.kv_cache_dtype),
             paged_kv=1,
             max_batch_size=cfg.max_batch_size,
             prefix_cache=int(cfg.prefix_cache),
@@ -296,6 +297,23 @@ class EngineThread:
             prefill_chunk=self.prefill_budget,
             kv_cache_dtype=self._kv_cache_dtype(handle),
         )
+
+    def _kv_bits(self, dtype: str) -> int:
+        """BaseRTLoadOptions.kv_bits for `dtype`. "auto" is f16 on the reference engine (as
+        llama.cpp's default: half its exact f32 pool, which is its library default, kv_bits 0)
+        and the library's own default elsewhere (BaseRT: Q8_0 where head_dim allows). "f32",
+        the exact pool, only the reference engine has."""
+        reference = self.lib.has("baseRT_ref_kernels")  # a symbol only the reference engine exports
+        if dtype == "auto":
+            return 16 if reference else 0
+        if dtype == "f32":
+            if not reference:
+                raise InvalidConfigError(
+                    f"kv_cache_dtype='f32' is the reference engine's exact KV pool; {self.lib.path} has none "
+                    "(use 'auto', 'f16' or 'q8')"
+                )
+            return 0
+        return _KV_BITS[dtype]
 
     def _kv_cache_dtype(self, handle: int) -> str:
         """What the engine allocated (it may override the request: a head_dim Q8_0 cannot split)."""

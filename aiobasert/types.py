@@ -13,10 +13,11 @@ import msgspec
 from .errors import InvalidSamplingParamsError
 
 FinishReason = Literal["stop", "length", "aborted"]
-KVCacheDtype = Literal["auto", "f16", "q8"]
-"""How the engine stores the KV cache (`Engine.open(kv_cache_dtype=...)`): "auto" = the library's
-per-model default (the reference engine: exact f32; BaseRT: Q8_0 where head_dim allows), "f16",
-or "q8" (Q8_0 blocks of 32, as llama.cpp's `-ctk q8_0 -ctv q8_0`)."""
+KVCacheDtype = Literal["auto", "f16", "q8", "f32"]
+"""How the engine stores the KV cache (`Engine.open(kv_cache_dtype=...)`): "auto" = f16 on the
+reference engine (llama.cpp's default), the library's per-model default elsewhere (BaseRT: Q8_0
+where head_dim allows); "f16"; "q8" (Q8_0 blocks of 32, as llama.cpp's `-ctk q8_0 -ctv q8_0`);
+"f32" (the reference engine's exact pool, twice f16's memory)."""
 KV_CACHE_DTYPES: tuple[str, ...] = get_args(KVCacheDtype)
 
 _INT32_MAX = 2**31 - 1
@@ -335,7 +336,10 @@ class EngineStats(msgspec.Struct, frozen=True, kw_only=True):
     """Structured-output grammars held (engine grammar handles or host matchers)."""
     kv_blocks_total: int
     kv_blocks_used: int
+    """Blocks allocated, the prefix cache's included (at idle, once the cache fills, close to
+    `kv_blocks_total`); what live requests hold is `kv_blocks_used - prefix_blocks_cached`."""
     prefix_blocks_cached: int
+    """Blocks the prefix cache holds (evictable); a block a live request shares with it counts here."""
     requests_finished: int
     requests_cancelled: int
     requests_failed: int

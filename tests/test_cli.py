@@ -148,7 +148,7 @@ def test_serve_a_gguf(tmp_path: Path) -> None:
             reply = http.post("/v1/completions", json={"model": "pocket", "prompt": "hi", "max_tokens": 3})
             assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] >= 1
             # --kv-cache-dtype reached the engine's load: the pool is f16
-            assert re.search(r'aiobasert:kv_cache_bytes\{kv_cache_dtype="f16",model_name="pocket"\} [1-9]',
+            assert re.search(r'aiobasert_kv_cache_bytes\{kv_cache_dtype="f16",model_name="pocket"\} [1-9]',
                              http.get("/metrics").text)
     finally:
         proc.terminate()
@@ -214,7 +214,7 @@ def test_run_into_a_closed_pipe_ends_quietly(tiny_model_path: Path) -> None:
         (["missing.base"], "missing.base: no such model file"),
         (["{model}", "--ray", "--replicas", "0"], "--replicas must be at least 1"),
         (["{model}", "--max-batch-size", "0"], "max_batch_size must be an integer"),
-        (["{model}", "--kv-cache-dtype", "f32"], "--kv-cache-dtype: invalid choice: 'f32'"),
+        (["{model}", "--kv-cache-dtype", "bf16"], "--kv-cache-dtype: invalid choice: 'bf16'"),
         (["{model}", "--served-model-name", "x", "--model", "y={model}"], "--served-model-name names one model"),
     ],
 )

@@ -33,7 +33,9 @@ disconnects), `events` (the one event driver of every streamed endpoint),
 `params` (request fields -> SamplingParams and messages), `logprobs`,
 `provider` (where engines come from; the per-request model resolution),
 `endpoints` (the routes' handlers), `responses` (the Responses API and its
-store), `metrics` (Prometheus), `compat` (the field table),
+store), `metrics` (Prometheus), `oplog` (request ids, the log line and
+count of every refused or failed request, the startup line, `serve`'s logging),
+`compat` (the field table),
 `app` (wiring, `build_app`, `create_app`, `serve`), `_malloc` (the malloc arenas of the
 `aiobasert serve` process).
 """

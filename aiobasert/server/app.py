@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import contextlib
 import hmac
+import logging
 import os
 import socket
-import uuid
 from collections.abc import AsyncIterator, Sequence
 
 import anyio
@@ -22,10 +22,13 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from ..errors import AioBaseRTError
 from .endpoints import Service
 from .errors import APIError, ClientGone, api_error
+from .oplog import RequestOps, log_config, startup_line
 from .provider import EngineFactory, EngineProvider, SingleEngineProvider
 from .responses import DEFAULT_STORE_BYTES
 from .router import GroupProvider, ModelRouter
 from .streaming import DEFAULT_WRITE_TIMEOUT_S
+
+logger = logging.getLogger("aiobasert.server")
 
 _OPEN_PATHS = frozenset({"/health", "/metrics", "/version"})
 
@@ -94,29 +97,6 @@ async def _on_client_gone(request: Request, exc: Exception) -> Response:
     return Response(status_code=499)  # nobody is listening; uvicorn drops it
 
 
-class _RequestId:
-    """Echo the client's `X-Request-Id`, or give each request a fresh one."""
-
-    def __init__(self, app: ASGIApp) -> None:
-        self.app = app
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        given = dict(scope["headers"]).get(b"x-request-id")
-        rid = given if given and len(given) <= 128 else uuid.uuid4().hex.encode()
-        # for the handlers' logs (`request.state.request_id`) where no engine request id exists
-        scope.setdefault("state", {})["request_id"] = rid.decode("latin-1")
-
-        async def send_with_id(message: Message) -> None:
-            if message["type"] == "http.response.start":
-                message = {**message, "headers": [*message.get("headers", []), (b"x-request-id", rid)]}
-            await send(message)
-
-        await self.app(scope, receive, send_with_id)
-
-
 def build_app(
     provider: EngineProvider,
     *,
@@ -124,10 +104,12 @@ def build_app(
     allowed_origins: Sequence[str] | None = None,
     write_timeout: float | None = DEFAULT_WRITE_TIMEOUT_S,
     response_store_bytes: int = DEFAULT_STORE_BYTES,
+    announce: bool = True,
 ) -> tuple[Starlette, Service]:
     """The ASGI app over `provider`, and its `Service` (the endpoints).
     `allowed_origins`: CORS origins allowed to call it (None: no CORS headers);
-    `write_timeout`, `response_store_bytes`: see `create_app`."""
+    `write_timeout`, `response_store_bytes`: see `create_app`; `announce`: log the
+    startup line once the models are open (`serve` logs it itself, with its address)."""
     service = Service(provider, write_timeout=write_timeout, response_store_bytes=response_store_bytes)
     routes = [
         Route("/health", service.health, methods=["GET"]),
@@ -153,6 +135,8 @@ def build_app(
             async with provider.lifespan(), anyio.create_task_group() as tg:
                 tg.start_soon(service.metrics.probe_loop_lag)
                 started = True
+                if announce and logger.isEnabledFor(logging.INFO):
+                    logger.info(await startup_line(provider.served(), None))
                 try:
                     yield
                 finally:
@@ -162,7 +146,8 @@ def build_app(
                 startup_failures.append(exc)
             raise
 
-    middleware = [Middleware(_StartupFailure, failures=startup_failures), Middleware(_RequestId)]
+    middleware = [Middleware(_StartupFailure, failures=startup_failures),
+                  Middleware(RequestOps, metrics=service.metrics)]
     if allowed_origins:
         # outside the auth check, so browsers' preflight requests get their answer
         middleware.append(Middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["*"],
@@ -257,6 +242,11 @@ def serve(
 ) -> None:
     """Run the server with uvicorn until SIGTERM or Ctrl-C.
 
+    Logging: uvicorn's loggers and `aiobasert`'s at `log_level` (uvicorn's names: "trace",
+    "debug", "info", "warning", "error", "critical"), lines on stderr with their time, level and logger (uvicorn's
+    access lines on stdout); once listening, one line names the models, lanes, KV
+    cache, engine threads and address. See docs/operations.md.
+
     On shutdown, in-flight generations are aborted at once (streams get an
     error event and `[DONE]`, waiting non-streamed requests a 503); a client
     that does not read its response is cut off after one second.
@@ -267,18 +257,33 @@ def serve(
     except ModuleNotFoundError as exc:  # pragma: no cover - depends on the install
         raise ModuleNotFoundError("aiobasert serve needs uvicorn: pip install 'aiobasert[server]'") from exc
 
+    from uvicorn.config import LOG_LEVELS
+
+    if log_level not in LOG_LEVELS:
+        raise ValueError(f"log_level must be one of {', '.join(LOG_LEVELS)}, got {log_level!r}")
     provider = _provider(model, model_name=model_name, max_batch_size=max_batch_size, max_context=max_context)
     app, _service = build_app(
         provider, api_key=api_key, allowed_origins=allowed_origins, write_timeout=write_timeout,
-        response_store_bytes=response_store_bytes,
+        response_store_bytes=response_store_bytes, announce=False,
     )
 
     class _Server(uvicorn.Server):
+        async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+            await super().startup(sockets=sockets)
+            if self.should_exit or not logger.isEnabledFor(logging.INFO):
+                return
+            bound = [s.getsockname() for server in self.servers for s in server.sockets or ()]
+            address = None
+            if bound and isinstance(bound[0], tuple):
+                bound_host, bound_port = bound[0][:2]
+                address = f"http://{f'[{bound_host}]' if ':' in bound_host else bound_host}:{bound_port}"
+            logger.info(await startup_line(provider.served(), address))
+
         async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
             await provider.abort()
             await super().shutdown(sockets=sockets)
 
     # ws="none": no route here is a WebSocket, so uvicorn need not import a WebSocket library.
-    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=1,
-                            lifespan="on", ws="none")
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, log_config=log_config(log_level),
+                            timeout_graceful_shutdown=1, lifespan="on", ws="none")
     _Server(config).run()

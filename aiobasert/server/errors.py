@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import re
 from contextvars import ContextVar
+from typing import Protocol
 
 import msgspec
 from starlette.responses import Response
@@ -20,6 +21,22 @@ from ..errors import (
 from .protocol import ErrorDetail, ErrorResponse, SchemaFields
 
 logger = logging.getLogger("aiobasert.server")
+
+
+class ErrorWitness(Protocol):
+    """Who hears of the errors the request being served answers with (the app's
+    request middleware: it logs and counts them, see `oplog.py`)."""
+
+    def answered(self, err: APIError) -> None:
+        """`err` is about to be sent as the request's HTTP response."""
+
+    def in_band(self, err: APIError) -> None:
+        """`err` is sent as an error event inside a response already started."""
+
+
+WITNESS: ContextVar[ErrorWitness | None] = ContextVar("aiobasert_error_witness", default=None)
+"""Set by the app's middleware for each request it serves."""
+
 
 class APIError(Exception):
     """A request refused with an HTTP status and OpenAI's error body."""
@@ -40,6 +57,9 @@ class APIError(Exception):
         self.headers = headers
 
     def response(self) -> Response:
+        witness = WITNESS.get()
+        if witness is not None:
+            witness.answered(self)
         return Response(
             msgspec.json.encode(self.body), status_code=self.status, headers=self.headers, media_type="application/json"
         )
@@ -79,6 +99,16 @@ def api_error(exc: BaseException, *, log: bool = True) -> APIError:
     if log:
         logger.error("unexpected error while serving a request", exc_info=exc)
     return APIError(500, "internal server error", type="server_error")
+
+
+def in_band_error(exc: BaseException) -> APIError:
+    """The HTTP form of an error reported inside a response already started
+    (an SSE error event), told to the request's witness."""
+    err = api_error(exc)
+    witness = WITNESS.get()
+    if witness is not None:
+        witness.in_band(err)
+    return err
 
 
 SCHEMA_FIELDS: ContextVar[SchemaFields | None] = ContextVar("aiobasert_schema_fields", default=None)

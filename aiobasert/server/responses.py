@@ -30,7 +30,7 @@ from ..errors import InvalidRequestError
 from ..tools import ChatStream, TextDelta, Tool, ToolCall, ToolCallDelta, template_supports_tools
 from ..types import SamplingParams, Token, Usage
 from .compat import check_refused
-from .errors import APIError, api_error
+from .errors import APIError, api_error, in_band_error
 from .events import collect, drive
 from .http import json_response, read_json
 from .metrics import Metrics
@@ -570,7 +570,7 @@ class _ResponseEvents:
     def error(self, exc: BaseException) -> bytes:
         # OpenAI's shape for a response that ended without completing (an abort, an
         # engine error): the `error` event, then `response.failed` with the Response.
-        err = api_error(exc).body.error
+        err = in_band_error(exc).body.error
         failed = msgspec.structs.replace(
             self.t.response("failed", None, None), error={"code": err.code or "server_error", "message": err.message}
         )

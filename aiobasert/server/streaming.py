@@ -17,7 +17,7 @@ from anyio.streams.memory import MemoryObjectSendStream
 from starlette.responses import Response
 from starlette.types import Message, Receive, Scope, Send
 
-from .errors import ClientGone, api_error
+from .errors import ClientGone, api_error, in_band_error
 
 T = TypeVar("T")
 
@@ -33,7 +33,7 @@ def sse(body: msgspec.Struct) -> bytes:
 
 def error_event(exc: BaseException) -> bytes:
     """The in-band error event of a stream that has already started."""
-    return sse(api_error(exc).body)
+    return sse(in_band_error(exc).body)
 
 
 async def cancel_on_disconnect(receive: Receive, scope: anyio.CancelScope) -> None:

@@ -494,7 +494,7 @@ async def test_small_refusals_are_typed_and_exact(tiny_model_path: Path, tmp_pat
                 await engine.generate(prompt, max_tokens=room + 1)
             assert err.value.max_tokens == room + 1
     for bad in ({"max_batch_size": 0}, {"max_queue": 1.5}, {"prefill_chunk": True}, {"prefix_cache": 1},
-                {"max_context": 2**40}, {"kv_cache_dtype": "f32"}, {"kv_cache_dtype": 8}, {"kv_cache_dtype": None}):
+                {"max_context": 2**40}, {"kv_cache_dtype": "bf16"}, {"kv_cache_dtype": 8}, {"kv_cache_dtype": None}):
         with pytest.raises(InvalidConfigError):
             Engine.open(tiny_model_path, **bad)
     with pytest.raises(aiobasert.ModelFileNotFoundError) as missing:

@@ -486,13 +486,14 @@ def test_tokenizer_handles_load_before_the_weights(tmp_path: Path) -> None:
 
 async def test_kv_cache_dtype_is_the_pool_the_engine_allocates(head32_model_path: Path) -> None:
     """kv_cache_dtype reaches the load: info names what was allocated, the pool's capacity is half
-    (f16) and 34/128 (Q8_0) of the exact f32 pool's, and concurrent greedy streams still equal solo."""
+    (f16, the reference engine's "auto") and 34/128 (Q8_0) of the exact f32 pool's, and concurrent
+    greedy streams still equal solo."""
     capacity: dict[str, int] = {}
-    for kv, want in (("auto", "f32"), ("f16", "f16"), ("q8", "q8")):
+    for kv, want in (("auto", "f16"), ("f16", "f16"), ("q8", "q8"), ("f32", "f32")):
         async with Engine.open(head32_model_path, kv_cache_dtype=kv, max_batch_size=4, max_context=128) as engine:  # type: ignore[arg-type]
             assert engine.info.kv_cache_dtype == want
             stats = await engine.stats()
-            capacity[want] = stats.kv_cache_bytes
+            assert capacity.setdefault(want, stats.kv_cache_bytes) == stats.kv_cache_bytes
             assert stats.engine_bytes > stats.kv_cache_bytes > 0
             solo, together = await solo_and_together(engine, 4, max_tokens=12)
             assert together == solo

@@ -75,7 +75,7 @@ def test_bad_model_lists_are_refused(tiny_model_path: Path) -> None:
         EngineGroup.open([tiny_model_path], keep_alive=-1)
     # Engine options are refused at open, not at a lazily loaded model's first lease
     with pytest.raises(InvalidConfigError, match="kv_cache_dtype must be one of"):
-        EngineGroup.open([tiny_model_path], preload=False, kv_cache_dtype="f32")
+        EngineGroup.open([tiny_model_path], preload=False, kv_cache_dtype="bf16")
     with pytest.raises(InvalidConfigError, match="max_context must be an integer"):
         EngineGroup.open([tiny_model_path], preload=False, max_context="2048")
     with pytest.raises(InvalidConfigError, match="unexpected keyword argument 'max_ctx'"):

@@ -208,14 +208,14 @@ def check_perplexity(name: str, dtype: str, ours: dict[str, Any], rec: dict[str,
 
 async def test_smollm2_tokens_match_llama_cpp(smollm2_path: Path, smollm2_gguf: Path) -> None:
     rec = recording(SMOLLM2, smollm2_gguf)
-    async with Engine.open(smollm2_path, max_batch_size=1) as engine:
+    async with Engine.open(smollm2_path, max_batch_size=1, kv_cache_dtype="f32") as engine:
         await check_tokens(engine, rec, smollm2_gguf)
 
 
 @pytest.mark.timeout(900)  # every position teacher-forced, the float64 forward at the listed ones
 async def test_smollm2_greedy_matches_llama_cpp(smollm2_path: Path, smollm2_gguf: Path) -> None:
     rec = recording(SMOLLM2, smollm2_gguf)
-    async with Engine.open(smollm2_path, max_batch_size=1) as engine:
+    async with Engine.open(smollm2_path, max_batch_size=1, kv_cache_dtype="f32") as engine:
         assert await free_running_report(engine, rec, (SMOLLM2, "q4"), chat=False) == []
         assert await teacher_forced_report(engine, rec, (SMOLLM2, "q4"), smollm2_gguf) == []
 
@@ -223,7 +223,7 @@ async def test_smollm2_greedy_matches_llama_cpp(smollm2_path: Path, smollm2_gguf
 async def test_smollm2_chat_matches_llama_cpp(smollm2_path: Path, smollm2_gguf: Path) -> None:
     """engine.chat renders with our own template: the same prompt length and greedy ids as llama.cpp's."""
     rec = recording(SMOLLM2, smollm2_gguf)
-    async with Engine.open(smollm2_path, max_batch_size=1) as engine:
+    async with Engine.open(smollm2_path, max_batch_size=1, kv_cache_dtype="f32") as engine:
         assert await free_running_report(engine, rec, (SMOLLM2, "q4"), chat=True) == []
 
 
@@ -242,7 +242,7 @@ GEMMA3_DTYPES = pytest.mark.parametrize("dtype", ["auto", "f16"])
 @GEMMA3_DTYPES
 async def test_gemma3_tokens_match_llama_cpp(gemma3_gguf: Path, dtype: str) -> None:
     rec = recording(GEMMA3, gemma3_gguf)
-    async with Engine.open(gemma3_gguf, max_batch_size=1, dtype=dtype) as engine:
+    async with Engine.open(gemma3_gguf, max_batch_size=1, dtype=dtype, kv_cache_dtype="f32") as engine:
         await check_tokens(engine, rec, gemma3_gguf)
 
 
@@ -250,7 +250,7 @@ async def test_gemma3_tokens_match_llama_cpp(gemma3_gguf: Path, dtype: str) -> N
 @pytest.mark.timeout(900)  # every position teacher-forced, the float64 forward at the listed ones
 async def test_gemma3_greedy_matches_llama_cpp(gemma3_gguf: Path, dtype: str) -> None:
     rec = recording(GEMMA3, gemma3_gguf)
-    async with Engine.open(gemma3_gguf, max_batch_size=1, dtype=dtype) as engine:
+    async with Engine.open(gemma3_gguf, max_batch_size=1, dtype=dtype, kv_cache_dtype="f32") as engine:
         assert await free_running_report(engine, rec, (GEMMA3, dtype), chat=False) == []
         assert await teacher_forced_report(engine, rec, (GEMMA3, dtype), gemma3_gguf) == []
 
@@ -258,7 +258,7 @@ async def test_gemma3_greedy_matches_llama_cpp(gemma3_gguf: Path, dtype: str) ->
 @GEMMA3_DTYPES
 async def test_gemma3_chat_matches_llama_cpp(gemma3_gguf: Path, dtype: str) -> None:
     rec = recording(GEMMA3, gemma3_gguf)
-    async with Engine.open(gemma3_gguf, max_batch_size=1, dtype=dtype) as engine:
+    async with Engine.open(gemma3_gguf, max_batch_size=1, dtype=dtype, kv_cache_dtype="f32") as engine:
         assert await free_running_report(engine, rec, (GEMMA3, dtype), chat=True) == []
 
 

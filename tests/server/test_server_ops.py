@@ -1,11 +1,15 @@
 """Operator basics: `aiobasert serve MODEL` (positional), --served-model-name,
-AIOBASERT_API_KEY, CORS, X-Request-Id, /tokenize, /detokenize, /version, and
-n > 1 sharing the prompt's KV through the prefix cache."""
+AIOBASERT_API_KEY, --log-level and the log lines (startup, every refused or failed
+request), CORS, X-Request-Id, /tokenize, /detokenize, /version, and n > 1 sharing
+the prompt's KV through the prefix cache."""
 
 from __future__ import annotations
 
 import ctypes
+import logging
 import os
+import re
+import socket
 import subprocess
 import sys
 import time
@@ -14,7 +18,8 @@ from typing import Any
 
 import httpx
 import pytest
-from loopback import MODEL_NAME, start_uvicorn
+from faults import failing_step
+from loopback import MODEL_NAME, REPO, start_uvicorn, subprocess_env
 from openai import OpenAI
 
 import aiobasert
@@ -39,6 +44,135 @@ def test_request_id_is_echoed_or_generated(base_url: str) -> None:
     a, b = (httpx.get(f"{base_url}/v1/models", headers=h).headers["x-request-id"] for _ in range(2))
     assert a and b and a != b
     assert httpx.get(f"{base_url}/v1/models").headers["x-request-id"]  # also on a 401
+
+
+def _lines_of(caplog: pytest.LogCaptureFixture, request_id: str) -> list[logging.LogRecord]:
+    return [r for r in caplog.records if r.name == "aiobasert.server" and f"request_id={request_id}:" in r.getMessage()]
+
+
+def test_refused_and_failed_requests_are_logged_with_their_reason(
+    base_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """One line per refused (INFO) or failed (WARNING) request: status, type, code, param and
+    the request id; none for a request that succeeds."""
+    caplog.set_level(logging.INFO, logger="aiobasert.server")
+    h = {"Authorization": "Bearer k"}
+    with httpx.Client(base_url=base_url, timeout=30) as http:
+        assert http.get("/v1/models", headers={"X-Request-Id": "no-key"}).status_code == 401
+        bad = http.post("/v1/completions", headers={**h, "X-Request-Id": "bad-field"},
+                        json={"model": MODEL_NAME, "prompt": "x", "logprobs": 50})  # fmt: skip
+        assert bad.status_code == 400
+        ok = http.post("/v1/completions", headers={**h, "X-Request-Id": "fine"},
+                       json={"model": MODEL_NAME, "prompt": "x", "max_tokens": 2})  # fmt: skip
+        assert ok.status_code == 200
+        with failing_step(1):
+            failed = http.post("/v1/completions", headers={**h, "X-Request-Id": "engine-fault"},
+                               json={"model": MODEL_NAME, "prompt": "x", "max_tokens": 3})  # fmt: skip
+        assert failed.status_code == 500
+        with failing_step(3):  # after the first token: an error event in a 200 stream
+            body = {"model": MODEL_NAME, "prompt": "x", "max_tokens": 20, "stream": True,
+                    "logit_bias": {str(t): -100 for t in range(len(SPECIAL_TOKENS))}}
+            with http.stream("POST", "/v1/completions", json=body, headers={**h, "X-Request-Id": "mid-stream"}) as r:
+                assert r.status_code == 200
+                assert any('"engine_error"' in line for line in r.iter_lines())
+
+    (no_key,) = _lines_of(caplog, "no-key")
+    assert no_key.levelno == logging.INFO
+    assert re.match(r"refused GET /v1/models: 401 type=invalid_request_error code=invalid_api_key param=None ",
+                    no_key.getMessage())  # fmt: skip
+    (field,) = _lines_of(caplog, "bad-field")
+    assert field.levelno == logging.INFO
+    assert re.match(r"refused POST /v1/completions: 400 type=invalid_request_error code=None param=logprobs "
+                    r"request_id=bad-field: logprobs must be in \[0, 20\], got 50$", field.getMessage())  # fmt: skip
+    assert _lines_of(caplog, "fine") == []
+    (fault,) = _lines_of(caplog, "engine-fault")
+    assert fault.levelno == logging.WARNING
+    assert fault.getMessage().startswith("failed POST /v1/completions: 500 type=server_error code=engine_error ")
+    (mid,) = _lines_of(caplog, "mid-stream")
+    assert mid.levelno == logging.WARNING
+    assert mid.getMessage().startswith("failed POST /v1/completions: 500 in-band type=server_error code=engine_error ")
+
+
+def test_the_library_installs_no_log_handler(base_url: str) -> None:
+    """create_app leaves logging to its user: its lines propagate to whatever the application configured."""
+    assert httpx.get(f"{base_url}/health").status_code == 200  # the app is up
+    for name in ("aiobasert", "aiobasert.server"):
+        assert logging.getLogger(name).handlers == [], name
+    assert logging.getLogger("aiobasert.server").propagate
+
+
+_LOG_LINE = r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} (DEBUG|INFO|WARNING|ERROR) [\w.]+: "
+
+
+def test_cli_serve_logs_its_start_and_each_refusal(tiny_model_path: Path) -> None:
+    proc, lines, port = start_uvicorn(["-m", "aiobasert", "serve", str(tiny_model_path), "--port", "0",
+                                       "--max-batch-size", "3", "--kv-cache-dtype", "f16"], tiny_model_path)
+    try:
+        ready = lines.wait_for(_LOG_LINE + r"aiobasert \S+ ready: 'tiny' \(3 lanes x 2048 tokens, "
+                               r"KV f16 ([\d.]+) MiB\); (\d+) engine threads; "
+                               r"listening on http://127\.0\.0\.1:(\d+)$", 30)
+        assert ready.group(1) == "INFO" and float(ready.group(2)) > 0 and int(ready.group(3)) >= 1
+        assert int(ready.group(4)) == port
+        r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", headers={"X-Request-Id": "cli-400"},
+                       json={"model": "tiny", "prompt": "x", "top_p": 7})  # fmt: skip
+        assert r.status_code == 400
+        refused = lines.wait_for(r"aiobasert\.server: refused POST /v1/completions: 400 .*request_id=cli-400: ", 30)
+        assert re.match(_LOG_LINE, refused.string) and "param=top_p" in refused.string
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+    assert all(re.match(_LOG_LINE, line) for line in lines.seen), lines.seen  # every line: time, level, logger
+
+
+def test_an_unknown_log_level_is_refused_before_anything_loads(tmp_path: Path) -> None:
+    from aiobasert.server import serve
+
+    with pytest.raises(ValueError, match=r"log_level must be one of critical, error, warning, info, debug, trace"):
+        serve(tmp_path / "never-opened.base", log_level="loud")
+    proc = subprocess.run([sys.executable, "-m", "aiobasert", "serve", "--log-level", "loud"], capture_output=True,
+                          text=True, cwd=REPO, timeout=60)  # fmt: skip
+    assert proc.returncode == 2 and "--log-level: invalid choice: 'loud'" in proc.stderr, proc.stderr
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_cli_log_level_applies_to_uvicorn_and_aiobasert(tiny_model_path: Path, tmp_path: Path) -> None:
+    """--log-level warning: no INFO line of uvicorn's (startup, access) or aiobasert's (startup,
+    refusals); a failed request's WARNING line still shows."""
+    port = _free_port()
+    env = {**subprocess_env(tiny_model_path), "BASERT_REF_FAIL_STEP": "1"}  # the engine's first step fails
+    with open(tmp_path / "stderr", "w") as err:
+        proc = subprocess.Popen([sys.executable, "-m", "aiobasert", "serve", str(tiny_model_path), "--port", str(port),
+                                 "--log-level", "warning"], stderr=err, stdout=err, cwd=REPO, env=env)  # fmt: skip
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 60
+        while True:
+            assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "stderr").read_text()
+            try:
+                if httpx.get(f"{url}/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.1)
+        assert httpx.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": "x", "top_p": 7}).status_code == 400
+        r = httpx.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 2},
+                       headers={"X-Request-Id": "cli-500"})  # fmt: skip
+        assert r.status_code == 500, r.text
+        while "request_id=cli-500" not in (tmp_path / "stderr").read_text():
+            assert time.monotonic() < deadline, (tmp_path / "stderr").read_text()
+            time.sleep(0.05)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+    logged = (tmp_path / "stderr").read_text().splitlines()
+    assert [line for line in logged if " INFO " in line or " DEBUG " in line] == []
+    warning = _LOG_LINE.replace("(DEBUG|INFO|WARNING|ERROR)", "WARNING")
+    assert any(re.match(warning + r"failed POST /v1/completions: 500 type=server_error code=engine_error "
+                        r".*request_id=cli-500: ", line) for line in logged), logged
 
 
 def test_cors_preflight_and_open_paths(base_url: str) -> None:

@@ -215,7 +215,7 @@ def test_metrics_are_labelled_per_model(client: OpenAI, two_models: str) -> None
             s.labels["model_name"]: s.value
             for family in text_string_to_metric_families(text)
             for s in family.samples
-            if s.name == "aiobasert:e2e_request_latency_seconds_count"
+            if s.name == "aiobasert_e2e_request_latency_seconds_count"
         }
 
     before = e2e_counts()
@@ -226,8 +226,8 @@ def test_metrics_are_labelled_per_model(client: OpenAI, two_models: str) -> None
     assert after["other"] - before.get("other", 0.0) == 2
     assert after["tiny"] - before.get("tiny", 0.0) == 1
     gauges = httpx.get(f"{two_models}/metrics", timeout=30).text
-    assert 'aiobasert:kv_blocks_total{model_name="other"}' in gauges
-    assert 'aiobasert:kv_blocks_total{model_name="tiny"}' in gauges
+    assert 'aiobasert_kv_blocks_capacity{model_name="other"}' in gauges
+    assert 'aiobasert_kv_blocks_capacity{model_name="tiny"}' in gauges
 
 
 def test_a_body_not_declared_json_loads_no_model(idle_unloading: str) -> None:
