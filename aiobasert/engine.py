@@ -32,6 +32,7 @@ from ._core.protocol import (
     Submit,
 )
 from ._core.wakeup import LoopWaker
+from .batcher import current_client
 from .chat import render_chat
 from .engine_thread import EngineThread
 from .errors import EngineClosedError, InvalidConfigError, InvalidRequestError, InvalidSamplingParamsError
@@ -471,7 +472,7 @@ class Engine:
             raise EngineClosedError("the engine is closed")
         spec = RequestSpec(
             rid=new_request_id(), prompt=prompt, params=params, parse_special=special, lark=lark,
-            structural_tag=structural_tag,
+            structural_tag=structural_tag, client=current_client(),
         )
         return TokenStream(self._port, spec, self)
 
@@ -566,7 +567,7 @@ class Engine:
                 fut.set_result(result)
 
         rid = new_request_id()
-        self._thread.post(Embed(rid, source, done))
+        self._thread.post(Embed(rid, source, done, current_client()))
         try:
             return await _wait_future(fut, self._waker)
         except BaseException:

@@ -19,6 +19,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from ..batcher import client_scope
 from ..errors import AioBaseRTError
 from .endpoints import Service
 from .errors import APIError, ClientGone, api_error
@@ -95,7 +96,9 @@ async def _on_client_gone(request: Request, exc: Exception) -> Response:
 
 
 class _RequestId:
-    """Echo the client's `X-Request-Id`, or give each request a fresh one."""
+    """Echo the client's `X-Request-Id`, or give each request a fresh one. Each HTTP
+    request is also one client for fair admission (`client_scope`, docs/fairness.md):
+    its choices and prompts share the lanes it is due, and they are served FIFO."""
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
@@ -114,7 +117,8 @@ class _RequestId:
                 message = {**message, "headers": [*message.get("headers", []), (b"x-request-id", rid)]}
             await send(message)
 
-        await self.app(scope, receive, send_with_id)
+        with client_scope(f"http-{uuid.uuid4().hex}"):  # not the given id: a client cannot join another's
+            await self.app(scope, receive, send_with_id)
 
 
 def build_app(
