@@ -268,7 +268,7 @@ class Batcher:
         held: Counter[tuple[str, str]] = Counter(lane.owner for lane in self.running)
         while self.waiting:
             if len(self.running) < self.max_batch_size:
-                lane = min(self.waiting, key=lambda w: (held[w.owner], w.arrival))
+                lane = min(self.waiting, key=lambda w: self._order(w, held))
             else:
                 found = self._take_back(held)
                 if found is None:
@@ -283,6 +283,12 @@ class Batcher:
             admitted.append(self._place(lane))
         return admitted
 
+    @staticmethod
+    def _order(lane: LaneState, held: Counter[tuple[str, str]]) -> tuple[int, int, int]:
+        """Admission order: the client holding fewest lanes, then the request served least
+        (a new one before a preempted one), then arrival."""
+        return held[lane.owner], lane.generated, lane.arrival
+
     def _place(self, lane: LaneState) -> LaneState:
         lane.admitted = lane.started = True
         lane.ran_from = self.step
@@ -291,19 +297,30 @@ class Batcher:
 
     def _take_back(self, held: Counter[tuple[str, str]]) -> tuple[LaneState, LaneState] | None:
         """With every lane taken: the first waiting request (in admission order) that
-        may take a lane back, and that lane; None when none may."""
-        movable = [v for v in self.running if not v.embed and self.step - v.ran_from >= self.quantum]
-        if not movable:
+        may take a lane back, and that lane; None when none may.
+
+        A lane can be taken back once it has sampled a token since its admission (so
+        every admission makes progress): for a new request, from a client holding at
+        least one lane more than the new one's will; for a preempted one only once it
+        has also run `quantum` steps, and from a client holding two more (a move that
+        narrows the gap, so lanes never cycle between equals). The lane taken is the
+        most-served one of the client holding the most."""
+        sampled = [v for v in self.running if not v.embed and not v.prefilling and self.step > v.ran_from]
+        if not sampled:
             return None
         tried: set[tuple[tuple[str, str], bool]] = set()  # same owner and kind: the same answer
-        for w in sorted(self.waiting, key=lambda x: (held[x.owner], x.arrival)):
+        for w in sorted(self.waiting, key=lambda x: self._order(x, held)):
             if (w.owner, w.started) in tried:
                 continue
             tried.add((w.owner, w.started))
             need = held[w.owner] + (2 if w.started else 1)
-            victims = [v for v in movable if v.owner != w.owner and held[v.owner] >= need]
+            victims = [
+                v for v in sampled
+                if v.owner != w.owner and held[v.owner] >= need
+                and (not w.started or self.step - v.ran_from >= self.quantum)
+            ]  # fmt: skip
             if victims:
-                return w, max(victims, key=lambda v: (held[v.owner], v.arrival))
+                return w, max(victims, key=lambda v: (held[v.owner], v.generated, v.arrival))
         return None
 
     def _rewind(self, lane: LaneState) -> None:

@@ -248,10 +248,10 @@ def test_one_client_alone_is_served_fifo_without_preemption() -> None:
 
 
 def test_a_new_request_takes_a_lane_back_from_a_client_holding_more() -> None:
-    # A holds both lanes for long: a new request of another client (no key: a
-    # client of its own) is admitted at the first step where A's latest lane has
-    # run `quantum` steps; that lane is rewound to resume from prompt + output.
-    b = make(max_batch_size=2, max_queue=8, quantum=4)
+    # A holds both lanes: a new request of another client (no key: a client of its own)
+    # is admitted at the next step, in the lane of A's most-served request (ties: the
+    # latest arrival), which is rewound to resume from prompt + output.
+    b = make(max_batch_size=2, max_queue=8)
     first, second = keyed("a0", "A"), keyed("a1", "A")
     for x in (first, second):
         b.enqueue(x)
@@ -263,21 +263,46 @@ def test_a_new_request_takes_a_lane_back_from_a_client_holding_more() -> None:
     def preempt(v: LaneState) -> None:  # called before the rewind: the engine still sees its KV
         seen.append((v.rid, v.prefilled, v.generated))
 
-    admitted = run_steps(b, 2, preempt)
-    assert admitted == [] and seen == []  # A's lanes have run 3 steps (admitted in step 1) < quantum
-    admitted = run_steps(b, 1, preempt)
-    assert admitted == [short]
-    assert seen == [("a1", 3, 4)]  # the latest arrival of the client holding most
+    assert run_steps(b, 1, preempt) == [short]
+    assert seen == [("a1", 3, 2)]
     assert not second.admitted and list(b.waiting) == [second]
-    assert second.replay == 4 and second.prefilled == 0 and second.kv_target == 7
+    assert second.replay == 2 and second.prefilled == 0 and second.kv_target == 5
     assert b.preemptions == 1
     assert short.generated == 1  # its prompt was fed and sampled in the step that admitted it
     run_steps(b, 1)
     assert short.generated == 2 and b.running == [first, short]
 
 
+def test_only_a_lane_that_sampled_since_its_admission_is_taken_back() -> None:
+    # Every admission makes progress: a lane still prefilling (its prompt, or a resumed
+    # lane's replay) is not taken back; the newcomer waits until it has sampled.
+    b = make(max_batch_size=1, max_queue=8, prefill_budget=4)
+    long = keyed("long", "A", prompt=10)
+    b.enqueue(long)
+    run_steps(b, 1)
+    b.enqueue(keyed("new", None))
+    assert run_steps(b, 2) == []  # chunks of 4, 4, then 2 (which samples)
+    assert long.generated == 1
+    assert [x.rid for x in run_steps(b, 1)] == ["new"]
+
+
+def test_the_most_served_lane_of_the_client_holding_most_is_taken_back() -> None:
+    b = make(max_batch_size=3, max_queue=8)
+    old, young = keyed("old", "A"), keyed("young", "A")
+    other = keyed("other", "B")
+    for x in (old, other):
+        b.enqueue(x)
+    run_steps(b, 5)
+    b.enqueue(young)
+    run_steps(b, 2)
+    b.enqueue(keyed("new", None))
+    taken: list[str] = []
+    run_steps(b, 1, lambda v: taken.append(v.rid))
+    assert taken == ["old"]  # A holds 2 (B 1); its request with the most output
+
+
 def test_a_resumed_lane_replays_prompt_and_output_then_samples_once() -> None:
-    b = make(max_batch_size=1, max_queue=8, prefill_budget=4, quantum=1)
+    b = make(max_batch_size=1, max_queue=8, prefill_budget=4)
     long = keyed("long", "A", prompt=3)
     b.enqueue(long)
     run_steps(b, 5)  # prompt in 1 chunk (1 token), then 4 decodes
@@ -353,8 +378,8 @@ def test_fair_admission_model(
     reqs: list[tuple[str | None, int, int, int]], lanes: int, budget: int, quantum: int
 ) -> None:
     # Any arrivals of any clients: at most `lanes` run; a lane is taken back only
-    # after it ran `quantum` steps, never an embedding, never for a request of its own
-    # client, only for a client holding fewer; each request ends with exactly its
+    # once it sampled since its admission, never an embedding, never for a request of
+    # its own client, only for a client holding fewer; each request ends with exactly its
     # max_new tokens (a resumed lane samples only once its replay is fed); all end.
     b = Batcher(max_batch_size=lanes, max_context=4096, prefill_budget=budget, max_queue=64, quantum=quantum)
     states = [keyed(str(i), c, prompt=p, max_new=n) for i, (c, p, n, _) in enumerate(reqs)]
@@ -365,7 +390,8 @@ def test_fair_admission_model(
         while arrive and reqs[arrive[0]][3] < step:
             b.enqueue(states[arrive.pop(0)])
         def preempt(v: LaneState) -> None:
-            assert b.step - v.ran_from >= quantum and not v.embed
+            # it sampled a token since its admission: every admission makes progress
+            assert not v.embed and not v.prefilling and b.step > v.ran_from
 
             def held(owner: tuple[str, str]) -> int:
                 return sum(1 for y in b.running if y.owner == owner)

@@ -49,10 +49,9 @@ async def test_a_short_request_is_not_starved_by_long_holders(untied_model_path:
 
         t = short.timing
         assert len(short.token_ids) == 2
-        # Its first token within the preemption quantum (every lane it may take back has run that
-        # many steps since its own admission by then), usually in the next step; FIFO: ~1,000 steps.
-        quantum = engine._thread.batcher.quantum
-        assert t.first_token_step - t.submitted_step <= quantum + 2, t
+        # Its first token in the next step (it takes back a lane that has sampled since its own
+        # admission; one of the few being replayed may be waited for); FIFO: ~1,000 steps.
+        assert t.first_token_step - t.submitted_step <= 3, t
         assert t.first_token_step < min(c.timing.finished_step for c in longs.values())
         assert (await engine.stats()).requests_preempted >= 1
         # the preempted requests resumed where they left off: the same output as alone
