@@ -30,7 +30,8 @@ The engine thread asks `plan()` once per step and carries the `StepPlan` out
   readers cannot starve the queue and n streams > lanes always complete
   (docs/fairness.md).
 * Prompt tokens share a per-step budget (`prefill_budget`), handed out to the
-  lanes still prefilling in admission order, so a long prompt is prefilled in
+  lanes still prefilling in admission order (fair: new prompts before the
+  replays of preempted lanes), so a long prompt is prefilled in
   chunks over several steps while running streams keep decoding (vllm #1026),
   and a cancel lands between chunks (tabbyAPI #383).
 * Prefix-cache seeding is tried at admission for prompts longer than a page;
@@ -361,18 +362,22 @@ class Batcher:
     def schedule(self) -> list[tuple[LaneState, int]]:
         """The rows of the next fused step: (lane, tokens fed), 1 for a decode
         lane, a chunk within the prefill budget for a prefilling one."""
-        rows: list[tuple[LaneState, int]] = []
         budget = self.prefill_budget
         taps = self.tap_budget if self.tap_budget is not None else budget
-        for lane in self.running:  # admission order: FIFO for the prefill budget too
-            if lane.prefilling:
-                chunk = min(lane.kv_target - lane.prefilled, budget, taps if lane.embed else budget)
-                if chunk <= 0:
-                    continue
+        prefilling = [lane for lane in self.running if lane.prefilling]
+        if self.fair:  # new prompts before preempted lanes' replays (least served first), else admission order
+            prefilling.sort(key=lambda lane: lane.generated)
+        chunks: dict[int, int] = {}
+        for lane in prefilling:
+            chunk = min(lane.kv_target - lane.prefilled, budget, taps if lane.embed else budget)
+            if chunk > 0:
                 budget -= chunk
                 if lane.embed:
                     taps -= chunk
-                rows.append((lane, chunk))
-            else:
-                rows.append((lane, 1))
-        return rows
+                chunks[id(lane)] = chunk
+        # rows in admission order (the fused call's sequence order)
+        return [
+            (lane, chunks[id(lane)] if lane.prefilling else 1)
+            for lane in self.running
+            if not lane.prefilling or id(lane) in chunks
+        ]

@@ -414,3 +414,18 @@ def test_fair_admission_model(
             break
     assert sorted(x.rid for x in done) == sorted(x.rid for x in states), "a request never ended"
     assert all(x.generated == x.max_new_tokens for x in done)
+
+
+def test_new_prompts_get_the_prefill_budget_before_replays() -> None:
+    # A preempted lane's replay waits for the budget behind a new prompt (least served
+    # first) whatever their order in the batch. FIFO mode: admission order for the budget.
+    for fair, want in ((True, [("resumed", 2), ("new", 6)]), (False, [("resumed", 8)])):
+        b = make(max_batch_size=2, max_queue=8, prefill_budget=8, fair=fair)
+        resumed = keyed("resumed", "A", prompt=10)
+        resumed.generated = resumed.replay = 5
+        new = keyed("new", "B", prompt=6)
+        b.enqueue(resumed)
+        b.admit()  # admitted first: first in the batch
+        b.enqueue(new)
+        b.admit()
+        assert [(x.rid, n) for x, n in b.schedule()] == want
