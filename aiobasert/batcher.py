@@ -6,22 +6,23 @@ The engine thread asks `plan()` once per step and carries the `StepPlan` out
 
 * Admission is fair between clients (docs/fairness.md): at most
   `max_batch_size` lanes at once; a free lane goes to the waiting request whose
-  client holds the fewest lanes, FIFO among equals (a request's `client` key;
-  the choices of one request share one; a request without a key is a client of
-  its own). With every lane taken, a waiting request takes one back from a
-  client that holds more (preemption by recompute, as vLLM's scheduler
-  preempts): a request not yet started takes a lane from a client holding at
-  least one more lane than its own will, a preempted one only from a client
-  holding two more (so preemption never cycles between equals). The lane taken
-  is the latest-arrived of the client holding the most, and only once it has run
-  `quantum` steps since its admission: every admission makes progress. A
-  preempted request keeps its output; it resumes by prefilling prompt + output
-  again (`LaneState.replay`), mostly from the prefix cache, and its output is
-  the same as if it had never stopped. Requests of one client are never
-  preempted for each other: one client alone is served FIFO. `fair=False` is
-  plain FIFO (the bench's baseline). The wait queue is bounded (`max_queue`
-  requests waiting for a lane; those the next admission places do not count):
-  past it `EngineOverloadedError`, never a silent drop.
+  client holds the fewest lanes, then to the one served least (a new request
+  before a preempted one), then the earliest (a request's `client` key: the
+  choices of one request share one; a request without a key is a client of its
+  own). With every lane taken, a waiting request takes one back from a client
+  that holds more (preemption by recompute, as vLLM's scheduler preempts): a
+  request not yet started takes, at the next step, a lane from a client holding
+  at least one more lane than its own will; a preempted one only from a client
+  holding two more, after that lane ran `quantum` steps (so lanes never cycle
+  between equals). The lane taken is the most-served one of the client holding
+  the most, and only once it has sampled since its admission: every admission
+  makes progress. A preempted request keeps its output; it resumes by
+  prefilling prompt + output again (`LaneState.replay`), mostly from the prefix
+  cache, and its output is the same as if it had never stopped. Requests of one
+  client are never preempted for each other: one client alone is served FIFO.
+  `fair=False` is plain FIFO (the bench's baseline). The wait queue is bounded
+  (`max_queue` requests waiting for a lane; those the next admission places do
+  not count): past it `EngineOverloadedError`, never a silent drop.
 * Every running decode lane advances one token every step, read or not: no
   lane ever waits for its reader (a slow or stuck reader's tokens spill into
   its stream's buffer, bounded by the request's max_tokens, as vLLM v1 keeps
@@ -99,7 +100,7 @@ class LaneState:
     """Output tokens fed again after the prompt: a preempted lane rebuilds its KV
     from prompt + output, and the chunk that ends them samples its next token."""
     arrival: int = -1
-    """Queue order (set by `Batcher.enqueue`): FIFO among equals."""
+    """Queue order (set by `Batcher.enqueue`): the earliest first among equals."""
     ran_from: int = -1
     """The batcher step of its latest admission."""
     started: bool = False
@@ -184,7 +185,7 @@ class Batcher:
         """Tapped rows one step may carry (the engine's tap capacity); None = unbounded."""
         self.fair = fair
         self.quantum = max(1, quantum)
-        """Steps a lane runs after its admission before it may be preempted."""
+        """Steps a lane runs after its admission before a preempted request may take it back."""
         self.step = 0
         """Plans made (the batcher's clock for `quantum`)."""
         self.preemptions = 0

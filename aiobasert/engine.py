@@ -543,8 +543,8 @@ class Engine:
         final-normed hidden state is pooled from the engine's hidden-state taps;
         the result matches `baseRT_embed` up to the taps' f16 rounding. An engine
         without taps (or `AIOBASERT_EMBED_TAPS=0`) runs one `baseRT_embed` call
-        between two steps instead. An embedding takes a lane and waits for one
-        in FIFO order like any request (`EngineOverloadedError` past `max_queue`).
+        between two steps instead. An embedding takes a lane and is admitted like
+        any request (docs/fairness.md; `EngineOverloadedError` past `max_queue`).
         Cancelling the call frees its lane; closing the engine with `abort=True`
         ends it with `EngineClosedError`, a drain lets it finish."""
         if isinstance(text, str):
