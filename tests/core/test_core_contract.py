@@ -679,8 +679,8 @@ async def test_await_interrupted_by_another_tasks_aclose_raises(tiny_model_path:
 # A Lane's lifecycle: what the engine thread decides (prefill progress, generated
 # ids, its sequence, how it ended, its pooled embedding). Only engine_thread.py
 # writes these, from the results the step and the output processor return.
-LANE_LIFECYCLE = {"prefilled", "generated", "seq", "final", "error", "first_token_at", "admitted_at",
-                  "cached", "prefix_handle", "pending", "total", "finite", "admitted_step"}
+LANE_LIFECYCLE = {"prefilled", "generated", "seq", "final", "error", "first_token_at", "first_token_step",
+                  "admitted_at", "cached", "prefix_handle", "pending", "total", "finite", "admitted_step"}
 
 
 def test_only_the_engine_thread_writes_a_lanes_lifecycle() -> None:

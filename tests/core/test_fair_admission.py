@@ -14,6 +14,8 @@ from aiobasert import Completion, Engine, client_scope
 pytestmark = pytest.mark.anyio
 
 LONG = 400
+RESUMED = 1000
+"""Long enough to be running while the newcomers of the resume test come and go."""
 PROMPT = "the lamp by the door is on and the cat sleeps under it while rain falls " * 2
 
 
@@ -60,3 +62,32 @@ async def test_a_short_request_is_not_starved_by_long_holders(untied_model_path:
             assert done.token_ids == want.token_ids, i
             assert done.usage.prompt_tokens == greedy.usage.prompt_tokens
         assert all(streamed[i] == greedy.token_ids for i in range(16))
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio", "trio"])
+@pytest.mark.parametrize("prefix_cache", [True, False])
+async def test_a_preempted_request_resumes_with_the_same_output(untied_model_path: Path, prefix_cache: bool) -> None:
+    # Without a prefix cache the preempted request recomputes prompt + output in chunks
+    # (prefill_chunk 16: several steps of replay); with one, it is seeded from it.
+    async with Engine.open(untied_model_path, max_batch_size=1, prefix_cache=prefix_cache, prefill_chunk=16) as engine:
+        want = await engine.generate(PROMPT, max_tokens=RESUMED, ignore_eos=True, temperature=0.7, seed=3)
+        async with anyio.create_task_group() as tg:
+            got: list[Completion] = []
+
+            async def long() -> None:
+                got.append(await engine.generate(PROMPT, max_tokens=RESUMED, ignore_eos=True, temperature=0.7, seed=3))
+
+            tg.start_soon(long)
+            start = (await engine.stats()).steps
+            while (s := await engine.stats()).active_lanes < 1 or s.steps < start + 20:
+                await anyio.sleep(0.005)
+            for _ in range(3):  # three newcomers, one after the other, each takes the lane back
+                await engine.generate("hi", max_tokens=3, temperature=0)
+                while (await engine.stats()).waiting_requests:  # the long one has its lane again
+                    await anyio.sleep(0.005)
+        stats = await engine.stats()
+        assert stats.requests_preempted >= 1
+        assert got[0].token_ids == want.token_ids
+        u, w = got[0].usage, want.usage  # its first admission's usage: the prompt counted once
+        assert (u.prompt_tokens, u.completion_tokens) == (w.prompt_tokens, w.completion_tokens)
+        assert stats.live_sequences == 0
