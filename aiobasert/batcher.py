@@ -310,12 +310,16 @@ class Batcher:
         sampled = [v for v in self.running if not v.embed and not v.prefilling and self.step > v.ran_from]
         if not sampled:
             return None
+        most = max(held[v.owner] for v in sampled)
+        # only requests whose client holds few enough lanes can take one back (one cheap pass:
+        # the queue may hold a thousand preempted requests that cannot)
+        able = [w for w in self.waiting if held[w.owner] + (2 if w.started else 1) <= most]
         tried: set[tuple[tuple[str, str], bool]] = set()  # same owner and kind: the same answer
-        for w in sorted(self.waiting, key=lambda x: self._order(x, held)):
+        for w in sorted(able, key=lambda x: self._order(x, held)):
+            need = held[w.owner] + (2 if w.started else 1)
             if (w.owner, w.started) in tried:
                 continue
             tried.add((w.owner, w.started))
-            need = held[w.owner] + (2 if w.started else 1)
             victims = [
                 v for v in sampled
                 if v.owner != w.owner and held[v.owner] >= need
