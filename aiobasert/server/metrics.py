@@ -13,6 +13,7 @@ an `aiobasert:` prefix.
 | `aiobasert:kv_cache_bytes` (gauge, labelled `kv_cache_dtype`) | `vllm:cache_config_info`'s `cache_dtype` |
 | `aiobasert:prefix_cache_hits_total` / `_queries_total` (counters, tokens) | `vllm:prefix_cache_hits` / `_queries` |
 | `aiobasert:request_success_total` (counter, by finish reason) | `vllm:request_success_total` |
+| `aiobasert:num_preemptions_total` (counter) | `vllm:num_preemptions_total` (lanes taken back, docs/fairness.md) |
 | `aiobasert:event_loop_lag_seconds` (histogram) | none: how late the server's loop wakes |
 | `aiobasert:abort_latency_seconds` (histogram) | none: client disconnect to lane freed |
 
@@ -78,6 +79,10 @@ class Metrics:
         self.loop_lag = Histogram("aiobasert:event_loop_lag_seconds",
                                   "How late the server's event loop wakes from a timed sleep.",
                                   buckets=_FAST, registry=r)
+        self.preemptions = Counter("aiobasert:num_preemptions",
+                                   "Lanes taken back for another client's request (each resumed later).",
+                                   label, registry=r)
+        self._preempted: dict[str, int] = {}  # the engine's count at the last scrape, by model
         self.abort = Histogram("aiobasert:abort_latency_seconds",
                                "Client disconnect to its engine lane freed.", label, buckets=_FAST, registry=r)
 
@@ -105,6 +110,10 @@ class Metrics:
             self.kv_cached.labels(name).set(s.prefix_blocks_cached)
             self.kv_total.labels(name).set(s.kv_blocks_total)
             self.kv_bytes.labels(name, engine.info.kv_cache_dtype).set(s.kv_cache_bytes)
+            last = self._preempted.get(name, 0)
+            if s.requests_preempted >= last:  # (a reloaded engine counts from 0 again)
+                self.preemptions.labels(name).inc(s.requests_preempted - last)
+            self._preempted[name] = s.requests_preempted
         return Response(generate_latest(self.registry), media_type=CONTENT_TYPE_LATEST)
 
 

@@ -57,3 +57,6 @@ async def test_a_short_request_ends_before_the_long_holders(untied_model_path: P
             assert ended[0] == "short", ended
             stats = (await http.get("/v1/internal/stats")).json()
             assert stats["requests_preempted"] >= 1 and stats["live_sequences"] == 0
+            metrics = (await http.get("/metrics")).text
+            counted = [line for line in metrics.splitlines() if line.startswith("aiobasert:num_preemptions_total{")]
+            assert len(counted) == 1 and float(counted[0].rsplit(" ", 1)[1]) == stats["requests_preempted"]
