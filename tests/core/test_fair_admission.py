@@ -91,3 +91,33 @@ async def test_a_preempted_request_resumes_with_the_same_output(untied_model_pat
         u, w = got[0].usage, want.usage  # its first admission's usage: the prompt counted once
         assert (u.prompt_tokens, u.completion_tokens) == (w.prompt_tokens, w.completion_tokens)
         assert stats.live_sequences == 0
+
+
+LIST_SCHEMA = {"type": "object", "required": ["items"],
+               "properties": {"items": {"type": "array", "items": {"type": "string"}, "minItems": 40}}}  # fmt: skip
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio", "trio"])
+async def test_a_preempted_structured_request_keeps_its_grammar_state(untied_model_path: Path) -> None:
+    # The grammar saw every output token once; the replay feeds them again to the KV only,
+    # and the token it then samples is masked by the grammar where it had stopped.
+    async with Engine.open(untied_model_path, max_batch_size=1) as engine:
+        want = await engine.generate("list", max_tokens=600, temperature=0, json_schema=LIST_SCHEMA)
+        got: list[Completion] = []
+
+        async def structured() -> None:
+            got.append(await engine.generate("list", max_tokens=600, temperature=0, json_schema=LIST_SCHEMA))
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(structured)
+            start = (await engine.stats()).steps
+            while (s := await engine.stats()).active_lanes < 1 or s.steps < start + 20:
+                await anyio.sleep(0.005)
+            for _ in range(3):
+                await engine.generate("hi", max_tokens=3, temperature=0)
+                while (await engine.stats()).waiting_requests:
+                    await anyio.sleep(0.005)
+        stats = await engine.stats()
+        assert stats.requests_preempted >= 1
+        assert got[0].token_ids == want.token_ids and got[0].text == want.text
+        assert stats.live_grammars == 0 and stats.live_sequences == 0
