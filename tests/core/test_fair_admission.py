@@ -121,3 +121,25 @@ async def test_a_preempted_structured_request_keeps_its_grammar_state(untied_mod
         assert stats.requests_preempted >= 1
         assert got[0].token_ids == want.token_ids and got[0].text == want.text
         assert stats.live_grammars == 0 and stats.live_sequences == 0
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio", "trio"])
+async def test_a_preempted_request_cancelled_while_it_waits_frees_everything(untied_model_path: Path) -> None:
+    async with Engine.open(untied_model_path, max_batch_size=1) as engine:
+        first = engine.stream(PROMPT, max_tokens=1500, ignore_eos=True)
+        await first.__anext__()
+        start = (await engine.stats()).steps
+        while (await engine.stats()).steps < start + 5:  # it has sampled since its admission
+            await anyio.sleep(0.005)
+        second = engine.stream("another client", max_tokens=1500, ignore_eos=True)
+        await second.__anext__()  # it took the lane back: the first waits, preempted
+        s = await engine.stats()
+        assert s.requests_preempted == 1 and s.waiting_requests == 1 and s.live_sequences == 1
+        await first.aclose()
+        while (s := await engine.stats()).waiting_requests:
+            await anyio.sleep(0.005)
+        assert s.requests_cancelled == 1 and s.live_sequences == 1 and s.active_lanes == 1
+        await second.aclose()
+        while (s := await engine.stats()).live_sequences or s.active_lanes:
+            await anyio.sleep(0.005)
+        assert s.requests_cancelled == 2 and s.kv_blocks_used <= s.prefix_blocks_cached
