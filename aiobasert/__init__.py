@@ -7,6 +7,7 @@ async with aiobasert.Engine.open("model.base") as engine:
 ```
 """
 
+from .batcher import client_scope
 from .engine import Engine
 from .errors import (
     AbiMismatchError,
@@ -99,4 +100,5 @@ __all__ = [
     "UnsupportedError",
     "Usage",
     "WrongEventLoopError",
+    "client_scope",
 ]

@@ -32,6 +32,7 @@ from ._core.protocol import (
     Submit,
 )
 from ._core.wakeup import LoopWaker
+from .batcher import current_client
 from .chat import render_chat
 from .engine_thread import EngineThread
 from .errors import EngineClosedError, InvalidConfigError, InvalidRequestError, InvalidSamplingParamsError
@@ -475,7 +476,7 @@ class Engine:
             raise EngineClosedError("the engine is closed")
         spec = RequestSpec(
             rid=new_request_id(), prompt=prompt, params=params, parse_special=special, lark=lark,
-            structural_tag=structural_tag,
+            structural_tag=structural_tag, client=current_client(),
         )
         return TokenStream(self._port, spec, self)
 
@@ -546,8 +547,8 @@ class Engine:
         final-normed hidden state is pooled from the engine's hidden-state taps;
         the result matches `baseRT_embed` up to the taps' f16 rounding. An engine
         without taps (or `AIOBASERT_EMBED_TAPS=0`) runs one `baseRT_embed` call
-        between two steps instead. An embedding takes a lane and waits for one
-        in FIFO order like any request (`EngineOverloadedError` past `max_queue`).
+        between two steps instead. An embedding takes a lane and is admitted like
+        any request (docs/fairness.md; `EngineOverloadedError` past `max_queue`).
         Cancelling the call frees its lane; closing the engine with `abort=True`
         ends it with `EngineClosedError`, a drain lets it finish."""
         if isinstance(text, str):
@@ -570,7 +571,7 @@ class Engine:
                 fut.set_result(result)
 
         rid = new_request_id()
-        self._thread.post(Embed(rid, source, done))
+        self._thread.post(Embed(rid, source, done, current_client()))
         try:
             return await _wait_future(fut, self._waker)
         except BaseException:

@@ -96,6 +96,8 @@ __all__ = [  # the contract types are re-exported for code that imported them fr
 _EMBED_TAPS_ENV = "AIOBASERT_EMBED_TAPS"
 """Set to 0 to embed with one baseRT_embed call per input (the engine then
 stalls for the whole forward): the comparison baseline of bench/embed_stall.py."""
+_FAIRNESS_ENV = "AIOBASERT_ADMISSION"
+"""Set to fifo for plain FIFO admission without preemption: the baseline of bench/fair_admission.py."""
 _TAP_FUNCTIONS = (
     "baseRT_batch_step_fused_logits_rows_taps",
     "baseRT_read_tap_rows",
@@ -260,6 +262,7 @@ class EngineThread:
             max_queue=cfg.max_queue,
             page_size=self.page_size,
             prefix_cache=self.has_prefix,
+            fair=os.environ.get(_FAIRNESS_ENV, "fair") != "fifo",
         )
         if all(lib.has(fn) for fn in _TAP_FUNCTIONS):
             cap = int(lib.baseRT_tap_rows_capacity(handle))
@@ -364,7 +367,7 @@ class EngineThread:
         if self.batcher.has_runnable_work():
             self.steps += 1
             try:
-                plan = self.batcher.plan(self._start)
+                plan = self.batcher.plan(self._start, self._preempt)
                 if plan.rows:
                     for result in self.runner.run([(self.requests.of(r.lane), r) for r in plan.rows]):
                         self._apply(result)
@@ -401,6 +404,7 @@ class EngineThread:
             return
         if not lane.generated:
             lane.first_token_at = time.monotonic()
+            lane.first_token_step = self.steps
         lane.generated.append(out.token.id)
         lane.state.generated += 1
         self._emit(lane, out.token)
@@ -742,7 +746,7 @@ class EngineThread:
             if self._embed_path() is None:  # one atomic forward, between two steps (as before taps)
                 self._notify(msg.done, self.embed(ids, self.dim), None)
                 return
-            lane = EmbedLane(msg.rid, ids, self.dim, msg.done)
+            lane = EmbedLane(msg.rid, ids, self.dim, msg.done, msg.client)
             self.batcher.enqueue(lane.state, reserved=True)
         except BaseException as exc:
             err = exc if isinstance(exc, AioBaseRTError) else internal_error("at intake", exc)
@@ -913,6 +917,7 @@ class EngineThread:
             requests_failed=self.failed,
             kv_cache_bytes=int(ms.kv_cache_capacity_bytes),
             engine_bytes=int(ms.runtime_allocated_bytes),
+            requests_preempted=self.batcher.preemptions,
         )
 
     def evict_prefix_cache(self) -> int:
@@ -933,11 +938,14 @@ class EngineThread:
     def _admit(self, lane: Lane) -> None:
         lib, model = self.lib, self._model
         st = lane.state
-        lane.admitted_step = self.steps
-        lane.admitted_at = time.monotonic()
+        resumed = lane.admitted_step >= 0  # a preempted lane: its first admission's timing and usage stay
+        if not resumed:
+            lane.admitted_step = self.steps
+            lane.admitted_at = time.monotonic()
         match = None
         if self.batcher.should_match_prefix(st):
-            match = lib.baseRT_prefix_match(model, lane.prompt_arr, st.prompt_len)
+            fed = _ffi.u32_array(lane.fed()) if st.replay else lane.prompt_arr
+            match = lib.baseRT_prefix_match(model, fed, st.kv_target)
             if not match.handle:
                 match = None
         seq = lib.baseRT_sequence_create(model)
@@ -953,9 +961,32 @@ class EngineThread:
             rc = lib.baseRT_sequence_seed_prefix(seq, match.blocks, match.n_blocks, match.matched_tokens)
             if rc == 0:
                 lane.prefix_handle = int(match.handle)
-                st.prefilled = lane.cached = int(match.matched_tokens)
+                st.prefilled = int(match.matched_tokens)
+                if not resumed:
+                    lane.cached = st.prefilled
             else:
                 lib.baseRT_prefix_release(model, match.handle)
+
+    def _preempt(self, state: LaneState) -> None:
+        """The batcher takes a lane back for another client (docs/fairness.md): its
+        KV goes to the prefix cache (so its resume re-prefills little), its sequence
+        is freed; the request keeps its output, stream and grammar state, and waits
+        to resume from prompt + output."""
+        lane = self.requests.of(state)
+        assert isinstance(lane, Lane)  # the batcher never preempts an embedding
+        lib, model = self.lib, self._model
+        if lane.seq is not None:
+            kv = lane.kv_tokens()
+            if self.batcher.should_publish_prefix(state, len(kv)):
+                lib.baseRT_prefix_insert(model, _ffi.u32_array(kv), len(kv), lane.seq)  # best effort
+            else:
+                lib.baseRT_sequence_rollback(lane.seq, 0)
+            lib.baseRT_sequence_free(lane.seq)
+            lane.seq = None
+            self.live_sequences -= 1
+        if lane.prefix_handle:
+            lib.baseRT_prefix_unlock(model, lane.prefix_handle)
+            lane.prefix_handle = 0
 
     def _emit(self, lane: Lane, token: Token) -> None:
         lane.pending.append(token)

@@ -18,15 +18,17 @@ does not match) the samples simply prefill the prompt each.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
 import anyio
 import msgspec
 
+from .batcher import client_scope, current_client
 from .engine import Engine
 from .errors import InvalidRequestError
-from .streams import TokenStream
+from .streams import TokenStream, new_request_id
 from .tools import ChatReply, ChatStream, Tool, ToolChoice
 from .types import ChatMessage, Completion, SamplingParams
 
@@ -58,6 +60,12 @@ async def prefill_once(engine: Engine, start: Callable[[SamplingParams], TokenSt
     return done.usage.cached_prompt_tokens
 
 
+def _one_client() -> contextlib.AbstractContextManager[None]:
+    """The n samples are one client's requests for fair admission (docs/fairness.md): they share
+    its lanes instead of taking lanes back from each other; the caller's key when it set one."""
+    return contextlib.nullcontext() if current_client() is not None else client_scope(f"n-{new_request_id()}")
+
+
 def _check_n(n: int) -> None:
     if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_N:
         raise InvalidRequestError(f"n must be an integer in [1, {MAX_N}], got {n!r}")
@@ -85,16 +93,17 @@ async def gather_all(calls: Sequence[Callable[[], Awaitable[T]]]) -> list[T]:
 async def generate_n(engine: Engine, prompt: str | Sequence[int], params: SamplingParams, n: int) -> list[Completion]:
     """n completions of `prompt`, the prompt prefilled once."""
     _check_n(n)
-    if n > 1:
-        await prefill_once(engine, lambda p: engine.stream(prompt, p), params)
+    with _one_client():
+        if n > 1:
+            await prefill_once(engine, lambda p: engine.stream(prompt, p), params)
 
-    def run(i: int) -> Callable[[], Awaitable[Completion]]:
-        async def go() -> Completion:
-            return await engine.stream(prompt, sample_params(params, i))
+        def run(i: int) -> Callable[[], Awaitable[Completion]]:
+            async def go() -> Completion:
+                return await engine.stream(prompt, sample_params(params, i))
 
-        return go
+            return go
 
-    return await gather_all([run(i) for i in range(n)])
+        return await gather_all([run(i) for i in range(n)])
 
 
 async def chat_n(
@@ -115,13 +124,14 @@ async def chat_n(
             messages, p, tools=tools, tool_choice=tool_choice, parallel_tool_calls=parallel_tool_calls
         )
 
-    if n > 1:
-        await prefill_once(engine, lambda p: start(p).tokens, params)
+    with _one_client():
+        if n > 1:
+            await prefill_once(engine, lambda p: start(p).tokens, params)
 
-    def run(i: int) -> Callable[[], Awaitable[ChatReply]]:
-        async def go() -> ChatReply:
-            return await start(sample_params(params, i))
+        def run(i: int) -> Callable[[], Awaitable[ChatReply]]:
+            async def go() -> ChatReply:
+                return await start(sample_params(params, i))
 
-        return go
+            return go
 
-    return await gather_all([run(i) for i in range(n)])
+        return await gather_all([run(i) for i in range(n)])

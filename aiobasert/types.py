@@ -303,6 +303,9 @@ class Timing(msgspec.Struct, frozen=True, kw_only=True):
     admitted_step: int
     """Engine step in which the request got its lane (prefill began)."""
     finished_step: int
+    first_token_step: int = -1
+    """Engine step that produced its first token (-1: none). `first_token_step - submitted_step`
+    is its time to first token in steps, what fair admission bounds (docs/fairness.md)."""
 
 
 class Completion(msgspec.Struct, frozen=True, kw_only=True):
@@ -348,6 +351,8 @@ class EngineStats(msgspec.Struct, frozen=True, kw_only=True):
     pages the engine has not yet written take no memory."""
     engine_bytes: int = 0
     """What the engine holds: resident weights, the KV pool's capacity and its runtime buffers."""
+    requests_preempted: int = 0
+    """Lanes taken back for another client's request (docs/fairness.md); each resumed later."""
 
 
 class ModelInfo(msgspec.Struct, frozen=True, kw_only=True):

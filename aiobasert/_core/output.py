@@ -131,5 +131,6 @@ class OutputProcessor:
                 submitted_step=lane.submitted_step,
                 admitted_step=lane.admitted_step,
                 finished_step=step,
+                first_token_step=lane.first_token_step,
             ),
         )

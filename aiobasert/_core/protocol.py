@@ -68,6 +68,8 @@ class RequestSpec:
     """An xgrammar structural tag (JSON text) for the same contract as `lark`: the engine's own
     grammar backend builds it where it can (`baseRT_grammar_create_from_structural_tag`);
     `lark` is the host fallback when it cannot."""
+    client: str | None = None
+    """Whose request it is, for fair admission (`aiobasert.client_scope`); None: its own."""
     submitted_at: float = field(default_factory=time.monotonic)
 
 
@@ -183,6 +185,8 @@ class Embed:
     rid: str
     source: str | list[int]
     done: Done
+    client: str | None = None
+    """Whose request it is, for fair admission (as `RequestSpec.client`)."""
 
 
 @dataclass

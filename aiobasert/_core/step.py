@@ -80,7 +80,7 @@ class Lane:
         self.ticket = ticket
         self.prompt = prompt
         self.prompt_arr = _ffi.u32_array(prompt)
-        self.state = LaneState(rid=spec.rid, prompt_len=len(prompt), max_new_tokens=max_new)
+        self.state = LaneState(rid=spec.rid, prompt_len=len(prompt), max_new_tokens=max_new, client=spec.client)
         p = spec.params
         self.seed = p.seed if p.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
         self.penalized = p.repeat_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
@@ -108,6 +108,7 @@ class Lane:
         self.admitted_step = -1
         self.admitted_at = 0.0
         self.first_token_at = 0.0
+        self.first_token_step = -1
         self.sampling_cfg: _ffi.BaseRTSamplingConfig | None = None
         self._keep: list[Any] = []  # ctypes arrays the sampling config points into
         if self.cpu_sampler:
@@ -135,16 +136,23 @@ class Lane:
             tail = self.prompt[-(window - len(tail)) :] + tail
         return tail
 
+    def fed(self) -> list[int]:
+        """What it prefills: the prompt, and a preempted lane's output so far (`LaneState.replay`)."""
+        replay = self.state.replay
+        return self.prompt + self.generated[:replay] if replay else self.prompt
+
     def next_input(self, k: int) -> list[int]:
         """The k tokens this lane feeds next: a prompt chunk, or its last sampled token."""
         st = self.state
         if st.prefilling:
-            return self.prompt[st.prefilled : st.prefilled + k]
+            return self.fed()[st.prefilled : st.prefilled + k]
         return self.generated[-1:]
 
     def kv_tokens(self) -> list[int]:
         """The tokens whose KV the sequence holds (the last sampled one is not fed yet)."""
-        return self.prompt[: self.state.prefilled] + self.generated[:-1]
+        if self.state.prefilling:
+            return self.fed()[: self.state.prefilled]
+        return self.prompt + self.generated[:-1]
 
 
 class TapPooler:
@@ -189,13 +197,13 @@ class EmbedLane:
 
     host = False  # it samples nothing, so it never needs a host logits row
 
-    def __init__(self, rid: str, ids: list[int], dim: int, done: Any) -> None:
+    def __init__(self, rid: str, ids: list[int], dim: int, done: Any, client: str | None = None) -> None:
         import numpy as np
 
         self.rid = rid
         self.ids = ids
         self.done = done  # (result, error) callback, run on the loop
-        self.state = LaneState(rid=rid, prompt_len=len(ids), max_new_tokens=0, embed=True)
+        self.state = LaneState(rid=rid, prompt_len=len(ids), max_new_tokens=0, embed=True, client=client)
         self.seq: int | None = None
         self.total = np.zeros(dim, dtype=np.float64)
         self.finite = True

@@ -21,6 +21,7 @@ vLLM's meanings where vLLM has the metric.
 | `aiobasert_kv_blocks_capacity` (gauge) | none: `EngineStats.kv_blocks_total` |
 | `aiobasert_kv_cache_bytes` (gauge, labelled `kv_cache_dtype`) | `vllm:cache_config_info`'s `cache_dtype` |
 | `aiobasert_prefix_cache_hits_total` / `_queries_total` (counters, tokens) | `vllm:prefix_cache_hits` / `_queries` |
+| `aiobasert_num_preemptions_total` (counter) | `vllm:num_preemptions_total` (lanes taken back, docs/fairness.md) |
 | `aiobasert_event_loop_lag_seconds` (histogram) | none: how late the server's loop wakes |
 | `aiobasert_abort_latency_seconds` (histogram) | none: client disconnect to lane freed |
 | `aiobasert_build_info` (gauge, 1: `version`, `engine_version`, `abi`) | `vllm:cache_config_info`-style info |
@@ -155,6 +156,10 @@ class Metrics:
         self.loop_lag = Histogram("aiobasert_event_loop_lag_seconds",
                                   "How late the server's event loop wakes from a timed sleep.",
                                   buckets=_FAST, registry=r)
+        self.preemptions = Counter("aiobasert_num_preemptions",
+                                   "Lanes taken back for another client's request (each resumed later).",
+                                   label, registry=r)
+        self._preempted: dict[str, int] = {}  # the engine's count at the last scrape, by model
         self.abort = Histogram("aiobasert_abort_latency_seconds",
                                "Client disconnect to its engine lane freed.", label, buckets=_FAST, registry=r)
 
@@ -191,6 +196,10 @@ class Metrics:
             live = max(0, s.kv_blocks_used - s.prefix_blocks_cached)
             self.kv_usage.labels(name).set(live / s.kv_blocks_total if s.kv_blocks_total else 0.0)
             self.kv_bytes.labels(name, engine.info.kv_cache_dtype).set(s.kv_cache_bytes)
+            last = self._preempted.get(name, 0)
+            if s.requests_preempted >= last:  # (a reloaded engine counts from 0 again)
+                self.preemptions.labels(name).inc(s.requests_preempted - last)
+            self._preempted[name] = s.requests_preempted
         if versions:
             self.build_info.engine_versions = versions
         return Response(generate_latest(_WithoutCreated(self.registry)), media_type=CONTENT_TYPE_LATEST)

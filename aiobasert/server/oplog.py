@@ -26,6 +26,7 @@ from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from ..batcher import client_scope
 from ..engine import Engine
 from .errors import WITNESS, APIError
 from .metrics import Metrics
@@ -118,7 +119,10 @@ class RequestOps:
 
         token = WITNESS.set(witness)
         try:
-            await self.app(scope, receive, send_with_id)
+            # each HTTP request is one client for fair admission (docs/fairness.md): its choices and
+            # prompts share the lanes it is due; a fresh key, not the given id, so no client joins another's
+            with client_scope(f"http-{uuid.uuid4().hex}"):
+                await self.app(scope, receive, send_with_id)
         except Exception as exc:  # Starlette answers 500 outside this middleware, then re-raises
             witness.report(500, None, why=f"{'after the response started: ' if started else ''}"
                            f"{type(exc).__name__}: {exc}")

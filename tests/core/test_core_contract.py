@@ -36,6 +36,7 @@ from aiobasert import (
     StreamClosedError,
     TokenStream,
     WrongEventLoopError,
+    client_scope,
 )
 from aiobasert.models.tiny import bytes_to_unicode, tiny_vocab
 
@@ -376,8 +377,9 @@ async def test_an_engine_dropped_without_aclose_is_reclaimed(tiny_model_path: Pa
 async def test_a_refused_structured_request_frees_its_grammar(untied_model_path: Path) -> None:
     schema = {"type": "object"}
     async with Engine.open(untied_model_path, max_batch_size=1, max_queue=1, max_buffered_tokens=2) as engine:
-        blocker = await occupy(engine)
-        waiting = engine.stream("waits for the lane", max_tokens=3, json_schema=schema)
+        with client_scope("one client"):  # served FIFO: the waiting request does not take the blocker's lane
+            blocker = await occupy(engine)
+            waiting = engine.stream("waits for the lane", max_tokens=3, json_schema=schema)
         waiting.submit()
         with anyio.fail_after(BOUND):
             while (await engine.stats()).waiting_requests == 0:  # its grammar is built off the engine thread
@@ -677,8 +679,8 @@ async def test_await_interrupted_by_another_tasks_aclose_raises(tiny_model_path:
 # A Lane's lifecycle: what the engine thread decides (prefill progress, generated
 # ids, its sequence, how it ended, its pooled embedding). Only engine_thread.py
 # writes these, from the results the step and the output processor return.
-LANE_LIFECYCLE = {"prefilled", "generated", "seq", "final", "error", "first_token_at", "admitted_at",
-                  "cached", "prefix_handle", "pending", "total", "finite", "admitted_step"}
+LANE_LIFECYCLE = {"prefilled", "generated", "seq", "final", "error", "first_token_at", "first_token_step",
+                  "admitted_at", "cached", "prefix_handle", "pending", "total", "finite", "admitted_step"}
 
 
 def test_only_the_engine_thread_writes_a_lanes_lifecycle() -> None:

@@ -27,6 +27,7 @@ from aiobasert import (
     EngineOverloadedError,
     InvalidRequestError,
     TokenStream,
+    client_scope,
 )
 from aiobasert._core.ffi import Library
 
@@ -217,7 +218,8 @@ async def test_embed_errors_cost_only_their_caller(untied_model_path: Path) -> N
     """Refused embeds (too long, empty, past max_queue) raise in their caller only;
     an embed waits for a lane like any request."""
     async with Engine.open(untied_model_path, max_batch_size=1, max_queue=1, max_context=2048) as engine:
-        with anyio.fail_after(BOUND):
+        # one client: served FIFO (another client's embed would take the lane back, docs/fairness.md)
+        with anyio.fail_after(BOUND), client_scope("one client"):
             alone = await engine.generate("neighbour", max_tokens=2000, ignore_eos=True)
             s = engine.stream("neighbour", max_tokens=2000, ignore_eos=True)
             await s.__anext__()  # unread, it keeps the only lane for its 2000 steps

@@ -8,6 +8,10 @@ then all again beside the hostile traffic. For the normal callers it asserts:
 
 - every call returns, within a deadline computed from the solo run's engine steps (generous:
   several times the steps all the bounded traffic can take; a call past it is named);
+- its time to first token, in engine steps (`Timing.first_token_step - submitted_step`), stays
+  within 2x its solo one plus one step, although long holders (a streamed n=16 x 400 request of
+  one client, eight long generations) and never-read streams hold every lane: fair admission
+  (docs/fairness.md) gives it a lane back at once;
 - greedy results equal the solo run's (embeddings to float tolerance);
 - afterwards no lane, queued request, sequence or grammar is held, no KV block beyond the prefix
   cache's (`EngineGroup.stats()`), and the process's RSS is under 2x plus a fixed margin;
@@ -23,6 +27,7 @@ Repro aids: AIOBASERT_HOSTILE_SEEDS=1,2 runs other plans; AIOBASERT_HOSTILE_KIND
 
 from __future__ import annotations
 
+import functools
 import random
 import time
 from collections.abc import Awaitable, Callable
@@ -35,7 +40,7 @@ import numpy as np
 import pytest
 from hostile_plan import SEEDS, TOOLS, draw_hostile_plan, random_text, ref_chain, rss_mb
 
-from aiobasert import AioBaseRTError, Engine, EngineGroup
+from aiobasert import AioBaseRTError, Engine, EngineGroup, Timing, client_scope
 from aiobasert.errors import StreamClosedError
 from aiobasert.streams import TokenStream
 
@@ -43,11 +48,14 @@ TEST_BUDGET_S = 150
 """Time for the traffic phase at most, so a hang is reported with names before the test timeout."""
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(240)]
 
-LANES = 4
+LANES = 8
+"""The default max_batch_size: a burst of the normal calls (up to 14) is admitted within two steps."""
 SCHEMA = {"type": "object", "properties": {"n": {"type": "integer"}, "ok": {"type": "boolean"}},
           "required": ["n", "ok"]}  # fmt: skip
 HOSTILE_KINDS = ("never_read", "cancel_other_task", "aclose_midflight", "chat_break", "wrong_types",
-                 "huge_input", "ref_chain", "deep_schema", "big_enum")  # fmt: skip
+                 "huge_input", "ref_chain", "deep_schema", "big_enum", "long_fan_out", "long_eight")  # fmt: skip
+LONG = 400
+"""Tokens of each long holder's generation."""
 
 
 
@@ -58,7 +66,8 @@ HOSTILE_KINDS = ("never_read", "cancel_other_task", "aclose_midflight", "chat_br
 class Normal:
     name: str
     model: str
-    run: Callable[[Engine], Awaitable[Any]]
+    run: Callable[[Engine], Awaitable[tuple[Any, Timing | None]]]
+    """The call's result (compared with the solo run's) and its timing (None: an embedding)."""
     tokens: int
 
 
@@ -71,53 +80,66 @@ def _normal_plan(rng: random.Random, models: list[str]) -> list[Normal]:
     return plan
 
 
-def _stream(words: str, max_tokens: int) -> Callable[[Engine], Awaitable[Any]]:
-    async def run(engine: Engine) -> Any:
-        return [t.id async for t in engine.stream(words, max_tokens=max_tokens, temperature=0)]
+Run = Callable[[Engine], Awaitable[tuple[Any, Timing | None]]]
+
+
+def _stream(words: str, max_tokens: int) -> Run:
+    async def run(engine: Engine) -> tuple[Any, Timing | None]:
+        stream = engine.stream(words, max_tokens=max_tokens, temperature=0)
+        ids = [t.id async for t in stream]
+        return ids, stream.final.timing if stream.final else None
 
     return run
 
 
-def _generate(words: str, max_tokens: int) -> Callable[[Engine], Awaitable[Any]]:
-    async def run(engine: Engine) -> Any:
+def _generate(words: str, max_tokens: int) -> Run:
+    async def run(engine: Engine) -> tuple[Any, Timing | None]:
         done = await engine.generate(words, max_tokens=max_tokens, temperature=0)
-        return done.token_ids, done.finish_reason
+        return (done.token_ids, done.finish_reason), done.timing
 
     return run
 
 
-def _chat(words: str, max_tokens: int) -> Callable[[Engine], Awaitable[Any]]:
-    async def run(engine: Engine) -> Any:
+def _chat(words: str, max_tokens: int) -> Run:
+    async def run(engine: Engine) -> tuple[Any, Timing | None]:
         done = await engine.chat([{"role": "user", "content": words}], max_tokens=max_tokens, temperature=0)
-        return done.text, done.finish_reason
+        return (done.text, done.finish_reason), done.timing
 
     return run
 
 
-def _tools(words: str, max_tokens: int) -> Callable[[Engine], Awaitable[Any]]:
-    async def run(engine: Engine) -> Any:
+def _tools(words: str, max_tokens: int) -> Run:
+    async def run(engine: Engine) -> tuple[Any, Timing | None]:
         reply = await engine.chat([{"role": "user", "content": f"weather in {words}?"}], tools=TOOLS,
                                   tool_choice="required", max_tokens=4 * max_tokens, temperature=0)  # fmt: skip
-        return reply.content, [(c.name, c.arguments) for c in reply.tool_calls], reply.finish_reason
+        return (reply.content, [(c.name, c.arguments) for c in reply.tool_calls], reply.finish_reason), reply.timing
 
     return run
 
 
-def _json(words: str, max_tokens: int) -> Callable[[Engine], Awaitable[Any]]:
-    async def run(engine: Engine) -> Any:
-        return (await engine.generate(words, max_tokens=2 * max_tokens, temperature=0, json_schema=SCHEMA)).text
+def _json(words: str, max_tokens: int) -> Run:
+    async def run(engine: Engine) -> tuple[Any, Timing | None]:
+        done = await engine.generate(words, max_tokens=2 * max_tokens, temperature=0, json_schema=SCHEMA)
+        return done.text, done.timing
 
     return run
 
 
-def _embed(words: str, max_tokens: int) -> Callable[[Engine], Awaitable[Any]]:
-    async def run(engine: Engine) -> Any:
-        return np.asarray(await engine.embed(words), dtype=np.float64)
+def _embed(words: str, max_tokens: int) -> Run:
+    async def run(engine: Engine) -> tuple[Any, Timing | None]:
+        return np.asarray(await engine.embed(words), dtype=np.float64), None
 
     return run
 
 
-_NORMAL: dict[str, Callable[[str, int], Callable[[Engine], Awaitable[Any]]]] = {
+def _ttft_steps(timing: Timing | None) -> int | None:
+    """Time to first token in engine steps (None: no token, or no timing)."""
+    if timing is None or timing.first_token_step < 0:
+        return None
+    return timing.first_token_step - timing.submitted_step
+
+
+_NORMAL: dict[str, Callable[[str, int], Run]] = {
     "stream": _stream, "generate": _generate, "chat": _chat, "tools": _tools, "json": _json, "embed": _embed,
 }  # fmt: skip
 
@@ -292,15 +314,41 @@ async def _big_enum(h: Hostile, rng: random.Random) -> None:
                        lambda: engine.generate("json", max_tokens=16, json_schema=schema), or_served=True)
 
 
+async def _long_fan_out(h: Hostile, rng: random.Random) -> None:
+    """A streamed n=16 x 400-token request: one client's 16 choices, every token read (issue 26 item 10)."""
+    name = rng.choice(h.models)
+    words = random_text(rng, 3)
+    async with h.group.lease(name) as engine:
+        with client_scope(f"fan-out-{rng.random()}"):
+
+            async def choice() -> None:
+                async for _tok in engine.stream(words, max_tokens=LONG, ignore_eos=True, temperature=0.9):
+                    pass
+
+            async with anyio.create_task_group() as tg:
+                for _ in range(16):
+                    tg.start_soon(choice)
+
+
+async def _long_eight(h: Hostile, rng: random.Random) -> None:
+    """Eight long generations at once (each request its own client: no key)."""
+    name = rng.choice(h.models)
+    async with h.group.lease(name) as engine, anyio.create_task_group() as tg:
+        for _ in range(8):
+            tg.start_soon(functools.partial(engine.generate, random_text(rng, 3), max_tokens=LONG,
+                                            ignore_eos=True, temperature=0.9))  # fmt: skip
+
+
 _HOSTILE: dict[str, Callable[[Hostile, random.Random], Awaitable[None]]] = {
     "never_read": _never_read, "cancel_other_task": _cancel_other_task, "aclose_midflight": _aclose_midflight,
     "chat_break": _chat_break, "wrong_types": _wrong_types, "huge_input": _huge_input, "ref_chain": _ref_chain_caller,
-    "deep_schema": _deep_schema, "big_enum": _big_enum,
+    "deep_schema": _deep_schema, "big_enum": _big_enum, "long_fan_out": _long_fan_out, "long_eight": _long_eight,
 }  # fmt: skip
 # Enough never-read streams to take every lane of both models.
 _COUNTS = {"never_read": (2 * LANES, 2 * LANES + 2), "cancel_other_task": (4, 8), "aclose_midflight": (3, 6),
            "chat_break": (1, 3)}  # fmt: skip
-_BOUNDED_TOKENS = {"cancel_other_task": 600, "aclose_midflight": 600, "chat_break": 600}
+_BOUNDED_TOKENS = {"cancel_other_task": 600, "aclose_midflight": 600, "chat_break": 600,
+                   "long_fan_out": 16 * LONG, "long_eight": 8 * LONG}  # fmt: skip
 
 
 async def _steps(group: EngineGroup) -> int:
@@ -334,23 +382,27 @@ async def test_hostile_callers_cannot_stall_starve_or_kill_normal_ones(
     with anyio.CancelScope() as leaving:
         async with opened as group:
             solo: dict[str, Any] = {}
+            solo_ttft: dict[str, int | None] = {}
             before, started = await _steps(group), time.monotonic()
             for req in normal:
                 async with group.lease(req.model) as engine:
-                    solo[req.name] = await req.run(engine)
+                    solo[req.name], timing = await req.run(engine)
+                    solo_ttft[req.name] = _ttft_steps(timing)
             steps = await _steps(group) - before
             per_step = (time.monotonic() - started) / max(steps, 1)
             rss_start = rss_mb()
 
             hostile = Hostile(group, models)
             together: dict[str, Any] = {}
+            together_ttft: dict[str, int | None] = {}
             failures: dict[str, str] = {}
             pending = {req.name for req in normal}
 
             async def normal_caller(req: Normal) -> None:
                 try:
                     async with group.lease(req.model) as engine:
-                        together[req.name] = await req.run(engine)
+                        together[req.name], timing = await req.run(engine)
+                        together_ttft[req.name] = _ttft_steps(timing)
                 except Exception as exc:
                     failures[req.name] = f"{type(exc).__name__}: {exc}"[:300]
                 pending.discard(req.name)  # answered (a failure is an answer too); not when cancelled
@@ -375,6 +427,13 @@ async def test_hostile_callers_cannot_stall_starve_or_kill_normal_ones(
                     for i, kind in enumerate(kinds):
                         tasks.start_soon(hostile_caller, f"{kind}#{i}", kind)
                     await anyio.sleep(0.3)  # let the hostile callers take lanes first
+                    # ... and be admitted (a loaded machine may take few steps in 0.3 s): the normal calls
+                    # then arrive as a burst of their own, beside the lanes the hostile ones hold
+                    target = await _steps(group) + 64
+                    while await _steps(group) < target and any(
+                        s.engine is not None and s.engine.active_lanes for s in (await group.stats()).values()
+                    ):
+                        await anyio.sleep(0.01)
                     async with anyio.create_task_group() as callers:
                         for req in normal:
                             callers.start_soon(normal_caller, req)
@@ -392,6 +451,12 @@ async def test_hostile_callers_cannot_stall_starve_or_kill_normal_ones(
                 findings.append(f"greedy results differ from the solo run (solo, together): {differ}")
             if running:
                 findings.append(f"hostile calls not done within {deadline:.0f} s: {sorted(running)}")
+            # Fair admission: beside the long holders a normal call's first token comes within 2x its
+            # solo time to first token plus one step (FIFO admission: after their hundreds of steps).
+            slow = {n: (solo_ttft[n], t) for n, t in together_ttft.items()
+                    if t is not None and (s := solo_ttft[n]) is not None and t > 2 * s + 1}  # fmt: skip
+            if slow:
+                findings.append(f"time to first token past 2x solo + 1 step (solo, together steps): {slow}")
 
             # Half of the never-read streams are closed by their owners; the rest stay open into aclose().
             for stream in hostile.held[len(hostile.held) // 2 :]:

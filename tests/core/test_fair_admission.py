@@ -1,0 +1,145 @@
+"""Fair admission (issue 26 item 10, docs/fairness.md): one client holding every lane with
+long generations does not starve another client's short request, and preempted requests
+resume with the output they would have had. Measured in engine steps, never seconds."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import anyio
+import pytest
+
+from aiobasert import Completion, Engine, client_scope
+
+pytestmark = pytest.mark.anyio
+
+LONG = 400
+RESUMED = 1000
+"""Long enough to be running while the newcomers of the resume test come and go."""
+PROMPT = "the lamp by the door is on and the cat sleeps under it while rain falls " * 2
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio", "trio"])
+async def test_a_short_request_is_not_starved_by_long_holders(untied_model_path: Path) -> None:
+    async with Engine.open(untied_model_path, max_batch_size=8) as engine:
+        greedy = await engine.generate(PROMPT, max_tokens=LONG, ignore_eos=True, temperature=0)
+        seeded = await engine.generate(PROMPT, max_tokens=LONG, ignore_eos=True, temperature=0.9, seed=7)
+        streamed: dict[int, list[int]] = {}
+        longs: dict[int, Completion] = {}
+
+        async def choice(i: int) -> None:  # one of a streamed n=16 request: one client
+            with client_scope("fan-out"):
+                stream = engine.stream(PROMPT, max_tokens=LONG, ignore_eos=True, temperature=0)
+                streamed[i] = [t.id async for t in stream]
+                longs[i] = await stream
+
+        async def generation(i: int) -> None:  # eight long generations, each its own client
+            sampled = i % 4 == 0
+            longs[i] = await engine.generate(PROMPT, max_tokens=LONG, ignore_eos=True,
+                                             temperature=0.9 if sampled else 0, seed=7 if sampled else None)
+
+        async with anyio.create_task_group() as tg:
+            for i in range(16):
+                tg.start_soon(choice, i)
+            for i in range(16, 24):
+                tg.start_soon(generation, i)
+            # every lane held, each for more steps than the preemption quantum
+            start = (await engine.stats()).steps
+            while (s := await engine.stats()).active_lanes < 8 or s.steps < start + 40:
+                await anyio.sleep(0.005)
+            short = await engine.generate("hello", max_tokens=2, temperature=0)
+
+        t = short.timing
+        assert len(short.token_ids) == 2
+        # Its first token in the next step (it takes back a lane that has sampled since its own
+        # admission; one of the few being replayed may be waited for); FIFO: ~1,000 steps.
+        assert t.first_token_step - t.submitted_step <= 3, t
+        assert t.first_token_step < min(c.timing.finished_step for c in longs.values())
+        assert (await engine.stats()).requests_preempted >= 1
+        # the preempted requests resumed where they left off: the same output as alone
+        for i, done in longs.items():
+            want = seeded if i >= 16 and i % 4 == 0 else greedy
+            assert done.token_ids == want.token_ids, i
+            assert done.usage.prompt_tokens == greedy.usage.prompt_tokens
+        assert all(streamed[i] == greedy.token_ids for i in range(16))
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio", "trio"])
+@pytest.mark.parametrize("prefix_cache", [True, False])
+async def test_a_preempted_request_resumes_with_the_same_output(untied_model_path: Path, prefix_cache: bool) -> None:
+    # Without a prefix cache the preempted request recomputes prompt + output in chunks
+    # (prefill_chunk 16: several steps of replay); with one, it is seeded from it.
+    async with Engine.open(untied_model_path, max_batch_size=1, prefix_cache=prefix_cache, prefill_chunk=16) as engine:
+        want = await engine.generate(PROMPT, max_tokens=RESUMED, ignore_eos=True, temperature=0.7, seed=3)
+        async with anyio.create_task_group() as tg:
+            got: list[Completion] = []
+
+            async def long() -> None:
+                got.append(await engine.generate(PROMPT, max_tokens=RESUMED, ignore_eos=True, temperature=0.7, seed=3))
+
+            tg.start_soon(long)
+            start = (await engine.stats()).steps
+            while (s := await engine.stats()).active_lanes < 1 or s.steps < start + 20:
+                await anyio.sleep(0.005)
+            for _ in range(3):  # three newcomers, one after the other, each takes the lane back
+                await engine.generate("hi", max_tokens=3, temperature=0)
+                while (await engine.stats()).waiting_requests:  # the long one has its lane again
+                    await anyio.sleep(0.005)
+        stats = await engine.stats()
+        assert stats.requests_preempted >= 1
+        assert got[0].token_ids == want.token_ids
+        u, w = got[0].usage, want.usage  # its first admission's usage: the prompt counted once
+        assert (u.prompt_tokens, u.completion_tokens) == (w.prompt_tokens, w.completion_tokens)
+        assert stats.live_sequences == 0
+
+
+LIST_SCHEMA = {"type": "object", "required": ["items"],
+               "properties": {"items": {"type": "array", "items": {"type": "string"}, "minItems": 40}}}  # fmt: skip
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio", "trio"])
+async def test_a_preempted_structured_request_keeps_its_grammar_state(untied_model_path: Path) -> None:
+    # The grammar saw every output token once; the replay feeds them again to the KV only,
+    # and the token it then samples is masked by the grammar where it had stopped.
+    async with Engine.open(untied_model_path, max_batch_size=1) as engine:
+        want = await engine.generate("list", max_tokens=600, temperature=0, json_schema=LIST_SCHEMA)
+        got: list[Completion] = []
+
+        async def structured() -> None:
+            got.append(await engine.generate("list", max_tokens=600, temperature=0, json_schema=LIST_SCHEMA))
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(structured)
+            start = (await engine.stats()).steps
+            while (s := await engine.stats()).active_lanes < 1 or s.steps < start + 20:
+                await anyio.sleep(0.005)
+            for _ in range(3):
+                await engine.generate("hi", max_tokens=3, temperature=0)
+                while (await engine.stats()).waiting_requests:
+                    await anyio.sleep(0.005)
+        stats = await engine.stats()
+        assert stats.requests_preempted >= 1
+        assert got[0].token_ids == want.token_ids and got[0].text == want.text
+        assert stats.live_grammars == 0 and stats.live_sequences == 0
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio", "trio"])
+async def test_a_preempted_request_cancelled_while_it_waits_frees_everything(untied_model_path: Path) -> None:
+    async with Engine.open(untied_model_path, max_batch_size=1) as engine:
+        first = engine.stream(PROMPT, max_tokens=1500, ignore_eos=True)
+        await first.__anext__()
+        start = (await engine.stats()).steps
+        while (await engine.stats()).steps < start + 5:  # it has sampled since its admission
+            await anyio.sleep(0.005)
+        second = engine.stream("another client", max_tokens=1500, ignore_eos=True)
+        await second.__anext__()  # it took the lane back: the first waits, preempted
+        s = await engine.stats()
+        assert s.requests_preempted == 1 and s.waiting_requests == 1 and s.live_sequences == 1
+        await first.aclose()
+        while (s := await engine.stats()).waiting_requests:
+            await anyio.sleep(0.005)
+        assert s.requests_cancelled == 1 and s.live_sequences == 1 and s.active_lanes == 1
+        await second.aclose()
+        while (s := await engine.stats()).live_sequences or s.active_lanes:
+            await anyio.sleep(0.005)
+        assert s.requests_cancelled == 2 and s.kv_blocks_used <= s.prefix_blocks_cached

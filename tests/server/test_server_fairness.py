@@ -1,0 +1,62 @@
+"""Fair admission over HTTP (issue 26 item 10, docs/fairness.md): each HTTP request is one
+client, so one client's streamed n=16 request and eight long completions cannot starve
+another client's 2-token request. Proved by the order requests end in, never by seconds."""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import anyio
+import httpx
+import pytest
+from loopback import serving
+
+from aiobasert import Engine
+from aiobasert.models.tiny import SPECIAL_TOKENS
+from aiobasert.server import create_app
+
+pytestmark = pytest.mark.anyio
+
+NO_END = {str(t): -100 for t in range(len(SPECIAL_TOKENS))}  # every request runs to max_tokens
+LONG = 400
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio", "trio"])
+async def test_a_short_request_ends_before_the_long_holders(untied_model_path: Path) -> None:
+    factory = functools.partial(Engine.open, untied_model_path, max_batch_size=8)
+    with serving(create_app(factory)) as url:
+        async with httpx.AsyncClient(base_url=url, timeout=120) as http:
+            ended: list[str] = []
+
+            async def fan_out() -> None:  # a streamed n=16 x 400-token request, read to its end
+                body = {"prompt": "Once upon a time", "n": 16, "max_tokens": LONG, "stream": True,
+                        "temperature": 0.9, "seed": 1, "logit_bias": NO_END}  # fmt: skip
+                async with http.stream("POST", "/v1/completions", json=body) as r:
+                    assert r.status_code == 200
+                    async for _chunk in r.aiter_bytes():
+                        pass
+                ended.append("n=16")
+
+            async def long(i: int) -> None:
+                body = {"prompt": f"A story, part {i}", "max_tokens": LONG, "temperature": 0, "logit_bias": NO_END}
+                r = await http.post("/v1/completions", json=body)
+                assert r.status_code == 200, r.text
+                ended.append(f"long {i}")
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(fan_out)
+                for i in range(8):
+                    tg.start_soon(long, i)
+                while (await http.get("/v1/internal/stats")).json()["active_lanes"] < 8:  # every lane held
+                    await anyio.sleep(0.01)
+                r = await http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2, "temperature": 0})
+                assert r.status_code == 200, r.text
+                ended.append("short")
+            # FIFO admission: it waited for eight of the long ones to end first
+            assert ended[0] == "short", ended
+            stats = (await http.get("/v1/internal/stats")).json()
+            assert stats["requests_preempted"] >= 1 and stats["live_sequences"] == 0
+            metrics = (await http.get("/metrics")).text
+            counted = [line for line in metrics.splitlines() if line.startswith("aiobasert_num_preemptions_total{")]
+            assert len(counted) == 1 and float(counted[0].rsplit(" ", 1)[1]) == stats["requests_preempted"]
