@@ -26,6 +26,7 @@ import ast
 import os
 import re
 import shlex
+import shutil
 import socket
 import subprocess
 import sys
@@ -106,7 +107,7 @@ BLOCKS = doc_blocks()
 def test_every_block_has_a_way_to_run() -> None:
     """A new block fails here until it is one of the kinds above."""
     for block in BLOCKS:
-        assert block.lang in ("python", "bash", "console", "jsonc", "text"), block
+        assert block.lang in ("python", "bash", "console", "jsonc", "text", "yaml"), block
     assert {(b.file, b.first) for b in BLOCKS} >= set(NOT_RUN), "a NOT_RUN block is gone: drop it from the list"
 
 
@@ -184,6 +185,28 @@ def run_client(block: Block, models: Models, tmp: Path) -> None:
         code = substitute(block.code, placeholders(models, tmp), quoted=True).replace("http://127.0.0.1:8000", url)
         namespace: dict[str, Any] = {}
         exec(compile(code, f"{block.file}:{block.line}", "exec"), namespace)
+
+
+def check_recording_rules(block: Block, tmp: Path) -> None:
+    """Prometheus recording rules: each series an `expr` names is one the server exports, and promtool
+    (installed by .ci/run) accepts the file."""
+    import yaml
+
+    from aiobasert.server.metrics import Metrics
+
+    registry = Metrics().registry
+    exported = {s.name for family in registry.collect() for s in family.samples}
+    for family in registry.collect():  # a labelled family shows no samples until a label is used
+        suffixes = {"counter": ["_total"], "histogram": ["_bucket", "_sum", "_count"]}.get(family.type, [""])
+        exported |= {family.name + suffix for suffix in suffixes}
+    rules = [rule for group in yaml.safe_load(block.code)["groups"] for rule in group["rules"]]
+    named = {name for rule in rules for name in re.findall(r"\b[a-z_]+_[a-z_]+\b", rule["expr"])}
+    assert rules and named and named <= exported, sorted(named - exported)
+    if shutil.which("promtool") or os.environ.get("CI"):
+        (tmp / "rules.yml").write_text(block.code)
+        found = subprocess.run(["promtool", "check", "rules", str(tmp / "rules.yml")], capture_output=True,
+                               text=True, timeout=60)  # fmt: skip
+        assert found.returncode == 0, found.stdout + found.stderr
 
 
 def run_django_site(block: Block, models: Models, tmp: Path) -> None:
@@ -347,6 +370,8 @@ def test_doc_block(block: Block, models: Models, tmp_path: Path, request: pytest
         run_console(block, models, tmp_path)
     elif block.lang == "jsonc":
         check_bundle_header(block, models)
+    elif block.lang == "yaml":
+        check_recording_rules(block, tmp_path)
     elif "get_asgi_application" in block.code:
         run_django_site(block, models, tmp_path)
     elif "from openai import OpenAI" in block.code:
