@@ -44,7 +44,6 @@ from .types import (
     KVCacheDtype,
     ModelInfo,
     SamplingParams,
-    schema_problem,
 )
 
 if TYPE_CHECKING:
@@ -406,16 +405,6 @@ class Engine:
         if not isinstance(parallel_tool_calls, bool):  # "no" is truthy: it would have allowed several calls
             raise InvalidRequestError(
                 f"parallel_tool_calls must be a bool, not {type(parallel_tool_calls).__name__}")
-        for i, tool in enumerate(tools or ()):
-            # a tool's schema reaches recursive JSON encoders and the grammar compilers:
-            # measured first (iteratively), with json_schema's depth / $ref / size caps
-            data = tool if isinstance(tool, Mapping) else getattr(tool, "as_openai", None)
-            if callable(data):
-                data = data()
-            problem = schema_problem(data) if isinstance(data, Mapping) else None
-            if problem is not None:
-                raise InvalidRequestError(f"tools[{i}] {problem}")
-
         return open_chat_stream(
             self,
             messages,

@@ -18,7 +18,7 @@ from ..errors import EngineOverloadedError, InvalidRequestError
 from ..fanout import MAX_N, prefill_once, sample_params
 from ..streams import TokenStream
 from ..tools import ChatDelta as ChatDeltaSDK
-from ..tools import ChatStream, TextDelta, Tool, ToolCall, ToolCallDelta
+from ..tools import ChatStream, ChatTurn, TextDelta, Tool, ToolCall, ToolCallDelta, prepare_chat_turn
 from ..types import SamplingParams, Token, Usage
 from .compat import check_refused
 from .errors import APIError, api_error
@@ -26,7 +26,7 @@ from .events import OpenAIChunks, collect, drive
 from .http import json_response, read_json
 from .logprobs import chat_logprobs, completion_logprobs
 from .metrics import Metrics, RequestObserver
-from .params import chat_messages, finish_reason, json_schema_of, sampling_params
+from .params import chat_messages, check_chat_size, finish_reason, json_schema_of, sampling_params
 from .protocol import (
     MAX_EMBEDDING_INPUTS,
     AssistantMessage,
@@ -62,6 +62,7 @@ from .protocol import (
 from .provider import EngineProvider, ServedModel
 from .responses import DEFAULT_STORE_BYTES, ResponsesAPI, ResponseStore
 from .streaming import DEFAULT_WRITE_TIMEOUT_S, SSE_DONE, EventStream, gather, sse, unless_disconnected
+from .workers import Workers, is_large
 
 
 class _CompletionChunks(OpenAIChunks):
@@ -259,6 +260,14 @@ def _tool_param(message: str) -> str | None:
     return "messages" if "message" in message else None
 
 
+def _chat_error(exc: InvalidRequestError) -> APIError:
+    """The 400 of a chat the SDK refused, naming the field it is about."""
+    err = api_error(exc)
+    if err.body.error.param is None:
+        err = APIError(400, str(exc), param=_tool_param(str(exc)))
+    return err
+
+
 logger = logging.getLogger("aiobasert.server")
 
 
@@ -272,9 +281,11 @@ class Service:
         self.provider = provider
         self.created = int(time.time())
         self.metrics = Metrics()
+        self.workers = Workers()
         self.write_timeout = write_timeout if write_timeout is not None and write_timeout > 0 else None  # 0: never
         self.responses = ResponsesAPI(
-            self.resolve, self.metrics, ResponseStore(max_bytes=response_store_bytes), write_timeout=self.write_timeout
+            self.resolve, self.metrics, ResponseStore(max_bytes=response_store_bytes), write_timeout=self.write_timeout,
+            workers=self.workers,
         )
 
     def _observer(self, served: ServedModel) -> RequestObserver:
@@ -466,6 +477,7 @@ class Service:
 
     async def chat_completions(self, request: Request) -> Response:
         req = await read_json(request, ChatCompletionRequest)
+        check_chat_size(len(req.messages), len(req.tools or ()), "messages")  # before anything is paid for them
         check_refused("/v1/chat/completions", req)
         json_schema = json_schema_of(req.response_format)
         if req.top_logprobs is not None and not req.logprobs:
@@ -494,20 +506,26 @@ class Service:
             raise APIError(400, "response_format cannot be combined with tools", param="response_format")
         served = self.resolve(req.model)
         await _admit_fanout(served.engine, n, "n")
-        messages = chat_messages(req.messages)
+        engine = served.engine
+        parallel = req.parallel_tool_calls is not False
+
+        def prepare() -> ChatTurn:
+            # request-sized (every message and tool): in a worker, never on the event loop
+            return prepare_chat_turn(
+                engine, chat_messages(req.messages), tools=tools or None, tool_choice=choice, parallel=parallel
+            )
+
+        try:
+            turn = await self.workers.run(prepare, large=is_large(len(req.messages), len(tools)))
+        except InvalidRequestError as exc:
+            raise _chat_error(exc) from None
         chats: list[ChatStream] = []
 
         def start(p: SamplingParams) -> TokenStream:
             try:
-                chat = served.engine.stream_chat(
-                    messages, p, tools=tools or None, tool_choice=choice,
-                    parallel_tool_calls=req.parallel_tool_calls is not False,
-                )
+                chat = turn.stream(engine, p)
             except InvalidRequestError as exc:
-                err = api_error(exc)
-                if err.body.error.param is None:
-                    err = APIError(400, str(exc), param=_tool_param(str(exc)))
-                raise err from None
+                raise _chat_error(exc) from None
             chats.append(chat)
             return chat.tokens
 

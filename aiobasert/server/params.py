@@ -7,8 +7,9 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
+from ..chat import MAX_CHAT_MESSAGES
 from ..streams import TokenStream
-from ..tools import ToolCall
+from ..tools import MAX_TOOLS, ToolCall
 from ..types import FinishReason, SamplingParams, Token
 from .errors import APIError, aborted
 from .protocol import RequestMessage, ResponseFormat, SamplingRequest
@@ -60,6 +61,16 @@ def json_schema_of(fmt: ResponseFormat | None) -> dict[str, Any] | bool | None:
             raise APIError(400, "response_format json_schema needs json_schema.schema", param="response_format")
         return fmt.json_schema.schema
     raise APIError(400, f"unknown response_format type {fmt.type!r}", param="response_format")
+
+
+def check_chat_size(messages: int, tools: int, messages_param: str) -> None:
+    """400 naming the field for a chat with more messages or tools than any request may have:
+    a count, checked before any message is read, rendered or tokenized."""
+    if messages > MAX_CHAT_MESSAGES:
+        raise APIError(400, f"{messages_param}: {messages} messages; at most {MAX_CHAT_MESSAGES} per request",
+                       param=messages_param)
+    if tools > MAX_TOOLS:
+        raise APIError(400, f"tools: {tools} tools; at most {MAX_TOOLS} per request", param="tools")
 
 
 _ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}

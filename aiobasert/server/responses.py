@@ -34,10 +34,11 @@ from .errors import APIError, api_error
 from .events import collect, drive
 from .http import json_response, read_json
 from .metrics import Metrics
-from .params import finish_reason
+from .params import check_chat_size, finish_reason
 from .protocol import SchemaFields
 from .provider import ServedModel
 from .streaming import DEFAULT_WRITE_TIMEOUT_S, EventStream, unless_disconnected
+from .workers import Workers, is_large
 
 # ---- request ---------------------------------------------------------------------------------
 
@@ -563,9 +564,10 @@ class ResponsesAPI:
 
     def __init__(
         self, resolve: Any, metrics: Metrics, store: ResponseStore | None = None, *,
-        write_timeout: float | None = DEFAULT_WRITE_TIMEOUT_S,
+        write_timeout: float | None = DEFAULT_WRITE_TIMEOUT_S, workers: Workers | None = None,
     ) -> None:
         self._resolve = resolve
+        self._workers = workers if workers is not None else Workers()
         self._metrics = metrics
         self.store = store if store is not None else ResponseStore()  # an empty store is falsy (len 0)
         self._write_timeout = write_timeout
@@ -578,6 +580,8 @@ class ResponsesAPI:
 
     async def create(self, request: Request) -> Response:
         req = await read_json(request, ResponsesRequest)
+        # counts first, before any item is read: the stored conversation is counted again below
+        check_chat_size(0 if isinstance(req.input, str) else len(req.input), len(req.tools or ()), "input")
         check_refused("/v1/responses", req)
         conversation: list[dict[str, Any]] = []
         if req.previous_response_id is not None:
@@ -609,11 +613,17 @@ class ResponsesAPI:
             json_schema=schema,
         )
         served: ServedModel = self._resolve(req.model)
+        check_chat_size(len(messages), len(tools), "input")  # the stored conversation counts too
+        engine = served.engine
+        parallel = req.parallel_tool_calls is not False
+
+        def start() -> ChatStream:
+            # request-sized (every message and tool): in a worker, never on the event loop
+            return engine.stream_chat(messages, params, tools=tools or None, tool_choice=choice,
+                                      parallel_tool_calls=parallel)
+
         try:
-            chat = served.engine.stream_chat(
-                messages, params, tools=tools or None, tool_choice=choice,
-                parallel_tool_calls=req.parallel_tool_calls is not False,
-            )
+            chat = await self._workers.run(start, large=is_large(len(messages), len(tools)))
         except InvalidRequestError as exc:
             msg, err = str(exc), api_error(exc)
             if err.body.error.param is None:

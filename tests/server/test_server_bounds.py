@@ -1,0 +1,94 @@
+"""Work a request decides is bounded before it is paid, and paid where only that request
+waits (issue 26; docs/fairness.md, HTTP): chat rendering off the event loop and capped by
+counts checked first, fan-out admission as one atomic reservation, streamed responses bounded
+in unsent bytes, and a Responses store that counts the memory it really holds."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+from loopback import API_KEY, MODEL_NAME
+
+import aiobasert.tools
+from aiobasert.chat import MAX_CHAT_MESSAGES
+from aiobasert.tools import MAX_TOOLS
+
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def http(base_url: str) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=base_url, headers=AUTH, timeout=60) as c:
+        yield c
+
+
+@pytest.fixture
+def renders(monkeypatch: pytest.MonkeyPatch) -> list[threading.Thread]:
+    """The thread of every chat render (aiobasert.tools' template render, which every chat
+    the server prepares goes through)."""
+    seen: list[threading.Thread] = []
+    real = aiobasert.tools.render_with_sentinels
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        seen.append(threading.current_thread())
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(aiobasert.tools, "render_with_sentinels", spy)
+    return seen
+
+
+def _loop_thread() -> threading.Thread:
+    """The thread the served app's event loop runs in (tests/loopback.py's `serving`)."""
+    return next(t for t in threading.enumerate() if t.name == "test-uvicorn")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_chat_rendering_runs_off_the_event_loop(
+    http: httpx.Client, renders: list[threading.Thread], stream: bool
+) -> None:
+    # Rendering costs what the request decides (every message and tool through the template):
+    # on the event loop it froze every other client's stream for seconds (issue 26 item 2).
+    loop = _loop_thread()
+    messages = [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "hi"}] * 40
+    bodies = [
+        ("/v1/chat/completions", {"messages": messages[:1], "max_tokens": 2}),
+        ("/v1/chat/completions", {"messages": messages, "max_tokens": 2, "n": 2}),
+        ("/v1/chat/completions", {"messages": messages[:1], "tools": [TOOL], "max_tokens": 2}),
+        ("/v1/responses", {"input": "hello", "max_output_tokens": 2}),
+    ]
+    for path, body in bodies:
+        r = http.post(path, json={"model": MODEL_NAME, "stream": stream, **body})
+        assert r.status_code == 200, r.text
+    assert len(renders) >= len(bodies)
+    assert loop not in renders, [t.name for t in renders]
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}] * (MAX_CHAT_MESSAGES + 1)},
+         "messages"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": [
+            {"type": "function", "function": {"name": f"t{i}"}} for i in range(MAX_TOOLS + 1)]}, "tools"),
+        ("/v1/responses", {"input": [{"role": "user", "content": "x"}] * (MAX_CHAT_MESSAGES + 1)}, "input"),
+        ("/v1/responses", {"input": "x", "tools": [
+            {"type": "function", "name": f"t{i}"} for i in range(MAX_TOOLS + 1)]}, "tools"),
+    ],
+)
+def test_chat_counts_are_refused_before_anything_is_rendered(
+    http: httpx.Client, renders: list[threading.Thread], path: str, body: dict[str, Any], param: str
+) -> None:
+    # 150,000 tiny messages were rendered (seconds, on the loop) only to be refused as too long;
+    # 3,000 tools took 15 s to refuse. A count is checked first, naming the field.
+    r = http.post(path, json={"model": MODEL_NAME, "max_tokens": 2, **body} if "messages" in body
+                  else {"model": MODEL_NAME, "max_output_tokens": 2, **body})  # fmt: skip
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == param and "at most" in error["message"], error
+    assert renders == []
