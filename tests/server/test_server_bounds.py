@@ -5,16 +5,22 @@ in unsent bytes, and a Responses store that counts the memory it really holds.""
 
 from __future__ import annotations
 
+import functools
+import json
 import threading
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
+import anyio
 import httpx
 import pytest
-from loopback import API_KEY, MODEL_NAME
+from loopback import API_KEY, MODEL_NAME, serving
 
 import aiobasert.tools
+from aiobasert import Engine
 from aiobasert.chat import MAX_CHAT_MESSAGES
+from aiobasert.server import create_app
 from aiobasert.tools import MAX_TOOLS
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
@@ -92,3 +98,50 @@ def test_chat_counts_are_refused_before_anything_is_rendered(
     error = r.json()["error"]
     assert error["param"] == param and "at most" in error["message"], error
     assert renders == []
+
+
+# ---- fan-out admission: one atomic reservation ------------------------------------------------
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("stream", [False, True])
+async def test_concurrent_fan_outs_are_served_whole_or_refused_with_nothing_queued(
+    tiny_model_path: Path, stream: bool
+) -> None:
+    # Two overlapping n=4 requests both passed a stale check of the queue; the second was then
+    # refused 503 after its choices were queued (and cancelled). Admission is now one reservation
+    # of every place on the engine thread: each request runs whole or is refused before any work.
+    factory = functools.partial(Engine.open, tiny_model_path, max_batch_size=2, max_queue=5)
+    n, clients = 4, 8
+    with serving(create_app(factory, api_key=API_KEY, model_name=MODEL_NAME)) as url:
+        async with httpx.AsyncClient(base_url=url, headers=AUTH, timeout=60) as http:
+            before = (await http.get("/v1/internal/stats")).json()
+            statuses: list[int] = []
+
+            async def one(i: int) -> None:
+                body = {"model": MODEL_NAME, "prompt": f"request {i} " * 40, "n": n, "max_tokens": 24,
+                        "temperature": 1.0, "seed": i, "stream": stream}  # fmt: skip
+                async with http.stream("POST", "/v1/completions", json=body) as r:
+                    raw = await r.aread()
+                statuses.append(r.status_code)
+                if r.status_code == 200:
+                    text = raw.decode()
+                    if stream:
+                        assert text.rstrip().endswith("data: [DONE]") and '"error"' not in text, text[-300:]
+                        ends = {c["index"] for line in text.splitlines() if line.startswith("data: {")
+                                for c in json.loads(line[6:])["choices"] if c["finish_reason"]}  # fmt: skip
+                    else:
+                        ends = {c["index"] for c in json.loads(text)["choices"] if c["finish_reason"]}
+                    assert ends == set(range(n)), text[-300:]
+                else:
+                    assert r.status_code == 503, raw
+                    assert json.loads(raw)["error"]["code"] == "engine_overloaded"
+
+            async with anyio.create_task_group() as tg:
+                for i in range(clients):
+                    tg.start_soon(one, i)
+            after = (await http.get("/v1/internal/stats")).json()
+    assert len(statuses) == clients and 200 in statuses, statuses
+    # A refusal queued nothing: no choice was cancelled or failed for it.
+    assert after["requests_cancelled"] == before["requests_cancelled"], (statuses, after)
+    assert after["requests_failed"] == before["requests_failed"], (statuses, after)
