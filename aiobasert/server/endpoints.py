@@ -62,7 +62,15 @@ from .protocol import (
 )
 from .provider import EngineProvider, ServedModel
 from .responses import DEFAULT_STORE_BYTES, ResponsesAPI, ResponseStore
-from .streaming import DEFAULT_WRITE_TIMEOUT_S, SSE_DONE, EventStream, gather, sse, unless_disconnected
+from .streaming import (
+    DEFAULT_MAX_UNSENT_BYTES,
+    DEFAULT_WRITE_TIMEOUT_S,
+    SSE_DONE,
+    EventStream,
+    gather,
+    sse,
+    unless_disconnected,
+)
 from .workers import Workers, is_large
 
 
@@ -287,16 +295,19 @@ class Service:
 
     def __init__(
         self, provider: EngineProvider, *, write_timeout: float | None = DEFAULT_WRITE_TIMEOUT_S,
-        response_store_bytes: int = DEFAULT_STORE_BYTES,
+        response_store_bytes: int = DEFAULT_STORE_BYTES, max_unsent_bytes: int | None = DEFAULT_MAX_UNSENT_BYTES,
     ) -> None:
         self.provider = provider
+        self.max_unsent_bytes = max_unsent_bytes
+        """A streamed response's backlog a slow client may leave before it must make progress on it
+        (docs/fairness.md; None: unbounded)."""
         self.created = int(time.time())
         self.metrics = Metrics()
         self.workers = Workers()
         self.write_timeout = write_timeout if write_timeout is not None and write_timeout > 0 else None  # 0: never
         self.responses = ResponsesAPI(
             self.resolve, self.metrics, ResponseStore(max_bytes=response_store_bytes), write_timeout=self.write_timeout,
-            workers=self.workers,
+            workers=self.workers, max_unsent_bytes=max_unsent_bytes,
         )
 
     def _observer(self, served: ServedModel) -> RequestObserver:
@@ -418,6 +429,8 @@ class Service:
             [drive(st, f, include_usage=False, observer=observer(served)) for st, f in zip(streams, fmts, strict=True)],
             tail,
             write_timeout=self.write_timeout,
+            streams=streams,
+            max_unsent_bytes=self.max_unsent_bytes,
         )
 
     @staticmethod
@@ -458,6 +471,8 @@ class Service:
             return EventStream(
                 drive(stream, fmt, include_usage=include_usage, observer=self._observer(served)),
                 write_timeout=self.write_timeout,
+                streams=[stream],
+                max_unsent_bytes=self.max_unsent_bytes,
             )
         if req.stream:
             streams, cached = await self._start_samples(served, starts, params, n, places)
@@ -553,6 +568,8 @@ class Service:
             return EventStream(
                 drive(stream, fmt, include_usage=include_usage, observer=self._observer(served)),
                 write_timeout=self.write_timeout,
+                streams=[stream],
+                max_unsent_bytes=self.max_unsent_bytes,
             )
         if req.stream:
             streams, cached = await self._start_samples(served, [start], params, n, places)

@@ -37,7 +37,7 @@ from .metrics import Metrics
 from .params import check_chat_size, finish_reason
 from .protocol import SchemaFields
 from .provider import ServedModel
-from .streaming import DEFAULT_WRITE_TIMEOUT_S, EventStream, unless_disconnected
+from .streaming import DEFAULT_MAX_UNSENT_BYTES, DEFAULT_WRITE_TIMEOUT_S, EventStream, unless_disconnected
 from .workers import Workers, is_large
 
 # ---- request ---------------------------------------------------------------------------------
@@ -565,8 +565,10 @@ class ResponsesAPI:
     def __init__(
         self, resolve: Any, metrics: Metrics, store: ResponseStore | None = None, *,
         write_timeout: float | None = DEFAULT_WRITE_TIMEOUT_S, workers: Workers | None = None,
+        max_unsent_bytes: int | None = DEFAULT_MAX_UNSENT_BYTES,
     ) -> None:
         self._resolve = resolve
+        self.max_unsent_bytes = max_unsent_bytes
         self._workers = workers if workers is not None else Workers()
         self._metrics = metrics
         self.store = store if store is not None else ResponseStore()  # an empty store is falsy (len 0)
@@ -635,7 +637,8 @@ class ResponsesAPI:
         observer = self._metrics.observer(served.name, served.engine)
         if req.stream:
             return EventStream(drive(chat.tokens, _ResponseEvents(turn), include_usage=False, observer=observer),
-                               write_timeout=self._write_timeout)
+                               write_timeout=self._write_timeout, streams=[chat.tokens],
+                               max_unsent_bytes=self.max_unsent_bytes)
         tokens = await unless_disconnected(request.receive, functools.partial(collect, chat.tokens, observer))
         finish = finish_reason(chat.tokens.finish_reason)
         for tok in tokens:

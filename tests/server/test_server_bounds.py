@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import functools
 import json
+import socket
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -21,6 +23,8 @@ import aiobasert.tools
 from aiobasert import Engine
 from aiobasert.chat import MAX_CHAT_MESSAGES
 from aiobasert.server import create_app
+from aiobasert.server.app import build_app
+from aiobasert.server.provider import SingleEngineProvider
 from aiobasert.tools import MAX_TOOLS
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
@@ -145,3 +149,51 @@ async def test_concurrent_fan_outs_are_served_whole_or_refused_with_nothing_queu
     # A refusal queued nothing: no choice was cancelled or failed for it.
     assert after["requests_cancelled"] == before["requests_cancelled"], (statuses, after)
     assert after["requests_failed"] == before["requests_failed"], (statuses, after)
+
+
+# ---- trickle readers: streamed responses bounded in unsent bytes ----------------------------------
+
+
+def _raw_stream(port: int, body: dict[str, Any]) -> socket.socket:
+    """POST a streamed request on a socket with a 4 KB receive buffer (to be read slowly)."""
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.connect(("127.0.0.1", port))
+    data = json.dumps(body).encode()
+    sock.sendall(f"POST /v1/chat/completions HTTP/1.1\r\nHost: test\r\nAuthorization: Bearer {API_KEY}\r\n"
+                 f"Content-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n".encode() + data)  # fmt: skip
+    return sock
+
+
+def test_a_trickle_reader_is_dropped_and_its_generation_cancelled(long_untied_model_path: Path) -> None:
+    # A client that keeps taking a little (never blocked for write_timeout, so the per-write
+    # timeout never fires) but far slower than its generation left every unsent token buffered,
+    # the memory growing at the engine's token rate until max_tokens (issue 26 item 6). Its
+    # backlog is now bounded: over max_unsent_bytes and not shrinking for write_timeout, it is
+    # dropped and its generation cancelled, long before the generation could end.
+    factory = functools.partial(Engine.open, long_untied_model_path, max_batch_size=2, max_context=8192)
+    app, service = build_app(SingleEngineProvider(factory, model_name=MODEL_NAME), api_key=API_KEY,
+                             write_timeout=5.0)  # fmt: skip
+    service.max_unsent_bytes = service.responses.max_unsent_bytes = 64 * 1024
+    body = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 8000,
+            "temperature": 0, "stream": True, "logprobs": True, "top_logprobs": 20,
+            "logit_bias": {"0": -100, "1": -100, "2": -100}}  # fmt: skip  (~1.6 KB an event, never an early end)
+    with serving(app) as url, httpx.Client(base_url=url, headers=AUTH, timeout=30) as http:
+        before = http.get("/v1/internal/stats").json()
+        sock = _raw_stream(int(url.rsplit(":", 1)[1]), body)
+        received = 0
+        try:
+            sock.settimeout(30)
+            while chunk := sock.recv(4096):  # at most 400 KB/s: always some progress, never a blocked write
+                received += len(chunk)
+                time.sleep(0.01)
+                s = http.get("/v1/internal/stats").json()
+                if s["requests_cancelled"] > before["requests_cancelled"] or s["requests_finished"] > before[
+                        "requests_finished"]:  # fmt: skip
+                    break
+        finally:
+            sock.close()
+        after = http.get("/v1/internal/stats").json()
+    print(f"the trickle reader got {received} bytes before it was dropped")
+    assert after["requests_cancelled"] == before["requests_cancelled"] + 1, after
+    assert after["requests_finished"] == before["requests_finished"], after  # cut long before max_tokens
