@@ -17,6 +17,7 @@ import functools
 import json
 import os
 import re
+import sys
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -248,7 +249,7 @@ class ResponseObject(msgspec.Struct, kw_only=True):
 
 
 DEFAULT_STORE_BYTES = 64 * 2**20
-"""The Responses store's default budget: the encoded size of every stored conversation."""
+"""The Responses store's default budget: the memory every stored conversation holds (`ResponseStore.nbytes`)."""
 
 
 class ResponseStore:
@@ -256,9 +257,10 @@ class ResponseStore:
     `ttl_s` seconds after it was stored, within `max_bytes` in all (oldest
     dropped first; a conversation larger than the whole budget is not stored).
 
-    A conversation is kept as compact JSON, so its size is exactly what it
-    costs, and only with the fields a prompt renders: role, content, calls'
-    names and arguments, and call ids only for a template that renders them
+    A conversation is kept as compact JSON (decoded on use), counted at the
+    memory it holds (its bytes object, its id, its entry), and only with the
+    fields a prompt renders: role, content, calls' names and arguments, and
+    call ids only for a template that renders them
     (`keep_ids`); a replayed item's other fields never reach the prompt.
     """
 
@@ -268,19 +270,26 @@ class ResponseStore:
         self.max_bytes = max_bytes
         self.ttl_s = ttl_s
         self.nbytes = 0
-        """The stored conversations' size in bytes (their JSON)."""
+        """The memory the stored conversations hold, in bytes: each one's JSON and id as Python
+        objects, and its entry (at least what tracemalloc measures)."""
         self._entries: OrderedDict[str, tuple[float, bytes, str]] = OrderedDict()
 
     def put(
         self, response_id: str, conversation: list[dict[str, Any]], model: str, *, keep_ids: bool = True
     ) -> None:
-        blob = msgspec.json.encode([_rendered(m, keep_ids) for m in conversation])
-        if len(blob) > self.max_bytes:
+        # an exact-size copy: msgspec's own result keeps its over-allocated buffer (~1.5x the JSON)
+        blob = memoryview(msgspec.json.encode([_rendered(m, keep_ids) for m in conversation])).tobytes()
+        cost = _cost(response_id, blob)
+        if cost > self.max_bytes:
             return
+        old = self._entries.pop(response_id, None)
+        if old is not None:
+            self.nbytes -= _cost(response_id, old[1])
         self._entries[response_id] = (time.monotonic() + self.ttl_s, blob, model)
-        self.nbytes += len(blob)
+        self.nbytes += cost
         while self.nbytes > self.max_bytes:
-            self.nbytes -= len(self._entries.popitem(last=False)[1][1])
+            key, (_, dropped, _) = self._entries.popitem(last=False)
+            self.nbytes -= _cost(key, dropped)
 
     def get(self, response_id: str) -> tuple[list[dict[str, Any]], str] | None:
         entry = self._entries.get(response_id)
@@ -289,7 +298,7 @@ class ResponseStore:
         expires, blob, model = entry
         if time.monotonic() > expires:
             del self._entries[response_id]
-            self.nbytes -= len(blob)
+            self.nbytes -= _cost(response_id, blob)
             return None
         conversation: list[dict[str, Any]] = msgspec.json.decode(blob)
         for m in conversation:  # calls as the request side builds them (an id "" when not stored)
@@ -300,6 +309,17 @@ class ResponseStore:
 
     def __len__(self) -> int:
         return len(self._entries)
+
+
+_ENTRY_BYTES = 256
+"""What one entry costs besides its JSON and id: its tuple, expiry float and ordered-dict slot
+(about 190 bytes measured on CPython 3.12, counted high)."""
+
+
+def _cost(response_id: str, blob: bytes) -> int:
+    """The memory one stored conversation holds: the objects themselves, not just the JSON's length
+    (counting the JSON alone, a budget of small entries held 5-10x its size)."""
+    return sys.getsizeof(blob) + sys.getsizeof(response_id) + _ENTRY_BYTES
 
 
 def _rendered(message: dict[str, Any], keep_ids: bool) -> dict[str, Any]:
