@@ -27,7 +27,7 @@ from .events import OpenAIChunks, collect, drive
 from .http import json_response, read_json
 from .logprobs import chat_logprobs, completion_logprobs
 from .metrics import Metrics, RequestObserver
-from .params import chat_messages, check_chat_size, finish_reason, json_schema_of, sampling_params
+from .params import chat_messages, check_chat_size, finish_reason, json_schema_of, precount_chat, sampling_params
 from .protocol import (
     MAX_EMBEDDING_INPUTS,
     AssistantMessage,
@@ -63,9 +63,9 @@ from .protocol import (
 from .provider import EngineProvider, ServedModel
 from .responses import DEFAULT_STORE_BYTES, ResponsesAPI, ResponseStore
 from .streaming import (
-    DEFAULT_MAX_UNSENT_BYTES,
     DEFAULT_WRITE_TIMEOUT_S,
     SSE_DONE,
+    BacklogLimit,
     EventStream,
     gather,
     sse,
@@ -295,19 +295,18 @@ class Service:
 
     def __init__(
         self, provider: EngineProvider, *, write_timeout: float | None = DEFAULT_WRITE_TIMEOUT_S,
-        response_store_bytes: int = DEFAULT_STORE_BYTES, max_unsent_bytes: int | None = DEFAULT_MAX_UNSENT_BYTES,
+        response_store_bytes: int = DEFAULT_STORE_BYTES,
     ) -> None:
         self.provider = provider
-        self.max_unsent_bytes = max_unsent_bytes
-        """A streamed response's backlog a slow client may leave before it must make progress on it
-        (docs/fairness.md; None: unbounded)."""
+        self.backlog = BacklogLimit()
+        """The bound on every streamed response's backlog (a slow client's unsent events)."""
         self.created = int(time.time())
         self.metrics = Metrics()
         self.workers = Workers()
         self.write_timeout = write_timeout if write_timeout is not None and write_timeout > 0 else None  # 0: never
         self.responses = ResponsesAPI(
             self.resolve, self.metrics, ResponseStore(max_bytes=response_store_bytes), write_timeout=self.write_timeout,
-            workers=self.workers, max_unsent_bytes=max_unsent_bytes,
+            workers=self.workers, backlog=self.backlog,
         )
 
     def _observer(self, served: ServedModel) -> RequestObserver:
@@ -430,7 +429,7 @@ class Service:
             tail,
             write_timeout=self.write_timeout,
             streams=streams,
-            max_unsent_bytes=self.max_unsent_bytes,
+            backlog=self.backlog,
         )
 
     @staticmethod
@@ -472,7 +471,7 @@ class Service:
                 drive(stream, fmt, include_usage=include_usage, observer=self._observer(served)),
                 write_timeout=self.write_timeout,
                 streams=[stream],
-                max_unsent_bytes=self.max_unsent_bytes,
+                backlog=self.backlog,
             )
         if req.stream:
             streams, cached = await self._start_samples(served, starts, params, n, places)
@@ -503,7 +502,7 @@ class Service:
         )
 
     async def chat_completions(self, request: Request) -> Response:
-        req = await read_json(request, ChatCompletionRequest)
+        req = await read_json(request, ChatCompletionRequest, precount=precount_chat)
         check_chat_size(len(req.messages), len(req.tools or ()), "messages")  # before anything is paid for them
         check_refused("/v1/chat/completions", req)
         json_schema = json_schema_of(req.response_format)
@@ -569,7 +568,7 @@ class Service:
                 drive(stream, fmt, include_usage=include_usage, observer=self._observer(served)),
                 write_timeout=self.write_timeout,
                 streams=[stream],
-                max_unsent_bytes=self.max_unsent_bytes,
+                backlog=self.backlog,
             )
         if req.stream:
             streams, cached = await self._start_samples(served, [start], params, n, places)

@@ -35,10 +35,10 @@ from .errors import APIError, api_error
 from .events import collect, drive
 from .http import json_response, read_json
 from .metrics import Metrics
-from .params import check_chat_size, finish_reason
+from .params import check_chat_size, finish_reason, precount_responses
 from .protocol import SchemaFields
 from .provider import ServedModel
-from .streaming import DEFAULT_MAX_UNSENT_BYTES, DEFAULT_WRITE_TIMEOUT_S, EventStream, unless_disconnected
+from .streaming import DEFAULT_WRITE_TIMEOUT_S, BacklogLimit, EventStream, unless_disconnected
 from .workers import Workers, is_large
 
 # ---- request ---------------------------------------------------------------------------------
@@ -585,10 +585,10 @@ class ResponsesAPI:
     def __init__(
         self, resolve: Any, metrics: Metrics, store: ResponseStore | None = None, *,
         write_timeout: float | None = DEFAULT_WRITE_TIMEOUT_S, workers: Workers | None = None,
-        max_unsent_bytes: int | None = DEFAULT_MAX_UNSENT_BYTES,
+        backlog: BacklogLimit | None = None,
     ) -> None:
         self._resolve = resolve
-        self.max_unsent_bytes = max_unsent_bytes
+        self._backlog = backlog if backlog is not None else BacklogLimit()
         self._workers = workers if workers is not None else Workers()
         self._metrics = metrics
         self.store = store if store is not None else ResponseStore()  # an empty store is falsy (len 0)
@@ -601,7 +601,7 @@ class ResponsesAPI:
         return _new_id("resp") if self.id_tag is None else f"resp_{self.id_tag}_{os.urandom(12).hex()}"
 
     async def create(self, request: Request) -> Response:
-        req = await read_json(request, ResponsesRequest)
+        req = await read_json(request, ResponsesRequest, precount=precount_responses)
         # counts first, before any item is read: the stored conversation is counted again below
         check_chat_size(0 if isinstance(req.input, str) else len(req.input), len(req.tools or ()), "input")
         check_refused("/v1/responses", req)
@@ -658,7 +658,7 @@ class ResponsesAPI:
         if req.stream:
             return EventStream(drive(chat.tokens, _ResponseEvents(turn), include_usage=False, observer=observer),
                                write_timeout=self._write_timeout, streams=[chat.tokens],
-                               max_unsent_bytes=self.max_unsent_bytes)
+                               backlog=self._backlog)
         tokens = await unless_disconnected(request.receive, functools.partial(collect, chat.tokens, observer))
         finish = finish_reason(chat.tokens.finish_reason)
         for tok in tokens:

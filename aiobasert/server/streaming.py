@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import AsyncGenerator, Awaitable, Callable, Iterable, Sequence
+from dataclasses import dataclass
 from typing import TypeVar, cast
 
 import anyio
@@ -93,6 +94,16 @@ DEFAULT_MAX_UNSENT_BYTES = 1024 * 1024
 client must make progress on it within the write timeout or be dropped."""
 
 
+@dataclass
+class BacklogLimit:
+    """The bound on a streamed response's backlog (docs/fairness.md, trickle readers): over
+    `max_unsent_bytes` and not shrinking for `timeout_s` seconds (None: the write timeout),
+    the client is dropped. `max_unsent_bytes=None`: unbounded."""
+
+    max_unsent_bytes: int | None = DEFAULT_MAX_UNSENT_BYTES
+    timeout_s: float | None = None
+
+
 class ClientTooSlow(Exception):
     """The client took no bytes of its streamed response for `write_timeout` seconds."""
 
@@ -117,12 +128,12 @@ class EventStream(Response):
     dropped: its generators are closed (their lanes freed) and the connection
     is closed without ending the response, so the client sees a cut stream.
 
-    `streams`, `max_unsent_bytes`: a client that takes bytes, but slower than its
+    `streams`, `backlog`: a client that takes bytes, but slower than its
     generations produce them (a trickle reader), leaves their tokens waiting
     here, a backlog that grows at the engine's rate. Once the backlog (the
     streams' unread tokens, at this response's bytes per event) is over
-    `max_unsent_bytes` and has not shrunk for `write_timeout` seconds, the
-    client is dropped the same way.
+    `backlog.max_unsent_bytes` and has not shrunk for `backlog.timeout_s`
+    (default: `write_timeout`) seconds, the client is dropped the same way.
     """
 
     media_type = "text/event-stream"
@@ -134,13 +145,13 @@ class EventStream(Response):
         *,
         write_timeout: float | None = DEFAULT_WRITE_TIMEOUT_S,
         streams: Sequence[TokenStream] = (),
-        max_unsent_bytes: int | None = DEFAULT_MAX_UNSENT_BYTES,
+        backlog: BacklogLimit | None = None,
     ) -> None:
         self._all = [events] if isinstance(events, AsyncGenerator) else list(events)
         self._tail = tail
         self._write_timeout = write_timeout
         self._streams = list(streams)
-        self._max_unsent = max_unsent_bytes
+        self._backlog = backlog if backlog is not None else BacklogLimit()
         self._sent_bytes = 0
         self._sent_events = 0
         self.status_code = 200
@@ -150,8 +161,10 @@ class EventStream(Response):
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         async with anyio.create_task_group() as tg:
             tg.start_soon(cancel_on_disconnect, receive, tg.cancel_scope)
-            if self._write_timeout is not None and self._max_unsent is not None and self._streams:
-                tg.start_soon(self._watch_backlog, self._write_timeout, self._max_unsent, tg.cancel_scope)
+            window = self._backlog.timeout_s if self._backlog.timeout_s is not None else self._write_timeout
+            bound = self._backlog.max_unsent_bytes
+            if window is not None and window > 0 and bound is not None and self._streams:
+                tg.start_soon(self._watch_backlog, window, bound, tg.cancel_scope)
             try:
                 await self._send_events(scope, receive, self._bounded(send))
             except ClientTooSlow:

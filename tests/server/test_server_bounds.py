@@ -22,12 +22,15 @@ from loopback import API_KEY, MODEL_NAME, serving
 import aiobasert.tools
 from aiobasert import Engine
 from aiobasert.chat import MAX_CHAT_MESSAGES
+from aiobasert.models.tiny import SPECIAL_TOKENS, build_tiny_model
 from aiobasert.server import create_app
 from aiobasert.server.app import build_app
 from aiobasert.server.provider import SingleEngineProvider
 from aiobasert.tools import MAX_TOOLS
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
+NO_END = {str(t): -100 for t in range(len(SPECIAL_TOKENS))}
+"""logit_bias that keeps a generation from ending before max_tokens."""
 TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}  # fmt: skip
 
@@ -104,6 +107,19 @@ def test_chat_counts_are_refused_before_anything_is_rendered(
     assert renders == []
 
 
+@pytest.mark.parametrize(("path", "field"), [("/v1/chat/completions", "messages"), ("/v1/responses", "input")])
+def test_a_chat_is_counted_before_its_messages_are_decoded(http: httpx.Client, path: str, field: str) -> None:
+    # Decoding 150,000 messages into structs is 0.3 s on the event loop: a large body's lists are
+    # counted first (as raw JSON). The proof of the order: a message that does not even decode
+    # (its role is a number) is not what the 400 is about; the count is.
+    messages: list[dict[str, Any]] = [{"role": "user", "content": "x"}] * (MAX_CHAT_MESSAGES + 1)
+    messages[3] = {"role": 5, "content": "x"}
+    r = http.post(path, json={"model": MODEL_NAME, field: messages})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == field and f"at most {MAX_CHAT_MESSAGES}" in error["message"], error
+
+
 # ---- fan-out admission: one atomic reservation ------------------------------------------------
 
 
@@ -154,10 +170,20 @@ async def test_concurrent_fan_outs_are_served_whole_or_refused_with_nothing_queu
 # ---- trickle readers: streamed responses bounded in unsent bytes ----------------------------------
 
 
+TRICKLE_CONTEXT = 32768
+
+
+@pytest.fixture(scope="module")
+def trickle_model_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model with a 32k window: a generation that runs longer than the test needs."""
+    return build_tiny_model(tmp_path_factory.mktemp("trickle") / "trickle.base",
+                            max_position_embeddings=TRICKLE_CONTEXT)
+
+
 def _raw_stream(port: int, body: dict[str, Any]) -> socket.socket:
-    """POST a streamed request on a socket with a 4 KB receive buffer (to be read slowly)."""
+    """POST a streamed request on a socket with a 32 KB receive buffer (to be read slowly)."""
     sock = socket.socket()
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 32768)
     sock.connect(("127.0.0.1", port))
     data = json.dumps(body).encode()
     sock.sendall(f"POST /v1/chat/completions HTTP/1.1\r\nHost: test\r\nAuthorization: Bearer {API_KEY}\r\n"
@@ -165,28 +191,35 @@ def _raw_stream(port: int, body: dict[str, Any]) -> socket.socket:
     return sock
 
 
-def test_a_trickle_reader_is_dropped_and_its_generation_cancelled(long_untied_model_path: Path) -> None:
-    # A client that keeps taking a little (never blocked for write_timeout, so the per-write
-    # timeout never fires) but far slower than its generation left every unsent token buffered,
-    # the memory growing at the engine's token rate until max_tokens (issue 26 item 6). Its
-    # backlog is now bounded: over max_unsent_bytes and not shrinking for write_timeout, it is
-    # dropped and its generation cancelled, long before the generation could end.
-    factory = functools.partial(Engine.open, long_untied_model_path, max_batch_size=2, max_context=8192)
+def test_a_trickle_reader_is_dropped_and_its_generation_cancelled(trickle_model_path: Path) -> None:
+    # A client that keeps taking bytes (so no write waits the write timeout, the default 30 s)
+    # but slower than its generation left every unsent token buffered, the memory growing at the
+    # engine's token rate until max_tokens (issue 26 item 6). Its backlog is now bounded: over
+    # max_unsent_bytes and not shrinking for the backlog window (here 2 s; by default the write
+    # timeout), the client is dropped and its generation cancelled, long before it could end.
+    factory = functools.partial(Engine.open, trickle_model_path, max_batch_size=2, max_context=TRICKLE_CONTEXT)
     app, service = build_app(SingleEngineProvider(factory, model_name=MODEL_NAME), api_key=API_KEY,
-                             write_timeout=5.0)  # fmt: skip
-    service.max_unsent_bytes = service.responses.max_unsent_bytes = 64 * 1024
-    body = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 8000,
-            "temperature": 0, "stream": True, "logprobs": True, "top_logprobs": 20,
-            "logit_bias": {"0": -100, "1": -100, "2": -100}}  # fmt: skip  (~1.6 KB an event, never an early end)
+                             write_timeout=30.0)  # fmt: skip
+    service.backlog.max_unsent_bytes, service.backlog.timeout_s = 64 * 1024, 2.0
+    body = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "Hello"}],
+            "max_tokens": TRICKLE_CONTEXT - 256, "temperature": 0, "stream": True, "logprobs": True,
+            "top_logprobs": 20, "logit_bias": NO_END}  # fmt: skip  (~1.6 KB an event, never an early end)
     with serving(app) as url, httpx.Client(base_url=url, headers=AUTH, timeout=30) as http:
         before = http.get("/v1/internal/stats").json()
         sock = _raw_stream(int(url.rsplit(":", 1)[1]), body)
         received = 0
         try:
             sock.settimeout(30)
-            while chunk := sock.recv(4096):  # at most 400 KB/s: always some progress, never a blocked write
+            reads = 0
+            # up to ~320 KB/s: enough for every write to go through well within the write timeout
+            # (the kernel wakes a writer once half its send buffer, a few MB at most, is free), and
+            # slower than the generation (~1.6 KB a token, hundreds of tokens a second)
+            while chunk := sock.recv(16384):
                 received += len(chunk)
-                time.sleep(0.01)
+                reads += 1
+                time.sleep(0.05)
+                if reads % 10:
+                    continue
                 s = http.get("/v1/internal/stats").json()
                 if s["requests_cancelled"] > before["requests_cancelled"] or s["requests_finished"] > before[
                         "requests_finished"]:  # fmt: skip
