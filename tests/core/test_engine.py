@@ -529,5 +529,11 @@ async def test_reserve_holds_queue_places_all_or_none(tiny_model_path: Path) -> 
         assert places.left == 0  # released on leaving the block
         with await engine.reserve(3):  # so all of them are free again
             pass
+        with anyio.CancelScope() as scope:  # the caller leaves before the places come: they go back
+            scope.cancel()
+            await engine.reserve(3)
+        await engine.stats()  # answered after the reservation's answer, which gave its places back
+        with await engine.reserve(3):
+            pass
         stats = await engine.stats()
         assert stats.requests_cancelled == 0 and stats.requests_failed == 0
