@@ -14,7 +14,8 @@ then all of them again together with the hostile traffic. For the normal clients
 - greedy results equal the solo run's (embeddings: equal to float tolerance);
 - afterwards no lane, queued request or sequence is held and no KV block is held beyond the
   prefix cache's (`/v1/internal/stats`);
-- the server's RSS stays under 2x its post-solo size plus a fixed margin;
+- the server's RSS stays under 2x its post-solo size plus a fixed margin (its peak during the
+  traffic is printed);
 - SIGTERM with hostile connections still open ends the server cleanly.
 
 Hostile clients must get an answer too, of the kinds a server may give them: a 4xx naming the
@@ -586,8 +587,12 @@ async def test_hostile_traffic_cannot_stall_starve_or_kill_normal_clients(server
 
         died: list[str] = []
 
+        rss_peak = [rss_start]  # sampled all through the traffic (printed)
+
         async def watch_server(scope: anyio.CancelScope) -> None:
             while (why := server.death()) is None:
+                with contextlib.suppress(AssertionError, OSError):  # the process may end between the two
+                    rss_peak[0] = max(rss_peak[0], rss_mb(server.proc.pid))
                 await anyio.sleep(0.1)
             died.append(why)
             scope.cancel()
@@ -640,7 +645,10 @@ async def test_hostile_traffic_cannot_stall_starve_or_kill_normal_clients(server
         if gauges["aiobasert:kv_blocks_used"] != 0:  # issue 18 item 10: the prefix cache is not "used"
             findings.append(f"/metrics kv_blocks_used at idle is not 0: {gauges}")
         rss_end = rss_mb(server.proc.pid)
-        print(f"server RSS {rss_start:.0f} MB after the solo run, {rss_end:.0f} MB after the traffic")
+        print(f"server RSS {rss_start:.0f} MB after the solo run, {rss_peak[0]:.0f} MB at most during the traffic, "
+              f"{rss_end:.0f} MB after it")
+        # The bound holds at the end; the peak is printed, not bounded: a 15 MB /tokenize (huge_body) is
+        # a 3M-id answer, ~440 MB at its peak (issue 26: tokenizing to a buffer, not a list, is intake's).
         if rss_end >= 2 * rss_start + 384:
             findings.append(f"server RSS {rss_start:.0f} MB -> {rss_end:.0f} MB (bound: 2x + 384 MB)")
         findings += [f"hostile request not refused cleanly: {p}" for p in hostile.problems]
