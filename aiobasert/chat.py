@@ -62,6 +62,18 @@ ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 turn header as framing (where markers ARE parsed), so a free-form role could
 forge turn markers; only these known words are accepted."""
 
+MAX_CHAT_MESSAGES = 10_000
+"""The most messages one chat may have. Rendering costs per message (a content is a
+sentinel while the template runs, so its length costs nothing there): this bounds
+what a chat can make its renderer pay, checked before anything is rendered."""
+
+
+def check_message_count(messages: object) -> None:
+    """InvalidRequestError naming `messages` past `MAX_CHAT_MESSAGES` (a cheap check, made first)."""
+    if isinstance(messages, Sequence) and not isinstance(messages, (str, bytes)) and len(messages) > MAX_CHAT_MESSAGES:
+        raise InvalidRequestError(f"messages: {len(messages)} messages; at most {MAX_CHAT_MESSAGES} per chat")
+
+
 _SENTINEL = "\x00\x01{}\x01\x00"
 # the sentinel as tojson writes it inside a JSON string, and what it becomes: content i, JSON-escaped
 _ESCAPED_SENTINEL_RE = re.compile(r"\\u0000\\u0001(\d+)\\u0001\\u0000")
@@ -127,6 +139,7 @@ def render_chat(
     """Render `messages` into (text, is_content) pieces for `baseRT_encode_pieces`."""
     if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence) or not messages:
         raise InvalidRequestError("messages must be a non-empty list of {role, content} messages")
+    check_message_count(messages)
     msgs = [_as_message(m, i) for i, m in enumerate(messages)]
     return render_with_sentinels(
         template,

@@ -27,7 +27,9 @@ from ._core.protocol import (
     EvictPrefixCache,
     Prompt,
     Query,
+    Release,
     RequestSpec,
+    Reserve,
     Stats,
     Submit,
 )
@@ -45,7 +47,6 @@ from .types import (
     KVCacheDtype,
     ModelInfo,
     SamplingParams,
-    schema_problem,
 )
 
 if TYPE_CHECKING:
@@ -97,6 +98,54 @@ def _reclaim(thread: EngineThread) -> None:
     run in any thread, or after the loop is gone)."""
     if thread.alive:
         thread.post(Close(abort=True))
+
+
+class QueueReservation:
+    """Queue places held for requests about to be submitted together (`Engine.reserve`).
+
+    `submit(streams)` gives back as many places and queues the streams in the same breath
+    (no other request can be posted in between), so none of them is refused for want of
+    room; `release()` (or leaving a `with` block) gives back the places not used."""
+
+    __slots__ = ("__weakref__", "_finalizer", "_left", "_thread")
+
+    def __init__(self, thread: EngineThread, count: int) -> None:
+        self._thread = thread
+        self._left = [count]  # shared with the finalizer, which must not hold self
+        self._finalizer = weakref.finalize(self, QueueReservation._give_back, thread, self._left)
+
+    @property
+    def left(self) -> int:
+        """Places held and not used yet."""
+        return self._left[0]
+
+    @staticmethod
+    def _give_back(thread: EngineThread, left: list[int], count: int | None = None) -> None:
+        count = left[0] if count is None else min(count, left[0])
+        if count > 0 and thread.alive:
+            left[0] -= count
+            thread.post(Release(count))
+
+    def take(self, count: int) -> None:
+        """Give back `count` places for requests the caller posts right after, before its
+        next `await` (e.g. `await engine.embed(x)` posts before it first waits)."""
+        self._give_back(self._thread, self._left, count)
+
+    def submit(self, streams: Sequence[TokenStream]) -> None:
+        """Queue `streams` into held places (those beyond them are queued as any request)."""
+        self.take(len(streams))
+        for stream in streams:
+            stream.submit()
+
+    def release(self) -> None:
+        """Give back every place not used (idempotent)."""
+        self._give_back(self._thread, self._left)
+
+    def __enter__(self) -> QueueReservation:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
 
 
 class Engine:
@@ -411,16 +460,6 @@ class Engine:
         if not isinstance(parallel_tool_calls, bool):  # "no" is truthy: it would have allowed several calls
             raise InvalidRequestError(
                 f"parallel_tool_calls must be a bool, not {type(parallel_tool_calls).__name__}")
-        for i, tool in enumerate(tools or ()):
-            # a tool's schema reaches recursive JSON encoders and the grammar compilers:
-            # measured first (iteratively), with json_schema's depth / $ref / size caps
-            data = tool if isinstance(tool, Mapping) else getattr(tool, "as_openai", None)
-            if callable(data):
-                data = data()
-            problem = schema_problem(data) if isinstance(data, Mapping) else None
-            if problem is not None:
-                raise InvalidRequestError(f"tools[{i}] {problem}")
-
         return open_chat_stream(
             self,
             messages,
@@ -577,6 +616,37 @@ class Engine:
         except BaseException:
             self._port.cancel(rid)  # cancelled or timed out: free its lane (a no-op once it ended)
             raise
+
+    async def reserve(self, count: int) -> QueueReservation:
+        """Hold `count` queue places for requests about to be submitted together (n choices of
+        one prompt, a batch), all or none: `EngineOverloadedError` at once, before anything is
+        queued or paid for, when the queue has no room for all of them now. Submit the streams
+        with `QueueReservation.submit`; release the rest (`with` block) when done."""
+        if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+            raise InvalidRequestError(f"count must be a positive int, got {count!r}")
+        self._waker.check()
+        if self._port.closed:
+            raise EngineClosedError("the engine is closed")
+        fut: concurrent.futures.Future[int] = concurrent.futures.Future()
+        thread, waiting = self._thread, [True]
+
+        def done(result: Any, error: BaseException | None) -> None:  # on the loop
+            if error is not None:
+                fut.set_exception(error)
+            elif not waiting[0]:  # the caller left (cancelled) before the places came: give them back
+                thread.post(Release(count))
+            else:
+                fut.set_result(result)
+
+        thread.post(Ask(Reserve(count), done))
+        try:
+            await _wait_future(fut, self._waker)
+        except BaseException:
+            waiting[0] = False
+            if fut.done() and fut.exception() is None:
+                thread.post(Release(count))
+            raise
+        return QueueReservation(thread, count)
 
     async def stats(self) -> EngineStats:
         """Lanes, queue and KV-pool occupancy, read on the engine thread."""

@@ -51,7 +51,9 @@ from ._core.protocol import (
     Prepared,
     Prompt,
     Query,
+    Release,
     RequestSpec,
+    Reserve,
     Sink,
     Stats,
     Submit,
@@ -133,6 +135,7 @@ class EngineThread:
         self.intake: Intake | None = None
         self._inline_tok: Tokenizer | None = None
         self._preparing = 0  # requests handed to the intake workers, not back yet
+        self._reserved = 0  # queue places held for fan-outs about to be submitted (Reserve / Release)
         self._in_prep: dict[str, Submit | Embed] = {}  # those requests, by id
         self._dropped: set[str] = set()  # requests answered (cancelled, aborted) while they were prepared
         self.steps = 0
@@ -452,6 +455,8 @@ class EngineThread:
             self._run_for(msg.done, lambda: self._answer(msg.query))
         elif isinstance(msg, Call):
             self._run_for(msg.done, msg.fn)
+        elif isinstance(msg, Release):
+            self._reserved -= msg.count
         else:
             self._on_close(msg)
 
@@ -470,7 +475,25 @@ class EngineThread:
             return self.evict_prefix_cache()
         if isinstance(query, Decode):
             return self.decode_ids(query.ids)
+        if isinstance(query, Reserve):
+            return self._reserve(query.count)
         return self.encode_text(query.text, special=query.special)
+
+    def _reserve(self, count: int) -> int:
+        """Hold `count` queue places, all or none: the last of them must still fit."""
+        if self._closing:
+            raise EngineClosedError("the engine is closing")
+        try:
+            self.batcher.check_room(self._preparing + self._reserved + count - 1)
+        except EngineOverloadedError:
+            b = self.batcher
+            free = max(0, b.max_batch_size - len(b.running))
+            room = b.max_queue + free - len(b.waiting) - self._preparing - self._reserved
+            raise EngineOverloadedError(
+                f"request queue has room for {max(0, room)} of this request's {count} generations; retry later"
+            ) from None
+        self._reserved += count
+        return count
 
     def _on_cancel(self, msg: Cancel) -> None:
         req = self.requests.get(msg.rid)
@@ -531,7 +554,7 @@ class EngineThread:
             self._notify(msg.sink.deliver, [], None, EngineClosedError("the engine is closing"))
             return
         try:  # refused before any work is spent on it; its queue slot is held while it is prepared
-            self.batcher.check_room(self._preparing)
+            self.batcher.check_room(self._preparing + self._reserved)
         except EngineOverloadedError as exc:
             self._notify(msg.sink.deliver, [], None, exc)
             return
@@ -714,7 +737,7 @@ class EngineThread:
         try:
             if self._closing:
                 raise EngineClosedError("the engine is closing")
-            self.batcher.check_room(self._preparing)  # its queue slot is held while it is prepared
+            self.batcher.check_room(self._preparing + self._reserved)  # its queue slot is held while it is prepared
         except AioBaseRTError as exc:
             self._notify(msg.done, None, exc)
             return

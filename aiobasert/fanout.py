@@ -26,7 +26,7 @@ import anyio
 import msgspec
 
 from .batcher import client_scope, current_client
-from .engine import Engine
+from .engine import Engine, QueueReservation
 from .errors import InvalidRequestError
 from .streams import TokenStream, new_request_id
 from .tools import ChatReply, ChatStream, Tool, ToolChoice
@@ -47,16 +47,23 @@ def sample_params(params: SamplingParams, i: int) -> SamplingParams:
     return msgspec.structs.replace(params, seed=(params.seed + i) % 2**63)
 
 
-async def prefill_once(engine: Engine, start: Callable[[SamplingParams], TokenStream], params: SamplingParams) -> int:
+async def prefill_once(
+    engine: Engine, start: Callable[[SamplingParams], TokenStream], params: SamplingParams,
+    places: QueueReservation | None = None,
+) -> int:
     """Run the prompt once (one greedy token) so its KV lands in the prefix cache;
     returns the prompt tokens that request itself found cached. No-op (0) when
-    the engine has no prefix cache."""
+    the engine has no prefix cache. `places`: queue places held for the fan-out
+    (`Engine.reserve`), one of which this request takes."""
     if not engine.info.prefix_cache:
         return 0
     warm = msgspec.structs.replace(
         params, max_tokens=1, temperature=0.0, logprobs=False, top_logprobs=0, stop=None, logit_bias=None
     )
-    done = await start(warm)
+    stream = start(warm)
+    if places is not None:
+        places.submit([stream])
+    done = await stream
     return done.usage.cached_prompt_tokens
 
 

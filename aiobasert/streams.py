@@ -145,6 +145,12 @@ class TokenStream:
         return self._final
 
     @property
+    def unread(self) -> int:
+        """Tokens the engine has generated for this request that its reader has not taken
+        yet (counted on the engine side, so those on their way to the loop count too)."""
+        return max(0, self._ticket.delivered - self._ticket.consumed)
+
+    @property
     def closed(self) -> bool:
         """True once reading is over: exhausted, failed, broken out of, cancelled or `aclose()`d."""
         return self._closed

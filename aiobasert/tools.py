@@ -63,7 +63,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import msgspec
 
-from .chat import _as_message, render_with_sentinels, sentinel
+from .chat import _as_message, check_message_count, render_with_sentinels, sentinel
 from .errors import InvalidRequestError, StreamBusyError, WrongEventLoopError
 from .types import ChatMessage, FinishReason, Timing, Token, Usage
 
@@ -77,6 +77,7 @@ __all__ = [
     "CALL_CLOSE",
     "CALL_OPEN",
     "DEFAULT_TOOL_PROMPT",
+    "MAX_TOOLS",
     "ChatReply",
     "ChatStream",
     "TextDelta",
@@ -100,6 +101,10 @@ _CALL_END = "}" + CALL_CLOSE
 _CALL_SEP = "\n"
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+
+MAX_TOOLS = 128
+"""The most tools one request may define (OpenAI's own limit). Each is measured, listed in
+the prompt and compiled into the call grammar: checked first, before any of that is paid."""
 
 DEFAULT_TOOL_PROMPT = (
     "You may call one or more functions to assist with the user query.\n\n"
@@ -201,8 +206,12 @@ class ChatReply(msgspec.Struct, frozen=True, kw_only=True):
 
 def parse_tools(tools: Sequence[Tool | Mapping[str, Any]] | None) -> list[Tool]:
     """`Tool`s from Tool objects or OpenAI dicts (`{"type": "function", "function": {...}}`
-    or the flat `{"name", "description", "parameters"}`); names must be unique."""
+    or the flat `{"name", "description", "parameters"}`); names must be unique; at most
+    `MAX_TOOLS`."""
+    if tools is not None and len(tools) > MAX_TOOLS:
+        raise InvalidRequestError(f"tools: {len(tools)} tools; at most {MAX_TOOLS} per request")
     out: list[Tool] = []
+    names: set[str] = set()
     for i, t in enumerate(tools or ()):
         if isinstance(t, Tool):
             tool = t
@@ -222,10 +231,11 @@ def parse_tools(tools: Sequence[Tool | Mapping[str, Any]] | None) -> list[Tool]:
             raise InvalidRequestError(f"tools[{i}] must be a Tool or a mapping, not {type(t).__name__}")
         if not _NAME_RE.match(tool.name):
             raise InvalidRequestError(f"tools[{i}]: name {tool.name!r} must match [A-Za-z0-9_-]{{1,64}}")
-        if any(o.name == tool.name for o in out):
+        if tool.name in names:
             raise InvalidRequestError(f"tools[{i}]: duplicate tool name {tool.name!r}")
         tool.arguments_schema()  # an object schema, or InvalidRequestError
         out.append(tool)
+        names.add(tool.name)
     return out
 
 
@@ -436,6 +446,9 @@ def render_tool_chat(
 
     if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence) or not messages:
         raise InvalidRequestError("messages must be a non-empty list of {role, content} messages")
+    check_message_count(messages)
+    if len(tools) > MAX_TOOLS:
+        raise InvalidRequestError(f"tools: {len(tools)} tools; at most {MAX_TOOLS} per request")
     msgs = [_message_fields(m, i) for i, m in enumerate(messages)]
     for i, m in enumerate(msgs):
         if not isinstance(m["role"], str) or not isinstance(m["content"], str):
@@ -692,18 +705,72 @@ class ToolCallParser:
         self._args = []
 
 
-def open_chat_stream(
+class ChatTurn:
+    """A chat turn rendered and constrained once (`prepare_chat_turn`), to be streamed
+    any number of times (`stream`: one per choice of an n > 1 request).
+
+    Preparing is the request-sized part (rendering every message and tool, the call
+    grammar's text); it reads only the engine's immutable template and tokens, so a
+    server runs it in a worker thread, where it delays only its own request."""
+
+    __slots__ = ("forced", "lark", "parse_calls", "pieces", "structural_tag", "tool_format")
+
+    def __init__(
+        self, pieces: list[tuple[str, bool]], *, lark: str | None, structural_tag: str | None,
+        parse_calls: bool, forced: bool, tool_format: ToolFormat,
+    ) -> None:
+        self.pieces = pieces
+        self.lark = lark
+        self.structural_tag = structural_tag
+        self.parse_calls = parse_calls
+        self.forced = forced
+        self.tool_format = tool_format
+
+    def stream(self, engine: Engine, params: SamplingParams) -> ChatStream:
+        """A new (not yet submitted) stream of this turn under `params` (validated here)."""
+        params = engine._params(params, {})
+        if self.lark is not None and params.json_schema is not None:
+            raise InvalidRequestError("json_schema cannot be combined with tools")
+        tokens = engine._new_stream(self.pieces, params, True, self.lark, self.structural_tag)
+        return ChatStream(tokens, parse_calls=self.parse_calls, forced=self.forced, tool_format=self.tool_format)
+
+
+def check_tools(tools: Sequence[Tool | Mapping[str, Any]] | None) -> None:
+    """Refuse tools whose preparation would cost more than a request may make the server pay,
+    before any of it is paid: more than `MAX_TOOLS`, or a schema past `json_schema`'s caps
+    (measured iteratively: a schema reaches recursive JSON encoders and the grammar compilers)."""
+    from .types import schema_problem
+
+    if tools is None:
+        return
+    if isinstance(tools, (str, bytes, Mapping)) or not isinstance(tools, Sequence):
+        raise InvalidRequestError(f"tools must be a list of tools, not {type(tools).__name__}")
+    if len(tools) > MAX_TOOLS:
+        raise InvalidRequestError(f"tools: {len(tools)} tools; at most {MAX_TOOLS} per request")
+    for i, tool in enumerate(tools):
+        data = tool if isinstance(tool, Mapping) else getattr(tool, "as_openai", None)
+        if callable(data):
+            data = data()
+        problem = schema_problem(data) if isinstance(data, Mapping) else None
+        if problem is not None:
+            raise InvalidRequestError(f"tools[{i}] {problem}")
+
+
+def prepare_chat_turn(
     engine: Engine,
     messages: Sequence[Any],
-    params: SamplingParams,
     *,
     tools: Sequence[Tool | Mapping[str, Any]] | None,
     tool_choice: ToolChoice | Mapping[str, Any] | None,
     parallel: bool,
     add_generation_prompt: bool = True,
-) -> ChatStream:
-    """Render, constrain and submit one tool-aware chat turn (`Engine.stream_chat`),
-    in the model's tool-call format (`engine.tool_format`)."""
+) -> ChatTurn:
+    """Render and constrain one tool-aware chat turn, in the model's tool-call format
+    (`engine.tool_format`). Bounded before it is paid: more than `MAX_CHAT_MESSAGES`
+    messages or `MAX_TOOLS` tools are refused before anything is rendered. Safe to run
+    in a worker thread (it touches no engine state and no event loop)."""
+    check_message_count(messages)
+    check_tools(tools)
     fmt = engine.tool_format
     parsed = parse_tools(tools)
     choice = parse_tool_choice(tool_choice, parsed)
@@ -712,8 +779,6 @@ def open_chat_stream(
         parallel = False  # a named function is called exactly once (as OpenAI and vLLM do)
     lark = fmt.grammar(parsed, choice, parallel=parallel)
     tag = fmt.structural_tag(parsed, choice, parallel=parallel)
-    if lark is not None and params.json_schema is not None:
-        raise InvalidRequestError("json_schema cannot be combined with tools")
     thread = engine._thread
     pieces = render_tool_chat(
         engine.chat_template,
@@ -724,8 +789,30 @@ def open_chat_stream(
         eos_token=thread.eos_token,
         tool_format=fmt,
     )
-    tokens = engine._new_stream(pieces, params, True, lark, json.dumps(tag) if tag is not None else None)
-    return ChatStream(tokens, parse_calls=choice != "none" and bool(parsed), forced=forced, tool_format=fmt)
+    return ChatTurn(
+        pieces, lark=lark, structural_tag=json.dumps(tag) if tag is not None else None,
+        parse_calls=choice != "none" and bool(parsed), forced=forced, tool_format=fmt,
+    )
+
+
+def open_chat_stream(
+    engine: Engine,
+    messages: Sequence[Any],
+    params: SamplingParams,
+    *,
+    tools: Sequence[Tool | Mapping[str, Any]] | None,
+    tool_choice: ToolChoice | Mapping[str, Any] | None,
+    parallel: bool,
+    add_generation_prompt: bool = True,
+) -> ChatStream:
+    """Render, constrain and submit one tool-aware chat turn (`Engine.stream_chat`)."""
+    if tools and params.json_schema is not None:  # refused before the render is paid
+        raise InvalidRequestError("json_schema cannot be combined with tools")
+    turn = prepare_chat_turn(
+        engine, messages, tools=tools, tool_choice=tool_choice, parallel=parallel,
+        add_generation_prompt=add_generation_prompt,
+    )
+    return turn.stream(engine, params)
 
 
 def finish_reason_with_tools(reason: FinishReason | None, calls: Sequence[ToolCall]) -> Any:

@@ -155,7 +155,15 @@ class Encode:
     special: bool
 
 
-Query = Stats | EvictPrefixCache | Decode | Encode
+@dataclass(frozen=True)
+class Reserve:
+    """Query: hold `count` queue places for requests about to be submitted together (a
+    fan-out), or EngineOverloadedError at once when the queue has no room for all of them."""
+
+    count: int
+
+
+Query = Stats | EvictPrefixCache | Decode | Encode | Reserve
 
 
 @dataclass
@@ -208,7 +216,15 @@ class Prepared:
     error: BaseException | None
 
 
-Message = Submit | Cancel | Ask | Call | Embed | Close | Prepared
+@dataclass(frozen=True)
+class Release:
+    """Give back `count` places held by `Reserve`: unused ones, or those of the requests
+    posted right after this message (so that nothing can take them in between)."""
+
+    count: int
+
+
+Message = Submit | Cancel | Ask | Call | Embed | Close | Prepared | Release
 
 
 class StreamHost(Protocol):

@@ -4,6 +4,7 @@ and answers with OpenAI's shapes (whole, or streamed through `events.drive`)."""
 from __future__ import annotations
 
 import base64
+import contextlib
 import functools
 import logging
 import time
@@ -13,12 +14,12 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
-from ..engine import Engine
-from ..errors import EngineOverloadedError, InvalidRequestError
+from ..engine import Engine, QueueReservation
+from ..errors import InvalidRequestError
 from ..fanout import MAX_N, prefill_once, sample_params
 from ..streams import TokenStream
 from ..tools import ChatDelta as ChatDeltaSDK
-from ..tools import ChatStream, TextDelta, Tool, ToolCall, ToolCallDelta
+from ..tools import ChatStream, ChatTurn, TextDelta, Tool, ToolCall, ToolCallDelta, prepare_chat_turn
 from ..types import SamplingParams, Token, Usage
 from .compat import check_refused
 from .errors import APIError, api_error
@@ -26,7 +27,7 @@ from .events import OpenAIChunks, collect, drive
 from .http import json_response, read_json
 from .logprobs import chat_logprobs, completion_logprobs
 from .metrics import Metrics, RequestObserver
-from .params import chat_messages, finish_reason, json_schema_of, sampling_params
+from .params import chat_messages, check_chat_size, finish_reason, json_schema_of, precount_chat, sampling_params
 from .protocol import (
     MAX_EMBEDDING_INPUTS,
     AssistantMessage,
@@ -61,7 +62,16 @@ from .protocol import (
 )
 from .provider import EngineProvider, ServedModel
 from .responses import DEFAULT_STORE_BYTES, ResponsesAPI, ResponseStore
-from .streaming import DEFAULT_WRITE_TIMEOUT_S, SSE_DONE, EventStream, gather, sse, unless_disconnected
+from .streaming import (
+    DEFAULT_WRITE_TIMEOUT_S,
+    SSE_DONE,
+    BacklogLimit,
+    EventStream,
+    gather,
+    sse,
+    unless_disconnected,
+)
+from .workers import Workers, is_large
 
 
 class _CompletionChunks(OpenAIChunks):
@@ -227,25 +237,35 @@ def _queue_limit(engine: Engine) -> int:
     return engine.info.max_batch_size + engine._thread.cfg.max_queue  # the queue bound Engine.open was given
 
 
-async def _admit_fanout(engine: Engine, count: int, param: str) -> None:
+async def _admit_fanout(engine: Engine, count: int, param: str, *, prompts: int = 1) -> QueueReservation | None:
     """Refuse a request that would fan out into `count` engine requests before
     any of them starts: 400 naming `param` when the engine can never hold that
     many at once, 503 (retry later) when its queue has no room for all of them
-    now. Either way nothing ran; without this the first ones would run (and be
-    paid for) and the rest fail on the full queue minutes later."""
+    now. Either way nothing ran. The room is taken in one atomic reservation on
+    the engine thread (requests being prepared and other reservations count), so
+    two fan-outs cannot both pass on one free room and the second fail after
+    queuing half its choices: the places returned are the request's own, released
+    by `with`. A prefill before the samples (`prefill_once`, one per prompt) takes
+    a place of its own. None for a single request (its one Submit is atomic)."""
     limit = _queue_limit(engine)
     if count > limit:
         raise APIError(
             400, f"this request fans out into {count} generations; the server holds at most {limit} "
             f"(lanes + queue): send at most {limit} per request", param=param,
         )
-    if count > 1:
-        s = await engine.stats()
-        room = limit - s.active_lanes - s.waiting_requests
-        if count > room:
-            raise EngineOverloadedError(
-                f"request queue has room for {max(0, room)} of this request's {count} generations; retry later"
-            )
+    if count == 1:
+        return None
+    warms = prompts if count > prompts and engine.info.prefix_cache else 0
+    return await engine.reserve(min(count + warms, limit))
+
+
+def _submit(places: QueueReservation | None, streams: Sequence[TokenStream]) -> None:
+    """Queue `streams` (one after the other in the FIFO: queued, and admitted, together)."""
+    if places is not None:
+        places.submit(streams)
+    else:
+        for stream in streams:
+            stream.submit()
 
 
 def _tool_param(message: str) -> str | None:
@@ -259,6 +279,14 @@ def _tool_param(message: str) -> str | None:
     return "messages" if "message" in message else None
 
 
+def _chat_error(exc: InvalidRequestError) -> APIError:
+    """The 400 of a chat the SDK refused, naming the field it is about."""
+    err = api_error(exc)
+    if err.body.error.param is None:
+        err = APIError(400, str(exc), param=_tool_param(str(exc)))
+    return err
+
+
 logger = logging.getLogger("aiobasert.server")
 
 
@@ -270,11 +298,15 @@ class Service:
         response_store_bytes: int = DEFAULT_STORE_BYTES,
     ) -> None:
         self.provider = provider
+        self.backlog = BacklogLimit()
+        """The bound on every streamed response's backlog (a slow client's unsent events)."""
         self.created = int(time.time())
         self.metrics = Metrics()
+        self.workers = Workers()
         self.write_timeout = write_timeout if write_timeout is not None and write_timeout > 0 else None  # 0: never
         self.responses = ResponsesAPI(
-            self.resolve, self.metrics, ResponseStore(max_bytes=response_store_bytes), write_timeout=self.write_timeout
+            self.resolve, self.metrics, ResponseStore(max_bytes=response_store_bytes), write_timeout=self.write_timeout,
+            workers=self.workers, backlog=self.backlog,
         )
 
     def _observer(self, served: ServedModel) -> RequestObserver:
@@ -337,7 +369,7 @@ class Service:
 
     async def _samples(
         self, request: Request, served: ServedModel, starts: Sequence[Callable[[SamplingParams], TokenStream]],
-        params: SamplingParams, n: int,
+        params: SamplingParams, n: int, places: QueueReservation | None,
     ) -> tuple[list[tuple[TokenStream, list[Token]]], int]:
         """Run n samples of each prompt (`starts`), each prompt prefilled once;
         returns (stream, tokens) per choice, prompt-major, and the prompt tokens
@@ -347,12 +379,12 @@ class Service:
         async def run() -> list[tuple[TokenStream, list[Token]]]:
             nonlocal cached
             streams: list[TokenStream] = []
-            for start in starts:
-                if n > 1:
-                    cached += await prefill_once(served.engine, start, params)
-                streams += [start(sample_params(params, i)) for i in range(n)]
-            for st in streams:  # one after the other in the FIFO: queued (and admitted) together
-                st.submit()
+            with places or contextlib.nullcontext():  # places not used (a failed prefill) go back
+                for start in starts:
+                    if n > 1:
+                        cached += await prefill_once(served.engine, start, params, places)
+                    streams += [start(sample_params(params, i)) for i in range(n)]
+                _submit(places, streams)
 
             def one(stream: TokenStream) -> Callable[[], Awaitable[tuple[TokenStream, list[Token]]]]:
                 async def go() -> tuple[TokenStream, list[Token]]:
@@ -366,19 +398,19 @@ class Service:
 
     async def _start_samples(
         self, served: ServedModel, starts: Sequence[Callable[[SamplingParams], TokenStream]],
-        params: SamplingParams, n: int,
+        params: SamplingParams, n: int, places: QueueReservation | None,
     ) -> tuple[list[TokenStream], int]:
         """The streams of a streamed multi-choice request, all submitted at once
         (after each prompt's one prefill: one after the other in the FIFO, so they
         are queued, and admitted, together), and the prefill's cached tokens."""
         cached = 0
         streams: list[TokenStream] = []
-        for start in starts:
-            if n > 1:
-                cached += await prefill_once(served.engine, start, params)
-            streams += [start(sample_params(params, i)) for i in range(n)]
-        for st in streams:
-            st.submit()
+        with places or contextlib.nullcontext():  # places not used (a failed prefill) go back
+            for start in starts:
+                if n > 1:
+                    cached += await prefill_once(served.engine, start, params, places)
+                streams += [start(sample_params(params, i)) for i in range(n)]
+            _submit(places, streams)
         return streams, cached
 
     def _merged(
@@ -396,6 +428,8 @@ class Service:
             [drive(st, f, include_usage=False, observer=observer(served)) for st, f in zip(streams, fmts, strict=True)],
             tail,
             write_timeout=self.write_timeout,
+            streams=streams,
+            backlog=self.backlog,
         )
 
     @staticmethod
@@ -425,7 +459,8 @@ class Service:
         params = sampling_params(req, max_tokens=max_tokens, logprobs=top is not None, top_logprobs=top or 0)
         served = self.resolve(req.model)
         engine = served.engine
-        await _admit_fanout(engine, n * len(prompts), "prompt" if len(prompts) > 1 else "n")
+        places = await _admit_fanout(engine, n * len(prompts), "prompt" if len(prompts) > 1 else "n",
+                                     prompts=len(prompts))
         starts = [functools.partial(engine.stream, p) for p in prompts]
         include_usage = req.stream_options is not None and req.stream_options.include_usage
         if req.stream and n * len(prompts) == 1:
@@ -435,15 +470,17 @@ class Service:
             return EventStream(
                 drive(stream, fmt, include_usage=include_usage, observer=self._observer(served)),
                 write_timeout=self.write_timeout,
+                streams=[stream],
+                backlog=self.backlog,
             )
         if req.stream:
-            streams, cached = await self._start_samples(served, starts, params, n)
+            streams, cached = await self._start_samples(served, starts, params, n, places)
             self._log_user(streams[0].request_id, req.user)
             fmts = [
                 _CompletionChunks(served, logprobs=top is not None, index=i, last=False) for i in range(len(streams))
             ]
             return self._merged(served, streams, fmts, n, cached, include_usage)
-        results, cached = await self._samples(request, served, starts, params, n)
+        results, cached = await self._samples(request, served, starts, params, n, places)
         self._log_user(results[0][0].request_id, req.user)
         choices = []
         for index, (stream, tokens) in enumerate(results):
@@ -465,7 +502,8 @@ class Service:
         )
 
     async def chat_completions(self, request: Request) -> Response:
-        req = await read_json(request, ChatCompletionRequest)
+        req = await read_json(request, ChatCompletionRequest, precount=precount_chat)
+        check_chat_size(len(req.messages), len(req.tools or ()), "messages")  # before anything is paid for them
         check_refused("/v1/chat/completions", req)
         json_schema = json_schema_of(req.response_format)
         if req.top_logprobs is not None and not req.logprobs:
@@ -493,21 +531,31 @@ class Service:
         if tools and json_schema is not None and choice != "none":
             raise APIError(400, "response_format cannot be combined with tools", param="response_format")
         served = self.resolve(req.model)
-        await _admit_fanout(served.engine, n, "n")
-        messages = chat_messages(req.messages)
+        places = await _admit_fanout(served.engine, n, "n")
+        engine = served.engine
+        parallel = req.parallel_tool_calls is not False
+
+        def prepare() -> ChatTurn:
+            # request-sized (every message and tool): in a worker, never on the event loop
+            return prepare_chat_turn(
+                engine, chat_messages(req.messages), tools=tools or None, tool_choice=choice, parallel=parallel
+            )
+
+        try:
+            turn = await self.workers.run(prepare, large=is_large(len(req.messages), len(tools)))
+        except BaseException as exc:
+            if places is not None:
+                places.release()
+            if isinstance(exc, InvalidRequestError):
+                raise _chat_error(exc) from None
+            raise
         chats: list[ChatStream] = []
 
         def start(p: SamplingParams) -> TokenStream:
             try:
-                chat = served.engine.stream_chat(
-                    messages, p, tools=tools or None, tool_choice=choice,
-                    parallel_tool_calls=req.parallel_tool_calls is not False,
-                )
+                chat = turn.stream(engine, p)
             except InvalidRequestError as exc:
-                err = api_error(exc)
-                if err.body.error.param is None:
-                    err = APIError(400, str(exc), param=_tool_param(str(exc)))
-                raise err from None
+                raise _chat_error(exc) from None
             chats.append(chat)
             return chat.tokens
 
@@ -519,9 +567,11 @@ class Service:
             return EventStream(
                 drive(stream, fmt, include_usage=include_usage, observer=self._observer(served)),
                 write_timeout=self.write_timeout,
+                streams=[stream],
+                backlog=self.backlog,
             )
         if req.stream:
-            streams, cached = await self._start_samples(served, [start], params, n)
+            streams, cached = await self._start_samples(served, [start], params, n, places)
             self._log_user(streams[0].request_id, req.user)
             by_stream = {id(c.tokens): c for c in chats}
             chat_fmts = [
@@ -529,7 +579,7 @@ class Service:
                 for i, st in enumerate(streams)
             ]
             return self._merged(served, streams, chat_fmts, n, cached, include_usage)
-        results, cached = await self._samples(request, served, [start], params, n)
+        results, cached = await self._samples(request, served, [start], params, n, places)
         self._log_user(results[0][0].request_id, req.user)
         by_stream = {id(c.tokens): c for c in chats}
         out_choices = []
@@ -578,13 +628,15 @@ class Service:
         engine = served.engine
         if req.dimensions is not None and req.dimensions != engine.info.dim:
             raise APIError(400, f"this model's embeddings have {engine.info.dim} dimensions", param="dimensions")
-        await _admit_fanout(engine, len(inputs), "input")
+        places = await _admit_fanout(engine, len(inputs), "input")
         self._log_user(request.state.request_id, req.user)
         as_base64 = req.encoding_format == "base64"
         data: list[Embedding | None] = [None] * len(inputs)
         counts = [0] * len(inputs)
 
         async def one(i: int, text: str | list[int]) -> None:
+            if places is not None:
+                places.take(1)  # its place goes back just as `embed` posts it (before it first waits)
             vector = await engine.embed(text)
             counts[i] = len(await engine.encode(text)) if isinstance(text, str) else len(text)
             value: list[float] | str = (
@@ -593,9 +645,10 @@ class Service:
             data[i] = Embedding(object="embedding", index=i, embedding=value)
 
         # Submitted together, so the engine thread runs them back to back between steps.
-        await unless_disconnected(
-            request.receive, lambda: gather(functools.partial(one, i, text) for i, text in enumerate(inputs))
-        )
+        with places or contextlib.nullcontext():
+            await unless_disconnected(
+                request.receive, lambda: gather(functools.partial(one, i, text) for i, text in enumerate(inputs))
+            )
         total = sum(counts)
         return json_response(
             EmbeddingResponse(

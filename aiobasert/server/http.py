@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TypeVar
 
 import msgspec
@@ -30,8 +31,18 @@ def not_json() -> APIError:
                     code="unsupported_media_type")
 
 
-async def read_json(request: Request, body_type: type[T]) -> T:
+PRECOUNT_BYTES = 64 * 1024
+"""Bodies past this size are counted (`precount`) before they are decoded into structs."""
+
+
+async def read_json(
+    request: Request, body_type: type[T], *, precount: Callable[[bytes | bytearray], None] | None = None
+) -> T:
     """Decode a request body into `body_type`, or raise a 400.
+
+    `precount`: for a body over `PRECOUNT_BYTES`, a cheap check run first (e.g. the length
+    of its lists, decoded as raw JSON: ~7x faster than building their structs, which for a
+    body of 150,000 messages is 0.3 s on the event loop) that may refuse it.
 
     The body must be declared JSON (415 otherwise): a web page may send a
     `text/plain` POST to any origin without a CORS preflight, so accepting one
@@ -44,6 +55,8 @@ async def read_json(request: Request, body_type: type[T]) -> T:
         data += chunk
         if len(data) > MAX_BODY_BYTES:
             raise APIError(413, f"request body exceeds {MAX_BODY_BYTES} bytes")
+    if precount is not None and len(data) > PRECOUNT_BYTES:
+        precount(data)
     try:
         return msgspec.json.decode(data, type=body_type)
     except msgspec.ValidationError as exc:

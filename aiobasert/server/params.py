@@ -7,8 +7,11 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
+import msgspec
+
+from ..chat import MAX_CHAT_MESSAGES
 from ..streams import TokenStream
-from ..tools import ToolCall
+from ..tools import MAX_TOOLS, ToolCall
 from ..types import FinishReason, SamplingParams, Token
 from .errors import APIError, aborted
 from .protocol import RequestMessage, ResponseFormat, SamplingRequest
@@ -60,6 +63,47 @@ def json_schema_of(fmt: ResponseFormat | None) -> dict[str, Any] | bool | None:
             raise APIError(400, "response_format json_schema needs json_schema.schema", param="response_format")
         return fmt.json_schema.schema
     raise APIError(400, f"unknown response_format type {fmt.type!r}", param="response_format")
+
+
+def check_chat_size(messages: int, tools: int, messages_param: str) -> None:
+    """400 naming the field for a chat with more messages or tools than any request may have:
+    a count, checked before any message is read, rendered or tokenized."""
+    if messages > MAX_CHAT_MESSAGES:
+        raise APIError(400, f"{messages_param}: {messages} messages; at most {MAX_CHAT_MESSAGES} per request",
+                       param=messages_param)
+    if tools > MAX_TOOLS:
+        raise APIError(400, f"tools: {tools} tools; at most {MAX_TOOLS} per request", param="tools")
+
+
+class _ChatCounts(msgspec.Struct):
+    """The lists of a chat request, undecoded: only their lengths are read."""
+
+    messages: list[msgspec.Raw] = []
+    tools: list[msgspec.Raw] | None = None
+
+
+class _ResponsesCounts(msgspec.Struct):
+    input: str | list[msgspec.Raw] = ""
+    tools: list[msgspec.Raw] | None = None
+
+
+def precount_chat(data: bytes | bytearray) -> None:
+    """`read_json`'s precount of a chat body: `check_chat_size` before its messages are decoded."""
+    try:
+        counts = msgspec.json.decode(data, type=_ChatCounts)
+    except (msgspec.DecodeError, RecursionError):  # the full decode reports it, naming the field
+        return
+    check_chat_size(len(counts.messages), len(counts.tools or ()), "messages")
+
+
+def precount_responses(data: bytes | bytearray) -> None:
+    """`read_json`'s precount of a Responses body: `check_chat_size` before its items are decoded."""
+    try:
+        counts = msgspec.json.decode(data, type=_ResponsesCounts)
+    except (msgspec.DecodeError, RecursionError):
+        return
+    items = 0 if isinstance(counts.input, str) else len(counts.input)
+    check_chat_size(items, len(counts.tools or ()), "input")
 
 
 _ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}

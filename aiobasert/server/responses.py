@@ -17,6 +17,7 @@ import functools
 import json
 import os
 import re
+import sys
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -34,10 +35,11 @@ from .errors import APIError, api_error, in_band_error
 from .events import collect, drive
 from .http import json_response, read_json
 from .metrics import Metrics
-from .params import finish_reason
+from .params import check_chat_size, finish_reason, precount_responses
 from .protocol import SchemaFields
 from .provider import ServedModel
-from .streaming import DEFAULT_WRITE_TIMEOUT_S, EventStream, unless_disconnected
+from .streaming import DEFAULT_WRITE_TIMEOUT_S, BacklogLimit, EventStream, unless_disconnected
+from .workers import Workers, is_large
 
 # ---- request ---------------------------------------------------------------------------------
 
@@ -255,7 +257,7 @@ class ResponseObject(msgspec.Struct, kw_only=True):
 
 
 DEFAULT_STORE_BYTES = 64 * 2**20
-"""The Responses store's default budget: the encoded size of every stored conversation."""
+"""The Responses store's default budget: the memory every stored conversation holds (`ResponseStore.nbytes`)."""
 
 
 class ResponseStore:
@@ -263,9 +265,10 @@ class ResponseStore:
     `ttl_s` seconds after it was stored, within `max_bytes` in all (oldest
     dropped first; a conversation larger than the whole budget is not stored).
 
-    A conversation is kept as compact JSON, so its size is exactly what it
-    costs, and only with the fields a prompt renders: role, content, calls'
-    names and arguments, and call ids only for a template that renders them
+    A conversation is kept as compact JSON (decoded on use), counted at the
+    memory it holds (its bytes object, its id, its entry), and only with the
+    fields a prompt renders: role, content, calls' names and arguments, and
+    call ids only for a template that renders them
     (`keep_ids`); a replayed item's other fields never reach the prompt.
     """
 
@@ -275,19 +278,26 @@ class ResponseStore:
         self.max_bytes = max_bytes
         self.ttl_s = ttl_s
         self.nbytes = 0
-        """The stored conversations' size in bytes (their JSON)."""
+        """The memory the stored conversations hold, in bytes: each one's JSON and id as Python
+        objects, and its entry (at least what tracemalloc measures)."""
         self._entries: OrderedDict[str, tuple[float, bytes, str]] = OrderedDict()
 
     def put(
         self, response_id: str, conversation: list[dict[str, Any]], model: str, *, keep_ids: bool = True
     ) -> None:
-        blob = msgspec.json.encode([_rendered(m, keep_ids) for m in conversation])
-        if len(blob) > self.max_bytes:
+        # an exact-size copy: msgspec's own result keeps its over-allocated buffer (~1.5x the JSON)
+        blob = memoryview(msgspec.json.encode([_rendered(m, keep_ids) for m in conversation])).tobytes()
+        cost = _cost(response_id, blob)
+        if cost > self.max_bytes:
             return
+        old = self._entries.pop(response_id, None)
+        if old is not None:
+            self.nbytes -= _cost(response_id, old[1])
         self._entries[response_id] = (time.monotonic() + self.ttl_s, blob, model)
-        self.nbytes += len(blob)
+        self.nbytes += cost
         while self.nbytes > self.max_bytes:
-            self.nbytes -= len(self._entries.popitem(last=False)[1][1])
+            key, (_, dropped, _) = self._entries.popitem(last=False)
+            self.nbytes -= _cost(key, dropped)
 
     def get(self, response_id: str) -> tuple[list[dict[str, Any]], str] | None:
         entry = self._entries.get(response_id)
@@ -296,7 +306,7 @@ class ResponseStore:
         expires, blob, model = entry
         if time.monotonic() > expires:
             del self._entries[response_id]
-            self.nbytes -= len(blob)
+            self.nbytes -= _cost(response_id, blob)
             return None
         conversation: list[dict[str, Any]] = msgspec.json.decode(blob)
         for m in conversation:  # calls as the request side builds them (an id "" when not stored)
@@ -307,6 +317,17 @@ class ResponseStore:
 
     def __len__(self) -> int:
         return len(self._entries)
+
+
+_ENTRY_BYTES = 256
+"""What one entry costs besides its JSON and id: its tuple, expiry float and ordered-dict slot
+(about 190 bytes measured on CPython 3.12, counted high)."""
+
+
+def _cost(response_id: str, blob: bytes) -> int:
+    """The memory one stored conversation holds: the objects themselves, not just the JSON's length
+    (counting the JSON alone, a budget of small entries held 5-10x its size)."""
+    return sys.getsizeof(blob) + sys.getsizeof(response_id) + _ENTRY_BYTES
 
 
 def _rendered(message: dict[str, Any], keep_ids: bool) -> dict[str, Any]:
@@ -590,9 +611,12 @@ class ResponsesAPI:
 
     def __init__(
         self, resolve: Any, metrics: Metrics, store: ResponseStore | None = None, *,
-        write_timeout: float | None = DEFAULT_WRITE_TIMEOUT_S,
+        write_timeout: float | None = DEFAULT_WRITE_TIMEOUT_S, workers: Workers | None = None,
+        backlog: BacklogLimit | None = None,
     ) -> None:
         self._resolve = resolve
+        self._backlog = backlog if backlog is not None else BacklogLimit()
+        self._workers = workers if workers is not None else Workers()
         self._metrics = metrics
         self.store = store if store is not None else ResponseStore()  # an empty store is falsy (len 0)
         self._write_timeout = write_timeout
@@ -604,7 +628,9 @@ class ResponsesAPI:
         return _new_id("resp") if self.id_tag is None else f"resp_{self.id_tag}_{os.urandom(12).hex()}"
 
     async def create(self, request: Request) -> Response:
-        req = await read_json(request, ResponsesRequest)
+        req = await read_json(request, ResponsesRequest, precount=precount_responses)
+        # counts first, before any item is read: the stored conversation is counted again below
+        check_chat_size(0 if isinstance(req.input, str) else len(req.input), len(req.tools or ()), "input")
         check_refused("/v1/responses", req)
         conversation: list[dict[str, Any]] = []
         if req.previous_response_id is not None:
@@ -636,11 +662,17 @@ class ResponsesAPI:
             json_schema=schema,
         )
         served: ServedModel = self._resolve(req.model)
+        check_chat_size(len(messages), len(tools), "input")  # the stored conversation counts too
+        engine = served.engine
+        parallel = req.parallel_tool_calls is not False
+
+        def start() -> ChatStream:
+            # request-sized (every message and tool): in a worker, never on the event loop
+            return engine.stream_chat(messages, params, tools=tools or None, tool_choice=choice,
+                                      parallel_tool_calls=parallel)
+
         try:
-            chat = served.engine.stream_chat(
-                messages, params, tools=tools or None, tool_choice=choice,
-                parallel_tool_calls=req.parallel_tool_calls is not False,
-            )
+            chat = await self._workers.run(start, large=is_large(len(messages), len(tools)))
         except InvalidRequestError as exc:
             msg, err = str(exc), api_error(exc)
             if err.body.error.param is None:
@@ -652,7 +684,8 @@ class ResponsesAPI:
         observer = self._metrics.observer(served.name, served.engine)
         if req.stream:
             return EventStream(drive(chat.tokens, _ResponseEvents(turn), include_usage=False, observer=observer),
-                               write_timeout=self._write_timeout)
+                               write_timeout=self._write_timeout, streams=[chat.tokens],
+                               backlog=self._backlog)
         tokens = await unless_disconnected(request.receive, functools.partial(collect, chat.tokens, observer))
         finish = finish_reason(chat.tokens.finish_reason)
         for tok in tokens:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import AsyncGenerator, Awaitable, Callable, Iterable, Sequence
+from dataclasses import dataclass
 from typing import TypeVar, cast
 
 import anyio
@@ -17,6 +18,7 @@ from anyio.streams.memory import MemoryObjectSendStream
 from starlette.responses import Response
 from starlette.types import Message, Receive, Scope, Send
 
+from ..streams import TokenStream
 from .errors import ClientGone, api_error, in_band_error
 
 T = TypeVar("T")
@@ -87,6 +89,20 @@ async def gather(calls: Iterable[Callable[[], Awaitable[T]]]) -> list[T]:
 DEFAULT_WRITE_TIMEOUT_S = 30.0
 """How long a streamed response may wait for its client to take bytes before it is dropped."""
 
+DEFAULT_MAX_UNSENT_BYTES = 1024 * 1024
+"""How much of a streamed response may wait for a slow client (its backlog) before the
+client must make progress on it within the write timeout or be dropped."""
+
+
+@dataclass
+class BacklogLimit:
+    """The bound on a streamed response's backlog (docs/fairness.md, trickle readers): over
+    `max_unsent_bytes` and not shrinking for `timeout_s` seconds (None: the write timeout),
+    the client is dropped. `max_unsent_bytes=None`: unbounded."""
+
+    max_unsent_bytes: int | None = DEFAULT_MAX_UNSENT_BYTES
+    timeout_s: float | None = None
+
 
 class ClientTooSlow(Exception):
     """The client took no bytes of its streamed response for `write_timeout` seconds."""
@@ -111,6 +127,13 @@ class EventStream(Response):
     `write_timeout`: a client that takes no bytes for that many seconds is
     dropped: its generators are closed (their lanes freed) and the connection
     is closed without ending the response, so the client sees a cut stream.
+
+    `streams`, `backlog`: a client that takes bytes, but slower than its
+    generations produce them (a trickle reader), leaves their tokens waiting
+    here, a backlog that grows at the engine's rate. Once the backlog (the
+    streams' unread tokens, at this response's bytes per event) is over
+    `backlog.max_unsent_bytes` and has not shrunk for `backlog.timeout_s`
+    (default: `write_timeout`) seconds, the client is dropped the same way.
     """
 
     media_type = "text/event-stream"
@@ -121,10 +144,16 @@ class EventStream(Response):
         tail: Callable[[], bytes] | None = None,
         *,
         write_timeout: float | None = DEFAULT_WRITE_TIMEOUT_S,
+        streams: Sequence[TokenStream] = (),
+        backlog: BacklogLimit | None = None,
     ) -> None:
         self._all = [events] if isinstance(events, AsyncGenerator) else list(events)
         self._tail = tail
         self._write_timeout = write_timeout
+        self._streams = list(streams)
+        self._backlog = backlog if backlog is not None else BacklogLimit()
+        self._sent_bytes = 0
+        self._sent_events = 0
         self.status_code = 200
         self.background = None
         self.init_headers({"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
@@ -132,6 +161,10 @@ class EventStream(Response):
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         async with anyio.create_task_group() as tg:
             tg.start_soon(cancel_on_disconnect, receive, tg.cancel_scope)
+            window = self._backlog.timeout_s if self._backlog.timeout_s is not None else self._write_timeout
+            bound = self._backlog.max_unsent_bytes
+            if window is not None and window > 0 and bound is not None and self._streams:
+                tg.start_soon(self._watch_backlog, window, bound, tg.cancel_scope)
             try:
                 await self._send_events(scope, receive, self._bounded(send))
             except ClientTooSlow:
@@ -144,16 +177,49 @@ class EventStream(Response):
                         await events.aclose()
                 tg.cancel_scope.cancel()
 
+    def unsent_bytes(self) -> int:
+        """The backlog: bytes of events its streams' unread tokens will make, at this
+        response's mean bytes per event so far."""
+        unread = sum(st.unread for st in self._streams)
+        return unread * max(1, self._sent_bytes // max(1, self._sent_events))
+
+    async def _watch_backlog(self, timeout: float, bound: int, scope: anyio.CancelScope) -> None:
+        """Drop the client (cancel `scope`) once the backlog has been over `bound`
+        without shrinking for `timeout` seconds."""
+        over_since: float | None = None
+        low = 0
+        while True:
+            await anyio.sleep(min(1.0, timeout / 4))
+            unsent = self.unsent_bytes()
+            now = anyio.current_time()
+            if unsent <= bound:
+                over_since = None
+            elif over_since is None or unsent < low:  # over the bound, or progress on it: the clock restarts
+                over_since, low = now, unsent
+            elif now - over_since >= timeout:
+                logger.warning("dropped a client whose unsent backlog (%d bytes) did not shrink for %s s",
+                               unsent, timeout)
+                scope.cancel()
+                return
+
     def _bounded(self, send: Send) -> Send:
         timeout = self._write_timeout
+
+        async def counted(message: Message) -> None:
+            body = message.get("body")
+            if body:
+                self._sent_bytes += len(body)
+                self._sent_events += 1
+            await send(message)
+
         if timeout is None:
-            return send
+            return counted
 
         async def bounded(message: Message) -> None:
             # The server's send waits while the socket's write buffer is full: a
             # client that stops reading would hold this response, and its lanes, forever.
             with anyio.move_on_after(timeout) as scope:
-                await send(message)
+                await counted(message)
             if scope.cancelled_caught:
                 raise ClientTooSlow
 

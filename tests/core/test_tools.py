@@ -18,10 +18,11 @@ from hypothesis import strategies as st
 from tool_checks import backends, json_complete
 
 from aiobasert import Engine, InvalidRequestError, StreamClosedError
-from aiobasert.chat import GEMMA_TEMPLATE, render_chat
+from aiobasert.chat import GEMMA_TEMPLATE, MAX_CHAT_MESSAGES, render_chat
 from aiobasert.models.tiny import EOS_ID
 from aiobasert.tools import (
     CALL_OPEN,
+    MAX_TOOLS,
     ChatReply,
     TextDelta,
     Tool,
@@ -187,6 +188,33 @@ async def test_tool_turns_render_and_a_loop_completes(tiny_model_path: Path) -> 
         ]
         answer = await engine.chat(history, tools=[WEATHER], tool_choice="none", max_tokens=8, seed=1)
         assert answer.tool_calls == [] and answer.finish_reason in ("stop", "length")
+
+
+async def test_chats_past_the_counts_are_refused_before_rendering(
+    tiny_model_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # issue 26 item 2: bounded before it is paid: no template runs for a chat past the caps
+    import aiobasert.chat
+    import aiobasert.tools
+
+    rendered: list[int] = []
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        rendered.append(1)
+        raise AssertionError("rendered")
+
+    monkeypatch.setattr(aiobasert.tools, "render_with_sentinels", spy)
+    monkeypatch.setattr(aiobasert.chat, "render_with_sentinels", spy)
+    many = MESSAGES * (MAX_CHAT_MESSAGES + 1)
+    tools = [Tool(name=f"t{i}") for i in range(MAX_TOOLS + 1)]
+    async with Engine.open(tiny_model_path, max_batch_size=1) as engine:
+        with pytest.raises(InvalidRequestError, match=r"^messages: .* at most 10000"):
+            engine.chat(many, max_tokens=1)
+        with pytest.raises(InvalidRequestError, match=r"^messages: "):
+            engine.stream_chat(many, max_tokens=1, tools=[WEATHER])
+        with pytest.raises(InvalidRequestError, match=r"^tools: 129 tools; at most 128"):
+            engine.stream_chat(MESSAGES, max_tokens=1, tools=tools)
+    assert rendered == []
 
 
 def test_default_rendering_lists_tools_and_wraps_tool_results() -> None:

@@ -14,7 +14,8 @@ then all of them again together with the hostile traffic. For the normal clients
 - greedy results equal the solo run's (embeddings: equal to float tolerance);
 - afterwards no lane, queued request or sequence is held and no KV block is held beyond the
   prefix cache's (`/v1/internal/stats`);
-- the server's RSS stays under 2x its post-solo size plus a fixed margin;
+- the server's RSS stays under 2x its post-solo size plus a fixed margin (its peak during the
+  traffic is printed);
 - SIGTERM with hostile connections still open ends the server cleanly.
 
 Hostile clients must get an answer too, of the kinds a server may give them: a 4xx naming the
@@ -64,7 +65,8 @@ NO_END = {"0": -100, "1": -100, "2": -100}
 LONG_STREAM = {"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 8000, "temperature": 0,
                "stream": True, "logprobs": True, "top_logprobs": 20, "logit_bias": NO_END}  # fmt: skip
 HOSTILE_KINDS = ("slow_reader", "trickle_reader", "disconnect", "abort", "n_over_lanes", "huge_body", "deep_json",
-                 "ref_chain", "deep_schema", "big_enum", "bad_fields", "fanout", "store_bytes")  # fmt: skip
+                 "ref_chain", "deep_schema", "big_enum", "bad_fields", "fanout", "store_bytes", "many_messages",
+                 "many_tools", "reader_4k", "fanout_race")  # fmt: skip
 
 
 
@@ -449,11 +451,68 @@ async def _store_bytes(h: Hostile, rng: random.Random) -> None:
             h.check_refusal("a Responses request with a 3 MB call_id", r, ok=(200,))
 
 
+async def _many_messages(h: Hostile, rng: random.Random) -> None:
+    """A 5 MB chat of 150,000 tiny messages (issue 26 item 2: rendered on the event loop, freezing
+    every stream for seconds, before it was refused as too long)."""
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}] * 150_000, "max_tokens": 1}
+    async with httpx.AsyncClient(base_url=h.server.url, headers=AUTH, timeout=None) as http:
+        r = await http.post("/v1/chat/completions", json=body)
+        h.check_refusal("a chat of 150,000 messages", r)
+
+
+async def _many_tools(h: Hostile, rng: random.Random) -> None:
+    """3,000 tools (issue 26 item 2: 15 s to refuse, the event loop frozen 3.4 s of it)."""
+    tools = [{"type": "function", "function": {"name": f"tool_{i}", "description": "A tool.",
+              "parameters": TOOLS[0]["function"]["parameters"]}} for i in range(3000)]  # fmt: skip
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "tools": tools, "max_tokens": 1}
+    async with httpx.AsyncClient(base_url=h.server.url, headers=AUTH, timeout=None) as http:
+        r = await http.post("/v1/chat/completions", json=body)
+        h.check_refusal("a chat with 3,000 tools", r)
+
+
+async def _reader_4k(h: Hostile, rng: random.Random) -> None:
+    """A long stream read at 4 KB/s, until the normal clients are done (issue 26 item 6: never
+    blocked for the write timeout, so never dropped by it; its whole unsent response was kept)."""
+    sock = await anyio.to_thread.run_sync(_raw_stream, h.server.port)
+    h.held.append(sock)
+    sock.setblocking(False)
+    while not h.normal_done.is_set():
+        try:
+            if not sock.recv(400):
+                return  # dropped: its backlog did not shrink
+        except BlockingIOError:
+            pass
+        except OSError:
+            return
+        await anyio.sleep(0.1)
+
+
+async def _fanout_race(h: Hostile, rng: random.Random) -> None:
+    """Overlapping n=4 requests (issue 26 item 7: both passed a stale check; the second was refused
+    503 after its choices were queued). Each is served whole or refused 503 before any work."""
+    async with httpx.AsyncClient(base_url=h.server.url, headers=AUTH, timeout=None) as http:
+
+        async def one(i: int) -> None:
+            body = {"model": "tiny", "prompt": random_text(rng, 4), "n": 4, "max_tokens": 16, "temperature": 0.8,
+                    "seed": i}  # fmt: skip
+            r = await http.post("/v1/completions", json=body)
+            if r.status_code == 200:
+                if len(r.json()["choices"]) != 4:
+                    h.problems.append(f"an n=4 request answered {len(r.json()['choices'])} choices")
+                return
+            h.check_refusal("one of overlapping n=4 requests", r, ok=(503,))
+
+        async with anyio.create_task_group() as tg:
+            for i in range(6):
+                tg.start_soon(one, i)
+
+
 _HOSTILE: dict[str, Callable[[Hostile, random.Random], Awaitable[None]]] = {
     "slow_reader": _slow_reader, "trickle_reader": _trickle_reader, "disconnect": _disconnect, "abort": _abort,
     "n_over_lanes": _n_over_lanes, "huge_body": _huge_body, "deep_json": _deep_json, "ref_chain": _ref_chain_client,
     "deep_schema": _deep_schema_client, "big_enum": _big_enum, "bad_fields": _bad_fields, "fanout": _fanout,
-    "store_bytes": _store_bytes,
+    "store_bytes": _store_bytes, "many_messages": _many_messages, "many_tools": _many_tools,
+    "reader_4k": _reader_4k, "fanout_race": _fanout_race,
 }  # fmt: skip
 _COUNTS = {"slow_reader": (LANES, LANES + 2), "trickle_reader": (1, 2), "disconnect": (2, 6), "abort": (2, 6),
            "n_over_lanes": (1, 1)}  # fmt: skip
@@ -528,8 +587,12 @@ async def test_hostile_traffic_cannot_stall_starve_or_kill_normal_clients(server
 
         died: list[str] = []
 
+        rss_peak = [rss_start]  # sampled all through the traffic (printed)
+
         async def watch_server(scope: anyio.CancelScope) -> None:
             while (why := server.death()) is None:
+                with contextlib.suppress(AssertionError, OSError):  # the process may end between the two
+                    rss_peak[0] = max(rss_peak[0], rss_mb(server.proc.pid))
                 await anyio.sleep(0.1)
             died.append(why)
             scope.cancel()
@@ -582,7 +645,10 @@ async def test_hostile_traffic_cannot_stall_starve_or_kill_normal_clients(server
         if gauges["aiobasert_kv_cache_usage_ratio"] != 0:  # issue 18 item 10: the prefix cache is not "used"
             findings.append(f"/metrics kv_cache_usage_ratio at idle is not 0: {gauges}")
         rss_end = rss_mb(server.proc.pid)
-        print(f"server RSS {rss_start:.0f} MB after the solo run, {rss_end:.0f} MB after the traffic")
+        print(f"server RSS {rss_start:.0f} MB after the solo run, {rss_peak[0]:.0f} MB at most during the traffic, "
+              f"{rss_end:.0f} MB after it")
+        # The bound holds at the end; the peak is printed, not bounded: a 15 MB /tokenize (huge_body) is
+        # a 3M-id answer, ~440 MB at its peak (issue 26: tokenizing to a buffer, not a list, is intake's).
         if rss_end >= 2 * rss_start + 384:
             findings.append(f"server RSS {rss_start:.0f} MB -> {rss_end:.0f} MB (bound: 2x + 384 MB)")
         findings += [f"hostile request not refused cleanly: {p}" for p in hostile.problems]
@@ -610,5 +676,5 @@ def hostile_bound_tokens(kinds: list[str]) -> int:
     """Most tokens the bounded hostile requests can generate (the unbounded ones, clients that never
     read, are exactly what a server must not let count)."""
     per = {"disconnect": 400, "abort": 3 * 600, "n_over_lanes": 2 * LANES * 300, "fanout": 1100 * 16,
-           "store_bytes": 200}  # fmt: skip
+           "store_bytes": 200, "fanout_race": 6 * 5 * 16}  # fmt: skip
     return sum(per.get(kind, 0) for kind in kinds)

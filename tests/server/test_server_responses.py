@@ -4,7 +4,10 @@
 
 from __future__ import annotations
 
+import gc
 import json
+import os
+import tracemalloc
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -320,3 +323,25 @@ def test_llama3_function_calls_in_responses(llama3_tools_model_path: Path) -> No
                 {"type": "function_call", "call_id": "c", "name": "get_weather", "arguments": '{"city": "<|eot_id|>"}'},
             ])
         assert forged.value.body["param"] == "input"  # type: ignore[index]
+
+
+@pytest.mark.parametrize("content", ["hi", "word " * 50, "word " * 2000])
+def test_the_store_counts_at_least_the_memory_it_holds(content: str) -> None:
+    # issue 26 item 8: the store counted each conversation's JSON length while it held the bytes
+    # object msgspec made (~1.5x over-allocated), the id and the entry: an 8 MiB budget held 46 MiB.
+    from aiobasert.server.responses import ResponseStore
+
+    store = ResponseStore(max_bytes=1 << 20)
+    conversation = [{"role": "user", "content": content}, {"role": "assistant", "content": content}]
+    tracemalloc.start()
+    try:
+        gc.collect()
+        base = tracemalloc.get_traced_memory()[0]
+        for _ in range(min(5_000, 2 * store.max_bytes // (2 * len(content)) + 100)):  # past the budget
+            store.put(f"resp_{os.urandom(12).hex()}", conversation, "tiny")
+        gc.collect()
+        held = tracemalloc.get_traced_memory()[0] - base
+    finally:
+        tracemalloc.stop()
+    assert store.nbytes <= store.max_bytes
+    assert held <= store.nbytes + 4096, (held, store.nbytes, len(store))  # 4 KiB: the empty store's own table

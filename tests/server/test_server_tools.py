@@ -473,7 +473,7 @@ async def test_llama3_hostile_tool_traffic_leaves_a_neighbour_stream_alone(llama
                     assert r.status_code == 400 and r.json()["error"]["param"] == param, (body, r.text)
                 r = await http.post("/v1/chat/completions", json={
                     "model": MODEL_NAME, "messages": MESSAGES, "tools": many, "max_tokens": 8})
-                assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text  # past the context
+                assert r.status_code == 400 and r.json()["error"]["param"] == "tools", r.text  # past MAX_TOOLS
                 two = await client.chat.completions.create(
                     model=MODEL_NAME, messages=MESSAGES, tools=TOOLS, tool_choice="required", n=2,
                     parallel_tool_calls=False, max_tokens=60, temperature=1.0, seed=5)
