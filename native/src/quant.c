@@ -822,6 +822,8 @@ static const qkernel_set *qset(void) {
 
 const char *rt_quant_isa(void) { return qset()->name; }
 
+size_t rt_qweight_row_bytes(const rt_weight *w, int in) { return geometry(w->type, w->flags, in).panel_bytes / PANEL; }
+
 /* The activations are quantized with AVX2 whenever the integer kernels are SIMD (same bytes either way;
  * the portable set keeps the portable quantizer, so a generic run tests it). */
 static bool quantize_simd(void) { return qset() != &generic_set; }

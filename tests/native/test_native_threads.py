@@ -1,14 +1,17 @@
 """The thread pool: results are bit-identical for every thread count, however many cores there are.
 
 The shared pool is sized when the first model of the process loads ($BASERT_REF_THREADS, read then), so
-each thread count gets its own load. The models are wide enough (256 / 512 wide, a few hundred vocabulary
-rows) that every matmul, attention and activation pass is split over the pool: with 16 threads on a
-2-core machine most workers are descheduled at any moment, so the split a run ends up with differs from
-run to run -- which is the point: no value may depend on it."""
+each thread count gets its own load. A run takes no more threads than the process has CPUs unless
+$BASERT_REF_POOL_OVERSUBSCRIBE lifts that cap, which the sweep does: the models are wide enough (256 / 512
+wide, a few hundred vocabulary rows) that their prefill matmuls, attention and activation passes are split
+over all of a pool's threads, and with 16 threads on a 2-core machine most workers are descheduled at any
+moment, so the split a run ends up with differs from run to run -- which is the point: no value may depend
+on it."""
 
 from __future__ import annotations
 
 import hashlib
+import os
 from collections.abc import Iterator
 from ctypes import c_float
 from pathlib import Path
@@ -62,6 +65,7 @@ def run_digest(lib: Library, path: Path, threads: int) -> tuple[str, list[list[i
     seqs: list[int] = []
     try:
         assert lib.baseRT_ref_counter(b"pool_threads") == threads  # the environment sized this load's pool
+        assert lib.baseRT_ref_counter(b"pool_run_threads") == threads  # and every thread may take part
         vocab = int(lib.baseRT_batch_logits_stride(m)) // 2
         dim = DIM
         long_prompt = prompt(150, 1, vocab)
@@ -90,6 +94,7 @@ def test_results_bit_identical_for_every_thread_count(lib: Library, threaded_mod
     """Each output element is computed by exactly one thread in a fixed order, so 1..16 threads (most of
     them oversubscribed here) give the same bits: embeddings, logits of prefill and decode, greedy ids."""
     results: dict[int, tuple[str, list[list[int]]]] = {}
+    monkeypatch.setenv("BASERT_REF_POOL_OVERSUBSCRIBE", "1")
     for n in THREAD_COUNTS:
         monkeypatch.setenv("BASERT_REF_THREADS", str(n))
         results[n] = run_digest(lib, threaded_model_path, n)
@@ -98,14 +103,80 @@ def test_results_bit_identical_for_every_thread_count(lib: Library, threaded_mod
 
 
 @pytest.mark.usefixtures("no_pool")
-def test_pool_takes_the_size_the_environment_sets(lib: Library, wide_model_path: Path,
-                                                  monkeypatch: pytest.MonkeyPatch) -> None:
-    """The sweep above is real: each load's pool has the count asked for (the caller plus n - 1 workers)."""
-    for n in (1, 3, 16):
-        monkeypatch.setenv("BASERT_REF_THREADS", str(n))
-        m = load(lib, wide_model_path, 64)
-        try:
-            assert lib.baseRT_ref_counter(b"pool_threads") == n
-            assert lib.baseRT_ref_counter(b"thread_pools") == 1
-        finally:
-            lib.baseRT_free_model(m)
+def test_runs_take_no_more_threads_than_cpus(lib: Library, wide_model_path: Path,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """The pool has the threads asked for, but a run takes at most the usable CPUs (a preempted worker
+    would hold its item for a time slice), unless BASERT_REF_POOL_OVERSUBSCRIBE lifts the cap."""
+    for over in ("", "0", "1"):
+        monkeypatch.setenv("BASERT_REF_POOL_OVERSUBSCRIBE", over)
+        for n in (1, 3, 16):
+            monkeypatch.setenv("BASERT_REF_THREADS", str(n))
+            m = load(lib, wide_model_path, 64)
+            try:
+                cpus = lib.baseRT_ref_counter(b"usable_cpus")
+                assert lib.baseRT_ref_counter(b"pool_threads") == n
+                assert lib.baseRT_ref_counter(b"thread_pools") == 1
+                assert lib.baseRT_ref_counter(b"pool_run_threads") == (n if over == "1" else min(n, cpus))
+            finally:
+                lib.baseRT_free_model(m)
+
+
+# ---- threads=auto: physical cores of the affinity mask, capped by the cgroup quota ----------------------
+
+# name: ((package, core) of the mask's first and second CPU, or None for no topology files; CPUs of the
+# mask (0: the first, 1: the second); the cgroup quota in CPUs or None; the threads auto gives)
+AUTO_CASES: dict[str, tuple[tuple[tuple[int, int], tuple[int, int]] | None, tuple[int, ...], int | None, int]] = {
+    "SMT siblings": (((0, 0), (0, 0)), (0, 1), None, 1),
+    "two cores": (((0, 0), (0, 1)), (0, 1), None, 2),
+    "same core id, two packages": (((0, 3), (1, 3)), (0, 1), None, 2),
+    "one sibling in the mask": (((0, 0), (0, 0)), (0,), None, 1),
+    "no topology: each CPU a core": (None, (0, 1), None, 2),
+    "quota below the cores": (((0, 0), (0, 1)), (0, 1), 1, 1),
+    "quota above the cores": (((0, 0), (0, 0)), (0, 1), 2, 1),
+}
+
+
+@pytest.mark.usefixtures("no_pool")
+@pytest.mark.parametrize("case", sorted(AUTO_CASES))
+def test_auto_threads_count_physical_cores_within_quota(lib: Library, wide_model_path: Path, tmp_path: Path,
+                                                       monkeypatch: pytest.MonkeyPatch, case: str) -> None:
+    """threads=auto is one thread per physical core of the affinity mask (SMT siblings share one core's load
+    ports: a memory-bound decode gains nothing from the second), capped by the cgroup CPU quota; the pool
+    made with BASERT_REF_THREADS=auto (or unset) has that size. Fake sysfs / cgroup trees, a real mask."""
+    topology, in_mask, quota, expected = AUTO_CASES[case]
+    allowed = sorted(os.sched_getaffinity(0))
+    if len(allowed) < 2:
+        pytest.skip("needs two CPUs in the affinity mask")
+    cpus = allowed[:2]
+    if topology:
+        for cpu, (package, core) in zip(cpus, topology, strict=True):
+            d = tmp_path / "sys" / "sys/devices/system/cpu" / f"cpu{cpu}" / "topology"
+            d.mkdir(parents=True)
+            (d / "physical_package_id").write_text(f"{package}\n")
+            (d / "core_id").write_text(f"{core}\n")
+    cg = tmp_path / "cg"
+    (cg / "proc" / "self").mkdir(parents=True)
+    (cg / "proc" / "self" / "cgroup").write_text("0::/job\n")
+    (cg / "proc" / "self" / "mountinfo").write_text(
+        "29 23 0:26 / /sys/fs/cgroup rw - cgroup2 cgroup2 rw\n")
+    if quota:
+        (cg / "sys/fs/cgroup/job").mkdir(parents=True)
+        (cg / "sys/fs/cgroup/job/cpu.max").write_text(f"{quota * 100000} 100000\n")
+    monkeypatch.setenv("BASERT_REF_SYSFS_ROOT", str(tmp_path / "sys"))
+    monkeypatch.setenv("BASERT_REF_CGROUP_ROOT", str(cg))
+    before = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {cpus[i] for i in in_mask})  # this thread's mask: the one the C call reads
+    try:
+        assert lib.baseRT_ref_counter(b"auto_threads") == expected
+        for setting in ("auto", None):
+            if setting:
+                monkeypatch.setenv("BASERT_REF_THREADS", setting)
+            else:
+                monkeypatch.delenv("BASERT_REF_THREADS", raising=False)
+            m = load(lib, wide_model_path, 64)
+            try:
+                assert lib.baseRT_ref_counter(b"pool_threads") == expected
+            finally:
+                lib.baseRT_free_model(m)
+    finally:
+        os.sched_setaffinity(0, before)
