@@ -13,6 +13,11 @@ with this one; the best round of each cell is shown, with its CPU time.
     python bench/thread_scaling.py --geometry 1b --layers 4 --dtype base_q8
     python bench/thread_scaling.py --model X.base --threads 1,2,3,4
     python bench/thread_scaling.py --variant before=/tmp/old.so --variant after=aiobasert/_native/libbaseRT.so
+    python bench/thread_scaling.py --geometry 1b --bandwidth 1024   # weights GB/s against a read loop
+
+With --bandwidth, a read loop (numpy threads summing slices of a large array) measures the machine's read
+bandwidth at each thread count, and one-lane decode's weight bytes per token x tok/s is printed against it:
+a decode that reads every weight once per token cannot beat that loop.
 
 The geometries are the real models' layer shapes with the tiny test vocabulary (so the head is small and
 the layers dominate); --layers cuts the depth to keep a sweep short. Bundles are cached under
@@ -29,6 +34,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from ctypes import byref, c_int, c_uint32, c_void_p, sizeof
 from dataclasses import dataclass
 from pathlib import Path
@@ -100,6 +106,10 @@ def child(model: str, lanes: list[int], tokens: int) -> None:
         lib.check(rc, "baseRT_batch_step_fused")
         return list(nxt)
 
+    st = _ffi.BaseRTMemoryStats()
+    weights = float("nan")
+    if lib.baseRT_model_memory_stats(m, byref(st)):
+        weights = float(int(lib.baseRT_model_memory(m)) - st.kv_cache_capacity_bytes)
     for n in lanes:
         seqs = [lib.baseRT_sequence_create(m) for _ in range(n)]
         nxt = step(seqs, prompt * n, [len(prompt)] * n)
@@ -109,11 +119,28 @@ def child(model: str, lanes: list[int], tokens: int) -> None:
             nxt = step(seqs, nxt, [1] * n)
         wall, r1 = time.perf_counter() - t0, resource.getrusage(resource.RUSAGE_SELF)
         cpu = (r1.ru_utime - r0.ru_utime) + (r1.ru_stime - r0.ru_stime)
-        out[str(n)] = {"tok_s": n * tokens / wall, "cpu_ms_per_tok": 1e3 * cpu / (n * tokens)}
+        out[str(n)] = {"tok_s": n * tokens / wall, "cpu_ms_per_tok": 1e3 * cpu / (n * tokens),
+                       "weight_bytes": weights}
         for s in seqs:
             lib.baseRT_sequence_free(s)
     lib.baseRT_free_model(m)
     print(json.dumps(out))
+
+
+def read_bandwidth(threads: int, mib: int, repeat: int = 3) -> float:
+    """A STREAM-style read loop: bytes/s of `threads` threads each summing its slice of a `mib` MiB array
+    (numpy's integer reduction releases the GIL and runs at memory speed), best of `repeat`."""
+    import numpy as np
+
+    data = np.ones(mib * 2**20 // 8, dtype=np.int64)
+    slices = np.array_split(data, threads)
+    best = 0.0
+    with ThreadPoolExecutor(threads) as pool:
+        for _ in range(repeat):
+            t0 = time.perf_counter()
+            list(pool.map(np.sum, slices))
+            best = max(best, data.nbytes / (time.perf_counter() - t0))
+    return best
 
 
 def main() -> None:
@@ -130,6 +157,9 @@ def main() -> None:
                     help="a library (and environment) to measure, side by side with the others, e.g. "
                          "before=/tmp/old.so or 'over=aiobasert/_native/libbaseRT.so,BASERT_REF_POOL_OVERSUBSCRIBE=1'"
                          " (default: the installed library)")
+    ap.add_argument("--bandwidth", type=int, default=0, metavar="MIB",
+                    help="also measure the read bandwidth per thread count with an array of MIB MiB (several "
+                         "times the last-level cache) and print 1-lane weight bytes per token x tok/s against it")
     ap.add_argument("--json", action="store_true", help="print the table's cells as one JSON object too")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -170,6 +200,15 @@ def main() -> None:
                            for label in variants for k in lanes)
         print(f"| {n} | {cells} |")
     print("cells: aggregate decode tok/s (CPU ms burnt per token, all threads)")
+    if args.bandwidth and 1 in lanes:
+        print("\n1 lane: the weights are read once per token; bytes per token x tok/s against a read loop")
+        print(f"| threads | {' | '.join(f'{label} GB/s' for label in variants)} | read loop GB/s | % of the loop |")
+        print("|---:|" + "---:|" * (len(variants) + 2))
+        for n in threads:
+            bw = read_bandwidth(n, args.bandwidth) / 1e9
+            rates = [best[(label, n)]["1"]["tok_s"] * best[(label, n)]["1"]["weight_bytes"] / 1e9 for label in variants]
+            print(f"| {n} | {' | '.join(f'{r:.1f}' for r in rates)} | {bw:.1f} | "
+                  f"{' / '.join(f'{100 * r / bw:.0f}%' for r in rates)} |")
     if args.json:
         print(json.dumps({f"{label}/{n}": cell for (label, n), cell in best.items()}))
 
