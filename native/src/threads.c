@@ -132,21 +132,23 @@ static bool waiter_step(waiter *w, long long limit_ns) {
     return true;
 }
 
-/* Wait for a run this worker is invited to (its generation returned), or for stop (0). */
+/* Wait for a run this worker is invited to (its generation returned), or for stop (0). Runs for others
+ * do not restart the wait: a worker that small ops leave out goes to sleep as if idle, and one that no run
+ * can invite (tid beyond the CPU cap) sleeps at once, until the pool is freed. */
 static unsigned long worker_wait(rt_threads *p, int tid, unsigned long seen) {
     worker_slot *me = &p->slots[tid];
     waiter w;
     waiter_init(&w, !p->oversubscribed);
+    bool never = tid >= p->max_run;
     for (;;) {
         unsigned long g = atomic_load(&p->post.generation);
         if (atomic_load(&p->post.stop)) return 0;
         if (g != seen) {
             seen = g;
             if (tid < atomic_load(&p->post.invited)) return g;
-            waiter_init(&w, !p->oversubscribed); /* a run for others: wait afresh for the next one */
-            continue;
+            continue; /* a run for others */
         }
-        if (waiter_step(&w, YIELD_NS)) continue;
+        if (!never && waiter_step(&w, YIELD_NS)) continue;
         /* Sleep. Sequentially consistent with the caller's post: either it sees
          * `sleeping` and signals, or this thread sees the new generation. */
         pthread_mutex_lock(&me->mu);
