@@ -62,6 +62,7 @@ GEOMETRIES = {
     "135m": Geometry(30, 576, 9, 3, 1536),  # SmolLM2-135M
     "1b": Geometry(16, 2048, 32, 8, 8192),  # Llama-3.2-1B
     "3b": Geometry(28, 3072, 24, 8, 8192),  # Llama-3.2-3B
+    "8b": Geometry(32, 4096, 32, 8, 14336),  # Llama-3.1-8B
 }
 
 
