@@ -192,6 +192,10 @@ static size_t page_segment(const rt_seq *s, int t0, int n, int *cnt) {
     return (size_t)s->blocks[t0 / RT_PAGE_SIZE] * RT_PAGE_SIZE + (size_t)in_page;
 }
 
+/* Attention work (multiply-adds of query heads against cached keys) worth a thread: one (row, kv head) item
+ * is claimed at a time, so a thread with less would mostly wait to be woken. */
+enum { ATTN_MIN_WORK = 32768 };
+
 typedef struct {
     rt_model *m;
     const rt_lane *lanes;
@@ -276,7 +280,7 @@ static void attn_task(void *ctx, int tid) {
 
 /* The gated FFN: g = act(g) * u (SwiGLU's silu, GeGLU's tanh-approximated gelu), element by element (so
  * any split gives the same values), shared out in chunks when a wide batch makes it worth a wake-up. */
-enum { SILU_CHUNK = 4096, SILU_PARALLEL = 4 * SILU_CHUNK };
+enum { SILU_CHUNK = 4096, SILU_PARALLEL = 4 * SILU_CHUNK }; /* elements per claim, per thread at least */
 
 typedef struct {
     float *g;
@@ -407,7 +411,7 @@ static void forward_slice(rt_model *m, const rt_lane *lanes, int R, const rt_row
         }
 
         attn_job aj = {m, lanes, (int)l, R, 0};
-        int nt = attn_work < 32768.0 ? 1 : rt_threads_count(rt->threads);
+        int nt = rt_threads_for_work(rt->threads, attn_work, ATTN_MIN_WORK, R * (int)c->n_kv_heads);
         rt_threads_run(rt->threads, attn_task, &aj, nt);
 
         rt_mm_target o = {L->wo, rt->xb, dim, (size_t)dim};
@@ -425,7 +429,8 @@ static void forward_slice(rt_model *m, const rt_lane *lanes, int R, const rt_row
         };
         rt_matmul(rt->threads, rt->xb, (size_t)dim, R, dim, gu, 2, rt->xq);
         silu_job sj = {rt->hb, rt->hb2, (size_t)R * ffn, A->act, 0};
-        rt_threads_run(rt->threads, silu_task, &sj, sj.n < SILU_PARALLEL ? 1 : rt_threads_count(rt->threads));
+        rt_threads_run(rt->threads, silu_task, &sj,
+                       rt_threads_for_work(rt->threads, (double)sj.n, SILU_PARALLEL, (int)(sj.n / SILU_CHUNK) + 1));
         rt_mm_target d = {L->w_down, rt->xb, dim, (size_t)dim};
         rt_matmul(rt->threads, rt->hb, (size_t)ffn, R, ffn, &d, 1, rt->xq);
         if (A->out_norms)

@@ -148,7 +148,9 @@ long baseRT_ref_counter(const char *name) {
     else if (name && strcmp(name, "sequences") == 0) v = rt_handle_live_count(RT_KIND_SEQ);
     else if (name && strcmp(name, "thread_pools") == 0) v = rt_threads_pools_alive();
     else if (name && strcmp(name, "pool_threads") == 0) v = rt_threads_shared_size();
+    else if (name && strcmp(name, "pool_run_threads") == 0) v = rt_threads_shared_max_run();
     else if (name && strcmp(name, "usable_cpus") == 0) v = rt_usable_cpus();
+    else if (name && strcmp(name, "auto_threads") == 0) v = rt_auto_threads();
     if (v < 0) {
         rt_set_error(BASERT_ERR_INVALID_ARGUMENT, "baseRT_ref_counter: unknown counter '%s'", name ? name : "(null)");
         return -1;

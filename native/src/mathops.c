@@ -476,24 +476,37 @@ static void matmul_task(void *ctx, int tid) {
     }
 }
 
+/* The least work worth a thread of its own: a wake-up and a join cost about a
+ * microsecond, in which a core streams ~8-16 KB of weights or does ~100k
+ * multiply-adds; a share of several times that keeps the overhead small. A
+ * decode step's smallest matrices (SmolLM2's 576 x 576 in q4: 207 KB) thus
+ * run on ~6 threads, its FFN and head on all of them. */
+static const double MIN_BYTES_PER_THREAD = 32.0 * 1024, MIN_MACS_PER_THREAD = 256.0 * 1024;
+
+static double weight_bytes(const rt_weight *w, int in, int out) {
+    double row = RT_W_IS_QUANT(w->type) ? (double)rt_qweight_row_bytes(w, in) : (double)in * rt_weight_elem_size(w->type);
+    return row * out;
+}
+
 void rt_matmul(rt_threads *th, const float *x, size_t ldx, int rows, int in, const rt_mm_target *targets,
                int n_targets, void *xq) {
     matmul_job job = {.ks = kernels(), .x = x, .ldx = ldx, .rows = rows, .in = in, .targets = targets,
                       .n_targets = n_targets};
-    double flops = 0;
+    double macs = 0, bytes = 0;
     bool quant = false;
     for (int i = 0; i < n_targets; i++) {
         job.total_units += units_of(targets[i].out);
-        flops += (double)rows * in * targets[i].out;
+        macs += (double)rows * in * targets[i].out;
+        bytes += weight_bytes(&targets[i].w, in, targets[i].out);
         quant |= RT_W_IS_QUANT(targets[i].w.type);
     }
     if (quant) { /* the loader guarantees in % 32 == 0 for quantized weights */
         rt_qx_quantize(x, ldx, rows, in, xq);
         job.xq = xq;
     }
-    /* Below ~64k multiply-adds a wake-up costs more than it saves. */
-    int nt = flops < 65536.0 ? 1 : rt_threads_count(th);
-    if (nt > job.total_units) nt = job.total_units;
+    /* Threads by whichever bounds the op: the weights it streams (decode) or its arithmetic (prefill). */
+    double by_bytes = bytes / MIN_BYTES_PER_THREAD, by_macs = macs / MIN_MACS_PER_THREAD;
+    int nt = rt_threads_for_work(th, by_bytes > by_macs ? by_bytes : by_macs, 1.0, job.total_units);
     job.n_ranges = nt < MM_MAX_RANGES ? nt : MM_MAX_RANGES;
     for (int r = 0; r < job.n_ranges; r++) atomic_init(&job.claimed[r], 0);
     rt_threads_run(th, matmul_task, &job, nt);

@@ -822,25 +822,37 @@ static const qkernel_set *qset(void) {
 
 const char *rt_quant_isa(void) { return qset()->name; }
 
+size_t rt_qweight_row_bytes(const rt_weight *w, int in) { return geometry(w->type, w->flags, in).panel_bytes / PANEL; }
+
 /* The activations are quantized with AVX2 whenever the integer kernels are SIMD (same bytes either way;
  * the portable set keeps the portable quantizer, so a generic run tests it). */
 static bool quantize_simd(void) { return qset() != &generic_set; }
 
-/* Panels outer, activation rows in groups of the set's widest tile inner: a panel (a few KB) stays in L1
- * while every row passes it. o0 is a multiple of the panel height (mathops.c's units are). */
+/* Activation rows in blocks of about QX_BLOCK_BYTES (they stay in L2 while the range's panels pass them
+ * once per block: a prefill of a wide FFN would otherwise stream every row from L3 or memory once per
+ * panel), then panels, then rows in groups of the set's widest tile: a panel (a few KB) stays in L1 while
+ * the block's rows pass it. Every output is the same whatever block or tile it lands in (quant.h). o0 is a
+ * multiple of the panel height (mathops.c's units are). */
+enum { QX_BLOCK_BYTES = 256 * 1024 };
+
 void rt_qmatmul_range(const rt_weight *w, int in, const uint8_t *xq, int rows, float *y, size_t ldy, int o0,
                       int o1) {
     const qkernel_set *ks = qset();
     qgeom g = geometry(w->type, w->flags, in);
     size_t xrow = rt_qx_row_bytes(in);
-    for (int o = o0; o < o1; o += PANEL) {
-        const uint8_t *panel = (const uint8_t *)w->p + (size_t)(o / PANEL) * g.panel_bytes;
-        int valid = o1 - o < PANEL ? o1 - o : PANEL;
-        for (int r = 0; r < rows;) {
-            int rt = rows - r < ks->rt_max ? rows - r : ks->rt_max;
-            ks->k[g.kind][rt - 1](panel, g.nb, g.sf32, xq + (size_t)r * xrow, xrow, y + (size_t)r * ldy + o, ldy,
-                                  valid);
-            r += rt;
+    int block = (int)(QX_BLOCK_BYTES / xrow) / ks->rt_max * ks->rt_max;
+    if (block < ks->rt_max) block = ks->rt_max;
+    for (int r0 = 0; r0 < rows; r0 += block) {
+        int r1 = rows - r0 < block ? rows : r0 + block;
+        for (int o = o0; o < o1; o += PANEL) {
+            const uint8_t *panel = (const uint8_t *)w->p + (size_t)(o / PANEL) * g.panel_bytes;
+            int valid = o1 - o < PANEL ? o1 - o : PANEL;
+            for (int r = r0; r < r1;) {
+                int rt = r1 - r < ks->rt_max ? r1 - r : ks->rt_max;
+                ks->k[g.kind][rt - 1](panel, g.nb, g.sf32, xq + (size_t)r * xrow, xrow, y + (size_t)r * ldy + o,
+                                      ldy, valid);
+                r += rt;
+            }
         }
     }
 }

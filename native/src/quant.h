@@ -85,6 +85,8 @@ size_t rt_qx_row_bytes(int in);
 void rt_qx_quantize(const float *x, size_t ldx, int rows, int in, uint8_t *xq);
 /* y[r * ldy + o] = dot(x row r, W row o) for r < rows, o0 <= o < o1, on the calling thread. */
 void rt_qmatmul_range(const rt_weight *w, int in, const uint8_t *xq, int rows, float *y, size_t ldy, int o0, int o1);
+/* Bytes a quantized W stores per row of `in` values (its panels' share: values, scales, offsets). */
+size_t rt_qweight_row_bytes(const rt_weight *w, int in);
 /* Row `row` of a quantized W, dequantized into out[0..n). */
 void rt_qweight_row(const rt_weight *w, size_t row, int n, float *out);
 /* The integer kernel set in use ("avx512-vnni", "avx2" or "generic"). */

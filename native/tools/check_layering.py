@@ -39,7 +39,7 @@ from pathlib import Path
 # Bottom first. A concept may use concepts of its own layer (without a cycle)
 # and of any layer below; never one above.
 LAYERS: list[tuple[str, list[str]]] = [
-    ("base", ["errors", "json", "unicode_data", "f16", "cpu", "cgroup"]),
+    ("base", ["errors", "json", "unicode_data", "f16", "cpu", "cgroup", "topology"]),
     ("threads", ["threads"]),
     ("weight", ["weight"]),  # weight.h only: the matrix type the kernels, loader and forward share
     ("quantized kernels", ["quant"]),

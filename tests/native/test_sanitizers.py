@@ -22,7 +22,7 @@ SUITES = ["tests/native/test_native_load_tokenize_sample.py", "tests/native/test
           "tests/native/test_native_grammar.py", "tests/native/test_native_structural_tag.py",
           "tests/native/test_native_safety.py", "tests/native/test_native_weights.py", "tests/native/test_native_kv.py",
           "tests/native/test_native_quant.py", "tests/native/test_native_quant_symmetric.py",
-          "tests/native/test_native_taps.py",
+          "tests/native/test_native_taps.py", "tests/native/test_native_threads.py",
           "tests/core/test_embed_scheduling.py", "tests/core/test_engine.py", "tests/core/test_reliability.py",
           "tests/native/test_native_archs.py"]
 
@@ -92,25 +92,39 @@ def test_hostile_sdk_traffic_under_asan_and_ubsan(sanitized_env: dict[str, str])
     _run_sanitized(sanitized_env, ["tests/core/test_group_hostile.py"])
 
 
-@pytest.mark.slow
-def test_shared_tokenizers_under_tsan(tmp_path: Path) -> None:
-    """Tokenizer sharing (bpe_shared_get / _put, refcounted under one mutex) against a ThreadSanitizer build:
-    the model test's threads load, encode with and free sibling handles of one file concurrently, and a
-    reported data race fails the run."""
+@pytest.fixture(scope="module")
+def tsan_env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """The environment that runs a suite against a ThreadSanitizer build of native/src."""
     cc = shutil.which("gcc") or shutil.which("cc")
     assert cc, "a C compiler is needed to build the sanitizer library"
-    lib = tmp_path / "libbaseRT.so"
+    lib = tmp_path_factory.mktemp("tsan") / "libbaseRT.so"
     sources = sorted(str(p) for p in (ROOT / "native" / "src").glob("*.c"))
     subprocess.run([cc, "-std=c11", "-O1", "-g", "-fPIC", "-shared", "-D_GNU_SOURCE", "-fsanitize=thread",
                     f"-I{ROOT / 'native' / 'include'}", f"-I{ROOT / 'native' / 'src'}", *sources, "-o", str(lib),
                     "-lm", "-lpthread"], check=True)
-    env = dict(os.environ, BASERT_LIB_PATH=str(lib), LD_PRELOAD=_runtime(cc, "libtsan.so"), BASERT_REF_THREADS="2",
-               TSAN_OPTIONS="halt_on_error=1:exitcode=66:report_signal_unsafe=0")
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
-         "tests/native/test_native_load_tokenize_sample.py", "-k", "share or concurrent_random"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200,
-    )
+    return dict(os.environ, BASERT_LIB_PATH=str(lib), LD_PRELOAD=_runtime(cc, "libtsan.so"), BASERT_REF_THREADS="2",
+                TSAN_OPTIONS="halt_on_error=1:exitcode=66:report_signal_unsafe=0")
+
+
+def _run_tsan(env: dict[str, str], args: list[str]) -> None:
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *args],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
     report = (proc.stdout[-4000:] + "\n" + proc.stderr[-6000:]).strip()
     assert proc.returncode == 0 and "passed" in proc.stdout, f"TSan run failed:\n{report}"
     assert "WARNING: ThreadSanitizer" not in proc.stderr, report
+
+
+@pytest.mark.slow
+def test_shared_tokenizers_under_tsan(tsan_env: dict[str, str]) -> None:
+    """Tokenizer sharing (bpe_shared_get / _put, refcounted under one mutex) against a ThreadSanitizer build:
+    the model test's threads load, encode with and free sibling handles of one file concurrently, and a
+    reported data race fails the run."""
+    _run_tsan(tsan_env, ["tests/native/test_native_load_tokenize_sample.py", "-k", "share or concurrent_random"])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+def test_thread_pool_under_tsan(tsan_env: dict[str, str]) -> None:
+    """The pool's posts, joins, finishes, sleeps and wake-ups (threads.c) with 1..16 threads splitting every
+    op of a model, oversubscribed: a data race between the caller and a worker fails the run."""
+    _run_tsan(tsan_env, ["tests/native/test_native_threads.py", "-k", "bit_identical and f32"])

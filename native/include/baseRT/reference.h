@@ -32,8 +32,12 @@ int baseRT_ref_check_kv(baseRT_model_t model);
 
 /* Process-wide counters, for tests: "models" and "sequences" (live handles),
  * "thread_pools" (worker pools alive) and "pool_threads" (threads of the
- * shared pool, the caller included; 0 before the first model), "usable_cpus"
- * (affinity capped by the cgroup quota). -1 with
+ * shared pool, the caller included; 0 before the first model),
+ * "pool_run_threads" (the most threads one run of it takes: pool_threads capped
+ * by usable_cpus, unless $BASERT_REF_POOL_OVERSUBSCRIBE=1 lifts the cap),
+ * "usable_cpus" (affinity capped by the cgroup quota), "auto_threads" (the
+ * pool size $BASERT_REF_THREADS unset or "auto" gives: the affinity mask's
+ * physical cores, SMT siblings counted once, capped by the quota). -1 with
  * INVALID_ARGUMENT for an unknown name. */
 long baseRT_ref_counter(const char *name);
 
