@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import concurrent.futures
-import importlib
 import os
-import sys
 import threading
 import weakref
 from collections.abc import Callable, Generator, Mapping, Sequence
@@ -15,6 +13,7 @@ from typing import TYPE_CHECKING, Any, TypeVar, cast, overload
 import anyio
 
 from ._core import ffi as _ffi
+from ._core import lazy_numpy
 from ._core.protocol import (
     Ask,
     Call,
@@ -302,7 +301,7 @@ class Engine:
 
     def _token_ids(self, ids: object, what: str) -> list[int]:
         """A list of this model's token ids (numpy integers accepted), or InvalidRequestError."""
-        numpy = sys.modules.get("numpy")  # numpy values exist only once it is imported (types.is_numpy_scalar)
+        numpy = lazy_numpy.loaded()  # numpy values exist only once it is imported (types.is_numpy_scalar)
         sequences = (Sequence,) if numpy is None else (Sequence, numpy.ndarray)
         if isinstance(ids, (str, bytes, bytearray, memoryview)) or not isinstance(ids, sequences):
             raise InvalidRequestError(f"{what} must be str or a list of token ids, not {type(ids).__name__}")
@@ -553,8 +552,8 @@ class Engine:
         self._waker.check()
         if self._port.closed:
             raise EngineClosedError("the engine is closed")
-        if "numpy" not in sys.modules:  # the pooling needs it: imported here, not on the engine thread
-            await anyio.to_thread.run_sync(importlib.import_module, "numpy")  # (~0.1 s there stalls every stream)
+        if lazy_numpy.loaded() is None:  # the pooling needs it: imported here, not on the engine thread
+            await anyio.to_thread.run_sync(lazy_numpy.load)  # (~0.1 s there stalls every stream)
         fut: concurrent.futures.Future[np.ndarray] = concurrent.futures.Future()
 
         def done(result: Any, error: BaseException | None) -> None:

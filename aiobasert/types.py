@@ -5,11 +5,11 @@ from __future__ import annotations
 import json
 import math
 import struct
-import sys
 from typing import Any, Literal, get_args
 
 import msgspec
 
+from ._core import lazy_numpy
 from .errors import InvalidSamplingParamsError
 
 FinishReason = Literal["stop", "length", "aborted"]
@@ -33,7 +33,7 @@ def is_numpy_scalar(value: Any) -> bool:
     """A numpy scalar (np.float32(1), np.int64(3), ...), recognised without importing numpy: a
     value can only be one once numpy is imported, and a server that only generates text never
     imports it (~15 MiB of resident memory; embeddings and grammars import it when first used)."""
-    np = sys.modules.get("numpy")
+    np = lazy_numpy.loaded()  # never a module another thread is still importing
     return np is not None and isinstance(value, np.generic)
 
 
