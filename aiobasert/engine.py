@@ -14,6 +14,7 @@ import anyio
 
 from ._core import ffi as _ffi
 from ._core import lazy_numpy
+from ._core.preparation import request_cost
 from ._core.protocol import (
     Ask,
     Call,
@@ -470,7 +471,7 @@ class Engine:
             raise EngineClosedError("the engine is closed")
         spec = RequestSpec(
             rid=new_request_id(), prompt=prompt, params=params, parse_special=special, lark=lark,
-            structural_tag=structural_tag,
+            structural_tag=structural_tag, cost=request_cost(prompt, params.json_schema, lark, structural_tag),
         )
         return TokenStream(self._port, spec, self)
 
@@ -521,7 +522,8 @@ class Engine:
             else:
                 fut.set_result(result)
 
-        intake.submit(lambda tok: tok.encode_text(text, special=special), done, grammar=False)
+        # a list is what this returns: built on the worker (the C call fills an array)
+        intake.submit(lambda tok: tok.encode_text(text, special=special)[:], done, grammar=False, cost=len(text))
         return await _wait_future(fut, self._waker)
 
     async def decode(self, ids: Sequence[int]) -> str:

@@ -32,7 +32,7 @@ from ctypes import byref, c_float, c_int, sizeof
 from typing import TYPE_CHECKING, Any
 
 from ._core import ffi as _ffi
-from ._core.intake import Intake, Tokenizer, run_job
+from ._core.intake import Intake, TokenIds, Tokenizer, run_job
 from ._core.output import Detokenizer, OutputProcessor
 from ._core.protocol import (
     Ask,
@@ -276,7 +276,7 @@ class EngineThread:
         self.chat_template = template
         self.bos_token = self._static_str("baseRT_bos_token")
         self.eos_token = self._static_str("baseRT_eos_token")
-        self.tokenizer = Tokenizer.borrow(lib, handle)  # the model handle's own, for this thread only
+        self.tokenizer = Tokenizer.borrow(lib, handle, cfg.model_path)  # the model handle's own, for this thread only
         if inline_tokenizer:  # an engine without a separate tokenizer handle: prepared here, between steps
             self._inline_tok = self.tokenizer
         return ModelInfo(
@@ -516,7 +516,7 @@ class EngineThread:
         grammar = spec.lark is not None or spec.structural_tag is not None or spec.params.json_schema is not None
         sink = msg.sink
 
-        def prepare(tok: Tokenizer) -> tuple[list[int], Constraint | None] | None:
+        def prepare(tok: Tokenizer) -> tuple[TokenIds | list[int], Constraint | None] | None:
             return self._prepare(tok, spec) if sink.alive() else None  # None: its reader left, skip the work
 
         if not grammar and _is_ids(spec.prompt):  # nothing to tokenize or compile: straight into the FIFO
@@ -527,18 +527,22 @@ class EngineThread:
             self._enqueue(msg, (ids, None), error)
             return
         self._in_prep[spec.rid] = msg
-        self._prepare_off_thread(msg, prepare, grammar=grammar)
+        self._prepare_off_thread(msg, prepare, grammar=grammar, cost=spec.cost)
 
-    def _prepare_off_thread(self, msg: Submit | Embed, job: Callable[[Tokenizer], Any], *, grammar: bool) -> None:
+    def _prepare_off_thread(
+        self, msg: Submit | Embed, job: Callable[[Tokenizer], Any], *, grammar: bool, cost: int
+    ) -> None:
         self._preparing += 1
         if self.intake is not None:
-            self.intake.submit(job, lambda result, error: self.post(Prepared(msg, result, error)), grammar=grammar)
+            self.intake.submit(
+                job, lambda result, error: self.post(Prepared(msg, result, error)), grammar=grammar, cost=cost
+            )
             return
         assert self._inline_tok is not None
         result, error = run_job(job, self._inline_tok)
         self.post(Prepared(msg, result, error))
 
-    def _prepare(self, tok: Tokenizer, spec: RequestSpec) -> tuple[list[int], Constraint | None]:
+    def _prepare(self, tok: Tokenizer, spec: RequestSpec) -> tuple[TokenIds | list[int], Constraint | None]:
         """On an intake worker: the prompt's ids and the request's grammar."""
         for text in (spec.lark, spec.structural_tag):
             # tool schemas reach the compilers inside these texts: the same `$ref` cap
@@ -655,13 +659,14 @@ class EngineThread:
             with contextlib.suppress(Exception):  # freeing must not stop the teardown
                 close()
 
-    def _tokenize_prompt(self, tok: Tokenizer, spec: RequestSpec) -> list[int]:
-        """On an intake worker."""
+    def _tokenize_prompt(self, tok: Tokenizer, spec: RequestSpec) -> TokenIds | list[int]:
+        """On an intake worker: a C array of ids (a text that cannot fit is refused untokenized)."""
         prompt = spec.prompt
+        ids: TokenIds | list[int]
         if isinstance(prompt, str):
-            ids = tok.encode_text(prompt, special=spec.parse_special)
+            ids = tok.encode_text(prompt, special=spec.parse_special, limit=self.max_context)
         elif prompt and isinstance(prompt[0], tuple):
-            ids = tok.encode_pieces(prompt)  # type: ignore[arg-type]
+            ids = tok.encode_pieces(prompt, limit=self.max_context)  # type: ignore[arg-type]
         else:
             ids = self._checked_ids(prompt)  # type: ignore[arg-type]
         if not ids:
@@ -695,11 +700,14 @@ class EngineThread:
         if isinstance(msg.source, str):
             text = msg.source
             self._in_prep[msg.rid] = msg
-            self._prepare_off_thread(msg, lambda tok: tok.encode_text(text, special=False), grammar=False)
+            limit = self.max_context
+            self._prepare_off_thread(
+                msg, lambda tok: tok.encode_text(text, special=False, limit=limit), grammar=False, cost=len(text)
+            )
         else:
             self._enqueue_embed(msg, list(msg.source), None)
 
-    def _enqueue_embed(self, msg: Embed, ids: list[int] | None, error: BaseException | None) -> None:
+    def _enqueue_embed(self, msg: Embed, ids: Sequence[int] | None, error: BaseException | None) -> None:
         """Validate an embedding and queue it as a lane (or, without taps, run it now)."""
         self._in_prep.pop(msg.rid, None)
         if msg.rid in self._dropped:  # cancelled or aborted while it was tokenized: already answered
@@ -846,10 +854,10 @@ class EngineThread:
     # ---- tokenizer helpers (engine thread) ---------------------------------------------
 
     def encode_text(self, text: str, *, special: bool) -> list[int]:
-        return self.tokenizer.encode_text(text, special=special)
+        return self.tokenizer.encode_text(text, special=special)[:]
 
     def encode_pieces(self, pieces: Sequence[tuple[str, bool]]) -> list[int]:
-        return self.tokenizer.encode_pieces(pieces)
+        return self.tokenizer.encode_pieces(pieces)[:]
 
     def token_bytes(self, tok: int) -> bytes:
         return self.detok.token_bytes(tok)
@@ -960,10 +968,9 @@ class EngineThread:
         lib, model, st = self.lib, self._model, lane.state
         if lane.seq is not None:
             if lane.final is not None and lane.final.finish_reason in ("stop", "length"):
-                kv = lane.kv_tokens()
+                kv = lane.kv_tokens()  # a C array: no request-sized Python list on this thread
                 if self.batcher.should_publish_prefix(st, len(kv)):
-                    arr = _ffi.u32_array(kv)
-                    lib.baseRT_prefix_insert(model, arr, len(kv), lane.seq)  # best effort
+                    lib.baseRT_prefix_insert(model, kv, len(kv), lane.seq)  # best effort
             else:  # cancelled, aborted or failed: drop its KV before freeing
                 lib.baseRT_sequence_rollback(lane.seq, 0)
             lib.baseRT_sequence_free(lane.seq)

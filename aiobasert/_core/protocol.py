@@ -69,6 +69,9 @@ class RequestSpec:
     grammar backend builds it where it can (`baseRT_grammar_create_from_structural_tag`);
     `lark` is the host fallback when it cannot."""
     submitted_at: float = field(default_factory=time.monotonic)
+    cost: int = 0
+    """Characters of prompt text plus grammar source to prepare (preparation.request_cost): which
+    intake lane prepares it. Measured by the caller, before any work."""
 
 
 class Ticket:

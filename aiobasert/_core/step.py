@@ -70,7 +70,7 @@ class Lane:
         spec: RequestSpec,
         sink: Sink,
         ticket: Ticket,
-        prompt: list[int],
+        prompt: Sequence[int],
         max_new: int,
         constraint: Constraint | None = None,
     ) -> None:
@@ -78,8 +78,10 @@ class Lane:
         self.constraint = constraint
         self.sink = sink
         self.ticket = ticket
-        self.prompt = prompt
-        self.prompt_arr = _ffi.u32_array(prompt)
+        # tokenized prompts come as C arrays (intake.TokenIds) and are fed as they are
+        arr: ctypes.Array[c_uint32] = prompt if isinstance(prompt, ctypes.Array) else _ffi.u32_array(prompt)
+        self.prompt_arr = arr
+        self.prompt: Sequence[int] = arr  # type: ignore[assignment]  # a uint32 array reads as ints
         self.state = LaneState(rid=spec.rid, prompt_len=len(prompt), max_new_tokens=max_new)
         p = spec.params
         self.seed = p.seed if p.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
@@ -132,19 +134,24 @@ class Lane:
             return []
         tail = self.generated[-window:]
         if len(tail) < window:
-            tail = self.prompt[-(window - len(tail)) :] + tail
+            tail = list(self.prompt[-(window - len(tail)) :]) + tail
         return tail
 
     def next_input(self, k: int) -> list[int]:
         """The k tokens this lane feeds next: a prompt chunk, or its last sampled token."""
         st = self.state
         if st.prefilling:
-            return self.prompt[st.prefilled : st.prefilled + k]
+            return list(self.prompt[st.prefilled : st.prefilled + k])
         return self.generated[-1:]
 
-    def kv_tokens(self) -> list[int]:
-        """The tokens whose KV the sequence holds (the last sampled one is not fed yet)."""
-        return self.prompt[: self.state.prefilled] + self.generated[:-1]
+    def kv_tokens(self) -> ctypes.Array[ctypes.c_uint32]:
+        """The tokens whose KV the sequence holds (the last sampled one is not fed yet), as a C
+        array copied from the prompt's (no request-sized Python list)."""
+        n, out = self.state.prefilled, self.generated[:-1]
+        arr = (ctypes.c_uint32 * (n + len(out)))()
+        ctypes.memmove(arr, self.prompt_arr, n * ctypes.sizeof(ctypes.c_uint32))
+        arr[n:] = out  # type: ignore[assignment]  # ctypes takes ints for c_uint32 slots
+        return arr
 
 
 class TapPooler:
@@ -189,7 +196,7 @@ class EmbedLane:
 
     host = False  # it samples nothing, so it never needs a host logits row
 
-    def __init__(self, rid: str, ids: list[int], dim: int, done: Any) -> None:
+    def __init__(self, rid: str, ids: Sequence[int], dim: int, done: Any) -> None:
         import numpy as np
 
         self.rid = rid
@@ -202,7 +209,7 @@ class EmbedLane:
 
     def next_input(self, k: int) -> list[int]:
         """The next chunk of the input to pool."""
-        return self.ids[self.state.prefilled : self.state.prefilled + k]
+        return list(self.ids[self.state.prefilled : self.state.prefilled + k])
 
     def add(self, part: np.ndarray) -> None:
         """Pool one chunk's rows (engine thread). An f16 tap overflows where the

@@ -6,7 +6,16 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import threading
 from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+
+import aiobasert
+from aiobasert._core.preparation import QUICK_COST
+from aiobasert.errors import ContextLengthExceededError
 
 # numpy's import held open (its module half initialized in sys.modules) on the worker thread that
 # the first embedding imports it on, while the loop submits plain requests of every shape.
@@ -68,3 +77,73 @@ def test_requests_never_see_a_half_imported_numpy(tiny_model_path: Path) -> None
                           capture_output=True, text=True, timeout=120)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.strip() == "48|0|True", proc.stderr[-3000:]
+
+
+def _held_costly_lane(engine: aiobasert.Engine) -> tuple[threading.Event, threading.Event]:
+    """Occupy the intake's costly lane with a job that waits for `release`; (started, release)."""
+    started, release = threading.Event(), threading.Event()
+    intake = engine._thread.intake
+    assert intake is not None
+
+    def hold(tok: object) -> None:
+        started.set()
+        release.wait(60)
+
+    intake.submit(hold, lambda result, error: None, grammar=True, cost=QUICK_COST + 1)
+    return started, release
+
+
+async def _until(event: threading.Event) -> None:
+    while not event.is_set():
+        await anyio.sleep(0.005)
+
+
+@pytest.mark.anyio
+async def test_a_prompt_that_cannot_fit_is_refused_without_tokenizing_it(long_untied_model_path: Path) -> None:
+    """Issue 26 #4: a text whose characters cannot encode to max_context tokens (no token stands for
+    more than the vocabulary's longest) is refused with ContextLengthExceededError and never tokenized;
+    one just inside the bound is tokenized and counted exactly."""
+    async with aiobasert.Engine.open(long_untied_model_path, max_batch_size=2, max_context=8192) as engine:
+        intake = engine._thread.intake
+        assert intake is not None
+        before = intake.texts_encoded()
+        huge = "ab " * 1_000_000  # 3 MB: at least 230,000 tokens (the longest token is 13 bytes)
+        for call in (lambda: engine.generate(huge, max_tokens=1),
+                     lambda: engine.chat([{"role": "user", "content": huge}], max_tokens=1),
+                     lambda: engine.embed(huge)):  # fmt: skip
+            with pytest.raises(ContextLengthExceededError, match="characters is at least"):
+                await call()
+        assert intake.texts_encoded() == before  # not one of them was tokenized
+        fits = "ab " * (QUICK_COST // 3 + 1)  # costly, within the bound: tokenized, then counted exactly
+        with pytest.raises(ContextLengthExceededError, match="alone exceeds"):
+            await engine.generate(fits, max_tokens=1)
+        assert intake.texts_encoded() == before + 1
+        assert (await engine.generate("ab", max_tokens=1)).text is not None
+
+
+@pytest.mark.anyio
+async def test_cheap_preparation_never_waits_behind_costly_preparation(tiny_model_path: Path) -> None:
+    """Issue 26 #3/#4: while the costly lane is busy (a job that only ends when the test says so) and a
+    costly prompt waits behind it, cheap text and cheap grammar requests and Engine.encode are served:
+    they finish first, and the costly prompt finishes once the lane is free."""
+    async with aiobasert.Engine.open(tiny_model_path, max_batch_size=2, max_context=2048) as engine:
+        started, release = _held_costly_lane(engine)
+        await _until(started)
+        done: list[str] = []
+
+        async def run(name: str, call: Any) -> None:
+            try:
+                await call()
+            except ContextLengthExceededError:  # the costly prompt: counted once tokenized, too long
+                assert name == "costly"
+            done.append(name)
+
+        async with anyio.create_task_group() as tg:
+            big = "ab " * (QUICK_COST // 3 + 1)
+            tg.start_soon(run, "costly", lambda: engine.generate(big, max_tokens=1, ignore_eos=True))
+            await run("text", lambda: engine.generate("hello", max_tokens=2))
+            await run("schema", lambda: engine.generate("x", max_tokens=3, json_schema={"type": "integer"}))
+            await run("encode", lambda: engine.encode("hello"))
+            await run("chat", lambda: engine.chat([{"role": "user", "content": "hi"}], max_tokens=2))
+            release.set()
+        assert done == ["text", "schema", "encode", "chat", "costly"]
