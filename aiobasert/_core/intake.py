@@ -41,6 +41,7 @@ from typing import Any
 
 from ..errors import AioBaseRTError, InvalidRequestError
 from . import ffi as _ffi
+from .output import Detokenizer
 from .preparation import QUICK_COST, Lane, check_fits, lane_of
 from .protocol import Done
 from .step import internal_error
@@ -123,6 +124,13 @@ class Tokenizer:
         if n < 0:
             raise self.lib.last_error("baseRT_encode_pieces")
         return _exact(out, n)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        """The text of checked ids, as the engine thread's Detokenizer makes it (invalid UTF-8
+        becomes U+FFFD): each distinct id is asked of the engine once."""
+        detok = Detokenizer(self.lib, self.handle)
+        table = {t: detok.token_bytes(t) for t in set(ids)}
+        return b"".join(map(table.__getitem__, ids)).decode("utf-8", "replace")
 
     def _check_fits(self, chars: int, limit: int | None) -> None:
         # A quick job is tokenized and counted exactly (a few ms); a costly one is measured first.

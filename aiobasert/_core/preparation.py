@@ -25,6 +25,10 @@ QUICK_COST = 64 * 1024
 """Characters (prompt text plus grammar source) up to which a job is cheap: a few ms of
 tokenizing or a small grammar. Cheap jobs have workers of their own (aiobasert._core.intake)."""
 
+MAX_DECODE_IDS = 1 << 20
+"""Token ids one `Engine.decode` (`POST /detokenize`) takes: more are refused before any is read
+(InvalidRequestError). A stream's ids are at most the context window."""
+
 Lane = Literal["quick", "cheap", "costly"]
 """quick: a cheap text-only job (the tokenizer worker, FIFO); cheap: a cheap grammar job;
 costly: anything above QUICK_COST (a worker of its own; cheap grammar jobs never wait for it)."""

@@ -14,8 +14,8 @@ import anyio
 import pytest
 
 import aiobasert
-from aiobasert._core.preparation import QUICK_COST
-from aiobasert.errors import ContextLengthExceededError
+from aiobasert._core.preparation import MAX_DECODE_IDS, QUICK_COST
+from aiobasert.errors import ContextLengthExceededError, InvalidRequestError
 
 # numpy's import held open (its module half initialized in sys.modules) on the worker thread that
 # the first embedding imports it on, while the loop submits plain requests of every shape.
@@ -147,3 +147,44 @@ async def test_cheap_preparation_never_waits_behind_costly_preparation(tiny_mode
             await run("chat", lambda: engine.chat([{"role": "user", "content": "hi"}], max_tokens=2))
             release.set()
         assert done == ["text", "schema", "encode", "chat", "costly"]
+
+
+@pytest.mark.anyio
+async def test_decode_runs_on_a_tokenizer_worker_and_is_capped(
+    tiny_model_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 26 #5: Engine.decode (POST /detokenize) is decoded on an intake worker, never on the engine
+    thread (which stepped every stream meanwhile), with the engine thread's exact text; more than
+    MAX_DECODE_IDS ids are refused by count, before any id is read."""
+    from aiobasert._core.intake import Tokenizer
+    from aiobasert.engine_thread import EngineThread
+
+    threads: list[str] = []
+    real = Tokenizer.decode
+
+    def decode(self: Tokenizer, ids: Any) -> str:
+        threads.append(threading.current_thread().name)
+        return real(self, ids)
+
+    monkeypatch.setattr(Tokenizer, "decode", decode)
+    monkeypatch.setattr(EngineThread, "decode_ids", lambda self, ids: pytest.fail("decoded on the engine thread"))
+    async with aiobasert.Engine.open(tiny_model_path, max_batch_size=2) as engine:
+        done = await engine.generate("Once upon a time", max_tokens=24, ignore_eos=True)
+        assert await engine.decode(done.token_ids) == done.text
+        assert await engine.decode([]) == ""
+        long = list(done.token_ids) * (QUICK_COST // len(done.token_ids) + 1)  # the costly lane
+        assert await engine.decode(long) == done.text * (QUICK_COST // len(done.token_ids) + 1)
+        assert threads == ["aiobasert-tokenize", "aiobasert-tokenize", "aiobasert-grammar-1"]
+
+        class Unreadable(list[int]):  # counted, never read
+            def __iter__(self) -> Any:
+                pytest.fail("read before it was counted")
+
+        too_many = Unreadable(range(MAX_DECODE_IDS + 1))
+        with pytest.raises(InvalidRequestError, match=f"decode input of {MAX_DECODE_IDS + 1} token ids exceeds"):
+            await engine.decode(too_many)
+        with pytest.raises(InvalidRequestError, match="decode input token 1 is -1"):
+            await engine.decode([1, -1])
+        with pytest.raises(ContextLengthExceededError):  # a prompt of ids: counted before it is read too
+            engine.stream(Unreadable(range(engine.info.max_context + 1)))
+        assert len(threads) == 3  # the bad id was refused on the worker before decoding
