@@ -15,7 +15,7 @@ import anyio
 from ._core import ffi as _ffi
 from ._core import lazy_numpy
 from ._core.intake import Tokenizer
-from ._core.preparation import MAX_DECODE_IDS, request_cost
+from ._core.preparation import MAX_DECODE_IDS, measure
 from ._core.protocol import (
     Ask,
     Call,
@@ -490,7 +490,7 @@ class Engine:
             raise EngineClosedError("the engine is closed")
         spec = RequestSpec(
             rid=new_request_id(), prompt=prompt, params=params, parse_special=special, lark=lark,
-            structural_tag=structural_tag, cost=request_cost(prompt, params.json_schema, lark, structural_tag),
+            structural_tag=structural_tag, cost=measure(prompt, params.json_schema, lark, structural_tag),
         )
         return TokenStream(self._port, spec, self)
 

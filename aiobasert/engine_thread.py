@@ -32,6 +32,8 @@ from ctypes import byref, c_float, c_int, sizeof
 from typing import TYPE_CHECKING, Any
 
 from ._core import ffi as _ffi
+from ._core import preparation
+from ._core.grammar_cache import GrammarCache
 from ._core.intake import Intake, TokenIds, Tokenizer, run_job
 from ._core.output import Detokenizer, OutputProcessor
 from ._core.protocol import (
@@ -127,6 +129,7 @@ class EngineThread:
         self._abort = False
         self._grammar: GrammarBackend | None = None  # built on first host-grammar use (llguidance import is slow)
         self._grammar_lock = threading.Lock()  # the grammar workers build it
+        self._backend_built = threading.local()  # seconds this worker's compile spent building it
         self.intake: Intake | None = None
         self._inline_tok: Tokenizer | None = None
         self._preparing = 0  # requests handed to the intake workers, not back yet
@@ -136,7 +139,9 @@ class EngineThread:
         self.models_freed = 0
         self.live_sequences = 0
         self.live_grammars = 0
-        self.grammar_backends: collections.Counter[str] = collections.Counter()  # "engine" / "llguidance" builds
+        self.grammar_backends: collections.Counter[str] = collections.Counter()  # "engine" / "llguidance" served
+        self.grammar_compiles: collections.Counter[str] = collections.Counter()  # those compiled (not cached)
+        self.grammars = GrammarCache()  # compiled grammars by their source's digest
         self.finished = 0
         self.cancelled = 0
         self.failed = 0
@@ -527,7 +532,8 @@ class EngineThread:
             self._enqueue(msg, (ids, None), error)
             return
         self._in_prep[spec.rid] = msg
-        self._prepare_off_thread(msg, prepare, grammar=grammar, cost=spec.cost)
+        cost = spec.cost.text + (0 if spec.cost.grammar_key in self.grammars else spec.cost.grammar)
+        self._prepare_off_thread(msg, prepare, grammar=grammar, cost=cost)
 
     def _prepare_off_thread(
         self, msg: Submit | Embed, job: Callable[[Tokenizer], Any], *, grammar: bool, cost: int
@@ -551,11 +557,48 @@ class EngineThread:
                 raise InvalidRequestError(f"tools: the tool schemas hold more than {MAX_SCHEMA_REFS} $refs")
         prompt = self._tokenize_prompt(tok, spec)
         constraint: Constraint | None = None
-        if spec.lark is not None or spec.structural_tag is not None:
-            constraint = self._build_tag_constraint(tok, spec.structural_tag, spec.lark)
-        elif spec.params.json_schema is not None:
-            constraint = self._build_constraint(tok, spec.params.json_schema)
+        if spec.lark is not None or spec.structural_tag is not None or spec.params.json_schema is not None:
+            constraint = self._grammar_of(tok, spec)
         return prompt, constraint
+
+    def _grammar_of(self, tok: Tokenizer, spec: RequestSpec) -> Constraint:
+        """On an intake worker: the request's grammar, from the cache when its source was compiled
+        (or refused) before, else compiled here within `preparation.COMPILE_BUDGET_S`."""
+        key = spec.cost.grammar_key
+        tools = spec.lark is not None or spec.structural_tag is not None
+        if key is not None:
+            hit: Constraint | None = self.grammars.take(key)  # raises the error a refused source got
+            if hit is not None:
+                self._count("engine" if hasattr(hit, "reset") else "llguidance")
+                return hit
+        started = time.monotonic()
+        self._backend_built.seconds = 0.0
+        try:
+            if tools:
+                constraint = self._build_tag_constraint(tok, spec.structural_tag, spec.lark)
+            else:
+                assert spec.params.json_schema is not None
+                constraint = self._build_constraint(tok, spec.params.json_schema)
+        except AioBaseRTError as exc:
+            if key is not None:  # a compile error is the same the next time: never paid twice
+                self.grammars.refuse(key, exc)
+            raise
+        took = time.monotonic() - started - self._backend_built.seconds  # the compile's, not the backend's
+        budget = preparation.COMPILE_BUDGET_S
+        if took > budget:
+            close = getattr(constraint, "close", None)
+            if close is not None:
+                close()
+            err = InvalidRequestError(
+                f"{'tools' if tools else 'json_schema'}: compiling its grammar took {took:.1f} s, over the "
+                f"budget of {budget:g} s (the same grammar is refused at once from now on)"
+            )
+            if key is not None:
+                self.grammars.refuse(key, err)
+            raise err
+        if key is not None:
+            self.grammars.remember(key, constraint)
+        return constraint
 
     def _enqueue(self, msg: Submit, prepared: Any, error: BaseException | None) -> None:
         """A prepared request joins the FIFO queue (or is answered with its error)."""
@@ -583,7 +626,7 @@ class EngineThread:
                 raise EngineClosedError("the engine was closed before the request started")
             if dropped or not msg.sink.alive():  # cancelled while it was prepared: nobody to serve
                 if constraint is not None:
-                    self._close_constraint(constraint)
+                    self._close_constraint(constraint, spec.cost.grammar_key)
                 if not dropped:
                     self.cancelled += 1
                 return
@@ -593,7 +636,7 @@ class EngineThread:
             self.batcher.enqueue(lane.state, reserved=True)
         except BaseException as exc:
             if constraint is not None:  # refused after its grammar was built: free it
-                self._close_constraint(constraint)
+                self._close_constraint(constraint, spec.cost.grammar_key)
             err = exc if isinstance(exc, AioBaseRTError) else internal_error("at intake", exc)
             self._notify(msg.sink.deliver, [], None, err)
             if not isinstance(exc, Exception):
@@ -632,13 +675,17 @@ class EngineThread:
     def _counted(self, native: Constraint | None, host: Callable[[], Constraint]) -> Constraint:
         """The engine's grammar when it built one, else the host's; counted by backend."""
         if native is not None:
-            with self._grammar_lock:
-                self.grammar_backends["engine"] += 1
+            self._count("engine", compiled=True)
             return native
         constraint = host()
-        with self._grammar_lock:
-            self.grammar_backends["llguidance"] += 1
+        self._count("llguidance", compiled=True)
         return constraint
+
+    def _count(self, backend: str, *, compiled: bool = False) -> None:
+        with self._grammar_lock:
+            self.grammar_backends[backend] += 1  # grammars served (the cache's included)
+            if compiled:
+                self.grammar_compiles[backend] += 1
 
     def _host_grammar(self, tok: Tokenizer) -> GrammarBackend:
         """The host (llguidance) backend, built once per engine, on first use (by a grammar
@@ -647,13 +694,18 @@ class EngineThread:
             if self._grammar is None:
                 from ._core.grammar import GrammarBackend, engine_end_ids
 
+                started = time.monotonic()
+
                 end_ids = engine_end_ids(tok.lib, tok.handle, self.vocab_size)
                 self._grammar = GrammarBackend.for_bundle(self.cfg.model_path, vocab_size=self.vocab_size,
                                                           end_ids=end_ids)
+                self._backend_built.seconds = time.monotonic() - started
             return self._grammar
 
-    def _close_constraint(self, constraint: Constraint) -> None:
+    def _close_constraint(self, constraint: Constraint, key: bytes | None) -> None:
         self.live_grammars -= 1
+        if key is not None and self.grammars.give_back(key, constraint):  # kept for the next request
+            return
         close = getattr(constraint, "close", None)
         if close is not None:  # an engine-side grammar handle
             with contextlib.suppress(Exception):  # freeing must not stop the teardown
@@ -981,7 +1033,7 @@ class EngineThread:
             lane.prefix_handle = 0
         if lane.constraint is not None:
             constraint, lane.constraint = lane.constraint, None
-            self._close_constraint(constraint)
+            self._close_constraint(constraint, lane.spec.cost.grammar_key)
         if st.admitted or st in self.batcher.waiting:
             self.batcher.remove(st)
         self.requests.pop(lane.rid)
@@ -1001,6 +1053,7 @@ class EngineThread:
             self._finish(lane, "aborted")
         self._abort_embeds()
         self._deliver()
+        self.grammars.close()  # the kept engine grammars, before the workers free the handles they came from
         if self.intake is not None:
             # The workers end after their current job (each frees its own tokenizer
             # handle, independent of the model): an abort waits for no compile.

@@ -17,9 +17,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Mapping, Sequence
-from typing import Any
-
-import numpy as np
+from typing import TYPE_CHECKING, Any
 
 from ..errors import InvalidRequestError
 from ..models._hf_tokenizer import hf_tokenizer_json
@@ -31,6 +29,9 @@ try:
     _HAVE_LLGUIDANCE = True
 except ImportError:  # pragma: no cover - a dependency; without it structured requests fail one by one
     _HAVE_LLGUIDANCE = False
+
+if TYPE_CHECKING:  # numpy arrays are what the engine thread passes in; a text-only process never imports it
+    import numpy as np
 
 __all__ = ["EngineGrammarConstraint", "GrammarBackend", "JsonSchemaConstraint"]
 
@@ -76,10 +77,14 @@ class JsonSchemaConstraint:
         set = allowed, ceil(vocab/32) words). Once the grammar is complete (or
         broken) only the end tokens remain allowed. Always True: a JSON grammar
         never allows every token. A mis-sized `out` is a caller bug: ValueError."""
-        if out.dtype != np.int32 or out.nbytes != self._mask_bytes or not out.flags.c_contiguous:
+        if out.dtype.name != "int32" or out.nbytes != self._mask_bytes or not out.flags.c_contiguous:
             raise ValueError(f"the token bitmask must be {self._mask_bytes // 4} contiguous int32 words")
         self._matcher.unsafe_compute_mask_ptr(out.ctypes.data, self._mask_bytes)
         return True
+
+    def copy(self) -> JsonSchemaConstraint:
+        """A fresh constraint with this one's grammar (llguidance's deep copy: no compile)."""
+        return JsonSchemaConstraint(self._matcher.deep_copy(), self._mask_bytes // 4)
 
     def accept(self, token: int) -> bool:
         """Advance by the sampled token; False if the grammar rejects it (or failed)."""
@@ -234,6 +239,13 @@ class EngineGrammarConstraint:
             return None
         return cls(lib, grammar, words)
 
+    def reset(self) -> bool:
+        """Back to the grammar's start, for another request (False: the engine cannot reset it)."""
+        if self._grammar is None or not self._lib.has("baseRT_grammar_reset"):
+            return False
+        self._lib.baseRT_grammar_reset(self._grammar)
+        return True
+
     def adopt(self, lib: Any) -> None:
         """Step (and free) through `lib` from now on: a grammar is built by an intake
         worker through its own library view, then handed to the engine thread."""
@@ -256,3 +268,4 @@ class EngineGrammarConstraint:
         if self._grammar is not None:
             self._lib.baseRT_grammar_free(self._grammar)
             self._grammar = None
+

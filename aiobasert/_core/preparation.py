@@ -15,8 +15,10 @@ what the request decides: a 15 MB prompt, a 0.7 MB schema. The rules
 from __future__ import annotations
 
 import ctypes
+import hashlib
 import os
 import threading
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from ..errors import ContextLengthExceededError
@@ -24,6 +26,11 @@ from ..errors import ContextLengthExceededError
 QUICK_COST = 64 * 1024
 """Characters (prompt text plus grammar source) up to which a job is cheap: a few ms of
 tokenizing or a small grammar. Cheap jobs have workers of their own (aiobasert._core.intake)."""
+
+COMPILE_BUDGET_S = 5.0
+"""Seconds one grammar compile may take. A compile cannot be interrupted (llguidance, the engine's C
+compiler): one past its budget is refused when it returns (InvalidRequestError naming the field) and
+the refusal is cached, so the same source is refused at once after that, never compiled again."""
 
 MAX_DECODE_IDS = 1 << 20
 """Token ids one `Engine.decode` (`POST /detokenize`) takes: more are refused before any is read
@@ -49,23 +56,44 @@ def prompt_chars(prompt: Any) -> int:
     return 0
 
 
-def schema_chars(schema: Any) -> int:
-    """Characters of a json_schema's JSON text, measured with msgspec's C encoder (~1 GB/s); a
-    value msgspec cannot encode is refused later by the compile, which costs nothing here."""
+def _schema_json(schema: Any) -> bytes | None:
+    """A json_schema's JSON text, by msgspec's C encoder (~1 GB/s); None for a value msgspec
+    cannot encode (the compile refuses it later, which costs nothing here)."""
     if schema is None:
-        return 0
+        return None
     try:
         import msgspec
 
-        return len(msgspec.json.encode(schema))
+        return msgspec.json.encode(schema)
     except Exception:
-        return 0
+        return None
 
 
-def request_cost(prompt: Any, json_schema: Any, lark: str | None, structural_tag: str | None) -> int:
-    """RequestSpec.cost: what preparing a request may cost, in characters (caller's thread)."""
-    grammar = len(lark or "") + len(structural_tag or "") + schema_chars(json_schema)
-    return prompt_chars(prompt) + grammar
+@dataclass(frozen=True)
+class Measure:
+    """What preparing a request may cost, measured on the caller's thread before any work."""
+
+    text: int
+    """Characters of prompt text to tokenize."""
+    grammar: int
+    """Characters of grammar source to compile (json_schema's JSON, tool grammars)."""
+    grammar_key: bytes | None
+    """The digest its compiled grammar is cached under (aiobasert._core.grammar.GrammarCache)."""
+
+
+NO_COST = Measure(0, 0, None)
+
+
+def measure(prompt: Any, json_schema: Any, lark: str | None, structural_tag: str | None) -> Measure:
+    text = prompt_chars(prompt)
+    if lark is not None or structural_tag is not None:
+        tag, host = (structural_tag or "").encode("utf-8", "replace"), (lark or "").encode("utf-8", "replace")
+        source = b"tools\0" + tag + b"\0" + host
+        return Measure(text, len(tag) + len(host), hashlib.blake2b(source, digest_size=16).digest())
+    schema = _schema_json(json_schema)
+    if schema is None:
+        return Measure(text, 0, None)
+    return Measure(text, len(schema), hashlib.blake2b(b"schema\0" + schema, digest_size=16).digest())
 
 
 # The longest token of each vocabulary, by bundle (path, size, mtime): asked of the engine

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 from ..types import FinishReason, KVCacheDtype, SamplingParams, Timing, Token, Usage
+from .preparation import NO_COST, Measure
 
 if TYPE_CHECKING:
     import numpy as np
@@ -69,9 +70,9 @@ class RequestSpec:
     grammar backend builds it where it can (`baseRT_grammar_create_from_structural_tag`);
     `lark` is the host fallback when it cannot."""
     submitted_at: float = field(default_factory=time.monotonic)
-    cost: int = 0
-    """Characters of prompt text plus grammar source to prepare (preparation.request_cost): which
-    intake lane prepares it. Measured by the caller, before any work."""
+    cost: Measure = NO_COST
+    """What its preparation may cost (characters of text and grammar source, the grammar's cache
+    key), measured by the caller before any work: which intake lane prepares it."""
 
 
 class Ticket:

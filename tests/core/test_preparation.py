@@ -4,6 +4,7 @@ paid where only that request waits: never on the engine thread, never ahead of c
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import threading
@@ -188,3 +189,115 @@ async def test_decode_runs_on_a_tokenizer_worker_and_is_capped(
         with pytest.raises(ContextLengthExceededError):  # a prompt of ids: counted before it is read too
             engine.stream(Unreadable(range(engine.info.max_context + 1)))
         assert len(threads) == 3  # the bad id was refused on the worker before decoding
+
+
+@pytest.mark.anyio
+async def test_the_same_grammar_is_compiled_once(tiny_model_path: Path) -> None:
+    """Issue 26 #3: a grammar is cached by its source's digest: the same json_schema (the engine's own
+    grammar: a finished lane's handle is reset and reused) and the same Lark grammar (llguidance: a
+    copy of the compiled prototype) are compiled once however many requests use them; another
+    source is compiled anew. Every output still follows its grammar."""
+    schema = {"type": "object", "properties": {"a": {"type": "boolean"}, "b": {"type": "boolean"}},
+              "required": ["a", "b"], "additionalProperties": False}  # fmt: skip
+    reordered = {"type": "object", "properties": {"b": {"type": "boolean"}, "a": {"type": "boolean"}},
+                 "required": ["a", "b"], "additionalProperties": False}  # fmt: skip
+    enum = {"enum": [1, 22, "x"]}  # the engine's compiler does not take enums: llguidance's does
+    async with aiobasert.Engine.open(tiny_model_path, max_batch_size=2) as engine:
+        thread = engine._thread
+        for _ in range(3):
+            done = await engine.generate("x", max_tokens=60, json_schema=schema, temperature=0.8)
+            assert set(json.loads(done.text)) == {"a", "b"}
+        assert dict(thread.grammar_compiles) == {"engine": 1}
+        assert dict(thread.grammar_backends) == {"engine": 3}
+        done = await engine.generate("x", max_tokens=60, json_schema=reordered)  # another source
+        assert list(json.loads(done.text)) == ["b", "a"]
+        assert dict(thread.grammar_compiles) == {"engine": 2}
+        for _ in range(3):
+            done = await engine.generate("x", max_tokens=60, json_schema=enum, temperature=0.8)
+            assert json.loads(done.text) in enum["enum"]
+        assert dict(thread.grammar_compiles) == {"engine": 2, "llguidance": 1}
+        assert dict(thread.grammar_backends) == {"engine": 4, "llguidance": 3}
+
+        async def lark() -> str:
+            params = engine._params(None, {"max_tokens": 8, "temperature": 0.9})
+            return (await engine._new_stream("x", params, True, lark='start: "yes" | "no"')).text
+
+        assert {await lark() for _ in range(3)} <= {"yes", "no"}
+        assert dict(thread.grammar_compiles) == {"engine": 2, "llguidance": 2}
+        assert dict(thread.grammar_backends) == {"engine": 4, "llguidance": 6}
+        assert (await engine.stats()).live_grammars == 0
+
+
+@pytest.mark.anyio
+async def test_a_compile_over_its_budget_is_refused_and_never_compiled_again(
+    tiny_model_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 26 #3: a compile that takes longer than COMPILE_BUDGET_S is refused with an
+    InvalidRequestError naming the field, and the refusal is cached: the same schema is refused
+    at once afterwards, without compiling; so is a schema the compiler rejects. Other requests go on."""
+    from aiobasert._core import preparation
+
+    schema = {"type": "array", "items": {"type": "integer"}}
+    async with aiobasert.Engine.open(tiny_model_path, max_batch_size=2) as engine:
+        thread = engine._thread
+        monkeypatch.setattr(preparation, "COMPILE_BUDGET_S", -1.0)  # every compile is over it
+        with pytest.raises(InvalidRequestError, match=r"^json_schema: compiling its grammar took .* over the budget"):
+            await engine.generate("x", max_tokens=4, json_schema=schema)
+        monkeypatch.setattr(preparation, "COMPILE_BUDGET_S", 5.0)
+        compiled = dict(thread.grammar_compiles)
+        with pytest.raises(InvalidRequestError, match="over the budget"):
+            await engine.generate("y", max_tokens=4, json_schema=schema)  # refused at once
+        assert dict(thread.grammar_compiles) == compiled
+        bad = {"type": "object", "properties": {"a": {"$ref": "#/nowhere"}}}
+        for _ in range(2):
+            with pytest.raises(InvalidRequestError, match="json_schema"):
+                await engine.generate("x", max_tokens=4, json_schema=bad)
+        done = await engine.generate("x", max_tokens=12, json_schema={"type": "integer"})
+        assert int(done.text) == json.loads(done.text)
+        assert (await engine.stats()).live_grammars == 0
+
+
+class _Handle:
+    """An engine grammar handle's part the cache uses."""
+
+    def __init__(self) -> None:
+        self.resets = self.closes = 0
+
+    def reset(self) -> bool:
+        self.resets += 1
+        return True
+
+    def close(self) -> None:
+        self.closes += 1
+
+
+class _Host:
+    copies = 0
+
+    def copy(self) -> _Host:
+        _Host.copies += 1
+        return _Host()
+
+
+def test_the_grammar_cache_is_a_bounded_lru() -> None:
+    """At most `entries` sources of each kind, the least recently used dropped first (an engine
+    handle dropped is freed); at most `idle` handles kept per source; `close` frees the rest."""
+    from aiobasert._core.grammar_cache import GrammarCache
+
+    cache = GrammarCache(entries=2, idle=1)
+    a, b, c = _Handle(), _Handle(), _Handle()
+    assert cache.give_back(b"a", a) and not cache.give_back(b"a", _Handle())  # one idle per source
+    assert cache.give_back(b"b", b)
+    assert cache.take(b"a") is a and cache.take(b"a") is None  # taken: compiled anew until given back
+    assert cache.give_back(b"a", a)  # a is now the most recent
+    assert cache.give_back(b"c", c) and b.closes == 1  # b was the least recently used: freed
+    assert b"b" not in cache and b"a" in cache and b"c" in cache
+    cache.remember(b"h", _Host())
+    assert isinstance(cache.take(b"h"), _Host) and b"h" in cache
+    cache.refuse(b"r", InvalidRequestError("json_schema: no"))
+    with pytest.raises(InvalidRequestError, match="no"):
+        cache.take(b"r")
+    cache.refuse(b"s", InvalidRequestError("json_schema: no"))  # h was the least recent of those two
+    assert b"h" not in cache
+    cache.close()
+    assert (a.closes, c.closes) == (1, 1) and b"a" not in cache
