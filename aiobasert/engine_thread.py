@@ -22,6 +22,7 @@ import collections
 import concurrent.futures
 import contextlib
 import ctypes
+import importlib.util
 import json
 import os
 import queue
@@ -217,6 +218,8 @@ class EngineThread:
             except BaseException:
                 self._free_model()
                 raise
+            if intake is not None and self._host_grammar_only():
+                self._build_host_grammar(intake)
         except BaseException:
             if intake is not None:
                 intake.close()
@@ -687,9 +690,25 @@ class EngineThread:
             if compiled:
                 self.grammar_compiles[backend] += 1
 
+    def _host_grammar_only(self) -> bool:
+        """The engine has no grammar compiler of its own: llguidance serves every json_schema."""
+        lib = self.lib
+        native = lib.has("baseRT_grammar_create_from_schema") and lib.has("baseRT_grammar_fill_bitmask")
+        return not native and importlib.util.find_spec("llguidance") is not None
+
+    def _build_host_grammar(self, intake: Intake) -> None:
+        """At open, before any stream runs: llguidance builds its tokenizer holding the GIL (0.3-1 s
+        for a 50k vocabulary), which on first use would pause every running stream once. Built on a
+        worker (its tokenizer handle asks the end ids); a failure is left to the first request."""
+        built: concurrent.futures.Future[None] = concurrent.futures.Future()
+        intake.submit(lambda tok: self._host_grammar(tok), lambda result, error: built.set_result(None),
+                      grammar=True, cost=preparation.QUICK_COST + 1)  # fmt: skip
+        built.result()
+
     def _host_grammar(self, tok: Tokenizer) -> GrammarBackend:
-        """The host (llguidance) backend, built once per engine, on first use (by a grammar
-        worker, through its own tokenizer handle: the end ids are asked of the engine)."""
+        """The host (llguidance) backend, built once per engine by a grammar worker, through its own
+        tokenizer handle (the end ids are asked of the engine): at open where the engine has no grammar
+        compiler of its own, else on first use (once, holding the GIL: docs/fairness.md)."""
         with self._grammar_lock:
             if self._grammar is None:
                 from ._core.grammar import GrammarBackend, engine_end_ids

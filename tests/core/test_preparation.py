@@ -301,3 +301,33 @@ def test_the_grammar_cache_is_a_bounded_lru() -> None:
     assert b"h" not in cache
     cache.close()
     assert (a.closes, c.closes) == (1, 1) and b"a" not in cache
+
+
+@pytest.mark.anyio
+async def test_the_host_grammar_backend_is_built_at_open_where_it_serves_every_schema(
+    tiny_model_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 26 #9b: llguidance builds its tokenizer holding the GIL (every stream pauses meanwhile):
+    an engine without a grammar compiler of its own builds it at open, on a worker, before any stream
+    runs; the first json_schema request finds it built. An engine with its own compiler (the
+    reference engine) does not pay for it at open."""
+    from aiobasert._core import ffi
+    from aiobasert._core.grammar import GrammarBackend
+
+    built: list[str] = []
+    real = GrammarBackend.for_bundle.__func__  # type: ignore[attr-defined]
+
+    def for_bundle(cls: type[GrammarBackend], *args: Any, **kwargs: Any) -> GrammarBackend:
+        built.append(threading.current_thread().name)
+        return real(cls, *args, **kwargs)  # type: ignore[no-any-return]
+
+    monkeypatch.setattr(GrammarBackend, "for_bundle", classmethod(for_bundle))
+    async with aiobasert.Engine.open(tiny_model_path, max_batch_size=2) as engine:
+        assert built == [] and engine._thread._grammar is None  # the engine compiles schemas itself
+    has = ffi.Library.has
+    monkeypatch.setattr(ffi.Library, "has", lambda self, name: "grammar" not in name and has(self, name))
+    async with aiobasert.Engine.open(tiny_model_path, max_batch_size=2) as engine:
+        assert built == ["aiobasert-grammar-1"]  # at open, on a worker
+        done = await engine.generate("x", max_tokens=12, json_schema={"type": "boolean"})
+        assert json.loads(done.text) in (True, False)
+        assert dict(engine._thread.grammar_compiles) == {"llguidance": 1} and len(built) == 1
