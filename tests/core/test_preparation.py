@@ -331,3 +331,34 @@ async def test_the_host_grammar_backend_is_built_at_open_where_it_serves_every_s
         done = await engine.generate("x", max_tokens=12, json_schema={"type": "boolean"})
         assert json.loads(done.text) in (True, False)
         assert dict(engine._thread.grammar_compiles) == {"llguidance": 1} and len(built) == 1
+
+
+@pytest.mark.anyio
+async def test_a_long_prompt_is_held_as_a_c_array_not_a_python_list(long_untied_model_path: Path) -> None:
+    """Issue 26 #9a: a tokenized prompt travels from the C call to the engine as a C array (4 bytes a
+    token): no list of Python ints (8 bytes a token plus ~32 per id above 256, built holding the GIL)
+    is made for it on the way, worker or engine thread. tracemalloc's peak from submission to the
+    first token, over a prompt of ~6,000 tokens, most of them ids above 256."""
+    import gc
+    import tracemalloc
+
+    async with aiobasert.Engine.open(long_untied_model_path, max_batch_size=2, max_context=8192) as engine:
+        text = "hello world " * 1000
+        n = len(await engine.encode(text, special=True))
+        assert 4000 < n < 8000
+        await engine.generate(text[:100], max_tokens=2)  # warm: caches, first-use allocations
+        gc.collect()
+        tracemalloc.start()
+        try:
+            before = tracemalloc.get_traced_memory()[0]
+            tracemalloc.reset_peak()
+            stream = engine.stream(text, max_tokens=40, ignore_eos=True)
+            await stream.__anext__()  # tokenized, queued, prefilled: its lane runs
+            peak = tracemalloc.get_traced_memory()[1] - before
+            async for _ in stream:
+                pass
+        finally:
+            tracemalloc.stop()
+        # the C call's buffer (4 bytes a byte of text: 8 a token here), the exact copy (4), the text's
+        # bytes (2): ~14 a token; a list of the ids alone would add ~30 a token
+        assert peak < 24 * n, (peak, n)
