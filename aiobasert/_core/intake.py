@@ -55,6 +55,8 @@ recurses (a 1,024-`$ref` chain, `types.MAX_SCHEMA_REFS`, needs < 32 MiB; 4,000 f
 GRAMMAR_WORKERS = 2
 """grammar-0 serves the cheap lane only, grammar-1 the costly lane first, then the cheap one."""
 
+_DECODE_SLICE = 16384  # ids joined per C call when decoding (each holds the GIL)
+
 _stack_lock = threading.Lock()  # threading.stack_size is process-wide: set, start, restore
 
 
@@ -129,8 +131,14 @@ class Tokenizer:
         """The text of checked ids, as the engine thread's Detokenizer makes it (invalid UTF-8
         becomes U+FFFD): each distinct id is asked of the engine once."""
         detok = Detokenizer(self.lib, self.handle)
-        table = {t: detok.token_bytes(t) for t in set(ids)}
-        return b"".join(map(table.__getitem__, ids)).decode("utf-8", "replace")
+        table: dict[int, bytes] = {}
+        parts = []
+        for i in range(0, len(ids), _DECODE_SLICE):  # in slices: no single C call holds the GIL for long
+            part = ids[i : i + _DECODE_SLICE]
+            for t in set(part).difference(table):
+                table[t] = detok.token_bytes(t)
+            parts.append(b"".join(map(table.__getitem__, part)))
+        return b"".join(parts).decode("utf-8", "replace")
 
     def _check_fits(self, chars: int, limit: int | None) -> None:
         # A quick job is tokenized and counted exactly (a few ms); a costly one is measured first.
