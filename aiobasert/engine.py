@@ -329,6 +329,8 @@ class Engine:
         if limit is not None and len(ids) > limit:
             if what == "prompt":
                 raise ContextLengthExceededError(len(ids), 1, limit)
+            if what == "embed input":  # as the engine thread words it for a tokenized text
+                raise InvalidRequestError(f"input of {len(ids)} tokens exceeds the context window of {limit} tokens")
             raise InvalidRequestError(f"{what} of {len(ids)} token ids exceeds the limit of {limit}")
         return ids
 
