@@ -162,7 +162,7 @@ class GrammarBackend:
             # compact JSON unless the schema's "x-guidance" options say otherwise
             grammar = llguidance.LLMatcher.grammar_from_json_schema(text, defaults={"whitespace_flexible": False})
         except (TypeError, ValueError) as exc:
-            raise InvalidRequestError(f"invalid json_schema: {exc}") from None
+            raise InvalidRequestError(f"invalid json_schema: {_message(exc)}") from None
         return self._constraint(grammar, "invalid json_schema")
 
     def compile_lark(self, lark: str) -> JsonSchemaConstraint:
@@ -172,7 +172,7 @@ class GrammarBackend:
         try:
             grammar = llguidance.LLMatcher.grammar_from_lark(lark)
         except (TypeError, ValueError) as exc:
-            raise InvalidRequestError(f"invalid grammar: {exc}") from None
+            raise InvalidRequestError(f"invalid grammar: {_message(exc)}") from None
         return self._constraint(grammar, "invalid grammar")
 
     def _constraint(self, grammar: str, what: str) -> JsonSchemaConstraint:
@@ -180,11 +180,17 @@ class GrammarBackend:
         errors become `InvalidRequestError`s starting with `what`."""
         is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, self._tokenizer)
         if is_error:
-            raise InvalidRequestError(f"{what}: {'; '.join(messages)}")
+            raise InvalidRequestError(f"{what}: {_message('; '.join(messages))}")
         matcher = llguidance.LLMatcher(self._tokenizer, grammar, log_level=0)
         if matcher.is_error():
-            raise InvalidRequestError(f"{what}: {matcher.get_error()}")
+            raise InvalidRequestError(f"{what}: {_message(matcher.get_error())}")
         return JsonSchemaConstraint(matcher, self._mask_words)
+
+
+def _message(error: object) -> str:
+    """llguidance's message for a client: without the Rust backtrace a panic appends."""
+    text = str(error)
+    return text.split("\n<backtrace>", 1)[0][:2000]
 
 
 class EngineGrammarConstraint:
