@@ -524,13 +524,14 @@ class Engine:
     # ---- tokenizer, embeddings, introspection ---------------------------------------------
 
     async def encode(self, text: str, *, special: bool = False) -> list[int]:
-        """Token ids of `text` (`special=True`: marker strings become control ids)."""
+        """Token ids of `text` (`special=True`: marker strings become control ids); a text of more
+        than 1,048,576 tokens is refused with `InvalidRequestError` (its ids would cost ~36 bytes each)."""
         if not isinstance(text, str):
             raise InvalidRequestError(f"encode takes a str, not {type(text).__name__}")
         # On a tokenizer worker, never the engine thread: a huge text must not pause the streams; the
         # list this returns is built there (the C call fills an array)
         ids: list[int] = await self._on_worker(
-            lambda tok: tok.encode_text(text, special=special)[:], len(text), Encode(text, special)
+            lambda tok: tok.encode_list(text, special=special), len(text), Encode(text, special)
         )
         return ids
 

@@ -592,9 +592,11 @@ class EngineThread:
             close = getattr(constraint, "close", None)
             if close is not None:
                 close()
+            # worded as the compilers' own errors, which the server maps to the request's field
+            what = "invalid grammar: the tools' grammar" if tools else "invalid json_schema: its grammar"
             err = InvalidRequestError(
-                f"{'tools' if tools else 'json_schema'}: compiling its grammar took {took:.1f} s, over the "
-                f"budget of {budget:g} s (the same grammar is refused at once from now on)"
+                f"{what} took {took:.1f} s to compile, over the budget of {budget:g} s (the same grammar is "
+                "refused at once from now on)"
             )
             if key is not None:
                 self.grammars.refuse(key, err)

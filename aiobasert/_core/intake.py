@@ -42,7 +42,7 @@ from typing import Any
 from ..errors import AioBaseRTError, InvalidRequestError
 from . import ffi as _ffi
 from .output import Detokenizer
-from .preparation import QUICK_COST, Lane, check_fits, lane_of
+from .preparation import MAX_ENCODE_IDS, QUICK_COST, Lane, check_fits, lane_of
 from .protocol import Done
 from .step import internal_error
 
@@ -92,9 +92,21 @@ class Tokenizer:
             self.lib.baseRT_free_model(self.handle)
         self.handle = 0
 
+    def encode_list(self, text: str, *, special: bool) -> list[int]:
+        """The ids of `text` as a list (Engine.encode's answer), read straight from the C call's buffer."""
+        out, n = self._encode(text, special=special, limit=None)
+        if n > MAX_ENCODE_IDS:
+            raise InvalidRequestError(f"prompt: the text is {n} tokens, more than the limit of {MAX_ENCODE_IDS}")
+        ids: list[int] = out[:n]
+        return ids
+
     def encode_text(self, text: str, *, special: bool, limit: int | None = None) -> TokenIds:
         """The ids of `text`. With `limit` (the context window), a text that cannot encode to
         `limit` tokens or fewer is refused before it is tokenized (preparation.check_fits)."""
+        return _exact(*self._encode(text, special=special, limit=limit))
+
+    def _encode(self, text: str, *, special: bool, limit: int | None) -> tuple[TokenIds, int]:
+        """The C call's buffer (one slot per byte of text, plus BOS) and how many ids it holds."""
         if not isinstance(text, str):
             raise InvalidRequestError(f"prompt must be str or a list of token ids, not {type(text).__name__}")
         self._check_fits(len(text), limit)
@@ -109,7 +121,7 @@ class Tokenizer:
         n = getattr(self.lib, fn)(self.handle, data, out, cap)
         if n < 0:
             raise self.lib.last_error(fn)
-        return _exact(out, n)
+        return out, n
 
     def encode_pieces(self, pieces: Sequence[tuple[str, bool]], *, limit: int | None = None) -> TokenIds:
         self._check_fits(sum(len(t) for t, _ in pieces), limit)

@@ -36,6 +36,11 @@ MAX_DECODE_IDS = 1 << 20
 """Token ids one `Engine.decode` (`POST /detokenize`) takes: more are refused before any is read
 (InvalidRequestError). A stream's ids are at most the context window."""
 
+MAX_ENCODE_IDS = MAX_DECODE_IDS
+"""Token ids one `Engine.encode` (`POST /tokenize`) returns: a text with more is refused
+(InvalidRequestError) once counted by the C call, before a list of that many Python ints
+(~36 bytes each) is built."""
+
 Lane = Literal["quick", "cheap", "costly"]
 """quick: a cheap text-only job (the tokenizer worker, FIFO); cheap: a cheap grammar job;
 costly: anything above QUICK_COST (a worker of its own; cheap grammar jobs never wait for it)."""

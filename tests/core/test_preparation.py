@@ -241,7 +241,8 @@ async def test_a_compile_over_its_budget_is_refused_and_never_compiled_again(
     async with aiobasert.Engine.open(tiny_model_path, max_batch_size=2) as engine:
         thread = engine._thread
         monkeypatch.setattr(preparation, "COMPILE_BUDGET_S", -1.0)  # every compile is over it
-        with pytest.raises(InvalidRequestError, match=r"^json_schema: compiling its grammar took .* over the budget"):
+        over = r"^invalid json_schema: its grammar took .* to compile, over the budget"
+        with pytest.raises(InvalidRequestError, match=over):
             await engine.generate("x", max_tokens=4, json_schema=schema)
         monkeypatch.setattr(preparation, "COMPILE_BUDGET_S", 5.0)
         compiled = dict(thread.grammar_compiles)
@@ -399,3 +400,27 @@ async def test_request_fields_are_counted_before_they_are_walked_and_a_schema_wa
         walks.clear()
         engine.stream("x", max_tokens=1, json_schema={"enum": (1, 2)})
         assert len(walks) == 2  # normalized's walk, then validate's walk of the converted copy
+
+
+@pytest.mark.anyio
+async def test_encode_refuses_a_text_of_more_ids_than_its_limit_before_listing_them(tiny_model_path: Path) -> None:
+    """Engine.encode (POST /tokenize) of a text past MAX_ENCODE_IDS tokens is refused once the C call
+    has counted them, before a list of that many Python ints (~280 MB for a 15 MB text) is built:
+    tracemalloc's peak stays near the C call's own buffer."""
+    import tracemalloc
+
+    from aiobasert._core.preparation import MAX_ENCODE_IDS
+
+    async with aiobasert.Engine.open(tiny_model_path, max_batch_size=2) as engine:
+        unit = "lamp "
+        per_unit = len(await engine.encode(unit * 1000)) / 1000
+        text = unit * int(MAX_ENCODE_IDS / per_unit * 1.05)
+        tracemalloc.start()
+        try:
+            with pytest.raises(InvalidRequestError, match=f"more than the limit of {MAX_ENCODE_IDS}"):
+                await engine.encode(text)
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        assert peak < 6 * len(text), (peak, len(text))  # the buffer: 4 bytes a byte of text; a list: ~36 an id
+        assert len(await engine.encode(unit * int(MAX_ENCODE_IDS / per_unit * 0.95))) <= MAX_ENCODE_IDS
