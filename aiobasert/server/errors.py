@@ -128,6 +128,6 @@ def error_param(message: str) -> str | None:
 
 
 _SAMPLING_FIELD = re.compile(r"invalid sampling parameter (\w+)")
-_FIELD_FIRST = re.compile(r"^(\w+(?:\[\d+\])?): ")  # the SDK's "prompt: ...", "tools: ...", "tools[2]: ..."
+_FIELD_FIRST = re.compile(r"^(prompt): ")  # the SDK names the prompt first ("prompt: the text is N tokens ...")
 _GRAMMAR_AT = re.compile(r"at (\d+)\(\d+\): failed to compile JSON schema: ([^\n]*)")
 _UNKNOWN = re.compile(r"Object contains unknown field `([^`]*)`$")
