@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import concurrent.futures
-import importlib
 import os
-import sys
 import threading
 import weakref
 from collections.abc import Callable, Generator, Mapping, Sequence
@@ -15,6 +13,9 @@ from typing import TYPE_CHECKING, Any, TypeVar, cast, overload
 import anyio
 
 from ._core import ffi as _ffi
+from ._core import lazy_numpy
+from ._core.intake import Tokenizer
+from ._core.preparation import MAX_DECODE_IDS, measure
 from ._core.protocol import (
     Ask,
     Call,
@@ -37,7 +38,13 @@ from ._core.wakeup import LoopWaker
 from .batcher import current_client
 from .chat import render_chat
 from .engine_thread import EngineThread
-from .errors import EngineClosedError, InvalidConfigError, InvalidRequestError, InvalidSamplingParamsError
+from .errors import (
+    ContextLengthExceededError,
+    EngineClosedError,
+    InvalidConfigError,
+    InvalidRequestError,
+    InvalidSamplingParamsError,
+)
 from .streams import TokenStream, new_request_id
 from .types import (
     KV_CACHE_DTYPES,
@@ -347,21 +354,35 @@ class Engine:
         tokens, as in a rendered chat prompt; `special=False` keeps them text.
         """
         if not isinstance(prompt, str):
-            prompt = self._token_ids(prompt, "prompt")
+            prompt = self._token_ids(prompt, "prompt", self.info.max_context)
         return self._new_stream(prompt, self._params(params, kwargs), special)
 
-    def _token_ids(self, ids: object, what: str) -> list[int]:
-        """A list of this model's token ids (numpy integers accepted), or InvalidRequestError."""
-        numpy = sys.modules.get("numpy")  # numpy values exist only once it is imported (types.is_numpy_scalar)
-        sequences = (Sequence,) if numpy is None else (Sequence, numpy.ndarray)
-        if isinstance(ids, (str, bytes, bytearray, memoryview)) or not isinstance(ids, sequences):
-            raise InvalidRequestError(f"{what} must be str or a list of token ids, not {type(ids).__name__}")
+    def _token_ids(self, ids: object, what: str, limit: int | None = None) -> list[int]:
+        """A list of this model's token ids (numpy integers accepted), or InvalidRequestError; more
+        than `limit` ids are refused before any of them is read (ContextLengthExceededError for a prompt)."""
+        ids = self._id_sequence(ids, what, limit)
+        numpy = lazy_numpy.loaded()
         out = [int(t) if numpy is not None and isinstance(t, numpy.integer) else t for t in ids]
         vocab = self.info.vocab_size
         for i, t in enumerate(out):
             if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
                 raise InvalidRequestError(f"{what} token {i} is {t!r}: not a token id of this model (vocab {vocab})")
-        return out
+        return out  # type: ignore[return-value]  # every item was checked to be an int
+
+    @staticmethod
+    def _id_sequence(ids: object, what: str, limit: int | None) -> Sequence[object]:
+        """`ids` if it is a sequence of at most `limit` items (not read yet), or InvalidRequestError."""
+        numpy = lazy_numpy.loaded()  # numpy values exist only once it is imported (types.is_numpy_scalar)
+        sequences = (Sequence,) if numpy is None else (Sequence, numpy.ndarray)
+        if isinstance(ids, (str, bytes, bytearray, memoryview)) or not isinstance(ids, sequences):
+            raise InvalidRequestError(f"{what} must be str or a list of token ids, not {type(ids).__name__}")
+        if limit is not None and len(ids) > limit:
+            if what == "prompt":
+                raise ContextLengthExceededError(len(ids), 1, limit)
+            if what == "embed input":  # as the engine thread words it for a tokenized text
+                raise InvalidRequestError(f"input of {len(ids)} tokens exceeds the context window of {limit} tokens")
+            raise InvalidRequestError(f"{what} of {len(ids)} token ids exceeds the limit of {limit}")
+        return ids
 
     async def generate(
         self, prompt: str | Sequence[int], params: SamplingParams | None = None, **kwargs: Any
@@ -516,6 +537,7 @@ class Engine:
         spec = RequestSpec(
             rid=new_request_id(), prompt=prompt, params=params, parse_special=special, lark=lark,
             structural_tag=structural_tag, client=current_client(),
+            cost=measure(prompt, params.json_schema, lark, structural_tag),
         )
         return TokenStream(self._port, spec, self)
 
@@ -547,18 +569,28 @@ class Engine:
     # ---- tokenizer, embeddings, introspection ---------------------------------------------
 
     async def encode(self, text: str, *, special: bool = False) -> list[int]:
-        """Token ids of `text` (`special=True`: marker strings become control ids)."""
+        """Token ids of `text` (`special=True`: marker strings become control ids); a text of more
+        than 1,048,576 tokens is refused with `InvalidRequestError` (its ids would cost ~36 bytes each)."""
         if not isinstance(text, str):
             raise InvalidRequestError(f"encode takes a str, not {type(text).__name__}")
-        # On the tokenizer worker, never the engine thread: a huge text must not pause the streams.
+        # On a tokenizer worker, never the engine thread: a huge text must not pause the streams; the
+        # list this returns is built there (the C call fills an array)
+        ids: list[int] = await self._on_worker(
+            lambda tok: tok.encode_list(text, special=special), len(text), Encode(text, special)
+        )
+        return ids
+
+    async def _on_worker(self, job: Callable[[Tokenizer], T], cost: int, fallback: Query) -> T:
+        """job(tokenizer) on an intake worker, in the lane for `cost` (never on the engine thread); an
+        engine without a tokenizer-only handle answers `fallback` between two steps instead."""
         self._waker.check()
         if self._port.closed:
             raise EngineClosedError("the engine is closed")
         intake = self._thread.intake
-        if intake is None:  # an engine without a tokenizer-only handle: between two steps
-            ids: list[int] = await self._ask(Encode(text, special))
-            return ids
-        fut: concurrent.futures.Future[list[int]] = concurrent.futures.Future()
+        if intake is None:
+            answer: T = await self._ask(fallback)
+            return answer
+        fut: concurrent.futures.Future[T] = concurrent.futures.Future()
 
         def done(result: Any, error: BaseException | None) -> None:
             if error is not None:
@@ -566,7 +598,7 @@ class Engine:
             else:
                 fut.set_result(result)
 
-        intake.submit(lambda tok: tok.encode_text(text, special=special), done, grammar=False)
+        intake.submit(job, done, grammar=False, cost=cost)
         return await _wait_future(fut, self._waker)
 
     async def decode(self, ids: Sequence[int]) -> str:
@@ -574,8 +606,17 @@ class Engine:
 
         A stream's text is exactly this decode of its token ids (when no stop
         string or stop token cut it)."""
-        checked = self._token_ids(ids, "decode input")
-        text: str = await self._ask(Decode(checked))
+        if self._thread.intake is None:  # an engine without a tokenizer-only handle: between two steps
+            text: str = await self._ask(Decode(self._token_ids(ids, "decode input", MAX_DECODE_IDS)))
+            return text
+        # Counted here, before any id is read; read, checked and decoded on a tokenizer worker (a costly
+        # lane for a long one), never on the loop or the engine thread: a million ids pause no stream.
+        counted = self._id_sequence(ids, "decode input", MAX_DECODE_IDS)
+        tolist = getattr(counted, "tolist", None)  # a numpy array: its Python ints in one C call
+        snapshot = tolist() if callable(tolist) else list(counted)  # the caller may change ids meanwhile
+        text = await self._on_worker(
+            lambda tok: tok.decode(self._token_ids(snapshot, "decode input")), len(snapshot), Decode([])
+        )
         return text
 
     async def embed(self, text: str | Sequence[int]) -> np.ndarray:
@@ -593,12 +634,12 @@ class Engine:
         if isinstance(text, str):
             source: str | list[int] = text
         else:
-            source = self._token_ids(text, "embed input")
+            source = self._token_ids(text, "embed input", self.info.max_context)
         self._waker.check()
         if self._port.closed:
             raise EngineClosedError("the engine is closed")
-        if "numpy" not in sys.modules:  # the pooling needs it: imported here, not on the engine thread
-            await anyio.to_thread.run_sync(importlib.import_module, "numpy")  # (~0.1 s there stalls every stream)
+        if lazy_numpy.loaded() is None:  # the pooling needs it: imported here, not on the engine thread
+            await anyio.to_thread.run_sync(lazy_numpy.load)  # (~0.1 s there stalls every stream)
         fut: concurrent.futures.Future[np.ndarray] = concurrent.futures.Future()
 
         def done(result: Any, error: BaseException | None) -> None:

@@ -22,6 +22,7 @@ import collections
 import concurrent.futures
 import contextlib
 import ctypes
+import importlib.util
 import json
 import os
 import queue
@@ -32,7 +33,9 @@ from ctypes import byref, c_float, c_int, sizeof
 from typing import TYPE_CHECKING, Any
 
 from ._core import ffi as _ffi
-from ._core.intake import Intake, Tokenizer, run_job
+from ._core import preparation
+from ._core.grammar_cache import GrammarCache
+from ._core.intake import Intake, TokenIds, Tokenizer, run_job
 from ._core.output import Detokenizer, OutputProcessor
 from ._core.protocol import (
     Ask,
@@ -132,6 +135,7 @@ class EngineThread:
         self._abort = False
         self._grammar: GrammarBackend | None = None  # built on first host-grammar use (llguidance import is slow)
         self._grammar_lock = threading.Lock()  # the grammar workers build it
+        self._backend_built = threading.local()  # seconds this worker's compile spent building it
         self.intake: Intake | None = None
         self._inline_tok: Tokenizer | None = None
         self._preparing = 0  # requests handed to the intake workers, not back yet
@@ -142,7 +146,9 @@ class EngineThread:
         self.models_freed = 0
         self.live_sequences = 0
         self.live_grammars = 0
-        self.grammar_backends: collections.Counter[str] = collections.Counter()  # "engine" / "llguidance" builds
+        self.grammar_backends: collections.Counter[str] = collections.Counter()  # "engine" / "llguidance" served
+        self.grammar_compiles: collections.Counter[str] = collections.Counter()  # those compiled (not cached)
+        self.grammars = GrammarCache()  # compiled grammars by their source's digest
         self.finished = 0
         self.cancelled = 0
         self.failed = 0
@@ -218,6 +224,8 @@ class EngineThread:
             except BaseException:
                 self._free_model()
                 raise
+            if intake is not None and self._host_grammar_only():
+                self._build_host_grammar(intake)
         except BaseException:
             if intake is not None:
                 intake.close()
@@ -283,7 +291,7 @@ class EngineThread:
         self.chat_template = template
         self.bos_token = self._static_str("baseRT_bos_token")
         self.eos_token = self._static_str("baseRT_eos_token")
-        self.tokenizer = Tokenizer.borrow(lib, handle)  # the model handle's own, for this thread only
+        self.tokenizer = Tokenizer.borrow(lib, handle, cfg.model_path)  # the model handle's own, for this thread only
         if inline_tokenizer:  # an engine without a separate tokenizer handle: prepared here, between steps
             self._inline_tok = self.tokenizer
         return ModelInfo(
@@ -561,7 +569,7 @@ class EngineThread:
         grammar = spec.lark is not None or spec.structural_tag is not None or spec.params.json_schema is not None
         sink = msg.sink
 
-        def prepare(tok: Tokenizer) -> tuple[list[int], Constraint | None] | None:
+        def prepare(tok: Tokenizer) -> tuple[TokenIds | list[int], Constraint | None] | None:
             return self._prepare(tok, spec) if sink.alive() else None  # None: its reader left, skip the work
 
         if not grammar and _is_ids(spec.prompt):  # nothing to tokenize or compile: straight into the FIFO
@@ -572,18 +580,23 @@ class EngineThread:
             self._enqueue(msg, (ids, None), error)
             return
         self._in_prep[spec.rid] = msg
-        self._prepare_off_thread(msg, prepare, grammar=grammar)
+        cost = spec.cost.text + (0 if spec.cost.grammar_key in self.grammars else spec.cost.grammar)
+        self._prepare_off_thread(msg, prepare, grammar=grammar, cost=cost)
 
-    def _prepare_off_thread(self, msg: Submit | Embed, job: Callable[[Tokenizer], Any], *, grammar: bool) -> None:
+    def _prepare_off_thread(
+        self, msg: Submit | Embed, job: Callable[[Tokenizer], Any], *, grammar: bool, cost: int
+    ) -> None:
         self._preparing += 1
         if self.intake is not None:
-            self.intake.submit(job, lambda result, error: self.post(Prepared(msg, result, error)), grammar=grammar)
+            self.intake.submit(
+                job, lambda result, error: self.post(Prepared(msg, result, error)), grammar=grammar, cost=cost
+            )
             return
         assert self._inline_tok is not None
         result, error = run_job(job, self._inline_tok)
         self.post(Prepared(msg, result, error))
 
-    def _prepare(self, tok: Tokenizer, spec: RequestSpec) -> tuple[list[int], Constraint | None]:
+    def _prepare(self, tok: Tokenizer, spec: RequestSpec) -> tuple[TokenIds | list[int], Constraint | None]:
         """On an intake worker: the prompt's ids and the request's grammar."""
         for text in (spec.lark, spec.structural_tag):
             # tool schemas reach the compilers inside these texts: the same `$ref` cap
@@ -592,11 +605,50 @@ class EngineThread:
                 raise InvalidRequestError(f"tools: the tool schemas hold more than {MAX_SCHEMA_REFS} $refs")
         prompt = self._tokenize_prompt(tok, spec)
         constraint: Constraint | None = None
-        if spec.lark is not None or spec.structural_tag is not None:
-            constraint = self._build_tag_constraint(tok, spec.structural_tag, spec.lark)
-        elif spec.params.json_schema is not None:
-            constraint = self._build_constraint(tok, spec.params.json_schema)
+        if spec.lark is not None or spec.structural_tag is not None or spec.params.json_schema is not None:
+            constraint = self._grammar_of(tok, spec)
         return prompt, constraint
+
+    def _grammar_of(self, tok: Tokenizer, spec: RequestSpec) -> Constraint:
+        """On an intake worker: the request's grammar, from the cache when its source was compiled
+        (or refused) before, else compiled here within `preparation.COMPILE_BUDGET_S`."""
+        key = spec.cost.grammar_key
+        tools = spec.lark is not None or spec.structural_tag is not None
+        if key is not None:
+            hit: Constraint | None = self.grammars.take(key)  # raises the error a refused source got
+            if hit is not None:
+                self._count("engine" if hasattr(hit, "reset") else "llguidance")
+                return hit
+        started = time.monotonic()
+        self._backend_built.seconds = 0.0
+        try:
+            if tools:
+                constraint = self._build_tag_constraint(tok, spec.structural_tag, spec.lark)
+            else:
+                assert spec.params.json_schema is not None
+                constraint = self._build_constraint(tok, spec.params.json_schema)
+        except AioBaseRTError as exc:
+            if key is not None:  # a compile error is the same the next time: never paid twice
+                self.grammars.refuse(key, exc)
+            raise
+        took = time.monotonic() - started - self._backend_built.seconds  # the compile's, not the backend's
+        budget = preparation.COMPILE_BUDGET_S
+        if took > budget:
+            close = getattr(constraint, "close", None)
+            if close is not None:
+                close()
+            # worded as the compilers' own errors, which the server maps to the request's field
+            what = "invalid grammar: the tools' grammar" if tools else "invalid json_schema: its grammar"
+            err = InvalidRequestError(
+                f"{what} took {took:.1f} s to compile, over the budget of {budget:g} s (the same grammar is "
+                "refused at once from now on)"
+            )
+            if key is not None:
+                self.grammars.refuse(key, err)
+            raise err
+        if key is not None:
+            self.grammars.remember(key, constraint)
+        return constraint
 
     def _enqueue(self, msg: Submit, prepared: Any, error: BaseException | None) -> None:
         """A prepared request joins the FIFO queue (or is answered with its error)."""
@@ -624,7 +676,7 @@ class EngineThread:
                 raise EngineClosedError("the engine was closed before the request started")
             if dropped or not msg.sink.alive():  # cancelled while it was prepared: nobody to serve
                 if constraint is not None:
-                    self._close_constraint(constraint)
+                    self._close_constraint(constraint, spec.cost.grammar_key)
                 if not dropped:
                     self.cancelled += 1
                 return
@@ -634,7 +686,7 @@ class EngineThread:
             self.batcher.enqueue(lane.state, reserved=True)
         except BaseException as exc:
             if constraint is not None:  # refused after its grammar was built: free it
-                self._close_constraint(constraint)
+                self._close_constraint(constraint, spec.cost.grammar_key)
             err = exc if isinstance(exc, AioBaseRTError) else internal_error("at intake", exc)
             self._notify(msg.sink.deliver, [], None, err)
             if not isinstance(exc, Exception):
@@ -677,40 +729,66 @@ class EngineThread:
     def _counted(self, native: Constraint | None, host: Callable[[], Constraint]) -> Constraint:
         """The engine's grammar when it built one, else the host's; counted by backend."""
         if native is not None:
-            with self._grammar_lock:
-                self.grammar_backends["engine"] += 1
+            self._count("engine", compiled=True)
             return native
         constraint = host()
-        with self._grammar_lock:
-            self.grammar_backends["llguidance"] += 1
+        self._count("llguidance", compiled=True)
         return constraint
 
+    def _count(self, backend: str, *, compiled: bool = False) -> None:
+        with self._grammar_lock:
+            self.grammar_backends[backend] += 1  # grammars served (the cache's included)
+            if compiled:
+                self.grammar_compiles[backend] += 1
+
+    def _host_grammar_only(self) -> bool:
+        """The engine has no grammar compiler of its own: llguidance serves every json_schema."""
+        lib = self.lib
+        native = lib.has("baseRT_grammar_create_from_schema") and lib.has("baseRT_grammar_fill_bitmask")
+        return not native and importlib.util.find_spec("llguidance") is not None
+
+    def _build_host_grammar(self, intake: Intake) -> None:
+        """At open, before any stream runs: llguidance builds its tokenizer holding the GIL (0.3-1 s
+        for a 50k vocabulary), which on first use would pause every running stream once. Built on a
+        worker (its tokenizer handle asks the end ids); a failure is left to the first request."""
+        built: concurrent.futures.Future[None] = concurrent.futures.Future()
+        intake.submit(lambda tok: self._host_grammar(tok), lambda result, error: built.set_result(None),
+                      grammar=True, cost=preparation.QUICK_COST + 1)  # fmt: skip
+        built.result()
+
     def _host_grammar(self, tok: Tokenizer) -> GrammarBackend:
-        """The host (llguidance) backend, built once per engine, on first use (by a grammar
-        worker, through its own tokenizer handle: the end ids are asked of the engine)."""
+        """The host (llguidance) backend, built once per engine by a grammar worker, through its own
+        tokenizer handle (the end ids are asked of the engine): at open where the engine has no grammar
+        compiler of its own, else on first use (once, holding the GIL: docs/fairness.md)."""
         with self._grammar_lock:
             if self._grammar is None:
                 from ._core.grammar import GrammarBackend, engine_end_ids
 
+                started = time.monotonic()
+
                 end_ids = engine_end_ids(tok.lib, tok.handle, self.vocab_size)
                 self._grammar = GrammarBackend.for_bundle(self.cfg.model_path, vocab_size=self.vocab_size,
                                                           end_ids=end_ids)
+                self._backend_built.seconds = time.monotonic() - started
             return self._grammar
 
-    def _close_constraint(self, constraint: Constraint) -> None:
+    def _close_constraint(self, constraint: Constraint, key: bytes | None) -> None:
         self.live_grammars -= 1
+        if key is not None and self.grammars.give_back(key, constraint):  # kept for the next request
+            return
         close = getattr(constraint, "close", None)
         if close is not None:  # an engine-side grammar handle
             with contextlib.suppress(Exception):  # freeing must not stop the teardown
                 close()
 
-    def _tokenize_prompt(self, tok: Tokenizer, spec: RequestSpec) -> list[int]:
-        """On an intake worker."""
+    def _tokenize_prompt(self, tok: Tokenizer, spec: RequestSpec) -> TokenIds | list[int]:
+        """On an intake worker: a C array of ids (a text that cannot fit is refused untokenized)."""
         prompt = spec.prompt
+        ids: TokenIds | list[int]
         if isinstance(prompt, str):
-            ids = tok.encode_text(prompt, special=spec.parse_special)
+            ids = tok.encode_text(prompt, special=spec.parse_special, limit=self.max_context)
         elif prompt and isinstance(prompt[0], tuple):
-            ids = tok.encode_pieces(prompt)  # type: ignore[arg-type]
+            ids = tok.encode_pieces(prompt, limit=self.max_context)  # type: ignore[arg-type]
         else:
             ids = self._checked_ids(prompt)  # type: ignore[arg-type]
         if not ids:
@@ -744,11 +822,14 @@ class EngineThread:
         if isinstance(msg.source, str):
             text = msg.source
             self._in_prep[msg.rid] = msg
-            self._prepare_off_thread(msg, lambda tok: tok.encode_text(text, special=False), grammar=False)
+            limit = self.max_context
+            self._prepare_off_thread(
+                msg, lambda tok: tok.encode_text(text, special=False, limit=limit), grammar=False, cost=len(text)
+            )
         else:
             self._enqueue_embed(msg, list(msg.source), None)
 
-    def _enqueue_embed(self, msg: Embed, ids: list[int] | None, error: BaseException | None) -> None:
+    def _enqueue_embed(self, msg: Embed, ids: Sequence[int] | None, error: BaseException | None) -> None:
         """Validate an embedding and queue it as a lane (or, without taps, run it now)."""
         self._in_prep.pop(msg.rid, None)
         if msg.rid in self._dropped:  # cancelled or aborted while it was tokenized: already answered
@@ -895,10 +976,10 @@ class EngineThread:
     # ---- tokenizer helpers (engine thread) ---------------------------------------------
 
     def encode_text(self, text: str, *, special: bool) -> list[int]:
-        return self.tokenizer.encode_text(text, special=special)
+        return self.tokenizer.encode_text(text, special=special)[:]
 
     def encode_pieces(self, pieces: Sequence[tuple[str, bool]]) -> list[int]:
-        return self.tokenizer.encode_pieces(pieces)
+        return self.tokenizer.encode_pieces(pieces)[:]
 
     def token_bytes(self, tok: int) -> bytes:
         return self.detok.token_bytes(tok)
@@ -967,8 +1048,7 @@ class EngineThread:
             lane.admitted_at = time.monotonic()
         match = None
         if self.batcher.should_match_prefix(st):
-            fed = _ffi.u32_array(lane.fed()) if st.replay else lane.prompt_arr
-            match = lib.baseRT_prefix_match(model, fed, st.kv_target)
+            match = lib.baseRT_prefix_match(model, lane.fed_array(), st.kv_target)
             if not match.handle:
                 match = None
         seq = lib.baseRT_sequence_create(model)
@@ -1001,7 +1081,7 @@ class EngineThread:
         if lane.seq is not None:
             kv = lane.kv_tokens()
             if self.batcher.should_publish_prefix(state, len(kv)):
-                lib.baseRT_prefix_insert(model, _ffi.u32_array(kv), len(kv), lane.seq)  # best effort
+                lib.baseRT_prefix_insert(model, kv, len(kv), lane.seq)  # best effort
             else:
                 lib.baseRT_sequence_rollback(lane.seq, 0)
             lib.baseRT_sequence_free(lane.seq)
@@ -1036,10 +1116,9 @@ class EngineThread:
         lib, model, st = self.lib, self._model, lane.state
         if lane.seq is not None:
             if lane.final is not None and lane.final.finish_reason in ("stop", "length"):
-                kv = lane.kv_tokens()
+                kv = lane.kv_tokens()  # a C array: no request-sized Python list on this thread
                 if self.batcher.should_publish_prefix(st, len(kv)):
-                    arr = _ffi.u32_array(kv)
-                    lib.baseRT_prefix_insert(model, arr, len(kv), lane.seq)  # best effort
+                    lib.baseRT_prefix_insert(model, kv, len(kv), lane.seq)  # best effort
             else:  # cancelled, aborted or failed: drop its KV before freeing
                 lib.baseRT_sequence_rollback(lane.seq, 0)
             lib.baseRT_sequence_free(lane.seq)
@@ -1050,7 +1129,7 @@ class EngineThread:
             lane.prefix_handle = 0
         if lane.constraint is not None:
             constraint, lane.constraint = lane.constraint, None
-            self._close_constraint(constraint)
+            self._close_constraint(constraint, lane.spec.cost.grammar_key)
         if st.admitted or st in self.batcher.waiting:
             self.batcher.remove(st)
         self.requests.pop(lane.rid)
@@ -1070,6 +1149,7 @@ class EngineThread:
             self._finish(lane, "aborted")
         self._abort_embeds()
         self._deliver()
+        self.grammars.close()  # the kept engine grammars, before the workers free the handles they came from
         if self.intake is not None:
             # The workers end after their current job (each frees its own tokenizer
             # handle, independent of the model): an abort waits for no compile.

@@ -5,11 +5,12 @@ from __future__ import annotations
 import json
 import math
 import struct
-import sys
+import threading
 from typing import Any, Literal, get_args
 
 import msgspec
 
+from ._core import lazy_numpy
 from .errors import InvalidSamplingParamsError
 
 FinishReason = Literal["stop", "length", "aborted"]
@@ -34,9 +35,18 @@ def is_numpy_scalar(value: Any) -> bool:
     """A numpy scalar (np.float32(1), np.int64(3), ...), recognised without importing numpy: a
     value can only be one once numpy is imported, and a server that only generates text never
     imports it (~15 MiB of resident memory; embeddings and grammars import it when first used)."""
-    np = sys.modules.get("numpy")
+    np = lazy_numpy.loaded()  # never a module another thread is still importing
     return np is not None and isinstance(value, np.generic)
 
+
+_MOST_ITEMS: dict[str, tuple[int, str]] = {
+    "logit_bias": (1024, "at most 1024 entries"),
+    "stop": (16, "at most 16 stop strings"),
+    "stop_token_ids": (1024, "at most 1024 token ids"),
+}
+"""The container fields' sizes, checked before anything walks them (normalized, validate)."""
+
+_walked = threading.local()  # .schema: the json_schema normalized() has just walked on this thread
 
 MAX_SCHEMA_DEPTH = 64
 """Nesting levels (objects and arrays) a json_schema may have: real schemas use a
@@ -52,31 +62,40 @@ MAX_SCHEMA_NODES = 250_000
 def schema_problem(schema: Any) -> str | None:
     """Why `schema` cannot be compiled safely (not JSON, too deep, too many `$ref`s
     or values), or None. Iterative, so any depth is measured without recursing."""
+    return _measure_schema(schema)[0]
+
+
+def _measure_schema(schema: Any) -> tuple[str | None, bool]:
+    """(schema_problem, whether `_plain` would change anything: a numpy scalar or a tuple in it)."""
     stack: list[tuple[Any, int]] = [(schema, 0)]
     nodes = refs = 0
+    converts = False
     while stack:
         value, depth = stack.pop()
         nodes += 1
         if nodes > MAX_SCHEMA_NODES:
-            return f"has more than {MAX_SCHEMA_NODES} values"
+            return f"has more than {MAX_SCHEMA_NODES} values", converts
         if isinstance(value, dict):
             if depth >= MAX_SCHEMA_DEPTH:
-                return f"is nested more than {MAX_SCHEMA_DEPTH} levels deep"
+                return f"is nested more than {MAX_SCHEMA_DEPTH} levels deep", converts
             for key, item in value.items():
                 if not isinstance(key, str):
-                    return f"has a non-string key {key!r}"
+                    return f"has a non-string key {key!r}", converts
                 if key == "$ref":
                     refs += 1
                     if refs > MAX_SCHEMA_REFS:
-                        return f"has more than {MAX_SCHEMA_REFS} $refs"
+                        return f"has more than {MAX_SCHEMA_REFS} $refs", converts
                 stack.append((item, depth + 1))
         elif isinstance(value, (list, tuple)):
             if depth >= MAX_SCHEMA_DEPTH:
-                return f"is nested more than {MAX_SCHEMA_DEPTH} levels deep"
+                return f"is nested more than {MAX_SCHEMA_DEPTH} levels deep", converts
+            converts = converts or isinstance(value, tuple)
             stack.extend((item, depth + 1) for item in value)
-        elif not (value is None or isinstance(value, (str, int, float, bool)) or is_numpy_scalar(value)):
-            return f"holds a {type(value).__name__}, which is not JSON"
-    return None
+        elif not (value is None or isinstance(value, (str, int, float, bool))):
+            if not is_numpy_scalar(value):
+                return f"holds a {type(value).__name__}, which is not JSON", converts
+            converts = True
+    return None, converts
 
 
 def _plain(value: Any) -> Any:
@@ -189,8 +208,8 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
         if self.logit_bias is not None:
             if not isinstance(self.logit_bias, dict):
                 raise bad("logit_bias", f"must be a dict of token id -> bias, not {type(self.logit_bias).__name__}")
-            if len(self.logit_bias) > 1024:
-                raise bad("logit_bias", "at most 1024 entries")
+            if len(self.logit_bias) > _MOST_ITEMS["logit_bias"][0]:
+                raise bad("logit_bias", _MOST_ITEMS["logit_bias"][1])
             for tok, value in self.logit_bias.items():
                 token_id("logit_bias", tok)
                 number(f"logit_bias[{tok}]", value, -100.0, 100.0)
@@ -198,14 +217,16 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
             stops = [self.stop] if isinstance(self.stop, str) else self.stop
             if not isinstance(stops, list):
                 raise bad("stop", f"must be a string or a list of strings, not {type(self.stop).__name__}")
-            if len(stops) > 16:
-                raise bad("stop", "at most 16 stop strings")
+            if len(stops) > _MOST_ITEMS["stop"][0]:
+                raise bad("stop", _MOST_ITEMS["stop"][1])
             for s in stops:
                 if not isinstance(s, str) or not s:
                     raise bad("stop", f"{s!r} must be a non-empty string")
         if self.stop_token_ids is not None:
             if not isinstance(self.stop_token_ids, list):
                 raise bad("stop_token_ids", f"must be a list of token ids, not {type(self.stop_token_ids).__name__}")
+            if len(self.stop_token_ids) > _MOST_ITEMS["stop_token_ids"][0]:
+                raise bad("stop_token_ids", _MOST_ITEMS["stop_token_ids"][1])
             for tok in self.stop_token_ids:
                 token_id("stop_token_ids", tok)
         flag("ignore_eos", self.ignore_eos)
@@ -216,13 +237,15 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
                 raise bad("json_schema", "must be a JSON Schema object, or True for any JSON value")
             if self.json_schema is False:
                 raise bad("json_schema", "False admits no output")
-            problem = schema_problem(self.json_schema)
-            if problem is not None:
-                raise bad("json_schema", problem)
-            try:
-                json.dumps(self.json_schema)
-            except (TypeError, ValueError, RecursionError) as exc:
-                raise bad("json_schema", f"is not JSON-serialisable: {exc}") from None
+            if self.json_schema is not getattr(_walked, "schema", None):  # normalized() walked it just now
+                problem = schema_problem(self.json_schema)
+                if problem is not None:
+                    raise bad("json_schema", problem)
+                try:
+                    json.dumps(self.json_schema)
+                except (TypeError, ValueError, RecursionError) as exc:
+                    raise bad("json_schema", f"is not JSON-serialisable: {exc}") from None
+            _walked.schema = None
 
     def normalized(self) -> SamplingParams:
         """These params with numpy scalars as Python values, a single `stop` string
@@ -230,10 +253,16 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
         changes: dict[str, Any] = {}
         for name in self.__struct_fields__:
             value = getattr(self, name)
-            if name == "json_schema":  # bounded before the recursive walk below
-                problem = schema_problem(value)
+            cap = _MOST_ITEMS.get(name)
+            if cap is not None and isinstance(value, (list, tuple, dict)) and len(value) > cap[0]:
+                raise InvalidSamplingParamsError(f"invalid sampling parameter {name}: {cap[1]}")  # before any walk
+            if name == "json_schema":  # bounded before the recursive walk below, walked once
+                problem, converts = _measure_schema(value)
                 if problem is not None:
                     raise InvalidSamplingParamsError(f"invalid sampling parameter json_schema: {problem}")
+                if not converts:  # a plain JSON schema is used as it is (no copy, no second walk)
+                    _walked.schema = value  # validate() right after need not walk it again
+                    continue
             try:
                 fixed = _plain(value)
             except RecursionError:  # any other field nested past Python's limit

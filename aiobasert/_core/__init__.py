@@ -2,7 +2,11 @@
 whose `_step` is one engine step: drain -> plan -> run -> apply -> deliver).
 
 - `protocol`: the messages between the event loop and the thread (requests, tickets, queries).
-- `intake`: the worker threads that tokenize prompts and compile grammars, off the engine thread.
+- `intake`: the worker threads that tokenize prompts and compile grammars, off the engine thread,
+  in lanes by cost.
+- `preparation`: what preparing a request may cost, measured and bounded before it is paid.
+- `grammar_cache`: compiled grammars by the digest of their source.
+- `lazy_numpy`: numpy imported on first use, never seen half imported.
 - `step`: one fused batch step (prepare -> forward -> collect) and the lanes it runs.
 - `output`: a sampled token becomes stream output (text, stops, finish).
 - `wakeup`: hands each step's output back to the loop that opened the engine.

@@ -17,9 +17,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Mapping, Sequence
-from typing import Any
-
-import numpy as np
+from typing import TYPE_CHECKING, Any
 
 from ..errors import InvalidRequestError
 from ..models._hf_tokenizer import hf_tokenizer_json
@@ -31,6 +29,9 @@ try:
     _HAVE_LLGUIDANCE = True
 except ImportError:  # pragma: no cover - a dependency; without it structured requests fail one by one
     _HAVE_LLGUIDANCE = False
+
+if TYPE_CHECKING:  # numpy arrays are what the engine thread passes in; a text-only process never imports it
+    import numpy as np
 
 __all__ = ["EngineGrammarConstraint", "GrammarBackend", "JsonSchemaConstraint"]
 
@@ -76,10 +77,14 @@ class JsonSchemaConstraint:
         set = allowed, ceil(vocab/32) words). Once the grammar is complete (or
         broken) only the end tokens remain allowed. Always True: a JSON grammar
         never allows every token. A mis-sized `out` is a caller bug: ValueError."""
-        if out.dtype != np.int32 or out.nbytes != self._mask_bytes or not out.flags.c_contiguous:
+        if out.dtype.name != "int32" or out.nbytes != self._mask_bytes or not out.flags.c_contiguous:
             raise ValueError(f"the token bitmask must be {self._mask_bytes // 4} contiguous int32 words")
         self._matcher.unsafe_compute_mask_ptr(out.ctypes.data, self._mask_bytes)
         return True
+
+    def copy(self) -> JsonSchemaConstraint:
+        """A fresh constraint with this one's grammar (llguidance's deep copy: no compile)."""
+        return JsonSchemaConstraint(self._matcher.deep_copy(), self._mask_bytes // 4)
 
     def accept(self, token: int) -> bool:
         """Advance by the sampled token; False if the grammar rejects it (or failed)."""
@@ -157,7 +162,7 @@ class GrammarBackend:
             # compact JSON unless the schema's "x-guidance" options say otherwise
             grammar = llguidance.LLMatcher.grammar_from_json_schema(text, defaults={"whitespace_flexible": False})
         except (TypeError, ValueError) as exc:
-            raise InvalidRequestError(f"invalid json_schema: {exc}") from None
+            raise InvalidRequestError(f"invalid json_schema: {_message(exc)}") from None
         return self._constraint(grammar, "invalid json_schema")
 
     def compile_lark(self, lark: str) -> JsonSchemaConstraint:
@@ -167,7 +172,7 @@ class GrammarBackend:
         try:
             grammar = llguidance.LLMatcher.grammar_from_lark(lark)
         except (TypeError, ValueError) as exc:
-            raise InvalidRequestError(f"invalid grammar: {exc}") from None
+            raise InvalidRequestError(f"invalid grammar: {_message(exc)}") from None
         return self._constraint(grammar, "invalid grammar")
 
     def _constraint(self, grammar: str, what: str) -> JsonSchemaConstraint:
@@ -175,11 +180,17 @@ class GrammarBackend:
         errors become `InvalidRequestError`s starting with `what`."""
         is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, self._tokenizer)
         if is_error:
-            raise InvalidRequestError(f"{what}: {'; '.join(messages)}")
+            raise InvalidRequestError(f"{what}: {_message('; '.join(messages))}")
         matcher = llguidance.LLMatcher(self._tokenizer, grammar, log_level=0)
         if matcher.is_error():
-            raise InvalidRequestError(f"{what}: {matcher.get_error()}")
+            raise InvalidRequestError(f"{what}: {_message(matcher.get_error())}")
         return JsonSchemaConstraint(matcher, self._mask_words)
+
+
+def _message(error: object) -> str:
+    """llguidance's message for a client: without the Rust backtrace a panic appends."""
+    text = str(error)
+    return text.split("\n<backtrace>", 1)[0][:2000]
 
 
 class EngineGrammarConstraint:
@@ -234,6 +245,13 @@ class EngineGrammarConstraint:
             return None
         return cls(lib, grammar, words)
 
+    def reset(self) -> bool:
+        """Back to the grammar's start, for another request (False: the engine cannot reset it)."""
+        if self._grammar is None or not self._lib.has("baseRT_grammar_reset"):
+            return False
+        self._lib.baseRT_grammar_reset(self._grammar)
+        return True
+
     def adopt(self, lib: Any) -> None:
         """Step (and free) through `lib` from now on: a grammar is built by an intake
         worker through its own library view, then handed to the engine thread."""
@@ -256,3 +274,4 @@ class EngineGrammarConstraint:
         if self._grammar is not None:
             self._lib.baseRT_grammar_free(self._grammar)
             self._grammar = None
+

@@ -9,13 +9,21 @@ own, so the engine's model handle stays single-owner) and its own `Library`
 view bound to it (the debug thread check then still proves the model handle
 is only entered by the engine thread).
 
-Two queues, so cheap work is never stuck behind a slow compile:
+Jobs go into three lanes by their cost (`preparation.lane_of`: characters of
+prompt text plus grammar source, measured before any work), so a cheap job
+never waits behind a costly one:
 
-* the tokenizer queue (one thread, FIFO): requests without a grammar,
-  embedding inputs and `Engine.encode`; requests reach the engine thread in
-  the order they were submitted;
-* the grammar queue (`GRAMMAR_WORKERS` threads): requests with a grammar are
-  tokenized and compiled there and join the engine's FIFO queue when ready.
+* quick (the tokenizer worker, FIFO): cheap requests without a grammar,
+  embedding inputs and `Engine.encode`; they reach the engine thread in the
+  order they were submitted;
+* cheap (grammar worker 0; worker 1 too when it has nothing costly): cheap
+  requests with a grammar, which join the engine's FIFO queue when ready;
+* costly (grammar worker 1): everything above `preparation.QUICK_COST`, text
+  or grammar, one at a time, FIFO.
+
+Tokenizing returns a ctypes array (`TokenIds`), filled by the C call with the
+GIL released, never a Python list: the engine thread feeds it to the engine
+as it is.
 
 A job's result (or its typed error) goes back through `done`; nothing a job
 raises ever reaches a worker thread's top (it would end the worker).
@@ -23,8 +31,9 @@ raises ever reaches a worker thread's top (it would end the worker).
 
 from __future__ import annotations
 
+import collections
+import ctypes
 import os
-import queue
 import threading
 from collections.abc import Callable, Sequence
 from ctypes import c_char_p, c_int, c_uint32
@@ -32,13 +41,21 @@ from typing import Any
 
 from ..errors import AioBaseRTError, InvalidRequestError
 from . import ffi as _ffi
+from .output import Detokenizer
+from .preparation import MAX_ENCODE_IDS, QUICK_COST, Lane, check_fits, lane_of
 from .protocol import Done
 from .step import internal_error
+
+TokenIds = ctypes.Array[c_uint32]
+"""Token ids as the engine takes them (a C uint32 array): what tokenizing returns."""
 
 STACK_BYTES = 256 * 1024 * 1024
 """Each grammar worker's stack: address space reserved, touched only as far as a compile
 recurses (a 1,024-`$ref` chain, `types.MAX_SCHEMA_REFS`, needs < 32 MiB; 4,000 fit in this)."""
 GRAMMAR_WORKERS = 2
+"""grammar-0 serves the cheap lane only, grammar-1 the costly lane first, then the cheap one."""
+
+_DECODE_SLICE = 16384  # ids joined per C call when decoding (each holds the GIL)
 
 _stack_lock = threading.Lock()  # threading.stack_size is process-wide: set, start, restore
 
@@ -46,10 +63,12 @@ _stack_lock = threading.Lock()  # threading.stack_size is process-wide: set, sta
 class Tokenizer:
     """A worker's own tokenizer handle; used on that worker thread only."""
 
-    def __init__(self, lib: _ffi.Library, handle: int, *, owned: bool) -> None:
+    def __init__(self, lib: _ffi.Library, handle: int, *, owned: bool, model_path: str = "") -> None:
         self.lib = lib
         self.handle = handle
         self._owned = owned
+        self.model_path = model_path
+        self.encoded = 0  # texts this handle tokenized (tests count them)
 
     @classmethod
     def load(cls, lib: _ffi.Library, model_path: str) -> Tokenizer:
@@ -61,21 +80,36 @@ class Tokenizer:
         handle = own.baseRT_load_tokenizer_only(os.fsencode(model_path))
         if not handle:
             raise own.last_error("baseRT_load_tokenizer_only")
-        return cls(own, handle, owned=True)
+        return cls(own, handle, owned=True, model_path=model_path)
 
     @classmethod
-    def borrow(cls, lib: _ffi.Library, handle: int) -> Tokenizer:
+    def borrow(cls, lib: _ffi.Library, handle: int, model_path: str = "") -> Tokenizer:
         """The engine's own model handle (engines without a tokenizer-only load): engine thread only."""
-        return cls(lib, handle, owned=False)
+        return cls(lib, handle, owned=False, model_path=model_path)
 
     def close(self) -> None:
         if self.handle and self._owned:
             self.lib.baseRT_free_model(self.handle)
         self.handle = 0
 
-    def encode_text(self, text: str, *, special: bool) -> list[int]:
+    def encode_list(self, text: str, *, special: bool) -> list[int]:
+        """The ids of `text` as a list (Engine.encode's answer), read straight from the C call's buffer."""
+        out, n = self._encode(text, special=special, limit=None)
+        if n > MAX_ENCODE_IDS:
+            raise InvalidRequestError(f"prompt: the text is {n} tokens, more than the limit of {MAX_ENCODE_IDS}")
+        ids: list[int] = out[:n]
+        return ids
+
+    def encode_text(self, text: str, *, special: bool, limit: int | None = None) -> TokenIds:
+        """The ids of `text`. With `limit` (the context window), a text that cannot encode to
+        `limit` tokens or fewer is refused before it is tokenized (preparation.check_fits)."""
+        return _exact(*self._encode(text, special=special, limit=limit))
+
+    def _encode(self, text: str, *, special: bool, limit: int | None) -> tuple[TokenIds, int]:
+        """The C call's buffer (one slot per byte of text, plus BOS) and how many ids it holds."""
         if not isinstance(text, str):
             raise InvalidRequestError(f"prompt must be str or a list of token ids, not {type(text).__name__}")
+        self._check_fits(len(text), limit)
         try:
             data = _ffi.c_str(text)
         except ValueError as exc:
@@ -83,12 +117,14 @@ class Tokenizer:
         cap = len(data) + 8  # byte-level BPE: at most one token per byte, plus BOS
         out = (c_uint32 * cap)()
         fn = "baseRT_encode" if special else "baseRT_encode_plain"
+        self.encoded += 1
         n = getattr(self.lib, fn)(self.handle, data, out, cap)
         if n < 0:
             raise self.lib.last_error(fn)
-        return list(out[:n])
+        return out, n
 
-    def encode_pieces(self, pieces: Sequence[tuple[str, bool]]) -> list[int]:
+    def encode_pieces(self, pieces: Sequence[tuple[str, bool]], *, limit: int | None = None) -> TokenIds:
+        self._check_fits(sum(len(t) for t, _ in pieces), limit)
         try:
             datas = [_ffi.c_str(t) for t, _ in pieces]
         except (ValueError, TypeError) as exc:
@@ -97,10 +133,36 @@ class Tokenizer:
         plain = (c_int * len(datas))(*(1 if content else 0 for _, content in pieces))
         cap = sum(len(d) for d in datas) + 8
         out = (c_uint32 * cap)()
+        self.encoded += 1
         n = self.lib.baseRT_encode_pieces(self.handle, texts, plain, len(datas), out, cap)
         if n < 0:
             raise self.lib.last_error("baseRT_encode_pieces")
-        return list(out[:n])
+        return _exact(out, n)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        """The text of checked ids, as the engine thread's Detokenizer makes it (invalid UTF-8
+        becomes U+FFFD): each distinct id is asked of the engine once."""
+        detok = Detokenizer(self.lib, self.handle)
+        table: dict[int, bytes] = {}
+        parts = []
+        for i in range(0, len(ids), _DECODE_SLICE):  # in slices: no single C call holds the GIL for long
+            part = ids[i : i + _DECODE_SLICE]
+            for t in set(part).difference(table):
+                table[t] = detok.token_bytes(t)
+            parts.append(b"".join(map(table.__getitem__, part)))
+        return b"".join(parts).decode("utf-8", "replace")
+
+    def _check_fits(self, chars: int, limit: int | None) -> None:
+        # A quick job is tokenized and counted exactly (a few ms); a costly one is measured first.
+        if limit is not None and chars > QUICK_COST:
+            check_fits(chars, limit, self.lib, self.handle, self.model_path)
+
+
+def _exact(out: TokenIds, n: int) -> TokenIds:
+    """The first n ids of `out` in an array of their own (a C copy: no Python ints are made)."""
+    ids = (c_uint32 * n)()
+    ctypes.memmove(ids, out, n * ctypes.sizeof(c_uint32))
+    return ids
 
 
 Job = Callable[[Tokenizer], Any]
@@ -121,13 +183,43 @@ def run_job(job: Job, tok: Tokenizer) -> tuple[Any, BaseException | None]:
 _load_lock = threading.Lock()
 
 
+class _Lanes:
+    """The jobs waiting for the workers of one engine, by lane (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._queues: dict[Lane, collections.deque[tuple[Job, Done]]] = {
+            "quick": collections.deque(), "cheap": collections.deque(), "costly": collections.deque(),
+        }
+        self._closed = False
+
+    def put(self, lane: Lane, job: Job, done: Done) -> None:
+        with self._cond:
+            self._queues[lane].append((job, done))
+            self._cond.notify_all()
+
+    def take(self, lanes: tuple[Lane, ...]) -> tuple[Job, Done] | None:
+        """The next job of the first of `lanes` that has one (waits); None once closed and they are empty."""
+        with self._cond:
+            while True:
+                for lane in lanes:
+                    if self._queues[lane]:
+                        return self._queues[lane].popleft()
+                if self._closed:
+                    return None
+                self._cond.wait()
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+
+
 class _Worker:
-    def __init__(
-        self, name: str, jobs: queue.SimpleQueue[tuple[Job, Done] | None], intake: Intake, stack: int
-    ) -> None:
-        self._jobs = jobs
+    def __init__(self, name: str, lanes: tuple[Lane, ...], intake: Intake, stack: int) -> None:
+        self._lanes = lanes
         self._intake = intake
-        self._tok: Tokenizer | None = None
+        self.tok: Tokenizer | None = None
         self.loaded = threading.Event()  # set once the first load was tried
         with _stack_lock:
             old = threading.stack_size(stack)
@@ -144,23 +236,23 @@ class _Worker:
     def _main(self) -> None:
         try:
             try:  # at once, not at the first job: see Intake.wait_loaded
-                self._tok = self._load()
+                self.tok = self._load()
             except Exception:  # the first job tries again and reports why
                 pass
             finally:
                 self.loaded.set()
-            while (item := self._jobs.get()) is not None:
+            while (item := self._intake.jobs.take(self._lanes)) is not None:
                 job, done = item
-                if self._tok is None:
+                if self.tok is None:
                     try:
-                        self._tok = self._load()
+                        self.tok = self._load()
                     except Exception as exc:  # tried again by the next job
                         done(None, exc if isinstance(exc, AioBaseRTError) else internal_error("loading", exc))
                         continue
-                done(*run_job(job, self._tok))
+                done(*run_job(job, self.tok))
         finally:
-            if self._tok is not None:
-                self._tok.close()
+            if self.tok is not None:
+                self.tok.close()
 
 
 class Intake:
@@ -169,12 +261,12 @@ class Intake:
     def __init__(self, lib: _ffi.Library, model_path: str) -> None:
         self.lib = lib
         self.model_path = model_path
-        self._light: queue.SimpleQueue[tuple[Job, Done] | None] = queue.SimpleQueue()
-        self._heavy: queue.SimpleQueue[tuple[Job, Done] | None] = queue.SimpleQueue()
+        self.jobs = _Lanes()
         # Tokenizing does not recurse: the platform's default stack (0) does.
-        self._workers = [_Worker("aiobasert-tokenize", self._light, self, 0)]
-        self._workers += [
-            _Worker(f"aiobasert-grammar-{i}", self._heavy, self, STACK_BYTES) for i in range(GRAMMAR_WORKERS)
+        self._workers = [
+            _Worker("aiobasert-tokenize", ("quick",), self, 0),
+            _Worker("aiobasert-grammar-0", ("cheap",), self, STACK_BYTES),
+            _Worker("aiobasert-grammar-1", ("costly", "cheap"), self, STACK_BYTES),
         ]
 
     def wait_loaded(self) -> None:
@@ -184,12 +276,15 @@ class Intake:
         for w in self._workers:
             w.loaded.wait()
 
-    def submit(self, job: Job, done: Done, *, grammar: bool) -> None:
-        """Run job(tokenizer) on a worker; done(result, error) is called on that worker."""
-        (self._heavy if grammar else self._light).put((job, done))
+    def texts_encoded(self) -> int:
+        """Texts the workers have tokenized so far (a count the tests read)."""
+        return sum(w.tok.encoded for w in self._workers if w.tok is not None)
+
+    def submit(self, job: Job, done: Done, *, grammar: bool, cost: int) -> None:
+        """Run job(tokenizer) on a worker of the lane for `cost` (characters of text plus grammar
+        source: preparation.lane_of); done(result, error) is called on that worker."""
+        self.jobs.put(lane_of(cost, grammar=grammar), job, done)
 
     def close(self) -> None:
-        """Let the workers finish their queues and exit (they free their handles)."""
-        self._light.put(None)
-        for _ in range(GRAMMAR_WORKERS):
-            self._heavy.put(None)
+        """Let the workers finish their lanes and exit (they free their handles)."""
+        self.jobs.close()

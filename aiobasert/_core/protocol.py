@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 from ..types import FinishReason, KVCacheDtype, SamplingParams, Timing, Token, Usage
+from .preparation import NO_COST, Measure
 
 if TYPE_CHECKING:
     import numpy as np
@@ -71,6 +72,9 @@ class RequestSpec:
     client: str | None = None
     """Whose request it is, for fair admission (`aiobasert.client_scope`); None: its own."""
     submitted_at: float = field(default_factory=time.monotonic)
+    cost: Measure = NO_COST
+    """What its preparation may cost (characters of text and grammar source, the grammar's cache
+    key), measured by the caller before any work: which intake lane prepares it."""
 
 
 class Ticket:

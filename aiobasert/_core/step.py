@@ -70,7 +70,7 @@ class Lane:
         spec: RequestSpec,
         sink: Sink,
         ticket: Ticket,
-        prompt: list[int],
+        prompt: Sequence[int],
         max_new: int,
         constraint: Constraint | None = None,
     ) -> None:
@@ -78,8 +78,10 @@ class Lane:
         self.constraint = constraint
         self.sink = sink
         self.ticket = ticket
-        self.prompt = prompt
-        self.prompt_arr = _ffi.u32_array(prompt)
+        # tokenized prompts come as C arrays (intake.TokenIds) and are fed as they are
+        arr: ctypes.Array[c_uint32] = prompt if isinstance(prompt, ctypes.Array) else _ffi.u32_array(prompt)
+        self.prompt_arr = arr
+        self.prompt: Sequence[int] = arr  # type: ignore[assignment]  # a uint32 array reads as ints
         self.state = LaneState(rid=spec.rid, prompt_len=len(prompt), max_new_tokens=max_new, client=spec.client)
         p = spec.params
         self.seed = p.seed if p.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
@@ -133,26 +135,44 @@ class Lane:
             return []
         tail = self.generated[-window:]
         if len(tail) < window:
-            tail = self.prompt[-(window - len(tail)) :] + tail
+            tail = list(self.prompt[-(window - len(tail)) :]) + tail
         return tail
-
-    def fed(self) -> list[int]:
-        """What it prefills: the prompt, and a preempted lane's output so far (`LaneState.replay`)."""
-        replay = self.state.replay
-        return self.prompt + self.generated[:replay] if replay else self.prompt
 
     def next_input(self, k: int) -> list[int]:
         """The k tokens this lane feeds next: a prompt chunk, or its last sampled token."""
         st = self.state
         if st.prefilling:
-            return self.fed()[st.prefilled : st.prefilled + k]
+            return self._fed(st.prefilled, st.prefilled + k)
         return self.generated[-1:]
 
-    def kv_tokens(self) -> list[int]:
-        """The tokens whose KV the sequence holds (the last sampled one is not fed yet)."""
-        if self.state.prefilling:
-            return self.fed()[: self.state.prefilled]
-        return self.prompt + self.generated[:-1]
+    def _fed(self, start: int, end: int) -> list[int]:
+        """Tokens [start, end) of what it prefills: the prompt, then a preempted lane's output so
+        far (`LaneState.replay`), without concatenating the whole prompt."""
+        n = len(self.prompt)
+        head = list(self.prompt[start:min(end, n)]) if start < n else []
+        if end > n:
+            head += self.generated[max(start, n) - n : min(end - n, self.state.replay)]
+        return head
+
+    def kv_tokens(self) -> ctypes.Array[ctypes.c_uint32]:
+        """The tokens whose KV the sequence holds (the last sampled one is not fed yet), as a C
+        array copied from the prompt's (no request-sized Python list)."""
+        st, n = self.state, len(self.prompt)
+        held = st.prefilled if st.prefilling else n + max(len(self.generated) - 1, 0)
+        p = min(held, n)
+        return self._prompt_then(p, self.generated[: held - p])
+
+    def fed_array(self) -> ctypes.Array[ctypes.c_uint32]:
+        """All it prefills, as a C array: the prompt, then a preempted lane's replayed output."""
+        if not self.state.replay:
+            return self.prompt_arr
+        return self._prompt_then(len(self.prompt), self.generated[: self.state.replay])
+
+    def _prompt_then(self, p: int, out: list[int]) -> ctypes.Array[ctypes.c_uint32]:
+        arr = (ctypes.c_uint32 * (p + len(out)))()
+        ctypes.memmove(arr, self.prompt_arr, p * ctypes.sizeof(ctypes.c_uint32))
+        arr[p:] = out  # type: ignore[assignment]  # ctypes takes ints for c_uint32 slots
+        return arr
 
 
 class TapPooler:
@@ -197,7 +217,7 @@ class EmbedLane:
 
     host = False  # it samples nothing, so it never needs a host logits row
 
-    def __init__(self, rid: str, ids: list[int], dim: int, done: Any, client: str | None = None) -> None:
+    def __init__(self, rid: str, ids: Sequence[int], dim: int, done: Any, client: str | None = None) -> None:
         import numpy as np
 
         self.rid = rid
@@ -210,7 +230,7 @@ class EmbedLane:
 
     def next_input(self, k: int) -> list[int]:
         """The next chunk of the input to pool."""
-        return self.ids[self.state.prefilled : self.state.prefilled + k]
+        return list(self.ids[self.state.prefilled : self.state.prefilled + k])
 
     def add(self, part: np.ndarray) -> None:
         """Pool one chunk's rows (engine thread). An f16 tap overflows where the

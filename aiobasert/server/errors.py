@@ -88,7 +88,7 @@ def api_error(exc: BaseException, *, log: bool = True) -> APIError:
         schema = _schema_error(str(exc))
         if schema is not None:
             return schema
-        match = _SAMPLING_FIELD.match(str(exc))
+        match = _SAMPLING_FIELD.match(str(exc)) or _FIELD_FIRST.match(str(exc))
         return APIError(400, str(exc), param=match.group(1) if match else None)
     if isinstance(exc, EngineOverloadedError):
         return APIError(503, str(exc), type="server_error", code="engine_overloaded", headers={"Retry-After": "1"})
@@ -158,5 +158,6 @@ def error_param(message: str) -> str | None:
 
 
 _SAMPLING_FIELD = re.compile(r"invalid sampling parameter (\w+)")
+_FIELD_FIRST = re.compile(r"^(prompt): ")  # the SDK names the prompt first ("prompt: the text is N tokens ...")
 _GRAMMAR_AT = re.compile(r"at (\d+)\(\d+\): failed to compile JSON schema: ([^\n]*)")
 _UNKNOWN = re.compile(r"Object contains unknown field `([^`]*)`$")

@@ -53,7 +53,8 @@ LANES = 8
 SCHEMA = {"type": "object", "properties": {"n": {"type": "integer"}, "ok": {"type": "boolean"}},
           "required": ["n", "ok"]}  # fmt: skip
 HOSTILE_KINDS = ("never_read", "cancel_other_task", "aclose_midflight", "chat_break", "wrong_types",
-                 "huge_input", "ref_chain", "deep_schema", "big_enum", "long_fan_out", "long_eight")  # fmt: skip
+                 "huge_input", "ref_chain", "deep_schema", "big_enum", "long_fan_out", "long_eight",
+                 "costly_schema", "huge_decode", "field_flood")  # fmt: skip
 LONG = 400
 """Tokens of each long holder's generation."""
 
@@ -339,10 +340,42 @@ async def _long_eight(h: Hostile, rng: random.Random) -> None:
                                             ignore_eos=True, temperature=0.9))  # fmt: skip
 
 
+async def _costly_schema(h: Hostile, rng: random.Random) -> None:
+    """Issue 26 #3: a distinct ~110 KB schema (the costly intake lane), sent twice (the second from the
+    compiled-grammar cache)."""
+    tag = rng.randrange(1 << 30)
+    props = {f"f{tag}_{i}": {"type": "integer"} for i in range(4000)}
+    schema = {"type": "object", "properties": props, "required": list(props)[:2]}
+    async with h.group.lease(rng.choice(h.models)) as engine:
+        for _ in range(2):
+            await _refused(h, "a 110 KB json_schema",
+                           lambda: engine.generate("json", max_tokens=8, json_schema=schema), or_served=True)
+
+
+async def _huge_decode(h: Hostile, rng: random.Random) -> None:
+    """Issue 26 #5: decode (POST /detokenize) of 300,000 ids (a tokenizer worker's costly lane) and of
+    more than MAX_DECODE_IDS (refused by count)."""
+    from aiobasert._core.preparation import MAX_DECODE_IDS
+
+    async with h.group.lease(rng.choice(h.models)) as engine:
+        await _refused(h, "decode of 300,000 ids", lambda: engine.decode([5, 6, 7] * 100_000), or_served=True)
+        await _refused(h, "decode past MAX_DECODE_IDS", lambda: engine.decode([5] * (MAX_DECODE_IDS + 1)))
+
+
+async def _field_flood(h: Hostile, rng: random.Random) -> None:
+    """Request fields sized past their caps, counted before they are walked; ids past the context."""
+    async with h.group.lease(rng.choice(h.models)) as engine:
+        await _refused(h, "200,000 stop_token_ids", lambda: engine.generate("x", stop_token_ids=[5] * 200_000))
+        await _refused(h, "a 200,000-entry logit_bias",
+                       lambda: engine.generate("x", logit_bias={i: 1.0 for i in range(200_000)}))
+        await _refused(h, "an embedding of 200,000 ids", lambda: engine.embed([5] * 200_000))
+
+
 _HOSTILE: dict[str, Callable[[Hostile, random.Random], Awaitable[None]]] = {
     "never_read": _never_read, "cancel_other_task": _cancel_other_task, "aclose_midflight": _aclose_midflight,
     "chat_break": _chat_break, "wrong_types": _wrong_types, "huge_input": _huge_input, "ref_chain": _ref_chain_caller,
     "deep_schema": _deep_schema, "big_enum": _big_enum, "long_fan_out": _long_fan_out, "long_eight": _long_eight,
+    "costly_schema": _costly_schema, "huge_decode": _huge_decode, "field_flood": _field_flood,
 }  # fmt: skip
 # Enough never-read streams to take every lane of both models.
 _COUNTS = {"never_read": (2 * LANES, 2 * LANES + 2), "cancel_other_task": (4, 8), "aclose_midflight": (3, 6),
