@@ -1,4 +1,4 @@
-"""tests/conftest.py's llama-cpp-python sdist fetch (llama.cpp's vocab and template files): the sdist file
+"""tests/llama_cpp_files.py's llama-cpp-python sdist fetch (llama.cpp's vocab and template files): the sdist file
 alone, read off pip's index page and checked against its sha256, nothing built; a fetch that fails, is
 damaged or is too slow SKIPS the tests that need it, with the reason, instead of erroring. Offline: a
 local PEP 503 index (file:// URLs, as pip takes them) stands in for PyPI."""
@@ -10,10 +10,10 @@ import io
 import tarfile
 from pathlib import Path
 
-import conftest
+import llama_cpp_files
 import pytest
 
-VERSION = conftest.LLAMA_CPP_PYTHON_VERSION
+VERSION = llama_cpp_files.LLAMA_CPP_PYTHON_VERSION
 ROOT = f"llama_cpp_python-{VERSION}/vendor/llama.cpp"
 
 
@@ -59,9 +59,9 @@ GOOD = {
 def test_fetches_the_sdist_file_and_keeps_only_the_test_files(tmp_path: Path, isolated: Path,
                                                               monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
     monkeypatch.setenv("PIP_INDEX_URL", _index(tmp_path, _sdist(GOOD)))
-    vocab = conftest._from_llama_cpp_sdist("vocab")
+    vocab = llama_cpp_files.from_llama_cpp_sdist("vocab")
     assert sorted(p.name for p in vocab.iterdir()) == ["ggml-vocab-llama-spm.gguf", "ggml-vocab-llama-spm.gguf.out"]
-    templates = conftest._from_llama_cpp_sdist("templates")
+    templates = llama_cpp_files.from_llama_cpp_sdist("templates")
     assert (templates / "meta-llama-Llama-3.1-8B-Instruct.jinja").read_bytes() == b"{{ messages }}"
     assert not list(isolated.glob("*.tar.gz")) and not list(isolated.glob("tmp*"))
 
@@ -81,11 +81,11 @@ def test_a_fetch_that_cannot_finish_skips_with_the_reason(tmp_path: Path, isolat
         reason = "the index says " + "0" * 64
     else:  # the deadline passes during the download (here: before its first chunk is written)
         url = _index(tmp_path, _sdist(GOOD))
-        monkeypatch.setattr(conftest, "_SDIST_FETCH_S", -1.0)
+        monkeypatch.setattr(llama_cpp_files, "_SDIST_FETCH_S", -1.0)
         reason = "not fetched in -1 s"
     monkeypatch.setenv("PIP_INDEX_URL", url)
     with pytest.raises(pytest.skip.Exception) as skipped:
-        conftest._from_llama_cpp_sdist("vocab")
+        llama_cpp_files.from_llama_cpp_sdist("vocab")
     assert f"cannot fetch the llama-cpp-python {VERSION} sdist (llama.cpp's vocab files)" in str(skipped.value)
     assert reason in str(skipped.value), str(skipped.value)
     assert not list(isolated.glob("llama.cpp-*")) and not list(isolated.glob("tmp*"))
