@@ -374,11 +374,15 @@ async def test_an_engine_dropped_without_aclose_is_reclaimed(tiny_model_path: Pa
     assert thread.models_freed == 1
 
 
-async def test_a_refused_structured_request_frees_its_grammar(untied_model_path: Path) -> None:
+async def test_a_refused_structured_request_frees_its_grammar(long_untied_model_path: Path) -> None:
     schema = {"type": "object"}
-    async with Engine.open(untied_model_path, max_batch_size=1, max_queue=1, max_buffered_tokens=2) as engine:
+    async with Engine.open(long_untied_model_path, max_batch_size=1, max_queue=1, max_context=8192) as engine:
         with client_scope("one client"):  # served FIFO: the waiting request does not take the blocker's lane
-            blocker = await occupy(engine)
+            # 8,000 tokens: the lane stays held while the waiting request's grammar is built (the host backend's
+            # first build can take a second on a loaded machine) and the refusals are tried; closed below
+            blocker = engine.stream("blocker", max_tokens=8000, ignore_eos=True)
+            with anyio.fail_after(BOUND):
+                await blocker.__anext__()
             waiting = engine.stream("waits for the lane", max_tokens=3, json_schema=schema)
         waiting.submit()
         with anyio.fail_after(BOUND):
