@@ -1077,10 +1077,15 @@ class EngineThread:
         to resume from prompt + output."""
         lane = self.requests.of(state)
         assert isinstance(lane, Lane)  # the batcher never preempts an embedding
+        self._free_sequence(lane, keep_kv=True)
+
+    def _free_sequence(self, lane: Lane, *, keep_kv: bool) -> None:
+        """Free a lane's engine sequence and its prefix-cache lock. `keep_kv`: its KV goes to the
+        prefix cache where the batcher publishes it (else it is rolled back first)."""
         lib, model = self.lib, self._model
         if lane.seq is not None:
-            kv = lane.kv_tokens()
-            if self.batcher.should_publish_prefix(state, len(kv)):
+            kv = lane.kv_tokens() if keep_kv else None  # a C array: no request-sized Python list here
+            if kv is not None and self.batcher.should_publish_prefix(lane.state, len(kv)):
                 lib.baseRT_prefix_insert(model, kv, len(kv), lane.seq)  # best effort
             else:
                 lib.baseRT_sequence_rollback(lane.seq, 0)
@@ -1113,20 +1118,9 @@ class EngineThread:
 
     def _release(self, lane: Lane) -> None:
         """Return everything a lane holds in the engine, then forget the lane."""
-        lib, model, st = self.lib, self._model, lane.state
-        if lane.seq is not None:
-            if lane.final is not None and lane.final.finish_reason in ("stop", "length"):
-                kv = lane.kv_tokens()  # a C array: no request-sized Python list on this thread
-                if self.batcher.should_publish_prefix(st, len(kv)):
-                    lib.baseRT_prefix_insert(model, kv, len(kv), lane.seq)  # best effort
-            else:  # cancelled, aborted or failed: drop its KV before freeing
-                lib.baseRT_sequence_rollback(lane.seq, 0)
-            lib.baseRT_sequence_free(lane.seq)
-            lane.seq = None
-            self.live_sequences -= 1
-        if lane.prefix_handle:
-            lib.baseRT_prefix_unlock(model, lane.prefix_handle)
-            lane.prefix_handle = 0
+        st = lane.state
+        # a cancelled, aborted or failed lane's KV is dropped; a finished one's may serve a later prompt
+        self._free_sequence(lane, keep_kv=lane.final is not None and lane.final.finish_reason in ("stop", "length"))
         if lane.constraint is not None:
             constraint, lane.constraint = lane.constraint, None
             self._close_constraint(constraint, lane.spec.cost.grammar_key)

@@ -378,13 +378,7 @@ class Service:
 
         async def run() -> list[tuple[TokenStream, list[Token]]]:
             nonlocal cached
-            streams: list[TokenStream] = []
-            with places or contextlib.nullcontext():  # places not used (a failed prefill) go back
-                for start in starts:
-                    if n > 1:
-                        cached += await prefill_once(served.engine, start, params, places)
-                    streams += [start(sample_params(params, i)) for i in range(n)]
-                _submit(places, streams)
+            streams, cached = await self._start_samples(served, starts, params, n, places)
 
             def one(stream: TokenStream) -> Callable[[], Awaitable[tuple[TokenStream, list[Token]]]]:
                 async def go() -> tuple[TokenStream, list[Token]]:
