@@ -63,7 +63,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import msgspec
 
-from .chat import _as_message, check_message_count, render_with_sentinels, sentinel
+from .chat import _as_message, check_message_count, encodable_content, render_with_sentinels, sentinel
 from .errors import InvalidRequestError, StreamBusyError, WrongEventLoopError
 from .types import ChatMessage, FinishReason, Timing, Token, Usage
 
@@ -416,6 +416,13 @@ def _message_fields(m: Any, i: int) -> dict[str, Any]:
     for key in ("tool_call_id", "name"):
         if m.get(key) is not None:
             out[key] = str(m[key])
+    if out["role"] == "assistant" and isinstance(out["content"], str):  # the model's words fed back
+        out["content"] = encodable_content("assistant", out["content"], i)
+        if "tool_calls" in out:
+            out["tool_calls"] = [
+                msgspec.structs.replace(c, arguments=encodable_content("assistant", c.arguments, i))
+                for c in out["tool_calls"]
+            ]
     return out
 
 

@@ -212,6 +212,13 @@ async def test_context_overflow_and_bad_input_raise_in_caller(tiny_model_path: P
             await engine.generate("")
         with pytest.raises(InvalidRequestError):
             await engine.generate("nul \x00 byte")
+        with pytest.raises(InvalidRequestError, match="message 0 contains a NUL"):
+            engine.chat([{"role": "user", "content": "nul \x00"}])
+    async with Engine.open(tiny_model_path) as engine:
+        # the model's own output fed back (it may have sampled a NUL byte token): U+FFFD in the prompt
+        fed_back = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b\x00"},
+                    {"role": "user", "content": "c"}]
+        assert (await engine.chat(fed_back, max_tokens=1)).token_ids
         for bad in (dict(temperature=-1.0), dict(top_p=0.0), dict(top_p=1.5), dict(top_k=-2),
                     dict(max_tokens=0), dict(min_p=2.0), dict(temperature=float("nan")),
                     dict(logit_bias={10**9: 1.0}), dict(stop=[""]), dict(top_logprobs=99),
