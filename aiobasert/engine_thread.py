@@ -289,8 +289,6 @@ class EngineThread:
 
             template = default_template(self._special_tokens(handle))
         self.chat_template = template
-        self.bos_token = self._static_str("baseRT_bos_token")
-        self.eos_token = self._static_str("baseRT_eos_token")
         self.tokenizer = Tokenizer.borrow(lib, handle, cfg.model_path)  # the model handle's own, for this thread only
         if inline_tokenizer:  # an engine without a separate tokenizer handle: prepared here, between steps
             self._inline_tok = self.tokenizer
@@ -310,6 +308,8 @@ class EngineThread:
             capabilities=caps,
             prefill_chunk=self.prefill_budget,
             kv_cache_dtype=self._kv_cache_dtype(handle),
+            bos_token=self._static_str("baseRT_bos_token"),
+            eos_token=self._static_str("baseRT_eos_token"),
         )
 
     def _kv_bits(self, dtype: str) -> int:

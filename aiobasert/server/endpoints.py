@@ -19,7 +19,7 @@ from ..errors import InvalidRequestError
 from ..fanout import MAX_N, prefill_once, sample_params
 from ..streams import TokenStream
 from ..tools import ChatDelta as ChatDeltaSDK
-from ..tools import ChatStream, ChatTurn, TextDelta, Tool, ToolCall, ToolCallDelta, prepare_chat_turn
+from ..tools import ChatStream, ChatTurn, TextDelta, Tool, ToolCall, ToolCallDelta
 from ..types import SamplingParams, Token, Usage
 from .compat import check_refused
 from .errors import APIError, api_error
@@ -531,8 +531,8 @@ class Service:
 
         def prepare() -> ChatTurn:
             # request-sized (every message and tool): in a worker, never on the event loop
-            return prepare_chat_turn(
-                engine, chat_messages(req.messages), tools=tools or None, tool_choice=choice, parallel=parallel
+            return engine._chat_turn(
+                chat_messages(req.messages), tools=tools or None, tool_choice=choice, parallel=parallel
             )
 
         try:
@@ -547,7 +547,7 @@ class Service:
 
         def start(p: SamplingParams) -> TokenStream:
             try:
-                chat = turn.stream(engine, p)
+                chat = engine._stream_turn(turn, p)
             except InvalidRequestError as exc:
                 raise _chat_error(exc) from None
             chats.append(chat)

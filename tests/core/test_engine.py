@@ -294,7 +294,7 @@ async def test_a_gguf_without_a_template_chats_in_its_familys_format(
     async with Engine.open(path) as engine:
         assert engine.chat_template == template
         pieces = render_chat(engine.chat_template, [{"role": "user", "content": "hi"}],
-                             bos_token=engine._thread.bos_token)
+                             bos_token=engine.info.bos_token)
         assert turn in "".join(text for text, _ in pieces)
         first = markers[0] if markers else "<|im_start|>"
         (marker_id,) = await engine.encode(first, special=True)  # the turn marker is one token
