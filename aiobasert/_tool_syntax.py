@@ -1,6 +1,7 @@
 """The call text both tool-call modules write and scan (aiobasert.tools: Hermes' grammar and
-parser; aiobasert.tool_formats: every format's): Hermes' call framing, a Lark string literal, the
-incremental JSON extent scanner, and call ids.
+parser; aiobasert.tool_formats: every format's): Hermes' call framing, the Lark grammar of a turn
+of calls (each format gives its call's head, tail and separator), the incremental JSON extent
+scanner, and call ids.
 
 Private, and below both: it imports neither, so each imports it without a circle.
 """
@@ -10,6 +11,8 @@ from __future__ import annotations
 import itertools
 import json
 import os
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
 
 # Hermes' call: <tool_call>\n{"name": "f", "arguments": {...}}\n</tool_call>, several separated by CALL_SEP
 CALL_OPEN = "<tool_call>\n"
@@ -28,6 +31,45 @@ def hermes_call(name: str, arguments: str) -> str:
 def lark_str(text: str) -> str:
     """`text` as a Lark string literal."""
     return json.dumps(text)
+
+
+class CallableTool(Protocol):
+    """What a grammar needs of a tool (aiobasert.tools.Tool)."""
+
+    @property
+    def name(self) -> str: ...
+
+    def arguments_schema(self) -> dict[str, Any]: ...
+
+
+def turn_grammar(
+    tools: Sequence[CallableTool],
+    choice: str,
+    *,
+    parallel: bool,
+    text: str,
+    head: Callable[[str], str],
+    tail: str,
+    separator: str,
+) -> str | None:
+    """The Lark grammar (llguidance dialect) of an assistant turn under `choice`, in a format
+    whose call is `head(name)`, the arguments under the tool's schema, then `tail`, several
+    separated by `separator`; `text` is the rule TEXT (what may stand where no call does).
+    "auto": TEXT or calls; "required" / a tool's name: calls (of that tool); "none": TEXT;
+    `parallel=False`: one call. None without tools (nothing to constrain)."""
+    if not tools:
+        return None
+    if choice == "none":
+        return f"start: TEXT\n{text}\n"
+    # rules are numbered by the tool's place in `tools`, so a schema error's rule names it
+    allowed = [(i, t) for i, t in enumerate(tools) if choice in ("auto", "required") or t.name == choice]
+    lines = [f"start: TEXT | calls\n{text}" if choice == "auto" else "start: calls"]
+    lines.append("calls: call" + (f" ({lark_str(separator)} call)*" if parallel else ""))
+    lines.append("call: " + " | ".join(f"call_{i}" for i, _ in allowed))
+    for i, tool in allowed:
+        lines.append(f"call_{i}: {lark_str(head(tool.name))} args_{i} {lark_str(tail)}")
+        lines.append(f"args_{i}: %json {json.dumps(tool.arguments_schema())}")
+    return "\n".join(lines) + "\n"
 
 
 _call_ids = itertools.count(1)

@@ -29,7 +29,7 @@ from collections.abc import Sequence
 from functools import lru_cache
 from typing import Any, Final
 
-from ._tool_syntax import CALL_SEP, JsonExtent, hermes_call, lark_str, new_call_id
+from ._tool_syntax import CALL_SEP, JsonExtent, hermes_call, new_call_id, turn_grammar
 from .tools import (
     CallParser,
     ChatDelta,
@@ -103,21 +103,12 @@ class Llama3JsonFormat(ToolFormat):
     trigger = "{"
 
     def grammar(self, tools: Sequence[Tool], choice: str, *, parallel: bool = True) -> str | None:
-        if not tools:
-            return None
         # whitespace then "{" opens a call (as the parser reads it), also after "<|python_tag|>" (which
         # ordinary tokens can spell): text never does
         text = r"TEXT: /(?s:.+)/ & ~/(?s:[ \t\r\n]*(<\|python_tag\|>[ \t\r\n]*)?\{.*)/"
-        if choice == "none":
-            return f"start: TEXT\n{text}\n"
-        allowed = [(i, t) for i, t in enumerate(tools) if choice in ("auto", "required") or t.name == choice]
-        lines = [f"start: TEXT | calls\n{text}" if choice == "auto" else "start: calls"]
-        lines.append("calls: call" + (f" ({lark_str(_LLAMA_SEP)} call)*" if parallel else ""))
-        lines.append("call: " + " | ".join(f"call_{i}" for i, _ in allowed))
-        for i, tool in allowed:
-            lines.append(f"call_{i}: {lark_str(_llama_head(tool.name))} args_{i} {lark_str('}')}")
-            lines.append(f"args_{i}: %json {json.dumps(tool.arguments_schema())}")
-        return "\n".join(lines) + "\n"
+        return turn_grammar(
+            tools, choice, parallel=parallel, text=text, head=_llama_head, tail="}", separator=_LLAMA_SEP
+        )
 
     def structural_tag(self, tools: Sequence[Tool], choice: str, *, parallel: bool = True) -> dict[str, Any] | None:
         if not tools or choice in ("auto", "none"):

@@ -70,8 +70,8 @@ from ._tool_syntax import (
     CALL_SEP,
     NAME_OPEN,
     JsonExtent,
-    lark_str,
     new_call_id,
+    turn_grammar,
 )
 from .chat import _as_message, check_message_count, encodable_content, render_with_sentinels, sentinel
 from .errors import InvalidRequestError, StreamBusyError, WrongEventLoopError
@@ -377,23 +377,10 @@ def closed_objects(schema: Any, *, partial: bool = False) -> Any:
 def tool_grammar(tools: Sequence[Tool], choice: str, *, parallel: bool = True) -> str | None:
     """The Lark grammar (llguidance dialect) of an assistant turn under `choice`;
     None when nothing needs constraining (no tools)."""
-    if not tools:
-        return None
-    text = r"TEXT: /(?s:.+)/ & ~/(?s:.*<tool_call>.*)/"
-    if choice == "none":
-        return f"start: TEXT\n{text}\n"
-    # rules are numbered by the tool's place in `tools`, so a schema error's rule names it
-    allowed = [(i, t) for i, t in enumerate(tools) if choice in ("auto", "required") or t.name == choice]
-    lines = []
-    calls = "call" if not parallel else f"call ({lark_str(CALL_SEP)} call)*"
-    lines.append(f"start: TEXT | calls\n{text}" if choice == "auto" else "start: calls")
-    lines.append(f"calls: {calls}")
-    lines.append("call: " + " | ".join(f"call_{i}" for i, _ in allowed))
-    for i, tool in allowed:
-        head = CALL_OPEN + NAME_OPEN + tool.name + ARGS_OPEN
-        lines.append(f"call_{i}: {lark_str(head)} args_{i} {lark_str(CALL_END)}")
-        lines.append(f"args_{i}: %json {json.dumps(tool.arguments_schema())}")
-    return "\n".join(lines) + "\n"
+    return turn_grammar(
+        tools, choice, parallel=parallel, text=r"TEXT: /(?s:.+)/ & ~/(?s:.*<tool_call>.*)/",
+        head=lambda name: CALL_OPEN + NAME_OPEN + name + ARGS_OPEN, tail=CALL_END, separator=CALL_SEP,
+    )
 
 
 def tool_structural_tag(tools: Sequence[Tool], choice: str, *, parallel: bool = True) -> dict[str, Any] | None:
@@ -716,7 +703,7 @@ class ToolCallParser:
         self._args = []
 
 
-class ChatTurn:
+class ChatTurn(msgspec.Struct, frozen=True, kw_only=True):
     """A chat turn rendered and constrained once (`prepare_chat_turn`), to be streamed
     any number of times (`Engine._stream_turn`: one per choice of an n > 1 request).
 
@@ -724,18 +711,17 @@ class ChatTurn:
     grammar's text); it reads only the model's immutable template, tokens and call format,
     so a server runs it in a worker thread, where it delays only its own request."""
 
-    __slots__ = ("forced", "lark", "parse_calls", "pieces", "structural_tag", "tool_format")
-
-    def __init__(
-        self, pieces: list[tuple[str, bool]], *, lark: str | None, structural_tag: str | None,
-        parse_calls: bool, forced: bool, tool_format: ToolFormat,
-    ) -> None:
-        self.pieces = pieces
-        self.lark = lark
-        self.structural_tag = structural_tag
-        self.parse_calls = parse_calls
-        self.forced = forced
-        self.tool_format = tool_format
+    pieces: list[tuple[str, bool]]
+    """The rendered prompt: (text, is_content) pieces, as `baseRT_encode_pieces` takes them."""
+    lark: str | None
+    """The turn's Lark grammar (llguidance); None without tools."""
+    structural_tag: str | None
+    """The same contract as an xgrammar structural tag (JSON text), where one can say it."""
+    parse_calls: bool
+    """Whether the output may hold calls (tools, and `tool_choice` not "none")."""
+    forced: bool
+    """Only calls may be generated ("required" or a named function)."""
+    tool_format: ToolFormat
 
 
 def check_tools(tools: Sequence[Tool | Mapping[str, Any]] | None) -> None:
@@ -796,7 +782,7 @@ def prepare_chat_turn(
         eos_token=eos_token,
     )
     return ChatTurn(
-        pieces, lark=lark, structural_tag=json.dumps(tag) if tag is not None else None,
+        pieces=pieces, lark=lark, structural_tag=json.dumps(tag) if tag is not None else None,
         parse_calls=choice != "none" and bool(parsed), forced=forced, tool_format=fmt,
     )
 
