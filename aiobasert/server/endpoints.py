@@ -10,6 +10,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
+from typing import Generic, TypeVar
 
 import msgspec
 from starlette.requests import Request
@@ -75,18 +76,38 @@ from .streaming import (
 )
 from .workers import Workers, is_large
 
+_Choice = TypeVar("_Choice", CompletionChoice, ChatChunkChoice)
 
-class _CompletionChunks(OpenAIChunks):
-    """Streamed text completions: the finish reason rides on the last token's chunk."""
+
+class _ChoiceChunks(OpenAIChunks, Generic[_Choice]):
+    """The chunks of one streamed choice (`index`; `last` False when it is one of several
+    merged into one response): each endpoint's `_chunk` wraps its choices in its envelope."""
 
     def __init__(self, served: ServedModel, *, logprobs: bool, index: int = 0, last: bool = True) -> None:
         self._served = served
         self._index = index
         self.last = last
         self._logprobs = logprobs
-        self._offset = 0
         self._id = ""
         self._created = 0
+
+    def _chunk(self, choices: list[_Choice], usage: UsageInfo | None = None) -> bytes:
+        raise NotImplementedError
+
+    def usage(self, usage: Usage) -> bytes:
+        return self._chunk([], UsageInfo.of(usage))
+
+    def usage_chunk(self, usage: UsageInfo) -> bytes:
+        """The usage chunk of a whole multi-choice request."""
+        return self._chunk([], usage)
+
+
+class _CompletionChunks(_ChoiceChunks[CompletionChoice]):
+    """Streamed text completions: the finish reason rides on the last token's chunk."""
+
+    def __init__(self, served: ServedModel, *, logprobs: bool, index: int = 0, last: bool = True) -> None:
+        super().__init__(served, logprobs=logprobs, index=index, last=last)
+        self._offset = 0
 
     def _chunk(self, choices: list[CompletionChoice], usage: UsageInfo | None = None) -> bytes:
         return sse(
@@ -119,13 +140,6 @@ class _CompletionChunks(OpenAIChunks):
     def closing(self, finish: str, usage: Usage | None) -> bytes | None:
         return None
 
-    def usage(self, usage: Usage) -> bytes:
-        return self._chunk([], UsageInfo.of(usage))
-
-    def usage_chunk(self, usage: UsageInfo) -> bytes:
-        """The usage chunk of a whole multi-choice request."""
-        return self._chunk([], usage)
-
 
 def _tool_call_out(call: ToolCall) -> ToolCallOut:
     return ToolCallOut(id=call.id, function=FunctionCall(name=call.name, arguments=call.arguments))
@@ -155,20 +169,15 @@ def _chat_delta(deltas: Sequence[ChatDeltaSDK]) -> ChatDelta:
     return ChatDelta(content=text if text or not out else None, tool_calls=out or None)
 
 
-class _ChatChunks(OpenAIChunks):
+class _ChatChunks(_ChoiceChunks[ChatChunkChoice]):
     """Streamed chat completions: a role delta first, text and tool-call deltas as
     the parser releases them, a finish delta last."""
 
     def __init__(
         self, served: ServedModel, chat: ChatStream, *, logprobs: bool, index: int = 0, last: bool = True
     ) -> None:
-        self._served = served
-        self._index = index
-        self.last = last
+        super().__init__(served, logprobs=logprobs, index=index, last=last)
         self._chat = chat
-        self._logprobs = logprobs
-        self._id = ""
-        self._created = 0
 
     def _chunk(self, choices: list[ChatChunkChoice], usage: UsageInfo | None = None) -> bytes:
         return sse(
@@ -202,13 +211,6 @@ class _ChatChunks(OpenAIChunks):
         rest = self._chat.close_parser()
         head = self._delta(_chat_delta(rest)) if rest else b""
         return head + self._delta(ChatDelta(), finish=_with_tools(finish, self._chat.tool_calls))
-
-    def usage(self, usage: Usage) -> bytes:
-        return self._chunk([], UsageInfo.of(usage))
-
-    def usage_chunk(self, usage: UsageInfo) -> bytes:
-        """The usage chunk of a whole multi-choice request."""
-        return self._chunk([], usage)
 
 
 def _with_tools(finish: str, calls: Sequence[ToolCall]) -> str:
