@@ -1027,6 +1027,10 @@ static int tokenizer_kind(const bundle *b, tokenizer_fields *f) {
     return BASERT_OK;
 }
 
+static bool one_per_token(const json_value *list, size_t n_tokens) {
+    return list->type == JSON_ARRAY && json_count(list) == n_tokens;
+}
+
 /* The lists' shapes, in the order they are checked: tokens and their types, merges, scores, rstrip ids. */
 static int tokenizer_lists(const bundle *b, const rt_model *m, tokenizer_fields *f) {
     f->tokens = json_get(f->tk, "tokenizer.ggml.tokens");
@@ -1037,7 +1041,7 @@ static int tokenizer_lists(const bundle *b, const rt_model *m, tokenizer_fields 
         return bundle_fail(b, BASERT_ERR_INVALID_FORMAT, "the tokenizer has %zu tokens, more than config.vocab_size %u",
                            f->n_tokens, m->cfg.vocab_size);
     f->types = json_get(f->tk, "tokenizer.ggml.token_type");
-    if (f->types && (f->types->type != JSON_ARRAY || json_count(f->types) != f->n_tokens))
+    if (f->types && !one_per_token(f->types, f->n_tokens))
         return bundle_fail(b, BASERT_ERR_INVALID_FORMAT, "tokenizer.ggml.token_type must list one type per token");
     f->merges = json_get(f->tk, "tokenizer.ggml.merges");
     if (f->merges && f->merges->type != JSON_ARRAY)
@@ -1045,7 +1049,7 @@ static int tokenizer_lists(const bundle *b, const rt_model *m, tokenizer_fields 
     f->n_merges = json_count(f->merges);
     if (f->n_merges > (size_t)1 << 24) return bundle_fail(b, BASERT_ERR_INVALID_FORMAT, "too many merges");
     f->scores = json_get(f->tk, "tokenizer.ggml.scores");
-    if (f->scores && (f->scores->type != JSON_ARRAY || json_count(f->scores) != f->n_tokens))
+    if (f->scores && !one_per_token(f->scores, f->n_tokens))
         return bundle_fail(b, BASERT_ERR_INVALID_FORMAT, "tokenizer.ggml.scores must list one score per token");
     /* the added tokens llama.cpp strips the whitespace after (Phi-3's: the converter lists them) */
     f->rstrip_ids = json_get(f->tk, "tokenizer.aiobasert.rstrip_token_ids");
