@@ -37,6 +37,7 @@ from ._core import preparation
 from ._core.grammar_cache import GrammarCache
 from ._core.intake import Intake, TokenIds, Tokenizer, run_job
 from ._core.output import Detokenizer, OutputProcessor
+from ._core.plan import LaneState
 from ._core.protocol import (
     Ask,
     Call,
@@ -60,10 +61,9 @@ from ._core.protocol import (
     Sink,
     Stats,
     Submit,
-    Ticket,
 )
 from ._core.step import EmbedLane, Lane, Requests, RowResult, Sampled, StepRunner, TapPooler, internal_error
-from .batcher import Batcher, LaneState
+from .batcher import Batcher
 from .errors import (
     AioBaseRTError,
     ContextLengthExceededError,
@@ -80,23 +80,6 @@ if TYPE_CHECKING:  # llguidance (the grammar module) and numpy (embeddings): imp
     import numpy as np
 
     from ._core.grammar import GrammarBackend
-
-__all__ = [  # the contract types are re-exported for code that imported them from here
-    "Call",
-    "Cancel",
-    "Close",
-    "Constraint",
-    "Embed",
-    "EngineConfig",
-    "EngineThread",
-    "Final",
-    "Message",
-    "Prompt",
-    "RequestSpec",
-    "Sink",
-    "Submit",
-    "Ticket",
-]
 
 _EMBED_TAPS_ENV = "AIOBASERT_EMBED_TAPS"
 """Set to 0 to embed with one baseRT_embed call per input (the engine then
@@ -362,7 +345,7 @@ class EngineThread:
 
         1. drain the inbox: requests, cancels, queries, close (blocks when idle);
         2. plan: the batcher admits waiting requests (`_start` creates their
-           sequences) and picks each running lane's row (`batcher.StepPlan`);
+           sequences) and picks each running lane's row (`plan.StepPlan`);
         3. run: `StepRunner.run` = prepare -> ONE fused forward -> collect;
         4. apply: each lane's `RowResult` is applied here, the lanes' one writer
            (tokens through `OutputProcessor`, finish, failure, freeing);

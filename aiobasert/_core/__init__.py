@@ -7,6 +7,7 @@ whose `_step` is one engine step: drain -> plan -> run -> apply -> deliver).
 - `preparation`: what preparing a request may cost, measured and bounded before it is paid.
 - `grammar_cache`: compiled grammars by the digest of their source.
 - `lazy_numpy`: numpy imported on first use, never seen half imported.
+- `plan`: what one step does (`LaneState`, `PlannedRow`, `StepPlan`): plain data the batcher fills.
 - `step`: one fused batch step (prepare -> forward -> collect) and the lanes it runs.
 - `output`: a sampled token becomes stream output (text, stops, finish).
 - `wakeup`: hands each step's output back to the loop that opened the engine.

@@ -292,7 +292,8 @@ async def test_smollm2_embed_equals_baseRT_embed(smollm2_path: Path, monkeypatch
 
 
 def test_batcher_feeds_an_embedding_from_the_prefill_budget_and_the_tap_budget() -> None:
-    from aiobasert.batcher import Batcher, LaneState
+    from aiobasert._core.plan import LaneState
+    from aiobasert.batcher import Batcher
 
     b = Batcher(max_batch_size=4, max_context=4096, prefill_budget=64, tap_budget=40,
                 prefix_cache=True)
