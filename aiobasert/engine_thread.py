@@ -32,8 +32,8 @@ from collections.abc import Callable, Mapping, Sequence
 from ctypes import byref, c_float, c_int, sizeof
 from typing import TYPE_CHECKING, Any
 
+from ._core import cost as _cost
 from ._core import ffi as _ffi
-from ._core import preparation
 from ._core.grammar_cache import GrammarCache
 from ._core.intake import Intake, TokenIds, Tokenizer, run_job
 from ._core.output import Detokenizer, OutputProcessor
@@ -594,7 +594,7 @@ class EngineThread:
 
     def _grammar_of(self, tok: Tokenizer, spec: RequestSpec) -> Constraint:
         """On an intake worker: the request's grammar, from the cache when its source was compiled
-        (or refused) before, else compiled here within `preparation.COMPILE_BUDGET_S`."""
+        (or refused) before, else compiled here within `cost.COMPILE_BUDGET_S`."""
         key = spec.cost.grammar_key
         tools = spec.lark is not None or spec.structural_tag is not None
         if key is not None:
@@ -615,7 +615,7 @@ class EngineThread:
                 self.grammars.refuse(key, exc)
             raise
         took = time.monotonic() - started - self._backend_built.seconds  # the compile's, not the backend's
-        budget = preparation.COMPILE_BUDGET_S
+        budget = _cost.COMPILE_BUDGET_S
         if took > budget:
             close = getattr(constraint, "close", None)
             if close is not None:
@@ -736,7 +736,7 @@ class EngineThread:
         worker (its tokenizer handle asks the end ids); a failure is left to the first request."""
         built: concurrent.futures.Future[None] = concurrent.futures.Future()
         intake.submit(lambda tok: self._host_grammar(tok), lambda result, error: built.set_result(None),
-                      grammar=True, cost=preparation.QUICK_COST + 1)  # fmt: skip
+                      grammar=True, cost=_cost.QUICK_COST + 1)  # fmt: skip
         built.result()
 
     def _host_grammar(self, tok: Tokenizer) -> GrammarBackend:

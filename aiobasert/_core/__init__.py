@@ -4,7 +4,7 @@ whose `_step` is one engine step: drain -> plan -> run -> apply -> deliver).
 - `protocol`: the messages between the event loop and the thread (requests, tickets, queries).
 - `intake`: the worker threads that tokenize prompts and compile grammars, off the engine thread,
   in lanes by cost.
-- `preparation`: what preparing a request may cost, measured and bounded before it is paid.
+- `cost`: what preparing a request may cost, measured and bounded before it is paid.
 - `grammar_cache`: compiled grammars by the digest of their source.
 - `lazy_numpy`: numpy imported on first use, never seen half imported.
 - `plan`: what one step does (`LaneState`, `PlannedRow`, `StepPlan`): plain data the batcher fills.

@@ -15,7 +15,7 @@ import anyio
 import pytest
 
 import aiobasert
-from aiobasert._core.preparation import MAX_DECODE_IDS, QUICK_COST
+from aiobasert._core.cost import MAX_DECODE_IDS, QUICK_COST
 from aiobasert.errors import ContextLengthExceededError, InvalidRequestError
 
 # numpy's import held open (its module half initialized in sys.modules) on the worker thread that
@@ -235,16 +235,16 @@ async def test_a_compile_over_its_budget_is_refused_and_never_compiled_again(
     """Issue 26 #3: a compile that takes longer than COMPILE_BUDGET_S is refused with an
     InvalidRequestError naming the field, and the refusal is cached: the same schema is refused
     at once afterwards, without compiling; so is a schema the compiler rejects. Other requests go on."""
-    from aiobasert._core import preparation
+    from aiobasert._core import cost
 
     schema = {"type": "array", "items": {"type": "integer"}}
     async with aiobasert.Engine.open(tiny_model_path, max_batch_size=2) as engine:
         thread = engine._thread
-        monkeypatch.setattr(preparation, "COMPILE_BUDGET_S", -1.0)  # every compile is over it
+        monkeypatch.setattr(cost, "COMPILE_BUDGET_S", -1.0)  # every compile is over it
         over = r"^invalid json_schema: its grammar took .* to compile, over the budget"
         with pytest.raises(InvalidRequestError, match=over):
             await engine.generate("x", max_tokens=4, json_schema=schema)
-        monkeypatch.setattr(preparation, "COMPILE_BUDGET_S", 5.0)
+        monkeypatch.setattr(cost, "COMPILE_BUDGET_S", 5.0)
         compiled = dict(thread.grammar_compiles)
         with pytest.raises(InvalidRequestError, match="over the budget"):
             await engine.generate("y", max_tokens=4, json_schema=schema)  # refused at once
@@ -409,7 +409,7 @@ async def test_encode_refuses_a_text_of_more_ids_than_its_limit_before_listing_t
     tracemalloc's peak stays near the C call's own buffer."""
     import tracemalloc
 
-    from aiobasert._core.preparation import MAX_ENCODE_IDS
+    from aiobasert._core.cost import MAX_ENCODE_IDS
 
     async with aiobasert.Engine.open(tiny_model_path, max_batch_size=2) as engine:
         unit = "lamp "
