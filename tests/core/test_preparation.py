@@ -207,24 +207,24 @@ async def test_the_same_grammar_is_compiled_once(tiny_model_path: Path) -> None:
         for _ in range(3):
             done = await engine.generate("x", max_tokens=60, json_schema=schema, temperature=0.8)
             assert set(json.loads(done.text)) == {"a", "b"}
-        assert dict(thread.grammar_compiles) == {"engine": 1}
-        assert dict(thread.grammar_backends) == {"engine": 3}
+        assert dict(thread.prep.grammar_compiles) == {"engine": 1}
+        assert dict(thread.prep.grammar_backends) == {"engine": 3}
         done = await engine.generate("x", max_tokens=60, json_schema=reordered)  # another source
         assert list(json.loads(done.text)) == ["b", "a"]
-        assert dict(thread.grammar_compiles) == {"engine": 2}
+        assert dict(thread.prep.grammar_compiles) == {"engine": 2}
         for _ in range(3):
             done = await engine.generate("x", max_tokens=60, json_schema=enum, temperature=0.8)
             assert json.loads(done.text) in enum["enum"]
-        assert dict(thread.grammar_compiles) == {"engine": 2, "llguidance": 1}
-        assert dict(thread.grammar_backends) == {"engine": 4, "llguidance": 3}
+        assert dict(thread.prep.grammar_compiles) == {"engine": 2, "llguidance": 1}
+        assert dict(thread.prep.grammar_backends) == {"engine": 4, "llguidance": 3}
 
         async def lark() -> str:
             params = engine._params(None, {"max_tokens": 8, "temperature": 0.9})
             return (await engine._new_stream("x", params, True, lark='start: "yes" | "no"')).text
 
         assert {await lark() for _ in range(3)} <= {"yes", "no"}
-        assert dict(thread.grammar_compiles) == {"engine": 2, "llguidance": 2}
-        assert dict(thread.grammar_backends) == {"engine": 4, "llguidance": 6}
+        assert dict(thread.prep.grammar_compiles) == {"engine": 2, "llguidance": 2}
+        assert dict(thread.prep.grammar_backends) == {"engine": 4, "llguidance": 6}
         assert (await engine.stats()).live_grammars == 0
 
 
@@ -245,10 +245,10 @@ async def test_a_compile_over_its_budget_is_refused_and_never_compiled_again(
         with pytest.raises(InvalidRequestError, match=over):
             await engine.generate("x", max_tokens=4, json_schema=schema)
         monkeypatch.setattr(cost, "COMPILE_BUDGET_S", 5.0)
-        compiled = dict(thread.grammar_compiles)
+        compiled = dict(thread.prep.grammar_compiles)
         with pytest.raises(InvalidRequestError, match="over the budget"):
             await engine.generate("y", max_tokens=4, json_schema=schema)  # refused at once
-        assert dict(thread.grammar_compiles) == compiled
+        assert dict(thread.prep.grammar_compiles) == compiled
         bad = {"type": "object", "properties": {"a": {"$ref": "#/nowhere"}}}
         for _ in range(2):
             with pytest.raises(InvalidRequestError, match="json_schema"):
@@ -316,22 +316,22 @@ async def test_the_host_grammar_backend_is_built_at_open_where_it_serves_every_s
     from aiobasert._core.grammar import GrammarBackend
 
     built: list[str] = []
-    real = GrammarBackend.for_bundle.__func__  # type: ignore[attr-defined]
+    real = GrammarBackend.for_tokenizer.__func__  # type: ignore[attr-defined]
 
-    def for_bundle(cls: type[GrammarBackend], *args: Any, **kwargs: Any) -> GrammarBackend:
+    def for_tokenizer(cls: type[GrammarBackend], *args: Any, **kwargs: Any) -> GrammarBackend:
         built.append(threading.current_thread().name)
         return real(cls, *args, **kwargs)  # type: ignore[no-any-return]
 
-    monkeypatch.setattr(GrammarBackend, "for_bundle", classmethod(for_bundle))
+    monkeypatch.setattr(GrammarBackend, "for_tokenizer", classmethod(for_tokenizer))
     async with aiobasert.Engine.open(tiny_model_path, max_batch_size=2) as engine:
-        assert built == [] and engine._thread._grammar is None  # the engine compiles schemas itself
+        assert built == [] and engine._thread.prep.backend is None  # the engine compiles schemas itself
     has = ffi.Library.has
     monkeypatch.setattr(ffi.Library, "has", lambda self, name: "grammar" not in name and has(self, name))
     async with aiobasert.Engine.open(tiny_model_path, max_batch_size=2) as engine:
         assert built == ["aiobasert-grammar-1"]  # at open, on a worker
         done = await engine.generate("x", max_tokens=12, json_schema={"type": "boolean"})
         assert json.loads(done.text) in (True, False)
-        assert dict(engine._thread.grammar_compiles) == {"llguidance": 1} and len(built) == 1
+        assert dict(engine._thread.prep.grammar_compiles) == {"llguidance": 1} and len(built) == 1
 
 
 @pytest.mark.anyio
