@@ -41,7 +41,7 @@ from ._core.intake import Intake, Tokenizer
 from ._core.model_file import ModelFile
 from ._core.output import Detokenizer, OutputProcessor
 from ._core.plan import LaneState
-from ._core.prepare import Preparer
+from ._core.prepare import Preparer, RequestStatus
 from ._core.protocol import (
     Ask,
     Call,
@@ -474,18 +474,17 @@ class EngineThread:
         req = self.requests.get(msg.rid)
         if req is not None:  # an embedding's caller is gone: free the lane, nobody to tell
             self._end(req, None)
-        prep = self.prep.in_prep.pop(msg.rid, None)
-        if prep is not None:  # cancelled while it is prepared: counted now, dropped on return
-            self.prep.dropped.add(msg.rid)
-            if isinstance(prep, Submit):
-                self.cancelled += 1
+        prep = self.prep.cancel(msg.rid)
+        if isinstance(prep, Submit):  # cancelled while it is prepared: counted now, dropped on return
+            self.cancelled += 1
 
     def _on_prepared(self, msg: Prepared) -> None:
-        self.prep.preparing -= 1
-        if isinstance(msg.msg, Submit):
-            self._enqueue(msg.msg, msg.result, msg.error)
+        req = msg.msg
+        dropped = self.prep.returned(req.spec.rid if isinstance(req, Submit) else req.rid) is RequestStatus.ABANDONED
+        if isinstance(req, Submit):
+            self._enqueue(req, msg.result, msg.error, dropped=dropped)
         else:
-            self._enqueue_embed(msg.msg, msg.result, msg.error)
+            self._enqueue_embed(req, msg.result, msg.error, dropped=dropped)
 
     def _on_close(self, msg: Close) -> None:
         self._closing = True
@@ -505,14 +504,12 @@ class EngineThread:
     def _abort_in_prep(self) -> None:
         """Answer the requests still being prepared now: an abort waits for no compile."""
         closed = EngineClosedError("the engine was closed before the request started")
-        for rid, prep in self.prep.in_prep.items():
-            self.prep.dropped.add(rid)
+        for prep in self.prep.abandon_all():
             self.cancelled += 1
             if isinstance(prep, Submit):
                 self._notify(prep.sink.deliver, [], None, closed)
             else:
                 self._notify(prep.done, None, closed)
-        self.prep.in_prep.clear()
 
     def _cancel(self, lane: Lane) -> None:
         lane.state.cancelled = True
@@ -534,15 +531,13 @@ class EngineThread:
         checked = self.prep.submit(msg)
         if checked is not None:  # a prompt of ids, nothing to prepare: straight into the FIFO
             ids, error = checked
-            self._enqueue(msg, (ids, None), error)
+            self._enqueue(msg, (ids, None), error, dropped=False)
 
-    def _enqueue(self, msg: Submit, prepared: Any, error: BaseException | None) -> None:
-        """A prepared request joins the FIFO queue (or is answered with its error)."""
+    def _enqueue(self, msg: Submit, prepared: Any, error: BaseException | None, *, dropped: bool) -> None:
+        """A prepared request joins the FIFO queue (or is answered with its error). `dropped`: it was
+        answered (its Cancel came and was counted, or an abort) while it was prepared."""
         spec = msg.spec
         constraint: Constraint | None = None
-        self.prep.in_prep.pop(spec.rid, None)
-        dropped = spec.rid in self.prep.dropped  # its Cancel came (and was counted) while it was prepared
-        self.prep.dropped.discard(spec.rid)
         try:
             if error is not None:
                 if dropped:  # nobody to tell
@@ -591,13 +586,13 @@ class EngineThread:
         if isinstance(msg.source, str):
             self.prep.submit_embed(msg, msg.source)
         else:
-            self._enqueue_embed(msg, list(msg.source), None)
+            self._enqueue_embed(msg, list(msg.source), None, dropped=False)
 
-    def _enqueue_embed(self, msg: Embed, ids: Sequence[int] | None, error: BaseException | None) -> None:
+    def _enqueue_embed(
+        self, msg: Embed, ids: Sequence[int] | None, error: BaseException | None, *, dropped: bool
+    ) -> None:
         """Validate an embedding and queue it as a lane (or, without taps, run it now)."""
-        self.prep.in_prep.pop(msg.rid, None)
-        if msg.rid in self.prep.dropped:  # cancelled or aborted while it was tokenized: already answered
-            self.prep.dropped.discard(msg.rid)
+        if dropped:  # cancelled or aborted while it was tokenized: already answered
             return
         try:
             if error is not None:

@@ -9,8 +9,8 @@ a lane (aiobasert/engine_thread.py, the lanes' one writer).
 What runs where:
 
 * on the engine thread: `submit` / `submit_embed` (hand the work over; a prompt of ids with no
-  grammar needs none and is checked at once), `cancel` / `abort` / `returned` (the requests still
-  being prepared), `adopt` / `close_constraint` (a grammar's life on the thread);
+  grammar needs none and is checked at once), `cancel` / `abandon_all` / `returned` (each request
+  being prepared has a `RequestStatus`), `adopt` / `close_constraint` (a grammar's life on the thread);
 * on an intake worker: `prepare` (the prompt's ids and the grammar), the grammar from the cache or
   compiled within `cost.COMPILE_BUDGET_S`, the host (llguidance) backend built once per engine from
   the engine's `ModelFile`.
@@ -20,11 +20,13 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import enum
 import importlib.util
 import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ..errors import AioBaseRTError, ContextLengthExceededError, InvalidRequestError
@@ -42,6 +44,25 @@ if TYPE_CHECKING:  # llguidance (the grammar module): imported on first use only
 
 PromptAndGrammar = tuple[TokenIds | list[int], Constraint | None]
 """A prepared request: its prompt's ids and its grammar (None without one)."""
+
+
+class RequestStatus(enum.Enum):
+    """Where a request handed to its preparation stands (as vLLM v1's `RequestStatus`; once it has
+    a lane, its `plan.LaneState` says whether it waits or runs)."""
+
+    PREPARING = enum.auto()
+    """On the intake workers; its queue place is held."""
+    ABANDONED = enum.auto()
+    """Answered while it was prepared (cancelled, or the engine aborted: counted then): what its
+    preparation returns is dropped (a grammar freed), nobody is told again."""
+
+
+@dataclass(slots=True)
+class Preparing:
+    """A request handed to the intake workers and not back yet."""
+
+    msg: Submit | Embed
+    status: RequestStatus = RequestStatus.PREPARING
 
 
 class Preparer:
@@ -72,9 +93,12 @@ class Preparer:
         self.grammar_backends: Counter[str] = Counter()  # "engine" / "llguidance" served
         self.grammar_compiles: Counter[str] = Counter()  # those compiled (not cached)
         self.live_grammars = 0
-        self.preparing = 0  # requests handed to the intake workers, not back yet
-        self.in_prep: dict[str, Submit | Embed] = {}  # those requests, by id
-        self.dropped: set[str] = set()  # requests answered (cancelled, aborted) while they were prepared
+        self._preparing: dict[str, Preparing] = {}  # by request id
+
+    @property
+    def preparing(self) -> int:
+        """Requests handed to the intake workers, not back yet (each holds a queue place)."""
+        return len(self._preparing)
 
     # ---- on the engine thread -------------------------------------------------------------
 
@@ -94,21 +118,19 @@ class Preparer:
                 return self.checked_ids(spec.prompt), None  # type: ignore[arg-type]
             except AioBaseRTError as exc:
                 return None, exc
-        self.in_prep[spec.rid] = msg
         cost = spec.cost.text + (0 if spec.cost.grammar_key in self.grammars else spec.cost.grammar)
         self._off_thread(msg, prepare, grammar=grammar, cost=cost)
         return None
 
     def submit_embed(self, msg: Embed, text: str) -> None:
         """An embedding's text input is tokenized by the intake workers."""
-        self.in_prep[msg.rid] = msg
         limit = self.max_context
         self._off_thread(
             msg, lambda tok: tok.encode_text(text, special=False, limit=limit), grammar=False, cost=len(text)
         )
 
     def _off_thread(self, msg: Submit | Embed, job: Callable[[Tokenizer], Any], *, grammar: bool, cost: int) -> None:
-        self.preparing += 1
+        self._preparing[msg.rid if isinstance(msg, Embed) else msg.spec.rid] = Preparing(msg)
         if self.intake is not None:
             self.intake.submit(
                 job, lambda result, error: self._post(Prepared(msg, result, error)), grammar=grammar, cost=cost
@@ -117,6 +139,30 @@ class Preparer:
         assert self._inline is not None
         result, error = run_job(job, self._inline)
         self._post(Prepared(msg, result, error))
+
+    def cancel(self, rid: str) -> Submit | Embed | None:
+        """The request `rid` is cancelled while it is prepared: its message, or None when it is
+        not being prepared (or was answered already)."""
+        entry = self._preparing.get(rid)
+        if entry is None or entry.status is RequestStatus.ABANDONED:
+            return None
+        entry.status = RequestStatus.ABANDONED
+        return entry.msg
+
+    def abandon_all(self) -> list[Submit | Embed]:
+        """Every request still being prepared, each abandoned now (an abort answers them and waits
+        for no compile)."""
+        out = []
+        for entry in self._preparing.values():
+            if entry.status is RequestStatus.PREPARING:
+                entry.status = RequestStatus.ABANDONED
+                out.append(entry.msg)
+        return out
+
+    def returned(self, rid: str) -> RequestStatus:
+        """The request's preparation came back (`protocol.Prepared`): how it stood then."""
+        entry = self._preparing.pop(rid)
+        return entry.status
 
     def adopt(self, constraint: Constraint) -> None:
         """A prepared grammar goes live on the engine thread."""
