@@ -1,6 +1,6 @@
 """The private machinery of one engine, below the engine thread (aiobasert/engine_thread.py,
 whose `_step` is one engine step: drain -> plan -> run -> apply -> deliver). Nothing here imports
-from the package above it (tests/_core/test_layering.py).
+from the package above it (tests/test_layering.py).
 
 - `protocol`: the messages between the event loop and the thread (requests, tickets, queries).
 - `prepare`: a request's preparation (its prompt's ids, its grammar) and the requests being prepared.

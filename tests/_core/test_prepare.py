@@ -13,6 +13,8 @@ from typing import Any
 
 import anyio
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import aiobasert
 from aiobasert._core.cost import MAX_DECODE_IDS, QUICK_COST
@@ -424,3 +426,55 @@ async def test_encode_refuses_a_text_of_more_ids_than_its_limit_before_listing_t
             tracemalloc.stop()
         assert peak < 6 * len(text), (peak, len(text))  # the buffer: 4 bytes a byte of text; a list: ~36 an id
         assert len(await engine.encode(unit * int(MAX_ENCODE_IDS / per_unit * 0.95))) <= MAX_ENCODE_IDS
+
+
+# ---- the status of a request being prepared (issue 29 #1) ------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tokenizer(lib: Any, tiny_model_path: Path) -> Any:
+    """A real tokenizer-only handle: the inline preparation (an engine without intake workers) uses it."""
+    from aiobasert._core.intake import Tokenizer
+
+    tok = Tokenizer.load(lib, str(tiny_model_path))
+    yield tok
+    tok.close()
+
+
+_OPS = st.lists(st.tuples(st.sampled_from(["submit", "cancel", "abort", "return"]), st.integers(0, 3)), max_size=40)
+
+
+@settings(max_examples=80, deadline=None)
+@given(ops=_OPS)
+def test_a_request_being_prepared_has_one_status(lib: Any, tiny_model_path: Path, tokenizer: Any, ops: Any) -> None:
+    """A model of RequestStatus (which replaced three fields: a count, a dict, a set): a request handed
+    to its preparation is PREPARING until a Cancel or an abort makes it ABANDONED (once: a second cancel
+    or an abort finds nothing to answer), and its return says how it stood; the count of requests being
+    prepared (each holds a queue place) is the number not back yet."""
+    from aiobasert._core.model_file import ModelFile
+    from aiobasert._core.prepare import Preparer, RequestStatus
+    from aiobasert._core.protocol import Embed, Message, Prepared
+
+    posted: list[Message] = []
+    prep = Preparer(lib, ModelFile(tiny_model_path), vocab_size=256, max_context=64, intake=None,
+                    inline=tokenizer, post=posted.append)  # fmt: skip
+    model: dict[str, RequestStatus] = {}
+    for op, i in ops:
+        rid = f"r{i}"
+        if op == "submit" and rid not in model:  # a request id is unique while the request lives
+            prep.submit_embed(Embed(rid, "a cat", lambda *_: None), "a cat")
+            model[rid] = RequestStatus.PREPARING
+        elif op == "cancel":
+            got = prep.cancel(rid)
+            assert (got is not None) == (model.get(rid) is RequestStatus.PREPARING)
+            if rid in model:
+                model[rid] = RequestStatus.ABANDONED
+        elif op == "abort":
+            answered = [m.rid for m in prep.abandon_all() if isinstance(m, Embed)]
+            assert answered == [r for r, s in model.items() if s is RequestStatus.PREPARING]
+            model = dict.fromkeys(model, RequestStatus.ABANDONED)
+        elif op == "return" and rid in model:
+            assert prep.returned(rid) is model.pop(rid)
+        assert prep.preparing == len(model)
+    # the inline path posted each request's prepared ids back, as the workers do
+    assert all(isinstance(m, Prepared) and m.error is None and len(m.result) > 0 for m in posted)
