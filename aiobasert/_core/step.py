@@ -185,7 +185,7 @@ class TapPooler:
     in float32, as the engine computes it) and is summed in float64. The only
     difference from the single-call result is the f16 rounding of the tapped
     hidden state (relative error ~1e-4 on real models); the engine thread
-    checks that on a probe before it trusts this path (`EngineThread._embed_path`).
+    checks that on a probe before it trusts this path (`embed.Embedder.path`).
     """
 
     def __init__(self, weight: np.ndarray, eps: float, hidden_index: int, capacity: int) -> None:
