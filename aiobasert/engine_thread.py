@@ -127,7 +127,7 @@ class EngineThread:
     def alive(self) -> bool:
         return self._thread.is_alive()
 
-    # ---- main loop --------------------------------------------------------------------
+    # ---- main loop: load and configure, then serve ----------------------------------------
 
     def _main(self) -> None:
         self.thread_id = threading.get_ident()
@@ -404,6 +404,8 @@ class EngineThread:
             if req is not None:
                 self._end(req, exc)
 
+    # ---- the inbox: each message by its type -------------------------------------------------
+
     def _drain(self, *, block: bool) -> None:
         try:
             msg = self._inbox.get(block=block)
@@ -419,11 +421,11 @@ class EngineThread:
     def _handle(self, msg: Message) -> None:
         """One inbox message, by its type."""
         if isinstance(msg, Submit):
-            self._intake(msg)
+            self._on_submit(msg)
         elif isinstance(msg, Cancel):
             self._on_cancel(msg)
         elif isinstance(msg, Embed):
-            self._intake_embed(msg)
+            self._on_embed(msg)
         elif isinstance(msg, Prepared):
             self._on_prepared(msg)
         elif isinstance(msg, Ask):
@@ -499,9 +501,9 @@ class EngineThread:
             for lane in self.requests.lanes():
                 self._finish(lane, "aborted")
             self._abort_embeds()
-            self._abort_in_prep()
+            self._abort_preparing()
 
-    def _abort_in_prep(self) -> None:
+    def _abort_preparing(self) -> None:
         """Answer the requests still being prepared now: an abort waits for no compile."""
         closed = EngineClosedError("the engine was closed before the request started")
         for prep in self.prep.abandon_all():
@@ -518,7 +520,7 @@ class EngineThread:
 
     # ---- requests in, through their preparation (`_core.prepare`), out as lanes ---------------
 
-    def _intake(self, msg: Submit) -> None:
+    def _on_submit(self, msg: Submit) -> None:
         """A request goes to its preparation, refused first when the engine closes or its queue is full."""
         if self._closing:
             self._notify(msg.sink.deliver, [], None, EngineClosedError("the engine is closing"))
@@ -574,7 +576,7 @@ class EngineThread:
 
     # ---- embeddings in, as lanes (`_core.embed`: their paths) -------------------------------
 
-    def _intake_embed(self, msg: Embed) -> None:
+    def _on_embed(self, msg: Embed) -> None:
         """A text input is tokenized by the intake workers first; ids go straight on."""
         try:
             if self._closing:
