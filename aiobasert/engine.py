@@ -14,8 +14,8 @@ import anyio
 
 from ._core import ffi as _ffi
 from ._core import lazy_numpy
+from ._core.cost import MAX_DECODE_IDS, measure
 from ._core.intake import Tokenizer
-from ._core.preparation import MAX_DECODE_IDS, measure
 from ._core.protocol import (
     Ask,
     Call,

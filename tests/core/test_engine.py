@@ -401,9 +401,9 @@ async def test_a_slow_tokenization_does_not_stop_other_lanes(
     """Tokenizing a huge prompt (15 MB: 0.8 s) runs off the engine thread: held
     here until released, while the engine steps the running stream on (counted
     in steps and delivered tokens, not seconds); Engine.encode likewise."""
-    from aiobasert.engine_thread import EngineThread
+    from aiobasert._core.prepare import Preparer
 
-    tokenize = HeldCall(monkeypatch, EngineThread, "_tokenize_prompt",
+    tokenize = HeldCall(monkeypatch, Preparer, "tokenize_prompt",
                         when=lambda args: getattr(args[-1], "prompt", None) == "huge")
     async with Engine.open(tiny_model_path, max_batch_size=4) as engine:
         running = engine.stream("running", max_tokens=2000, ignore_eos=True)
