@@ -15,6 +15,8 @@ import openai
 import pytest
 from openai import OpenAI
 
+pytest.importorskip("ray.serve", reason="the Ray Serve extra is not installed (pip install 'aiobasert[ray]')")
+
 from aiobasert.server.ray_serve import REPLICA_HEADER, SESSION_HEADER
 
 pytestmark = pytest.mark.ray
