@@ -28,6 +28,7 @@ from aiobasert import (
     ContextLengthExceededError,
     Engine,
     EngineOverloadedError,
+    InternalError,
     InvalidConfigError,
     InvalidRequestError,
     InvalidSamplingParamsError,
@@ -341,8 +342,9 @@ async def test_an_unexpected_error_in_one_lane_fails_only_that_lane(
             victim = engine.stream("victim", max_tokens=10, ignore_eos=True, seed=victim_seed, **extra)
             for s in (*neighbours, victim):
                 s.submit()
-            with pytest.raises(AioBaseRTError, match="internal error"):
+            with pytest.raises(InternalError, match="internal error") as failed:
                 await victim
+            assert isinstance(failed.value.__cause__, RuntimeError)
             for s in neighbours:
                 assert (await s).token_ids == alone.token_ids
         await assert_idle_and_whole(engine)
@@ -520,6 +522,28 @@ def test_every_exception_derives_from_the_root() -> None:
         obj = getattr(aiobasert, name)
         if isinstance(obj, type) and issubclass(obj, BaseException):
             assert issubclass(obj, AioBaseRTError), name
+
+
+def test_the_exception_tree_in_the_errors_docstring_is_the_real_one() -> None:
+    """errors.py draws the hierarchy; every exception class is in the drawing, under its real parent."""
+    import re
+
+    import aiobasert.errors
+
+    drawn: dict[str, str] = {}
+    parents: list[str] = []
+    for line in (aiobasert.errors.__doc__ or "").splitlines():
+        m = re.match(r"^    ([ │├└─]*)([A-Z]\w+Error)\b", line)
+        if m:
+            depth = len(m.group(1)) // 4
+            del parents[depth:]
+            if parents:
+                drawn[m.group(2)] = parents[-1]
+            parents.append(m.group(2))
+    real = {name: cls.__bases__[0].__name__ for name, cls in vars(aiobasert.errors).items()
+            if isinstance(cls, type) and issubclass(cls, aiobasert.errors.AioBaseRTError)
+            and cls is not aiobasert.errors.AioBaseRTError}
+    assert drawn == real
 
 
 async def test_embed_runs_between_steps_without_disturbing_streams(tiny_model_path: Path) -> None:
