@@ -8,6 +8,7 @@ async with aiobasert.Engine.open("model.base") as engine:
 """
 
 from .batcher import client_scope
+from .config import EngineConfig
 from .engine import Engine
 from .errors import (
     AbiMismatchError,
@@ -67,6 +68,7 @@ __all__ = [
     "ConversionError",
     "Engine",
     "EngineClosedError",
+    "EngineConfig",
     "EngineError",
     "EngineGroup",
     "EngineOutOfMemoryError",

@@ -46,7 +46,6 @@ from ._core.protocol import (
     Decode,
     Done,
     Embed,
-    EngineConfig,
     EvictPrefixCache,
     Final,
     Message,
@@ -64,6 +63,7 @@ from ._core.protocol import (
 )
 from ._core.step import EmbedLane, Lane, Requests, RowResult, Sampled, StepRunner, TapPooler, internal_error
 from .batcher import Batcher, LaneState
+from .config import EngineConfig
 from .errors import (
     AioBaseRTError,
     ContextLengthExceededError,
@@ -87,7 +87,6 @@ __all__ = [  # the contract types are re-exported for code that imported them fr
     "Close",
     "Constraint",
     "Embed",
-    "EngineConfig",
     "EngineThread",
     "Final",
     "Message",
@@ -119,8 +118,9 @@ _KV_NAMES = {32: "f32", 16: "f16", 8: "q8", 4: "q4", 84: "q8/q4"}
 class EngineThread:
     """Owns the model handle; everything below runs on this thread only."""
 
-    def __init__(self, lib: _ffi.Library, cfg: EngineConfig, notify: Notify) -> None:
+    def __init__(self, lib: _ffi.Library, model_path: str, cfg: EngineConfig, notify: Notify) -> None:
         self.lib = lib
+        self.model_path = model_path  # the resolved `.base` bundle
         self.cfg = cfg
         self._notify = notify  # LoopWaker.call_soon: fire-and-forget onto the loop
         self._inbox: queue.SimpleQueue[Message] = queue.SimpleQueue()
@@ -207,17 +207,17 @@ class EngineThread:
             prefix_cache=int(cfg.prefix_cache),
             prefill_chunk=cfg.prefill_chunk,
         )
-        path = os.fsencode(cfg.model_path)
+        path = os.fsencode(self.model_path)
         # The intake's tokenizer handles first (tokenization and grammar compiles run there): their
         # loads parse the bundle's header while no weights are resident, and the model's own load then
         # shares their tokenizer, so the process peaks at the weights, not the weights plus a header.
-        intake = Intake(lib, cfg.model_path) if lib.has("baseRT_load_tokenizer_only") else None
+        intake = Intake(lib, self.model_path) if lib.has("baseRT_load_tokenizer_only") else None
         try:
             if intake is not None:
                 intake.wait_loaded()
             handle = lib.baseRT_load_model_ex(path, None, cfg.max_context, byref(opts))
             if not handle:
-                raise lib.last_error("baseRT_load_model_ex", f"cannot load {cfg.model_path}")
+                raise lib.last_error("baseRT_load_model_ex", f"cannot load {self.model_path}")
             self._model = handle
             try:
                 info = self._configure(handle, inline_tokenizer=intake is None)
@@ -239,7 +239,7 @@ class EngineThread:
         caps = int(lib.baseRT_capabilities(handle))
         if not caps & _ffi.CAP_SEQUENCES:
             raise AioBaseRTError(
-                f"{cfg.model_path}: the engine cannot create sequences for this model "
+                f"{self.model_path}: the engine cannot create sequences for this model "
                 "(no continuous batching); aiobasert needs BASERT_CAP_SEQUENCES"
             )
         mc = _ffi.BaseRTModelConfig()
@@ -289,11 +289,11 @@ class EngineThread:
 
             template = default_template(self._special_tokens(handle))
         self.chat_template = template
-        self.tokenizer = Tokenizer.borrow(lib, handle, cfg.model_path)  # the model handle's own, for this thread only
+        self.tokenizer = Tokenizer.borrow(lib, handle, self.model_path)  # the model handle's own, for this thread only
         if inline_tokenizer:  # an engine without a separate tokenizer handle: prepared here, between steps
             self._inline_tok = self.tokenizer
         return ModelInfo(
-            path=cfg.model_path,
+            path=self.model_path,
             architecture=mc.architecture.decode("utf-8", "replace"),
             vocab_size=self.vocab_size,
             dim=int(mc.dim),
@@ -767,7 +767,7 @@ class EngineThread:
                 started = time.monotonic()
 
                 end_ids = engine_end_ids(tok.lib, tok.handle, self.vocab_size)
-                self._grammar = GrammarBackend.for_bundle(self.cfg.model_path, vocab_size=self.vocab_size,
+                self._grammar = GrammarBackend.for_bundle(self.model_path, vocab_size=self.vocab_size,
                                                           end_ids=end_ids)
                 self._backend_built.seconds = time.monotonic() - started
             return self._grammar
@@ -893,7 +893,7 @@ class EngineThread:
 
         from .models.bundle import read_bundle
 
-        with read_bundle(self.cfg.model_path) as bundle:
+        with read_bundle(self.model_path) as bundle:
             weight = np.asarray(bundle.tensor("final_norm.weight"), dtype=np.float32).reshape(-1)
         if weight.shape != (self.dim,):
             return None
