@@ -24,7 +24,6 @@ from ._core.protocol import (
     Decode,
     Embed,
     Encode,
-    EngineConfig,
     EvictPrefixCache,
     Prompt,
     Query,
@@ -37,6 +36,7 @@ from ._core.protocol import (
 from ._core.wakeup import LoopWaker
 from .batcher import current_client
 from .chat import render_chat
+from .config import EngineConfig, config_from
 from .engine_thread import EngineThread
 from .errors import (
     ContextLengthExceededError,
@@ -47,9 +47,9 @@ from .errors import (
 )
 from .streams import TokenStream, new_request_id
 from .types import (
-    KV_CACHE_DTYPES,
     ChatMessage,
     Completion,
+    Dtype,
     EngineStats,
     KVCacheDtype,
     ModelInfo,
@@ -59,7 +59,6 @@ from .types import (
 if TYPE_CHECKING:
     import numpy as np
 
-    from .models.convert import Dtype
     from .tool_formats import ToolFormat
     from .tools import ChatStream, ChatTurn, Tool, ToolChoice
 
@@ -193,11 +192,11 @@ class Engine:
         prefill_chunk: int = 256,
         prefix_cache: bool = True,
         max_queue: int = 1024,
-        max_buffered_tokens: int = 256,
         library: str | os.PathLike[str] | None = None,
         thread_check: bool | None = None,
         dtype: Dtype = "auto",
         kv_cache_dtype: KVCacheDtype = "auto",
+        config: EngineConfig | None = None,
     ) -> _EngineOpener:
         """Load a model; use as `async with Engine.open(...) as engine` or `await Engine.open(...)`.
 
@@ -205,84 +204,41 @@ class Engine:
             first use, then reused), or a cached model's name (`aiobasert list`);
             None = the default model (SmolLM2-135M-Instruct, fetched, converted and
             cached on first use; see `aiobasert.models.cache`).
-        max_batch_size: concurrent lanes (sequences decoded together each step);
-            capped by the engine's own limit (`info.max_batch_size` is what is served).
-        max_context: tokens per lane (prompt + output), clamped to the model's window.
-        prefill_chunk: prompt tokens prefilled per step across all lanes, so a long
-            prompt never stalls running streams for more than one chunk.
-        prefix_cache: reuse the KV of shared prompt prefixes across requests.
-        max_queue: requests waiting for a lane before `EngineOverloadedError`.
-        max_buffered_tokens: accepted for compatibility, no effect: a lane never
-            waits for its reader; a slow reader's tokens are buffered in its stream
-            (at most its max_tokens), so no reader can hold a lane (docs/fairness.md).
-        library: libbaseRT to use (default: $BASERT_LIB_PATH, the system's, the bundled one).
-        thread_check: debug mode asserting that only the engine thread enters the library.
-        dtype: how a GGUF `model` is stored in its cached bundle (one bundle per dtype): "auto"
-            keeps what the GGUF has (quantized blocks carried exactly where the engine's integer
-            kernels can hold them, see docs/models.md), "f16" / "f32" dequantize, "q8" / "q4"
-            quantize group-wise. Ignored for a `.base` bundle or a cached name.
-        kv_cache_dtype: how the KV cache is stored: "auto" (f16 on the reference engine, as
-            llama.cpp; the library's default elsewhere: Q8_0 on BaseRT where head_dim allows),
-            "f16", "q8" (Q8_0 blocks, about half of f16; a head_dim that is not a multiple of 32
-            falls back to f16), "f32" (the reference engine's exact pool, twice f16: for results
-            bit-equal to an f32 reference). `info.kv_cache_dtype` says what was allocated.
-        """
-        from .models.cache import check_dtype
+        max_batch_size, max_context, prefill_chunk, prefix_cache, max_queue, library, thread_check,
+            dtype, kv_cache_dtype: the engine's options, as the fields of `EngineConfig` (which
+            documents each); `library` may be any path.
+        config: all of those in one `EngineConfig` (then leave the keywords out: one given as
+            well is refused). `engine.config` is the config the engine was opened with.
 
-        check_dtype(dtype)
-        for name, value, low in (
-            ("max_batch_size", max_batch_size, 1),
-            ("max_context", max_context, 2),
-            ("prefill_chunk", prefill_chunk, 1),
-            ("max_queue", max_queue, 1),
-            ("max_buffered_tokens", max_buffered_tokens, 1),
-        ):
-            if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= 2**31 - 1:
-                raise InvalidConfigError(f"{name} must be an integer in [{low}, 2**31 - 1], got {value!r}")
-        if not isinstance(kv_cache_dtype, str) or kv_cache_dtype not in KV_CACHE_DTYPES:
-            choices = ", ".join(map(repr, KV_CACHE_DTYPES))
-            raise InvalidConfigError(f"kv_cache_dtype must be one of {choices}, got {kv_cache_dtype!r}")
-        if not isinstance(prefix_cache, bool):
-            raise InvalidConfigError(f"prefix_cache must be a bool, got {prefix_cache!r}")
+        Every option is checked before anything is loaded (`InvalidConfigError` naming it).
+        """
         for name, path in (("model", model), ("library", library)):
             if path is not None and not isinstance(path, (str, os.PathLike)):
                 kind = type(path).__name__
                 raise InvalidConfigError(f"{name} must be a path (str or os.PathLike) or None, not {kind}")
             if path is not None and not isinstance(os.fspath(path), str):
                 raise InvalidConfigError(f"{name} must be a text path, not {type(os.fspath(path)).__name__}")
-        if thread_check is not None and not isinstance(thread_check, bool):
-            raise InvalidConfigError(f"thread_check must be a bool or None, got {thread_check!r}")
-        return _EngineOpener(
-            model,
-            dict(
-                max_batch_size=max_batch_size,
-                max_context=max_context,
-                prefill_chunk=prefill_chunk,
-                prefix_cache=prefix_cache,
-                max_queue=max_queue,
-                max_buffered_tokens=max_buffered_tokens,
-                kv_cache_dtype=kv_cache_dtype,
-            ),
-            library,
-            thread_check,
-            dtype,
+        options = dict(
+            max_batch_size=max_batch_size,
+            max_context=max_context,
+            prefill_chunk=prefill_chunk,
+            prefix_cache=prefix_cache,
+            max_queue=max_queue,
+            library=library,
+            thread_check=thread_check,
+            dtype=dtype,
+            kv_cache_dtype=kv_cache_dtype,
         )
+        return _EngineOpener(model, config_from(config, options))
 
     @classmethod
-    async def _start(
-        cls,
-        model: str | os.PathLike[str] | None,
-        limits: dict[str, Any],
-        library: str | os.PathLike[str] | None,
-        thread_check: bool | None,
-        dtype: Dtype,
-    ) -> Engine:
+    async def _start(cls, model: str | os.PathLike[str] | None, config: EngineConfig) -> Engine:
         from .models.cache import resolve_model  # None = the demo model; a GGUF is converted into the cache once
 
-        path = os.fspath(await anyio.to_thread.run_sync(lambda: resolve_model(model, dtype=dtype)))
-        lib = _ffi.load_library(library, thread_check=thread_check)
+        path = os.fspath(await anyio.to_thread.run_sync(lambda: resolve_model(model, dtype=config.dtype)))
+        lib = _ffi.load_library(config.library, thread_check=config.thread_check)
         waker = LoopWaker()
-        thread = EngineThread(lib, EngineConfig(model_path=path, **limits), waker.call_soon)
+        thread = EngineThread(lib, path, config, waker.call_soon)
         thread.start()
         try:
             info = await _wait_future(thread.ready, waker)
@@ -335,6 +291,11 @@ class Engine:
                 raise
         with anyio.CancelScope(shield=True):
             await self.aclose(abort=True)
+
+    @property
+    def config(self) -> EngineConfig:
+        """The options this engine was opened with (`info` says what it serves)."""
+        return self._thread.cfg
 
     @property
     def closed(self) -> bool:
@@ -743,22 +704,16 @@ class Engine:
 class _EngineOpener:
     """What `Engine.open` returns: an async context manager, or awaitable."""
 
-    def __init__(
-        self,
-        model: str | os.PathLike[str] | None,
-        limits: dict[str, Any],
-        library: str | os.PathLike[str] | None,
-        thread_check: bool | None,
-        dtype: Dtype,
-    ) -> None:
-        self._args = (model, limits, library, thread_check, dtype)
+    def __init__(self, model: str | os.PathLike[str] | None, config: EngineConfig) -> None:
+        self._model = model
+        self._config = config
         self._engine: Engine | None = None
 
     def __await__(self) -> Generator[Any, None, Engine]:
-        return Engine._start(*self._args).__await__()
+        return Engine._start(self._model, self._config).__await__()
 
     async def __aenter__(self) -> Engine:
-        self._engine = await Engine._start(*self._args)
+        self._engine = await Engine._start(self._model, self._config)
         return self._engine
 
     async def __aexit__(

@@ -51,7 +51,6 @@ from ._core.protocol import (
     Decode,
     Done,
     Embed,
-    EngineConfig,
     EvictPrefixCache,
     Final,
     Message,
@@ -66,6 +65,7 @@ from ._core.protocol import (
 )
 from ._core.step import EmbedLane, Lane, Requests, RowResult, Sampled, StepRunner, TapPooler, internal_error
 from .batcher import Batcher
+from .config import EngineConfig
 from .errors import (
     AioBaseRTError,
     EngineClosedError,
@@ -89,8 +89,9 @@ _KV_NAMES = {32: "f32", 16: "f16", 8: "q8", 4: "q4", 84: "q8/q4"}
 class EngineThread:
     """Owns the model handle; everything below runs on this thread only."""
 
-    def __init__(self, lib: _ffi.Library, cfg: EngineConfig, notify: Notify) -> None:
+    def __init__(self, lib: _ffi.Library, model_path: str, cfg: EngineConfig, notify: Notify) -> None:
         self.lib = lib
+        self.model_path = model_path  # the resolved `.base` bundle
         self.cfg = cfg
         self._notify = notify  # LoopWaker.call_soon: fire-and-forget onto the loop
         self._inbox: queue.SimpleQueue[Message] = queue.SimpleQueue()
@@ -165,17 +166,17 @@ class EngineThread:
             prefix_cache=int(cfg.prefix_cache),
             prefill_chunk=cfg.prefill_chunk,
         )
-        path = os.fsencode(cfg.model_path)
+        path = os.fsencode(self.model_path)
         # The intake's tokenizer handles first (tokenization and grammar compiles run there): their
         # loads parse the bundle's header while no weights are resident, and the model's own load then
         # shares their tokenizer, so the process peaks at the weights, not the weights plus a header.
-        intake = Intake(lib, cfg.model_path) if lib.has("baseRT_load_tokenizer_only") else None
+        intake = Intake(lib, self.model_path) if lib.has("baseRT_load_tokenizer_only") else None
         try:
             if intake is not None:
                 intake.wait_loaded()
             handle = lib.baseRT_load_model_ex(path, None, cfg.max_context, byref(opts))
             if not handle:
-                raise lib.last_error("baseRT_load_model_ex", f"cannot load {cfg.model_path}")
+                raise lib.last_error("baseRT_load_model_ex", f"cannot load {self.model_path}")
             self._model = handle
             try:
                 info = self._configure(handle, intake)
@@ -198,7 +199,7 @@ class EngineThread:
         caps = int(lib.baseRT_capabilities(handle))
         if not caps & _ffi.CAP_SEQUENCES:
             raise AioBaseRTError(
-                f"{cfg.model_path}: the engine cannot create sequences for this model "
+                f"{self.model_path}: the engine cannot create sequences for this model "
                 "(no continuous batching); aiobasert needs BASERT_CAP_SEQUENCES"
             )
         mc = _ffi.BaseRTModelConfig()
@@ -248,8 +249,8 @@ class EngineThread:
 
             template = default_template(self._special_tokens(handle))
         self.chat_template = template
-        self.tokenizer = Tokenizer.borrow(lib, handle, cfg.model_path)  # the model handle's own, for this thread only
-        model_file = ModelFile(cfg.model_path)
+        self.tokenizer = Tokenizer.borrow(lib, handle, self.model_path)  # the model handle's own, for this thread only
+        model_file = ModelFile(self.model_path)
         self.prep = Preparer(
             lib, model_file, vocab_size=self.vocab_size, max_context=self.max_context, intake=intake,
             # an engine without a separate tokenizer handle: prepared here, between steps
@@ -260,7 +261,7 @@ class EngineThread:
             vocab_size=self.vocab_size, max_context=self.max_context, tap_budget=self.batcher.tap_budget,
         )
         return ModelInfo(
-            path=cfg.model_path,
+            path=self.model_path,
             architecture=mc.architecture.decode("utf-8", "replace"),
             vocab_size=self.vocab_size,
             dim=int(mc.dim),

@@ -20,6 +20,11 @@ reference engine (llama.cpp's default), the library's per-model default elsewher
 where head_dim allows); "f16"; "q8" (Q8_0 blocks of 32, as llama.cpp's `-ctk q8_0 -ctv q8_0`);
 "f32" (the reference engine's exact pool, twice f16's memory)."""
 KV_CACHE_DTYPES: tuple[str, ...] = get_args(KVCacheDtype)
+Dtype = Literal["auto", "f16", "f32", "q8", "q4"]
+"""How a GGUF model's matrices are stored in its cached bundle (`Engine.open(dtype=...)`, `--dtype`):
+"auto" = each tensor as the GGUF stores it (see the quantized-output section of
+`aiobasert.models.convert`); "f16" / "f32" dequantize; "q8" / "q4" quantize group-wise."""
+DTYPES: tuple[str, ...] = get_args(Dtype)
 
 _INT32_MAX = 2**31 - 1
 _FLT_MAX: float = struct.unpack("<f", b"\xff\xff\x7f\x7f")[0]  # 3.4028234663852886e38

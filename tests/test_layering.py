@@ -23,8 +23,9 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parents[1] / "aiobasert"
 
 LAYERS: list[tuple[str, tuple[str, ...]]] = [  # bottom first; an exact name wins over a pattern
-    # what every layer may use: the typed errors, the public structs, the C ABI's mirror, lazy numpy
-    ("base", ("aiobasert.errors", "aiobasert.types", "aiobasert._core.ffi", "aiobasert._core.lazy_numpy")),
+    # what every layer may use: the typed errors, the public structs and config, the C ABI's mirror, lazy numpy
+    ("base", ("aiobasert.errors", "aiobasert.types", "aiobasert.config", "aiobasert._core.ffi",
+              "aiobasert._core.lazy_numpy")),
     # model files: the bundle format, conversion, the cache (read by the engine's machinery)
     ("models", ("aiobasert.models", "aiobasert.models.*")),
     # the private machinery of one engine, below the thread that drives it

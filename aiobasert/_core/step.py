@@ -35,7 +35,7 @@ from ctypes import byref, c_float, c_int, c_int32, c_uint32, c_void_p
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
-from ..errors import AioBaseRTError, EngineError, InvalidRequestError
+from ..errors import AioBaseRTError, EngineError, InternalError, InvalidRequestError
 from ..types import TopLogprob
 from . import ffi as _ffi
 from .plan import LaneState, PlannedRow
@@ -55,11 +55,9 @@ def mix32(seed: int, counter: int) -> int:
     return (z & 0xFFFFFFFF) or 1
 
 
-def internal_error(where: str, exc: BaseException) -> AioBaseRTError:
+def internal_error(where: str, exc: BaseException) -> InternalError:
     """A bug surfaced as a typed error for the one request it hit."""
-    err = AioBaseRTError(f"internal error {where}: {exc!r}")
-    err.__cause__ = exc
-    return err
+    return InternalError(where, exc)
 
 
 class Lane:

@@ -238,7 +238,7 @@ def _n(n: int | None) -> int:
 
 def _queue_limit(engine: Engine) -> int:
     """Requests the engine can hold at once: its lanes and its wait queue."""
-    return engine.info.max_batch_size + engine._thread.cfg.max_queue  # the queue bound Engine.open was given
+    return engine.info.max_batch_size + engine.config.max_queue
 
 
 async def _admit_fanout(engine: Engine, count: int, param: str, *, prompts: int = 1) -> QueueReservation | None:

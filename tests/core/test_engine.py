@@ -343,9 +343,8 @@ async def test_long_prompt_prefills_in_chunks_without_freezing_streams(tiny_mode
     """vllm #1026 / tabbyAPI #383: a long prompt is prefilled a chunk per step while
     running streams keep decoding every step, and a cancel lands mid-prefill."""
     # prefill_chunk=4: the SDK's per-step prompt budget (the engine's own chunk stays larger),
-    # so the 1900-token prompt takes 475 steps; a big stream buffer so the runner never
-    # pauses for want of a reader during the test
-    async with Engine.open(tiny_model_path, prefill_chunk=4, prefix_cache=False, max_buffered_tokens=4096) as engine:
+    # so the 1900-token prompt takes 475 steps
+    async with Engine.open(tiny_model_path, prefill_chunk=4, prefix_cache=False) as engine:
         long_prompt = list(range(3, 3 + 475)) * 4
         runner = engine.stream("running", max_tokens=2000, ignore_eos=True)
         await runner.__anext__()

@@ -595,7 +595,7 @@ async def test_tool_turns_print_the_models_own_tokens(tmp_path: Path) -> None:
 
 
 async def test_break_out_of_a_chat_stream_frees_its_lane_at_once(tiny_model_path: Path) -> None:
-    async with Engine.open(tiny_model_path, max_batch_size=2, max_buffered_tokens=4) as engine:
+    async with Engine.open(tiny_model_path, max_batch_size=2) as engine:
         chat = engine.stream_chat(MESSAGES, max_tokens=500, ignore_eos=True)
         async for _ in chat:
             break
