@@ -20,7 +20,7 @@ from ..fanout import MAX_N, prefill_once, sample_params
 from ..streams import TokenStream
 from ..tools import ChatDelta as ChatDeltaSDK
 from ..tools import ChatStream, ChatTurn, TextDelta, Tool, ToolCall, ToolCallDelta, prepare_chat_turn
-from ..types import SamplingParams, Token, Usage
+from ..types import SamplingParams, Timing, Token, Usage
 from .compat import check_refused
 from .errors import APIError, api_error
 from .events import OpenAIChunks, collect, drive
@@ -117,8 +117,8 @@ class _CompletionChunks(OpenAIChunks):
     def closing(self, finish: str, usage: Usage | None) -> bytes | None:
         return None
 
-    def usage(self, usage: Usage) -> bytes:
-        return self._chunk([], UsageInfo.of(usage))
+    def usage(self, usage: Usage, timing: Timing | None = None) -> bytes:
+        return self._chunk([], UsageInfo.of(usage, [timing] if timing is not None else []))
 
     def usage_chunk(self, usage: UsageInfo) -> bytes:
         """The usage chunk of a whole multi-choice request."""
@@ -201,8 +201,8 @@ class _ChatChunks(OpenAIChunks):
         head = self._delta(_chat_delta(rest)) if rest else b""
         return head + self._delta(ChatDelta(), finish=_with_tools(finish, self._chat.tool_calls))
 
-    def usage(self, usage: Usage) -> bytes:
-        return self._chunk([], UsageInfo.of(usage))
+    def usage(self, usage: Usage, timing: Timing | None = None) -> bytes:
+        return self._chunk([], UsageInfo.of(usage, [timing] if timing is not None else []))
 
     def usage_chunk(self, usage: UsageInfo) -> bytes:
         """The usage chunk of a whole multi-choice request."""
@@ -433,7 +433,8 @@ class Service:
         prompt = sum(f.usage.prompt_tokens for f in finals[::n] if f is not None)
         completion = sum(f.usage.completion_tokens for f in finals if f is not None)
         cached = prefill_cached if n > 1 else sum(f.usage.cached_prompt_tokens for f in finals if f is not None)
-        return UsageInfo.of(Usage(prompt_tokens=prompt, completion_tokens=completion, cached_prompt_tokens=cached))
+        usage = Usage(prompt_tokens=prompt, completion_tokens=completion, cached_prompt_tokens=cached)
+        return UsageInfo.of(usage, [f.timing for f in finals if f is not None])
 
     def _log_user(self, rid: str, user: str | None) -> None:
         if user is not None:
