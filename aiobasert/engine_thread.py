@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 from ._core import ffi as _ffi
 from ._core import preparation
 from ._core.grammar_cache import GrammarCache
-from ._core.intake import Intake, TokenIds, Tokenizer, run_job
+from ._core.intake import Intake, Reroute, TokenIds, Tokenizer, on_costly_worker, run_job
 from ._core.output import Detokenizer, OutputProcessor
 from ._core.protocol import (
     Ask,
@@ -762,6 +762,8 @@ class EngineThread:
         compiler of its own, else on first use (once, holding the GIL: docs/fairness.md)."""
         with self._grammar_lock:
             if self._grammar is None:
+                if not on_costly_worker():  # built where only its request waits (a cheap worker moves on)
+                    raise Reroute
                 from ._core.grammar import GrammarBackend, engine_end_ids
 
                 started = time.monotonic()
