@@ -14,8 +14,8 @@ import anyio
 
 from ._core import ffi as _ffi
 from ._core import lazy_numpy
+from ._core.cost import MAX_DECODE_IDS, measure
 from ._core.intake import Tokenizer
-from ._core.preparation import MAX_DECODE_IDS, measure
 from ._core.protocol import (
     Ask,
     Call,
@@ -61,7 +61,7 @@ if TYPE_CHECKING:
 
     from .models.convert import Dtype
     from .tool_formats import ToolFormat
-    from .tools import ChatStream, Tool, ToolChoice
+    from .tools import ChatStream, ChatTurn, Tool, ToolChoice
 
 T = TypeVar("T")
 
@@ -456,8 +456,8 @@ class Engine:
             self.chat_template,
             cast("Sequence[ChatMessage | Mapping[str, str]]", messages),
             add_generation_prompt=add_generation_prompt,
-            bos_token=self._thread.bos_token,
-            eos_token=self._thread.eos_token,
+            bos_token=self.info.bos_token,
+            eos_token=self.info.eos_token,
         )
         return self._new_stream(pieces, self._params(params, kwargs), True)
 
@@ -474,22 +474,59 @@ class Engine:
     ) -> ChatStream:
         """Like `chat`, always as a `ChatStream` (text deltas, tool-call deltas);
         messages may include `tool` turns and assistant turns with `tool_calls`."""
-        from .tools import open_chat_stream
-
         if tools is not None and (isinstance(tools, (str, bytes, Mapping)) or not isinstance(tools, Sequence)):
             raise InvalidRequestError(f"tools must be a list of tools, not {type(tools).__name__}")
         if not isinstance(parallel_tool_calls, bool):  # "no" is truthy: it would have allowed several calls
             raise InvalidRequestError(
                 f"parallel_tool_calls must be a bool, not {type(parallel_tool_calls).__name__}")
-        return open_chat_stream(
-            self,
+        checked = self._params(params, kwargs)
+        if tools and checked.json_schema is not None:  # refused before the render is paid
+            raise InvalidRequestError("json_schema cannot be combined with tools")
+        turn = self._chat_turn(
             messages,
-            self._params(params, kwargs),
             tools=tools,
             tool_choice=tool_choice,
             parallel=parallel_tool_calls,
             add_generation_prompt=add_generation_prompt,
         )
+        return self._stream_turn(turn, checked)
+
+    def _chat_turn(
+        self,
+        messages: Sequence[Any],
+        *,
+        tools: Sequence[Tool | Mapping[str, Any]] | None,
+        tool_choice: ToolChoice | Mapping[str, Any] | None,
+        parallel: bool,
+        add_generation_prompt: bool = True,
+    ) -> ChatTurn:
+        """`messages` rendered and constrained as one tool-aware turn, with this model's template,
+        tokens and tool-call format (`tools.prepare_chat_turn`). Request-sized, and it touches no
+        engine state and no event loop: a server runs it in a worker thread."""
+        from .tools import prepare_chat_turn
+
+        return prepare_chat_turn(
+            self.chat_template,
+            messages,
+            tool_format=self.tool_format,
+            tools=tools,
+            tool_choice=tool_choice,
+            parallel=parallel,
+            add_generation_prompt=add_generation_prompt,
+            bos_token=self.info.bos_token,
+            eos_token=self.info.eos_token,
+        )
+
+    def _stream_turn(self, turn: ChatTurn, params: SamplingParams) -> ChatStream:
+        """A new (not yet submitted) stream of a prepared `turn` under `params` (validated here):
+        one per choice of an n > 1 request, which renders once."""
+        from .tools import ChatStream
+
+        params = self._params(params, {})
+        if turn.lark is not None and params.json_schema is not None:
+            raise InvalidRequestError("json_schema cannot be combined with tools")
+        tokens = self._new_stream(turn.pieces, params, True, turn.lark, turn.structural_tag)
+        return ChatStream(tokens, parse_calls=turn.parse_calls, forced=turn.forced, tool_format=turn.tool_format)
 
     @property
     def chat_template(self) -> str:

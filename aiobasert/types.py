@@ -406,3 +406,9 @@ class ModelInfo(msgspec.Struct, frozen=True, kw_only=True):
     kv_cache_dtype: str = ""
     """The KV cache's element type as the engine allocated it: "f32", "f16", "q8" (Q8_0 blocks),
     "q4", or "q8/q4" (K at Q8_0, V at Q4_0); "" where the library cannot say."""
+    bos_token: str = ""
+    """The text of the model's beginning-of-sequence token, as its chat template prints
+    `bos_token` ("" where the library cannot say)."""
+    eos_token: str = ""
+    """The text of the model's end-of-sequence token, as its chat template prints `eos_token`
+    ("" where the library cannot say)."""

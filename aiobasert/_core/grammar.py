@@ -38,7 +38,7 @@ __all__ = ["GRAMMAR_LIMITS", "EngineGrammarConstraint", "GrammarBackend", "JsonS
 
 GRAMMAR_LIMITS: dict[str, Any] = {
     # Bound a compile's work while it runs (llguidance's ParserLimits; it stops with its reason, an
-    # InvalidRequestError): the time budget (preparation.COMPILE_BUDGET_S) can only judge a compile
+    # InvalidRequestError): the time budget (cost.COMPILE_BUDGET_S) can only judge a compile
     # after it returns. Measured on SmolLM2's vocabulary (docs/fairness.md): the lexer's build is what
     # grows fastest (8,000 integer properties with distinct minimums: 6 s here, ~1M fuel); at 200,000
     # fuel it is refused after 0.1-0.5 s, while 128 tools of 40 properties (the most tools allowed)
@@ -72,7 +72,7 @@ def bundle_end_ids(path: str | os.PathLike[str], n_tokens: int) -> list[int]:
 
 class JsonSchemaConstraint:
     """One request's grammar: an llguidance matcher behind the engine's `Constraint`
-    protocol (aiobasert.engine_thread).
+    protocol (aiobasert._core.protocol).
 
     Stepping never raises for what the model samples (an exception there would
     stop the engine thread): a rejected token or an internal llguidance error
@@ -142,14 +142,22 @@ class GrammarBackend:
             bundle = read_bundle(path)  # the header only: tensors stay unmapped
         except (OSError, ValueError) as exc:
             raise InvalidRequestError(f"structured output: cannot read the model's tokenizer: {exc}") from None
-        fields = bundle.tokenizer
+        if end_ids is None:
+            n_tokens = len(bundle.tokenizer.get("tokenizer.ggml.tokens") or [])
+            end_ids = bundle_end_ids(path, n_tokens)
+        return cls.for_tokenizer(bundle.tokenizer, vocab_size=vocab_size, end_ids=end_ids)
+
+    @classmethod
+    def for_tokenizer(cls, fields: Mapping[str, Any], *, vocab_size: int, end_ids: Sequence[int]) -> GrammarBackend:
+        """Build the backend from a bundle's tokenizer fields (the engine's own `ModelFile`, read
+        once), with the `end_ids` the engine running the model ends generation on (engine_end_ids)."""
+        if not _HAVE_LLGUIDANCE:
+            raise InvalidRequestError("structured output needs the llguidance package (pip install llguidance)")
         n_tokens = len(fields.get("tokenizer.ggml.tokens") or [])
         if n_tokens > vocab_size:
             raise InvalidRequestError(
                 f"structured output: the tokenizer has {n_tokens} tokens but the model only {vocab_size} logits"
             )
-        if end_ids is None:
-            end_ids = bundle_end_ids(path, n_tokens)
         end_ids = [i for i in end_ids if i < n_tokens]
         if not end_ids:
             raise InvalidRequestError("structured output: the model defines no end-of-sequence token")

@@ -9,7 +9,7 @@ own, so the engine's model handle stays single-owner) and its own `Library`
 view bound to it (the debug thread check then still proves the model handle
 is only entered by the engine thread).
 
-Jobs go into three lanes by their cost (`preparation.lane_of`: characters of
+Jobs go into three lanes by their cost (`cost.lane_of`: characters of
 prompt text plus grammar source, measured before any work), so a cheap job
 never waits behind a costly one:
 
@@ -18,7 +18,7 @@ never waits behind a costly one:
   order they were submitted;
 * cheap (grammar worker 0; worker 1 too when it has nothing costly): cheap
   requests with a grammar, which join the engine's FIFO queue when ready;
-* costly (grammar worker 1): everything above `preparation.QUICK_COST`, text
+* costly (grammar worker 1): everything above `cost.QUICK_COST`, text
   or grammar, one at a time, FIFO.
 
 Tokenizing returns a ctypes array (`TokenIds`), filled by the C call with the
@@ -41,8 +41,8 @@ from typing import Any
 
 from ..errors import AioBaseRTError, InvalidRequestError
 from . import ffi as _ffi
+from .cost import MAX_ENCODE_IDS, QUICK_COST, Lane, check_fits, lane_of
 from .output import Detokenizer
-from .preparation import MAX_ENCODE_IDS, QUICK_COST, Lane, check_fits, lane_of
 from .protocol import Done
 from .step import internal_error
 
@@ -102,7 +102,7 @@ class Tokenizer:
 
     def encode_text(self, text: str, *, special: bool, limit: int | None = None) -> TokenIds:
         """The ids of `text`. With `limit` (the context window), a text that cannot encode to
-        `limit` tokens or fewer is refused before it is tokenized (preparation.check_fits)."""
+        `limit` tokens or fewer is refused before it is tokenized (cost.check_fits)."""
         return _exact(*self._encode(text, special=special, limit=limit))
 
     def _encode(self, text: str, *, special: bool, limit: int | None) -> tuple[TokenIds, int]:
@@ -305,7 +305,7 @@ class Intake:
 
     def submit(self, job: Job, done: Done, *, grammar: bool, cost: int) -> None:
         """Run job(tokenizer) on a worker of the lane for `cost` (characters of text plus grammar
-        source: preparation.lane_of); done(result, error) is called on that worker."""
+        source: cost.lane_of); done(result, error) is called on that worker."""
         self.jobs.put(lane_of(cost, grammar=grammar), job, done)
 
     def close(self) -> None:

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 from ..types import FinishReason, KVCacheDtype, SamplingParams, Timing, Token, Usage
-from .preparation import NO_COST, Measure
+from .cost import NO_COST, Measure
 
 if TYPE_CHECKING:
     import numpy as np

@@ -8,7 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from aiobasert.batcher import Batcher, LaneState
+from aiobasert._core.plan import LaneState
+from aiobasert.batcher import Batcher
 from aiobasert.errors import ContextLengthExceededError, EngineOverloadedError
 
 

@@ -741,5 +741,5 @@ async def test_thread_side_queries_are_typed_messages(tiny_model_path: Path) -> 
             assert (await engine.stats()).steps == 0  # queries are answered between steps, never as one
             assert await engine.evict_prefix_cache() == 0  # nothing was generated, so nothing is cached
         queries = [type(m.query) for m in posted if isinstance(m, Ask)]
-        assert queries == [Stats, EvictPrefixCache]  # decode runs on a tokenizer worker (test_preparation.py)
+        assert queries == [Stats, EvictPrefixCache]  # decode runs on a tokenizer worker (tests/_core/test_prepare.py)
         assert all(isinstance(m, Ask) for m in posted)  # no Call(lambda) on the SDK's paths

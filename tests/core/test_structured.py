@@ -385,9 +385,9 @@ async def test_a_slow_grammar_compile_does_not_stop_other_lanes(
     # The compile is held until released (a 40,000-entry enum took 0.7 s): the
     # engine keeps stepping the running stream meanwhile. Counted in engine
     # steps and delivered tokens, not seconds.
-    from aiobasert.engine_thread import EngineThread
+    from aiobasert._core.prepare import Preparer
 
-    compile = HeldCall(monkeypatch, EngineThread, "_build_constraint")
+    compile = HeldCall(monkeypatch, Preparer, "build_constraint")
     async with Engine.open(untied_model_path, max_batch_size=4) as engine:
         running = engine.stream("running", max_tokens=2000, ignore_eos=True)
         await running.__anext__()
@@ -417,9 +417,9 @@ async def test_a_deeply_nested_schema_is_a_typed_error(untied_model_path: Path, 
 async def test_a_request_cancelled_while_its_grammar_compiles_is_dropped(
     untied_model_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from aiobasert.engine_thread import EngineThread
+    from aiobasert._core.prepare import Preparer
 
-    compile = HeldCall(monkeypatch, EngineThread, "_build_constraint")
+    compile = HeldCall(monkeypatch, Preparer, "build_constraint")
     async with Engine.open(untied_model_path, max_batch_size=2) as engine:
         s = engine.stream("json", max_tokens=16, json_schema=PERSON)
         s.submit()
@@ -428,7 +428,7 @@ async def test_a_request_cancelled_while_its_grammar_compiles_is_dropped(
             stats = await engine.stats()  # answered while the compile is held
             assert stats.requests_cancelled == 1 and stats.active_lanes == stats.waiting_requests == 0
         with anyio.fail_after(30):  # the late grammar is freed, never run
-            while (await engine.stats()).live_grammars or engine._thread._preparing:
+            while (await engine.stats()).live_grammars or engine._thread.prep.preparing:
                 await anyio.sleep(0.001)
             assert (await engine.stats()).active_lanes == 0
 
@@ -441,9 +441,9 @@ async def test_an_abort_does_not_wait_for_a_grammar_compile(
     # EngineClosedError and returns without it (the compile was on the engine
     # thread and the close waited for it).
     from aiobasert import EngineClosedError
-    from aiobasert.engine_thread import EngineThread
+    from aiobasert._core.prepare import Preparer
 
-    compile = HeldCall(monkeypatch, EngineThread, "_build_constraint")
+    compile = HeldCall(monkeypatch, Preparer, "build_constraint")
     engine = await Engine.open(untied_model_path, max_batch_size=2)
     s = engine.stream("json", max_tokens=16, json_schema=PERSON)
     s.submit()

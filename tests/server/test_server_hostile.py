@@ -340,20 +340,26 @@ async def _slow_reader(h: Hostile, rng: random.Random) -> None:
     h.held.append(await anyio.to_thread.run_sync(_raw_stream, h.server.port))
 
 
-async def _trickle_reader(h: Hostile, rng: random.Random) -> None:
-    """A long stream read one byte per 0.2 s, until the normal clients are done."""
+async def _read_slowly(h: Hostile, size: int, every: float) -> None:
+    """A long stream read `size` bytes every `every` seconds, until the normal clients are done or
+    the server drops it."""
     sock = await anyio.to_thread.run_sync(_raw_stream, h.server.port)
     h.held.append(sock)
     sock.setblocking(False)
     while not h.normal_done.is_set():
         try:
-            if not sock.recv(1):
+            if not sock.recv(size):
                 return
         except BlockingIOError:
             pass
         except OSError:
             return
-        await anyio.sleep(0.2)
+        await anyio.sleep(every)
+
+
+async def _trickle_reader(h: Hostile, rng: random.Random) -> None:
+    """A long stream read one byte per 0.2 s, until the normal clients are done."""
+    await _read_slowly(h, 1, 0.2)
 
 
 async def _disconnect(h: Hostile, rng: random.Random) -> None:
@@ -500,19 +506,9 @@ async def _many_tools(h: Hostile, rng: random.Random) -> None:
 
 async def _reader_4k(h: Hostile, rng: random.Random) -> None:
     """A long stream read at 4 KB/s, until the normal clients are done (issue 26 item 6: never
-    blocked for the write timeout, so never dropped by it; its whole unsent response was kept)."""
-    sock = await anyio.to_thread.run_sync(_raw_stream, h.server.port)
-    h.held.append(sock)
-    sock.setblocking(False)
-    while not h.normal_done.is_set():
-        try:
-            if not sock.recv(400):
-                return  # dropped: its backlog did not shrink
-        except BlockingIOError:
-            pass
-        except OSError:
-            return
-        await anyio.sleep(0.1)
+    blocked for the write timeout, so never dropped by it; its whole unsent response was kept: a drop
+    ends the read, its backlog did not shrink)."""
+    await _read_slowly(h, 400, 0.1)
 
 
 async def _fanout_race(h: Hostile, rng: random.Random) -> None:
