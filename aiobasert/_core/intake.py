@@ -168,12 +168,29 @@ def _exact(out: TokenIds, n: int) -> TokenIds:
 Job = Callable[[Tokenizer], Any]
 
 
+class Reroute(Exception):
+    """Raised by a job on a worker that does not serve the costly lane (`on_costly_worker`) when it
+    comes to work only the costly lane pays (the host grammar backend's first build): the job goes,
+    whole, to the costly lane, and this worker goes on with its own (its cheap jobs never wait)."""
+
+
+_serving = threading.local()  # .lanes: the lanes the calling worker serves
+
+
+def on_costly_worker() -> bool:
+    """Whether the calling thread pays costly work: a worker of the costly lane, or no worker (a
+    job run inline)."""
+    return "costly" in getattr(_serving, "lanes", ("costly",))
+
+
 def run_job(job: Job, tok: Tokenizer) -> tuple[Any, BaseException | None]:
-    """(result, None) or (None, a typed error): nothing a job raises escapes."""
+    """(result, None) or (None, a typed error): nothing a job raises escapes but `Reroute`."""
     try:
         return job(tok), None
     except AioBaseRTError as exc:
         return None, exc
+    except Reroute:
+        raise
     except Exception as exc:  # a bug in one request's preparation costs that request only
         return None, internal_error("preparing the request", exc)
 
@@ -234,6 +251,7 @@ class _Worker:
             return Tokenizer.load(self._intake.lib, self._intake.model_path)
 
     def _main(self) -> None:
+        _serving.lanes = self._lanes
         try:
             try:  # at once, not at the first job: see Intake.wait_loaded
                 self.tok = self._load()
@@ -249,7 +267,12 @@ class _Worker:
                     except Exception as exc:  # tried again by the next job
                         done(None, exc if isinstance(exc, AioBaseRTError) else internal_error("loading", exc))
                         continue
-                done(*run_job(job, self.tok))
+                try:
+                    outcome = run_job(job, self.tok)
+                except Reroute:  # run again, whole, where costly work is paid
+                    self._intake.jobs.put("costly", job, done)
+                    continue
+                done(*outcome)
         finally:
             if self.tok is not None:
                 self.tok.close()

@@ -34,7 +34,7 @@ from ..types import MAX_SCHEMA_REFS
 from . import cost as _cost
 from . import ffi as _ffi
 from .grammar_cache import GrammarCache
-from .intake import Intake, TokenIds, Tokenizer, run_job
+from .intake import Intake, Reroute, TokenIds, Tokenizer, on_costly_worker, run_job
 from .model_file import ModelFile
 from .protocol import Constraint, Embed, Message, Prepared, Prompt, RequestSpec, Submit
 from .schema import closed_objects
@@ -304,6 +304,8 @@ class Preparer:
         the GIL: docs/fairness.md)."""
         with self._lock:
             if self.backend is None:
+                if not on_costly_worker():  # built where only its request waits (a cheap worker moves on)
+                    raise Reroute
                 from .grammar import GrammarBackend, engine_end_ids
 
                 started = time.monotonic()

@@ -22,7 +22,7 @@ from ..fanout import MAX_N, prefill_once, sample_params
 from ..streams import TokenStream
 from ..tools import ChatDelta as ChatDeltaSDK
 from ..tools import ChatStream, ChatTurn, TextDelta, Tool, ToolCall, ToolCallDelta
-from ..types import SamplingParams, Token, Usage
+from ..types import SamplingParams, Timing, Token, Usage
 from .compat import check_refused
 from .errors import APIError, api_error
 from .events import ChunkFormat, OpenAIChunks, collect, drive
@@ -94,8 +94,8 @@ class _ChoiceChunks(OpenAIChunks, Generic[_Choice]):
     def _chunk(self, choices: list[_Choice], usage: UsageInfo | None = None) -> bytes:
         raise NotImplementedError
 
-    def usage(self, usage: Usage) -> bytes:
-        return self._chunk([], UsageInfo.of(usage))
+    def usage(self, usage: Usage, timing: Timing | None = None) -> bytes:
+        return self._chunk([], UsageInfo.of(usage, [timing] if timing is not None else []))
 
     def usage_chunk(self, usage: UsageInfo) -> bytes:
         """The usage chunk of a whole multi-choice request."""
@@ -532,7 +532,8 @@ class Service:
         prompt = sum(f.usage.prompt_tokens for f in finals[::n] if f is not None)
         completion = sum(f.usage.completion_tokens for f in finals if f is not None)
         cached = prefill_cached if n > 1 else sum(f.usage.cached_prompt_tokens for f in finals if f is not None)
-        return UsageInfo.of(Usage(prompt_tokens=prompt, completion_tokens=completion, cached_prompt_tokens=cached))
+        usage = Usage(prompt_tokens=prompt, completion_tokens=completion, cached_prompt_tokens=cached)
+        return UsageInfo.of(usage, [f.timing for f in finals if f is not None])
 
     def _log_user(self, rid: str, user: str | None) -> None:
         if user is not None:

@@ -337,6 +337,51 @@ async def test_the_host_grammar_backend_is_built_at_open_where_it_serves_every_s
 
 
 @pytest.mark.anyio
+async def test_the_host_grammar_backend_is_built_on_the_costly_worker_where_only_its_request_waits(
+    tiny_model_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 26 left (b): the reference engine builds the host backend on first use (a text-only
+    server never holds its ~50 MiB). A small schema only llguidance takes (`enum`) is a cheap-lane
+    job, but the build is costly: the job moves, whole, to the costly lane, and the cheap worker goes
+    on. While the costly lane is held, other schemas are served and the build has not begun; then it
+    runs on the costly worker, once, and the request is served."""
+    from aiobasert._core.grammar import GrammarBackend
+
+    built: list[str] = []
+    real = GrammarBackend.for_tokenizer.__func__  # type: ignore[attr-defined]
+
+    def for_tokenizer(cls: type[GrammarBackend], *args: Any, **kwargs: Any) -> GrammarBackend:
+        built.append(threading.current_thread().name)
+        return real(cls, *args, **kwargs)  # type: ignore[no-any-return]
+
+    monkeypatch.setattr(GrammarBackend, "for_tokenizer", classmethod(for_tokenizer))
+    async with aiobasert.Engine.open(tiny_model_path, max_batch_size=2) as engine:
+        started, release = _held_costly_lane(engine)
+        await _until(started)
+        done: list[str] = []
+
+        async def host() -> None:
+            out = await engine.generate("x", max_tokens=8, json_schema={"enum": ["red", "green"]})
+            assert json.loads(out.text) in ("red", "green")
+            done.append("host")
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(host)
+            while not engine._thread.prep.preparing:  # handed to the intake (first in the cheap lane)
+                await anyio.sleep(0.001)
+            with anyio.fail_after(30):
+                for schema in ({"type": "integer"}, {"type": "boolean"}, {"type": "integer"}):
+                    # cheap-lane schemas the engine compiles: served meanwhile
+                    out = await engine.generate("y", max_tokens=12, json_schema=schema)
+                    done.append(f"engine {type(json.loads(out.text)).__name__}")
+            assert built == [] and engine._thread.prep.backend is None  # not begun: it waits for the costly lane
+            release.set()
+        assert done == ["engine int", "engine bool", "engine int", "host"]
+        assert built == ["aiobasert-grammar-1"]
+        assert (await engine.stats()).live_grammars == 0
+
+
+@pytest.mark.anyio
 async def test_a_long_prompt_is_held_as_a_c_array_not_a_python_list(long_untied_model_path: Path) -> None:
     """Issue 26 #9a: a tokenized prompt travels from the C call to the engine as a C array (4 bytes a
     token): no list of Python ints (8 bytes a token plus ~32 per id above 256, built holding the GIL)
