@@ -196,12 +196,15 @@ static const kernel_set generic_kernels = {3, 4, TILE_SET(tile_generic, 3, 4, ),
  * penalty -- a 7x slowdown of -O1 / sanitizer builds. */
 #define LEAVE_AVX() _mm256_zeroupper()
 
-/* AVX2 + FMA (+ F16C for f16 weights): the AVX-512 kernels' dot product, 8 lanes at a time. Each
- * 16-element step feeds two 8-lane accumulators (the low and high halves of AVX-512's one), which
- * are added before the same horizontal sum, then the same tail: every value is bit for bit the one
- * the AVX-512 set computes, so an AVX2 machine follows the same greedy path as an AVX-512 one
- * (quantized activations turn a last-bit difference upstream into a different Q8 rounding, and at
- * a near-tie a different token). 2x3 main tile (12 accumulators + 2 x + 1 w registers). */
+/* AVX2 + FMA (+ F16C for f16 weights): the AVX-512 kernels' dot product, 8 lanes at a time. Lanes 0-7
+ * of AVX-512's 16-lane accumulator take elements 16k..16k+7, lanes 8-15 elements 16k+8..16k+15; here two
+ * 8-lane accumulators per dot product do, added before the same horizontal sum, then the same tail:
+ * every value is bit for bit the one the AVX-512 set computes, so an AVX2 machine follows the same greedy
+ * path as an AVX-512 one (quantized activations turn a last-bit difference upstream into a different Q8
+ * rounding, and at a near-tie a different token). A 3x4 tile's 24 accumulators do not fit 16
+ * registers: each chunk of AVX2_CHUNK elements is passed twice, low lanes then high lanes (the chunk's
+ * rows still in L1), 12 accumulators in registers at a time. */
+enum { AVX2_CHUNK = 256 };
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c")
 
@@ -219,44 +222,58 @@ static inline __attribute__((always_inline)) __m256 load8_w(const void *w, size_
 
 static inline __attribute__((always_inline)) void tile_avx2(const float *x, size_t ldx, const void *w, size_t ldw,
                                                             float *y, size_t ldy, int n, int RT, int OT, int F16) {
-    __m256 acc[2][TILE_RMAX][TILE_OMAX]; /* [half of the 16-lane step][row][output] */
+    /* [half of the 16-lane step][row][output]: kept in memory between passes, 12 in registers at a time */
+    __m256 hold[2][TILE_RMAX][TILE_OMAX];
     size_t es = F16 ? 2 : 4;
     UNROLL
     for (int h = 0; h < 2; h++)
         UNROLL
         for (int r = 0; r < RT; r++)
             UNROLL
-            for (int o = 0; o < OT; o++) acc[h][r][o] = _mm256_setzero_ps();
+            for (int o = 0; o < OT; o++) hold[h][r][o] = _mm256_setzero_ps();
     int nv = n & ~15;
-    for (int i = 0; i < nv; i += 16) {
+    for (int c0 = 0; c0 < nv; c0 += AVX2_CHUNK) {
+        int c1 = nv - c0 < AVX2_CHUNK ? nv : c0 + AVX2_CHUNK;
         UNROLL
-        for (int h = 0; h < 2; h++) {
-            __m256 xv[TILE_RMAX];
+        for (int h = 0; h < 2; h++) { /* the chunk's low lanes, then (from L1) its high ones */
+            __m256 acc[TILE_RMAX][TILE_OMAX];
             UNROLL
-            for (int r = 0; r < RT; r++) xv[r] = _mm256_loadu_ps(x + r * ldx + i + 8 * h);
-            UNROLL
-            for (int o = 0; o < OT; o++) {
-                __m256 wv = load8_w(w, o * ldw + i + 8 * h, F16);
-                if (h == 0) _mm_prefetch(AHEAD(w, ldw, o, OT, i, es), _MM_HINT_T1);
+            for (int r = 0; r < RT; r++)
                 UNROLL
-                for (int r = 0; r < RT; r++) acc[h][r][o] = _mm256_fmadd_ps(xv[r], wv, acc[h][r][o]);
+                for (int o = 0; o < OT; o++) acc[r][o] = hold[h][r][o];
+            for (int i = c0 + 8 * h; i < c1; i += 16) {
+                __m256 xv[TILE_RMAX];
+                UNROLL
+                for (int r = 0; r < RT; r++) xv[r] = _mm256_loadu_ps(x + r * ldx + i);
+                UNROLL
+                for (int o = 0; o < OT; o++) {
+                    __m256 wv = load8_w(w, o * ldw + i, F16);
+                    if (h == 0) _mm_prefetch(AHEAD(w, ldw, o, OT, i, es), _MM_HINT_T1);
+                    UNROLL
+                    for (int r = 0; r < RT; r++) acc[r][o] = _mm256_fmadd_ps(xv[r], wv, acc[r][o]);
+                }
             }
+            UNROLL
+            for (int r = 0; r < RT; r++)
+                UNROLL
+                for (int o = 0; o < OT; o++) hold[h][r][o] = acc[r][o];
         }
     }
     UNROLL
     for (int r = 0; r < RT; r++)
         UNROLL
         for (int o = 0; o < OT; o++) {
-            float s = hsum_avx(_mm256_add_ps(acc[0][r][o], acc[1][r][o])); /* hsum_avx512's order */
+            float s = hsum_avx(_mm256_add_ps(hold[0][r][o], hold[1][r][o])); /* hsum_avx512's order */
             for (int i = nv; i < n; i++) s = fmaf(x[r * ldx + i], WSCALAR(w, F16, o * ldw + i), s);
             y[r * ldy + o] = s;
         }
     LEAVE_AVX();
 }
 
-DEFINE_TILE(tile_avx2, 2, 3)
-DEFINE_TILE(tile_avx2, 1, 3)
-DEFINE_TILE(tile_avx2, 2, 1)
+DEFINE_TILE(tile_avx2, 3, 4)
+DEFINE_TILE(tile_avx2, 2, 4)
+DEFINE_TILE(tile_avx2, 1, 4)
+DEFINE_TILE(tile_avx2, 3, 1)
 DEFINE_TILE(tile_avx2, 1, 1)
 
 static inline __attribute__((always_inline)) void axpy_avx2_t(const float *p, int n, const void *v, size_t ldv,
@@ -366,7 +383,7 @@ static void axpy_avx512_h(const float *p, int n, const void *v, size_t ldv, floa
 
 #pragma GCC pop_options
 
-static const kernel_set avx2_kernels = {2, 3, TILE_SET(tile_avx2, 2, 3, ), TILE_SET(tile_avx2, 2, 3, _h),
+static const kernel_set avx2_kernels = {3, 4, TILE_SET(tile_avx2, 3, 4, ), TILE_SET(tile_avx2, 3, 4, _h),
                                         axpy_avx2, axpy_avx2_h, "avx2-fma"};
 static const kernel_set avx512_kernels = {4, 6, TILE_SET(tile_avx512, 4, 6, ), TILE_SET(tile_avx512, 4, 6, _h),
                                           axpy_avx512, axpy_avx512_h, "avx512"};
