@@ -8,18 +8,21 @@ tests once, or pass --vocab-dir), and random weights. The matrices are written a
 K-quants as random blocks (every bit pattern is a valid block; super-block scales sized so values stay
 ~0.1, as tests/tiny_gguf.py does), Q8_0 / F16 from random floats. The rows of control tokens in the
 output matrix (the embedding, for the tied geometries 135m / 1b / 3b) are zero, so no random logit ends a
-stream early. llama.cpp's llama-quantize is not used
-(it is not built here): --qtype picks the blocks, Q4_K matrices with a Q6_K output and embedding being
-close to a Q4_K_M file's sizes.
+stream early. --qtype picks the blocks (Q4_K matrices with a Q6_K output and embedding are close to a
+Q4_K_M file's sizes); --quantize TYPE instead writes F16 matrices and has llama.cpp's own llama-quantize
+make a real TYPE file (Q4_K_M: its per-tensor choice of blocks), with the llama-quantize that
+bench/vs_llama_server.py builds beside llama-server (or --llama-quantize PATH).
 
     python bench/geometry_gguf.py 1b /tmp/llama-1b-q4k.gguf                 # 16 layers, ~0.8 GB
     python bench/geometry_gguf.py 135m /tmp/smol-q8.gguf --qtype Q8_0 --vocab gpt-2
+    python bench/geometry_gguf.py 1b /tmp/llama-1b-q4km.gguf --quantize Q4_K_M       # llama-quantize's file
     python bench/vs_llama_server.py --model /tmp/llama-1b-q4k.gguf --threads 2
 """
 
 from __future__ import annotations
 
 import argparse
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -56,7 +59,10 @@ def write(geometry: str, out: Path, *, qtype: str, vocab: str, vocab_dir: Path |
           seed: int = 0) -> Path:
     g = GEOMETRIES[geometry]
     n_layers = layers or g.n_layers
-    _, meta = _read_gguf(vocab_file(vocab, vocab_dir))
+    source = vocab_file(vocab, vocab_dir)
+    _, meta = _read_gguf(source)
+    # each key's own GGUF types (llama.cpp refuses e.g. an i32 tokenizer.ggml.bos_token_id: it reads a u32)
+    kinds = {name: field.types for name, field in gguf.GGUFReader(source).fields.items()}
     tokenizer = {k: v for k, v in meta.items() if k.startswith("tokenizer.")}
     n_vocab = len(tokenizer["tokenizer.ggml.tokens"])
     types = np.asarray(tokenizer.get("tokenizer.ggml.token_type", [1] * n_vocab))
@@ -73,7 +79,8 @@ def write(geometry: str, out: Path, *, qtype: str, vocab: str, vocab_dir: Path |
     w.add_layer_norm_rms_eps(1e-5)
     w.add_rope_dimension_count(head_dim)
     for key, value in tokenizer.items():
-        w.add_key_value(key, value, gguf.GGUFValueType.get_type(value))
+        kind = kinds[key]
+        w.add_key_value(key, value, kind[0], sub_type=kind[1] if len(kind) > 1 else None)
     main = QTYPES[qtype]
     edge = Q.Q6_K if main in K_BLOCKS else main  # embedding and output, as a Q4_K_M file keeps them
 
@@ -118,18 +125,46 @@ def write(geometry: str, out: Path, *, qtype: str, vocab: str, vocab_dir: Path |
     return out
 
 
+def llama_quantize(tool: Path | None) -> Path:
+    """llama.cpp's llama-quantize: `tool`, else the one bench/vs_llama_server.py built beside llama-server."""
+    if tool:
+        return tool
+    from bench.vs_llama_server import CACHE
+
+    found = sorted(CACHE.glob("llama-server-*/llama-quantize"))
+    if not found:
+        raise SystemExit(f"no llama-quantize under {CACHE}: build it (bench/device_sweep.py, or "
+                         "vs_llama_server.build_llama_server with the llama-quantize target) or pass --llama-quantize")
+    return found[-1]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("geometry", choices=sorted(GEOMETRIES))
     ap.add_argument("out", type=Path)
     ap.add_argument("--qtype", choices=sorted(QTYPES), default="Q4_K")
+    ap.add_argument("--quantize", metavar="TYPE",
+                    help="write F16 matrices and quantize them with llama.cpp's llama-quantize to TYPE (e.g. Q4_K_M: "
+                         "llama.cpp's own choice of block type per tensor) instead of writing --qtype blocks")
+    ap.add_argument("--llama-quantize", type=Path, help="the llama-quantize binary (default: the bench's build)")
     ap.add_argument("--vocab", help="llama.cpp vocabulary name (ggml-vocab-NAME.gguf); default per geometry: "
                                     + ", ".join(f"{k} {v}" for k, v in DEFAULT_VOCAB.items()))
     ap.add_argument("--vocab-dir", type=Path)
     ap.add_argument("--layers", type=int, help="fewer layers than the geometry's (a quicker file)")
     args = ap.parse_args()
-    path = write(args.geometry, args.out, qtype=args.qtype, vocab=args.vocab or DEFAULT_VOCAB[args.geometry],
-                 vocab_dir=args.vocab_dir, layers=args.layers)
+    vocab = args.vocab or DEFAULT_VOCAB[args.geometry]
+    if args.quantize:
+        tool = llama_quantize(args.llama_quantize)
+        f16 = args.out.with_name(args.out.name + ".f16.tmp")
+        try:
+            write(args.geometry, f16, qtype="F16", vocab=vocab, vocab_dir=args.vocab_dir, layers=args.layers)
+            subprocess.run([str(tool), str(f16), str(args.out), args.quantize], check=True, stdout=subprocess.DEVNULL)
+        finally:
+            f16.unlink(missing_ok=True)
+        path = args.out
+    else:
+        path = write(args.geometry, args.out, qtype=args.qtype, vocab=vocab, vocab_dir=args.vocab_dir,
+                     layers=args.layers)
     print(f"{path}: {path.stat().st_size / 2**20:.0f} MiB")
 
 

@@ -35,9 +35,12 @@ void rt_weight_row(const rt_weight *w, size_t row, int n, float *out) {
 }
 
 /* ---- dot-product kernels ------------------------------------------------------
- * The dot product is defined as: one V-lane accumulator (V = the vector width
- * of the kernel set) over the first n - n % V elements in order, a fixed-order
- * horizontal sum, then the tail elements added one by one in order. A tile
+ * The dot product is defined as: one V-lane accumulator over the first
+ * n - n % V elements in order, a fixed-order horizontal sum, then the tail
+ * elements added one by one in order. V = 16 with fused multiply-adds for the
+ * AVX-512 and AVX2 sets (AVX2 runs the 16 lanes as two 8-lane halves): the two
+ * compute the same bits, as the integer kernels do; V = 8, multiply then add,
+ * for the portable set. A tile
  * kernel computes RT x OT such dot products at once (RT rows of x against OT
  * rows of W), each with its own accumulator following exactly that sequence,
  * so a value never depends on the tile it lands in. Every set provides tiles
@@ -193,8 +196,15 @@ static const kernel_set generic_kernels = {3, 4, TILE_SET(tile_generic, 3, 4, ),
  * penalty -- a 7x slowdown of -O1 / sanitizer builds. */
 #define LEAVE_AVX() _mm256_zeroupper()
 
-/* AVX2 + FMA (+ F16C for f16 weights): 8 lanes, 3x4 main tile (12
- * accumulators + 3 x + 1 w registers). */
+/* AVX2 + FMA (+ F16C for f16 weights): the AVX-512 kernels' dot product, 8 lanes at a time. Lanes 0-7
+ * of AVX-512's 16-lane accumulator take elements 16k..16k+7, lanes 8-15 elements 16k+8..16k+15; here two
+ * 8-lane accumulators per dot product do, added before the same horizontal sum, then the same tail:
+ * every value is bit for bit the one the AVX-512 set computes, so an AVX2 machine follows the same greedy
+ * path as an AVX-512 one (quantized activations turn a last-bit difference upstream into a different Q8
+ * rounding, and at a near-tie a different token). A 3x4 tile's 24 accumulators do not fit 16
+ * registers: each chunk of AVX2_CHUNK elements is passed twice, low lanes then high lanes (the chunk's
+ * rows still in L1), 12 accumulators in registers at a time. */
+enum { AVX2_CHUNK = 256 };
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c")
 
@@ -212,30 +222,48 @@ static inline __attribute__((always_inline)) __m256 load8_w(const void *w, size_
 
 static inline __attribute__((always_inline)) void tile_avx2(const float *x, size_t ldx, const void *w, size_t ldw,
                                                             float *y, size_t ldy, int n, int RT, int OT, int F16) {
-    __m256 acc[TILE_RMAX][TILE_OMAX];
+    /* [half of the 16-lane step][row][output]: kept in memory between passes, 12 in registers at a time */
+    __m256 hold[2][TILE_RMAX][TILE_OMAX];
     size_t es = F16 ? 2 : 4;
     UNROLL
-    for (int r = 0; r < RT; r++)
+    for (int h = 0; h < 2; h++)
         UNROLL
-        for (int o = 0; o < OT; o++) acc[r][o] = _mm256_setzero_ps();
-    int nv = n & ~7;
-    for (int i = 0; i < nv; i += 8) {
-        __m256 xv[TILE_RMAX];
-        UNROLL
-        for (int r = 0; r < RT; r++) xv[r] = _mm256_loadu_ps(x + r * ldx + i);
-        UNROLL
-        for (int o = 0; o < OT; o++) {
-            __m256 wv = load8_w(w, o * ldw + i, F16);
-            _mm_prefetch(AHEAD(w, ldw, o, OT, i, es), _MM_HINT_T1);
+        for (int r = 0; r < RT; r++)
             UNROLL
-            for (int r = 0; r < RT; r++) acc[r][o] = _mm256_fmadd_ps(xv[r], wv, acc[r][o]);
+            for (int o = 0; o < OT; o++) hold[h][r][o] = _mm256_setzero_ps();
+    int nv = n & ~15;
+    for (int c0 = 0; c0 < nv; c0 += AVX2_CHUNK) {
+        int c1 = nv - c0 < AVX2_CHUNK ? nv : c0 + AVX2_CHUNK;
+        UNROLL
+        for (int h = 0; h < 2; h++) { /* the chunk's low lanes, then (from L1) its high ones */
+            __m256 acc[TILE_RMAX][TILE_OMAX];
+            UNROLL
+            for (int r = 0; r < RT; r++)
+                UNROLL
+                for (int o = 0; o < OT; o++) acc[r][o] = hold[h][r][o];
+            for (int i = c0 + 8 * h; i < c1; i += 16) {
+                __m256 xv[TILE_RMAX];
+                UNROLL
+                for (int r = 0; r < RT; r++) xv[r] = _mm256_loadu_ps(x + r * ldx + i);
+                UNROLL
+                for (int o = 0; o < OT; o++) {
+                    __m256 wv = load8_w(w, o * ldw + i, F16);
+                    if (h == 0) _mm_prefetch(AHEAD(w, ldw, o, OT, i, es), _MM_HINT_T1);
+                    UNROLL
+                    for (int r = 0; r < RT; r++) acc[r][o] = _mm256_fmadd_ps(xv[r], wv, acc[r][o]);
+                }
+            }
+            UNROLL
+            for (int r = 0; r < RT; r++)
+                UNROLL
+                for (int o = 0; o < OT; o++) hold[h][r][o] = acc[r][o];
         }
     }
     UNROLL
     for (int r = 0; r < RT; r++)
         UNROLL
         for (int o = 0; o < OT; o++) {
-            float s = hsum_avx(acc[r][o]);
+            float s = hsum_avx(_mm256_add_ps(hold[0][r][o], hold[1][r][o])); /* hsum_avx512's order */
             for (int i = nv; i < n; i++) s = fmaf(x[r * ldx + i], WSCALAR(w, F16, o * ldw + i), s);
             y[r * ldy + o] = s;
         }

@@ -574,102 +574,134 @@ static inline __m256i fifth_bits(const uint8_t *p) {
     return _mm256_and_si256(_mm256_cmpeq_epi8(v, bit), _mm256_set1_epi8(0x10));
 }
 
+/* Block k of half h (rows 8h..8h+7) of a panel against RT activation rows, into acc / bias. */
+static inline __attribute__((always_inline)) void qk_avx2_block(const qgeom *gp, const uint8_t *panel, int k, int h,
+                                                                int nb, const uint8_t *x, size_t xrow, int RT,
+                                                                int KIND, __m256 *acc, __m256 *bias) {
+    const qgeom g = *gp;
+    const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1), flip = _mm256_set1_epi8((char)0x80);
+    const uint8_t *bp = block_at(&g, panel, k);
+    __m256i isum[4], isum2[4];
+    for (int r = 0; r < RT; r++) isum[r] = isum2[r] = _mm256_setzero_si256();
+    if (KIND_NIBBLES(KIND) || KIND == KIND_Q6K) {
+        for (int s = 0; s < 4; s++) {
+            __m256i w = _mm256_loadu_si256((const __m256i *)(const void *)(bp + 64 * s + 32 * h));
+            __m256i lo = _mm256_and_si256(w, low4), hi = _mm256_and_si256(_mm256_srli_epi16(w, 4), low4);
+            if (KIND_FIFTH(KIND)) { /* u <= 31: maddubs pairs stay below 2 * 31 * 127 */
+                lo = _mm256_or_si256(lo, fifth_bits(bp + PANEL * 16 + 8 * (2 * s) + 4 * h));
+                hi = _mm256_or_si256(hi, fifth_bits(bp + PANEL * 16 + 8 * (2 * s + 1) + 4 * h));
+            }
+            if (KIND == KIND_Q6K) { /* u <= 63: maddubs pairs stay below 2 * 63 * 127 */
+                __m256i hb = _mm256_loadu_si256(
+                    (const __m256i *)(const void *)(bp + PANEL * 16 + 64 * (s / 2) + 32 * h));
+                __m256i top = _mm256_set1_epi8(0x30);
+                lo = _mm256_or_si256(lo, _mm256_and_si256(s % 2 ? hb : _mm256_slli_epi16(hb, 4), top));
+                hi = _mm256_or_si256(
+                    hi, _mm256_and_si256(s % 2 ? _mm256_srli_epi16(hb, 2) : _mm256_slli_epi16(hb, 2), top));
+            }
+            for (int r = 0; r < RT; r++) {
+                const uint8_t *q = x + (size_t)r * xrow + (size_t)k * QBLK;
+                __m256i pl = _mm256_maddubs_epi16(lo, bcst4(q + 4 * s)),
+                        ph = _mm256_maddubs_epi16(hi, bcst4(q + 16 + 4 * s));
+                if (KIND == KIND_Q6K) { /* low nibbles: the first half, high: the second */
+                    isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(pl, ones));
+                    isum2[r] = _mm256_add_epi32(isum2[r], _mm256_madd_epi16(ph, ones));
+                } else {
+                    isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(_mm256_add_epi16(pl, ph), ones));
+                }
+            }
+        }
+    } else {
+        for (int s = 0; s < 8; s++) {
+            __m256i ws = _mm256_xor_si256(
+                _mm256_loadu_si256((const __m256i *)(const void *)(bp + 64 * s + 32 * h)), flip);
+            __m256i wa = _mm256_sign_epi8(ws, ws); /* |u - 128| (128 stays 0x80 = 128 unsigned) */
+            for (int r = 0; r < RT; r++) {
+                const uint8_t *q = x + (size_t)r * xrow + (size_t)k * QBLK;
+                __m256i p = _mm256_maddubs_epi16(wa, _mm256_sign_epi8(bcst4(q + 4 * s), ws));
+                isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(p, ones));
+            }
+        }
+    }
+    __m256 d, m;
+    if (KIND_IS_K(KIND)) { /* GGML's products d * sc, -(dmin * mn) (Q6_K: both halves' d * sc) */
+        const uint8_t *hp = header_at(&g, panel, k), *sp = bp + g.q_bytes + 8 * h;
+        __m256 dd = load_scales8(hp + 16 * h, 0);
+        __m128i sa = _mm_loadl_epi64((const __m128i *)(const void *)sp),
+                sb = _mm_loadl_epi64((const __m128i *)(const void *)(sp + PANEL));
+        if (KIND == KIND_Q6K) {
+            d = _mm256_mul_ps(dd, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sa)));
+            m = _mm256_mul_ps(dd, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sb)));
+        } else {
+            d = _mm256_mul_ps(dd, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(sa)));
+            m = _mm256_xor_ps(_mm256_mul_ps(load_scales8(hp + 2 * PANEL + 16 * h, 0),
+                                            _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(sb))),
+                              _mm256_set1_ps(-0.0f));
+        }
+    } else {
+        d = load_scales8(bp + g.q_bytes + 8 * h * g.s_size, g.sf32);
+        m = KIND == KIND_Q8S           ? d
+            : KIND_SYM_NIBBLES(KIND) ? _mm256_mul_ps(d, _mm256_set1_ps(KIND_ZERO(KIND)))
+                                     : load_scales8(bp + g.q_bytes + PANEL * g.s_size + 8 * h * g.s_size, g.sf32);
+    }
+    for (int r = 0; r < RT && KIND == KIND_Q6K; r++) {
+        const uint8_t *xr = x + (size_t)r * xrow;
+        int sa = XQ_HALF(xr, nb)[k], sb = -XQ_CORR(xr, nb)[k] / 128 - sa;
+        __m256 xd = _mm256_set1_ps(XQ_D(xr, nb)[k]);
+        __m256i ia = _mm256_sub_epi32(isum[r], _mm256_set1_epi32(32 * sa));
+        __m256i ib = _mm256_sub_epi32(isum2[r], _mm256_set1_epi32(32 * sb));
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia), _mm256_mul_ps(d, xd), acc[r]);
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ib), _mm256_mul_ps(m, xd), acc[r]);
+    }
+    for (int r = 0; r < RT && KIND != KIND_Q6K; r++) {
+        const uint8_t *xr = x + (size_t)r * xrow;
+        __m256i s = isum[r];
+        if (KIND == KIND_Q8) s = _mm256_sub_epi32(s, _mm256_set1_epi32(XQ_CORR(xr, nb)[k]));
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(d, _mm256_set1_ps(XQ_D(xr, nb)[k])),
+                                 acc[r]);
+        if (KIND != KIND_Q8S) bias[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(XQ_S(xr, nb)[k]), bias[r]);
+    }
+}
+
+/* Decode (one activation row) takes both halves of each block in one pass over the panel, streamed once
+ * with prefetch; wider tiles take the halves one after the other (their accumulators fill the registers).
+ * Every lane sees the same operations in the same order either way. */
 static inline __attribute__((always_inline)) void qk_avx2(const uint8_t *panel, int nb, int sf32, const uint8_t *x,
                                                           size_t xrow, float *y, size_t ldy, int valid, int RT,
                                                           int KIND) {
     qgeom g = geometry_of(KIND, sf32, nb * QBLK);
-    const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1), flip = _mm256_set1_epi8((char)0x80);
-    for (int h = 0; h < 2 && 8 * h < valid; h++) {
-        __m256 acc[4], bias[4];
-        for (int r = 0; r < RT; r++) acc[r] = bias[r] = _mm256_setzero_ps();
+    bool both = valid > 8;
+    if (RT == 1) { /* accumulators named, not indexed by a run-time half: they stay in registers */
+        __m256 a0 = _mm256_setzero_ps(), b0 = a0, a1 = a0, b1 = a0;
         for (int k = 0; k < nb; k++) {
             const uint8_t *bp = block_at(&g, panel, k);
-            __m256i isum[4], isum2[4];
-            for (int r = 0; r < RT; r++) isum[r] = isum2[r] = _mm256_setzero_si256();
-            if (KIND_NIBBLES(KIND) || KIND == KIND_Q6K) {
-                for (int s = 0; s < 4; s++) {
-                    __m256i w = _mm256_loadu_si256((const __m256i *)(const void *)(bp + 64 * s + 32 * h));
-                    __m256i lo = _mm256_and_si256(w, low4), hi = _mm256_and_si256(_mm256_srli_epi16(w, 4), low4);
-                    if (KIND_FIFTH(KIND)) { /* u <= 31: maddubs pairs stay below 2 * 31 * 127 */
-                        lo = _mm256_or_si256(lo, fifth_bits(bp + PANEL * 16 + 8 * (2 * s) + 4 * h));
-                        hi = _mm256_or_si256(hi, fifth_bits(bp + PANEL * 16 + 8 * (2 * s + 1) + 4 * h));
-                    }
-                    if (KIND == KIND_Q6K) { /* u <= 63: maddubs pairs stay below 2 * 63 * 127 */
-                        __m256i hb = _mm256_loadu_si256(
-                            (const __m256i *)(const void *)(bp + PANEL * 16 + 64 * (s / 2) + 32 * h));
-                        __m256i top = _mm256_set1_epi8(0x30);
-                        lo = _mm256_or_si256(lo, _mm256_and_si256(s % 2 ? hb : _mm256_slli_epi16(hb, 4), top));
-                        hi = _mm256_or_si256(
-                            hi, _mm256_and_si256(s % 2 ? _mm256_srli_epi16(hb, 2) : _mm256_slli_epi16(hb, 2), top));
-                    }
-                    for (int r = 0; r < RT; r++) {
-                        const uint8_t *q = x + (size_t)r * xrow + (size_t)k * QBLK;
-                        __m256i pl = _mm256_maddubs_epi16(lo, bcst4(q + 4 * s)),
-                                ph = _mm256_maddubs_epi16(hi, bcst4(q + 16 + 4 * s));
-                        if (KIND == KIND_Q6K) { /* low nibbles: the first half, high: the second */
-                            isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(pl, ones));
-                            isum2[r] = _mm256_add_epi32(isum2[r], _mm256_madd_epi16(ph, ones));
-                        } else {
-                            isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(_mm256_add_epi16(pl, ph), ones));
-                        }
-                    }
-                }
-            } else {
-                for (int s = 0; s < 8; s++) {
-                    __m256i ws = _mm256_xor_si256(
-                        _mm256_loadu_si256((const __m256i *)(const void *)(bp + 64 * s + 32 * h)), flip);
-                    __m256i wa = _mm256_sign_epi8(ws, ws); /* |u - 128| (128 stays 0x80 = 128 unsigned) */
-                    for (int r = 0; r < RT; r++) {
-                        const uint8_t *q = x + (size_t)r * xrow + (size_t)k * QBLK;
-                        __m256i p = _mm256_maddubs_epi16(wa, _mm256_sign_epi8(bcst4(q + 4 * s), ws));
-                        isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(p, ones));
-                    }
-                }
-            }
-            __m256 d, m;
-            if (KIND_IS_K(KIND)) { /* GGML's products d * sc, -(dmin * mn) (Q6_K: both halves' d * sc) */
-                const uint8_t *hp = header_at(&g, panel, k), *sp = bp + g.q_bytes + 8 * h;
-                __m256 dd = load_scales8(hp + 16 * h, 0);
-                __m128i sa = _mm_loadl_epi64((const __m128i *)(const void *)sp),
-                        sb = _mm_loadl_epi64((const __m128i *)(const void *)(sp + PANEL));
-                if (KIND == KIND_Q6K) {
-                    d = _mm256_mul_ps(dd, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sa)));
-                    m = _mm256_mul_ps(dd, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sb)));
-                } else {
-                    d = _mm256_mul_ps(dd, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(sa)));
-                    m = _mm256_xor_ps(_mm256_mul_ps(load_scales8(hp + 2 * PANEL + 16 * h, 0),
-                                                    _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(sb))),
-                                      _mm256_set1_ps(-0.0f));
-                }
-            } else {
-                d = load_scales8(bp + g.q_bytes + 8 * h * g.s_size, sf32);
-                m = KIND == KIND_Q8S           ? d
-                    : KIND_SYM_NIBBLES(KIND) ? _mm256_mul_ps(d, _mm256_set1_ps(KIND_ZERO(KIND)))
-                                             : load_scales8(bp + g.q_bytes + PANEL * g.s_size + 8 * h * g.s_size, sf32);
-            }
-            for (int r = 0; r < RT && KIND == KIND_Q6K; r++) {
-                const uint8_t *xr = x + (size_t)r * xrow;
-                int sa = XQ_HALF(xr, nb)[k], sb = -XQ_CORR(xr, nb)[k] / 128 - sa;
-                __m256 xd = _mm256_set1_ps(XQ_D(xr, nb)[k]);
-                __m256i ia = _mm256_sub_epi32(isum[r], _mm256_set1_epi32(32 * sa));
-                __m256i ib = _mm256_sub_epi32(isum2[r], _mm256_set1_epi32(32 * sb));
-                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia), _mm256_mul_ps(d, xd), acc[r]);
-                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ib), _mm256_mul_ps(m, xd), acc[r]);
-            }
-            for (int r = 0; r < RT && KIND != KIND_Q6K; r++) {
-                const uint8_t *xr = x + (size_t)r * xrow;
-                __m256i s = isum[r];
-                if (KIND == KIND_Q8) s = _mm256_sub_epi32(s, _mm256_set1_epi32(XQ_CORR(xr, nb)[k]));
-                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(d, _mm256_set1_ps(XQ_D(xr, nb)[k])),
-                                         acc[r]);
-                if (KIND != KIND_Q8S) bias[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(XQ_S(xr, nb)[k]), bias[r]);
-            }
+            for (size_t off = 0; off < g.block_bytes; off += 64)
+                _mm_prefetch((const char *)((uintptr_t)bp + PREFETCH_BYTES + off), _MM_HINT_T0);
+            qk_avx2_block(&g, panel, k, 0, nb, x, xrow, 1, KIND, &a0, &b0);
+            if (both) qk_avx2_block(&g, panel, k, 1, nb, x, xrow, 1, KIND, &a1, &b1);
         }
-        int n = valid - 8 * h < 8 ? valid - 8 * h : 8;
-        for (int r = 0; r < RT; r++) {
-            float out[8];
-            _mm256_storeu_ps(out, _mm256_add_ps(acc[r], bias[r]));
-            memcpy(y + (size_t)r * ldy + 8 * h, out, (size_t)n * sizeof(float));
+        float out[16];
+        _mm256_storeu_ps(out, _mm256_add_ps(a0, b0));
+        _mm256_storeu_ps(out + 8, _mm256_add_ps(a1, b1));
+        memcpy(y, out, (size_t)valid * sizeof(float));
+    } else {
+        for (int h = 0; h < (both ? 2 : 1); h++) {
+            __m256 acc[4], bias[4];
+            for (int r = 0; r < RT; r++) acc[r] = bias[r] = _mm256_setzero_ps();
+            for (int k = 0; k < nb; k++) {
+                if (h == 0) { /* the first pass streams the panel from memory (the second finds it in L1 / L2) */
+                    const uint8_t *bp = block_at(&g, panel, k);
+                    for (size_t off = 0; off < g.block_bytes; off += 64)
+                        _mm_prefetch((const char *)((uintptr_t)bp + PREFETCH_BYTES + off), _MM_HINT_T0);
+                }
+                qk_avx2_block(&g, panel, k, h, nb, x, xrow, RT, KIND, acc, bias);
+            }
+            int n = valid - 8 * h < 8 ? valid - 8 * h : 8;
+            for (int r = 0; r < RT; r++) {
+                float out[8];
+                _mm256_storeu_ps(out, _mm256_add_ps(acc[r], bias[r]));
+                memcpy(y + (size_t)r * ldy + 8 * h, out, (size_t)n * sizeof(float));
+            }
         }
     }
     _mm256_zeroupper();

@@ -28,8 +28,8 @@ from aiobasert.models.tiny import build_tiny_model
 from tests.cpu_features import cpu_flags
 
 ROOT = Path(__file__).resolve().parents[2]
-KERNEL_SUITES = ["tests/native/test_native_quant.py", "tests/native/test_native_quant_symmetric.py",
-                 "tests/native/test_native_weights.py",
+KERNEL_SUITES = ["tests/native/test_native_dot.py", "tests/native/test_native_quant.py",
+                 "tests/native/test_native_quant_symmetric.py", "tests/native/test_native_weights.py",
                  "tests/native/test_native_batch_steps.py", "tests/native/test_native_kv.py",
                  "tests/native/test_native_archs.py"]
 
