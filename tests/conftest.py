@@ -192,16 +192,23 @@ def pytest_cmdline_main(config: pytest.Config) -> None:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """On a worker, the files that took longest in the last whole-suite run first (without a record, those
-    holding a test marked slow first); within a file, and among equals, the collection's order stays."""
+    """On a worker, the files that took longest in the last whole-suite run first; without a record (a fresh
+    clone, as in CI) those declaring the longest per-test timeout first (the nested suite runs), then those
+    holding a test marked slow; within a file, and among equals, the collection's order stays."""
     if not hasattr(config, "workerinput") or config.cache is None:
         return
     seconds: dict[str, float] = config.cache.get(FILE_SECONDS, {})
-    slow = {item.nodeid.split("::")[0] for item in items if item.get_closest_marker("slow")}
-
-    def weight(item: pytest.Item) -> tuple[float, bool]:
+    slow: set[str] = set()
+    longest_timeout: dict[str, float] = {}
+    for item in items:
         file = item.nodeid.split("::")[0]
-        return -seconds.get(file, 0.0), file not in slow
+        longest_timeout[file] = max(longest_timeout.get(file, 0.0), _timeout_of(item))
+        if item.get_closest_marker("slow"):
+            slow.add(file)
+
+    def weight(item: pytest.Item) -> tuple[float, float, bool]:
+        file = item.nodeid.split("::")[0]
+        return -seconds.get(file, 0.0), -longest_timeout[file], file not in slow
 
     items.sort(key=weight)
 
