@@ -8,6 +8,7 @@ async with aiobasert.Engine.open("model.base") as engine:
 """
 
 from .batcher import client_scope
+from .config import EngineConfig
 from .engine import Engine
 from .errors import (
     AbiMismatchError,
@@ -22,6 +23,7 @@ from .errors import (
     ErrorCode,
     GenerationFailedError,
     GPUError,
+    InternalError,
     InvalidArgumentError,
     InvalidConfigError,
     InvalidFormatError,
@@ -66,6 +68,7 @@ __all__ = [
     "ConversionError",
     "Engine",
     "EngineClosedError",
+    "EngineConfig",
     "EngineError",
     "EngineGroup",
     "EngineOutOfMemoryError",
@@ -74,6 +77,7 @@ __all__ = [
     "ErrorCode",
     "GPUError",
     "GenerationFailedError",
+    "InternalError",
     "InvalidArgumentError",
     "InvalidConfigError",
     "InvalidFormatError",

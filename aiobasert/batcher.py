@@ -18,8 +18,11 @@ The engine thread asks `plan()` once per step and carries the `StepPlan` out
   the most, and only once it has sampled since its admission: every admission
   makes progress. A preempted request keeps its output; it resumes by
   prefilling prompt + output again (`LaneState.replay`), mostly from the prefix
-  cache, and its output is the same as if it had never stopped. Requests of one
-  client are never preempted for each other: one client alone is served FIFO.
+  cache, and its output is the same as if it had never stopped. Within one
+  client, shortest remaining work first: a new request whose `max_new_tokens`
+  is at most half of what one of its client's running requests may still
+  generate takes that lane back; requests of like length (the n choices of one
+  request) never preempt each other and are served FIFO.
   `fair=False` is plain FIFO (the bench's baseline). The wait queue is bounded
   (`max_queue` requests waiting for a lane; those the next admission places do
   not count): past it `EngineOverloadedError`, never a silent drop.
@@ -51,9 +54,8 @@ import contextvars
 import itertools
 from collections import Counter, deque
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
-from typing import Literal
 
+from ._core.plan import LaneState, PlannedRow, StepPlan
 from .errors import ContextLengthExceededError, EngineOverloadedError, InvalidRequestError
 
 _CLIENT: contextvars.ContextVar[str | None] = contextvars.ContextVar("aiobasert_client", default=None)
@@ -63,8 +65,9 @@ _CLIENT: contextvars.ContextVar[str | None] = contextvars.ContextVar("aiobasert_
 def client_scope(key: str | None) -> Iterator[None]:
     """Requests submitted inside count as client `key`'s for fair admission
     (docs/fairness.md): its requests share the lanes its fair share allows and
-    are served FIFO among themselves, and other clients' requests are not
-    starved by them. Outside any scope (or with None) each request is a client
+    are served FIFO among themselves (but a new request needing at most half of
+    what a running one of the key may still generate takes its lane back), and
+    other clients' requests are not starved by them. Outside any scope (or with None) each request is a client
     of its own. Tasks started inside inherit the key (contextvars)."""
     if key is not None and not isinstance(key, str):
         raise InvalidRequestError(f"a client key is a str, not {type(key).__name__}")
@@ -78,83 +81,6 @@ def client_scope(key: str | None) -> Iterator[None]:
 def current_client() -> str | None:
     """The client key of the current context (`client_scope`), or None."""
     return _CLIENT.get()
-
-
-@dataclass(eq=False)
-class LaneState:
-    """What the policy knows about one request. Owned by the engine thread."""
-
-    rid: str
-    prompt_len: int
-    max_new_tokens: int
-    prefilled: int = 0
-    """Prompt tokens already in the KV (prefilled or seeded from the cache)."""
-    generated: int = 0
-    admitted: bool = False
-    cancelled: bool = False
-    embed: bool = False
-    """An embedding lane: its prompt is the input to pool; it generates nothing."""
-    client: str | None = None
-    """Whose request this is (fair admission); None: a client of its own."""
-    replay: int = 0
-    """Output tokens fed again after the prompt: a preempted lane rebuilds its KV
-    from prompt + output, and the chunk that ends them samples its next token."""
-    arrival: int = -1
-    """Queue order (set by `Batcher.enqueue`): the earliest first among equals."""
-    ran_from: int = -1
-    """The batcher step of its latest admission."""
-    started: bool = False
-    """It has held a lane (a preempted request is started, a new one is not)."""
-
-    def rewind(self) -> None:
-        """Preempted (its sequence freed): it resumes by feeding prompt + output again."""
-        self.replay = self.generated
-        self.prefilled = 0
-
-    @property
-    def owner(self) -> tuple[str, str]:
-        """The client its lanes count for: its key, or the request itself."""
-        return ("client", self.client) if self.client is not None else ("request", self.rid)
-
-    @property
-    def kv_target(self) -> int:
-        """Tokens to feed before it samples: the prompt (and, resumed, its output so far)."""
-        return self.prompt_len + self.replay
-
-    @property
-    def prefilling(self) -> bool:
-        return self.prefilled < self.kv_target
-
-
-RowKind = Literal["decode", "prefill", "embed"]
-
-
-@dataclass(frozen=True, slots=True)
-class PlannedRow:
-    """One lane's part of a step: `tokens` fed to its sequence."""
-
-    lane: LaneState
-    kind: RowKind
-    tokens: int
-    samples: bool
-    """A token is sampled from this row: a decode row, or the chunk that ends a prompt."""
-
-
-@dataclass(frozen=True, slots=True)
-class StepPlan:
-    """What one engine step does: the lanes admitted for it and its rows, in
-    admission order (the order of the fused call's sequences)."""
-
-    admitted: tuple[LaneState, ...]
-    rows: tuple[PlannedRow, ...]
-
-    def of(self, kind: RowKind) -> tuple[PlannedRow, ...]:
-        return tuple(r for r in self.rows if r.kind == kind)
-
-    @property
-    def tapped(self) -> int:
-        """Hidden-state rows the step taps: the embedding chunks' tokens."""
-        return sum(r.tokens for r in self.rows if r.kind == "embed")
 
 
 class Batcher:
@@ -327,7 +253,33 @@ class Batcher:
             ]  # fmt: skip
             if victims:
                 return w, max(victims, key=lambda v: (held[v.owner], v.generated, v.arrival))
-        return None
+        return self._take_back_within(sampled, held)
+
+    def _take_back_within(
+        self, sampled: list[LaneState], held: Counter[tuple[str, str]]
+    ) -> tuple[LaneState, LaneState] | None:
+        """Within one client (none of the above applies): the first new request (admission
+        order) that needs at most half of what a running request of its own client may still
+        generate (`max_new_tokens`), and that lane (the one with the most left). Shortest
+        remaining work first, as an OS favours the short job: a client's short request does
+        not wait behind its own long ones, while requests of like length (the n choices of one
+        request) never preempt each other. Each new request preempts at most once."""
+        longest: dict[tuple[str, str], LaneState] = {}
+        for v in sampled:
+            best = longest.get(v.owner)
+            if best is None or (v.max_new_tokens - v.generated, v.generated) > (
+                best.max_new_tokens - best.generated, best.generated
+            ):
+                longest[v.owner] = v
+        able = [
+            w for w in self.waiting
+            if not w.started and (lane := longest.get(w.owner)) is not None
+            and 2 * w.max_new_tokens <= lane.max_new_tokens - lane.generated
+        ]  # fmt: skip
+        if not able:
+            return None
+        w = min(able, key=lambda x: self._order(x, held))
+        return w, longest[w.owner]
 
     def _rewind(self, lane: LaneState) -> None:
         """Back to the queue (in its arrival place) to resume by recomputing prompt + output."""

@@ -123,9 +123,22 @@ def _as_message(m: ChatMessage | Mapping[str, str], i: int) -> ChatMessage:
         raise InvalidRequestError(f"message {i} has role {role[:40]!r}; a role is one of {', '.join(sorted(ROLES))}")
     if not isinstance(content, str):
         raise InvalidRequestError(f"message {i} needs a string 'content'")
-    if "\x00" in content or "\x00" in role:
+    if "\x00" in role:
         raise InvalidRequestError(f"message {i} contains a NUL character")
-    return ChatMessage(role=role, content=content)
+    return ChatMessage(role=role, content=encodable_content(role, content, i))
+
+
+def encodable_content(role: str, content: str, i: int) -> str:
+    """A message's text as the engine can encode it. The encode ABI takes C strings, which cannot
+    carry NUL: a NUL a client wrote is refused by name, but the model's own output may hold one it
+    sampled (a byte token), and every chat loop, like the Responses store, feeds that output back as
+    an assistant turn. There it is rendered as U+FFFD, so a conversation never fails on the
+    server's own words."""
+    if "\x00" not in content:
+        return content
+    if role == "assistant":
+        return content.replace("\x00", "\ufffd")
+    raise InvalidRequestError(f"message {i} contains a NUL character")
 
 
 def render_chat(

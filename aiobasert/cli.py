@@ -29,6 +29,7 @@ import anyio
 import msgspec
 
 from . import __version__
+from .config import EngineConfig
 from .engine import Engine
 from .errors import AioBaseRTError, ConversionError
 from .group import _parse_models
@@ -93,10 +94,16 @@ def _params(args: argparse.Namespace) -> SamplingParams:
 # ---- the cheap checks, before any download, conversion or load -----------------------------------
 
 
+def _engine_config(args: argparse.Namespace, *, max_batch_size: int) -> EngineConfig:
+    """The engine options the flags give, checked (`InvalidConfigError`) before any download or load."""
+    return EngineConfig(max_batch_size=max_batch_size, max_context=args.max_context,
+                        kv_cache_dtype=args.kv_cache_dtype, dtype=args.dtype)
+
+
 def _check_run_args(args: argparse.Namespace) -> None:
     """`run` / `chat`: the sampling flags and the engine options, refused before the model is touched."""
     _params(args).normalized().validate()
-    Engine.open(None, max_batch_size=1, max_context=args.max_context, kv_cache_dtype=args.kv_cache_dtype)
+    _engine_config(args, max_batch_size=1)
 
 
 # The server's third-party modules and the extra that installs them.
@@ -138,9 +145,7 @@ async def _open(args: argparse.Namespace) -> Engine:
     load into the engine (seconds for a real model, silent otherwise) shows its elapsed time."""
     path = await anyio.to_thread.run_sync(lambda: models.resolve_model(args.model, dtype=args.dtype))
     with ticking(f"loading {path.name}"):
-        return await Engine.open(
-            path, max_batch_size=1, max_context=args.max_context, kv_cache_dtype=args.kv_cache_dtype
-        )
+        return await Engine.open(path, config=_engine_config(args, max_batch_size=1))
 
 
 async def _run(args: argparse.Namespace) -> int:
@@ -221,11 +226,8 @@ def _serve(args: argparse.Namespace) -> int:
         raise SystemExit(f"aiobasert serve: --replicas must be at least 1, got {args.replicas}")
     _check_listen_address(args.host, args.port)
     # The cheap checks first, before any download or conversion: the engine options
-    # (Engine.open validates before it loads) and the names (EngineGroup's own rules).
-    options: dict[str, Any] = dict(
-        max_batch_size=args.max_batch_size, max_context=args.max_context, kv_cache_dtype=args.kv_cache_dtype
-    )
-    Engine.open(None, **options)
+    # (EngineConfig validates on construction) and the names (EngineGroup's own rules).
+    config = _engine_config(args, max_batch_size=args.max_batch_size)
     try:
         named = _parse_models(given) if given else [("", "")]  # "": the default model
     except ValueError as exc:
@@ -257,14 +259,14 @@ def _serve(args: argparse.Namespace) -> int:
         )
         return 0
     if len(specs) > 1 or args.keep_alive is not None:
-        provider = GroupProvider(specs, keep_alive=args.keep_alive, **options)
+        provider = GroupProvider(specs, keep_alive=args.keep_alive, config=config)
         serve(provider, host=args.host, port=args.port, api_key=api_key, allowed_origins=args.allowed_origins,
               write_timeout=write_timeout, response_store_bytes=args.response_store_mb * 2**20,
               log_level=args.log_level)
         return 0
     ((name, path),) = specs
     serve(
-        SingleEngineProvider(functools.partial(Engine.open, path, **options), model_name=name),
+        SingleEngineProvider(functools.partial(Engine.open, path, config=config), model_name=name),
         host=args.host,
         port=args.port,
         api_key=api_key,

@@ -14,8 +14,8 @@ import anyio
 
 from ._core import ffi as _ffi
 from ._core import lazy_numpy
+from ._core.cost import MAX_DECODE_IDS, measure
 from ._core.intake import Tokenizer
-from ._core.preparation import MAX_DECODE_IDS, measure
 from ._core.protocol import (
     Ask,
     Call,
@@ -24,7 +24,6 @@ from ._core.protocol import (
     Decode,
     Embed,
     Encode,
-    EngineConfig,
     EvictPrefixCache,
     Prompt,
     Query,
@@ -37,6 +36,7 @@ from ._core.protocol import (
 from ._core.wakeup import LoopWaker
 from .batcher import current_client
 from .chat import render_chat
+from .config import EngineConfig, config_from
 from .engine_thread import EngineThread
 from .errors import (
     ContextLengthExceededError,
@@ -47,9 +47,9 @@ from .errors import (
 )
 from .streams import TokenStream, new_request_id
 from .types import (
-    KV_CACHE_DTYPES,
     ChatMessage,
     Completion,
+    Dtype,
     EngineStats,
     KVCacheDtype,
     ModelInfo,
@@ -59,9 +59,8 @@ from .types import (
 if TYPE_CHECKING:
     import numpy as np
 
-    from .models.convert import Dtype
     from .tool_formats import ToolFormat
-    from .tools import ChatStream, Tool, ToolChoice
+    from .tools import ChatStream, ChatTurn, Tool, ToolChoice
 
 T = TypeVar("T")
 
@@ -193,11 +192,11 @@ class Engine:
         prefill_chunk: int = 256,
         prefix_cache: bool = True,
         max_queue: int = 1024,
-        max_buffered_tokens: int = 256,
         library: str | os.PathLike[str] | None = None,
         thread_check: bool | None = None,
         dtype: Dtype = "auto",
         kv_cache_dtype: KVCacheDtype = "auto",
+        config: EngineConfig | None = None,
     ) -> _EngineOpener:
         """Load a model; use as `async with Engine.open(...) as engine` or `await Engine.open(...)`.
 
@@ -205,84 +204,41 @@ class Engine:
             first use, then reused), or a cached model's name (`aiobasert list`);
             None = the default model (SmolLM2-135M-Instruct, fetched, converted and
             cached on first use; see `aiobasert.models.cache`).
-        max_batch_size: concurrent lanes (sequences decoded together each step);
-            capped by the engine's own limit (`info.max_batch_size` is what is served).
-        max_context: tokens per lane (prompt + output), clamped to the model's window.
-        prefill_chunk: prompt tokens prefilled per step across all lanes, so a long
-            prompt never stalls running streams for more than one chunk.
-        prefix_cache: reuse the KV of shared prompt prefixes across requests.
-        max_queue: requests waiting for a lane before `EngineOverloadedError`.
-        max_buffered_tokens: accepted for compatibility, no effect: a lane never
-            waits for its reader; a slow reader's tokens are buffered in its stream
-            (at most its max_tokens), so no reader can hold a lane (docs/fairness.md).
-        library: libbaseRT to use (default: $BASERT_LIB_PATH, the system's, the bundled one).
-        thread_check: debug mode asserting that only the engine thread enters the library.
-        dtype: how a GGUF `model` is stored in its cached bundle (one bundle per dtype): "auto"
-            keeps what the GGUF has (quantized blocks carried exactly where the engine's integer
-            kernels can hold them, see docs/models.md), "f16" / "f32" dequantize, "q8" / "q4"
-            quantize group-wise. Ignored for a `.base` bundle or a cached name.
-        kv_cache_dtype: how the KV cache is stored: "auto" (f16 on the reference engine, as
-            llama.cpp; the library's default elsewhere: Q8_0 on BaseRT where head_dim allows),
-            "f16", "q8" (Q8_0 blocks, about half of f16; a head_dim that is not a multiple of 32
-            falls back to f16), "f32" (the reference engine's exact pool, twice f16: for results
-            bit-equal to an f32 reference). `info.kv_cache_dtype` says what was allocated.
-        """
-        from .models.cache import check_dtype
+        max_batch_size, max_context, prefill_chunk, prefix_cache, max_queue, library, thread_check,
+            dtype, kv_cache_dtype: the engine's options, as the fields of `EngineConfig` (which
+            documents each); `library` may be any path.
+        config: all of those in one `EngineConfig` (then leave the keywords out: one given as
+            well is refused). `engine.config` is the config the engine was opened with.
 
-        check_dtype(dtype)
-        for name, value, low in (
-            ("max_batch_size", max_batch_size, 1),
-            ("max_context", max_context, 2),
-            ("prefill_chunk", prefill_chunk, 1),
-            ("max_queue", max_queue, 1),
-            ("max_buffered_tokens", max_buffered_tokens, 1),
-        ):
-            if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= 2**31 - 1:
-                raise InvalidConfigError(f"{name} must be an integer in [{low}, 2**31 - 1], got {value!r}")
-        if not isinstance(kv_cache_dtype, str) or kv_cache_dtype not in KV_CACHE_DTYPES:
-            choices = ", ".join(map(repr, KV_CACHE_DTYPES))
-            raise InvalidConfigError(f"kv_cache_dtype must be one of {choices}, got {kv_cache_dtype!r}")
-        if not isinstance(prefix_cache, bool):
-            raise InvalidConfigError(f"prefix_cache must be a bool, got {prefix_cache!r}")
+        Every option is checked before anything is loaded (`InvalidConfigError` naming it).
+        """
         for name, path in (("model", model), ("library", library)):
             if path is not None and not isinstance(path, (str, os.PathLike)):
                 kind = type(path).__name__
                 raise InvalidConfigError(f"{name} must be a path (str or os.PathLike) or None, not {kind}")
             if path is not None and not isinstance(os.fspath(path), str):
                 raise InvalidConfigError(f"{name} must be a text path, not {type(os.fspath(path)).__name__}")
-        if thread_check is not None and not isinstance(thread_check, bool):
-            raise InvalidConfigError(f"thread_check must be a bool or None, got {thread_check!r}")
-        return _EngineOpener(
-            model,
-            dict(
-                max_batch_size=max_batch_size,
-                max_context=max_context,
-                prefill_chunk=prefill_chunk,
-                prefix_cache=prefix_cache,
-                max_queue=max_queue,
-                max_buffered_tokens=max_buffered_tokens,
-                kv_cache_dtype=kv_cache_dtype,
-            ),
-            library,
-            thread_check,
-            dtype,
+        options = dict(
+            max_batch_size=max_batch_size,
+            max_context=max_context,
+            prefill_chunk=prefill_chunk,
+            prefix_cache=prefix_cache,
+            max_queue=max_queue,
+            library=library,
+            thread_check=thread_check,
+            dtype=dtype,
+            kv_cache_dtype=kv_cache_dtype,
         )
+        return _EngineOpener(model, config_from(config, options))
 
     @classmethod
-    async def _start(
-        cls,
-        model: str | os.PathLike[str] | None,
-        limits: dict[str, Any],
-        library: str | os.PathLike[str] | None,
-        thread_check: bool | None,
-        dtype: Dtype,
-    ) -> Engine:
+    async def _start(cls, model: str | os.PathLike[str] | None, config: EngineConfig) -> Engine:
         from .models.cache import resolve_model  # None = the demo model; a GGUF is converted into the cache once
 
-        path = os.fspath(await anyio.to_thread.run_sync(lambda: resolve_model(model, dtype=dtype)))
-        lib = _ffi.load_library(library, thread_check=thread_check)
+        path = os.fspath(await anyio.to_thread.run_sync(lambda: resolve_model(model, dtype=config.dtype)))
+        lib = _ffi.load_library(config.library, thread_check=config.thread_check)
         waker = LoopWaker()
-        thread = EngineThread(lib, EngineConfig(model_path=path, **limits), waker.call_soon)
+        thread = EngineThread(lib, path, config, waker.call_soon)
         thread.start()
         try:
             info = await _wait_future(thread.ready, waker)
@@ -335,6 +291,11 @@ class Engine:
                 raise
         with anyio.CancelScope(shield=True):
             await self.aclose(abort=True)
+
+    @property
+    def config(self) -> EngineConfig:
+        """The options this engine was opened with (`info` says what it serves)."""
+        return self._thread.cfg
 
     @property
     def closed(self) -> bool:
@@ -456,8 +417,8 @@ class Engine:
             self.chat_template,
             cast("Sequence[ChatMessage | Mapping[str, str]]", messages),
             add_generation_prompt=add_generation_prompt,
-            bos_token=self._thread.bos_token,
-            eos_token=self._thread.eos_token,
+            bos_token=self.info.bos_token,
+            eos_token=self.info.eos_token,
         )
         return self._new_stream(pieces, self._params(params, kwargs), True)
 
@@ -474,22 +435,59 @@ class Engine:
     ) -> ChatStream:
         """Like `chat`, always as a `ChatStream` (text deltas, tool-call deltas);
         messages may include `tool` turns and assistant turns with `tool_calls`."""
-        from .tools import open_chat_stream
-
         if tools is not None and (isinstance(tools, (str, bytes, Mapping)) or not isinstance(tools, Sequence)):
             raise InvalidRequestError(f"tools must be a list of tools, not {type(tools).__name__}")
         if not isinstance(parallel_tool_calls, bool):  # "no" is truthy: it would have allowed several calls
             raise InvalidRequestError(
                 f"parallel_tool_calls must be a bool, not {type(parallel_tool_calls).__name__}")
-        return open_chat_stream(
-            self,
+        checked = self._params(params, kwargs)
+        if tools and checked.json_schema is not None:  # refused before the render is paid
+            raise InvalidRequestError("json_schema cannot be combined with tools")
+        turn = self._chat_turn(
             messages,
-            self._params(params, kwargs),
             tools=tools,
             tool_choice=tool_choice,
             parallel=parallel_tool_calls,
             add_generation_prompt=add_generation_prompt,
         )
+        return self._stream_turn(turn, checked)
+
+    def _chat_turn(
+        self,
+        messages: Sequence[Any],
+        *,
+        tools: Sequence[Tool | Mapping[str, Any]] | None,
+        tool_choice: ToolChoice | Mapping[str, Any] | None,
+        parallel: bool,
+        add_generation_prompt: bool = True,
+    ) -> ChatTurn:
+        """`messages` rendered and constrained as one tool-aware turn, with this model's template,
+        tokens and tool-call format (`tools.prepare_chat_turn`). Request-sized, and it touches no
+        engine state and no event loop: a server runs it in a worker thread."""
+        from .tools import prepare_chat_turn
+
+        return prepare_chat_turn(
+            self.chat_template,
+            messages,
+            tool_format=self.tool_format,
+            tools=tools,
+            tool_choice=tool_choice,
+            parallel=parallel,
+            add_generation_prompt=add_generation_prompt,
+            bos_token=self.info.bos_token,
+            eos_token=self.info.eos_token,
+        )
+
+    def _stream_turn(self, turn: ChatTurn, params: SamplingParams) -> ChatStream:
+        """A new (not yet submitted) stream of a prepared `turn` under `params` (validated here):
+        one per choice of an n > 1 request, which renders once."""
+        from .tools import ChatStream
+
+        params = self._params(params, {})
+        if turn.lark is not None and params.json_schema is not None:
+            raise InvalidRequestError("json_schema cannot be combined with tools")
+        tokens = self._new_stream(turn.pieces, params, True, turn.lark, turn.structural_tag)
+        return ChatStream(tokens, parse_calls=turn.parse_calls, forced=turn.forced, tool_format=turn.tool_format)
 
     @property
     def chat_template(self) -> str:
@@ -706,22 +704,16 @@ class Engine:
 class _EngineOpener:
     """What `Engine.open` returns: an async context manager, or awaitable."""
 
-    def __init__(
-        self,
-        model: str | os.PathLike[str] | None,
-        limits: dict[str, Any],
-        library: str | os.PathLike[str] | None,
-        thread_check: bool | None,
-        dtype: Dtype,
-    ) -> None:
-        self._args = (model, limits, library, thread_check, dtype)
+    def __init__(self, model: str | os.PathLike[str] | None, config: EngineConfig) -> None:
+        self._model = model
+        self._config = config
         self._engine: Engine | None = None
 
     def __await__(self) -> Generator[Any, None, Engine]:
-        return Engine._start(*self._args).__await__()
+        return Engine._start(self._model, self._config).__await__()
 
     async def __aenter__(self) -> Engine:
-        self._engine = await Engine._start(*self._args)
+        self._engine = await Engine._start(self._model, self._config)
         return self._engine
 
     async def __aexit__(

@@ -1,14 +1,21 @@
 """The engine thread: the one thread that owns the model handle.
 
-Every libbaseRT call of an engine happens here. The thread drains a
-thread-safe inbox (`_protocol` messages: requests, cancellations, calls,
-close), asks the batcher for the next step, has the `_step.StepRunner` run ONE
-fused batch step over every active lane, passes each lane's token through
-`_output.OutputProcessor` (text, stops, finish), and hands the whole step's
-output to the event loop in one wake-up. With nothing to do it blocks on the
-inbox: no spinning, and a new request wakes it at once. An embedding is a lane
-as well (`EmbedLane`): its input is fed chunk by chunk in those same steps and
-pooled from hidden-state taps, so it never stalls the running streams.
+Every libbaseRT call of the model handle happens here. The thread loads and
+configures the model, drains a thread-safe inbox (`_core.protocol` messages:
+requests, cancellations, queries, calls, close), asks the batcher for the next
+step, has the `_core.step.StepRunner` run ONE fused batch step over every
+active lane, passes each lane's token through `_core.output.OutputProcessor`
+(text, stops, finish), and hands the whole step's output to the event loop in
+one wake-up. With nothing to do it blocks on the inbox: no spinning, and a new
+request wakes it at once.
+
+A request is prepared first (`_core.prepare.Preparer`: its prompt tokenized and
+its grammar compiled on the intake workers, never here) and becomes a lane when
+it comes back. An embedding is a lane as well (`EmbedLane`): its input is fed
+chunk by chunk in those same steps and pooled from hidden-state taps
+(`_core.embed.Embedder` decides that path), so it never stalls the running
+streams. This module is the lanes' one writer: their admission, tokens, end
+and freeing.
 
 Teardown order matters: a lane's engine sequence is freed (rolled back first
 when it was cancelled) before its bookkeeping is dropped, never after. A
@@ -18,25 +25,23 @@ costs that request only; the thread itself never dies of a request.
 
 from __future__ import annotations
 
-import collections
 import concurrent.futures
-import contextlib
-import ctypes
-import importlib.util
 import json
 import os
 import queue
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
-from ctypes import byref, c_float, c_int, sizeof
+from collections.abc import Callable, Sequence
+from ctypes import byref, c_int, sizeof
 from typing import TYPE_CHECKING, Any
 
 from ._core import ffi as _ffi
-from ._core import preparation
-from ._core.grammar_cache import GrammarCache
-from ._core.intake import Intake, TokenIds, Tokenizer, run_job
+from ._core.embed import TAP_FUNCTIONS, Embedder
+from ._core.intake import Intake, Tokenizer
+from ._core.model_file import ModelFile
 from ._core.output import Detokenizer, OutputProcessor
+from ._core.plan import LaneState
+from ._core.prepare import Preparer, RequestStatus
 from ._core.protocol import (
     Ask,
     Call,
@@ -46,70 +51,35 @@ from ._core.protocol import (
     Decode,
     Done,
     Embed,
-    EngineConfig,
     EvictPrefixCache,
     Final,
     Message,
     Notify,
     Prepared,
-    Prompt,
     Query,
     Release,
-    RequestSpec,
     Reserve,
     Sink,
     Stats,
     Submit,
-    Ticket,
 )
 from ._core.step import EmbedLane, Lane, Requests, RowResult, Sampled, StepRunner, TapPooler, internal_error
-from .batcher import Batcher, LaneState
+from .batcher import Batcher
+from .config import EngineConfig
 from .errors import (
     AioBaseRTError,
-    ContextLengthExceededError,
     EngineClosedError,
-    EngineError,
     EngineOverloadedError,
-    ErrorCode,
     InvalidConfigError,
     InvalidRequestError,
 )
-from .types import MAX_SCHEMA_REFS, EngineStats, FinishReason, ModelInfo, Token
+from .types import EngineStats, FinishReason, ModelInfo, Token
 
-if TYPE_CHECKING:  # llguidance (the grammar module) and numpy (embeddings): imported on first use only
+if TYPE_CHECKING:  # numpy (embeddings): imported on first use only
     import numpy as np
 
-    from ._core.grammar import GrammarBackend
-
-__all__ = [  # the contract types are re-exported for code that imported them from here
-    "Call",
-    "Cancel",
-    "Close",
-    "Constraint",
-    "Embed",
-    "EngineConfig",
-    "EngineThread",
-    "Final",
-    "Message",
-    "Prompt",
-    "RequestSpec",
-    "Sink",
-    "Submit",
-    "Ticket",
-]
-
-_EMBED_TAPS_ENV = "AIOBASERT_EMBED_TAPS"
-"""Set to 0 to embed with one baseRT_embed call per input (the engine then
-stalls for the whole forward): the comparison baseline of bench/embed_stall.py."""
 _FAIRNESS_ENV = "AIOBASERT_ADMISSION"
 """Set to fifo for plain FIFO admission without preemption: the baseline of bench/fair_admission.py."""
-_TAP_FUNCTIONS = (
-    "baseRT_batch_step_fused_logits_rows_taps",
-    "baseRT_read_tap_rows",
-    "baseRT_tap_rows_capacity",
-    "baseRT_model_supports_taps",
-)
-_UNDECIDED = object()
 # Engine.open's kv_cache_dtype -> BaseRTLoadOptions.kv_bits, and baseRT_kv_bits_effective's answer -> a name
 # (the reference engine reports its exact f32 pool as 32). "auto" and "f32": see _kv_bits.
 _KV_BITS = {"f16": 16, "q8": 8}
@@ -119,8 +89,9 @@ _KV_NAMES = {32: "f32", 16: "f16", 8: "q8", 4: "q4", 84: "q8/q4"}
 class EngineThread:
     """Owns the model handle; everything below runs on this thread only."""
 
-    def __init__(self, lib: _ffi.Library, cfg: EngineConfig, notify: Notify) -> None:
+    def __init__(self, lib: _ffi.Library, model_path: str, cfg: EngineConfig, notify: Notify) -> None:
         self.lib = lib
+        self.model_path = model_path  # the resolved `.base` bundle
         self.cfg = cfg
         self._notify = notify  # LoopWaker.call_soon: fire-and-forget onto the loop
         self._inbox: queue.SimpleQueue[Message] = queue.SimpleQueue()
@@ -129,26 +100,14 @@ class EngineThread:
         self._thread = threading.Thread(target=self._main, name="aiobasert-engine", daemon=True)
         self._model: int | None = None
         self.requests = Requests()  # every request with a lane (queued or running), generation or embedding
-        self._embed_pooler: Any = _UNDECIDED  # TapPooler, or None for the single-call path
         self._dirty: dict[str, Lane] = {}
         self._closing = False
         self._abort = False
-        self._grammar: GrammarBackend | None = None  # built on first host-grammar use (llguidance import is slow)
-        self._grammar_lock = threading.Lock()  # the grammar workers build it
-        self._backend_built = threading.local()  # seconds this worker's compile spent building it
         self.intake: Intake | None = None
-        self._inline_tok: Tokenizer | None = None
-        self._preparing = 0  # requests handed to the intake workers, not back yet
         self._reserved = 0  # queue places held for fan-outs about to be submitted (Reserve / Release)
-        self._in_prep: dict[str, Submit | Embed] = {}  # those requests, by id
-        self._dropped: set[str] = set()  # requests answered (cancelled, aborted) while they were prepared
         self.steps = 0
         self.models_freed = 0
         self.live_sequences = 0
-        self.live_grammars = 0
-        self.grammar_backends: collections.Counter[str] = collections.Counter()  # "engine" / "llguidance" served
-        self.grammar_compiles: collections.Counter[str] = collections.Counter()  # those compiled (not cached)
-        self.grammars = GrammarCache()  # compiled grammars by their source's digest
         self.finished = 0
         self.cancelled = 0
         self.failed = 0
@@ -169,7 +128,7 @@ class EngineThread:
     def alive(self) -> bool:
         return self._thread.is_alive()
 
-    # ---- main loop --------------------------------------------------------------------
+    # ---- main loop: load and configure, then serve ----------------------------------------
 
     def _main(self) -> None:
         self.thread_id = threading.get_ident()
@@ -207,25 +166,25 @@ class EngineThread:
             prefix_cache=int(cfg.prefix_cache),
             prefill_chunk=cfg.prefill_chunk,
         )
-        path = os.fsencode(cfg.model_path)
+        path = os.fsencode(self.model_path)
         # The intake's tokenizer handles first (tokenization and grammar compiles run there): their
         # loads parse the bundle's header while no weights are resident, and the model's own load then
         # shares their tokenizer, so the process peaks at the weights, not the weights plus a header.
-        intake = Intake(lib, cfg.model_path) if lib.has("baseRT_load_tokenizer_only") else None
+        intake = Intake(lib, self.model_path) if lib.has("baseRT_load_tokenizer_only") else None
         try:
             if intake is not None:
                 intake.wait_loaded()
             handle = lib.baseRT_load_model_ex(path, None, cfg.max_context, byref(opts))
             if not handle:
-                raise lib.last_error("baseRT_load_model_ex", f"cannot load {cfg.model_path}")
+                raise lib.last_error("baseRT_load_model_ex", f"cannot load {self.model_path}")
             self._model = handle
             try:
-                info = self._configure(handle, inline_tokenizer=intake is None)
+                info = self._configure(handle, intake)
             except BaseException:
                 self._free_model()
                 raise
-            if intake is not None and self._host_grammar_only():
-                self._build_host_grammar(intake)
+            if intake is not None and self.prep.host_grammar_only():
+                self.prep.build_host_grammar(intake)
         except BaseException:
             if intake is not None:
                 intake.close()
@@ -233,13 +192,14 @@ class EngineThread:
         self.intake = intake
         return info
 
-    def _configure(self, handle: int, *, inline_tokenizer: bool) -> ModelInfo:
-        """Read the effective limits back from the loaded engine and plan with them."""
+    def _configure(self, handle: int, intake: Intake | None) -> ModelInfo:
+        """Read the effective limits back from the loaded engine and plan with them. The model's
+        file is opened for the host here, once (`ModelFile`), and handed to what reads it."""
         lib, cfg = self.lib, self.cfg
         caps = int(lib.baseRT_capabilities(handle))
         if not caps & _ffi.CAP_SEQUENCES:
             raise AioBaseRTError(
-                f"{cfg.model_path}: the engine cannot create sequences for this model "
+                f"{self.model_path}: the engine cannot create sequences for this model "
                 "(no continuous batching); aiobasert needs BASERT_CAP_SEQUENCES"
             )
         mc = _ffi.BaseRTModelConfig()
@@ -275,7 +235,7 @@ class EngineThread:
             prefix_cache=self.has_prefix,
             fair=os.environ.get(_FAIRNESS_ENV, "fair") != "fifo",
         )
-        if all(lib.has(fn) for fn in _TAP_FUNCTIONS):
+        if all(lib.has(fn) for fn in TAP_FUNCTIONS):
             cap = int(lib.baseRT_tap_rows_capacity(handle))
             self.batcher.tap_budget = cap if cap > 0 else None
         self.n_layers = int(mc.n_layers)
@@ -289,13 +249,19 @@ class EngineThread:
 
             template = default_template(self._special_tokens(handle))
         self.chat_template = template
-        self.bos_token = self._static_str("baseRT_bos_token")
-        self.eos_token = self._static_str("baseRT_eos_token")
-        self.tokenizer = Tokenizer.borrow(lib, handle, cfg.model_path)  # the model handle's own, for this thread only
-        if inline_tokenizer:  # an engine without a separate tokenizer handle: prepared here, between steps
-            self._inline_tok = self.tokenizer
+        self.tokenizer = Tokenizer.borrow(lib, handle, self.model_path)  # the model handle's own, for this thread only
+        model_file = ModelFile(self.model_path)
+        self.prep = Preparer(
+            lib, model_file, vocab_size=self.vocab_size, max_context=self.max_context, intake=intake,
+            # an engine without a separate tokenizer handle: prepared here, between steps
+            inline=self.tokenizer if intake is None else None, post=self.post,
+        )
+        self.embedder = Embedder(
+            lib, handle, model_file, dim=self.dim, n_layers=self.n_layers, norm_eps=self.norm_eps,
+            vocab_size=self.vocab_size, max_context=self.max_context, tap_budget=self.batcher.tap_budget,
+        )
         return ModelInfo(
-            path=cfg.model_path,
+            path=self.model_path,
             architecture=mc.architecture.decode("utf-8", "replace"),
             vocab_size=self.vocab_size,
             dim=int(mc.dim),
@@ -310,6 +276,8 @@ class EngineThread:
             capabilities=caps,
             prefill_chunk=self.prefill_budget,
             kv_cache_dtype=self._kv_cache_dtype(handle),
+            bos_token=self._static_str("baseRT_bos_token"),
+            eos_token=self._static_str("baseRT_eos_token"),
         )
 
     def _kv_bits(self, dtype: str) -> int:
@@ -362,7 +330,7 @@ class EngineThread:
 
         1. drain the inbox: requests, cancels, queries, close (blocks when idle);
         2. plan: the batcher admits waiting requests (`_start` creates their
-           sequences) and picks each running lane's row (`batcher.StepPlan`);
+           sequences) and picks each running lane's row (`plan.StepPlan`);
         3. run: `StepRunner.run` = prepare -> ONE fused forward -> collect;
         4. apply: each lane's `RowResult` is applied here, the lanes' one writer
            (tokens through `OutputProcessor`, finish, failure, freeing);
@@ -370,10 +338,10 @@ class EngineThread:
 
         False once the engine is closed (drained, or aborted)."""
         idle = not self.batcher.has_runnable_work()
-        busy = bool(self.requests or self._preparing)
+        busy = bool(self.requests or self.prep.preparing)
         self._drain(block=idle and not (self._closing and not busy))
         # a drain serves the requests still being prepared too; an abort has answered them
-        if self._closing and (self._abort or not (self._preparing or self.requests)):
+        if self._closing and (self._abort or not (self.prep.preparing or self.requests)):
             return False
         if self.batcher.has_runnable_work():
             self.steps += 1
@@ -437,6 +405,8 @@ class EngineThread:
             if req is not None:
                 self._end(req, exc)
 
+    # ---- the inbox: each message by its type -------------------------------------------------
+
     def _drain(self, *, block: bool) -> None:
         try:
             msg = self._inbox.get(block=block)
@@ -452,11 +422,11 @@ class EngineThread:
     def _handle(self, msg: Message) -> None:
         """One inbox message, by its type."""
         if isinstance(msg, Submit):
-            self._intake(msg)
+            self._on_submit(msg)
         elif isinstance(msg, Cancel):
             self._on_cancel(msg)
         elif isinstance(msg, Embed):
-            self._intake_embed(msg)
+            self._on_embed(msg)
         elif isinstance(msg, Prepared):
             self._on_prepared(msg)
         elif isinstance(msg, Ask):
@@ -492,11 +462,11 @@ class EngineThread:
         if self._closing:
             raise EngineClosedError("the engine is closing")
         try:
-            self.batcher.check_room(self._preparing + self._reserved + count - 1)
+            self.batcher.check_room(self.prep.preparing + self._reserved + count - 1)
         except EngineOverloadedError:
             b = self.batcher
             free = max(0, b.max_batch_size - len(b.running))
-            room = b.max_queue + free - len(b.waiting) - self._preparing - self._reserved
+            room = b.max_queue + free - len(b.waiting) - self.prep.preparing - self._reserved
             raise EngineOverloadedError(
                 f"request queue has room for {max(0, room)} of this request's {count} generations; retry later"
             ) from None
@@ -507,18 +477,17 @@ class EngineThread:
         req = self.requests.get(msg.rid)
         if req is not None:  # an embedding's caller is gone: free the lane, nobody to tell
             self._end(req, None)
-        prep = self._in_prep.pop(msg.rid, None)
-        if prep is not None:  # cancelled while it is prepared: counted now, dropped on return
-            self._dropped.add(msg.rid)
-            if isinstance(prep, Submit):
-                self.cancelled += 1
+        prep = self.prep.cancel(msg.rid)
+        if isinstance(prep, Submit):  # cancelled while it is prepared: counted now, dropped on return
+            self.cancelled += 1
 
     def _on_prepared(self, msg: Prepared) -> None:
-        self._preparing -= 1
-        if isinstance(msg.msg, Submit):
-            self._enqueue(msg.msg, msg.result, msg.error)
+        req = msg.msg
+        dropped = self.prep.returned(req.spec.rid if isinstance(req, Submit) else req.rid) is RequestStatus.ABANDONED
+        if isinstance(req, Submit):
+            self._enqueue(req, msg.result, msg.error, dropped=dropped)
         else:
-            self._enqueue_embed(msg.msg, msg.result, msg.error)
+            self._enqueue_embed(req, msg.result, msg.error, dropped=dropped)
 
     def _on_close(self, msg: Close) -> None:
         self._closing = True
@@ -533,130 +502,45 @@ class EngineThread:
             for lane in self.requests.lanes():
                 self._finish(lane, "aborted")
             self._abort_embeds()
-            self._abort_in_prep()
+            self._abort_preparing()
 
-    def _abort_in_prep(self) -> None:
+    def _abort_preparing(self) -> None:
         """Answer the requests still being prepared now: an abort waits for no compile."""
         closed = EngineClosedError("the engine was closed before the request started")
-        for rid, prep in self._in_prep.items():
-            self._dropped.add(rid)
+        for prep in self.prep.abandon_all():
             self.cancelled += 1
             if isinstance(prep, Submit):
                 self._notify(prep.sink.deliver, [], None, closed)
             else:
                 self._notify(prep.done, None, closed)
-        self._in_prep.clear()
 
     def _cancel(self, lane: Lane) -> None:
         lane.state.cancelled = True
         self.cancelled += 1
         self._release(lane)
 
-    # ---- intake: tokenize and validate, on this thread, before queueing --------------
+    # ---- requests in, through their preparation (`_core.prepare`), out as lanes ---------------
 
-    def _intake(self, msg: Submit) -> None:
-        """Hand the request to the intake workers: tokenizing and grammar compiles
-        never run here (they can take unbounded time and stack)."""
-        spec = msg.spec
+    def _on_submit(self, msg: Submit) -> None:
+        """A request goes to its preparation, refused first when the engine closes or its queue is full."""
         if self._closing:
             self._notify(msg.sink.deliver, [], None, EngineClosedError("the engine is closing"))
             return
         try:  # refused before any work is spent on it; its queue slot is held while it is prepared
-            self.batcher.check_room(self._preparing + self._reserved)
+            self.batcher.check_room(self.prep.preparing + self._reserved)
         except EngineOverloadedError as exc:
             self._notify(msg.sink.deliver, [], None, exc)
             return
-        grammar = spec.lark is not None or spec.structural_tag is not None or spec.params.json_schema is not None
-        sink = msg.sink
+        checked = self.prep.submit(msg)
+        if checked is not None:  # a prompt of ids, nothing to prepare: straight into the FIFO
+            ids, error = checked
+            self._enqueue(msg, (ids, None), error, dropped=False)
 
-        def prepare(tok: Tokenizer) -> tuple[TokenIds | list[int], Constraint | None] | None:
-            return self._prepare(tok, spec) if sink.alive() else None  # None: its reader left, skip the work
-
-        if not grammar and _is_ids(spec.prompt):  # nothing to tokenize or compile: straight into the FIFO
-            try:
-                ids, error = self._checked_ids(spec.prompt), None  # type: ignore[arg-type]
-            except AioBaseRTError as exc:
-                ids, error = None, exc
-            self._enqueue(msg, (ids, None), error)
-            return
-        self._in_prep[spec.rid] = msg
-        cost = spec.cost.text + (0 if spec.cost.grammar_key in self.grammars else spec.cost.grammar)
-        self._prepare_off_thread(msg, prepare, grammar=grammar, cost=cost)
-
-    def _prepare_off_thread(
-        self, msg: Submit | Embed, job: Callable[[Tokenizer], Any], *, grammar: bool, cost: int
-    ) -> None:
-        self._preparing += 1
-        if self.intake is not None:
-            self.intake.submit(
-                job, lambda result, error: self.post(Prepared(msg, result, error)), grammar=grammar, cost=cost
-            )
-            return
-        assert self._inline_tok is not None
-        result, error = run_job(job, self._inline_tok)
-        self.post(Prepared(msg, result, error))
-
-    def _prepare(self, tok: Tokenizer, spec: RequestSpec) -> tuple[TokenIds | list[int], Constraint | None]:
-        """On an intake worker: the prompt's ids and the request's grammar."""
-        for text in (spec.lark, spec.structural_tag):
-            # tool schemas reach the compilers inside these texts: the same `$ref` cap
-            # as a json_schema (a cheap, conservative count of the key itself)
-            if text is not None and text.count('"$ref"') > MAX_SCHEMA_REFS:
-                raise InvalidRequestError(f"tools: the tool schemas hold more than {MAX_SCHEMA_REFS} $refs")
-        prompt = self._tokenize_prompt(tok, spec)
-        constraint: Constraint | None = None
-        if spec.lark is not None or spec.structural_tag is not None or spec.params.json_schema is not None:
-            constraint = self._grammar_of(tok, spec)
-        return prompt, constraint
-
-    def _grammar_of(self, tok: Tokenizer, spec: RequestSpec) -> Constraint:
-        """On an intake worker: the request's grammar, from the cache when its source was compiled
-        (or refused) before, else compiled here within `preparation.COMPILE_BUDGET_S`."""
-        key = spec.cost.grammar_key
-        tools = spec.lark is not None or spec.structural_tag is not None
-        if key is not None:
-            hit: Constraint | None = self.grammars.take(key)  # raises the error a refused source got
-            if hit is not None:
-                self._count("engine" if hasattr(hit, "reset") else "llguidance")
-                return hit
-        started = time.monotonic()
-        self._backend_built.seconds = 0.0
-        try:
-            if tools:
-                constraint = self._build_tag_constraint(tok, spec.structural_tag, spec.lark)
-            else:
-                assert spec.params.json_schema is not None
-                constraint = self._build_constraint(tok, spec.params.json_schema)
-        except AioBaseRTError as exc:
-            if key is not None:  # a compile error is the same the next time: never paid twice
-                self.grammars.refuse(key, exc)
-            raise
-        took = time.monotonic() - started - self._backend_built.seconds  # the compile's, not the backend's
-        budget = preparation.COMPILE_BUDGET_S
-        if took > budget:
-            close = getattr(constraint, "close", None)
-            if close is not None:
-                close()
-            # worded as the compilers' own errors, which the server maps to the request's field
-            what = "invalid grammar: the tools' grammar" if tools else "invalid json_schema: its grammar"
-            err = InvalidRequestError(
-                f"{what} took {took:.1f} s to compile, over the budget of {budget:g} s (the same grammar is "
-                "refused at once from now on)"
-            )
-            if key is not None:
-                self.grammars.refuse(key, err)
-            raise err
-        if key is not None:
-            self.grammars.remember(key, constraint)
-        return constraint
-
-    def _enqueue(self, msg: Submit, prepared: Any, error: BaseException | None) -> None:
-        """A prepared request joins the FIFO queue (or is answered with its error)."""
+    def _enqueue(self, msg: Submit, prepared: Any, error: BaseException | None, *, dropped: bool) -> None:
+        """A prepared request joins the FIFO queue (or is answered with its error). `dropped`: it was
+        answered (its Cancel came and was counted, or an abort) while it was prepared."""
         spec = msg.spec
         constraint: Constraint | None = None
-        self._in_prep.pop(spec.rid, None)
-        dropped = spec.rid in self._dropped  # its Cancel came (and was counted) while it was prepared
-        self._dropped.discard(spec.rid)
         try:
             if error is not None:
                 if dropped:  # nobody to tell
@@ -668,15 +552,12 @@ class EngineThread:
                 return
             prompt, constraint = prepared
             if constraint is not None:
-                self.live_grammars += 1
-                adopt = getattr(constraint, "adopt", None)
-                if adopt is not None:  # an engine grammar: stepped through the engine's library from now on
-                    adopt(self.lib)
+                self.prep.adopt(constraint)
             if self._closing and self._abort:
                 raise EngineClosedError("the engine was closed before the request started")
             if dropped or not msg.sink.alive():  # cancelled while it was prepared: nobody to serve
                 if constraint is not None:
-                    self._close_constraint(constraint, spec.cost.grammar_key)
+                    self.prep.close_constraint(constraint, spec.cost.grammar_key)
                 if not dropped:
                     self.cancelled += 1
                 return
@@ -686,7 +567,7 @@ class EngineThread:
             self.batcher.enqueue(lane.state, reserved=True)
         except BaseException as exc:
             if constraint is not None:  # refused after its grammar was built: free it
-                self._close_constraint(constraint, spec.cost.grammar_key)
+                self.prep.close_constraint(constraint, spec.cost.grammar_key)
             err = exc if isinstance(exc, AioBaseRTError) else internal_error("at intake", exc)
             self._notify(msg.sink.deliver, [], None, err)
             if not isinstance(exc, Exception):
@@ -694,146 +575,27 @@ class EngineThread:
             return
         self.requests.add(lane)
 
-    def _build_constraint(self, tok: Tokenizer, schema: Mapping[str, Any] | bool) -> Constraint:
-        """The lane's grammar: the engine's own where it has one, else the host backend.
-        On an intake worker, through its own tokenizer handle. Objects are closed
-        (`tools.closed_objects`): the engine's grammar reads an absent additionalProperties
-        as false, and the host's then reads the schema the same way."""
-        from ._core.grammar import EngineGrammarConstraint
-        from .tools import closed_objects
+    # ---- embeddings in, as lanes (`_core.embed`: their paths) -------------------------------
 
-        schema = closed_objects(schema)
-        lib, model = tok.lib, tok.handle
-        native = None
-        if lib.has("baseRT_grammar_create_from_schema") and lib.has("baseRT_grammar_fill_bitmask"):
-            native = EngineGrammarConstraint.create(lib, model, schema)
-        return self._counted(native, lambda: self._host_grammar(tok).compile(schema))
-
-    def _build_tag_constraint(self, tok: Tokenizer, tag: str | None, lark: str | None) -> Constraint:
-        """A tool-call grammar: the engine's structural tag where the library builds
-        it (bitmask stepping, like the schema path), else the host's Lark grammar."""
-        from ._core.grammar import EngineGrammarConstraint
-
-        lib, model = tok.lib, tok.handle
-        native = None
-        if (
-            tag is not None
-            and lib.has("baseRT_grammar_create_from_structural_tag")
-            and lib.has("baseRT_grammar_fill_bitmask")
-        ):
-            native = EngineGrammarConstraint.from_structural_tag(lib, model, tag)
-        if native is None and lark is None:
-            raise InvalidRequestError("the engine cannot build this structural tag and no host grammar was given")
-        return self._counted(native, lambda: self._host_grammar(tok).compile_lark(lark or ""))  # lark: set here
-
-    def _counted(self, native: Constraint | None, host: Callable[[], Constraint]) -> Constraint:
-        """The engine's grammar when it built one, else the host's; counted by backend."""
-        if native is not None:
-            self._count("engine", compiled=True)
-            return native
-        constraint = host()
-        self._count("llguidance", compiled=True)
-        return constraint
-
-    def _count(self, backend: str, *, compiled: bool = False) -> None:
-        with self._grammar_lock:
-            self.grammar_backends[backend] += 1  # grammars served (the cache's included)
-            if compiled:
-                self.grammar_compiles[backend] += 1
-
-    def _host_grammar_only(self) -> bool:
-        """The engine has no grammar compiler of its own: llguidance serves every json_schema."""
-        lib = self.lib
-        native = lib.has("baseRT_grammar_create_from_schema") and lib.has("baseRT_grammar_fill_bitmask")
-        return not native and importlib.util.find_spec("llguidance") is not None
-
-    def _build_host_grammar(self, intake: Intake) -> None:
-        """At open, before any stream runs: llguidance builds its tokenizer holding the GIL (0.3-1 s
-        for a 50k vocabulary), which on first use would pause every running stream once. Built on a
-        worker (its tokenizer handle asks the end ids); a failure is left to the first request."""
-        built: concurrent.futures.Future[None] = concurrent.futures.Future()
-        intake.submit(lambda tok: self._host_grammar(tok), lambda result, error: built.set_result(None),
-                      grammar=True, cost=preparation.QUICK_COST + 1)  # fmt: skip
-        built.result()
-
-    def _host_grammar(self, tok: Tokenizer) -> GrammarBackend:
-        """The host (llguidance) backend, built once per engine by a grammar worker, through its own
-        tokenizer handle (the end ids are asked of the engine): at open where the engine has no grammar
-        compiler of its own, else on first use (once, holding the GIL: docs/fairness.md)."""
-        with self._grammar_lock:
-            if self._grammar is None:
-                from ._core.grammar import GrammarBackend, engine_end_ids
-
-                started = time.monotonic()
-
-                end_ids = engine_end_ids(tok.lib, tok.handle, self.vocab_size)
-                self._grammar = GrammarBackend.for_bundle(self.cfg.model_path, vocab_size=self.vocab_size,
-                                                          end_ids=end_ids)
-                self._backend_built.seconds = time.monotonic() - started
-            return self._grammar
-
-    def _close_constraint(self, constraint: Constraint, key: bytes | None) -> None:
-        self.live_grammars -= 1
-        if key is not None and self.grammars.give_back(key, constraint):  # kept for the next request
-            return
-        close = getattr(constraint, "close", None)
-        if close is not None:  # an engine-side grammar handle
-            with contextlib.suppress(Exception):  # freeing must not stop the teardown
-                close()
-
-    def _tokenize_prompt(self, tok: Tokenizer, spec: RequestSpec) -> TokenIds | list[int]:
-        """On an intake worker: a C array of ids (a text that cannot fit is refused untokenized)."""
-        prompt = spec.prompt
-        ids: TokenIds | list[int]
-        if isinstance(prompt, str):
-            ids = tok.encode_text(prompt, special=spec.parse_special, limit=self.max_context)
-        elif prompt and isinstance(prompt[0], tuple):
-            ids = tok.encode_pieces(prompt, limit=self.max_context)  # type: ignore[arg-type]
-        else:
-            ids = self._checked_ids(prompt)  # type: ignore[arg-type]
-        if not ids:
-            raise InvalidRequestError("the prompt is empty: it encodes to no tokens")
-        return ids
-
-    def _checked_ids(self, prompt: Sequence[int]) -> list[int]:
-        if len(prompt) > self.max_context:  # refused before the loop below: its cost stays bounded
-            raise ContextLengthExceededError(len(prompt), 1, self.max_context)
-        ids = list(prompt)
-        for i, t in enumerate(ids):
-            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size:
-                raise InvalidRequestError(
-                    f"prompt token {i} is {t!r}: not a token id of this model (vocab {self.vocab_size})"
-                )
-        if not ids:
-            raise InvalidRequestError("the prompt is empty: it encodes to no tokens")
-        return ids
-
-    # ---- embeddings ---------------------------------------------------------------------
-
-    def _intake_embed(self, msg: Embed) -> None:
+    def _on_embed(self, msg: Embed) -> None:
         """A text input is tokenized by the intake workers first; ids go straight on."""
         try:
             if self._closing:
                 raise EngineClosedError("the engine is closing")
-            self.batcher.check_room(self._preparing + self._reserved)  # its queue slot is held while it is prepared
+            self.batcher.check_room(self.prep.preparing + self._reserved)  # its queue slot is held while it is prepared
         except AioBaseRTError as exc:
             self._notify(msg.done, None, exc)
             return
         if isinstance(msg.source, str):
-            text = msg.source
-            self._in_prep[msg.rid] = msg
-            limit = self.max_context
-            self._prepare_off_thread(
-                msg, lambda tok: tok.encode_text(text, special=False, limit=limit), grammar=False, cost=len(text)
-            )
+            self.prep.submit_embed(msg, msg.source)
         else:
-            self._enqueue_embed(msg, list(msg.source), None)
+            self._enqueue_embed(msg, list(msg.source), None, dropped=False)
 
-    def _enqueue_embed(self, msg: Embed, ids: Sequence[int] | None, error: BaseException | None) -> None:
+    def _enqueue_embed(
+        self, msg: Embed, ids: Sequence[int] | None, error: BaseException | None, *, dropped: bool
+    ) -> None:
         """Validate an embedding and queue it as a lane (or, without taps, run it now)."""
-        self._in_prep.pop(msg.rid, None)
-        if msg.rid in self._dropped:  # cancelled or aborted while it was tokenized: already answered
-            self._dropped.discard(msg.rid)
+        if dropped:  # cancelled or aborted while it was tokenized: already answered
             return
         try:
             if error is not None:
@@ -848,7 +610,7 @@ class EngineThread:
                     f"input of {len(ids)} tokens exceeds the context window of {self.max_context} tokens"
                 )
             if self._embed_path() is None:  # one atomic forward, between two steps (as before taps)
-                self._notify(msg.done, self.embed(ids, self.dim), None)
+                self._notify(msg.done, self.embedder.embed(ids), None)
                 return
             lane = EmbedLane(msg.rid, ids, self.dim, msg.done, msg.client)
             self.batcher.enqueue(lane.state, reserved=True)
@@ -861,74 +623,10 @@ class EngineThread:
         self.requests.add(lane)
 
     def _embed_path(self) -> TapPooler | None:
-        """The tapped (chunked) embedding path, or None for one baseRT_embed call.
-
-        Decided once, on the first embedding: the engine must offer taps, the
-        bundle must carry the final norm weight that baseRT_embed applies, and a
-        probe pooled from taps must match baseRT_embed. Any doubt keeps the
-        single call, whose result is the reference. A probe the engine could not
-        run right now (no free KV for it) decides nothing: this input takes the
-        single call and the next one probes again."""
-        if self._embed_pooler is _UNDECIDED:
-            pooler = None
-            if os.environ.get(_EMBED_TAPS_ENV, "1") != "0":
-                try:
-                    pooler = self._probe_taps()
-                except EngineError:  # the engine refused the probe's steps for now
-                    return None
-                except Exception:
-                    pooler = None
-            self._embed_pooler = pooler
-            self.runner.pooler = pooler
-        return self._embed_pooler  # type: ignore[no-any-return]
-
-    def _probe_taps(self) -> TapPooler | None:
-        lib, model = self.lib, self._model
-        cap = self.batcher.tap_budget
-        if cap is None or not all(lib.has(fn) for fn in _TAP_FUNCTIONS):
-            return None
-        if lib.baseRT_model_supports_taps(model) != 1:
-            return None
-        import numpy as np
-
-        from .models.bundle import read_bundle
-
-        with read_bundle(self.cfg.model_path) as bundle:
-            weight = np.asarray(bundle.tensor("final_norm.weight"), dtype=np.float32).reshape(-1)
-        if weight.shape != (self.dim,):
-            return None
-        pooler = TapPooler(weight, self.norm_eps, self.n_layers, cap)
-        probe = [(7 * i + 3) % self.vocab_size for i in range(min(12, cap, self.max_context))]
-        want = self.embed(probe, self.dim).astype(np.float64)
-        got = self._tapped_once(probe, pooler)
-        if got is None or not np.isfinite(got).all():
-            return None
-        # A wrong norm or tap is off by O(1); f16 rounding by ~1e-4.
-        if np.linalg.norm(got - want) > 1e-2 * max(float(np.linalg.norm(want)), 1e-30):
-            return None
+        """The tapped (chunked) embedding path the step runner pools with, or None for one baseRT_embed call."""
+        pooler = self.embedder.path()
+        self.runner.pooler = pooler
         return pooler
-
-    def _tapped_once(self, ids: list[int], pooler: TapPooler) -> np.ndarray | None:
-        """Pool `ids` through one tapped step on a scratch sequence (the probe)."""
-        lib, model = self.lib, self._model
-        seq = lib.baseRT_sequence_create(model)
-        if not seq:
-            raise lib.last_error("baseRT_sequence_create")
-        try:
-            n = len(ids)
-            one = (c_int * 1)
-            rc = lib.baseRT_batch_step_fused_logits_rows_taps(
-                model, (ctypes.c_void_p * 1)(seq), 1, _ffi.u32_array(ids), one(n), one(1),
-                one(pooler.hidden_index), 1, one(n),
-            )
-            if rc == ErrorCode.OUT_OF_MEMORY:
-                raise lib.last_error("baseRT_batch_step_fused_logits_rows_taps")
-            if rc != 0 or lib.baseRT_read_tap_rows(model, 0, n, pooler.rows.ctypes.data) != self.dim:
-                return None
-            return pooler.pooled_sum(pooler.rows[:n]) / n
-        finally:
-            lib.baseRT_sequence_rollback(seq, 0)
-            lib.baseRT_sequence_free(seq)
 
     def _admit_embed(self, lane: EmbedLane) -> None:
         seq = self.lib.baseRT_sequence_create(self._model)
@@ -947,7 +645,7 @@ class EngineThread:
         # The tapped hidden state overflowed f16: this input needs the f32 path.
         self._free_embed(lane)
         try:
-            result, error = self.embed(lane.ids, self.dim), None
+            result, error = self.embedder.embed(lane.ids), None
         except AioBaseRTError as exc:
             result, error = None, exc
         self._notify(lane.done, result, error)
@@ -973,7 +671,7 @@ class EngineThread:
         for lane in self.requests.embeds():
             self._end_embed(lane, None, EngineClosedError("the engine was closed before the embedding finished"))
 
-    # ---- tokenizer helpers (engine thread) ---------------------------------------------
+    # ---- queries answered between steps (engine thread) ----------------------------------
 
     def encode_text(self, text: str, *, special: bool) -> list[int]:
         return self.tokenizer.encode_text(text, special=special)[:]
@@ -990,16 +688,6 @@ class EngineThread:
                 raise InvalidRequestError(f"{t!r} is not a token id of this model (vocab {self.vocab_size})")
         return b"".join(self.token_bytes(t) for t in ids).decode("utf-8", "replace")
 
-    def embed(self, ids: Sequence[int], dim: int) -> np.ndarray:
-        import numpy as np
-
-        arr = _ffi.u32_array(ids)
-        out = np.zeros(dim, dtype=np.float32)
-        n = self.lib.baseRT_embed(self._model, arr, len(ids), out.ctypes.data_as(ctypes.POINTER(c_float)), dim)
-        if n <= 0:
-            raise self.lib.last_error("baseRT_embed")
-        return out[:n]
-
     def stats(self) -> EngineStats:
         ms = _ffi.BaseRTMemoryStats()
         if not self.lib.baseRT_model_memory_stats(self._model, byref(ms)):
@@ -1012,7 +700,7 @@ class EngineThread:
             active_lanes=len(self.batcher.running),
             waiting_requests=len(self.batcher.waiting),
             live_sequences=self.live_sequences,
-            live_grammars=self.live_grammars,
+            live_grammars=self.prep.live_grammars,
             kv_blocks_total=int(ms.kv_cache_blocks_total),
             kv_blocks_used=int(ms.kv_cache_blocks_used),
             prefix_blocks_cached=int(cached.value),
@@ -1123,7 +811,7 @@ class EngineThread:
         self._free_sequence(lane, keep_kv=lane.final is not None and lane.final.finish_reason in ("stop", "length"))
         if lane.constraint is not None:
             constraint, lane.constraint = lane.constraint, None
-            self._close_constraint(constraint, lane.spec.cost.grammar_key)
+            self.prep.close_constraint(constraint, lane.spec.cost.grammar_key)
         if st.admitted or st in self.batcher.waiting:
             self.batcher.remove(st)
         self.requests.pop(lane.rid)
@@ -1143,7 +831,7 @@ class EngineThread:
             self._finish(lane, "aborted")
         self._abort_embeds()
         self._deliver()
-        self.grammars.close()  # the kept engine grammars, before the workers free the handles they came from
+        self.prep.grammars.close()  # the kept engine grammars, before the workers free the handles they came from
         if self.intake is not None:
             # The workers end after their current job (each frees its own tokenizer
             # handle, independent of the model): an abort waits for no compile.
@@ -1155,11 +843,6 @@ class EngineThread:
             self.lib.baseRT_free_model(self._model)
             self._model = None
             self.models_freed += 1
-
-
-def _is_ids(prompt: Prompt) -> bool:
-    """A prompt of token ids (not text, not rendered chat pieces)."""
-    return not isinstance(prompt, str) and not (len(prompt) > 0 and isinstance(prompt[0], tuple))
 
 
 def _deliver_batch(batch: list[tuple[Sink, list[Token], Final | None, BaseException | None]]) -> None:

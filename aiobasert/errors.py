@@ -3,7 +3,35 @@
 Engine failures carry the engine's own message and `BaseRTErrorCode`; SDK-level
 refusals (bad parameters, context overflow, overload, closed engine) are raised
 in the caller's coroutine before anything reaches the engine. Every exception the
-SDK raises on purpose is defined here, under the one root `AioBaseRTError`.
+SDK raises on purpose is defined here, under the one root `AioBaseRTError`
+(a second base, where there is one, lets plain `except ValueError:` code catch it too):
+
+    AioBaseRTError
+    ├── EngineError                       a libbaseRT call failed: `.code`, `.message`
+    │   ├── InvalidArgumentError          (ValueError)        INVALID_ARGUMENT
+    │   ├── ModelFileNotFoundError        (FileNotFoundError) FILE_NOT_FOUND
+    │   ├── InvalidFormatError                                INVALID_FORMAT
+    │   ├── UnsupportedError                                  UNSUPPORTED
+    │   ├── EngineOutOfMemoryError        (MemoryError)       OUT_OF_MEMORY
+    │   ├── GPUError                                          GPU
+    │   └── GenerationFailedError                             GENERATION_FAILED
+    ├── LibraryError                      libbaseRT not found / not loadable
+    │   └── AbiMismatchError
+    ├── InvalidRequestError               (ValueError) a request refused before the engine
+    │   ├── InvalidSamplingParamsError
+    │   └── ContextLengthExceededError
+    ├── InvalidConfigError                (ValueError) an `EngineConfig` / `Engine.open` option
+    ├── EngineOverloadedError             the request queue is full
+    ├── EngineClosedError                 the engine is closed or closing
+    ├── WrongEventLoopError               (RuntimeError) used outside its event loop
+    ├── StreamBusyError                   (RuntimeError) two readers on one stream
+    ├── StreamClosedError                 `await stream` after the stream was left
+    ├── ThreadAffinityError               (AssertionError) debug mode: wrong thread in libbaseRT
+    ├── BundleError                       (ValueError) a malformed `.base` file
+    ├── ConversionError                   (ValueError) a source that cannot be converted
+    ├── ModelNotAvailableError            (FileNotFoundError) no default model
+    ├── UnknownModelError                 (LookupError) a model the group does not serve
+    └── InternalError                     a bug in aiobasert, confined to the request it hit
 """
 
 from __future__ import annotations
@@ -176,6 +204,16 @@ class StreamClosedError(AioBaseRTError):
 
 class ThreadAffinityError(AioBaseRTError, AssertionError):
     """Debug mode: a thread other than the engine thread entered libbaseRT."""
+
+
+class InternalError(AioBaseRTError):
+    """A bug in aiobasert, surfaced as an error of the one request (or step) it hit; every other
+    stream goes on. The message says where it happened; `__cause__` is the original exception."""
+
+    def __init__(self, where: str, cause: BaseException) -> None:
+        super().__init__(f"internal error {where}: {cause!r}")
+        self.where = where
+        self.__cause__ = cause
 
 
 # ---- models and files (raised by Engine.open / EngineGroup / the model cache) ----

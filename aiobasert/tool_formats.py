@@ -15,29 +15,30 @@ how a conversation is shaped for the template (Llama 3's renders one call per tu
   `{"name": function name, "parameters": ...}`): the whole reply is the call,
   bare JSON ``{"name": "f", "parameters": {...}}`` (several separated by ``; ``, as
   vLLM's llama3_json parser reads them), optionally after `<|python_tag|>`.
+
+What a format must provide, `ToolFormat` (and its parser's `CallParser`), is declared in
+aiobasert.tools, which renders and parses turns through it (re-exported here); this module
+imports aiobasert.tools, never the other way round.
 """
 
 from __future__ import annotations
 
 import json
 import re
-from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from functools import lru_cache
-from typing import Any, Final, Protocol
+from typing import Any, Final
 
+from ._tool_syntax import CALL_SEP, JsonExtent, hermes_call, new_call_id, turn_grammar
 from .tools import (
-    _CALL_SEP,
+    CallParser,
     ChatDelta,
     TextDelta,
     Tool,
     ToolCall,
     ToolCallDelta,
     ToolCallParser,
-    _call_text,
-    _JsonExtent,
-    _lark_str,
-    new_call_id,
+    ToolFormat,
     template_supports_tools,
     tool_grammar,
     tool_structural_tag,
@@ -53,53 +54,6 @@ __all__ = [
     "ToolFormat",
     "tool_format_for",
 ]
-
-
-class CallParser(Protocol):
-    """What a ChatStream feeds its generated text through (ToolCallParser, Llama3JsonParser)."""
-
-    calls: list[ToolCall]
-
-    def feed(self, text: str) -> list[ChatDelta]: ...
-
-    def close(self) -> list[ChatDelta]: ...
-
-    @property
-    def content(self) -> str: ...
-
-
-class ToolFormat(ABC):
-    """One family's tool-call format (see the module docstring)."""
-
-    name: str
-    trigger: str
-    """What starts a call in the generated text."""
-
-    @abstractmethod
-    def grammar(self, tools: Sequence[Tool], choice: str, *, parallel: bool = True) -> str | None:
-        """The Lark grammar (llguidance) of an assistant turn under `choice`; None without tools."""
-
-    @abstractmethod
-    def structural_tag(self, tools: Sequence[Tool], choice: str, *, parallel: bool = True) -> dict[str, Any] | None:
-        """The same contract as an xgrammar structural tag for the engine's grammar backend,
-        or None where a structural tag cannot say it (the Lark grammar then runs on the host)."""
-
-    @abstractmethod
-    def parser(self, *, forced: bool = False) -> CallParser:
-        """A fresh incremental parser of one turn (`forced`: only calls were allowed)."""
-
-    @abstractmethod
-    def call_text(self, calls: Sequence[ToolCall]) -> str:
-        """A past assistant turn's calls as the model writes them, for a template that
-        does not render `tool_calls` itself."""
-
-    def shape_messages(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        """The conversation as the model's own template expects it, when it renders tools
-        itself (default: unchanged)."""
-        return messages
-
-    def __repr__(self) -> str:
-        return f"<ToolFormat {self.name}>"
 
 
 class HermesFormat(ToolFormat):
@@ -118,7 +72,7 @@ class HermesFormat(ToolFormat):
         return ToolCallParser(forced=forced)
 
     def call_text(self, calls: Sequence[ToolCall]) -> str:
-        return _CALL_SEP.join(_call_text(c) for c in calls)
+        return CALL_SEP.join(hermes_call(c.name, c.arguments) for c in calls)
 
 
 # ---- Llama 3.x: bare JSON -------------------------------------------------------------------
@@ -149,21 +103,12 @@ class Llama3JsonFormat(ToolFormat):
     trigger = "{"
 
     def grammar(self, tools: Sequence[Tool], choice: str, *, parallel: bool = True) -> str | None:
-        if not tools:
-            return None
         # whitespace then "{" opens a call (as the parser reads it), also after "<|python_tag|>" (which
         # ordinary tokens can spell): text never does
         text = r"TEXT: /(?s:.+)/ & ~/(?s:[ \t\r\n]*(<\|python_tag\|>[ \t\r\n]*)?\{.*)/"
-        if choice == "none":
-            return f"start: TEXT\n{text}\n"
-        allowed = [(i, t) for i, t in enumerate(tools) if choice in ("auto", "required") or t.name == choice]
-        lines = [f"start: TEXT | calls\n{text}" if choice == "auto" else "start: calls"]
-        lines.append("calls: call" + (f" ({_lark_str(_LLAMA_SEP)} call)*" if parallel else ""))
-        lines.append("call: " + " | ".join(f"call_{i}" for i, _ in allowed))
-        for i, tool in allowed:
-            lines.append(f"call_{i}: {_lark_str(_llama_head(tool.name))} args_{i} {_lark_str('}')}")
-            lines.append(f"args_{i}: %json {json.dumps(tool.arguments_schema())}")
-        return "\n".join(lines) + "\n"
+        return turn_grammar(
+            tools, choice, parallel=parallel, text=text, head=_llama_head, tail="}", separator=_LLAMA_SEP
+        )
 
     def structural_tag(self, tools: Sequence[Tool], choice: str, *, parallel: bool = True) -> dict[str, Any] | None:
         if not tools or choice in ("auto", "none"):
@@ -255,7 +200,7 @@ class Llama3JsonParser:
         self._buf = ""  # text held back: maybe (part of) a call
         self._mode: str = "start"  # start | text | call | after
         self._obj = 0  # where the held call's `{` is in _buf
-        self._json = _JsonExtent()
+        self._json = JsonExtent()
         self._scanned = 0  # chars of _buf after _obj the scanner has read
         self._keyed = False  # the held object's first key has begun
         self.calls: list[ToolCall] = []
@@ -334,7 +279,7 @@ class Llama3JsonParser:
                 return  # blanks so far
             if rest.startswith("{"):
                 self._mode, self._obj, self._scanned, self._keyed = "call", i, 0, False
-                self._json = _JsonExtent()
+                self._json = JsonExtent()
             else:
                 self._to_text()
         elif self._mode == "call":

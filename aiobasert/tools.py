@@ -53,31 +53,40 @@ the lane's logits row each step, so tool lanes keep batching with free lanes.
 from __future__ import annotations
 
 import contextlib
-import itertools
 import json
-import os
 import re
+from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Generator, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import msgspec
 
-from .chat import _as_message, check_message_count, render_with_sentinels, sentinel
+from ._core.schema import closed_objects
+from ._tool_syntax import (
+    ARGS_OPEN,
+    CALL_CLOSE,
+    CALL_END,
+    CALL_OPEN,
+    CALL_SEP,
+    NAME_OPEN,
+    JsonExtent,
+    new_call_id,
+    turn_grammar,
+)
+from .chat import _as_message, check_message_count, encodable_content, render_with_sentinels, sentinel
 from .errors import InvalidRequestError, StreamBusyError, WrongEventLoopError
 from .types import ChatMessage, FinishReason, Timing, Token, Usage
 
 if TYPE_CHECKING:
-    from .engine import Engine
     from .streams import TokenStream
-    from .tool_formats import CallParser, ToolFormat
-    from .types import SamplingParams
 
 __all__ = [
     "CALL_CLOSE",
     "CALL_OPEN",
     "DEFAULT_TOOL_PROMPT",
     "MAX_TOOLS",
+    "CallParser",
     "ChatReply",
     "ChatStream",
     "TextDelta",
@@ -86,19 +95,13 @@ __all__ = [
     "ToolCallDelta",
     "ToolCallParser",
     "ToolChoice",
+    "ToolFormat",
     "parse_tool_choice",
     "parse_tools",
     "render_tool_chat",
     "tool_grammar",
     "tool_structural_tag",
 ]
-
-CALL_OPEN = "<tool_call>\n"
-CALL_CLOSE = "\n</tool_call>"
-_NAME_OPEN = '{"name": "'
-_ARGS_OPEN = '", "arguments": '
-_CALL_END = "}" + CALL_CLOSE
-_CALL_SEP = "\n"
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 
@@ -201,6 +204,58 @@ class ChatReply(msgspec.Struct, frozen=True, kw_only=True):
         return self.content
 
 
+# ---- a tool-call format: what a turn is rendered, constrained and parsed through -------------
+
+
+class CallParser(Protocol):
+    """What a ChatStream feeds its generated text through (ToolCallParser, Llama3JsonParser)."""
+
+    calls: list[ToolCall]
+
+    def feed(self, text: str) -> list[ChatDelta]: ...
+
+    def close(self) -> list[ChatDelta]: ...
+
+    @property
+    def content(self) -> str: ...
+
+
+class ToolFormat(ABC):
+    """One family's tool-call format. Declared here, where turns are rendered and parsed
+    through it; the formats themselves (Hermes, Llama 3's bare JSON) and the choice of one
+    per chat template live in aiobasert.tool_formats."""
+
+    name: str
+    trigger: str
+    """What starts a call in the generated text."""
+
+    @abstractmethod
+    def grammar(self, tools: Sequence[Tool], choice: str, *, parallel: bool = True) -> str | None:
+        """The Lark grammar (llguidance) of an assistant turn under `choice`; None without tools."""
+
+    @abstractmethod
+    def structural_tag(self, tools: Sequence[Tool], choice: str, *, parallel: bool = True) -> dict[str, Any] | None:
+        """The same contract as an xgrammar structural tag for the engine's grammar backend,
+        or None where a structural tag cannot say it (the Lark grammar then runs on the host)."""
+
+    @abstractmethod
+    def parser(self, *, forced: bool = False) -> CallParser:
+        """A fresh incremental parser of one turn (`forced`: only calls were allowed)."""
+
+    @abstractmethod
+    def call_text(self, calls: Sequence[ToolCall]) -> str:
+        """A past assistant turn's calls as the model writes them, for a template that
+        does not render `tool_calls` itself."""
+
+    def shape_messages(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """The conversation as the model's own template expects it, when it renders tools
+        itself (default: unchanged)."""
+        return messages
+
+    def __repr__(self) -> str:
+        return f"<ToolFormat {self.name}>"
+
+
 # ---- input normalisation -------------------------------------------------------------------
 
 
@@ -267,83 +322,14 @@ def parse_tool_choice(choice: ToolChoice | Mapping[str, Any] | None, tools: Sequ
 
 # ---- the grammar ---------------------------------------------------------------------------
 
-# Keywords whose subschemas are whole schemas of a value (each closed in turn).
-_VALUE_SCHEMAS = ("additionalProperties", "items", "contains", "unevaluatedItems")
-_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")
-# Applicators whose branches may declare the object's properties too (the object is not
-# closed beside them: `additionalProperties` sees only its sibling `properties`).
-_APPLICATORS = ("allOf", "anyOf", "oneOf")
-
-
-def closed_objects(schema: Any, *, partial: bool = False) -> Any:
-    """`schema` (a copy) with every object schema that declares `properties` and says
-    nothing of `additionalProperties` closed (`"additionalProperties": false`).
-
-    The policy of tool-call arguments and `json_schema` output (vLLM's default xgrammar
-    backend has the same, and so does the engine's own grammar): a call gets exactly the
-    properties its tool declares, so a forced call ends once they are written instead of
-    adding undeclared ones until `max_tokens`. `additionalProperties: true` or a schema
-    is honoured, and so is an object that declares no properties (`{"type": "object"}`:
-    any object). An object is left as it is beside `allOf` / `anyOf` / `oneOf` / `$ref`
-    or `unevaluatedProperties` (those may declare its properties), and so are the
-    branches of an `allOf` of several schemas or of an applicator beside `properties`
-    (each declares only some of them: `partial`), and an object whose `required` names
-    a property it does not declare (closed, it would admit nothing). `not`, `if` / `then`
-    / `else` are not entered (closing them would loosen or change what they mean)."""
-    if not isinstance(schema, dict):
-        return schema
-    out = dict(schema)
-    for key in _VALUE_SCHEMAS:
-        if isinstance(out.get(key), dict):
-            out[key] = closed_objects(out[key])
-    if isinstance(out.get("items"), list):  # draft 4-2019 tuple form
-        out["items"] = [closed_objects(s) for s in out["items"]]
-    if isinstance(out.get("prefixItems"), list):
-        out["prefixItems"] = [closed_objects(s) for s in out["prefixItems"]]
-    for key in _SCHEMA_MAPS:
-        if isinstance(out.get(key), dict):
-            out[key] = {name: closed_objects(s) for name, s in out[key].items()}
-    declares = isinstance(out.get("properties"), dict)
-    for key in _APPLICATORS:
-        branches = out.get(key)
-        if isinstance(branches, list):
-            part = declares or (key == "allOf" and len(branches) > 1)
-            out[key] = [closed_objects(s, partial=part) for s in branches]
-    kind = out.get("type", "object")
-    is_object = kind == "object" or (isinstance(kind, list) and "object" in kind)
-    open_beside = ("additionalProperties", "unevaluatedProperties", "$ref", *_APPLICATORS)
-    required = out.get("required")
-    undeclared = isinstance(required, list) and declares and any(r not in out["properties"] for r in required)
-    if is_object and declares and not partial and not undeclared and not any(k in out for k in open_beside):
-        out["additionalProperties"] = False
-    return out
-
-
-
-def _lark_str(text: str) -> str:
-    return json.dumps(text)
-
 
 def tool_grammar(tools: Sequence[Tool], choice: str, *, parallel: bool = True) -> str | None:
     """The Lark grammar (llguidance dialect) of an assistant turn under `choice`;
     None when nothing needs constraining (no tools)."""
-    if not tools:
-        return None
-    text = r"TEXT: /(?s:.+)/ & ~/(?s:.*<tool_call>.*)/"
-    if choice == "none":
-        return f"start: TEXT\n{text}\n"
-    # rules are numbered by the tool's place in `tools`, so a schema error's rule names it
-    allowed = [(i, t) for i, t in enumerate(tools) if choice in ("auto", "required") or t.name == choice]
-    lines = []
-    calls = "call" if not parallel else f"call ({_lark_str(_CALL_SEP)} call)*"
-    lines.append(f"start: TEXT | calls\n{text}" if choice == "auto" else "start: calls")
-    lines.append(f"calls: {calls}")
-    lines.append("call: " + " | ".join(f"call_{i}" for i, _ in allowed))
-    for i, tool in allowed:
-        head = CALL_OPEN + _NAME_OPEN + tool.name + _ARGS_OPEN
-        lines.append(f"call_{i}: {_lark_str(head)} args_{i} {_lark_str(_CALL_END)}")
-        lines.append(f"args_{i}: %json {json.dumps(tool.arguments_schema())}")
-    return "\n".join(lines) + "\n"
+    return turn_grammar(
+        tools, choice, parallel=parallel, text=r"TEXT: /(?s:.+)/ & ~/(?s:.*<tool_call>.*)/",
+        head=lambda name: CALL_OPEN + NAME_OPEN + name + ARGS_OPEN, tail=CALL_END, separator=CALL_SEP,
+    )
 
 
 def tool_structural_tag(tools: Sequence[Tool], choice: str, *, parallel: bool = True) -> dict[str, Any] | None:
@@ -372,16 +358,16 @@ def tool_structural_tag(tools: Sequence[Tool], choice: str, *, parallel: bool = 
         tags.append(
             {
                 "type": "tag",
-                "begin": CALL_OPEN + _NAME_OPEN + tool.name + _ARGS_OPEN,
+                "begin": CALL_OPEN + NAME_OPEN + tool.name + ARGS_OPEN,
                 "content": {"type": "json_schema", "json_schema": schema},
-                "end": _CALL_END,
+                "end": CALL_END,
             }
         )
     fmt: dict[str, Any]
     if choice == "auto":
         fmt = {"type": "triggered_tags", "triggers": [trigger], "tags": tags, "at_least_one": False}
     else:
-        fmt = {"type": "tags_with_separator", "tags": tags, "separator": _CALL_SEP, "at_least_one": True}
+        fmt = {"type": "tags_with_separator", "tags": tags, "separator": CALL_SEP, "at_least_one": True}
     fmt["stop_after_first"] = not parallel
     return {"type": "structural_tag", "format": fmt}
 
@@ -416,6 +402,13 @@ def _message_fields(m: Any, i: int) -> dict[str, Any]:
     for key in ("tool_call_id", "name"):
         if m.get(key) is not None:
             out[key] = str(m[key])
+    if out["role"] == "assistant" and isinstance(out["content"], str):  # the model's words fed back
+        out["content"] = encodable_content("assistant", out["content"], i)
+        if "tool_calls" in out:
+            out["tool_calls"] = [
+                msgspec.structs.replace(c, arguments=encodable_content("assistant", c.arguments, i))
+                for c in out["tool_calls"]
+            ]
     return out
 
 
@@ -424,26 +417,20 @@ def template_supports_tools(template: str) -> bool:
     return bool(template) and re.search(r"\btools\b", template) is not None
 
 
-def _call_text(call: ToolCall) -> str:
-    return CALL_OPEN + _NAME_OPEN + call.name + _ARGS_OPEN + call.arguments + _CALL_END
-
-
 def render_tool_chat(
     template: str,
     messages: Sequence[Any],
     tools: Sequence[Tool],
     *,
+    tool_format: ToolFormat,
     add_generation_prompt: bool = True,
     bos_token: str = "",
     eos_token: str = "",
-    tool_format: ToolFormat | None = None,
 ) -> list[tuple[str, bool]]:
     """Render a conversation with tools (and tool turns) into encodable pieces,
     with the model's template when it supports tools, else the default format.
-    `tool_format`: how the model writes calls (default: the template's,
-    aiobasert.tool_formats.tool_format_for)."""
-    from .tool_formats import tool_format_for
-
+    `tool_format`: how the model writes calls (the template's is
+    `aiobasert.tool_formats.tool_format_for(template)`, `Engine.tool_format`)."""
     if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence) or not messages:
         raise InvalidRequestError("messages must be a non-empty list of {role, content} messages")
     check_message_count(messages)
@@ -458,7 +445,7 @@ def render_tool_chat(
             "\x00" in c.id for c in m.get("tool_calls", ())
         ):
             raise InvalidRequestError(f"message {i} contains a NUL character")
-    fmt = tool_format if tool_format is not None else tool_format_for(template)
+    fmt = tool_format
     if template_supports_tools(template):
         msgs = fmt.shape_messages(msgs)
         return _render_with_template(template, msgs, tools, add_generation_prompt, bos_token, eos_token)
@@ -476,7 +463,7 @@ def render_tool_chat(
         elif m.get("tool_calls"):
             parts = [m["content"]] if m["content"] else []
             parts.append(fmt.call_text(m["tool_calls"]))
-            plain.append({"role": m["role"], "content": _CALL_SEP.join(parts), **_name_of(m)})
+            plain.append({"role": m["role"], "content": CALL_SEP.join(parts), **_name_of(m)})
         else:
             plain.append({"role": m["role"], "content": m["content"], **_name_of(m)})
     # the template sees each turn's text and `name` (as client text), as with a tool-aware one
@@ -545,46 +532,6 @@ def _render_with_template(
 
 # ---- output parsing -------------------------------------------------------------------------
 
-_call_ids = itertools.count(1)
-_call_prefix = os.urandom(4).hex()
-
-
-def new_call_id() -> str:
-    return f"call_{_call_prefix}{next(_call_ids):06d}"
-
-
-class _JsonExtent:
-    """Incremental: where a JSON object or array fed in pieces ends (its closing bracket), aware of
-    strings and escapes; `depth` is the nesting still open."""
-
-    def __init__(self) -> None:
-        self.depth = 0
-        self._in_str = False
-        self._escape = False
-
-    def end(self, text: str, start: int = 0) -> int | None:
-        """Scan text[start:] (the part not scanned before): just past the bracket that closes the
-        value, or None if it is still open."""
-        for j in range(start, len(text)):
-            ch = text[j]
-            if self._in_str:
-                if self._escape:
-                    self._escape = False
-                elif ch == "\\":
-                    self._escape = True
-                elif ch == '"':
-                    self._in_str = False
-            elif ch == '"':
-                self._in_str = True
-            elif ch in "{[":
-                self.depth += 1
-            elif ch in "}]":
-                self.depth -= 1
-                if self.depth == 0:
-                    return j + 1
-        return None
-
-
 class ToolCallParser:
     """Incremental: `feed(text)` returns the deltas the new text completes, `close()`
     the rest. Text that may still become `<tool_call>` is held back until it
@@ -602,7 +549,7 @@ class ToolCallParser:
         self._buf = ""
         self._mode: Literal["start", "text", "head", "args", "tail", "between"] = "start"
         self._index = -1
-        self._json = _JsonExtent()
+        self._json = JsonExtent()
         self.calls: list[ToolCall] = []
         self._name = ""
         self._id = ""
@@ -645,14 +592,14 @@ class ToolCallParser:
             out.append(TextDelta(text))
 
     def _step(self, out: list[ChatDelta]) -> None:
-        buf, opener = self._buf, CALL_OPEN + _NAME_OPEN
+        buf, opener = self._buf, CALL_OPEN + NAME_OPEN
         if self._mode in ("start", "between"):
-            if self._mode == "between" and buf.startswith(_CALL_SEP + opener[:1]):
-                buf = self._buf = buf[len(_CALL_SEP) :]
+            if self._mode == "between" and buf.startswith(CALL_SEP + opener[:1]):
+                buf = self._buf = buf[len(CALL_SEP) :]
             if buf.startswith(opener):
                 self._buf = buf[len(opener) :]
                 self._mode = "head"
-            elif opener.startswith(buf) or (self._mode == "between" and (_CALL_SEP + opener).startswith(buf)):
+            elif opener.startswith(buf) or (self._mode == "between" and (CALL_SEP + opener).startswith(buf)):
                 return  # may still become a call
             else:
                 self._mode = "text"
@@ -669,14 +616,14 @@ class ToolCallParser:
             self._emit_text(buf[: len(buf) - keep], out)
             self._buf = buf[len(buf) - keep :]
         elif self._mode == "head":
-            end = buf.find(_ARGS_OPEN)
+            end = buf.find(ARGS_OPEN)
             if end < 0:
                 return
-            self._name, self._buf = buf[:end], buf[end + len(_ARGS_OPEN) :]
+            self._name, self._buf = buf[:end], buf[end + len(ARGS_OPEN) :]
             self._index += 1
             self._id = new_call_id()
             self._args = []
-            self._json = _JsonExtent()
+            self._json = JsonExtent()
             out.append(ToolCallDelta(index=self._index, id=self._id, name=self._name, arguments=""))
             self._mode = "args"
         elif self._mode == "args":
@@ -689,10 +636,10 @@ class ToolCallParser:
                 self._finish_call()
                 self._mode = "tail"
         elif self._mode == "tail":
-            if buf.startswith(_CALL_END):
-                self._buf = buf[len(_CALL_END) :]
+            if buf.startswith(CALL_END):
+                self._buf = buf[len(CALL_END) :]
                 self._mode = "between"
-            elif not _CALL_END.startswith(buf):
+            elif not CALL_END.startswith(buf):
                 self._mode = "text"  # not the grammar's format: keep it as text
 
     def _scan(self, buf: str) -> int:
@@ -705,34 +652,25 @@ class ToolCallParser:
         self._args = []
 
 
-class ChatTurn:
+class ChatTurn(msgspec.Struct, frozen=True, kw_only=True):
     """A chat turn rendered and constrained once (`prepare_chat_turn`), to be streamed
-    any number of times (`stream`: one per choice of an n > 1 request).
+    any number of times (`Engine._stream_turn`: one per choice of an n > 1 request).
 
     Preparing is the request-sized part (rendering every message and tool, the call
-    grammar's text); it reads only the engine's immutable template and tokens, so a
-    server runs it in a worker thread, where it delays only its own request."""
+    grammar's text); it reads only the model's immutable template, tokens and call format,
+    so a server runs it in a worker thread, where it delays only its own request."""
 
-    __slots__ = ("forced", "lark", "parse_calls", "pieces", "structural_tag", "tool_format")
-
-    def __init__(
-        self, pieces: list[tuple[str, bool]], *, lark: str | None, structural_tag: str | None,
-        parse_calls: bool, forced: bool, tool_format: ToolFormat,
-    ) -> None:
-        self.pieces = pieces
-        self.lark = lark
-        self.structural_tag = structural_tag
-        self.parse_calls = parse_calls
-        self.forced = forced
-        self.tool_format = tool_format
-
-    def stream(self, engine: Engine, params: SamplingParams) -> ChatStream:
-        """A new (not yet submitted) stream of this turn under `params` (validated here)."""
-        params = engine._params(params, {})
-        if self.lark is not None and params.json_schema is not None:
-            raise InvalidRequestError("json_schema cannot be combined with tools")
-        tokens = engine._new_stream(self.pieces, params, True, self.lark, self.structural_tag)
-        return ChatStream(tokens, parse_calls=self.parse_calls, forced=self.forced, tool_format=self.tool_format)
+    pieces: list[tuple[str, bool]]
+    """The rendered prompt: (text, is_content) pieces, as `baseRT_encode_pieces` takes them."""
+    lark: str | None
+    """The turn's Lark grammar (llguidance); None without tools."""
+    structural_tag: str | None
+    """The same contract as an xgrammar structural tag (JSON text), where one can say it."""
+    parse_calls: bool
+    """Whether the output may hold calls (tools, and `tool_choice` not "none")."""
+    forced: bool
+    """Only calls may be generated ("required" or a named function)."""
+    tool_format: ToolFormat
 
 
 def check_tools(tools: Sequence[Tool | Mapping[str, Any]] | None) -> None:
@@ -757,21 +695,25 @@ def check_tools(tools: Sequence[Tool | Mapping[str, Any]] | None) -> None:
 
 
 def prepare_chat_turn(
-    engine: Engine,
+    template: str,
     messages: Sequence[Any],
     *,
+    tool_format: ToolFormat,
     tools: Sequence[Tool | Mapping[str, Any]] | None,
     tool_choice: ToolChoice | Mapping[str, Any] | None,
     parallel: bool,
     add_generation_prompt: bool = True,
+    bos_token: str = "",
+    eos_token: str = "",
 ) -> ChatTurn:
-    """Render and constrain one tool-aware chat turn, in the model's tool-call format
-    (`engine.tool_format`). Bounded before it is paid: more than `MAX_CHAT_MESSAGES`
-    messages or `MAX_TOOLS` tools are refused before anything is rendered. Safe to run
-    in a worker thread (it touches no engine state and no event loop)."""
+    """Render and constrain one tool-aware chat turn with the model's chat `template`, in its
+    tool-call format (`Engine.tool_format`); `bos_token` / `eos_token` are the model's
+    (`ModelInfo`), as the template may print them. Bounded before it is paid: more than
+    `MAX_CHAT_MESSAGES` messages or `MAX_TOOLS` tools are refused before anything is
+    rendered. Safe to run in a worker thread (it touches no engine and no event loop)."""
     check_message_count(messages)
     check_tools(tools)
-    fmt = engine.tool_format
+    fmt = tool_format
     parsed = parse_tools(tools)
     choice = parse_tool_choice(tool_choice, parsed)
     forced = choice != "none" and choice != "auto"
@@ -779,40 +721,19 @@ def prepare_chat_turn(
         parallel = False  # a named function is called exactly once (as OpenAI and vLLM do)
     lark = fmt.grammar(parsed, choice, parallel=parallel)
     tag = fmt.structural_tag(parsed, choice, parallel=parallel)
-    thread = engine._thread
     pieces = render_tool_chat(
-        engine.chat_template,
+        template,
         messages,
         parsed,  # listed under "none" too: the model knows them, the grammar forbids calls
-        add_generation_prompt=add_generation_prompt,
-        bos_token=thread.bos_token,
-        eos_token=thread.eos_token,
         tool_format=fmt,
+        add_generation_prompt=add_generation_prompt,
+        bos_token=bos_token,
+        eos_token=eos_token,
     )
     return ChatTurn(
-        pieces, lark=lark, structural_tag=json.dumps(tag) if tag is not None else None,
+        pieces=pieces, lark=lark, structural_tag=json.dumps(tag) if tag is not None else None,
         parse_calls=choice != "none" and bool(parsed), forced=forced, tool_format=fmt,
     )
-
-
-def open_chat_stream(
-    engine: Engine,
-    messages: Sequence[Any],
-    params: SamplingParams,
-    *,
-    tools: Sequence[Tool | Mapping[str, Any]] | None,
-    tool_choice: ToolChoice | Mapping[str, Any] | None,
-    parallel: bool,
-    add_generation_prompt: bool = True,
-) -> ChatStream:
-    """Render, constrain and submit one tool-aware chat turn (`Engine.stream_chat`)."""
-    if tools and params.json_schema is not None:  # refused before the render is paid
-        raise InvalidRequestError("json_schema cannot be combined with tools")
-    turn = prepare_chat_turn(
-        engine, messages, tools=tools, tool_choice=tool_choice, parallel=parallel,
-        add_generation_prompt=add_generation_prompt,
-    )
-    return turn.stream(engine, params)
 
 
 def finish_reason_with_tools(reason: FinishReason | None, calls: Sequence[ToolCall]) -> Any:

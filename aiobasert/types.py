@@ -20,6 +20,11 @@ reference engine (llama.cpp's default), the library's per-model default elsewher
 where head_dim allows); "f16"; "q8" (Q8_0 blocks of 32, as llama.cpp's `-ctk q8_0 -ctv q8_0`);
 "f32" (the reference engine's exact pool, twice f16's memory)."""
 KV_CACHE_DTYPES: tuple[str, ...] = get_args(KVCacheDtype)
+Dtype = Literal["auto", "f16", "f32", "q8", "q4"]
+"""How a GGUF model's matrices are stored in its cached bundle (`Engine.open(dtype=...)`, `--dtype`):
+"auto" = each tensor as the GGUF stores it (see the quantized-output section of
+`aiobasert.models.convert`); "f16" / "f32" dequantize; "q8" / "q4" quantize group-wise."""
+DTYPES: tuple[str, ...] = get_args(Dtype)
 
 _INT32_MAX = 2**31 - 1
 _FLT_MAX: float = struct.unpack("<f", b"\xff\xff\x7f\x7f")[0]  # 3.4028234663852886e38
@@ -406,3 +411,9 @@ class ModelInfo(msgspec.Struct, frozen=True, kw_only=True):
     kv_cache_dtype: str = ""
     """The KV cache's element type as the engine allocated it: "f32", "f16", "q8" (Q8_0 blocks),
     "q4", or "q8/q4" (K at Q8_0, V at Q4_0); "" where the library cannot say."""
+    bos_token: str = ""
+    """The text of the model's beginning-of-sequence token, as its chat template prints
+    `bos_token` ("" where the library cannot say)."""
+    eos_token: str = ""
+    """The text of the model's end-of-sequence token, as its chat template prints `eos_token`
+    ("" where the library cannot say)."""

@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -24,6 +23,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from aiobasert import Engine
+from bench.common import add_model_arguments, bench_model
 
 TEXT = "The quick brown fox jumps over the lazy dog while the model keeps talking. "
 
@@ -74,19 +74,11 @@ async def main_async(model: str, chunks: list[int], n_tokens: int) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--tiny", action="store_true", help="use a tiny random model instead")
+    add_model_arguments(ap)
     ap.add_argument("--chunks", type=int, nargs="+", default=[256, 64], help="prefill_chunk values")
     ap.add_argument("--tokens", type=int, default=1000, help="tokens to embed")
     args = ap.parse_args()
-    if args.tiny:
-        from aiobasert.models.tiny import build_tiny_model
-
-        model = str(build_tiny_model(Path(tempfile.mkdtemp()) / "tiny.base", n_layers=4, dim=256, n_heads=8,
-                                     n_kv_heads=4, ffn_dim=512, tied=False))
-    else:
-        from aiobasert.models.cache import default_model_path
-
-        model = str(default_model_path())
+    model = bench_model(args.tiny)
     anyio.run(main_async, model, args.chunks, args.tokens)
 
 

@@ -16,7 +16,6 @@ import argparse
 import os
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -25,6 +24,7 @@ import anyio
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from aiobasert import Completion, Engine, client_scope
+from bench.common import add_model_arguments, bench_model
 
 PROMPT = "Write a long story about a lighthouse keeper and the ships she guides through the storm."
 
@@ -84,19 +84,11 @@ async def main_async(model: str, long: int, lanes: int) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--tiny", action="store_true", help="use a tiny random model instead")
+    add_model_arguments(ap)
     ap.add_argument("--long", type=int, default=400, help="tokens of each long request")
     ap.add_argument("--lanes", type=int, default=8, help="max_batch_size")
     args = ap.parse_args()
-    if args.tiny:
-        from aiobasert.models.tiny import build_tiny_model
-
-        model = str(build_tiny_model(Path(tempfile.mkdtemp()) / "tiny.base", n_layers=4, dim=256, n_heads=8,
-                                     n_kv_heads=4, ffn_dim=512, tied=False))
-    else:
-        from aiobasert.models.cache import default_model_path
-
-        model = str(default_model_path())
+    model = bench_model(args.tiny)
     anyio.run(main_async, model, args.long, args.lanes)
 
 

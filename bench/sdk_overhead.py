@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import tempfile
 import time
 from ctypes import byref, c_int, c_uint32, c_void_p, sizeof
 from pathlib import Path
@@ -28,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from aiobasert import Engine
 from aiobasert._core import ffi as _ffi
+from bench.common import add_model_arguments, bench_model
 
 PROMPT = "Once upon a time, in a land far away, there lived"
 TICK = 0.005  # the lag probe's period: how late each 5 ms sleep wakes is the loop's lag
@@ -101,7 +101,7 @@ async def sdk(model_path: str, n: int, tokens: int, context: int) -> tuple[float
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", help="a .base bundle (default: SmolLM2-135M-Instruct)")
-    ap.add_argument("--tiny", action="store_true", help="use a tiny random model instead")
+    add_model_arguments(ap)
     ap.add_argument("--lanes", default="1,8,32")
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--context", type=int, default=256)
@@ -109,17 +109,7 @@ def main() -> None:
                     help="bare and SDK runs alternate this many times; the best of each is printed, so a burst "
                          "of load from other processes on a shared machine does not land on one side only")
     args = ap.parse_args()
-    if args.tiny:
-        from aiobasert.models.tiny import build_tiny_model
-
-        model = str(build_tiny_model(Path(tempfile.mkdtemp()) / "tiny.base", n_layers=4, dim=256, n_heads=8,
-                                     n_kv_heads=4, ffn_dim=768))
-    elif args.model:
-        model = args.model
-    else:
-        from aiobasert.models.cache import default_model_path
-
-        model = str(default_model_path())
+    model = bench_model(args.tiny, args.model, ffn_dim=768, tied=True)
     print(f"model: {model}\ntokens per stream: {args.tokens}")
     print(f"{'N':>4} {'bare tok/s':>12} {'SDK tok/s':>12} {'SDK/bare':>9} {'loop lag p99 ms':>16}")
     for n in (int(x) for x in args.lanes.split(",")):

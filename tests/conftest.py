@@ -16,11 +16,13 @@ from typing import Any
 
 import anyio
 import pytest
+from held_calls import HeldLane, HoldLane
 from llama_cpp_files import from_llama_cpp_sdist
 from loopback import API_KEY, MODEL_NAME, serving
 
 import aiobasert.models.bundle
 import aiobasert.models.convert
+from aiobasert import Engine
 from aiobasert._core.ffi import Library, load_library
 from aiobasert.models.cache import (
     GEMMA3_270M,
@@ -77,6 +79,24 @@ def long_untied_model_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def second_tiny_model_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Another tiny model (other random weights, so its greedy output differs): multi-model tests."""
     return build_tiny_model(tmp_path_factory.mktemp("second") / "second.base", seed=1)
+
+
+@pytest.fixture
+def hold_lane(monkeypatch: pytest.MonkeyPatch) -> Iterator[HoldLane]:
+    """`held = await hold_lane(engine)`: a request holding one of the engine's lanes until
+    `held.release()` or `await held.aclose()` (tests.held_calls.HeldLane): the explicit way to keep a
+    lane taken, where a long stream would race generation on a fast or a loaded machine."""
+    holds: list[HeldLane] = []
+
+    async def hold(engine: Engine, prompt: str = "held", max_tokens: int = 8) -> HeldLane:
+        held = HeldLane(monkeypatch, engine, prompt, max_tokens)
+        holds.append(held)
+        await held.wait_admitted()
+        return held
+
+    yield hold
+    for held in holds:  # a failed test's hold must not keep a drain waiting
+        held.release()
 
 
 def _converter_digest() -> str:

@@ -198,7 +198,6 @@ class LifecycleWalk:
         self.engine = await Engine.open(
             self.model,
             max_batch_size=rng.choice([1, 2, 4, 8]),
-            max_buffered_tokens=rng.choice([1, 2, 8, 256]),
             max_queue=rng.choice([1, 2, 16]),
             prefill_chunk=rng.choice([4, 16, 256]),
             max_context=256,

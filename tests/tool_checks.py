@@ -19,4 +19,4 @@ def json_complete(text: str) -> bool:
 
 def backends(engine: Engine) -> dict[str, int]:
     """How many grammars each backend ("engine": the structural tag, "llguidance") has compiled."""
-    return dict(engine._thread.grammar_backends)
+    return dict(engine._thread.prep.grammar_backends)

@@ -1,12 +1,18 @@
 """The private machinery of one engine, below the engine thread (aiobasert/engine_thread.py,
-whose `_step` is one engine step: drain -> plan -> run -> apply -> deliver).
+whose `_step` is one engine step: drain -> plan -> run -> apply -> deliver). Nothing here imports
+from the package above it (tests/test_layering.py).
 
 - `protocol`: the messages between the event loop and the thread (requests, tickets, queries).
+- `prepare`: a request's preparation (its prompt's ids, its grammar) and the requests being prepared.
 - `intake`: the worker threads that tokenize prompts and compile grammars, off the engine thread,
   in lanes by cost.
-- `preparation`: what preparing a request may cost, measured and bounded before it is paid.
+- `cost`: what preparing a request may cost, measured and bounded before it is paid.
 - `grammar_cache`: compiled grammars by the digest of their source.
+- `schema`: the JSON Schema policy every grammar shares (objects closed).
+- `model_file`: the model's bundle as the host reads it (its tokenizer, its final norm), parsed once.
+- `embed`: which path pools embeddings (hidden-state taps, or one baseRT_embed call).
 - `lazy_numpy`: numpy imported on first use, never seen half imported.
+- `plan`: what one step does (`LaneState`, `PlannedRow`, `StepPlan`): plain data the batcher fills.
 - `step`: one fused batch step (prepare -> forward -> collect) and the lanes it runs.
 - `output`: a sampled token becomes stream output (text, stops, finish).
 - `wakeup`: hands each step's output back to the loop that opened the engine.

@@ -1,5 +1,5 @@
 """Typed signatures of every libbaseRT function the SDK declares: a stub generated from
-`aiobasert._core.ffi._SIGNATURES` by its `write_stub()` (tests/core/test_ffi.py checks it is current).
+`aiobasert._core.ffi._SIGNATURES` by its `write_stub()` (tests/_core/test_ffi.py checks it is current).
 Pointers, arrays and callbacks are `Any` here: ctypes checks them against argtypes at the call."""
 
 from _ctypes import _CArgObject, _CData

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -33,7 +34,20 @@ except ImportError:  # pragma: no cover - a dependency; without it structured re
 if TYPE_CHECKING:  # numpy arrays are what the engine thread passes in; a text-only process never imports it
     import numpy as np
 
-__all__ = ["EngineGrammarConstraint", "GrammarBackend", "JsonSchemaConstraint"]
+__all__ = ["GRAMMAR_LIMITS", "EngineGrammarConstraint", "GrammarBackend", "JsonSchemaConstraint"]
+
+GRAMMAR_LIMITS: dict[str, Any] = {
+    # Bound a compile's work while it runs (llguidance's ParserLimits; it stops with its reason, an
+    # InvalidRequestError): the time budget (cost.COMPILE_BUDGET_S) can only judge a compile
+    # after it returns. Measured on SmolLM2's vocabulary (docs/fairness.md): the lexer's build is what
+    # grows fastest (8,000 integer properties with distinct minimums: 6 s here, ~1M fuel); at 200,000
+    # fuel it is refused after 0.1-0.5 s, while 128 tools of 40 properties (the most tools allowed)
+    # need less and compile in 0.3 s.
+    "initial_lexer_fuel": 200_000,
+    # llguidance fails a grammar of 65,525 symbols or more (a u16 symbol index) only after building it
+    # whole (2.7 s for 14,000 integer properties): refused as it grows past this instead.
+    "max_grammar_size": 64_000,
+}
 
 def engine_end_ids(lib: Any, model: int, n_tokens: int) -> list[int]:
     """The ids that end generation, asked of the engine (baseRT_is_eos_token): its loader
@@ -58,7 +72,7 @@ def bundle_end_ids(path: str | os.PathLike[str], n_tokens: int) -> list[int]:
 
 class JsonSchemaConstraint:
     """One request's grammar: an llguidance matcher behind the engine's `Constraint`
-    protocol (aiobasert.engine_thread).
+    protocol (aiobasert._core.protocol).
 
     Stepping never raises for what the model samples (an exception there would
     stop the engine thread): a rejected token or an internal llguidance error
@@ -128,19 +142,34 @@ class GrammarBackend:
             bundle = read_bundle(path)  # the header only: tensors stay unmapped
         except (OSError, ValueError) as exc:
             raise InvalidRequestError(f"structured output: cannot read the model's tokenizer: {exc}") from None
-        fields = bundle.tokenizer
+        if end_ids is None:
+            n_tokens = len(bundle.tokenizer.get("tokenizer.ggml.tokens") or [])
+            end_ids = bundle_end_ids(path, n_tokens)
+        return cls.for_tokenizer(bundle.tokenizer, vocab_size=vocab_size, end_ids=end_ids)
+
+    @classmethod
+    def for_tokenizer(cls, fields: Mapping[str, Any], *, vocab_size: int, end_ids: Sequence[int]) -> GrammarBackend:
+        """Build the backend from a bundle's tokenizer fields (the engine's own `ModelFile`, read
+        once), with the `end_ids` the engine running the model ends generation on (engine_end_ids)."""
+        if not _HAVE_LLGUIDANCE:
+            raise InvalidRequestError("structured output needs the llguidance package (pip install llguidance)")
         n_tokens = len(fields.get("tokenizer.ggml.tokens") or [])
         if n_tokens > vocab_size:
             raise InvalidRequestError(
                 f"structured output: the tokenizer has {n_tokens} tokens but the model only {vocab_size} logits"
             )
-        if end_ids is None:
-            end_ids = bundle_end_ids(path, n_tokens)
         end_ids = [i for i in end_ids if i < n_tokens]
         if not end_ids:
             raise InvalidRequestError("structured output: the model defines no end-of-sequence token")
         try:
-            tokenizer = llguidance.LLTokenizer(hf_tokenizer_json(fields), n_vocab=vocab_size, eos_token=end_ids)
+            # llguidance holds the GIL while it builds a tokenizer (every stream pauses): built in two
+            # calls, the token trie then its mask slices (an optimization only: the same masks), the
+            # GIL goes to the engine thread in between, so the longest pause is about half of one
+            # call's (SmolLM2 on a loaded 2-core machine: 0.3-0.4 s instead of 0.8-1.0 s).
+            tokenizer = llguidance.LLTokenizer(hf_tokenizer_json(fields), n_vocab=vocab_size, eos_token=end_ids,
+                                               slices=[])  # fmt: skip
+            time.sleep(0)  # let a waiting thread take the GIL
+            tokenizer = tokenizer.with_slices(llguidance.LLTokenizer.general_slices())
         except Exception as exc:  # whatever llguidance objects to; a request error, never an engine-thread crash
             raise InvalidRequestError(f"structured output is not supported for this model's tokenizer: {exc}") from None
         if tokenizer.vocab_size != vocab_size:
@@ -176,12 +205,12 @@ class GrammarBackend:
         return self._constraint(grammar, "invalid grammar")
 
     def _constraint(self, grammar: str, what: str) -> JsonSchemaConstraint:
-        """A matcher over this vocabulary for a compiled llguidance grammar; its
-        errors become `InvalidRequestError`s starting with `what`."""
-        is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, self._tokenizer)
-        if is_error:
-            raise InvalidRequestError(f"{what}: {_message('; '.join(messages))}")
-        matcher = llguidance.LLMatcher(self._tokenizer, grammar, log_level=0)
+        """A matcher over this vocabulary for a compiled llguidance grammar, built once within
+        GRAMMAR_LIMITS (with the GIL released); its errors (the grammar's, or a limit it reached)
+        become `InvalidRequestError`s starting with `what`. (A separate validation first would
+        build the whole grammar twice.)"""
+        limits = llguidance.LLParserLimits(**GRAMMAR_LIMITS)
+        matcher = llguidance.LLMatcher(self._tokenizer, grammar, log_level=0, limits=limits)
         if matcher.is_error():
             raise InvalidRequestError(f"{what}: {_message(matcher.get_error())}")
         return JsonSchemaConstraint(matcher, self._mask_words)

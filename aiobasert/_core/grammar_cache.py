@@ -1,5 +1,5 @@
 """Compiled grammars by the digest of their source, so the same schema or tool set is
-compiled once per engine, not once per request (`EngineThread._grammar_of`).
+compiled once per engine, not once per request (`prepare.Preparer.grammar_of`).
 
 Kept apart from `grammar` (which imports llguidance): the engine thread holds a cache
 from the start, and a process that never constrains output never imports llguidance.

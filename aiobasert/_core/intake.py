@@ -9,7 +9,7 @@ own, so the engine's model handle stays single-owner) and its own `Library`
 view bound to it (the debug thread check then still proves the model handle
 is only entered by the engine thread).
 
-Jobs go into three lanes by their cost (`preparation.lane_of`: characters of
+Jobs go into three lanes by their cost (`cost.lane_of`: characters of
 prompt text plus grammar source, measured before any work), so a cheap job
 never waits behind a costly one:
 
@@ -18,7 +18,7 @@ never waits behind a costly one:
   order they were submitted;
 * cheap (grammar worker 0; worker 1 too when it has nothing costly): cheap
   requests with a grammar, which join the engine's FIFO queue when ready;
-* costly (grammar worker 1): everything above `preparation.QUICK_COST`, text
+* costly (grammar worker 1): everything above `cost.QUICK_COST`, text
   or grammar, one at a time, FIFO.
 
 Tokenizing returns a ctypes array (`TokenIds`), filled by the C call with the
@@ -41,8 +41,8 @@ from typing import Any
 
 from ..errors import AioBaseRTError, InvalidRequestError
 from . import ffi as _ffi
+from .cost import MAX_ENCODE_IDS, QUICK_COST, Lane, check_fits, lane_of
 from .output import Detokenizer
-from .preparation import MAX_ENCODE_IDS, QUICK_COST, Lane, check_fits, lane_of
 from .protocol import Done
 from .step import internal_error
 
@@ -102,7 +102,7 @@ class Tokenizer:
 
     def encode_text(self, text: str, *, special: bool, limit: int | None = None) -> TokenIds:
         """The ids of `text`. With `limit` (the context window), a text that cannot encode to
-        `limit` tokens or fewer is refused before it is tokenized (preparation.check_fits)."""
+        `limit` tokens or fewer is refused before it is tokenized (cost.check_fits)."""
         return _exact(*self._encode(text, special=special, limit=limit))
 
     def _encode(self, text: str, *, special: bool, limit: int | None) -> tuple[TokenIds, int]:
@@ -168,12 +168,29 @@ def _exact(out: TokenIds, n: int) -> TokenIds:
 Job = Callable[[Tokenizer], Any]
 
 
+class Reroute(Exception):
+    """Raised by a job on a worker that does not serve the costly lane (`on_costly_worker`) when it
+    comes to work only the costly lane pays (the host grammar backend's first build): the job goes,
+    whole, to the costly lane, and this worker goes on with its own (its cheap jobs never wait)."""
+
+
+_serving = threading.local()  # .lanes: the lanes the calling worker serves
+
+
+def on_costly_worker() -> bool:
+    """Whether the calling thread pays costly work: a worker of the costly lane, or no worker (a
+    job run inline)."""
+    return "costly" in getattr(_serving, "lanes", ("costly",))
+
+
 def run_job(job: Job, tok: Tokenizer) -> tuple[Any, BaseException | None]:
-    """(result, None) or (None, a typed error): nothing a job raises escapes."""
+    """(result, None) or (None, a typed error): nothing a job raises escapes but `Reroute`."""
     try:
         return job(tok), None
     except AioBaseRTError as exc:
         return None, exc
+    except Reroute:
+        raise
     except Exception as exc:  # a bug in one request's preparation costs that request only
         return None, internal_error("preparing the request", exc)
 
@@ -234,6 +251,7 @@ class _Worker:
             return Tokenizer.load(self._intake.lib, self._intake.model_path)
 
     def _main(self) -> None:
+        _serving.lanes = self._lanes
         try:
             try:  # at once, not at the first job: see Intake.wait_loaded
                 self.tok = self._load()
@@ -249,7 +267,12 @@ class _Worker:
                     except Exception as exc:  # tried again by the next job
                         done(None, exc if isinstance(exc, AioBaseRTError) else internal_error("loading", exc))
                         continue
-                done(*run_job(job, self.tok))
+                try:
+                    outcome = run_job(job, self.tok)
+                except Reroute:  # run again, whole, where costly work is paid
+                    self._intake.jobs.put("costly", job, done)
+                    continue
+                done(*outcome)
         finally:
             if self.tok is not None:
                 self.tok.close()
@@ -282,7 +305,7 @@ class Intake:
 
     def submit(self, job: Job, done: Done, *, grammar: bool, cost: int) -> None:
         """Run job(tokenizer) on a worker of the lane for `cost` (characters of text plus grammar
-        source: preparation.lane_of); done(result, error) is called on that worker."""
+        source: cost.lane_of); done(result, error) is called on that worker."""
         self.jobs.put(lane_of(cost, grammar=grammar), job, done)
 
     def close(self) -> None:

@@ -13,26 +13,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
-from ..types import FinishReason, KVCacheDtype, SamplingParams, Timing, Token, Usage
-from .preparation import NO_COST, Measure
+from ..types import FinishReason, SamplingParams, Timing, Token, Usage
+from .cost import NO_COST, Measure
 
 if TYPE_CHECKING:
     import numpy as np
-
-
-@dataclass
-class EngineConfig:
-    """Load options and serving limits (see `Engine.open`)."""
-
-    model_path: str
-    max_batch_size: int = 8
-    max_context: int = 2048
-    prefill_chunk: int = 256
-    prefix_cache: bool = True
-    max_queue: int = 1024
-    max_buffered_tokens: int = 256
-    """Accepted for compatibility; no lane waits for its reader any more (docs/fairness.md)."""
-    kv_cache_dtype: KVCacheDtype = "auto"
 
 
 Prompt = str | Sequence[int] | Sequence[tuple[str, bool]]
@@ -82,7 +67,9 @@ class Ticket:
 
     The engine thread writes `delivered`; the consumer writes `consumed`. Each
     int is written by one side only, so no lock is needed. Nothing waits on
-    them: a lane never pauses for its reader.
+    them (a lane never pauses for its reader): they make `TokenStream.unread`,
+    which counts the tokens still on their way to the loop too, and by which
+    the server bounds a streamed response's unsent backlog.
     """
 
     __slots__ = ("consumed", "delivered")

@@ -1,7 +1,7 @@
 """One fused batch step and its sampling (engine thread only).
 
 `Lane` is the engine thread's record of one request; `StepRunner.run` feeds
-every planned row (`batcher.StepPlan`) through ONE fused forward and samples
+every planned row (`plan.StepPlan`) through ONE fused forward and samples
 each lane's next token, in three parts: `prepare` (the FFI arrays), `forward`
 (the one fused call; `Batch.path` picks which) and `collect` (a `RowResult`
 per lane, which the engine thread applies: nothing here writes a lane). It
@@ -35,10 +35,10 @@ from ctypes import byref, c_float, c_int, c_int32, c_uint32, c_void_p
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
-from ..batcher import LaneState, PlannedRow
-from ..errors import AioBaseRTError, EngineError, InvalidRequestError
+from ..errors import AioBaseRTError, EngineError, InternalError, InvalidRequestError
 from ..types import TopLogprob
 from . import ffi as _ffi
+from .plan import LaneState, PlannedRow
 from .protocol import Constraint, Final, RequestSpec, Sink, Ticket
 from .stopping import StopStringMatcher
 
@@ -55,11 +55,9 @@ def mix32(seed: int, counter: int) -> int:
     return (z & 0xFFFFFFFF) or 1
 
 
-def internal_error(where: str, exc: BaseException) -> AioBaseRTError:
+def internal_error(where: str, exc: BaseException) -> InternalError:
     """A bug surfaced as a typed error for the one request it hit."""
-    err = AioBaseRTError(f"internal error {where}: {exc!r}")
-    err.__cause__ = exc
-    return err
+    return InternalError(where, exc)
 
 
 class Lane:
@@ -185,7 +183,7 @@ class TapPooler:
     in float32, as the engine computes it) and is summed in float64. The only
     difference from the single-call result is the f16 rounding of the tapped
     hidden state (relative error ~1e-4 on real models); the engine thread
-    checks that on a probe before it trusts this path (`EngineThread._embed_path`).
+    checks that on a probe before it trusts this path (`embed.Embedder.path`).
     """
 
     def __init__(self, weight: np.ndarray, eps: float, hidden_index: int, capacity: int) -> None:

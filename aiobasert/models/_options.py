@@ -5,12 +5,10 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
-from typing import Final, Literal
 
-#: The ``--dtype`` choices (``auto``: each tensor as the GGUF stores it, see the quantized-output section
-#: of :mod:`aiobasert.models.convert`).
-DTYPES: Final = ("auto", "f16", "f32", "q8", "q4")
-Dtype = Literal["auto", "f16", "f32", "q8", "q4"]
+from ..types import DTYPES, Dtype
+
+__all__ = ["DTYPES", "Dtype", "add_arguments"]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -541,17 +541,38 @@ def convert_gguf(
     def fail(reason: str) -> ConversionError:
         return ConversionError(f"{src}: {reason}")
 
+    # Every stage refuses what it reads before the next one starts: nothing is written for a bad file.
+    reader, meta = _open_gguf(src, fail, show=progress is True)
+    cfg, longrope = _model_hparams(reader, meta, fail)
+    sources = _source_tensors(cfg, reader, fail)
+    tied = "lm_head.weight" not in sources
+    entries = _bundle_entries(cfg, sources, dtype, tied=tied, longrope=longrope, fail=fail)
+    header = _bundle_header(src, cfg, meta, dtype, entries, tied=tied, fail=fail)
+    _write_bundle(dst, header, entries, sources, progress, f"converting {src.name}", fail)
+    return dst
+
+
+def _open_gguf(
+    src: Path, fail: Callable[[str], ConversionError], *, show: bool
+) -> tuple[gguf.GGUFReader, dict[str, Any]]:
+    """The GGUF's reader and metadata; a file that is not one, or is damaged, refused."""
     with open(src, "rb") as file:
         magic = file.read(4)
     if magic != _GGUF_MAGIC:
         raise fail(f"not a GGUF file (magic {magic!r}, expected {_GGUF_MAGIC!r})")
     try:
         # Quick for the demo model; a big vocabulary or a slow disk gets an elapsed-time line.
-        with ticking(f"reading {src.name}", enabled=progress is True):
-            reader, meta = _read_gguf(src)
+        with ticking(f"reading {src.name}", enabled=show):
+            return _read_gguf(src)
     except (ValueError, IndexError, UnicodeDecodeError, struct.error) as exc:  # a damaged file
         raise fail(f"unreadable GGUF: {exc}") from None
 
+
+def _model_hparams(
+    reader: gguf.GGUFReader, meta: dict[str, Any], fail: Callable[[str], ConversionError]
+) -> tuple[_Hparams, bool]:
+    """The architecture's hyperparameters and whether it has LongRoPE factor tensors; an architecture or
+    a tokenizer the engine does not run refused before any tensor is read."""
     arch = meta.get("general.architecture")
     if not isinstance(arch, str) or arch not in _ARCH_LAYER_EXTRAS:
         raise fail(_unsupported_architecture(arch))
@@ -566,7 +587,13 @@ def convert_gguf(
     cfg = _Hparams(arch, meta, len(tokens), len(reader.tensors), fail, longrope=longrope)
     if len(tokens) != cfg.vocab_size:
         raise fail(f"{arch}.vocab_size {cfg.vocab_size} != {len(tokens)} tokens in the vocabulary")
+    return cfg, longrope
 
+
+def _source_tensors(
+    cfg: _Hparams, reader: gguf.GGUFReader, fail: Callable[[str], ConversionError]
+) -> dict[str, gguf.ReaderTensor]:
+    """Each canonical bundle tensor name and the GGUF tensor (or fused tensor's rows) holding it."""
     sources: dict[str, gguf.ReaderTensor] = {}
     for tensor in reader.tensors:
         if not _can_dequantize(tensor.tensor_type):  # refuse now, not after converting half the file
@@ -575,40 +602,63 @@ def convert_gguf(
         if not parts:
             name = _canonical_name(tensor.name)
             if name is None:
-                raise fail(f"unsupported tensor {tensor.name!r} (not part of a {arch} model the engine runs)")
+                raise fail(f"unsupported tensor {tensor.name!r} (not part of a {cfg.arch} model the engine runs)")
             parts = {name: tensor}
         if twice := sorted(parts.keys() & sources.keys()):  # e.g. attn_qkv beside attn_q
             raise fail(f"tensor {tensor.name!r} holds {twice[0]!r}, which another tensor already holds")
         sources |= parts
-    tied = "lm_head.weight" not in sources
+    return sources
+
+
+def _bundle_entries(
+    cfg: _Hparams, sources: dict[str, gguf.ReaderTensor], dtype: Dtype, *, tied: bool, longrope: bool,
+    fail: Callable[[str], ConversionError],
+) -> list[TensorEntry]:
+    """The bundle's tensor table: every tensor the architecture has, at its expected shape, none other."""
     # llama.cpp reads rope_freqs for llama only; elsewhere it is a tensor the model does not have.
-    expected = _expected_shapes(cfg, tied, arch == "llama" and "rope_freqs.weight" in sources, longrope)
+    expected = _expected_shapes(cfg, tied, cfg.arch == "llama" and "rope_freqs.weight" in sources, longrope)
+    _check_tensor_names(cfg, sources, expected, fail)
+    return [_bundle_entry(name, shape, sources[name], dtype, fail) for name, shape in expected.items()]
+
+
+def _check_tensor_names(
+    cfg: _Hparams, sources: dict[str, gguf.ReaderTensor], expected: dict[str, tuple[int, ...]],
+    fail: Callable[[str], ConversionError],
+) -> None:
     if missing := [name for name in expected if name not in sources]:
         raise fail(f"missing tensors: {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}")
     if extra := [name for name in sources if name not in expected]:
         where = [n for n in extra if not (n.startswith("layers.") and int(n.split(".")[1]) >= cfg.n_layers)]
         if where:
-            raise fail(f"unsupported tensor(s) for a {arch} model: {', '.join(where[:5])}")
+            raise fail(f"unsupported tensor(s) for a {cfg.arch} model: {', '.join(where[:5])}")
         raise fail(f"tensors beyond the {cfg.n_layers} configured layers: {', '.join(extra[:5])}")
-    entries: list[TensorEntry] = []
-    for name, shape in expected.items():
-        # GGUF lists dimensions fastest-varying first: [in, out] is numpy (out, in).
-        gguf_shape = tuple(int(d) for d in reversed(sources[name].shape.tolist()))
-        if gguf_shape != shape:
-            raise fail(f"tensor {sources[name].name!r} has shape {list(gguf_shape)}, expected {list(shape)}")
-        if len(shape) == 1:
-            entries.append(TensorEntry(name, shape, "f32", "gpu"))
-        else:
-            region = "gpu" if name in ("embed_tokens.weight", "lm_head.weight") else "accelerator"
-            if dtype in ("auto", "q8", "q4"):
-                entries.append(_quantized_entry(name, shape, region, dtype, sources[name]))
-            else:
-                entries.append(TensorEntry(name, shape, dtype, region))
+
+
+def _bundle_entry(
+    name: str, shape: tuple[int, ...], source: gguf.ReaderTensor, dtype: Dtype, fail: Callable[[str], ConversionError]
+) -> TensorEntry:
+    """One tensor's entry: norms f32, matrices in `dtype` (quantized ones as `_quantized_entry` decides)."""
+    # GGUF lists dimensions fastest-varying first: [in, out] is numpy (out, in).
+    gguf_shape = tuple(int(d) for d in reversed(source.shape.tolist()))
+    if gguf_shape != shape:
+        raise fail(f"tensor {source.name!r} has shape {list(gguf_shape)}, expected {list(shape)}")
+    if len(shape) == 1:
+        return TensorEntry(name, shape, "f32", "gpu")
+    region = "gpu" if name in ("embed_tokens.weight", "lm_head.weight") else "accelerator"
+    if dtype in ("auto", "q8", "q4"):
+        return _quantized_entry(name, shape, region, dtype, source)
+    return TensorEntry(name, shape, dtype, region)
+
+
+def _special_ids(
+    meta: dict[str, Any], vocab_size: int, fail: Callable[[str], ConversionError]
+) -> tuple[int, int, list[int]]:
+    """The vocabulary's bos and eos ids and its other stop ids (end of turn / message)."""
 
     def token_id(key: str) -> int:
         value = meta.get(key)
-        if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < cfg.vocab_size:
-            raise fail(f"{key} must be a token id below the vocabulary size {cfg.vocab_size}, got {value!r}")
+        if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < vocab_size:
+            raise fail(f"{key} must be a token id below the vocabulary size {vocab_size}, got {value!r}")
         return value
 
     for key in ("tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id"):
@@ -618,6 +668,15 @@ def convert_gguf(
     stop_ids = sorted(
         {token_id(k) for k in ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id") if k in meta} - {eos}
     )
+    return bos, eos, stop_ids
+
+
+def _bundle_header(
+    src: Path, cfg: _Hparams, meta: dict[str, Any], dtype: Dtype, entries: Sequence[TensorEntry], *, tied: bool,
+    fail: Callable[[str], ConversionError],
+) -> dict[str, Any]:
+    """The bundle's header: the config, the tokenizer and chat template, the source's identity."""
+    bos, eos, stop_ids = _special_ids(meta, cfg.vocab_size, fail)
     tokenizer = bundle_tokenizer(meta)
     chat_template = meta.get("tokenizer.chat_template")
     # The header is strict JSON: a NaN / Inf anywhere in what it copies from the GGUF is a malformed file.
@@ -627,7 +686,7 @@ def convert_gguf(
     if chat_template is not None and not isinstance(chat_template, str):
         raise fail(f"tokenizer.chat_template must be a string, got {type(chat_template).__name__}")
     header = llama_header(
-        arch=arch,
+        arch=cfg.arch,
         dtype=_QUANT_DTYPE.get(dtype, dtype),  # "auto": the mix the GGUF has
         source={"format": "gguf", "sha256": _sha256(src), "filename": src.name},
         config={
@@ -652,12 +711,20 @@ def convert_gguf(
     )
     if any(e.dtype in _QUANTIZED or e.dtype in GGML_BLOCKS for e in entries):
         header["target_backend"] = "cpu_avx2"
+    return header
 
+
+def _write_bundle(
+    dst: Path, header: dict[str, Any], entries: Sequence[TensorEntry], sources: dict[str, gguf.ReaderTensor],
+    progress: bool | Progress, desc: str, fail: Callable[[str], ConversionError],
+) -> None:
+    """Each entry's values in its bundle dtype (quantized groups, K-quant blocks as they are, or floats),
+    written atomically to `dst` with the progress asked for."""
     close_bar: Callable[[], None] | None = None
     callback: Progress | None
     if progress is True:
         total = sum(math.prod(e.shape) * (4 if e.dtype == "f32" else 2) for e in entries)
-        callback, close_bar = _tqdm_progress(f"converting {src.name}", total)
+        callback, close_bar = _tqdm_progress(desc, total)
     else:
         callback = progress or None
     try:
@@ -672,7 +739,6 @@ def convert_gguf(
     finally:
         if close_bar is not None:
             close_bar()
-    return dst
 
 
 def _k_blocks(tensor: gguf.ReaderTensor, fail: Callable[[str], ConversionError]) -> npt.NDArray[np.uint8]:

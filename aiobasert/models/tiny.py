@@ -11,6 +11,7 @@ same way as with the real model.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import heapq
@@ -313,6 +314,202 @@ def _stored(name: str, values: npt.NDArray[np.float32], region: str, dtype: str)
     return name, values, region, "f32"
 
 
+def _check_arguments(
+    arch: str, *, dim: int, n_heads: int, n_kv_heads: int, head_dim: int | None, dtype: str, tied: bool,
+    eos_bias: float, sliding: bool,
+) -> None:
+    if arch not in ARCHS:
+        raise ValueError(f"unknown arch {arch!r} (expected one of {', '.join(ARCHS)})")
+    if head_dim is None and (dim % n_heads or (dim // n_heads) % 2):
+        raise ValueError(f"dim {dim} must split into {n_heads} heads of an even size")
+    if head_dim is not None and head_dim % 2:
+        raise ValueError(f"head_dim {head_dim} must be even")
+    if sliding and arch != "gemma3":
+        raise ValueError("sliding-window layers are a gemma3 feature")
+    if n_kv_heads <= 0 or n_heads % n_kv_heads:
+        raise ValueError(f"n_heads {n_heads} must be a multiple of n_kv_heads {n_kv_heads}")
+    if dtype not in ("f32", "f16", "bf16"):
+        raise ValueError(f"dtype must be 'f32', 'f16' or 'bf16', got {dtype!r}")
+    if eos_bias and tied:
+        raise ValueError("eos_bias needs an untied lm_head (tied=False)")
+
+
+def _vocabulary(vocab: Literal["bpe", "bytes"], extra_tokens: Sequence[tuple[str, int]]) -> TinyVocab:
+    """The tiny vocabulary with `extra_tokens` appended."""
+    words = tiny_vocab(vocab)
+    if not extra_tokens:
+        return words
+    if any(text in words.tokens for text, _ in extra_tokens):
+        raise ValueError("extra_tokens must not repeat a token of the vocabulary")
+    return TinyVocab(words.tokens + tuple(t for t, _ in extra_tokens),
+                     words.token_types + tuple(ty for _, ty in extra_tokens), words.merges)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Sizes:
+    """The shapes a tiny model's weights are drawn in."""
+
+    arch: Arch
+    n_layers: int
+    dim: int
+    head_dim: int
+    q_dim: int
+    kv_dim: int
+    ffn_dim: int
+    n_vocab: int
+
+
+@dataclasses.dataclass(frozen=True)
+class _Weights:
+    """A tiny model's weights, as drawn (f32)."""
+
+    embed: npt.NDArray[np.float32]
+    lm_head: npt.NDArray[np.float32] | None
+    final_norm: npt.NDArray[np.float32]
+    layers: list[dict[str, npt.NDArray[np.float32]]]
+    """Per layer: the stem of each tensor's name (a norm's ends in "norm", a bias's in ".bias") -> its values."""
+
+
+def _draw_weights(sizes: _Sizes, seed: int, *, tied: bool) -> _Weights:
+    """Random weights from `seed`, drawn in one fixed order (a recipe always builds the same bytes)."""
+    rng = np.random.default_rng(seed)
+    dim, q_dim, kv_dim, ffn_dim, head_dim = sizes.dim, sizes.q_dim, sizes.kv_dim, sizes.ffn_dim, sizes.head_dim
+
+    def normal(shape: tuple[int, ...], std: float) -> npt.NDArray[np.float32]:
+        return (rng.standard_normal(shape, dtype=np.float32) * np.float32(std)).astype(np.float32)
+
+    def norm_weight(width: int = dim) -> npt.NDArray[np.float32]:
+        return (1.0 + normal((width,), 0.1)).astype(np.float32)
+
+    # Every projection reads an RMS-normalised input (rms ~1); std 1/sqrt(fan_in)
+    # keeps its output at unit scale. Embeddings are small (logit std ~2 with
+    # dim 64), so the layers, not the token's own embedding, dominate the final
+    # residual, and a tied model does not just keep predicting its last token.
+    embed = normal((sizes.n_vocab, dim), EMBED_STD)
+    lm_head = None if tied else normal((sizes.n_vocab, dim), EMBED_STD)
+    final_norm = norm_weight()
+    layers: list[dict[str, npt.NDArray[np.float32]]] = []
+    for _ in range(sizes.n_layers):
+        layer = {
+            "input_norm": norm_weight(),
+            "self_attn.q_proj": normal((q_dim, dim), dim**-0.5),
+            "self_attn.k_proj": normal((kv_dim, dim), dim**-0.5),
+            "self_attn.v_proj": normal((kv_dim, dim), dim**-0.5),
+            "self_attn.o_proj": normal((dim, q_dim), q_dim**-0.5),
+            "post_attn_norm": norm_weight(),
+            "mlp.gate_proj": normal((ffn_dim, dim), dim**-0.5),
+            "mlp.up_proj": normal((ffn_dim, dim), dim**-0.5),
+            "mlp.down_proj": normal((dim, ffn_dim), ffn_dim**-0.5),
+        }
+        if sizes.arch == "qwen2":
+            for t, width in (("q", q_dim), ("k", kv_dim), ("v", kv_dim)):
+                layer[f"self_attn.{t}_proj.bias"] = normal((width,), 0.5)
+        if sizes.arch in ("qwen3", "gemma3"):
+            layer["self_attn.q_norm"] = norm_weight(head_dim)
+            layer["self_attn.k_norm"] = norm_weight(head_dim)
+        if sizes.arch == "gemma3":
+            # Output norms keep each residual update at unit scale, like the pre-norms.
+            layer["self_attn.out_norm"] = norm_weight()
+            layer["mlp.out_norm"] = norm_weight()
+        layers.append(layer)
+    return _Weights(embed=embed, lm_head=lm_head, final_norm=final_norm, layers=layers)
+
+
+def _add_eos_channel(weights: _Weights, eos_bias: float, sizes: _Sizes) -> None:
+    """Shift the EOS logit by about `eos_bias` nats at every position, through residual channel 0."""
+    assert weights.lm_head is not None
+    if sizes.arch != "llama":
+        raise ValueError("eos_bias is implemented for the llama architecture")
+    # Channel 0 holds a constant equal to the typical per-channel rms of the
+    # final residual (each layer adds ~0.9, measured with tests/oracle.py),
+    # so after the final rmsnorm it reads ~1 at every position.
+    weights.embed[:, 0] = np.float32(math.sqrt(EMBED_STD**2 + 0.8 * sizes.n_layers))
+    for layer in weights.layers:
+        layer["input_norm"][0] = layer["post_attn_norm"][0] = 0.0
+        layer["self_attn.o_proj"][0, :] = layer["mlp.down_proj"][0, :] = 0.0
+    weights.final_norm[0] = 1.0
+    weights.lm_head[:, 0] = 0.0
+    weights.lm_head[EOS_ID, 0] = np.float32(eos_bias)
+
+
+def _bundle_tensors(weights: _Weights, rope_freqs: npt.ArrayLike | None, dtype: str) -> list[_Tensor]:
+    """The write_bundle entries: norms and biases f32 ("gpu" region); embeddings and projections in `dtype`."""
+    tensors = [_stored("embed_tokens.weight", weights.embed, "gpu", dtype)]
+    if rope_freqs is not None:
+        tensors.append(_stored("rope_freqs.weight", np.asarray(rope_freqs, dtype=np.float32), "gpu", "f32"))
+    for i, layer in enumerate(weights.layers):
+        for key, values in layer.items():
+            if key.endswith(".bias"):
+                tensors.append(_stored(f"layers.{i}.{key}", values, "gpu", "f32"))
+            elif key.endswith("norm"):
+                tensors.append(_stored(f"layers.{i}.{key}.weight", values, "gpu", "f32"))
+            else:
+                tensors.append(_stored(f"layers.{i}.{key}.weight", values, "accelerator", dtype))
+    tensors.append(_stored("final_norm.weight", weights.final_norm, "gpu", "f32"))
+    if weights.lm_head is not None:
+        tensors.append(_stored("lm_head.weight", weights.lm_head, "gpu", dtype))
+    return tensors
+
+
+def _arch_config(
+    n_layers: int, *, rope_scaling: dict[str, Any] | None, sliding_window: int | None,
+    layer_types: list[str] | None, query_pre_attn_scalar: float | None, final_logit_softcapping: float | None,
+) -> dict[str, Any]:
+    """The config keys of the architectures beyond llama's (docs/models.md); {} for none."""
+    arch_config: dict[str, Any] = {}
+    if rope_scaling is not None:
+        arch_config["rope_scaling"] = dict(rope_scaling)
+    if sliding_window is not None:
+        types = layer_types or [
+            "full_attention" if i % 6 == 5 else "sliding_attention" for i in range(n_layers)
+        ]
+        arch_config |= {"sliding_window": sliding_window, "layer_types": types, "rope_local_base_freq": 10000.0}
+    if query_pre_attn_scalar is not None:
+        arch_config["query_pre_attn_scalar"] = query_pre_attn_scalar
+    if final_logit_softcapping is not None:
+        arch_config["final_logit_softcapping"] = final_logit_softcapping
+    return arch_config
+
+
+# Only the newer models' recipes name the keys below: an old recipe keeps its identity hash.
+
+
+def _vocabulary_recipe(
+    extra_tokens: Sequence[tuple[str, int]], chat_template: str | None, tokenizer_keys: Mapping[str, Any] | None
+) -> dict[str, Any]:
+    if not (extra_tokens or chat_template != CHATML_TEMPLATE or tokenizer_keys):
+        return {}
+    return {"extra_tokens": [list(t) for t in extra_tokens], "chat_template": chat_template,
+            "tokenizer_keys": dict(tokenizer_keys or {})}
+
+
+def _architecture_recipe(
+    arch: Arch, head_dim: int, arch_config: dict[str, Any], rope_freqs: npt.ArrayLike | None
+) -> dict[str, Any]:
+    if arch == "llama" and not arch_config and rope_freqs is None:
+        return {}
+    keys: dict[str, Any] = {"arch": arch, "head_dim": head_dim, **arch_config}
+    if rope_freqs is not None:
+        keys["rope_freqs"] = [float(f) for f in np.asarray(rope_freqs, dtype=np.float32)]
+    return keys
+
+
+def _tokenizer_fields(words: TinyVocab) -> dict[str, Any]:
+    """The header's tokenizer object for the tiny vocabulary (GGUF keys, SmolLM2's pre-tokenizer)."""
+    return {
+        "tokenizer_type": "gguf",
+        "tokenizer.ggml.model": "gpt2",
+        "tokenizer.ggml.pre": "smollm",
+        "tokenizer.ggml.tokens": list(words.tokens),
+        "tokenizer.ggml.token_type": list(words.token_types),
+        "tokenizer.ggml.merges": list(words.merges),
+        "tokenizer.ggml.bos_token_id": BOS_ID,
+        "tokenizer.ggml.eos_token_id": EOS_ID,
+        "tokenizer.ggml.padding_token_id": EOS_ID,
+        "tokenizer.ggml.add_bos_token": False,
+    }
+
+
 def build_tiny_model(
     path: str | Path,
     *,
@@ -360,102 +557,21 @@ def build_tiny_model(
     through a constant residual channel (channel 0) that attention and MLP do
     not read or write, which only `lm_head`'s EOS row looks at.
     """
-    if arch not in ARCHS:
-        raise ValueError(f"unknown arch {arch!r} (expected one of {', '.join(ARCHS)})")
-    if head_dim is None and (dim % n_heads or (dim // n_heads) % 2):
-        raise ValueError(f"dim {dim} must split into {n_heads} heads of an even size")
-    if head_dim is not None and head_dim % 2:
-        raise ValueError(f"head_dim {head_dim} must be even")
-    if (sliding_window or layer_types) and arch != "gemma3":
-        raise ValueError("sliding-window layers are a gemma3 feature")
-    if n_kv_heads <= 0 or n_heads % n_kv_heads:
-        raise ValueError(f"n_heads {n_heads} must be a multiple of n_kv_heads {n_kv_heads}")
-    if dtype not in ("f32", "f16", "bf16"):
-        raise ValueError(f"dtype must be 'f32', 'f16' or 'bf16', got {dtype!r}")
-    if eos_bias and tied:
-        raise ValueError("eos_bias needs an untied lm_head (tied=False)")
+    _check_arguments(arch, dim=dim, n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=head_dim, dtype=dtype,
+                     tied=tied, eos_bias=eos_bias, sliding=bool(sliding_window or layer_types))
     path = Path(path)
     head_dim = head_dim or dim // n_heads
-    q_dim, kv_dim = n_heads * head_dim, n_kv_heads * head_dim
-    words = tiny_vocab(vocab)
-    if extra_tokens:
-        if any(text in words.tokens for text, _ in extra_tokens):
-            raise ValueError("extra_tokens must not repeat a token of the vocabulary")
-        words = TinyVocab(words.tokens + tuple(t for t, _ in extra_tokens),
-                          words.token_types + tuple(ty for _, ty in extra_tokens), words.merges)
-    n_vocab = len(words.tokens)
-    rng = np.random.default_rng(seed)
-
-    def normal(shape: tuple[int, ...], std: float) -> npt.NDArray[np.float32]:
-        return (rng.standard_normal(shape, dtype=np.float32) * np.float32(std)).astype(np.float32)
-
-    def norm_weight() -> npt.NDArray[np.float32]:
-        return (1.0 + normal((dim,), 0.1)).astype(np.float32)
-
-    # Every projection reads an RMS-normalised input (rms ~1); std 1/sqrt(fan_in)
-    # keeps its output at unit scale. Embeddings are small (logit std ~2 with
-    # dim 64), so the layers, not the token's own embedding, dominate the final
-    # residual, and a tied model does not just keep predicting its last token.
-    embed = normal((n_vocab, dim), EMBED_STD)
-    lm_head = None if tied else normal((n_vocab, dim), EMBED_STD)
-    final_norm = norm_weight()
-    layers: list[dict[str, npt.NDArray[np.float32]]] = []
-    for _ in range(n_layers):
-        layers.append(
-            {
-                "input_norm": norm_weight(),
-                "self_attn.q_proj": normal((q_dim, dim), dim**-0.5),
-                "self_attn.k_proj": normal((kv_dim, dim), dim**-0.5),
-                "self_attn.v_proj": normal((kv_dim, dim), dim**-0.5),
-                "self_attn.o_proj": normal((dim, q_dim), q_dim**-0.5),
-                "post_attn_norm": norm_weight(),
-                "mlp.gate_proj": normal((ffn_dim, dim), dim**-0.5),
-                "mlp.up_proj": normal((ffn_dim, dim), dim**-0.5),
-                "mlp.down_proj": normal((dim, ffn_dim), ffn_dim**-0.5),
-            }
-        )
-        extra = layers[-1]
-        if arch == "qwen2":
-            for t, width in (("q", q_dim), ("k", kv_dim), ("v", kv_dim)):
-                extra[f"self_attn.{t}_proj.bias"] = normal((width,), 0.5)
-        if arch in ("qwen3", "gemma3"):
-            extra["self_attn.q_norm"] = (1.0 + normal((head_dim,), 0.1)).astype(np.float32)
-            extra["self_attn.k_norm"] = (1.0 + normal((head_dim,), 0.1)).astype(np.float32)
-        if arch == "gemma3":
-            # Output norms keep each residual update at unit scale, like the pre-norms.
-            extra["self_attn.out_norm"] = norm_weight()
-            extra["mlp.out_norm"] = norm_weight()
+    words = _vocabulary(vocab, extra_tokens)
+    sizes = _Sizes(arch=arch, n_layers=n_layers, dim=dim, head_dim=head_dim, q_dim=n_heads * head_dim,
+                   kv_dim=n_kv_heads * head_dim, ffn_dim=ffn_dim, n_vocab=len(words.tokens))
+    weights = _draw_weights(sizes, seed, tied=tied)
     if eos_bias:
-        assert lm_head is not None
-        if arch != "llama":
-            raise ValueError("eos_bias is implemented for the llama architecture")
-        # Channel 0 holds a constant equal to the typical per-channel rms of the
-        # final residual (each layer adds ~0.9, measured with tests/oracle.py),
-        # so after the final rmsnorm it reads ~1 at every position.
-        embed[:, 0] = np.float32(math.sqrt(EMBED_STD**2 + 0.8 * n_layers))
-        for layer in layers:
-            layer["input_norm"][0] = layer["post_attn_norm"][0] = 0.0
-            layer["self_attn.o_proj"][0, :] = layer["mlp.down_proj"][0, :] = 0.0
-        final_norm[0] = 1.0
-        lm_head[:, 0] = 0.0
-        lm_head[EOS_ID, 0] = np.float32(eos_bias)
+        _add_eos_channel(weights, eos_bias, sizes)
+    tensors = _bundle_tensors(weights, rope_freqs, dtype)
 
-    # Norms stay f32 ("gpu" region); embeddings and projections take `dtype`.
-    tensors = [_stored("embed_tokens.weight", embed, "gpu", dtype)]
-    if rope_freqs is not None:
-        tensors.append(_stored("rope_freqs.weight", np.asarray(rope_freqs, dtype=np.float32), "gpu", "f32"))
-    for i, layer in enumerate(layers):
-        for key, values in layer.items():
-            if key.endswith(".bias"):
-                tensors.append(_stored(f"layers.{i}.{key}", values, "gpu", "f32"))
-            elif key.endswith("norm"):
-                tensors.append(_stored(f"layers.{i}.{key}.weight", values, "gpu", "f32"))
-            else:
-                tensors.append(_stored(f"layers.{i}.{key}.weight", values, "accelerator", dtype))
-    tensors.append(_stored("final_norm.weight", final_norm, "gpu", "f32"))
-    if lm_head is not None:
-        tensors.append(_stored("lm_head.weight", lm_head, "gpu", dtype))
-
+    arch_config = _arch_config(n_layers, rope_scaling=rope_scaling, sliding_window=sliding_window,
+                               layer_types=layer_types, query_pre_attn_scalar=query_pre_attn_scalar,
+                               final_logit_softcapping=final_logit_softcapping)
     recipe: dict[str, Any] = dict(
         n_layers=n_layers,
         dim=dim,
@@ -469,6 +585,8 @@ def build_tiny_model(
         vocab=vocab,
         eos_bias=eos_bias,
     )
+    recipe |= _vocabulary_recipe(extra_tokens, chat_template, tokenizer_keys)
+    recipe |= _architecture_recipe(arch, head_dim, arch_config, rope_freqs)
     config: dict[str, Any] = {
         "hidden_size": dim,
         "num_hidden_layers": n_layers,
@@ -476,7 +594,7 @@ def build_tiny_model(
         "num_key_value_heads": n_kv_heads,
         "head_dim": head_dim,
         "intermediate_size": ffn_dim,
-        "vocab_size": n_vocab,
+        "vocab_size": sizes.n_vocab,
         "max_position_embeddings": max_position_embeddings,
         "rope_theta": 10000.0,
         "rms_norm_eps": 1e-5,
@@ -485,27 +603,7 @@ def build_tiny_model(
         "eos_token_id": EOS_ID,
         "eos_token_ids": [],
     }
-    arch_config: dict[str, Any] = {}
-    if rope_scaling is not None:
-        arch_config["rope_scaling"] = dict(rope_scaling)
-    if sliding_window is not None:
-        types = layer_types or [
-            "full_attention" if i % 6 == 5 else "sliding_attention" for i in range(n_layers)
-        ]
-        arch_config |= {"sliding_window": sliding_window, "layer_types": types, "rope_local_base_freq": 10000.0}
-    if query_pre_attn_scalar is not None:
-        arch_config["query_pre_attn_scalar"] = query_pre_attn_scalar
-    if final_logit_softcapping is not None:
-        arch_config["final_logit_softcapping"] = final_logit_softcapping
-    if extra_tokens or chat_template != CHATML_TEMPLATE or tokenizer_keys:
-        recipe |= {"extra_tokens": [list(t) for t in extra_tokens], "chat_template": chat_template,
-                   "tokenizer_keys": dict(tokenizer_keys or {})}
-    if arch != "llama" or arch_config or rope_freqs is not None:
-        # Only the new models' recipes name these: an old recipe keeps its identity hash.
-        recipe |= {"arch": arch, "head_dim": head_dim, **arch_config}
-        if rope_freqs is not None:
-            recipe["rope_freqs"] = [float(f) for f in np.asarray(rope_freqs, dtype=np.float32)]
-    config |= arch_config
+    template = {} if chat_template is None else {"tokenizer.chat_template": chat_template}
     header = llama_header(
         arch=arch,
         dtype=dtype,
@@ -516,23 +614,9 @@ def build_tiny_model(
             "sha256": hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest(),
             "filename": "aiobasert.models.tiny",
         },
-        config=config,
-        tokenizer={
-            "tokenizer_type": "gguf",
-            "tokenizer.ggml.model": "gpt2",
-            "tokenizer.ggml.pre": "smollm",
-            "tokenizer.ggml.tokens": list(words.tokens),
-            "tokenizer.ggml.token_type": list(words.token_types),
-            "tokenizer.ggml.merges": list(words.merges),
-            "tokenizer.ggml.bos_token_id": BOS_ID,
-            "tokenizer.ggml.eos_token_id": EOS_ID,
-            "tokenizer.ggml.padding_token_id": EOS_ID,
-            "tokenizer.ggml.add_bos_token": False,
-        }
-        | ({} if chat_template is None else {"tokenizer.chat_template": chat_template})
-        | dict(tokenizer_keys or {}),
-        metadata=({} if chat_template is None else {"tokenizer.chat_template": chat_template})
-        | {"aiobasert.models.tiny": recipe},
+        config=config | arch_config,
+        tokenizer=_tokenizer_fields(words) | template | dict(tokenizer_keys or {}),
+        metadata=template | {"aiobasert.models.tiny": recipe},
     )
     write_bundle(path, header, tensors)
     return path

@@ -19,7 +19,8 @@ from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from ..errors import AioBaseRTError
+from ..config import EngineConfig
+from ..errors import AioBaseRTError, InvalidConfigError
 from .endpoints import Service
 from .errors import APIError, ClientGone, api_error
 from .oplog import RequestOps, log_config, startup_line
@@ -177,13 +178,16 @@ def _provider(
     model_name: str | None,
     max_batch_size: int,
     max_context: int,
+    config: EngineConfig | None,
 ) -> EngineProvider:
+    if config is not None and (isinstance(model, EngineProvider) or callable(model)):
+        raise InvalidConfigError("config applies to a model path; an EngineFactory or EngineProvider opens its own")
     if isinstance(model, EngineProvider):
         return model
     if callable(model):
         return SingleEngineProvider(model, model_name=model_name)
     return SingleEngineProvider.from_path(
-        model, model_name=model_name, max_batch_size=max_batch_size, max_context=max_context
+        model, model_name=model_name, max_batch_size=max_batch_size, max_context=max_context, config=config
     )
 
 
@@ -197,6 +201,7 @@ def create_app(
     allowed_origins: Sequence[str] | None = None,
     write_timeout: float | None = DEFAULT_WRITE_TIMEOUT_S,
     response_store_bytes: int = DEFAULT_STORE_BYTES,
+    config: EngineConfig | None = None,
 ) -> Starlette:
     """The OpenAI-compatible ASGI app (run it with any ASGI server, e.g. uvicorn).
 
@@ -208,6 +213,8 @@ def create_app(
         `Authorization: Bearer <api_key>`.
     model_name: the id reported by /v1/models and in responses (default: the file's stem).
     max_batch_size, max_context: passed to `Engine.open` when `model` is a path.
+    config: every `Engine.open` option in one `EngineConfig` when `model` is a path (then leave
+        max_batch_size and max_context out); checked here, before the app is built.
     allowed_origins: CORS origins allowed to call the API ("*" = any; None = no CORS).
     write_timeout: seconds a streamed response waits for its client to take
         bytes before the client is dropped and its generation aborted (None or 0:
@@ -219,7 +226,8 @@ def create_app(
     until they finish (uvicorn runs the lifespan shutdown last); use `serve()`
     or a graceful-shutdown timeout to bound that.
     """
-    provider = _provider(model, model_name=model_name, max_batch_size=max_batch_size, max_context=max_context)
+    provider = _provider(model, model_name=model_name, max_batch_size=max_batch_size, max_context=max_context,
+                         config=config)
     return build_app(
         provider, api_key=api_key, allowed_origins=allowed_origins, write_timeout=write_timeout,
         response_store_bytes=response_store_bytes,
@@ -239,6 +247,7 @@ def serve(
     allowed_origins: Sequence[str] | None = None,
     write_timeout: float | None = DEFAULT_WRITE_TIMEOUT_S,
     response_store_bytes: int = DEFAULT_STORE_BYTES,
+    config: EngineConfig | None = None,
 ) -> None:
     """Run the server with uvicorn until SIGTERM or Ctrl-C.
 
@@ -250,7 +259,7 @@ def serve(
     On shutdown, in-flight generations are aborted at once (streams get an
     error event and `[DONE]`, waiting non-streamed requests a 503); a client
     that does not read its response is cut off after one second.
-    `write_timeout`, `response_store_bytes`: see `create_app`.
+    `write_timeout`, `response_store_bytes`, `config`: see `create_app`.
     """
     try:
         import uvicorn
@@ -261,7 +270,8 @@ def serve(
 
     if log_level not in LOG_LEVELS:
         raise ValueError(f"log_level must be one of {', '.join(LOG_LEVELS)}, got {log_level!r}")
-    provider = _provider(model, model_name=model_name, max_batch_size=max_batch_size, max_context=max_context)
+    provider = _provider(model, model_name=model_name, max_batch_size=max_batch_size, max_context=max_context,
+                         config=config)
     app, _service = build_app(
         provider, api_key=api_key, allowed_origins=allowed_origins, write_timeout=write_timeout,
         response_store_bytes=response_store_bytes, announce=False,
@@ -284,6 +294,6 @@ def serve(
             await super().shutdown(sockets=sockets)
 
     # ws="none": no route here is a WebSocket, so uvicorn need not import a WebSocket library.
-    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, log_config=log_config(log_level),
-                            timeout_graceful_shutdown=1, lifespan="on", ws="none")
-    _Server(config).run()
+    server_config = uvicorn.Config(app, host=host, port=port, log_level=log_level, log_config=log_config(log_level),
+                                   timeout_graceful_shutdown=1, lifespan="on", ws="none")
+    _Server(server_config).run()

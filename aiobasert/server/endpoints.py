@@ -9,6 +9,8 @@ import functools
 import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import Generic, TypeVar
 
 import msgspec
 from starlette.requests import Request
@@ -19,11 +21,11 @@ from ..errors import InvalidRequestError
 from ..fanout import MAX_N, prefill_once, sample_params
 from ..streams import TokenStream
 from ..tools import ChatDelta as ChatDeltaSDK
-from ..tools import ChatStream, ChatTurn, TextDelta, Tool, ToolCall, ToolCallDelta, prepare_chat_turn
-from ..types import SamplingParams, Token, Usage
+from ..tools import ChatStream, ChatTurn, TextDelta, Tool, ToolCall, ToolCallDelta
+from ..types import SamplingParams, Timing, Token, Usage
 from .compat import check_refused
 from .errors import APIError, api_error
-from .events import OpenAIChunks, collect, drive
+from .events import ChunkFormat, OpenAIChunks, collect, drive
 from .http import json_response, read_json
 from .logprobs import chat_logprobs, completion_logprobs
 from .metrics import Metrics, RequestObserver
@@ -53,6 +55,7 @@ from .protocol import (
     ModelCard,
     ModelList,
     NamedToolChoice,
+    SamplingRequest,
     TokenizeRequest,
     TokenizeResponse,
     ToolCallDeltaOut,
@@ -73,18 +76,38 @@ from .streaming import (
 )
 from .workers import Workers, is_large
 
+_Choice = TypeVar("_Choice", CompletionChoice, ChatChunkChoice)
 
-class _CompletionChunks(OpenAIChunks):
-    """Streamed text completions: the finish reason rides on the last token's chunk."""
+
+class _ChoiceChunks(OpenAIChunks, Generic[_Choice]):
+    """The chunks of one streamed choice (`index`; `last` False when it is one of several
+    merged into one response): each endpoint's `_chunk` wraps its choices in its envelope."""
 
     def __init__(self, served: ServedModel, *, logprobs: bool, index: int = 0, last: bool = True) -> None:
         self._served = served
         self._index = index
         self.last = last
         self._logprobs = logprobs
-        self._offset = 0
         self._id = ""
         self._created = 0
+
+    def _chunk(self, choices: list[_Choice], usage: UsageInfo | None = None) -> bytes:
+        raise NotImplementedError
+
+    def usage(self, usage: Usage, timing: Timing | None = None) -> bytes:
+        return self._chunk([], UsageInfo.of(usage, [timing] if timing is not None else []))
+
+    def usage_chunk(self, usage: UsageInfo) -> bytes:
+        """The usage chunk of a whole multi-choice request."""
+        return self._chunk([], usage)
+
+
+class _CompletionChunks(_ChoiceChunks[CompletionChoice]):
+    """Streamed text completions: the finish reason rides on the last token's chunk."""
+
+    def __init__(self, served: ServedModel, *, logprobs: bool, index: int = 0, last: bool = True) -> None:
+        super().__init__(served, logprobs=logprobs, index=index, last=last)
+        self._offset = 0
 
     def _chunk(self, choices: list[CompletionChoice], usage: UsageInfo | None = None) -> bytes:
         return sse(
@@ -117,13 +140,6 @@ class _CompletionChunks(OpenAIChunks):
     def closing(self, finish: str, usage: Usage | None) -> bytes | None:
         return None
 
-    def usage(self, usage: Usage) -> bytes:
-        return self._chunk([], UsageInfo.of(usage))
-
-    def usage_chunk(self, usage: UsageInfo) -> bytes:
-        """The usage chunk of a whole multi-choice request."""
-        return self._chunk([], usage)
-
 
 def _tool_call_out(call: ToolCall) -> ToolCallOut:
     return ToolCallOut(id=call.id, function=FunctionCall(name=call.name, arguments=call.arguments))
@@ -153,20 +169,15 @@ def _chat_delta(deltas: Sequence[ChatDeltaSDK]) -> ChatDelta:
     return ChatDelta(content=text if text or not out else None, tool_calls=out or None)
 
 
-class _ChatChunks(OpenAIChunks):
+class _ChatChunks(_ChoiceChunks[ChatChunkChoice]):
     """Streamed chat completions: a role delta first, text and tool-call deltas as
     the parser releases them, a finish delta last."""
 
     def __init__(
         self, served: ServedModel, chat: ChatStream, *, logprobs: bool, index: int = 0, last: bool = True
     ) -> None:
-        self._served = served
-        self._index = index
-        self.last = last
+        super().__init__(served, logprobs=logprobs, index=index, last=last)
         self._chat = chat
-        self._logprobs = logprobs
-        self._id = ""
-        self._created = 0
 
     def _chunk(self, choices: list[ChatChunkChoice], usage: UsageInfo | None = None) -> bytes:
         return sse(
@@ -201,13 +212,6 @@ class _ChatChunks(OpenAIChunks):
         head = self._delta(_chat_delta(rest)) if rest else b""
         return head + self._delta(ChatDelta(), finish=_with_tools(finish, self._chat.tool_calls))
 
-    def usage(self, usage: Usage) -> bytes:
-        return self._chunk([], UsageInfo.of(usage))
-
-    def usage_chunk(self, usage: UsageInfo) -> bytes:
-        """The usage chunk of a whole multi-choice request."""
-        return self._chunk([], usage)
-
 
 def _with_tools(finish: str, calls: Sequence[ToolCall]) -> str:
     return "tool_calls" if calls and finish == "stop" else finish
@@ -234,7 +238,7 @@ def _n(n: int | None) -> int:
 
 def _queue_limit(engine: Engine) -> int:
     """Requests the engine can hold at once: its lanes and its wait queue."""
-    return engine.info.max_batch_size + engine._thread.cfg.max_queue  # the queue bound Engine.open was given
+    return engine.info.max_batch_size + engine.config.max_queue
 
 
 async def _admit_fanout(engine: Engine, count: int, param: str, *, prompts: int = 1) -> QueueReservation | None:
@@ -285,6 +289,101 @@ def _chat_error(exc: InvalidRequestError) -> APIError:
     if err.body.error.param is None:
         err = APIError(400, str(exc), param=_tool_param(str(exc)))
     return err
+
+
+def _include_usage(req: SamplingRequest) -> bool:
+    return req.stream_options is not None and req.stream_options.include_usage
+
+
+@dataclass(frozen=True)
+class _ChatPlan:
+    """What a chat request asks the engine for, checked before anything is paid for it."""
+
+    params: SamplingParams
+    n: int
+    tools: list[Tool]
+    tool_choice: str | None
+    logprobs: bool
+
+
+def _top_logprobs(req: ChatCompletionRequest) -> int:
+    if req.top_logprobs is not None and not req.logprobs:
+        raise APIError(400, "top_logprobs requires logprobs=true", param="top_logprobs")
+    top = req.top_logprobs or 0
+    if not 0 <= top <= 20:
+        raise APIError(400, f"top_logprobs must be in [0, 20], got {top}", param="top_logprobs")
+    return top
+
+
+def _max_completion_tokens(req: ChatCompletionRequest) -> int | None:
+    """max_completion_tokens, the newer name of max_tokens, wins when both are given."""
+    if req.max_completion_tokens is not None and req.max_completion_tokens < 1:
+        raise APIError(400, "max_completion_tokens must be >= 1", param="max_completion_tokens")
+    return req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+
+
+def _chat_plan(req: ChatCompletionRequest) -> _ChatPlan:
+    """The request's sampling, choices and tools, each bad field a 400 naming it (in this order)."""
+    json_schema = json_schema_of(req.response_format)
+    top = _top_logprobs(req)
+    n = _n(req.n)
+    max_tokens = _max_completion_tokens(req)
+    want_logprobs = bool(req.logprobs)
+    params = sampling_params(
+        req, max_tokens=max_tokens, logprobs=want_logprobs, top_logprobs=top, json_schema=json_schema
+    )
+    tools = [
+        Tool(name=t.function.name, description=t.function.description, parameters=t.function.parameters)
+        for t in req.tools or ()
+    ]
+    choice = req.tool_choice.function.name if isinstance(req.tool_choice, NamedToolChoice) else req.tool_choice
+    if tools and json_schema is not None and choice != "none":
+        raise APIError(400, "response_format cannot be combined with tools", param="response_format")
+    return _ChatPlan(params=params, n=n, tools=tools, tool_choice=choice, logprobs=want_logprobs)
+
+
+class _ChatStarts:
+    """Starts a prepared chat turn's streams and remembers each stream's `ChatStream`
+    (its parser: the streamed deltas and the whole message are read from it)."""
+
+    def __init__(self, engine: Engine, turn: ChatTurn) -> None:
+        self._engine = engine
+        self._turn = turn
+        self._chats: dict[int, ChatStream] = {}
+
+    def start(self, params: SamplingParams) -> TokenStream:
+        try:
+            chat = self._engine._stream_turn(self._turn, params)
+        except InvalidRequestError as exc:
+            raise _chat_error(exc) from None
+        self._chats[id(chat.tokens)] = chat
+        return chat.tokens
+
+    def chat(self, stream: TokenStream) -> ChatStream:
+        return self._chats[id(stream)]
+
+
+async def _chat_choice(
+    served: ServedModel, index: int, stream: TokenStream, tokens: list[Token], chat: ChatStream, logprobs: bool
+) -> ChatChoice:
+    """One choice of a whole (unstreamed) chat completion: its tokens fed through the chat's parser."""
+    finish = finish_reason(stream.finish_reason)
+    for tok in tokens:
+        chat.feed(tok)
+    chat.close_parser()
+    calls = chat.tool_calls
+    lp = chat_logprobs(tokens, await served.texts.lookup(served.engine, tokens)) if logprobs else None
+    content = chat.content
+    return ChatChoice(
+        index=index,
+        message=AssistantMessage(
+            role="assistant",
+            content=content if content or not calls else None,
+            tool_calls=[_tool_call_out(c) for c in calls] or None,
+        ),
+        logprobs=lp,
+        finish_reason=_with_tools(finish, calls),
+    )
 
 
 logger = logging.getLogger("aiobasert.server")
@@ -433,7 +532,8 @@ class Service:
         prompt = sum(f.usage.prompt_tokens for f in finals[::n] if f is not None)
         completion = sum(f.usage.completion_tokens for f in finals if f is not None)
         cached = prefill_cached if n > 1 else sum(f.usage.cached_prompt_tokens for f in finals if f is not None)
-        return UsageInfo.of(Usage(prompt_tokens=prompt, completion_tokens=completion, cached_prompt_tokens=cached))
+        usage = Usage(prompt_tokens=prompt, completion_tokens=completion, cached_prompt_tokens=cached)
+        return UsageInfo.of(usage, [f.timing for f in finals if f is not None])
 
     def _log_user(self, rid: str, user: str | None) -> None:
         if user is not None:
@@ -456,17 +556,11 @@ class Service:
         places = await _admit_fanout(engine, n * len(prompts), "prompt" if len(prompts) > 1 else "n",
                                      prompts=len(prompts))
         starts = [functools.partial(engine.stream, p) for p in prompts]
-        include_usage = req.stream_options is not None and req.stream_options.include_usage
+        include_usage = _include_usage(req)
         if req.stream and n * len(prompts) == 1:
             stream = engine.stream(prompts[0], params)
-            self._log_user(stream.request_id, req.user)
-            fmt = _CompletionChunks(served, logprobs=top is not None)
-            return EventStream(
-                drive(stream, fmt, include_usage=include_usage, observer=self._observer(served)),
-                write_timeout=self.write_timeout,
-                streams=[stream],
-                backlog=self.backlog,
-            )
+            return self._one_stream(served, stream, _CompletionChunks(served, logprobs=top is not None),
+                                    include_usage, req.user)
         if req.stream:
             streams, cached = await self._start_samples(served, starts, params, n, places)
             self._log_user(streams[0].request_id, req.user)
@@ -475,15 +569,22 @@ class Service:
             ]
             return self._merged(served, streams, fmts, n, cached, include_usage)
         results, cached = await self._samples(request, served, starts, params, n, places)
-        self._log_user(results[0][0].request_id, req.user)
+        return await self._whole_completion(served, results, n, cached, top is not None, req.user)
+
+    async def _whole_completion(
+        self, served: ServedModel, results: Sequence[tuple[TokenStream, list[Token]]], n: int, cached: int,
+        logprobs: bool, user: str | None,
+    ) -> Response:
+        """The JSON response of an unstreamed text completion: every choice's text, whole."""
+        self._log_user(results[0][0].request_id, user)
         choices = []
         for index, (stream, tokens) in enumerate(results):
-            logprobs = None
-            if top is not None:
-                logprobs = completion_logprobs(tokens, await served.texts.lookup(engine, tokens), 0)
+            lp = None
+            if logprobs:
+                lp = completion_logprobs(tokens, await served.texts.lookup(served.engine, tokens), 0)
             text = "".join(t.text for t in tokens)
             finish = finish_reason(stream.finish_reason)
-            choices.append(CompletionChoice(index=index, text=text, logprobs=logprobs, finish_reason=finish))
+            choices.append(CompletionChoice(index=index, text=text, logprobs=lp, finish_reason=finish))
         return json_response(
             CompletionResponse(
                 id=f"cmpl-{results[0][0].request_id}",
@@ -495,119 +596,81 @@ class Service:
             )
         )
 
+    def _one_stream(
+        self, served: ServedModel, stream: TokenStream, fmt: ChunkFormat, include_usage: bool, user: str | None
+    ) -> EventStream:
+        """The SSE response of a streamed request with one choice."""
+        self._log_user(stream.request_id, user)
+        return EventStream(
+            drive(stream, fmt, include_usage=include_usage, observer=self._observer(served)),
+            write_timeout=self.write_timeout,
+            streams=[stream],
+            backlog=self.backlog,
+        )
+
     async def chat_completions(self, request: Request) -> Response:
         req = await read_json(request, ChatCompletionRequest, precount=precount_chat)
         check_chat_size(len(req.messages), len(req.tools or ()), "messages")  # before anything is paid for them
         check_refused("/v1/chat/completions", req)
-        json_schema = json_schema_of(req.response_format)
-        if req.top_logprobs is not None and not req.logprobs:
-            raise APIError(400, "top_logprobs requires logprobs=true", param="top_logprobs")
-        top = req.top_logprobs or 0
-        if not 0 <= top <= 20:
-            raise APIError(400, f"top_logprobs must be in [0, 20], got {top}", param="top_logprobs")
-        n = _n(req.n)
-        if req.max_completion_tokens is not None and req.max_completion_tokens < 1:
-            raise APIError(400, "max_completion_tokens must be >= 1", param="max_completion_tokens")
-        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        want_logprobs = bool(req.logprobs)
-        params = sampling_params(
-            req, max_tokens=max_tokens, logprobs=want_logprobs, top_logprobs=top, json_schema=json_schema
-        )
-        tools = [
-            Tool(name=t.function.name, description=t.function.description, parameters=t.function.parameters)
-            for t in req.tools or ()
-        ]
-        choice: str | None = None
-        if isinstance(req.tool_choice, NamedToolChoice):
-            choice = req.tool_choice.function.name
-        elif req.tool_choice is not None:
-            choice = req.tool_choice
-        if tools and json_schema is not None and choice != "none":
-            raise APIError(400, "response_format cannot be combined with tools", param="response_format")
+        plan = _chat_plan(req)
         served = self.resolve(req.model)
-        places = await _admit_fanout(served.engine, n, "n")
+        places = await _admit_fanout(served.engine, plan.n, "n")
+        starts = _ChatStarts(served.engine, await self._chat_turn(served, req, plan, places))
+        if req.stream and plan.n == 1:
+            stream = starts.start(plan.params)
+            fmt = _ChatChunks(served, starts.chat(stream), logprobs=plan.logprobs)
+            return self._one_stream(served, stream, fmt, _include_usage(req), req.user)
+        if req.stream:
+            streams, cached = await self._start_samples(served, [starts.start], plan.params, plan.n, places)
+            self._log_user(streams[0].request_id, req.user)
+            fmts = [
+                _ChatChunks(served, starts.chat(st), logprobs=plan.logprobs, index=i, last=False)
+                for i, st in enumerate(streams)
+            ]
+            return self._merged(served, streams, fmts, plan.n, cached, _include_usage(req))
+        results, cached = await self._samples(request, served, [starts.start], plan.params, plan.n, places)
+        return await self._whole_chat(served, results, starts, plan, cached, req.user)
+
+    async def _chat_turn(
+        self, served: ServedModel, req: ChatCompletionRequest, plan: _ChatPlan, places: QueueReservation | None
+    ) -> ChatTurn:
+        """The request's rendered prompt and tool setup; its reserved places go back when that fails."""
         engine = served.engine
         parallel = req.parallel_tool_calls is not False
 
         def prepare() -> ChatTurn:
             # request-sized (every message and tool): in a worker, never on the event loop
-            return prepare_chat_turn(
-                engine, chat_messages(req.messages), tools=tools or None, tool_choice=choice, parallel=parallel
+            return engine._chat_turn(
+                chat_messages(req.messages), tools=plan.tools or None, tool_choice=plan.tool_choice, parallel=parallel
             )
 
         try:
-            turn = await self.workers.run(prepare, large=is_large(len(req.messages), len(tools)))
+            return await self.workers.run(prepare, large=is_large(len(req.messages), len(plan.tools)))
         except BaseException as exc:
             if places is not None:
                 places.release()
             if isinstance(exc, InvalidRequestError):
                 raise _chat_error(exc) from None
             raise
-        chats: list[ChatStream] = []
 
-        def start(p: SamplingParams) -> TokenStream:
-            try:
-                chat = turn.stream(engine, p)
-            except InvalidRequestError as exc:
-                raise _chat_error(exc) from None
-            chats.append(chat)
-            return chat.tokens
-
-        include_usage = req.stream_options is not None and req.stream_options.include_usage
-        if req.stream and n == 1:
-            stream = start(params)
-            self._log_user(stream.request_id, req.user)
-            fmt = _ChatChunks(served, chats[0], logprobs=want_logprobs)
-            return EventStream(
-                drive(stream, fmt, include_usage=include_usage, observer=self._observer(served)),
-                write_timeout=self.write_timeout,
-                streams=[stream],
-                backlog=self.backlog,
-            )
-        if req.stream:
-            streams, cached = await self._start_samples(served, [start], params, n, places)
-            self._log_user(streams[0].request_id, req.user)
-            by_stream = {id(c.tokens): c for c in chats}
-            chat_fmts = [
-                _ChatChunks(served, by_stream[id(st)], logprobs=want_logprobs, index=i, last=False)
-                for i, st in enumerate(streams)
-            ]
-            return self._merged(served, streams, chat_fmts, n, cached, include_usage)
-        results, cached = await self._samples(request, served, [start], params, n, places)
-        self._log_user(results[0][0].request_id, req.user)
-        by_stream = {id(c.tokens): c for c in chats}
-        out_choices = []
-        for index, (stream, tokens) in enumerate(results):
-            chat = by_stream[id(stream)]
-            finish = finish_reason(stream.finish_reason)
-            for tok in tokens:
-                chat.feed(tok)
-            chat.close_parser()
-            calls = chat.tool_calls
-            logprobs = None
-            if want_logprobs:
-                logprobs = chat_logprobs(tokens, await served.texts.lookup(served.engine, tokens))
-            content = chat.content
-            out_choices.append(
-                ChatChoice(
-                    index=index,
-                    message=AssistantMessage(
-                        role="assistant",
-                        content=content if content or not calls else None,
-                        tool_calls=[_tool_call_out(c) for c in calls] or None,
-                    ),
-                    logprobs=logprobs,
-                    finish_reason=_with_tools(finish, calls),
-                )
-            )
+    async def _whole_chat(
+        self, served: ServedModel, results: Sequence[tuple[TokenStream, list[Token]]], starts: _ChatStarts,
+        plan: _ChatPlan, cached: int, user: str | None,
+    ) -> Response:
+        """The JSON response of an unstreamed chat request: every choice's message, whole."""
+        self._log_user(results[0][0].request_id, user)
+        choices = [
+            await _chat_choice(served, index, stream, tokens, starts.chat(stream), plan.logprobs)
+            for index, (stream, tokens) in enumerate(results)
+        ]
         return json_response(
             ChatCompletion(
                 id=f"chatcmpl-{results[0][0].request_id}",
                 object="chat.completion",
                 created=int(time.time()),
                 model=served.name,
-                choices=out_choices,
-                usage=self._usage([st for st, _ in results], n, cached),
+                choices=choices,
+                usage=self._usage([st for st, _ in results], plan.n, cached),
             )
         )
 

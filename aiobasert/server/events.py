@@ -19,7 +19,7 @@ from typing import Protocol
 import anyio
 
 from ..streams import TokenStream
-from ..types import Token, Usage
+from ..types import Timing, Token, Usage
 from .metrics import RequestObserver
 from .params import finish_reason, first_token
 from .streaming import SSE_DONE, error_event
@@ -38,8 +38,8 @@ class ChunkFormat(Protocol):
     def closing(self, finish: str, usage: Usage | None) -> bytes | None:
         """The events after the last token, given OpenAI's finish reason."""
 
-    def usage(self, usage: Usage) -> bytes:
-        """The trailing usage event (`stream_options.include_usage`)."""
+    def usage(self, usage: Usage, timing: Timing | None = None) -> bytes:
+        """The trailing usage event (`stream_options.include_usage`); `timing`: the stream's."""
 
     def error(self, exc: BaseException) -> bytes:
         """The in-band error event once the response has started."""
@@ -84,7 +84,7 @@ async def drive(
             if closing is not None:
                 yield closing
             if include_usage and usage is not None:
-                yield fmt.usage(usage)
+                yield fmt.usage(usage, stream.final.timing if stream.final is not None else None)
         except Exception as exc:  # the response has started: report in-band
             yield fmt.error(exc)
         if observer is not None:

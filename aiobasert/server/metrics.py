@@ -47,8 +47,8 @@ import anyio
 from starlette.responses import Response
 
 from .._core.ffi import SUPPORTED_ABI
+from .._core.protocol import Final
 from ..engine import Engine
-from ..engine_thread import Final
 
 try:
     from prometheus_client import (

@@ -6,11 +6,12 @@ explicit `null`, as some clients send for "default".
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, ClassVar, Literal, NamedTuple
 
 import msgspec
 
-from ..types import Usage
+from ..types import Timing, Usage
 
 MAX_EMBEDDING_INPUTS = 2048
 
@@ -251,14 +252,21 @@ class UsageInfo(msgspec.Struct, kw_only=True):
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails | None = None
+    first_token_steps: int | None = None
+    """Extension: engine steps from the request's arrival at the engine to its first token
+    (`Timing.first_token_step - Timing.submitted_step`; of several choices or prompts, the latest), the time to
+    first token that fair admission bounds, whatever the machine's speed (docs/fairness.md)."""
 
     @classmethod
-    def of(cls, usage: Usage) -> UsageInfo:
+    def of(cls, usage: Usage, timings: Sequence[Timing] = ()) -> UsageInfo:
+        """`timings`: those of the request's choices (`Completion.timing`), for `first_token_steps`."""
+        steps = [t.first_token_step - t.submitted_step for t in timings if t.first_token_step >= 0]
         return cls(
             prompt_tokens=usage.prompt_tokens,
             completion_tokens=usage.completion_tokens,
             total_tokens=usage.total_tokens,
             prompt_tokens_details=PromptTokensDetails(cached_tokens=usage.cached_prompt_tokens),
+            first_token_steps=max(steps) if steps else None,
         )
 
 

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import anyio
 
+from ..config import EngineConfig, config_from
 from ..engine import Engine
 from ..errors import EngineClosedError
 from .logprobs import TokenTexts
@@ -86,10 +87,12 @@ class SingleEngineProvider(EngineProvider):
         model_name: str | None = None,
         max_batch_size: int = 8,
         max_context: int = 2048,
+        config: EngineConfig | None = None,
     ) -> SingleEngineProvider:
-        """Open `model` (a `.base` path; None = the default model) with these limits."""
-        factory = functools.partial(Engine.open, model, max_batch_size=max_batch_size, max_context=max_context)
-        return cls(factory, model_name=model_name)
+        """Open `model` (a `.base` path; None = the default model) with these limits, or with
+        `config` (then leave the limits out). The options are checked now, not at startup."""
+        options = config_from(config, dict(max_batch_size=max_batch_size, max_context=max_context))
+        return cls(functools.partial(Engine.open, model, config=options), model_name=model_name)
 
     @contextlib.asynccontextmanager
     async def _lifespan(self) -> AsyncIterator[None]:

@@ -54,6 +54,7 @@ try:
 except ModuleNotFoundError as exc:  # pragma: no cover - depends on the install
     raise ModuleNotFoundError("aiobasert on Ray Serve needs ray[serve]: pip install 'aiobasert[ray]'") from exc
 
+from ..config import EngineConfig
 from ..group import ModelSource
 from .app import build_app
 from .errors import APIError
@@ -159,9 +160,10 @@ def _provider(
     models: Sequence[ModelSource | None], keep_alive: float | None, options: dict[str, Any]
 ) -> EngineProvider:
     named = [m for m in models if m is not None]
+    config = EngineConfig(**options)  # every Engine.open option, for one model or several
     if len(named) > 1 or keep_alive is not None or any("=" in os.fspath(m) for m in named):
-        return GroupProvider(named, keep_alive=keep_alive, **options)
-    return SingleEngineProvider.from_path(named[0] if named else None, **options)
+        return GroupProvider(named, keep_alive=keep_alive, config=config)
+    return SingleEngineProvider.from_path(named[0] if named else None, config=config)
 
 
 class EngineReplica:

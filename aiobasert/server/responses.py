@@ -29,7 +29,7 @@ from starlette.responses import Response
 
 from ..errors import InvalidRequestError
 from ..tools import ChatStream, TextDelta, Tool, ToolCall, ToolCallDelta, template_supports_tools
-from ..types import SamplingParams, Token, Usage
+from ..types import SamplingParams, Timing, Token, Usage
 from .compat import check_refused
 from .errors import APIError, api_error, in_band_error
 from .events import collect, drive
@@ -585,7 +585,7 @@ class _ResponseEvents:
         kind = "response.incomplete" if final.status == "incomplete" else "response.completed"
         return out + t.event(kind, response=final)
 
-    def usage(self, usage: Usage) -> bytes:
+    def usage(self, usage: Usage, timing: Timing | None = None) -> bytes:
         return b""
 
     def error(self, exc: BaseException) -> bytes:

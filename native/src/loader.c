@@ -990,13 +990,28 @@ static bool add_eos_id(rt_model *m, uint32_t id) {
     return true;
 }
 
-static int load_tokenizer(const bundle *b, rt_model *m, const parsed_config *pc) {
-    const json_value *tk = json_get(b->hdr, "tokenizer");
-    if (!tk || tk->type != JSON_OBJECT)
-        return bundle_fail(b, BASERT_ERR_INVALID_FORMAT, "the header has no tokenizer object");
-    const json_value *model_kind = json_get(tk, "tokenizer.ggml.model");
+/* The header's tokenizer object, read field group by field group: the model and pre-tokenizer kind, the
+ * per-token lists (text, type, score), the merges and the rstrip ids (shape first, then each entry), then
+ * the special ids (bos / eos, the stop set, the control tokens) of the tokenizer they built. */
+typedef struct {
+    const json_value *tk, *tokens, *types, *merges, *scores, *rstrip_ids; /* parse-tree nodes; NULL: absent */
+    const char *model, *pre;
+    size_t n_tokens, n_merges;
+    bool spm, add_space_prefix;
+} tokenizer_fields;
+
+/* What bpe_create_model reads, copied out of the fields (the strings still point into the tree). */
+typedef struct {
+    const char **text, **merge;
+    int32_t *type;
+    float *score;
+    unsigned char *rstrip;
+} tokenizer_arrays;
+
+static int tokenizer_kind(const bundle *b, tokenizer_fields *f) {
+    const json_value *model_kind = json_get(f->tk, "tokenizer.ggml.model");
     const char *model = model_kind ? json_string(model_kind) : "gpt2";
-    const char *pre = json_string(json_get(tk, "tokenizer.ggml.pre"));
+    const char *pre = json_string(json_get(f->tk, "tokenizer.ggml.pre"));
     if (!pre) pre = "default";
     if (!model || !bpe_supported(model, "gpt2"))
         return bundle_fail(b, BASERT_ERR_UNSUPPORTED, "tokenizer.ggml.model '%s' is not supported (gpt2, llama)",
@@ -1004,121 +1019,158 @@ static int load_tokenizer(const bundle *b, rt_model *m, const parsed_config *pc)
     if (!bpe_supported(model, pre))
         return bundle_fail(b, BASERT_ERR_UNSUPPORTED,
                            "tokenizer.ggml.pre '%s' is not a pre-tokenizer the engine runs exactly (docs/models.md)", pre);
-    bool spm = strcmp(model, "llama") == 0;
+    f->model = model;
+    f->pre = pre;
+    f->spm = strcmp(model, "llama") == 0;
+    f->add_space_prefix = f->spm; /* llama.cpp's default for SentencePiece */
+    json_bool(json_get(f->tk, "tokenizer.ggml.add_space_prefix"), &f->add_space_prefix);
+    return BASERT_OK;
+}
 
-    const json_value *tokens = json_get(tk, "tokenizer.ggml.tokens");
-    size_t n_tokens = json_count(tokens);
-    if (!tokens || tokens->type != JSON_ARRAY || n_tokens == 0)
+static bool one_per_token(const json_value *list, size_t n_tokens) {
+    return list->type == JSON_ARRAY && json_count(list) == n_tokens;
+}
+
+/* The lists' shapes, in the order they are checked: tokens and their types, merges, scores, rstrip ids. */
+static int tokenizer_lists(const bundle *b, const rt_model *m, tokenizer_fields *f) {
+    f->tokens = json_get(f->tk, "tokenizer.ggml.tokens");
+    f->n_tokens = json_count(f->tokens);
+    if (!f->tokens || f->tokens->type != JSON_ARRAY || f->n_tokens == 0)
         return bundle_fail(b, BASERT_ERR_INVALID_FORMAT, "tokenizer.ggml.tokens is missing or empty");
-    if (n_tokens > m->cfg.vocab_size)
+    if (f->n_tokens > m->cfg.vocab_size)
         return bundle_fail(b, BASERT_ERR_INVALID_FORMAT, "the tokenizer has %zu tokens, more than config.vocab_size %u",
-                           n_tokens, m->cfg.vocab_size);
-    const json_value *types = json_get(tk, "tokenizer.ggml.token_type");
-    if (types && (types->type != JSON_ARRAY || json_count(types) != n_tokens))
+                           f->n_tokens, m->cfg.vocab_size);
+    f->types = json_get(f->tk, "tokenizer.ggml.token_type");
+    if (f->types && !one_per_token(f->types, f->n_tokens))
         return bundle_fail(b, BASERT_ERR_INVALID_FORMAT, "tokenizer.ggml.token_type must list one type per token");
-    const json_value *merges = json_get(tk, "tokenizer.ggml.merges");
-    if (merges && merges->type != JSON_ARRAY)
+    f->merges = json_get(f->tk, "tokenizer.ggml.merges");
+    if (f->merges && f->merges->type != JSON_ARRAY)
         return bundle_fail(b, BASERT_ERR_INVALID_FORMAT, "tokenizer.ggml.merges is not an array");
-    size_t n_merges = json_count(merges);
-    if (n_merges > (size_t)1 << 24) return bundle_fail(b, BASERT_ERR_INVALID_FORMAT, "too many merges");
-    const json_value *scores = json_get(tk, "tokenizer.ggml.scores");
-    if (scores && (scores->type != JSON_ARRAY || json_count(scores) != n_tokens))
+    f->n_merges = json_count(f->merges);
+    if (f->n_merges > (size_t)1 << 24) return bundle_fail(b, BASERT_ERR_INVALID_FORMAT, "too many merges");
+    f->scores = json_get(f->tk, "tokenizer.ggml.scores");
+    if (f->scores && !one_per_token(f->scores, f->n_tokens))
         return bundle_fail(b, BASERT_ERR_INVALID_FORMAT, "tokenizer.ggml.scores must list one score per token");
-    bool add_space_prefix = spm; /* llama.cpp's default for SentencePiece */
-    json_bool(json_get(tk, "tokenizer.ggml.add_space_prefix"), &add_space_prefix);
     /* the added tokens llama.cpp strips the whitespace after (Phi-3's: the converter lists them) */
-    const json_value *rstrip_ids = json_get(tk, "tokenizer.aiobasert.rstrip_token_ids");
-    if (rstrip_ids && rstrip_ids->type != JSON_ARRAY)
+    f->rstrip_ids = json_get(f->tk, "tokenizer.aiobasert.rstrip_token_ids");
+    if (f->rstrip_ids && f->rstrip_ids->type != JSON_ARRAY)
         return bundle_fail(b, BASERT_ERR_INVALID_FORMAT, "tokenizer.aiobasert.rstrip_token_ids is not an array");
+    return BASERT_OK;
+}
 
-    const char **tok_text = malloc(n_tokens * sizeof *tok_text);
-    int32_t *tok_type = types ? malloc(n_tokens * sizeof *tok_type) : NULL;
-    const char **merge_text = malloc((n_merges ? n_merges : 1) * sizeof *merge_text);
-    float *tok_score = scores ? malloc(n_tokens * sizeof *tok_score) : NULL;
-    unsigned char *rstrip = rstrip_ids ? calloc(n_tokens, 1) : NULL;
-    int rc = BASERT_OK;
-    if (!tok_text || (types && !tok_type) || !merge_text || (scores && !tok_score) || (rstrip_ids && !rstrip)) {
-        rc = bundle_fail(b, BASERT_ERR_OUT_OF_MEMORY, "out of memory reading the tokenizer");
-        goto done;
-    }
-    for (size_t i = 0; i < n_tokens; i++) {
-        const json_value *t = json_at(tokens, i);
-        if (!json_string(t) || strlen(t->u.str.s) != t->u.str.len || t->u.str.len == 0) {
-            rc = bundle_fail(b, BASERT_ERR_INVALID_FORMAT, "tokenizer.ggml.tokens[%zu] is not a non-empty string", i);
-            goto done;
-        }
-        tok_text[i] = t->u.str.s;
-        if (types) {
+static void tokenizer_arrays_free(tokenizer_arrays *a) {
+    free(a->text);
+    free(a->type);
+    free(a->merge);
+    free(a->score);
+    free(a->rstrip);
+}
+
+/* Each token's text, type and score, entry by entry (the first bad entry of any of them is the one named). */
+static int read_token_rows(const bundle *b, const tokenizer_fields *f, tokenizer_arrays *a) {
+    for (size_t i = 0; i < f->n_tokens; i++) {
+        const json_value *t = json_at(f->tokens, i);
+        if (!json_string(t) || strlen(t->u.str.s) != t->u.str.len || t->u.str.len == 0)
+            return bundle_fail(b, BASERT_ERR_INVALID_FORMAT, "tokenizer.ggml.tokens[%zu] is not a non-empty string", i);
+        a->text[i] = t->u.str.s;
+        if (f->types) {
             int64_t ty;
-            if (!json_int64(json_at(types, i), &ty) || ty < 0 || ty > 6) {
-                rc = bundle_fail(b, BASERT_ERR_INVALID_FORMAT, "tokenizer.ggml.token_type[%zu] is not a token type", i);
-                goto done;
-            }
-            tok_type[i] = (int32_t)ty;
+            if (!json_int64(json_at(f->types, i), &ty) || ty < 0 || ty > 6)
+                return bundle_fail(b, BASERT_ERR_INVALID_FORMAT, "tokenizer.ggml.token_type[%zu] is not a token type", i);
+            a->type[i] = (int32_t)ty;
         }
         double sc;
-        if (scores && !json_number(json_at(scores, i), &sc)) {
-            rc = bundle_fail(b, BASERT_ERR_INVALID_FORMAT, "tokenizer.ggml.scores[%zu] is not a number", i);
-            goto done;
-        }
-        if (scores) tok_score[i] = (float)sc;
+        if (f->scores && !json_number(json_at(f->scores, i), &sc))
+            return bundle_fail(b, BASERT_ERR_INVALID_FORMAT, "tokenizer.ggml.scores[%zu] is not a number", i);
+        if (f->scores) a->score[i] = (float)sc;
     }
-    for (size_t i = 0; i < n_merges; i++) {
-        const json_value *t = json_at(merges, i);
-        if (!json_string(t) || strlen(t->u.str.s) != t->u.str.len) {
-            rc = bundle_fail(b, BASERT_ERR_INVALID_FORMAT, "tokenizer.ggml.merges[%zu] is not a string", i);
-            goto done;
-        }
-        merge_text[i] = t->u.str.s;
+    return BASERT_OK;
+}
+
+static int read_merges(const bundle *b, const tokenizer_fields *f, tokenizer_arrays *a) {
+    for (size_t i = 0; i < f->n_merges; i++) {
+        const json_value *t = json_at(f->merges, i);
+        if (!json_string(t) || strlen(t->u.str.s) != t->u.str.len)
+            return bundle_fail(b, BASERT_ERR_INVALID_FORMAT, "tokenizer.ggml.merges[%zu] is not a string", i);
+        a->merge[i] = t->u.str.s;
     }
-    for (size_t i = 0; i < json_count(rstrip_ids); i++) {
+    return BASERT_OK;
+}
+
+static int read_rstrip_ids(const bundle *b, const tokenizer_fields *f, tokenizer_arrays *a) {
+    for (size_t i = 0; i < json_count(f->rstrip_ids); i++) {
         int64_t id;
-        if (!json_int64(json_at(rstrip_ids, i), &id) || id < 0 || (uint64_t)id >= n_tokens) {
-            rc = bundle_fail(b, BASERT_ERR_INVALID_FORMAT,
-                             "tokenizer.aiobasert.rstrip_token_ids[%zu] is not a token id below %zu", i, n_tokens);
-            goto done;
-        }
-        rstrip[id] = 1;
+        if (!json_int64(json_at(f->rstrip_ids, i), &id) || id < 0 || (uint64_t)id >= f->n_tokens)
+            return bundle_fail(b, BASERT_ERR_INVALID_FORMAT,
+                               "tokenizer.aiobasert.rstrip_token_ids[%zu] is not a token id below %zu", i, f->n_tokens);
+        a->rstrip[id] = 1;
     }
+    return BASERT_OK;
+}
+
+/* m->tok from the arrays: the one of a handle already open on the same file (and header bytes) when there
+ * is one (bpe_shared_get), else built and shared. */
+static int create_tokenizer(const bundle *b, rt_model *m, const tokenizer_fields *f, const tokenizer_arrays *a) {
     char err[256] = "";
-    bpe_options opt = {.model = model, .pre = pre, .scores = tok_score, .add_space_prefix = add_space_prefix,
-                       .rstrip = rstrip};
-    /* the same file (and header bytes) as a handle already open: share its tokenizer (bpe_shared_get) */
+    bpe_options opt = {.model = f->model, .pre = f->pre, .scores = a->score,
+                       .add_space_prefix = f->add_space_prefix, .rstrip = a->rstrip};
     uint64_t key[BPE_SHARE_KEY] = {b->file_id[0], b->file_id[1], b->file_id[2], b->file_id[3],
                                    (uint64_t)b->blob_start, fnv1a64(b->map, (size_t)b->blob_start)};
     m->tok = bpe_shared_get(key);
     if (!m->tok) {
-        m->tok = bpe_create_model(tok_text, tok_type, (int)n_tokens, merge_text, (int)n_merges, &opt, err, sizeof err);
+        m->tok = bpe_create_model(a->text, a->type, (int)f->n_tokens, a->merge, (int)f->n_merges, &opt, err,
+                                  sizeof err);
         bpe_shared_put(m->tok, key);
     }
-    if (!m->tok) rc = bundle_fail(b, BASERT_ERR_INVALID_FORMAT, "cannot build the tokenizer: %s", err);
-done:
-    free(tok_text);
-    free(tok_type);
-    free(merge_text);
-    free(tok_score);
-    free(rstrip);
-    if (rc) return rc;
+    if (!m->tok) return bundle_fail(b, BASERT_ERR_INVALID_FORMAT, "cannot build the tokenizer: %s", err);
+    return BASERT_OK;
+}
 
-    /* bos / eos: the config first, then the tokenizer's keys. */
+static int build_tokenizer(const bundle *b, rt_model *m, const tokenizer_fields *f) {
+    size_t n = f->n_tokens;
+    tokenizer_arrays a = {
+        .text = malloc(n * sizeof *a.text),
+        .type = f->types ? malloc(n * sizeof *a.type) : NULL,
+        .merge = malloc((f->n_merges ? f->n_merges : 1) * sizeof *a.merge),
+        .score = f->scores ? malloc(n * sizeof *a.score) : NULL,
+        .rstrip = f->rstrip_ids ? calloc(n, 1) : NULL,
+    };
+    int rc;
+    if (!a.text || (f->types && !a.type) || !a.merge || (f->scores && !a.score) || (f->rstrip_ids && !a.rstrip))
+        rc = bundle_fail(b, BASERT_ERR_OUT_OF_MEMORY, "out of memory reading the tokenizer");
+    else if (!(rc = read_token_rows(b, f, &a)) && !(rc = read_merges(b, f, &a)) && !(rc = read_rstrip_ids(b, f, &a)))
+        rc = create_tokenizer(b, m, f, &a);
+    tokenizer_arrays_free(&a);
+    return rc;
+}
+
+/* A token id below n, from a header value; false when it is absent or not one. */
+static bool token_id_below(const json_value *v, size_t n, uint32_t *id) {
     int64_t x;
-    if (pc->has_eos) m->eos_id = pc->eos_id;
-    else if (json_int64(json_get(tk, "tokenizer.ggml.eos_token_id"), &x) && x >= 0 && (size_t)x < n_tokens)
-        m->eos_id = (uint32_t)x;
-    else return bundle_fail(b, BASERT_ERR_INVALID_FORMAT, "no valid eos_token_id in the config or the tokenizer");
-    if (pc->has_bos) m->bos_id = pc->bos_id;
-    else if (json_int64(json_get(tk, "tokenizer.ggml.bos_token_id"), &x) && x >= 0 && (size_t)x < n_tokens)
-        m->bos_id = (uint32_t)x;
-    else m->bos_id = m->eos_id; /* GPT-2 convention: one <|endoftext|> for both */
-    if (m->eos_id >= n_tokens || m->bos_id >= n_tokens)
-        return bundle_fail(b, BASERT_ERR_INVALID_FORMAT, "bos/eos token id is outside the tokenizer's %zu tokens",
-                           n_tokens);
-    bool add_bos = spm; /* llama.cpp's default: SentencePiece adds BOS */
-    json_bool(json_get(tk, "tokenizer.ggml.add_bos_token"), &add_bos);
-    m->add_bos = add_bos;
+    if (!json_int64(v, &x) || x < 0 || (size_t)x >= n) return false;
+    *id = (uint32_t)x;
+    return true;
+}
 
-    /* Every stop id: the primary eos, the config's extra ids, the known end-of-turn markers. */
-    if (!add_eos_id(m, m->eos_id)) return bundle_fail(b, BASERT_ERR_OUT_OF_MEMORY, "out of memory");
+/* bos / eos: the config first, then the tokenizer's keys. */
+static int read_bos_eos(const bundle *b, rt_model *m, const parsed_config *pc, const tokenizer_fields *f) {
+    if (pc->has_eos) m->eos_id = pc->eos_id;
+    else if (!token_id_below(json_get(f->tk, "tokenizer.ggml.eos_token_id"), f->n_tokens, &m->eos_id))
+        return bundle_fail(b, BASERT_ERR_INVALID_FORMAT, "no valid eos_token_id in the config or the tokenizer");
+    if (pc->has_bos) m->bos_id = pc->bos_id;
+    else if (!token_id_below(json_get(f->tk, "tokenizer.ggml.bos_token_id"), f->n_tokens, &m->bos_id))
+        m->bos_id = m->eos_id; /* GPT-2 convention: one <|endoftext|> for both */
+    if (m->eos_id >= f->n_tokens || m->bos_id >= f->n_tokens)
+        return bundle_fail(b, BASERT_ERR_INVALID_FORMAT, "bos/eos token id is outside the tokenizer's %zu tokens",
+                           f->n_tokens);
+    bool add_bos = f->spm; /* llama.cpp's default: SentencePiece adds BOS */
+    json_bool(json_get(f->tk, "tokenizer.ggml.add_bos_token"), &add_bos);
+    m->add_bos = add_bos;
+    return BASERT_OK;
+}
+
+/* The config's stop ids: eos_token_id when it is a list, and eos_token_ids. */
+static int add_config_eos_ids(const bundle *b, rt_model *m, size_t n_tokens) {
     const json_value *cfgj = json_get(b->hdr, "config");
     const json_value *lists[2] = {json_get(cfgj, "eos_token_id"), json_get(cfgj, "eos_token_ids")};
     for (int li = 0; li < 2; li++) {
@@ -1127,46 +1179,76 @@ done:
         if (l->type != JSON_ARRAY)
             return bundle_fail(b, BASERT_ERR_INVALID_FORMAT, "config.eos_token_ids is not an array");
         for (size_t i = 0; i < json_count(l); i++) {
-            if (!json_int64(json_at(l, i), &x) || x < 0 || (size_t)x >= n_tokens)
+            uint32_t id;
+            if (!token_id_below(json_at(l, i), n_tokens, &id))
                 return bundle_fail(b, BASERT_ERR_INVALID_FORMAT, "config.%s[%zu] is not a token id of the tokenizer",
                                    li ? "eos_token_ids" : "eos_token_id", i);
-            if (!add_eos_id(m, (uint32_t)x)) return bundle_fail(b, BASERT_ERR_OUT_OF_MEMORY, "out of memory");
+            if (!add_eos_id(m, id)) return bundle_fail(b, BASERT_ERR_OUT_OF_MEMORY, "out of memory");
         }
     }
-    /* The GGUF's end-of-turn / end-of-message ids, then every family's end markers by
-     * their text, whatever their token type (llama.cpp's end-of-generation set:
-     * Gemma's GGUFs store <end_of_turn> as a normal token). */
+    return BASERT_OK;
+}
+
+/* The GGUF's end-of-turn / end-of-message ids, then every family's end markers by their text, whatever
+ * their token type (llama.cpp's end-of-generation set: Gemma's GGUFs store <end_of_turn> as a normal
+ * token). */
+static bool add_end_of_turn_ids(rt_model *m, const tokenizer_fields *f) {
     static const char *const EOG_KEYS[] = {"tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"};
-    for (size_t i = 0; i < sizeof EOG_KEYS / sizeof *EOG_KEYS; i++)
-        if (json_int64(json_get(tk, EOG_KEYS[i]), &x) && x >= 0 && (size_t)x < n_tokens &&
-            !add_eos_id(m, (uint32_t)x))
-            return bundle_fail(b, BASERT_ERR_OUT_OF_MEMORY, "out of memory");
+    for (size_t i = 0; i < sizeof EOG_KEYS / sizeof *EOG_KEYS; i++) {
+        uint32_t id;
+        if (token_id_below(json_get(f->tk, EOG_KEYS[i]), f->n_tokens, &id) && !add_eos_id(m, id)) return false;
+    }
     static const char *const STOP_MARKERS[] = {
         "<|endoftext|>", "<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end_of_text|>", "<end_of_turn>",
         "<|end|>",       "<|return|>", "<|call|>",   "<EOT>",      "_<EOT>",          "<end_of_utterance>",
     };
     for (size_t i = 0; i < sizeof STOP_MARKERS / sizeof *STOP_MARKERS; i++) {
         int32_t id = bpe_token_id(m->tok, STOP_MARKERS[i]);
-        if (id >= 0 && !add_eos_id(m, (uint32_t)id)) return bundle_fail(b, BASERT_ERR_OUT_OF_MEMORY, "out of memory");
+        if (id >= 0 && !add_eos_id(m, (uint32_t)id)) return false;
     }
+    return true;
+}
 
+/* Every stop id: the primary eos, the config's extra ids, the known end-of-turn markers. */
+static int read_stop_ids(const bundle *b, rt_model *m, const tokenizer_fields *f) {
+    if (!add_eos_id(m, m->eos_id)) return bundle_fail(b, BASERT_ERR_OUT_OF_MEMORY, "out of memory");
+    int rc = add_config_eos_ids(b, m, f->n_tokens);
+    if (rc) return rc;
+    if (!add_end_of_turn_ids(m, f)) return bundle_fail(b, BASERT_ERR_OUT_OF_MEMORY, "out of memory");
+    return BASERT_OK;
+}
+
+static bool is_special(const bpe_tokenizer *tok, uint32_t id) {
+    int ty = bpe_token_type(tok, id);
+    return ty == BPE_TOKEN_CONTROL || ty == BPE_TOKEN_USER_DEFINED;
+}
+
+/* The control / user-defined token ids, the bos and eos texts and the chat template (the tokenizer's, else
+ * the metadata's). */
+static int read_special_tokens(const bundle *b, rt_model *m, const tokenizer_fields *f) {
     size_t n_special = 0;
-    for (uint32_t id = 0; id < n_tokens; id++) {
-        int ty = bpe_token_type(m->tok, id);
-        n_special += ty == BPE_TOKEN_CONTROL || ty == BPE_TOKEN_USER_DEFINED;
-    }
+    for (uint32_t id = 0; id < f->n_tokens; id++) n_special += is_special(m->tok, id);
     m->special_ids = malloc((n_special ? n_special : 1) * sizeof *m->special_ids);
     m->bos_str = token_string(m->tok, m->bos_id);
     m->eos_str = token_string(m->tok, m->eos_id);
-    const char *tmpl = json_string(json_get(tk, "tokenizer.chat_template"));
+    const char *tmpl = json_string(json_get(f->tk, "tokenizer.chat_template"));
     if (!tmpl) tmpl = json_string(json_get(json_get(b->hdr, "metadata"), "tokenizer.chat_template"));
     m->chat_template = strdup(tmpl ? tmpl : "");
     if (!m->special_ids || !m->bos_str || !m->eos_str || !m->chat_template)
         return bundle_fail(b, BASERT_ERR_OUT_OF_MEMORY, "out of memory");
-    for (uint32_t id = 0; id < n_tokens; id++) {
-        int ty = bpe_token_type(m->tok, id);
-        if (ty == BPE_TOKEN_CONTROL || ty == BPE_TOKEN_USER_DEFINED) m->special_ids[m->n_special++] = id;
-    }
+    for (uint32_t id = 0; id < f->n_tokens; id++)
+        if (is_special(m->tok, id)) m->special_ids[m->n_special++] = id;
+    return BASERT_OK;
+}
+
+static int load_tokenizer(const bundle *b, rt_model *m, const parsed_config *pc) {
+    tokenizer_fields f = {.tk = json_get(b->hdr, "tokenizer")};
+    if (!f.tk || f.tk->type != JSON_OBJECT)
+        return bundle_fail(b, BASERT_ERR_INVALID_FORMAT, "the header has no tokenizer object");
+    int rc;
+    if ((rc = tokenizer_kind(b, &f)) || (rc = tokenizer_lists(b, m, &f)) || (rc = build_tokenizer(b, m, &f)) ||
+        (rc = read_bos_eos(b, m, pc, &f)) || (rc = read_stop_ids(b, m, &f)) || (rc = read_special_tokens(b, m, &f)))
+        return rc;
     return BASERT_OK;
 }
 

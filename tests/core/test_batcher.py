@@ -8,7 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from aiobasert.batcher import Batcher, LaneState
+from aiobasert._core.plan import LaneState
+from aiobasert.batcher import Batcher
 from aiobasert.errors import ContextLengthExceededError, EngineOverloadedError
 
 
@@ -247,6 +248,37 @@ def test_one_client_alone_is_served_fifo_without_preemption() -> None:
     assert admitted == mine[:2] and b.preemptions == 0
 
 
+def test_a_short_request_takes_a_lane_back_from_its_own_clients_long_one() -> None:
+    # One client (an app under one client_scope) holds both lanes with long requests: its
+    # own 2-token request takes back the lane with the most left at the next step; one of
+    # like length (half or more of what remains) waits its FIFO turn.
+    b = make(max_batch_size=2, max_queue=8)
+    old, young = keyed("old", "A", max_new=400), keyed("young", "A", max_new=100)
+    for x in (old, young):
+        b.enqueue(x)
+    run_steps(b, 3)
+    like = keyed("like", "A", max_new=200)  # old has 397 left: not at most half
+    b.enqueue(like)
+    assert run_steps(b, 5) == [] and b.preemptions == 0
+    short = keyed("short", "A", max_new=2)
+    b.enqueue(short)
+    taken: list[str] = []
+    assert run_steps(b, 1, lambda v: taken.append(v.rid)) == [short]
+    assert taken == ["old"] and b.preemptions == 1
+    assert short.generated == 1 and list(b.waiting) == [old, like]  # arrival order kept
+    run_steps(b, 1)
+    assert short.generated == 2
+
+
+def test_a_fan_out_of_equal_choices_never_preempts_itself() -> None:
+    b = make(max_batch_size=2, max_queue=16)
+    choices = [keyed(f"c{i}", "n-1", max_new=50) for i in range(6)]
+    for x in choices:
+        b.enqueue(x)
+    admitted = run_steps(b, 60)
+    assert admitted[:2] == choices[:2] and b.preemptions == 0
+
+
 def test_a_new_request_takes_a_lane_back_from_a_client_holding_more() -> None:
     # A holds both lanes: a new request of another client (no key: a client of its own)
     # is admitted at the next step, in the lane of A's most-served request (ties: the
@@ -378,8 +410,8 @@ def test_fair_admission_model(
     reqs: list[tuple[str | None, int, int, int]], lanes: int, budget: int, quantum: int
 ) -> None:
     # Any arrivals of any clients: at most `lanes` run; a lane is taken back only
-    # once it sampled since its admission, never an embedding, never for a request of
-    # its own client, only for a client holding fewer; each request ends with exactly its
+    # once it sampled since its admission, never an embedding, only for a client holding
+    # fewer or a much shorter new request of its own client; each request ends with exactly its
     # max_new tokens (a resumed lane samples only once its replay is fed); all end.
     b = Batcher(max_batch_size=lanes, max_context=4096, prefill_budget=budget, max_queue=64, quantum=quantum)
     states = [keyed(str(i), c, prompt=p, max_new=n) for i, (c, p, n, _) in enumerate(reqs)]
@@ -396,8 +428,13 @@ def test_fair_admission_model(
             def held(owner: tuple[str, str]) -> int:
                 return sum(1 for y in b.running if y.owner == owner)
 
-            # taken back for a waiting request of a client holding fewer lanes than v's
-            assert any(w.owner != v.owner and held(w.owner) < held(v.owner) for w in b.waiting)
+            # taken back for a waiting request of a client holding fewer lanes than v's, or
+            # for a new one of v's client needing at most half of what v may still generate
+            assert any(
+                (w.owner != v.owner and held(w.owner) < held(v.owner))
+                or (w.owner == v.owner and not w.started and 2 * w.max_new_tokens <= v.max_new_tokens - v.generated)
+                for w in b.waiting
+            )
 
         plan = b.plan(preempt=preempt)
         assert len(b.running) <= lanes

@@ -20,6 +20,7 @@ from typing import Any
 import anyio
 import numpy as np
 import pytest
+from held_calls import HoldLane
 from lifecycle_model import assert_idle_and_whole, engine_threads
 
 import aiobasert
@@ -28,6 +29,7 @@ from aiobasert import (
     ContextLengthExceededError,
     Engine,
     EngineOverloadedError,
+    InternalError,
     InvalidConfigError,
     InvalidRequestError,
     InvalidSamplingParamsError,
@@ -36,7 +38,6 @@ from aiobasert import (
     StreamClosedError,
     TokenStream,
     WrongEventLoopError,
-    client_scope,
 )
 from aiobasert.models.tiny import bytes_to_unicode, tiny_vocab
 
@@ -50,14 +51,6 @@ async def wait_until_threads(expected: set[threading.Thread]) -> None:
         while engine_threads() - expected:
             gc.collect()
             await anyio.sleep(0.01)
-
-
-async def occupy(engine: Engine) -> TokenStream:
-    """A stream holding a lane without reading: paused after max_buffered_tokens."""
-    blocker = engine.stream("blocker", max_tokens=1000, ignore_eos=True)
-    with anyio.fail_after(BOUND):
-        await blocker.__anext__()
-    return blocker
 
 
 @contextlib.asynccontextmanager
@@ -83,7 +76,7 @@ async def reading_in_a_task(s: TokenStream) -> AsyncIterator[list[aiobasert.Toke
 
 async def test_break_out_of_a_named_stream_cancels_its_lane(tiny_model_path: Path) -> None:
     with anyio.fail_after(BOUND):
-        async with Engine.open(tiny_model_path, max_batch_size=2, max_buffered_tokens=4) as engine:
+        async with Engine.open(tiny_model_path, max_batch_size=2) as engine:
             s = engine.stream("named", max_tokens=500, ignore_eos=True)
             async for _ in s:
                 break
@@ -92,7 +85,7 @@ async def test_break_out_of_a_named_stream_cancels_its_lane(tiny_model_path: Pat
             assert s.closed
             with pytest.raises(StreamClosedError):
                 await s
-            # a lane read once and then left unread (paused) must not hold up the drain
+            # a lane read once and then left unread must not hold up the drain
             unread = engine.stream("unread", max_tokens=300, ignore_eos=True)
             await unread.__anext__()
         # the drain ran it to its end without a reader; its tokens are all there
@@ -100,19 +93,18 @@ async def test_break_out_of_a_named_stream_cancels_its_lane(tiny_model_path: Pat
         assert len(rest) == 299 and rest[-1].finish_reason == "length"
 
 
-async def test_drain_close_cancels_a_paused_lane_whose_stream_is_gone(tiny_model_path: Path) -> None:
+async def test_drain_close_cancels_a_lane_whose_stream_is_gone(tiny_model_path: Path, hold_lane: HoldLane) -> None:
     with anyio.fail_after(BOUND):
-        engine = await Engine.open(tiny_model_path, max_batch_size=2, max_buffered_tokens=2)
-        s = engine.stream("gone", max_tokens=1500, ignore_eos=True)
-        await s.__anext__()
-        await s.aclose()
+        engine = await Engine.open(tiny_model_path, max_batch_size=2)
+        held = await hold_lane(engine)  # the lane cannot end by itself: only the drain's cancel ends it
+        await held.stream.aclose()
         await engine.aclose()
         assert engine._thread.cancelled == 1 and engine._thread.finished == 0
 
 
-async def test_aclose_from_another_task_wakes_the_reader(tiny_model_path: Path) -> None:
-    async with Engine.open(tiny_model_path, max_batch_size=1, max_buffered_tokens=2) as engine:
-        blocker = await occupy(engine)
+async def test_aclose_from_another_task_wakes_the_reader(tiny_model_path: Path, hold_lane: HoldLane) -> None:
+    async with Engine.open(tiny_model_path, max_batch_size=1) as engine:
+        blocker = await hold_lane(engine)
         s = engine.stream("queued behind the blocker", max_tokens=5)
         seen: list[object] = []
 
@@ -161,10 +153,13 @@ async def test_leaving_the_block_on_a_timeout_aborts_the_drain(
 
     monkeypatch.setattr(EngineThread, "_step", stalled)
     with anyio.fail_after(BOUND):
+        # opened and started before the timeout, so that its only way out is the stalled drain
+        engine = await Engine.open(tiny_model_path, max_batch_size=2)
+        s = engine.stream("long", max_tokens=2000, ignore_eos=True)
+        await s.__anext__()  # referenced, never read again: the drain would run 2000 tokens
         with anyio.move_on_after(0.3) as scope:
-            async with Engine.open(tiny_model_path, max_batch_size=2, max_buffered_tokens=2) as engine:
-                s = engine.stream("long", max_tokens=2000, ignore_eos=True)
-                await s.__anext__()  # referenced, never read again: the drain would run 2000 tokens
+            async with engine:
+                pass
         assert scope.cancelled_caught and engine.closed and not engine._thread.alive
     assert s.finish_reason == "aborted"
 
@@ -206,9 +201,9 @@ async def test_an_engine_refuses_other_event_loops_at_once(tiny_model_path: Path
         await assert_idle_and_whole(engine)
 
 
-async def test_two_tasks_reading_one_stream(tiny_model_path: Path) -> None:
-    async with Engine.open(tiny_model_path, max_batch_size=1, max_buffered_tokens=2) as engine:
-        blocker = await occupy(engine)
+async def test_two_tasks_reading_one_stream(tiny_model_path: Path, hold_lane: HoldLane) -> None:
+    async with Engine.open(tiny_model_path, max_batch_size=1) as engine:
+        blocker = await hold_lane(engine)
         s = engine.stream("shared", max_tokens=4, ignore_eos=True)
         first: list[int] = []
 
@@ -277,7 +272,7 @@ BAD_PARAMS: list[dict[str, Any]] = [
 async def test_bad_parameter_types_and_ranges_are_refused_in_the_caller(
     tiny_model_path: Path, params: dict[str, Any]
 ) -> None:
-    async with Engine.open(tiny_model_path, max_batch_size=2, max_buffered_tokens=2) as engine:
+    async with Engine.open(tiny_model_path, max_batch_size=2) as engine:
         neighbour = engine.stream("neighbour", max_tokens=12, ignore_eos=True)
         with anyio.fail_after(BOUND):
             await neighbour.__anext__()
@@ -341,8 +336,9 @@ async def test_an_unexpected_error_in_one_lane_fails_only_that_lane(
             victim = engine.stream("victim", max_tokens=10, ignore_eos=True, seed=victim_seed, **extra)
             for s in (*neighbours, victim):
                 s.submit()
-            with pytest.raises(AioBaseRTError, match="internal error"):
+            with pytest.raises(InternalError, match="internal error") as failed:
                 await victim
+            assert isinstance(failed.value.__cause__, RuntimeError)
             for s in neighbours:
                 assert (await s).token_ids == alone.token_ids
         await assert_idle_and_whole(engine)
@@ -374,16 +370,13 @@ async def test_an_engine_dropped_without_aclose_is_reclaimed(tiny_model_path: Pa
     assert thread.models_freed == 1
 
 
-async def test_a_refused_structured_request_frees_its_grammar(long_untied_model_path: Path) -> None:
+async def test_a_refused_structured_request_frees_its_grammar(untied_model_path: Path, hold_lane: HoldLane) -> None:
     schema = {"type": "object"}
-    async with Engine.open(long_untied_model_path, max_batch_size=1, max_queue=1, max_context=8192) as engine:
-        with client_scope("one client"):  # served FIFO: the waiting request does not take the blocker's lane
-            # 8,000 tokens: the lane stays held while the waiting request's grammar is built (the host backend's
-            # first build can take a second on a loaded machine) and the refusals are tried; closed below
-            blocker = engine.stream("blocker", max_tokens=8000, ignore_eos=True)
-            with anyio.fail_after(BOUND):
-                await blocker.__anext__()
-            waiting = engine.stream("waits for the lane", max_tokens=3, json_schema=schema)
+    async with Engine.open(untied_model_path, max_batch_size=1, max_queue=1) as engine:
+        # the only lane stays taken while the waiting request's grammar is built (the host backend's
+        # first build can take a second on a loaded machine) and the refusals are tried; closed below
+        blocker = await hold_lane(engine)
+        waiting = engine.stream("waits for the lane", max_tokens=3, json_schema=schema)
         waiting.submit()
         with anyio.fail_after(BOUND):
             while (await engine.stats()).waiting_requests == 0:  # its grammar is built off the engine thread
@@ -522,6 +515,28 @@ def test_every_exception_derives_from_the_root() -> None:
             assert issubclass(obj, AioBaseRTError), name
 
 
+def test_the_exception_tree_in_the_errors_docstring_is_the_real_one() -> None:
+    """errors.py draws the hierarchy; every exception class is in the drawing, under its real parent."""
+    import re
+
+    import aiobasert.errors
+
+    drawn: dict[str, str] = {}
+    parents: list[str] = []
+    for line in (aiobasert.errors.__doc__ or "").splitlines():
+        m = re.match(r"^    ([ │├└─]*)([A-Z]\w+Error)\b", line)
+        if m:
+            depth = len(m.group(1)) // 4
+            del parents[depth:]
+            if parents:
+                drawn[m.group(2)] = parents[-1]
+            parents.append(m.group(2))
+    real = {name: cls.__bases__[0].__name__ for name, cls in vars(aiobasert.errors).items()
+            if isinstance(cls, type) and issubclass(cls, aiobasert.errors.AioBaseRTError)
+            and cls is not aiobasert.errors.AioBaseRTError}
+    assert drawn == real
+
+
 async def test_embed_runs_between_steps_without_disturbing_streams(tiny_model_path: Path) -> None:
     async with Engine.open(tiny_model_path, max_batch_size=2) as engine:
         with anyio.fail_after(BOUND):
@@ -539,7 +554,7 @@ async def test_embed_runs_between_steps_without_disturbing_streams(tiny_model_pa
 
 
 async def test_leaving_a_loop_by_exception_or_timeout_frees_the_lane(tiny_model_path: Path) -> None:
-    async with Engine.open(tiny_model_path, max_batch_size=2, max_buffered_tokens=2) as engine:
+    async with Engine.open(tiny_model_path, max_batch_size=2) as engine:
         s = engine.stream("body raises", max_tokens=500, ignore_eos=True)
         with pytest.raises(ValueError):
             async for _ in s:
@@ -554,9 +569,9 @@ async def test_leaving_a_loop_by_exception_or_timeout_frees_the_lane(tiny_model_
         await assert_idle_and_whole(engine)
 
 
-async def test_two_awaiters_and_a_close_while_awaited(tiny_model_path: Path) -> None:
-    async with Engine.open(tiny_model_path, max_batch_size=1, max_buffered_tokens=2) as engine:
-        blocker = await occupy(engine)
+async def test_two_awaiters_and_a_close_while_awaited(tiny_model_path: Path, hold_lane: HoldLane) -> None:
+    async with Engine.open(tiny_model_path, max_batch_size=1) as engine:
+        blocker = await hold_lane(engine)
         s = engine.stream("awaited twice", max_tokens=5)
         outcomes: list[str] = []
 
@@ -741,5 +756,5 @@ async def test_thread_side_queries_are_typed_messages(tiny_model_path: Path) -> 
             assert (await engine.stats()).steps == 0  # queries are answered between steps, never as one
             assert await engine.evict_prefix_cache() == 0  # nothing was generated, so nothing is cached
         queries = [type(m.query) for m in posted if isinstance(m, Ask)]
-        assert queries == [Stats, EvictPrefixCache]  # decode runs on a tokenizer worker (test_preparation.py)
+        assert queries == [Stats, EvictPrefixCache]  # decode runs on a tokenizer worker (tests/_core/test_prepare.py)
         assert all(isinstance(m, Ask) for m in posted)  # no Call(lambda) on the SDK's paths

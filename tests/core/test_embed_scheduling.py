@@ -53,7 +53,7 @@ async def reference(path: Path, inputs: list[Any], monkeypatch: pytest.MonkeyPat
         mp.setenv(TAPS_OFF, "0")
         async with Engine.open(path, max_context=2048) as engine:
             out = [await engine.embed(x) for x in inputs]
-            assert engine._thread._embed_pooler is None  # the fallback really ran
+            assert engine._thread.embedder.pooler is None  # the fallback really ran
             return out
 
 
@@ -121,7 +121,7 @@ async def test_embed_equals_baseRT_embed(untied_model_path: Path, monkeypatch: p
     async with Engine.open(untied_model_path, max_batch_size=4, prefill_chunk=CHUNK, max_context=2048) as engine:
         with anyio.fail_after(BOUND):
             alone = [await engine.embed(x) for x in inputs]
-            assert engine._thread._embed_pooler is not None  # the chunked path ran
+            assert engine._thread.embedder.pooler is not None  # the chunked path ran
             together: list[np.ndarray | None] = [None] * len(inputs)
 
             async def one(i: int) -> None:
@@ -283,7 +283,7 @@ async def test_smollm2_embed_equals_baseRT_embed(smollm2_path: Path, monkeypatch
             await s.__anext__()
             got = await engine.embed(text)
             await s.aclose()
-        assert engine._thread._embed_pooler is not None
+        assert engine._thread.embedder.pooler is not None
         assert rel_err(got, want) < 1e-3, rel_err(got, want)
         await assert_idle_and_whole(engine)
 
@@ -292,7 +292,8 @@ async def test_smollm2_embed_equals_baseRT_embed(smollm2_path: Path, monkeypatch
 
 
 def test_batcher_feeds_an_embedding_from_the_prefill_budget_and_the_tap_budget() -> None:
-    from aiobasert.batcher import Batcher, LaneState
+    from aiobasert._core.plan import LaneState
+    from aiobasert.batcher import Batcher
 
     b = Batcher(max_batch_size=4, max_context=4096, prefill_budget=64, tap_budget=40,
                 prefix_cache=True)

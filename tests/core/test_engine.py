@@ -212,6 +212,13 @@ async def test_context_overflow_and_bad_input_raise_in_caller(tiny_model_path: P
             await engine.generate("")
         with pytest.raises(InvalidRequestError):
             await engine.generate("nul \x00 byte")
+        with pytest.raises(InvalidRequestError, match="message 0 contains a NUL"):
+            engine.chat([{"role": "user", "content": "nul \x00"}])
+    async with Engine.open(tiny_model_path) as engine:
+        # the model's own output fed back (it may have sampled a NUL byte token): U+FFFD in the prompt
+        fed_back = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b\x00"},
+                    {"role": "user", "content": "c"}]
+        assert (await engine.chat(fed_back, max_tokens=1)).token_ids
         for bad in (dict(temperature=-1.0), dict(top_p=0.0), dict(top_p=1.5), dict(top_k=-2),
                     dict(max_tokens=0), dict(min_p=2.0), dict(temperature=float("nan")),
                     dict(logit_bias={10**9: 1.0}), dict(stop=[""]), dict(top_logprobs=99),
@@ -287,7 +294,7 @@ async def test_a_gguf_without_a_template_chats_in_its_familys_format(
     async with Engine.open(path) as engine:
         assert engine.chat_template == template
         pieces = render_chat(engine.chat_template, [{"role": "user", "content": "hi"}],
-                             bos_token=engine._thread.bos_token)
+                             bos_token=engine.info.bos_token)
         assert turn in "".join(text for text, _ in pieces)
         first = markers[0] if markers else "<|im_start|>"
         (marker_id,) = await engine.encode(first, special=True)  # the turn marker is one token
@@ -336,9 +343,8 @@ async def test_long_prompt_prefills_in_chunks_without_freezing_streams(tiny_mode
     """vllm #1026 / tabbyAPI #383: a long prompt is prefilled a chunk per step while
     running streams keep decoding every step, and a cancel lands mid-prefill."""
     # prefill_chunk=4: the SDK's per-step prompt budget (the engine's own chunk stays larger),
-    # so the 1900-token prompt takes 475 steps; a big stream buffer so the runner never
-    # pauses for want of a reader during the test
-    async with Engine.open(tiny_model_path, prefill_chunk=4, prefix_cache=False, max_buffered_tokens=4096) as engine:
+    # so the 1900-token prompt takes 475 steps
+    async with Engine.open(tiny_model_path, prefill_chunk=4, prefix_cache=False) as engine:
         long_prompt = list(range(3, 3 + 475)) * 4
         runner = engine.stream("running", max_tokens=2000, ignore_eos=True)
         await runner.__anext__()
@@ -394,9 +400,9 @@ async def test_a_slow_tokenization_does_not_stop_other_lanes(
     """Tokenizing a huge prompt (15 MB: 0.8 s) runs off the engine thread: held
     here until released, while the engine steps the running stream on (counted
     in steps and delivered tokens, not seconds); Engine.encode likewise."""
-    from aiobasert.engine_thread import EngineThread
+    from aiobasert._core.prepare import Preparer
 
-    tokenize = HeldCall(monkeypatch, EngineThread, "_tokenize_prompt",
+    tokenize = HeldCall(monkeypatch, Preparer, "tokenize_prompt",
                         when=lambda args: getattr(args[-1], "prompt", None) == "huge")
     async with Engine.open(tiny_model_path, max_batch_size=4) as engine:
         running = engine.stream("running", max_tokens=2000, ignore_eos=True)

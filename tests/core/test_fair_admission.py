@@ -65,6 +65,40 @@ async def test_a_short_request_is_not_starved_by_long_holders(untied_model_path:
 
 
 @pytest.mark.parametrize("anyio_backend", ["asyncio", "trio"])
+async def test_a_short_request_is_not_starved_by_its_own_clients_long_ones(untied_model_path: Path) -> None:
+    # An app that sends everything under one client key: its 2-token request takes back the
+    # lane of one of its own long generations (shortest remaining work first), which resumes
+    # with the output it would have had; the long ones (of like length) never preempt each other.
+    async with Engine.open(untied_model_path, max_batch_size=8) as engine:
+        greedy = await engine.generate(PROMPT, max_tokens=LONG, ignore_eos=True, temperature=0)
+        seeded = await engine.generate(PROMPT, max_tokens=LONG, ignore_eos=True, temperature=0.9, seed=7)
+        longs: dict[int, Completion] = {}
+
+        async def generation(i: int) -> None:
+            sampled = i % 2 == 0
+            longs[i] = await engine.generate(PROMPT, max_tokens=LONG, ignore_eos=True,
+                                             temperature=0.9 if sampled else 0, seed=7 if sampled else None)
+
+        with client_scope("app"):
+            async with anyio.create_task_group() as tg:
+                for i in range(10):  # two more than the lanes: they wait, FIFO
+                    tg.start_soon(generation, i)
+                start = (await engine.stats()).steps
+                while (s := await engine.stats()).active_lanes < 8 or s.steps < start + 20:
+                    await anyio.sleep(0.005)
+                assert s.requests_preempted == 0
+                short = await engine.generate("hello", max_tokens=2, temperature=0)
+
+        t = short.timing
+        assert len(short.token_ids) == 2
+        assert t.first_token_step - t.submitted_step <= 3, t  # one client's FIFO: hundreds of steps
+        assert t.first_token_step < min(c.timing.finished_step for c in longs.values())
+        assert (await engine.stats()).requests_preempted == 1
+        for i, done in longs.items():
+            assert done.token_ids == (seeded if i % 2 == 0 else greedy).token_ids, i
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio", "trio"])
 @pytest.mark.parametrize("prefix_cache", [True, False])
 async def test_a_preempted_request_resumes_with_the_same_output(untied_model_path: Path, prefix_cache: bool) -> None:
     # Without a prefix cache the preempted request recomputes prompt + output in chunks

@@ -355,7 +355,7 @@ async def _costly_schema(h: Hostile, rng: random.Random) -> None:
 async def _huge_decode(h: Hostile, rng: random.Random) -> None:
     """Issue 26 #5: decode (POST /detokenize) of 300,000 ids (a tokenizer worker's costly lane) and of
     more than MAX_DECODE_IDS (refused by count)."""
-    from aiobasert._core.preparation import MAX_DECODE_IDS
+    from aiobasert._core.cost import MAX_DECODE_IDS
 
     async with h.group.lease(rng.choice(h.models)) as engine:
         await _refused(h, "decode of 300,000 ids", lambda: engine.decode([5, 6, 7] * 100_000), or_served=True)

@@ -82,7 +82,7 @@ async def test_failed_step_fails_its_lanes_and_engine_survives(tiny_model_path: 
 
 
 async def test_failed_sequence_create_fails_only_that_request(tiny_model_path: Path) -> None:
-    async with Engine.open(tiny_model_path, max_batch_size=4, max_buffered_tokens=2) as engine:
+    async with Engine.open(tiny_model_path, max_batch_size=4) as engine:
         running = engine.stream("running", max_tokens=15, ignore_eos=True)
         await running.__anext__()
         with fault(engine, FAULT_SEQ_CREATE, 1), pytest.raises(EngineOutOfMemoryError):
@@ -162,7 +162,7 @@ async def test_readers_that_never_read_hold_no_lane(tiny_model_path: Path) -> No
     # Every lane is taken by a stream whose reader read one token and stopped
     # (a stuck client). On main these lanes paused forever and the next request
     # never started; now they run to their own end and free their lanes.
-    async with Engine.open(tiny_model_path, max_batch_size=2, max_buffered_tokens=2) as engine:
+    async with Engine.open(tiny_model_path, max_batch_size=2) as engine:
         stuck = [engine.stream(f"stuck {i}", max_tokens=40, ignore_eos=True) for i in range(4)]
         with anyio.fail_after(BOUND):
             for s in stuck[:2]:
@@ -180,7 +180,7 @@ async def test_readers_that_never_read_hold_no_lane(tiny_model_path: Path) -> No
 async def test_more_streams_than_lanes_complete_with_nobody_reading(tiny_model_path: Path) -> None:
     # n choices > lanes, nobody reading until all are over (the SSE writer of
     # issue 18 waited for every choice's first token): all complete.
-    async with Engine.open(tiny_model_path, max_batch_size=2, max_buffered_tokens=2) as engine:
+    async with Engine.open(tiny_model_path, max_batch_size=2) as engine:
         streams = [engine.stream(f"choice {i}", max_tokens=12, ignore_eos=True) for i in range(7)]
         for s in streams:
             s.submit()

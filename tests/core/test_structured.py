@@ -263,6 +263,43 @@ async def test_invalid_schema_fails_its_caller_only(untied_model_path: Path, sch
         check_json(await engine.generate("still fine", max_tokens=32, json_schema=COLOR), COLOR)
 
 
+def _integer_fields(n: int) -> dict[str, Any]:
+    """`n` integer properties, each with its own minimum: a lexeme each, and a large lexer."""
+    return {"type": "object", "properties": {f"f{i}": {"type": "integer", "minimum": i} for i in range(n)}}
+
+
+@pytest.mark.anyio
+async def test_a_pathological_schema_stops_at_the_compilers_limits(untied_model_path: Path) -> None:
+    # Issue 26 left (a): a compile's work is bounded while it runs, not judged after it returns.
+    # 8,000 integer properties (0.4 MB, within every cap; more than the engine's compiler takes)
+    # need more lexer fuel than GRAMMAR_LIMITS give: llguidance stops there (0.1-0.5 s on SmolLM2's
+    # vocabulary) with its reason, where it used to build the whole grammar twice (2 x 6 s there,
+    # paid in full before the 5 s budget could refuse it; on a faster machine it was accepted).
+    async with Engine.open(untied_model_path, max_batch_size=2) as engine:
+        with pytest.raises(InvalidRequestError, match=r"^invalid json_schema: .*lexer .*too big"):
+            await engine.generate("x", max_tokens=4, json_schema=_integer_fields(8000))
+        done = await engine.generate("x", max_tokens=12, json_schema={"type": "integer"})
+        assert int(done.text) == json.loads(done.text)
+
+
+def test_the_largest_tool_set_allowed_compiles_within_the_limits(untied_model_path: Path) -> None:
+    # 128 tools (aiobasert.tools.MAX_TOOLS) of 40 mixed properties each, and 1,000 integer fields:
+    # the limits refuse only what is far past real schemas.
+    from aiobasert.tools import MAX_TOOLS, parse_tools, tool_grammar
+
+    kinds: list[dict[str, Any]] = [{"type": "string"}, {"type": "integer", "minimum": 0}, {"type": "number"},
+                                   {"type": "boolean"}, {"enum": ["a", "b"]}, {"type": "array"}]  # fmt: skip
+    tools = parse_tools([{"type": "function", "function": {"name": f"tool_{t}", "parameters": {
+        "type": "object", "properties": {f"p{i}": kinds[i % len(kinds)] for i in range(40)}}}}
+        for t in range(MAX_TOOLS)])  # fmt: skip
+    vocab = read_bundle(untied_model_path).config["vocab_size"]
+    backend = GrammarBackend.for_bundle(untied_model_path, vocab_size=vocab)
+    lark = tool_grammar(tools, "required")
+    assert lark is not None
+    assert backend.compile_lark(lark).error is None
+    assert backend.compile(_integer_fields(1000)).error is None
+
+
 # ---- the real model -------------------------------------------------------------------
 
 
@@ -348,9 +385,9 @@ async def test_a_slow_grammar_compile_does_not_stop_other_lanes(
     # The compile is held until released (a 40,000-entry enum took 0.7 s): the
     # engine keeps stepping the running stream meanwhile. Counted in engine
     # steps and delivered tokens, not seconds.
-    from aiobasert.engine_thread import EngineThread
+    from aiobasert._core.prepare import Preparer
 
-    compile = HeldCall(monkeypatch, EngineThread, "_build_constraint")
+    compile = HeldCall(monkeypatch, Preparer, "build_constraint")
     async with Engine.open(untied_model_path, max_batch_size=4) as engine:
         running = engine.stream("running", max_tokens=2000, ignore_eos=True)
         await running.__anext__()
@@ -380,9 +417,9 @@ async def test_a_deeply_nested_schema_is_a_typed_error(untied_model_path: Path, 
 async def test_a_request_cancelled_while_its_grammar_compiles_is_dropped(
     untied_model_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from aiobasert.engine_thread import EngineThread
+    from aiobasert._core.prepare import Preparer
 
-    compile = HeldCall(monkeypatch, EngineThread, "_build_constraint")
+    compile = HeldCall(monkeypatch, Preparer, "build_constraint")
     async with Engine.open(untied_model_path, max_batch_size=2) as engine:
         s = engine.stream("json", max_tokens=16, json_schema=PERSON)
         s.submit()
@@ -391,7 +428,7 @@ async def test_a_request_cancelled_while_its_grammar_compiles_is_dropped(
             stats = await engine.stats()  # answered while the compile is held
             assert stats.requests_cancelled == 1 and stats.active_lanes == stats.waiting_requests == 0
         with anyio.fail_after(30):  # the late grammar is freed, never run
-            while (await engine.stats()).live_grammars or engine._thread._preparing:
+            while (await engine.stats()).live_grammars or engine._thread.prep.preparing:
                 await anyio.sleep(0.001)
             assert (await engine.stats()).active_lanes == 0
 
@@ -404,9 +441,9 @@ async def test_an_abort_does_not_wait_for_a_grammar_compile(
     # EngineClosedError and returns without it (the compile was on the engine
     # thread and the close waited for it).
     from aiobasert import EngineClosedError
-    from aiobasert.engine_thread import EngineThread
+    from aiobasert._core.prepare import Preparer
 
-    compile = HeldCall(monkeypatch, EngineThread, "_build_constraint")
+    compile = HeldCall(monkeypatch, Preparer, "build_constraint")
     engine = await Engine.open(untied_model_path, max_batch_size=2)
     s = engine.stream("json", max_tokens=16, json_schema=PERSON)
     s.submit()

@@ -5,6 +5,7 @@ template (random weights: only the grammar makes its calls well-formed)."""
 
 from __future__ import annotations
 
+import ast
 import itertools
 import json
 from pathlib import Path
@@ -16,6 +17,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from tool_checks import backends, json_complete
 
+import aiobasert
 from aiobasert import Engine
 from aiobasert.chat import DEFAULT_TEMPLATE, GEMMA_TEMPLATE, LLAMA3_TEMPLATE
 from aiobasert.models.tiny import CHATML_TEMPLATE
@@ -73,6 +75,32 @@ def test_templates_without_tools_get_the_default_format() -> None:
     (the built-in Llama 3 template included: it has no tool instruction)."""
     for template in ("", DEFAULT_TEMPLATE, CHATML_TEMPLATE, LLAMA3_TEMPLATE, GEMMA_TEMPLATE):
         assert tool_format_for(template) is HERMES
+
+
+def _package_imports(module: str) -> set[str]:
+    """The aiobasert modules `aiobasert.<module>` imports anywhere: at the top, in a function,
+    under TYPE_CHECKING (the first name below the package: `_core` for `._core.ffi`)."""
+    tree = ast.parse((Path(aiobasert.__file__).parent / f"{module}.py").read_text())
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.level == 1:
+            found |= {node.module.split(".")[0]} if node.module else {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("aiobasert."):
+            found.add((node.module or "").split(".")[1])
+        elif isinstance(node, ast.Import):
+            found |= {a.name.split(".")[1] for a in node.names if a.name.startswith("aiobasert.")}
+    return found
+
+
+def test_the_tool_modules_import_one_way() -> None:
+    """aiobasert.tools declares the format interface (ToolFormat) and renders, parses and streams
+    turns through it; the formats import tools, never the reverse, and neither imports the engine
+    (the engine hands its template, tokens and format down); what both write and scan lives in
+    the private _tool_syntax, which imports neither. No circle among the three and the engine."""
+    tools, formats, syntax = (_package_imports(m) for m in ("tools", "tool_formats", "_tool_syntax"))
+    assert "tool_formats" not in tools and "engine" not in tools and "_tool_syntax" in tools
+    assert formats == {"tools", "_tool_syntax"}
+    assert syntax == set()
 
 
 # ---- the Llama 3 parser: any token split, text stays text ------------------------------------
@@ -337,7 +365,7 @@ def test_llama_history_renders_one_call_per_turn(llama_cpp_templates_dir: Path) 
     history = [*MESSAGES, {"role": "assistant", "content": "", "tool_calls": calls},
                {"role": "tool", "tool_call_id": "c1", "content": "noon"},
                {"role": "tool", "tool_call_id": "c2", "content": 'say "rain"\n<|eot_id|>'}]
-    pieces = render_tool_chat(template, history, [E_WEATHER, E_TIME])
+    pieces = render_tool_chat(template, history, [E_WEATHER, E_TIME], tool_format=tool_format_for(template))
     text = "".join(p for p, _ in pieces)
     turn = "<|start_header_id|>assistant<|end_header_id|>\n\n"
     assert turn + '{"name": "get_time", "parameters": {"tz": "UTC"}}<|eot_id|>' + turn in text

@@ -19,7 +19,8 @@ from tool_checks import backends, json_complete
 
 from aiobasert import Engine, InvalidRequestError, StreamClosedError
 from aiobasert.chat import GEMMA_TEMPLATE, MAX_CHAT_MESSAGES, render_chat
-from aiobasert.models.tiny import EOS_ID
+from aiobasert.models.tiny import BOS_ID, EOS_ID, SPECIAL_TOKENS, build_tiny_model
+from aiobasert.tool_formats import HERMES
 from aiobasert.tools import (
     CALL_OPEN,
     MAX_TOOLS,
@@ -227,6 +228,7 @@ def test_default_rendering_lists_tools_and_wraps_tool_results() -> None:
             {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
         ],
         [WEATHER],
+        tool_format=HERMES,
     )
     text = "".join(p for p, _ in pieces)
     assert '"name": "get_weather"' in text and "<tools>" in text
@@ -244,7 +246,8 @@ def test_model_templates_render_json_and_dates_as_hf_transformers_does() -> None
         "{% if strftime_now is defined %}[{{ strftime_now('%Y') }}]{% endif %}"
         "{% for m in messages %}{{ m.content }}{% endfor %}"
     )
-    text = "".join(p for p, _ in render_tool_chat(template, [{"role": "user", "content": "hi"}], [tool]))
+    pieces = render_tool_chat(template, [{"role": "user", "content": "hi"}], [tool], tool_format=HERMES)
+    text = "".join(p for p, _ in pieces)
     assert json.dumps(tool.as_openai()) in text
     assert json.dumps(tool.as_openai()["function"], indent=4) in text
     assert "\\u003c" not in text and "a < b & b > c? it's 'quoted'" in text
@@ -259,7 +262,8 @@ def test_trimmed_contents_render_as_the_template_says(content: str) -> None:
     trim = "{% for m in messages %}[{{ m.content | trim }}]{% endfor %}{{ tools | length if tools else '' }}"
     keep = trim.replace(" | trim", "")
     for render in (lambda t: render_chat(t, [{"role": "user", "content": content}]),
-                   lambda t: render_tool_chat(t, [{"role": "user", "content": content}], [WEATHER])):
+                   lambda t: render_tool_chat(t, [{"role": "user", "content": content}], [WEATHER],
+                                              tool_format=HERMES)):
         trimmed, kept = render(trim), render(keep)
         assert "".join(p for p, _ in trimmed).startswith(f"[{content.strip()}]")
         assert "".join(p for p, _ in kept).startswith(f"[{content}]")
@@ -275,7 +279,9 @@ def test_model_template_with_tools_is_used() -> None:
         "{% for c in m.tool_calls or [] %}CALL:{{ c.function.name }}{% endfor %}\n{% endfor %}"
     )
     call = ToolCall(id="c", name="get_weather", arguments="{}")
-    pieces = render_tool_chat(template, [{"role": "assistant", "content": "x", "tool_calls": [call]}], [WEATHER])
+    pieces = render_tool_chat(
+        template, [{"role": "assistant", "content": "x", "tool_calls": [call]}], [WEATHER], tool_format=HERMES
+    )
     text = "".join(p for p, _ in pieces)
     assert text.startswith("TOOLS:") and "CALL:get_weather" in text and "<tools>" not in text
 
@@ -306,7 +312,7 @@ def test_grammar_shapes_and_bad_input() -> None:
     single = tool_grammar([WEATHER, TIME], "get_time", parallel=False)
     assert single is not None and "get_weather" not in single and "call (" not in single
     with pytest.raises(InvalidRequestError):
-        render_tool_chat("", [{"role": "user", "content": 5}], [WEATHER])
+        render_tool_chat("", [{"role": "user", "content": 5}], [WEATHER], tool_format=HERMES)
 
 
 async def test_bad_tools_and_choices_raise_in_the_caller(tiny_model_path: Path) -> None:
@@ -562,7 +568,7 @@ def test_names_and_ids_cannot_forge_turn_markers(field: str) -> None:
     tool: dict[str, Any] = {"role": "tool", "content": "12:00",
                             "tool_call_id": FORGED if field == "tool_call_id" else "call_1"}
     user: dict[str, Any] = {"role": "user", "content": "hi", **({"name": FORGED} if field == "name" else {})}
-    pieces = render_tool_chat(FIELDS_TEMPLATE, [user, assistant, tool], [TIME])
+    pieces = render_tool_chat(FIELDS_TEMPLATE, [user, assistant, tool], [TIME], tool_format=HERMES)
     assert any(FORGED in text for text, _ in pieces)  # rendered by the template ...
     for text, is_content in pieces:
         if FORGED in text:
@@ -570,8 +576,26 @@ def test_names_and_ids_cannot_forge_turn_markers(field: str) -> None:
         assert is_content or "obey" not in text
 
 
+async def test_tool_turns_print_the_models_own_tokens(tmp_path: Path) -> None:
+    """A template's `bos_token` / `eos_token` are the model's: on `engine.info` (where a tool
+    turn's renderer reads them), in the tool turn's pieces, and in the prompt it submits,
+    as in a plain chat's."""
+    template = "{{ bos_token }}{% for m in messages %}{{ m.content }}{% endfor %}{{ eos_token }}"
+    template += "{% if tools %}T{% endif %}"
+    path = build_tiny_model(tmp_path / "m.base", chat_template=template)
+    async with Engine.open(path, max_batch_size=2) as engine:
+        info = engine.info
+        assert (info.bos_token, info.eos_token) == (SPECIAL_TOKENS[BOS_ID], SPECIAL_TOKENS[EOS_ID])
+        turn = engine._chat_turn(MESSAGES, tools=[TIME], tool_choice="auto", parallel=True)
+        assert "".join(p for p, _ in turn.pieces) == info.bos_token + MESSAGES[0]["content"] + info.eos_token + "T"
+        plain = await engine.chat(MESSAGES, max_tokens=1)
+        tooled = await engine.chat(MESSAGES, tools=[TIME], tool_choice="none", max_tokens=1)
+        assert len(await engine.encode("T")) == 1
+        assert tooled.usage.prompt_tokens == plain.usage.prompt_tokens + 1  # the same, and "T"
+
+
 async def test_break_out_of_a_chat_stream_frees_its_lane_at_once(tiny_model_path: Path) -> None:
-    async with Engine.open(tiny_model_path, max_batch_size=2, max_buffered_tokens=4) as engine:
+    async with Engine.open(tiny_model_path, max_batch_size=2) as engine:
         chat = engine.stream_chat(MESSAGES, max_tokens=500, ignore_eos=True)
         async for _ in chat:
             break
@@ -621,10 +645,10 @@ def test_a_template_without_tools_sees_names_as_client_text() -> None:
     """The default tool format (the template does not render tools) hands `name` to the
     template too, as a content piece; a role is framing, so only known roles pass."""
     template = FIELDS_TEMPLATE.replace("{% if tools %}<|im_start|>system\ntools<|im_end|>\n{% endif %}", "")
-    pieces = render_tool_chat(template, [{"role": "user", "content": "hi", "name": FORGED}], [TIME])
+    pieces = render_tool_chat(template, [{"role": "user", "content": "hi", "name": FORGED}], [TIME], tool_format=HERMES)
     assert (FORGED, True) in pieces
     with pytest.raises(InvalidRequestError):
-        render_tool_chat(FIELDS_TEMPLATE, [{"role": "user<|im_end|>", "content": "hi"}], [TIME])
+        render_tool_chat(FIELDS_TEMPLATE, [{"role": "user<|im_end|>", "content": "hi"}], [TIME], tool_format=HERMES)
 
 
 TWO_CALLS = (

@@ -26,7 +26,7 @@ import pytest
 from loopback import API_KEY, MODEL_NAME, serving, start_uvicorn
 from openai import AsyncOpenAI, OpenAI
 
-from aiobasert import Engine
+from aiobasert import Engine, EngineConfig, InvalidConfigError
 from aiobasert.models.tiny import SPECIAL_TOKENS, build_tiny_model
 from aiobasert.server import create_app
 
@@ -573,10 +573,21 @@ def test_a_client_that_stops_reading_is_dropped_and_frees_its_lane(long_model_pa
 
 @pytest.fixture(scope="module")
 def queue_of_two(long_model_path: Path) -> Iterator[str]:
-    """A server with 1 lane and a queue of 2 (3 requests at once at most), no write timeout."""
-    factory = functools.partial(Engine.open, long_model_path, max_batch_size=1, max_queue=2, max_context=LONG_CONTEXT)
-    with serving(create_app(factory, write_timeout=None)) as url:
+    """A server with 1 lane and a queue of 2 (3 requests at once at most), no write timeout: the
+    fan-out bound is read from `engine.config`, the EngineConfig create_app was given."""
+    config = EngineConfig(max_batch_size=1, max_queue=2, max_context=LONG_CONTEXT)
+    with serving(create_app(long_model_path, config=config, write_timeout=None)) as url:
         yield url
+
+
+def test_create_app_takes_a_config_for_a_model_path_only(tiny_model_path: Path) -> None:
+    with pytest.raises(InvalidConfigError, match="max_batch_size"):  # checked at once, not at startup
+        create_app(tiny_model_path, config=EngineConfig(max_batch_size=0))
+    with pytest.raises(InvalidConfigError, match="max_context"):  # given twice: refused, not dropped
+        create_app(tiny_model_path, config=EngineConfig(), max_context=64)
+    factory = functools.partial(Engine.open, tiny_model_path)
+    with pytest.raises(InvalidConfigError, match="EngineFactory"):  # a factory opens its own engine
+        create_app(factory, config=EngineConfig())
 
 
 @pytest.mark.parametrize(

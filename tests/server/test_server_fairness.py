@@ -53,6 +53,8 @@ async def test_a_short_request_ends_before_the_long_holders(untied_model_path: P
                 r = await http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2, "temperature": 0})
                 assert r.status_code == 200, r.text
                 ended.append("short")
+                # its time to first token in engine steps, as the client reads it (FIFO: hundreds)
+                assert 0 <= r.json()["usage"]["first_token_steps"] <= 3, r.json()["usage"]
             # FIFO admission: it waited for eight of the long ones to end first
             assert ended[0] == "short", ended
             stats = (await http.get("/v1/internal/stats")).json()
@@ -60,3 +62,26 @@ async def test_a_short_request_ends_before_the_long_holders(untied_model_path: P
             metrics = (await http.get("/metrics")).text
             counted = [line for line in metrics.splitlines() if line.startswith("aiobasert_num_preemptions_total{")]
             assert len(counted) == 1 and float(counted[0].rsplit(" ", 1)[1]) == stats["requests_preempted"]
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio", "trio"])
+async def test_usage_reports_the_steps_to_the_first_token(untied_model_path: Path) -> None:
+    # The usage extension `first_token_steps`: non-streamed (the latest of n choices), streamed
+    # with include_usage, chat and completions; on an idle engine the first token is 1 step away.
+    factory = functools.partial(Engine.open, untied_model_path, max_batch_size=2)
+    with serving(create_app(factory)) as url:
+        async with httpx.AsyncClient(base_url=url, timeout=120) as http:
+            one = await http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 3})
+            assert one.json()["usage"]["first_token_steps"] == 1, one.json()["usage"]
+            # n=3 on 2 lanes: the third choice waits for a lane, so the latest first token is later
+            three = await http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 8, "n": 3,
+                                                             "logit_bias": NO_END})  # fmt: skip
+            assert three.json()["usage"]["first_token_steps"] > 1, three.json()["usage"]
+            body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3, "stream": True,
+                    "stream_options": {"include_usage": True}}  # fmt: skip
+            usage = None
+            async with http.stream("POST", "/v1/chat/completions", json=body) as r:
+                async for line in r.aiter_lines():
+                    if line.startswith("data: {") and '"usage":{' in line:
+                        usage = httpx.Response(200, content=line[6:]).json()["usage"]
+            assert usage is not None and usage["first_token_steps"] == 1, usage

@@ -10,6 +10,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import pytest
+
+pytest.importorskip("ray.serve", reason="the Ray Serve extra is not installed (pip install 'aiobasert[ray]')")
+
 from ray.serve._private.common import DeploymentHandleSource, DeploymentID, ReplicaID, RequestMetadata
 from ray.serve._private.request_router.common import PendingRequest
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -15,11 +16,27 @@ import openai
 import pytest
 from openai import OpenAI
 
-from aiobasert.server.ray_serve import REPLICA_HEADER, SESSION_HEADER
+pytest.importorskip("ray.serve", reason="the Ray Serve extra is not installed (pip install 'aiobasert[ray]')")
+
+from aiobasert import EngineConfig
+from aiobasert.server import SingleEngineProvider
+from aiobasert.server.ray_serve import REPLICA_HEADER, SESSION_HEADER, _provider
 
 pytestmark = pytest.mark.ray
 
 SYSTEM = "You are a terse assistant for a shipping company. Answer with one short sentence. " * 3
+
+
+@pytest.mark.anyio
+async def test_a_replica_opens_its_one_model_with_every_engine_option(tiny_model_path: Path) -> None:
+    # `aiobasert serve --ray MODEL` passes kv_cache_dtype with the limits: a single model's
+    # provider took only the limits (TypeError in the replica); the options are one EngineConfig now
+    options = {"max_batch_size": 2, "max_context": 64, "kv_cache_dtype": "f32"}
+    provider = _provider([tiny_model_path], None, options)
+    assert isinstance(provider, SingleEngineProvider)
+    async with provider.lifespan():
+        (served,) = provider.served()
+        assert served.engine.config == EngineConfig(**options) and served.engine.info.kv_cache_dtype == "f32"
 
 
 @pytest.fixture(scope="module")

@@ -19,6 +19,7 @@ import pytest
 from loopback import API_KEY, MODEL_NAME, serving
 from openai import AsyncOpenAI, OpenAI
 
+from aiobasert.models.tiny import bytes_to_unicode, tiny_vocab
 from aiobasert.server import create_app
 from aiobasert.server.app import build_app
 from aiobasert.server.provider import SingleEngineProvider
@@ -152,6 +153,28 @@ async def test_async_client_and_input_items(base_url: str) -> None:
         assert r.metadata == {"k": "v"} and r.usage is not None
         with pytest.raises(openai.NotFoundError):  # store=False: nothing to continue
             await client.responses.create(model=MODEL_NAME, previous_response_id=r.id, input="more")
+
+
+def test_the_models_own_nul_output_can_be_fed_back(client: OpenAI) -> None:
+    """A sampled byte token can put NUL in the model's output, which a C string cannot carry:
+    the chat loop that sends that reply back, and the Responses store that replays it, must go
+    on (the assistant turn renders it as U+FFFD), while a NUL a client writes is refused by name."""
+    nul = tiny_vocab().tokens.index(bytes_to_unicode()[0])
+    user = {"role": "user", "content": "Say a byte."}
+    reply = client.chat.completions.create(
+        model=MODEL_NAME, messages=[user], max_tokens=3, logit_bias={str(nul): 100}  # type: ignore[list-item]
+    ).choices[0].message
+    assert reply.content == "\x00\x00\x00"
+    history: list[Any] = [user, {"role": "assistant", "content": reply.content}, {"role": "user", "content": "more"}]
+    follow = client.chat.completions.create(model=MODEL_NAME, messages=history, max_tokens=2)
+    assert follow.choices[0].message.content is not None
+    with pytest.raises(openai.BadRequestError, match="message 2 contains a NUL"):
+        client.chat.completions.create(model=MODEL_NAME, messages=[*history[:2], {"role": "user", "content": "a\x00"}],
+                                       max_tokens=2)
+    stored = client.responses.create(model=MODEL_NAME, input=history[:2], max_output_tokens=2)
+    again = client.responses.create(model=MODEL_NAME, previous_response_id=stored.id, input="more",
+                                    max_output_tokens=2)
+    assert again.previous_response_id == stored.id
 
 
 def _turn_with_output(output: Any) -> list[dict[str, Any]]:

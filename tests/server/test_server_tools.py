@@ -311,7 +311,7 @@ def test_engine_structural_tag_over_http(untied_model_path: Path) -> None:
             assert named.choices[0].finish_reason == "tool_calls" and call.function.name == "get_time"
             jsonschema.validate(json.loads(call.function.arguments), tools[1]["function"]["parameters"])
         (served,) = provider.served()
-        assert dict(served.engine._thread.grammar_backends) == {"engine": 6}
+        assert dict(served.engine._thread.prep.grammar_backends) == {"engine": 6}
 
 
 @pytest.mark.parametrize("seed", [1, 2, 3])

@@ -13,9 +13,11 @@ from typing import Any
 
 import anyio
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import aiobasert
-from aiobasert._core.preparation import MAX_DECODE_IDS, QUICK_COST
+from aiobasert._core.cost import MAX_DECODE_IDS, QUICK_COST
 from aiobasert.errors import ContextLengthExceededError, InvalidRequestError
 
 # numpy's import held open (its module half initialized in sys.modules) on the worker thread that
@@ -207,24 +209,24 @@ async def test_the_same_grammar_is_compiled_once(tiny_model_path: Path) -> None:
         for _ in range(3):
             done = await engine.generate("x", max_tokens=60, json_schema=schema, temperature=0.8)
             assert set(json.loads(done.text)) == {"a", "b"}
-        assert dict(thread.grammar_compiles) == {"engine": 1}
-        assert dict(thread.grammar_backends) == {"engine": 3}
+        assert dict(thread.prep.grammar_compiles) == {"engine": 1}
+        assert dict(thread.prep.grammar_backends) == {"engine": 3}
         done = await engine.generate("x", max_tokens=60, json_schema=reordered)  # another source
         assert list(json.loads(done.text)) == ["b", "a"]
-        assert dict(thread.grammar_compiles) == {"engine": 2}
+        assert dict(thread.prep.grammar_compiles) == {"engine": 2}
         for _ in range(3):
             done = await engine.generate("x", max_tokens=60, json_schema=enum, temperature=0.8)
             assert json.loads(done.text) in enum["enum"]
-        assert dict(thread.grammar_compiles) == {"engine": 2, "llguidance": 1}
-        assert dict(thread.grammar_backends) == {"engine": 4, "llguidance": 3}
+        assert dict(thread.prep.grammar_compiles) == {"engine": 2, "llguidance": 1}
+        assert dict(thread.prep.grammar_backends) == {"engine": 4, "llguidance": 3}
 
         async def lark() -> str:
             params = engine._params(None, {"max_tokens": 8, "temperature": 0.9})
             return (await engine._new_stream("x", params, True, lark='start: "yes" | "no"')).text
 
         assert {await lark() for _ in range(3)} <= {"yes", "no"}
-        assert dict(thread.grammar_compiles) == {"engine": 2, "llguidance": 2}
-        assert dict(thread.grammar_backends) == {"engine": 4, "llguidance": 6}
+        assert dict(thread.prep.grammar_compiles) == {"engine": 2, "llguidance": 2}
+        assert dict(thread.prep.grammar_backends) == {"engine": 4, "llguidance": 6}
         assert (await engine.stats()).live_grammars == 0
 
 
@@ -235,20 +237,20 @@ async def test_a_compile_over_its_budget_is_refused_and_never_compiled_again(
     """Issue 26 #3: a compile that takes longer than COMPILE_BUDGET_S is refused with an
     InvalidRequestError naming the field, and the refusal is cached: the same schema is refused
     at once afterwards, without compiling; so is a schema the compiler rejects. Other requests go on."""
-    from aiobasert._core import preparation
+    from aiobasert._core import cost
 
     schema = {"type": "array", "items": {"type": "integer"}}
     async with aiobasert.Engine.open(tiny_model_path, max_batch_size=2) as engine:
         thread = engine._thread
-        monkeypatch.setattr(preparation, "COMPILE_BUDGET_S", -1.0)  # every compile is over it
+        monkeypatch.setattr(cost, "COMPILE_BUDGET_S", -1.0)  # every compile is over it
         over = r"^invalid json_schema: its grammar took .* to compile, over the budget"
         with pytest.raises(InvalidRequestError, match=over):
             await engine.generate("x", max_tokens=4, json_schema=schema)
-        monkeypatch.setattr(preparation, "COMPILE_BUDGET_S", 5.0)
-        compiled = dict(thread.grammar_compiles)
+        monkeypatch.setattr(cost, "COMPILE_BUDGET_S", 5.0)
+        compiled = dict(thread.prep.grammar_compiles)
         with pytest.raises(InvalidRequestError, match="over the budget"):
             await engine.generate("y", max_tokens=4, json_schema=schema)  # refused at once
-        assert dict(thread.grammar_compiles) == compiled
+        assert dict(thread.prep.grammar_compiles) == compiled
         bad = {"type": "object", "properties": {"a": {"$ref": "#/nowhere"}}}
         for _ in range(2):
             with pytest.raises(InvalidRequestError, match="json_schema"):
@@ -316,22 +318,67 @@ async def test_the_host_grammar_backend_is_built_at_open_where_it_serves_every_s
     from aiobasert._core.grammar import GrammarBackend
 
     built: list[str] = []
-    real = GrammarBackend.for_bundle.__func__  # type: ignore[attr-defined]
+    real = GrammarBackend.for_tokenizer.__func__  # type: ignore[attr-defined]
 
-    def for_bundle(cls: type[GrammarBackend], *args: Any, **kwargs: Any) -> GrammarBackend:
+    def for_tokenizer(cls: type[GrammarBackend], *args: Any, **kwargs: Any) -> GrammarBackend:
         built.append(threading.current_thread().name)
         return real(cls, *args, **kwargs)  # type: ignore[no-any-return]
 
-    monkeypatch.setattr(GrammarBackend, "for_bundle", classmethod(for_bundle))
+    monkeypatch.setattr(GrammarBackend, "for_tokenizer", classmethod(for_tokenizer))
     async with aiobasert.Engine.open(tiny_model_path, max_batch_size=2) as engine:
-        assert built == [] and engine._thread._grammar is None  # the engine compiles schemas itself
+        assert built == [] and engine._thread.prep.backend is None  # the engine compiles schemas itself
     has = ffi.Library.has
     monkeypatch.setattr(ffi.Library, "has", lambda self, name: "grammar" not in name and has(self, name))
     async with aiobasert.Engine.open(tiny_model_path, max_batch_size=2) as engine:
         assert built == ["aiobasert-grammar-1"]  # at open, on a worker
         done = await engine.generate("x", max_tokens=12, json_schema={"type": "boolean"})
         assert json.loads(done.text) in (True, False)
-        assert dict(engine._thread.grammar_compiles) == {"llguidance": 1} and len(built) == 1
+        assert dict(engine._thread.prep.grammar_compiles) == {"llguidance": 1} and len(built) == 1
+
+
+@pytest.mark.anyio
+async def test_the_host_grammar_backend_is_built_on_the_costly_worker_where_only_its_request_waits(
+    tiny_model_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 26 left (b): the reference engine builds the host backend on first use (a text-only
+    server never holds its ~50 MiB). A small schema only llguidance takes (`enum`) is a cheap-lane
+    job, but the build is costly: the job moves, whole, to the costly lane, and the cheap worker goes
+    on. While the costly lane is held, other schemas are served and the build has not begun; then it
+    runs on the costly worker, once, and the request is served."""
+    from aiobasert._core.grammar import GrammarBackend
+
+    built: list[str] = []
+    real = GrammarBackend.for_tokenizer.__func__  # type: ignore[attr-defined]
+
+    def for_tokenizer(cls: type[GrammarBackend], *args: Any, **kwargs: Any) -> GrammarBackend:
+        built.append(threading.current_thread().name)
+        return real(cls, *args, **kwargs)  # type: ignore[no-any-return]
+
+    monkeypatch.setattr(GrammarBackend, "for_tokenizer", classmethod(for_tokenizer))
+    async with aiobasert.Engine.open(tiny_model_path, max_batch_size=2) as engine:
+        started, release = _held_costly_lane(engine)
+        await _until(started)
+        done: list[str] = []
+
+        async def host() -> None:
+            out = await engine.generate("x", max_tokens=8, json_schema={"enum": ["red", "green"]})
+            assert json.loads(out.text) in ("red", "green")
+            done.append("host")
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(host)
+            while not engine._thread.prep.preparing:  # handed to the intake (first in the cheap lane)
+                await anyio.sleep(0.001)
+            with anyio.fail_after(30):
+                for schema in ({"type": "integer"}, {"type": "boolean"}, {"type": "integer"}):
+                    # cheap-lane schemas the engine compiles: served meanwhile
+                    out = await engine.generate("y", max_tokens=12, json_schema=schema)
+                    done.append(f"engine {type(json.loads(out.text)).__name__}")
+            assert built == [] and engine._thread.prep.backend is None  # not begun: it waits for the costly lane
+            release.set()
+        assert done == ["engine int", "engine bool", "engine int", "host"]
+        assert built == ["aiobasert-grammar-1"]
+        assert (await engine.stats()).live_grammars == 0
 
 
 @pytest.mark.anyio
@@ -409,7 +456,7 @@ async def test_encode_refuses_a_text_of_more_ids_than_its_limit_before_listing_t
     tracemalloc's peak stays near the C call's own buffer."""
     import tracemalloc
 
-    from aiobasert._core.preparation import MAX_ENCODE_IDS
+    from aiobasert._core.cost import MAX_ENCODE_IDS
 
     async with aiobasert.Engine.open(tiny_model_path, max_batch_size=2) as engine:
         unit = "lamp "
@@ -424,3 +471,55 @@ async def test_encode_refuses_a_text_of_more_ids_than_its_limit_before_listing_t
             tracemalloc.stop()
         assert peak < 6 * len(text), (peak, len(text))  # the buffer: 4 bytes a byte of text; a list: ~36 an id
         assert len(await engine.encode(unit * int(MAX_ENCODE_IDS / per_unit * 0.95))) <= MAX_ENCODE_IDS
+
+
+# ---- the status of a request being prepared (issue 29 #1) ------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tokenizer(lib: Any, tiny_model_path: Path) -> Any:
+    """A real tokenizer-only handle: the inline preparation (an engine without intake workers) uses it."""
+    from aiobasert._core.intake import Tokenizer
+
+    tok = Tokenizer.load(lib, str(tiny_model_path))
+    yield tok
+    tok.close()
+
+
+_OPS = st.lists(st.tuples(st.sampled_from(["submit", "cancel", "abort", "return"]), st.integers(0, 3)), max_size=40)
+
+
+@settings(max_examples=80, deadline=None)
+@given(ops=_OPS)
+def test_a_request_being_prepared_has_one_status(lib: Any, tiny_model_path: Path, tokenizer: Any, ops: Any) -> None:
+    """A model of RequestStatus (which replaced three fields: a count, a dict, a set): a request handed
+    to its preparation is PREPARING until a Cancel or an abort makes it ABANDONED (once: a second cancel
+    or an abort finds nothing to answer), and its return says how it stood; the count of requests being
+    prepared (each holds a queue place) is the number not back yet."""
+    from aiobasert._core.model_file import ModelFile
+    from aiobasert._core.prepare import Preparer, RequestStatus
+    from aiobasert._core.protocol import Embed, Message, Prepared
+
+    posted: list[Message] = []
+    prep = Preparer(lib, ModelFile(tiny_model_path), vocab_size=256, max_context=64, intake=None,
+                    inline=tokenizer, post=posted.append)  # fmt: skip
+    model: dict[str, RequestStatus] = {}
+    for op, i in ops:
+        rid = f"r{i}"
+        if op == "submit" and rid not in model:  # a request id is unique while the request lives
+            prep.submit_embed(Embed(rid, "a cat", lambda *_: None), "a cat")
+            model[rid] = RequestStatus.PREPARING
+        elif op == "cancel":
+            got = prep.cancel(rid)
+            assert (got is not None) == (model.get(rid) is RequestStatus.PREPARING)
+            if rid in model:
+                model[rid] = RequestStatus.ABANDONED
+        elif op == "abort":
+            answered = [m.rid for m in prep.abandon_all() if isinstance(m, Embed)]
+            assert answered == [r for r, s in model.items() if s is RequestStatus.PREPARING]
+            model = dict.fromkeys(model, RequestStatus.ABANDONED)
+        elif op == "return" and rid in model:
+            assert prep.returned(rid) is model.pop(rid)
+        assert prep.preparing == len(model)
+    # the inline path posted each request's prepared ids back, as the workers do
+    assert all(isinstance(m, Prepared) and m.error is None and len(m.result) > 0 for m in posted)

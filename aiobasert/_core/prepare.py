@@ -1,0 +1,352 @@
+"""Preparing a request before it may join the engine's queue: its prompt's ids and its grammar.
+
+The engine thread only steps (docs/fairness.md, "The engine thread only steps"): it hands each
+request to a `Preparer`, which tokenizes the prompt and compiles the grammar on the intake workers
+(`intake.Intake`: a job in the lane its `cost` says), never on the engine thread, and posts the
+result back to the thread's inbox (`protocol.Prepared`). The thread then gives the prepared request
+a lane (aiobasert/engine_thread.py, the lanes' one writer).
+
+What runs where:
+
+* on the engine thread: `submit` / `submit_embed` (hand the work over; a prompt of ids with no
+  grammar needs none and is checked at once), `cancel` / `abandon_all` / `returned` (each request
+  being prepared has a `RequestStatus`), `adopt` / `close_constraint` (a grammar's life on the thread);
+* on an intake worker: `prepare` (the prompt's ids and the grammar), the grammar from the cache or
+  compiled within `cost.COMPILE_BUDGET_S`, the host (llguidance) backend built once per engine from
+  the engine's `ModelFile`.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import enum
+import importlib.util
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from ..errors import AioBaseRTError, ContextLengthExceededError, InvalidRequestError
+from ..types import MAX_SCHEMA_REFS
+from . import cost as _cost
+from . import ffi as _ffi
+from .grammar_cache import GrammarCache
+from .intake import Intake, Reroute, TokenIds, Tokenizer, on_costly_worker, run_job
+from .model_file import ModelFile
+from .protocol import Constraint, Embed, Message, Prepared, Prompt, RequestSpec, Submit
+from .schema import closed_objects
+
+if TYPE_CHECKING:  # llguidance (the grammar module): imported on first use only
+    from .grammar import GrammarBackend
+
+PromptAndGrammar = tuple[TokenIds | list[int], Constraint | None]
+"""A prepared request: its prompt's ids and its grammar (None without one)."""
+
+
+class RequestStatus(enum.Enum):
+    """Where a request handed to its preparation stands (as vLLM v1's `RequestStatus`; once it has
+    a lane, its `plan.LaneState` says whether it waits or runs)."""
+
+    PREPARING = enum.auto()
+    """On the intake workers; its queue place is held."""
+    ABANDONED = enum.auto()
+    """Answered while it was prepared (cancelled, or the engine aborted: counted then): what its
+    preparation returns is dropped (a grammar freed), nobody is told again."""
+
+
+@dataclass(slots=True)
+class Preparing:
+    """A request handed to the intake workers and not back yet."""
+
+    msg: Submit | Embed
+    status: RequestStatus = RequestStatus.PREPARING
+
+
+class Preparer:
+    """One engine's request preparation (see the module docstring)."""
+
+    def __init__(
+        self,
+        lib: _ffi.Library,
+        model_file: ModelFile,
+        *,
+        vocab_size: int,
+        max_context: int,
+        intake: Intake | None,
+        inline: Tokenizer | None,
+        post: Callable[[Message], None],
+    ) -> None:
+        self.lib = lib  # the engine thread's: grammars adopted for stepping are stepped through it
+        self.model_file = model_file
+        self.vocab_size = vocab_size
+        self.max_context = max_context
+        self.intake = intake
+        self._inline = inline  # an engine without tokenizer-only handles: prepared on the engine thread
+        self._post = post
+        self.grammars = GrammarCache()  # compiled grammars by their source's digest
+        self.backend: GrammarBackend | None = None  # built on first host-grammar use (llguidance import is slow)
+        self._lock = threading.Lock()  # the grammar workers build the backend and count
+        self._backend_built = threading.local()  # seconds this worker's compile spent building it
+        self.grammar_backends: Counter[str] = Counter()  # "engine" / "llguidance" served
+        self.grammar_compiles: Counter[str] = Counter()  # those compiled (not cached)
+        self.live_grammars = 0
+        self._preparing: dict[str, Preparing] = {}  # by request id
+
+    @property
+    def preparing(self) -> int:
+        """Requests handed to the intake workers, not back yet (each holds a queue place)."""
+        return len(self._preparing)
+
+    # ---- on the engine thread -------------------------------------------------------------
+
+    def submit(self, msg: Submit) -> tuple[list[int] | None, BaseException | None] | None:
+        """Hand the request to the intake workers: tokenizing and grammar compiles never run on
+        the engine thread (they can take unbounded time and stack). A prompt of ids without a
+        grammar needs neither: its checked ids (or its error) are returned at once instead."""
+        spec = msg.spec
+        grammar = spec.lark is not None or spec.structural_tag is not None or spec.params.json_schema is not None
+        sink = msg.sink
+
+        def prepare(tok: Tokenizer) -> PromptAndGrammar | None:
+            return self.prepare(tok, spec) if sink.alive() else None  # None: its reader left, skip the work
+
+        if not grammar and _is_ids(spec.prompt):  # nothing to tokenize or compile: straight into the FIFO
+            try:
+                return self.checked_ids(spec.prompt), None  # type: ignore[arg-type]
+            except AioBaseRTError as exc:
+                return None, exc
+        cost = spec.cost.text + (0 if spec.cost.grammar_key in self.grammars else spec.cost.grammar)
+        self._off_thread(msg, prepare, grammar=grammar, cost=cost)
+        return None
+
+    def submit_embed(self, msg: Embed, text: str) -> None:
+        """An embedding's text input is tokenized by the intake workers."""
+        limit = self.max_context
+        self._off_thread(
+            msg, lambda tok: tok.encode_text(text, special=False, limit=limit), grammar=False, cost=len(text)
+        )
+
+    def _off_thread(self, msg: Submit | Embed, job: Callable[[Tokenizer], Any], *, grammar: bool, cost: int) -> None:
+        self._preparing[msg.rid if isinstance(msg, Embed) else msg.spec.rid] = Preparing(msg)
+        if self.intake is not None:
+            self.intake.submit(
+                job, lambda result, error: self._post(Prepared(msg, result, error)), grammar=grammar, cost=cost
+            )
+            return
+        assert self._inline is not None
+        result, error = run_job(job, self._inline)
+        self._post(Prepared(msg, result, error))
+
+    def cancel(self, rid: str) -> Submit | Embed | None:
+        """The request `rid` is cancelled while it is prepared: its message, or None when it is
+        not being prepared (or was answered already)."""
+        entry = self._preparing.get(rid)
+        if entry is None or entry.status is RequestStatus.ABANDONED:
+            return None
+        entry.status = RequestStatus.ABANDONED
+        return entry.msg
+
+    def abandon_all(self) -> list[Submit | Embed]:
+        """Every request still being prepared, each abandoned now (an abort answers them and waits
+        for no compile)."""
+        out = []
+        for entry in self._preparing.values():
+            if entry.status is RequestStatus.PREPARING:
+                entry.status = RequestStatus.ABANDONED
+                out.append(entry.msg)
+        return out
+
+    def returned(self, rid: str) -> RequestStatus:
+        """The request's preparation came back (`protocol.Prepared`): how it stood then."""
+        entry = self._preparing.pop(rid)
+        return entry.status
+
+    def adopt(self, constraint: Constraint) -> None:
+        """A prepared grammar goes live on the engine thread."""
+        self.live_grammars += 1
+        adopt = getattr(constraint, "adopt", None)
+        if adopt is not None:  # an engine grammar: stepped through the engine's library from now on
+            adopt(self.lib)
+
+    def close_constraint(self, constraint: Constraint, key: bytes | None) -> None:
+        self.live_grammars -= 1
+        if key is not None and self.grammars.give_back(key, constraint):  # kept for the next request
+            return
+        close = getattr(constraint, "close", None)
+        if close is not None:  # an engine-side grammar handle
+            with contextlib.suppress(Exception):  # freeing must not stop the teardown
+                close()
+
+    def host_grammar_only(self) -> bool:
+        """The engine has no grammar compiler of its own: llguidance serves every json_schema."""
+        lib = self.lib
+        native = lib.has("baseRT_grammar_create_from_schema") and lib.has("baseRT_grammar_fill_bitmask")
+        return not native and importlib.util.find_spec("llguidance") is not None
+
+    def build_host_grammar(self, intake: Intake) -> None:
+        """At open, before any stream runs: llguidance builds its tokenizer holding the GIL (0.3-1 s
+        for a 50k vocabulary), which on first use would pause every running stream once. Built on a
+        worker (its tokenizer handle asks the end ids); a failure is left to the first request."""
+        built: concurrent.futures.Future[None] = concurrent.futures.Future()
+        intake.submit(lambda tok: self.host_grammar(tok), lambda result, error: built.set_result(None),
+                      grammar=True, cost=_cost.QUICK_COST + 1)  # fmt: skip
+        built.result()
+
+    # ---- on an intake worker ----------------------------------------------------------------
+
+    def prepare(self, tok: Tokenizer, spec: RequestSpec) -> PromptAndGrammar:
+        """The prompt's ids and the request's grammar."""
+        for text in (spec.lark, spec.structural_tag):
+            # tool schemas reach the compilers inside these texts: the same `$ref` cap
+            # as a json_schema (a cheap, conservative count of the key itself)
+            if text is not None and text.count('"$ref"') > MAX_SCHEMA_REFS:
+                raise InvalidRequestError(f"tools: the tool schemas hold more than {MAX_SCHEMA_REFS} $refs")
+        prompt = self.tokenize_prompt(tok, spec)
+        constraint: Constraint | None = None
+        if spec.lark is not None or spec.structural_tag is not None or spec.params.json_schema is not None:
+            constraint = self.grammar_of(tok, spec)
+        return prompt, constraint
+
+    def grammar_of(self, tok: Tokenizer, spec: RequestSpec) -> Constraint:
+        """The request's grammar, from the cache when its source was compiled (or refused)
+        before, else compiled here within `cost.COMPILE_BUDGET_S`."""
+        key = spec.cost.grammar_key
+        tools = spec.lark is not None or spec.structural_tag is not None
+        if key is not None:
+            hit: Constraint | None = self.grammars.take(key)  # raises the error a refused source got
+            if hit is not None:
+                self._count("engine" if hasattr(hit, "reset") else "llguidance")
+                return hit
+        started = time.monotonic()
+        self._backend_built.seconds = 0.0
+        try:
+            if tools:
+                constraint = self.build_tag_constraint(tok, spec.structural_tag, spec.lark)
+            else:
+                assert spec.params.json_schema is not None
+                constraint = self.build_constraint(tok, spec.params.json_schema)
+        except AioBaseRTError as exc:
+            if key is not None:  # a compile error is the same the next time: never paid twice
+                self.grammars.refuse(key, exc)
+            raise
+        took = time.monotonic() - started - self._backend_built.seconds  # the compile's, not the backend's
+        budget = _cost.COMPILE_BUDGET_S
+        if took > budget:
+            close = getattr(constraint, "close", None)
+            if close is not None:
+                close()
+            # worded as the compilers' own errors, which the server maps to the request's field
+            what = "invalid grammar: the tools' grammar" if tools else "invalid json_schema: its grammar"
+            err = InvalidRequestError(
+                f"{what} took {took:.1f} s to compile, over the budget of {budget:g} s (the same grammar is "
+                "refused at once from now on)"
+            )
+            if key is not None:
+                self.grammars.refuse(key, err)
+            raise err
+        if key is not None:
+            self.grammars.remember(key, constraint)
+        return constraint
+
+    def build_constraint(self, tok: Tokenizer, schema: Mapping[str, Any] | bool) -> Constraint:
+        """The lane's grammar: the engine's own where it has one, else the host backend.
+        Through the worker's own tokenizer handle. Objects are closed
+        (`schema.closed_objects`): the engine's grammar reads an absent additionalProperties
+        as false, and the host's then reads the schema the same way."""
+        from .grammar import EngineGrammarConstraint
+
+        schema = closed_objects(schema)
+        lib, model = tok.lib, tok.handle
+        native = None
+        if lib.has("baseRT_grammar_create_from_schema") and lib.has("baseRT_grammar_fill_bitmask"):
+            native = EngineGrammarConstraint.create(lib, model, schema)
+        return self._counted(native, lambda: self.host_grammar(tok).compile(schema))
+
+    def build_tag_constraint(self, tok: Tokenizer, tag: str | None, lark: str | None) -> Constraint:
+        """A tool-call grammar: the engine's structural tag where the library builds
+        it (bitmask stepping, like the schema path), else the host's Lark grammar."""
+        from .grammar import EngineGrammarConstraint
+
+        lib, model = tok.lib, tok.handle
+        native = None
+        if (
+            tag is not None
+            and lib.has("baseRT_grammar_create_from_structural_tag")
+            and lib.has("baseRT_grammar_fill_bitmask")
+        ):
+            native = EngineGrammarConstraint.from_structural_tag(lib, model, tag)
+        if native is None and lark is None:
+            raise InvalidRequestError("the engine cannot build this structural tag and no host grammar was given")
+        return self._counted(native, lambda: self.host_grammar(tok).compile_lark(lark or ""))  # lark: set here
+
+    def _counted(self, native: Constraint | None, host: Callable[[], Constraint]) -> Constraint:
+        """The engine's grammar when it built one, else the host's; counted by backend."""
+        if native is not None:
+            self._count("engine", compiled=True)
+            return native
+        constraint = host()
+        self._count("llguidance", compiled=True)
+        return constraint
+
+    def _count(self, backend: str, *, compiled: bool = False) -> None:
+        with self._lock:
+            self.grammar_backends[backend] += 1  # grammars served (the cache's included)
+            if compiled:
+                self.grammar_compiles[backend] += 1
+
+    def host_grammar(self, tok: Tokenizer) -> GrammarBackend:
+        """The host (llguidance) backend, built once per engine by a grammar worker from the engine's
+        `ModelFile` and the end ids asked of the engine through the worker's own tokenizer handle: at
+        open where the engine has no grammar compiler of its own, else on first use (once, holding
+        the GIL: docs/fairness.md)."""
+        with self._lock:
+            if self.backend is None:
+                if not on_costly_worker():  # built where only its request waits (a cheap worker moves on)
+                    raise Reroute
+                from .grammar import GrammarBackend, engine_end_ids
+
+                started = time.monotonic()
+                end_ids = engine_end_ids(tok.lib, tok.handle, self.vocab_size)
+                try:
+                    fields = self.model_file.bundle().tokenizer  # the header only: tensors stay unmapped
+                except (OSError, ValueError) as exc:
+                    raise InvalidRequestError(f"structured output: cannot read the model's tokenizer: {exc}") from None
+                self.backend = GrammarBackend.for_tokenizer(fields, vocab_size=self.vocab_size, end_ids=end_ids)
+                self._backend_built.seconds = time.monotonic() - started
+            return self.backend
+
+    def tokenize_prompt(self, tok: Tokenizer, spec: RequestSpec) -> TokenIds | list[int]:
+        """A C array of ids (a text that cannot fit is refused untokenized)."""
+        prompt = spec.prompt
+        ids: TokenIds | list[int]
+        if isinstance(prompt, str):
+            ids = tok.encode_text(prompt, special=spec.parse_special, limit=self.max_context)
+        elif prompt and isinstance(prompt[0], tuple):
+            ids = tok.encode_pieces(prompt, limit=self.max_context)  # type: ignore[arg-type]
+        else:
+            ids = self.checked_ids(prompt)  # type: ignore[arg-type]
+        if not ids:
+            raise InvalidRequestError("the prompt is empty: it encodes to no tokens")
+        return ids
+
+    def checked_ids(self, prompt: Sequence[int]) -> list[int]:
+        """Any thread: a prompt of ids, each checked against the vocabulary."""
+        if len(prompt) > self.max_context:  # refused before the loop below: its cost stays bounded
+            raise ContextLengthExceededError(len(prompt), 1, self.max_context)
+        ids = list(prompt)
+        for i, t in enumerate(ids):
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size:
+                raise InvalidRequestError(
+                    f"prompt token {i} is {t!r}: not a token id of this model (vocab {self.vocab_size})"
+                )
+        if not ids:
+            raise InvalidRequestError("the prompt is empty: it encodes to no tokens")
+        return ids
+
+
+def _is_ids(prompt: Prompt) -> bool:
+    """A prompt of token ids (not text, not rendered chat pieces)."""
+    return not isinstance(prompt, str) and not (len(prompt) > 0 and isinstance(prompt[0], tuple))

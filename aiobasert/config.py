@@ -1,0 +1,102 @@
+"""`EngineConfig`: the options an engine is opened with, validated once, on construction."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import msgspec
+
+from .errors import InvalidConfigError
+from .types import DTYPES, KV_CACHE_DTYPES, Dtype, KVCacheDtype
+
+__all__ = ["EngineConfig", "config_from"]
+
+_INT32_MAX = 2**31 - 1
+
+
+class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """How an engine is opened: its serving limits, its KV cache, and where its library is.
+
+    `Engine.open(model, config=EngineConfig(...))`, `create_app(model, config=...)` and the CLI's
+    flags all come down to one of these; `Engine.open(model, max_batch_size=4, ...)` builds it
+    from the keywords. Every field is checked on construction: a value out of range or of the
+    wrong type raises `InvalidConfigError` naming the field, before anything is loaded.
+    `engine.config` is the config an engine was opened with; `engine.info` says what it serves
+    (the limits below capped by the engine's and the model's own).
+
+    max_batch_size: concurrent lanes (sequences decoded together each step); capped by the
+        engine's own limit (`info.max_batch_size` is what is served).
+    max_context: tokens per lane (prompt + output), clamped to the model's window.
+    prefill_chunk: prompt tokens prefilled per step across all lanes, so a long prompt never
+        stalls running streams for more than one chunk.
+    prefix_cache: reuse the KV of shared prompt prefixes across requests.
+    max_queue: requests waiting for a lane before `EngineOverloadedError`.
+    library: the libbaseRT to load (a path; None = $BASERT_LIB_PATH, the system's, the bundled one).
+    thread_check: debug mode asserting that only the engine thread enters the library
+        (None = on when $AIOBASERT_DEBUG_THREADS is set to anything but 0).
+    dtype: how a GGUF model is stored in its cached bundle (one bundle per dtype): "auto" keeps
+        what the GGUF has (quantized blocks carried exactly where the engine's integer kernels
+        can hold them, see docs/models.md), "f16" / "f32" dequantize, "q8" / "q4" quantize
+        group-wise. Ignored for a `.base` bundle or a cached name.
+    kv_cache_dtype: how the KV cache is stored: "auto" (f16 on the reference engine, as
+        llama.cpp; the library's default elsewhere: Q8_0 on BaseRT where head_dim allows),
+        "f16", "q8" (Q8_0 blocks, about half of f16; a head_dim that is not a multiple of 32
+        falls back to f16), "f32" (the reference engine's exact pool, twice f16: for results
+        bit-equal to an f32 reference). `info.kv_cache_dtype` says what was allocated.
+    """
+
+    max_batch_size: int = 8
+    max_context: int = 2048
+    prefill_chunk: int = 256
+    prefix_cache: bool = True
+    max_queue: int = 1024
+    library: str | None = None
+    thread_check: bool | None = None
+    dtype: Dtype = "auto"
+    kv_cache_dtype: KVCacheDtype = "auto"
+
+    def __post_init__(self) -> None:
+        for name, low in (("max_batch_size", 1), ("max_context", 2), ("prefill_chunk", 1), ("max_queue", 1)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= _INT32_MAX:
+                raise InvalidConfigError(f"{name} must be an integer in [{low}, 2**31 - 1], got {value!r}")
+        for name, choices in (("kv_cache_dtype", KV_CACHE_DTYPES), ("dtype", DTYPES)):
+            value = getattr(self, name)
+            if not isinstance(value, str) or value not in choices:
+                raise InvalidConfigError(f"{name} must be one of {', '.join(map(repr, choices))}, got {value!r}")
+        if not isinstance(self.prefix_cache, bool):
+            raise InvalidConfigError(f"prefix_cache must be a bool, got {self.prefix_cache!r}")
+        if self.library is not None and not isinstance(self.library, str):
+            raise InvalidConfigError(f"library must be a path (str) or None, not {type(self.library).__name__}")
+        if self.thread_check is not None and not isinstance(self.thread_check, bool):
+            raise InvalidConfigError(f"thread_check must be a bool or None, got {self.thread_check!r}")
+
+
+_DEFAULTS = EngineConfig()
+
+
+def config_from(config: EngineConfig | None, options: Mapping[str, Any]) -> EngineConfig:
+    """`config`, or the config the keyword `options` describe (`Engine.open`'s, `create_app`'s).
+
+    With `config` given, every option must be left at its default: one set as well would be
+    silently dropped, so it is refused (`InvalidConfigError` naming it)."""
+    library = options.get("library")
+    if isinstance(library, os.PathLike):  # the keyword takes a Path; the config holds its text
+        options = {**options, "library": os.fspath(library)}
+    if config is None:
+        return EngineConfig(**options)
+    if not isinstance(config, EngineConfig):
+        raise InvalidConfigError(f"config must be an EngineConfig or None, not {type(config).__name__}")
+    given = [name for name, value in options.items() if not _is_default(name, value)]
+    if given:
+        raise InvalidConfigError(
+            f"{', '.join(given)}: give the engine options either as keywords or in `config`, not both"
+        )
+    return config
+
+
+def _is_default(name: str, value: object) -> bool:
+    default = getattr(_DEFAULTS, name)
+    return type(value) is type(default) and value == default
