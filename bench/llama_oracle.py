@@ -47,6 +47,7 @@ import argparse
 import asyncio
 import contextlib
 import ctypes
+import functools
 import hashlib
 import inspect
 import json
@@ -497,12 +498,18 @@ def mib(n: int) -> str:
 def bos_added(path: Path) -> list[int]:
     """[the BOS id] when the GGUF says its vocab adds one, else []: engine.encode adds it as llama.cpp's
     tokenizer does with add_special; the recorded texts are tokenized without it (add_special off)."""
+    return list(_bos_added(path.resolve(), path.stat().st_mtime_ns))
+
+
+@functools.cache
+def _bos_added(path: Path, mtime_ns: int) -> tuple[int, ...]:
+    # gguf-py reads every vocabulary entry to reach two keys (14 s of CPU for Gemma 3's 262k): once a file
     import gguf
 
     fields = gguf.GGUFReader(path).fields
     add = fields.get("tokenizer.ggml.add_bos_token")
     bos = fields.get("tokenizer.ggml.bos_token_id")
-    return [int(bos.contents())] if add is not None and add.contents() and bos is not None else []
+    return (int(bos.contents()),) if add is not None and add.contents() and bos is not None else ()
 
 
 def compare(gguf_path: Path, rec: dict[str, Any], ours: dict[str, Any], ppl: dict[str, Any] | None,

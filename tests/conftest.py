@@ -184,6 +184,68 @@ def gemma3_gguf() -> Path:
         pytest.skip(f"the Gemma 3 270M GGUF cannot be fetched: {exc}")
 
 
+# ---- the whole suite on two workers (pytest-xdist) ------------------------------------
+#
+# `python -m pytest` with no selection (the README's command, CI's) runs on 2 xdist workers, a test
+# file to a worker (`loadfile`: module fixtures, servers and engines, built once), the longest files
+# first so that both workers end together; a run that names files or gives -n itself stays as asked
+# (-n 0: one process; -m and -k selections still fan out). The nested suite runs (sanitizers, kernel
+# caps) name their files, so they never fan out again.
+WORKERS = 2
+# pytest's cache: each test file's seconds in the last whole-suite run (the longest-first order)
+FILE_SECONDS = "aiobasert/file-seconds"
+_file_seconds: dict[str, float] = {}
+
+
+def _whole_suite(config: pytest.Config) -> bool:
+    return config.args_source == pytest.Config.ArgsSource.TESTPATHS
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_cmdline_main(config: pytest.Config) -> None:
+    distributing = config.pluginmanager.hasplugin("xdist") and not hasattr(config, "workerinput")
+    if _whole_suite(config) and distributing and config.option.numprocesses is None \
+            and not config.option.collectonly and not config.option.usepdb:  # fmt: skip
+        config.option.numprocesses = WORKERS
+        config.option.dist = "loadfile"
+        config.option.loadscopereorder = False  # xdist would order files by test count: ours is by seconds
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """On a worker, the files that took longest in the last whole-suite run first; without a record (a fresh
+    clone, as in CI) those declaring the longest per-test timeout first (the nested suite runs), then those
+    holding a test marked slow; within a file, and among equals, the collection's order stays."""
+    if not hasattr(config, "workerinput") or config.cache is None:
+        return
+    seconds: dict[str, float] = config.cache.get(FILE_SECONDS, {})
+    slow: set[str] = set()
+    longest_timeout: dict[str, float] = {}
+    for item in items:
+        file = item.nodeid.split("::")[0]
+        longest_timeout[file] = max(longest_timeout.get(file, 0.0), _timeout_of(item))
+        if item.get_closest_marker("slow"):
+            slow.add(file)
+
+    def weight(item: pytest.Item) -> tuple[float, float, bool]:
+        file = item.nodeid.split("::")[0]
+        return -seconds.get(file, 0.0), -longest_timeout[file], file not in slow
+
+    items.sort(key=weight)
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    file = report.nodeid.split("::")[0]
+    _file_seconds[file] = _file_seconds.get(file, 0.0) + report.duration
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    config = session.config
+    every_test = _whole_suite(config) and not config.option.keyword and not config.option.markexpr
+    ran = exitstatus in (pytest.ExitCode.OK, pytest.ExitCode.TESTS_FAILED)  # not stopped part-way
+    if every_test and ran and not hasattr(config, "workerinput") and config.cache is not None and _file_seconds:
+        config.cache.set(FILE_SECONDS, config.cache.get(FILE_SECONDS, {}) | _file_seconds)
+
+
 # ---- per-test timeout (pytest-timeout, configured in pyproject.toml) ----------------
 #
 # pytest-timeout's signal method raises in the main thread, which works for

@@ -51,7 +51,8 @@ def chosen_kernels(env: dict[str, str]) -> str:
     return out.stdout.strip()
 
 
-# Logits of a quantized bundle, prefill (9 rows) then two decode steps of 3 lanes, as a digest.
+# The kernel sets the process chose (its first line), then for each bundle named, the logits of a prefill
+# (9 rows) and two decode steps of 3 lanes, as a digest (a line each): one process per kernel cap.
 LOGITS_DIGEST = """
 import hashlib, sys
 from pathlib import Path
@@ -59,16 +60,27 @@ sys.path.insert(0, "tests")
 from raw_abi import load, step_logits
 from aiobasert._core.ffi import load_library
 lib = load_library()
-m = load(lib, Path(sys.argv[1]), 64, max_batch_size=4, prefill_chunk=64)
-seqs = [int(lib.baseRT_sequence_create(m)) for _ in range(3)]
-h = hashlib.sha256()
-rows = step_logits(lib, m, seqs, [[5, 9, 17, 33, 65, 129, 7, 11, 13], [21, 22], [40]])
-h.update(rows.tobytes())
-for _ in range(2):
-    rows = step_logits(lib, m, seqs, [[int(r.argmax())] for r in rows])
+print(lib.baseRT_ref_kernels().decode())
+for path in sys.argv[1:]:
+    m = load(lib, Path(path), 64, max_batch_size=4, prefill_chunk=64)
+    seqs = [int(lib.baseRT_sequence_create(m)) for _ in range(3)]
+    h = hashlib.sha256()
+    rows = step_logits(lib, m, seqs, [[5, 9, 17, 33, 65, 129, 7, 11, 13], [21, 22], [40]])
     h.update(rows.tobytes())
-print(h.hexdigest())
+    for _ in range(2):
+        rows = step_logits(lib, m, seqs, [[int(r.argmax())] for r in rows])
+        h.update(rows.tobytes())
+    print(h.hexdigest())
 """
+
+
+def kernels_and_digests(env: dict[str, str], *bundles: Path) -> tuple[str, list[str]]:
+    """LOGITS_DIGEST in a process with `env`: the quant kernel set it chose, and each bundle's digest."""
+    out = subprocess.run([sys.executable, "-c", LOGITS_DIGEST, *map(str, bundles)], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    kernels, *digests = out.stdout.splitlines()
+    return kernels.split("quant=")[1], digests
 
 
 @pytest.mark.parametrize(("dtype", "symmetric"), [("base_q4", False), ("base_q8", False), ("base_q8", True),
@@ -92,10 +104,8 @@ def test_kernel_sets_compute_bit_identical_quantized_logits(tmp_path: Path, dtyp
     digests = {}
     for cap in ("generic", "avx2", ""):  # the float kernels (attention) stay the CPU's best
         env = {k: v for k, v in os.environ.items() if k != "BASERT_REF_SIMD"} | {"BASERT_REF_QUANT_SIMD": cap}
-        out = subprocess.run([sys.executable, "-c", LOGITS_DIGEST, str(q)], cwd=ROOT, env=env, capture_output=True,
-                             text=True, timeout=120)
-        assert out.returncode == 0, out.stderr[-3000:]
-        digests[chosen_kernels(env).split("quant=")[1]] = out.stdout.strip()
+        kernels, (digest,) = kernels_and_digests(env, q)
+        digests[kernels] = digest
     assert len(set(digests.values())) == 1, digests
 
 
@@ -110,6 +120,7 @@ LOADER_ONLY = ["tests/native/test_native_quant.py::test_a_load_frees_the_header_
                "tests/native/test_native_quant.py::test_a_load_peaks_near_its_steady_state"]
 
 
+@pytest.mark.slow  # a nested run of six kernel suites (-m "not slow" there, so it never nests again)
 @pytest.mark.parametrize("cap", ["avx2", "generic"])
 def test_kernel_suites_pass_under_each_cap(cap: str) -> None:
     env = dict(os.environ, BASERT_REF_SIMD=cap)
@@ -137,10 +148,6 @@ def test_kernel_sets_compute_symmetric_q4_q5_as_their_asymmetric_twin(tmp_path: 
     digests = {}
     for cap in ("generic", "avx2", ""):
         env = {k: v for k, v in os.environ.items() if k != "BASERT_REF_SIMD"} | {"BASERT_REF_QUANT_SIMD": cap}
-        kernels = chosen_kernels(env).split("quant=")[1]
-        for name, path in (("sym", sym), ("asym", asym)):
-            out = subprocess.run([sys.executable, "-c", LOGITS_DIGEST, str(path)], cwd=ROOT, env=env,
-                                 capture_output=True, text=True, timeout=120)
-            assert out.returncode == 0, out.stderr[-3000:]
-            digests[f"{kernels}/{name}"] = out.stdout.strip()
+        kernels, (sym_digest, asym_digest) = kernels_and_digests(env, sym, asym)
+        digests |= {f"{kernels}/sym": sym_digest, f"{kernels}/asym": asym_digest}
     assert len(set(digests.values())) == 1, digests
