@@ -18,6 +18,7 @@ from typing import Any
 import anyio
 import numpy as np
 import pytest
+from held_calls import HoldLane
 from lifecycle_model import assert_idle_and_whole
 
 from aiobasert import (
@@ -27,7 +28,6 @@ from aiobasert import (
     EngineOverloadedError,
     InvalidRequestError,
     TokenStream,
-    client_scope,
 )
 from aiobasert._core.ffi import Library
 
@@ -214,15 +214,12 @@ async def test_close_mid_embed(untied_model_path: Path, abort: bool) -> None:
         await engine.embed([1, 2])
 
 
-async def test_embed_errors_cost_only_their_caller(untied_model_path: Path) -> None:
+async def test_embed_errors_cost_only_their_caller(untied_model_path: Path, hold_lane: HoldLane) -> None:
     """Refused embeds (too long, empty, past max_queue) raise in their caller only;
     an embed waits for a lane like any request."""
     async with Engine.open(untied_model_path, max_batch_size=1, max_queue=1, max_context=2048) as engine:
-        # one client: served FIFO (another client's embed would take the lane back, docs/fairness.md)
-        with anyio.fail_after(BOUND), client_scope("one client"):
-            alone = await engine.generate("neighbour", max_tokens=2000, ignore_eos=True)
-            s = engine.stream("neighbour", max_tokens=2000, ignore_eos=True)
-            await s.__anext__()  # unread, it keeps the only lane for its 2000 steps
+        with anyio.fail_after(BOUND):
+            held = await hold_lane(engine)  # the only lane, until released
             with pytest.raises(InvalidRequestError, match="context window"):
                 await engine.embed([5] * 3000)
             with pytest.raises(InvalidRequestError, match="empty"):
@@ -239,7 +236,8 @@ async def test_embed_errors_cost_only_their_caller(untied_model_path: Path) -> N
                 with pytest.raises(EngineOverloadedError):
                     await engine.embed([7, 8, 9])
                 assert waiting == []
-                assert (await s).token_ids == alone.token_ids  # its end frees the lane
+                held.release()
+                await held.stream  # its end frees the lane
             assert len(waiting) == 1 and np.array_equal(waiting[0], await engine.embed([7, 8, 9]))
         await assert_idle_and_whole(engine)
 
