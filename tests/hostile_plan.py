@@ -1,4 +1,4 @@
-"""What the two hostile-traffic model tests (tests/core/test_group_hostile.py over the SDK,
+"""What the two hostile-traffic model tests (tests/sdk/test_group_hostile.py over the SDK,
 tests/server/test_server_hostile.py over HTTP) share: which plans and hostile kinds run, how a
 plan is drawn, the hostile inputs and the words both send, and how both read RSS."""
 

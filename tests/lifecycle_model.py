@@ -17,7 +17,7 @@ drain timed out then abort, abort) and reopen. After every step the invariants:
 * after close: the engine's thread is gone and its model freed, every reader
   has ended.
 
-The suite runs it short (tests/core/test_lifecycle_model.py); bench/lifecycle_soak.py
+The suite runs it short (tests/sdk/test_lifecycle_model.py); bench/lifecycle_soak.py
 runs it long.
 """
 

@@ -1,5 +1,5 @@
-"""Checks shared by the tool-calling tests (tests/core/test_tools.py: the Hermes format,
-tests/core/test_tool_formats.py: the others)."""
+"""Checks shared by the tool-calling tests (tests/sdk/test_tools.py: the Hermes format,
+tests/sdk/test_tool_formats.py: the others)."""
 
 from __future__ import annotations
 

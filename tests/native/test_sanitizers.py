@@ -25,7 +25,7 @@ SUITES = ["tests/native/test_native_load_tokenize_sample.py", "tests/native/test
           "tests/native/test_native_safety.py", "tests/native/test_native_weights.py", "tests/native/test_native_kv.py",
           "tests/native/test_native_quant.py", "tests/native/test_native_quant_symmetric.py",
           "tests/native/test_native_taps.py", "tests/native/test_native_threads.py",
-          "tests/core/test_embed_scheduling.py", "tests/core/test_engine.py", "tests/core/test_reliability.py",
+          "tests/sdk/test_embed_scheduling.py", "tests/sdk/test_engine.py", "tests/sdk/test_reliability.py",
           "tests/native/test_native_archs.py"]
 
 
@@ -143,7 +143,7 @@ def test_kernel_suites_pass_under_asan_with_each_kernel_set(sanitized_env: dict[
 def test_hostile_sdk_traffic_under_asan_and_ubsan(sanitized_env: dict[str, str]) -> None:
     """The SDK's hostile-traffic model test (never-read streams, cancels from other tasks, chained
     `$ref`s, huge and wrong-typed inputs) against the sanitized engine: the C side of issue 18."""
-    _run_sanitized(sanitized_env, ["tests/core/test_group_hostile.py"])
+    _run_sanitized(sanitized_env, ["tests/sdk/test_group_hostile.py"])
 
 
 @pytest.fixture(scope="module")

@@ -340,7 +340,7 @@ _REF_CHAIN_RUN = """
 import json, sys, anyio
 from pathlib import Path
 from aiobasert import Engine, InvalidRequestError
-sys.path[:0] = [sys.argv[2], str(Path(sys.argv[2]).parent)]  # tests/core and tests/ (its helpers)
+sys.path[:0] = [sys.argv[2], str(Path(sys.argv[2]).parent)]  # tests/sdk and tests/ (its helpers)
 from test_structured import ref_chain
 
 async def main() -> None:
