@@ -123,8 +123,7 @@ libbasert = Extension(
     "aiobasert._native.libbaseRT",
     sources=NATIVE_SOURCES,
     include_dirs=[os.path.join("native", "include"), os.path.join("native", "src")],
-    extra_compile_args=["-std=c11", "-O3", "-fPIC", "-Wall", "-Wextra",
-                        "-fvisibility=default", "-D_GNU_SOURCE"],
+    extra_compile_args=["-std=c11", "-O3", "-fPIC", "-Wall", "-Wextra", "-fvisibility=default", "-D_GNU_SOURCE"],
     extra_link_args=["-lm", "-lpthread"],
     language="c",
 )

@@ -268,7 +268,8 @@ class Batcher:
         for v in sampled:
             best = longest.get(v.owner)
             if best is None or (v.max_new_tokens - v.generated, v.generated) > (
-                best.max_new_tokens - best.generated, best.generated
+                best.max_new_tokens - best.generated,
+                best.generated,
             ):
                 longest[v.owner] = v
         able = [

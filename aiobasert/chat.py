@@ -57,6 +57,7 @@ def default_template(special_tokens: Iterable[str]) -> str:
     specials = set(special_tokens)
     return next((template for marker, template in _FAMILY_TEMPLATES if marker in specials), DEFAULT_TEMPLATE)
 
+
 ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 """The roles a chat message may have. The template writes the role into the
 turn header as framing (where markers ARE parsed), so a free-form role could
@@ -85,8 +86,13 @@ def _raise_exception(message: str) -> None:
     raise InvalidRequestError(f"chat template refused the conversation: {message}")
 
 
-def _tojson(value: Any, indent: int | None = None, separators: tuple[str, str] | None = None,
-            sort_keys: bool = False, ensure_ascii: bool = False) -> str:
+def _tojson(
+    value: Any,
+    indent: int | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
+    ensure_ascii: bool = False,
+) -> str:
     # HF transformers' (and llama.cpp's) tojson: plain JSON, not Jinja's HTML-escaped one
     # ("<" stays "<" in a tool description), with the indent Llama 3.1's template asks for.
     text = json.dumps(value, indent=indent, separators=separators, sort_keys=sort_keys, ensure_ascii=ensure_ascii)

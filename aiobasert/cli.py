@@ -1,16 +1,16 @@
 """The `aiobasert` command: run, chat, pull, list, rm, convert, serve, bench.
 
-    aiobasert run "Once upon a time"        # stream a completion (default model)
-    aiobasert run -m model.gguf "Hi"        # a Llama / Qwen / Gemma 3 GGUF, converted once and cached
-    aiobasert chat                          # interactive chat, keeps history
-    aiobasert pull                          # fetch + convert the demo model (or: pull model.gguf, pull gemma3-270m)
-    aiobasert list                          # cached models: name, size, dtype, source
-    aiobasert rm NAME                       # delete a cached model
-    aiobasert convert SRC.gguf OUT.base     # GGUF -> .base, anywhere
-    aiobasert serve [MODEL]                 # OpenAI-compatible HTTP server
-    aiobasert serve a.base chat=b.gguf      # several models, routed by the request's `model`
-    aiobasert serve --ray --replicas 2 m.base  # replicas on Ray Serve, prefix/session affinity
-    aiobasert bench                         # the engine benchmark (bench/engine.py)
+aiobasert run "Once upon a time"        # stream a completion (default model)
+aiobasert run -m model.gguf "Hi"        # a Llama / Qwen / Gemma 3 GGUF, converted once and cached
+aiobasert chat                          # interactive chat, keeps history
+aiobasert pull                          # fetch + convert the demo model (or: pull model.gguf, pull gemma3-270m)
+aiobasert list                          # cached models: name, size, dtype, source
+aiobasert rm NAME                       # delete a cached model
+aiobasert convert SRC.gguf OUT.base     # GGUF -> .base, anywhere
+aiobasert serve [MODEL]                 # OpenAI-compatible HTTP server
+aiobasert serve a.base chat=b.gguf      # several models, routed by the request's `model`
+aiobasert serve --ray --replicas 2 m.base  # replicas on Ray Serve, prefix/session affinity
+aiobasert bench                         # the engine benchmark (bench/engine.py)
 """
 
 from __future__ import annotations
@@ -67,9 +67,13 @@ def _add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
 
 
 def _dtype_argument(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--dtype", choices=convert_options.DTYPES, default="auto",
-                   help="how a GGUF is stored in the cache (default auto: as the GGUF has it, K-quants stay "
-                   "quantized; f16 / f32 dequantize; q8 / q4 quantize)")
+    p.add_argument(
+        "--dtype",
+        choices=convert_options.DTYPES,
+        default="auto",
+        help="how a GGUF is stored in the cache (default auto: as the GGUF has it, K-quants stay "
+        "quantized; f16 / f32 dequantize; q8 / q4 quantize)",
+    )
 
 
 def _kv_cache_argument(p: argparse.ArgumentParser) -> None:
@@ -96,8 +100,12 @@ def _params(args: argparse.Namespace) -> SamplingParams:
 
 def _engine_config(args: argparse.Namespace, *, max_batch_size: int) -> EngineConfig:
     """The engine options the flags give, checked (`InvalidConfigError`) before any download or load."""
-    return EngineConfig(max_batch_size=max_batch_size, max_context=args.max_context,
-                        kv_cache_dtype=args.kv_cache_dtype, dtype=args.dtype)
+    return EngineConfig(
+        max_batch_size=max_batch_size,
+        max_context=args.max_context,
+        kv_cache_dtype=args.kv_cache_dtype,
+        dtype=args.dtype,
+    )
 
 
 def _check_run_args(args: argparse.Namespace) -> None:
@@ -260,9 +268,16 @@ def _serve(args: argparse.Namespace) -> int:
         return 0
     if len(specs) > 1 or args.keep_alive is not None:
         provider = GroupProvider(specs, keep_alive=args.keep_alive, config=config)
-        serve(provider, host=args.host, port=args.port, api_key=api_key, allowed_origins=args.allowed_origins,
-              write_timeout=write_timeout, response_store_bytes=args.response_store_mb * 2**20,
-              log_level=args.log_level)
+        serve(
+            provider,
+            host=args.host,
+            port=args.port,
+            api_key=api_key,
+            allowed_origins=args.allowed_origins,
+            write_timeout=write_timeout,
+            response_store_bytes=args.response_store_mb * 2**20,
+            log_level=args.log_level,
+        )
         return 0
     ((name, path),) = specs
     serve(
@@ -382,8 +397,12 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--write-timeout", type=float, default=30.0,
                        help="drop a streaming client that takes no bytes for this many seconds, aborting its "
                             "generation (default 30; 0 = never)")  # fmt: skip
-    serve.add_argument("--response-store-mb", type=int, default=64,
-                       help="memory for stored Responses conversations (previous_response_id), MiB (default 64)")
+    serve.add_argument(
+        "--response-store-mb",
+        type=int,
+        default=64,
+        help="memory for stored Responses conversations (previous_response_id), MiB (default 64)",
+    )
     serve.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info",
                        help="the server's log level, uvicorn's loggers included (default info: the startup line, "
                             "each request, each refused or failed request's reason)")  # fmt: skip

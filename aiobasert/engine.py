@@ -438,8 +438,7 @@ class Engine:
         if tools is not None and (isinstance(tools, (str, bytes, Mapping)) or not isinstance(tools, Sequence)):
             raise InvalidRequestError(f"tools must be a list of tools, not {type(tools).__name__}")
         if not isinstance(parallel_tool_calls, bool):  # "no" is truthy: it would have allowed several calls
-            raise InvalidRequestError(
-                f"parallel_tool_calls must be a bool, not {type(parallel_tool_calls).__name__}")
+            raise InvalidRequestError(f"parallel_tool_calls must be a bool, not {type(parallel_tool_calls).__name__}")
         checked = self._params(params, kwargs)
         if tools and checked.json_schema is not None:  # refused before the render is paid
             raise InvalidRequestError("json_schema cannot be combined with tools")
@@ -533,8 +532,13 @@ class Engine:
         if self._port.closed:
             raise EngineClosedError("the engine is closed")
         spec = RequestSpec(
-            rid=new_request_id(), prompt=prompt, params=params, parse_special=special, lark=lark,
-            structural_tag=structural_tag, client=current_client(),
+            rid=new_request_id(),
+            prompt=prompt,
+            params=params,
+            parse_special=special,
+            lark=lark,
+            structural_tag=structural_tag,
+            client=current_client(),
             cost=measure(prompt, params.json_schema, lark, structural_tag),
         )
         return TokenStream(self._port, spec, self)

@@ -223,7 +223,11 @@ class EngineThread:
         self.detok = Detokenizer(lib, handle)
         self.output = OutputProcessor(lib, handle, self.detok)
         self.runner = StepRunner(
-            lib, handle, vocab_size=self.vocab_size, stride=stride, max_rows=self.max_batch_size,
+            lib,
+            handle,
+            vocab_size=self.vocab_size,
+            stride=stride,
+            max_rows=self.max_batch_size,
             token_text=self.detok.token_text,
         )
         self.batcher = Batcher(
@@ -252,13 +256,25 @@ class EngineThread:
         self.tokenizer = Tokenizer.borrow(lib, handle, self.model_path)  # the model handle's own, for this thread only
         model_file = ModelFile(self.model_path)
         self.prep = Preparer(
-            lib, model_file, vocab_size=self.vocab_size, max_context=self.max_context, intake=intake,
+            lib,
+            model_file,
+            vocab_size=self.vocab_size,
+            max_context=self.max_context,
+            intake=intake,
             # an engine without a separate tokenizer handle: prepared here, between steps
-            inline=self.tokenizer if intake is None else None, post=self.post,
+            inline=self.tokenizer if intake is None else None,
+            post=self.post,
         )
         self.embedder = Embedder(
-            lib, handle, model_file, dim=self.dim, n_layers=self.n_layers, norm_eps=self.norm_eps,
-            vocab_size=self.vocab_size, max_context=self.max_context, tap_budget=self.batcher.tap_budget,
+            lib,
+            handle,
+            model_file,
+            dim=self.dim,
+            n_layers=self.n_layers,
+            norm_eps=self.norm_eps,
+            vocab_size=self.vocab_size,
+            max_context=self.max_context,
+            tap_budget=self.batcher.tap_budget,
         )
         return ModelInfo(
             path=self.model_path,

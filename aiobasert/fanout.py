@@ -48,7 +48,9 @@ def sample_params(params: SamplingParams, i: int) -> SamplingParams:
 
 
 async def prefill_once(
-    engine: Engine, start: Callable[[SamplingParams], TokenStream], params: SamplingParams,
+    engine: Engine,
+    start: Callable[[SamplingParams], TokenStream],
+    params: SamplingParams,
     places: QueueReservation | None = None,
 ) -> int:
     """Run the prompt once (one greedy token) so its KV lands in the prefix cache;

@@ -44,8 +44,6 @@ logger = logging.getLogger("aiobasert")
 ModelSource = str | os.PathLike[str]
 
 
-
-
 class ModelStats(msgspec.Struct, frozen=True, kw_only=True):
     """One model of a group: its load state, its traffic and, while loaded, its engine's stats."""
 

@@ -136,7 +136,7 @@ class TokenStream:
 
     @property
     def finish_reason(self) -> FinishReason | None:
-        """"stop", "length" or "aborted" once the request has ended, else None."""
+        """ "stop", "length" or "aborted" once the request has ended, else None."""
         return self._final.finish_reason if self._final else None
 
     @property

@@ -327,8 +327,13 @@ def tool_grammar(tools: Sequence[Tool], choice: str, *, parallel: bool = True) -
     """The Lark grammar (llguidance dialect) of an assistant turn under `choice`;
     None when nothing needs constraining (no tools)."""
     return turn_grammar(
-        tools, choice, parallel=parallel, text=r"TEXT: /(?s:.+)/ & ~/(?s:.*<tool_call>.*)/",
-        head=lambda name: CALL_OPEN + NAME_OPEN + name + ARGS_OPEN, tail=CALL_END, separator=CALL_SEP,
+        tools,
+        choice,
+        parallel=parallel,
+        text=r"TEXT: /(?s:.+)/ & ~/(?s:.*<tool_call>.*)/",
+        head=lambda name: CALL_OPEN + NAME_OPEN + name + ARGS_OPEN,
+        tail=CALL_END,
+        separator=CALL_SEP,
     )
 
 
@@ -532,6 +537,7 @@ def _render_with_template(
 
 # ---- output parsing -------------------------------------------------------------------------
 
+
 class ToolCallParser:
     """Incremental: `feed(text)` returns the deltas the new text completes, `close()`
     the rest. Text that may still become `<tool_call>` is held back until it
@@ -731,8 +737,12 @@ def prepare_chat_turn(
         eos_token=eos_token,
     )
     return ChatTurn(
-        pieces=pieces, lark=lark, structural_tag=json.dumps(tag) if tag is not None else None,
-        parse_calls=choice != "none" and bool(parsed), forced=forced, tool_format=fmt,
+        pieces=pieces,
+        lark=lark,
+        structural_tag=json.dumps(tag) if tag is not None else None,
+        parse_calls=choice != "none" and bool(parsed),
+        forced=forced,
+        tool_format=fmt,
     )
 
 

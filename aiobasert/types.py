@@ -170,6 +170,7 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
         into (float32, int32), so nothing is silently rounded or wrapped. The
         engine validates `normalized()` params: numpy scalars are accepted as
         their Python values and a single `stop` string is one stop string."""
+
         def bad(field: str, why: str) -> InvalidSamplingParamsError:
             return InvalidSamplingParamsError(f"invalid sampling parameter {field}: {why}")
 
@@ -193,8 +194,12 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
                 raise bad(field, f"{value!r} must be a bool, not {type(value).__name__}")
 
         def token_id(field: str, tok: Any) -> None:
-            if isinstance(tok, bool) or not isinstance(tok, int) or tok < 0 or tok > _INT32_MAX or (
-                vocab_size is not None and tok >= vocab_size
+            if (
+                isinstance(tok, bool)
+                or not isinstance(tok, int)
+                or tok < 0
+                or tok > _INT32_MAX
+                or (vocab_size is not None and tok >= vocab_size)
             ):
                 raise bad(field, f"token id {tok!r} is not in the vocabulary")
 

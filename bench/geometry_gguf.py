@@ -50,13 +50,16 @@ def vocab_file(name: str, vocab_dir: Path | None) -> Path:
     for d in dirs:
         if (d / f"ggml-vocab-{name}.gguf").is_file():
             return d / f"ggml-vocab-{name}.gguf"
-    raise SystemExit(f"no ggml-vocab-{name}.gguf in {dirs or cache_dir()}: run the tokenizer tests once "
-                     "(tests/models/test_tokenizer_native.py caches llama.cpp's vocabulary files) or pass "
-                     "--vocab-dir")
+    raise SystemExit(
+        f"no ggml-vocab-{name}.gguf in {dirs or cache_dir()}: run the tokenizer tests once "
+        "(tests/models/test_tokenizer_native.py caches llama.cpp's vocabulary files) or pass "
+        "--vocab-dir"
+    )
 
 
-def write(geometry: str, out: Path, *, qtype: str, vocab: str, vocab_dir: Path | None, layers: int | None,
-          seed: int = 0) -> Path:
+def write(
+    geometry: str, out: Path, *, qtype: str, vocab: str, vocab_dir: Path | None, layers: int | None, seed: int = 0
+) -> Path:
     g = GEOMETRIES[geometry]
     n_layers = layers or g.n_layers
     source = vocab_file(vocab, vocab_dir)
@@ -133,8 +136,10 @@ def llama_quantize(tool: Path | None) -> Path:
 
     found = sorted(CACHE.glob("llama-server-*/llama-quantize"))
     if not found:
-        raise SystemExit(f"no llama-quantize under {CACHE}: build it (bench/device_sweep.py, or "
-                         "vs_llama_server.build_llama_server with the llama-quantize target) or pass --llama-quantize")
+        raise SystemExit(
+            f"no llama-quantize under {CACHE}: build it (bench/device_sweep.py, or "
+            "vs_llama_server.build_llama_server with the llama-quantize target) or pass --llama-quantize"
+        )
     return found[-1]
 
 
@@ -143,12 +148,18 @@ def main() -> None:
     ap.add_argument("geometry", choices=sorted(GEOMETRIES))
     ap.add_argument("out", type=Path)
     ap.add_argument("--qtype", choices=sorted(QTYPES), default="Q4_K")
-    ap.add_argument("--quantize", metavar="TYPE",
-                    help="write F16 matrices and quantize them with llama.cpp's llama-quantize to TYPE (e.g. Q4_K_M: "
-                         "llama.cpp's own choice of block type per tensor) instead of writing --qtype blocks")
+    ap.add_argument(
+        "--quantize",
+        metavar="TYPE",
+        help="write F16 matrices and quantize them with llama.cpp's llama-quantize to TYPE (e.g. Q4_K_M: "
+        "llama.cpp's own choice of block type per tensor) instead of writing --qtype blocks",
+    )
     ap.add_argument("--llama-quantize", type=Path, help="the llama-quantize binary (default: the bench's build)")
-    ap.add_argument("--vocab", help="llama.cpp vocabulary name (ggml-vocab-NAME.gguf); default per geometry: "
-                                    + ", ".join(f"{k} {v}" for k, v in DEFAULT_VOCAB.items()))
+    ap.add_argument(
+        "--vocab",
+        help="llama.cpp vocabulary name (ggml-vocab-NAME.gguf); default per geometry: "
+        + ", ".join(f"{k} {v}" for k, v in DEFAULT_VOCAB.items()),
+    )
     ap.add_argument("--vocab-dir", type=Path)
     ap.add_argument("--layers", type=int, help="fewer layers than the geometry's (a quicker file)")
     args = ap.parse_args()
@@ -163,8 +174,9 @@ def main() -> None:
             f16.unlink(missing_ok=True)
         path = args.out
     else:
-        path = write(args.geometry, args.out, qtype=args.qtype, vocab=vocab, vocab_dir=args.vocab_dir,
-                     layers=args.layers)
+        path = write(
+            args.geometry, args.out, qtype=args.qtype, vocab=vocab, vocab_dir=args.vocab_dir, layers=args.layers
+        )
     print(f"{path}: {path.stat().st_size / 2**20:.0f} MiB")
 
 

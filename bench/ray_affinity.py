@@ -92,8 +92,10 @@ def main() -> None:
     for user in (True, False):
         (a_hit, a_secs), (d_hit, d_secs) = results["affinity", user], results["serve-default", user]
         mode = "sessions" if user else "prefix only"
-        print(f"{mode}: cache-hit ratio affinity/default {a_hit / max(d_hit, 1e-9):.2f}x, "
-              f"wall-time ratio default/affinity {d_secs / a_secs:.2f}x")
+        print(
+            f"{mode}: cache-hit ratio affinity/default {a_hit / max(d_hit, 1e-9):.2f}x, "
+            f"wall-time ratio default/affinity {d_secs / a_secs:.2f}x"
+        )
 
 
 if __name__ == "__main__":

@@ -26,10 +26,21 @@ import uvicorn
 
 HOSTILE = {
     "150k_messages": {"messages": [{"role": "user", "content": "hi"}] * 150_000, "max_tokens": 1},
-    "3k_tools": {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, "tools": [
-        {"type": "function", "function": {"name": f"tool_{i}", "description": "A tool.", "parameters": {
-            "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
-        for i in range(3000)]},
+    "3k_tools": {
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 1,
+        "tools": [
+            {
+                "type": "function",
+                "function": {
+                    "name": f"tool_{i}",
+                    "description": "A tool.",
+                    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+                },
+            }
+            for i in range(3000)
+        ],
+    },
     "10k_messages": {"messages": [{"role": "user", "content": "hi"}] * 10_000, "max_tokens": 1},
 }
 
@@ -42,10 +53,10 @@ def main() -> None:
     from aiobasert.models.tiny import build_tiny_model
     from aiobasert.server import create_app
 
-    model = build_tiny_model(Path(tempfile.mkdtemp()) / "tiny.base", n_layers=2, dim=64,
-                             max_position_embeddings=8192)
-    server = uvicorn.Server(uvicorn.Config(create_app(model, model_name="tiny", max_context=4096), port=0,
-                                           log_level="warning"))
+    model = build_tiny_model(Path(tempfile.mkdtemp()) / "tiny.base", n_layers=2, dim=64, max_position_embeddings=8192)
+    server = uvicorn.Server(
+        uvicorn.Config(create_app(model, model_name="tiny", max_context=4096), port=0, log_level="warning")
+    )
     threading.Thread(target=server.run, daemon=True).start()
     while not server.started:
         time.sleep(0.01)
@@ -55,9 +66,20 @@ def main() -> None:
         done = threading.Event()
 
         def read(stamps: list[float], done: threading.Event) -> None:
-            with httpx.Client(base_url=url, timeout=120) as http, http.stream("POST", "/v1/completions", json={
-                    "model": "tiny", "prompt": "Once", "max_tokens": 4000, "stream": True,
-                    "logit_bias": {"0": -100, "1": -100, "2": -100}}) as r:
+            with (
+                httpx.Client(base_url=url, timeout=120) as http,
+                http.stream(
+                    "POST",
+                    "/v1/completions",
+                    json={
+                        "model": "tiny",
+                        "prompt": "Once",
+                        "max_tokens": 4000,
+                        "stream": True,
+                        "logit_bias": {"0": -100, "1": -100, "2": -100},
+                    },
+                ) as r,
+            ):
                 for line in r.iter_lines():
                     if line.startswith("data: "):
                         stamps.append(time.perf_counter())
@@ -77,8 +99,10 @@ def main() -> None:
         done.set()
         reader.join()
         gaps = [b - a for a, b in itertools.pairwise(stamps) if b > sent and a < answered]
-        print(f"{name}: answered {r.status_code} in {answered - sent:.2f} s; "
-              f"neighbour's longest gap {max(gaps, default=0):.3f} s")
+        print(
+            f"{name}: answered {r.status_code} in {answered - sent:.2f} s; "
+            f"neighbour's longest gap {max(gaps, default=0):.3f} s"
+        )
     server.should_exit = True
 
 

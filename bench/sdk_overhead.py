@@ -36,8 +36,9 @@ TICK = 0.005  # the lag probe's period: how late each 5 ms sleep wakes is the lo
 def bare_loop(model_path: str, n: int, tokens: int, context: int) -> float:
     """Aggregate tokens/s of a plain Python loop over the fused step."""
     lib = _ffi.load_library()
-    opts = _ffi.BaseRTLoadOptions(struct_size=sizeof(_ffi.BaseRTLoadOptions), paged_kv=1, max_batch_size=n,
-                                  prefill_chunk=256)
+    opts = _ffi.BaseRTLoadOptions(
+        struct_size=sizeof(_ffi.BaseRTLoadOptions), paged_kv=1, max_batch_size=n, prefill_chunk=256
+    )
     model = lib.baseRT_load_model_ex(os.fsencode(model_path), None, context, byref(opts))
     if not model:
         raise lib.last_error("baseRT_load_model_ex")
@@ -105,9 +106,13 @@ def main() -> None:
     ap.add_argument("--lanes", default="1,8,32")
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--context", type=int, default=256)
-    ap.add_argument("--repeat", type=int, default=3,
-                    help="bare and SDK runs alternate this many times; the best of each is printed, so a burst "
-                         "of load from other processes on a shared machine does not land on one side only")
+    ap.add_argument(
+        "--repeat",
+        type=int,
+        default=3,
+        help="bare and SDK runs alternate this many times; the best of each is printed, so a burst "
+        "of load from other processes on a shared machine does not land on one side only",
+    )
     args = ap.parse_args()
     model = bench_model(args.tiny, args.model, ffn_dim=768, tied=True)
     print(f"model: {model}\ntokens per stream: {args.tokens}")

@@ -36,16 +36,34 @@ async def soak(model: Path, requests: int, lanes: int, concurrency: int, seed: i
     rng = random.Random(seed)
     done = cancelled = failed = 0
     rss: list[float] = []
-    words = ["the", "a", "of", "time", "once", "upon", "model", "token", "stream", "lane", "batch", "engine",
-             "😀", "日本"]
+    words = [
+        "the",
+        "a",
+        "of",
+        "time",
+        "once",
+        "upon",
+        "model",
+        "token",
+        "stream",
+        "lane",
+        "batch",
+        "engine",
+        "😀",
+        "日本",
+    ]
     async with Engine.open(model, max_batch_size=lanes, max_context=512, max_queue=4 * concurrency) as engine:
         limiter = anyio.Semaphore(concurrency)
 
         async def one(i: int) -> None:
             nonlocal done, cancelled, failed
             prompt = " ".join(rng.choice(words) for _ in range(rng.randint(1, 60)))
-            params = dict(max_tokens=rng.randint(1, 48), temperature=rng.choice([0.0, 0.8]), seed=i,
-                          stop=[rng.choice(words)] if rng.random() < 0.2 else None)
+            params = dict(
+                max_tokens=rng.randint(1, 48),
+                temperature=rng.choice([0.0, 0.8]),
+                seed=i,
+                stop=[rng.choice(words)] if rng.random() < 0.2 else None,
+            )
             cancel_after = rng.randint(0, 20) if rng.random() < 0.4 else None
             try:
                 n = 0
@@ -79,8 +97,13 @@ async def soak(model: Path, requests: int, lanes: int, concurrency: int, seed: i
     print(f"live sequences at end: {stats.live_sequences}")
     print(f"KV blocks in use at end: {after.kv_blocks_used} (prefix cache held {stats.prefix_blocks_cached})")
     print(f"RSS: {rss[1]:.1f} MB after 10% -> {rss[-1]:.1f} MB at end ({growth:+.1f}%)")
-    ok = (done + cancelled + failed == requests and failed == 0 and after.kv_blocks_used == 0
-          and stats.live_sequences == 0 and abs(growth) <= 5.0)
+    ok = (
+        done + cancelled + failed == requests
+        and failed == 0
+        and after.kv_blocks_used == 0
+        and stats.live_sequences == 0
+        and abs(growth) <= 5.0
+    )
     print("soak:", "PASS" if ok else "FAIL")
     return 0 if ok else 1
 

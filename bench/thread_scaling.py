@@ -75,8 +75,17 @@ def bundle_for(name: str, layers: int | None, dtype: str) -> Path:
     f32 = root / f"{name}-{n_layers}l-f32.base"
     if not f32.exists():
         tmp = f32.with_suffix(".tmp")
-        build_tiny_model(tmp, n_layers=n_layers, dim=g.dim, n_heads=g.n_heads, n_kv_heads=g.n_kv_heads,
-                         ffn_dim=g.ffn_dim, tied=False, seed=3, max_position_embeddings=1024)
+        build_tiny_model(
+            tmp,
+            n_layers=n_layers,
+            dim=g.dim,
+            n_heads=g.n_heads,
+            n_kv_heads=g.n_kv_heads,
+            ffn_dim=g.ffn_dim,
+            tied=False,
+            seed=3,
+            max_position_embeddings=1024,
+        )
         tmp.rename(f32)
     if dtype == "f32":
         return f32
@@ -96,8 +105,9 @@ PREFILL = 256  # prompt tokens of the prefill measured after the decode runs (on
 def child(model: str, lanes: list[int], tokens: int) -> None:
     """In this process (its pool sized by BASERT_REF_THREADS): per lane count, tok/s and CPU ms per token."""
     lib = _ffi.load_library()
-    opts = _ffi.BaseRTLoadOptions(struct_size=sizeof(_ffi.BaseRTLoadOptions), paged_kv=1,
-                                  max_batch_size=max(lanes), prefill_chunk=256)
+    opts = _ffi.BaseRTLoadOptions(
+        struct_size=sizeof(_ffi.BaseRTLoadOptions), paged_kv=1, max_batch_size=max(lanes), prefill_chunk=256
+    )
     m = lib.baseRT_load_model_ex(os.fsencode(model), None, 512, byref(opts))
     if not m:
         raise lib.last_error("baseRT_load_model_ex")
@@ -107,8 +117,7 @@ def child(model: str, lanes: list[int], tokens: int) -> None:
     def step(seqs: list[int], feed: list[int], counts: list[int]) -> list[int]:
         n = len(seqs)
         nxt = (c_uint32 * n)()
-        rc = lib.baseRT_batch_step_fused(m, (c_void_p * n)(*seqs), n, _ffi.u32_array(feed), (c_int * n)(*counts),
-                                         nxt)
+        rc = lib.baseRT_batch_step_fused(m, (c_void_p * n)(*seqs), n, _ffi.u32_array(feed), (c_int * n)(*counts), nxt)
         lib.check(rc, "baseRT_batch_step_fused")
         return list(nxt)
 
@@ -125,8 +134,7 @@ def child(model: str, lanes: list[int], tokens: int) -> None:
             nxt = step(seqs, nxt, [1] * n)
         wall, r1 = time.perf_counter() - t0, resource.getrusage(resource.RUSAGE_SELF)
         cpu = (r1.ru_utime - r0.ru_utime) + (r1.ru_stime - r0.ru_stime)
-        out[str(n)] = {"tok_s": n * tokens / wall, "cpu_ms_per_tok": 1e3 * cpu / (n * tokens),
-                       "weight_bytes": weights}
+        out[str(n)] = {"tok_s": n * tokens / wall, "cpu_ms_per_tok": 1e3 * cpu / (n * tokens), "weight_bytes": weights}
         for s in seqs:
             lib.baseRT_sequence_free(s)
     seq = lib.baseRT_sequence_create(m)
@@ -166,13 +174,23 @@ def main() -> None:
     ap.add_argument("--lanes", default="1,16")
     ap.add_argument("--tokens", type=int, default=48, help="decode steps measured per lane count")
     ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--variant", action="append", default=[], metavar="LABEL=LIB[,VAR=VALUE...]",
-                    help="a library (and environment) to measure, side by side with the others, e.g. "
-                         "before=/tmp/old.so or 'over=aiobasert/_native/libbaseRT.so,BASERT_REF_POOL_OVERSUBSCRIBE=1'"
-                         " (default: the installed library)")
-    ap.add_argument("--bandwidth", type=int, default=0, metavar="MIB",
-                    help="also measure the read bandwidth per thread count with a buffer of MIB MiB (several "
-                         "times the last-level cache) and print 1-lane weight bytes per token x tok/s against it")
+    ap.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        metavar="LABEL=LIB[,VAR=VALUE...]",
+        help="a library (and environment) to measure, side by side with the others, e.g. "
+        "before=/tmp/old.so or 'over=aiobasert/_native/libbaseRT.so,BASERT_REF_POOL_OVERSUBSCRIBE=1'"
+        " (default: the installed library)",
+    )
+    ap.add_argument(
+        "--bandwidth",
+        type=int,
+        default=0,
+        metavar="MIB",
+        help="also measure the read bandwidth per thread count with a buffer of MIB MiB (several "
+        "times the last-level cache) and print 1-lane weight bytes per token x tok/s against it",
+    )
     ap.add_argument("--json", action="store_true", help="print the table's cells as one JSON object too")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -191,11 +209,23 @@ def main() -> None:
     for r in range(args.rounds):
         for n in threads if r % 2 == 0 else threads[::-1]:
             for label, extra in variants.items() if r % 2 == 0 else list(variants.items())[::-1]:
-                cmd = [sys.executable, __file__, "--child", "--model", model, "--lanes", args.lanes,
-                       "--tokens", str(args.tokens)]
+                cmd = [
+                    sys.executable,
+                    __file__,
+                    "--child",
+                    "--model",
+                    model,
+                    "--lanes",
+                    args.lanes,
+                    "--tokens",
+                    str(args.tokens),
+                ]
                 env = dict(os.environ, BASERT_REF_THREADS=str(n), **extra)
-                res = json.loads(subprocess.run(cmd, env=env, capture_output=True, text=True, check=True,
-                                                timeout=1800).stdout.strip().splitlines()[-1])
+                res = json.loads(
+                    subprocess.run(cmd, env=env, capture_output=True, text=True, check=True, timeout=1800)
+                    .stdout.strip()
+                    .splitlines()[-1]
+                )
                 cell = best.setdefault((label, n), res)
                 for lane, v in res.items():  # each lane count's and the prefill's best round
                     if v["tok_s"] > cell[lane]["tok_s"]:
@@ -209,8 +239,11 @@ def main() -> None:
     print(f"| threads | {head} | {' | '.join(f'{label} prefill' for label in variants)} |")
     print("|---:|" + "---:|" * ((len(lanes) + 1) * len(variants)))
     for n in threads:
-        cells = " | ".join(f"{best[(label, n)][str(k)]['tok_s']:.1f} ({best[(label, n)][str(k)]['cpu_ms_per_tok']:.1f})"
-                           for label in variants for k in lanes)
+        cells = " | ".join(
+            f"{best[(label, n)][str(k)]['tok_s']:.1f} ({best[(label, n)][str(k)]['cpu_ms_per_tok']:.1f})"
+            for label in variants
+            for k in lanes
+        )
         prefill = " | ".join(f"{best[(label, n)]['prefill']['tok_s']:.0f}" for label in variants)
         print(f"| {n} | {cells} | {prefill} |")
     print(f"cells: aggregate decode tok/s (CPU ms burnt per token, all threads); prefill: tok/s of {PREFILL} tokens")
@@ -219,8 +252,10 @@ def main() -> None:
         # are shown (the engine's CPU time counts every thread of its process, spinning included).
         print("\n1 lane: the weights are read once per token; bytes per token x tok/s against a read loop")
         print("(per CPU-s: bytes per CPU-second of the process x threads; the loop's likewise)")
-        print(f"| threads | {' | '.join(f'{label} GB/s (per CPU-s)' for label in variants)} | read loop GB/s "
-              "(per CPU-s) | % of the loop (per CPU-s) |")
+        print(
+            f"| threads | {' | '.join(f'{label} GB/s (per CPU-s)' for label in variants)} | read loop GB/s "
+            "(per CPU-s) | % of the loop (per CPU-s) |"
+        )
         print("|---:|" + "---:|" * (len(variants) + 2))
         for n in threads:
             bw, bw_cpu = (x / 1e9 for x in read_bandwidth(n, args.bandwidth))
@@ -228,8 +263,10 @@ def main() -> None:
             rates = [c["tok_s"] * c["weight_bytes"] / 1e9 for c in solo]
             cpu_rates = [n * c["weight_bytes"] / (c["cpu_ms_per_tok"] / 1e3) / 1e9 for c in solo]
             pairs = list(zip(rates, cpu_rates, strict=True))
-            print(f"| {n} | {' | '.join(f'{r:.1f} ({c:.1f})' for r, c in pairs)} | {bw:.1f} ({bw_cpu:.1f}) | "
-                  f"{' / '.join(f'{100 * r / bw:.0f}% ({100 * c / bw_cpu:.0f}%)' for r, c in pairs)} |")
+            print(
+                f"| {n} | {' | '.join(f'{r:.1f} ({c:.1f})' for r, c in pairs)} | {bw:.1f} ({bw_cpu:.1f}) | "
+                f"{' / '.join(f'{100 * r / bw:.0f}% ({100 * c / bw_cpu:.0f}%)' for r, c in pairs)} |"
+            )
     if args.json:
         print(json.dumps({f"{label}/{n}": cell for (label, n), cell in best.items()}))
 

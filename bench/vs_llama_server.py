@@ -445,11 +445,30 @@ def make_server(who: str, streams: int, args: argparse.Namespace, logdir: Path) 
     port = free_port()
     log = logdir / f"{who}-{streams}.log"
     if who == OURS:
-        cmd = [sys.executable, "-m", "aiobasert", "serve", str(args.ours_model), "--port", str(port),
-               "--max-batch-size", str(streams), "--max-context", str(args.ctx), "--served-model-name", "bench",
-               "--dtype", args.dtype, "--kv-cache-dtype", args.kv_cache_dtype]
-        env = {**os.environ, "BASERT_REF_THREADS": str(args.threads),
-               "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
+        cmd = [
+            sys.executable,
+            "-m",
+            "aiobasert",
+            "serve",
+            str(args.ours_model),
+            "--port",
+            str(port),
+            "--max-batch-size",
+            str(streams),
+            "--max-context",
+            str(args.ctx),
+            "--served-model-name",
+            "bench",
+            "--dtype",
+            args.dtype,
+            "--kv-cache-dtype",
+            args.kv_cache_dtype,
+        ]
+        env = {
+            **os.environ,
+            "BASERT_REF_THREADS": str(args.threads),
+            "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
+        }
         return Server(OURS, cmd, port, log, env)  # fmt: skip
     cmd = [str(args.llama_server), "-m", str(args.gguf), "--host", "127.0.0.1", "--port", str(port),
            "-np", str(streams), "-cb", "-c", str(args.ctx * streams), "-t", str(args.threads),
@@ -577,16 +596,34 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--llama-cpp-python-version", default=None, help="sdist version to build (default: newest)")
     ap.add_argument("--build-jobs", type=int, default=2)
     ap.add_argument("--build-only", action="store_true", help="build llama-server, print its path and exit")
-    ap.add_argument("--model", "--gguf", dest="gguf", type=Path, default=None,
-                    help="the GGUF both serve, e.g. a K-quant (Q4_K_M) file (default: the SmolLM2 demo)")
-    ap.add_argument("--dtype", choices=("auto", "f16", "q8", "q4"), default="auto",
-                    help="which aiobasert bundle of the GGUF to serve (default auto: the GGUF's own blocks, "
-                         "K-quants included, as `aiobasert serve` converts it)")
-    ap.add_argument("--kv-cache-dtype", choices=("f16", "q8"), default="f16",
-                    help="the KV cache's element type for both servers (default f16, llama-server's default)")
+    ap.add_argument(
+        "--model",
+        "--gguf",
+        dest="gguf",
+        type=Path,
+        default=None,
+        help="the GGUF both serve, e.g. a K-quant (Q4_K_M) file (default: the SmolLM2 demo)",
+    )
+    ap.add_argument(
+        "--dtype",
+        choices=("auto", "f16", "q8", "q4"),
+        default="auto",
+        help="which aiobasert bundle of the GGUF to serve (default auto: the GGUF's own blocks, "
+        "K-quants included, as `aiobasert serve` converts it)",
+    )
+    ap.add_argument(
+        "--kv-cache-dtype",
+        choices=("f16", "q8"),
+        default="f16",
+        help="the KV cache's element type for both servers (default f16, llama-server's default)",
+    )
     ap.add_argument("--ours-model", type=Path, default=None, help="serve this .base/.gguf instead of --dtype's")
-    ap.add_argument("--streams", type=lambda s: [int(x) for x in s.split(",")], default=[1, 4, 16, 32],
-                    help="concurrency levels, comma-separated (default 1,4,16,32)")
+    ap.add_argument(
+        "--streams",
+        type=lambda s: [int(x) for x in s.split(",")],
+        default=[1, 4, 16, 32],
+        help="concurrency levels, comma-separated (default 1,4,16,32)",
+    )
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2, help="threads for both engines (default 2)")

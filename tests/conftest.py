@@ -50,15 +50,17 @@ def tiny_model_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def head16_model_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """head_dim 16: Q8_0 KV blocks of 32 would straddle heads, so a Q8_0 KV cache falls back to f16."""
-    return build_tiny_model(tmp_path_factory.mktemp("kv16") / "tiny.base", dim=64, n_heads=4, n_kv_heads=2,
-                            ffn_dim=96, tied=False, seed=4)
+    return build_tiny_model(
+        tmp_path_factory.mktemp("kv16") / "tiny.base", dim=64, n_heads=4, n_kv_heads=2, ffn_dim=96, tied=False, seed=4
+    )
 
 
 @pytest.fixture(scope="session")
 def head32_model_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """head_dim 32: takes a Q8_0 KV cache."""
-    return build_tiny_model(tmp_path_factory.mktemp("kv32") / "tiny.base", dim=128, n_heads=4, n_kv_heads=2,
-                            ffn_dim=96, tied=False, seed=5)
+    return build_tiny_model(
+        tmp_path_factory.mktemp("kv32") / "tiny.base", dim=128, n_heads=4, n_kv_heads=2, ffn_dim=96, tied=False, seed=5
+    )
 
 
 @pytest.fixture(scope="session")

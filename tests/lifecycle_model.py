@@ -272,12 +272,40 @@ class LifecycleWalk:
         engine = self.engine
         live = [t for t in self.tracked if t.outcome is None]
         action = rng.choices(
-            ["submit", "read", "break_named", "break_unnamed", "background", "cancel_reader", "timeout",
-             "aclose", "aclose_waited", "drop", "await", "idle", "close", "embed", "cancel_embed"],
+            [
+                "submit",
+                "read",
+                "break_named",
+                "break_unnamed",
+                "background",
+                "cancel_reader",
+                "timeout",
+                "aclose",
+                "aclose_waited",
+                "drop",
+                "await",
+                "idle",
+                "close",
+                "embed",
+                "cancel_embed",
+            ],
             weights=[14, 10, 5, 4, 7, 4, 4, 4, 3, 4, 5, 2, 2, 4, 2],
         )[0]
-        if action in ("read", "break_named", "background", "timeout", "aclose", "aclose_waited", "drop",
-                      "await", "cancel_reader") and not live:
+        if (
+            action
+            in (
+                "read",
+                "break_named",
+                "background",
+                "timeout",
+                "aclose",
+                "aclose_waited",
+                "drop",
+                "await",
+                "cancel_reader",
+            )
+            and not live
+        ):
             action = "submit"
         self.note(action)
         if action == "submit":

@@ -96,6 +96,7 @@ def from_llama_cpp_sdist(kind: str) -> Path:
     """The `kind` files of the llama-cpp-python sdist (not part of this repository): the sdist file fetched
     once from pip's index into the aiobasert cache dir, where only those files are kept (every kind's, from
     one download); skipped, with the reason, where the fetch fails or takes too long."""
+
     def target(k: str) -> Path:
         return cache_dir() / f"llama.cpp-{k}-{LLAMA_CPP_PYTHON_VERSION}"
 

@@ -83,6 +83,7 @@ def _rope_angles(rope: Rope, n: int, head_dim: int) -> tuple[npt.NDArray[np.floa
         extrap = extrap / np.asarray(rope.freq_factors, dtype=np.float64)[None, :]
     theta, mscale = rope.freq_scale * extrap, rope.attn_factor
     if rope.ext_factor:
+
         def corr(n_rot: float) -> float:
             return head_dim * math.log(rope.orig_ctx / (n_rot * 2 * math.pi)) / (2 * math.log(rope.theta))
 
@@ -219,14 +220,16 @@ def f16_close(engine: npt.NDArray[Any], ref: npt.NDArray[np.float64]) -> float:
     return float((np.abs(engine.astype(np.float64) - ref) / tol).max())
 
 
-def llama3_divisors(head_dim: int, theta: float, factor: float, low: float, high: float,
-                    orig_ctx: int) -> npt.NDArray[np.float64]:
+def llama3_divisors(
+    head_dim: int, theta: float, factor: float, low: float, high: float, orig_ctx: int
+) -> npt.NDArray[np.float64]:
     """Llama 3.1's `llama3` RoPE scaling as per-frequency divisors (HF's _compute_llama3_parameters)."""
     wavelen = 2 * math.pi / theta ** (-2.0 * np.arange(head_dim // 2, dtype=np.float64) / head_dim)
     smooth = (orig_ctx / wavelen - low) / (high - low)
     blend = 1.0 / ((1 - smooth) / factor + smooth)
-    out: npt.NDArray[np.float64] = np.where(wavelen < orig_ctx / high, 1.0,
-                                            np.where(wavelen > orig_ctx / low, factor, blend))
+    out: npt.NDArray[np.float64] = np.where(
+        wavelen < orig_ctx / high, 1.0, np.where(wavelen > orig_ctx / low, factor, blend)
+    )
     return out
 
 
@@ -252,10 +255,14 @@ def bundle_oracle_config(arch: str, c: dict[str, Any], tensor: Weights, context:
     except KeyError:
         factors = None
     if factors is None and kind == "llama3":  # HF's config form: the same divisors, computed
-        factors = llama3_divisors(c["head_dim"], rope.theta, float(np.float32(scaling["factor"])),
-                                  float(np.float32(scaling.get("low_freq_factor", 1.0))),
-                                  float(np.float32(scaling.get("high_freq_factor", 4.0))),
-                                  int(scaling["original_max_position_embeddings"]))
+        factors = llama3_divisors(
+            c["head_dim"],
+            rope.theta,
+            float(np.float32(scaling["factor"])),
+            float(np.float32(scaling.get("low_freq_factor", 1.0))),
+            float(np.float32(scaling.get("high_freq_factor", 4.0))),
+            int(scaling["original_max_position_embeddings"]),
+        )
     if kind == "longrope":
         longer = (context or c["max_position_embeddings"]) > int(scaling["original_max_position_embeddings"])
         factors = tensor("rope_factors_long.weight" if longer else "rope_factors_short.weight")
@@ -290,9 +297,14 @@ def bundle_oracle_config(arch: str, c: dict[str, Any], tensor: Weights, context:
 
 
 # GGUF tensor names -> canonical bundle names, written out independently of aiobasert.models.convert.
-_GGUF_GLOBAL = {"token_embd": "embed_tokens", "output_norm": "final_norm", "output": "lm_head",
-                "rope_freqs": "rope_freqs", "rope_factors_long": "rope_factors_long",
-                "rope_factors_short": "rope_factors_short"}
+_GGUF_GLOBAL = {
+    "token_embd": "embed_tokens",
+    "output_norm": "final_norm",
+    "output": "lm_head",
+    "rope_freqs": "rope_freqs",
+    "rope_factors_long": "rope_factors_long",
+    "rope_factors_short": "rope_factors_short",
+}
 _GGUF_LAYER = {
     "attn_norm": "input_norm",
     "attn_q": "self_attn.q_proj",
@@ -335,8 +347,9 @@ def gguf_oracle(gguf_path: str | Path, context: int | None = None) -> LlamaForwa
     (which LongRoPE factors), default the trained context."""
     reader = gguf.GGUFReader(gguf_path)
     arch = str(_field(reader, "general.architecture"))
-    fused = {t.name: t for t in reader.tensors if arch == "phi3" and t.name.endswith((".attn_qkv.weight",
-                                                                                     ".ffn_up.weight"))}
+    fused = {
+        t.name: t for t in reader.tensors if arch == "phi3" and t.name.endswith((".attn_qkv.weight", ".ffn_up.weight"))
+    }
     by_name = {_canonical(t.name): t for t in reader.tensors if t.name not in fused}
 
     def values_of(t: gguf.ReaderTensor) -> npt.NDArray[np.float32]:
@@ -369,16 +382,23 @@ def gguf_oracle(gguf_path: str | Path, context: int | None = None) -> LlamaForwa
     factor = float(_field(reader, f"{arch}.rope.scaling.factor", 1.0))
     rope = Rope(theta)
     if kind in ("linear", "yarn"):
-        rope = Rope(theta, freq_scale=1.0 / factor, ext_factor=1.0 if kind == "yarn" else 0.0,
-                    orig_ctx=int(_field(reader, f"{arch}.rope.scaling.original_context_length", 0)))
+        rope = Rope(
+            theta,
+            freq_scale=1.0 / factor,
+            ext_factor=1.0 if kind == "yarn" else 0.0,
+            orig_ctx=int(_field(reader, f"{arch}.rope.scaling.original_context_length", 0)),
+        )
     if "rope_freqs.weight" in by_name:
         rope = dataclasses.replace(rope, freq_factors=tuple(float(f) for f in weight("rope_freqs.weight")))
     elif "rope_factors_long.weight" in by_name:  # llama_model::get_rope_factors; attn_factor: llama-context.cpp
         trained = int(_field(reader, f"{arch}.context_length"))
         longer = (context or trained) > int(_field(reader, f"{arch}.rope.scaling.original_context_length", trained))
         factors = weight("rope_factors_long.weight" if longer else "rope_factors_short.weight")
-        rope = dataclasses.replace(rope, freq_factors=tuple(float(f) for f in factors),
-                                   attn_factor=float(_field(reader, f"{arch}.rope.scaling.attn_factor", 1.0)))
+        rope = dataclasses.replace(
+            rope,
+            freq_factors=tuple(float(f) for f in factors),
+            attn_factor=float(_field(reader, f"{arch}.rope.scaling.attn_factor", 1.0)),
+        )
     window = int(_field(reader, f"{arch}.attention.sliding_window", 0)) if arch == "gemma3" else 0
     sliding = tuple(i % 6 < 5 for i in range(n_layers)) if window else ()  # gemma3: set_swa_pattern(6)
     config = OracleConfig(

@@ -20,15 +20,18 @@ def quantize_bundle(src: Path, dst: Path, dtype: str, *, group_size: int = 32, s
     entries = []
     for name, info in b.tensors.items():
         if len(info.shape) == 2:
-            entries.append(TensorEntry(name, info.shape, dtype, info.compute_region, group_size=group_size,
-                                       symmetric=symmetric))
+            entries.append(
+                TensorEntry(name, info.shape, dtype, info.compute_region, group_size=group_size, symmetric=symmetric)
+            )
         else:
             entries.append(TensorEntry(name, info.shape, info.dtype, info.compute_region))
     with BundleWriter(dst, header, entries) as w:
         for e in entries:
             if e.dtype == dtype:
-                w.write(e.name, quantize_groups(np.asarray(b.tensor(e.name)), dtype, symmetric=symmetric,
-                                                group_size=group_size))
+                w.write(
+                    e.name,
+                    quantize_groups(np.asarray(b.tensor(e.name)), dtype, symmetric=symmetric, group_size=group_size),
+                )
             else:
                 w.write(e.name, b.raw(e.name))
     return dst
@@ -48,15 +51,24 @@ def asymmetric_twin(src: Path, dst: Path) -> Path:
         if info.dtype in ("base_q4", "base_q5", "base_q8"):
             assert info.symmetric and info.scale_dtype in ("f16", "f32"), name
             sdt = np.dtype("<f4" if info.scale_dtype == "f32" else "<f2")
-            scales = np.frombuffer(blob, sdt, (info.scale_length or 0) // sdt.itemsize,
-                                   b.blob_start + (info.scale_offset or 0))
+            scales = np.frombuffer(
+                blob, sdt, (info.scale_length or 0) // sdt.itemsize, b.blob_start + (info.scale_offset or 0)
+            )
             implied = -float(16 if info.dtype == "base_q5" else 8) * scales.astype(np.float32)
             biases = implied.astype(sdt)
             assert np.array_equal(biases.astype(np.float32), implied), f"{name}: a bias the scale dtype cannot hold"
             data.append(QuantizedTensor(np.asarray(b.raw(name)), scales, biases if twin else None))
-            entries.append(TensorEntry(name, info.shape, info.dtype, info.compute_region,
-                                       group_size=info.group_size or 32, symmetric=not twin,
-                                       scale_dtype=info.scale_dtype or "f16"))
+            entries.append(
+                TensorEntry(
+                    name,
+                    info.shape,
+                    info.dtype,
+                    info.compute_region,
+                    group_size=info.group_size or 32,
+                    symmetric=not twin,
+                    scale_dtype=info.scale_dtype or "f16",
+                )
+            )
         else:
             data.append(b.raw(name))
             entries.append(TensorEntry(name, info.shape, info.dtype, info.compute_region))

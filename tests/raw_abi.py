@@ -42,8 +42,9 @@ def step_logits(lib: Library, m: int, seqs: Sequence[int], feeds: Sequence[Seque
     """One baseRT_batch_step_fused_logits over `seqs` fed `feeds`; each lane's logit row."""
     n = len(seqs)
     flat = [t for f in feeds for t in f]
-    rc = lib.baseRT_batch_step_fused_logits(m, (c_void_p * n)(*seqs), n, (c_uint32 * len(flat))(*flat),
-                                            (c_int * n)(*[len(f) for f in feeds]))
+    rc = lib.baseRT_batch_step_fused_logits(
+        m, (c_void_p * n)(*seqs), n, (c_uint32 * len(flat))(*flat), (c_int * n)(*[len(f) for f in feeds])
+    )
     assert rc == OK, error(lib)
     vocab = int(lib.baseRT_batch_logits_stride(m)) // 2
     rows = np.empty((n, vocab), dtype=np.float16)

@@ -25,8 +25,9 @@ from aiobasert.models import convert
 
 
 def cli(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "aiobasert", *args], capture_output=True, text=True,
-                          input=stdin, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "aiobasert", *args], capture_output=True, text=True, input=stdin, timeout=120
+    )
 
 
 def test_run_streams_text(tiny_model_path: Path) -> None:
@@ -148,8 +149,9 @@ def test_serve_a_gguf(tmp_path: Path) -> None:
             reply = http.post("/v1/completions", json={"model": "pocket", "prompt": "hi", "max_tokens": 3})
             assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] >= 1
             # --kv-cache-dtype reached the engine's load: the pool is f16
-            assert re.search(r'aiobasert_kv_cache_bytes\{kv_cache_dtype="f16",model_name="pocket"\} [1-9]',
-                             http.get("/metrics").text)
+            assert re.search(
+                r'aiobasert_kv_cache_bytes\{kv_cache_dtype="f16",model_name="pocket"\} [1-9]', http.get("/metrics").text
+            )
     finally:
         proc.terminate()
         proc.wait(timeout=30)
@@ -218,8 +220,9 @@ def test_run_into_a_closed_pipe_ends_quietly(tiny_model_path: Path) -> None:
         (["{model}", "--served-model-name", "x", "--model", "y={model}"], "--served-model-name names one model"),
     ],
 )
-def test_serve_refuses_a_bad_command_line_before_starting(tiny_model_path: Path, extra: list[str],
-                                                          message: str) -> None:
+def test_serve_refuses_a_bad_command_line_before_starting(
+    tiny_model_path: Path, extra: list[str], message: str
+) -> None:
     proc = cli("serve", *[e.format(model=tiny_model_path) for e in extra], "--port", "0")
     assert proc.returncode != 0 and message in proc.stderr, proc.stderr
     assert "Traceback" not in proc.stderr and "startup failed" not in proc.stderr
@@ -243,8 +246,9 @@ def test_serve_refuses_a_cached_bundle_with_an_inexact_tokenizer(tmp_path: Path,
     # A bundle an older aiobasert converted from a GGUF whose pre-tokenizer the engine refuses (the tiny
     # model's header with 'smollm' turned into 'falcon', same length): one line before the server starts.
     old = tmp_path / "old.base"
-    old.write_bytes(tiny_model_path.read_bytes().replace(b'"tokenizer.ggml.pre":"smollm"',
-                                                         b'"tokenizer.ggml.pre":"falcon"', 1))
+    old.write_bytes(
+        tiny_model_path.read_bytes().replace(b'"tokenizer.ggml.pre":"smollm"', b'"tokenizer.ggml.pre":"falcon"', 1)
+    )
     proc = subprocess.run([sys.executable, "-m", "aiobasert", "serve", str(old), "--port", "0"], capture_output=True,
                           text=True, timeout=120)  # fmt: skip
     assert proc.returncode == 1, proc.stderr
@@ -261,7 +265,7 @@ def test_serve_a_model_that_cannot_load_is_one_line(tmp_path: Path, tiny_model_p
     proc = subprocess.run([sys.executable, "-m", "aiobasert", "serve", str(cut), "--port", "0"], capture_output=True,
                           text=True, timeout=120)  # fmt: skip
     assert proc.returncode != 0, proc.stderr
-    assert "Traceback" not in proc.stderr and "File \"" not in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr and 'File "' not in proc.stderr, proc.stderr
     lines = [ln for ln in proc.stderr.splitlines() if "aiobasert: cannot start:" in ln]
     assert len(lines) == 1 and "cut.base" in lines[0], proc.stderr
 

@@ -84,8 +84,7 @@ def doc_blocks() -> list[Block]:
 
 
 NOT_RUN: dict[tuple[str, str], str] = {
-    ("README.md", "pip install -e '.[dev]' && python -m pytest"):
-        "installs the dev extras and runs this very suite",
+    ("README.md", "pip install -e '.[dev]' && python -m pytest"): "installs the dev extras and runs this very suite",
 }
 """Blocks not run, by (file, first line), each with why: only install commands."""
 
@@ -213,6 +212,7 @@ def run_django_site(block: Block, models: Models, tmp: Path) -> None:
     """`uvicorn djsite:application`: concurrent first requests open one engine; SIGTERM
     drains and closes it through the lifespan lines (uvicorn logs their completion)."""
     import django  # noqa: F401  (the dev extra has it: a missing Django is a broken install, not a skip)
+
     (tmp / "djsite.py").write_text(block.code)
     env = subprocess_env(models.tiny)
     env["PYTHONPATH"] = os.pathsep.join([str(tmp), env["PYTHONPATH"]])
@@ -287,8 +287,13 @@ def run_commands(block: Block, models: Models, tmp: Path, request: pytest.Fixtur
     llama_bin_dir = os.environ.get("LLAMA_CPP_BIN_DIR", "")
     if "bench/llama_oracle.py" in block.code:
         recorded = REPO / "tests" / "data" / "llama_cpp" / "SmolLM2-135M-Instruct.Q4_1.json"
-        subs.update({"FILE.gguf": str(request.getfixturevalue("smollm2_gguf")), "DIR": llama_bin_dir,
-                     "tests/data/llama_cpp/NAME.json": str(tmp / "record.json") if llama_bin_dir else str(recorded)})
+        subs.update(
+            {
+                "FILE.gguf": str(request.getfixturevalue("smollm2_gguf")),
+                "DIR": llama_bin_dir,
+                "tests/data/llama_cpp/NAME.json": str(tmp / "record.json") if llama_bin_dir else str(recorded),
+            }
+        )
     if "~/models/foo.Q4_K_M.gguf" in block.code:
         (tmp / "models").mkdir()
         write_gguf(Path(subs["~/models/foo.Q4_K_M.gguf"]))

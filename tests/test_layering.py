@@ -25,15 +25,32 @@ PACKAGE = Path(__file__).resolve().parents[1] / "aiobasert"
 
 LAYERS: list[tuple[str, tuple[str, ...]]] = [  # bottom first; an exact name wins over a pattern
     # what every layer may use: the typed errors, the public structs and config, the C ABI's mirror, lazy numpy
-    ("base", ("aiobasert.errors", "aiobasert.types", "aiobasert.config", "aiobasert._core.ffi",
-              "aiobasert._core.lazy_numpy")),
+    (
+        "base",
+        (
+            "aiobasert.errors",
+            "aiobasert.types",
+            "aiobasert.config",
+            "aiobasert._core.ffi",
+            "aiobasert._core.lazy_numpy",
+        ),
+    ),
     # model files: the bundle format, conversion, the cache (read by the engine's machinery)
     ("models", ("aiobasert.models", "aiobasert.models.*")),
     # the private machinery of one engine, below the thread that drives it
     ("core", ("aiobasert._core", "aiobasert._core.*")),
     # policies and pieces the engine composes: scheduling, streams, chat prompts, tool calls
-    ("parts", ("aiobasert.batcher", "aiobasert.streams", "aiobasert.chat", "aiobasert.tools",
-               "aiobasert.tool_formats", "aiobasert._tool_syntax")),
+    (
+        "parts",
+        (
+            "aiobasert.batcher",
+            "aiobasert.streams",
+            "aiobasert.chat",
+            "aiobasert.tools",
+            "aiobasert.tool_formats",
+            "aiobasert._tool_syntax",
+        ),
+    ),
     ("thread", ("aiobasert.engine_thread",)),
     ("engine", ("aiobasert.engine", "aiobasert.group", "aiobasert.fanout")),
     ("package", ("aiobasert",)),  # the public facade (aiobasert/__init__.py)

@@ -150,7 +150,20 @@ def test_wheel_from_the_sdist_installs_and_runs_without_a_compiler(unpacked: Pat
     assert where.stdout.startswith(str(venv)), where.stdout + where.stderr
     told = _run([str(venv / "bin" / "aiobasert"), "--version"], cwd=elsewhere, env=env)
     assert told.stdout == f"aiobasert {version}\n", told.stdout + told.stderr
-    ran = _run([str(venv / "bin" / "aiobasert"), "run", "Once upon a time", "-m", str(tiny_model_path), "-n", "6",
-                "--ignore-eos", "--json"], cwd=elsewhere, env=env | {"AIOBASERT_CACHE_DIR": str(tmp_path / "cache")})
+    ran = _run(
+        [
+            str(venv / "bin" / "aiobasert"),
+            "run",
+            "Once upon a time",
+            "-m",
+            str(tiny_model_path),
+            "-n",
+            "6",
+            "--ignore-eos",
+            "--json",
+        ],
+        cwd=elsewhere,
+        env=env | {"AIOBASERT_CACHE_DIR": str(tmp_path / "cache")},
+    )
     assert ran.returncode == 0, ran.stderr[-3000:]
     assert '"finish_reason":"length"' in ran.stdout and '"completion_tokens":6' in ran.stdout, ran.stdout

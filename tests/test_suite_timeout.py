@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-HANGS = '''
+HANGS = """
 import anyio, pytest
 
 pytestmark = pytest.mark.anyio
@@ -25,7 +25,7 @@ async def test_hangs_in_a_shielded_scope() -> None:
 
 async def test_runs_after_the_hangs() -> None:
     await anyio.sleep(0)
-'''
+"""
 
 
 def test_a_hanging_test_fails_on_both_backends(tmp_path: Path) -> None:
@@ -36,7 +36,11 @@ def test_a_hanging_test_fails_on_both_backends(tmp_path: Path) -> None:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(here.parent), str(here), os.environ.get("PYTHONPATH", "")])}
     run = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-rA", "-p", "no:cacheprovider", "test_hangs.py"],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120,
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     out = run.stdout + run.stderr
     assert run.returncode == 1, out

@@ -89,8 +89,13 @@ def write_gguf(
     for key, value in extra_kv.items():
         writer.add_key_value(key, value, gguf.GGUFValueType.get_type(value))
 
-    def add(name: str, shape: tuple[int, ...], qtype: gguf.GGMLQuantizationType = Q.F32, center: float = 0.0,
-            std: float = 0.1) -> None:
+    def add(
+        name: str,
+        shape: tuple[int, ...],
+        qtype: gguf.GGMLQuantizationType = Q.F32,
+        center: float = 0.0,
+        std: float = 0.1,
+    ) -> None:
         if name in drop:
             return
         if matrices is not None and len(shape) == 2:
@@ -161,8 +166,14 @@ def write_gguf(
 ARCH_GGUFS: dict[str, dict[str, Any]] = {
     "llama3_rope_freqs": dict(rope_freqs=True),
     "llama_linear": dict(extra_kv={"llama.rope.scaling.type": "linear", "llama.rope.scaling.factor": 4.0}),
-    "qwen2_yarn": dict(arch="qwen2", extra_kv={"qwen2.rope.scaling.type": "yarn", "qwen2.rope.scaling.factor": 4.0,
-                                               "qwen2.rope.scaling.original_context_length": 64}),
+    "qwen2_yarn": dict(
+        arch="qwen2",
+        extra_kv={
+            "qwen2.rope.scaling.type": "yarn",
+            "qwen2.rope.scaling.factor": 4.0,
+            "qwen2.rope.scaling.original_context_length": 64,
+        },
+    ),
     "llama_wide_head": dict(head_dim=WIDE_HEAD),  # Mistral Nemo's kind: key_length x heads != embedding_length
     "qwen3": dict(arch="qwen3"),
     "gemma3": dict(arch="gemma3", n_layers=6),
@@ -194,8 +205,9 @@ def big_vocab_gguf(path: Path, *, extra_tokens: int = 200_000, dim: int = 256, f
                       n_layers=2)  # fmt: skip
 
 
-def k_quant_blocks(rng: np.random.Generator, qtype: gguf.GGMLQuantizationType,
-                   shape: tuple[int, ...]) -> np.ndarray[Any, np.dtype[np.uint8]]:
+def k_quant_blocks(
+    rng: np.random.Generator, qtype: gguf.GGMLQuantizationType, shape: tuple[int, ...]
+) -> np.ndarray[Any, np.dtype[np.uint8]]:
     """Random K-quant blocks for a [rows, cols] matrix, as raw GGUF bytes [rows, cols / 256 * block bytes].
 
     gguf-py cannot quantize K-quants, so the blocks are written by hand: random quants, sub-block scales
@@ -216,8 +228,9 @@ def k_quant_blocks(rng: np.random.Generator, qtype: gguf.GGMLQuantizationType,
     return blocks.reshape(rows, -1)
 
 
-def quantize_k(values: np.ndarray[Any, np.dtype[np.float32]], qtype: gguf.GGMLQuantizationType
-               ) -> np.ndarray[Any, np.dtype[np.uint8]]:
+def quantize_k(
+    values: np.ndarray[Any, np.dtype[np.float32]], qtype: gguf.GGMLQuantizationType
+) -> np.ndarray[Any, np.dtype[np.uint8]]:
     """Round-to-nearest K-quant blocks (Q4_K / Q6_K) of a [rows, cols] matrix, in ggml's block layout.
 
     Not llama.cpp's search-based quantizer (gguf-py has none for K-quants): per 32 (Q4_K) or 16 (Q6_K)
@@ -237,11 +250,20 @@ def quantize_k(values: np.ndarray[Any, np.dtype[np.float32]], qtype: gguf.GGMLQu
         step = (df * sc)[..., None]
         q = np.clip(np.rint(np.where(step != 0, sub / np.where(step != 0, step, 1), 0)) + 32, 0, 63).astype(np.uint8)
         q = q.reshape(rows, -1, 2, 4, 32)  # [half n][quarter t][l]
-        ql = np.concatenate([(q[:, :, :, 0] & 15) | ((q[:, :, :, 2] & 15) << 4),
-                             (q[:, :, :, 1] & 15) | ((q[:, :, :, 3] & 15) << 4)], axis=3)  # [n][64]
+        ql = np.concatenate(
+            [(q[:, :, :, 0] & 15) | ((q[:, :, :, 2] & 15) << 4), (q[:, :, :, 1] & 15) | ((q[:, :, :, 3] & 15) << 4)],
+            axis=3,
+        )  # [n][64]
         qh = sum((q[:, :, :, t] >> 4) << (2 * t) for t in range(4)).astype(np.uint8)
-        out = np.concatenate([ql.reshape(rows, -1, 128), qh.reshape(rows, -1, 64), sc.view(np.uint8),
-                              d[..., None].view(np.uint8).reshape(rows, -1, 2)], axis=2)
+        out = np.concatenate(
+            [
+                ql.reshape(rows, -1, 128),
+                qh.reshape(rows, -1, 64),
+                sc.view(np.uint8),
+                d[..., None].view(np.uint8).reshape(rows, -1, 2),
+            ],
+            axis=2,
+        )
         return out.reshape(rows, -1).astype(np.uint8)
     if qtype != Q.Q4_K:
         raise ValueError(f"quantize_k: {qtype.name}")
@@ -261,8 +283,15 @@ def quantize_k(values: np.ndarray[Any, np.dtype[np.float32]], qtype: gguf.GGMLQu
     packed[..., 0:4] = (sc[..., 0:4] & 63) | ((sc[..., 4:8] >> 4) << 6)
     packed[..., 4:8] = (mn[..., 0:4] & 63) | ((mn[..., 4:8] >> 4) << 6)
     packed[..., 8:12] = (sc[..., 4:8] & 15) | ((mn[..., 4:8] & 15) << 4)
-    out = np.concatenate([d[..., None].view(np.uint8).reshape(rows, -1, 2),
-                          dmin[..., None].view(np.uint8).reshape(rows, -1, 2), packed, qs], axis=2)
+    out = np.concatenate(
+        [
+            d[..., None].view(np.uint8).reshape(rows, -1, 2),
+            dmin[..., None].view(np.uint8).reshape(rows, -1, 2),
+            packed,
+            qs,
+        ],
+        axis=2,
+    )
     return out.reshape(rows, -1).astype(np.uint8)
 
 

@@ -49,11 +49,14 @@ def write_vocab(path: Path, fields: Mapping[str, Any]) -> None:
     scores: Sequence[float] = fields.get("tokenizer.ggml.scores") or [0.0] * len(tokens)
     merges: Sequence[str] = fields.get("tokenizer.ggml.merges", [])
     model = fields.get("tokenizer.ggml.model", "gpt2")
-    out = [b"pre %s\nmodel %s\nspace_prefix %d\n%d\n" % (
-        fields.get("tokenizer.ggml.pre", "default").encode(), model.encode(),
-        _add_space_prefix(fields), len(tokens))]
-    out += [b"%d %s " % (t, repr(float(sc)).encode()) + _blob(s.encode())
-            for s, t, sc in zip(tokens, types, scores, strict=True)]
+    out = [
+        b"pre %s\nmodel %s\nspace_prefix %d\n%d\n"
+        % (fields.get("tokenizer.ggml.pre", "default").encode(), model.encode(), _add_space_prefix(fields), len(tokens))
+    ]
+    out += [
+        b"%d %s " % (t, repr(float(sc)).encode()) + _blob(s.encode())
+        for s, t, sc in zip(tokens, types, scores, strict=True)
+    ]
     out.append(b"%d\n" % len(merges))
     out += [_blob(m.encode()) for m in merges]
     path.write_bytes(b"".join(out))
@@ -71,8 +74,9 @@ def _run(cmd: list[str]) -> list[str]:
     return proc.stdout.decode().splitlines()
 
 
-def run_encode(driver: Path, vocab: Path, records: Sequence[Sequence[Piece]],
-               tmp: Path) -> list[tuple[list[int], bytes]]:
+def run_encode(
+    driver: Path, vocab: Path, records: Sequence[Sequence[Piece]], tmp: Path
+) -> list[tuple[list[int], bytes]]:
     """Encode each record (a list of pieces); returns (ids, concatenated token bytes) per record."""
     data = [b"%d\n" % len(records)]
     for pieces in records:
@@ -139,8 +143,9 @@ def _char_split(rng: random.Random, s: str) -> tuple[str, str]:
     return s[:k], s[k:]
 
 
-def parity_mismatches(driver: Path, vocab: Path, fields: Mapping[str, Any], strings: Sequence[str],
-                      tmp: Path, seed: int = 0) -> tuple[int, list[str]]:
+def parity_mismatches(
+    driver: Path, vocab: Path, fields: Mapping[str, Any], strings: Sequence[str], tmp: Path, seed: int = 0
+) -> tuple[int, list[str]]:
     """Encode every string five ways through the driver and compare with HF; returns (checks, mismatches).
 
     Kinds: framing text (bpe_encode, parse_special=1), content text (parse_special=0), content split at a

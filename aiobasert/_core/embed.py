@@ -115,10 +115,17 @@ class Embedder:
             raise lib.last_error("baseRT_sequence_create")
         try:
             n = len(ids)
-            one = (c_int * 1)
+            one = c_int * 1
             rc = lib.baseRT_batch_step_fused_logits_rows_taps(
-                model, (ctypes.c_void_p * 1)(seq), 1, _ffi.u32_array(ids), one(n), one(1),
-                one(pooler.hidden_index), 1, one(n),
+                model,
+                (ctypes.c_void_p * 1)(seq),
+                1,
+                _ffi.u32_array(ids),
+                one(n),
+                one(1),
+                one(pooler.hidden_index),
+                1,
+                one(n),
             )
             if rc == ErrorCode.OUT_OF_MEMORY:
                 raise lib.last_error("baseRT_batch_step_fused_logits_rows_taps")

@@ -335,9 +335,7 @@ class Library(LibraryFunctions):
         abi_fn.restype, abi_fn.argtypes = c_uint, []
         abi = int(abi_fn())
         if abi != SUPPORTED_ABI:
-            raise AbiMismatchError(
-                f"{path} ({origin}) speaks baseRT ABI {abi}; aiobasert supports ABI {SUPPORTED_ABI}"
-            )
+            raise AbiMismatchError(f"{path} ({origin}) speaks baseRT ABI {abi}; aiobasert supports ABI {SUPPORTED_ABI}")
         self._present: set[str] = set()
         for name, (restype, argtypes, required) in _SIGNATURES.items():
             try:
@@ -409,9 +407,7 @@ class Library(LibraryFunctions):
 _default_lock = threading.Lock()
 
 
-def load_library(
-    path: str | os.PathLike[str] | None = None, *, thread_check: bool | None = None
-) -> Library:
+def load_library(path: str | os.PathLike[str] | None = None, *, thread_check: bool | None = None) -> Library:
     """Find and load libbaseRT: `path`, else $BASERT_LIB_PATH, else the platform's
     usual places, else the reference engine bundled with this package."""
     errors: list[str] = []

@@ -49,6 +49,7 @@ GRAMMAR_LIMITS: dict[str, Any] = {
     "max_grammar_size": 64_000,
 }
 
+
 def engine_end_ids(lib: Any, model: int, n_tokens: int) -> list[int]:
     """The ids that end generation, asked of the engine (baseRT_is_eos_token): its loader
     knows each model family's end markers, the grammar offers exactly those."""
@@ -303,4 +304,3 @@ class EngineGrammarConstraint:
         if self._grammar is not None:
             self._lib.baseRT_grammar_free(self._grammar)
             self._grammar = None
-

@@ -206,7 +206,9 @@ class _Lanes:
     def __init__(self) -> None:
         self._cond = threading.Condition()
         self._queues: dict[Lane, collections.deque[tuple[Job, Done]]] = {
-            "quick": collections.deque(), "cheap": collections.deque(), "costly": collections.deque(),
+            "quick": collections.deque(),
+            "cheap": collections.deque(),
+            "costly": collections.deque(),
         }
         self._closed = False
 

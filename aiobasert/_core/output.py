@@ -73,9 +73,7 @@ class OutputProcessor:
             hit = self._eos[tok] = bool(self._lib.baseRT_is_eos_token(self._model, tok))
         return hit
 
-    def process(
-        self, lane: Lane, tok: int, logprob: float | None, tops: list[TopLogprob] | None
-    ) -> TokenOutput:
+    def process(self, lane: Lane, tok: int, logprob: float | None, tops: list[TopLogprob] | None) -> TokenOutput:
         """The token as the stream yields it, and the finish reason if it is the last.
 
         Advances the lane's text state (decoder, stop matcher, grammar); its
@@ -101,8 +99,7 @@ class OutputProcessor:
                 tail, hit = self._tail(lane)
                 text += tail
                 finish = "stop" if hit else "length"
-        token = Token(id=tok, text=text, index=count - 1, logprob=logprob, top_logprobs=tops,
-                      finish_reason=finish)
+        token = Token(id=tok, text=text, index=count - 1, logprob=logprob, top_logprobs=tops, finish_reason=finish)
         return TokenOutput(token, finish)
 
     @staticmethod

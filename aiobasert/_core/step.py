@@ -147,7 +147,7 @@ class Lane:
         """Tokens [start, end) of what it prefills: the prompt, then a preempted lane's output so
         far (`LaneState.replay`), without concatenating the whole prompt."""
         n = len(self.prompt)
-        head = list(self.prompt[start:min(end, n)]) if start < n else []
+        head = list(self.prompt[start : min(end, n)]) if start < n else []
         if end > n:
             head += self.generated[max(start, n) - n : min(end - n, self.state.replay)]
         return head
@@ -281,8 +281,9 @@ class Batch:
     tapped: int = 0
     sampling: bool = False
 
-    def add(self, lane: Lane | EmbedLane, row: PlannedRow, chunk: list[int],
-            sampler: _ffi.BaseRTRowSampling | None) -> None:
+    def add(
+        self, lane: Lane | EmbedLane, row: PlannedRow, chunk: list[int], sampler: _ffi.BaseRTRowSampling | None
+    ) -> None:
         self.rows.append((lane, row))
         self.feed.extend(chunk)
         self.samplers.append(sampler)
@@ -411,8 +412,10 @@ class StepRunner:
                 if r is not None:
                     rows_c[i] = r
             fused = (c_uint32 * n)()
-            lib.check(lib.baseRT_batch_step_fused_sample(model, seqs, n, toks, counts, rows_c, fused),
-                      "baseRT_batch_step_fused_sample")
+            lib.check(
+                lib.baseRT_batch_step_fused_sample(model, seqs, n, toks, counts, rows_c, fused),
+                "baseRT_batch_step_fused_sample",
+            )
             return fused
         if path == "taps":
             # One row of logits per lane as in the other paths (the header wants
@@ -422,13 +425,15 @@ class StepRunner:
             ones = (c_int * n)(*([1] * n))
             layer = (c_int * 1)(self.pooler.hidden_index)
             trows = (c_int * n)(*(row.tokens if row.kind == "embed" else 0 for _, row in batch.rows))
-            lib.check(lib.baseRT_batch_step_fused_logits_rows_taps(model, seqs, n, toks, counts, ones, layer, 1,
-                                                                   trows),
-                      "baseRT_batch_step_fused_logits_rows_taps")
+            lib.check(
+                lib.baseRT_batch_step_fused_logits_rows_taps(model, seqs, n, toks, counts, ones, layer, 1, trows),
+                "baseRT_batch_step_fused_logits_rows_taps",
+            )
             read = batch.sampling
         else:
-            lib.check(lib.baseRT_batch_step_fused_logits(model, seqs, n, toks, counts),
-                      "baseRT_batch_step_fused_logits")
+            lib.check(
+                lib.baseRT_batch_step_fused_logits(model, seqs, n, toks, counts), "baseRT_batch_step_fused_logits"
+            )
             read = True
         if read and lib.baseRT_read_batch_logits(model, n, self._logits_ptr) < 0:
             raise lib.last_error("baseRT_read_batch_logits")
@@ -441,8 +446,7 @@ class StepRunner:
         taps_at = 0
         for i, (lane, row) in enumerate(batch.rows):
             if row.kind == "embed":
-                results.append(RowResult(lane, row, error=taps_error) if taps_error
-                               else self._pool(lane, row, taps_at))
+                results.append(RowResult(lane, row, error=taps_error) if taps_error else self._pool(lane, row, taps_at))
                 taps_at += row.tokens
             elif not row.samples:
                 results.append(RowResult(lane, row))

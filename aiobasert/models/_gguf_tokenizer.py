@@ -13,8 +13,14 @@ import os
 from collections.abc import Mapping
 from typing import Any, Final
 
-__all__ = ["SUPPORTED_MODELS", "SUPPORTED_PRE", "bundle_tokenizer", "check_bundle_tokenizer", "rstrip_token_ids",
-           "tokenizer_refusal"]
+__all__ = [
+    "SUPPORTED_MODELS",
+    "SUPPORTED_PRE",
+    "bundle_tokenizer",
+    "check_bundle_tokenizer",
+    "rstrip_token_ids",
+    "tokenizer_refusal",
+]
 
 _FLT_MAX: Final = 3.4028234663852886e38
 
@@ -36,8 +42,10 @@ def tokenizer_refusal(meta: Mapping[str, Any]) -> str | None:
     """None when the engine tokenizes this GGUF's vocabulary exactly, else the one-line reason."""
     model = meta.get("tokenizer.ggml.model")
     if model not in SUPPORTED_MODELS:
-        return (f"tokenizer model {model!r} (tokenizer.ggml.model) is not one the engine runs exactly "
-                f"(it runs {', '.join(SUPPORTED_MODELS)})")
+        return (
+            f"tokenizer model {model!r} (tokenizer.ggml.model) is not one the engine runs exactly "
+            f"(it runs {', '.join(SUPPORTED_MODELS)})"
+        )
     tokens = meta.get("tokenizer.ggml.tokens")
     if isinstance(tokens, list):
         bad = next((i for i, t in enumerate(tokens) if not isinstance(t, str) or not t or "\0" in t), None)
@@ -50,8 +58,10 @@ def tokenizer_refusal(meta: Mapping[str, Any]) -> str | None:
         pre = meta.get("tokenizer.ggml.pre")
         if pre not in _PRE_NAMES:
             named = "no pre-tokenizer (tokenizer.ggml.pre)" if pre is None else f"pre-tokenizer {pre!r}"
-            return (f"{named} is not one the engine runs exactly (it runs llama-bpe, qwen2, smollm, gpt-2, "
-                    "starcoder and their aliases: docs/models.md)")
+            return (
+                f"{named} is not one the engine runs exactly (it runs llama-bpe, qwen2, smollm, gpt-2, "
+                "starcoder and their aliases: docs/models.md)"
+            )
     return None
 
 
@@ -74,8 +84,9 @@ def bundle_tokenizer(meta: Mapping[str, Any]) -> dict[str, Any]:
     fields = {k: v for k, v in meta.items() if k.startswith("tokenizer.")}
     scores = fields.get("tokenizer.ggml.scores")
     if isinstance(scores, list):
-        fields["tokenizer.ggml.scores"] = [math.copysign(_FLT_MAX, x) if isinstance(x, float) and math.isinf(x)
-                                           else x for x in scores]
+        fields["tokenizer.ggml.scores"] = [
+            math.copysign(_FLT_MAX, x) if isinstance(x, float) and math.isinf(x) else x for x in scores
+        ]
     if ids := rstrip_token_ids(meta):
         fields["tokenizer.aiobasert.rstrip_token_ids"] = ids
     return {"tokenizer_type": "gguf"} | fields

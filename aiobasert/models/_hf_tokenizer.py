@@ -45,8 +45,10 @@ _BYTE_LEVEL: dict[str, Any] = {
 
 
 # Llama 3's and Qwen2's tokenizer.json regexes (they differ in \p{N}{1,3} / \p{N}).
-_LLAMA3_REGEX: Final = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-                        r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+_LLAMA3_REGEX: Final = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 _QWEN2_REGEX: Final = _LLAMA3_REGEX.replace(r"\p{N}{1,3}", r"\p{N}")
 
 
@@ -82,8 +84,11 @@ def _spm_merges(tokens: list[str], types: list[int], scores: list[float], vocab:
     for token_id, piece in enumerate(tokens):
         if vocab.get(piece) != token_id or types[token_id] in _ADDED_TYPES:
             continue
-        local = [(piece[:k], piece[k:], scores[token_id]) for k in range(1, len(piece))
-                 if piece[:k] in vocab and piece[k:] in vocab]
+        local = [
+            (piece[:k], piece[k:], scores[token_id])
+            for k in range(1, len(piece))
+            if piece[:k] in vocab and piece[k:] in vocab
+        ]
         merges += sorted(local, key=lambda m: (vocab[m[0]], vocab[m[1]]))
     merges.sort(key=lambda m: m[2], reverse=True)
     return [[left, right] for left, right, _ in merges]
@@ -116,15 +121,17 @@ def hf_tokenizer_json(tok: Mapping[str, Any], *, content: bool = False) -> str:
         if content and not (token_type == TOKEN_TYPE_USER_DEFINED and _blank(text)):
             continue
         if token_type in _ADDED_TYPES and text and vocab[text] == token_id:
-            added_tokens.append({
-                "id": token_id,
-                "content": text,
-                "single_word": False,
-                "lstrip": False,
-                "rstrip": False,
-                "normalized": False,
-                "special": token_type != TOKEN_TYPE_USER_DEFINED,
-            })
+            added_tokens.append(
+                {
+                    "id": token_id,
+                    "content": text,
+                    "single_word": False,
+                    "lstrip": False,
+                    "rstrip": False,
+                    "normalized": False,
+                    "special": token_type != TOKEN_TYPE_USER_DEFINED,
+                }
+            )
 
     if model == "llama":
         scores = [float(x) for x in tok.get("tokenizer.ggml.scores") or [0.0] * len(tokens)]
@@ -133,13 +140,20 @@ def hf_tokenizer_json(tok: Mapping[str, Any], *, content: bool = False) -> str:
         space_prefix = bool(tok.get("tokenizer.ggml.add_space_prefix", True))
         unk = next((t for t, ty in zip(tokens, types, strict=True) if ty == TOKEN_TYPE_UNKNOWN), None)
         replace = {"type": "Replace", "pattern": {"String": " "}, "content": "\u2581"}
-        normalizer: Any = {"type": "Sequence", "normalizers": [
-            *([{"type": "Prepend", "prepend": "\u2581"}] if space_prefix else []), replace]}
+        normalizer: Any = {
+            "type": "Sequence",
+            "normalizers": [*([{"type": "Prepend", "prepend": "\u2581"}] if space_prefix else []), replace],
+        }
         pre_tokenizer: Any = None
-        decoder: Any = {"type": "Sequence", "decoders": [
-            {"type": "Replace", "pattern": {"String": "\u2581"}, "content": " "},
-            {"type": "ByteFallback"}, {"type": "Fuse"},
-            *([{"type": "Strip", "content": " ", "start": 1, "stop": 0}] if space_prefix else [])]}
+        decoder: Any = {
+            "type": "Sequence",
+            "decoders": [
+                {"type": "Replace", "pattern": {"String": "\u2581"}, "content": " "},
+                {"type": "ByteFallback"},
+                {"type": "Fuse"},
+                *([{"type": "Strip", "content": " ", "start": 1, "stop": 0}] if space_prefix else []),
+            ],
+        }
         merges = _spm_merges(tokens, types, scores, vocab)
     else:
         unk, normalizer, pre_tokenizer, decoder = None, None, _pre_tokenizer(pre), dict(_BYTE_LEVEL)

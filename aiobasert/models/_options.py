@@ -15,7 +15,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The converter's options, shared by ``python -m aiobasert.models.convert`` and ``aiobasert convert``."""
     parser.add_argument("src", type=Path, help="input .gguf file")
     parser.add_argument("dst", type=Path, help="output .base file")
-    parser.add_argument("--dtype", choices=DTYPES, default="auto",
-                        help="storage type of the matrices (q8 / q4: group-wise quantized, base_q8 / base_q4; "
-                        "auto: as the GGUF has them, quantized blocks carried exactly where they can be)")
+    parser.add_argument(
+        "--dtype",
+        choices=DTYPES,
+        default="auto",
+        help="storage type of the matrices (q8 / q4: group-wise quantized, base_q8 / base_q4; "
+        "auto: as the GGUF has them, quantized blocks carried exactly where they can be)",
+    )
     parser.add_argument("--quiet", action="store_true", help="no progress bar")

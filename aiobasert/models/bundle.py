@@ -72,13 +72,19 @@ _QUANT_BITS: Final[dict[str, int]] = {"base_q8": 8, "base_q5": 5, "base_q4": 4}
 #: in its low nibble and value j + G/2 in its high nibble (GGML's Q4_1 order); q5 (GGML's Q5_0 / Q5_1 /
 #: Q5_K blocks, an aiobasert extension) per group G/8 bytes of fifth bits (bit j % 8 of byte j / 8 is
 #: value j's), then the G/2 bytes of nibbles as q4.
-QUANT_LAYOUT: Final[dict[str, str]] = {"base_q8": "rowmajor", "base_q5": "rowmajor_qh_nibble_halves",
-                                       "base_q4": "rowmajor_nibble_halves"}
+QUANT_LAYOUT: Final[dict[str, str]] = {
+    "base_q8": "rowmajor",
+    "base_q5": "rowmajor_qh_nibble_halves",
+    "base_q4": "rowmajor_nibble_halves",
+}
 #: GGML K-quant super-blocks stored as the GGUF has them (an aiobasert extension): row-major rows of
 #: blocks of 256 values, bytes per block as ggml-common.h's block_q4_K / block_q5_K / block_q6_K; the
 #: engine decodes them at load (exactly: K-quant sub-block scales are f16 x small integers).
 GGML_BLOCKS: Final[dict[str, tuple[str, int]]] = {
-    "ggml_q4_k": ("Q4_K", 144), "ggml_q5_k": ("Q5_K", 176), "ggml_q6_k": ("Q6_K", 210)}
+    "ggml_q4_k": ("Q4_K", 144),
+    "ggml_q5_k": ("Q5_K", 176),
+    "ggml_q6_k": ("Q6_K", 210),
+}
 _QUANT_REGION_ALIGN: Final = 64
 _SCALE_SIZE: Final = {"f16": 2, "f32": 4}  # the scale dtypes the writer lays out
 # Storage dtype of each bundle dtype (bf16 has no numpy dtype: raw uint16 bits).
@@ -96,8 +102,6 @@ _REGION_ALIGN_KEY: Final[dict[str, str]] = {
 
 #: Progress callback: (bytes done, bytes total).
 Progress = Callable[[int, int], object]
-
-
 
 
 class TensorInfo(msgspec.Struct, frozen=True):
@@ -235,8 +239,10 @@ class QuantizedTensor(msgspec.Struct, frozen=True):
 def _quant_lengths(dtype: str, shape: tuple[int, ...], group_size: int) -> tuple[int, int]:
     """(packed bytes, groups) of a quantized tensor; ValueError when the shape does not split into groups."""
     if len(shape) != 2 or shape[1] % group_size or group_size not in (32, 64, 128):
-        raise ValueError(f"a {dtype} tensor needs a 2-D shape whose rows split into groups of 32, 64 or 128 "
-                         f"(shape {list(shape)}, group_size {group_size})")
+        raise ValueError(
+            f"a {dtype} tensor needs a 2-D shape whose rows split into groups of 32, 64 or 128 "
+            f"(shape {list(shape)}, group_size {group_size})"
+        )
     n = math.prod(shape)
     return n * _QUANT_BITS[dtype] // 8, n // group_size
 
@@ -276,11 +282,24 @@ def _layout(entries: Sequence[TensorEntry], alignment: Mapping[str, Any]) -> lis
             region = _SCALE_SIZE[entry.scale_dtype] * groups
             scale_offset = _align_up(offset + length, _QUANT_REGION_ALIGN)
             bias_offset = None if entry.symmetric else _align_up(scale_offset + region, _QUANT_REGION_ALIGN)
-            infos.append(TensorInfo(
-                entry.name, entry.dtype, tuple(entry.shape), offset, length, entry.compute_region,
-                group_size=entry.group_size, scale_dtype=entry.scale_dtype, symmetric=entry.symmetric,
-                layout=QUANT_LAYOUT[entry.dtype], scale_offset=scale_offset, scale_length=region,
-                bias_offset=bias_offset, bias_length=None if bias_offset is None else region))
+            infos.append(
+                TensorInfo(
+                    entry.name,
+                    entry.dtype,
+                    tuple(entry.shape),
+                    offset,
+                    length,
+                    entry.compute_region,
+                    group_size=entry.group_size,
+                    scale_dtype=entry.scale_dtype,
+                    symmetric=entry.symmetric,
+                    layout=QUANT_LAYOUT[entry.dtype],
+                    scale_offset=scale_offset,
+                    scale_length=region,
+                    bias_offset=bias_offset,
+                    bias_length=None if bias_offset is None else region,
+                )
+            )
             cursor = (scale_offset if bias_offset is None else bias_offset) + region
             continue
         if entry.dtype in GGML_BLOCKS:

@@ -415,8 +415,7 @@ def _demo_bundle(*, progress: bool, wheel: Path | None = None) -> Path:
             from .convert import convert_gguf  # the GGUF reader only when converting (see _options)
 
             convert_gguf(source, target, dtype=DEFAULT_MODEL_DTYPE, progress=progress)
-            _write_manifest(target, _Manifest(source=_DEMO_SOURCE, dtype=DEFAULT_MODEL_DTYPE,
-                                              converted_at=time.time()))
+            _write_manifest(target, _Manifest(source=_DEMO_SOURCE, dtype=DEFAULT_MODEL_DTYPE, converted_at=time.time()))
     return target
 
 
@@ -454,9 +453,7 @@ def _is_current(bundle: Path, wanted: _Manifest) -> bool:
     return bundle.is_file() and have is not None and msgspec.structs.replace(have, converted_at=0.0) == wanted
 
 
-def gguf_bundle_path(
-    src: str | os.PathLike[str], *, dtype: Dtype = "auto", progress: bool = True
-) -> Path:
+def gguf_bundle_path(src: str | os.PathLike[str], *, dtype: Dtype = "auto", progress: bool = True) -> Path:
     """The cached `.base` conversion of the GGUF `src` as `dtype` (one bundle per dtype), converting
     it on first use. ``auto`` keeps each tensor as the GGUF stores it (K-quants stay quantized).
 

@@ -49,9 +49,14 @@ _GGUF_MAGIC: Final = b"GGUF"
 
 # GGUF tensor name stems -> canonical bundle names (base-convert's llama mapping, and the
 # other architectures' extra tensors under names of their own).
-_GLOBAL_NAMES: Final = {"token_embd": "embed_tokens", "output_norm": "final_norm", "output": "lm_head",
-                        "rope_freqs": "rope_freqs", "rope_factors_long": "rope_factors_long",
-                        "rope_factors_short": "rope_factors_short"}
+_GLOBAL_NAMES: Final = {
+    "token_embd": "embed_tokens",
+    "output_norm": "final_norm",
+    "output": "lm_head",
+    "rope_freqs": "rope_freqs",
+    "rope_factors_long": "rope_factors_long",
+    "rope_factors_short": "rope_factors_short",
+}
 _LAYER_NAMES: Final = {
     "attn_norm": "input_norm",
     "attn_q": "self_attn.q_proj",
@@ -74,8 +79,12 @@ _ARCH_LAYER_EXTRAS: Final[dict[str, tuple[str, ...]]] = {
     "llama": (),
     "qwen2": ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"),
     "qwen3": ("self_attn.q_norm.weight", "self_attn.k_norm.weight"),
-    "gemma3": ("self_attn.q_norm.weight", "self_attn.k_norm.weight", "self_attn.out_norm.weight",
-               "mlp.out_norm.weight"),
+    "gemma3": (
+        "self_attn.q_norm.weight",
+        "self_attn.k_norm.weight",
+        "self_attn.out_norm.weight",
+        "mlp.out_norm.weight",
+    ),
     "phi3": (),
 }
 
@@ -83,8 +92,10 @@ _ARCH_LAYER_EXTRAS: Final[dict[str, tuple[str, ...]]] = {
 # (llama.cpp: create_tensor_qkv's {n_embd, n_embd_q + 2 n_embd_gqa}; phi3's ffn_up is {n_embd, 2 n_ff},
 # split by ggml_swiglu: the first half is the gate, SiLU'd, times the second).
 _FUSED: Final[dict[str, dict[str, tuple[str, ...]]]] = {
-    "phi3": {"attn_qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-             "ffn_up": ("mlp.gate_proj", "mlp.up_proj")},
+    "phi3": {
+        "attn_qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+        "ffn_up": ("mlp.gate_proj", "mlp.up_proj"),
+    },
 }
 
 
@@ -92,8 +103,14 @@ class _Hparams:
     """The hyperparameters the bundle needs, read from the `{arch}.*` keys as llama.cpp reads them."""
 
     def __init__(
-        self, arch: str, meta: dict[str, Any], n_tokens: int, n_tensors: int, fail: Callable[[str], ConversionError],
-        *, longrope: bool = False,
+        self,
+        arch: str,
+        meta: dict[str, Any],
+        n_tokens: int,
+        n_tensors: int,
+        fail: Callable[[str], ConversionError],
+        *,
+        longrope: bool = False,
     ) -> None:
         self.arch = arch
 
@@ -134,11 +151,14 @@ class _Hparams:
         if self.head_dim % 2:
             raise fail(f"odd head size {self.head_dim} cannot be rotated in pairs")
         if integer("attention.value_length", self.head_dim) != self.head_dim:
-            raise fail(f"unsupported: {arch}.attention.value_length {meta[f'{arch}.attention.value_length']} != "
-                       f"key_length {self.head_dim}")
+            raise fail(
+                f"unsupported: {arch}.attention.value_length {meta[f'{arch}.attention.value_length']} != "
+                f"key_length {self.head_dim}"
+            )
         if rot != self.head_dim:
-            raise fail(f"unsupported: partial rotary ({arch}.rope.dimension_count {rot} of a "
-                       f"{self.head_dim}-wide head)")
+            raise fail(
+                f"unsupported: partial rotary ({arch}.rope.dimension_count {rot} of a {self.head_dim}-wide head)"
+            )
         if meta.get(f"{arch}.expert_count", 0):
             raise fail(f"unsupported: mixture of experts ({arch}.expert_count {meta[f'{arch}.expert_count']})")
         self.extra: dict[str, Any] = {}
@@ -157,8 +177,9 @@ class _Hparams:
             return _finite_number(f"{self.arch}.{key}", get(key, default), fail)
 
         scaling = get("rope.scaling.type", "none")
-        factor = _finite_number(f"{self.arch}.rope.scaling.factor",
-                                get("rope.scaling.factor", get("rope.scale_linear", 1.0)), fail)
+        factor = _finite_number(
+            f"{self.arch}.rope.scaling.factor", get("rope.scaling.factor", get("rope.scale_linear", 1.0)), fail
+        )
         if scaling == "none" and factor == 1.0:
             return
         if scaling == "none":  # a bare factor: llama.cpp treats it as linear
@@ -173,16 +194,23 @@ class _Hparams:
                 raise fail("unsupported: YaRN with a log multiplier (DeepSeek-style mscale)")
             rope["original_max_position_embeddings"] = _positive_int(
                 f"{self.arch}.rope.scaling.original_context_length",
-                get("rope.scaling.original_context_length", self.context_length), fail)
-            for key, ours in (("yarn_beta_fast", "beta_fast"), ("yarn_beta_slow", "beta_slow"),
-                              ("yarn_ext_factor", "ext_factor"), ("attn_factor", "attn_factor")):
+                get("rope.scaling.original_context_length", self.context_length),
+                fail,
+            )
+            for key, ours in (
+                ("yarn_beta_fast", "beta_fast"),
+                ("yarn_beta_slow", "beta_slow"),
+                ("yarn_ext_factor", "ext_factor"),
+                ("attn_factor", "attn_factor"),
+            ):
                 value = number(f"rope.scaling.{key}", -1.0)
                 if value >= 0:  # llama.cpp: negative or absent = its default
                     rope[ours] = value
         self.extra["rope_scaling"] = rope
 
-    def _longrope(self, longrope: bool, number: Callable[[str, float], float],
-                  fail: Callable[[str], ConversionError]) -> None:
+    def _longrope(
+        self, longrope: bool, number: Callable[[str, float], float], fail: Callable[[str], ConversionError]
+    ) -> None:
         # Phi-3's 128k variants (llama.cpp: llama_model::get_rope_factors, llama-context.cpp): each frequency is
         # divided by rope_factors_long when the context per sequence is longer than
         # rope.scaling.original_context_length, else by rope_factors_short, and q / k turn scaled by
@@ -197,8 +225,11 @@ class _Hparams:
         orig = number("rope.scaling.original_context_length", float(self.context_length))
         if orig != int(orig) or orig < 1:
             raise fail(f"phi3.rope.scaling.original_context_length must be a positive integer, got {orig}")
-        self.extra["rope_scaling"] = {"rope_type": "longrope", "original_max_position_embeddings": int(orig),
-                                      "attn_factor": attn_factor}
+        self.extra["rope_scaling"] = {
+            "rope_type": "longrope",
+            "original_max_position_embeddings": int(orig),
+            "attn_factor": attn_factor,
+        }
 
     def _gemma3(self, meta: dict[str, Any], fail: Callable[[str], ConversionError]) -> None:
         # llama.cpp's gemma3 rules (llama-model.cpp): every 6th layer full attention, the others a
@@ -469,8 +500,12 @@ def _split_fused(
     for canonical, width in zip(fused[parts[2]], widths, strict=True):
         rows = tensor.data[start : start + width]  # [out, in] values, or [out, row bytes] of blocks
         out[f"layers.{int(parts[1])}.{canonical}.weight"] = tensor._replace(
-            name=f"{tensor.name}[{start}:{start + width}]", shape=np.array([shape[0], width], dtype=np.uint64),
-            n_elements=shape[0] * width, n_bytes=int(rows.nbytes), data=rows)
+            name=f"{tensor.name}[{start}:{start + width}]",
+            shape=np.array([shape[0], width], dtype=np.uint64),
+            n_elements=shape[0] * width,
+            n_bytes=int(rows.nbytes),
+            data=rows,
+        )
         start += width
     return out
 
@@ -611,7 +646,12 @@ def _source_tensors(
 
 
 def _bundle_entries(
-    cfg: _Hparams, sources: dict[str, gguf.ReaderTensor], dtype: Dtype, *, tied: bool, longrope: bool,
+    cfg: _Hparams,
+    sources: dict[str, gguf.ReaderTensor],
+    dtype: Dtype,
+    *,
+    tied: bool,
+    longrope: bool,
     fail: Callable[[str], ConversionError],
 ) -> list[TensorEntry]:
     """The bundle's tensor table: every tensor the architecture has, at its expected shape, none other."""
@@ -622,7 +662,9 @@ def _bundle_entries(
 
 
 def _check_tensor_names(
-    cfg: _Hparams, sources: dict[str, gguf.ReaderTensor], expected: dict[str, tuple[int, ...]],
+    cfg: _Hparams,
+    sources: dict[str, gguf.ReaderTensor],
+    expected: dict[str, tuple[int, ...]],
     fail: Callable[[str], ConversionError],
 ) -> None:
     if missing := [name for name in expected if name not in sources]:
@@ -672,7 +714,13 @@ def _special_ids(
 
 
 def _bundle_header(
-    src: Path, cfg: _Hparams, meta: dict[str, Any], dtype: Dtype, entries: Sequence[TensorEntry], *, tied: bool,
+    src: Path,
+    cfg: _Hparams,
+    meta: dict[str, Any],
+    dtype: Dtype,
+    entries: Sequence[TensorEntry],
+    *,
+    tied: bool,
     fail: Callable[[str], ConversionError],
 ) -> dict[str, Any]:
     """The bundle's header: the config, the tokenizer and chat template, the source's identity."""
@@ -715,8 +763,13 @@ def _bundle_header(
 
 
 def _write_bundle(
-    dst: Path, header: dict[str, Any], entries: Sequence[TensorEntry], sources: dict[str, gguf.ReaderTensor],
-    progress: bool | Progress, desc: str, fail: Callable[[str], ConversionError],
+    dst: Path,
+    header: dict[str, Any],
+    entries: Sequence[TensorEntry],
+    sources: dict[str, gguf.ReaderTensor],
+    progress: bool | Progress,
+    desc: str,
+    fail: Callable[[str], ConversionError],
 ) -> None:
     """Each entry's values in its bundle dtype (quantized groups, K-quant blocks as they are, or floats),
     written atomically to `dst` with the progress asked for."""
@@ -807,8 +860,9 @@ _FLOAT: Final = frozenset({_Q.F32, _Q.F16, _Q.BF16})
 _K_BLOCKS: Final = {kind: dtype for dtype, (kind, _) in GGML_BLOCKS.items()}
 
 
-def _quantized_entry(name: str, shape: tuple[int, ...], region: str, dtype: str,
-                     tensor: gguf.ReaderTensor) -> TensorEntry:
+def _quantized_entry(
+    name: str, shape: tuple[int, ...], region: str, dtype: str, tensor: gguf.ReaderTensor
+) -> TensorEntry:
     kind = tensor.tensor_type
     if dtype == "auto" and kind in _FLOAT:
         return TensorEntry(name, shape, "f16", region)
@@ -826,8 +880,9 @@ def _quantized_entry(name: str, shape: tuple[int, ...], region: str, dtype: str,
         _, scale, bias = _carried(tensor, shape)
         if not _f16_exact(scale) or (not symmetric and bias is not None and not _f16_exact(bias)):
             scale_dtype = "f32"
-    return TensorEntry(name, shape, target, region, group_size=_QUANT_GROUP, symmetric=symmetric,
-                       scale_dtype=scale_dtype)
+    return TensorEntry(
+        name, shape, target, region, group_size=_QUANT_GROUP, symmetric=symmetric, scale_dtype=scale_dtype
+    )
 
 
 def _is_carried(kind: gguf.GGMLQuantizationType, target: str) -> bool:
@@ -885,8 +940,11 @@ def _carried(tensor: gguf.ReaderTensor, shape: tuple[int, ...]) -> _Carried:
         bit = np.arange(8, dtype=np.uint8).reshape(1, 1, 4, 2, 1)  # sub-block 2i + j takes bit 2i + j
         u |= ((qh >> bit) & 1) << 4
     scale, bias = d * sc, -(dmin * mn)  # f16 x 6-bit integer: exact in f32
-    return (u.reshape(out_dim, in_dim), scale.reshape(out_dim, -1).astype(np.float32),
-            bias.reshape(out_dim, -1).astype(np.float32))
+    return (
+        u.reshape(out_dim, in_dim),
+        scale.reshape(out_dim, -1).astype(np.float32),
+        bias.reshape(out_dim, -1).astype(np.float32),
+    )
 
 
 def _quantize(tensor: gguf.ReaderTensor, entry: TensorEntry, fail: Callable[[str], ConversionError]) -> QuantizedTensor:
@@ -918,12 +976,14 @@ def _quantize_groups_of(
     packed = np.ascontiguousarray(u).reshape(-1)
     if entry.scale_dtype == "f32":
         return QuantizedTensor(packed, scale.reshape(-1), None if bias is None else bias.reshape(-1))
-    return QuantizedTensor(packed, scale.astype(np.float16).reshape(-1),
-                           None if bias is None else bias.astype(np.float16).reshape(-1))
+    return QuantizedTensor(
+        packed, scale.astype(np.float16).reshape(-1), None if bias is None else bias.astype(np.float16).reshape(-1)
+    )
 
 
-def quantize_groups(values: npt.NDArray[np.float32], dtype: str, *, symmetric: bool = False,
-                    group_size: int = _QUANT_GROUP) -> QuantizedTensor:
+def quantize_groups(
+    values: npt.NDArray[np.float32], dtype: str, *, symmetric: bool = False, group_size: int = _QUANT_GROUP
+) -> QuantizedTensor:
     """Round-to-nearest group quantization of a [out, in] f32 matrix: symmetric base_q8 as GGML's Q8_0
     (scale = amax / 127, stored q + 128), asymmetric as GGML's Q4_1 (scale = (max - min) / (2^bits - 1),
     bias = min). The f16-rounded scale and bias are the ones the values are quantized against."""

@@ -315,8 +315,16 @@ def _stored(name: str, values: npt.NDArray[np.float32], region: str, dtype: str)
 
 
 def _check_arguments(
-    arch: str, *, dim: int, n_heads: int, n_kv_heads: int, head_dim: int | None, dtype: str, tied: bool,
-    eos_bias: float, sliding: bool,
+    arch: str,
+    *,
+    dim: int,
+    n_heads: int,
+    n_kv_heads: int,
+    head_dim: int | None,
+    dtype: str,
+    tied: bool,
+    eos_bias: float,
+    sliding: bool,
 ) -> None:
     if arch not in ARCHS:
         raise ValueError(f"unknown arch {arch!r} (expected one of {', '.join(ARCHS)})")
@@ -341,8 +349,11 @@ def _vocabulary(vocab: Literal["bpe", "bytes"], extra_tokens: Sequence[tuple[str
         return words
     if any(text in words.tokens for text, _ in extra_tokens):
         raise ValueError("extra_tokens must not repeat a token of the vocabulary")
-    return TinyVocab(words.tokens + tuple(t for t, _ in extra_tokens),
-                     words.token_types + tuple(ty for _, ty in extra_tokens), words.merges)
+    return TinyVocab(
+        words.tokens + tuple(t for t, _ in extra_tokens),
+        words.token_types + tuple(ty for _, ty in extra_tokens),
+        words.merges,
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -452,17 +463,20 @@ def _bundle_tensors(weights: _Weights, rope_freqs: npt.ArrayLike | None, dtype: 
 
 
 def _arch_config(
-    n_layers: int, *, rope_scaling: dict[str, Any] | None, sliding_window: int | None,
-    layer_types: list[str] | None, query_pre_attn_scalar: float | None, final_logit_softcapping: float | None,
+    n_layers: int,
+    *,
+    rope_scaling: dict[str, Any] | None,
+    sliding_window: int | None,
+    layer_types: list[str] | None,
+    query_pre_attn_scalar: float | None,
+    final_logit_softcapping: float | None,
 ) -> dict[str, Any]:
     """The config keys of the architectures beyond llama's (docs/models.md); {} for none."""
     arch_config: dict[str, Any] = {}
     if rope_scaling is not None:
         arch_config["rope_scaling"] = dict(rope_scaling)
     if sliding_window is not None:
-        types = layer_types or [
-            "full_attention" if i % 6 == 5 else "sliding_attention" for i in range(n_layers)
-        ]
+        types = layer_types or ["full_attention" if i % 6 == 5 else "sliding_attention" for i in range(n_layers)]
         arch_config |= {"sliding_window": sliding_window, "layer_types": types, "rope_local_base_freq": 10000.0}
     if query_pre_attn_scalar is not None:
         arch_config["query_pre_attn_scalar"] = query_pre_attn_scalar
@@ -479,8 +493,11 @@ def _vocabulary_recipe(
 ) -> dict[str, Any]:
     if not (extra_tokens or chat_template != CHATML_TEMPLATE or tokenizer_keys):
         return {}
-    return {"extra_tokens": [list(t) for t in extra_tokens], "chat_template": chat_template,
-            "tokenizer_keys": dict(tokenizer_keys or {})}
+    return {
+        "extra_tokens": [list(t) for t in extra_tokens],
+        "chat_template": chat_template,
+        "tokenizer_keys": dict(tokenizer_keys or {}),
+    }
 
 
 def _architecture_recipe(
@@ -557,21 +574,43 @@ def build_tiny_model(
     through a constant residual channel (channel 0) that attention and MLP do
     not read or write, which only `lm_head`'s EOS row looks at.
     """
-    _check_arguments(arch, dim=dim, n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=head_dim, dtype=dtype,
-                     tied=tied, eos_bias=eos_bias, sliding=bool(sliding_window or layer_types))
+    _check_arguments(
+        arch,
+        dim=dim,
+        n_heads=n_heads,
+        n_kv_heads=n_kv_heads,
+        head_dim=head_dim,
+        dtype=dtype,
+        tied=tied,
+        eos_bias=eos_bias,
+        sliding=bool(sliding_window or layer_types),
+    )
     path = Path(path)
     head_dim = head_dim or dim // n_heads
     words = _vocabulary(vocab, extra_tokens)
-    sizes = _Sizes(arch=arch, n_layers=n_layers, dim=dim, head_dim=head_dim, q_dim=n_heads * head_dim,
-                   kv_dim=n_kv_heads * head_dim, ffn_dim=ffn_dim, n_vocab=len(words.tokens))
+    sizes = _Sizes(
+        arch=arch,
+        n_layers=n_layers,
+        dim=dim,
+        head_dim=head_dim,
+        q_dim=n_heads * head_dim,
+        kv_dim=n_kv_heads * head_dim,
+        ffn_dim=ffn_dim,
+        n_vocab=len(words.tokens),
+    )
     weights = _draw_weights(sizes, seed, tied=tied)
     if eos_bias:
         _add_eos_channel(weights, eos_bias, sizes)
     tensors = _bundle_tensors(weights, rope_freqs, dtype)
 
-    arch_config = _arch_config(n_layers, rope_scaling=rope_scaling, sliding_window=sliding_window,
-                               layer_types=layer_types, query_pre_attn_scalar=query_pre_attn_scalar,
-                               final_logit_softcapping=final_logit_softcapping)
+    arch_config = _arch_config(
+        n_layers,
+        rope_scaling=rope_scaling,
+        sliding_window=sliding_window,
+        layer_types=layer_types,
+        query_pre_attn_scalar=query_pre_attn_scalar,
+        final_logit_softcapping=final_logit_softcapping,
+    )
     recipe: dict[str, Any] = dict(
         n_layers=n_layers,
         dim=dim,

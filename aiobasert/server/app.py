@@ -147,12 +147,21 @@ def build_app(
                 startup_failures.append(exc)
             raise
 
-    middleware = [Middleware(_StartupFailure, failures=startup_failures),
-                  Middleware(RequestOps, metrics=service.metrics)]
+    middleware = [
+        Middleware(_StartupFailure, failures=startup_failures),
+        Middleware(RequestOps, metrics=service.metrics),
+    ]
     if allowed_origins:
         # outside the auth check, so browsers' preflight requests get their answer
-        middleware.append(Middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["*"],
-                                     allow_headers=["*"], expose_headers=["X-Request-Id"]))
+        middleware.append(
+            Middleware(
+                CORSMiddleware,
+                allow_origins=list(allowed_origins),
+                allow_methods=["*"],
+                allow_headers=["*"],
+                expose_headers=["X-Request-Id"],
+            )
+        )
     if api_key is not None:
         middleware.append(Middleware(_BearerAuth, api_key=api_key))
     if isinstance(provider, GroupProvider):  # several models: route by `model`, lease for the request
@@ -226,10 +235,14 @@ def create_app(
     until they finish (uvicorn runs the lifespan shutdown last); use `serve()`
     or a graceful-shutdown timeout to bound that.
     """
-    provider = _provider(model, model_name=model_name, max_batch_size=max_batch_size, max_context=max_context,
-                         config=config)
+    provider = _provider(
+        model, model_name=model_name, max_batch_size=max_batch_size, max_context=max_context, config=config
+    )
     return build_app(
-        provider, api_key=api_key, allowed_origins=allowed_origins, write_timeout=write_timeout,
+        provider,
+        api_key=api_key,
+        allowed_origins=allowed_origins,
+        write_timeout=write_timeout,
         response_store_bytes=response_store_bytes,
     )[0]
 
@@ -270,11 +283,16 @@ def serve(
 
     if log_level not in LOG_LEVELS:
         raise ValueError(f"log_level must be one of {', '.join(LOG_LEVELS)}, got {log_level!r}")
-    provider = _provider(model, model_name=model_name, max_batch_size=max_batch_size, max_context=max_context,
-                         config=config)
+    provider = _provider(
+        model, model_name=model_name, max_batch_size=max_batch_size, max_context=max_context, config=config
+    )
     app, _service = build_app(
-        provider, api_key=api_key, allowed_origins=allowed_origins, write_timeout=write_timeout,
-        response_store_bytes=response_store_bytes, announce=False,
+        provider,
+        api_key=api_key,
+        allowed_origins=allowed_origins,
+        write_timeout=write_timeout,
+        response_store_bytes=response_store_bytes,
+        announce=False,
     )
 
     class _Server(uvicorn.Server):
@@ -294,6 +312,14 @@ def serve(
             await super().shutdown(sockets=sockets)
 
     # ws="none": no route here is a WebSocket, so uvicorn need not import a WebSocket library.
-    server_config = uvicorn.Config(app, host=host, port=port, log_level=log_level, log_config=log_config(log_level),
-                                   timeout_graceful_shutdown=1, lifespan="on", ws="none")
+    server_config = uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        log_level=log_level,
+        log_config=log_config(log_level),
+        timeout_graceful_shutdown=1,
+        lifespan="on",
+        ws="none",
+    )
     _Server(server_config).run()

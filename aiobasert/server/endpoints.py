@@ -254,8 +254,10 @@ async def _admit_fanout(engine: Engine, count: int, param: str, *, prompts: int 
     limit = _queue_limit(engine)
     if count > limit:
         raise APIError(
-            400, f"this request fans out into {count} generations; the server holds at most {limit} "
-            f"(lanes + queue): send at most {limit} per request", param=param,
+            400,
+            f"this request fans out into {count} generations; the server holds at most {limit} "
+            f"(lanes + queue): send at most {limit} per request",
+            param=param,
         )
     if count == 1:
         return None
@@ -393,7 +395,10 @@ class Service:
     """The endpoints of one app, over its `EngineProvider`."""
 
     def __init__(
-        self, provider: EngineProvider, *, write_timeout: float | None = DEFAULT_WRITE_TIMEOUT_S,
+        self,
+        provider: EngineProvider,
+        *,
+        write_timeout: float | None = DEFAULT_WRITE_TIMEOUT_S,
         response_store_bytes: int = DEFAULT_STORE_BYTES,
     ) -> None:
         self.provider = provider
@@ -404,8 +409,12 @@ class Service:
         self.workers = Workers()
         self.write_timeout = write_timeout if write_timeout is not None and write_timeout > 0 else None  # 0: never
         self.responses = ResponsesAPI(
-            self.resolve, self.metrics, ResponseStore(max_bytes=response_store_bytes), write_timeout=self.write_timeout,
-            workers=self.workers, backlog=self.backlog,
+            self.resolve,
+            self.metrics,
+            ResponseStore(max_bytes=response_store_bytes),
+            write_timeout=self.write_timeout,
+            workers=self.workers,
+            backlog=self.backlog,
         )
 
     def _observer(self, served: ServedModel) -> RequestObserver:
@@ -467,8 +476,13 @@ class Service:
     # ---- generation ----
 
     async def _samples(
-        self, request: Request, served: ServedModel, starts: Sequence[Callable[[SamplingParams], TokenStream]],
-        params: SamplingParams, n: int, places: QueueReservation | None,
+        self,
+        request: Request,
+        served: ServedModel,
+        starts: Sequence[Callable[[SamplingParams], TokenStream]],
+        params: SamplingParams,
+        n: int,
+        places: QueueReservation | None,
     ) -> tuple[list[tuple[TokenStream, list[Token]]], int]:
         """Run n samples of each prompt (`starts`), each prompt prefilled once;
         returns (stream, tokens) per choice, prompt-major, and the prompt tokens
@@ -490,8 +504,12 @@ class Service:
         return await unless_disconnected(request.receive, run), cached
 
     async def _start_samples(
-        self, served: ServedModel, starts: Sequence[Callable[[SamplingParams], TokenStream]],
-        params: SamplingParams, n: int, places: QueueReservation | None,
+        self,
+        served: ServedModel,
+        starts: Sequence[Callable[[SamplingParams], TokenStream]],
+        params: SamplingParams,
+        n: int,
+        places: QueueReservation | None,
     ) -> tuple[list[TokenStream], int]:
         """The streams of a streamed multi-choice request, all submitted at once
         (after each prompt's one prefill: one after the other in the FIFO, so they
@@ -507,8 +525,13 @@ class Service:
         return streams, cached
 
     def _merged(
-        self, served: ServedModel, streams: Sequence[TokenStream], fmts: Sequence[_CompletionChunks | _ChatChunks],
-        n: int, cached: int, include_usage: bool,
+        self,
+        served: ServedModel,
+        streams: Sequence[TokenStream],
+        fmts: Sequence[_CompletionChunks | _ChatChunks],
+        n: int,
+        cached: int,
+        include_usage: bool,
     ) -> EventStream:
         """One SSE response over several choices: their events as they come, then usage and [DONE]."""
 
@@ -553,14 +576,16 @@ class Service:
         params = sampling_params(req, max_tokens=max_tokens, logprobs=top is not None, top_logprobs=top or 0)
         served = self.resolve(req.model)
         engine = served.engine
-        places = await _admit_fanout(engine, n * len(prompts), "prompt" if len(prompts) > 1 else "n",
-                                     prompts=len(prompts))
+        places = await _admit_fanout(
+            engine, n * len(prompts), "prompt" if len(prompts) > 1 else "n", prompts=len(prompts)
+        )
         starts = [functools.partial(engine.stream, p) for p in prompts]
         include_usage = _include_usage(req)
         if req.stream and n * len(prompts) == 1:
             stream = engine.stream(prompts[0], params)
-            return self._one_stream(served, stream, _CompletionChunks(served, logprobs=top is not None),
-                                    include_usage, req.user)
+            return self._one_stream(
+                served, stream, _CompletionChunks(served, logprobs=top is not None), include_usage, req.user
+            )
         if req.stream:
             streams, cached = await self._start_samples(served, starts, params, n, places)
             self._log_user(streams[0].request_id, req.user)
@@ -572,8 +597,13 @@ class Service:
         return await self._whole_completion(served, results, n, cached, top is not None, req.user)
 
     async def _whole_completion(
-        self, served: ServedModel, results: Sequence[tuple[TokenStream, list[Token]]], n: int, cached: int,
-        logprobs: bool, user: str | None,
+        self,
+        served: ServedModel,
+        results: Sequence[tuple[TokenStream, list[Token]]],
+        n: int,
+        cached: int,
+        logprobs: bool,
+        user: str | None,
     ) -> Response:
         """The JSON response of an unstreamed text completion: every choice's text, whole."""
         self._log_user(results[0][0].request_id, user)
@@ -654,8 +684,13 @@ class Service:
             raise
 
     async def _whole_chat(
-        self, served: ServedModel, results: Sequence[tuple[TokenStream, list[Token]]], starts: _ChatStarts,
-        plan: _ChatPlan, cached: int, user: str | None,
+        self,
+        served: ServedModel,
+        results: Sequence[tuple[TokenStream, list[Token]]],
+        starts: _ChatStarts,
+        plan: _ChatPlan,
+        cached: int,
+        user: str | None,
     ) -> Response:
         """The JSON response of an unstreamed chat request: every choice's message, whole."""
         self._log_user(results[0][0].request_id, user)

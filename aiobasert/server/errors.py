@@ -125,8 +125,9 @@ def _schema_error(message: str) -> APIError | None:
         return None
     if message.startswith("invalid json_schema: "):
         why = message[len("invalid json_schema: ") :].split("\n", 1)[0]
-        return APIError(400, f"{fields.output} is not a JSON Schema this server can enforce: {why}",
-                        param=fields.output)
+        return APIError(
+            400, f"{fields.output} is not a JSON Schema this server can enforce: {why}", param=fields.output
+        )
     if message.startswith("invalid grammar: "):
         # llguidance: "at LINE(COL): failed to compile JSON schema: WHY\n  LINE | args_I: %json ..."
         found = _GRAMMAR_AT.search(message)
@@ -134,8 +135,7 @@ def _schema_error(message: str) -> APIError | None:
         if found is None or rule is None:
             return APIError(400, "the tools could not be compiled into an output grammar", param="tools")
         param = fields.tool.format(int(rule.group(1)))
-        return APIError(400, f"{param} is not a JSON Schema this server can enforce: {found.group(2)}",
-                        param=param)
+        return APIError(400, f"{param} is not a JSON Schema this server can enforce: {found.group(2)}", param=param)
     return None
 
 

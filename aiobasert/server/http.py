@@ -27,8 +27,9 @@ def is_json(content_type: str) -> bool:
 
 
 def not_json() -> APIError:
-    return APIError(415, "send the request body as JSON with 'Content-Type: application/json'",
-                    code="unsupported_media_type")
+    return APIError(
+        415, "send the request body as JSON with 'Content-Type: application/json'", code="unsupported_media_type"
+    )
 
 
 PRECOUNT_BYTES = 64 * 1024
@@ -65,8 +66,9 @@ async def read_json(
         raise APIError(400, f"request body is not valid JSON: {exc}") from None
     except RecursionError:  # the decoder recurses per nesting level: a deep body is the client's error
         field = deepest_field(bytes(data))
-        raise APIError(400, f"{field or 'the request body'} nests JSON deeper than {MAX_JSON_DEPTH} levels",
-                       param=field) from None
+        raise APIError(
+            400, f"{field or 'the request body'} nests JSON deeper than {MAX_JSON_DEPTH} levels", param=field
+        ) from None
 
 
 #: Nesting this server reads in a body (msgspec itself stops at about 1,000 levels).

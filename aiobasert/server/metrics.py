@@ -66,8 +66,27 @@ try:
 except ModuleNotFoundError as exc:  # pragma: no cover - depends on the install
     raise ModuleNotFoundError("aiobasert's /metrics needs prometheus_client: pip install 'aiobasert[server]'") from exc
 
-_LATENCY = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
-            80.0)
+_LATENCY = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
 _FAST = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
 LAG_INTERVAL_S = 0.1
 """How often the event-loop lag probe wakes."""
@@ -99,8 +118,11 @@ class _BuildInfo(Collector):
     def collect(self) -> Iterable[GaugeMetricFamily]:
         from .. import __version__
 
-        family = GaugeMetricFamily("aiobasert_build_info", "aiobasert's version, its baseRT ABI and the engine "
-                                   "library's version (1).", labels=["version", "engine_version", "abi"])
+        family = GaugeMetricFamily(
+            "aiobasert_build_info",
+            "aiobasert's version, its baseRT ABI and the engine library's version (1).",
+            labels=["version", "engine_version", "abi"],
+        )
         for engine_version in sorted(self.engine_versions) or [""]:
             family.add_metric([__version__, engine_version, str(SUPPORTED_ABI)], 1)
         yield family
@@ -116,52 +138,101 @@ class Metrics:
         PlatformCollector(registry=r)
         self.build_info = _BuildInfo()
         r.register(self.build_info)
-        self.ttft = Histogram("aiobasert_time_to_first_token_seconds", "Time to first token.", label,
-                              buckets=_LATENCY, registry=r)
-        self.itl = Histogram("aiobasert_inter_token_latency_seconds", "Time between consecutive output tokens.",
-                             label, buckets=_FAST, registry=r)
-        self.e2e = Histogram("aiobasert_e2e_request_latency_seconds", "Submission to last token.", label,
-                             buckets=_LATENCY, registry=r)
-        self.queue = Histogram("aiobasert_request_queue_time_seconds", "Submission to admission into a lane.",
-                               label, buckets=_LATENCY, registry=r)
+        self.ttft = Histogram(
+            "aiobasert_time_to_first_token_seconds", "Time to first token.", label, buckets=_LATENCY, registry=r
+        )
+        self.itl = Histogram(
+            "aiobasert_inter_token_latency_seconds",
+            "Time between consecutive output tokens.",
+            label,
+            buckets=_FAST,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "aiobasert_e2e_request_latency_seconds", "Submission to last token.", label, buckets=_LATENCY, registry=r
+        )
+        self.queue = Histogram(
+            "aiobasert_request_queue_time_seconds",
+            "Submission to admission into a lane.",
+            label,
+            buckets=_LATENCY,
+            registry=r,
+        )
         self.running = Gauge("aiobasert_num_requests_running", "Requests holding a lane.", label, registry=r)
         self.waiting = Gauge("aiobasert_num_requests_waiting", "Requests waiting for a lane.", label, registry=r)
-        self.kv_usage = Gauge("aiobasert_kv_cache_usage_ratio",
-                              "Share of the KV pool live requests hold (the prefix cache's evictable blocks apart).",
-                              label, registry=r)
-        self.kv_used = Gauge("aiobasert_kv_blocks_used",
-                             "KV cache blocks allocated, the prefix cache's included (EngineStats.kv_blocks_used).",
-                             label, registry=r)
-        self.kv_cached = Gauge("aiobasert_kv_blocks_cached", "KV cache blocks held by the prefix cache (evictable).",
-                               label, registry=r)
+        self.kv_usage = Gauge(
+            "aiobasert_kv_cache_usage_ratio",
+            "Share of the KV pool live requests hold (the prefix cache's evictable blocks apart).",
+            label,
+            registry=r,
+        )
+        self.kv_used = Gauge(
+            "aiobasert_kv_blocks_used",
+            "KV cache blocks allocated, the prefix cache's included (EngineStats.kv_blocks_used).",
+            label,
+            registry=r,
+        )
+        self.kv_cached = Gauge(
+            "aiobasert_kv_blocks_cached", "KV cache blocks held by the prefix cache (evictable).", label, registry=r
+        )
         self.kv_capacity = Gauge("aiobasert_kv_blocks_capacity", "KV cache blocks in the pool.", label, registry=r)
-        self.kv_bytes = Gauge("aiobasert_kv_cache_bytes", "The KV pool's capacity in bytes, by element type.",
-                              [*label, "kv_cache_dtype"], registry=r)
-        self.prefix_hits = Counter("aiobasert_prefix_cache_hits", "Prompt tokens served from the prefix cache.",
-                                   label, registry=r)
-        self.prefix_queries = Counter("aiobasert_prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
-                                      label, registry=r)
+        self.kv_bytes = Gauge(
+            "aiobasert_kv_cache_bytes",
+            "The KV pool's capacity in bytes, by element type.",
+            [*label, "kv_cache_dtype"],
+            registry=r,
+        )
+        self.prefix_hits = Counter(
+            "aiobasert_prefix_cache_hits", "Prompt tokens served from the prefix cache.", label, registry=r
+        )
+        self.prefix_queries = Counter(
+            "aiobasert_prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", label, registry=r
+        )
         self.prompt_tokens = Counter("aiobasert_prompt_tokens", "Prompt tokens of ended requests.", label, registry=r)
-        self.generation_tokens = Counter("aiobasert_generation_tokens", "Tokens generated, cancelled requests' too.",
-                                         label, registry=r)
-        self.success = Counter("aiobasert_request_success", "Finished requests by finish reason.",
-                               [*label, "finished_reason"], registry=r)
-        self.cancelled = Counter("aiobasert_requests_cancelled",
-                                 "Requests whose client went away (disconnected or too slow) before the end.",
-                                 label, registry=r)
-        self.refused = Counter("aiobasert_requests_refused", "Requests answered with a 4xx error (or error event), "
-                               "by status and error code.", ["status", "code"], registry=r)
-        self.failed = Counter("aiobasert_requests_failed", "Requests answered with a 5xx error (or error event), "
-                              "by status and error code.", ["status", "code"], registry=r)
-        self.loop_lag = Histogram("aiobasert_event_loop_lag_seconds",
-                                  "How late the server's event loop wakes from a timed sleep.",
-                                  buckets=_FAST, registry=r)
-        self.preemptions = Counter("aiobasert_num_preemptions",
-                                   "Lanes taken back for another client's request (each resumed later).",
-                                   label, registry=r)
+        self.generation_tokens = Counter(
+            "aiobasert_generation_tokens", "Tokens generated, cancelled requests' too.", label, registry=r
+        )
+        self.success = Counter(
+            "aiobasert_request_success", "Finished requests by finish reason.", [*label, "finished_reason"], registry=r
+        )
+        self.cancelled = Counter(
+            "aiobasert_requests_cancelled",
+            "Requests whose client went away (disconnected or too slow) before the end.",
+            label,
+            registry=r,
+        )
+        self.refused = Counter(
+            "aiobasert_requests_refused",
+            "Requests answered with a 4xx error (or error event), by status and error code.",
+            ["status", "code"],
+            registry=r,
+        )
+        self.failed = Counter(
+            "aiobasert_requests_failed",
+            "Requests answered with a 5xx error (or error event), by status and error code.",
+            ["status", "code"],
+            registry=r,
+        )
+        self.loop_lag = Histogram(
+            "aiobasert_event_loop_lag_seconds",
+            "How late the server's event loop wakes from a timed sleep.",
+            buckets=_FAST,
+            registry=r,
+        )
+        self.preemptions = Counter(
+            "aiobasert_num_preemptions",
+            "Lanes taken back for another client's request (each resumed later).",
+            label,
+            registry=r,
+        )
         self._preempted: dict[str, int] = {}  # the engine's count at the last scrape, by model
-        self.abort = Histogram("aiobasert_abort_latency_seconds",
-                               "Client disconnect to its engine lane freed.", label, buckets=_FAST, registry=r)
+        self.abort = Histogram(
+            "aiobasert_abort_latency_seconds",
+            "Client disconnect to its engine lane freed.",
+            label,
+            buckets=_FAST,
+            registry=r,
+        )
 
     def observer(self, model: str, engine: Engine) -> RequestObserver:
         return RequestObserver(self, model, engine)

@@ -124,8 +124,9 @@ class RequestOps:
             with client_scope(f"http-{uuid.uuid4().hex}"):
                 await self.app(scope, receive, send_with_id)
         except Exception as exc:  # Starlette answers 500 outside this middleware, then re-raises
-            witness.report(500, None, why=f"{'after the response started: ' if started else ''}"
-                           f"{type(exc).__name__}: {exc}")
+            witness.report(
+                500, None, why=f"{'after the response started: ' if started else ''}{type(exc).__name__}: {exc}"
+            )
             raise
         finally:
             WITNESS.reset(token)
@@ -191,8 +192,10 @@ async def startup_line(served: Sequence[ServedModel], address: str | None) -> st
         if engine.closed:
             continue
         info, stats = engine.info, await engine.stats()
-        models.append(f"{m.name!r} ({info.max_batch_size} lanes x {info.max_context} tokens, "
-                      f"KV {info.kv_cache_dtype or '?'} {_mib(stats.kv_cache_bytes)})")
+        models.append(
+            f"{m.name!r} ({info.max_batch_size} lanes x {info.max_context} tokens, "
+            f"KV {info.kv_cache_dtype or '?'} {_mib(stats.kv_cache_bytes)})"
+        )
         if threads is None:
             threads = await _engine_threads(engine)
     line = f"aiobasert {__version__} ready: " + (", ".join(models) or "no model loaded yet")

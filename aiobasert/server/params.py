@@ -69,8 +69,9 @@ def check_chat_size(messages: int, tools: int, messages_param: str) -> None:
     """400 naming the field for a chat with more messages or tools than any request may have:
     a count, checked before any message is read, rendered or tokenized."""
     if messages > MAX_CHAT_MESSAGES:
-        raise APIError(400, f"{messages_param}: {messages} messages; at most {MAX_CHAT_MESSAGES} per request",
-                       param=messages_param)
+        raise APIError(
+            400, f"{messages_param}: {messages} messages; at most {MAX_CHAT_MESSAGES} per request", param=messages_param
+        )
     if tools > MAX_TOOLS:
         raise APIError(400, f"tools: {tools} tools; at most {MAX_TOOLS} per request", param="tools")
 
@@ -153,8 +154,9 @@ def chat_messages(messages: Sequence[RequestMessage]) -> list[dict[str, Any]]:
                 try:
                     json.loads(c.function.arguments)
                 except ValueError:
-                    raise APIError(400, f"messages[{i}].tool_calls[{j}].function.arguments is not JSON",
-                                   param="messages") from None
+                    raise APIError(
+                        400, f"messages[{i}].tool_calls[{j}].function.arguments is not JSON", param="messages"
+                    ) from None
             entry["tool_calls"] = [
                 ToolCall(id=c.id, name=c.function.name, arguments=c.function.arguments) for c in m.tool_calls
             ]

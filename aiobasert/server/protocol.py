@@ -439,4 +439,3 @@ class DetokenizeResponse(msgspec.Struct, kw_only=True):
 
 class VersionInfo(msgspec.Struct, kw_only=True):
     version: str
-

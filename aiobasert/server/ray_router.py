@@ -132,9 +132,7 @@ class AffinityRouter(RequestRouter):
         ranks.append(random.sample(others, min(2, len(others))))
         return ranks
 
-    def on_request_routed(
-        self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any
-    ) -> None:
+    def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
         fwd = self._forwarded(pending_request)
         if fwd is None or not fwd.prompt:
             return

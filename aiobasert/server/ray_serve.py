@@ -183,8 +183,11 @@ class EngineReplica:
         self._lifespan_events: asyncio.Queue[Message] = asyncio.Queue()
         self._lifespan_sent: asyncio.Queue[Message] = asyncio.Queue()
         self._lifespan = asyncio.create_task(
-            self._app({"type": "lifespan", "asgi": {"version": "3.0"}, "state": {}},
-                      self._lifespan_events.get, self._lifespan_sent.put)
+            self._app(
+                {"type": "lifespan", "asgi": {"version": "3.0"}, "state": {}},
+                self._lifespan_events.get,
+                self._lifespan_sent.put,
+            )
         )
         await self._lifespan_events.put({"type": "lifespan.startup"})
         reply = await self._lifespan_sent.get()
@@ -280,8 +283,9 @@ class _Relay(Response):
         except ray.exceptions.RayError as exc:
             logger.warning("an engine replica failed mid-response: %s", exc)
             if self._sse:
-                err = APIError(503, "the engine replica serving this stream failed", type="server_error",
-                               code="replica_failed")
+                err = APIError(
+                    503, "the engine replica serving this stream failed", type="server_error", code="replica_failed"
+                )
                 await send({"type": "http.response.body", "body": sse(err.body) + SSE_DONE, "more_body": True})
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
@@ -371,9 +375,9 @@ def build_ray_app(
         graceful_shutdown_timeout_s=5,
         **routing,
     )(EngineReplica)
-    ingress = serve.deployment(
-        name="aiobasert-ingress", ray_actor_options={"num_cpus": 0}, max_ongoing_requests=1000
-    )(OpenAIIngress)
+    ingress = serve.deployment(name="aiobasert-ingress", ray_actor_options={"num_cpus": 0}, max_ongoing_requests=1000)(
+        OpenAIIngress
+    )
     return ingress.bind(engines.bind(list(models), keep_alive, options, api_key))
 
 

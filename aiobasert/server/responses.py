@@ -282,9 +282,7 @@ class ResponseStore:
         objects, and its entry (at least what tracemalloc measures)."""
         self._entries: OrderedDict[str, tuple[float, bytes, str]] = OrderedDict()
 
-    def put(
-        self, response_id: str, conversation: list[dict[str, Any]], model: str, *, keep_ids: bool = True
-    ) -> None:
+    def put(self, response_id: str, conversation: list[dict[str, Any]], model: str, *, keep_ids: bool = True) -> None:
         # an exact-size copy: msgspec's own result keeps its over-allocated buffer (~1.5x the JSON)
         blob = memoryview(msgspec.json.encode([_rendered(m, keep_ids) for m in conversation])).tobytes()
         cost = _cost(response_id, blob)
@@ -311,8 +309,9 @@ class ResponseStore:
         conversation: list[dict[str, Any]] = msgspec.json.decode(blob)
         for m in conversation:  # calls as the request side builds them (an id "" when not stored)
             if "tool_calls" in m:
-                m["tool_calls"] = [ToolCall(id=c.get("id", ""), name=c["name"], arguments=c["arguments"])
-                                   for c in m["tool_calls"]]
+                m["tool_calls"] = [
+                    ToolCall(id=c.get("id", ""), name=c["name"], arguments=c["arguments"]) for c in m["tool_calls"]
+                ]
         return conversation, model
 
     def __len__(self) -> int:
@@ -414,8 +413,11 @@ def _output_text(output: str | list[dict[str, Any]], i: int) -> str:
         field = f"input[{i}].output[{j}]"
         kind = part.get("type")
         if kind != "input_text":
-            raise APIError(400, f"{field}.type: parts of type {kind!r} are not supported (only 'input_text')",
-                           param=f"{field}.type")
+            raise APIError(
+                400,
+                f"{field}.type: parts of type {kind!r} are not supported (only 'input_text')",
+                param=f"{field}.type",
+            )
         try:
             texts.append(msgspec.convert(part, OutputTextPart).text)
         except msgspec.ValidationError as exc:
@@ -438,8 +440,15 @@ class _Turn:
     """One response in the making: its ids, the model's items as they stream,
     and the final Response object."""
 
-    def __init__(self, req: ResponsesRequest, served: ServedModel, chat: ChatStream,
-                 conversation: list[dict[str, Any]], store: ResponseStore, response_id: str) -> None:
+    def __init__(
+        self,
+        req: ResponsesRequest,
+        served: ServedModel,
+        chat: ChatStream,
+        conversation: list[dict[str, Any]],
+        store: ResponseStore,
+        response_id: str,
+    ) -> None:
         self.req = req
         self.served = served
         self.chat = chat
@@ -496,8 +505,9 @@ class _Turn:
             items.append(OutputMessage(id=self.msg_id, status=status, content=[OutputText(text=content)]))
         for i, call in enumerate(calls):
             item_id = self._call_ids.get(i) or _new_id("fc")
-            items.append(OutputFunctionCall(id=item_id, call_id=call.id, name=call.name, arguments=call.arguments,
-                                            status=status))
+            items.append(
+                OutputFunctionCall(id=item_id, call_id=call.id, name=call.name, arguments=call.arguments, status=status)
+            )
         items.sort(key=lambda item: self._order.get(item.id, len(self._order)))  # as streamed
         self.items = items
         if self.req.store is not False:
@@ -539,20 +549,36 @@ class _ResponseEvents:
                 index = t.announce(t.msg_id)
                 item = OutputMessage(id=t.msg_id, status="in_progress", content=[])
                 out += t.event("response.output_item.added", output_index=index, item=item)
-                out += t.event("response.content_part.added", item_id=t.msg_id, output_index=index, content_index=0,
-                               part=OutputText(text=""))
-            return out + t.event("response.output_text.delta", item_id=t.msg_id, output_index=t._order[t.msg_id],
-                                 content_index=0, delta=d.text, logprobs=[])
+                out += t.event(
+                    "response.content_part.added",
+                    item_id=t.msg_id,
+                    output_index=index,
+                    content_index=0,
+                    part=OutputText(text=""),
+                )
+            return out + t.event(
+                "response.output_text.delta",
+                item_id=t.msg_id,
+                output_index=t._order[t.msg_id],
+                content_index=0,
+                delta=d.text,
+                logprobs=[],
+            )
         out = b""
         if d.id is not None:  # a new call: close the previous one
             out += self._close_call(d.index - 1)
             t._call_ids[d.index] = _new_id("fc")
             index = t._calls[d.index] = t.announce(t._call_ids[d.index])
-            call = OutputFunctionCall(id=t._call_ids[d.index], call_id=d.id, name=d.name or "", arguments="",
-                                      status="in_progress")
+            call = OutputFunctionCall(
+                id=t._call_ids[d.index], call_id=d.id, name=d.name or "", arguments="", status="in_progress"
+            )
             return out + t.event("response.output_item.added", output_index=index, item=call)
-        return t.event("response.function_call_arguments.delta", item_id=t._call_ids[d.index],
-                       output_index=t._calls[d.index], delta=d.arguments)
+        return t.event(
+            "response.function_call_arguments.delta",
+            item_id=t._call_ids[d.index],
+            output_index=t._calls[d.index],
+            delta=d.arguments,
+        )
 
     def _close_call(self, index: int) -> bytes:
         t = self.t
@@ -560,11 +586,12 @@ class _ResponseEvents:
             return b""
         call = t.chat.tool_calls[index]
         out_index, item_id = t._calls.pop(index), t._call_ids[index]
-        item = OutputFunctionCall(id=item_id, call_id=call.id, name=call.name, arguments=call.arguments,
-                                  status="completed")
-        return t.event("response.function_call_arguments.done", item_id=item_id, output_index=out_index,
-                       arguments=call.arguments) + t.event("response.output_item.done", output_index=out_index,
-                                                           item=item)
+        item = OutputFunctionCall(
+            id=item_id, call_id=call.id, name=call.name, arguments=call.arguments, status="completed"
+        )
+        return t.event(
+            "response.function_call_arguments.done", item_id=item_id, output_index=out_index, arguments=call.arguments
+        ) + t.event("response.output_item.done", output_index=out_index, item=item)
 
     def closing(self, finish: str, usage: Usage | None) -> bytes | None:
         t = self.t
@@ -577,10 +604,17 @@ class _ResponseEvents:
             msg = final.output[index]
             assert isinstance(msg, OutputMessage)
             part = msg.content[0]
-            out += t.event("response.output_text.done", item_id=t.msg_id, output_index=index, content_index=0,
-                           text=part.text, logprobs=[])
-            out += t.event("response.content_part.done", item_id=t.msg_id, output_index=index, content_index=0,
-                           part=part)
+            out += t.event(
+                "response.output_text.done",
+                item_id=t.msg_id,
+                output_index=index,
+                content_index=0,
+                text=part.text,
+                logprobs=[],
+            )
+            out += t.event(
+                "response.content_part.done", item_id=t.msg_id, output_index=index, content_index=0, part=part
+            )
             out += t.event("response.output_item.done", output_index=index, item=msg)
         kind = "response.incomplete" if final.status == "incomplete" else "response.completed"
         return out + t.event(kind, response=final)
@@ -610,8 +644,13 @@ class ResponsesAPI:
     """`POST /v1/responses` over a model resolver and the app's metrics."""
 
     def __init__(
-        self, resolve: Any, metrics: Metrics, store: ResponseStore | None = None, *,
-        write_timeout: float | None = DEFAULT_WRITE_TIMEOUT_S, workers: Workers | None = None,
+        self,
+        resolve: Any,
+        metrics: Metrics,
+        store: ResponseStore | None = None,
+        *,
+        write_timeout: float | None = DEFAULT_WRITE_TIMEOUT_S,
+        workers: Workers | None = None,
         backlog: BacklogLimit | None = None,
     ) -> None:
         self._resolve = resolve
@@ -636,9 +675,13 @@ class ResponsesAPI:
         if req.previous_response_id is not None:
             found = self.store.get(req.previous_response_id)
             if found is None:
-                raise APIError(404, f"no stored response {req.previous_response_id!r} (unknown, expired, or evicted; "
-                               "responses are kept in a bounded store, on the replica that made them)",
-                               param="previous_response_id", code="response_not_found")
+                raise APIError(
+                    404,
+                    f"no stored response {req.previous_response_id!r} (unknown, expired, or evicted; "
+                    "responses are kept in a bounded store, on the replica that made them)",
+                    param="previous_response_id",
+                    code="response_not_found",
+                )
             conversation = list(found[0])
         conversation += _input_messages(req.input)
         if not conversation:
@@ -668,8 +711,9 @@ class ResponsesAPI:
 
         def start() -> ChatStream:
             # request-sized (every message and tool): in a worker, never on the event loop
-            return engine.stream_chat(messages, params, tools=tools or None, tool_choice=choice,
-                                      parallel_tool_calls=parallel)
+            return engine.stream_chat(
+                messages, params, tools=tools or None, tool_choice=choice, parallel_tool_calls=parallel
+            )
 
         try:
             chat = await self._workers.run(start, large=is_large(len(messages), len(tools)))
@@ -677,15 +721,27 @@ class ResponsesAPI:
             msg, err = str(exc), api_error(exc)
             if err.body.error.param is None:
                 # "tool call ...": a past call of the input (aiobasert.tools' render)
-                err = APIError(400, msg, param="tool_choice" if "tool_choice" in msg else "input"
-                               if msg.startswith("tool call") else "tools" if "tool" in msg else "input")
+                err = APIError(
+                    400,
+                    msg,
+                    param="tool_choice"
+                    if "tool_choice" in msg
+                    else "input"
+                    if msg.startswith("tool call")
+                    else "tools"
+                    if "tool" in msg
+                    else "input",
+                )
             raise err from None
         turn = _Turn(req, served, chat, conversation, self.store, self.new_id())
         observer = self._metrics.observer(served.name, served.engine)
         if req.stream:
-            return EventStream(drive(chat.tokens, _ResponseEvents(turn), include_usage=False, observer=observer),
-                               write_timeout=self._write_timeout, streams=[chat.tokens],
-                               backlog=self._backlog)
+            return EventStream(
+                drive(chat.tokens, _ResponseEvents(turn), include_usage=False, observer=observer),
+                write_timeout=self._write_timeout,
+                streams=[chat.tokens],
+                backlog=self._backlog,
+            )
         tokens = await unless_disconnected(request.receive, functools.partial(collect, chat.tokens, observer))
         finish = finish_reason(chat.tokens.finish_reason)
         for tok in tokens:

@@ -197,8 +197,9 @@ class EventStream(Response):
             elif over_since is None or unsent < low:  # over the bound, or progress on it: the clock restarts
                 over_since, low = now, unsent
             elif now - over_since >= timeout:
-                logger.warning("dropped a client whose unsent backlog (%d bytes) did not shrink for %s s",
-                               unsent, timeout)
+                logger.warning(
+                    "dropped a client whose unsent backlog (%d bytes) did not shrink for %s s", unsent, timeout
+                )
                 scope.cancel()
                 return
 

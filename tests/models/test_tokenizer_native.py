@@ -78,13 +78,19 @@ def train_tokenizer(strings: list[str], across_pre_tokens: bool) -> Tokenizer:
     if across_pre_tokens:
         tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     else:
-        tk.pre_tokenizer = pre_tokenizers.Sequence([
-            pre_tokenizers.Digits(individual_digits=True),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
-        ])
+        tk.pre_tokenizer = pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Digits(individual_digits=True),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+            ]
+        )
     alphabet = pre_tokenizers.ByteLevel.alphabet()
-    trainer = trainers.BpeTrainer(vocab_size=len(SPECIAL_TOKENS) + len(alphabet) + N_MERGES,
-                                  special_tokens=SPECIAL_TOKENS, initial_alphabet=alphabet, show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=len(SPECIAL_TOKENS) + len(alphabet) + N_MERGES,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=alphabet,
+        show_progress=False,
+    )
     tk.train_from_iterator(strings, trainer)
     tk.add_tokens([AddedToken(t, normalized=False, special=False) for t in USER_DEFINED_TOKENS])
     return tk
@@ -107,8 +113,9 @@ def gguf_fields(tk: Tokenizer, pre: str) -> dict[str, Any]:
 
 @pytest.mark.parametrize("pre", ["smollm", "gpt2"])
 @pytest.mark.parametrize("training", ["trained", "trained_across"])
-def test_parity_with_hf(pre: str, training: str, request: pytest.FixtureRequest, driver: Path, workdir: Path,
-                        strings: list[str]) -> None:
+def test_parity_with_hf(
+    pre: str, training: str, request: pytest.FixtureRequest, driver: Path, workdir: Path, strings: list[str]
+) -> None:
     fields = gguf_fields(request.getfixturevalue(training), pre)
     assert abs(len(fields["tokenizer.ggml.merges"]) - N_MERGES) <= 50
     vocab = workdir / f"vocab-{training}-{pre}.txt"
@@ -126,8 +133,7 @@ def test_exported_json_matches_trained_tokenizer(trained: Tokenizer, strings: li
         assert framing.encode(s).ids == trained.encode(s).ids, repr(s)
 
 
-def test_long_inputs_and_piece_boundaries(trained: Tokenizer, driver: Path, workdir: Path,
-                                          strings: list[str]) -> None:
+def test_long_inputs_and_piece_boundaries(trained: Tokenizer, driver: Path, workdir: Path, strings: list[str]) -> None:
     fields = gguf_fields(trained, "smollm")
     vocab = workdir / "vocab-long.txt"
     write_vocab(vocab, fields)
@@ -153,13 +159,33 @@ def test_utf8_assembler(driver: Path, workdir: Path, strings: list[str]) -> None
     for s in strings:
         data = s.encode()
         if len(data) != len(s):  # multi-byte text: byte-by-byte and random chunks
-            records.append([data[i:i + 1] for i in range(len(data))])
+            records.append([data[i : i + 1] for i in range(len(data))])
             records.append(_random_chunks(rng, data))
     # Invalid and truncated sequences: lone continuation bytes, overlong and surrogate leads, bytes that
     # never occur in UTF-8, sequences cut by ASCII, and text ending in an incomplete character.
-    odd = [b"\x80", b"\xbf", b"\xc0", b"\xc1", b"\xc2", b"\xe0", b"\xe0\x80", b"\xed", b"\xed\xa0", b"\xef\xbf",
-           b"\xf0", b"\xf0\x8f", b"\xf0\x9f\x98", b"\xf4\x90", b"\xf5", b"\xff", b"A", b" ", "é".encode(),
-           "中".encode(), "😀".encode()]
+    odd = [
+        b"\x80",
+        b"\xbf",
+        b"\xc0",
+        b"\xc1",
+        b"\xc2",
+        b"\xe0",
+        b"\xe0\x80",
+        b"\xed",
+        b"\xed\xa0",
+        b"\xef\xbf",
+        b"\xf0",
+        b"\xf0\x8f",
+        b"\xf0\x9f\x98",
+        b"\xf4\x90",
+        b"\xf5",
+        b"\xff",
+        b"A",
+        b" ",
+        "é".encode(),
+        "中".encode(),
+        "😀".encode(),
+    ]
     for _ in range(600):
         data = b"".join(rng.choice(odd) for _ in range(rng.randint(1, 12)))
         records.append(_random_chunks(rng, data))
@@ -171,7 +197,7 @@ def test_utf8_assembler(driver: Path, workdir: Path, strings: list[str]) -> None
             prefix += f
             total, held = _assembled(prefix)
             assert total.startswith(emitted)
-            expected.append(total[len(emitted):])
+            expected.append(total[len(emitted) :])
             emitted = total
         assert outs == expected, feeds
         assert pending == held, feeds
@@ -206,14 +232,17 @@ def _random_chunks(rng: random.Random, data: bytes) -> list[bytes]:
         ({"tokenizer.ggml.pre": "default"}, "unsupported pre-tokenizer"),
         ({"tokenizer.ggml.model": "t5"}, "unsupported tokenizer model"),
         ({"tokenizer.ggml.merges": ["a zzz_not_a_token"]}, "not in the vocabulary"),
-        ({"tokenizer.ggml.merges": ["ab"]}, "is not \"left right\""),
+        ({"tokenizer.ggml.merges": ["ab"]}, 'is not "left right"'),
         ({"tokenizer.ggml.token_type": [7, 1, 1]}, "not a GGUF token type"),
     ],
 )
-def test_invalid_vocabulary_is_rejected(change: dict[str, Any], message: str, driver: Path,
-                                        workdir: Path) -> None:
-    fields: dict[str, Any] = {"tokenizer.ggml.pre": "gpt2", "tokenizer.ggml.tokens": ["a", "b", "ab"],
-                              "tokenizer.ggml.token_type": [1, 1, 1], "tokenizer.ggml.merges": ["a b"]}
+def test_invalid_vocabulary_is_rejected(change: dict[str, Any], message: str, driver: Path, workdir: Path) -> None:
+    fields: dict[str, Any] = {
+        "tokenizer.ggml.pre": "gpt2",
+        "tokenizer.ggml.tokens": ["a", "b", "ab"],
+        "tokenizer.ggml.token_type": [1, 1, 1],
+        "tokenizer.ggml.merges": ["a b"],
+    }
     fields.update(change)
     vocab = workdir / "bad-vocab.txt"
     write_vocab(vocab, fields)
@@ -245,8 +274,17 @@ LLAMA_CPP_SEPARATOR = b"\n__ggml_vocab_test__\n"
 # exhaustive test below then says which ones to place here).
 EXACT_VOCABS = ("llama-spm", "llama-bpe", "qwen2", "gpt-2", "starcoder", "refact", "command-r", "mpt", "phi-3")
 UNTESTED_VOCABS = ("baichuan",)  # SentencePiece, run as llama-spm is; llama.cpp ships no .inp / .out for it
-REFUSED_VOCABS = ("aquila", "bert-bge", "deepseek-coder", "deepseek-llm", "falcon", "gemma-4",
-                  "gpt-neox", "nomic-bert-moe", "qwen35")
+REFUSED_VOCABS = (
+    "aquila",
+    "bert-bge",
+    "deepseek-coder",
+    "deepseek-llm",
+    "falcon",
+    "gemma-4",
+    "gpt-neox",
+    "nomic-bert-moe",
+    "qwen35",
+)
 
 
 def llama_cpp_meta(vocab_dir: Path, name: str) -> dict[str, Any]:
@@ -270,8 +308,9 @@ def llama_cpp_cases(vocab_dir: Path, name: str) -> list[tuple[bytes, list[int]]]
 
 
 def test_every_llama_cpp_vocabulary_is_exact_or_refused(llama_cpp_vocab_dir: Path) -> None:
-    names = sorted(p.name.removeprefix("ggml-vocab-").removesuffix(".gguf")
-                   for p in llama_cpp_vocab_dir.glob("ggml-vocab-*.gguf"))
+    names = sorted(
+        p.name.removeprefix("ggml-vocab-").removesuffix(".gguf") for p in llama_cpp_vocab_dir.glob("ggml-vocab-*.gguf")
+    )
     assert sorted((*EXACT_VOCABS, *UNTESTED_VOCABS, *REFUSED_VOCABS)) == names
     for name in names:
         refusal = tokenizer_refusal(llama_cpp_meta(llama_cpp_vocab_dir, name))
@@ -300,13 +339,15 @@ def test_llama_cpp_vocabulary_ids(name: str, llama_cpp_vocab_dir: Path, driver: 
 
 
 @pytest.mark.parametrize("name", ["llama-spm", "llama-bpe"])
-def test_llama_cpp_vocabulary_through_a_bundle(name: str, llama_cpp_vocab_dir: Path, tmp_path: Path,
-                                               lib: Library) -> None:
+def test_llama_cpp_vocabulary_through_a_bundle(
+    name: str, llama_cpp_vocab_dir: Path, tmp_path: Path, lib: Library
+) -> None:
     """The vocabulary carried by a GGUF -> .base conversion (random weights) into the loader: the engine's
     own encode / decode entry points give llama.cpp's ids and the text back."""
     fields = llama_cpp_fields(llama_cpp_vocab_dir, name)
-    bundle = aiobasert.models.convert.convert_gguf(write_gguf(tmp_path / f"{name}.gguf", tokenizer=fields),
-                                            tmp_path / f"{name}.base", progress=False)
+    bundle = aiobasert.models.convert.convert_gguf(
+        write_gguf(tmp_path / f"{name}.gguf", tokenizer=fields), tmp_path / f"{name}.base", progress=False
+    )
     m = load(lib, bundle, 64)
     try:
         spm = fields["tokenizer.ggml.model"] == "llama"
@@ -329,8 +370,9 @@ def test_llama_cpp_vocabulary_through_a_bundle(name: str, llama_cpp_vocab_dir: P
 
 
 @pytest.mark.parametrize("name", ["llama-bpe", "qwen2", "starcoder", "gpt-2", "llama-spm"])
-def test_llama_cpp_vocabulary_parity_with_hf(name: str, llama_cpp_vocab_dir: Path, driver: Path, workdir: Path,
-                                             strings: list[str]) -> None:
+def test_llama_cpp_vocabulary_parity_with_hf(
+    name: str, llama_cpp_vocab_dir: Path, driver: Path, workdir: Path, strings: list[str]
+) -> None:
     """The whole corpus (every pre-tokenizer branch, many scripts, whitespace runs, markers) on the real
     vocabularies against HF tokenizers with the tokenizer.json built from the same GGUF fields (Llama 3's
     and Qwen2's Split regexes run by HF's Oniguruma, not by the engine's hand-coded split)."""
@@ -349,12 +391,27 @@ def test_llama_cpp_vocabulary_parity_with_hf(name: str, llama_cpp_vocab_dir: Pat
     assert not mismatches, f"{len(mismatches)} of {len(records)} differ:\n" + "\n".join(mismatches[:20])
 
 
-@pytest.mark.parametrize("pre", [*(n for names in SUPPORTED_PRE.values() for n in names),
-                                 "default", "deepseek-llm", "deepseek-coder", "falcon", "qwen35", "gemma4", "GPT2"])
+@pytest.mark.parametrize(
+    "pre",
+    [
+        *(n for names in SUPPORTED_PRE.values() for n in names),
+        "default",
+        "deepseek-llm",
+        "deepseek-coder",
+        "falcon",
+        "qwen35",
+        "gemma4",
+        "GPT2",
+    ],
+)
 def test_inspection_and_engine_agree_on_pre_tokenizers(pre: str, driver: Path, workdir: Path) -> None:
     # The GGUF inspection (Python) refuses exactly the names the C tokenizer cannot build.
-    fields: dict[str, Any] = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": pre,
-                              "tokenizer.ggml.tokens": ["a", "b", "ab"], "tokenizer.ggml.merges": ["a b"]}
+    fields: dict[str, Any] = {
+        "tokenizer.ggml.model": "gpt2",
+        "tokenizer.ggml.pre": pre,
+        "tokenizer.ggml.tokens": ["a", "b", "ab"],
+        "tokenizer.ggml.merges": ["a b"],
+    }
     vocab = workdir / "pre-vocab.txt"
     write_vocab(vocab, fields)
     refused = tokenizer_refusal(fields)
@@ -380,8 +437,9 @@ def test_sentencepiece_space_prefix(llama_cpp_vocab_dir: Path, driver: Path, wor
     bare = run_encode(driver, off, [[(True, t)] for t in texts], workdir)
     turns = run_encode(driver, on, [[(False, b"<s>" + t + b"</s>" + t)] for t in texts], workdir)
     turns_off = run_encode(driver, off, [[(False, b"<s>"), (True, t), (False, b"</s>")] for t in texts], workdir)
-    for t, (a, _), (b, _), (c, c_bytes), (d, _), (e, _) in zip(texts, with_prefix, spaced, bare, turns, turns_off,
-                                                                strict=True):
+    for t, (a, _), (b, _), (c, c_bytes), (d, _), (e, _) in zip(
+        texts, with_prefix, spaced, bare, turns, turns_off, strict=True
+    ):
         assert a == b, t
         assert c_bytes == t, t  # no space was added
         assert d == [bos, *a, eos, *a], t
@@ -389,8 +447,9 @@ def test_sentencepiece_space_prefix(llama_cpp_vocab_dir: Path, driver: Path, wor
 
 
 @pytest.mark.parametrize("name", ["llama-spm", "llama-bpe"])
-def test_llguidance_sees_the_engine_token_bytes(name: str, llama_cpp_vocab_dir: Path, driver: Path,
-                                                workdir: Path) -> None:
+def test_llguidance_sees_the_engine_token_bytes(
+    name: str, llama_cpp_vocab_dir: Path, driver: Path, workdir: Path
+) -> None:
     """Structured output's host backend (llguidance, from the tokenizer.json built here) must see each
     token as the same bytes the engine decodes it to, or its masks would allow the wrong tokens."""
     llguidance = pytest.importorskip("llguidance")
@@ -439,8 +498,9 @@ def phi3_fields(llama_cpp_vocab_dir: Path, llama_cpp_templates_dir: Path) -> dic
 
 
 @pytest.mark.parametrize("name", ["Phi3", "Phi-3-mini-4k-instruct", "Llama 2"])
-def test_phi3_markers_strip_the_whitespace_after_them(name: str, phi3_fields: dict[str, Any], tmp_path: Path,
-                                                      lib: Library) -> None:
+def test_phi3_markers_strip_the_whitespace_after_them(
+    name: str, phi3_fields: dict[str, Any], tmp_path: Path, lib: Library
+) -> None:
     """A Phi-3 GGUF (general.name with "phi3" / "phi-3", as llama.cpp decides it) converted and loaded:
     framing text drops the whitespace after every special token but <unk>, <s> and <|endoftext|> (llama.cpp's
     RSTRIP), on into the content that follows; the chat template renders with <|end|> closing each turn, and
@@ -448,11 +508,27 @@ def test_phi3_markers_strip_the_whitespace_after_them(name: str, phi3_fields: di
     gguf_path = write_gguf(tmp_path / "phi3.gguf", arch="phi3", tokenizer=phi3_fields, extra_kv={"general.name": name})
     bundle = aiobasert.models.convert.convert_gguf(gguf_path, tmp_path / "phi3.base", progress=False)
     tokens = phi3_fields["tokenizer.ggml.tokens"]
-    ids = {t: tokens.index(t) for t in ("<s>", "</s>", "<unk>", "<|endoftext|>", "<|user|>", "<|end|>",
-                                         "<|assistant|>", "<|system|>", "<|placeholder1|>")}
+    ids = {
+        t: tokens.index(t)
+        for t in (
+            "<s>",
+            "</s>",
+            "<unk>",
+            "<|endoftext|>",
+            "<|user|>",
+            "<|end|>",
+            "<|assistant|>",
+            "<|system|>",
+            "<|placeholder1|>",
+        )
+    }
     phi3 = name != "Llama 2"
-    rstrip = {i for i, ty in enumerate(phi3_fields["tokenizer.ggml.token_type"]) if ty in (2, 3, 4)} - {
-        ids["<s>"], ids["<unk>"], ids["<|endoftext|>"]} if phi3 else set()
+    rstrip = (
+        {i for i, ty in enumerate(phi3_fields["tokenizer.ggml.token_type"]) if ty in (2, 3, 4)}
+        - {ids["<s>"], ids["<unk>"], ids["<|endoftext|>"]}
+        if phi3
+        else set()
+    )
     m = load(lib, bundle, 64)
     try:
         buf = (ctypes.c_uint32 * 4096)()
@@ -471,8 +547,13 @@ def test_phi3_markers_strip_the_whitespace_after_them(name: str, phi3_fields: di
             n = lib.baseRT_encode(m, text.encode(), buf, 4096)
             return list(buf[:n])
 
-        texts = ["<|user|>\nHi<|end|>\n<|assistant|>\n", "<|system|>  \n\t\v\f\r You are<|end|>x",
-                 "x<s>\nkeep</s>\n drop<|endoftext|>\n keep <unk> keep", "a<|placeholder1|>\n\n", "<|end|> \n"]
+        texts = [
+            "<|user|>\nHi<|end|>\n<|assistant|>\n",
+            "<|system|>  \n\t\v\f\r You are<|end|>x",
+            "x<s>\nkeep</s>\n drop<|endoftext|>\n keep <unk> keep",
+            "a<|placeholder1|>\n\n",
+            "<|end|> \n",
+        ]
         for text in texts:
             assert framing(text) == reference(text), text
         stripped = [ids["<s>"], ids["<|user|>"], *plain("Hi"), ids["<|end|>"], ids["<|assistant|>"]]
@@ -483,24 +564,32 @@ def test_phi3_markers_strip_the_whitespace_after_them(name: str, phi3_fields: di
         rendered = "".join(text for text, _ in pieces)
         assert rendered == "<|system|>\nBe brief.<|end|>\n<|user|>\n \n Hi there <|end|>\n<|assistant|>\n"
         datas = [text.encode() for text, _ in pieces]
-        n = lib.baseRT_encode_pieces(m, (ctypes.c_char_p * len(datas))(*datas),
-                                     (ctypes.c_int * len(datas))(*(int(c) for _, c in pieces)), len(datas), buf, 4096)
+        n = lib.baseRT_encode_pieces(
+            m,
+            (ctypes.c_char_p * len(datas))(*datas),
+            (ctypes.c_int * len(datas))(*(int(c) for _, c in pieces)),
+            len(datas),
+            buf,
+            4096,
+        )
         assert list(buf[:n]) == reference(rendered)  # the user's leading whitespace goes too, as in llama.cpp
         assert lib.baseRT_is_eos_token(m, ids["<|end|>"]) and lib.baseRT_is_eos_token(m, ids["<|endoftext|>"])
     finally:
         lib.baseRT_free_model(m)
 
 
-def test_phi3_rstrip_on_any_text_of_markers_and_whitespace(phi3_fields: dict[str, Any], tmp_path: Path,
-                                                          lib: Library) -> None:
+def test_phi3_rstrip_on_any_text_of_markers_and_whitespace(
+    phi3_fields: dict[str, Any], tmp_path: Path, lib: Library
+) -> None:
     """Hypothesis-made texts of Phi-3's markers (RSTRIP or not), whitespace of every kind and words, in any
     order: framing text always equals llama.cpp's partition, and the same text as content pieces (never
     matched as markers) round-trips its bytes (run under ASan + UBSan too: 300 examples, clean)."""
     from hypothesis import HealthCheck, given, settings
     from hypothesis import strategies as st
 
-    gguf_path = write_gguf(tmp_path / "phi3.gguf", arch="phi3", tokenizer=phi3_fields,
-                           extra_kv={"general.name": "Phi3"})
+    gguf_path = write_gguf(
+        tmp_path / "phi3.gguf", arch="phi3", tokenizer=phi3_fields, extra_kv={"general.name": "Phi3"}
+    )
     bundle = aiobasert.models.convert.convert_gguf(gguf_path, tmp_path / "phi3.base", progress=False)
     tokens, types = phi3_fields["tokenizer.ggml.tokens"], phi3_fields["tokenizer.ggml.token_type"]
     keep = {tokens.index(t) for t in ("<s>", "<unk>", "<|endoftext|>")}
@@ -539,6 +628,7 @@ def test_phi3_rstrip_on_any_text_of_markers_and_whitespace(phi3_fields: dict[str
     finally:
         lib.baseRT_free_model(m)
 
+
 def test_content_matches_blank_user_tokens_only(llama_cpp_vocab_dir: Path, driver: Path, workdir: Path) -> None:
     """Client content never becomes a marker (MPT's "[PAD50277]" is a USER_DEFINED token, as Qwen3's <think>
     is): only the USER_DEFINED whitespace runs are matched in it, as llama.cpp matches them everywhere."""
@@ -565,7 +655,10 @@ def test_gemma3_vocabulary_parity_with_hf(driver: Path, workdir: Path, strings: 
     write_vocab(vocab, fields)
     framing_tk, plain_tk = hf_references(fields)
     results = run_encode(driver, vocab, [[(plain, s.encode())] for s in strings for plain in (False, True)], workdir)
-    mismatches = [f"{kind} {s!r}" for s, framing, content in zip(strings, results[0::2], results[1::2], strict=True)
-                  for kind, (got, _), tk in (("framing", framing, framing_tk), ("content", content, plain_tk))
-                  if got != tk.encode(s, add_special_tokens=False).ids]
+    mismatches = [
+        f"{kind} {s!r}"
+        for s, framing, content in zip(strings, results[0::2], results[1::2], strict=True)
+        for kind, (got, _), tk in (("framing", framing, framing_tk), ("content", content, plain_tk))
+        if got != tk.encode(s, add_special_tokens=False).ids
+    ]
     assert not mismatches, f"{len(mismatches)} differ:\n" + "\n".join(mismatches[:20])

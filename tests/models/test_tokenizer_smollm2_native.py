@@ -70,8 +70,9 @@ def test_vocabulary_is_smollm2(fields: dict[str, Any]) -> None:
     assert fields["tokenizer.ggml.pre"] == "smollm"
     # SmolLM2 has no symbol for 21 bytes (some C0 controls and bytes absent from or rare in UTF-8): they
     # vanish from encoded text, in HF tokenizers as in the engine.
-    assert unencodable_bytes(fields) == bytes([0x04, 0x06, 0x13, 0x14, 0x16, 0x1D, 0xC0, 0xC1, 0xF1, 0xF2,
-                                               *range(0xF5, 0x100)])
+    assert unencodable_bytes(fields) == bytes(
+        [0x04, 0x06, 0x13, 0x14, 0x16, 0x1D, 0xC0, 0xC1, 0xF1, 0xF2, *range(0xF5, 0x100)]
+    )
     assert len(fields["tokenizer.ggml.tokens"]) == 49152
     assert len(fields["tokenizer.ggml.merges"]) == 48900
     assert fields["tokenizer.ggml.tokens"][1:3] == ["<|im_start|>", "<|im_end|>"]
@@ -87,7 +88,8 @@ def test_parity_with_hf_on_smollm2(fields: dict[str, Any], driver: Path, vocab: 
 def test_known_smollm2_ids(driver: Path, vocab: Path, workdir: Path) -> None:
     # Fixed expectations, independent of HF at test time: markers are single ids in framing text only.
     (framing, _), (content, _) = run_encode(
-        driver, vocab, [[(False, b"<|im_start|>user\nHi<|im_end|>")], [(True, b"<|im_start|>")]], workdir)
+        driver, vocab, [[(False, b"<|im_start|>user\nHi<|im_end|>")], [(True, b"<|im_start|>")]], workdir
+    )
     assert framing[0] == 1 and framing[-1] == 2 and len(framing) >= 4
     assert 1 not in content and len(content) > 1
 

@@ -34,9 +34,16 @@ MODELS: dict[str, dict[str, Any]] = {
     "llama3_rope_freqs": dict(arch="llama", rope_freqs=llama3_rope_factors(16, 10000.0, original_context_length=256)),
     "llama_linear": dict(arch="llama", rope_scaling={"rope_type": "linear", "factor": 4.0}),
     # HF's config form of Llama 3.1's scaling (no rope_freqs tensor): the engine computes the divisors
-    "llama3_config": dict(arch="llama", rope_scaling={
-        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-        "original_max_position_embeddings": 256}),
+    "llama3_config": dict(
+        arch="llama",
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 256,
+        },
+    ),
     "qwen2_yarn": dict(
         arch="qwen2",
         rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64},
@@ -116,8 +123,12 @@ def test_the_architecture_matters(arch_model: Path) -> None:
     bundle = read_bundle(arch_model)
     oracle = NumpyLlama(arch_model)
     cfg = oracle.config
-    plain = LlamaForward(dataclasses.replace(cfg, arch="llama", rope=None, local_rope=None, sliding=(),
-                                             attn_scale=None, final_softcap=0.0), bundle.tensor)
+    plain = LlamaForward(
+        dataclasses.replace(
+            cfg, arch="llama", rope=None, local_rope=None, sliding=(), attn_scale=None, final_softcap=0.0
+        ),
+        bundle.tensor,
+    )
     tokens = prompt(24, 3, cfg.vocab_size)
     assert np.abs(oracle.logits(tokens) - plain.logits(tokens)).max() > 0.05
 
@@ -139,8 +150,9 @@ def test_converted_gguf_runs_within_the_gguf_oracle_bound(lib: Library, tmp_path
 
 
 @pytest.mark.parametrize("context", [64, 65, MAX_CONTEXT])
-def test_phi3_longrope_takes_the_factors_llama_cpp_takes_for_the_context(lib: Library, tmp_path: Path,
-                                                                          context: int) -> None:
+def test_phi3_longrope_takes_the_factors_llama_cpp_takes_for_the_context(
+    lib: Library, tmp_path: Path, context: int
+) -> None:
     """Phi-3's 128k LongRoPE (original context 64): loaded for a context above 64 per sequence, the engine
     divides by rope_factors_long, else by rope_factors_short (llama.cpp's get_rope_factors), q and k scaled
     by attn_factor; against the GGUF-reading oracle for that context, which the choice changes."""
@@ -162,11 +174,11 @@ def test_phi3_longrope_takes_the_factors_llama_cpp_takes_for_the_context(lib: Li
         lib.baseRT_free_model(m)
 
 
-
 @pytest.mark.parametrize("value", [0.0, -2.0, float("nan")])
 @pytest.mark.parametrize(("context", "factors"), [(64, "rope_factors_short"), (MAX_CONTEXT, "rope_factors_long")])
-def test_phi3_longrope_factors_that_are_no_divisors_are_refused(lib: Library, tmp_path: Path, context: int,
-                                                               factors: str, value: float) -> None:
+def test_phi3_longrope_factors_that_are_no_divisors_are_refused(
+    lib: Library, tmp_path: Path, context: int, factors: str, value: float
+) -> None:
     """A LongRoPE factor (the set the context picks) of zero, below zero or NaN in a hostile bundle is refused
     in one line naming the tensor: a zero one made the logits NaN. The other set is not read."""
     src = write_gguf(tmp_path / "long.gguf", arch="phi3", longrope=True)
@@ -180,6 +192,7 @@ def test_phi3_longrope_factors_that_are_no_divisors_are_refused(lib: Library, tm
     fine = lib.baseRT_load_model(str(unread).encode(), None, context)
     assert fine, coded_error(lib)
     lib.baseRT_free_model(fine)
+
 
 PHI3_STORED = {"F16": "f16", "Q8_0": "base_q8", "Q4_K": "ggml_q4_k"}
 
@@ -235,8 +248,15 @@ def test_a_zero_soft_cap_is_none(lib: Library, tmp_path: Path) -> None:
 # ---- refusals: one line naming the reason -------------------------------------------------
 
 
-def _rewrite(src: Path, dst: Path, *, arch: str | None = None, drop: str | None = None,
-             config: dict[str, Any] | None = None, value: tuple[str, int, float] | None = None) -> Path:
+def _rewrite(
+    src: Path,
+    dst: Path,
+    *,
+    arch: str | None = None,
+    drop: str | None = None,
+    config: dict[str, Any] | None = None,
+    value: tuple[str, int, float] | None = None,
+) -> Path:
     """src's bundle with its arch / config changed, a tensor dropped or (value) one element of one set."""
     bundle = read_bundle(src)
     header = json.loads(json.dumps(bundle.header))
@@ -251,8 +271,7 @@ def _rewrite(src: Path, dst: Path, *, arch: str | None = None, drop: str | None 
             t.reshape(-1)[value[1]] = value[2]
         return t
 
-    tensors = [(name, data(name), info.compute_region, "f32") for name, info in bundle.tensors.items()
-               if name != drop]
+    tensors = [(name, data(name), info.compute_region, "f32") for name, info in bundle.tensors.items() if name != drop]
     write_bundle(dst, header, tensors)
     return dst
 
@@ -261,30 +280,54 @@ def _rewrite(src: Path, dst: Path, *, arch: str | None = None, drop: str | None 
     ("model", "change", "code", "message"),
     [
         ("qwen2_yarn", dict(arch="llama"), UNSUPPORTED, "is not part of the llama layout"),
-        ("qwen2_yarn", dict(drop="layers.1.self_attn.k_proj.bias"), INVALID_FORMAT,
-         "missing tensor 'layers.1.self_attn.k_proj.bias'"),
+        (
+            "qwen2_yarn",
+            dict(drop="layers.1.self_attn.k_proj.bias"),
+            INVALID_FORMAT,
+            "missing tensor 'layers.1.self_attn.k_proj.bias'",
+        ),
         ("qwen3", dict(arch="phi2"), UNSUPPORTED, "arch 'phi2' is not supported"),
         ("qwen3", dict(arch="phi3"), UNSUPPORTED, "'layers.0.self_attn.q_norm.weight' is not part of the phi3 layout"),
         ("phi3", dict(config={"sliding_window": 4}), UNSUPPORTED, "sliding-window layers are not part of arch 'phi3'"),
         ("gemma3", dict(drop="layers.0.mlp.out_norm.weight"), INVALID_FORMAT, "mlp.out_norm.weight"),
         ("qwen3", dict(config={"sliding_window": 4}), UNSUPPORTED, "sliding-window layers are not part of arch"),
-        ("llama_linear", dict(config={"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}), UNSUPPORTED,
-         "rope_type 'dynamic' is not supported"),
-        ("phi3", dict(config={"rope_scaling": {"rope_type": "longrope", "original_max_position_embeddings": 64}}),
-         INVALID_FORMAT, "missing tensor 'rope_factors_long.weight' (config.rope_scaling is longrope)"),
-        ("llama_linear", dict(config={"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}), INVALID_FORMAT,
-         "original_max_position_embeddings is missing"),
+        (
+            "llama_linear",
+            dict(config={"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}),
+            UNSUPPORTED,
+            "rope_type 'dynamic' is not supported",
+        ),
+        (
+            "phi3",
+            dict(config={"rope_scaling": {"rope_type": "longrope", "original_max_position_embeddings": 64}}),
+            INVALID_FORMAT,
+            "missing tensor 'rope_factors_long.weight' (config.rope_scaling is longrope)",
+        ),
+        (
+            "llama_linear",
+            dict(config={"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}),
+            INVALID_FORMAT,
+            "original_max_position_embeddings is missing",
+        ),
         ("gemma3", dict(config={"layer_types": ["full_attention"]}), INVALID_FORMAT, "one type per layer"),
         ("gemma3", dict(config={"final_logit_softcapping": -30.0}), INVALID_FORMAT, "final_logit_softcapping"),
         ("gemma3", dict(config={"sliding_window": 0}), INVALID_FORMAT, "sliding_window"),
         ("llama3_rope_freqs", dict(arch="qwen2"), UNSUPPORTED, "'rope_freqs.weight' is not part of the qwen2 layout"),
         # frequency divisors a hostile bundle may hold: RoPE's angles would be NaN (zero) or nonsense
-        *(("llama3_rope_freqs", dict(value=("rope_freqs.weight", 3, v)), INVALID_FORMAT,
-           "'rope_freqs.weight': RoPE frequency divisor 3 is") for v in (0.0, -1.0, float("nan"), float("inf"))),
+        *(
+            (
+                "llama3_rope_freqs",
+                dict(value=("rope_freqs.weight", 3, v)),
+                INVALID_FORMAT,
+                "'rope_freqs.weight': RoPE frequency divisor 3 is",
+            )
+            for v in (0.0, -1.0, float("nan"), float("inf"))
+        ),
     ],
 )
-def test_refusals_name_the_reason(lib: Library, tmp_path: Path, model: str, change: dict[str, Any], code: int,
-                                  message: str) -> None:
+def test_refusals_name_the_reason(
+    lib: Library, tmp_path: Path, model: str, change: dict[str, Any], code: int, message: str
+) -> None:
     kwargs = dict(dim=64, n_heads=4, n_kv_heads=2, ffn_dim=96, tied=False) | MODELS[model]
     src = build_tiny_model(tmp_path / "src.base", **kwargs)
     bad = _rewrite(src, tmp_path / "bad.base", **change)
@@ -317,16 +360,19 @@ def test_a_foreign_architecture_still_loads_its_tokenizer(lib: Library, tmp_path
 # Appended to the tiny vocabulary: Gemma's turn markers (older Gemma GGUFs store <end_of_turn> as a
 # normal token, type 1), Llama 3's end-of-turn / end-of-message markers, and a token only the GGUF's
 # tokenizer.ggml.eot_token_id names.
-FAMILY_TOKENS = (("<start_of_turn>", 3), ("<end_of_turn>", 1), ("<|eot_id|>", 3), ("<|eom_id|>", 3),
-                 ("<|my_end|>", 3))
+FAMILY_TOKENS = (("<start_of_turn>", 3), ("<end_of_turn>", 1), ("<|eot_id|>", 3), ("<|eom_id|>", 3), ("<|my_end|>", 3))
 
 
 @pytest.fixture(scope="module")
 def family_vocab_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    base = len(read_bundle(build_tiny_model(tmp_path_factory.mktemp("v") / "v.base")).tokenizer[
-        "tokenizer.ggml.tokens"])
-    return build_tiny_model(tmp_path_factory.mktemp("family") / "family.base", extra_tokens=FAMILY_TOKENS,
-                            tokenizer_keys={"tokenizer.ggml.eot_token_id": base + 4})
+    base = len(
+        read_bundle(build_tiny_model(tmp_path_factory.mktemp("v") / "v.base")).tokenizer["tokenizer.ggml.tokens"]
+    )
+    return build_tiny_model(
+        tmp_path_factory.mktemp("family") / "family.base",
+        extra_tokens=FAMILY_TOKENS,
+        tokenizer_keys={"tokenizer.ggml.eot_token_id": base + 4},
+    )
 
 
 def test_every_family_end_marker_ends_generation(lib: Library, family_vocab_model: Path) -> None:

@@ -35,8 +35,10 @@ def fma32(a: np.float32, b: np.float32, c: np.float32) -> np.float32:
 
 
 def hsum8(v: list[np.float32]) -> np.float32:
-    return np.float32(np.float32(np.float32(v[0] + v[4]) + np.float32(v[2] + v[6]))
-                      + np.float32(np.float32(v[1] + v[5]) + np.float32(v[3] + v[7])))
+    return np.float32(
+        np.float32(np.float32(v[0] + v[4]) + np.float32(v[2] + v[6]))
+        + np.float32(np.float32(v[1] + v[5]) + np.float32(v[3] + v[7]))
+    )
 
 
 def dot_fma16(x: npt.NDArray[np.float32], w: npt.NDArray[np.float32]) -> np.float32:
@@ -65,12 +67,22 @@ def float_kernels(lib: Library) -> str:
     return (lib.baseRT_ref_kernels() or b"").decode().split()[0].removeprefix("float=")
 
 
-def rt_dots(lib: Library, x: npt.NDArray[np.float32], w: npt.NDArray[np.float32], wtype: int
-            ) -> npt.NDArray[np.float32]:
+def rt_dots(
+    lib: Library, x: npt.NDArray[np.float32], w: npt.NDArray[np.float32], wtype: int
+) -> npt.NDArray[np.float32]:
     raw = ctypes.CDLL(lib.path).rt_dots
     raw.restype = None
-    raw.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.POINTER(Weight), ctypes.c_size_t,
-                    ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    raw.argtypes = [
+        ctypes.c_void_p,
+        ctypes.c_size_t,
+        ctypes.c_int,
+        ctypes.POINTER(Weight),
+        ctypes.c_size_t,
+        ctypes.c_int,
+        ctypes.c_void_p,
+        ctypes.c_size_t,
+        ctypes.c_int,
+    ]
     (rows, n), out = x.shape, w.shape[0]
     stored = np.ascontiguousarray(w.astype(np.float16) if wtype == F16 else w)
     y = np.full((rows, out), np.nan, dtype=np.float32)

@@ -62,7 +62,7 @@ def mask_of(lib: Library, g: int) -> set[int]:
 
 # Completions that finish any viable prefix's pending token (escape, \u digits, key,
 # literal, number part); the scanner's stack then supplies the closers.
-PIECES = ["", "0", '"', ':0', '"a":0', "e", "ue", "rue", "lse", "alse", "se", "l", "ll", "ull"]
+PIECES = ["", "0", '"', ":0", '"a":0', "e", "ue", "rue", "lse", "alse", "se", "l", "ll", "ull"]
 PIECES += [esc + '"' + key for esc in ("", "n", "0", "00", "000", "0000") for key in ("", ":0")]
 UTF8_TAILS = [b"", b"\x80", b"\x80\x80", b"\x80\x80\x80", b"\xa0\x80", b"\x90\x80\x80"]
 
@@ -129,8 +129,9 @@ def viable(prefix: bytes, top: str | None = None) -> bool:
     return False
 
 
-def expected_mask(prefix: bytes, info: tuple[int, list[bytes], list[int]], ends: set[int],
-                  top: str | None = None) -> set[int]:
+def expected_mask(
+    prefix: bytes, info: tuple[int, list[bytes], list[int]], ends: set[int], top: str | None = None
+) -> set[int]:
     vocab, raw, types = info
     allowed = {t for t in range(vocab) if types[t] != CONTROL and raw[t] and viable(prefix + raw[t], top)}
     text = prefix.decode("utf-8", "replace")
@@ -149,8 +150,31 @@ def test_reference_itself() -> None:
 
 # ---- masks against the reference -----------------------------------------------------
 
-STATES = ["", "{", '{"a', '{"ab"', '{"a":', '{"a":[1', '{"a":[1,', '{"a":[1],', '["x\\', '["x\\u0', "-", "12",
-          "1.5e", "t", "[true", "[null,false,", '"he', "[[[", '{"k":"v"}', "[]", "0", "-0.5", '{"a":{"b":"c\\n"']
+STATES = [
+    "",
+    "{",
+    '{"a',
+    '{"ab"',
+    '{"a":',
+    '{"a":[1',
+    '{"a":[1,',
+    '{"a":[1],',
+    '["x\\',
+    '["x\\u0',
+    "-",
+    "12",
+    "1.5e",
+    "t",
+    "[true",
+    "[null,false,",
+    '"he',
+    "[[[",
+    '{"k":"v"}',
+    "[]",
+    "0",
+    "-0.5",
+    '{"a":{"b":"c\\n"',
+]
 
 
 @pytest.mark.parametrize("prefix", STATES)
@@ -163,7 +187,9 @@ def test_mask_matches_reference(lib: Library, model: int, vocab_info: Any, eos_i
             assert lib.baseRT_grammar_accept_token(g, t) == 1, (prefix, t, error(lib))
         got = mask_of(lib, g)
         assert got == expected_mask(prefix.encode(), vocab_info, eos_ids), (
-            prefix, sorted(got ^ expected_mask(prefix.encode(), vocab_info, eos_ids))[:20])
+            prefix,
+            sorted(got ^ expected_mask(prefix.encode(), vocab_info, eos_ids))[:20],
+        )
         assert got, prefix  # never an empty mask on a viable prefix
     finally:
         lib.baseRT_grammar_free(g)
@@ -171,8 +197,19 @@ def test_mask_matches_reference(lib: Library, model: int, vocab_info: Any, eos_i
 
 @pytest.mark.parametrize(
     ("top", "prefix"),
-    [("object", ""), ("array", ""), ("string", ""), ("number", ""), ("integer", ""), ("integer", "12"),
-     ("number", "12"), ("boolean", ""), ("null", ""), ("array", "[{"), ("integer", "-")],
+    [
+        ("object", ""),
+        ("array", ""),
+        ("string", ""),
+        ("number", ""),
+        ("integer", ""),
+        ("integer", "12"),
+        ("number", "12"),
+        ("boolean", ""),
+        ("null", ""),
+        ("array", "[{"),
+        ("integer", "-"),
+    ],
 )
 def test_typed_masks(lib: Library, model: int, vocab_info: Any, eos_ids: set[int], top: str, prefix: str) -> None:
     g = lib.baseRT_grammar_create_from_schema(model, json.dumps({"type": top}).encode())
@@ -289,8 +326,13 @@ def test_schema_refusals(lib: Library, model: int, schema: Any, needle: str) -> 
 
 
 def test_schema_accepts_and_errors(lib: Library, model: int) -> None:
-    for text in [b"{}", b"true", b'{"type": "array"}', b'{ "type" : "null" }',
-                 b'{"type": "object", "x-guidance": {"whitespace_flexible": false}, "description": "d"}']:
+    for text in [
+        b"{}",
+        b"true",
+        b'{"type": "array"}',
+        b'{ "type" : "null" }',
+        b'{"type": "object", "x-guidance": {"whitespace_flexible": false}, "description": "d"}',
+    ]:
         g = lib.baseRT_grammar_create_from_schema(model, text)
         assert g, (text, error(lib))
         assert error(lib)[0] == 0
@@ -331,8 +373,10 @@ def test_bad_handles(lib: Library, model: int) -> None:
 
 
 @pytest.mark.anyio
-@pytest.mark.parametrize(("schema", "kind"), [(True, None), ({"type": "array"}, list), ({"type": "object"}, dict),
-                                              ({"type": "integer"}, int)])
+@pytest.mark.parametrize(
+    ("schema", "kind"),
+    [(True, None), ({"type": "array"}, list), ({"type": "object"}, dict), ({"type": "integer"}, int)],
+)
 async def test_sdk_engine_grammar(untied_model_path: Path, schema: Any, kind: Any) -> None:
     async with Engine.open(untied_model_path, max_batch_size=4) as engine:
         lib = engine._thread.lib
@@ -341,8 +385,9 @@ async def test_sdk_engine_grammar(untied_model_path: Path, schema: Any, kind: An
         closers[EOS_ID] = 5.0
         for i in range(4):
             sampled: dict[str, Any] = dict(temperature=1.0, seed=i) if i else {}
-            done = await engine.generate(f"prompt {i}", max_tokens=96, json_schema=schema, logit_bias=closers,
-                                         **sampled)
+            done = await engine.generate(
+                f"prompt {i}", max_tokens=96, json_schema=schema, logit_bias=closers, **sampled
+            )
             assert done.finish_reason == "stop", done
             value = json.loads(done.text)
             if kind is not None:
@@ -352,8 +397,12 @@ async def test_sdk_engine_grammar(untied_model_path: Path, schema: Any, kind: An
 
 @pytest.mark.anyio
 async def test_sdk_falls_back_to_host_for_properties(untied_model_path: Path) -> None:
-    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}},
-              "required": ["n"], "additionalProperties": False}
+    schema = {
+        "type": "object",
+        "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}},
+        "required": ["n"],
+        "additionalProperties": False,
+    }
     async with Engine.open(untied_model_path, max_batch_size=2) as engine:
         done = await engine.generate("x", max_tokens=32, json_schema=schema)
         assert done.finish_reason == "stop", done

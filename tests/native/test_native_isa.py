@@ -28,10 +28,15 @@ from aiobasert.models.tiny import build_tiny_model
 from tests.cpu_features import cpu_flags
 
 ROOT = Path(__file__).resolve().parents[2]
-KERNEL_SUITES = ["tests/native/test_native_dot.py", "tests/native/test_native_quant.py",
-                 "tests/native/test_native_quant_symmetric.py", "tests/native/test_native_weights.py",
-                 "tests/native/test_native_batch_steps.py", "tests/native/test_native_kv.py",
-                 "tests/native/test_native_archs.py"]
+KERNEL_SUITES = [
+    "tests/native/test_native_dot.py",
+    "tests/native/test_native_quant.py",
+    "tests/native/test_native_quant_symmetric.py",
+    "tests/native/test_native_weights.py",
+    "tests/native/test_native_batch_steps.py",
+    "tests/native/test_native_kv.py",
+    "tests/native/test_native_archs.py",
+]
 
 
 def expected_kernels(cap: str | None, flags: set[str]) -> str:
@@ -46,8 +51,9 @@ def expected_kernels(cap: str | None, flags: set[str]) -> str:
 
 def chosen_kernels(env: dict[str, str]) -> str:
     code = "from aiobasert._core.ffi import load_library; print(load_library().baseRT_ref_kernels().decode())"
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
-                         timeout=120, check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120, check=True
+    )
     return out.stdout.strip()
 
 
@@ -76,19 +82,46 @@ for path in sys.argv[1:]:
 
 def kernels_and_digests(env: dict[str, str], *bundles: Path) -> tuple[str, list[str]]:
     """LOGITS_DIGEST in a process with `env`: the quant kernel set it chose, and each bundle's digest."""
-    out = subprocess.run([sys.executable, "-c", LOGITS_DIGEST, *map(str, bundles)], cwd=ROOT, env=env,
-                         capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-c", LOGITS_DIGEST, *map(str, bundles)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     kernels, *digests = out.stdout.splitlines()
     return kernels.split("quant=")[1], digests
 
 
-@pytest.mark.parametrize(("dtype", "symmetric"), [("base_q4", False), ("base_q8", False), ("base_q8", True),
-                                                  ("Q4_K", False), ("Q5_K", False), ("Q5_0", False),
-                                                  ("Q6_K", False), ("Q4_K+", False), ("Q5_K+", False),
-                                                  ("Q6_K+", False)],
-                         ids=["q4", "q8", "q8sym", "gguf-q4k", "gguf-q5k", "gguf-q5_0", "gguf-q6k", "gguf-q4k-wide",
-                              "gguf-q5k-wide", "gguf-q6k-wide"])
+@pytest.mark.parametrize(
+    ("dtype", "symmetric"),
+    [
+        ("base_q4", False),
+        ("base_q8", False),
+        ("base_q8", True),
+        ("Q4_K", False),
+        ("Q5_K", False),
+        ("Q5_0", False),
+        ("Q6_K", False),
+        ("Q4_K+", False),
+        ("Q5_K+", False),
+        ("Q6_K+", False),
+    ],
+    ids=[
+        "q4",
+        "q8",
+        "q8sym",
+        "gguf-q4k",
+        "gguf-q5k",
+        "gguf-q5_0",
+        "gguf-q6k",
+        "gguf-q4k-wide",
+        "gguf-q5k-wide",
+        "gguf-q6k-wide",
+    ],
+)
 def test_kernel_sets_compute_bit_identical_quantized_logits(tmp_path: Path, dtype: str, symmetric: bool) -> None:
     """`+`: K-quant rows of 2 and 3 super-blocks (an odd count, past what one 512-bit pass covers), beside
     1 and 2; the vocabulary's 585 rows end in a partial panel either way."""
@@ -116,8 +149,10 @@ def test_default_kernels_are_the_best_this_cpu_has() -> None:
 
 # Tests of the loader's memory (a load's peak RSS, the header freed before the repack): the loader packs
 # weights the same way under every kernel set and these compute nothing, so the main suite's run is theirs.
-LOADER_ONLY = ["tests/native/test_native_quant.py::test_a_load_frees_the_header_before_the_weights",
-               "tests/native/test_native_quant.py::test_a_load_peaks_near_its_steady_state"]
+LOADER_ONLY = [
+    "tests/native/test_native_quant.py::test_a_load_frees_the_header_before_the_weights",
+    "tests/native/test_native_quant.py::test_a_load_peaks_near_its_steady_state",
+]
 
 
 @pytest.mark.slow  # a nested run of six kernel suites (-m "not slow" there, so it never nests again)
@@ -130,8 +165,14 @@ def test_kernel_suites_pass_under_each_cap(cap: str) -> None:
     if chosen == default:  # an AVX2 machine under the avx2 cap: the main suite ran these very kernels
         pytest.skip(f"BASERT_REF_SIMD={cap} chooses this CPU's default kernels ({chosen}): the main suite ran them")
     deselect = [arg for test in LOADER_ONLY for arg in ("--deselect", test)]
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-m", "not slow", *deselect, *KERNEL_SUITES],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-x", "-m", "not slow", *deselect, *KERNEL_SUITES],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1200,
+    )
     report = f"{proc.stdout[-4000:]}\n{proc.stderr[-3000:]}"
     assert proc.returncode == 0, f"kernel suites under BASERT_REF_SIMD={cap}:\n{report}"
     assert " passed" in proc.stdout

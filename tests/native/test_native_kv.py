@@ -52,11 +52,22 @@ def prompt(n: int, seed: int) -> list[int]:
     return [int(t) for t in np.random.default_rng(seed).integers(3, 200, size=n)]
 
 
-def test_kv_bits_effective_is_what_was_allocated(lib: Library, head16_model_path: Path, head32_model_path: Path,
-                                                 kv_bits_effective: ctypes._CFuncPtr) -> None:
+def test_kv_bits_effective_is_what_was_allocated(
+    lib: Library, head16_model_path: Path, head32_model_path: Path, kv_bits_effective: ctypes._CFuncPtr
+) -> None:
     h16, h32 = head16_model_path, head32_model_path
-    cases = [(h16, 0, 32), (h16, 16, 16), (h16, 8, 16), (h16, 4, 16), (h16, 84, 16),
-             (h32, 0, 32), (h32, 16, 16), (h32, 8, 8), (h32, 4, 8), (h32, 84, 8)]
+    cases = [
+        (h16, 0, 32),
+        (h16, 16, 16),
+        (h16, 8, 16),
+        (h16, 4, 16),
+        (h16, 84, 16),
+        (h32, 0, 32),
+        (h32, 16, 16),
+        (h32, 8, 8),
+        (h32, 4, 8),
+        (h32, 84, 8),
+    ]
     for p, asked, got in cases:
         m = load(lib, p, asked)
         try:
@@ -113,8 +124,9 @@ def test_f16_pool_prefix_seeded_equals_cold(lib: Library, f16: int) -> None:
         lib.baseRT_sequence_free(s)
 
 
-def test_f16_pool_stays_close_to_f32(lib: Library, head16_model_path: Path, head32_model_path: Path, f16: int,
-                                    kv_bits_effective: ctypes._CFuncPtr) -> None:
+def test_f16_pool_stays_close_to_f32(
+    lib: Library, head16_model_path: Path, head32_model_path: Path, f16: int, kv_bits_effective: ctypes._CFuncPtr
+) -> None:
     exact = load(lib, head16_model_path if kv_bits_effective(f16) == 16 else head32_model_path, 0)
     try:
         p = prompt(60, 3)

@@ -60,8 +60,16 @@ def test_every_source_file_is_placed_and_the_old_cycles_are_gone() -> None:
     assert report.errors == []
     edges = set(report.edges)
     # the edges of the seven-file cycle the restructuring removed
-    for gone in [("loader", "lifecycle"), ("loader", "generate"), ("kv", "prefix"), ("kv", "batch"),
-                 ("prefix", "batch"), ("batch", "lifecycle"), ("sampling", "lifecycle"), ("grammar", "lifecycle")]:
+    for gone in [
+        ("loader", "lifecycle"),
+        ("loader", "generate"),
+        ("kv", "prefix"),
+        ("kv", "batch"),
+        ("prefix", "batch"),
+        ("batch", "lifecycle"),
+        ("sampling", "lifecycle"),
+        ("grammar", "lifecycle"),
+    ]:
         assert gone not in edges, (gone, report.edges.get(gone))
     # and the parse does see real calls: prefix uses the pool, everything checks models in model.c
     assert ("prefix", "kv") in edges
@@ -69,18 +77,22 @@ def test_every_source_file_is_placed_and_the_old_cycles_are_gone() -> None:
 
 
 def test_checker_reports_a_call_cycle(tmp_path: Path) -> None:
-    src, layers = _tree(tmp_path, {
-        "a.c": """
+    src, layers = _tree(
+        tmp_path,
+        {
+            "a.c": """
             #include "a.h"
             void a_go(void) { b_go(); }
         """,
-        "a.h": "void a_go(void);\n",
-        "b.c": """
+            "a.h": "void a_go(void);\n",
+            "b.c": """
             void a_go(void);
             static void helper(void) { a_go(); }
             void b_go(void) { helper(); }
         """,
-    }, "one: a b\n")
+        },
+        "one: a b\n",
+    )
     r = _run("--src", str(src), "--layers", str(layers))
     assert r.returncode == 1
     assert "cycle: a -> b -> a" in r.stderr, r.stderr
@@ -88,16 +100,20 @@ def test_checker_reports_a_call_cycle(tmp_path: Path) -> None:
 
 
 def test_checker_reports_an_upward_edge_and_an_include_cycle(tmp_path: Path) -> None:
-    src, layers = _tree(tmp_path, {
-        "low.c": "int low_value(void) { return high_value() + 1; }\n",
-        "high.c": "int high_value(void) { return 1; }\n",
-        "x.h": '#include "y.h"\n',
-        "y.h": '#include "x.h"\n',
-    }, """
+    src, layers = _tree(
+        tmp_path,
+        {
+            "low.c": "int low_value(void) { return high_value() + 1; }\n",
+            "high.c": "int high_value(void) { return 1; }\n",
+            "x.h": '#include "y.h"\n',
+            "y.h": '#include "x.h"\n',
+        },
+        """
         # bottom first
         bottom: low x y
         top: high
-    """)
+    """,
+    )
     r = _run("--src", str(src), "--layers", str(layers))
     assert r.returncode == 1
     assert "upward edge: low (layer 'bottom') uses high (layer 'top'): low.c calls high_value (high.c)" in r.stderr
@@ -112,8 +128,10 @@ def test_checker_reports_an_unplaced_file(tmp_path: Path) -> None:
 
 
 def test_names_in_comments_strings_and_statics_are_not_calls(tmp_path: Path) -> None:
-    src, layers = _tree(tmp_path, {
-        "low.c": r"""
+    src, layers = _tree(
+        tmp_path,
+        {
+            "low.c": r"""
             /* high_value() is the layer above: never call it from here, nor
             #include "high.h"
             */
@@ -124,12 +142,14 @@ def test_names_in_comments_strings_and_statics_are_not_calls(tmp_path: Path) -> 
             static int high_other(void) { return 2; } /* a static of the same name as high.c's */
             int low_value(void) { return high_other() + (msg[0] == quote) + (path[0] == '/'); }
         """,
-        "high.h": "int high_value(void);\n",
-        "high.c": """
+            "high.h": "int high_value(void);\n",
+            "high.c": """
             int high_value(void) { return low_value(); }
             int high_other(void) { return 3; }
         """,
-    }, "bottom: low\ntop: high\n")
+        },
+        "bottom: low\ntop: high\n",
+    )
     mod = _checker()
     report = mod.check(src, mod.read_layers(layers))
     assert report.errors == []
@@ -155,8 +175,23 @@ def test_call_graph_matches_the_compilers(tmp_path: Path) -> None:
     undefined: dict[str, set[str]] = {}
     for c in sorted(src.glob("*.c")):
         obj = tmp_path / f"{c.stem}.o"
-        subprocess.run([cc, "-std=c11", "-O0", "-fPIC", "-D_GNU_SOURCE", f"-I{ROOT / 'native' / 'include'}",
-                        f"-I{src}", "-c", str(c), "-o", str(obj)], check=True, timeout=120)
+        subprocess.run(
+            [
+                cc,
+                "-std=c11",
+                "-O0",
+                "-fPIC",
+                "-D_GNU_SOURCE",
+                f"-I{ROOT / 'native' / 'include'}",
+                f"-I{src}",
+                "-c",
+                str(c),
+                "-o",
+                str(obj),
+            ],
+            check=True,
+            timeout=120,
+        )
         out = subprocess.run([nm, str(obj)], capture_output=True, text=True, check=True).stdout
         rows = [line.split() for line in out.splitlines()]
         defined[c.stem] = {r[2] for r in rows if len(r) == 3 and r[1] == "T"}

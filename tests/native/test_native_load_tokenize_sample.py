@@ -266,6 +266,7 @@ def test_hostile_rstrip_token_ids_are_refused_in_one_line(
     assert not lib.baseRT_load_tokenizer_only(os.fsencode(path))
     assert needle in error(lib)[1]
 
+
 def test_error_state_clears_on_success(lib: Library, tiny_path: Path, tmp_path: Path) -> None:
     assert load(lib, tmp_path / "nope.base") is None
     assert error(lib)[0] == FILE_NOT_FOUND
@@ -592,7 +593,6 @@ def test_tokenizer_only(lib: Library, tiny_path: Path, model: int, raw: ctypes.C
     lib.baseRT_free_model(t)
 
 
-
 def test_tokenizer_handles_of_one_file_share_its_tokenizer(lib: Library, tiny_path: Path, tmp_path: Path) -> None:
     """Handles of the same bundle file share one built tokenizer (refcounted): freeing any of them leaves
     the others encoding, and one loaded after all are freed builds it again. A rewritten file (new inode
@@ -614,7 +614,6 @@ def test_tokenizer_handles_of_one_file_share_its_tokenizer(lib: Library, tiny_pa
     assert a and b and encode(lib, a, text) == encode(lib, b, text) == want
     lib.baseRT_free_model(a)
     lib.baseRT_free_model(b)
-
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -643,7 +642,9 @@ def test_tokenizer_sharing_under_concurrent_random_loads_frees_and_rewrites(
     variants: list[bytes] = [steady.read_bytes()]
     swapped = json.loads(json.dumps(header))
     swapped["tokenizer"]["tokenizer.ggml.tokens"][x], swapped["tokenizer"]["tokenizer.ggml.tokens"][y] = (
-        tokens[y], tokens[x])
+        tokens[y],
+        tokens[x],
+    )
     variants.append(write_bundle(tmp_path / "swapped.base", swapped, blob).read_bytes())
     assert len(variants[0]) == len(variants[1]) and variants[0] != variants[1]
     want = [ids, [{x: y, y: x}.get(i, i) for i in ids]]
@@ -664,8 +665,7 @@ def test_tokenizer_sharing_under_concurrent_random_loads_frees_and_rewrites(
                     full = rng.random() < 0.3
                     if rng.random() < 0.5:
                         with rewrite:
-                            h = (load(lib, moving, 64) if full
-                                 else lib.baseRT_load_tokenizer_only(os.fsencode(moving)))
+                            h = load(lib, moving, 64) if full else lib.baseRT_load_tokenizer_only(os.fsencode(moving))
                             v = current[0]
                     else:
                         h = load(lib, steady, 64) if full else lib.baseRT_load_tokenizer_only(os.fsencode(steady))
@@ -703,6 +703,7 @@ def test_tokenizer_sharing_under_concurrent_random_loads_frees_and_rewrites(
         th.join()
     assert not failures, failures[:5]
 
+
 TOKENIZER_RSS = """
 import ctypes, json, os, re, sys
 from pathlib import Path
@@ -726,19 +727,32 @@ def test_more_tokenizer_handles_of_one_file_cost_little_memory(tmp_path: Path) -
     tokens here; Gemma 3's 262k vocabulary is ~30 MB built) four more handles of the same file cost far
     less than the first, and a load leaves nothing freed resident (the header's parse tree goes back to the
     system: a malloc_trim afterwards finds little). VmRSS in a fresh child process (glibc)."""
-    path = build_tiny_model(tmp_path / "big_vocab.base", dim=32, n_heads=2, n_kv_heads=1, ffn_dim=32,
-                            extra_tokens=[(f"<tok{i}>", 4) for i in range(100_000)])
+    path = build_tiny_model(
+        tmp_path / "big_vocab.base",
+        dim=32,
+        n_heads=2,
+        n_kv_heads=1,
+        ffn_dim=32,
+        extra_tokens=[(f"<tok{i}>", 4) for i in range(100_000)],
+    )
     # under the sanitizer suite ASan would hold every freed header parse in its quarantine: RSS then counts
     # freed memory, so the child runs without one (the option is inert without ASan)
     env = dict(os.environ, ASAN_OPTIONS=os.environ.get("ASAN_OPTIONS", "") + ":quarantine_size_mb=0")
-    proc = subprocess.run([sys.executable, "-c", TOKENIZER_RSS, str(path)], capture_output=True, text=True,
-                          timeout=300, cwd=Path(__file__).resolve().parents[2], env=env)
+    proc = subprocess.run(
+        [sys.executable, "-c", TOKENIZER_RSS, str(path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=Path(__file__).resolve().parents[2],
+        env=env,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     rss = json.loads(proc.stdout)
     first = rss["one"] - rss["before"]
     assert first > 4 << 20, rss  # the tokenizer is big enough to see
     assert rss["five"] - rss["one"] < first // 2, rss
     assert rss["five"] - rss["trimmed"] < first // 4, rss
+
 
 # ---- logits rows -------------------------------------------------------------------------------
 

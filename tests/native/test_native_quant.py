@@ -44,13 +44,28 @@ def load(lib: Library, path: Path, lanes: int = 4) -> int:
 
 @pytest.fixture(scope="module")
 def tiny_f32(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_tiny_model(tmp_path_factory.mktemp("quant") / "f32.base", dim=128, n_heads=4, n_kv_heads=2,
-                            ffn_dim=256, tied=False, seed=11)
+    return build_tiny_model(
+        tmp_path_factory.mktemp("quant") / "f32.base",
+        dim=128,
+        n_heads=4,
+        n_kv_heads=2,
+        ffn_dim=256,
+        tied=False,
+        seed=11,
+    )
 
 
-@pytest.mark.parametrize(("dtype", "group_size", "symmetric"),
-                         [("base_q8", 32, True), ("base_q8", 32, False), ("base_q4", 32, False),
-                          ("base_q4", 64, False), ("base_q8", 128, True), ("base_q8", 64, False)])
+@pytest.mark.parametrize(
+    ("dtype", "group_size", "symmetric"),
+    [
+        ("base_q8", 32, True),
+        ("base_q8", 32, False),
+        ("base_q4", 32, False),
+        ("base_q4", 64, False),
+        ("base_q8", 128, True),
+        ("base_q8", 64, False),
+    ],
+)
 def test_quantized_logits_match_the_oracle_over_dequantized_weights(
     lib: Library, tiny_f32: Path, tmp_path: Path, dtype: str, group_size: int, symmetric: bool
 ) -> None:
@@ -81,20 +96,33 @@ def test_quantized_logits_match_the_oracle_over_dequantized_weights(
 # 224: 4 + 3; 64 + ffn 96: 2 and 3).
 # Rows come in panels of 16: k/v with 8 rows (dim 32 in 4 heads, one kv head) fill half a panel, and the
 # tiny vocabulary (not a multiple of 16) ends the LM head in a partial one.
-KERNEL_SHAPES = [dict(dim=96, n_heads=3, n_kv_heads=1, ffn_dim=160), dict(dim=32, n_heads=2, n_kv_heads=1, ffn_dim=224),
-                 dict(dim=64, n_heads=2, n_kv_heads=2, ffn_dim=96), dict(dim=32, n_heads=4, n_kv_heads=1, ffn_dim=96)]
+KERNEL_SHAPES = [
+    dict(dim=96, n_heads=3, n_kv_heads=1, ffn_dim=160),
+    dict(dim=32, n_heads=2, n_kv_heads=1, ffn_dim=224),
+    dict(dim=64, n_heads=2, n_kv_heads=2, ffn_dim=96),
+    dict(dim=32, n_heads=4, n_kv_heads=1, ffn_dim=96),
+]
 KERNEL_DTYPES = [("base_q8", True), ("base_q8", False), ("base_q4", False)]
 
 
-@pytest.fixture(scope="module", params=range(len(KERNEL_SHAPES)), ids=lambda i: "dim{dim}-ffn{ffn_dim}".format(
-    **KERNEL_SHAPES[i]))
+@pytest.fixture(
+    scope="module", params=range(len(KERNEL_SHAPES)), ids=lambda i: "dim{dim}-ffn{ffn_dim}".format(**KERNEL_SHAPES[i])
+)
 def odd_f32(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
     shape = KERNEL_SHAPES[request.param]
     return build_tiny_model(tmp_path_factory.mktemp("odd") / "f32.base", tied=True, seed=5, **shape)
 
 
-def _batched_is_alone_and_near_the_oracles(lib: Library, m: int, prompts: list[list[int]], q8_oracle: LlamaForward,
-                                           ref_oracle: LlamaForward, *, near_ties: int, decode_steps: int) -> None:
+def _batched_is_alone_and_near_the_oracles(
+    lib: Library,
+    m: int,
+    prompts: list[list[int]],
+    q8_oracle: LlamaForward,
+    ref_oracle: LlamaForward,
+    *,
+    near_ties: int,
+    decode_steps: int,
+) -> None:
     """Prefill `prompts` batched and each alone on fresh sequences: the rows are equal to the bit, within 2% of
     `q8_oracle` (and within 0.2% for all but `near_ties` prompts) and within 5% of `ref_oracle`; then
     `decode_steps` greedy steps, batched == alone again.
@@ -126,8 +154,9 @@ def _batched_is_alone_and_near_the_oracles(lib: Library, m: int, prompts: list[l
 
 
 @pytest.mark.parametrize(("dtype", "symmetric"), KERNEL_DTYPES, ids=["q8sym", "q8", "q4"])
-def test_quantized_tails_match_the_oracle_and_are_batch_invariant(lib: Library, odd_f32: Path, tmp_path: Path,
-                                                                   dtype: str, symmetric: bool) -> None:
+def test_quantized_tails_match_the_oracle_and_are_batch_invariant(
+    lib: Library, odd_f32: Path, tmp_path: Path, dtype: str, symmetric: bool
+) -> None:
     path = quantize_bundle(odd_f32, tmp_path / "q.base", dtype, symmetric=symmetric)
     oracle, q8_oracle = NumpyLlama(path), NumpyLlama(path, q8_inputs=True)
     m = load(lib, path, lanes=8)
@@ -146,8 +175,9 @@ GGUF_TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"]
 
 
 @pytest.mark.parametrize("qtype", [*GGUF_TYPES, "Q4_K+", "Q5_K+", "Q6_K+"])
-def test_gguf_block_types_run_against_the_oracle_and_are_batch_invariant(lib: Library, tmp_path: Path,
-                                                                         qtype: str) -> None:
+def test_gguf_block_types_run_against_the_oracle_and_are_batch_invariant(
+    lib: Library, tmp_path: Path, qtype: str
+) -> None:
     """A tiny GGUF whose every matrix is `qtype` (K-quants: hand-written random blocks), converted with
     `auto` (carried exactly: K-quants as GGML's blocks, repacked into the K panels): the engine's
     logits against the oracle over the bundle's weights (which test_convert holds equal to gguf-py's
@@ -201,10 +231,12 @@ F16_NON_FINITE = {"NaN": b"\x00\x7e", "+Inf": b"\x00\x7c", "-Inf": b"\x00\xfc"}
 
 
 @pytest.mark.parametrize("what", sorted(F16_NON_FINITE))
-@pytest.mark.parametrize(("qtype", "field"), [("Q4_K", "d"), ("Q4_K", "dmin"), ("Q5_K", "d"), ("Q5_K", "dmin"),
-                                              ("Q6_K", "d")])
-def test_non_finite_k_super_block_scales_are_refused_at_load(lib: Library, tmp_path: Path, qtype: str, what: str,
-                                                             field: str) -> None:
+@pytest.mark.parametrize(
+    ("qtype", "field"), [("Q4_K", "d"), ("Q4_K", "dmin"), ("Q5_K", "d"), ("Q5_K", "dmin"), ("Q6_K", "d")]
+)
+def test_non_finite_k_super_block_scales_are_refused_at_load(
+    lib: Library, tmp_path: Path, qtype: str, what: str, field: str
+) -> None:
     """A NaN / Inf super-block d or dmin (f16) makes every value of its 256 non-finite, as a base group's NaN
     scale does (which test_native_safety holds refused): refused at load in one line naming the tensor, the
     field and what it is, as those are; the file otherwise the same loads."""
@@ -219,8 +251,7 @@ def test_non_finite_k_super_block_scales_are_refused_at_load(lib: Library, tmp_p
     code, msg = int(lib.baseRT_get_error_code()), raw_abi.error(lib)  # 4: BASERT_ERR_INVALID_FORMAT
     assert code == 4 and "layers.0" in msg and f" {field} " in msg, msg
     assert what.lstrip("+-") in msg and "\n" not in msg
-    fine = lib.baseRT_load_model_ex(os.fsencode(_k_gguf(tmp_path / "fine", qtype, lambda b, r: None)), None, 64,
-                                    None)
+    fine = lib.baseRT_load_model_ex(os.fsencode(_k_gguf(tmp_path / "fine", qtype, lambda b, r: None)), None, 64, None)
     assert fine, raw_abi.error(lib)
     lib.baseRT_free_model(fine)
 
@@ -249,6 +280,7 @@ def test_extreme_k_blocks_compute_without_undefined_behaviour(lib: Library, tmp_
             rows = step_logits(lib, m, seqs, [[int(np.nan_to_num(r.astype(np.float32)).argmax())] for r in rows])
     finally:
         lib.baseRT_free_model(m)
+
 
 def _to_bf16_scales(src: Path, dst: Path, *, big_bias: bool) -> Path:
     """A copy of a quantized bundle whose first q_proj keeps its scales (and biases) as bf16; with
@@ -302,15 +334,16 @@ def _edit_first_quantized(src: Path, dst: Path, **fields: Any) -> Path:
     t.update(fields)
     text = json.dumps(header, sort_keys=True, separators=(",", ":")).encode()
     blob = (16 + len(text) + 65535) // 65536 * 65536
-    dst.write_bytes(data[:8] + len(text).to_bytes(8, "little") + text + b"\0" * (blob - 16 - len(text))
-                    + data[old_blob:])
+    dst.write_bytes(
+        data[:8] + len(text).to_bytes(8, "little") + text + b"\0" * (blob - 16 - len(text)) + data[old_blob:]
+    )
     return dst
 
 
-@pytest.mark.parametrize("fields", [{"layout": "metal_lane_strided_q4"}, {"group_size": 16},
-                                    {"scale_dtype": "e8m0"}])
-def test_unsupported_quantization_is_refused(lib: Library, tiny_f32: Path, tmp_path: Path,
-                                             fields: dict[str, Any]) -> None:
+@pytest.mark.parametrize("fields", [{"layout": "metal_lane_strided_q4"}, {"group_size": 16}, {"scale_dtype": "e8m0"}])
+def test_unsupported_quantization_is_refused(
+    lib: Library, tiny_f32: Path, tmp_path: Path, fields: dict[str, Any]
+) -> None:
     q = quantize_bundle(tiny_f32, tmp_path / "q.base", "base_q4")
     bad = _edit_first_quantized(q, tmp_path / "bad.base", **fields)
     assert not lib.baseRT_load_model_ex(os.fsencode(bad), None, 64, None)
@@ -382,11 +415,14 @@ def perplexity(lib: Library, path: Path, text: str, lanes: int = 8) -> float:
 
 
 @pytest.mark.slow
-def test_smollm2_q8_and_q4_perplexity_within_1_percent_of_f16(lib: Library, smollm2_gguf: Path,
-                                                              tmp_path_factory: pytest.TempPathFactory) -> None:
+def test_smollm2_q8_and_q4_perplexity_within_1_percent_of_f16(
+    lib: Library, smollm2_gguf: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
     out = tmp_path_factory.mktemp("smollm2-quant")
-    paths = {d: convert_gguf(smollm2_gguf, out / f"smollm2.{d}.base", dtype=d, progress=False)  # type: ignore[arg-type]
-             for d in ("f16", "q8", "q4")}
+    paths = {
+        d: convert_gguf(smollm2_gguf, out / f"smollm2.{d}.base", dtype=d, progress=False)  # type: ignore[arg-type]
+        for d in ("f16", "q8", "q4")
+    }
     ppl = {d: perplexity(lib, p, HELD_OUT) for d, p in paths.items()}
     assert 5 < ppl["f16"] < 200, ppl  # a sane model on English text
     for d in ("q8", "q4"):
@@ -424,8 +460,7 @@ def test_k_quant_weights_stay_near_their_gguf_size(lib: Library, tmp_path: Path,
     """GGML K-quant blocks stay resident at about their GGUF size: the panels keep each super-block's f16
     d / dmin and the 6-bit sub-block scales as bytes (Q4_K 18.5 bytes per row and 32 values against GGML's 18,
     Q5_K 22.5 against 22, Q6_K GGML's own 26.25), not one f32 scale and bias per block of 32."""
-    src = write_gguf(tmp_path / f"{qtype}.gguf", matrices=gguf.GGMLQuantizationType[qtype], seed=4, dim=256,
-                     ffn=1024)
+    src = write_gguf(tmp_path / f"{qtype}.gguf", matrices=gguf.GGMLQuantizationType[qtype], seed=4, dim=256, ffn=1024)
     path = convert_gguf(src, tmp_path / "auto.base", dtype="auto", progress=False)
     gguf_bytes = sum(int(t.n_bytes) for t in gguf.GGUFReader(src).tensors)
     m = load(lib, path)
@@ -442,21 +477,23 @@ def test_k_quant_embedding_rows_are_ggml_values(lib: Library, tmp_path: Path, qt
     """Embedding lookups read single rows out of the K panels (rt_qweight_row, not the kernels): tap 0 (the
     embedding rows, f16) holds gguf-py's dequantization of the same blocks, value for value, across panel
     boundaries (16 rows) and in the last, partial panel."""
-    src = write_gguf(tmp_path / f"{qtype}.gguf", matrices=gguf.GGMLQuantizationType[qtype], seed=5, dim=256,
-                     ffn=512)
+    src = write_gguf(tmp_path / f"{qtype}.gguf", matrices=gguf.GGMLQuantizationType[qtype], seed=5, dim=256, ffn=512)
     t = next(t for t in gguf.GGUFReader(src).tensors if t.name == "token_embd.weight")
     assert t.tensor_type == gguf.GGMLQuantizationType[qtype]
     ref = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32)
     path = convert_gguf(src, tmp_path / "auto.base", dtype="auto", progress=False)
     n_vocab = ref.shape[0]
-    tokens = sorted({0, 1, 15, 16, 17, 31, 32, n_vocab - 17, n_vocab - 16, n_vocab - 2, n_vocab - 1} |
-                    {int(x) for x in np.random.default_rng(1).integers(0, n_vocab, size=40)})
+    tokens = sorted(
+        {0, 1, 15, 16, 17, 31, 32, n_vocab - 17, n_vocab - 16, n_vocab - 2, n_vocab - 1}
+        | {int(x) for x in np.random.default_rng(1).integers(0, n_vocab, size=40)}
+    )
     m = load(lib, path, lanes=1)
     try:
         s = int(lib.baseRT_sequence_create(m))
         n = len(tokens)
-        rc = lib.baseRT_batch_step_fused_logits_rows_taps(m, (c_void_p * 1)(s), 1, u32(tokens), ints([n]), ints([1]),
-                                                          ints([0]), 1, ints([n]))
+        rc = lib.baseRT_batch_step_fused_logits_rows_taps(
+            m, (c_void_p * 1)(s), 1, u32(tokens), ints([n]), ints([1]), ints([0]), 1, ints([n])
+        )
         assert rc == OK, raw_abi.error(lib)
         rows = np.empty((n, ref.shape[1]), dtype=np.float16)
         assert lib.baseRT_read_tap_rows(m, 0, n, rows.ctypes.data_as(c_void_p)) == ref.shape[1]
@@ -475,8 +512,13 @@ def test_a_load_peaks_near_its_steady_state(tmp_path: Path, qtype: str) -> None:
     path = convert_gguf(src, tmp_path / "auto.base", dtype="auto", progress=False)
     biggest = max(int(t.n_bytes) for t in gguf.GGUFReader(src).tensors)
     assert biggest > 12 << 20
-    proc = subprocess.run([sys.executable, "-c", LOAD_RSS, str(path)], capture_output=True, text=True, timeout=600,
-                          cwd=Path(__file__).resolve().parents[2])
+    proc = subprocess.run(
+        [sys.executable, "-c", LOAD_RSS, str(path)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=Path(__file__).resolve().parents[2],
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     rss = json.loads(proc.stdout)
     assert rss["peak"] - rss["steady"] < biggest // 2, (rss, biggest)
@@ -500,8 +542,9 @@ def test_a_load_frees_the_header_before_the_weights(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_smollm2_q4_k_m_mix_stays_quantized(lib: Library, smollm2_gguf: Path,
-                                            tmp_path_factory: pytest.TempPathFactory) -> None:
+def test_smollm2_q4_k_m_mix_stays_quantized(
+    lib: Library, smollm2_gguf: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
     """SmolLM2-135M in llama.cpp's Q4_K_M type mix (Q5_0 / Q8_0 where rows are 576 wide, Q4_K / Q6_K in
     ffn_down), built here from the demo's weights by tiny_gguf.k_mix_gguf (llama.cpp's quantizer is not
     available here): `auto` keeps every block, the bundle is no bigger than the GGUF, a load peaks near the
@@ -513,9 +556,19 @@ def test_smollm2_q4_k_m_mix_stays_quantized(lib: Library, smollm2_gguf: Path,
     f16 = convert_gguf(src, out / "f16.base", dtype="f16", progress=False)
     assert auto.stat().st_size <= src.stat().st_size
     assert {info.dtype for info in read_bundle(auto).tensors.values()} == {
-        "f32", "base_q5", "base_q8", "ggml_q4_k", "ggml_q6_k"}
-    proc = subprocess.run([sys.executable, "-c", LOAD_RSS, str(auto)], capture_output=True, text=True, timeout=600,
-                          cwd=Path(__file__).resolve().parents[2])
+        "f32",
+        "base_q5",
+        "base_q8",
+        "ggml_q4_k",
+        "ggml_q6_k",
+    }
+    proc = subprocess.run(
+        [sys.executable, "-c", LOAD_RSS, str(auto)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=Path(__file__).resolve().parents[2],
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     rss = json.loads(proc.stdout)
     # the file's pages are dropped as each tensor is repacked: the peak holds the engine's allocation and
@@ -537,8 +590,9 @@ def test_real_q4_k_and_q6_k_blocks_run_against_the_oracle(lib: Library, tmp_path
     src = next((d / GEMMA3_Q4_K_M for d in places if (d / GEMMA3_Q4_K_M).is_file()), None)
     if src is None:
         pytest.skip(f"{GEMMA3_Q4_K_M} is in neither {places[0]} nor {places[1]} (the Gemma 3 tests download it)")
-    path = convert_gguf(real_blocks_gguf(src, tmp_path / "real.gguf"), tmp_path / "real.base", dtype="auto",
-                        progress=False)
+    path = convert_gguf(
+        real_blocks_gguf(src, tmp_path / "real.gguf"), tmp_path / "real.base", dtype="auto", progress=False
+    )
     assert {i.dtype for i in read_bundle(path).tensors.values() if len(i.shape) == 2} == {"ggml_q4_k", "ggml_q6_k"}
     oracle = NumpyLlama(path, q8_inputs=True)
     m = load(lib, path)

@@ -64,8 +64,7 @@ def run(lib: Library, path: Path) -> list[bytes]:
         lib.baseRT_free_model(m)
 
 
-def test_symmetric_panels_compute_the_asymmetric_logits_bit_for_bit(lib: Library,
-                                                                     pair: tuple[str, Path, Path]) -> None:
+def test_symmetric_panels_compute_the_asymmetric_logits_bit_for_bit(lib: Library, pair: tuple[str, Path, Path]) -> None:
     """The kernels form m = d * -8 (-16), exact in f32, and run the asymmetric arithmetic on it; embedding
     rows (rt_qweight_row) likewise. (The kernel sets against each other: test_native_isa.)"""
     _, sym, asym = pair

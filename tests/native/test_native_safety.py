@@ -34,8 +34,9 @@ PAGE = 16
 
 @pytest.fixture(scope="module")
 def model_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_tiny_model(tmp_path_factory.mktemp("safety") / "tiny.base", dim=64, n_heads=4, n_kv_heads=2,
-                            ffn_dim=96, tied=False)
+    return build_tiny_model(
+        tmp_path_factory.mktemp("safety") / "tiny.base", dim=64, n_heads=4, n_kv_heads=2, ffn_dim=96, tied=False
+    )
 
 
 def load(lib: Library, path: Path, max_context: int = 128, **opts: int) -> int:
@@ -263,8 +264,9 @@ def test_kv_block_count_overflow_is_refused_at_load(lib: Library, model_path: Pa
         h["config"]["max_position_embeddings"] = 1 << 24
 
     long_ctx = _rewrite_header(model_path, tmp_path / "long.base", edit)
-    o = BaseRTLoadOptions(struct_size=ctypes.sizeof(BaseRTLoadOptions), paged_kv=1, max_batch_size=4096,
-                          prefill_chunk=4096)
+    o = BaseRTLoadOptions(
+        struct_size=ctypes.sizeof(BaseRTLoadOptions), paged_kv=1, max_batch_size=4096, prefill_chunk=4096
+    )
     assert not lib.baseRT_load_model_ex(os.fsencode(long_ctx), None, 1 << 24, byref(o))
     assert lib.baseRT_get_error_code() == 2 and "KV pool" in error(lib), error(lib)
 
@@ -277,8 +279,15 @@ EOS = 2  # the tiny vocabulary's end of text
 def sampled_no_eos() -> tuple[BaseRTSamplingConfig, Any]:
     """Seeded sampling that never picks EOS (so a generation runs to its limits); the arrays kept alive."""
     toks, vals = (ctypes.c_int32 * 1)(EOS), (ctypes.c_float * 1)(-1e9)
-    cfg = BaseRTSamplingConfig(temperature=1.0, top_p=1.0, repeat_penalty=1.0, seed=7, n_logit_bias=1,
-                               logit_bias_tokens=toks, logit_bias_values=vals)
+    cfg = BaseRTSamplingConfig(
+        temperature=1.0,
+        top_p=1.0,
+        repeat_penalty=1.0,
+        seed=7,
+        n_logit_bias=1,
+        logit_bias_tokens=toks,
+        logit_bias_values=vals,
+    )
     return cfg, (toks, vals)
 
 
@@ -289,8 +298,18 @@ def generate(lib: Library, m: int, prompt: Sequence[int], max_tokens: int, on_to
     return stats
 
 
-REENTRANT_CALLS = ["reset", "generate", "free_model", "prefill", "sequence_create", "sequence_free", "step",
-                   "prefix_insert", "prefix_evict", "read_logits"]
+REENTRANT_CALLS = [
+    "reset",
+    "generate",
+    "free_model",
+    "prefill",
+    "sequence_create",
+    "sequence_free",
+    "step",
+    "prefix_insert",
+    "prefix_evict",
+    "read_logits",
+]
 
 
 def reentrant_call(lib: Library, m: int, what: str, seq: int) -> None:
@@ -407,19 +426,23 @@ def _poison(src: Path, dst: Path, tensor: str, region: str, index: int, value: b
 
 
 NON_FINITE = {  # (scale_dtype, raw bytes little-endian, what)
-    "f16 NaN": ("f16", b"\x00\x7e", "NaN"), "f16 +Inf": ("f16", b"\x00\x7c", "Inf"),
-    "f16 -Inf": ("f16", b"\x00\xfc", "Inf"), "bf16 NaN": ("bf16", b"\xc0\x7f", "NaN"),
+    "f16 NaN": ("f16", b"\x00\x7e", "NaN"),
+    "f16 +Inf": ("f16", b"\x00\x7c", "Inf"),
+    "f16 -Inf": ("f16", b"\x00\xfc", "Inf"),
+    "bf16 NaN": ("bf16", b"\xc0\x7f", "NaN"),
     "bf16 -Inf": ("bf16", b"\x80\xff", "Inf"),
 }
 
 
 @pytest.mark.parametrize("region", ["scale", "bias"])
 @pytest.mark.parametrize("case", sorted(NON_FINITE))
-def test_non_finite_quant_scales_are_refused_at_load(lib: Library, q4_model_path: Path, tmp_path: Path, case: str,
-                                                     region: str) -> None:
+def test_non_finite_quant_scales_are_refused_at_load(
+    lib: Library, q4_model_path: Path, tmp_path: Path, case: str, region: str
+) -> None:
     """A NaN / Inf group scale or bias made every value of its group non-finite, and the activations
     quantized from them reached a float-to-int conversion (UB). Refused at load, naming the tensor."""
     dtype, raw, what = NON_FINITE[case]
+
     def edit(h: dict[str, Any]) -> None:
         for t in h["tensors"]:
             if t["dtype"] == "base_q4":
@@ -436,8 +459,9 @@ def test_non_finite_quant_scales_are_refused_at_load(lib: Library, q4_model_path
     lib.baseRT_free_model(fine)
 
 
-def test_non_finite_weights_compute_without_undefined_behaviour(lib: Library,
-                                                               nonfinite_paths: tuple[list[Path], list[Path]]) -> None:
+def test_non_finite_weights_compute_without_undefined_behaviour(
+    lib: Library, nonfinite_paths: tuple[list[Path], list[Path]]
+) -> None:
     """A NaN or Inf norm weight loads (only quantization parameters are checked) and makes NaN / Inf
     activations: the activation quantizer of the integer kernels and the Q8 KV pool clamp them before their
     float-to-int conversions (UB, which the UBSan run of this file reports), and every call still answers."""
@@ -468,43 +492,65 @@ def _fake_cgroups(root: Path, cgroup: str, mountinfo: str, files: dict[str, str]
     return root
 
 
-V1_MOUNTS = ("31 23 0:28 / /sys/fs/cgroup rw,relatime - tmpfs tmpfs rw,mode=755\n"
-             "32 31 0:29 / /sys/fs/cgroup/cpu,cpuacct rw,relatime - cgroup cgroup rw,cpu,cpuacct\n"
-             "35 31 0:32 / /sys/fs/cgroup/memory rw,relatime - cgroup cgroup rw,memory\n")
+V1_MOUNTS = (
+    "31 23 0:28 / /sys/fs/cgroup rw,relatime - tmpfs tmpfs rw,mode=755\n"
+    "32 31 0:29 / /sys/fs/cgroup/cpu,cpuacct rw,relatime - cgroup cgroup rw,cpu,cpuacct\n"
+    "35 31 0:32 / /sys/fs/cgroup/memory rw,relatime - cgroup cgroup rw,memory\n"
+)
 V2_MOUNTS = "29 23 0:26 / /sys/fs/cgroup rw,nosuid,nodev,noexec,relatime - cgroup2 cgroup2 rw,nsdelegate\n"
 V2_HYBRID_MOUNT = "41 31 0:38 / /sys/fs/cgroup/unified rw,relatime - cgroup2 cgroup2 rw\n"  # v1 + v2, systemd hybrid
 
 CGROUP_TREES: dict[str, tuple[str, str, dict[str, str], int | None]] = {
     # name: (/proc/self/cgroup, mountinfo, files, expected CPU limit or None for none)
-    "v1 quota": ("4:memory:/job\n2:cpu,cpuacct:/job/step\n0::/\n", V1_MOUNTS, {
-        "sys/fs/cgroup/cpu,cpuacct/cpu.cfs_quota_us": "-1\n",
-        "sys/fs/cgroup/cpu,cpuacct/cpu.cfs_period_us": "100000\n",
-        "sys/fs/cgroup/cpu,cpuacct/job/cpu.cfs_quota_us": "50000\n",
-        "sys/fs/cgroup/cpu,cpuacct/job/cpu.cfs_period_us": "100000\n",
-        "sys/fs/cgroup/cpu,cpuacct/job/step/cpu.cfs_quota_us": "-1\n",
-        "sys/fs/cgroup/cpu,cpuacct/job/step/cpu.cfs_period_us": "100000\n",
-    }, 1),
-    "v2 nested": ("0::/user.slice/app.scope\n", V2_MOUNTS, {
-        "sys/fs/cgroup/cpu.max": "max 100000\n",  # the root's own file is ignored by the kernel; "max"
-        "sys/fs/cgroup/user.slice/cpu.max": "150000 200000\n",  # 0.75 CPU: rounds up to 1
-        "sys/fs/cgroup/user.slice/app.scope/cpu.max": "max 100000\n",
-    }, 1),
-    "v2 container view": ("0::/kubepods/pod1/c1\n",
-                          "29 23 0:26 /kubepods/pod1 /sys/fs/cgroup rw - cgroup2 cgroup2 rw\n", {
-        "sys/fs/cgroup/cpu.max": "100000 100000\n",  # the pod's level, seen at the mount point
-        "sys/fs/cgroup/c1/cpu.max": "max 100000\n",
-    }, 1),
-    "no limit": ("2:cpu,cpuacct:/a\n0::/b\n", V1_MOUNTS + V2_HYBRID_MOUNT, {
-        "sys/fs/cgroup/cpu,cpuacct/a/cpu.cfs_quota_us": "-1\n",
-        "sys/fs/cgroup/cpu,cpuacct/a/cpu.cfs_period_us": "100000\n",
-        "sys/fs/cgroup/unified/b/cpu.max": "max 100000\n",
-    }, None),
+    "v1 quota": (
+        "4:memory:/job\n2:cpu,cpuacct:/job/step\n0::/\n",
+        V1_MOUNTS,
+        {
+            "sys/fs/cgroup/cpu,cpuacct/cpu.cfs_quota_us": "-1\n",
+            "sys/fs/cgroup/cpu,cpuacct/cpu.cfs_period_us": "100000\n",
+            "sys/fs/cgroup/cpu,cpuacct/job/cpu.cfs_quota_us": "50000\n",
+            "sys/fs/cgroup/cpu,cpuacct/job/cpu.cfs_period_us": "100000\n",
+            "sys/fs/cgroup/cpu,cpuacct/job/step/cpu.cfs_quota_us": "-1\n",
+            "sys/fs/cgroup/cpu,cpuacct/job/step/cpu.cfs_period_us": "100000\n",
+        },
+        1,
+    ),
+    "v2 nested": (
+        "0::/user.slice/app.scope\n",
+        V2_MOUNTS,
+        {
+            "sys/fs/cgroup/cpu.max": "max 100000\n",  # the root's own file is ignored by the kernel; "max"
+            "sys/fs/cgroup/user.slice/cpu.max": "150000 200000\n",  # 0.75 CPU: rounds up to 1
+            "sys/fs/cgroup/user.slice/app.scope/cpu.max": "max 100000\n",
+        },
+        1,
+    ),
+    "v2 container view": (
+        "0::/kubepods/pod1/c1\n",
+        "29 23 0:26 /kubepods/pod1 /sys/fs/cgroup rw - cgroup2 cgroup2 rw\n",
+        {
+            "sys/fs/cgroup/cpu.max": "100000 100000\n",  # the pod's level, seen at the mount point
+            "sys/fs/cgroup/c1/cpu.max": "max 100000\n",
+        },
+        1,
+    ),
+    "no limit": (
+        "2:cpu,cpuacct:/a\n0::/b\n",
+        V1_MOUNTS + V2_HYBRID_MOUNT,
+        {
+            "sys/fs/cgroup/cpu,cpuacct/a/cpu.cfs_quota_us": "-1\n",
+            "sys/fs/cgroup/cpu,cpuacct/a/cpu.cfs_period_us": "100000\n",
+            "sys/fs/cgroup/unified/b/cpu.max": "max 100000\n",
+        },
+        None,
+    ),
 }
 
 
 @pytest.mark.parametrize("case", sorted(CGROUP_TREES))
-def test_usable_cpus_follow_the_processs_own_cgroup_quota(lib: Library, tmp_path: Path,
-                                                          monkeypatch: pytest.MonkeyPatch, case: str) -> None:
+def test_usable_cpus_follow_the_processs_own_cgroup_quota(
+    lib: Library, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, case: str
+) -> None:
     """The pool's CPU count is the affinity mask capped by the smallest quota from the process's own cgroup
     (read from /proc/self/cgroup) up its hierarchy, v1 and v2; a fake tree stands in for / here."""
     cgroup, mounts, files, limit = CGROUP_TREES[case]
@@ -515,29 +561,49 @@ def test_usable_cpus_follow_the_processs_own_cgroup_quota(lib: Library, tmp_path
 
 MEMORY_TREES: dict[str, tuple[str, str, dict[str, str], int | None]] = {
     # name: (/proc/self/cgroup, mountinfo, files, expected memory limit in bytes or None for none)
-    "v2 nested": ("0::/user.slice/app.scope\n", V2_MOUNTS, {
-        "sys/fs/cgroup/user.slice/memory.max": "3221225472\n",  # 3 GiB at the slice
-        "sys/fs/cgroup/user.slice/app.scope/memory.max": "max\n",
-    }, 3 << 30),
-    "v2 container view": ("0::/kubepods/pod1/c1\n",
-                          "29 23 0:26 /kubepods/pod1 /sys/fs/cgroup rw - cgroup2 cgroup2 rw\n", {
-        "sys/fs/cgroup/memory.max": "2147483648\n",  # the pod's level, seen at the mount point
-        "sys/fs/cgroup/c1/memory.max": "4294967296\n",
-    }, 2 << 30),
-    "v1 limit": ("4:memory:/job\n2:cpu,cpuacct:/job\n0::/\n", V1_MOUNTS, {
-        "sys/fs/cgroup/memory/memory.limit_in_bytes": "9223372036854771712\n",  # v1's "none"
-        "sys/fs/cgroup/memory/job/memory.limit_in_bytes": "1073741824\n",
-    }, 1 << 30),
-    "no limit": ("4:memory:/a\n0::/b\n", V1_MOUNTS + V2_HYBRID_MOUNT, {
-        "sys/fs/cgroup/memory/a/memory.limit_in_bytes": "9223372036854771712\n",
-        "sys/fs/cgroup/unified/b/memory.max": "max\n",
-    }, None),
+    "v2 nested": (
+        "0::/user.slice/app.scope\n",
+        V2_MOUNTS,
+        {
+            "sys/fs/cgroup/user.slice/memory.max": "3221225472\n",  # 3 GiB at the slice
+            "sys/fs/cgroup/user.slice/app.scope/memory.max": "max\n",
+        },
+        3 << 30,
+    ),
+    "v2 container view": (
+        "0::/kubepods/pod1/c1\n",
+        "29 23 0:26 /kubepods/pod1 /sys/fs/cgroup rw - cgroup2 cgroup2 rw\n",
+        {
+            "sys/fs/cgroup/memory.max": "2147483648\n",  # the pod's level, seen at the mount point
+            "sys/fs/cgroup/c1/memory.max": "4294967296\n",
+        },
+        2 << 30,
+    ),
+    "v1 limit": (
+        "4:memory:/job\n2:cpu,cpuacct:/job\n0::/\n",
+        V1_MOUNTS,
+        {
+            "sys/fs/cgroup/memory/memory.limit_in_bytes": "9223372036854771712\n",  # v1's "none"
+            "sys/fs/cgroup/memory/job/memory.limit_in_bytes": "1073741824\n",
+        },
+        1 << 30,
+    ),
+    "no limit": (
+        "4:memory:/a\n0::/b\n",
+        V1_MOUNTS + V2_HYBRID_MOUNT,
+        {
+            "sys/fs/cgroup/memory/a/memory.limit_in_bytes": "9223372036854771712\n",
+            "sys/fs/cgroup/unified/b/memory.max": "max\n",
+        },
+        None,
+    ),
 }
 
 
 @pytest.mark.parametrize("case", sorted(MEMORY_TREES))
-def test_memory_budget_follows_the_processs_own_cgroup_limit(raw: ctypes.CDLL, tmp_path: Path,
-                                                             monkeypatch: pytest.MonkeyPatch, case: str) -> None:
+def test_memory_budget_follows_the_processs_own_cgroup_limit(
+    raw: ctypes.CDLL, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, case: str
+) -> None:
     """The engine plans within half of the memory the process may use: physical RAM, capped by the smallest
     memory limit from its own cgroup up (v2 memory.max, v1 memory.limit_in_bytes): in a container with a
     2 GiB limit on a large host, context sizing must not plan for half the host."""
@@ -590,12 +656,21 @@ def nonfinite_paths(q4_model_path: Path, model_path: Path) -> tuple[list[Path], 
     compute NaN / Inf: a NaN and an Inf norm weight, which the integer kernels' activation quantizer and
     the Q8 KV pool then meet)."""
     q4, name = q4_model_path, "layers.0.mlp.up_proj.weight"
-    refused = [_poison(q4, q4.with_name("nan-scale.base"), name, "scale", 5, b"\x00\x7e"),
-               _poison(q4, q4.with_name("inf-bias.base"), name, "bias", 0, b"\x00\xfc")]
-    loadable = [_poison(q4, q4.with_name("nan-norm.q4.base"), "layers.0.input_norm.weight", "", 7,
-                        np.float32("nan").tobytes()),
-                _poison(model_path, model_path.with_name("inf-norm.base"), "layers.1.post_attn_norm.weight", "", 0,
-                        np.float32("inf").tobytes())]
+    refused = [
+        _poison(q4, q4.with_name("nan-scale.base"), name, "scale", 5, b"\x00\x7e"),
+        _poison(q4, q4.with_name("inf-bias.base"), name, "bias", 0, b"\x00\xfc"),
+    ]
+    loadable = [
+        _poison(q4, q4.with_name("nan-norm.q4.base"), "layers.0.input_norm.weight", "", 7, np.float32("nan").tobytes()),
+        _poison(
+            model_path,
+            model_path.with_name("inf-norm.base"),
+            "layers.1.post_attn_norm.weight",
+            "",
+            0,
+            np.float32("inf").tobytes(),
+        ),
+    ]
     return refused, loadable
 
 
@@ -606,8 +681,14 @@ class Fuzzer:
     generate, free, steps, sequences, prefix cache: each refused), or runs any other op, another model's
     generation (and its callback) included. Loads sometimes pick a bundle with NaN / Inf weights."""
 
-    def __init__(self, lib: Library, raw: ctypes.CDLL, path: Path, rng: random.Random,
-                 nonfinite: tuple[list[Path], list[Path]] = ([], [])) -> None:
+    def __init__(
+        self,
+        lib: Library,
+        raw: ctypes.CDLL,
+        path: Path,
+        rng: random.Random,
+        nonfinite: tuple[list[Path], list[Path]] = ([], []),
+    ) -> None:
         self.lib, self.raw, self.path, self.rng = lib, raw, path, rng
         self.refused_paths, self.nonfinite_paths = nonfinite
         self.busy: list[int] = []  # models whose generation is inside its callback, outermost first
@@ -667,9 +748,16 @@ class Fuzzer:
                 return False
 
         toks, vals = (ctypes.c_int32 * 1)(EOS), (ctypes.c_float * 1)(r.choice([0.0, -1e9]))
-        cfg = BaseRTSamplingConfig(temperature=r.choice([0.0, 0.7]), top_k=r.choice([0, 5]), top_p=1.0,
-                                   repeat_penalty=r.choice([1.0, 1.3]), seed=r.randrange(100), n_logit_bias=1,
-                                   logit_bias_tokens=toks, logit_bias_values=vals)
+        cfg = BaseRTSamplingConfig(
+            temperature=r.choice([0.0, 0.7]),
+            top_k=r.choice([0, 5]),
+            top_p=1.0,
+            repeat_penalty=r.choice([1.0, 1.3]),
+            seed=r.randrange(100),
+            n_logit_bias=1,
+            logit_bias_tokens=toks,
+            logit_bias_values=vals,
+        )
         if usable:
             self.busy.append(m)
         try:
@@ -689,14 +777,31 @@ class Fuzzer:
         """A call on the model whose callback is running: refused, nothing changes."""
         lib, r = self.lib, self.rng
         own = [s for s, owner in self.seqs.items() if owner == m]
-        what = r.choice(["reset", "generate", "free_model", "prefill", "create", "free_seq", "rollback", "step",
-                         "insert", "evict", "match", "check", "read_logits", "embed"])
+        what = r.choice(
+            [
+                "reset",
+                "generate",
+                "free_model",
+                "prefill",
+                "create",
+                "free_seq",
+                "rollback",
+                "step",
+                "insert",
+                "evict",
+                "match",
+                "check",
+                "read_logits",
+                "embed",
+            ]
+        )
         code = None
         if what == "reset":
             lib.baseRT_reset(m)
         elif what == "generate":
-            lib.baseRT_generate(m, u32(PROMPT[:3]), 3, 4, BaseRTSamplingConfig(top_p=1.0), TOKEN_CALLBACK(
-                lambda *_: True), None)
+            lib.baseRT_generate(
+                m, u32(PROMPT[:3]), 3, 4, BaseRTSamplingConfig(top_p=1.0), TOKEN_CALLBACK(lambda *_: True), None
+            )
         elif what == "free_model":
             lib.baseRT_free_model(m)
         elif what == "prefill":
@@ -729,9 +834,29 @@ class Fuzzer:
 
     def op(self) -> None:
         lib, r = self.lib, self.rng
-        kind = r.choice(["load", "free_model", "create", "create", "free_seq", "rollback", "step", "step", "step",
-                         "match", "seed", "insert", "settle", "evict", "query", "tap_step", "tap_read", "generate",
-                         "generate"])
+        kind = r.choice(
+            [
+                "load",
+                "free_model",
+                "create",
+                "create",
+                "free_seq",
+                "rollback",
+                "step",
+                "step",
+                "step",
+                "match",
+                "seed",
+                "insert",
+                "settle",
+                "evict",
+                "query",
+                "tap_step",
+                "tap_read",
+                "generate",
+                "generate",
+            ]
+        )
         self.calls += 1
         if kind == "load" and len(self.models) < 2:
             if self.refused_paths and r.random() < 0.2:  # NaN / Inf quantization parameters
@@ -774,8 +899,12 @@ class Fuzzer:
             m = self.any_model()
             n = r.choice([1, 1, 2, 3, 5])
             seqs = [self.any_seq() for _ in range(n)]
-            feeds = [FUZZ_PROMPTS[r.randrange(len(FUZZ_PROMPTS))][: r.choice([1, 3, 16, 33])] if r.random() < 0.5
-                     else self.tokens(r.choice([1, 2, 17])) for _ in seqs]
+            feeds = [
+                FUZZ_PROMPTS[r.randrange(len(FUZZ_PROMPTS))][: r.choice([1, 3, 16, 33])]
+                if r.random() < 0.5
+                else self.tokens(r.choice([1, 2, 17]))
+                for _ in seqs
+            ]
             rc = step(lib, m, seqs, feeds)
             assert rc in (OK, INVALID_ARGUMENT, OUT_OF_MEMORY), error(lib)
             if rc == OK and r.random() < 0.5:
@@ -799,15 +928,27 @@ class Fuzzer:
                 tap_rows = [r.choice([-1, 0, 1, len(f), len(f) + 1]) for f in feeds]
             flat = [t for f in feeds for t in f]
             rc = lib.baseRT_batch_step_fused_logits_rows_taps(
-                m, (c_void_p * len(seqs))(*seqs), len(seqs), u32(flat), ints([len(f) for f in feeds]), ints(out_rows),
-                ints(layers) if r.random() < 0.95 else None, len(layers), ints(tap_rows) if r.random() < 0.95 else None)
+                m,
+                (c_void_p * len(seqs))(*seqs),
+                len(seqs),
+                u32(flat),
+                ints([len(f) for f in feeds]),
+                ints(out_rows),
+                ints(layers) if r.random() < 0.95 else None,
+                len(layers),
+                ints(tap_rows) if r.random() < 0.95 else None,
+            )
             assert rc in (OK, INVALID_ARGUMENT, OUT_OF_MEMORY), error(lib)
             if rc == OK:
                 rows(lib, m, sum(out_rows))
         elif kind == "tap_read":
             buf = np.empty((40, 64), dtype=np.float16)
-            rc = lib.baseRT_read_tap_rows(self.any_model(), r.choice([-1, 0, 1, 8]), r.choice([-1, 0, 1, 17, 40]),
-                                          buf.ctypes.data_as(c_void_p) if r.random() < 0.9 else None)
+            rc = lib.baseRT_read_tap_rows(
+                self.any_model(),
+                r.choice([-1, 0, 1, 8]),
+                r.choice([-1, 0, 1, 17, 40]),
+                buf.ctypes.data_as(c_void_p) if r.random() < 0.9 else None,
+            )
             assert rc in (64, -INVALID_ARGUMENT), error(lib)
         elif kind == "match":
             m = self.any_model()
@@ -870,8 +1011,9 @@ def q4_model_path(model_path: Path) -> Path:
 
 
 @pytest.mark.parametrize("seed_value", range(6))
-def test_fuzz_random_abi_call_sequences(lib: Library, raw: ctypes.CDLL, model_path: Path, seed_value: int,
-                                        nonfinite_paths: tuple[list[Path], list[Path]]) -> None:
+def test_fuzz_random_abi_call_sequences(
+    lib: Library, raw: ctypes.CDLL, model_path: Path, seed_value: int, nonfinite_paths: tuple[list[Path], list[Path]]
+) -> None:
     fuzz(lib, raw, model_path, seed_value, nonfinite_paths)
 
 
@@ -882,8 +1024,13 @@ def test_fuzz_random_abi_call_sequences_on_a_q4_model(
     fuzz(lib, raw, q4_model_path, 2000 + seed_value, nonfinite_paths)
 
 
-def fuzz(lib: Library, raw: ctypes.CDLL, model_path: Path, seed_value: int,
-         nonfinite: tuple[list[Path], list[Path]] = ([], [])) -> None:
+def fuzz(
+    lib: Library,
+    raw: ctypes.CDLL,
+    model_path: Path,
+    seed_value: int,
+    nonfinite: tuple[list[Path], list[Path]] = ([], []),
+) -> None:
     live_before = lib.baseRT_ref_counter(b"sequences"), lib.baseRT_ref_counter(b"models")
     f = Fuzzer(lib, raw, model_path, random.Random(1000 + seed_value), nonfinite)
     f.models.append(load(lib, model_path))

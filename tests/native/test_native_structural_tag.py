@@ -45,16 +45,38 @@ def begin(name: str) -> str:
     return f'{TRIGGER}\n{{"name": "{name}", "arguments": '
 
 
-def tag_doc(*, at_least_one: bool = False, stop_after_first: bool = False, names: tuple[str, ...] = ("get_weather",
-            "get_time"), separator: str | None = None) -> dict[str, Any]:
-    tags = [{"type": "tag", "begin": begin(n), "content": {"type": "json_schema", "json_schema": SCHEMAS[n]},
-             "end": END} for n in names]
+def tag_doc(
+    *,
+    at_least_one: bool = False,
+    stop_after_first: bool = False,
+    names: tuple[str, ...] = ("get_weather", "get_time"),
+    separator: str | None = None,
+) -> dict[str, Any]:
+    tags = [
+        {"type": "tag", "begin": begin(n), "content": {"type": "json_schema", "json_schema": SCHEMAS[n]}, "end": END}
+        for n in names
+    ]
     if separator is not None:
-        return {"type": "structural_tag", "format": {"type": "tags_with_separator", "tags": tags,
-                                                     "separator": separator, "at_least_one": at_least_one,
-                                                     "stop_after_first": stop_after_first}}
-    return {"type": "structural_tag", "format": {"type": "triggered_tags", "triggers": [TRIGGER], "tags": tags,
-                                                 "at_least_one": at_least_one, "stop_after_first": stop_after_first}}
+        return {
+            "type": "structural_tag",
+            "format": {
+                "type": "tags_with_separator",
+                "tags": tags,
+                "separator": separator,
+                "at_least_one": at_least_one,
+                "stop_after_first": stop_after_first,
+            },
+        }
+    return {
+        "type": "structural_tag",
+        "format": {
+            "type": "triggered_tags",
+            "triggers": [TRIGGER],
+            "tags": tags,
+            "at_least_one": at_least_one,
+            "stop_after_first": stop_after_first,
+        },
+    }
 
 
 @pytest.fixture
@@ -125,44 +147,147 @@ def call_text(name: str, args: str) -> str:
         ({"type": "any_text", "max_tokens": 5}, UNSUPPORTED, "max_tokens"),
         ({"type": "any_text", "excludes": "<a"}, INVALID_ARGUMENT, "excludes"),
         ({"type": "any_text", "excludes": ["<a", "<ab"]}, INVALID_ARGUMENT, "prefix"),
-        ({"type": "structural_tag", "format": {"type": "triggered_tags", "triggers": [TRIGGER]}}, INVALID_ARGUMENT,
-         "needs tags"),
-        ({"type": "triggered_tags", "tags": [{"begin": "<a", "content": {"type": "json_schema", "json_schema": True},
-                                              "end": "x"}]}, INVALID_ARGUMENT, "triggers"),
-        ({"type": "tags_with_separator", "tags": [{"begin": "<a", "end": "x",
-                                                   "content": {"type": "json_schema", "json_schema": True}}]},
-         INVALID_ARGUMENT, "separator"),
+        (
+            {"type": "structural_tag", "format": {"type": "triggered_tags", "triggers": [TRIGGER]}},
+            INVALID_ARGUMENT,
+            "needs tags",
+        ),
+        (
+            {
+                "type": "triggered_tags",
+                "tags": [{"begin": "<a", "content": {"type": "json_schema", "json_schema": True}, "end": "x"}],
+            },
+            INVALID_ARGUMENT,
+            "triggers",
+        ),
+        (
+            {
+                "type": "tags_with_separator",
+                "tags": [{"begin": "<a", "end": "x", "content": {"type": "json_schema", "json_schema": True}}],
+            },
+            INVALID_ARGUMENT,
+            "separator",
+        ),
         ({"type": "triggered_tags", "triggers": [TRIGGER], "tags": []}, UNSUPPORTED, "1-64 tags"),
-        ({"type": "triggered_tags", "triggers": ["<a", "<ab"],
-          "tags": [{"begin": "<ab", "content": {"type": "json_schema", "json_schema": {"type": "object"}},
-                    "end": "x"}]}, INVALID_ARGUMENT, "prefix"),
-        ({"type": "triggered_tags", "triggers": ["<a", "b"],
-          "tags": [{"begin": "<a", "content": {"type": "json_schema", "json_schema": True}, "end": "x"}]},
-         INVALID_ARGUMENT, "every trigger needs a tag"),
-        ({"type": "triggered_tags", "triggers": ["<b"],
-          "tags": [{"begin": "<a", "content": {"type": "json_schema", "json_schema": True}, "end": "x"}]},
-         INVALID_ARGUMENT, "no trigger"),
-        ({"type": "triggered_tags", "triggers": ["<a"],
-          "tags": [{"begin": "<a", "content": {"type": "json_schema", "json_schema": {"type": "object"}}, "end": "x"},
-                   {"begin": "<ab", "content": {"type": "json_schema", "json_schema": {"type": "object"}},
-                    "end": "x"}]}, INVALID_ARGUMENT, "prefix of another"),
-        ({"type": "triggered_tags", "triggers": ["<a"],
-          "tags": [{"begin": "<a", "content": {"type": "any_text"}, "end": "x"}]}, UNSUPPORTED, "json_schema"),
-        ({"type": "triggered_tags", "triggers": ["<a"],
-          "tags": [{"begin": "<a", "content": {"type": "json_schema", "json_schema": {"type": "integer"}},
-                    "end": "5"}]}, UNSUPPORTED, "number"),
+        (
+            {
+                "type": "triggered_tags",
+                "triggers": ["<a", "<ab"],
+                "tags": [
+                    {"begin": "<ab", "content": {"type": "json_schema", "json_schema": {"type": "object"}}, "end": "x"}
+                ],
+            },
+            INVALID_ARGUMENT,
+            "prefix",
+        ),
+        (
+            {
+                "type": "triggered_tags",
+                "triggers": ["<a", "b"],
+                "tags": [{"begin": "<a", "content": {"type": "json_schema", "json_schema": True}, "end": "x"}],
+            },
+            INVALID_ARGUMENT,
+            "every trigger needs a tag",
+        ),
+        (
+            {
+                "type": "triggered_tags",
+                "triggers": ["<b"],
+                "tags": [{"begin": "<a", "content": {"type": "json_schema", "json_schema": True}, "end": "x"}],
+            },
+            INVALID_ARGUMENT,
+            "no trigger",
+        ),
+        (
+            {
+                "type": "triggered_tags",
+                "triggers": ["<a"],
+                "tags": [
+                    {"begin": "<a", "content": {"type": "json_schema", "json_schema": {"type": "object"}}, "end": "x"},
+                    {"begin": "<ab", "content": {"type": "json_schema", "json_schema": {"type": "object"}}, "end": "x"},
+                ],
+            },
+            INVALID_ARGUMENT,
+            "prefix of another",
+        ),
+        (
+            {
+                "type": "triggered_tags",
+                "triggers": ["<a"],
+                "tags": [{"begin": "<a", "content": {"type": "any_text"}, "end": "x"}],
+            },
+            UNSUPPORTED,
+            "json_schema",
+        ),
+        (
+            {
+                "type": "triggered_tags",
+                "triggers": ["<a"],
+                "tags": [
+                    {"begin": "<a", "content": {"type": "json_schema", "json_schema": {"type": "integer"}}, "end": "5"}
+                ],
+            },
+            UNSUPPORTED,
+            "number",
+        ),
         # schemas the reference cannot enforce are refused, never accepted loosely
-        ({"type": "triggered_tags", "triggers": ["<a"],
-          "tags": [{"begin": "<a", "content": {"type": "json_schema", "json_schema": {
-              "type": "object", "properties": {"n": {"type": "integer", "minimum": 0}}}}, "end": "x"}]},
-         UNSUPPORTED, "minimum"),
-        ({"type": "triggered_tags", "triggers": ["<a"],
-          "tags": [{"begin": "<a", "content": {"type": "json_schema", "json_schema": {
-              "type": "object", "properties": {"n": {"enum": ["x"]}}}}, "end": "x"}]}, UNSUPPORTED, "enum"),
-        ({"type": "triggered_tags", "triggers": ["<a"],
-          "tags": [{"begin": "<a", "content": {"type": "json_schema", "json_schema": {
-              "type": "object", "properties": {"o": {"type": "object", "properties": {}}}}}, "end": "x"}]},
-         UNSUPPORTED, "properties"),
+        (
+            {
+                "type": "triggered_tags",
+                "triggers": ["<a"],
+                "tags": [
+                    {
+                        "begin": "<a",
+                        "content": {
+                            "type": "json_schema",
+                            "json_schema": {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0}}},
+                        },
+                        "end": "x",
+                    }
+                ],
+            },
+            UNSUPPORTED,
+            "minimum",
+        ),
+        (
+            {
+                "type": "triggered_tags",
+                "triggers": ["<a"],
+                "tags": [
+                    {
+                        "begin": "<a",
+                        "content": {
+                            "type": "json_schema",
+                            "json_schema": {"type": "object", "properties": {"n": {"enum": ["x"]}}},
+                        },
+                        "end": "x",
+                    }
+                ],
+            },
+            UNSUPPORTED,
+            "enum",
+        ),
+        (
+            {
+                "type": "triggered_tags",
+                "triggers": ["<a"],
+                "tags": [
+                    {
+                        "begin": "<a",
+                        "content": {
+                            "type": "json_schema",
+                            "json_schema": {
+                                "type": "object",
+                                "properties": {"o": {"type": "object", "properties": {}}},
+                            },
+                        },
+                        "end": "x",
+                    }
+                ],
+            },
+            UNSUPPORTED,
+            "properties",
+        ),
     ],
 )
 def test_refusals(lib: Library, model: int, doc: Any, code: int, needle: str) -> None:
@@ -180,8 +305,11 @@ def test_null_arguments(lib: Library, model: int) -> None:
 
 
 def test_legacy_structures_form(lib: Library, model: int) -> None:
-    doc = {"type": "structural_tag", "triggers": [TRIGGER],
-           "structures": [{"begin": begin("get_time"), "schema": TIME, "end": END}]}
+    doc = {
+        "type": "structural_tag",
+        "triggers": [TRIGGER],
+        "structures": [{"begin": begin("get_time"), "schema": TIME, "end": END}],
+    }
     with grammar(lib, model, doc) as g:
         assert feed(lib, g, encode(lib, model, "ok " + call_text("get_time", '{"tz":"UTC"}') + " bye"))
         assert not feed(lib, g, encode(lib, model, "<tool_call>\nx"))
@@ -249,8 +377,11 @@ def test_at_least_one_and_stop_after_first(lib: Library, model: int, token_bytes
         assert not feed(lib, g, encode(lib, model, "\n"))  # nothing but an end token after the one call
         assert lib.baseRT_grammar_accept_token(g, EOS_ID) == 1 and lib.baseRT_grammar_is_terminated(g) == 1
     with grammar(lib, model, tag_doc(at_least_one=True)) as g:  # alone: a call first, then text and more calls
-        assert feed(lib, g, encode(lib, model, call_text("get_time", '{"tz":"x"}') + " and " +
-                                   call_text("get_time", '{"tz":"y"}')))
+        assert feed(
+            lib,
+            g,
+            encode(lib, model, call_text("get_time", '{"tz":"x"}') + " and " + call_text("get_time", '{"tz":"y"}')),
+        )
         assert lib.baseRT_grammar_accept_token(g, EOS_ID) == 1
 
 
@@ -268,8 +399,9 @@ def test_at_least_one_and_stop_after_first(lib: Library, model: int, token_bytes
         (True, True, call_text("get_time", '{"tz":"x"}') + "\n", False, False),  # one call only
     ],
 )
-def test_tags_with_separator(lib: Library, model: int, at_least_one: bool, stop_after_first: bool, text: str,
-                             ok: bool, may_end: bool) -> None:
+def test_tags_with_separator(
+    lib: Library, model: int, at_least_one: bool, stop_after_first: bool, text: str, ok: bool, may_end: bool
+) -> None:
     doc = tag_doc(at_least_one=at_least_one, stop_after_first=stop_after_first, separator="\n")
     with grammar(lib, model, doc) as g:
         assert feed(lib, g, encode(lib, model, text) if text else []) == ok, error(lib)
@@ -357,8 +489,10 @@ PREFERRED = ['"', "}", ",", "1", "true", "city", "days", "tz", ":", "<tool_call>
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(flags=st.tuples(st.booleans(), st.booleans(), st.booleans()),
-       choices=st.lists(st.floats(0, 1), min_size=1, max_size=120))
+@given(
+    flags=st.tuples(st.booleans(), st.booleans(), st.booleans()),
+    choices=st.lists(st.floats(0, 1), min_size=1, max_size=120),
+)
 def test_walks_through_the_masks_stay_well_formed(
     lib: Library, model: int, token_bytes: list[bytes], flags: tuple[bool, bool, bool], choices: list[float]
 ) -> None:
@@ -383,20 +517,54 @@ def test_walks_through_the_masks_stay_well_formed(
             out += token_bytes[t]
         assert lib.baseRT_grammar_is_completed(g) == 0
         assert lib.baseRT_grammar_is_terminated(g) == int(ended)
-    check_output(out.decode("utf-8", "replace"), ended=ended, at_least_one=at_least_one,
-                 stop_after_first=stop_after_first, tags_only=tags_only)
+    check_output(
+        out.decode("utf-8", "replace"),
+        ended=ended,
+        at_least_one=at_least_one,
+        stop_after_first=stop_after_first,
+        tags_only=tags_only,
+    )
 
 
 # ---- fuzz: any document is a handle or an error, never a crash (ASan in test_sanitizers) ----
 
-_KEYS = ["type", "format", "triggers", "tags", "begin", "end", "content", "json_schema", "schema", "structures",
-         "at_least_one", "stop_after_first", "excludes", "properties", "required", "additionalProperties"]
-_WORDS = ["structural_tag", "triggered_tags", "tag", "json_schema", "object", "string", "integer", "<a", "<ab",
-          "a", "", "}"]
+_KEYS = [
+    "type",
+    "format",
+    "triggers",
+    "tags",
+    "begin",
+    "end",
+    "content",
+    "json_schema",
+    "schema",
+    "structures",
+    "at_least_one",
+    "stop_after_first",
+    "excludes",
+    "properties",
+    "required",
+    "additionalProperties",
+]
+_WORDS = [
+    "structural_tag",
+    "triggered_tags",
+    "tag",
+    "json_schema",
+    "object",
+    "string",
+    "integer",
+    "<a",
+    "<ab",
+    "a",
+    "",
+    "}",
+]
 _json = st.recursive(
     st.none() | st.booleans() | st.integers(-2, 2) | st.sampled_from(_WORDS) | st.text(max_size=4),
-    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.sampled_from(_KEYS) | st.text(max_size=3), inner,
-                                                                max_size=5),
+    lambda inner: (
+        st.lists(inner, max_size=3) | st.dictionaries(st.sampled_from(_KEYS) | st.text(max_size=3), inner, max_size=5)
+    ),
     max_leaves=24,
 )
 
@@ -414,17 +582,33 @@ def test_fuzz_documents(lib: Library, model: int, doc: Any, raw: bytes, steps: l
                 assert lib.baseRT_grammar_accept_token(g, allowed[k % len(allowed)]) == 1
 
 
-_schemas = st.sampled_from([True, {}, {"type": "object"}, {"type": "string"}, {"type": "array"}, {"type": "null"},
-                            {"type": "integer"}, WEATHER, TIME, {"properties": {"a": {}, "b": {"type": "number"}},
-                                                                "required": ["b"]}])
+_schemas = st.sampled_from(
+    [
+        True,
+        {},
+        {"type": "object"},
+        {"type": "string"},
+        {"type": "array"},
+        {"type": "null"},
+        {"type": "integer"},
+        WEATHER,
+        TIME,
+        {"properties": {"a": {}, "b": {"type": "number"}}, "required": ["b"]},
+    ]
+)
 
 
 @st.composite
 def _tag_docs(draw: st.DrawFn) -> dict[str, Any]:
     triggers = draw(st.lists(st.text("<ab>x", min_size=1, max_size=3), min_size=1, max_size=3, unique=True))
-    tags = [{"begin": draw(st.sampled_from(triggers)) + draw(st.text("ab{x\"", max_size=3)),
-             "content": {"type": "json_schema", "json_schema": draw(_schemas)},
-             "end": draw(st.text("}>x\n", max_size=3))} for _ in range(draw(st.integers(1, 3)))]
+    tags = [
+        {
+            "begin": draw(st.sampled_from(triggers)) + draw(st.text('ab{x"', max_size=3)),
+            "content": {"type": "json_schema", "json_schema": draw(_schemas)},
+            "end": draw(st.text("}>x\n", max_size=3)),
+        }
+        for _ in range(draw(st.integers(1, 3)))
+    ]
     flags = {"at_least_one": draw(st.booleans()), "stop_after_first": draw(st.booleans())}
     excludes = draw(st.lists(st.text("<>x", min_size=1, max_size=2), max_size=2, unique=True))
     if draw(st.integers(0, 5)) == 0:

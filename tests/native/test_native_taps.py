@@ -27,8 +27,9 @@ N_LAYERS, DIM, CHUNK = 2, 64, 16
 
 @pytest.fixture(scope="module")
 def model_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_tiny_model(tmp_path_factory.mktemp("taps") / "tiny.base", dim=DIM, n_heads=4, n_kv_heads=2,
-                            ffn_dim=96, tied=False)
+    return build_tiny_model(
+        tmp_path_factory.mktemp("taps") / "tiny.base", dim=DIM, n_heads=4, n_kv_heads=2, ffn_dim=96, tied=False
+    )
 
 
 def load(lib: Library, path: Path, **opts: int) -> int:
@@ -48,12 +49,29 @@ def seqs_of(values: Sequence[int]) -> ctypes.Array[c_void_p]:
     return (c_void_p * max(len(values), 1))(*values)
 
 
-def tapped(lib: Library, m: int, seqs: Sequence[int], feeds: Sequence[Sequence[int]], out_rows: Sequence[int],
-           layers: Sequence[int], tap_rows: Sequence[int]) -> int:
+def tapped(
+    lib: Library,
+    m: int,
+    seqs: Sequence[int],
+    feeds: Sequence[Sequence[int]],
+    out_rows: Sequence[int],
+    layers: Sequence[int],
+    tap_rows: Sequence[int],
+) -> int:
     flat = [t for f in feeds for t in f]
-    return int(lib.baseRT_batch_step_fused_logits_rows_taps(
-        m, seqs_of(seqs), len(seqs), u32(flat), ints([len(f) for f in feeds]), ints(out_rows), ints(layers),
-        len(layers), ints(tap_rows)))
+    return int(
+        lib.baseRT_batch_step_fused_logits_rows_taps(
+            m,
+            seqs_of(seqs),
+            len(seqs),
+            u32(flat),
+            ints([len(f) for f in feeds]),
+            ints(out_rows),
+            ints(layers),
+            len(layers),
+            ints(tap_rows),
+        )
+    )
 
 
 def logits(lib: Library, m: int, n: int) -> np.ndarray[Any, np.dtype[np.float16]]:
@@ -99,8 +117,9 @@ def one_at_a_time(lib: Library, m: int, tokens: Sequence[int]) -> np.ndarray[Any
 def test_rows_are_each_positions_logits(lib: Library, model: int) -> None:
     a, b = new_seq(lib, model), new_seq(lib, model)
     feeds = [TOKENS[:12], TOKENS[20:23]]
-    rc = lib.baseRT_batch_step_fused_logits_rows(model, seqs_of([a, b]), 2, u32(feeds[0] + feeds[1]), ints([12, 3]),
-                                                 ints([5, 3]))
+    rc = lib.baseRT_batch_step_fused_logits_rows(
+        model, seqs_of([a, b]), 2, u32(feeds[0] + feeds[1]), ints([12, 3]), ints([5, 3])
+    )
     assert rc == OK, error(lib)
     got = logits(lib, model, 8)
     want_a = one_at_a_time(lib, model, feeds[0])[-5:]
@@ -108,8 +127,10 @@ def test_rows_are_each_positions_logits(lib: Library, model: int) -> None:
     assert got[:5].tobytes() == want_a.tobytes()
     assert got[5:].tobytes() == want_b.tobytes()
     # only 8 rows exist
-    assert lib.baseRT_batch_step_fused_logits_rows(model, seqs_of([a, b]), 2, u32([5, 6]), ints([1, 1]),
-                                                   ints([1, 1])) == OK
+    assert (
+        lib.baseRT_batch_step_fused_logits_rows(model, seqs_of([a, b]), 2, u32([5, 6]), ints([1, 1]), ints([1, 1]))
+        == OK
+    )
     buf = np.empty((3, got.shape[1]), dtype=np.float16)
     assert lib.baseRT_read_batch_logits(model, 3, buf.ctypes.data_as(c_void_p)) < 0  # only 2 rows now
     for s in (a, b):
@@ -174,8 +195,12 @@ def test_capacity_and_support(lib: Library, model: int, model_path: Path) -> Non
     flat = load(lib, model_path, paged_kv=0)
     assert lib.baseRT_model_supports_taps(flat) == 0
     s = ints([0])
-    assert lib.baseRT_batch_step_fused_logits_rows_taps(flat, seqs_of([0]), 1, u32([5]), s, ints([1]), ints([0]), 1,
-                                                        ints([1])) != OK
+    assert (
+        lib.baseRT_batch_step_fused_logits_rows_taps(
+            flat, seqs_of([0]), 1, u32([5]), s, ints([1]), ints([0]), 1, ints([1])
+        )
+        != OK
+    )
     lib.baseRT_free_model(flat)
     # a freed model's handle is refused, not reused
     assert lib.baseRT_tap_rows_capacity(big) < 0 and lib.baseRT_model_supports_taps(big) < 0
@@ -213,8 +238,9 @@ def test_read_is_bounded_by_the_last_tapped_step(lib: Library, model: int) -> No
         (20, 1, [2], 5, "rows of its last prefill chunk"),  # 20 rows = chunks of 16 + 4
     ],
 )
-def test_bad_arguments_are_refused_and_change_nothing(lib: Library, model: int, feed: int, out_rows: int,
-                                                      layers: list[int], tap_rows: int, what: str) -> None:
+def test_bad_arguments_are_refused_and_change_nothing(
+    lib: Library, model: int, feed: int, out_rows: int, layers: list[int], tap_rows: int, what: str
+) -> None:
     s = new_seq(lib, model)
     before = blocks_used(lib, model)
     rc = tapped(lib, model, [s], [TOKENS[:feed]], [out_rows], layers, [tap_rows])
@@ -234,12 +260,14 @@ def test_totals_are_bounded(lib: Library, model: int) -> None:
     for null in ("out_rows", "tap_layers", "tap_rows"):
         args: dict[str, Any] = dict(out_rows=ints([1]), tap_layers=ints([2]), tap_rows=ints([1]))
         args[null] = None
-        rc = lib.baseRT_batch_step_fused_logits_rows_taps(model, seqs_of([a]), 1, u32([5]), ints([1]),
-                                                          args["out_rows"], args["tap_layers"], 1, args["tap_rows"])
+        rc = lib.baseRT_batch_step_fused_logits_rows_taps(
+            model, seqs_of([a]), 1, u32([5]), ints([1]), args["out_rows"], args["tap_layers"], 1, args["tap_rows"]
+        )
         assert rc == INVALID_ARGUMENT and f"{null} is NULL" in error(lib)
     # n_tap_layers 0: tap arguments may be NULL (the plain multi-row step)
-    rc = lib.baseRT_batch_step_fused_logits_rows_taps(model, seqs_of([a]), 1, u32([5]), ints([1]), ints([1]), None, 0,
-                                                      None)
+    rc = lib.baseRT_batch_step_fused_logits_rows_taps(
+        model, seqs_of([a]), 1, u32([5]), ints([1]), ints([1]), None, 0, None
+    )
     assert rc == OK, error(lib)
     # a freed sequence is refused
     lib.baseRT_sequence_free(b)

@@ -33,18 +33,25 @@ LANES = 4
 @pytest.fixture(scope="module")
 def wide_model_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A 2-layer llama wide enough for every op to be split: f32, untied (a 256-wide head)."""
-    return build_tiny_model(tmp_path_factory.mktemp("wide") / "wide.base", dim=DIM, n_heads=8, n_kv_heads=2,
-                            ffn_dim=512, tied=False, seed=11)
+    return build_tiny_model(
+        tmp_path_factory.mktemp("wide") / "wide.base",
+        dim=DIM,
+        n_heads=8,
+        n_kv_heads=2,
+        ffn_dim=512,
+        tied=False,
+        seed=11,
+    )
 
 
 @pytest.fixture(scope="module", params=["f32", "base_q4", "base_q8"])
-def threaded_model_path(request: pytest.FixtureRequest, wide_model_path: Path,
-                        tmp_path_factory: pytest.TempPathFactory) -> Path:
+def threaded_model_path(
+    request: pytest.FixtureRequest, wide_model_path: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Path:
     """The wide model as stored, and quantized (the integer kernels' panels of 16 rows)."""
     if request.param == "f32":
         return wide_model_path
-    return quantize_bundle(wide_model_path, tmp_path_factory.mktemp("wideq") / f"{request.param}.base",
-                           request.param)
+    return quantize_bundle(wide_model_path, tmp_path_factory.mktemp("wideq") / f"{request.param}.base", request.param)
 
 
 @pytest.fixture
@@ -89,8 +96,9 @@ def run_digest(lib: Library, path: Path, threads: int) -> tuple[str, list[list[i
 
 
 @pytest.mark.usefixtures("no_pool")
-def test_results_bit_identical_for_every_thread_count(lib: Library, threaded_model_path: Path,
-                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+def test_results_bit_identical_for_every_thread_count(
+    lib: Library, threaded_model_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Each output element is computed by exactly one thread in a fixed order, so 1..16 threads (most of
     them oversubscribed here) give the same bits: embeddings, logits of prefill and decode, greedy ids."""
     results: dict[int, tuple[str, list[list[int]]]] = {}
@@ -103,8 +111,9 @@ def test_results_bit_identical_for_every_thread_count(lib: Library, threaded_mod
 
 
 @pytest.mark.usefixtures("no_pool")
-def test_runs_take_no_more_threads_than_cpus(lib: Library, wide_model_path: Path,
-                                             monkeypatch: pytest.MonkeyPatch) -> None:
+def test_runs_take_no_more_threads_than_cpus(
+    lib: Library, wide_model_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The pool has the threads asked for, but a run takes at most the usable CPUs (a preempted worker
     would hold its item for a time slice), unless BASERT_REF_POOL_OVERSUBSCRIBE lifts the cap."""
     for over in ("", "0", "1"):
@@ -138,8 +147,9 @@ AUTO_CASES: dict[str, tuple[tuple[tuple[int, int], tuple[int, int]] | None, tupl
 
 @pytest.mark.usefixtures("no_pool")
 @pytest.mark.parametrize("case", sorted(AUTO_CASES))
-def test_auto_threads_count_physical_cores_within_quota(lib: Library, wide_model_path: Path, tmp_path: Path,
-                                                       monkeypatch: pytest.MonkeyPatch, case: str) -> None:
+def test_auto_threads_count_physical_cores_within_quota(
+    lib: Library, wide_model_path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, case: str
+) -> None:
     """threads=auto is one thread per physical core of the affinity mask (SMT siblings share one core's load
     ports: a memory-bound decode gains nothing from the second), capped by the cgroup CPU quota; the pool
     made with BASERT_REF_THREADS=auto (or unset) has that size. Fake sysfs / cgroup trees, a real mask."""
@@ -157,8 +167,7 @@ def test_auto_threads_count_physical_cores_within_quota(lib: Library, wide_model
     cg = tmp_path / "cg"
     (cg / "proc" / "self").mkdir(parents=True)
     (cg / "proc" / "self" / "cgroup").write_text("0::/job\n")
-    (cg / "proc" / "self" / "mountinfo").write_text(
-        "29 23 0:26 / /sys/fs/cgroup rw - cgroup2 cgroup2 rw\n")
+    (cg / "proc" / "self" / "mountinfo").write_text("29 23 0:26 / /sys/fs/cgroup rw - cgroup2 cgroup2 rw\n")
     if quota:
         (cg / "sys/fs/cgroup/job").mkdir(parents=True)
         (cg / "sys/fs/cgroup/job/cpu.max").write_text(f"{quota * 100000} 100000\n")

@@ -24,8 +24,7 @@ from aiobasert.models.tiny import build_tiny_model
 
 
 def load(lib: Library, path: Path, *, widen: bool) -> int:
-    o = BaseRTLoadOptions(struct_size=ctypes.sizeof(BaseRTLoadOptions), paged_kv=1, max_batch_size=4,
-                          prefill_chunk=16)
+    o = BaseRTLoadOptions(struct_size=ctypes.sizeof(BaseRTLoadOptions), paged_kv=1, max_batch_size=4, prefill_chunk=16)
     old = os.environ.get("BASERT_REF_WIDEN_F16")
     os.environ["BASERT_REF_WIDEN_F16"] = "1" if widen else "0"
     try:
@@ -50,8 +49,9 @@ def run(lib: Library, m: int, prompts: Sequence[Sequence[int]], steps: int) -> l
     for _ in range(steps):
         flat = [t for f in feeds for t in f]
         arr = (c_void_p * n)(*seqs)
-        rc = lib.baseRT_batch_step_fused_logits(m, arr, n, (c_uint32 * len(flat))(*flat),
-                                                (c_int * n)(*[len(f) for f in feeds]))
+        rc = lib.baseRT_batch_step_fused_logits(
+            m, arr, n, (c_uint32 * len(flat))(*flat), (c_int * n)(*[len(f) for f in feeds])
+        )
         assert rc == 0, (lib.baseRT_get_error() or b"").decode()
         rows = np.empty((n, vocab), dtype=np.float16)
         assert lib.baseRT_read_batch_logits(m, n, rows.ctypes.data_as(c_void_p)) == vocab
@@ -73,10 +73,19 @@ def weight_bytes(lib: Library, m: int) -> int:
     [(64, 4, 2, 96, False), (72, 4, 1, 100, True), (128, 2, 2, 200, False)],
     ids=["dim64", "dim72-tails-tied", "dim128"],
 )
-def test_f16_kept_equals_f16_widened_bit_for_bit(lib: Library, tmp_path: Path, dim: int, n_heads: int,
-                                                  n_kv_heads: int, ffn_dim: int, tied: bool) -> None:
-    path = build_tiny_model(tmp_path / "f16.base", dim=dim, n_heads=n_heads, n_kv_heads=n_kv_heads,
-                            ffn_dim=ffn_dim, dtype="f16", tied=tied, seed=3)
+def test_f16_kept_equals_f16_widened_bit_for_bit(
+    lib: Library, tmp_path: Path, dim: int, n_heads: int, n_kv_heads: int, ffn_dim: int, tied: bool
+) -> None:
+    path = build_tiny_model(
+        tmp_path / "f16.base",
+        dim=dim,
+        n_heads=n_heads,
+        n_kv_heads=n_kv_heads,
+        ffn_dim=ffn_dim,
+        dtype="f16",
+        tied=tied,
+        seed=3,
+    )
     rng = np.random.default_rng(7)
     prompts = [[int(t) for t in rng.integers(3, 200, size=k)] for k in (1, 5, 23, 40)]
     kept = load(lib, path, widen=False)

@@ -20,13 +20,23 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-SUITES = ["tests/native/test_native_load_tokenize_sample.py", "tests/native/test_native_batch_steps.py",
-          "tests/native/test_native_grammar.py", "tests/native/test_native_structural_tag.py",
-          "tests/native/test_native_safety.py", "tests/native/test_native_weights.py", "tests/native/test_native_kv.py",
-          "tests/native/test_native_quant.py", "tests/native/test_native_quant_symmetric.py",
-          "tests/native/test_native_taps.py", "tests/native/test_native_threads.py",
-          "tests/sdk/test_embed_scheduling.py", "tests/sdk/test_engine.py", "tests/sdk/test_reliability.py",
-          "tests/native/test_native_archs.py"]
+SUITES = [
+    "tests/native/test_native_load_tokenize_sample.py",
+    "tests/native/test_native_batch_steps.py",
+    "tests/native/test_native_grammar.py",
+    "tests/native/test_native_structural_tag.py",
+    "tests/native/test_native_safety.py",
+    "tests/native/test_native_weights.py",
+    "tests/native/test_native_kv.py",
+    "tests/native/test_native_quant.py",
+    "tests/native/test_native_quant_symmetric.py",
+    "tests/native/test_native_taps.py",
+    "tests/native/test_native_threads.py",
+    "tests/sdk/test_embed_scheduling.py",
+    "tests/sdk/test_engine.py",
+    "tests/sdk/test_reliability.py",
+    "tests/native/test_native_archs.py",
+]
 
 
 def _runtime(cc: str, name: str) -> str:
@@ -75,8 +85,9 @@ def sanitized_library(request: pytest.FixtureRequest, kind: str, flags: list[str
 
     with ThreadPoolExecutor(os.cpu_count() or 2) as pool:
         objects = list(pool.map(compile_one, sources))
-    subprocess.run([cc, *flags, "-shared", *map(str, objects), "-o", str(work / "libbaseRT.so"), "-lm", "-lpthread"],
-                   check=True)
+    subprocess.run(
+        [cc, *flags, "-shared", *map(str, objects), "-o", str(work / "libbaseRT.so"), "-lm", "-lpthread"], check=True
+    )
     for obj in objects:
         obj.unlink()
     work.rename(home / name)  # whole or not at all: a run stopped mid-build leaves no library under the key
@@ -87,10 +98,20 @@ def sanitized_library(request: pytest.FixtureRequest, kind: str, flags: list[str
 def sanitized_env(request: pytest.FixtureRequest) -> dict[str, str]:
     """The environment that runs a suite against the ASan + UBSan build of native/src."""
     cc = _compiler()
-    lib = sanitized_library(request, "asan", [
-        "-std=c11", "-O1", "-g", "-D_GNU_SOURCE", "-fno-omit-frame-pointer",
-        # float-cast-overflow is outside "undefined": a NaN or Inf reaching (int) is UB all the same
-        "-fsanitize=address,undefined,float-cast-overflow", "-fno-sanitize-recover=undefined,float-cast-overflow"])
+    lib = sanitized_library(
+        request,
+        "asan",
+        [
+            "-std=c11",
+            "-O1",
+            "-g",
+            "-D_GNU_SOURCE",
+            "-fno-omit-frame-pointer",
+            # float-cast-overflow is outside "undefined": a NaN or Inf reaching (int) is UB all the same
+            "-fsanitize=address,undefined,float-cast-overflow",
+            "-fno-sanitize-recover=undefined,float-cast-overflow",
+        ],
+    )
     env = dict(os.environ)
     env.update(
         BASERT_LIB_PATH=str(lib),
@@ -105,14 +126,19 @@ def sanitized_env(request: pytest.FixtureRequest) -> dict[str, str]:
 def _kernels(env: dict[str, str]) -> str:
     """The kernel sets the engine chooses in a process with `env` ("float=avx2-fma quant=avx2", ...)."""
     code = "from aiobasert._core.ffi import load_library; print(load_library().baseRT_ref_kernels().decode())"
-    return subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=300, check=True).stdout.strip()
+    return subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300, check=True
+    ).stdout.strip()
 
 
 def _run_sanitized(env: dict[str, str], suites: list[str]) -> None:
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-m", "not slow", *suites],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800,
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1800,
     )
     report = (proc.stdout[-4000:] + "\n" + proc.stderr[-6000:]).strip()
     assert proc.returncode == 0, f"sanitized run failed:\n{report}"
@@ -133,10 +159,16 @@ def test_kernel_suites_pass_under_asan_with_each_kernel_set(sanitized_env: dict[
     chosen, default = _kernels(env), _kernels(sanitized_env)
     if chosen == default:  # an AVX2 machine under the avx2 cap: the main run above ran these very files on them
         pytest.skip(f"BASERT_REF_SIMD={cap} chooses the main sanitized run's kernels ({chosen}): that run covered them")
-    _run_sanitized(env,
-                   ["tests/native/test_native_quant.py", "tests/native/test_native_quant_symmetric.py",
-                    "tests/native/test_native_weights.py",
-                    "tests/native/test_native_batch_steps.py", "tests/native/test_native_safety.py"])
+    _run_sanitized(
+        env,
+        [
+            "tests/native/test_native_quant.py",
+            "tests/native/test_native_quant_symmetric.py",
+            "tests/native/test_native_weights.py",
+            "tests/native/test_native_batch_steps.py",
+            "tests/native/test_native_safety.py",
+        ],
+    )
 
 
 @pytest.mark.slow
@@ -151,13 +183,24 @@ def tsan_env(request: pytest.FixtureRequest) -> dict[str, str]:
     """The environment that runs a suite against a ThreadSanitizer build of native/src."""
     cc = _compiler()
     lib = sanitized_library(request, "tsan", ["-std=c11", "-O1", "-g", "-D_GNU_SOURCE", "-fsanitize=thread"])
-    return dict(os.environ, BASERT_LIB_PATH=str(lib), LD_PRELOAD=_runtime(cc, "libtsan.so"), BASERT_REF_THREADS="2",
-                TSAN_OPTIONS="halt_on_error=1:exitcode=66:report_signal_unsafe=0")
+    return dict(
+        os.environ,
+        BASERT_LIB_PATH=str(lib),
+        LD_PRELOAD=_runtime(cc, "libtsan.so"),
+        BASERT_REF_THREADS="2",
+        TSAN_OPTIONS="halt_on_error=1:exitcode=66:report_signal_unsafe=0",
+    )
 
 
 def _run_tsan(env: dict[str, str], args: list[str]) -> None:
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *args],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1200,
+    )
     report = (proc.stdout[-4000:] + "\n" + proc.stderr[-6000:]).strip()
     assert proc.returncode == 0 and "passed" in proc.stdout, f"TSan run failed:\n{report}"
     assert "WARNING: ThreadSanitizer" not in proc.stderr, report

@@ -167,9 +167,7 @@ def test_plan_rows_kinds_and_sampling() -> None:
     budget=st.integers(1, 32),
     taps=st.one_of(st.none(), st.integers(1, 16)),
 )
-def test_plan_properties(
-    prompts: list[tuple[int, bool, int]], lanes: int, budget: int, taps: int | None
-) -> None:
+def test_plan_properties(prompts: list[tuple[int, bool, int]], lanes: int, budget: int, taps: int | None) -> None:
     # Whatever the mix: at most max_batch_size lanes, FIFO admission, one token
     # per decode lane, prompt tokens within the prefill budget (embeddings also
     # within the tap budget), no chunk past the end of its prompt.
@@ -400,7 +398,8 @@ def test_embeddings_are_never_preempted_and_fifo_mode_never_preempts() -> None:
 @given(
     reqs=st.lists(
         st.tuples(st.sampled_from([None, "A", "B", "C"]), st.integers(1, 40), st.integers(1, 60), st.integers(0, 80)),
-        min_size=1, max_size=14,
+        min_size=1,
+        max_size=14,
     ),
     lanes=st.integers(1, 4),
     budget=st.integers(1, 32),
@@ -421,6 +420,7 @@ def test_fair_admission_model(
     for step in range(1, 40 * work + 200):
         while arrive and reqs[arrive[0]][3] < step:
             b.enqueue(states[arrive.pop(0)])
+
         def preempt(v: LaneState) -> None:
             # it sampled a token since its admission: every admission makes progress
             assert not v.embed and not v.prefilling and b.step > v.ran_from

@@ -18,9 +18,19 @@ pytestmark = pytest.mark.anyio
 FIELDS = [f.name for f in msgspec.structs.fields(EngineConfig)]
 
 BAD: list[dict[str, Any]] = [
-    {"max_batch_size": 0}, {"max_batch_size": 2**31}, {"max_queue": 1.5}, {"prefill_chunk": True},
-    {"max_context": 1}, {"max_context": "2048"}, {"prefix_cache": 1}, {"kv_cache_dtype": "bf16"},
-    {"kv_cache_dtype": None}, {"dtype": "q5"}, {"library": 3}, {"library": b"lib.so"}, {"thread_check": "yes"},
+    {"max_batch_size": 0},
+    {"max_batch_size": 2**31},
+    {"max_queue": 1.5},
+    {"prefill_chunk": True},
+    {"max_context": 1},
+    {"max_context": "2048"},
+    {"prefix_cache": 1},
+    {"kv_cache_dtype": "bf16"},
+    {"kv_cache_dtype": None},
+    {"dtype": "q5"},
+    {"library": 3},
+    {"library": b"lib.so"},
+    {"thread_check": "yes"},
 ]
 
 
@@ -58,8 +68,9 @@ async def test_open_with_a_config_is_open_with_its_keywords(tiny_model_path: Pat
     async with Engine.open(tiny_model_path, config=config) as engine:
         assert engine.config is config
         assert (engine.info.max_batch_size, engine.info.max_context, engine.info.kv_cache_dtype) == (2, 64, "f32")
-    async with Engine.open(tiny_model_path, max_batch_size=2, max_context=64, max_queue=3,
-                           kv_cache_dtype="f32") as engine:
+    async with Engine.open(
+        tiny_model_path, max_batch_size=2, max_context=64, max_queue=3, kv_cache_dtype="f32"
+    ) as engine:
         assert engine.config == config
     async with Engine.open(tiny_model_path, library=None) as engine:
         assert engine.config == EngineConfig()

@@ -284,11 +284,28 @@ async def test_bad_parameter_types_and_ranges_are_refused_in_the_caller(
 
 
 async def test_numpy_scalars_are_accepted_as_python_values(tiny_model_path: Path) -> None:
-    plain = dict(max_tokens=5, temperature=0.5, top_k=7, top_p=0.5, seed=11, logprobs=True, ignore_eos=True,
-                 logit_bias={5: 1.5}, stop_token_ids=[3])
-    numpy = dict(max_tokens=np.int32(5), temperature=np.float32(0.5), top_k=np.int64(7), top_p=np.float64(0.5),
-                 seed=np.uint64(11), logprobs=np.bool_(True), ignore_eos=np.bool_(True),
-                 logit_bias={np.int64(5): np.float32(1.5)}, stop_token_ids=[np.int16(3)])
+    plain = dict(
+        max_tokens=5,
+        temperature=0.5,
+        top_k=7,
+        top_p=0.5,
+        seed=11,
+        logprobs=True,
+        ignore_eos=True,
+        logit_bias={5: 1.5},
+        stop_token_ids=[3],
+    )
+    numpy = dict(
+        max_tokens=np.int32(5),
+        temperature=np.float32(0.5),
+        top_k=np.int64(7),
+        top_p=np.float64(0.5),
+        seed=np.uint64(11),
+        logprobs=np.bool_(True),
+        ignore_eos=np.bool_(True),
+        logit_bias={np.int64(5): np.float32(1.5)},
+        stop_token_ids=[np.int16(3)],
+    )
     async with Engine.open(tiny_model_path, max_batch_size=2) as engine:
         with anyio.fail_after(BOUND):
             a = await engine.generate("numpy", **plain)
@@ -331,8 +348,7 @@ async def test_an_unexpected_error_in_one_lane_fails_only_that_lane(
     async with Engine.open(tiny_model_path, max_batch_size=4) as engine:
         with anyio.fail_after(BOUND):
             alone = await engine.generate("neighbour", max_tokens=10, ignore_eos=True, seed=1, **extra)
-            neighbours = [engine.stream("neighbour", max_tokens=10, ignore_eos=True, seed=1, **extra)
-                          for _ in range(2)]
+            neighbours = [engine.stream("neighbour", max_tokens=10, ignore_eos=True, seed=1, **extra) for _ in range(2)]
             victim = engine.stream("victim", max_tokens=10, ignore_eos=True, seed=victim_seed, **extra)
             for s in (*neighbours, victim):
                 s.submit()
@@ -452,8 +468,13 @@ async def test_stream_text_is_the_decode_of_its_ids(tiny_model_path: Path) -> No
     async with Engine.open(tiny_model_path, max_batch_size=4) as engine:
         with anyio.fail_after(BOUND):
             for seed in range(12):
-                params = dict(max_tokens=1 + seed % 7, temperature=1.0, seed=seed, ignore_eos=True,
-                              logit_bias={t: 100.0 for t in pool})
+                params = dict(
+                    max_tokens=1 + seed % 7,
+                    temperature=1.0,
+                    seed=seed,
+                    ignore_eos=True,
+                    logit_bias={t: 100.0 for t in pool},
+                )
                 toks = [t async for t in engine.stream("bytes", **params)]
                 got = [t.id for t in toks]
                 assert set(got) <= set(pool)
@@ -480,10 +501,15 @@ async def test_chat_roles_are_validated(tiny_model_path: Path) -> None:
 async def test_small_refusals_are_typed_and_exact(tiny_model_path: Path, tmp_path: Path) -> None:
     async with Engine.open(tiny_model_path, max_context=64) as engine:
         with anyio.fail_after(BOUND):
-            for call in (lambda: engine.decode(None), lambda: engine.embed(None),  # type: ignore[arg-type]
-                         lambda: engine.embed(b"abc"), lambda: engine.decode("abc"),  # type: ignore[arg-type]
-                         lambda: engine.encode(None), lambda: engine.embed([]),  # type: ignore[arg-type]
-                         lambda: engine.decode([1.0])):  # type: ignore[list-item]
+            for call in (
+                lambda: engine.decode(None),
+                lambda: engine.embed(None),  # type: ignore[arg-type]
+                lambda: engine.embed(b"abc"),
+                lambda: engine.decode("abc"),  # type: ignore[arg-type]
+                lambda: engine.encode(None),
+                lambda: engine.embed([]),  # type: ignore[arg-type]
+                lambda: engine.decode([1.0]),
+            ):  # type: ignore[list-item]
                 with pytest.raises(InvalidRequestError):
                     await call()
             prompt = await engine.encode("x y z", special=True)
@@ -492,8 +518,16 @@ async def test_small_refusals_are_typed_and_exact(tiny_model_path: Path, tmp_pat
             with pytest.raises(ContextLengthExceededError, match=f"at most {room} new tokens") as err:
                 await engine.generate(prompt, max_tokens=room + 1)
             assert err.value.max_tokens == room + 1
-    for bad in ({"max_batch_size": 0}, {"max_queue": 1.5}, {"prefill_chunk": True}, {"prefix_cache": 1},
-                {"max_context": 2**40}, {"kv_cache_dtype": "bf16"}, {"kv_cache_dtype": 8}, {"kv_cache_dtype": None}):
+    for bad in (
+        {"max_batch_size": 0},
+        {"max_queue": 1.5},
+        {"prefill_chunk": True},
+        {"prefix_cache": 1},
+        {"max_context": 2**40},
+        {"kv_cache_dtype": "bf16"},
+        {"kv_cache_dtype": 8},
+        {"kv_cache_dtype": None},
+    ):
         with pytest.raises(InvalidConfigError):
             Engine.open(tiny_model_path, **bad)
     with pytest.raises(aiobasert.ModelFileNotFoundError) as missing:
@@ -506,8 +540,15 @@ def test_every_exception_derives_from_the_root() -> None:
     from aiobasert.models.cache import ModelNotAvailableError
     from aiobasert.models.convert import ConversionError
 
-    for cls in (BundleError, ConversionError, ModelNotAvailableError, InvalidConfigError, WrongEventLoopError,
-                StreamBusyError, StreamClosedError):
+    for cls in (
+        BundleError,
+        ConversionError,
+        ModelNotAvailableError,
+        InvalidConfigError,
+        WrongEventLoopError,
+        StreamBusyError,
+        StreamClosedError,
+    ):
         assert issubclass(cls, AioBaseRTError), cls
     for name in aiobasert.__all__:
         obj = getattr(aiobasert, name)
@@ -531,9 +572,13 @@ def test_the_exception_tree_in_the_errors_docstring_is_the_real_one() -> None:
             if parents:
                 drawn[m.group(2)] = parents[-1]
             parents.append(m.group(2))
-    real = {name: cls.__bases__[0].__name__ for name, cls in vars(aiobasert.errors).items()
-            if isinstance(cls, type) and issubclass(cls, aiobasert.errors.AioBaseRTError)
-            and cls is not aiobasert.errors.AioBaseRTError}
+    real = {
+        name: cls.__bases__[0].__name__
+        for name, cls in vars(aiobasert.errors).items()
+        if isinstance(cls, type)
+        and issubclass(cls, aiobasert.errors.AioBaseRTError)
+        and cls is not aiobasert.errors.AioBaseRTError
+    }
     assert drawn == real
 
 
@@ -698,8 +743,22 @@ async def test_await_interrupted_by_another_tasks_aclose_raises(tiny_model_path:
 # A Lane's lifecycle: what the engine thread decides (prefill progress, generated
 # ids, its sequence, how it ended, its pooled embedding). Only engine_thread.py
 # writes these, from the results the step and the output processor return.
-LANE_LIFECYCLE = {"prefilled", "generated", "seq", "final", "error", "first_token_at", "first_token_step",
-                  "admitted_at", "cached", "prefix_handle", "pending", "total", "finite", "admitted_step"}
+LANE_LIFECYCLE = {
+    "prefilled",
+    "generated",
+    "seq",
+    "final",
+    "error",
+    "first_token_at",
+    "first_token_step",
+    "admitted_at",
+    "cached",
+    "prefix_handle",
+    "pending",
+    "total",
+    "finite",
+    "admitted_step",
+}
 
 
 def test_only_the_engine_thread_writes_a_lanes_lifecycle() -> None:
@@ -718,13 +777,20 @@ def test_only_the_engine_thread_writes_a_lanes_lifecycle() -> None:
                 targets = list(node.targets)
             elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
                 targets = [node.target]
-            elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
-                  and node.func.attr in ("append", "extend") and isinstance(node.func.value, ast.Attribute)):
+            elif (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Attribute)
+                and node.func.attr in ("append", "extend")
+                and isinstance(node.func.value, ast.Attribute)
+            ):
                 targets = [node.func.value]  # lane.generated.append(...)
             for t in targets:
                 # a lane's own constructor and methods write `self.x`: that is the lane itself
-                if (isinstance(t, ast.Attribute) and t.attr in LANE_LIFECYCLE
-                        and not (isinstance(t.value, ast.Name) and t.value.id == "self")):
+                if (
+                    isinstance(t, ast.Attribute)
+                    and t.attr in LANE_LIFECYCLE
+                    and not (isinstance(t.value, ast.Name) and t.value.id == "self")
+                ):
                     writes.append(f"{path.name}:{t.lineno}: {ast.unparse(t)}")
     assert writes == []
 

@@ -293,8 +293,7 @@ def test_batcher_feeds_an_embedding_from_the_prefill_budget_and_the_tap_budget()
     from aiobasert._core.plan import LaneState
     from aiobasert.batcher import Batcher
 
-    b = Batcher(max_batch_size=4, max_context=4096, prefill_budget=64, tap_budget=40,
-                prefix_cache=True)
+    b = Batcher(max_batch_size=4, max_context=4096, prefill_budget=64, tap_budget=40, prefix_cache=True)
     decode = LaneState(rid="d", prompt_len=1, max_new_tokens=100, prefilled=1)
     embed = LaneState(rid="e", prompt_len=100, max_new_tokens=0, embed=True)
     prompt = LaneState(rid="p", prompt_len=100, max_new_tokens=10)

@@ -90,8 +90,9 @@ async def test_seeded_sampling_is_reproducible_under_batching(tiny_model_path: P
 
         async def run(i: int) -> None:
             # every third lane uses the host-logits path (logprobs) to mix step kinds
-            results[i] = await tokens_of(engine, "Once upon a time", seed=1234 if i < 8 else i,
-                                         logprobs=(i % 3 == 0), **params)
+            results[i] = await tokens_of(
+                engine, "Once upon a time", seed=1234 if i < 8 else i, logprobs=(i % 3 == 0), **params
+            )
 
         async with anyio.create_task_group() as tg:
             for i in range(16):
@@ -216,13 +217,25 @@ async def test_context_overflow_and_bad_input_raise_in_caller(tiny_model_path: P
             engine.chat([{"role": "user", "content": "nul \x00"}])
     async with Engine.open(tiny_model_path) as engine:
         # the model's own output fed back (it may have sampled a NUL byte token): U+FFFD in the prompt
-        fed_back = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b\x00"},
-                    {"role": "user", "content": "c"}]
+        fed_back = [
+            {"role": "user", "content": "a"},
+            {"role": "assistant", "content": "b\x00"},
+            {"role": "user", "content": "c"},
+        ]
         assert (await engine.chat(fed_back, max_tokens=1)).token_ids
-        for bad in (dict(temperature=-1.0), dict(top_p=0.0), dict(top_p=1.5), dict(top_k=-2),
-                    dict(max_tokens=0), dict(min_p=2.0), dict(temperature=float("nan")),
-                    dict(logit_bias={10**9: 1.0}), dict(stop=[""]), dict(top_logprobs=99),
-                    dict(not_a_param=1)):
+        for bad in (
+            dict(temperature=-1.0),
+            dict(top_p=0.0),
+            dict(top_p=1.5),
+            dict(top_k=-2),
+            dict(max_tokens=0),
+            dict(min_p=2.0),
+            dict(temperature=float("nan")),
+            dict(logit_bias={10**9: 1.0}),
+            dict(stop=[""]),
+            dict(top_logprobs=99),
+            dict(not_a_param=1),
+        ):
             with pytest.raises(InvalidSamplingParamsError):
                 engine.stream("x", **bad)  # type: ignore[arg-type]
         rest = [t async for t in ok]
@@ -279,8 +292,11 @@ async def test_encode_decode_chat(tiny_model_path: Path) -> None:
     ("markers", "template", "turn"),
     [
         (("<start_of_turn>", "<end_of_turn>"), GEMMA_TEMPLATE, "<start_of_turn>user\n"),
-        (("<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"), LLAMA3_TEMPLATE,
-         "<|start_header_id|>user<|end_header_id|>\n\n"),
+        (
+            ("<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"),
+            LLAMA3_TEMPLATE,
+            "<|start_header_id|>user<|end_header_id|>\n\n",
+        ),
         ((), DEFAULT_TEMPLATE, "<|im_start|>user\n"),
     ],
     ids=["gemma", "llama3", "chatml"],
@@ -293,8 +309,7 @@ async def test_a_gguf_without_a_template_chats_in_its_familys_format(
     path = build_tiny_model(tmp_path / "m.base", extra_tokens=tuple((m, 3) for m in markers), chat_template=None)
     async with Engine.open(path) as engine:
         assert engine.chat_template == template
-        pieces = render_chat(engine.chat_template, [{"role": "user", "content": "hi"}],
-                             bos_token=engine.info.bos_token)
+        pieces = render_chat(engine.chat_template, [{"role": "user", "content": "hi"}], bos_token=engine.info.bos_token)
         assert turn in "".join(text for text, _ in pieces)
         first = markers[0] if markers else "<|im_start|>"
         (marker_id,) = await engine.encode(first, special=True)  # the turn marker is one token
@@ -402,8 +417,9 @@ async def test_a_slow_tokenization_does_not_stop_other_lanes(
     in steps and delivered tokens, not seconds); Engine.encode likewise."""
     from aiobasert._core.prepare import Preparer
 
-    tokenize = HeldCall(monkeypatch, Preparer, "tokenize_prompt",
-                        when=lambda args: getattr(args[-1], "prompt", None) == "huge")
+    tokenize = HeldCall(
+        monkeypatch, Preparer, "tokenize_prompt", when=lambda args: getattr(args[-1], "prompt", None) == "huge"
+    )
     async with Engine.open(tiny_model_path, max_batch_size=4) as engine:
         running = engine.stream("running", max_tokens=2000, ignore_eos=True)
         await running.__anext__()

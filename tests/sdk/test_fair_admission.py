@@ -35,8 +35,9 @@ async def test_a_short_request_is_not_starved_by_long_holders(untied_model_path:
 
         async def generation(i: int) -> None:  # eight long generations, each its own client
             sampled = i % 4 == 0
-            longs[i] = await engine.generate(PROMPT, max_tokens=LONG, ignore_eos=True,
-                                             temperature=0.9 if sampled else 0, seed=7 if sampled else None)
+            longs[i] = await engine.generate(
+                PROMPT, max_tokens=LONG, ignore_eos=True, temperature=0.9 if sampled else 0, seed=7 if sampled else None
+            )
 
         async with anyio.create_task_group() as tg:
             for i in range(16):
@@ -76,8 +77,9 @@ async def test_a_short_request_is_not_starved_by_its_own_clients_long_ones(untie
 
         async def generation(i: int) -> None:
             sampled = i % 2 == 0
-            longs[i] = await engine.generate(PROMPT, max_tokens=LONG, ignore_eos=True,
-                                             temperature=0.9 if sampled else 0, seed=7 if sampled else None)
+            longs[i] = await engine.generate(
+                PROMPT, max_tokens=LONG, ignore_eos=True, temperature=0.9 if sampled else 0, seed=7 if sampled else None
+            )
 
         with client_scope("app"):
             async with anyio.create_task_group() as tg:

@@ -59,7 +59,6 @@ LONG = 400
 """Tokens of each long holder's generation."""
 
 
-
 # ---- normal callers -------------------------------------------------------------------------
 
 
@@ -295,8 +294,12 @@ async def _huge_input(h: Hostile, rng: random.Random) -> None:
 
 async def _ref_chain_caller(h: Hostile, rng: random.Random) -> None:
     async with h.group.lease(rng.choice(h.models)) as engine:
-        await _refused(h, "a json_schema of 1,000 chained $refs",
-                       lambda: engine.generate("json", max_tokens=16, json_schema=ref_chain(1000)), or_served=True)
+        await _refused(
+            h,
+            "a json_schema of 1,000 chained $refs",
+            lambda: engine.generate("json", max_tokens=16, json_schema=ref_chain(1000)),
+            or_served=True,
+        )
 
 
 async def _deep_schema(h: Hostile, rng: random.Random) -> None:
@@ -304,15 +307,20 @@ async def _deep_schema(h: Hostile, rng: random.Random) -> None:
     for _ in range(3000):
         schema = {"type": "object", "properties": {"a": schema}, "required": ["a"]}
     async with h.group.lease(rng.choice(h.models)) as engine:
-        await _refused(h, "a json_schema nested 3,000 deep",
-                       lambda: engine.generate("json", max_tokens=16, json_schema=schema), or_served=True)
+        await _refused(
+            h,
+            "a json_schema nested 3,000 deep",
+            lambda: engine.generate("json", max_tokens=16, json_schema=schema),
+            or_served=True,
+        )
 
 
 async def _big_enum(h: Hostile, rng: random.Random) -> None:
     schema = {"type": "object", "properties": {"v": {"enum": [f"value-{i}" for i in range(40_000)]}}}
     async with h.group.lease(rng.choice(h.models)) as engine:
-        await _refused(h, "a 40,000-entry enum",
-                       lambda: engine.generate("json", max_tokens=16, json_schema=schema), or_served=True)
+        await _refused(
+            h, "a 40,000-entry enum", lambda: engine.generate("json", max_tokens=16, json_schema=schema), or_served=True
+        )
 
 
 async def _long_fan_out(h: Hostile, rng: random.Random) -> None:
@@ -348,8 +356,12 @@ async def _costly_schema(h: Hostile, rng: random.Random) -> None:
     schema = {"type": "object", "properties": props, "required": list(props)[:2]}
     async with h.group.lease(rng.choice(h.models)) as engine:
         for _ in range(2):
-            await _refused(h, "a 110 KB json_schema",
-                           lambda: engine.generate("json", max_tokens=8, json_schema=schema), or_served=True)
+            await _refused(
+                h,
+                "a 110 KB json_schema",
+                lambda: engine.generate("json", max_tokens=8, json_schema=schema),
+                or_served=True,
+            )
 
 
 async def _huge_decode(h: Hostile, rng: random.Random) -> None:
@@ -366,8 +378,9 @@ async def _field_flood(h: Hostile, rng: random.Random) -> None:
     """Request fields sized past their caps, counted before they are walked; ids past the context."""
     async with h.group.lease(rng.choice(h.models)) as engine:
         await _refused(h, "200,000 stop_token_ids", lambda: engine.generate("x", stop_token_ids=[5] * 200_000))
-        await _refused(h, "a 200,000-entry logit_bias",
-                       lambda: engine.generate("x", logit_bias={i: 1.0 for i in range(200_000)}))
+        await _refused(
+            h, "a 200,000-entry logit_bias", lambda: engine.generate("x", logit_bias={i: 1.0 for i in range(200_000)})
+        )
         await _refused(h, "an embedding of 200,000 ids", lambda: engine.embed([5] * 200_000))
 
 

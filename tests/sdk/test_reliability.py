@@ -210,9 +210,14 @@ async def test_random_requests_are_served_or_refused_cleanly(tiny_model_path: Pa
                     ids = data.draw(st.lists(st.integers(-2, engine.info.vocab_size + 2), max_size=40))
                     out = await engine.generate(ids, **params)
                 else:
-                    msgs = data.draw(st.lists(st.fixed_dictionaries(
-                        {"role": st.sampled_from(["user", "system", "assistant", ""]), "content": prompt_text}),
-                        max_size=3))
+                    msgs = data.draw(
+                        st.lists(
+                            st.fixed_dictionaries(
+                                {"role": st.sampled_from(["user", "system", "assistant", ""]), "content": prompt_text}
+                            ),
+                            max_size=3,
+                        )
+                    )
                     out = await engine.chat(msgs, **params)
             except (AioBaseRTError, ValueError) as exc:
                 assert isinstance(exc, AioBaseRTError)  # typed: ours, never a bare ValueError

@@ -36,8 +36,9 @@ def engine_logits(lib: _ffi.Library, path: Path, ids: list[int]) -> npt.NDArray[
     try:
         seq = lib.baseRT_sequence_create(model)
         for chunk in (ids[:7], ids[7:]):
-            rc = lib.baseRT_batch_step_fused_logits(model, (c_void_p * 1)(seq), 1, _ffi.u32_array(chunk),
-                                                    (c_int * 1)(len(chunk)))
+            rc = lib.baseRT_batch_step_fused_logits(
+                model, (c_void_p * 1)(seq), 1, _ffi.u32_array(chunk), (c_int * 1)(len(chunk))
+            )
             lib.check(rc, "baseRT_batch_step_fused_logits")
         stride = lib.baseRT_batch_logits_stride(model)
         row = np.zeros(stride // 2, dtype=np.float16)

@@ -155,9 +155,7 @@ async def test_100_constrained_generations_batched_with_free_lanes(untied_model_
             jobs.append((f"{PROMPTS[i % len(PROMPTS)]} {k}:{i}", params, schema))
 
     async with Engine.open(untied_model_path, max_batch_size=16) as engine:
-        solo = [
-            await engine.generate(p, **free_params[i % len(free_params)]) for i, p in enumerate(free_prompts)
-        ]
+        solo = [await engine.generate(p, **free_params[i % len(free_params)]) for i, p in enumerate(free_prompts)]
         constrained: list[Completion | None] = [None] * len(jobs)
         free: list[Completion | None] = [None] * len(free_prompts)
 
@@ -233,8 +231,9 @@ async def test_any_json_value(untied_model_path: Path) -> None:
         outputs = []
         for i in range(12):
             sampled: dict[str, Any] = dict(temperature=1.0, seed=i) if i >= 4 else {}
-            done = await engine.generate(f"{PROMPTS[i % len(PROMPTS)]} {i}", max_tokens=96, json_schema=True,
-                                         logit_bias=closers, **sampled)
+            done = await engine.generate(
+                f"{PROMPTS[i % len(PROMPTS)]} {i}", max_tokens=96, json_schema=True, logit_bias=closers, **sampled
+            )
             outputs.append(check_json(done, True))
         assert len({type(v) for v in outputs}) > 1
 
@@ -318,8 +317,13 @@ async def test_smollm2_chat_answers_in_schema(smollm2_f16_path: Path) -> None:
         "required": ["city", "country", "population_millions"],
         "additionalProperties": False,
     }
-    messages = [{"role": "user", "content": "What is the capital of France? Answer in JSON with the city, "
-                 "its country and its population in millions."}]
+    messages = [
+        {
+            "role": "user",
+            "content": "What is the capital of France? Answer in JSON with the city, "
+            "its country and its population in millions.",
+        }
+    ]
     async with Engine.open(smollm2_f16_path, max_batch_size=2) as engine:
         done = await engine.chat(messages, max_tokens=80, json_schema=schema)
     value = check_json(done, schema)
@@ -369,7 +373,9 @@ def test_a_deep_ref_chain_cannot_crash_the_process(untied_model_path: Path) -> N
     here = str(Path(__file__).parent)
     proc = subprocess.run(
         [sys.executable, "-c", _REF_CHAIN_RUN, str(untied_model_path), here],
-        capture_output=True, text=True, timeout=240,
+        capture_output=True,
+        text=True,
+        timeout=240,
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -452,6 +458,7 @@ async def test_an_abort_does_not_wait_for_a_grammar_compile(
         assert not compile.released and engine._thread.models_freed == 1
         with pytest.raises(EngineClosedError):
             await s
+
 
 def test_backend_end_ids_are_the_engines(lib: Library, tmp_path: Path) -> None:
     """The grammar offers exactly the tokens the engine ends generation on (asked of the engine,

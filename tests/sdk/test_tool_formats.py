@@ -36,8 +36,9 @@ E_WEATHER = Tool(
         "additionalProperties": False,
     },
 )
-E_TIME = Tool(name="get_time", parameters={"type": "object", "properties": {"tz": {"type": "string"}},
-                                            "required": ["tz"]})
+E_TIME = Tool(
+    name="get_time", parameters={"type": "object", "properties": {"tz": {"type": "string"}}, "required": ["tz"]}
+)
 # maxLength / minimum: only llguidance enforces these (the Lark grammar runs on the host).
 WEATHER = Tool(
     name="get_weather",
@@ -115,8 +116,9 @@ ARGS = st.dictionaries(st.text(max_size=6), JSON_VALUES, max_size=4)
 NAMES = st.from_regex(r"[A-Za-z0-9_-]{1,12}", fullmatch=True)
 SPLITS = st.lists(st.integers(1, 9), min_size=1, max_size=30)
 # JSON-ish text: braces, quotes and separators where a parser could lose its way
-TEXT = st.lists(st.sampled_from([*'{}[]";:, \n\\ab<|>', "<|python_tag|>", '"name"', '"parameters"', '"f"']),
-                max_size=30).map("".join)
+TEXT = st.lists(
+    st.sampled_from([*'{}[]";:, \n\\ab<|>', "<|python_tag|>", '"name"', '"parameters"', '"f"']), max_size=30
+).map("".join)
 
 
 def parse(text: str, splits: list[int], *, forced: bool = False) -> tuple[Llama3JsonParser, list[Any]]:
@@ -159,7 +161,11 @@ def check_deltas(parser: Llama3JsonParser, deltas: list[Any]) -> None:
     forced=st.booleans(),
 )
 def test_llama_calls_parse_the_same_from_any_split(
-    calls: list[tuple[str, dict[str, Any], str]], seps: list[str], spaced: bool, tag: str, splits: list[int],
+    calls: list[tuple[str, dict[str, Any], str]],
+    seps: list[str],
+    spaced: bool,
+    tag: str,
+    splits: list[int],
     forced: bool,
 ) -> None:
     """Llama calls (after <|python_tag|> or not, `;` or blank between them, "parameters" or
@@ -196,12 +202,16 @@ def test_any_text_parses_the_same_from_any_split_and_non_calls_stay_text(
         assert "".join(d.text for d in streamed.feed(text) if isinstance(d, TextDelta)) == text  # not held back
 
 
-
 # Replies mixing whole calls, call-like JSON, separators, markers and free text, in any order.
-MIXED = st.lists(st.one_of(
-    st.builds(lambda n, a: json.dumps({"name": n, "parameters": a}), NAMES, ARGS),
-    TEXT, st.text(max_size=8), st.sampled_from(["; ", ";", " ", "\n", "<|python_tag|>", "{", "}", '"', "\\"]),
-), max_size=6).map("".join)
+MIXED = st.lists(
+    st.one_of(
+        st.builds(lambda n, a: json.dumps({"name": n, "parameters": a}), NAMES, ARGS),
+        TEXT,
+        st.text(max_size=8),
+        st.sampled_from(["; ", ";", " ", "\n", "<|python_tag|>", "{", "}", '"', "\\"]),
+    ),
+    max_size=6,
+).map("".join)
 
 
 @given(text=MIXED, splits=SPLITS, forced=st.booleans())
@@ -217,10 +227,17 @@ def test_llama_parser_never_loses_or_duplicates_text(text: str, splits: list[int
     prefix, _ = parse(text[: len(text) - len(parser.content)], [len(text) + 1], forced=forced)
     assert [(c.name, c.arguments) for c in prefix.calls] == [(c.name, c.arguments) for c in parser.calls]
 
-@given(blank=st.sampled_from(["\v", "\f", "\u00a0", "\x1c", "\x85", "\u2028", "\u3000"]),
-       lead=st.sampled_from(["", " ", "\n\t", "<|python_tag|>"]), name=NAMES, args=ARGS, splits=SPLITS)
-def test_a_call_after_a_space_json_does_not_know_is_text(blank: str, lead: str, name: str,
-                                                         args: dict[str, Any], splits: list[int]) -> None:
+
+@given(
+    blank=st.sampled_from(["\v", "\f", "\u00a0", "\x1c", "\x85", "\u2028", "\u3000"]),
+    lead=st.sampled_from(["", " ", "\n\t", "<|python_tag|>"]),
+    name=NAMES,
+    args=ARGS,
+    splits=SPLITS,
+)
+def test_a_call_after_a_space_json_does_not_know_is_text(
+    blank: str, lead: str, name: str, args: dict[str, Any], splits: list[int]
+) -> None:
     """The "auto" grammar opens a call only after JSON's blanks (space, tab, CR, LF): after any other white
     space (str.isspace's \\v, NBSP, ...) the reply is TEXT, unconstrained, so a call written there was never
     held to its schema. The parser agrees: it is text, whole, not a call."""
@@ -228,6 +245,7 @@ def test_a_call_after_a_space_json_does_not_know_is_text(blank: str, lead: str, 
     parser, deltas = parse(text, splits)
     assert parser.calls == [] and parser.content == text
     check_deltas(parser, deltas)
+
 
 @given(
     obj=st.dictionaries(st.text(max_size=8), JSON_VALUES, max_size=4),
@@ -238,8 +256,12 @@ def test_json_that_is_not_a_call_stays_text(obj: dict[str, Any], tail: str, spli
     """A reply that is JSON, but not {"name": str, "parameters": object}, is text, byte for byte."""
     text = json.dumps(obj) + tail
     name, args = obj.get("name"), {k: v for k, v in obj.items() if k not in ("name", "type")}
-    is_call = isinstance(name, str) and obj.get("type", "function") == "function" and len(args) == 1 and (
-        isinstance(args.get("parameters"), dict) or isinstance(args.get("arguments"), dict))
+    is_call = (
+        isinstance(name, str)
+        and obj.get("type", "function") == "function"
+        and len(args) == 1
+        and (isinstance(args.get("parameters"), dict) or isinstance(args.get("arguments"), dict))
+    )
     parser, deltas = parse(text, splits)
     if is_call:
         assert len(parser.calls) >= 1
@@ -307,8 +329,12 @@ def llama_call(name: str, args: str) -> str:
         ("auto", True, llama_call("get_sun", "{}"), False),
         ("auto", True, '{"name": "get_time", "arguments": {"tz":"UTC"}}', False),  # the model's key only
         ("required", True, "Sunny.", False),
-        ("required", True, llama_call("get_time", '{"tz":"UTC"}') + "; " + llama_call("get_time", '{"tz":"CET"}'),
-         True),
+        (
+            "required",
+            True,
+            llama_call("get_time", '{"tz":"UTC"}') + "; " + llama_call("get_time", '{"tz":"CET"}'),
+            True,
+        ),
         ("required", False, llama_call("get_time", '{"tz":"UTC"}') + "; {", False),
         ("get_time", True, llama_call("get_weather", '{"city":"x","days":1}'), False),
         ("get_time", True, llama_call("get_time", '{"tz":"CET"}'), True),
@@ -323,8 +349,15 @@ def test_the_llama_grammar_admits_exactly_the_contract(
     from aiobasert._core.grammar import GrammarBackend
     from aiobasert.models.bundle import read_bundle
 
-    time = Tool(name="get_time", parameters={"type": "object", "properties": {"tz": {"enum": ["UTC", "CET"]}},
-                                             "required": ["tz"], "additionalProperties": False})
+    time = Tool(
+        name="get_time",
+        parameters={
+            "type": "object",
+            "properties": {"tz": {"enum": ["UTC", "CET"]}},
+            "required": ["tz"],
+            "additionalProperties": False,
+        },
+    )
     vocab = len(read_bundle(tiny_model_path).tokenizer["tokenizer.ggml.tokens"])
     backend = GrammarBackend.for_bundle(tiny_model_path, vocab_size=vocab)
     lark = LLAMA3_JSON.grammar([WEATHER, time], choice, parallel=parallel)
@@ -360,11 +393,16 @@ def test_llama_history_renders_one_call_per_turn(llama_cpp_templates_dir: Path) 
     """Llama 3.1's template refuses an assistant turn with two calls: each call is its own turn,
     written as the model writes it; tool results are the template's `ipython` turns."""
     template = (llama_cpp_templates_dir / "meta-llama-Llama-3.1-8B-Instruct.jinja").read_text()
-    calls = [ToolCall(id="c1", name="get_time", arguments='{"tz":"UTC"}'),
-             ToolCall(id="c2", name="get_weather", arguments='{"city":"Rom","days":2}')]
-    history = [*MESSAGES, {"role": "assistant", "content": "", "tool_calls": calls},
-               {"role": "tool", "tool_call_id": "c1", "content": "noon"},
-               {"role": "tool", "tool_call_id": "c2", "content": 'say "rain"\n<|eot_id|>'}]
+    calls = [
+        ToolCall(id="c1", name="get_time", arguments='{"tz":"UTC"}'),
+        ToolCall(id="c2", name="get_weather", arguments='{"city":"Rom","days":2}'),
+    ]
+    history = [
+        *MESSAGES,
+        {"role": "assistant", "content": "", "tool_calls": calls},
+        {"role": "tool", "tool_call_id": "c1", "content": "noon"},
+        {"role": "tool", "tool_call_id": "c2", "content": 'say "rain"\n<|eot_id|>'},
+    ]
     pieces = render_tool_chat(template, history, [E_WEATHER, E_TIME], tool_format=tool_format_for(template))
     text = "".join(p for p, _ in pieces)
     turn = "<|start_header_id|>assistant<|end_header_id|>\n\n"
@@ -430,8 +468,9 @@ async def test_required_llama_calls_are_llama_json_with_valid_arguments(
     async with Engine.open(llama3_tools_model_path, max_batch_size=4) as engine:
         assert engine.tool_format is LLAMA3_JSON
         for tools in ([E_WEATHER, E_TIME], [WEATHER, E_TIME]):
-            chat = engine.stream_chat(MESSAGES, tools=tools, tool_choice="required", max_tokens=120,
-                                      temperature=1.0, seed=seed)
+            chat = engine.stream_chat(
+                MESSAGES, tools=tools, tool_choice="required", max_tokens=120, temperature=1.0, seed=seed
+            )
             raw, reply = await raw_turn(chat)
             check_llama_turn(raw, reply, {t.name: t for t in tools})
         assert backends(engine) == {"engine": 1, "llguidance": 1}
@@ -441,9 +480,14 @@ async def test_required_llama_calls_are_llama_json_with_valid_arguments(
 async def test_named_llama_call_is_the_only_one(llama3_tools_model_path: Path, seed: int) -> None:
     async with Engine.open(llama3_tools_model_path, max_batch_size=4) as engine:
         for tools in ([E_WEATHER, E_TIME], [WEATHER, E_TIME]):
-            chat = engine.stream_chat(MESSAGES, tools=tools, tool_choice={"type": "function",
-                                      "function": {"name": "get_weather"}}, max_tokens=200, temperature=1.0,
-                                      seed=seed)
+            chat = engine.stream_chat(
+                MESSAGES,
+                tools=tools,
+                tool_choice={"type": "function", "function": {"name": "get_weather"}},
+                max_tokens=200,
+                temperature=1.0,
+                seed=seed,
+            )
             raw, reply = await raw_turn(chat)
             read = check_llama_turn(raw, reply, {t.name: t for t in tools})
             assert [c.name for c in reply.tool_calls] == ["get_weather"]
@@ -453,34 +497,48 @@ async def test_named_llama_call_is_the_only_one(llama3_tools_model_path: Path, s
 
 @pytest.mark.parametrize("seed", range(4))
 async def test_auto_llama_turns_are_text_or_calls(llama3_tools_model_path: Path, seed: int) -> None:
-    """"auto": a turn is text (never starting with "{") or calls from its first character; a strong
+    """ "auto": a turn is text (never starting with "{") or calls from its first character; a strong
     nudge towards "{" (odd seeds) makes the turn a call. "none": text that never starts a call."""
     async with Engine.open(llama3_tools_model_path, max_batch_size=4) as engine:
         brace = (await engine.encode("{"))[0]
-        chat = engine.stream_chat(MESSAGES, tools=[WEATHER], max_tokens=80, temperature=1.0, seed=seed,
-                                  logit_bias={brace: 10.0 * (seed % 2)})
+        chat = engine.stream_chat(
+            MESSAGES, tools=[WEATHER], max_tokens=80, temperature=1.0, seed=seed, logit_bias={brace: 10.0 * (seed % 2)}
+        )
         raw, reply = await raw_turn(chat)
         if raw.lstrip().startswith("{") or seed % 2:
             check_llama_turn(raw, reply, {"get_weather": WEATHER})
         else:
             assert reply.tool_calls == [] and reply.content == raw
-        none = await engine.chat(MESSAGES, tools=[WEATHER], tool_choice="none", max_tokens=30, temperature=1.0,
-                                 seed=seed, logit_bias={brace: 5.0})
+        none = await engine.chat(
+            MESSAGES,
+            tools=[WEATHER],
+            tool_choice="none",
+            max_tokens=30,
+            temperature=1.0,
+            seed=seed,
+            logit_bias={brace: 5.0},
+        )
         assert none.tool_calls == [] and not none.content.lstrip().startswith("{")
         assert backends(engine) == {"llguidance": 2}
 
 
 async def test_a_llama_tool_loop_completes(llama3_tools_model_path: Path) -> None:
     """Two calls, their results, the next turn: the history renders through Llama 3.1's template."""
-    calls = [ToolCall(id="call_a", name="get_time", arguments='{"tz":"UTC"}'),
-             ToolCall(id="call_b", name="get_weather", arguments='{"city":"Rom","days":2}')]
+    calls = [
+        ToolCall(id="call_a", name="get_time", arguments='{"tz":"UTC"}'),
+        ToolCall(id="call_b", name="get_weather", arguments='{"city":"Rom","days":2}'),
+    ]
     async with Engine.open(llama3_tools_model_path, max_batch_size=2) as engine:
-        history: list[dict[str, Any]] = [*MESSAGES, {"role": "assistant", "content": None, "tool_calls": calls},
-                   *({"role": "tool", "tool_call_id": c.id, "content": '{"temp": 21}'} for c in calls)]
+        history: list[dict[str, Any]] = [
+            *MESSAGES,
+            {"role": "assistant", "content": None, "tool_calls": calls},
+            *({"role": "tool", "tool_call_id": c.id, "content": '{"temp": 21}'} for c in calls),
+        ]
         answer = await engine.chat(history, tools=[E_WEATHER, E_TIME], tool_choice="none", max_tokens=8, seed=1)
         assert answer.tool_calls == [] and answer.finish_reason in ("stop", "length")
-        again = engine.stream_chat(history, tools=[E_WEATHER, E_TIME], tool_choice="required", max_tokens=100,
-                                   temperature=1.0, seed=3)
+        again = engine.stream_chat(
+            history, tools=[E_WEATHER, E_TIME], tool_choice="required", max_tokens=100, temperature=1.0, seed=3
+        )
         check_llama_turn(*await raw_turn(again), {"get_weather": E_WEATHER, "get_time": E_TIME})
 
 
@@ -498,19 +556,27 @@ async def test_a_gguf_with_llama3s_vocabulary_and_template_calls_in_its_format(
     _, meta = aiobasert.models.convert._read_gguf(llama_cpp_vocab_dir / "ggml-vocab-llama-bpe.gguf")
     fields = {k: v for k, v in meta.items() if k.startswith("tokenizer.")}
     fields["tokenizer.chat_template"] = (llama_cpp_templates_dir / "meta-llama-Llama-3.1-8B-Instruct.jinja").read_text()
-    bundle = aiobasert.models.convert.convert_gguf(write_gguf(tmp_path / "llama3.gguf", tokenizer=fields),
-                                                   tmp_path / "llama3.base", progress=False)
+    bundle = aiobasert.models.convert.convert_gguf(
+        write_gguf(tmp_path / "llama3.gguf", tokenizer=fields), tmp_path / "llama3.base", progress=False
+    )
     async with Engine.open(bundle, max_batch_size=2) as engine:
         assert engine.tool_format is LLAMA3_JSON
         # towards closing strings, numbers and objects (random weights otherwise run on to max_tokens)
         bias = {(await engine.encode(s))[0]: 6.0 for s in ('"', "}", ",")}
         for tools in ([E_WEATHER, E_TIME], [WEATHER]):
-            chat = engine.stream_chat(MESSAGES, tools=tools, tool_choice="required", max_tokens=120,
-                                      temperature=1.0, seed=1, logit_bias=bias)
+            chat = engine.stream_chat(
+                MESSAGES, tools=tools, tool_choice="required", max_tokens=120, temperature=1.0, seed=1, logit_bias=bias
+            )
             raw, reply = await raw_turn(chat)
             read = check_llama_turn(raw, reply, {t.name: t for t in tools})
             assert read, raw  # at least one whole call
-        auto = engine.stream_chat(MESSAGES, tools=[WEATHER], max_tokens=120, temperature=1.0, seed=1,
-                                  logit_bias=bias | {(await engine.encode("{"))[0]: 20.0})
+        auto = engine.stream_chat(
+            MESSAGES,
+            tools=[WEATHER],
+            max_tokens=120,
+            temperature=1.0,
+            seed=1,
+            logit_bias=bias | {(await engine.encode("{"))[0]: 20.0},
+        )
         check_llama_turn(*await raw_turn(auto), {"get_weather": WEATHER})
         assert backends(engine) == {"engine": 1, "llguidance": 2}

@@ -296,15 +296,26 @@ def test_context_error_code_through_the_client(client: OpenAI) -> None:
 @pytest.mark.parametrize(
     ("path", "prefix", "suffix", "param"),
     [
-        ("/v1/chat/completions",
-         '{"messages":[{"role":"user","content":"x"}],"max_tokens":2,'
-         '"response_format":{"type":"json_schema","json_schema":{"name":"n","schema":', "}}}",
-         "response_format.json_schema.schema.a"),
-        ("/v1/chat/completions",
-         '{"messages":[{"role":"user","content":"x"}],"max_tokens":2,"tools":[{"type":"function",'
-         '"function":{"name":"f","parameters":', "}}]}", "tools.0.function.parameters"),
-        ("/v1/responses", '{"input":"x","max_output_tokens":2,"text":{"format":{"type":"json_schema","name":"n",'
-         '"schema":', "}}}", "text.format.schema.a"),
+        (
+            "/v1/chat/completions",
+            '{"messages":[{"role":"user","content":"x"}],"max_tokens":2,'
+            '"response_format":{"type":"json_schema","json_schema":{"name":"n","schema":',
+            "}}}",
+            "response_format.json_schema.schema.a",
+        ),
+        (
+            "/v1/chat/completions",
+            '{"messages":[{"role":"user","content":"x"}],"max_tokens":2,"tools":[{"type":"function",'
+            '"function":{"name":"f","parameters":',
+            "}}]}",
+            "tools.0.function.parameters",
+        ),
+        (
+            "/v1/responses",
+            '{"input":"x","max_output_tokens":2,"text":{"format":{"type":"json_schema","name":"n","schema":',
+            "}}}",
+            "text.format.schema.a",
+        ),
     ],
 )
 def test_deeply_nested_json_is_a_400_naming_the_field(
@@ -342,15 +353,26 @@ def test_api_key_is_required(base_url: str) -> None:
 def test_the_bearer_scheme_is_case_insensitive(base_url: str) -> None:
     """RFC 6750 / RFC 7235: the auth scheme is case-insensitive."""
     for scheme in ("bearer", "BEARER", "Bearer"):
-        r = httpx.post(f"{base_url}/v1/completions", json={"prompt": "x", "max_tokens": 1},
-                       headers={"Authorization": f"{scheme} {API_KEY}"})
+        r = httpx.post(
+            f"{base_url}/v1/completions",
+            json={"prompt": "x", "max_tokens": 1},
+            headers={"Authorization": f"{scheme} {API_KEY}"},
+        )
         assert r.status_code == 200, (scheme, r.text)
     r = httpx.post(f"{base_url}/v1/completions", json={"prompt": "x"}, headers={"Authorization": f"Basic {API_KEY}"})
     assert r.status_code == 401
 
 
-@pytest.mark.parametrize("content_type", [None, "text/plain", "text/plain;charset=UTF-8",
-                                          "application/x-www-form-urlencoded", "multipart/form-data; boundary=x"])
+@pytest.mark.parametrize(
+    "content_type",
+    [
+        None,
+        "text/plain",
+        "text/plain;charset=UTF-8",
+        "application/x-www-form-urlencoded",
+        "multipart/form-data; boundary=x",
+    ],
+)
 def test_a_body_not_declared_json_is_415(http: httpx.Client, content_type: str | None) -> None:
     """A web page may POST these to any origin without a CORS preflight (a "simple
     request"): served, they would let any page drive a local server with no API key."""
@@ -370,28 +392,57 @@ def test_a_body_not_declared_json_is_415(http: httpx.Client, content_type: str |
 @pytest.mark.parametrize(
     ("path", "body", "param"),
     [
-        ("/v1/chat/completions",
-         {"response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": {"type": "frob"}}}},
-         "response_format.json_schema.schema"),
-        ("/v1/chat/completions",
-         {"response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": {"$ref": "#/nope"}}}},
-         "response_format.json_schema.schema"),
-        ("/v1/chat/completions",
-         {"tools": [{"type": "function", "function": {"name": "f"}},
-                    {"type": "function", "function": {"name": "g", "parameters": {
-                        "type": "object", "properties": {"a": {"type": "frob"}}}}}],
-          "tool_choice": "required"},
-         "tools[1].function.parameters"),
-        ("/v1/responses", {"text": {"format": {"type": "json_schema", "name": "s", "schema": {"type": "frob"}}}},
-         "text.format.schema"),
-        ("/v1/responses", {"tools": [{"type": "function", "name": "f", "parameters": {
-            "type": "object", "properties": {"a": {"type": "frob"}}}}]},
-         "tools[0].parameters"),
+        (
+            "/v1/chat/completions",
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": {"type": "frob"}}}},
+            "response_format.json_schema.schema",
+        ),
+        (
+            "/v1/chat/completions",
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": {"$ref": "#/nope"}}}},
+            "response_format.json_schema.schema",
+        ),
+        (
+            "/v1/chat/completions",
+            {
+                "tools": [
+                    {"type": "function", "function": {"name": "f"}},
+                    {
+                        "type": "function",
+                        "function": {
+                            "name": "g",
+                            "parameters": {"type": "object", "properties": {"a": {"type": "frob"}}},
+                        },
+                    },
+                ],
+                "tool_choice": "required",
+            },
+            "tools[1].function.parameters",
+        ),
+        (
+            "/v1/responses",
+            {"text": {"format": {"type": "json_schema", "name": "s", "schema": {"type": "frob"}}}},
+            "text.format.schema",
+        ),
+        (
+            "/v1/responses",
+            {
+                "tools": [
+                    {
+                        "type": "function",
+                        "name": "f",
+                        "parameters": {"type": "object", "properties": {"a": {"type": "frob"}}},
+                    }
+                ]
+            },
+            "tools[0].parameters",
+        ),
     ],
 )
 @pytest.mark.parametrize("stream", [False, True])
-def test_schema_errors_name_the_field(http: httpx.Client, path: str, body: dict[str, Any], param: str,
-                                      stream: bool) -> None:
+def test_schema_errors_name_the_field(
+    http: httpx.Client, path: str, body: dict[str, Any], param: str, stream: bool
+) -> None:
     """A schema the grammar cannot enforce is a 400 naming its field, in words of the
     request (not the grammar's rules and source)."""
     prompt = {"messages": [{"role": "user", "content": "x"}]} if "chat" in path else {"input": "x"}
@@ -526,10 +577,19 @@ def test_streamed_n_beyond_the_lanes_runs_every_choice(base_url: str, http: http
     # lane, and the request never started nor ended).
     n, max_tokens = 8, 300
     with OpenAI(base_url=f"{base_url}/v1", api_key=API_KEY, max_retries=0, timeout=60) as client:
-        chunks = list(client.completions.create(
-            model=MODEL_NAME, prompt="Once upon a time", n=n, max_tokens=max_tokens, temperature=1.0, seed=3,
-            logit_bias=NO_END, stream=True, stream_options={"include_usage": True},
-        ))
+        chunks = list(
+            client.completions.create(
+                model=MODEL_NAME,
+                prompt="Once upon a time",
+                n=n,
+                max_tokens=max_tokens,
+                temperature=1.0,
+                seed=3,
+                logit_bias=NO_END,
+                stream=True,
+                stream_options={"include_usage": True},
+            )
+        )
     ends = [c.choices[0] for c in chunks if c.choices and c.choices[0].finish_reason]
     finish = {c.index: c.finish_reason for c in ends}
     assert finish == {i: "length" for i in range(n)}

@@ -85,13 +85,25 @@ def test_chat_rendering_runs_off_the_event_loop(
 @pytest.mark.parametrize(
     ("path", "body", "param"),
     [
-        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}] * (MAX_CHAT_MESSAGES + 1)},
-         "messages"),
-        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": [
-            {"type": "function", "function": {"name": f"t{i}"}} for i in range(MAX_TOOLS + 1)]}, "tools"),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "x"}] * (MAX_CHAT_MESSAGES + 1)},
+            "messages",
+        ),
+        (
+            "/v1/chat/completions",
+            {
+                "messages": [{"role": "user", "content": "x"}],
+                "tools": [{"type": "function", "function": {"name": f"t{i}"}} for i in range(MAX_TOOLS + 1)],
+            },
+            "tools",
+        ),
         ("/v1/responses", {"input": [{"role": "user", "content": "x"}] * (MAX_CHAT_MESSAGES + 1)}, "input"),
-        ("/v1/responses", {"input": "x", "tools": [
-            {"type": "function", "name": f"t{i}"} for i in range(MAX_TOOLS + 1)]}, "tools"),
+        (
+            "/v1/responses",
+            {"input": "x", "tools": [{"type": "function", "name": f"t{i}"} for i in range(MAX_TOOLS + 1)]},
+            "tools",
+        ),
     ],
 )
 def test_chat_counts_are_refused_before_anything_is_rendered(
@@ -176,8 +188,9 @@ TRICKLE_CONTEXT = 32768
 @pytest.fixture(scope="module")
 def trickle_model_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny model with a 32k window: a generation that runs longer than the test needs."""
-    return build_tiny_model(tmp_path_factory.mktemp("trickle") / "trickle.base",
-                            max_position_embeddings=TRICKLE_CONTEXT)
+    return build_tiny_model(
+        tmp_path_factory.mktemp("trickle") / "trickle.base", max_position_embeddings=TRICKLE_CONTEXT
+    )
 
 
 def _raw_stream(port: int, body: dict[str, Any]) -> socket.socket:
@@ -201,9 +214,16 @@ def test_a_trickle_reader_is_dropped_and_its_generation_cancelled(trickle_model_
     app, service = build_app(SingleEngineProvider(factory, model_name=MODEL_NAME), api_key=API_KEY,
                              write_timeout=30.0)  # fmt: skip
     service.backlog.max_unsent_bytes, service.backlog.timeout_s = 64 * 1024, 2.0
-    body = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "Hello"}],
-            "max_tokens": TRICKLE_CONTEXT - 256, "temperature": 0, "stream": True, "logprobs": True,
-            "top_logprobs": 20, "logit_bias": NO_END}  # fmt: skip  (~1.6 KB an event, never an early end)
+    body = {
+        "model": MODEL_NAME,
+        "messages": [{"role": "user", "content": "Hello"}],
+        "max_tokens": TRICKLE_CONTEXT - 256,
+        "temperature": 0,
+        "stream": True,
+        "logprobs": True,
+        "top_logprobs": 20,
+        "logit_bias": NO_END,
+    }  # fmt: skip  (~1.6 KB an event, never an early end)
     with serving(app) as url, httpx.Client(base_url=url, headers=AUTH, timeout=30) as http:
         before = http.get("/v1/internal/stats").json()
         sock = _raw_stream(int(url.rsplit(":", 1)[1]), body)

@@ -54,9 +54,7 @@ def test_readme_carries_the_table() -> None:
 
 
 @pytest.mark.parametrize(("endpoint", "name", "ok", "bad"), CASES, ids=[f"{c[0]}:{c[1]}" for c in CASES])
-def test_each_field_is_honoured_or_refused_by_name(
-    base_url: str, endpoint: str, name: str, ok: Any, bad: Any
-) -> None:
+def test_each_field_is_honoured_or_refused_by_name(base_url: str, endpoint: str, name: str, ok: Any, bad: Any) -> None:
     assert ok is not _UNSET or bad is not _UNSET, f"{endpoint} {name}: no tested value"
     with httpx.Client(base_url=base_url, timeout=60) as http:
         if ok is not _UNSET and ok is not None:
@@ -81,10 +79,18 @@ EFFECT_NEEDS: dict[tuple[str, str], dict[str, Any]] = {
     ("/v1/responses", "parallel_tool_calls"): _RESPONSES_TOOLS,
 }
 # greedy, so two runs of the same request answer the same and a difference is the field's
-GREEDY = {"/v1/completions": {"temperature": 0}, "/v1/chat/completions": {"temperature": 0},
-          "/v1/responses": {"temperature": 0}, "/v1/embeddings": {}}
-SERVED = [(e, f.name, f.ok) for e, fields in FIELDS.items() for f in fields
-          if f.status in ("honoured", "alias", "extension") and f.ok is not _UNSET and f.ok is not None]
+GREEDY = {
+    "/v1/completions": {"temperature": 0},
+    "/v1/chat/completions": {"temperature": 0},
+    "/v1/responses": {"temperature": 0},
+    "/v1/embeddings": {},
+}
+SERVED = [
+    (e, f.name, f.ok)
+    for e, fields in FIELDS.items()
+    for f in fields
+    if f.status in ("honoured", "alias", "extension") and f.ok is not _UNSET and f.ok is not None
+]
 # ids, times, and the prefix cache's hits (the second of two requests finds the first's prompt)
 _VOLATILE = re.compile(
     r'"(id|created|created_at|call_id|item_id|response_id|system_fingerprint|cached_tokens)":\s*("[^"]*"|[\d.]+)'
@@ -148,8 +154,14 @@ def test_the_agents_sdk_default_responses_call(base_url: str) -> None:
     with OpenAI(base_url=f"{base_url}/v1", api_key="none", max_retries=0) as client:
         # greedy: a sampled token of the tiny random model may be an end marker (a "completed" reply: CI
         # saw one in ~thousands), which says nothing about the fields this test is about
-        r = client.responses.create(model="tiny", input=[{"content": "Hi", "role": "user"}], include=[], tools=[],
-                                    max_output_tokens=2, temperature=0)
+        r = client.responses.create(
+            model="tiny",
+            input=[{"content": "Hi", "role": "user"}],
+            include=[],
+            tools=[],
+            max_output_tokens=2,
+            temperature=0,
+        )
         assert r.status == "incomplete" and r.usage is not None and r.usage.output_tokens == 2
         with pytest.raises(openai.BadRequestError) as info:
             client.responses.create(model="tiny", input="Hi", include=["reasoning.encrypted_content"])
@@ -178,14 +190,32 @@ def test_a_message_from_the_stream_helper_replays(base_url: str) -> None:
     def record(request: httpx.Request) -> None:
         sent.append(json.loads(request.content))
 
-    tools: list[Any] = [{"type": "function", "function": {"name": "f", "parameters": {
-        "type": "object", "properties": {"tz": {"enum": ["UTC", "CET"]}}, "required": ["tz"],
-        "additionalProperties": False}}}]
+    tools: list[Any] = [
+        {
+            "type": "function",
+            "function": {
+                "name": "f",
+                "parameters": {
+                    "type": "object",
+                    "properties": {"tz": {"enum": ["UTC", "CET"]}},
+                    "required": ["tz"],
+                    "additionalProperties": False,
+                },
+            },
+        }
+    ]
     messages: list[Any] = [{"role": "user", "content": "Call f."}]
     http = httpx.Client(event_hooks={"request": [record]})
     with OpenAI(base_url=f"{base_url}/v1", api_key="none", max_retries=0, http_client=http) as client:
-        with client.chat.completions.stream(model="tiny", messages=messages, tools=tools, tool_choice="required",
-                                            parallel_tool_calls=False, max_tokens=150, seed=4) as stream:
+        with client.chat.completions.stream(
+            model="tiny",
+            messages=messages,
+            tools=tools,
+            tool_choice="required",
+            parallel_tool_calls=False,
+            max_tokens=150,
+            seed=4,
+        ) as stream:
             final = stream.get_final_completion()
         message = final.choices[0].message
         (call,) = message.tool_calls or []
@@ -203,8 +233,11 @@ def test_cache_control_parts(base_url: str) -> None:
     OpenRouter) pass them to OpenAI-compatible servers: a hint, the prefix cache is
     automatic here. Other part types are still refused by name."""
     part = {"type": "text", "text": "A long shared system prompt.", "cache_control": {"type": "ephemeral"}}
-    body = {"model": "tiny", "messages": [{"role": "system", "content": [part]}, {"role": "user", "content": "Hi"}],
-            "max_tokens": 2}
+    body = {
+        "model": "tiny",
+        "messages": [{"role": "system", "content": [part]}, {"role": "user", "content": "Hi"}],
+        "max_tokens": 2,
+    }
     assert httpx.post(f"{base_url}/v1/chat/completions", json=body).status_code == 200
     image = {"type": "image_url", "image_url": {"url": "data:,"}}
     body["messages"] = [{"role": "user", "content": [image]}]

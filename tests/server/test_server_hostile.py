@@ -73,7 +73,6 @@ HOSTILE_KINDS = ("slow_reader", "trickle_reader", "disconnect", "abort", "n_over
                  "many_tools", "reader_4k", "fanout_race")  # fmt: skip
 
 
-
 # ---- the server -----------------------------------------------------------------------------
 
 
@@ -134,8 +133,7 @@ class Normal:
     """Most tokens it can generate (for the deadline)."""
 
 
-_FIRST_TOKEN_STEPS: contextvars.ContextVar[list[int] | None] = contextvars.ContextVar("first_token_steps",
-                                                                                       default=None)
+_FIRST_TOKEN_STEPS: contextvars.ContextVar[list[int] | None] = contextvars.ContextVar("first_token_steps", default=None)
 """Where a normal client's task collects the `usage.first_token_steps` of its answers."""
 
 
@@ -663,8 +661,10 @@ async def test_hostile_traffic_cannot_stall_starve_or_kill_normal_clients(server
         burst = -(-(len(normal) + len(kinds)) // LANES)
         slow = {n: (solo_ttft[n], t) for n, t in together_ttft.items()
                 if t is not None and (s := solo_ttft[n]) is not None and t > 2 * s + 1 + burst}  # fmt: skip
-        print(f"time to first token, steps (solo, together; bound 2x + 1 + {burst}): "
-              f"{ {n: (solo_ttft[n], t) for n, t in together_ttft.items() if t is not None} }")
+        print(
+            f"time to first token, steps (solo, together; bound 2x + 1 + {burst}): "
+            f"{ {n: (solo_ttft[n], t) for n, t in together_ttft.items() if t is not None} }"
+        )
         if slow:
             findings.append(f"time to first token past 2x solo + 1 + {burst} steps (solo, together): {slow}")
 
@@ -682,8 +682,10 @@ async def test_hostile_traffic_cannot_stall_starve_or_kill_normal_clients(server
         if gauges["aiobasert_kv_cache_usage_ratio"] != 0:  # issue 18 item 10: the prefix cache is not "used"
             findings.append(f"/metrics kv_cache_usage_ratio at idle is not 0: {gauges}")
         rss_end = rss_mb(server.proc.pid)
-        print(f"server RSS {rss_start:.0f} MB after the solo run, {rss_peak[0]:.0f} MB at most during the traffic, "
-              f"{rss_end:.0f} MB after it")
+        print(
+            f"server RSS {rss_start:.0f} MB after the solo run, {rss_peak[0]:.0f} MB at most during the traffic, "
+            f"{rss_end:.0f} MB after it"
+        )
         # Bounded at its peak, sampled every 0.1 s all through the traffic (tokenizing returns a C
         # buffer, and /tokenize answers at most MAX_DECODE_IDS ids: a 15 MB body is no longer a
         # 3M-int list, ~440 MB, at its peak).

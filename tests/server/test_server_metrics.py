@@ -53,10 +53,16 @@ def test_metrics_count_traffic(base_url: str) -> None:
         for _ in range(2):  # the second one hits the prefix cache
             r = client.completions.create(model=MODEL_NAME, prompt=long_prompt, max_tokens=5, temperature=0)
             usages.append(r.usage)
-        chunks = list(client.chat.completions.create(
-            model=MODEL_NAME, messages=[{"role": "user", "content": "hi"}], max_tokens=6, stream=True, temperature=0,
-            stream_options={"include_usage": True},
-        ))
+        chunks = list(
+            client.chat.completions.create(
+                model=MODEL_NAME,
+                messages=[{"role": "user", "content": "hi"}],
+                max_tokens=6,
+                stream=True,
+                temperature=0,
+                stream_options={"include_usage": True},
+            )
+        )
         usages.append(chunks[-1].usage)
     after = scrape(base_url)
 
@@ -110,7 +116,8 @@ def test_abort_latency_is_recorded_on_disconnect(base_url: str) -> None:
     # the tokens it made before the client left count as generated; it did not succeed
     assert after["aiobasert_generation_tokens_total"] > was.get("aiobasert_generation_tokens_total", 0.0)
     assert sum(v for k, v in after.items() if k.startswith("aiobasert_request_success_total")) == sum(
-        v for k, v in was.items() if k.startswith("aiobasert_request_success_total"))
+        v for k, v in was.items() if k.startswith("aiobasert_request_success_total")
+    )
 
 
 def test_refused_and_failed_requests_are_counted_by_status_and_code(base_url: str) -> None:
@@ -145,7 +152,9 @@ def test_build_info_and_process_metrics(base_url: str) -> None:
     families = {f.name: f for f in text_string_to_metric_families(text)}
     (build,) = families["aiobasert_build_info"].samples
     assert build.value == 1 and build.labels == {
-        "version": aiobasert.__version__, "engine_version": load_library().version, "abi": str(SUPPORTED_ABI)
+        "version": aiobasert.__version__,
+        "engine_version": load_library().version,
+        "abi": str(SUPPORTED_ABI),
     }
     assert families["python_info"].samples
     if sys.platform == "linux":  # ProcessCollector reads /proc
@@ -159,10 +168,47 @@ def test_build_info_and_process_metrics(base_url: str) -> None:
 
 _NAME = re.compile(r"^[a-zA-Z_][a-zA-Z0-9_]*$")  # a colon is legal but reserved for recording rules
 _CAMEL = re.compile(r"[a-z][A-Z]")
-_NON_BASE_UNITS = ("milliseconds", "microseconds", "nanoseconds", "minutes", "hours", "days", "weeks",
-                   "kilobytes", "megabytes", "gigabytes", "terabytes", "kilometers", "millimeters", "percent")
-_ABBREVIATIONS = {"s", "ms", "us", "ns", "sec", "secs", "min", "mins", "hrs", "b", "kb", "mb", "gb", "tb", "pb",
-                  "kib", "mib", "gib", "m", "km", "mm", "perc", "pct"}
+_NON_BASE_UNITS = (
+    "milliseconds",
+    "microseconds",
+    "nanoseconds",
+    "minutes",
+    "hours",
+    "days",
+    "weeks",
+    "kilobytes",
+    "megabytes",
+    "gigabytes",
+    "terabytes",
+    "kilometers",
+    "millimeters",
+    "percent",
+)
+_ABBREVIATIONS = {
+    "s",
+    "ms",
+    "us",
+    "ns",
+    "sec",
+    "secs",
+    "min",
+    "mins",
+    "hrs",
+    "b",
+    "kb",
+    "mb",
+    "gb",
+    "tb",
+    "pb",
+    "kib",
+    "mib",
+    "gib",
+    "m",
+    "km",
+    "mm",
+    "perc",
+    "pct",
+}
 _TYPES_IN_NAME = {"counter", "gauge", "histogram", "summary", "untyped"}
 
 
@@ -210,8 +256,15 @@ def promlint(text: str) -> list[str]:
             problems.append(f"{name} metric names should not contain abbreviated units")
     families = sorted(types, key=len, reverse=True)
     for name, labels in samples:
-        family = next((f for f in families if name == f or (
-            types[f] in ("histogram", "summary") and name in (f + "_bucket", f + "_count", f + "_sum"))), None)
+        family = next(
+            (
+                f
+                for f in families
+                if name == f
+                or (types[f] in ("histogram", "summary") and name in (f + "_bucket", f + "_count", f + "_sum"))
+            ),
+            None,
+        )
         if family is None:
             problems.append(f"{name} no help text")  # promtool parses it as a family of its own, untyped
             continue
@@ -225,21 +278,53 @@ def promlint(text: str) -> list[str]:
 
 def test_the_lint_finds_what_promtool_finds() -> None:
     """The lint can fail: each of the names /metrics had before is flagged as promtool flags it."""
-    bad = "\n".join([
-        "# HELP aiobasert:kv_blocks_used x", "# TYPE aiobasert:kv_blocks_used gauge", "aiobasert:kv_blocks_used 0",
-        "# HELP kv_blocks_total x", "# TYPE kv_blocks_total gauge", "kv_blocks_total 1",
-        "# HELP hits x", "# TYPE hits counter", "hits 1",
-        "# HELP hits_total x", "# TYPE hits_total counter", "hits_total 1", "hits_created 1.7e9",
-        "# TYPE quiet_seconds gauge", "quiet_seconds 0",
-        "# HELP wait_ms x", "# TYPE wait_ms gauge", "wait_ms 0",
-        "# HELP wait_milliseconds x", "# TYPE wait_milliseconds gauge", "wait_milliseconds 0",
-        "# HELP queue_gauge x", "# TYPE queue_gauge gauge", "queue_gauge 0",
-        "# HELP fooBar x", "# TYPE fooBar gauge", "fooBar 0",
-        "# HELP ok_seconds x", "# TYPE ok_seconds gauge", 'ok_seconds{modelName="a"} 0',
-    ])
+    bad = "\n".join(
+        [
+            "# HELP aiobasert:kv_blocks_used x",
+            "# TYPE aiobasert:kv_blocks_used gauge",
+            "aiobasert:kv_blocks_used 0",
+            "# HELP kv_blocks_total x",
+            "# TYPE kv_blocks_total gauge",
+            "kv_blocks_total 1",
+            "# HELP hits x",
+            "# TYPE hits counter",
+            "hits 1",
+            "# HELP hits_total x",
+            "# TYPE hits_total counter",
+            "hits_total 1",
+            "hits_created 1.7e9",
+            "# TYPE quiet_seconds gauge",
+            "quiet_seconds 0",
+            "# HELP wait_ms x",
+            "# TYPE wait_ms gauge",
+            "wait_ms 0",
+            "# HELP wait_milliseconds x",
+            "# TYPE wait_milliseconds gauge",
+            "wait_milliseconds 0",
+            "# HELP queue_gauge x",
+            "# TYPE queue_gauge gauge",
+            "queue_gauge 0",
+            "# HELP fooBar x",
+            "# TYPE fooBar gauge",
+            "fooBar 0",
+            "# HELP ok_seconds x",
+            "# TYPE ok_seconds gauge",
+            'ok_seconds{modelName="a"} 0',
+        ]
+    )
     flagged = {p.split(" ", 1)[0] for p in promlint(bad)}
-    assert flagged == {"aiobasert:kv_blocks_used", "kv_blocks_total", "hits", "hits_created", "quiet_seconds",
-                       "wait_ms", "wait_milliseconds", "queue_gauge", "fooBar", "ok_seconds"}, promlint(bad)
+    assert flagged == {
+        "aiobasert:kv_blocks_used",
+        "kv_blocks_total",
+        "hits",
+        "hits_created",
+        "quiet_seconds",
+        "wait_ms",
+        "wait_milliseconds",
+        "queue_gauge",
+        "fooBar",
+        "ok_seconds",
+    }, promlint(bad)
     if shutil.which("promtool"):  # and promtool agrees, series by series
         found = subprocess.run(["promtool", "check", "metrics"], input=bad + "\n", capture_output=True, text=True,
                                timeout=60)  # fmt: skip

@@ -70,8 +70,13 @@ def test_refused_and_failed_requests_are_logged_with_their_reason(
                                json={"model": MODEL_NAME, "prompt": "x", "max_tokens": 3})  # fmt: skip
         assert failed.status_code == 500
         with failing_step(3):  # after the first token: an error event in a 200 stream
-            body = {"model": MODEL_NAME, "prompt": "x", "max_tokens": 20, "stream": True,
-                    "logit_bias": {str(t): -100 for t in range(len(SPECIAL_TOKENS))}}
+            body = {
+                "model": MODEL_NAME,
+                "prompt": "x",
+                "max_tokens": 20,
+                "stream": True,
+                "logit_bias": {str(t): -100 for t in range(len(SPECIAL_TOKENS))},
+            }
             with http.stream("POST", "/v1/completions", json=body, headers={**h, "X-Request-Id": "mid-stream"}) as r:
                 assert r.status_code == 200
                 assert any('"engine_error"' in line for line in r.iter_lines())
@@ -105,12 +110,28 @@ _LOG_LINE = r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} (DEBUG|INFO|WARNING|ERROR) [
 
 
 def test_cli_serve_logs_its_start_and_each_refusal(tiny_model_path: Path) -> None:
-    proc, lines, port = start_uvicorn(["-m", "aiobasert", "serve", str(tiny_model_path), "--port", "0",
-                                       "--max-batch-size", "3", "--kv-cache-dtype", "f16"], tiny_model_path)
+    proc, lines, port = start_uvicorn(
+        [
+            "-m",
+            "aiobasert",
+            "serve",
+            str(tiny_model_path),
+            "--port",
+            "0",
+            "--max-batch-size",
+            "3",
+            "--kv-cache-dtype",
+            "f16",
+        ],
+        tiny_model_path,
+    )
     try:
-        ready = lines.wait_for(_LOG_LINE + r"aiobasert \S+ ready: 'tiny' \(3 lanes x 2048 tokens, "
-                               r"KV f16 ([\d.]+) MiB\); (\d+) engine threads; "
-                               r"listening on http://127\.0\.0\.1:(\d+)$", 30)
+        ready = lines.wait_for(
+            _LOG_LINE + r"aiobasert \S+ ready: 'tiny' \(3 lanes x 2048 tokens, "
+            r"KV f16 ([\d.]+) MiB\); (\d+) engine threads; "
+            r"listening on http://127\.0\.0\.1:(\d+)$",
+            30,
+        )
         assert ready.group(1) == "INFO" and float(ready.group(2)) > 0 and int(ready.group(3)) >= 1
         assert int(ready.group(4)) == port
         r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", headers={"X-Request-Id": "cli-400"},
@@ -171,18 +192,33 @@ def test_cli_log_level_applies_to_uvicorn_and_aiobasert(tiny_model_path: Path, t
     logged = (tmp_path / "stderr").read_text().splitlines()
     assert [line for line in logged if " INFO " in line or " DEBUG " in line] == []
     warning = _LOG_LINE.replace("(DEBUG|INFO|WARNING|ERROR)", "WARNING")
-    assert any(re.match(warning + r"failed POST /v1/completions: 500 type=server_error code=engine_error "
-                        r".*request_id=cli-500: ", line) for line in logged), logged
+    assert any(
+        re.match(
+            warning + r"failed POST /v1/completions: 500 type=server_error code=engine_error "
+            r".*request_id=cli-500: ",
+            line,
+        )
+        for line in logged
+    ), logged
 
 
 def test_cors_preflight_and_open_paths(base_url: str) -> None:
-    pre = httpx.options(f"{base_url}/v1/chat/completions", headers={
-        "Origin": ORIGIN, "Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "authorization",
-    })
+    pre = httpx.options(
+        f"{base_url}/v1/chat/completions",
+        headers={
+            "Origin": ORIGIN,
+            "Access-Control-Request-Method": "POST",
+            "Access-Control-Request-Headers": "authorization",
+        },
+    )
     assert pre.status_code == 200 and pre.headers["access-control-allow-origin"] == ORIGIN
-    other = httpx.options(f"{base_url}/v1/chat/completions", headers={
-        "Origin": "http://evil.example", "Access-Control-Request-Method": "POST",
-    })
+    other = httpx.options(
+        f"{base_url}/v1/chat/completions",
+        headers={
+            "Origin": "http://evil.example",
+            "Access-Control-Request-Method": "POST",
+        },
+    )
     assert other.headers.get("access-control-allow-origin") != "http://evil.example"
     assert httpx.get(f"{base_url}/version").json() == {"version": aiobasert.__version__}
     assert httpx.get(f"{base_url}/metrics").status_code == 200  # scrapers send no key
@@ -201,18 +237,17 @@ def test_tokenize_detokenize_round_trip(base_url: str) -> None:
 
 def test_n_choices_share_the_prompt_prefill(base_url: str) -> None:
     with OpenAI(base_url=f"{base_url}/v1", api_key="k", max_retries=0) as client:
-        r = client.completions.create(model=MODEL_NAME, prompt=LONG_PROMPT, max_tokens=6, n=3, temperature=1.0,
-                                      seed=11)
+        r = client.completions.create(model=MODEL_NAME, prompt=LONG_PROMPT, max_tokens=6, n=3, temperature=1.0, seed=11)
         assert [c.index for c in r.choices] == [0, 1, 2]
         assert r.usage is not None and 3 <= r.usage.completion_tokens <= 18
         assert all(c.finish_reason in ("length", "stop") for c in r.choices)
-        single = client.completions.create(model=MODEL_NAME, prompt=LONG_PROMPT, max_tokens=6, seed=11,
-                                           temperature=1.0)
+        single = client.completions.create(model=MODEL_NAME, prompt=LONG_PROMPT, max_tokens=6, seed=11, temperature=1.0)
         assert single.usage is not None and r.usage.prompt_tokens == single.usage.prompt_tokens  # counted once
         assert r.choices[0].text == single.choices[0].text  # choice 0 keeps the request's seed
         assert len({c.text for c in r.choices}) > 1  # each choice its own seed stream
-        chat = client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": LONG_PROMPT}],
-                                              max_tokens=4, n=2, seed=3)
+        chat = client.chat.completions.create(
+            model=MODEL_NAME, messages=[{"role": "user", "content": LONG_PROMPT}], max_tokens=4, n=2, seed=3
+        )
         assert len(chat.choices) == 2 and chat.usage is not None and 2 <= chat.usage.completion_tokens <= 8
         batch = client.completions.create(model=MODEL_NAME, prompt=["Hi", "Once"], max_tokens=2, n=2)
         assert [c.index for c in batch.choices] == [0, 1, 2, 3]
@@ -224,8 +259,9 @@ def test_streamed_n_choices_equal_the_whole_ones(base_url: str) -> None:
         whole = client.completions.create(prompt=LONG_PROMPT, **kw)
         texts: dict[int, str] = {}
         finishes: dict[int, str] = {}
-        chunks = list(client.completions.create(prompt=LONG_PROMPT, stream=True,
-                                                stream_options={"include_usage": True}, **kw))
+        chunks = list(
+            client.completions.create(prompt=LONG_PROMPT, stream=True, stream_options={"include_usage": True}, **kw)
+        )
         for chunk in chunks:
             for c in chunk.choices:
                 texts[c.index] = texts.get(c.index, "") + c.text
@@ -283,10 +319,16 @@ def test_cli_serve_positional_model_name_and_env_key(tiny_model_path: Path) -> N
 
 def test_disconnect_frees_every_choice_of_a_streamed_n(base_url: str) -> None:
     h = {"Authorization": "Bearer k"}
-    body = {"model": MODEL_NAME, "prompt": LONG_PROMPT, "max_tokens": 1800, "n": 3, "stream": True,
-            # no choice may end by itself before the disconnect: every end-of-text marker is banned
-            # (EOS and <|endoftext|>, which the engine also stops on, as llama.cpp's end-of-generation set)
-            "logit_bias": {str(t): -100 for t in range(len(SPECIAL_TOKENS))}}
+    body = {
+        "model": MODEL_NAME,
+        "prompt": LONG_PROMPT,
+        "max_tokens": 1800,
+        "n": 3,
+        "stream": True,
+        # no choice may end by itself before the disconnect: every end-of-text marker is banned
+        # (EOS and <|endoftext|>, which the engine also stops on, as llama.cpp's end-of-generation set)
+        "logit_bias": {str(t): -100 for t in range(len(SPECIAL_TOKENS))},
+    }
     with httpx.Client(base_url=base_url, timeout=30, headers=h) as http:
         cancelled = http.get("/v1/internal/stats").json()["requests_cancelled"]
         with http.stream("POST", "/v1/completions", json=body) as r:
@@ -318,13 +360,25 @@ def test_a_text_server_never_imports_numpy_until_an_embedding_needs_it(tiny_mode
     try:
         with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60) as http:
             assert not _maps_numpy(proc.pid)
-            r = http.post("/v1/completions", json={"model": MODEL_NAME, "prompt": "Hi", "max_tokens": 4,
-                                                   "logprobs": 2, "n": 2, "temperature": 0.7})
+            r = http.post(
+                "/v1/completions",
+                json={"model": MODEL_NAME, "prompt": "Hi", "max_tokens": 4, "logprobs": 2, "n": 2, "temperature": 0.7},
+            )
             assert r.status_code == 200, r.text
-            with http.stream("POST", "/v1/chat/completions", json={
-                "model": MODEL_NAME, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4,
-                "stream": True, "logprobs": True, "top_logprobs": 3, "logit_bias": {"5": 2}, "seed": 1,
-            }) as s:
+            with http.stream(
+                "POST",
+                "/v1/chat/completions",
+                json={
+                    "model": MODEL_NAME,
+                    "messages": [{"role": "user", "content": "Hi"}],
+                    "max_tokens": 4,
+                    "stream": True,
+                    "logprobs": True,
+                    "top_logprobs": 3,
+                    "logit_bias": {"5": 2},
+                    "seed": 1,
+                },
+            ) as s:
                 assert s.status_code == 200
                 assert any(line.startswith("data: [DONE]") for line in s.iter_lines())
             assert not _maps_numpy(proc.pid)

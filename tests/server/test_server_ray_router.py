@@ -45,8 +45,15 @@ def router(**options: Any) -> AffinityRouter:
 
 
 def request(session: str | None = None, prompt: str | None = None) -> PendingRequest:
-    fwd = ForwardedRequest(method="POST", path="/v1/chat/completions", query_string=b"", headers=[], body=b"",
-                           session=session, prompt=prompt)
+    fwd = ForwardedRequest(
+        method="POST",
+        path="/v1/chat/completions",
+        query_string=b"",
+        headers=[],
+        body=b"",
+        session=session,
+        prompt=prompt,
+    )
     return PendingRequest(args=[fwd], kwargs={}, metadata=RequestMetadata(request_id="x", internal_request_id="x"))
 
 
@@ -129,8 +136,16 @@ async def test_a_previous_response_id_goes_to_the_replica_storing_it() -> None:
     body = json.dumps({"previous_response_id": response_id, "input": "more"}).encode()
     tag = continued_on(body)
     assert tag is not None and continued_on(b'{"previous_response_id": "resp_0123"}') is None
-    fwd = ForwardedRequest(method="POST", path="/v1/responses", query_string=b"", headers=[], body=body,
-                           session="someone-else", prompt="more", replica=tag)
+    fwd = ForwardedRequest(
+        method="POST",
+        path="/v1/responses",
+        query_string=b"",
+        headers=[],
+        body=body,
+        session="someone-else",
+        prompt="more",
+        replica=tag,
+    )
     pending = PendingRequest(args=[fwd], kwargs={}, metadata=RequestMetadata(request_id="x", internal_request_id="x"))
     # Only that replica can answer, so it is the only candidate (also when it is the busiest).
     r._replica_queue_len_cache.update(owner.replica_id, 100)

@@ -85,7 +85,11 @@ def test_openai_client_streams_through_the_proxy(client: OpenAI) -> None:
     whole = client.chat.completions.create(model="tiny", messages=messages, max_tokens=12, temperature=0)
     chunks = list(
         client.chat.completions.create(
-            model="tiny", messages=messages, max_tokens=12, temperature=0, stream=True,
+            model="tiny",
+            messages=messages,
+            max_tokens=12,
+            temperature=0,
+            stream=True,
             stream_options={"include_usage": True},
         )
     )
@@ -212,8 +216,12 @@ def test_previous_response_id_follow_ups_reach_the_replica_storing_it(http: http
     assert first.status_code == 200, first.text
     owner = first.headers[REPLICA_HEADER]
     for i in range(8):
-        body = {"model": "tiny", "previous_response_id": first.json()["id"], "input": f"question {i} " * (i + 1),
-                "max_output_tokens": 2}
+        body = {
+            "model": "tiny",
+            "previous_response_id": first.json()["id"],
+            "input": f"question {i} " * (i + 1),
+            "max_output_tokens": 2,
+        }
         r = http.post("/v1/responses", json=body)
         assert r.status_code == 200, r.text
         assert r.headers[REPLICA_HEADER] == owner

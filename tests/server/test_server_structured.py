@@ -72,7 +72,11 @@ def test_json_object_response(client: OpenAI, untied_model_path: Path) -> None:
     closers = {str(tokens.index(s)): 5 for s in ('"', "]", "}")} | {str(EOS_ID): 5}
     for seed in range(4):
         reply = client.chat.completions.create(
-            model=MODEL_NAME, messages=MESSAGES, max_tokens=96, seed=seed, logit_bias=closers,
+            model=MODEL_NAME,
+            messages=MESSAGES,
+            max_tokens=96,
+            seed=seed,
+            logit_bias=closers,
             response_format={"type": "json_object"},
         )
         (choice,) = reply.choices
