@@ -43,6 +43,14 @@ PPL_TOLERANCE = 0.01  # issue 17: perplexity on held-out text within 1% of llama
 pytestmark = [pytest.mark.slow, pytest.mark.anyio]
 
 
+@pytest.fixture
+def anyio_backend() -> str:
+    """These tests check numbers, not the event loop: one backend. Under trio they ran every forward
+    (the float64 oracle's included) a second time, half of this file's ~17 minutes, the suite's
+    longest; the SDK's trio path is tested across tests/sdk and tests/server."""
+    return "asyncio"
+
+
 def recording(name: str, gguf: Path) -> dict[str, Any]:
     rec: dict[str, Any] = json.loads((RECORDINGS / f"{name}.json").read_text())
     digest = hashlib.sha256(gguf.read_bytes()).hexdigest()
