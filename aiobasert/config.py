@@ -45,6 +45,14 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
         "f16", "q8" (Q8_0 blocks, about half of f16; a head_dim that is not a multiple of 32
         falls back to f16), "f32" (the reference engine's exact pool, twice f16: for results
         bit-equal to an f32 reference). `info.kv_cache_dtype` says what was allocated.
+    grammar_backend_at_open: build the host grammar backend (llguidance's view of the model's
+        vocabulary) while the engine opens, before any stream runs. llguidance builds it holding
+        the GIL, which pauses every running stream: ~1 s for a 49k vocabulary, several for a 262k
+        one. The backend compiles the schemas and tool grammars the engine's own compiler does not
+        take (every one, on an engine without a compiler). False builds it on first use instead,
+        which saves its memory (~70 MiB for a 49k vocabulary, ~340 MiB for 262k, numpy's
+        included) where no request needs it, at the price of that one pause mid-service
+        (docs/fairness.md).
     """
 
     max_batch_size: int = 8
@@ -56,6 +64,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     thread_check: bool | None = None
     dtype: Dtype = "auto"
     kv_cache_dtype: KVCacheDtype = "auto"
+    grammar_backend_at_open: bool = True
 
     def __post_init__(self) -> None:
         for name, low in (("max_batch_size", 1), ("max_context", 2), ("prefill_chunk", 1), ("max_queue", 1)):
@@ -66,8 +75,9 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
             value = getattr(self, name)
             if not isinstance(value, str) or value not in choices:
                 raise InvalidConfigError(f"{name} must be one of {', '.join(map(repr, choices))}, got {value!r}")
-        if not isinstance(self.prefix_cache, bool):
-            raise InvalidConfigError(f"prefix_cache must be a bool, got {self.prefix_cache!r}")
+        for name in ("prefix_cache", "grammar_backend_at_open"):
+            if not isinstance(getattr(self, name), bool):
+                raise InvalidConfigError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.library is not None and not isinstance(self.library, str):
             raise InvalidConfigError(f"library must be a path (str) or None, not {type(self.library).__name__}")
         if self.thread_check is not None and not isinstance(self.thread_check, bool):

@@ -196,6 +196,7 @@ class Engine:
         thread_check: bool | None = None,
         dtype: Dtype = "auto",
         kv_cache_dtype: KVCacheDtype = "auto",
+        grammar_backend_at_open: bool = True,
         config: EngineConfig | None = None,
     ) -> _EngineOpener:
         """Load a model; use as `async with Engine.open(...) as engine` or `await Engine.open(...)`.
@@ -205,7 +206,7 @@ class Engine:
             None = the default model (SmolLM2-135M-Instruct, fetched, converted and
             cached on first use; see `aiobasert.models.cache`).
         max_batch_size, max_context, prefill_chunk, prefix_cache, max_queue, library, thread_check,
-            dtype, kv_cache_dtype: the engine's options, as the fields of `EngineConfig` (which
+            dtype, kv_cache_dtype, grammar_backend_at_open: the engine's options, as the fields of `EngineConfig` (which
             documents each); `library` may be any path.
         config: all of those in one `EngineConfig` (then leave the keywords out: one given as
             well is refused). `engine.config` is the config the engine was opened with.
@@ -228,6 +229,7 @@ class Engine:
             thread_check=thread_check,
             dtype=dtype,
             kv_cache_dtype=kv_cache_dtype,
+            grammar_backend_at_open=grammar_backend_at_open,
         )
         return _EngineOpener(model, config_from(config, options))
 

@@ -183,7 +183,7 @@ class EngineThread:
             except BaseException:
                 self._free_model()
                 raise
-            if intake is not None and self.prep.host_grammar_only():
+            if intake is not None and cfg.grammar_backend_at_open and self.prep.host_grammar_installed():
                 self.prep.build_host_grammar(intake)
         except BaseException:
             if intake is not None:

@@ -463,6 +463,10 @@ def make_server(who: str, streams: int, args: argparse.Namespace, logdir: Path) 
             args.dtype,
             "--kv-cache-dtype",
             args.kv_cache_dtype,
+            # text alone is measured: the grammar backend a default server builds at open (for the first
+            # json_schema; ~70 MiB for a 49k vocabulary, docs/fairness.md) is left out, as llama-server
+            # holds no grammar state until a request brings one
+            "--no-grammar-backend-at-open",
         ]
         env = {
             **os.environ,

@@ -180,16 +180,15 @@ class Preparer:
             with contextlib.suppress(Exception):  # freeing must not stop the teardown
                 close()
 
-    def host_grammar_only(self) -> bool:
-        """The engine has no grammar compiler of its own: llguidance serves every json_schema."""
-        lib = self.lib
-        native = lib.has("baseRT_grammar_create_from_schema") and lib.has("baseRT_grammar_fill_bitmask")
-        return not native and importlib.util.find_spec("llguidance") is not None
+    def host_grammar_installed(self) -> bool:
+        """llguidance is there to serve the grammars the engine's own compiler does not take."""
+        return importlib.util.find_spec("llguidance") is not None
 
     def build_host_grammar(self, intake: Intake) -> None:
-        """At open, before any stream runs: llguidance builds its tokenizer holding the GIL (0.3-1 s
-        for a 50k vocabulary), which on first use would pause every running stream once. Built on a
-        worker (its tokenizer handle asks the end ids); a failure is left to the first request."""
+        """At open, before any stream runs (`EngineConfig.grammar_backend_at_open`): llguidance builds
+        its tokenizer holding the GIL (~1 s for a 49k vocabulary, several for 262k), which on first
+        use would pause every running stream once. Built on a worker (its tokenizer handle asks the
+        end ids); a failure is left to the first request that needs it."""
         built: concurrent.futures.Future[None] = concurrent.futures.Future()
         intake.submit(lambda tok: self.host_grammar(tok), lambda result, error: built.set_result(None),
                       grammar=True, cost=_cost.QUICK_COST + 1)  # fmt: skip
@@ -300,8 +299,8 @@ class Preparer:
     def host_grammar(self, tok: Tokenizer) -> GrammarBackend:
         """The host (llguidance) backend, built once per engine by a grammar worker from the engine's
         `ModelFile` and the end ids asked of the engine through the worker's own tokenizer handle: at
-        open where the engine has no grammar compiler of its own, else on first use (once, holding
-        the GIL: docs/fairness.md)."""
+        open (`EngineConfig.grammar_backend_at_open`), else on first use (once, holding the GIL:
+        docs/fairness.md)."""
         with self._lock:
             if self.backend is None:
                 if not on_costly_worker():  # built where only its request waits (a cheap worker moves on)

@@ -17,6 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import aiobasert
+from aiobasert._core import ffi
 from aiobasert._core.cost import MAX_DECODE_IDS, QUICK_COST
 from aiobasert.errors import ContextLengthExceededError, InvalidRequestError
 
@@ -40,8 +41,8 @@ class SlowNumpy:  # numpy's own loader, which waits (module already in sys.modul
         spec.loader.exec_module = exec_module
         return spec
 sys.meta_path.insert(0, SlowNumpy())
-async def main():
-    async with aiobasert.Engine.open(sys.argv[1], max_batch_size=4) as engine:
+async def main():  # numpy's import left to the first embedding: no grammar backend at open
+    async with aiobasert.Engine.open(sys.argv[1], max_batch_size=4, grammar_backend_at_open=False) as engine:
         results = []
         async def embed():
             results.append(len(await engine.embed("a cat")))
@@ -306,15 +307,8 @@ def test_the_grammar_cache_is_a_bounded_lru() -> None:
     assert (a.closes, c.closes) == (1, 1) and b"a" not in cache
 
 
-@pytest.mark.anyio
-async def test_the_host_grammar_backend_is_built_at_open_where_it_serves_every_schema(
-    tiny_model_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Issue 26 #9b: llguidance builds its tokenizer holding the GIL (every stream pauses meanwhile):
-    an engine without a grammar compiler of its own builds it at open, on a worker, before any stream
-    runs; the first json_schema request finds it built. An engine with its own compiler (the
-    reference engine) does not pay for it at open."""
-    from aiobasert._core import ffi
+def _record_backend_builds(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The threads llguidance's backend (`GrammarBackend.for_tokenizer`) is built on, in order."""
     from aiobasert._core.grammar import GrammarBackend
 
     built: list[str] = []
@@ -325,37 +319,57 @@ async def test_the_host_grammar_backend_is_built_at_open_where_it_serves_every_s
         return real(cls, *args, **kwargs)  # type: ignore[no-any-return]
 
     monkeypatch.setattr(GrammarBackend, "for_tokenizer", classmethod(for_tokenizer))
-    async with aiobasert.Engine.open(tiny_model_path, max_batch_size=2) as engine:
-        assert built == [] and engine._thread.prep.backend is None  # the engine compiles schemas itself
-    has = ffi.Library.has
-    monkeypatch.setattr(ffi.Library, "has", lambda self, name: "grammar" not in name and has(self, name))
+    return built
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("own_compiler", [True, False], ids=["reference-engine", "no-grammar-compiler"])
+async def test_the_host_grammar_backend_is_built_at_open(
+    tiny_model_path: Path, monkeypatch: pytest.MonkeyPatch, own_compiler: bool
+) -> None:
+    """Issue 26 #9b: llguidance builds its tokenizer holding the GIL (every stream pauses meanwhile), so
+    an engine builds it at open, on a worker, before any stream runs, whether or not the engine has a
+    grammar compiler of its own: the first request it serves (an `enum`, which the reference engine's
+    compiler does not take; any schema without a compiler) finds it built."""
+    built = _record_backend_builds(monkeypatch)
+    if not own_compiler:
+        has = ffi.Library.has
+        monkeypatch.setattr(ffi.Library, "has", lambda self, name: "grammar" not in name and has(self, name))
     async with aiobasert.Engine.open(tiny_model_path, max_batch_size=2) as engine:
         assert built == ["aiobasert-grammar-1"]  # at open, on a worker
-        done = await engine.generate("x", max_tokens=12, json_schema={"type": "boolean"})
-        assert json.loads(done.text) in (True, False)
+        done = await engine.generate("x", max_tokens=12, json_schema={"enum": ["red", "green"]})
+        assert json.loads(done.text) in ("red", "green")
         assert dict(engine._thread.prep.grammar_compiles) == {"llguidance": 1} and len(built) == 1
+
+
+@pytest.mark.anyio
+async def test_grammar_backend_at_open_false_leaves_it_to_the_first_request_that_needs_it(
+    tiny_model_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The opt-out for a server that serves text alone (its memory kept): nothing is built at open,
+    nor for a schema the engine compiles itself; the first `enum` builds it, once."""
+    built = _record_backend_builds(monkeypatch)
+    async with aiobasert.Engine.open(tiny_model_path, max_batch_size=2, grammar_backend_at_open=False) as engine:
+        assert built == [] and engine._thread.prep.backend is None
+        done = await engine.generate("x", max_tokens=12, json_schema={"type": "boolean"})
+        assert json.loads(done.text) in (True, False) and built == []  # the engine's own compiler
+        for _ in range(2):
+            done = await engine.generate("x", max_tokens=12, json_schema={"enum": ["red", "green"]})
+            assert json.loads(done.text) in ("red", "green")
+        assert built == ["aiobasert-grammar-1"]
 
 
 @pytest.mark.anyio
 async def test_the_host_grammar_backend_is_built_on_the_costly_worker_where_only_its_request_waits(
     tiny_model_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Issue 26 left (b): the reference engine builds the host backend on first use (a text-only
-    server never holds its ~50 MiB). A small schema only llguidance takes (`enum`) is a cheap-lane
-    job, but the build is costly: the job moves, whole, to the costly lane, and the cheap worker goes
-    on. While the costly lane is held, other schemas are served and the build has not begun; then it
-    runs on the costly worker, once, and the request is served."""
-    from aiobasert._core.grammar import GrammarBackend
-
-    built: list[str] = []
-    real = GrammarBackend.for_tokenizer.__func__  # type: ignore[attr-defined]
-
-    def for_tokenizer(cls: type[GrammarBackend], *args: Any, **kwargs: Any) -> GrammarBackend:
-        built.append(threading.current_thread().name)
-        return real(cls, *args, **kwargs)  # type: ignore[no-any-return]
-
-    monkeypatch.setattr(GrammarBackend, "for_tokenizer", classmethod(for_tokenizer))
-    async with aiobasert.Engine.open(tiny_model_path, max_batch_size=2) as engine:
+    """Issue 26 left (b), with `grammar_backend_at_open=False`: the host backend is built on first use.
+    A small schema only llguidance takes (`enum`) is a cheap-lane job, but the build is costly: the
+    job moves, whole, to the costly lane, and the cheap worker goes on. While the costly lane is held,
+    other schemas are served and the build has not begun; then it runs on the costly worker, once,
+    and the request is served."""
+    built = _record_backend_builds(monkeypatch)
+    async with aiobasert.Engine.open(tiny_model_path, max_batch_size=2, grammar_backend_at_open=False) as engine:
         started, release = _held_costly_lane(engine)
         await _until(started)
         done: list[str] = []

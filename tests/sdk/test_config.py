@@ -31,6 +31,7 @@ BAD: list[dict[str, Any]] = [
     {"library": 3},
     {"library": b"lib.so"},
     {"thread_check": "yes"},
+    {"grammar_backend_at_open": "no"},
 ]
 
 

@@ -318,7 +318,8 @@ class Watch:  # records the thread that first asks for numpy, then steps aside
         return None
 sys.meta_path.insert(0, Watch())
 async def main():
-    async with aiobasert.Engine.open(sys.argv[1], max_batch_size=2) as engine:
+    # without the grammar backend, which imports numpy at open (on a worker too)
+    async with aiobasert.Engine.open(sys.argv[1], max_batch_size=2, grammar_backend_at_open=False) as engine:
         stream = engine.stream("running", max_tokens=64, ignore_eos=True)
         await stream.__anext__()
         assert "numpy" not in sys.modules
@@ -329,8 +330,8 @@ anyio.run(main)
 
 
 def test_the_first_embedding_imports_numpy_off_the_engine_thread(tiny_model_path: Path) -> None:
-    """numpy is imported on first use (a text-only process never pays for it), but not on the engine
-    thread, where its import (~0.1 s) would stall every running stream's next token."""
+    """numpy is imported on first use (a text-only engine, `grammar_backend_at_open=False`, never pays
+    for it), but not on the engine thread, where its import (~0.1 s) would stall every running stream's next token."""
     proc = subprocess.run([sys.executable, "-c", _FIRST_NUMPY_IMPORT, str(tiny_model_path)],
                           capture_output=True, text=True, timeout=120)  # fmt: skip
     assert proc.returncode == 0, proc.stderr

@@ -354,9 +354,11 @@ def _maps_numpy(pid: int) -> bool:
 
 @pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="reads the server's memory map from /proc")
 def test_a_text_server_never_imports_numpy_until_an_embedding_needs_it(tiny_model_path: Path) -> None:
-    """numpy is ~15 MiB of a server's resident memory: `aiobasert serve` generating text (completions,
-    chat, streamed, with logprobs, a sampled n) never imports it; the first embedding does, and works."""
-    proc, _, port = start_uvicorn(["-m", "aiobasert", "serve", str(tiny_model_path), "--port", "0"], tiny_model_path)
+    """numpy is ~15 MiB of a server's resident memory: `aiobasert serve --no-grammar-backend-at-open` (a
+    server for text alone: the grammar backend imports numpy) generating text (completions, chat,
+    streamed, with logprobs, a sampled n) never imports it; the first embedding does, and works."""
+    args = ["-m", "aiobasert", "serve", str(tiny_model_path), "--port", "0", "--no-grammar-backend-at-open"]
+    proc, _, port = start_uvicorn(args, tiny_model_path)
     try:
         with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60) as http:
             assert not _maps_numpy(proc.pid)
