@@ -506,10 +506,14 @@ def _bos_added(path: Path, mtime_ns: int) -> tuple[int, ...]:
     # gguf-py reads every vocabulary entry to reach two keys (14 s of CPU for Gemma 3's 262k): once a file
     import gguf
 
-    fields = gguf.GGUFReader(path).fields
+    return tuple(bos_of(gguf.GGUFReader(path).fields))
+
+
+def bos_of(fields: Any) -> list[int]:
+    """bos_added from a GGUFReader's fields already read."""
     add = fields.get("tokenizer.ggml.add_bos_token")
     bos = fields.get("tokenizer.ggml.bos_token_id")
-    return (int(bos.contents()),) if add is not None and add.contents() and bos is not None else ()
+    return [int(bos.contents())] if add is not None and add.contents() and bos is not None else []
 
 
 def compare(gguf_path: Path, rec: dict[str, Any], ours: dict[str, Any], ppl: dict[str, Any] | None,

@@ -105,7 +105,9 @@ def test_converts_synthetic_llama(tmp_path: Path, synthetic_gguf: Path, dtype: s
 def test_synthetic_forward_agrees_with_gguf_oracle(tmp_path: Path, synthetic_gguf: Path) -> None:
     out = convert_gguf(synthetic_gguf, tmp_path / "out.base", dtype="f32", progress=False)
     tokens = [1, 300, 301, 302, 77, 2, 5]
-    np.testing.assert_allclose(NumpyLlama(out).logits(tokens), gguf_oracle(synthetic_gguf).logits(tokens), atol=1e-9)
+    oracle = gguf_oracle(synthetic_gguf)
+    np.testing.assert_allclose(NumpyLlama(out).logits(tokens), oracle.logits(tokens), atol=1e-9)
+    np.testing.assert_allclose(oracle.next_logits(tokens), oracle.logits(tokens)[-1], atol=1e-12)  # head on one row
 
 
 @pytest.mark.parametrize("kind", list(ARCH_GGUFS))

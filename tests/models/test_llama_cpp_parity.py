@@ -18,14 +18,17 @@ kept) and with f16.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from oracle import gguf_oracle
+from gguf import GGUFReader
+from oracle import LlamaForward, gguf_oracle
 
 from aiobasert import Engine
 from aiobasert._core.ffi import load_library
@@ -51,6 +54,59 @@ def anyio_backend() -> str:
     return "asyncio"
 
 
+class ExactForward:
+    """The exact float64 forward over a GGUF's dequantized weights (tests/oracle.py's gguf_oracle) and the
+    GGUF's header, read on first use and shared by this module's tests (the `exact` fixture): gguf-py reads
+    Gemma 3's 262k-entry vocabulary in ~14 s each time, and both dtypes' free-running and teacher-forced
+    runs ask about the same prefixes, each computed once."""
+
+    def __init__(self, gguf: Path) -> None:
+        self.gguf = gguf
+        self._logprobs: dict[tuple[int, ...], Any] = {}
+
+    @functools.cached_property
+    def reader(self) -> GGUFReader:
+        return GGUFReader(self.gguf)
+
+    @functools.cached_property
+    def forward(self) -> LlamaForward:
+        return gguf_oracle(self.reader)
+
+    def bos(self) -> list[int]:
+        """llama_oracle.bos_added from the header already read."""
+        return llama_oracle.bos_of(self.reader.fields)
+
+    def next_logprobs(self, prefix: list[int]) -> Any:
+        """The exact log-probabilities (vocab,) of the token after prefix."""
+        key = tuple(prefix)
+        if key not in self._logprobs:
+            self._logprobs[key] = exact_logprobs(self.forward.next_logits(prefix))
+        return self._logprobs[key]
+
+
+Exact = Callable[[Path], ExactForward]
+
+
+@pytest.fixture(scope="module")
+def exact() -> Iterator[Exact]:
+    """ExactForward of a GGUF, one per file for the module (its ~1 GB of float weights freed after)."""
+    by_file: dict[Path, ExactForward] = {}
+
+    def of(gguf: Path) -> ExactForward:
+        if gguf not in by_file:
+            by_file[gguf] = ExactForward(gguf)
+        return by_file[gguf]
+
+    yield of
+    by_file.clear()
+
+
+def opened(model: Path, dtype: str = "auto") -> Any:
+    """Engine.open with one lane, the exact f32 KV pool, and no grammar backend (none is asked for here:
+    llguidance's view of Gemma 3's 262k vocabulary is seconds and ~300 MiB)."""
+    return Engine.open(model, max_batch_size=1, dtype=dtype, kv_cache_dtype="f32", grammar_backend_at_open=False)  # type: ignore[arg-type]
+
+
 def recording(name: str, gguf: Path) -> dict[str, Any]:
     rec: dict[str, Any] = json.loads((RECORDINGS / f"{name}.json").read_text())
     digest = hashlib.sha256(gguf.read_bytes()).hexdigest()
@@ -58,11 +114,11 @@ def recording(name: str, gguf: Path) -> dict[str, Any]:
     return rec
 
 
-async def check_tokens(engine: Engine, rec: dict[str, Any], gguf: Path) -> None:
+async def check_tokens(engine: Engine, rec: dict[str, Any], exact: ExactForward) -> None:
     """Every text id for id (plain text; engine.encode adds the vocab's BOS where llama.cpp's
     add_special would, the recording has none), and each rendered chat prompt as llama-server's
     chat path tokenizes it (template markers parsed, the vocab's BOS added)."""
-    bos = llama_oracle.bos_added(gguf)
+    bos = exact.bos()
     for t in rec["texts"]:
         assert await engine.encode(t["text"]) == bos + t["ids"], t["text"]
     for p in rec["prompts"]:
@@ -137,9 +193,8 @@ class Divergences:
     as high as llama.cpp's, less QUANT_SLACK where our activations are quantized. A listed position
     must still carry its listed gap (a re-recording re-measures NEAR_TIES)."""
 
-    def __init__(self, key: tuple[str, str], gguf: Path) -> None:
-        self.key, self.gguf = key, gguf
-        self.exact: Any = None
+    def __init__(self, key: tuple[str, str], exact: ExactForward) -> None:
+        self.key, self.exact = key, exact
 
     def problem(self, i: int, p: dict[str, Any], k: int, ours: int, where: str) -> str | None:
         theirs, gap = p["greedy"][k], their_gap(p, k)
@@ -148,8 +203,7 @@ class Divergences:
             return f"{where}: the recording's gap is not the listed {listed[k]}: re-measure NEAR_TIES"
         if gap > NEAR_TIE_GAP:
             return f"{where}: not a near-tie (llama.cpp's top-2 gap {gap:.4f} nats > {NEAR_TIE_GAP})"
-        self.exact = self.exact or gguf_oracle(self.gguf)
-        lp = exact_logprobs(self.exact.logits(p["ids"] + p["greedy"][:k])[-1])
+        lp = self.exact.next_logprobs(p["ids"] + p["greedy"][:k])
         slack = QUANT_SLACK[self.key[1]]
         if lp[ours] < lp[theirs] - slack:
             return f"{where}: the exact forward rates ours {lp[ours]:.4f}, llama.cpp's {lp[theirs]:.4f} (slack {slack})"
@@ -174,11 +228,13 @@ def settle(problems: list[str], key: tuple[str, str]) -> None:
     assert problems == []
 
 
-async def teacher_forced_report(engine: Engine, rec: dict[str, Any], key: tuple[str, str], gguf: Path) -> list[str]:
+async def teacher_forced_report(
+    engine: Engine, rec: dict[str, Any], key: tuple[str, str], exact: ExactForward
+) -> list[str]:
     """Our greedy choice after every prefix of llama.cpp's greedy path, against its token there:
     equal everywhere but at near-ties the exact forward settles for ours (Divergences)."""
     problems = []
-    judge = Divergences(key, gguf)
+    judge = Divergences(key, exact)
     for i, p in enumerate(rec["prompts"]):
         for k, theirs in enumerate(p["greedy"]):
             prefix = p["ids"] + p["greedy"][:k]
@@ -196,13 +252,13 @@ async def teacher_forced_report(engine: Engine, rec: dict[str, Any], key: tuple[
 
 
 async def free_running_report(
-    engine: Engine, rec: dict[str, Any], key: tuple[str, str], gguf: Path, *, chat: bool
+    engine: Engine, rec: dict[str, Any], key: tuple[str, str], exact: ExactForward, *, chat: bool
 ) -> list[str]:
     """Each prompt's own greedy run (on llama.cpp's prompt ids, or rendered by engine.chat) equals
     llama.cpp's up to its end or to a near-tie the exact forward settles for ours (Divergences),
     where the two runs part."""
     problems = []
-    judge = Divergences(key, gguf)
+    judge = Divergences(key, exact)
     for i, p in enumerate(rec["prompts"]):
         if chat:
             done = await engine.chat(p["messages"], max_tokens=rec["n_predict"], temperature=0.0)
@@ -260,25 +316,27 @@ def check_perplexity(name: str, dtype: str, ours: dict[str, Any], rec: dict[str,
 # ---- SmolLM2-135M-Instruct Q4_1: the demo -------------------------------------------------------
 
 
-async def test_smollm2_tokens_match_llama_cpp(smollm2_path: Path, smollm2_gguf: Path) -> None:
+async def test_smollm2_tokens_match_llama_cpp(smollm2_path: Path, smollm2_gguf: Path, exact: Exact) -> None:
     rec = recording(SMOLLM2, smollm2_gguf)
-    async with Engine.open(smollm2_path, max_batch_size=1, kv_cache_dtype="f32") as engine:
-        await check_tokens(engine, rec, smollm2_gguf)
+    async with opened(smollm2_path) as engine:
+        await check_tokens(engine, rec, exact(smollm2_gguf))
 
 
 @pytest.mark.timeout(900)  # every position teacher-forced, the float64 forward at the listed ones
-async def test_smollm2_greedy_matches_llama_cpp(smollm2_path: Path, smollm2_gguf: Path) -> None:
+async def test_smollm2_greedy_matches_llama_cpp(smollm2_path: Path, smollm2_gguf: Path, exact: Exact) -> None:
     rec = recording(SMOLLM2, smollm2_gguf)
-    async with Engine.open(smollm2_path, max_batch_size=1, kv_cache_dtype="f32") as engine:
-        settle(await free_running_report(engine, rec, (SMOLLM2, "q4"), smollm2_gguf, chat=False), (SMOLLM2, "q4"))
-        settle(await teacher_forced_report(engine, rec, (SMOLLM2, "q4"), smollm2_gguf), (SMOLLM2, "q4"))
+    async with opened(smollm2_path) as engine:
+        settle(
+            await free_running_report(engine, rec, (SMOLLM2, "q4"), exact(smollm2_gguf), chat=False), (SMOLLM2, "q4")
+        )
+        settle(await teacher_forced_report(engine, rec, (SMOLLM2, "q4"), exact(smollm2_gguf)), (SMOLLM2, "q4"))
 
 
-async def test_smollm2_chat_matches_llama_cpp(smollm2_path: Path, smollm2_gguf: Path) -> None:
+async def test_smollm2_chat_matches_llama_cpp(smollm2_path: Path, smollm2_gguf: Path, exact: Exact) -> None:
     """engine.chat renders with our own template: the same prompt length and greedy ids as llama.cpp's."""
     rec = recording(SMOLLM2, smollm2_gguf)
-    async with Engine.open(smollm2_path, max_batch_size=1, kv_cache_dtype="f32") as engine:
-        settle(await free_running_report(engine, rec, (SMOLLM2, "q4"), smollm2_gguf, chat=True), (SMOLLM2, "q4"))
+    async with opened(smollm2_path) as engine:
+        settle(await free_running_report(engine, rec, (SMOLLM2, "q4"), exact(smollm2_gguf), chat=True), (SMOLLM2, "q4"))
 
 
 def test_smollm2_perplexity_within_1_percent_of_llama_cpp(smollm2_path: Path, smollm2_gguf: Path) -> None:
@@ -294,26 +352,26 @@ GEMMA3_DTYPES = pytest.mark.parametrize("dtype", ["auto", "f16"])
 
 
 @GEMMA3_DTYPES
-async def test_gemma3_tokens_match_llama_cpp(gemma3_gguf: Path, dtype: str) -> None:
+async def test_gemma3_tokens_match_llama_cpp(gemma3_gguf: Path, dtype: str, exact: Exact) -> None:
     rec = recording(GEMMA3, gemma3_gguf)
-    async with Engine.open(gemma3_gguf, max_batch_size=1, dtype=dtype, kv_cache_dtype="f32") as engine:
-        await check_tokens(engine, rec, gemma3_gguf)
+    async with opened(gemma3_gguf, dtype) as engine:
+        await check_tokens(engine, rec, exact(gemma3_gguf))
 
 
 @GEMMA3_DTYPES
 @pytest.mark.timeout(900)  # every position teacher-forced, the float64 forward at the listed ones
-async def test_gemma3_greedy_matches_llama_cpp(gemma3_gguf: Path, dtype: str) -> None:
+async def test_gemma3_greedy_matches_llama_cpp(gemma3_gguf: Path, dtype: str, exact: Exact) -> None:
     rec = recording(GEMMA3, gemma3_gguf)
-    async with Engine.open(gemma3_gguf, max_batch_size=1, dtype=dtype, kv_cache_dtype="f32") as engine:
-        settle(await free_running_report(engine, rec, (GEMMA3, dtype), gemma3_gguf, chat=False), (GEMMA3, dtype))
-        settle(await teacher_forced_report(engine, rec, (GEMMA3, dtype), gemma3_gguf), (GEMMA3, dtype))
+    async with opened(gemma3_gguf, dtype) as engine:
+        settle(await free_running_report(engine, rec, (GEMMA3, dtype), exact(gemma3_gguf), chat=False), (GEMMA3, dtype))
+        settle(await teacher_forced_report(engine, rec, (GEMMA3, dtype), exact(gemma3_gguf)), (GEMMA3, dtype))
 
 
 @GEMMA3_DTYPES
-async def test_gemma3_chat_matches_llama_cpp(gemma3_gguf: Path, dtype: str) -> None:
+async def test_gemma3_chat_matches_llama_cpp(gemma3_gguf: Path, dtype: str, exact: Exact) -> None:
     rec = recording(GEMMA3, gemma3_gguf)
-    async with Engine.open(gemma3_gguf, max_batch_size=1, dtype=dtype, kv_cache_dtype="f32") as engine:
-        settle(await free_running_report(engine, rec, (GEMMA3, dtype), gemma3_gguf, chat=True), (GEMMA3, dtype))
+    async with opened(gemma3_gguf, dtype) as engine:
+        settle(await free_running_report(engine, rec, (GEMMA3, dtype), exact(gemma3_gguf), chat=True), (GEMMA3, dtype))
 
 
 @GEMMA3_DTYPES
