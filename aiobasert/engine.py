@@ -441,9 +441,10 @@ class Engine:
             raise InvalidRequestError(f"tools must be a list of tools, not {type(tools).__name__}")
         if not isinstance(parallel_tool_calls, bool):  # "no" is truthy: it would have allowed several calls
             raise InvalidRequestError(f"parallel_tool_calls must be a bool, not {type(parallel_tool_calls).__name__}")
+        from .tools import check_schema_and_tools
+
         checked = self._params(params, kwargs)
-        if tools and checked.json_schema is not None:  # refused before the render is paid
-            raise InvalidRequestError("json_schema cannot be combined with tools")
+        check_schema_and_tools(bool(tools), checked.json_schema)  # refused before the render is paid
         turn = self._chat_turn(
             messages,
             tools=tools,
@@ -482,11 +483,10 @@ class Engine:
     def _stream_turn(self, turn: ChatTurn, params: SamplingParams) -> ChatStream:
         """A new (not yet submitted) stream of a prepared `turn` under `params` (validated here):
         one per choice of an n > 1 request, which renders once."""
-        from .tools import ChatStream
+        from .tools import ChatStream, check_schema_and_tools
 
         params = self._params(params, {})
-        if turn.lark is not None and params.json_schema is not None:
-            raise InvalidRequestError("json_schema cannot be combined with tools")
+        check_schema_and_tools(turn.lark is not None, params.json_schema)  # a turn with tools has a grammar
         tokens = self._new_stream(turn.pieces, params, True, turn.lark, turn.structural_tag)
         return ChatStream(tokens, parse_calls=turn.parse_calls, forced=turn.forced, tool_format=turn.tool_format)
 
