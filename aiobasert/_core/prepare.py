@@ -33,6 +33,7 @@ from ..errors import AioBaseRTError, ContextLengthExceededError, InvalidRequestE
 from ..types import MAX_SCHEMA_REFS
 from . import cost as _cost
 from . import ffi as _ffi
+from . import lazy_numpy
 from .grammar_cache import GrammarCache
 from .intake import Intake, Reroute, TokenIds, Tokenizer, on_costly_worker, run_job
 from .model_file import ModelFile
@@ -209,6 +210,7 @@ class Preparer:
         constraint: Constraint | None = None
         if spec.lark is not None or spec.structural_tag is not None or spec.params.json_schema is not None:
             tok.check_fits(_cost.prompt_chars(spec.prompt), self.max_context)  # no grammar for a text that cannot fit
+            lazy_numpy.load()  # the engine thread masks a grammar's rows with numpy: imported here, never there
             constraint = self.grammar_of(tok, spec)  # may raise Reroute: nothing is tokenized yet
         try:
             prompt = self.tokenize_prompt(tok, spec)

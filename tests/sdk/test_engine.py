@@ -469,7 +469,7 @@ from pathlib import Path
 import aiobasert
 # The grammar worker's code (llguidance, the bundle reader), imported lazily at the first schema, is
 # loaded up front: this measures data (a header's parse tree), not a module import after `ready`.
-import aiobasert._core.grammar, aiobasert.models._hf_tokenizer
+import aiobasert._core.grammar, aiobasert.models._hf_tokenizer, aiobasert.models.bundle
 def status(key):
     return int(re.search(key + r":\\s+(\\d+)", Path("/proc/self/status").read_text())[1]) * 1024
 async def main():

@@ -7,8 +7,9 @@ from __future__ import annotations
 import itertools
 import json
 import re
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import jsonschema  # type: ignore[import-untyped]
@@ -34,6 +35,9 @@ from aiobasert.tools import (
     tool_grammar,
     tool_structural_tag,
 )
+
+if TYPE_CHECKING:  # llguidance: imported where a grammar is built
+    from aiobasert._core.grammar import GrammarBackend
 
 pytestmark = pytest.mark.anyio
 
@@ -144,14 +148,13 @@ async def test_auto_is_text_or_well_formed_calls_and_none_is_text(tiny_model_pat
     ],
 )
 def test_the_grammar_admits_exactly_the_contract(
-    tiny_model_path: Path, choice: str, parallel: bool, text: str, ok: bool
+    tiny_model_path: Path, host_grammar: Callable[..., GrammarBackend], choice: str, parallel: bool, text: str, ok: bool
 ) -> None:
     """Text fed token by token through the compiled grammar (what the engine masks with)."""
-    from aiobasert._core.grammar import GrammarBackend
     from aiobasert.models.bundle import read_bundle
 
     vocab = len(read_bundle(tiny_model_path).tokenizer["tokenizer.ggml.tokens"])
-    backend = GrammarBackend.for_bundle(tiny_model_path, vocab_size=vocab)
+    backend = host_grammar(tiny_model_path, vocab_size=vocab)
     lark = tool_grammar([WEATHER, TIME], choice, parallel=parallel)
     assert lark is not None
     constraint = backend.compile_lark(lark)
@@ -822,12 +825,13 @@ def test_closed_objects_policy() -> None:
         (OPEN_MAP, '{"labels":{},"other":1}', False),
     ],
 )
-def test_the_call_grammar_refuses_undeclared_properties(tiny_model_path: Path, tool: Tool, args: str, ok: bool) -> None:
-    from aiobasert._core.grammar import GrammarBackend
+def test_the_call_grammar_refuses_undeclared_properties(
+    tiny_model_path: Path, host_grammar: Callable[..., GrammarBackend], tool: Tool, args: str, ok: bool
+) -> None:
     from aiobasert.models.bundle import read_bundle
 
     vocab = len(read_bundle(tiny_model_path).tokenizer["tokenizer.ggml.tokens"])
-    backend = GrammarBackend.for_bundle(tiny_model_path, vocab_size=vocab)
+    backend = host_grammar(tiny_model_path, vocab_size=vocab)
     for choice in ("required", tool.name):
         lark = tool_grammar([tool], choice, parallel=False)
         assert lark is not None
