@@ -355,7 +355,7 @@ class _ChatStarts:
 
     def start(self, params: SamplingParams) -> TokenStream:
         try:
-            chat = self._engine._stream_turn(self._turn, params)
+            chat = self._engine.stream_turn(self._turn, params)
         except InvalidRequestError as exc:
             raise _chat_error(exc) from None
         self._chats[id(chat.tokens)] = chat
@@ -671,7 +671,9 @@ class Service:
         def prepare() -> ChatTurn:
             # request-sized (every message and tool): in a worker, never on the event loop
             tools, choice = request_tools(req.tools, req.tool_choice)
-            return engine._chat_turn(chat_messages(req.messages), tools=tools, tool_choice=choice, parallel=parallel)
+            return engine.prepare_chat(
+                chat_messages(req.messages), tools=tools, tool_choice=choice, parallel_tool_calls=parallel
+            )
 
         try:
             return await self.workers.run(prepare, large=is_large(len(req.messages), len(req.tools or ())))
