@@ -41,7 +41,7 @@ from .errors import (
 )
 from .group import EngineGroup, ModelStats
 from .streams import TokenStream
-from .tools import ChatReply, ChatStream, TextDelta, Tool, ToolCall, ToolCallDelta
+from .tools import ChatReply, ChatStream, ChatTurn, TextDelta, Tool, ToolCall, ToolCallDelta
 from .types import (
     ChatMessage,
     Completion,
@@ -63,6 +63,7 @@ __all__ = [
     "ChatMessage",
     "ChatReply",
     "ChatStream",
+    "ChatTurn",
     "Completion",
     "ContextLengthExceededError",
     "ConversionError",

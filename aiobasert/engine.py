@@ -439,55 +439,64 @@ class Engine:
         messages may include `tool` turns and assistant turns with `tool_calls`."""
         if tools is not None and (isinstance(tools, (str, bytes, Mapping)) or not isinstance(tools, Sequence)):
             raise InvalidRequestError(f"tools must be a list of tools, not {type(tools).__name__}")
+        from .tools import check_schema_and_tools
+
         if not isinstance(parallel_tool_calls, bool):  # "no" is truthy: it would have allowed several calls
             raise InvalidRequestError(f"parallel_tool_calls must be a bool, not {type(parallel_tool_calls).__name__}")
         checked = self._params(params, kwargs)
-        if tools and checked.json_schema is not None:  # refused before the render is paid
-            raise InvalidRequestError("json_schema cannot be combined with tools")
-        turn = self._chat_turn(
+        check_schema_and_tools(bool(tools), checked.json_schema)  # refused before the render is paid
+        turn = self.prepare_chat(
             messages,
             tools=tools,
             tool_choice=tool_choice,
-            parallel=parallel_tool_calls,
+            parallel_tool_calls=parallel_tool_calls,
             add_generation_prompt=add_generation_prompt,
         )
-        return self._stream_turn(turn, checked)
+        return self.stream_turn(turn, checked)
 
-    def _chat_turn(
+    def prepare_chat(
         self,
-        messages: Sequence[Any],
+        messages: Sequence[ChatMessage | Mapping[str, Any]],
         *,
-        tools: Sequence[Tool | Mapping[str, Any]] | None,
-        tool_choice: ToolChoice | Mapping[str, Any] | None,
-        parallel: bool,
+        tools: Sequence[Tool | Mapping[str, Any]] | None = None,
+        tool_choice: ToolChoice | Mapping[str, Any] | None = None,
+        parallel_tool_calls: bool = True,
         add_generation_prompt: bool = True,
     ) -> ChatTurn:
-        """`messages` rendered and constrained as one tool-aware turn, with this model's template,
-        tokens and tool-call format (`tools.prepare_chat_turn`). Request-sized, and it touches no
-        engine state and no event loop: a server runs it in a worker thread."""
+        """`messages` rendered and constrained once, as `stream_chat` does, into a `ChatTurn` that
+        `stream_turn` streams any number of times: n replies to one conversation render it once.
+
+        With this model's chat template, tokens and tool-call format (`tool_format`); `tools`,
+        `tool_choice` and `parallel_tool_calls` as in `chat`. This is the request-sized part of a
+        chat (every message and tool is rendered, the call grammar written), and it touches no
+        engine state and no event loop: a server runs it in a worker thread, where it delays only
+        its own request. Raises `InvalidRequestError` for a bad message, tool or `tool_choice`."""
         from .tools import prepare_chat_turn
 
+        if not isinstance(parallel_tool_calls, bool):  # "no" is truthy: it would have allowed several calls
+            raise InvalidRequestError(f"parallel_tool_calls must be a bool, not {type(parallel_tool_calls).__name__}")
         return prepare_chat_turn(
             self.chat_template,
             messages,
             tool_format=self.tool_format,
             tools=tools,
             tool_choice=tool_choice,
-            parallel=parallel,
+            parallel=parallel_tool_calls,
             add_generation_prompt=add_generation_prompt,
             bos_token=self.info.bos_token,
             eos_token=self.info.eos_token,
         )
 
-    def _stream_turn(self, turn: ChatTurn, params: SamplingParams) -> ChatStream:
-        """A new (not yet submitted) stream of a prepared `turn` under `params` (validated here):
-        one per choice of an n > 1 request, which renders once."""
-        from .tools import ChatStream
+    def stream_turn(self, turn: ChatTurn, params: SamplingParams | None = None, **kwargs: Any) -> ChatStream:
+        """A new stream of the reply to a prepared `turn` (`prepare_chat`), under `params` or
+        keyword parameters (as `chat`; checked here): a `ChatStream`, queued when it is first
+        iterated or awaited (or at once with `.tokens.submit()`). Call it once per reply wanted.
+        A turn with tools cannot also take a `json_schema` (`InvalidRequestError`)."""
+        from .tools import ChatStream, check_schema_and_tools
 
-        params = self._params(params, {})
-        if turn.lark is not None and params.json_schema is not None:
-            raise InvalidRequestError("json_schema cannot be combined with tools")
-        tokens = self._new_stream(turn.pieces, params, True, turn.lark, turn.structural_tag)
+        checked = self._params(params, kwargs)
+        check_schema_and_tools(turn.lark is not None, checked.json_schema)  # a turn with tools has a grammar
+        tokens = self._new_stream(turn.pieces, checked, True, turn.lark, turn.structural_tag)
         return ChatStream(tokens, parse_calls=turn.parse_calls, forced=turn.forced, tool_format=turn.tool_format)
 
     @property

@@ -294,6 +294,7 @@ class EngineThread:
             kv_cache_dtype=self._kv_cache_dtype(handle),
             bos_token=self._static_str("baseRT_bos_token"),
             eos_token=self._static_str("baseRT_eos_token"),
+            engine_threads=self._engine_threads(),
         )
 
     def _kv_bits(self, dtype: str) -> int:
@@ -318,6 +319,13 @@ class EngineThread:
         if not self.lib.has("baseRT_kv_bits_effective"):
             return ""
         return _KV_NAMES.get(int(self.lib.baseRT_kv_bits_effective(handle)), "")
+
+    def _engine_threads(self) -> int:
+        """The reference engine's compute threads (its shared pool, sized at load, the calling thread
+        included); 0 for a library that does not say."""
+        if not self.lib.has("baseRT_ref_counter"):
+            return 0
+        return max(0, int(self.lib.baseRT_ref_counter(b"pool_threads")))
 
     def _descriptor(self, handle: int) -> dict[str, Any]:
         if not self.lib.has("baseRT_capability_descriptor"):

@@ -320,6 +320,16 @@ def parse_tool_choice(choice: ToolChoice | Mapping[str, Any] | None, tools: Sequ
     return choice
 
 
+def check_schema_and_tools(has_tools: bool, json_schema: object, *, field: str = "json_schema") -> None:
+    """The one rule for a JSON schema beside tools, which the SDK (`Engine.stream_chat`,
+    `Engine.stream_turn`) and the server's chat completions and Responses all apply: refused,
+    whatever `tool_choice` says. A stream follows one grammar, and a turn with tools has one
+    even under "none" (text that spells no call). `field` names the caller's own schema field
+    (`json_schema`, `response_format`, `text.format`); cheap, so checked before anything is paid."""
+    if has_tools and json_schema is not None:
+        raise InvalidRequestError(f"{field} cannot be combined with tools")
+
+
 # ---- the grammar ---------------------------------------------------------------------------
 
 
@@ -659,8 +669,8 @@ class ToolCallParser:
 
 
 class ChatTurn(msgspec.Struct, frozen=True, kw_only=True):
-    """A chat turn rendered and constrained once (`prepare_chat_turn`), to be streamed
-    any number of times (`Engine._stream_turn`: one per choice of an n > 1 request).
+    """A chat turn rendered and constrained once (`Engine.prepare_chat`), to be streamed
+    any number of times (`Engine.stream_turn`: one per choice of an n > 1 request).
 
     Preparing is the request-sized part (rendering every message and tool, the call
     grammar's text); it reads only the model's immutable template, tokens and call format,

@@ -422,3 +422,6 @@ class ModelInfo(msgspec.Struct, frozen=True, kw_only=True):
     eos_token: str = ""
     """The text of the model's end-of-sequence token, as its chat template prints `eos_token`
     ("" where the library cannot say)."""
+    engine_threads: int = 0
+    """The threads the engine computes a step with (the reference engine's shared pool, the
+    engine thread included), as the library said at open; 0 where it cannot say."""

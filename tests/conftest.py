@@ -12,7 +12,7 @@ import signal
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import pytest
@@ -34,11 +34,35 @@ from aiobasert.models.cache import (
 )
 from aiobasert.models.tiny import build_tiny_model
 
+if TYPE_CHECKING:  # llguidance: imported by the tests that build a grammar backend only
+    from aiobasert._core.grammar import GrammarBackend
+
 
 @pytest.fixture(scope="session")
 def lib() -> Library:
     """The reference engine through the SDK's ctypes mirror."""
     return load_library()
+
+
+@pytest.fixture(scope="session")
+def host_grammar(lib: Library) -> Callable[..., GrammarBackend]:
+    """`host_grammar(path, vocab_size=n)`: a bundle's host (llguidance) grammar backend, built as an
+    engine builds its own (`Preparer.host_grammar`): `GrammarBackend.for_tokenizer` of the bundle's
+    tokenizer fields, ending on the ids the engine ends generation on (its tokenizer, loaded alone)."""
+    from aiobasert._core.grammar import GrammarBackend, engine_end_ids
+    from aiobasert._core.model_file import ModelFile
+
+    def build(path: Path, *, vocab_size: int) -> GrammarBackend:
+        model = lib.baseRT_load_tokenizer_only(str(path).encode())
+        assert model, lib.last_error("baseRT_load_tokenizer_only")
+        try:
+            end_ids = engine_end_ids(lib, model, vocab_size)
+        finally:
+            lib.baseRT_free_model(model)
+        fields = ModelFile(path).bundle().tokenizer
+        return GrammarBackend.for_tokenizer(fields, vocab_size=vocab_size, end_ids=end_ids)
+
+    return build
 
 
 @pytest.fixture(scope="session")

@@ -225,6 +225,49 @@ def test_checker_reports_a_module_in_no_layer(tmp_path: Path) -> None:
     assert check(root, _TOY_LAYERS).errors == ["pkg.stray: placed in no layer, or in several"]
 
 
+def private_engine_uses(source: str, filename: str = "<source>") -> list[str]:
+    """Where `source` reaches a private attribute of an Engine: `x._name` (not a dunder) where `x` is a
+    name or attribute called `engine` (`engine`, `self._engine`, `served.engine`, `m.engine`), as
+    "line: expression"."""
+    found: list[tuple[int, int, str]] = []
+    for node in ast.walk(ast.parse(source, filename)):
+        if not isinstance(node, ast.Attribute) or not node.attr.startswith("_") or node.attr.startswith("__"):
+            continue
+        owner = node.value
+        name = owner.id if isinstance(owner, ast.Name) else owner.attr if isinstance(owner, ast.Attribute) else ""
+        if name.lstrip("_") == "engine":
+            found.append((node.lineno, node.col_offset, f"{node.lineno}: {ast.unparse(node)}"))
+    return [text for *_, text in sorted(found)]
+
+
+def test_the_server_uses_only_the_engines_public_api() -> None:
+    """The server is a client of the SDK (the "server" layer above "package"): it reaches an Engine
+    through its public API only, never `engine._...` (what it needs is public, typed and documented)."""
+    uses = {
+        str(path.relative_to(PACKAGE.parent)): found
+        for path in sorted((PACKAGE / "server").rglob("*.py"))
+        if (found := private_engine_uses(path.read_text(encoding="utf-8"), str(path)))
+    }
+    assert uses == {}
+
+
+def test_the_private_engine_check_sees_every_spelling() -> None:
+    source = textwrap.dedent("""
+        async def f(engine, served, self, m, other):
+            await engine._call(lambda: None)
+            self._engine._stream_turn(turn, params)
+            lib = served.engine._thread.lib
+            m.engine._chat_turn([])
+            engine.stats(); self._engine.info; served.engine.__class__; other._private; self._chat_turn()
+    """)
+    assert private_engine_uses(source) == [
+        "3: engine._call",
+        "4: self._engine._stream_turn",
+        "5: served.engine._thread",
+        "6: m.engine._chat_turn",
+    ]
+
+
 if __name__ == "__main__":  # the arrows, for a reader
     for name, targets in sorted(import_graph(PACKAGE).items()):
         print(f"{name} -> {', '.join(sorted(targets)) or '-'}")

@@ -15,14 +15,12 @@ back on. Small models otherwise tend to wander off into endless whitespace.
 from __future__ import annotations
 
 import json
-import os
 import time
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from ..errors import InvalidRequestError
 from ..models._hf_tokenizer import hf_tokenizer_json
-from ..models.bundle import read_bundle
 
 try:
     import llguidance
@@ -54,21 +52,6 @@ def engine_end_ids(lib: Any, model: int, n_tokens: int) -> list[int]:
     """The ids that end generation, asked of the engine (baseRT_is_eos_token): its loader
     knows each model family's end markers, the grammar offers exactly those."""
     return [i for i in range(n_tokens) if lib.baseRT_is_eos_token(model, i)]
-
-
-def bundle_end_ids(path: str | os.PathLike[str], n_tokens: int) -> list[int]:
-    """engine_end_ids of a bundle without a loaded engine: its tokenizer, loaded alone."""
-    from .ffi import load_library
-
-    lib = load_library()
-    model = lib.baseRT_load_tokenizer_only(os.fsencode(path))
-    if not model:
-        error = lib.last_error("baseRT_load_tokenizer_only", os.fspath(path))
-        raise InvalidRequestError(f"structured output: cannot read the model's tokenizer: {error}")
-    try:
-        return engine_end_ids(lib, model, n_tokens)
-    finally:
-        lib.baseRT_free_model(model)
 
 
 class JsonSchemaConstraint:
@@ -124,29 +107,6 @@ class GrammarBackend:
         self.vocab_size = vocab_size
         self.end_ids = end_ids
         self._mask_words = (vocab_size + 31) // 32
-
-    @classmethod
-    def for_bundle(
-        cls, path: str | os.PathLike[str], *, vocab_size: int, end_ids: Sequence[int] | None = None
-    ) -> GrammarBackend:
-        """Build the backend from the tokenizer in a .base bundle's header.
-
-        `vocab_size` is the engine's (the logits row width); the llguidance
-        vocabulary is padded to it. `end_ids`: the ids that end generation, as the
-        engine running the model says (engine_end_ids); None asks the bundle's
-        tokenizer loaded alone. Raises `InvalidRequestError` when llguidance is
-        missing or the tokenizer cannot back a grammar.
-        """
-        if not _HAVE_LLGUIDANCE:
-            raise InvalidRequestError("structured output needs the llguidance package (pip install llguidance)")
-        try:
-            bundle = read_bundle(path)  # the header only: tensors stay unmapped
-        except (OSError, ValueError) as exc:
-            raise InvalidRequestError(f"structured output: cannot read the model's tokenizer: {exc}") from None
-        if end_ids is None:
-            n_tokens = len(bundle.tokenizer.get("tokenizer.ggml.tokens") or [])
-            end_ids = bundle_end_ids(path, n_tokens)
-        return cls.for_tokenizer(bundle.tokenizer, vocab_size=vocab_size, end_ids=end_ids)
 
     @classmethod
     def for_tokenizer(cls, fields: Mapping[str, Any], *, vocab_size: int, end_ids: Sequence[int]) -> GrammarBackend:

@@ -109,7 +109,7 @@ class Tokenizer:
         """The C call's buffer (one slot per byte of text, plus BOS) and how many ids it holds."""
         if not isinstance(text, str):
             raise InvalidRequestError(f"prompt must be str or a list of token ids, not {type(text).__name__}")
-        self._check_fits(len(text), limit)
+        self.check_fits(len(text), limit)
         try:
             data = _ffi.c_str(text)
         except ValueError as exc:
@@ -124,7 +124,7 @@ class Tokenizer:
         return out, n
 
     def encode_pieces(self, pieces: Sequence[tuple[str, bool]], *, limit: int | None = None) -> TokenIds:
-        self._check_fits(sum(len(t) for t, _ in pieces), limit)
+        self.check_fits(sum(len(t) for t, _ in pieces), limit)
         try:
             datas = [_ffi.c_str(t) for t, _ in pieces]
         except (ValueError, TypeError) as exc:
@@ -152,7 +152,9 @@ class Tokenizer:
             parts.append(b"".join(map(table.__getitem__, part)))
         return b"".join(parts).decode("utf-8", "replace")
 
-    def _check_fits(self, chars: int, limit: int | None) -> None:
+    def check_fits(self, chars: int, limit: int | None) -> None:
+        """ContextLengthExceededError when `chars` characters of text cannot encode to `limit` tokens
+        (`cost.check_fits`), decided without tokenizing them."""
         # A quick job is tokenized and counted exactly (a few ms); a costly one is measured first.
         if limit is not None and chars > QUICK_COST:
             check_fits(chars, limit, self.lib, self.handle, self.model_path)

@@ -33,6 +33,7 @@ from ..errors import AioBaseRTError, ContextLengthExceededError, InvalidRequestE
 from ..types import MAX_SCHEMA_REFS
 from . import cost as _cost
 from . import ffi as _ffi
+from . import lazy_numpy
 from .grammar_cache import GrammarCache
 from .intake import Intake, Reroute, TokenIds, Tokenizer, on_costly_worker, run_job
 from .model_file import ModelFile
@@ -197,16 +198,26 @@ class Preparer:
     # ---- on an intake worker ----------------------------------------------------------------
 
     def prepare(self, tok: Tokenizer, spec: RequestSpec) -> PromptAndGrammar:
-        """The prompt's ids and the request's grammar."""
+        """The request's grammar, then its prompt's ids. The grammar first: it decides which worker
+        prepares the request (a cheap worker that comes to the host backend's first build hands the
+        job, whole, to the costly one: `intake.Reroute`), so that is settled before the prompt is
+        tokenized, and no prompt is tokenized twice."""
         for text in (spec.lark, spec.structural_tag):
             # tool schemas reach the compilers inside these texts: the same `$ref` cap
             # as a json_schema (a cheap, conservative count of the key itself)
             if text is not None and text.count('"$ref"') > MAX_SCHEMA_REFS:
                 raise InvalidRequestError(f"tools: the tool schemas hold more than {MAX_SCHEMA_REFS} $refs")
-        prompt = self.tokenize_prompt(tok, spec)
         constraint: Constraint | None = None
         if spec.lark is not None or spec.structural_tag is not None or spec.params.json_schema is not None:
-            constraint = self.grammar_of(tok, spec)
+            tok.check_fits(_cost.prompt_chars(spec.prompt), self.max_context)  # no grammar for a text that cannot fit
+            lazy_numpy.load()  # the engine thread masks a grammar's rows with numpy: imported here, never there
+            constraint = self.grammar_of(tok, spec)  # may raise Reroute: nothing is tokenized yet
+        try:
+            prompt = self.tokenize_prompt(tok, spec)
+        except BaseException:
+            if constraint is not None:
+                _discard(constraint, tok)
+            raise
         return prompt, constraint
 
     def grammar_of(self, tok: Tokenizer, spec: RequestSpec) -> Constraint:
@@ -344,6 +355,20 @@ class Preparer:
         if not ids:
             raise InvalidRequestError("the prompt is empty: it encodes to no tokens")
         return ids
+
+
+def _discard(constraint: Constraint, tok: Tokenizer) -> None:
+    """Free, on the worker, the grammar of a request refused after it was built (its prompt): an
+    engine grammar is freed through the worker's own library view (one from the cache was adopted by
+    the engine thread's: taken back first), a host grammar is only dropped."""
+    close = getattr(constraint, "close", None)
+    if close is None:
+        return
+    adopt = getattr(constraint, "adopt", None)
+    if adopt is not None:
+        adopt(tok.lib)
+    with contextlib.suppress(Exception):  # freeing must not hide why the request was refused
+        close()
 
 
 def _is_ids(prompt: Prompt) -> bool:

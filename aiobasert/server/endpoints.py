@@ -21,7 +21,7 @@ from ..errors import InvalidRequestError
 from ..fanout import MAX_N, prefill_once, sample_params
 from ..streams import TokenStream
 from ..tools import ChatDelta as ChatDeltaSDK
-from ..tools import ChatStream, ChatTurn, TextDelta, Tool, ToolCall, ToolCallDelta
+from ..tools import ChatStream, ChatTurn, TextDelta, ToolCall, ToolCallDelta
 from ..types import SamplingParams, Timing, Token, Usage
 from .compat import check_refused
 from .errors import APIError, api_error
@@ -29,7 +29,16 @@ from .events import ChunkFormat, OpenAIChunks, collect, drive
 from .http import json_response, read_json
 from .logprobs import chat_logprobs, completion_logprobs
 from .metrics import Metrics, RequestObserver
-from .params import chat_messages, check_chat_size, finish_reason, json_schema_of, precount_chat, sampling_params
+from .params import (
+    chat_messages,
+    check_chat_size,
+    finish_reason,
+    json_schema_of,
+    precount_chat,
+    refuse_schema_with_tools,
+    request_tools,
+    sampling_params,
+)
 from .protocol import (
     MAX_EMBEDDING_INPUTS,
     AssistantMessage,
@@ -54,7 +63,6 @@ from .protocol import (
     HealthStatus,
     ModelCard,
     ModelList,
-    NamedToolChoice,
     SamplingRequest,
     TokenizeRequest,
     TokenizeResponse,
@@ -303,8 +311,6 @@ class _ChatPlan:
 
     params: SamplingParams
     n: int
-    tools: list[Tool]
-    tool_choice: str | None
     logprobs: bool
 
 
@@ -334,14 +340,8 @@ def _chat_plan(req: ChatCompletionRequest) -> _ChatPlan:
     params = sampling_params(
         req, max_tokens=max_tokens, logprobs=want_logprobs, top_logprobs=top, json_schema=json_schema
     )
-    tools = [
-        Tool(name=t.function.name, description=t.function.description, parameters=t.function.parameters)
-        for t in req.tools or ()
-    ]
-    choice = req.tool_choice.function.name if isinstance(req.tool_choice, NamedToolChoice) else req.tool_choice
-    if tools and json_schema is not None and choice != "none":
-        raise APIError(400, "response_format cannot be combined with tools", param="response_format")
-    return _ChatPlan(params=params, n=n, tools=tools, tool_choice=choice, logprobs=want_logprobs)
+    refuse_schema_with_tools(bool(req.tools), json_schema, field="response_format", param="response_format")
+    return _ChatPlan(params=params, n=n, logprobs=want_logprobs)
 
 
 class _ChatStarts:
@@ -355,7 +355,7 @@ class _ChatStarts:
 
     def start(self, params: SamplingParams) -> TokenStream:
         try:
-            chat = self._engine._stream_turn(self._turn, params)
+            chat = self._engine.stream_turn(self._turn, params)
         except InvalidRequestError as exc:
             raise _chat_error(exc) from None
         self._chats[id(chat.tokens)] = chat
@@ -670,12 +670,13 @@ class Service:
 
         def prepare() -> ChatTurn:
             # request-sized (every message and tool): in a worker, never on the event loop
-            return engine._chat_turn(
-                chat_messages(req.messages), tools=plan.tools or None, tool_choice=plan.tool_choice, parallel=parallel
+            tools, choice = request_tools(req.tools, req.tool_choice)
+            return engine.prepare_chat(
+                chat_messages(req.messages), tools=tools, tool_choice=choice, parallel_tool_calls=parallel
             )
 
         try:
-            return await self.workers.run(prepare, large=is_large(len(req.messages), len(plan.tools)))
+            return await self.workers.run(prepare, large=is_large(len(req.messages), len(req.tools or ())))
         except BaseException as exc:
             if places is not None:
                 places.release()

@@ -312,8 +312,9 @@ class RequestObserver:
 
     async def aborted(self, since: float) -> None:
         """After a disconnect (its stream already closed): wait until the engine
-        thread has handled the cancel (a barrier call queued behind it: cancels
-        release the lane on intake) and record the time since `since`."""
+        thread has handled the cancel (`Engine.stats`, answered by the engine thread
+        after every message posted before it: cancels release the lane on intake)
+        and record the time since `since`."""
         if not self._ended:
             self._ended = True
             self._m.cancelled.labels(self._model).inc()
@@ -323,7 +324,7 @@ class RequestObserver:
             return
         with anyio.move_on_after(10, shield=True) as scope:
             try:
-                await engine._call(lambda: None)
+                await engine.stats()
             except Exception:  # the engine closed meanwhile: nothing to measure
                 return
         if scope.cancelled_caught:

@@ -27,7 +27,6 @@ from typing import Any
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ..batcher import client_scope
-from ..engine import Engine
 from .errors import WITNESS, APIError
 from .metrics import Metrics
 from .provider import ServedModel
@@ -166,16 +165,6 @@ def log_config(level: str) -> dict[str, Any]:
     }
 
 
-async def _engine_threads(engine: Engine) -> int | None:
-    """The reference engine's worker threads (its shared pool, the caller included), or None
-    for a library that does not say."""
-    lib = engine._thread.lib
-    if not lib.has("baseRT_ref_counter"):
-        return None
-    n = int(await engine._call(lambda: lib.baseRT_ref_counter(b"pool_threads")))
-    return n if n > 0 else None
-
-
 def _mib(n: int) -> str:
     return f"{n / 2**20:.1f} MiB"
 
@@ -196,8 +185,8 @@ async def startup_line(served: Sequence[ServedModel], address: str | None) -> st
             f"{m.name!r} ({info.max_batch_size} lanes x {info.max_context} tokens, "
             f"KV {info.kv_cache_dtype or '?'} {_mib(stats.kv_cache_bytes)})"
         )
-        if threads is None:
-            threads = await _engine_threads(engine)
+        if threads is None and info.engine_threads > 0:
+            threads = info.engine_threads
     line = f"aiobasert {__version__} ready: " + (", ".join(models) or "no model loaded yet")
     if threads is not None:
         line += f"; {threads} engine threads"

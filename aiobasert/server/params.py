@@ -10,8 +10,9 @@ from typing import Any
 import msgspec
 
 from ..chat import MAX_CHAT_MESSAGES
+from ..errors import InvalidRequestError
 from ..streams import TokenStream
-from ..tools import MAX_TOOLS, ToolCall
+from ..tools import MAX_TOOLS, ToolCall, ToolChoice, check_schema_and_tools
 from ..types import FinishReason, SamplingParams, Token
 from .errors import APIError, aborted
 from .protocol import RequestMessage, ResponseFormat, SamplingRequest
@@ -63,6 +64,24 @@ def json_schema_of(fmt: ResponseFormat | None) -> dict[str, Any] | bool | None:
             raise APIError(400, "response_format json_schema needs json_schema.schema", param="response_format")
         return fmt.json_schema.schema
     raise APIError(400, f"unknown response_format type {fmt.type!r}", param="response_format")
+
+
+def refuse_schema_with_tools(has_tools: bool, json_schema: object, *, field: str, param: str) -> None:
+    """`aiobasert.tools.check_schema_and_tools`, the SDK's own rule, as a 400 naming `param`."""
+    try:
+        check_schema_and_tools(has_tools, json_schema, field=field)
+    except InvalidRequestError as exc:
+        raise APIError(400, str(exc), param=param) from None
+
+
+def request_tools(
+    tools: Sequence[msgspec.Struct] | None, tool_choice: str | msgspec.Struct | None
+) -> tuple[list[dict[str, Any]] | None, ToolChoice | dict[str, Any] | None]:
+    """A request's `tools` and `tool_choice` (chat's nested or Responses' flat shapes) as the
+    OpenAI dicts the SDK reads: their rules live in `aiobasert.tools` (`parse_tools`,
+    `parse_tool_choice`). Request-sized (it copies every schema): run it in a worker."""
+    choice: ToolChoice | dict[str, Any] | None = msgspec.to_builtins(tool_choice)
+    return (msgspec.to_builtins(tools) or None), choice
 
 
 def check_chat_size(messages: int, tools: int, messages_param: str) -> None:

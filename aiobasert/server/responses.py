@@ -28,14 +28,14 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from ..errors import InvalidRequestError
-from ..tools import ChatStream, TextDelta, Tool, ToolCall, ToolCallDelta, template_supports_tools
+from ..tools import ChatStream, TextDelta, ToolCall, ToolCallDelta, template_supports_tools
 from ..types import SamplingParams, Timing, Token, Usage
 from .compat import check_refused
 from .errors import APIError, api_error, in_band_error
 from .events import collect, drive
 from .http import json_response, read_json
 from .metrics import Metrics
-from .params import check_chat_size, finish_reason, precount_responses
+from .params import check_chat_size, finish_reason, precount_responses, refuse_schema_with_tools, request_tools
 from .protocol import SchemaFields
 from .provider import ServedModel
 from .streaming import DEFAULT_WRITE_TIMEOUT_S, BacklogLimit, EventStream, unless_disconnected
@@ -690,14 +690,7 @@ class ResponsesAPI:
         if req.max_output_tokens is not None and req.max_output_tokens < 1:
             raise APIError(400, "max_output_tokens must be >= 1", param="max_output_tokens")
         schema = _json_schema(req.text)
-        tools = [Tool(name=t.name, description=t.description, parameters=t.parameters) for t in req.tools or ()]
-        choice: str | None = None
-        if isinstance(req.tool_choice, ResponsesNamedTool):
-            choice = req.tool_choice.name
-        elif req.tool_choice is not None:
-            choice = req.tool_choice
-        if tools and schema is not None and choice != "none":
-            raise APIError(400, "text.format cannot be combined with tools", param="text")
+        refuse_schema_with_tools(bool(req.tools), schema, field="text.format", param="text")
         params = SamplingParams(
             max_tokens=req.max_output_tokens,
             temperature=1.0 if req.temperature is None else req.temperature,
@@ -705,18 +698,17 @@ class ResponsesAPI:
             json_schema=schema,
         )
         served: ServedModel = self._resolve(req.model)
-        check_chat_size(len(messages), len(tools), "input")  # the stored conversation counts too
+        check_chat_size(len(messages), len(req.tools or ()), "input")  # the stored conversation counts too
         engine = served.engine
         parallel = req.parallel_tool_calls is not False
 
         def start() -> ChatStream:
             # request-sized (every message and tool): in a worker, never on the event loop
-            return engine.stream_chat(
-                messages, params, tools=tools or None, tool_choice=choice, parallel_tool_calls=parallel
-            )
+            tools, choice = request_tools(req.tools, req.tool_choice)
+            return engine.stream_chat(messages, params, tools=tools, tool_choice=choice, parallel_tool_calls=parallel)
 
         try:
-            chat = await self._workers.run(start, large=is_large(len(messages), len(tools)))
+            chat = await self._workers.run(start, large=is_large(len(messages), len(req.tools or ())))
         except InvalidRequestError as exc:
             msg, err = str(exc), api_error(exc)
             if err.body.error.param is None:

@@ -17,7 +17,7 @@ import aiobasert
 async def test_the_grammar_backend_and_the_embed_path_share_one_read_of_the_bundle(
     tiny_model_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from aiobasert._core import ffi, grammar
+    from aiobasert._core import ffi
     from aiobasert.models import bundle
 
     reads: list[str] = []
@@ -28,7 +28,6 @@ async def test_the_grammar_backend_and_the_embed_path_share_one_read_of_the_bund
         return real(path)
 
     monkeypatch.setattr(bundle, "read_bundle", read_bundle)
-    monkeypatch.setattr(grammar, "read_bundle", read_bundle)  # where a path-taking reader bound it
     has = ffi.Library.has  # no grammar compiler in the engine: llguidance's backend reads the tokenizer
     monkeypatch.setattr(ffi.Library, "has", lambda self, name: "grammar" not in name and has(self, name))
     async with aiobasert.Engine.open(tiny_model_path, max_batch_size=2) as engine:

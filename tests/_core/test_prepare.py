@@ -395,6 +395,79 @@ async def test_the_host_grammar_backend_is_built_on_the_costly_worker_where_only
         assert (await engine.stats()).live_grammars == 0
 
 
+def _texts_encoded_by_worker(engine: aiobasert.Engine) -> dict[str, int]:
+    intake = engine._thread.intake
+    assert intake is not None
+    return {w.thread.name: w.tok.encoded if w.tok is not None else 0 for w in intake._workers}
+
+
+@pytest.mark.anyio
+async def test_a_request_moved_to_the_costly_worker_is_tokenized_once(tiny_model_path: Path) -> None:
+    """A cheap request whose grammar needs the host backend's first build (`grammar_backend_at_open=False`)
+    moves to the costly worker (`intake.Reroute`): that is decided before its prompt is tokenized, so
+    the prompt is tokenized once, on the costly worker, and never on the cheap worker that handed it
+    over."""
+    async with aiobasert.Engine.open(tiny_model_path, max_batch_size=2, grammar_backend_at_open=False) as engine:
+        started, release = _held_costly_lane(engine)  # the cheap grammar worker takes the request
+        await _until(started)
+        before = _texts_encoded_by_worker(engine)
+        async with anyio.create_task_group() as tg:
+
+            async def host() -> None:
+                out = await engine.generate("a prompt", max_tokens=8, json_schema={"enum": ["red", "green"]})
+                assert json.loads(out.text) in ("red", "green")
+
+            tg.start_soon(host)
+            while engine._thread.prep.backend is None and not _moved(engine):
+                await anyio.sleep(0.001)
+            release.set()
+        after = _texts_encoded_by_worker(engine)
+        assert engine._thread.prep.backend is not None  # built: the request went the costly way
+        encoded = {name: after[name] - before[name] for name in after}
+        assert encoded == {"aiobasert-tokenize": 0, "aiobasert-grammar-0": 0, "aiobasert-grammar-1": 1}
+
+
+@pytest.mark.anyio
+async def test_a_grammar_built_for_a_prompt_then_refused_is_freed_on_its_worker(
+    tiny_model_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The grammar comes before the prompt (see the test above): when the prompt is then refused, the
+    grammar (here the engine's, kept from an earlier request and so adopted by the engine thread) is
+    freed on the worker through its own library view, never through the engine thread's."""
+    from aiobasert._core.grammar import EngineGrammarConstraint
+
+    schema = {"type": "integer"}
+    async with aiobasert.Engine.open(tiny_model_path, max_batch_size=2, thread_check=True) as engine:
+        await engine.generate("x", max_tokens=4, json_schema=schema)  # its grammar is kept for the next
+        closed: list[str] = []
+        real = EngineGrammarConstraint.close
+
+        def close(self: EngineGrammarConstraint) -> None:
+            closed.append(threading.current_thread().name)
+            real(self)
+
+        monkeypatch.setattr(EngineGrammarConstraint, "close", close)
+        with pytest.raises(ContextLengthExceededError, match="characters is at least"):
+            await engine.generate("ab " * 100_000, max_tokens=1, json_schema=schema)
+        assert closed == []  # a text that cannot fit is refused before its grammar is taken
+        with pytest.raises(InvalidRequestError, match="NUL"):  # refused as it is tokenized
+            await engine.generate("a\x00b", max_tokens=1, json_schema=schema)
+        (worker,) = closed  # the kept grammar, taken for it and freed there
+        assert worker.startswith("aiobasert-grammar-")
+        assert dict(engine._thread.prep.grammar_compiles) == {"engine": 1}
+        assert engine._thread.lib.violations == 0
+        out = await engine.generate("x", max_tokens=4, json_schema=schema)
+        assert isinstance(json.loads(out.text), int) or out.finish_reason == "length"
+        assert (await engine.stats()).live_grammars == 0
+
+
+def _moved(engine: aiobasert.Engine) -> bool:
+    """Whether a job waits in the costly lane (the held lane's own job is running, not waiting)."""
+    intake = engine._thread.intake
+    assert intake is not None
+    return bool(intake.jobs._queues["costly"])
+
+
 @pytest.mark.anyio
 async def test_a_long_prompt_is_held_as_a_c_array_not_a_python_list(long_untied_model_path: Path) -> None:
     """Issue 26 #9a: a tokenized prompt travels from the C call to the engine as a C array (4 bytes a

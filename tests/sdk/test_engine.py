@@ -20,6 +20,7 @@ from aiobasert import (
     InvalidRequestError,
     InvalidSamplingParamsError,
 )
+from aiobasert._core.ffi import Library
 from aiobasert.chat import DEFAULT_TEMPLATE, GEMMA_TEMPLATE, LLAMA3_TEMPLATE, render_chat
 from aiobasert.models.tiny import build_tiny_model
 
@@ -273,6 +274,14 @@ async def test_only_the_engine_thread_enters_the_library(tiny_model_path: Path) 
         assert lib.violations == 1
 
 
+async def test_info_says_how_many_threads_the_engine_computes_with(tiny_model_path: Path, lib: Library) -> None:
+    """`ModelInfo.engine_threads`: the reference engine's shared pool as it said at open (the
+    server's ready line prints it)."""
+    async with Engine.open(tiny_model_path, max_batch_size=1) as engine:
+        assert engine.info.engine_threads >= 1
+        assert engine.info.engine_threads == lib.baseRT_ref_counter(b"pool_threads")
+
+
 async def test_encode_decode_chat(tiny_model_path: Path) -> None:
     async with Engine.open(tiny_model_path) as engine:
         ids = await engine.encode("Hello, world! 😀")
@@ -469,7 +478,7 @@ from pathlib import Path
 import aiobasert
 # The grammar worker's code (llguidance, the bundle reader), imported lazily at the first schema, is
 # loaded up front: this measures data (a header's parse tree), not a module import after `ready`.
-import aiobasert._core.grammar, aiobasert.models._hf_tokenizer
+import aiobasert._core.grammar, aiobasert.models._hf_tokenizer, aiobasert.models.bundle
 def status(key):
     return int(re.search(key + r":\\s+(\\d+)", Path("/proc/self/status").read_text())[1]) * 1024
 async def main():

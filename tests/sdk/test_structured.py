@@ -4,6 +4,7 @@ constrained lanes in the engine, batched with free lanes, under asyncio and trio
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -85,11 +86,11 @@ def allowed_ids(mask: np.ndarray[Any, Any]) -> set[int]:
     return {int(i) for i in np.flatnonzero(np.unpackbits(mask.view(np.uint8), bitorder="little"))}
 
 
-def test_backend_masks_steps_and_finishes(untied_model_path: Path) -> None:
+def test_backend_masks_steps_and_finishes(untied_model_path: Path, host_grammar: Callable[..., GrammarBackend]) -> None:
     header = read_bundle(untied_model_path)
     vocab = header.config["vocab_size"]
     tokens = header.tokenizer["tokenizer.ggml.tokens"]
-    backend = GrammarBackend.for_bundle(untied_model_path, vocab_size=vocab)
+    backend = host_grammar(untied_model_path, vocab_size=vocab)
     assert EOS_ID in backend.end_ids
     assert all(header.tokenizer["tokenizer.ggml.token_type"][i] == 3 for i in backend.end_ids)
 
@@ -111,9 +112,11 @@ def test_backend_masks_steps_and_finishes(untied_model_path: Path) -> None:
     assert allowed_ids(mask) == set(backend.end_ids)  # complete: only the end tokens remain
 
 
-def test_backend_rejects_a_token_outside_the_grammar(untied_model_path: Path) -> None:
+def test_backend_rejects_a_token_outside_the_grammar(
+    untied_model_path: Path, host_grammar: Callable[..., GrammarBackend]
+) -> None:
     vocab = read_bundle(untied_model_path).config["vocab_size"]
-    constraint = GrammarBackend.for_bundle(untied_model_path, vocab_size=vocab).compile({"type": "integer"})
+    constraint = host_grammar(untied_model_path, vocab_size=vocab).compile({"type": "integer"})
     mask = np.zeros((vocab + 31) // 32, dtype=np.int32)
     constraint.fill_bitmask(mask)
     rejected = min(set(range(vocab)) - allowed_ids(mask))
@@ -121,17 +124,19 @@ def test_backend_rejects_a_token_outside_the_grammar(untied_model_path: Path) ->
     assert constraint.error and "doesn't satisfy the grammar" in constraint.error
 
 
-def test_backend_pads_to_the_engine_vocabulary(untied_model_path: Path) -> None:
+def test_backend_pads_to_the_engine_vocabulary(
+    untied_model_path: Path, host_grammar: Callable[..., GrammarBackend]
+) -> None:
     n_tokens = len(read_bundle(untied_model_path).tokenizer["tokenizer.ggml.tokens"])
     padded = n_tokens + 40
-    constraint = GrammarBackend.for_bundle(untied_model_path, vocab_size=padded).compile(True)
+    constraint = host_grammar(untied_model_path, vocab_size=padded).compile(True)
     mask = np.zeros((padded + 31) // 32, dtype=np.int32)
     constraint.fill_bitmask(mask)
     assert allowed_ids(mask) and max(allowed_ids(mask)) < n_tokens  # padding ids are never allowed
     with pytest.raises(ValueError, match="int32 words"):
         constraint.fill_bitmask(np.zeros(2, dtype=np.int32))
     with pytest.raises(InvalidRequestError, match="tokens"):
-        GrammarBackend.for_bundle(untied_model_path, vocab_size=n_tokens - 1)
+        host_grammar(untied_model_path, vocab_size=n_tokens - 1)
 
 
 # ---- constrained lanes in the engine --------------------------------------------------
@@ -281,7 +286,9 @@ async def test_a_pathological_schema_stops_at_the_compilers_limits(untied_model_
         assert int(done.text) == json.loads(done.text)
 
 
-def test_the_largest_tool_set_allowed_compiles_within_the_limits(untied_model_path: Path) -> None:
+def test_the_largest_tool_set_allowed_compiles_within_the_limits(
+    untied_model_path: Path, host_grammar: Callable[..., GrammarBackend]
+) -> None:
     # 128 tools (aiobasert.tools.MAX_TOOLS) of 40 mixed properties each, and 1,000 integer fields:
     # the limits refuse only what is far past real schemas.
     from aiobasert.tools import MAX_TOOLS, parse_tools, tool_grammar
@@ -292,7 +299,7 @@ def test_the_largest_tool_set_allowed_compiles_within_the_limits(untied_model_pa
         "type": "object", "properties": {f"p{i}": kinds[i % len(kinds)] for i in range(40)}}}}
         for t in range(MAX_TOOLS)])  # fmt: skip
     vocab = read_bundle(untied_model_path).config["vocab_size"]
-    backend = GrammarBackend.for_bundle(untied_model_path, vocab_size=vocab)
+    backend = host_grammar(untied_model_path, vocab_size=vocab)
     lark = tool_grammar(tools, "required")
     assert lark is not None
     assert backend.compile_lark(lark).error is None
@@ -460,19 +467,23 @@ async def test_an_abort_does_not_wait_for_a_grammar_compile(
             await s
 
 
-def test_backend_end_ids_are_the_engines(lib: Library, tmp_path: Path) -> None:
+@pytest.mark.anyio
+async def test_backend_end_ids_are_the_engines(lib: Library, tmp_path: Path) -> None:
     """The grammar offers exactly the tokens the engine ends generation on (asked of the engine,
     not a copy of its list): here Gemma's <end_of_turn> stored as a normal token, as older Gemma
-    GGUFs do."""
+    GGUFs do. The engine's own backend, built for its first schema only llguidance takes (`enum`)."""
     path = build_tiny_model(tmp_path / "gemma_vocab.base", extra_tokens=(("<start_of_turn>", 3), ("<end_of_turn>", 1)))
     tokens = read_bundle(path).tokenizer["tokenizer.ggml.tokens"]
-    backend = GrammarBackend.for_bundle(path, vocab_size=len(tokens))
     m = lib.baseRT_load_tokenizer_only(str(path).encode())
     try:
         engine_ends = [t for t in range(len(tokens)) if lib.baseRT_is_eos_token(m, t)]
     finally:
         lib.baseRT_free_model(m)
-    assert backend.end_ids == engine_ends and tokens.index("<end_of_turn>") in engine_ends
+    async with Engine.open(path, max_batch_size=1) as engine:
+        await engine.generate("x", max_tokens=4, json_schema={"enum": ["red", "green"]})
+        backend = engine._thread.prep.backend
+    assert backend is not None and backend.end_ids == engine_ends
+    assert tokens.index("<end_of_turn>") in engine_ends
 
 
 @pytest.mark.anyio

@@ -8,8 +8,9 @@ from __future__ import annotations
 import ast
 import itertools
 import json
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jsonschema  # type: ignore[import-untyped]
 import pytest
@@ -23,6 +24,9 @@ from aiobasert.chat import DEFAULT_TEMPLATE, GEMMA_TEMPLATE, LLAMA3_TEMPLATE
 from aiobasert.models.tiny import CHATML_TEMPLATE
 from aiobasert.tool_formats import HERMES, LLAMA3_JSON, Llama3JsonParser, tool_format_for
 from aiobasert.tools import ChatReply, ChatStream, TextDelta, Tool, ToolCall, ToolCallDelta, render_tool_chat
+
+if TYPE_CHECKING:  # llguidance: imported where a grammar is built
+    from aiobasert._core.grammar import GrammarBackend
 
 pytestmark = pytest.mark.anyio
 
@@ -343,10 +347,9 @@ def llama_call(name: str, args: str) -> str:
     ],
 )
 def test_the_llama_grammar_admits_exactly_the_contract(
-    tiny_model_path: Path, choice: str, parallel: bool, text: str, ok: bool
+    tiny_model_path: Path, host_grammar: Callable[..., GrammarBackend], choice: str, parallel: bool, text: str, ok: bool
 ) -> None:
     """Text fed token by token through the compiled Lark grammar (what the engine masks with)."""
-    from aiobasert._core.grammar import GrammarBackend
     from aiobasert.models.bundle import read_bundle
 
     time = Tool(
@@ -359,7 +362,7 @@ def test_the_llama_grammar_admits_exactly_the_contract(
         },
     )
     vocab = len(read_bundle(tiny_model_path).tokenizer["tokenizer.ggml.tokens"])
-    backend = GrammarBackend.for_bundle(tiny_model_path, vocab_size=vocab)
+    backend = host_grammar(tiny_model_path, vocab_size=vocab)
     lark = LLAMA3_JSON.grammar([WEATHER, time], choice, parallel=parallel)
     assert lark is not None
     constraint = backend.compile_lark(lark)

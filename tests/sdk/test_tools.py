@@ -7,8 +7,9 @@ from __future__ import annotations
 import itertools
 import json
 import re
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import jsonschema  # type: ignore[import-untyped]
@@ -17,7 +18,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from tool_checks import backends, json_complete
 
-from aiobasert import Engine, InvalidRequestError, StreamClosedError
+from aiobasert import Engine, InvalidRequestError, SamplingParams, StreamClosedError
 from aiobasert.chat import GEMMA_TEMPLATE, MAX_CHAT_MESSAGES, render_chat
 from aiobasert.models.tiny import BOS_ID, EOS_ID, SPECIAL_TOKENS, build_tiny_model
 from aiobasert.tool_formats import HERMES
@@ -34,6 +35,9 @@ from aiobasert.tools import (
     tool_grammar,
     tool_structural_tag,
 )
+
+if TYPE_CHECKING:  # llguidance: imported where a grammar is built
+    from aiobasert._core.grammar import GrammarBackend
 
 pytestmark = pytest.mark.anyio
 
@@ -144,14 +148,13 @@ async def test_auto_is_text_or_well_formed_calls_and_none_is_text(tiny_model_pat
     ],
 )
 def test_the_grammar_admits_exactly_the_contract(
-    tiny_model_path: Path, choice: str, parallel: bool, text: str, ok: bool
+    tiny_model_path: Path, host_grammar: Callable[..., GrammarBackend], choice: str, parallel: bool, text: str, ok: bool
 ) -> None:
     """Text fed token by token through the compiled grammar (what the engine masks with)."""
-    from aiobasert._core.grammar import GrammarBackend
     from aiobasert.models.bundle import read_bundle
 
     vocab = len(read_bundle(tiny_model_path).tokenizer["tokenizer.ggml.tokens"])
-    backend = GrammarBackend.for_bundle(tiny_model_path, vocab_size=vocab)
+    backend = host_grammar(tiny_model_path, vocab_size=vocab)
     lark = tool_grammar([WEATHER, TIME], choice, parallel=parallel)
     assert lark is not None
     constraint = backend.compile_lark(lark)
@@ -317,6 +320,29 @@ def test_grammar_shapes_and_bad_input() -> None:
     assert single is not None and "get_weather" not in single and "call (" not in single
     with pytest.raises(InvalidRequestError):
         render_tool_chat("", [{"role": "user", "content": 5}], [WEATHER], tool_format=HERMES)
+
+
+async def test_a_prepared_turn_streams_each_reply_as_stream_chat_does(tiny_model_path: Path) -> None:
+    """`Engine.prepare_chat` renders once, `Engine.stream_turn` streams a reply per call (the
+    server's n > 1 chats): each reply is the one `stream_chat` gives for the same seed."""
+    sampling = SamplingParams(max_tokens=40, seed=3, temperature=1.0)
+    async with Engine.open(tiny_model_path, max_batch_size=2) as engine:
+        turn = engine.prepare_chat(MESSAGES, tools=[WEATHER, TIME], tool_choice="required")
+        replies = [
+            await engine.stream_turn(turn, sampling),
+            await engine.stream_turn(turn, max_tokens=40, seed=3, temperature=1.0),
+            await engine.stream_chat(MESSAGES, sampling, tools=[WEATHER, TIME], tool_choice="required"),
+        ]
+        calls = [[(c.name, c.arguments) for c in r.tool_calls] for r in replies]
+        assert calls[0] and calls[0] == calls[1] == calls[2]
+        with pytest.raises(InvalidRequestError, match=r"^json_schema cannot be combined with tools$"):
+            engine.stream_turn(turn, json_schema=True)
+        with pytest.raises(InvalidRequestError, match="parallel_tool_calls"):
+            engine.prepare_chat(MESSAGES, tools=[WEATHER], parallel_tool_calls="no")  # type: ignore[arg-type]
+        plain = engine.prepare_chat(MESSAGES)  # no tools: a schema is welcome
+        assert plain.lark is None
+        reply = await engine.stream_turn(plain, max_tokens=8, json_schema={"type": "integer"})
+        assert not reply.tool_calls and reply.finish_reason in ("stop", "length")
 
 
 async def test_bad_tools_and_choices_raise_in_the_caller(tiny_model_path: Path) -> None:
@@ -643,7 +669,7 @@ async def test_tool_turns_print_the_models_own_tokens(tmp_path: Path) -> None:
     async with Engine.open(path, max_batch_size=2) as engine:
         info = engine.info
         assert (info.bos_token, info.eos_token) == (SPECIAL_TOKENS[BOS_ID], SPECIAL_TOKENS[EOS_ID])
-        turn = engine._chat_turn(MESSAGES, tools=[TIME], tool_choice="auto", parallel=True)
+        turn = engine.prepare_chat(MESSAGES, tools=[TIME], tool_choice="auto")
         assert "".join(p for p, _ in turn.pieces) == info.bos_token + MESSAGES[0]["content"] + info.eos_token + "T"
         plain = await engine.chat(MESSAGES, max_tokens=1)
         tooled = await engine.chat(MESSAGES, tools=[TIME], tool_choice="none", max_tokens=1)
@@ -822,12 +848,13 @@ def test_closed_objects_policy() -> None:
         (OPEN_MAP, '{"labels":{},"other":1}', False),
     ],
 )
-def test_the_call_grammar_refuses_undeclared_properties(tiny_model_path: Path, tool: Tool, args: str, ok: bool) -> None:
-    from aiobasert._core.grammar import GrammarBackend
+def test_the_call_grammar_refuses_undeclared_properties(
+    tiny_model_path: Path, host_grammar: Callable[..., GrammarBackend], tool: Tool, args: str, ok: bool
+) -> None:
     from aiobasert.models.bundle import read_bundle
 
     vocab = len(read_bundle(tiny_model_path).tokenizer["tokenizer.ggml.tokens"])
-    backend = GrammarBackend.for_bundle(tiny_model_path, vocab_size=vocab)
+    backend = host_grammar(tiny_model_path, vocab_size=vocab)
     for choice in ("required", tool.name):
         lark = tool_grammar([tool], choice, parallel=False)
         assert lark is not None

@@ -18,6 +18,7 @@ from loopback import API_KEY, MODEL_NAME, serving
 from openai import AsyncOpenAI, OpenAI
 from openai.types.chat import ChatCompletionMessageParam, ChatCompletionToolParam
 
+from aiobasert import Engine, InvalidRequestError
 from aiobasert.server import create_app
 
 WEATHER_PARAMS: dict[str, Any] = {
@@ -38,6 +39,7 @@ TOOLS: list[ChatCompletionToolParam] = [
 ]
 SCHEMAS = {"get_weather": WEATHER_PARAMS, "get_time": TIME_PARAMS}
 MESSAGES: list[ChatCompletionMessageParam] = [{"role": "user", "content": "What's the weather in Paris?"}]
+JSON_OBJECT = {"type": "json_object"}
 
 
 def valid(name: str, arguments: str) -> None:
@@ -223,6 +225,48 @@ def test_bad_tool_requests_are_400_naming_the_param(
     assert r.status_code == 400, r.text
     error = r.json()["error"]
     assert error["param"] == param and message in error["message"]
+
+
+@pytest.mark.parametrize("choice", ["auto", "none", "required", "get_time"])
+@pytest.mark.anyio
+async def test_a_schema_with_tools_is_refused_alike_by_the_sdk_chat_and_responses(
+    base_url: str, tiny_model_path: Path, choice: str
+) -> None:
+    """One rule (aiobasert.tools.check_schema_and_tools) for every surface: a reply held to a JSON
+    schema cannot also be held to the tool-call grammar, whatever tool_choice says ("none" still
+    constrains the text), each refusal naming that surface's own schema field."""
+    async with Engine.open(tiny_model_path, max_batch_size=1) as engine:
+        for call in (engine.stream_chat, engine.chat):
+            with pytest.raises(InvalidRequestError) as sdk:
+                call(MESSAGES, tools=[TOOLS[1]], tool_choice=choice, json_schema={"type": "object"})
+            assert str(sdk.value) == "json_schema cannot be combined with tools"
+    named = {"type": "function", "function": {"name": choice}} if choice == "get_time" else choice
+    flat_tool = {"type": "function", "name": "get_time", "parameters": TIME_PARAMS}
+    surfaces = [
+        (
+            "/v1/chat/completions",
+            {"messages": MESSAGES, "tools": [TOOLS[1]], "tool_choice": named, "response_format": JSON_OBJECT},
+            "response_format",
+            "response_format",
+        ),
+        (
+            "/v1/responses",
+            {
+                "input": "Hi",
+                "tools": [flat_tool],
+                "tool_choice": {"type": "function", "name": choice} if choice == "get_time" else choice,
+                "text": {"format": JSON_OBJECT},
+            },
+            "text",
+            "text.format",
+        ),
+    ]
+    async with httpx.AsyncClient(base_url=base_url, headers={"Authorization": f"Bearer {API_KEY}"}) as http:
+        for path, body, param, field in surfaces:
+            r = await http.post(path, json={"model": MODEL_NAME, **body})
+            assert r.status_code == 400, (path, r.text)
+            error = r.json()["error"]
+            assert (error["param"], error["message"]) == (param, f"{field} cannot be combined with tools"), path
 
 
 def test_client_sees_bad_request(client: OpenAI) -> None:
