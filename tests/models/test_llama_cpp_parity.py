@@ -20,12 +20,14 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import importlib.metadata
 import json
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import oracle
 import pytest
 from gguf import GGUFReader
 from oracle import LlamaForward, gguf_oracle
@@ -58,11 +60,13 @@ class ExactForward:
     """The exact float64 forward over a GGUF's dequantized weights (tests/oracle.py's gguf_oracle) and the
     GGUF's header, read on first use and shared by this module's tests (the `exact` fixture): gguf-py reads
     Gemma 3's 262k-entry vocabulary in ~14 s each time, and both dtypes' free-running and teacher-forced
-    runs ask about the same prefixes, each computed once."""
+    runs ask about the same prefixes, each computed once. What it answers is kept in pytest's cache under
+    a key of everything the answer depends on (the GGUF's bytes, the oracle's and this file's code, numpy's
+    and gguf-py's versions), so a later run asks the oracle only what it has not answered for those."""
 
-    def __init__(self, gguf: Path) -> None:
-        self.gguf = gguf
-        self._logprobs: dict[tuple[int, ...], Any] = {}
+    def __init__(self, gguf: Path, cache: pytest.Cache | None) -> None:
+        self.gguf, self._cache = gguf, cache
+        self._rows: dict[tuple[int, ...], Any] = {}
 
     @functools.cached_property
     def reader(self) -> GGUFReader:
@@ -72,29 +76,52 @@ class ExactForward:
     def forward(self) -> LlamaForward:
         return gguf_oracle(self.reader)
 
-    def bos(self) -> list[int]:
-        """llama_oracle.bos_added from the header already read."""
-        return llama_oracle.bos_of(self.reader.fields)
+    @functools.cached_property
+    def _cache_key(self) -> str:
+        import numpy
 
-    def next_logprobs(self, prefix: list[int]) -> Any:
-        """The exact log-probabilities (vocab,) of the token after prefix."""
-        key = tuple(prefix)
-        if key not in self._logprobs:
-            self._logprobs[key] = exact_logprobs(self.forward.next_logits(prefix))
-        return self._logprobs[key]
+        key = hashlib.sha256(self.gguf.read_bytes())
+        for code in (Path(oracle.__file__), Path(__file__)):
+            key.update(code.read_bytes())
+        key.update(f"numpy {numpy.__version__} gguf {importlib.metadata.version('gguf')}".encode())
+        return f"aiobasert/exact-forward/{key.hexdigest()[:24]}"
+
+    def _answer(self, question: str, compute: Callable[[], Any]) -> Any:
+        if self._cache is None:
+            return compute()
+        answers = self._cache.get(self._cache_key, {})
+        if question not in answers:
+            answers[question] = compute()
+            self._cache.set(self._cache_key, answers)
+        return answers[question]
+
+    def bos(self) -> list[int]:
+        """llama_oracle.bos_added, from the header."""
+        return list(self._answer("bos", lambda: llama_oracle.bos_of(self.reader.fields)))
+
+    def logprobs_of(self, prefix: list[int], ids: list[int]) -> list[float]:
+        """The exact log-probabilities of `ids` as the token after `prefix`."""
+
+        def compute() -> list[float]:
+            key = tuple(prefix)
+            if key not in self._rows:
+                self._rows[key] = exact_logprobs(self.forward.next_logits(prefix))
+            return [float(self._rows[key][i]) for i in ids]
+
+        return list(self._answer(json.dumps([prefix, ids]), compute))
 
 
 Exact = Callable[[Path], ExactForward]
 
 
 @pytest.fixture(scope="module")
-def exact() -> Iterator[Exact]:
+def exact(request: pytest.FixtureRequest) -> Iterator[Exact]:
     """ExactForward of a GGUF, one per file for the module (its ~1 GB of float weights freed after)."""
     by_file: dict[Path, ExactForward] = {}
 
     def of(gguf: Path) -> ExactForward:
         if gguf not in by_file:
-            by_file[gguf] = ExactForward(gguf)
+            by_file[gguf] = ExactForward(gguf, request.config.cache)
         return by_file[gguf]
 
     yield of
@@ -203,10 +230,10 @@ class Divergences:
             return f"{where}: the recording's gap is not the listed {listed[k]}: re-measure NEAR_TIES"
         if gap > NEAR_TIE_GAP:
             return f"{where}: not a near-tie (llama.cpp's top-2 gap {gap:.4f} nats > {NEAR_TIE_GAP})"
-        lp = self.exact.next_logprobs(p["ids"] + p["greedy"][:k])
+        lp_ours, lp_theirs = self.exact.logprobs_of(p["ids"] + p["greedy"][:k], [ours, theirs])
         slack = QUANT_SLACK[self.key[1]]
-        if lp[ours] < lp[theirs] - slack:
-            return f"{where}: the exact forward rates ours {lp[ours]:.4f}, llama.cpp's {lp[theirs]:.4f} (slack {slack})"
+        if lp_ours < lp_theirs - slack:
+            return f"{where}: the exact forward rates ours {lp_ours:.4f}, llama.cpp's {lp_theirs:.4f} (slack {slack})"
         return None
 
 
