@@ -171,8 +171,14 @@ def test_a_killed_replica_fails_only_its_own_stream_and_is_replaced(http: httpx.
     import ray
     from ray import serve
 
-    by_replica = sessions_per_replica(http, 8)
-    assert len(by_replica) == 2
+    by_replica: dict[str, list[str]] = {}
+
+    def both_replicas_route() -> bool:  # the router's view of its replicas may lag on a loaded machine
+        by_replica.clear()
+        by_replica.update(sessions_per_replica(http))  # 16 sessions: all on one replica by hash is 2**-15
+        return len(by_replica) == 2
+
+    wait_until("the router to route sessions to both replicas", both_replicas_route, timeout=60)
     (victim, victim_sessions), (survivor, survivor_sessions) = sorted(by_replica.items())
     body = {"prompt": "Once", "max_tokens": 400, "temperature": 0, "stream": True}
     long = {**body, "max_tokens": 1800}  # still generating when its replica is killed
