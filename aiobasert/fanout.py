@@ -125,13 +125,13 @@ async def chat_n(
     tool_choice: ToolChoice | Mapping[str, Any] | None = None,
     parallel_tool_calls: bool = True,
 ) -> list[ChatReply]:
-    """n replies to `messages` (tools as in `Engine.stream_chat`), the prompt prefilled once."""
+    """n replies to `messages` (tools as in `Engine.stream_chat`), the conversation rendered and its
+    grammar set up once (`Engine.prepare_chat`), the prompt prefilled once."""
     _check_n(n)
+    turn = engine.prepare_chat(messages, tools=tools, tool_choice=tool_choice, parallel_tool_calls=parallel_tool_calls)
 
     def start(p: SamplingParams) -> ChatStream:
-        return engine.stream_chat(
-            messages, p, tools=tools, tool_choice=tool_choice, parallel_tool_calls=parallel_tool_calls
-        )
+        return engine.stream_turn(turn, p)
 
     with _one_client():
         if n > 1:

@@ -294,8 +294,17 @@ async def test_sdk_n_samples_hit_the_prefix_cache(tiny_model_path: Path) -> None
         assert len({tuple(c.token_ids) for c in done}) > 1
         stats = await engine.stats()
         assert stats.prefix_blocks_cached > 0
-        replies = await chat_n(engine, [{"role": "user", "content": LONG_PROMPT}], params, 2)
+        prepared: list[int] = []
+        prepare = engine.prepare_chat
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            prepared.append(1)
+            return prepare(*args, **kwargs)
+
+        engine.prepare_chat = counted  # type: ignore[method-assign]
+        replies = await chat_n(engine, [{"role": "user", "content": LONG_PROMPT}], params, 3)
         assert all(r.usage.cached_prompt_tokens > 0 for r in replies)
+        assert len(prepared) == 1  # the conversation rendered once for its 3 replies (a prefill and 3 samples)
 
 
 def test_cli_serve_positional_model_name_and_env_key(tiny_model_path: Path) -> None:
