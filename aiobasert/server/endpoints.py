@@ -24,13 +24,14 @@ from ..tools import ChatDelta as ChatDeltaSDK
 from ..tools import ChatStream, ChatTurn, TextDelta, ToolCall, ToolCallDelta
 from ..types import SamplingParams, Timing, Token, Usage
 from .compat import check_refused
-from .errors import APIError, api_error
+from .errors import APIError
 from .events import ChunkFormat, OpenAIChunks, collect, drive
 from .http import json_response, read_json
 from .logprobs import chat_logprobs, completion_logprobs
 from .metrics import Metrics, RequestObserver
 from .params import (
     chat_messages,
+    chat_refusal,
     check_chat_size,
     finish_reason,
     json_schema_of,
@@ -282,25 +283,6 @@ def _submit(places: QueueReservation | None, streams: Sequence[TokenStream]) -> 
             stream.submit()
 
 
-def _tool_param(message: str) -> str | None:
-    """The request field a tool-setup error is about."""
-    if "tool_choice" in message:
-        return "tool_choice"
-    if message.startswith("tool call"):  # a past call in the history (aiobasert.tools' render)
-        return "messages"
-    if "tool" in message:
-        return "tools"
-    return "messages" if "message" in message else None
-
-
-def _chat_error(exc: InvalidRequestError) -> APIError:
-    """The 400 of a chat the SDK refused, naming the field it is about."""
-    err = api_error(exc)
-    if err.body.error.param is None:
-        err = APIError(400, str(exc), param=_tool_param(str(exc)))
-    return err
-
-
 def _include_usage(req: SamplingRequest) -> bool:
     return req.stream_options is not None and req.stream_options.include_usage
 
@@ -357,7 +339,7 @@ class _ChatStarts:
         try:
             chat = self._engine.stream_turn(self._turn, params)
         except InvalidRequestError as exc:
-            raise _chat_error(exc) from None
+            raise chat_refusal(exc, "messages") from None
         self._chats[id(chat.tokens)] = chat
         return chat.tokens
 
@@ -681,7 +663,7 @@ class Service:
             if places is not None:
                 places.release()
             if isinstance(exc, InvalidRequestError):
-                raise _chat_error(exc) from None
+                raise chat_refusal(exc, "messages") from None
             raise
 
     async def _whole_chat(

@@ -14,7 +14,7 @@ from ..errors import InvalidRequestError
 from ..streams import TokenStream
 from ..tools import MAX_TOOLS, ToolCall, ToolChoice, check_schema_and_tools
 from ..types import FinishReason, SamplingParams, Token
-from .errors import APIError, aborted
+from .errors import APIError, aborted, api_error
 from .protocol import RequestMessage, ResponseFormat, SamplingRequest
 
 
@@ -202,3 +202,22 @@ async def first_token(stream: TokenStream) -> Token | None:
     if tok is None:
         finish_reason(stream.finish_reason)  # an empty stream ends only by abort
     return tok
+
+
+def chat_refusal(exc: InvalidRequestError, conversation: str) -> APIError:
+    """The 400 of a chat the SDK refused (chat completions, Responses), naming the field it is about
+    where the error names none: `tool_choice`, `tools`, or the conversation's field (`conversation`:
+    "messages", "input"), which a past tool call in it (aiobasert.tools' render: "tool call ...") is too."""
+    err = api_error(exc)
+    if err.body.error.param is not None:
+        return err
+    message = str(exc)
+    if "tool_choice" in message:
+        param: str | None = "tool_choice"
+    elif message.startswith("tool call"):
+        param = conversation
+    elif "tool" in message:
+        param = "tools"
+    else:
+        param = conversation if "message" in message or conversation == "input" else None
+    return APIError(400, message, param=param)

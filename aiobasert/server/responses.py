@@ -31,11 +31,18 @@ from ..errors import InvalidRequestError
 from ..tools import ChatStream, TextDelta, ToolCall, ToolCallDelta, template_supports_tools
 from ..types import SamplingParams, Timing, Token, Usage
 from .compat import check_refused
-from .errors import APIError, api_error, in_band_error
+from .errors import APIError, in_band_error
 from .events import collect, drive
 from .http import json_response, read_json
 from .metrics import Metrics
-from .params import check_chat_size, finish_reason, precount_responses, refuse_schema_with_tools, request_tools
+from .params import (
+    chat_refusal,
+    check_chat_size,
+    finish_reason,
+    precount_responses,
+    refuse_schema_with_tools,
+    request_tools,
+)
 from .protocol import SchemaFields
 from .provider import ServedModel
 from .streaming import DEFAULT_WRITE_TIMEOUT_S, BacklogLimit, EventStream, unless_disconnected
@@ -710,21 +717,7 @@ class ResponsesAPI:
         try:
             chat = await self._workers.run(start, large=is_large(len(messages), len(req.tools or ())))
         except InvalidRequestError as exc:
-            msg, err = str(exc), api_error(exc)
-            if err.body.error.param is None:
-                # "tool call ...": a past call of the input (aiobasert.tools' render)
-                err = APIError(
-                    400,
-                    msg,
-                    param="tool_choice"
-                    if "tool_choice" in msg
-                    else "input"
-                    if msg.startswith("tool call")
-                    else "tools"
-                    if "tool" in msg
-                    else "input",
-                )
-            raise err from None
+            raise chat_refusal(exc, "input") from None
         turn = _Turn(req, served, chat, conversation, self.store, self.new_id())
         observer = self._metrics.observer(served.name, served.engine)
         if req.stream:
