@@ -73,8 +73,10 @@ async def test_usage_reports_the_steps_to_the_first_token(untied_model_path: Pat
         async with httpx.AsyncClient(base_url=url, timeout=120) as http:
             one = await http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 3})
             assert one.json()["usage"]["first_token_steps"] == 1, one.json()["usage"]
-            # n=3 on 2 lanes: the third choice waits for a lane, so the latest first token is later
-            three = await http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 8, "n": 3,
+            # n=3 on 2 lanes: the third choice waits for a lane, so the latest first token is later. Token
+            # ids: all three reach the queue together (a text prompt's choices are tokenized on the intake
+            # workers, and on a loaded machine the third came after the first two had run their 8 steps)
+            three = await http.post("/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": 8, "n": 3,
                                                              "logit_bias": NO_END})  # fmt: skip
             assert three.json()["usage"]["first_token_steps"] > 1, three.json()["usage"]
             body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3, "stream": True,
