@@ -441,8 +441,6 @@ class Engine:
             raise InvalidRequestError(f"tools must be a list of tools, not {type(tools).__name__}")
         from .tools import check_schema_and_tools
 
-        if not isinstance(parallel_tool_calls, bool):  # "no" is truthy: it would have allowed several calls
-            raise InvalidRequestError(f"parallel_tool_calls must be a bool, not {type(parallel_tool_calls).__name__}")
         checked = self._params(params, kwargs)
         check_schema_and_tools(bool(tools), checked.json_schema)  # refused before the render is paid
         turn = self.prepare_chat(
