@@ -4,25 +4,32 @@ The engine thread asks `plan()` once per step and carries the `StepPlan` out
 (as vLLM v1's `Scheduler.schedule()` hands `EngineCore.step` a
 `SchedulerOutput`). The policy (in the spirit of vLLM's scheduler and llama.cpp's server slots):
 
-* Admission is fair between clients (docs/fairness.md): at most
-  `max_batch_size` lanes at once; a free lane goes to the waiting request whose
-  client holds the fewest lanes, then to the one served least (a new request
-  before a preempted one), then the earliest (a request's `client` key: the
-  choices of one request share one; a request without a key is a client of its
-  own). With every lane taken, a waiting request takes one back from a client
-  that holds more (preemption by recompute, as vLLM's scheduler preempts): a
-  request not yet started takes, at the next step, a lane from a client holding
-  at least one more lane than its own will; a preempted one only from a client
-  holding two more, after that lane ran `quantum` steps (so lanes never cycle
-  between equals). The lane taken is the most-served one of the client holding
-  the most, and only once it has sampled since its admission: every admission
-  makes progress. A preempted request keeps its output; it resumes by
-  prefilling prompt + output again (`LaneState.replay`), mostly from the prefix
-  cache, and its output is the same as if it had never stopped. Within one
-  client, shortest remaining work first: a new request whose `max_new_tokens`
-  is at most half of what one of its client's running requests may still
-  generate takes that lane back; requests of like length (the n choices of one
-  request) never preempt each other and are served FIFO.
+* Admission is by urgency, fair between clients, and never thrashes
+  (docs/fairness.md): at most `max_batch_size` lanes at once. Each request is
+  due `stretch` (2) times its work after it arrives (`work`: its prompt's
+  chunks and `max_tokens`); its slack is how many steps it can still wait and
+  be done when due (constant while it runs, one less for each step it waits).
+  A free lane goes to the first new request (the client holding fewest lanes,
+  then the earliest: a request's `client` key, shared by the choices of one
+  request; without a key a request is a client of its own), unless a paused
+  request has no more slack than it: the most urgent paused one resumes.
+  With every lane taken, a waiting request takes a lane back (preemption, as
+  vLLM's scheduler preempts) when the lane's request can afford it: after
+  waiting all the steps the taker needs it would still have as much slack as
+  the taker has now. So a short request does not wait behind long ones, while
+  requests of like length never trade places (a burst is served in FIFO order),
+  a request taken out can never take its lane back from its taker, and nobody
+  is made late for a request due after it. A new request also takes a lane back
+  from a client holding at least two lanes more than its own (clients converge
+  to equal shares). A lane is taken back only once it sampled since its
+  admission: every admission makes progress.
+  The request taken out is paused, not recomputed: its sequence and KV stay in
+  the pool (only while its KV fits beside every running request at its longest
+  and the other paused requests' KV, `kv_blocks`: no step ever runs out), and it
+  resumes in a lane where it stopped. Only when a resume or an urgent request
+  would not fit is the KV of the latest paused requests released: they resume
+  by recomputing prompt + output (`LaneState.replay`), mostly from the prefix
+  cache (`_release_paused`, as vLLM recomputes when its KV blocks run out).
   `fair=False` is plain FIFO (the bench's baseline). The wait queue is bounded
   (`max_queue` requests waiting for a lane; those the next admission places do
   not count): past it `EngineOverloadedError`, never a silent drop.
@@ -35,11 +42,11 @@ The engine thread asks `plan()` once per step and carries the `StepPlan` out
   (docs/fairness.md).
 * Prompt tokens share a per-step budget (`prefill_budget`), handed out to the
   lanes still prefilling in admission order (fair: new prompts before the
-  replays of preempted lanes), so a long prompt is prefilled in
+  replays of recomputed requests), so a long prompt is prefilled in
   chunks over several steps while running streams keep decoding (vllm #1026),
   and a cancel lands between chunks (tabbyAPI #383).
 * Prefix-cache seeding is tried at admission for prompts longer than a page;
-  the KV of a finished (or preempted) lane (prompt + output) is published for reuse.
+  the KV of a finished lane (prompt + output) is published for reuse.
 * An embedding is a lane too (`LaneState.embed`): admitted like any
   request (never preempted), its input fed in chunks from the same prefill budget (and at most
   `tap_budget` tapped rows a step), done when all of it is fed.
@@ -97,7 +104,8 @@ class Batcher:
         prefix_cache: bool = False,
         tap_budget: int | None = None,
         fair: bool = True,
-        quantum: int = 16,
+        stretch: int = 2,
+        kv_blocks: int | None = None,
     ) -> None:
         if max_batch_size < 1 or max_context < 2 or prefill_budget < 1 or max_queue < 1:
             raise ValueError("batcher limits must be positive")
@@ -110,13 +118,26 @@ class Batcher:
         self.tap_budget = tap_budget
         """Tapped rows one step may carry (the engine's tap capacity); None = unbounded."""
         self.fair = fair
-        self.quantum = max(1, quantum)
-        """Steps a lane runs after its admission before a preempted request may take it back."""
+        self.stretch = max(1, stretch)
+        """A request is due `stretch` times its work (`work`) after it arrives (`LaneState.due`)."""
+        self.kv_blocks = kv_blocks
+        """The KV pool's blocks (None: unknown, and no lane is ever taken back)."""
         self.step = 0
-        """Plans made (the batcher's clock for `quantum`)."""
+        """Plans made: the batcher's clock, in engine steps."""
         self.preemptions = 0
         self.waiting: deque[LaneState] = deque()
+        """New requests, in arrival order."""
+        self.paused: deque[LaneState] = deque()
+        """Requests taken out of their lane with their KV kept, in the order they were paused."""
         self.running: list[LaneState] = []
+        self._running_need = 0
+        """KV blocks the running requests may reach at their longest (`kv_need`; fair mode)."""
+        self._paused_kv = 0
+        """KV blocks the paused requests keep (`LaneState.kv_kept`). A pause is only made while
+        `_running_need + _paused_kv` stays within `kv_blocks` (`_fits`); with none paused,
+        `max_batch_size` lanes of at most `max_context` fit the pool as the engine sized it."""
+        self.recomputes = 0
+        """Paused requests whose KV was released to make room (`_make_room`)."""
         self._arrivals = itertools.count()
 
     # ---- admission control ----------------------------------------------------------
@@ -141,7 +162,8 @@ class Batcher:
     def queued(self, pending: int = 0) -> int:
         """Requests waiting for a lane (plus `pending` ones still being prepared):
         those the next admission cannot place."""
-        return max(0, len(self.waiting) + pending - max(0, self.max_batch_size - len(self.running)))
+        waiting = len(self.waiting) + len(self.paused) + pending
+        return max(0, waiting - max(0, self.max_batch_size - len(self.running)))
 
     def check_room(self, pending: int = 0) -> None:
         """EngineOverloadedError when one more request would wait past `max_queue`.
@@ -159,14 +181,25 @@ class Batcher:
         if not reserved:
             self.check_room()
         lane.arrival = next(self._arrivals)
+        lane.due = self.step + self.stretch * self.work(lane)
         self.waiting.append(lane)
 
     def remove(self, lane: LaneState) -> None:
         """Forget a lane (finished, cancelled or failed), wherever it is."""
         if lane.admitted:
             self.running.remove(lane)
+            if self.fair:
+                self._running_need -= self.kv_need(lane)
+        elif lane.pauses and lane in self.paused:
+            self.paused.remove(lane)
+            self._paused_kv -= lane.kv_kept
+            lane.kv_kept = 0
         else:
             self.waiting.remove(lane)
+
+    def holds(self, lane: LaneState) -> bool:
+        """The lane is running, paused or waiting here."""
+        return lane.admitted or lane in self.paused or lane in self.waiting
 
     def should_match_prefix(self, lane: LaneState) -> bool:
         # a match always leaves one token to prefill, so it needs > one page; an
@@ -179,14 +212,20 @@ class Batcher:
     # ---- the plan ---------------------------------------------------------------------
 
     def has_runnable_work(self) -> bool:
-        return bool(self.running) or bool(self.waiting)
+        return bool(self.running) or bool(self.waiting) or bool(self.paused)
 
-    def admit(self, preempt: Callable[[LaneState], None] | None = None) -> list[LaneState]:
-        """Move waiting requests into lanes: free ones first, then ones taken back
-        from clients holding more (module docstring). `preempt` is called for each
-        lane taken back before its state is rewound (the engine publishes its KV and
-        frees its sequence there). The engine then creates the admitted lanes'
-        sequences (and seeds cached prefixes) before `schedule()` (`plan()` does both)."""
+    def admit(
+        self,
+        preempt: Callable[[LaneState], None] | None = None,
+        release: Callable[[LaneState], None] | None = None,
+    ) -> list[LaneState]:
+        """Move waiting requests into lanes: free ones first (`_next_for_free_lane`), then
+        ones taken back (`_take_back`). `preempt` is called for each lane taken back (the
+        engine keeps its sequence: its KV stays for the resume); `release` for each paused
+        request whose KV must go to make room (`_make_room`: the engine publishes it to the
+        prefix cache and frees the sequence, and the request resumes by recomputing it). The
+        engine then creates the new lanes' sequences (and seeds cached prefixes) before
+        `schedule()` (`plan()` does both)."""
         self.step += 1
         admitted: list[LaneState] = []
         if not self.fair:
@@ -194,116 +233,199 @@ class Batcher:
                 admitted.append(self._place(self.waiting.popleft()))
             return admitted
         held: Counter[tuple[str, str]] = Counter(lane.owner for lane in self.running)
-        while self.waiting:
+        while self.paused or self.waiting:
             if len(self.running) < self.max_batch_size:
-                lane = min(self.waiting, key=lambda w: self._order(w, held))
+                lane = self._next_for_free_lane(held, release)
             else:
-                found = self._take_back(held)
+                found = self._take_back(held, release)
                 if found is None:
                     break
                 lane, victim = found
                 if preempt is not None:
                     preempt(victim)
-                self._rewind(victim)
+                self._pause(victim)
                 held[victim.owner] -= 1
-            self.waiting.remove(lane)
+            if lane.started:  # a paused request resumes where it stopped
+                self._make_room(lane, release)
+                self.paused.remove(lane)
+                self._paused_kv -= lane.kv_kept
+                lane.kv_kept = 0
+                lane.longest_pause = max(lane.longest_pause, self.step - lane.paused_at)
+            else:
+                self.waiting.remove(lane)
             held[lane.owner] += 1
             admitted.append(self._place(lane))
         return admitted
 
-    @staticmethod
-    def _order(lane: LaneState, held: Counter[tuple[str, str]]) -> tuple[int, int, int]:
-        """Admission order: the client holding fewest lanes, then the request served least
-        (a new one before a preempted one), then arrival."""
-        return held[lane.owner], lane.generated, lane.arrival
+    def _next_for_free_lane(
+        self, held: Counter[tuple[str, str]], release: Callable[[LaneState], None] | None
+    ) -> LaneState:
+        """Who gets a free lane: the first new request (the client holding fewest lanes, then
+        the earliest), unless a paused request has no more slack than it (the most urgent
+        paused one then resumes). A new one only where it fits the pool beside the paused
+        requests' KV (some of it released if that makes it fit), else that paused one."""
+        new = min(self.waiting, key=lambda w: (held[w.owner], w.arrival), default=None)
+        paused = min(self.paused, key=lambda p: (self.slack(p), held[p.owner], p.arrival), default=None)
+        if paused is None or (new is not None and self.slack(new) < self.slack(paused)):
+            assert new is not None
+            if paused is None or self._fits(self.kv_need(new)):
+                return new
+            if self._fits(self.kv_need(new) - self._paused_kv) and self._release_paused(self.kv_need(new), release):
+                return new
+        assert paused is not None
+        return paused
+
+    def _make_room(self, lane: LaneState, release: Callable[[LaneState], None] | None) -> None:
+        """Before a paused `lane` resumes: while the pool cannot hold the running requests at
+        their longest, `lane` at its longest and the paused requests' KV, release the KV of the
+        latest paused ones (they resume by recomputing prompt + output, mostly from the prefix
+        cache, as vLLM preempts by recompute when its KV blocks run out). With no paused KV
+        left the resume goes ahead: `max_batch_size` lanes fit the pool as the engine sized it."""
+        self._release_paused(self.kv_need(lane) - lane.kv_kept, release, keep=lane)
+
+    def _fits(self, extra: int) -> bool:
+        """The pool holds `extra` more blocks beside every running request at its longest and
+        every paused request's KV (the invariant that keeps any step from running out)."""
+        return self.kv_blocks is not None and self._running_need + self._paused_kv + extra <= self.kv_blocks
 
     def _place(self, lane: LaneState) -> LaneState:
         lane.admitted = lane.started = True
         lane.ran_from = self.step
         self.running.append(lane)
+        if self.fair:
+            self._running_need += self.kv_need(lane)
         return lane
 
-    def _take_back(self, held: Counter[tuple[str, str]]) -> tuple[LaneState, LaneState] | None:
-        """With every lane taken: the first waiting request (in admission order) that
-        may take a lane back, and that lane; None when none may.
+    def kv_need(self, lane: LaneState) -> int:
+        """KV blocks a request may hold at its longest (prompt + every output token but the
+        last), plus one for the private copy of a shared block it may write."""
+        return -(-(lane.prompt_len + lane.max_new_tokens) // self.page_size) + 1
 
-        A lane can be taken back once it has sampled a token since its admission (so
-        every admission makes progress): for a new request, from a client holding at
-        least one lane more than the new one's will; for a preempted one only once it
-        has also run `quantum` steps, and from a client holding two more (a move that
-        narrows the gap, so lanes never cycle between equals). The lane taken is the
-        most-served one of the client holding the most."""
-        sampled = [v for v in self.running if not v.embed and not v.prefilling and self.step > v.ran_from]
-        if not sampled:
-            return None
-        most = max(held[v.owner] for v in sampled)
-        # only requests whose client holds few enough lanes can take one back (one cheap pass:
-        # the queue may hold a thousand preempted requests that cannot)
-        able = [w for w in self.waiting if held[w.owner] + (2 if w.started else 1) <= most]
-        tried: set[tuple[tuple[str, str], bool]] = set()  # same owner and kind: the same answer
-        for w in sorted(able, key=lambda x: self._order(x, held)):
-            need = held[w.owner] + (2 if w.started else 1)
-            if (w.owner, w.started) in tried:
-                continue
-            tried.add((w.owner, w.started))
-            victims = [
-                v for v in sampled
-                if v.owner != w.owner and held[v.owner] >= need
-                and (not w.started or self.step - v.ran_from >= self.quantum)
-            ]  # fmt: skip
-            if victims:
-                return w, max(victims, key=lambda v: (held[v.owner], v.generated, v.arrival))
-        return self._take_back_within(sampled, held)
+    def kv_held(self, lane: LaneState) -> int:
+        """KV blocks a running request holds at most now (prompt + output but its last token)."""
+        return -(-(lane.prompt_len + lane.generated) // self.page_size) + 1
 
-    def _take_back_within(
-        self, sampled: list[LaneState], held: Counter[tuple[str, str]]
+    def work(self, lane: LaneState) -> int:
+        """Steps a request holds a lane for at most, from its arrival: its prompt's chunks,
+        then its output (an embedding: its chunks)."""
+        return -(-lane.prompt_len // self.prefill_budget) + lane.max_new_tokens
+
+    def left(self, lane: LaneState) -> int:
+        """Steps it still needs a lane for: what is left of its prompt (or, recomputed, of its
+        prompt + output) in chunks, then the output it may still generate."""
+        chunks = -(-(lane.kv_target - lane.prefilled) // self.prefill_budget)
+        return chunks + lane.max_new_tokens - lane.generated
+
+    def slack(self, lane: LaneState) -> int:
+        """Steps it can still wait and be done when due: its due step, less now, less `left`.
+        Constant while it runs; it falls by one each step it waits."""
+        return lane.due - self.step - self.left(lane)
+
+    def _takeable(self, lane: LaneState) -> bool:
+        """A lane may be taken back: a generation that sampled since its latest admission (so
+        every admission makes progress) and is not done."""
+        if lane.embed or lane.prefilling or lane.generated >= lane.max_new_tokens:
+            return False
+        return self.step > lane.ran_from
+
+    def _take_back(
+        self, held: Counter[tuple[str, str]], release: Callable[[LaneState], None] | None = None
     ) -> tuple[LaneState, LaneState] | None:
-        """Within one client (none of the above applies): the first new request (admission
-        order) that needs at most half of what a running request of its own client may still
-        generate (`max_new_tokens`), and that lane (the one with the most left). Shortest
-        remaining work first, as an OS favours the short job: a client's short request does
-        not wait behind its own long ones, while requests of like length (the n choices of one
-        request) never preempt each other. Each new request preempts at most once."""
-        longest: dict[tuple[str, str], LaneState] = {}
-        for v in sampled:
-            best = longest.get(v.owner)
-            if best is None or (v.max_new_tokens - v.generated, v.generated) > (
-                best.max_new_tokens - best.generated,
-                best.generated,
-            ):
-                longest[v.owner] = v
-        able = [
-            w for w in self.waiting
-            if not w.started and (lane := longest.get(w.owner)) is not None
-            and 2 * w.max_new_tokens <= lane.max_new_tokens - lane.generated
-        ]  # fmt: skip
-        if not able:
-            return None
-        w = min(able, key=lambda x: self._order(x, held))
-        return w, longest[w.owner]
+        """With every lane taken: the first waiting request (new or paused, most urgent first)
+        that may take a lane back, and that lane; None when none may.
 
-    def _rewind(self, lane: LaneState) -> None:
-        """Back to the queue (in its arrival place) to resume by recomputing prompt + output."""
+        `w` takes lane `v` (`_takeable`) when the pool holds `v`'s KV as it is beside every
+        running request at its longest, `w` included, and the other paused requests' KV
+        (`_fits`: `v` keeps its KV and no step can run out), and either
+        - `v` can afford it: after waiting all the steps `w` needs, `v` would still have at
+          least the slack `w` has now (and never less than none), the lane with the most
+          slack. So a short request does not wait behind long ones, requests of like length
+          never trade places (a burst is served as FIFO serves it), the request taken out can
+          never take the lane back from its taker, and no one is made late for a request
+          due after it; or
+        - `w` is new and `v`'s client holds at least two lanes more than `w`'s (the move
+          narrows the gap: clients converge to equal shares and lanes never cycle between
+          equals), the most-served lane of the client holding the most."""
+        if self.kv_blocks is None or not (self.waiting or self.paused):
+            return None
+        victims = [v for v in self.running if self._takeable(v)]
+        if not victims:
+            return None
+        most_slack = max(self.slack(v) for v in victims)
+        most_held = max(held[v.owner] for v in victims)
+        # one cheap pass first: the queue may hold a thousand requests that cannot
+        able = [
+            w for w in itertools.chain(self.paused, self.waiting)
+            if self.left(w) + max(self.slack(w), 0) <= most_slack
+            or (not w.started and held[w.owner] + 2 <= most_held)
+        ]  # fmt: skip
+        for w in sorted(able, key=lambda x: (self.slack(x), held[x.owner], x.arrival)):
+            need = self.kv_need(w) - w.kv_kept  # a paused taker's kept KV is already counted
+            swap = {id(v): need - self.kv_need(v) + self.kv_held(v) for v in victims}
+            fit = [v for v in victims if self._fits(swap[id(v)])]
+            urgent = [v for v in victims if self.slack(v) - self.left(w) >= max(self.slack(w), 0)]
+            if urgent:
+                v = max(urgent, key=lambda v: (v in fit, self.slack(v), held[v.owner], v.arrival))
+                # an urgent request is not kept waiting by paused requests' KV: theirs is released
+                # (the latest paused first) when that makes room, as vLLM recomputes under pressure
+                if v in fit or (
+                    self._fits(swap[id(v)] - self._paused_kv + w.kv_kept)
+                    and self._release_paused(swap[id(v)], release, keep=w)
+                ):
+                    return w, v
+            if not w.started:
+                fair = [v for v in fit if v.owner != w.owner and held[v.owner] >= held[w.owner] + 2]
+                if fair:
+                    return w, max(fair, key=lambda v: (held[v.owner], v.generated, v.arrival))
+        return None
+
+    def _release_paused(
+        self, extra: int, release: Callable[[LaneState], None] | None, keep: LaneState | None = None
+    ) -> bool:
+        """Release paused requests' KV, the latest paused first (never `keep`'s), until `extra`
+        more blocks fit (`_fits`); whether they fit. The engine's `release` publishes the KV to
+        the prefix cache and frees the sequence; the request resumes by recomputing it."""
+        for other in reversed(self.paused):
+            if self._fits(extra):
+                return True
+            if other is keep or not other.kv_kept:
+                continue
+            if release is not None:
+                release(other)
+            self._paused_kv -= other.kv_kept
+            other.kv_kept = 0
+            other.rewind()
+            self.recomputes += 1
+        return self._fits(extra)
+
+    def _pause(self, lane: LaneState) -> None:
+        """Out of its lane, its sequence (and so its KV) kept: it resumes in a free lane where
+        it stopped, with nothing to recompute."""
         self.running.remove(lane)
+        self._running_need -= self.kv_need(lane)
         lane.admitted = False
-        lane.rewind()
+        lane.pauses += 1
+        lane.paused_at = self.step
+        lane.kv_kept = self.kv_held(lane)
+        self._paused_kv += lane.kv_kept
         self.preemptions += 1
-        at = sum(1 for w in self.waiting if w.arrival < lane.arrival)
-        self.waiting.insert(at, lane)
+        self.paused.append(lane)
 
     def plan(
         self,
         start: Callable[[LaneState], None] | None = None,
         preempt: Callable[[LaneState], None] | None = None,
+        release: Callable[[LaneState], None] | None = None,
     ) -> StepPlan:
-        """The next step: admit waiting requests (`admit`, which calls `preempt`
-        for each lane it takes back), then plan every running lane's row.
+        """The next step: admit waiting requests (`admit`, which calls `preempt` for each
+        lane it takes back and `release` for each paused request whose KV must go), then
+        plan every running lane's row.
 
         `start` is called for each lane as it is admitted, before any row is
         planned (as vLLM's scheduler allocates KV slots while it schedules): the
         engine creates the lane's sequence there and seeds a cached prefix
         (advancing `prefilled`), or removes the lane when it cannot start."""
-        admitted = self.admit(preempt)
+        admitted = self.admit(preempt, release)
         if start is not None:
             for lane in admitted:
                 start(lane)
@@ -323,7 +445,7 @@ class Batcher:
         budget = self.prefill_budget
         taps = self.tap_budget if self.tap_budget is not None else budget
         prefilling = [lane for lane in self.running if lane.prefilling]
-        if self.fair:  # new prompts before preempted lanes' replays (least served first), else admission order
+        if self.fair:  # new prompts before recomputed requests' replays (least served first)
             prefilling.sort(key=lambda lane: lane.generated)
         chunks: dict[int, int] = {}
         for lane in prefilling:

@@ -238,6 +238,7 @@ class EngineThread:
             page_size=self.page_size,
             prefix_cache=self.has_prefix,
             fair=os.environ.get(_FAIRNESS_ENV, "fair") != "fifo",
+            kv_blocks=self._kv_blocks(handle),
         )
         if all(lib.has(fn) for fn in TAP_FUNCTIONS):
             cap = int(lib.baseRT_tap_rows_capacity(handle))
@@ -337,6 +338,13 @@ class EngineThread:
             return {}
         return desc if isinstance(desc, dict) else {}
 
+    def _kv_blocks(self, handle: int) -> int | None:
+        """The KV pool's blocks, which bound the KV paused requests may keep (None: unknown)."""
+        ms = _ffi.BaseRTMemoryStats()
+        if not self.lib.baseRT_model_memory_stats(handle, byref(ms)):
+            return None
+        return int(ms.kv_cache_blocks_total) or None
+
     def _static_str(self, fn: str) -> str:
         if not self.lib.has(fn):
             return ""
@@ -370,7 +378,7 @@ class EngineThread:
         if self.batcher.has_runnable_work():
             self.steps += 1
             try:
-                plan = self.batcher.plan(self._start, self._preempt)
+                plan = self.batcher.plan(self._start, release=self._release_kv)
                 if plan.rows:
                     for result in self.runner.run([(self.requests.of(r.lane), r) for r in plan.rows]):
                         self._apply(result)
@@ -490,7 +498,7 @@ class EngineThread:
         except EngineOverloadedError:
             b = self.batcher
             free = max(0, b.max_batch_size - len(b.running))
-            room = b.max_queue + free - len(b.waiting) - self.prep.preparing - self._reserved
+            room = b.max_queue + free - len(b.waiting) - len(b.paused) - self.prep.preparing - self._reserved
             raise EngineOverloadedError(
                 f"request queue has room for {max(0, room)} of this request's {count} generations; retry later"
             ) from None
@@ -687,7 +695,7 @@ class EngineThread:
             lane.seq = None
             self.live_sequences -= 1
         st = lane.state
-        if st.admitted or st in self.batcher.waiting:
+        if self.batcher.holds(st):
             self.batcher.remove(st)
         self.requests.pop(lane.rid)
 
@@ -722,7 +730,7 @@ class EngineThread:
         return EngineStats(
             steps=self.steps,
             active_lanes=len(self.batcher.running),
-            waiting_requests=len(self.batcher.waiting),
+            waiting_requests=len(self.batcher.waiting) + len(self.batcher.paused),
             live_sequences=self.live_sequences,
             live_grammars=self.prep.live_grammars,
             kv_blocks_total=int(ms.kv_cache_blocks_total),
@@ -734,6 +742,8 @@ class EngineThread:
             kv_cache_bytes=int(ms.kv_cache_capacity_bytes),
             engine_bytes=int(ms.runtime_allocated_bytes),
             requests_preempted=self.batcher.preemptions,
+            paused_requests=len(self.batcher.paused),
+            requests_recomputed=self.batcher.recomputes,
         )
 
     def evict_prefix_cache(self) -> int:
@@ -754,7 +764,9 @@ class EngineThread:
     def _admit(self, lane: Lane) -> None:
         lib, model = self.lib, self._model
         st = lane.state
-        resumed = lane.admitted_step >= 0  # a preempted lane: its first admission's timing and usage stay
+        if lane.seq is not None:  # a paused request resumes: its sequence and KV were kept
+            return
+        resumed = lane.admitted_step >= 0  # recomputed: its first admission's timing and usage stay
         if not resumed:
             lane.admitted_step = self.steps
             lane.admitted_at = time.monotonic()
@@ -782,13 +794,12 @@ class EngineThread:
             else:
                 lib.baseRT_prefix_release(model, match.handle)
 
-    def _preempt(self, state: LaneState) -> None:
-        """The batcher takes a lane back for another client (docs/fairness.md): its
-        KV goes to the prefix cache (so its resume re-prefills little), its sequence
-        is freed; the request keeps its output, stream and grammar state, and waits
-        to resume from prompt + output."""
+    def _release_kv(self, state: LaneState) -> None:
+        """A paused request's KV must make room (`Batcher._make_room`): it goes to the prefix
+        cache (so its recompute prefills little) and its sequence is freed; the request keeps
+        its output, stream and grammar state, and resumes from prompt + output."""
         lane = self.requests.of(state)
-        assert isinstance(lane, Lane)  # the batcher never preempts an embedding
+        assert isinstance(lane, Lane)  # the batcher never pauses an embedding
         self._free_sequence(lane, keep_kv=True)
 
     def _free_sequence(self, lane: Lane, *, keep_kv: bool) -> None:
@@ -836,7 +847,7 @@ class EngineThread:
         if lane.constraint is not None:
             constraint, lane.constraint = lane.constraint, None
             self.prep.close_constraint(constraint, lane.spec.cost.grammar_key)
-        if st.admitted or st in self.batcher.waiting:
+        if self.batcher.holds(st):
             self.batcher.remove(st)
         self.requests.pop(lane.rid)
 

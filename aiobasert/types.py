@@ -345,6 +345,10 @@ class Timing(msgspec.Struct, frozen=True, kw_only=True):
     first_token_step: int = -1
     """Engine step that produced its first token (-1: none). `first_token_step - submitted_step`
     is its time to first token in steps, what fair admission bounds (docs/fairness.md)."""
+    pauses: int = 0
+    """Times it was paused for a shorter request or another client's (docs/fairness.md)."""
+    longest_pause_steps: int = 0
+    """Its longest pause, in engine steps: what fair admission bounds for a started request."""
 
 
 class Completion(msgspec.Struct, frozen=True, kw_only=True):
@@ -372,6 +376,7 @@ class EngineStats(msgspec.Struct, frozen=True, kw_only=True):
     steps: int
     active_lanes: int
     waiting_requests: int
+    """Requests waiting for a lane: new ones and paused ones (`paused_requests`)."""
     live_sequences: int
     """Sequences the SDK holds in the engine (created and not yet freed)."""
     live_grammars: int = 0
@@ -391,7 +396,13 @@ class EngineStats(msgspec.Struct, frozen=True, kw_only=True):
     engine_bytes: int = 0
     """What the engine holds: resident weights, the KV pool's capacity and its runtime buffers."""
     requests_preempted: int = 0
-    """Lanes taken back for another client's request (docs/fairness.md); each resumed later."""
+    """Lanes taken back for a shorter request or another client's (docs/fairness.md); each
+    paused request kept its KV and resumed (or resumes) where it stopped."""
+    paused_requests: int = 0
+    """Requests paused now: out of their lane, waiting for a free one (their KV kept)."""
+    requests_recomputed: int = 0
+    """Paused requests whose KV was released to make room for a resume, each recomputed
+    (prompt + output, mostly from the prefix cache) when it resumed (docs/fairness.md)."""
 
 
 class ModelInfo(msgspec.Struct, frozen=True, kw_only=True):

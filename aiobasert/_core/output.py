@@ -129,5 +129,7 @@ class OutputProcessor:
                 admitted_step=lane.admitted_step,
                 finished_step=step,
                 first_token_step=lane.first_token_step,
+                pauses=lane.state.pauses,
+                longest_pause_steps=lane.state.longest_pause,
             ),
         )

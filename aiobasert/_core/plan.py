@@ -29,17 +29,27 @@ class LaneState:
     client: str | None = None
     """Whose request this is (fair admission); None: a client of its own."""
     replay: int = 0
-    """Output tokens fed again after the prompt: a preempted lane rebuilds its KV
-    from prompt + output, and the chunk that ends them samples its next token."""
+    """Output tokens fed again after the prompt: a paused request whose KV was released
+    rebuilds it from prompt + output, and the chunk that ends them samples its next token."""
     arrival: int = -1
     """Queue order (set by `Batcher.enqueue`): the earliest first among equals."""
+    due: int = 0
+    """The batcher step it is due by (set by `Batcher.enqueue`: arrival + stretch x work)."""
     ran_from: int = -1
     """The batcher step of its latest admission."""
     started: bool = False
-    """It has held a lane (a preempted request is started, a new one is not)."""
+    """It has held a lane (a paused request is started, a new one is not)."""
+    pauses: int = 0
+    """Times it was taken out of its lane (`Batcher._pause`), its sequence and KV kept."""
+    paused_at: int = -1
+    """The batcher step of its latest pause."""
+    longest_pause: int = 0
+    """Its longest pause so far, in steps (batcher steps: one per engine step)."""
+    kv_kept: int = 0
+    """KV blocks its sequence keeps while it is paused (0 when running, or once released)."""
 
     def rewind(self) -> None:
-        """Preempted (its sequence freed): it resumes by feeding prompt + output again."""
+        """Its KV released while paused: it resumes by feeding prompt + output again."""
         self.replay = self.generated
         self.prefilled = 0
 
@@ -50,7 +60,7 @@ class LaneState:
 
     @property
     def kv_target(self) -> int:
-        """Tokens to feed before it samples: the prompt (and, resumed, its output so far)."""
+        """Tokens to feed before it samples: the prompt (and, recomputed, its output so far)."""
         return self.prompt_len + self.replay
 
     @property

@@ -144,8 +144,8 @@ class Lane:
         return self.generated[-1:]
 
     def _fed(self, start: int, end: int) -> list[int]:
-        """Tokens [start, end) of what it prefills: the prompt, then a preempted lane's output so
-        far (`LaneState.replay`), without concatenating the whole prompt."""
+        """Tokens [start, end) of what it prefills: the prompt, then a recomputed request's
+        output so far (`LaneState.replay`), without concatenating the whole prompt."""
         n = len(self.prompt)
         head = list(self.prompt[start : min(end, n)]) if start < n else []
         if end > n:
@@ -161,7 +161,7 @@ class Lane:
         return self._prompt_then(p, self.generated[: held - p])
 
     def fed_array(self) -> ctypes.Array[ctypes.c_uint32]:
-        """All it prefills, as a C array: the prompt, then a preempted lane's replayed output."""
+        """All it prefills, as a C array: the prompt, then a recomputed request's output."""
         if not self.state.replay:
             return self.prompt_arr
         return self._prompt_then(len(self.prompt), self.generated[: self.state.replay])
