@@ -524,8 +524,7 @@ def test_fair_admission_model(
             taken.append(v)
             assert not v.embed and not v.prefilling and b.step > v.ran_from
             assert any(
-                b.slack(v) - b.left(w) >= max(b.slack(w), 0)
-                or (not w.started and held(v.owner) >= held(w.owner) + 2)
+                b.slack(v) - b.left(w) >= max(b.slack(w), 0) or (not w.started and held(v.owner) >= held(w.owner) + 2)
                 for w in [*b.waiting, *b.paused]
             )
 
