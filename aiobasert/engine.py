@@ -59,8 +59,8 @@ from .types import (
 if TYPE_CHECKING:
     import numpy as np
 
-    from .tool_formats import ToolFormat
     from .tools import ChatStream, ChatTurn, Tool, ToolChoice
+    from .tools.llama3_json import ToolFormat
 
 T = TypeVar("T")
 
@@ -507,7 +507,7 @@ class Engine:
     def tool_format(self) -> ToolFormat:
         """How this model writes tool calls, chosen from its chat template
         (aiobasert.tool_formats: Hermes `<tool_call>` by default, Llama 3's bare JSON)."""
-        from .tool_formats import tool_format_for
+        from .tools.llama3_json import tool_format_for
 
         return tool_format_for(self.chat_template)
 

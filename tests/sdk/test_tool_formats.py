@@ -5,7 +5,6 @@ template (random weights: only the grammar makes its calls well-formed)."""
 
 from __future__ import annotations
 
-import ast
 import itertools
 import json
 from collections.abc import Callable
@@ -16,14 +15,14 @@ import jsonschema  # type: ignore[import-untyped]
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from test_layering import PACKAGE, import_graph
 from tool_checks import backends, json_complete
 
-import aiobasert
 from aiobasert import Engine
 from aiobasert.chat import DEFAULT_TEMPLATE, GEMMA_TEMPLATE, LLAMA3_TEMPLATE
 from aiobasert.models.tiny import CHATML_TEMPLATE
-from aiobasert.tool_formats import HERMES, LLAMA3_JSON, Llama3JsonParser, tool_format_for
 from aiobasert.tools import ChatReply, ChatStream, TextDelta, Tool, ToolCall, ToolCallDelta, render_tool_chat
+from aiobasert.tools.llama3_json import HERMES, LLAMA3_JSON, Llama3JsonParser, tool_format_for
 
 if TYPE_CHECKING:  # llguidance: imported where a grammar is built
     from aiobasert._core.grammar import GrammarBackend
@@ -82,30 +81,16 @@ def test_templates_without_tools_get_the_default_format() -> None:
         assert tool_format_for(template) is HERMES
 
 
-def _package_imports(module: str) -> set[str]:
-    """The aiobasert modules `aiobasert.<module>` imports anywhere: at the top, in a function,
-    under TYPE_CHECKING (the first name below the package: `_core` for `._core.ffi`)."""
-    tree = ast.parse((Path(aiobasert.__file__).parent / f"{module}.py").read_text())
-    found: set[str] = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.ImportFrom) and node.level == 1:
-            found |= {node.module.split(".")[0]} if node.module else {a.name for a in node.names}
-        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("aiobasert."):
-            found.add((node.module or "").split(".")[1])
-        elif isinstance(node, ast.Import):
-            found |= {a.name.split(".")[1] for a in node.names if a.name.startswith("aiobasert.")}
-    return found
-
-
 def test_the_tool_modules_import_one_way() -> None:
-    """aiobasert.tools declares the format interface (ToolFormat) and renders, parses and streams
-    turns through it; the formats import tools, never the reverse, and neither imports the engine
-    (the engine hands its template, tokens and format down); what both write and scan lives in
-    the private _tool_syntax, which imports neither. No circle among the three and the engine."""
-    tools, formats, syntax = (_package_imports(m) for m in ("tools", "tool_formats", "_tool_syntax"))
-    assert "tool_formats" not in tools and "engine" not in tools and "_tool_syntax" in tools
-    assert formats == {"tools", "_tool_syntax"}
-    assert syntax == set()
+    """aiobasert.tools (a package: one module per call format, the shared pieces in `_` modules)
+    imports no engine (the engine hands its template, tokens and format down), and the call syntax
+    every format shares (_syntax) imports nothing of the package. Layers and circles:
+    tests/test_layering.py."""
+    graph = import_graph(PACKAGE)
+    tools = {m: t for m, t in graph.items() if m == "aiobasert.tools" or m.startswith("aiobasert.tools.")}
+    assert {"aiobasert.tools.llama3_json", "aiobasert.tools._syntax"} <= set(tools)
+    assert [m for m, t in tools.items() if "aiobasert.engine" in t] == []
+    assert graph["aiobasert.tools._syntax"] == set()
 
 
 # ---- the Llama 3 parser: any token split, text stays text ------------------------------------

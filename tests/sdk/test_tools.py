@@ -21,7 +21,6 @@ from tool_checks import backends, json_complete
 from aiobasert import Engine, InvalidRequestError, SamplingParams, StreamClosedError
 from aiobasert.chat import GEMMA_TEMPLATE, MAX_CHAT_MESSAGES, render_chat
 from aiobasert.models.tiny import BOS_ID, EOS_ID, SPECIAL_TOKENS, build_tiny_model
-from aiobasert.tool_formats import HERMES
 from aiobasert.tools import (
     CALL_OPEN,
     MAX_TOOLS,
@@ -35,6 +34,7 @@ from aiobasert.tools import (
     tool_grammar,
     tool_structural_tag,
 )
+from aiobasert.tools.llama3_json import HERMES
 
 if TYPE_CHECKING:  # llguidance: imported where a grammar is built
     from aiobasert._core.grammar import GrammarBackend

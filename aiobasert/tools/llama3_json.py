@@ -29,8 +29,7 @@ from collections.abc import Sequence
 from functools import lru_cache
 from typing import Any, Final
 
-from ._tool_syntax import CALL_SEP, JsonExtent, hermes_call, new_call_id, turn_grammar
-from .tools import (
+from . import (
     CallParser,
     ChatDelta,
     TextDelta,
@@ -43,6 +42,7 @@ from .tools import (
     tool_grammar,
     tool_structural_tag,
 )
+from ._syntax import CALL_SEP, JsonExtent, hermes_call, new_call_id, turn_grammar
 
 __all__ = [
     "HERMES",

@@ -62,8 +62,11 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import msgspec
 
-from ._core.schema import closed_objects
-from ._tool_syntax import (
+from .._core.schema import closed_objects
+from ..chat import _as_message, check_message_count, encodable_content, render_with_sentinels, sentinel
+from ..errors import InvalidRequestError, StreamBusyError, WrongEventLoopError
+from ..types import ChatMessage, FinishReason, Timing, Token, Usage
+from ._syntax import (
     ARGS_OPEN,
     CALL_CLOSE,
     CALL_END,
@@ -74,12 +77,9 @@ from ._tool_syntax import (
     new_call_id,
     turn_grammar,
 )
-from .chat import _as_message, check_message_count, encodable_content, render_with_sentinels, sentinel
-from .errors import InvalidRequestError, StreamBusyError, WrongEventLoopError
-from .types import ChatMessage, FinishReason, Timing, Token, Usage
 
 if TYPE_CHECKING:
-    from .streams import TokenStream
+    from ..streams import TokenStream
 
 __all__ = [
     "CALL_CLOSE",
@@ -693,7 +693,7 @@ def check_tools(tools: Sequence[Tool | Mapping[str, Any]] | None) -> None:
     """Refuse tools whose preparation would cost more than a request may make the server pay,
     before any of it is paid: more than `MAX_TOOLS`, or a schema past `json_schema`'s caps
     (measured iteratively: a schema reaches recursive JSON encoders and the grammar compilers)."""
-    from .types import schema_problem
+    from ..types import schema_problem
 
     if tools is None:
         return
