@@ -59,8 +59,7 @@ from .types import (
 if TYPE_CHECKING:
     import numpy as np
 
-    from .tools import ChatStream, ChatTurn, Tool, ToolChoice
-    from .tools.llama3_json import ToolFormat
+    from .tools import ChatStream, ChatTurn, Tool, ToolChoice, ToolFormat
 
 T = TypeVar("T")
 
@@ -507,7 +506,7 @@ class Engine:
     def tool_format(self) -> ToolFormat:
         """How this model writes tool calls, chosen from its chat template
         (aiobasert.tool_formats: Hermes `<tool_call>` by default, Llama 3's bare JSON)."""
-        from .tools.llama3_json import tool_format_for
+        from .tools import tool_format_for
 
         return tool_format_for(self.chat_template)
 

@@ -14,19 +14,6 @@ import os
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
-# Hermes' call: <tool_call>\n{"name": "f", "arguments": {...}}\n</tool_call>, several separated by CALL_SEP
-CALL_OPEN = "<tool_call>\n"
-CALL_CLOSE = "\n</tool_call>"
-NAME_OPEN = '{"name": "'
-ARGS_OPEN = '", "arguments": '
-CALL_END = "}" + CALL_CLOSE
-CALL_SEP = "\n"
-
-
-def hermes_call(name: str, arguments: str) -> str:
-    """One call as Hermes writes it (`arguments`: the JSON text)."""
-    return CALL_OPEN + NAME_OPEN + name + ARGS_OPEN + arguments + CALL_END
-
 
 def lark_str(text: str) -> str:
     """`text` as a Lark string literal."""

@@ -29,50 +29,13 @@ from collections.abc import Sequence
 from functools import lru_cache
 from typing import Any, Final
 
-from . import (
-    CallParser,
-    ChatDelta,
-    TextDelta,
-    Tool,
-    ToolCall,
-    ToolCallDelta,
-    ToolCallParser,
-    ToolFormat,
-    template_supports_tools,
-    tool_grammar,
-    tool_structural_tag,
-)
-from ._syntax import CALL_SEP, JsonExtent, hermes_call, new_call_id, turn_grammar
+from ._format import CallParser, ToolFormat
+from ._render import template_supports_tools
+from ._syntax import JsonExtent, new_call_id, turn_grammar
+from ._types import ChatDelta, TextDelta, Tool, ToolCall, ToolCallDelta
+from .hermes import HERMES, tool_structural_tag
 
-__all__ = [
-    "HERMES",
-    "LLAMA3_JSON",
-    "CallParser",
-    "HermesFormat",
-    "Llama3JsonFormat",
-    "Llama3JsonParser",
-    "ToolFormat",
-    "tool_format_for",
-]
-
-
-class HermesFormat(ToolFormat):
-    """`<tool_call>` JSON `</tool_call>` (aiobasert.tools' grammar and parser)."""
-
-    name = "hermes"
-    trigger = "<tool_call>"
-
-    def grammar(self, tools: Sequence[Tool], choice: str, *, parallel: bool = True) -> str | None:
-        return tool_grammar(tools, choice, parallel=parallel)
-
-    def structural_tag(self, tools: Sequence[Tool], choice: str, *, parallel: bool = True) -> dict[str, Any] | None:
-        return tool_structural_tag(tools, choice, parallel=parallel)
-
-    def parser(self, *, forced: bool = False) -> CallParser:
-        return ToolCallParser(forced=forced)
-
-    def call_text(self, calls: Sequence[ToolCall]) -> str:
-        return CALL_SEP.join(hermes_call(c.name, c.arguments) for c in calls)
+__all__ = ["LLAMA3_JSON", "Llama3JsonFormat", "Llama3JsonParser", "tool_format_for"]
 
 
 # ---- Llama 3.x: bare JSON -------------------------------------------------------------------
@@ -319,7 +282,6 @@ class Llama3JsonParser:
         return end
 
 
-HERMES: Final = HermesFormat()
 LLAMA3_JSON: Final = Llama3JsonFormat()
 
 # Llama 3.1 / 3.2 / 3.3's tool instruction: 'Respond in the format {"name": function name, "parameters": ...'

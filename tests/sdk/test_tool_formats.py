@@ -21,8 +21,19 @@ from tool_checks import backends, json_complete
 from aiobasert import Engine
 from aiobasert.chat import DEFAULT_TEMPLATE, GEMMA_TEMPLATE, LLAMA3_TEMPLATE
 from aiobasert.models.tiny import CHATML_TEMPLATE
-from aiobasert.tools import ChatReply, ChatStream, TextDelta, Tool, ToolCall, ToolCallDelta, render_tool_chat
-from aiobasert.tools.llama3_json import HERMES, LLAMA3_JSON, Llama3JsonParser, tool_format_for
+from aiobasert.tools import (
+    HERMES,
+    LLAMA3_JSON,
+    ChatReply,
+    ChatStream,
+    Llama3JsonParser,
+    TextDelta,
+    Tool,
+    ToolCall,
+    ToolCallDelta,
+    render_tool_chat,
+    tool_format_for,
+)
 
 if TYPE_CHECKING:  # llguidance: imported where a grammar is built
     from aiobasert._core.grammar import GrammarBackend
@@ -88,7 +99,7 @@ def test_the_tool_modules_import_one_way() -> None:
     tests/test_layering.py."""
     graph = import_graph(PACKAGE)
     tools = {m: t for m, t in graph.items() if m == "aiobasert.tools" or m.startswith("aiobasert.tools.")}
-    assert {"aiobasert.tools.llama3_json", "aiobasert.tools._syntax"} <= set(tools)
+    assert {"aiobasert.tools.hermes", "aiobasert.tools.llama3_json", "aiobasert.tools._syntax"} <= set(tools)
     assert [m for m, t in tools.items() if "aiobasert.engine" in t] == []
     assert graph["aiobasert.tools._syntax"] == set()
 
