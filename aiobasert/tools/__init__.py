@@ -52,14 +52,24 @@ the lane's logits row each step, so tool lanes keep batching with free lanes.
 
 from __future__ import annotations
 
-from ._format import CallParser, ToolFormat
+from ._format import (
+    CallParser,
+    ToolFormat,
+    default_tool_format,
+    register_tool_format,
+    registered_tool_formats,
+    template_supports_tools,
+    tool_format_for,
+)
 from ._input import MAX_TOOLS, check_schema_and_tools, check_tools, parse_tool_choice, parse_tools
-from ._render import DEFAULT_TOOL_PROMPT, render_tool_chat, template_supports_tools
+from ._render import DEFAULT_TOOL_PROMPT, render_tool_chat
 from ._stream import ChatStream, finish_reason_with_tools
 from ._turn import ChatTurn, prepare_chat_turn
 from ._types import ChatDelta, ChatReply, TextDelta, Tool, ToolCall, ToolCallDelta, ToolChoice
+
+# the formats, one module each: importing one registers it (the order is the order `tool_format_for` asks them in)
 from .hermes import CALL_CLOSE, CALL_OPEN, HERMES, HermesFormat, ToolCallParser, tool_grammar, tool_structural_tag
-from .llama3_json import LLAMA3_JSON, Llama3JsonFormat, Llama3JsonParser, tool_format_for
+from .llama3_json import LLAMA3_JSON, Llama3JsonFormat, Llama3JsonParser
 
 __all__ = [
     "CALL_CLOSE",
@@ -85,10 +95,13 @@ __all__ = [
     "ToolFormat",
     "check_schema_and_tools",
     "check_tools",
+    "default_tool_format",
     "finish_reason_with_tools",
     "parse_tool_choice",
     "parse_tools",
     "prepare_chat_turn",
+    "register_tool_format",
+    "registered_tool_formats",
     "render_tool_chat",
     "template_supports_tools",
     "tool_format_for",

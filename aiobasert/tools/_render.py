@@ -12,10 +12,9 @@ import msgspec
 from ..chat import _as_message, check_message_count, encodable_content, render_with_sentinels, sentinel
 from ..errors import InvalidRequestError
 from ..types import ChatMessage
-from ._format import ToolFormat
+from ._format import ToolFormat, template_supports_tools
 from ._input import MAX_TOOLS
 from ._types import Tool, ToolCall
-from .hermes import CALL_SEP
 
 DEFAULT_TOOL_PROMPT = (
     "You may call one or more functions to assist with the user query.\n\n"
@@ -64,11 +63,6 @@ def _message_fields(m: Any, i: int) -> dict[str, Any]:
     return out
 
 
-def template_supports_tools(template: str) -> bool:
-    """True when a chat template renders a `tools` variable itself."""
-    return bool(template) and re.search(r"\btools\b", template) is not None
-
-
 def render_tool_chat(
     template: str,
     messages: Sequence[Any],
@@ -115,7 +109,7 @@ def render_tool_chat(
         elif m.get("tool_calls"):
             parts = [m["content"]] if m["content"] else []
             parts.append(fmt.call_text(m["tool_calls"]))
-            plain.append({"role": m["role"], "content": CALL_SEP.join(parts), **_name_of(m)})
+            plain.append({"role": m["role"], "content": "\n".join(parts), **_name_of(m)})  # text, then calls
         else:
             plain.append({"role": m["role"], "content": m["content"], **_name_of(m)})
     # the template sees each turn's text and `name` (as client text), as with a tool-aware one

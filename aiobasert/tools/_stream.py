@@ -9,9 +9,8 @@ from typing import TYPE_CHECKING, Any
 
 from ..errors import InvalidRequestError, StreamBusyError, WrongEventLoopError
 from ..types import FinishReason, Token
-from ._format import CallParser, ToolFormat
+from ._format import CallParser, ToolFormat, default_tool_format
 from ._types import ChatDelta, ChatReply, TextDelta, ToolCall
-from .hermes import ToolCallParser
 
 if TYPE_CHECKING:
     from ..streams import TokenStream
@@ -77,7 +76,7 @@ class ChatStream:
         self.tokens = tokens
         self._parser: CallParser | None = None
         if parse_calls:  # in the model's call format (default Hermes)
-            self._parser = tool_format.parser(forced=forced) if tool_format else ToolCallParser(forced=forced)
+            self._parser = (tool_format or default_tool_format()).parser(forced=forced)
         self._text: list[str] = []
         self._reply: ChatReply | None = None
 

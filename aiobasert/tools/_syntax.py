@@ -59,6 +59,55 @@ def turn_grammar(
     return "\n".join(lines) + "\n"
 
 
+def turn_structural_tag(
+    tools: Sequence[CallableTool],
+    choice: str,
+    *,
+    parallel: bool,
+    head: Callable[[str], str],
+    tail: str,
+    separator: str,
+    trigger: str,
+) -> dict[str, Any] | None:
+    """The xgrammar structural tag of an assistant turn under `choice`, for the engine's own
+    grammar backend, in a format whose call is `head(name)`, the arguments, `tail`; None
+    without tools.
+
+    Each allowed tool is a tag: its call head (forced up to the arguments), the
+    arguments under the tool's schema, the call's end. "auto": `triggered_tags`
+    (free text; `trigger` starts a call); "required" / a named function:
+    `tags_with_separator` (calls only, at least one, separated by `separator`, as
+    the Lark grammar); `parallel=False`: `stop_after_first` (only an end token
+    after the call); "none": `any_text` that excludes `trigger`."""
+    if not tools:
+        return None
+    if choice == "none":
+        return {"type": "structural_tag", "format": {"type": "any_text", "excludes": [trigger]}}
+    allowed = [t for t in tools if choice in ("auto", "required") or t.name == choice]
+    tags = []
+    for tool in allowed:
+        schema = tool.arguments_schema()
+        guidance = schema.pop("x-guidance", None)
+        if guidance and guidance != {"whitespace_flexible": False}:
+            # options only the host honours stay: an engine that cannot, refuses the tag
+            schema["x-guidance"] = guidance
+        tags.append(
+            {
+                "type": "tag",
+                "begin": head(tool.name),
+                "content": {"type": "json_schema", "json_schema": schema},
+                "end": tail,
+            }
+        )
+    fmt: dict[str, Any]
+    if choice == "auto":
+        fmt = {"type": "triggered_tags", "triggers": [trigger], "tags": tags, "at_least_one": False}
+    else:
+        fmt = {"type": "tags_with_separator", "tags": tags, "separator": separator, "at_least_one": True}
+    fmt["stop_after_first"] = not parallel
+    return {"type": "structural_tag", "format": fmt}
+
+
 _call_ids = itertools.count(1)
 _call_prefix = os.urandom(4).hex()
 

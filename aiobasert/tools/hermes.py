@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, Final, Literal
 
-from ._format import CallParser, ToolFormat
-from ._syntax import JsonExtent, new_call_id, turn_grammar
+from ._format import CallParser, ToolFormat, register_tool_format, template_supports_tools
+from ._syntax import JsonExtent, new_call_id, turn_grammar, turn_structural_tag
 from ._types import ChatDelta, TextDelta, Tool, ToolCall, ToolCallDelta
 
 # Hermes' call: <tool_call>\n{"name": "f", "arguments": {...}}\n</tool_call>, several separated by CALL_SEP
@@ -42,42 +42,17 @@ def tool_grammar(tools: Sequence[Tool], choice: str, *, parallel: bool = True) -
 
 def tool_structural_tag(tools: Sequence[Tool], choice: str, *, parallel: bool = True) -> dict[str, Any] | None:
     """The xgrammar structural tag of an assistant turn under `choice`, for the
-    engine's own grammar backend; None without tools.
-
-    Each allowed tool is a tag: its call head (forced up to the arguments), the
-    arguments under the tool's schema, the call's end. "auto": `triggered_tags`
-    (free text; `<tool_call>` starts a call); "required" / a named function:
-    `tags_with_separator` (calls only, at least one, separated by a newline, as
-    the Lark grammar); `parallel=False`: `stop_after_first` (only an end token
-    after the call); "none": `any_text` that excludes `<tool_call>`."""
-    if not tools:
-        return None
-    trigger = CALL_OPEN.rstrip("\n")
-    if choice == "none":
-        return {"type": "structural_tag", "format": {"type": "any_text", "excludes": [trigger]}}
-    allowed = [t for t in tools if choice in ("auto", "required") or t.name == choice]
-    tags = []
-    for tool in allowed:
-        schema = tool.arguments_schema()
-        guidance = schema.pop("x-guidance", None)
-        if guidance and guidance != {"whitespace_flexible": False}:
-            # options only the host honours stay: an engine that cannot, refuses the tag
-            schema["x-guidance"] = guidance
-        tags.append(
-            {
-                "type": "tag",
-                "begin": CALL_OPEN + NAME_OPEN + tool.name + ARGS_OPEN,
-                "content": {"type": "json_schema", "json_schema": schema},
-                "end": CALL_END,
-            }
-        )
-    fmt: dict[str, Any]
-    if choice == "auto":
-        fmt = {"type": "triggered_tags", "triggers": [trigger], "tags": tags, "at_least_one": False}
-    else:
-        fmt = {"type": "tags_with_separator", "tags": tags, "separator": CALL_SEP, "at_least_one": True}
-    fmt["stop_after_first"] = not parallel
-    return {"type": "structural_tag", "format": fmt}
+    engine's own grammar backend; None without tools (see `_syntax.turn_structural_tag`:
+    calls after the trigger `<tool_call>`, separated by a newline)."""
+    return turn_structural_tag(
+        tools,
+        choice,
+        parallel=parallel,
+        head=lambda name: CALL_OPEN + NAME_OPEN + name + ARGS_OPEN,
+        tail=CALL_END,
+        separator=CALL_SEP,
+        trigger=CALL_OPEN.rstrip("\n"),
+    )
 
 
 # ---- output parsing -------------------------------------------------------------------------
@@ -209,6 +184,11 @@ class HermesFormat(ToolFormat):
     name = "hermes"
     trigger = "<tool_call>"
 
+    def detect(self, template: str) -> bool:
+        # a template that renders tools and frames calls in <tool_call> (Qwen 2.5 / 3, Hermes, SmolLM3);
+        # Hermes is also the default, for every template no format detects
+        return template_supports_tools(template) and self.trigger in template
+
     def grammar(self, tools: Sequence[Tool], choice: str, *, parallel: bool = True) -> str | None:
         return tool_grammar(tools, choice, parallel=parallel)
 
@@ -222,4 +202,4 @@ class HermesFormat(ToolFormat):
         return CALL_SEP.join(hermes_call(c.name, c.arguments) for c in calls)
 
 
-HERMES: Final = HermesFormat()
+HERMES: Final = register_tool_format(HermesFormat())

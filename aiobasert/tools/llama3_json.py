@@ -26,16 +26,13 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Sequence
-from functools import lru_cache
 from typing import Any, Final
 
-from ._format import CallParser, ToolFormat
-from ._render import template_supports_tools
-from ._syntax import JsonExtent, new_call_id, turn_grammar
+from ._format import CallParser, ToolFormat, register_tool_format, template_supports_tools
+from ._syntax import JsonExtent, new_call_id, turn_grammar, turn_structural_tag
 from ._types import ChatDelta, TextDelta, Tool, ToolCall, ToolCallDelta
-from .hermes import HERMES, tool_structural_tag
 
-__all__ = ["LLAMA3_JSON", "Llama3JsonFormat", "Llama3JsonParser", "tool_format_for"]
+__all__ = ["LLAMA3_JSON", "Llama3JsonFormat", "Llama3JsonParser"]
 
 
 # ---- Llama 3.x: bare JSON -------------------------------------------------------------------
@@ -46,6 +43,8 @@ PYTHON_TAG: Final = "<|python_tag|>"
 _BLANK: Final = " \t\r\n"
 _LLAMA_SEP = "; "
 _LLAMA_ARGS_KEY = "parameters"
+# Llama 3.1 / 3.2 / 3.3's tool instruction: 'Respond in the format {"name": function name, "parameters": ...'
+_LLAMA3_INSTRUCTION = re.compile(r'\{"name": [^{}]{0,40}"parameters"')
 
 
 def _llama_head(name: str) -> str:
@@ -65,6 +64,15 @@ class Llama3JsonFormat(ToolFormat):
     name = "llama3_json"
     trigger = "{"
 
+    def detect(self, template: str) -> bool:
+        # a template that renders tools and asks for {"name": ..., "parameters": ...}, without
+        # Hermes' <tool_call> (Hermes 3's template is on Llama 3.1 weights, with Hermes calls)
+        return (
+            template_supports_tools(template)
+            and "<tool_call>" not in template
+            and _LLAMA3_INSTRUCTION.search(template) is not None
+        )
+
     def grammar(self, tools: Sequence[Tool], choice: str, *, parallel: bool = True) -> str | None:
         # whitespace then "{" opens a call (as the parser reads it), also after "<|python_tag|>" (which
         # ordinary tokens can spell): text never does
@@ -76,13 +84,9 @@ class Llama3JsonFormat(ToolFormat):
     def structural_tag(self, tools: Sequence[Tool], choice: str, *, parallel: bool = True) -> dict[str, Any] | None:
         if not tools or choice in ("auto", "none"):
             return None  # "a call only at the start" is no structural tag: the Lark grammar runs
-        tag = tool_structural_tag(tools, choice, parallel=parallel)
-        assert tag is not None
-        fmt = tag["format"]
-        for t, tool in zip(fmt["tags"], [t for t in tools if choice == "required" or t.name == choice], strict=True):
-            t["begin"], t["end"] = _llama_head(tool.name), "}"
-        fmt["separator"] = _LLAMA_SEP
-        return tag
+        return turn_structural_tag(
+            tools, choice, parallel=parallel, head=_llama_head, tail="}", separator=_LLAMA_SEP, trigger=self.trigger
+        )
 
     def parser(self, *, forced: bool = False) -> CallParser:
         return Llama3JsonParser(forced=forced)
@@ -282,22 +286,4 @@ class Llama3JsonParser:
         return end
 
 
-LLAMA3_JSON: Final = Llama3JsonFormat()
-
-# Llama 3.1 / 3.2 / 3.3's tool instruction: 'Respond in the format {"name": function name, "parameters": ...'
-_LLAMA3_INSTRUCTION = re.compile(r'\{"name": [^{}]{0,40}"parameters"')
-
-
-@lru_cache(maxsize=16)
-def tool_format_for(template: str) -> ToolFormat:
-    """The tool-call format a chat template teaches its model: Llama 3's bare JSON for a
-    template that renders tools and asks for `{"name": ..., "parameters": ...}`
-    (without Hermes' `<tool_call>`), else Hermes (also what the default tool prompt
-    asks for, when the template renders no tools)."""
-    if (
-        template_supports_tools(template)
-        and "<tool_call>" not in template
-        and _LLAMA3_INSTRUCTION.search(template) is not None
-    ):
-        return LLAMA3_JSON
-    return HERMES
+LLAMA3_JSON: Final = register_tool_format(Llama3JsonFormat())
