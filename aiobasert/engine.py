@@ -505,7 +505,7 @@ class Engine:
     @property
     def tool_format(self) -> ToolFormat:
         """How this model writes tool calls, chosen from its chat template
-        (aiobasert.tool_formats: Hermes `<tool_call>` by default, Llama 3's bare JSON)."""
+        (aiobasert.tools: Hermes `<tool_call>` by default, Llama 3's bare JSON)."""
         from .tools import tool_format_for
 
         return tool_format_for(self.chat_template)

@@ -12,10 +12,9 @@ async for delta in engine.stream_chat(messages, tools=[weather]):
 ```
 
 Each model calls tools in its family's format, chosen once from its chat template
-(`aiobasert.tool_formats`: `engine.tool_format`): Llama 3.x's templates ask for
+(`tool_format_for`, `engine.tool_format`): Llama 3.x's templates ask for
 bare JSON, ``{"name": "get_weather", "parameters": {"city":"Paris"}}`` as the
-whole reply (its grammar and parser live in tool_formats); every other model
-uses the Hermes / Qwen format, whose grammar and parser are this module's::
+whole reply (`llama3_json`); every other model uses the Hermes / Qwen format (`hermes`)::
 
     <tool_call>
     {"name": "get_weather", "arguments": {"city":"Paris"}}
@@ -48,6 +47,16 @@ each tool's arguments) on the host. Both enforce:
 Arguments always validate against the tool's JSON Schema, and hold only the properties
 it declares (`closed_objects`: an absent `additionalProperties` is read as false). The grammar masks
 the lane's logits row each step, so tool lanes keep batching with free lanes.
+
+The package: one module per call format (`hermes`, `llama3_json`), each a `ToolFormat`
+registered when the package imports it below, so a new family is one new module; and the
+pieces every format shares, private: `_types` (tools, calls, deltas, the reply), `_input`
+(tools and `tool_choice` normalised and bounded), `_format` (the `ToolFormat` interface and
+the registry, `tool_format_for`), `_syntax` (what each format's grammar and structural tag
+are built from, the JSON extent scanner, call ids), `_render` (the prompt), `_turn`
+(`ChatTurn`: a turn rendered and constrained once) and `_stream` (`ChatStream`: the output
+parsed into deltas while it streams). tests/sdk/test_tool_formats.py round-trips every
+registered format.
 """
 
 from __future__ import annotations

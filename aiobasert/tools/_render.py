@@ -76,7 +76,7 @@ def render_tool_chat(
     """Render a conversation with tools (and tool turns) into encodable pieces,
     with the model's template when it supports tools, else the default format.
     `tool_format`: how the model writes calls (the template's is
-    `aiobasert.tool_formats.tool_format_for(template)`, `Engine.tool_format`)."""
+    `tool_format_for(template)`, `Engine.tool_format`)."""
     if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence) or not messages:
         raise InvalidRequestError("messages must be a non-empty list of {role, content} messages")
     check_message_count(messages)

@@ -1,9 +1,6 @@
-"""The call text both tool-call modules write and scan (aiobasert.tools: Hermes' grammar and
-parser; aiobasert.tool_formats: every format's): Hermes' call framing, the Lark grammar of a turn
-of calls (each format gives its call's head, tail and separator), the incremental JSON extent
-scanner, and call ids.
-
-Private, and below both: it imports neither, so each imports it without a circle.
+"""What every tool-call format (aiobasert.tools' format modules) is built from: the Lark grammar
+of a turn of calls and its xgrammar structural tag (each format gives its call's head, tail and
+separator), the incremental JSON extent scanner, and call ids. It imports nothing of the package.
 """
 
 from __future__ import annotations

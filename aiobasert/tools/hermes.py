@@ -1,4 +1,8 @@
-"""The Hermes / Qwen tool-call format: `<tool_call>` JSON `</tool_call>`."""
+"""The Hermes / Qwen tool-call format (`HERMES`, "hermes"), the default: Qwen 2.5 / 3, SmolLM2,
+Hermes, and every template that renders no tools (the default tool prompt asks for it).
+``<tool_call>\n{"name": "f", "arguments": {...}}\n</tool_call>``, several separated by a newline,
+calls anywhere after the trigger `<tool_call>`.
+"""
 
 from __future__ import annotations
 
@@ -179,7 +183,7 @@ class ToolCallParser:
 
 
 class HermesFormat(ToolFormat):
-    """`<tool_call>` JSON `</tool_call>` (aiobasert.tools' grammar and parser)."""
+    """`<tool_call>` JSON `</tool_call>`: `tool_grammar`, `tool_structural_tag`, `ToolCallParser`."""
 
     name = "hermes"
     trigger = "<tool_call>"

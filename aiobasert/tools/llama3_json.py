@@ -1,24 +1,8 @@
-"""Tool-call formats: how each model family writes a call, chosen once per model
-from its chat template (`tool_format_for`).
-
-A format is one place that says, for its family: the grammar of an assistant turn
-under each `tool_choice` (a Lark grammar for llguidance, and where the engine's own
-grammar backend can express it an xgrammar structural tag), the incremental parser
-that turns the generated text back into text and `ToolCallDelta`s, how a past
-assistant call is written when the chat template does not render it itself, and
-how a conversation is shaped for the template (Llama 3's renders one call per turn).
-
-- `HERMES` (the default; Qwen 2.5 / 3, SmolLM2, Hermes):
-  ``<tool_call>\\n{"name": "f", "arguments": {...}}\\n</tool_call>``, calls anywhere
-  after the trigger `<tool_call>` (see aiobasert.tools).
-- `LLAMA3_JSON` (Llama 3.1 / 3.2 / 3.3, whose templates ask for
-  `{"name": function name, "parameters": ...}`): the whole reply is the call,
-  bare JSON ``{"name": "f", "parameters": {...}}`` (several separated by ``; ``, as
-  vLLM's llama3_json parser reads them), optionally after `<|python_tag|>`.
-
-What a format must provide, `ToolFormat` (and its parser's `CallParser`), is declared in
-aiobasert.tools, which renders and parses turns through it (re-exported here); this module
-imports aiobasert.tools, never the other way round.
+"""Llama 3.x's tool-call format (`LLAMA3_JSON`, "llama3_json"): Llama 3.1 / 3.2 / 3.3, whose
+templates render tools and ask for `{"name": function name, "parameters": ...}`. The whole reply
+is the call, bare JSON ``{"name": "f", "parameters": {...}}`` (several separated by ``; ``, as
+vLLM's llama3_json parser reads them), optionally after `<|python_tag|>`. Its template renders
+the tools and past calls itself, one call per assistant turn (`shape_messages`).
 """
 
 from __future__ import annotations

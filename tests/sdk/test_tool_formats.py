@@ -1,7 +1,8 @@
-"""Tool-call formats (aiobasert.tool_formats): each model's format chosen from its chat
-template, Llama 3.x's bare JSON calls parsed from any token split (and anything else kept
-as text), and its grammar forcing well-formed calls on a tiny model with Llama 3.1's own
-template (random weights: only the grammar makes its calls well-formed)."""
+"""Tool-call formats (aiobasert.tools' format modules and their registry): each model's format
+chosen from its chat template, every registered format reading back the calls it writes, Llama
+3.x's bare JSON calls parsed from any token split (and anything else kept as text), and its
+grammar forcing well-formed calls on a tiny model with Llama 3.1's own template (random weights:
+only the grammar makes its calls well-formed)."""
 
 from __future__ import annotations
 
