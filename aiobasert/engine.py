@@ -59,8 +59,7 @@ from .types import (
 if TYPE_CHECKING:
     import numpy as np
 
-    from .tool_formats import ToolFormat
-    from .tools import ChatStream, ChatTurn, Tool, ToolChoice
+    from .tools import ChatStream, ChatTurn, Tool, ToolChoice, ToolFormat
 
 T = TypeVar("T")
 
@@ -506,8 +505,8 @@ class Engine:
     @property
     def tool_format(self) -> ToolFormat:
         """How this model writes tool calls, chosen from its chat template
-        (aiobasert.tool_formats: Hermes `<tool_call>` by default, Llama 3's bare JSON)."""
-        from .tool_formats import tool_format_for
+        (aiobasert.tools: Hermes `<tool_call>` by default, Llama 3's bare JSON)."""
+        from .tools import tool_format_for
 
         return tool_format_for(self.chat_template)
 

@@ -1,11 +1,11 @@
-"""Tool-call formats (aiobasert.tool_formats): each model's format chosen from its chat
-template, Llama 3.x's bare JSON calls parsed from any token split (and anything else kept
-as text), and its grammar forcing well-formed calls on a tiny model with Llama 3.1's own
-template (random weights: only the grammar makes its calls well-formed)."""
+"""Tool-call formats (aiobasert.tools' format modules and their registry): each model's format
+chosen from its chat template, every registered format reading back the calls it writes, Llama
+3.x's bare JSON calls parsed from any token split (and anything else kept as text), and its
+grammar forcing well-formed calls on a tiny model with Llama 3.1's own template (random weights:
+only the grammar makes its calls well-formed)."""
 
 from __future__ import annotations
 
-import ast
 import itertools
 import json
 from collections.abc import Callable
@@ -16,14 +16,30 @@ import jsonschema  # type: ignore[import-untyped]
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from test_layering import PACKAGE, import_graph
 from tool_checks import backends, json_complete
 
-import aiobasert
 from aiobasert import Engine
 from aiobasert.chat import DEFAULT_TEMPLATE, GEMMA_TEMPLATE, LLAMA3_TEMPLATE
 from aiobasert.models.tiny import CHATML_TEMPLATE
-from aiobasert.tool_formats import HERMES, LLAMA3_JSON, Llama3JsonParser, tool_format_for
-from aiobasert.tools import ChatReply, ChatStream, TextDelta, Tool, ToolCall, ToolCallDelta, render_tool_chat
+from aiobasert.tools import (
+    HERMES,
+    LLAMA3_JSON,
+    CallParser,
+    ChatReply,
+    ChatStream,
+    HermesFormat,
+    Llama3JsonParser,
+    TextDelta,
+    Tool,
+    ToolCall,
+    ToolCallDelta,
+    ToolFormat,
+    register_tool_format,
+    registered_tool_formats,
+    render_tool_chat,
+    tool_format_for,
+)
 
 if TYPE_CHECKING:  # llguidance: imported where a grammar is built
     from aiobasert._core.grammar import GrammarBackend
@@ -82,30 +98,36 @@ def test_templates_without_tools_get_the_default_format() -> None:
         assert tool_format_for(template) is HERMES
 
 
-def _package_imports(module: str) -> set[str]:
-    """The aiobasert modules `aiobasert.<module>` imports anywhere: at the top, in a function,
-    under TYPE_CHECKING (the first name below the package: `_core` for `._core.ffi`)."""
-    tree = ast.parse((Path(aiobasert.__file__).parent / f"{module}.py").read_text())
-    found: set[str] = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.ImportFrom) and node.level == 1:
-            found |= {node.module.split(".")[0]} if node.module else {a.name for a in node.names}
-        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("aiobasert."):
-            found.add((node.module or "").split(".")[1])
-        elif isinstance(node, ast.Import):
-            found |= {a.name.split(".")[1] for a in node.names if a.name.startswith("aiobasert.")}
-    return found
-
-
 def test_the_tool_modules_import_one_way() -> None:
-    """aiobasert.tools declares the format interface (ToolFormat) and renders, parses and streams
-    turns through it; the formats import tools, never the reverse, and neither imports the engine
-    (the engine hands its template, tokens and format down); what both write and scan lives in
-    the private _tool_syntax, which imports neither. No circle among the three and the engine."""
-    tools, formats, syntax = (_package_imports(m) for m in ("tools", "tool_formats", "_tool_syntax"))
-    assert "tool_formats" not in tools and "engine" not in tools and "_tool_syntax" in tools
-    assert formats == {"tools", "_tool_syntax"}
-    assert syntax == set()
+    """aiobasert.tools is a package: one module per call format (hermes, llama3_json), the pieces
+    every format shares in `_` modules. A format module builds on the shared ones only, the
+    shared ones know no format (they reach one through the registry), and the package imports
+    each format (which registers it). Nothing in it imports the engine, which hands its template,
+    tokens and format down; the shared call syntax (_syntax) imports nothing of the package.
+    Layers and circles: tests/test_layering.py."""
+    graph = import_graph(PACKAGE)
+    package = {m: t for m, t in graph.items() if m == "aiobasert.tools" or m.startswith("aiobasert.tools.")}
+    tools = {m: t for m, t in package.items() if m != "aiobasert.tools"}
+    formats = {m for m in tools if not m.rpartition(".")[2].startswith("_")}
+    assert formats == {"aiobasert.tools.hermes", "aiobasert.tools.llama3_json"}
+    assert {(m, t) for m, targets in tools.items() for t in targets if t in formats} == set()
+    assert formats <= graph["aiobasert.tools"]
+    assert [m for m, t in package.items() if "aiobasert.engine" in t] == []
+    assert graph["aiobasert.tools._syntax"] == set()
+
+
+def test_each_format_module_registers_one_format() -> None:
+    """A new family is one new module: importing it registers its one `ToolFormat` under a name
+    no other format has. The registry holds exactly the package's format modules, each found
+    again by `tool_format_for` from a template it detects, so each is under the tests below."""
+    formats = registered_tool_formats()
+    modules = {p.stem for p in (PACKAGE / "tools").glob("*.py") if not p.stem.startswith("_")}
+    assert sorted(type(f).__module__ for f in formats.values()) == sorted(f"aiobasert.tools.{m}" for m in modules)
+    assert all(isinstance(f, ToolFormat) and f.name == name for name, f in formats.items())
+    assert list(formats) == ["hermes", "llama3_json"]  # the order tool_format_for asks them in
+    with pytest.raises(ValueError, match="'hermes' is already registered"):
+        register_tool_format(HermesFormat())
+    assert registered_tool_formats() == formats
 
 
 # ---- the Llama 3 parser: any token split, text stays text ------------------------------------
@@ -125,8 +147,11 @@ TEXT = st.lists(
 ).map("".join)
 
 
-def parse(text: str, splits: list[int], *, forced: bool = False) -> tuple[Llama3JsonParser, list[Any]]:
-    parser, pos, deltas = Llama3JsonParser(forced=forced), 0, []
+def parse(
+    text: str, splits: list[int], *, forced: bool = False, fmt: ToolFormat = LLAMA3_JSON
+) -> tuple[CallParser, list[Any]]:
+    """`text` fed to a fresh parser of `fmt` in chunks of the `splits` sizes (cycled), then closed."""
+    parser, pos, deltas = fmt.parser(forced=forced), 0, []
     for size in itertools.cycle(splits):
         if pos >= len(text):
             break
@@ -140,7 +165,7 @@ def compact(value: Any) -> str:
     return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
 
 
-def check_deltas(parser: Llama3JsonParser, deltas: list[Any]) -> None:
+def check_deltas(parser: CallParser, deltas: list[Any]) -> None:
     """The deltas say what the parser holds: text in order, each call's id and name first."""
     assert "".join(d.text for d in deltas if isinstance(d, TextDelta)) == parser.content
     calls: dict[int, list[str]] = {}
@@ -154,6 +179,69 @@ def check_deltas(parser: Llama3JsonParser, deltas: list[Any]) -> None:
                 assert d.id is None and d.name is None
                 calls[d.index].append(d.arguments)
     assert ["".join(a) for a in calls.values()] == [c.arguments for c in parser.calls]
+
+
+# ---- every registered format: its calls written, constrained and read back --------------------
+
+
+FORMATS = list(registered_tool_formats().values())
+CALLS = st.lists(st.tuples(NAMES, ARGS), min_size=1, max_size=3).map(
+    lambda calls: [ToolCall(id=f"call_{i}", name=name, arguments=compact(args)) for i, (name, args) in enumerate(calls)]
+)
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=lambda fmt: fmt.name)
+@given(calls=CALLS, splits=SPLITS, forced=st.booleans())
+def test_every_format_reads_back_the_calls_it_writes(
+    fmt: ToolFormat, calls: list[ToolCall], splits: list[int], forced: bool
+) -> None:
+    """The proof that a format is one file: whatever calls a registered format writes (`call_text`,
+    how a past turn goes back into the prompt, and what its grammar has the model write), its
+    parser reads back as exactly those calls and no text, whole, and streamed in chunks of any
+    sizes the same as whole, delta by delta."""
+    text = fmt.call_text(calls)
+    whole, _ = parse(text, [len(text) + 1], forced=forced, fmt=fmt)
+    assert [(c.name, c.arguments) for c in whole.calls] == [(c.name, c.arguments) for c in calls]
+    assert whole.content == ""
+    streamed, deltas = parse(text, splits, forced=forced, fmt=fmt)
+    assert [(c.name, c.arguments) for c in streamed.calls] == [(c.name, c.arguments) for c in whole.calls]
+    assert streamed.content == whole.content
+    check_deltas(streamed, deltas)
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=lambda fmt: fmt.name)
+def test_every_formats_structural_tag_frames_its_calls_as_it_writes_them(fmt: ToolFormat) -> None:
+    """Each call tag of a format's structural tag is its call as `call_text` writes it (head,
+    arguments, end), and several are separated as it separates them."""
+    first, second = (ToolCall(id="c", name=t.name, arguments='{"tz":"UTC"}') for t in (E_WEATHER, E_TIME))
+    tag = fmt.structural_tag([E_WEATHER, E_TIME], "required")
+    if tag is None:  # a format whose calls no structural tag can say: the Lark grammar runs
+        return
+    tags, separator = tag["format"]["tags"], tag["format"]["separator"]
+    assert [t["begin"] + '{"tz":"UTC"}' + t["end"] for t in tags] == [fmt.call_text([c]) for c in (first, second)]
+    assert fmt.call_text([first, second]) == fmt.call_text([first]) + separator + fmt.call_text([second])
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=lambda fmt: fmt.name)
+@pytest.mark.parametrize("choice", ["auto", "required", "get_time"])
+def test_every_formats_grammar_admits_the_calls_it_writes(
+    tiny_model_path: Path, host_grammar: Callable[..., GrammarBackend], fmt: ToolFormat, choice: str
+) -> None:
+    """What a format writes for its calls is what its grammar admits (fed token by token through the
+    compiled Lark grammar, what the engine masks with), and a call of another tool than the named
+    one is refused."""
+    from aiobasert.models.bundle import read_bundle
+
+    vocab = len(read_bundle(tiny_model_path).tokenizer["tokenizer.ggml.tokens"])
+    backend = host_grammar(tiny_model_path, vocab_size=vocab)
+    weather = ToolCall(id="c1", name="get_weather", arguments='{"city":"Rom","days":2}')
+    time = ToolCall(id="c2", name="get_time", arguments='{"tz":"UTC"}')
+    for calls, ok in [([time], True), ([weather, time], choice != "get_time")]:
+        lark = fmt.grammar([WEATHER, E_TIME], choice)
+        assert lark is not None
+        constraint = backend.compile_lark(lark)
+        accepted = all(constraint.accept(t) for t in backend._tokenizer.tokenize_str(fmt.call_text(calls)))
+        assert accepted == ok, (calls, constraint.error)
 
 
 @given(

@@ -21,9 +21,9 @@ from tool_checks import backends, json_complete
 from aiobasert import Engine, InvalidRequestError, SamplingParams, StreamClosedError
 from aiobasert.chat import GEMMA_TEMPLATE, MAX_CHAT_MESSAGES, render_chat
 from aiobasert.models.tiny import BOS_ID, EOS_ID, SPECIAL_TOKENS, build_tiny_model
-from aiobasert.tool_formats import HERMES
 from aiobasert.tools import (
     CALL_OPEN,
+    HERMES,
     MAX_TOOLS,
     ChatReply,
     TextDelta,
@@ -202,7 +202,7 @@ async def test_chats_past_the_counts_are_refused_before_rendering(
 ) -> None:
     # issue 26 item 2: bounded before it is paid: no template runs for a chat past the caps
     import aiobasert.chat
-    import aiobasert.tools
+    import aiobasert.tools._render
 
     rendered: list[int] = []
 
@@ -210,7 +210,7 @@ async def test_chats_past_the_counts_are_refused_before_rendering(
         rendered.append(1)
         raise AssertionError("rendered")
 
-    monkeypatch.setattr(aiobasert.tools, "render_with_sentinels", spy)
+    monkeypatch.setattr(aiobasert.tools._render, "render_with_sentinels", spy)
     monkeypatch.setattr(aiobasert.chat, "render_with_sentinels", spy)
     many = MESSAGES * (MAX_CHAT_MESSAGES + 1)
     tools = [Tool(name=f"t{i}") for i in range(MAX_TOOLS + 1)]
@@ -797,7 +797,7 @@ OPEN_MAP = Tool(
 
 
 def test_closed_objects_policy() -> None:
-    from aiobasert.tools import closed_objects
+    from aiobasert._core.schema import closed_objects
 
     assert closed_objects({"type": "object", "properties": {}}) == {
         "type": "object",

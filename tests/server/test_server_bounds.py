@@ -19,7 +19,7 @@ import httpx
 import pytest
 from loopback import API_KEY, MODEL_NAME, serving
 
-import aiobasert.tools
+import aiobasert.tools._render
 from aiobasert import Engine
 from aiobasert.chat import MAX_CHAT_MESSAGES
 from aiobasert.models.tiny import SPECIAL_TOKENS, build_tiny_model
@@ -46,13 +46,13 @@ def renders(monkeypatch: pytest.MonkeyPatch) -> list[threading.Thread]:
     """The thread of every chat render (aiobasert.tools' template render, which every chat
     the server prepares goes through)."""
     seen: list[threading.Thread] = []
-    real = aiobasert.tools.render_with_sentinels
+    real = aiobasert.tools._render.render_with_sentinels
 
     def spy(*args: Any, **kwargs: Any) -> Any:
         seen.append(threading.current_thread())
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(aiobasert.tools, "render_with_sentinels", spy)
+    monkeypatch.setattr(aiobasert.tools._render, "render_with_sentinels", spy)
     return seen
 
 

@@ -1,24 +1,8 @@
-"""Tool-call formats: how each model family writes a call, chosen once per model
-from its chat template (`tool_format_for`).
-
-A format is one place that says, for its family: the grammar of an assistant turn
-under each `tool_choice` (a Lark grammar for llguidance, and where the engine's own
-grammar backend can express it an xgrammar structural tag), the incremental parser
-that turns the generated text back into text and `ToolCallDelta`s, how a past
-assistant call is written when the chat template does not render it itself, and
-how a conversation is shaped for the template (Llama 3's renders one call per turn).
-
-- `HERMES` (the default; Qwen 2.5 / 3, SmolLM2, Hermes):
-  ``<tool_call>\\n{"name": "f", "arguments": {...}}\\n</tool_call>``, calls anywhere
-  after the trigger `<tool_call>` (see aiobasert.tools).
-- `LLAMA3_JSON` (Llama 3.1 / 3.2 / 3.3, whose templates ask for
-  `{"name": function name, "parameters": ...}`): the whole reply is the call,
-  bare JSON ``{"name": "f", "parameters": {...}}`` (several separated by ``; ``, as
-  vLLM's llama3_json parser reads them), optionally after `<|python_tag|>`.
-
-What a format must provide, `ToolFormat` (and its parser's `CallParser`), is declared in
-aiobasert.tools, which renders and parses turns through it (re-exported here); this module
-imports aiobasert.tools, never the other way round.
+"""Llama 3.x's tool-call format (`LLAMA3_JSON`, "llama3_json"): Llama 3.1 / 3.2 / 3.3, whose
+templates render tools and ask for `{"name": function name, "parameters": ...}`. The whole reply
+is the call, bare JSON ``{"name": "f", "parameters": {...}}`` (several separated by ``; ``, as
+vLLM's llama3_json parser reads them), optionally after `<|python_tag|>`. Its template renders
+the tools and past calls itself, one call per assistant turn (`shape_messages`).
 """
 
 from __future__ import annotations
@@ -26,53 +10,13 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Sequence
-from functools import lru_cache
 from typing import Any, Final
 
-from ._tool_syntax import CALL_SEP, JsonExtent, hermes_call, new_call_id, turn_grammar
-from .tools import (
-    CallParser,
-    ChatDelta,
-    TextDelta,
-    Tool,
-    ToolCall,
-    ToolCallDelta,
-    ToolCallParser,
-    ToolFormat,
-    template_supports_tools,
-    tool_grammar,
-    tool_structural_tag,
-)
+from ._format import CallParser, ToolFormat, register_tool_format, template_supports_tools
+from ._syntax import JsonExtent, new_call_id, turn_grammar, turn_structural_tag
+from ._types import ChatDelta, TextDelta, Tool, ToolCall, ToolCallDelta
 
-__all__ = [
-    "HERMES",
-    "LLAMA3_JSON",
-    "CallParser",
-    "HermesFormat",
-    "Llama3JsonFormat",
-    "Llama3JsonParser",
-    "ToolFormat",
-    "tool_format_for",
-]
-
-
-class HermesFormat(ToolFormat):
-    """`<tool_call>` JSON `</tool_call>` (aiobasert.tools' grammar and parser)."""
-
-    name = "hermes"
-    trigger = "<tool_call>"
-
-    def grammar(self, tools: Sequence[Tool], choice: str, *, parallel: bool = True) -> str | None:
-        return tool_grammar(tools, choice, parallel=parallel)
-
-    def structural_tag(self, tools: Sequence[Tool], choice: str, *, parallel: bool = True) -> dict[str, Any] | None:
-        return tool_structural_tag(tools, choice, parallel=parallel)
-
-    def parser(self, *, forced: bool = False) -> CallParser:
-        return ToolCallParser(forced=forced)
-
-    def call_text(self, calls: Sequence[ToolCall]) -> str:
-        return CALL_SEP.join(hermes_call(c.name, c.arguments) for c in calls)
+__all__ = ["LLAMA3_JSON", "Llama3JsonFormat", "Llama3JsonParser"]
 
 
 # ---- Llama 3.x: bare JSON -------------------------------------------------------------------
@@ -83,6 +27,8 @@ PYTHON_TAG: Final = "<|python_tag|>"
 _BLANK: Final = " \t\r\n"
 _LLAMA_SEP = "; "
 _LLAMA_ARGS_KEY = "parameters"
+# Llama 3.1 / 3.2 / 3.3's tool instruction: 'Respond in the format {"name": function name, "parameters": ...'
+_LLAMA3_INSTRUCTION = re.compile(r'\{"name": [^{}]{0,40}"parameters"')
 
 
 def _llama_head(name: str) -> str:
@@ -102,6 +48,15 @@ class Llama3JsonFormat(ToolFormat):
     name = "llama3_json"
     trigger = "{"
 
+    def detect(self, template: str) -> bool:
+        # a template that renders tools and asks for {"name": ..., "parameters": ...}, without
+        # Hermes' <tool_call> (Hermes 3's template is on Llama 3.1 weights, with Hermes calls)
+        return (
+            template_supports_tools(template)
+            and "<tool_call>" not in template
+            and _LLAMA3_INSTRUCTION.search(template) is not None
+        )
+
     def grammar(self, tools: Sequence[Tool], choice: str, *, parallel: bool = True) -> str | None:
         # whitespace then "{" opens a call (as the parser reads it), also after "<|python_tag|>" (which
         # ordinary tokens can spell): text never does
@@ -113,13 +68,9 @@ class Llama3JsonFormat(ToolFormat):
     def structural_tag(self, tools: Sequence[Tool], choice: str, *, parallel: bool = True) -> dict[str, Any] | None:
         if not tools or choice in ("auto", "none"):
             return None  # "a call only at the start" is no structural tag: the Lark grammar runs
-        tag = tool_structural_tag(tools, choice, parallel=parallel)
-        assert tag is not None
-        fmt = tag["format"]
-        for t, tool in zip(fmt["tags"], [t for t in tools if choice == "required" or t.name == choice], strict=True):
-            t["begin"], t["end"] = _llama_head(tool.name), "}"
-        fmt["separator"] = _LLAMA_SEP
-        return tag
+        return turn_structural_tag(
+            tools, choice, parallel=parallel, head=_llama_head, tail="}", separator=_LLAMA_SEP, trigger=self.trigger
+        )
 
     def parser(self, *, forced: bool = False) -> CallParser:
         return Llama3JsonParser(forced=forced)
@@ -319,23 +270,4 @@ class Llama3JsonParser:
         return end
 
 
-HERMES: Final = HermesFormat()
-LLAMA3_JSON: Final = Llama3JsonFormat()
-
-# Llama 3.1 / 3.2 / 3.3's tool instruction: 'Respond in the format {"name": function name, "parameters": ...'
-_LLAMA3_INSTRUCTION = re.compile(r'\{"name": [^{}]{0,40}"parameters"')
-
-
-@lru_cache(maxsize=16)
-def tool_format_for(template: str) -> ToolFormat:
-    """The tool-call format a chat template teaches its model: Llama 3's bare JSON for a
-    template that renders tools and asks for `{"name": ..., "parameters": ...}`
-    (without Hermes' `<tool_call>`), else Hermes (also what the default tool prompt
-    asks for, when the template renders no tools)."""
-    if (
-        template_supports_tools(template)
-        and "<tool_call>" not in template
-        and _LLAMA3_INSTRUCTION.search(template) is not None
-    ):
-        return LLAMA3_JSON
-    return HERMES
+LLAMA3_JSON: Final = register_tool_format(Llama3JsonFormat())

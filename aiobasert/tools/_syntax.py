@@ -1,9 +1,6 @@
-"""The call text both tool-call modules write and scan (aiobasert.tools: Hermes' grammar and
-parser; aiobasert.tool_formats: every format's): Hermes' call framing, the Lark grammar of a turn
-of calls (each format gives its call's head, tail and separator), the incremental JSON extent
-scanner, and call ids.
-
-Private, and below both: it imports neither, so each imports it without a circle.
+"""What every tool-call format (aiobasert.tools' format modules) is built from: the Lark grammar
+of a turn of calls and its xgrammar structural tag (each format gives its call's head, tail and
+separator), the incremental JSON extent scanner, and call ids. It imports nothing of the package.
 """
 
 from __future__ import annotations
@@ -13,19 +10,6 @@ import json
 import os
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
-
-# Hermes' call: <tool_call>\n{"name": "f", "arguments": {...}}\n</tool_call>, several separated by CALL_SEP
-CALL_OPEN = "<tool_call>\n"
-CALL_CLOSE = "\n</tool_call>"
-NAME_OPEN = '{"name": "'
-ARGS_OPEN = '", "arguments": '
-CALL_END = "}" + CALL_CLOSE
-CALL_SEP = "\n"
-
-
-def hermes_call(name: str, arguments: str) -> str:
-    """One call as Hermes writes it (`arguments`: the JSON text)."""
-    return CALL_OPEN + NAME_OPEN + name + ARGS_OPEN + arguments + CALL_END
 
 
 def lark_str(text: str) -> str:
@@ -70,6 +54,55 @@ def turn_grammar(
         lines.append(f"call_{i}: {lark_str(head(tool.name))} args_{i} {lark_str(tail)}")
         lines.append(f"args_{i}: %json {json.dumps(tool.arguments_schema())}")
     return "\n".join(lines) + "\n"
+
+
+def turn_structural_tag(
+    tools: Sequence[CallableTool],
+    choice: str,
+    *,
+    parallel: bool,
+    head: Callable[[str], str],
+    tail: str,
+    separator: str,
+    trigger: str,
+) -> dict[str, Any] | None:
+    """The xgrammar structural tag of an assistant turn under `choice`, for the engine's own
+    grammar backend, in a format whose call is `head(name)`, the arguments, `tail`; None
+    without tools.
+
+    Each allowed tool is a tag: its call head (forced up to the arguments), the
+    arguments under the tool's schema, the call's end. "auto": `triggered_tags`
+    (free text; `trigger` starts a call); "required" / a named function:
+    `tags_with_separator` (calls only, at least one, separated by `separator`, as
+    the Lark grammar); `parallel=False`: `stop_after_first` (only an end token
+    after the call); "none": `any_text` that excludes `trigger`."""
+    if not tools:
+        return None
+    if choice == "none":
+        return {"type": "structural_tag", "format": {"type": "any_text", "excludes": [trigger]}}
+    allowed = [t for t in tools if choice in ("auto", "required") or t.name == choice]
+    tags = []
+    for tool in allowed:
+        schema = tool.arguments_schema()
+        guidance = schema.pop("x-guidance", None)
+        if guidance and guidance != {"whitespace_flexible": False}:
+            # options only the host honours stay: an engine that cannot, refuses the tag
+            schema["x-guidance"] = guidance
+        tags.append(
+            {
+                "type": "tag",
+                "begin": head(tool.name),
+                "content": {"type": "json_schema", "json_schema": schema},
+                "end": tail,
+            }
+        )
+    fmt: dict[str, Any]
+    if choice == "auto":
+        fmt = {"type": "triggered_tags", "triggers": [trigger], "tags": tags, "at_least_one": False}
+    else:
+        fmt = {"type": "tags_with_separator", "tags": tags, "separator": separator, "at_least_one": True}
+    fmt["stop_after_first"] = not parallel
+    return {"type": "structural_tag", "format": fmt}
 
 
 _call_ids = itertools.count(1)

@@ -1,0 +1,138 @@
+"""The chat stream: a turn's tokens parsed into text and tool-call deltas as they come."""
+
+from __future__ import annotations
+
+import contextlib
+from collections import deque
+from collections.abc import Generator, Sequence
+from typing import TYPE_CHECKING, Any
+
+from ..errors import InvalidRequestError, StreamBusyError, WrongEventLoopError
+from ..types import FinishReason, Token
+from ._format import CallParser, ToolFormat, default_tool_format
+from ._types import ChatDelta, ChatReply, TextDelta, ToolCall
+
+if TYPE_CHECKING:
+    from ..streams import TokenStream
+
+
+def finish_reason_with_tools(reason: FinishReason | None, calls: Sequence[ToolCall]) -> Any:
+    """OpenAI's rule: a turn that ended normally after calls finishes with "tool_calls"."""
+    return "tool_calls" if calls and reason == "stop" else reason
+
+
+class _ChatIteration:
+    """What `async for delta in chat` iterates (as `streams._Iteration` for tokens):
+    a `break` or an exception out of the loop drops it at once, and its `__del__`
+    frees the lane then, not when an async generator would finally be closed."""
+
+    __slots__ = ("__weakref__", "_chat", "_done", "_pending")
+
+    def __init__(self, chat: ChatStream) -> None:
+        self._chat = chat
+        self._pending: deque[ChatDelta] = deque()
+        self._done = False
+
+    def __aiter__(self) -> _ChatIteration:
+        return self
+
+    async def __anext__(self) -> ChatDelta:
+        chat = self._chat
+        while not self._pending:
+            if self._done:
+                raise StopAsyncIteration
+            try:
+                tok = await chat.tokens._next()
+            except StopAsyncIteration:
+                self._done = True
+                self._pending.extend(chat.close_parser())
+                continue
+            except BaseException as exc:
+                # as streams._Iteration: a misuse (a second reader, a foreign loop) must not
+                # end the stream for its rightful reader; a cancellation already freed the lane
+                if isinstance(exc, (StreamBusyError, WrongEventLoopError)) or chat.tokens._ended:
+                    self._done = True
+                raise
+            self._pending.extend(chat.feed(tok))
+        return self._pending.popleft()
+
+    def __del__(self) -> None:
+        if not self._done:
+            with contextlib.suppress(Exception):  # a finalizer must not raise
+                self._chat.tokens._abandon()
+
+
+class ChatStream:
+    """`async for delta in stream` yields `TextDelta` / `ToolCallDelta`;
+    `await stream` gives the `ChatReply`. Wraps the turn's `TokenStream`
+    (`stream.tokens`); closing one closes the other. Leaving the loop early
+    (`break`, an exception) frees the lane at once, as for a `TokenStream`.
+    `tool_format`: the model's call format the text is parsed in (default Hermes;
+    `engine.stream_chat` passes `engine.tool_format`)."""
+
+    def __init__(
+        self, tokens: TokenStream, *, parse_calls: bool, forced: bool = False, tool_format: ToolFormat | None = None
+    ) -> None:
+        self.tokens = tokens
+        self._parser: CallParser | None = None
+        if parse_calls:  # in the model's call format (default Hermes)
+            self._parser = (tool_format or default_tool_format()).parser(forced=forced)
+        self._text: list[str] = []
+        self._reply: ChatReply | None = None
+
+    def __aiter__(self) -> _ChatIteration:
+        return _ChatIteration(self)
+
+    def feed(self, tok: Token) -> list[ChatDelta]:
+        """The deltas one token completes (for callers that walk the tokens themselves)."""
+        if self._parser is None:
+            self._text.append(tok.text)
+            return [TextDelta(tok.text)] if tok.text else []
+        return self._parser.feed(tok.text)
+
+    def close_parser(self) -> list[ChatDelta]:
+        """The deltas held back until the end (call after the last `feed`; idempotent)."""
+        return self._parser.close() if self._parser is not None else []
+
+    @property
+    def content(self) -> str:
+        """The assistant text so far (without tool calls)."""
+        return self._parser.content if self._parser is not None else "".join(self._text)
+
+    @property
+    def tool_calls(self) -> list[ToolCall]:
+        """The calls completed so far."""
+        return list(self._parser.calls) if self._parser is not None else []
+
+    async def aclose(self) -> None:
+        """Stop the turn (its lane is freed before the engine's next step)."""
+        await self.tokens.aclose()
+
+    def reply(self) -> ChatReply:
+        """The turn so far as a `ChatReply` (call once the stream has ended)."""
+        final = self.tokens.final
+        if final is None:
+            raise InvalidRequestError("the chat stream has not finished")
+        return ChatReply(
+            request_id=self.tokens.request_id,
+            content=self.content,
+            tool_calls=self.tool_calls,
+            finish_reason=finish_reason_with_tools(final.finish_reason, self.tool_calls),
+            usage=final.usage,
+            timing=final.timing,
+        )
+
+    async def collect(self) -> ChatReply:
+        """Run the turn to its end: the `ChatReply` (`await stream` does the same).
+        Awaiting again returns the same reply; a stream closed before its request
+        finished raises `StreamClosedError`, a failed one its error (as `TokenStream`)."""
+        if self._reply is not None:
+            return self._reply
+        async for _ in self:
+            pass
+        await self.tokens.collect()  # raises the stream's error, or StreamClosedError
+        self._reply = self.reply()
+        return self._reply
+
+    def __await__(self) -> Generator[Any, None, ChatReply]:
+        return self.collect().__await__()
