@@ -98,6 +98,12 @@ class JsonSchemaConstraint:
         """llguidance's message once the matcher is in its error state, else None."""
         return self._matcher.get_error() if self._matcher.is_error() else None
 
+    def adopt(self, lib: Any) -> None:
+        """A host grammar is stepped in Python: no engine library to take."""
+
+    def close(self) -> None:
+        """A host grammar holds no engine handle: dropped with its lane."""
+
 
 class GrammarBackend:
     """Compiles JSON Schemas into per-request constraints over one model's vocabulary."""
@@ -255,6 +261,11 @@ class EngineGrammarConstraint:
 
     def accept(self, token: int) -> bool:
         return int(self._lib.baseRT_grammar_accept_token(self._grammar, token)) == 1
+
+    @property
+    def error(self) -> str | None:
+        """The engine's grammar says no more than that it rejected a token."""
+        return None
 
     def is_finished(self) -> bool:
         lib = self._lib

@@ -168,18 +168,14 @@ class Preparer:
     def adopt(self, constraint: Constraint) -> None:
         """A prepared grammar goes live on the engine thread."""
         self.live_grammars += 1
-        adopt = getattr(constraint, "adopt", None)
-        if adopt is not None:  # an engine grammar: stepped through the engine's library from now on
-            adopt(self.lib)
+        constraint.adopt(self.lib)  # an engine grammar: stepped through the engine's library from now on
 
     def close_constraint(self, constraint: Constraint, key: bytes | None) -> None:
         self.live_grammars -= 1
         if key is not None and self.grammars.give_back(key, constraint):  # kept for the next request
             return
-        close = getattr(constraint, "close", None)
-        if close is not None:  # an engine-side grammar handle
-            with contextlib.suppress(Exception):  # freeing must not stop the teardown
-                close()
+        with contextlib.suppress(Exception):  # freeing must not stop the teardown
+            constraint.close()
 
     def host_grammar_installed(self) -> bool:
         """llguidance is there to serve the grammars the engine's own compiler does not take."""
@@ -245,9 +241,7 @@ class Preparer:
         took = time.monotonic() - started - self._backend_built.seconds  # the compile's, not the backend's
         budget = _cost.COMPILE_BUDGET_S
         if took > budget:
-            close = getattr(constraint, "close", None)
-            if close is not None:
-                close()
+            constraint.close()
             # worded as the compilers' own errors, which the server maps to the request's field
             what = "invalid grammar: the tools' grammar" if tools else "invalid json_schema: its grammar"
             err = InvalidRequestError(
@@ -361,14 +355,9 @@ def _discard(constraint: Constraint, tok: Tokenizer) -> None:
     """Free, on the worker, the grammar of a request refused after it was built (its prompt): an
     engine grammar is freed through the worker's own library view (one from the cache was adopted by
     the engine thread's: taken back first), a host grammar is only dropped."""
-    close = getattr(constraint, "close", None)
-    if close is None:
-        return
-    adopt = getattr(constraint, "adopt", None)
-    if adopt is not None:
-        adopt(tok.lib)
+    constraint.adopt(tok.lib)
     with contextlib.suppress(Exception):  # freeing must not hide why the request was refused
-        close()
+        constraint.close()
 
 
 def _is_ids(prompt: Prompt) -> bool:

@@ -40,6 +40,21 @@ class Constraint(Protocol):
         """The output is complete: the lane stops."""
         ...
 
+    @property
+    def error(self) -> str | None:
+        """Why the grammar rejected a token (its message), else None."""
+        ...
+
+    def adopt(self, lib: Any) -> None:
+        """Step (and free) through `lib` from now on: a grammar is built on an intake worker through
+        that worker's own library view, then handed to the engine thread (a host grammar holds no
+        engine handle: nothing to do)."""
+        ...
+
+    def close(self) -> None:
+        """Free what the grammar holds in the engine (a host grammar holds nothing: nothing to do)."""
+        ...
+
 
 @dataclass
 class RequestSpec:
