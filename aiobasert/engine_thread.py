@@ -26,7 +26,6 @@ costs that request only; the thread itself never dies of a request.
 from __future__ import annotations
 
 import concurrent.futures
-import json
 import os
 import queue
 import threading
@@ -36,8 +35,10 @@ from ctypes import byref, c_int, sizeof
 from typing import TYPE_CHECKING, Any
 
 from ._core import ffi as _ffi
-from ._core.embed import TAP_FUNCTIONS, Embedder
+from ._core import loaded as _loaded
+from ._core.embed import Embedder
 from ._core.intake import Intake, Tokenizer
+from ._core.loaded import TAP_FUNCTIONS
 from ._core.model_file import ModelFile
 from ._core.output import Detokenizer, OutputProcessor
 from ._core.plan import LaneState
@@ -70,7 +71,6 @@ from .errors import (
     AioBaseRTError,
     EngineClosedError,
     EngineOverloadedError,
-    InvalidConfigError,
     InvalidRequestError,
 )
 from .types import EngineStats, FinishReason, ModelInfo, Token
@@ -80,10 +80,6 @@ if TYPE_CHECKING:  # numpy (embeddings): imported on first use only
 
 _FAIRNESS_ENV = "AIOBASERT_ADMISSION"
 """Set to fifo for plain FIFO admission without preemption: the baseline of bench/fair_admission.py."""
-# Engine.open's kv_cache_dtype -> BaseRTLoadOptions.kv_bits, and baseRT_kv_bits_effective's answer -> a name
-# (the reference engine reports its exact f32 pool as 32). "auto" and "f32": see _kv_bits.
-_KV_BITS = {"f16": 16, "q8": 8}
-_KV_NAMES = {32: "f32", 16: "f16", 8: "q8", 4: "q4", 84: "q8/q4"}
 
 
 class EngineThread:
@@ -160,7 +156,7 @@ class EngineThread:
         lib, cfg = self.lib, self.cfg
         opts = _ffi.BaseRTLoadOptions(
             struct_size=sizeof(_ffi.BaseRTLoadOptions),
-            kv_bits=self._kv_bits(cfg.kv_cache_dtype),
+            kv_bits=_loaded.kv_bits(lib, cfg.kv_cache_dtype),
             paged_kv=1,
             max_batch_size=cfg.max_batch_size,
             prefix_cache=int(cfg.prefix_cache),
@@ -211,7 +207,7 @@ class EngineThread:
         # The engine may serve fewer lanes than asked (the reference engine caps
         # them at its prefill chunk): its descriptor says how many; plan with that.
         self.max_batch_size = cfg.max_batch_size
-        descriptor = self._descriptor(handle)
+        descriptor = _loaded.descriptor(lib, handle)
         engine_batch = descriptor.get("max_batch_size")
         if isinstance(engine_batch, int) and not isinstance(engine_batch, bool) and engine_batch > 0:
             self.max_batch_size = min(cfg.max_batch_size, engine_batch)
@@ -291,57 +287,11 @@ class EngineThread:
             library_version=self.lib.version,
             capabilities=caps,
             prefill_chunk=self.prefill_budget,
-            kv_cache_dtype=self._kv_cache_dtype(handle),
-            bos_token=self._static_str("baseRT_bos_token"),
-            eos_token=self._static_str("baseRT_eos_token"),
-            engine_threads=self._engine_threads(),
+            kv_cache_dtype=_loaded.kv_cache_dtype(lib, handle),
+            bos_token=_loaded.static_str(lib, handle, "baseRT_bos_token"),
+            eos_token=_loaded.static_str(lib, handle, "baseRT_eos_token"),
+            engine_threads=_loaded.engine_threads(lib),
         )
-
-    def _kv_bits(self, dtype: str) -> int:
-        """BaseRTLoadOptions.kv_bits for `dtype`. "auto" is f16 on the reference engine (as
-        llama.cpp's default: half its exact f32 pool, which is its library default, kv_bits 0)
-        and the library's own default elsewhere (BaseRT: Q8_0 where head_dim allows). "f32",
-        the exact pool, only the reference engine has."""
-        reference = self.lib.has("baseRT_ref_kernels")  # a symbol only the reference engine exports
-        if dtype == "auto":
-            return 16 if reference else 0
-        if dtype == "f32":
-            if not reference:
-                raise InvalidConfigError(
-                    f"kv_cache_dtype='f32' is the reference engine's exact KV pool; {self.lib.path} has none "
-                    "(use 'auto', 'f16' or 'q8')"
-                )
-            return 0
-        return _KV_BITS[dtype]
-
-    def _kv_cache_dtype(self, handle: int) -> str:
-        """What the engine allocated (it may override the request: a head_dim Q8_0 cannot split)."""
-        if not self.lib.has("baseRT_kv_bits_effective"):
-            return ""
-        return _KV_NAMES.get(int(self.lib.baseRT_kv_bits_effective(handle)), "")
-
-    def _engine_threads(self) -> int:
-        """The reference engine's compute threads (its shared pool, sized at load, the calling thread
-        included); 0 for a library that does not say."""
-        if not self.lib.has("baseRT_ref_counter"):
-            return 0
-        return max(0, int(self.lib.baseRT_ref_counter(b"pool_threads")))
-
-    def _descriptor(self, handle: int) -> dict[str, Any]:
-        if not self.lib.has("baseRT_capability_descriptor"):
-            return {}
-        raw = self.lib.baseRT_capability_descriptor(handle)
-        try:
-            desc = json.loads(raw) if raw else {}
-        except ValueError:
-            return {}
-        return desc if isinstance(desc, dict) else {}
-
-    def _static_str(self, fn: str) -> str:
-        if not self.lib.has(fn):
-            return ""
-        raw = getattr(self.lib, fn)(self._model)
-        return (raw or b"").decode("utf-8", "replace")
 
     def _serve(self) -> None:
         while self._step():

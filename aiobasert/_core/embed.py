@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..errors import EngineError, ErrorCode
 from . import ffi as _ffi
+from .loaded import TAP_FUNCTIONS
 from .model_file import ModelFile
 from .step import TapPooler
 
@@ -27,12 +28,6 @@ if TYPE_CHECKING:  # numpy: imported on first use only
 EMBED_TAPS_ENV = "AIOBASERT_EMBED_TAPS"
 """Set to 0 to embed with one baseRT_embed call per input (the engine then
 stalls for the whole forward): the comparison baseline of bench/embed_stall.py."""
-TAP_FUNCTIONS = (
-    "baseRT_batch_step_fused_logits_rows_taps",
-    "baseRT_read_tap_rows",
-    "baseRT_tap_rows_capacity",
-    "baseRT_model_supports_taps",
-)
 _UNDECIDED = object()
 
 
