@@ -18,7 +18,6 @@ from typing import TYPE_CHECKING, Any
 
 from ..errors import EngineError, ErrorCode
 from . import ffi as _ffi
-from .loaded import TAP_FUNCTIONS
 from .model_file import ModelFile
 from .step import TapPooler
 
@@ -80,11 +79,8 @@ class Embedder:
         return self.pooler  # type: ignore[no-any-return]
 
     def _probe_taps(self) -> TapPooler | None:
-        lib, model = self.lib, self.model
-        cap = self.tap_budget
-        if cap is None or not all(lib.has(fn) for fn in TAP_FUNCTIONS):
-            return None
-        if lib.baseRT_model_supports_taps(model) != 1:
+        cap = self.tap_budget  # set where the engine and this model have taps (`Capabilities.taps`)
+        if cap is None:
             return None
         import numpy as np
 

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ..errors import AioBaseRTError, ContextLengthExceededError, InvalidRequestError
-from ..types import MAX_SCHEMA_REFS
+from ..types import MAX_SCHEMA_REFS, Capabilities
 from . import cost as _cost
 from . import ffi as _ffi
 from . import lazy_numpy
@@ -74,6 +74,8 @@ class Preparer:
         lib: _ffi.Library,
         model_file: ModelFile,
         *,
+        caps: Capabilities,
+        grammar_reset: bool,
         vocab_size: int,
         max_context: int,
         intake: Intake | None,
@@ -82,6 +84,8 @@ class Preparer:
     ) -> None:
         self.lib = lib  # the engine thread's: grammars adopted for stepping are stepped through it
         self.model_file = model_file
+        self.caps = caps  # which grammars the engine builds itself: asked once, at load
+        self.grammar_reset = grammar_reset  # an engine grammar can be reset and kept for the next request
         self.vocab_size = vocab_size
         self.max_context = max_context
         self.intake = intake
@@ -265,8 +269,8 @@ class Preparer:
         schema = closed_objects(schema)
         lib, model = tok.lib, tok.handle
         native = None
-        if lib.has("baseRT_grammar_create_from_schema") and lib.has("baseRT_grammar_fill_bitmask"):
-            native = EngineGrammarConstraint.create(lib, model, schema)
+        if self.caps.grammar_compiler:
+            native = EngineGrammarConstraint.create(lib, model, schema, resettable=self.grammar_reset)
         return self._counted(native, lambda: self.host_grammar(tok).compile(schema))
 
     def build_tag_constraint(self, tok: Tokenizer, tag: str | None, lark: str | None) -> Constraint:
@@ -276,12 +280,8 @@ class Preparer:
 
         lib, model = tok.lib, tok.handle
         native = None
-        if (
-            tag is not None
-            and lib.has("baseRT_grammar_create_from_structural_tag")
-            and lib.has("baseRT_grammar_fill_bitmask")
-        ):
-            native = EngineGrammarConstraint.from_structural_tag(lib, model, tag)
+        if tag is not None and self.caps.structural_tag:
+            native = EngineGrammarConstraint.from_structural_tag(lib, model, tag, resettable=self.grammar_reset)
         if native is None and lark is None:
             raise InvalidRequestError("the engine cannot build this structural tag and no host grammar was given")
         return self._counted(native, lambda: self.host_grammar(tok).compile_lark(lark or ""))  # lark: set here
