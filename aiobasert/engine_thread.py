@@ -53,15 +53,14 @@ from ._core.protocol import (
     Done,
     Embed,
     EvictPrefixCache,
-    Final,
     Message,
     Notify,
     Prepared,
     Query,
     Release,
     Reserve,
-    Sink,
     Stats,
+    StreamOutput,
     Submit,
 )
 from ._core.step import EmbedLane, Lane, Requests, RowResult, Sampled, StepRunner, TapPooler, internal_error
@@ -266,7 +265,7 @@ class EngineThread:
 
     def _apply_token(self, lane: Lane, sampled: Sampled) -> None:
         try:
-            out = self.output.process(lane, *sampled)
+            out = self.output.process(lane, sampled.token, sampled.logprob, sampled.top_logprobs)
         except AioBaseRTError as exc:
             self._fail(lane, exc)
             return
@@ -712,7 +711,7 @@ class EngineThread:
         """One wake-up of the loop for everything this step produced."""
         if not self._dirty:
             return
-        batch = [(lane.sink, lane.pending, lane.final, lane.error) for lane in self._dirty.values()]
+        batch = [StreamOutput(lane.sink, lane.pending, lane.final, lane.error) for lane in self._dirty.values()]
         for lane in self._dirty.values():
             lane.pending = []
         self._dirty = {}
@@ -737,7 +736,7 @@ class EngineThread:
             self.models_freed += 1
 
 
-def _deliver_batch(batch: list[tuple[Sink, list[Token], Final | None, BaseException | None]]) -> None:
+def _deliver_batch(batch: list[StreamOutput]) -> None:
     """Runs on the event loop: hand each stream its part of one step."""
-    for sink, tokens, final, error in batch:
-        sink.deliver(tokens, final, error)
+    for output in batch:
+        output.deliver()

@@ -113,6 +113,24 @@ class Sink(Protocol):
         ...
 
 
+@dataclass(frozen=True, slots=True)
+class StreamOutput:
+    """One stream's part of one engine step, handed to the loop (`Sink.deliver`): what the thread's
+    step produced for it, all streams of a step in one wake-up."""
+
+    sink: Sink
+    tokens: list[Token]
+    """The tokens it produced in this step, in order (none when it only ended)."""
+    final: Final | None
+    """How it ended, when it finished in this step."""
+    error: BaseException | None
+    """Why it failed, when it failed in this step."""
+
+    def deliver(self) -> None:
+        """Runs on the event loop."""
+        self.sink.deliver(self.tokens, self.final, self.error)
+
+
 @dataclass
 class Submit:
     spec: RequestSpec

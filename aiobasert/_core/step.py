@@ -33,7 +33,7 @@ import os
 from collections.abc import Sequence
 from ctypes import byref, c_float, c_int, c_int32, c_uint32, c_void_p
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
 from ..errors import AioBaseRTError, EngineError, InternalError, InvalidRequestError
 from ..types import Capabilities, TopLogprob
@@ -245,8 +245,14 @@ class EmbedLane:
         return out
 
 
-Sampled = tuple[int, float | None, list[TopLogprob] | None]
-"""A lane's (token, logprob, top logprobs) from one step."""
+class Sampled(NamedTuple):
+    """A lane's next token from one step."""
+
+    token: int
+    logprob: float | None = None
+    """Its log-probability, when the request asked for logprobs."""
+    top_logprobs: list[TopLogprob] | None = None
+    """The most likely alternatives, when the request asked for top_logprobs."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -452,7 +458,7 @@ class StepRunner:
             elif not row.samples:
                 results.append(RowResult(lane, row))
             elif fused is not None:
-                results.append(RowResult(lane, row, sampled=(int(fused[i]), None, None)))
+                results.append(RowResult(lane, row, sampled=Sampled(int(fused[i]))))
             else:
                 results.append(self._sample(lane, row, i))
         return results
@@ -533,7 +539,7 @@ class StepRunner:
                     TopLogprob(id=int(ids[j]), logprob=float(vals[j]), text=self._token_text(int(ids[j])))
                     for j in range(got)
                 ]
-        return tok, lp, tops
+        return Sampled(tok, lp, tops)
 
     def _apply_constraint(self, lane: Lane, i: int) -> None:
         """Mask row i of the host logits with the lane's grammar (disallowed -> -inf)."""
