@@ -10,7 +10,6 @@ question (`engine.capabilities`).
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 from ctypes import byref, create_string_buffer, sizeof
@@ -87,13 +86,6 @@ class LoadedModel:
     def prefill_budget(self) -> int:
         """Prompt tokens prefilled per step: the requested chunk capped by the engine's."""
         return self.info.prefill_chunk
-
-    def close(self) -> None:
-        """Free the handle and stop the intake workers (a load that fails after this point)."""
-        with contextlib.suppress(Exception):
-            self.lib.baseRT_free_model(self.handle)
-        if self.intake is not None:
-            self.intake.close()
 
 
 def probe(lib: _ffi.Library, handle: int) -> Capabilities:
