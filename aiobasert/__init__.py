@@ -43,6 +43,7 @@ from .group import EngineGroup, ModelStats
 from .streams import TokenStream
 from .tools import ChatReply, ChatStream, ChatTurn, TextDelta, Tool, ToolCall, ToolCallDelta
 from .types import (
+    Capabilities,
     ChatMessage,
     Completion,
     EngineStats,
@@ -60,6 +61,7 @@ __all__ = [
     "AbiMismatchError",
     "AioBaseRTError",
     "BundleError",
+    "Capabilities",
     "ChatMessage",
     "ChatReply",
     "ChatStream",

@@ -47,6 +47,7 @@ from .errors import (
 )
 from .streams import TokenStream, new_request_id
 from .types import (
+    Capabilities,
     ChatMessage,
     Completion,
     Dtype,
@@ -292,6 +293,12 @@ class Engine:
                 raise
         with anyio.CancelScope(shield=True):
             await self.aclose(abort=True)
+
+    @property
+    def capabilities(self) -> Capabilities:
+        """What this engine can do (`info.capabilities`): asked of the library and the model once,
+        at open."""
+        return self.info.capabilities
 
     @property
     def config(self) -> EngineConfig:

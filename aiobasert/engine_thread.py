@@ -26,18 +26,19 @@ costs that request only; the thread itself never dies of a request.
 from __future__ import annotations
 
 import concurrent.futures
-import json
 import os
 import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
-from ctypes import byref, c_int, sizeof
+from ctypes import byref, c_int
 from typing import TYPE_CHECKING, Any
 
 from ._core import ffi as _ffi
-from ._core.embed import TAP_FUNCTIONS, Embedder
+from ._core import loaded as _loaded
+from ._core.embed import Embedder
 from ._core.intake import Intake, Tokenizer
+from ._core.loaded import LoadedModel
 from ._core.model_file import ModelFile
 from ._core.output import Detokenizer, OutputProcessor
 from ._core.plan import LaneState
@@ -52,25 +53,24 @@ from ._core.protocol import (
     Done,
     Embed,
     EvictPrefixCache,
-    Final,
     Message,
     Notify,
     Prepared,
     Query,
     Release,
     Reserve,
-    Sink,
     Stats,
+    StreamOutput,
     Submit,
 )
 from ._core.step import EmbedLane, Lane, Requests, RowResult, Sampled, StepRunner, TapPooler, internal_error
 from .batcher import Batcher
+from .chat import default_template
 from .config import EngineConfig
 from .errors import (
     AioBaseRTError,
     EngineClosedError,
     EngineOverloadedError,
-    InvalidConfigError,
     InvalidRequestError,
 )
 from .types import EngineStats, FinishReason, ModelInfo, Token
@@ -80,10 +80,6 @@ if TYPE_CHECKING:  # numpy (embeddings): imported on first use only
 
 _FAIRNESS_ENV = "AIOBASERT_ADMISSION"
 """Set to fifo for plain FIFO admission without preemption: the baseline of bench/fair_admission.py."""
-# Engine.open's kv_cache_dtype -> BaseRTLoadOptions.kv_bits, and baseRT_kv_bits_effective's answer -> a name
-# (the reference engine reports its exact f32 pool as 32). "auto" and "f32": see _kv_bits.
-_KV_BITS = {"f16": 16, "q8": 8}
-_KV_NAMES = {32: "f32", 16: "f16", 8: "q8", 4: "q4", 84: "q8/q4"}
 
 
 class EngineThread:
@@ -128,18 +124,19 @@ class EngineThread:
     def alive(self) -> bool:
         return self._thread.is_alive()
 
-    # ---- main loop: load and configure, then serve ----------------------------------------
+    # ---- main loop: load, then serve ------------------------------------------------------
 
     def _main(self) -> None:
         self.thread_id = threading.get_ident()
         self.lib.bind_thread()
         try:
-            info = self._load()
+            # loaded here, on this thread: the handle is this thread's from now on
+            self._take(_loaded.load(self.lib, self.model_path, self.cfg))
         except BaseException as exc:
             self.ready.set_exception(exc)
             self.stopped.set_result(None)
             return
-        self.ready.set_result(info)
+        self.ready.set_result(self.loaded.info)
         try:
             self._serve()
         finally:
@@ -148,208 +145,71 @@ class EngineThread:
             finally:
                 self.stopped.set_result(None)
 
-    def _special_tokens(self, handle: int) -> list[str]:
-        """The text of every special (control / user-defined) token of the model."""
-        lib = self.lib
-        if not (lib.has("baseRT_special_token_count") and lib.has("baseRT_special_token")):
-            return []
-        count = int(lib.baseRT_special_token_count(handle))
-        return [(lib.baseRT_special_token(handle, i, None) or b"").decode("utf-8", "replace") for i in range(count)]
-
-    def _load(self) -> ModelInfo:
-        lib, cfg = self.lib, self.cfg
-        opts = _ffi.BaseRTLoadOptions(
-            struct_size=sizeof(_ffi.BaseRTLoadOptions),
-            kv_bits=self._kv_bits(cfg.kv_cache_dtype),
-            paged_kv=1,
-            max_batch_size=cfg.max_batch_size,
-            prefix_cache=int(cfg.prefix_cache),
-            prefill_chunk=cfg.prefill_chunk,
-        )
-        path = os.fsencode(self.model_path)
-        # The intake's tokenizer handles first (tokenization and grammar compiles run there): their
-        # loads parse the bundle's header while no weights are resident, and the model's own load then
-        # shares their tokenizer, so the process peaks at the weights, not the weights plus a header.
-        intake = Intake(lib, self.model_path) if lib.has("baseRT_load_tokenizer_only") else None
-        try:
-            if intake is not None:
-                intake.wait_loaded()
-            handle = lib.baseRT_load_model_ex(path, None, cfg.max_context, byref(opts))
-            if not handle:
-                raise lib.last_error("baseRT_load_model_ex", f"cannot load {self.model_path}")
-            self._model = handle
-            try:
-                info = self._configure(handle, intake)
-            except BaseException:
-                self._free_model()
-                raise
-            if intake is not None and cfg.grammar_backend_at_open and self.prep.host_grammar_installed():
-                self.prep.build_host_grammar(intake)
-        except BaseException:
-            if intake is not None:
-                intake.close()
-            raise
-        self.intake = intake
-        return info
-
-    def _configure(self, handle: int, intake: Intake | None) -> ModelInfo:
-        """Read the effective limits back from the loaded engine and plan with them. The model's
+    def _take(self, model: LoadedModel) -> None:
+        """Serve `model`: the parts that serve it are built from what it is and can do
+        (`model.caps`, asked once at load; none of them asks the library again). The model's
         file is opened for the host here, once (`ModelFile`), and handed to what reads it."""
-        lib, cfg = self.lib, self.cfg
-        caps = int(lib.baseRT_capabilities(handle))
-        if not caps & _ffi.CAP_SEQUENCES:
-            raise AioBaseRTError(
-                f"{self.model_path}: the engine cannot create sequences for this model "
-                "(no continuous batching); aiobasert needs BASERT_CAP_SEQUENCES"
-            )
-        mc = _ffi.BaseRTModelConfig()
-        lib.baseRT_get_config_into(handle, byref(mc), sizeof(mc))
-        self.vocab_size = int(mc.vocab_size)
-        self.max_context = int(mc.max_seq_len) or cfg.max_context
-        self.page_size = int(lib.baseRT_page_size(handle)) or 16
-        engine_chunk = int(lib.baseRT_max_prefill_chunk(handle)) or cfg.prefill_chunk
-        # The engine may serve fewer lanes than asked (the reference engine caps
-        # them at its prefill chunk): its descriptor says how many; plan with that.
-        self.max_batch_size = cfg.max_batch_size
-        descriptor = self._descriptor(handle)
-        engine_batch = descriptor.get("max_batch_size")
-        if isinstance(engine_batch, int) and not isinstance(engine_batch, bool) and engine_batch > 0:
-            self.max_batch_size = min(cfg.max_batch_size, engine_batch)
-        self.prefill_budget = max(1, min(cfg.prefill_chunk, engine_chunk))
-        self.has_prefix = bool(caps & _ffi.CAP_PREFIX_CACHE) and lib.has("baseRT_prefix_match")
-        stride = int(lib.baseRT_batch_logits_stride(handle))
-        if stride < 2 * self.vocab_size:
-            raise AioBaseRTError(f"engine reports a logits stride of {stride} bytes for vocab {self.vocab_size}")
-        self.detok = Detokenizer(lib, handle)
-        self.output = OutputProcessor(lib, handle, self.detok)
-        self.runner = StepRunner(
-            lib,
-            handle,
-            vocab_size=self.vocab_size,
-            stride=stride,
-            max_rows=self.max_batch_size,
-            token_text=self.detok.token_text,
-        )
-        self.batcher = Batcher(
-            max_batch_size=self.max_batch_size,
-            max_context=self.max_context,
-            prefill_budget=self.prefill_budget,
-            max_queue=cfg.max_queue,
-            page_size=self.page_size,
-            prefix_cache=self.has_prefix,
-            fair=os.environ.get(_FAIRNESS_ENV, "fair") != "fifo",
-            kv_blocks=self._kv_blocks(handle),
-        )
-        if all(lib.has(fn) for fn in TAP_FUNCTIONS):
-            cap = int(lib.baseRT_tap_rows_capacity(handle))
-            self.batcher.tap_budget = cap if cap > 0 else None
-        self.n_layers = int(mc.n_layers)
-        self.dim = int(mc.dim)
-        self.norm_eps = float(mc.norm_eps)
-        template = ""
-        if lib.has("baseRT_chat_template_jinja"):
-            template = (lib.baseRT_chat_template_jinja(handle) or b"").decode("utf-8", "replace")
-        if not template:  # a GGUF without a template (Gemma 3 270M): its family's, by the vocabulary
-            from .chat import default_template
-
-            template = default_template(self._special_tokens(handle))
-        self.chat_template = template
-        self.tokenizer = Tokenizer.borrow(lib, handle, self.model_path)  # the model handle's own, for this thread only
-        model_file = ModelFile(self.model_path)
-        self.prep = Preparer(
-            lib,
-            model_file,
-            vocab_size=self.vocab_size,
-            max_context=self.max_context,
-            intake=intake,
-            # an engine without a separate tokenizer handle: prepared here, between steps
-            inline=self.tokenizer if intake is None else None,
-            post=self.post,
-        )
-        self.embedder = Embedder(
-            lib,
-            handle,
-            model_file,
-            dim=self.dim,
-            n_layers=self.n_layers,
-            norm_eps=self.norm_eps,
-            vocab_size=self.vocab_size,
-            max_context=self.max_context,
-            tap_budget=self.batcher.tap_budget,
-        )
-        return ModelInfo(
-            path=self.model_path,
-            architecture=mc.architecture.decode("utf-8", "replace"),
-            vocab_size=self.vocab_size,
-            dim=int(mc.dim),
-            n_layers=int(mc.n_layers),
-            n_heads=int(mc.n_heads),
-            n_kv_heads=int(mc.n_kv_heads),
-            max_context=self.max_context,
-            max_batch_size=self.max_batch_size,
-            prefix_cache=self.has_prefix,
-            library_path=self.lib.path,
-            library_version=self.lib.version,
-            capabilities=caps,
-            prefill_chunk=self.prefill_budget,
-            kv_cache_dtype=self._kv_cache_dtype(handle),
-            bos_token=self._static_str("baseRT_bos_token"),
-            eos_token=self._static_str("baseRT_eos_token"),
-            engine_threads=self._engine_threads(),
-        )
-
-    def _kv_bits(self, dtype: str) -> int:
-        """BaseRTLoadOptions.kv_bits for `dtype`. "auto" is f16 on the reference engine (as
-        llama.cpp's default: half its exact f32 pool, which is its library default, kv_bits 0)
-        and the library's own default elsewhere (BaseRT: Q8_0 where head_dim allows). "f32",
-        the exact pool, only the reference engine has."""
-        reference = self.lib.has("baseRT_ref_kernels")  # a symbol only the reference engine exports
-        if dtype == "auto":
-            return 16 if reference else 0
-        if dtype == "f32":
-            if not reference:
-                raise InvalidConfigError(
-                    f"kv_cache_dtype='f32' is the reference engine's exact KV pool; {self.lib.path} has none "
-                    "(use 'auto', 'f16' or 'q8')"
-                )
-            return 0
-        return _KV_BITS[dtype]
-
-    def _kv_cache_dtype(self, handle: int) -> str:
-        """What the engine allocated (it may override the request: a head_dim Q8_0 cannot split)."""
-        if not self.lib.has("baseRT_kv_bits_effective"):
-            return ""
-        return _KV_NAMES.get(int(self.lib.baseRT_kv_bits_effective(handle)), "")
-
-    def _engine_threads(self) -> int:
-        """The reference engine's compute threads (its shared pool, sized at load, the calling thread
-        included); 0 for a library that does not say."""
-        if not self.lib.has("baseRT_ref_counter"):
-            return 0
-        return max(0, int(self.lib.baseRT_ref_counter(b"pool_threads")))
-
-    def _descriptor(self, handle: int) -> dict[str, Any]:
-        if not self.lib.has("baseRT_capability_descriptor"):
-            return {}
-        raw = self.lib.baseRT_capability_descriptor(handle)
+        lib, cfg, handle, caps = self.lib, self.cfg, model.handle, model.caps
+        self.loaded = model
+        self._model = handle
         try:
-            desc = json.loads(raw) if raw else {}
-        except ValueError:
-            return {}
-        return desc if isinstance(desc, dict) else {}
-
-    def _kv_blocks(self, handle: int) -> int | None:
-        """The KV pool's blocks, which bound the KV paused requests may keep (None: unknown)."""
-        ms = _ffi.BaseRTMemoryStats()
-        if not self.lib.baseRT_model_memory_stats(handle, byref(ms)):
-            return None
-        return int(ms.kv_cache_blocks_total) or None
-
-    def _static_str(self, fn: str) -> str:
-        if not self.lib.has(fn):
-            return ""
-        raw = getattr(self.lib, fn)(self._model)
-        return (raw or b"").decode("utf-8", "replace")
+            self.detok = Detokenizer(lib, handle)
+            self.output = OutputProcessor(lib, handle, self.detok)
+            self.runner = StepRunner(
+                lib,
+                handle,
+                caps,
+                vocab_size=model.vocab_size,
+                stride=model.logits_stride,
+                max_rows=model.max_batch_size,
+                token_text=self.detok.token_text,
+            )
+            self.batcher = Batcher(
+                max_batch_size=model.max_batch_size,
+                max_context=model.max_context,
+                prefill_budget=model.prefill_budget,
+                max_queue=cfg.max_queue,
+                page_size=model.page_size,
+                prefix_cache=caps.prefix_cache,
+                tap_budget=caps.tap_capacity or None,
+                fair=os.environ.get(_FAIRNESS_ENV, "fair") != "fifo",
+                kv_blocks=model.kv_blocks,
+            )
+            # a GGUF without a template (Gemma 3 270M): its family's, by the vocabulary
+            self.chat_template = model.chat_template or default_template(list(model.special_tokens))
+            self.tokenizer = Tokenizer.borrow(lib, handle, model.path)  # the model handle's own, this thread only
+            model_file = ModelFile(model.path)
+            self.prep = Preparer(
+                lib,
+                model_file,
+                caps=caps,
+                grammar_reset=model.grammar_reset,
+                vocab_size=model.vocab_size,
+                max_context=model.max_context,
+                intake=model.intake,
+                # an engine without a separate tokenizer handle: prepared here, between steps
+                inline=self.tokenizer if model.intake is None else None,
+                post=self.post,
+            )
+            self.embedder = Embedder(
+                lib,
+                handle,
+                model_file,
+                dim=model.info.dim,
+                n_layers=model.info.n_layers,
+                norm_eps=model.norm_eps,
+                vocab_size=model.vocab_size,
+                max_context=model.max_context,
+                tap_budget=caps.tap_capacity or None,
+            )
+            if model.intake is not None and cfg.grammar_backend_at_open and self.prep.host_grammar_installed():
+                self.prep.build_host_grammar(model.intake)
+        except BaseException:
+            self._free_model()
+            if model.intake is not None:
+                model.intake.close()
+            raise
+        self.intake = model.intake
 
     def _serve(self) -> None:
         while self._step():
@@ -406,7 +266,7 @@ class EngineThread:
 
     def _apply_token(self, lane: Lane, sampled: Sampled) -> None:
         try:
-            out = self.output.process(lane, *sampled)
+            out = self.output.process(lane, sampled.token, sampled.logprob, sampled.top_logprobs)
         except AioBaseRTError as exc:
             self._fail(lane, exc)
             return
@@ -637,14 +497,14 @@ class EngineThread:
             assert ids is not None
             if not ids:
                 raise InvalidRequestError("cannot embed an empty input")
-            if len(ids) > self.max_context:
+            if len(ids) > self.loaded.max_context:
                 raise InvalidRequestError(
-                    f"input of {len(ids)} tokens exceeds the context window of {self.max_context} tokens"
+                    f"input of {len(ids)} tokens exceeds the context window of {self.loaded.max_context} tokens"
                 )
             if self._embed_path() is None:  # one atomic forward, between two steps (as before taps)
                 self._notify(msg.done, self.embedder.embed(ids), None)
                 return
-            lane = EmbedLane(msg.rid, ids, self.dim, msg.done, msg.client)
+            lane = EmbedLane(msg.rid, ids, self.loaded.info.dim, msg.done, msg.client)
             self.batcher.enqueue(lane.state, reserved=True)
         except BaseException as exc:
             err = exc if isinstance(exc, AioBaseRTError) else internal_error("at intake", exc)
@@ -716,8 +576,8 @@ class EngineThread:
 
     def decode_ids(self, ids: Sequence[int]) -> str:
         for t in ids:
-            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size:
-                raise InvalidRequestError(f"{t!r} is not a token id of this model (vocab {self.vocab_size})")
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.loaded.vocab_size:
+                raise InvalidRequestError(f"{t!r} is not a token id of this model (vocab {self.loaded.vocab_size})")
         return b"".join(self.token_bytes(t) for t in ids).decode("utf-8", "replace")
 
     def stats(self) -> EngineStats:
@@ -725,7 +585,7 @@ class EngineThread:
         if not self.lib.baseRT_model_memory_stats(self._model, byref(ms)):
             raise self.lib.last_error("baseRT_model_memory_stats")
         cached = c_int(0)
-        if self.has_prefix and self.lib.has("baseRT_prefix_cache_stats"):
+        if self.loaded.prefix_stats:
             self.lib.baseRT_prefix_cache_stats(self._model, None, None, None, byref(cached))
         return EngineStats(
             steps=self.steps,
@@ -747,7 +607,7 @@ class EngineThread:
         )
 
     def evict_prefix_cache(self) -> int:
-        if not self.has_prefix or not self.lib.has("baseRT_prefix_evict"):
+        if not self.loaded.prefix_evict:
             return 0
         return int(self.lib.baseRT_prefix_evict(self._model, 1 << 30))
 
@@ -855,7 +715,7 @@ class EngineThread:
         """One wake-up of the loop for everything this step produced."""
         if not self._dirty:
             return
-        batch = [(lane.sink, lane.pending, lane.final, lane.error) for lane in self._dirty.values()]
+        batch = [StreamOutput(lane.sink, lane.pending, lane.final, lane.error) for lane in self._dirty.values()]
         for lane in self._dirty.values():
             lane.pending = []
         self._dirty = {}
@@ -880,7 +740,7 @@ class EngineThread:
             self.models_freed += 1
 
 
-def _deliver_batch(batch: list[tuple[Sink, list[Token], Final | None, BaseException | None]]) -> None:
+def _deliver_batch(batch: list[StreamOutput]) -> None:
     """Runs on the event loop: hand each stream its part of one step."""
-    for sink, tokens, final, error in batch:
-        sink.deliver(tokens, final, error)
+    for output in batch:
+        output.deliver()

@@ -405,6 +405,66 @@ class EngineStats(msgspec.Struct, frozen=True, kw_only=True):
     (prompt + output, mostly from the prefix cache) when it resumed (docs/fairness.md)."""
 
 
+class Capabilities(msgspec.Struct, frozen=True, kw_only=True):
+    """What the loaded engine can do: asked of the library and the model once, when the engine
+    opens (`aiobasert._core.loaded`), and never again (`engine.capabilities`,
+    `ModelInfo.capabilities`). A library lacking an optional function says False here, and the
+    engine takes its fallback (docs/architecture.md, "What the loaded engine can do").
+
+    A handle that steps no sequences (a tokenizer-only load) has none of the stepping abilities:
+    it tokenizes, and compiles grammars where the library can."""
+
+    flags: int = 0
+    """The `BASERT_CAP_*` bits `baseRT_capabilities` reports (paged KV 1, sequences 2, host
+    logits 4, prefix cache 8, ...)."""
+    sequences: bool = False
+    """The handle steps sequences (`BASERT_CAP_SEQUENCES`): continuous batching. False for a
+    tokenizer-only load; an engine refuses to open a model without it."""
+    tokenizer_handles: bool = False
+    """The library loads tokenizer-only handles (`baseRT_load_tokenizer_only`): prompts are
+    tokenized and grammars compiled on the intake workers, each with a handle of its own; without
+    it they are prepared on the engine thread, between two steps."""
+    fused_sample: bool = False
+    """The engine samples inside the fused step (`baseRT_batch_step_fused_sample`): no logits row
+    is read back for a lane that needs nothing on the host."""
+    row_sampler: bool = False
+    """The engine's row sampler runs on host logits rows (`baseRT_sample_logits_rows`): a sampled
+    lane that needs host rows gets the same tokens as in the fused path (else the CPU pipeline)."""
+    mask_row: bool = False
+    """The engine masks a logits row with a grammar's bitmask (`baseRT_mask_logits_row`); else
+    the host masks it."""
+    taps: bool = False
+    """Hidden-state taps, on this model (`baseRT_batch_step_fused_logits_rows_taps` and
+    `baseRT_model_supports_taps`): embeddings are pooled from tapped chunks within the steps."""
+    tap_capacity: int = 0
+    """Rows one tapped step may cover (`baseRT_tap_rows_capacity`); 0 without taps."""
+    multi_row_verify: bool = False
+    """Several logits rows per lane from one forward (`baseRT_batch_step_fused_logits_rows`):
+    what a speculative verify needs."""
+    rows_argmax: bool = False
+    """Greedy multi-row verify without a logits read-back (`baseRT_batch_step_fused_rows_argmax`)."""
+    prefix_cache: bool = False
+    """Prompt KV shared between requests (`BASERT_CAP_PREFIX_CACHE` and `baseRT_prefix_match`),
+    as the engine was opened (`prefix_cache=False` turns it off)."""
+    grammar_compiler: bool = False
+    """The engine compiles JSON Schemas itself (`baseRT_grammar_create_from_schema`, stepped by
+    bitmask); else, and for what it refuses, the host's llguidance backend."""
+    structural_tag: bool = False
+    """The engine builds tool-call grammars from xgrammar structural tags
+    (`baseRT_grammar_create_from_structural_tag`); else the host's Lark grammar."""
+    speculator: str = ""
+    """The kind of speculator head the model's bundle carries (`baseRT_speculator_kind`: "mtp",
+    ...); "" for none."""
+    speculator_head: bool = False
+    """The library runs a bundle's embedded speculator head (`baseRT_load_speculator_head`,
+    `baseRT_mtp_chain`)."""
+    drafter: bool = False
+    """The library runs block-drafter sidecars (`baseRT_load_drafter`, `baseRT_drafter_step`:
+    DFlash / DSpark)."""
+    eagle3: bool = False
+    """The library runs EAGLE-3 sidecar heads (`baseRT_load_drafter`, `baseRT_eagle3_chain`)."""
+
+
 class ModelInfo(msgspec.Struct, frozen=True, kw_only=True):
     """What the loaded model and library are."""
 
@@ -421,7 +481,8 @@ class ModelInfo(msgspec.Struct, frozen=True, kw_only=True):
     prefix_cache: bool
     library_path: str
     library_version: str
-    capabilities: int
+    capabilities: Capabilities
+    """What the engine can do, asked once at open (`Capabilities.flags`: the raw `BASERT_CAP_*` bits)."""
     prefill_chunk: int = 0
     """Prompt tokens prefilled per step (the requested value capped by the engine's)."""
     kv_cache_dtype: str = ""

@@ -133,9 +133,8 @@ def longest_token_bytes(lib: Any, handle: int, model_path: str) -> int:
                 break
             longest = max(longest, n)
             i += 1
-        if lib.has("baseRT_special_token_count") and lib.has("baseRT_special_token"):
-            for j in range(int(lib.baseRT_special_token_count(handle))):
-                longest = max(longest, len(lib.baseRT_special_token(handle, j, None) or b""))
+        for text in lib.special_tokens(handle):
+            longest = max(longest, len(text))
         _longest[key] = longest
         return longest
 

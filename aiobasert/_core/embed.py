@@ -27,12 +27,6 @@ if TYPE_CHECKING:  # numpy: imported on first use only
 EMBED_TAPS_ENV = "AIOBASERT_EMBED_TAPS"
 """Set to 0 to embed with one baseRT_embed call per input (the engine then
 stalls for the whole forward): the comparison baseline of bench/embed_stall.py."""
-TAP_FUNCTIONS = (
-    "baseRT_batch_step_fused_logits_rows_taps",
-    "baseRT_read_tap_rows",
-    "baseRT_tap_rows_capacity",
-    "baseRT_model_supports_taps",
-)
 _UNDECIDED = object()
 
 
@@ -85,11 +79,8 @@ class Embedder:
         return self.pooler  # type: ignore[no-any-return]
 
     def _probe_taps(self) -> TapPooler | None:
-        lib, model = self.lib, self.model
-        cap = self.tap_budget
-        if cap is None or not all(lib.has(fn) for fn in TAP_FUNCTIONS):
-            return None
-        if lib.baseRT_model_supports_taps(model) != 1:
+        cap = self.tap_budget  # set where the engine and this model have taps (`Capabilities.taps`)
+        if cap is None:
             return None
         import numpy as np
 

@@ -154,7 +154,7 @@ _u32p = POINTER(c_uint32)
 _intp = POINTER(c_int)
 
 # name: (restype, argtypes, required). Optional functions may be absent from a
-# library; the SDK checks `lib.has(name)` before relying on them.
+# library; `_core.loaded` asks `lib.has(name)` once at load, and the SDK relies on its answers.
 _SIGNATURES: dict[str, tuple[Any, list[Any], bool]] = {
     "baseRT_version_string": (c_char_p, [], True),
     "baseRT_abi_version": (c_uint, [], True),
@@ -232,6 +232,19 @@ _SIGNATURES: dict[str, tuple[Any, list[Any], bool]] = {
     "baseRT_read_tap_rows": (c_int, [c_void_p, c_int, c_int, c_void_p], False),
     "baseRT_tap_rows_capacity": (c_int, [c_void_p], False),
     "baseRT_model_supports_taps": (c_int, [c_void_p], False),
+    # speculative decoding's entry points (`loaded.Capabilities` says which a library has; nothing drives them yet)
+    "baseRT_batch_step_fused_rows_argmax": (
+        c_int,
+        [c_void_p, POINTER(c_void_p), c_int, _u32p, _intp, _intp, _intp, c_int, _intp, _u32p],
+        False,
+    ),
+    "baseRT_has_speculator": (c_int, [c_void_p], False),
+    "baseRT_speculator_kind": (c_int, [c_void_p, c_char_p, c_int], False),
+    "baseRT_load_speculator_head": (c_void_p, [c_void_p], False),
+    "baseRT_mtp_chain": (c_int, [c_void_p, POINTER(c_void_p), c_int, _u32p, _intp, c_void_p, c_int, _u32p], False),
+    "baseRT_load_drafter": (c_void_p, [c_void_p, c_char_p], False),
+    "baseRT_drafter_step": (c_int, [c_void_p, c_void_p, c_void_p, c_int, _u32p, c_int], False),
+    "baseRT_eagle3_chain": (c_int, [c_void_p, POINTER(c_void_p), c_int, _u32p, _intp, c_void_p, c_int, _u32p], False),
     # prefix cache
     "baseRT_prefix_match": (BaseRTPrefixMatch, [c_void_p, _u32p, c_int], False),
     "baseRT_sequence_seed_prefix": (c_int, [c_void_p, _intp, c_int, c_int], False),
@@ -360,7 +373,17 @@ class Library(LibraryFunctions):
         self._wrapped: dict[str, Callable[..., Any]] = {}
 
     def has(self, name: str) -> bool:
+        """The library exports `name` (an optional function). Asked once, at load, by
+        `_core.loaded` (its `Capabilities`); everything else reads those."""
         return name in self._present
+
+    def special_tokens(self, handle: int | None) -> list[bytes]:
+        """The text of every special (control / user-defined) token of `handle`; [] for a library
+        that cannot list them."""
+        if not (self.has("baseRT_special_token_count") and self.has("baseRT_special_token")):
+            return []
+        count = int(self.baseRT_special_token_count(handle))
+        return [self.baseRT_special_token(handle, i, None) or b"" for i in range(count)]
 
     def bind_thread(self) -> None:
         """Declare the calling thread the only one allowed into the library."""

@@ -98,6 +98,12 @@ class JsonSchemaConstraint:
         """llguidance's message once the matcher is in its error state, else None."""
         return self._matcher.get_error() if self._matcher.is_error() else None
 
+    def adopt(self, lib: Any) -> None:
+        """A host grammar is stepped in Python: no engine library to take."""
+
+    def close(self) -> None:
+        """A host grammar holds no engine handle: dropped with its lane."""
+
 
 class GrammarBackend:
     """Compiles JSON Schemas into per-request constraints over one model's vocabulary."""
@@ -194,13 +200,16 @@ class EngineGrammarConstraint:
     `close()` when the lane is released. Engine thread only.
     """
 
-    def __init__(self, lib: Any, grammar: int, words: int) -> None:
+    def __init__(self, lib: Any, grammar: int, words: int, *, resettable: bool) -> None:
         self._lib = lib
         self._grammar: int | None = grammar
         self._words = words
+        self._resettable = resettable  # the library has baseRT_grammar_reset (`LoadedModel.grammar_reset`)
 
     @classmethod
-    def create(cls, lib: Any, model: int, schema: Mapping[str, Any] | bool) -> EngineGrammarConstraint | None:
+    def create(
+        cls, lib: Any, model: int, schema: Mapping[str, Any] | bool, *, resettable: bool
+    ) -> EngineGrammarConstraint | None:
         """The engine's grammar for `schema`, or None when the engine cannot step it
         per token (no xgrammar bitmask): the caller then uses the host backend."""
         if schema is True:
@@ -212,10 +221,10 @@ class EngineGrammarConstraint:
             if err.code.name == "UNSUPPORTED":
                 return None
             raise InvalidRequestError(f"invalid json_schema: {err.message}")
-        return cls._steppable(lib, grammar)
+        return cls._steppable(lib, grammar, resettable)
 
     @classmethod
-    def from_structural_tag(cls, lib: Any, model: int, tag: str) -> EngineGrammarConstraint | None:
+    def from_structural_tag(cls, lib: Any, model: int, tag: str, *, resettable: bool) -> EngineGrammarConstraint | None:
         """The engine's grammar for an xgrammar structural tag (JSON text), or None
         when the engine cannot build it (a format or schema it cannot enforce: the
         caller then uses the host backend) or cannot step it per token. Such a
@@ -223,21 +232,21 @@ class EngineGrammarConstraint:
         grammar = lib.baseRT_grammar_create_from_structural_tag(model, tag.encode())
         if not grammar:
             return None  # baseRT_get_error says why; the host grammar enforces the same contract
-        return cls._steppable(lib, grammar)
+        return cls._steppable(lib, grammar, resettable)
 
     @classmethod
-    def _steppable(cls, lib: Any, grammar: int) -> EngineGrammarConstraint | None:
+    def _steppable(cls, lib: Any, grammar: int, resettable: bool) -> EngineGrammarConstraint | None:
         """The constraint over a new grammar handle, or None (the handle freed) when the
         engine cannot step it per token: a legacy grammar without a bitmask cannot be batched."""
         words = int(lib.baseRT_grammar_bitmask_size(grammar))
         if words <= 0:
             lib.baseRT_grammar_free(grammar)
             return None
-        return cls(lib, grammar, words)
+        return cls(lib, grammar, words, resettable=resettable)
 
     def reset(self) -> bool:
         """Back to the grammar's start, for another request (False: the engine cannot reset it)."""
-        if self._grammar is None or not self._lib.has("baseRT_grammar_reset"):
+        if self._grammar is None or not self._resettable:
             return False
         self._lib.baseRT_grammar_reset(self._grammar)
         return True
@@ -255,6 +264,11 @@ class EngineGrammarConstraint:
 
     def accept(self, token: int) -> bool:
         return int(self._lib.baseRT_grammar_accept_token(self._grammar, token)) == 1
+
+    @property
+    def error(self) -> str | None:
+        """The engine's grammar says no more than that it rejected a token."""
+        return None
 
     def is_finished(self) -> bool:
         lib = self._lib

@@ -82,7 +82,7 @@ class OutputProcessor:
         p, st = lane.spec.params, lane.state
         count = st.generated + 1  # this token included
         if lane.constraint is not None and not lane.constraint.accept(tok):
-            why = getattr(lane.constraint, "error", None) or "rejected"
+            why = lane.constraint.error or "rejected"
             raise InvalidRequestError(f"token {tok} was sampled outside the output grammar: {why}")
         finish: FinishReason | None = None
         if tok in lane.stop_ids or (not p.ignore_eos and self.is_eos(tok)):

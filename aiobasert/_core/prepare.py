@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ..errors import AioBaseRTError, ContextLengthExceededError, InvalidRequestError
-from ..types import MAX_SCHEMA_REFS
+from ..types import MAX_SCHEMA_REFS, Capabilities
 from . import cost as _cost
 from . import ffi as _ffi
 from . import lazy_numpy
@@ -74,6 +74,8 @@ class Preparer:
         lib: _ffi.Library,
         model_file: ModelFile,
         *,
+        caps: Capabilities,
+        grammar_reset: bool,
         vocab_size: int,
         max_context: int,
         intake: Intake | None,
@@ -82,6 +84,8 @@ class Preparer:
     ) -> None:
         self.lib = lib  # the engine thread's: grammars adopted for stepping are stepped through it
         self.model_file = model_file
+        self.caps = caps  # which grammars the engine builds itself: asked once, at load
+        self.grammar_reset = grammar_reset  # an engine grammar can be reset and kept for the next request
         self.vocab_size = vocab_size
         self.max_context = max_context
         self.intake = intake
@@ -168,18 +172,14 @@ class Preparer:
     def adopt(self, constraint: Constraint) -> None:
         """A prepared grammar goes live on the engine thread."""
         self.live_grammars += 1
-        adopt = getattr(constraint, "adopt", None)
-        if adopt is not None:  # an engine grammar: stepped through the engine's library from now on
-            adopt(self.lib)
+        constraint.adopt(self.lib)  # an engine grammar: stepped through the engine's library from now on
 
     def close_constraint(self, constraint: Constraint, key: bytes | None) -> None:
         self.live_grammars -= 1
         if key is not None and self.grammars.give_back(key, constraint):  # kept for the next request
             return
-        close = getattr(constraint, "close", None)
-        if close is not None:  # an engine-side grammar handle
-            with contextlib.suppress(Exception):  # freeing must not stop the teardown
-                close()
+        with contextlib.suppress(Exception):  # freeing must not stop the teardown
+            constraint.close()
 
     def host_grammar_installed(self) -> bool:
         """llguidance is there to serve the grammars the engine's own compiler does not take."""
@@ -245,9 +245,7 @@ class Preparer:
         took = time.monotonic() - started - self._backend_built.seconds  # the compile's, not the backend's
         budget = _cost.COMPILE_BUDGET_S
         if took > budget:
-            close = getattr(constraint, "close", None)
-            if close is not None:
-                close()
+            constraint.close()
             # worded as the compilers' own errors, which the server maps to the request's field
             what = "invalid grammar: the tools' grammar" if tools else "invalid json_schema: its grammar"
             err = InvalidRequestError(
@@ -271,8 +269,8 @@ class Preparer:
         schema = closed_objects(schema)
         lib, model = tok.lib, tok.handle
         native = None
-        if lib.has("baseRT_grammar_create_from_schema") and lib.has("baseRT_grammar_fill_bitmask"):
-            native = EngineGrammarConstraint.create(lib, model, schema)
+        if self.caps.grammar_compiler:
+            native = EngineGrammarConstraint.create(lib, model, schema, resettable=self.grammar_reset)
         return self._counted(native, lambda: self.host_grammar(tok).compile(schema))
 
     def build_tag_constraint(self, tok: Tokenizer, tag: str | None, lark: str | None) -> Constraint:
@@ -282,12 +280,8 @@ class Preparer:
 
         lib, model = tok.lib, tok.handle
         native = None
-        if (
-            tag is not None
-            and lib.has("baseRT_grammar_create_from_structural_tag")
-            and lib.has("baseRT_grammar_fill_bitmask")
-        ):
-            native = EngineGrammarConstraint.from_structural_tag(lib, model, tag)
+        if tag is not None and self.caps.structural_tag:
+            native = EngineGrammarConstraint.from_structural_tag(lib, model, tag, resettable=self.grammar_reset)
         if native is None and lark is None:
             raise InvalidRequestError("the engine cannot build this structural tag and no host grammar was given")
         return self._counted(native, lambda: self.host_grammar(tok).compile_lark(lark or ""))  # lark: set here
@@ -361,14 +355,9 @@ def _discard(constraint: Constraint, tok: Tokenizer) -> None:
     """Free, on the worker, the grammar of a request refused after it was built (its prompt): an
     engine grammar is freed through the worker's own library view (one from the cache was adopted by
     the engine thread's: taken back first), a host grammar is only dropped."""
-    close = getattr(constraint, "close", None)
-    if close is None:
-        return
-    adopt = getattr(constraint, "adopt", None)
-    if adopt is not None:
-        adopt(tok.lib)
+    constraint.adopt(tok.lib)
     with contextlib.suppress(Exception):  # freeing must not hide why the request was refused
-        close()
+        constraint.close()
 
 
 def _is_ids(prompt: Prompt) -> bool:

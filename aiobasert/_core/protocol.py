@@ -40,6 +40,21 @@ class Constraint(Protocol):
         """The output is complete: the lane stops."""
         ...
 
+    @property
+    def error(self) -> str | None:
+        """Why the grammar rejected a token (its message), else None."""
+        ...
+
+    def adopt(self, lib: Any) -> None:
+        """Step (and free) through `lib` from now on: a grammar is built on an intake worker through
+        that worker's own library view, then handed to the engine thread (a host grammar holds no
+        engine handle: nothing to do)."""
+        ...
+
+    def close(self) -> None:
+        """Free what the grammar holds in the engine (a host grammar holds nothing: nothing to do)."""
+        ...
+
 
 @dataclass
 class RequestSpec:
@@ -96,6 +111,24 @@ class Sink(Protocol):
     def alive(self) -> bool:
         """False once the consumer is gone (its lane serves nobody); any thread."""
         ...
+
+
+@dataclass(frozen=True, slots=True)
+class StreamOutput:
+    """One stream's part of one engine step, handed to the loop (`Sink.deliver`): what the thread's
+    step produced for it, all streams of a step in one wake-up."""
+
+    sink: Sink
+    tokens: list[Token]
+    """The tokens it produced in this step, in order (none when it only ended)."""
+    final: Final | None
+    """How it ended, when it finished in this step."""
+    error: BaseException | None
+    """Why it failed, when it failed in this step."""
+
+    def deliver(self) -> None:
+        """Runs on the event loop."""
+        self.sink.deliver(self.tokens, self.final, self.error)
 
 
 @dataclass

@@ -33,10 +33,10 @@ import os
 from collections.abc import Sequence
 from ctypes import byref, c_float, c_int, c_int32, c_uint32, c_void_p
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
 from ..errors import AioBaseRTError, EngineError, InternalError, InvalidRequestError
-from ..types import TopLogprob
+from ..types import Capabilities, TopLogprob
 from . import ffi as _ffi
 from .plan import LaneState, PlannedRow
 from .protocol import Constraint, Final, RequestSpec, Sink, Ticket
@@ -245,8 +245,14 @@ class EmbedLane:
         return out
 
 
-Sampled = tuple[int, float | None, list[TopLogprob] | None]
-"""A lane's (token, logprob, top logprobs) from one step."""
+class Sampled(NamedTuple):
+    """A lane's next token from one step."""
+
+    token: int
+    logprob: float | None = None
+    """Its log-probability, when the request asked for logprobs."""
+    top_logprobs: list[TopLogprob] | None = None
+    """The most likely alternatives, when the request asked for top_logprobs."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -343,6 +349,7 @@ class StepRunner:
         self,
         lib: _ffi.Library,
         model: int,
+        caps: Capabilities,
         *,
         vocab_size: int,
         stride: int,
@@ -351,9 +358,9 @@ class StepRunner:
     ) -> None:
         self.lib = lib
         self.model = model
+        self.caps = caps  # which fused call and which sampler: asked once, at load
         self.vocab_size = vocab_size
         self.stride = stride
-        self.has_fused_sample = lib.has("baseRT_batch_step_fused_sample")
         self.max_rows = max(max_rows, 1)
         # Anonymous pages: zero, and resident only once the engine writes a row into them.
         self._logits = mmap.mmap(-1, self.max_rows * stride)
@@ -382,7 +389,7 @@ class StepRunner:
 
     def prepare(self, rows: Sequence[tuple[Lane | EmbedLane, PlannedRow]]) -> tuple[Batch, list[RowResult]]:
         """The fused call's inputs; the lanes that cannot be marshalled fail alone, before the forward."""
-        batch = Batch(fusable=self.has_fused_sample)
+        batch = Batch(fusable=self.caps.fused_sample)
         failed: list[RowResult] = []
         for lane, row in rows:
             try:
@@ -451,7 +458,7 @@ class StepRunner:
             elif not row.samples:
                 results.append(RowResult(lane, row))
             elif fused is not None:
-                results.append(RowResult(lane, row, sampled=(int(fused[i]), None, None)))
+                results.append(RowResult(lane, row, sampled=Sampled(int(fused[i]))))
             else:
                 results.append(self._sample(lane, row, i))
         return results
@@ -502,7 +509,7 @@ class StepRunner:
             )
             if tok == 0 and lib.baseRT_get_error_code() != 0:
                 raise lib.last_error("baseRT_sample_logits_row")
-        elif p.temperature > 0 and lib.has("baseRT_sample_logits_rows"):
+        elif p.temperature > 0 and self.caps.row_sampler:
             # the engine's row sampler, as baseRT_batch_step_fused_sample would run it
             keep: list[Any] = []
             rs = row_sampling(lane, keep)
@@ -532,7 +539,7 @@ class StepRunner:
                     TopLogprob(id=int(ids[j]), logprob=float(vals[j]), text=self._token_text(int(ids[j])))
                     for j in range(got)
                 ]
-        return tok, lp, tops
+        return Sampled(tok, lp, tops)
 
     def _apply_constraint(self, lane: Lane, i: int) -> None:
         """Mask row i of the host logits with the lane's grammar (disallowed -> -inf)."""
@@ -546,7 +553,7 @@ class StepRunner:
             return
         if not self._mask.any():
             raise InvalidRequestError("the output grammar admits no further token")
-        if self.lib.has("baseRT_mask_logits_row"):
+        if self.caps.mask_row:
             row = self._logits_ptr + i * self.stride
             mask_ptr = self._mask.ctypes.data_as(ctypes.POINTER(c_int32))
             self.lib.check(self.lib.baseRT_mask_logits_row(self.model, row, mask_ptr), "baseRT_mask_logits_row")

@@ -586,10 +586,11 @@ def test_a_request_being_prepared_has_one_status(lib: Any, tiny_model_path: Path
     from aiobasert._core.model_file import ModelFile
     from aiobasert._core.prepare import Preparer, RequestStatus
     from aiobasert._core.protocol import Embed, Message, Prepared
+    from aiobasert.types import Capabilities
 
     posted: list[Message] = []
-    prep = Preparer(lib, ModelFile(tiny_model_path), vocab_size=256, max_context=64, intake=None,
-                    inline=tokenizer, post=posted.append)  # fmt: skip
+    prep = Preparer(lib, ModelFile(tiny_model_path), caps=Capabilities(), grammar_reset=False, vocab_size=256,
+                    max_context=64, intake=None, inline=tokenizer, post=posted.append)  # fmt: skip
     model: dict[str, RequestStatus] = {}
     for op, i in ops:
         rid = f"r{i}"
