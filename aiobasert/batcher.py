@@ -9,10 +9,10 @@ The engine thread asks `plan()` once per step and carries the `StepPlan` out
   due `stretch` (2) times its work after it arrives (`work`: its prompt's
   chunks and `max_tokens`); its slack is how many steps it can still wait and
   be done when due (constant while it runs, one less for each step it waits).
-  A free lane goes to the first new request (the client holding fewest lanes,
-  then the earliest: a request's `client` key, shared by the choices of one
-  request; without a key a request is a client of its own), unless a paused
-  request has no more slack than it: the most urgent paused one resumes.
+  A free lane goes to the waiting request, new or paused, of the client holding
+  the fewest lanes (a request's `client` key, shared by the choices of one
+  request; without a key a request is a client of its own), then the most
+  urgent (least slack), then the earliest.
   With every lane taken, a waiting request takes a lane back (preemption, as
   vLLM's scheduler preempts) when the lane's request can afford it: after
   waiting all the steps the taker needs it would still have as much slack as
@@ -260,13 +260,17 @@ class Batcher:
     def _next_for_free_lane(
         self, held: Counter[tuple[str, str]], release: Callable[[LaneState], None] | None
     ) -> LaneState:
-        """Who gets a free lane: the first new request (the client holding fewest lanes, then
-        the earliest), unless a paused request has no more slack than it (the most urgent
-        paused one then resumes). A new one only where it fits the pool beside the paused
-        requests' KV (some of it released if that makes it fit), else that paused one."""
-        new = min(self.waiting, key=lambda w: (held[w.owner], w.arrival), default=None)
-        paused = min(self.paused, key=lambda p: (self.slack(p), held[p.owner], p.arrival), default=None)
-        if paused is None or (new is not None and self.slack(new) < self.slack(paused)):
+        """Who gets a free lane: the waiting request, new or paused, of the client holding the
+        fewest lanes, then the most urgent (least slack), then the earliest. A new one only
+        where it fits the pool beside the paused requests' KV (some of it released if that
+        makes it fit), else the first paused one."""
+
+        def order(x: LaneState) -> tuple[int, int, int]:
+            return held[x.owner], self.slack(x), x.arrival
+
+        new = min(self.waiting, key=order, default=None)
+        paused = min(self.paused, key=order, default=None)
+        if paused is None or (new is not None and order(new) < order(paused)):
             assert new is not None
             if paused is None or self._fits(self.kv_need(new)):
                 return new
@@ -331,8 +335,8 @@ class Batcher:
     def _take_back(
         self, held: Counter[tuple[str, str]], release: Callable[[LaneState], None] | None = None
     ) -> tuple[LaneState, LaneState] | None:
-        """With every lane taken: the first waiting request (new or paused, most urgent first)
-        that may take a lane back, and that lane; None when none may.
+        """With every lane taken: the first waiting request (new or paused, in the order a free
+        lane would take them) that may take a lane back, and that lane; None when none may.
 
         `w` takes lane `v` (`_takeable`) when the pool holds `v`'s KV as it is beside every
         running request at its longest, `w` included, and the other paused requests' KV
@@ -359,7 +363,7 @@ class Batcher:
             if self.left(w) + max(self.slack(w), 0) <= most_slack
             or (not w.started and held[w.owner] + 2 <= most_held)
         ]  # fmt: skip
-        for w in sorted(able, key=lambda x: (self.slack(x), held[x.owner], x.arrival)):
+        for w in sorted(able, key=lambda x: (held[x.owner], self.slack(x), x.arrival)):
             need = self.kv_need(w) - w.kv_kept  # a paused taker's kept KV is already counted
             swap = {id(v): need - self.kv_need(v) + self.kv_held(v) for v in victims}
             fit = [v for v in victims if self._fits(swap[id(v)])]

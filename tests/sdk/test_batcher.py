@@ -120,7 +120,7 @@ def test_prefix_policy() -> None:
 def test_plan_admits_then_plans_rows_after_start_ran() -> None:
     # `start` runs for each admitted lane before its row is planned: a seeded
     # prefix shrinks the chunk, a lane that cannot start gets no row.
-    b = make(max_batch_size=3, prefill_budget=10)
+    b = make(max_batch_size=3, prefill_budget=32)
     seeded, failing, plain = lane("seeded", 20), lane("failing", 5), lane("plain", 4)
     for x in (seeded, failing, plain):
         b.enqueue(x)
@@ -152,8 +152,8 @@ def test_plan_rows_kinds_and_sampling() -> None:
         b.enqueue(x)
     plan = b.plan()
     assert [(r.lane.rid, r.kind, r.tokens, r.samples) for r in plan.rows] == [
+        ("e", "embed", 8, False),  # the most urgent (one step of work); the tap budget bounds its chunk
         ("d", "decode", 1, True),
-        ("e", "embed", 8, False),  # the tap budget bounds an embedding chunk
         ("l", "prefill", 22, False),  # the prefill budget left; mid-prompt: nothing sampled yet
     ]
     assert plan.tapped == 8
@@ -168,9 +168,9 @@ def test_plan_rows_kinds_and_sampling() -> None:
     taps=st.one_of(st.none(), st.integers(1, 16)),
 )
 def test_plan_properties(prompts: list[tuple[int, bool, int]], lanes: int, budget: int, taps: int | None) -> None:
-    # Whatever the mix: at most max_batch_size lanes, FIFO admission, one token
-    # per decode lane, prompt tokens within the prefill budget (embeddings also
-    # within the tap budget), no chunk past the end of its prompt.
+    # Whatever the mix: at most max_batch_size lanes, the most urgent admitted first (least
+    # slack: 2 x work less what is left), one token per decode lane, prompt tokens within the
+    # prefill budget (embeddings also within the tap budget), no chunk past the end of its prompt.
     b = Batcher(max_batch_size=lanes, max_context=4096, prefill_budget=budget, max_queue=64, tap_budget=taps)
     states = []
     for i, (n, embed, done) in enumerate(prompts):
@@ -179,8 +179,9 @@ def test_plan_properties(prompts: list[tuple[int, bool, int]], lanes: int, budge
             x.prefilled = 0  # an embedding with nothing left to feed has ended
         states.append(x)
         b.enqueue(x)
+    urgent = sorted(states, key=lambda x: (b.slack(x), x.arrival))
     plan = b.plan()
-    assert list(plan.admitted) == states[:lanes]
+    assert list(plan.admitted) == urgent[:lanes]
     assert len(plan.rows) <= lanes
     fed = sum(r.tokens for r in plan.rows if r.kind != "decode")
     assert fed <= budget
@@ -471,6 +472,7 @@ def test_embeddings_are_never_preempted_and_fifo_mode_never_preempts() -> None:
     b = make(max_batch_size=1, max_queue=8)
     emb = LaneState(rid="e", prompt_len=10_000, max_new_tokens=0, embed=True, client="A")
     b.enqueue(emb)
+    run_steps(b, 1)
     b.enqueue(keyed("x", None, max_new=1))
     run_steps(b, 20)
     assert b.running == [emb] and b.preemptions == 0
