@@ -18,7 +18,7 @@ from starlette.responses import Response
 
 from ..engine import Engine, QueueReservation
 from ..errors import InvalidRequestError
-from ..fanout import MAX_N, prefill_once, sample_params
+from ..choices import MAX_N, prefill_once, sample_params
 from ..streams import TokenStream
 from ..tools import ChatDelta as ChatDeltaSDK
 from ..tools import ChatStream, ChatTurn, TextDelta, ToolCall, ToolCallDelta

@@ -24,7 +24,7 @@ from openai import OpenAI
 
 import aiobasert
 from aiobasert import Engine, SamplingParams
-from aiobasert.fanout import chat_n, generate_n
+from aiobasert.choices import chat_n, generate_n
 from aiobasert.models.tiny import SPECIAL_TOKENS
 from aiobasert.server._malloc import SERVER_ARENAS
 
