@@ -8,6 +8,7 @@ async with aiobasert.Engine.open("model.base") as engine:
 """
 
 from .batcher import client_scope
+from .choices import ChoiceEvent, Choices
 from .config import EngineConfig
 from .engine import Engine
 from .errors import (
@@ -41,7 +42,7 @@ from .errors import (
 )
 from .group import EngineGroup, ModelStats
 from .streams import TokenStream
-from .tools import ChatReply, ChatStream, ChatTurn, TextDelta, Tool, ToolCall, ToolCallDelta
+from .tools import ChatReply, ChatStream, TextDelta, Tool, ToolCall, ToolCallDelta
 from .types import (
     Capabilities,
     ChatMessage,
@@ -65,7 +66,8 @@ __all__ = [
     "ChatMessage",
     "ChatReply",
     "ChatStream",
-    "ChatTurn",
+    "ChoiceEvent",
+    "Choices",
     "Completion",
     "ContextLengthExceededError",
     "ConversionError",

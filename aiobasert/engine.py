@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import os
 import threading
 import weakref
@@ -60,7 +61,8 @@ from .types import (
 if TYPE_CHECKING:
     import numpy as np
 
-    from .tools import ChatStream, ChatTurn, Tool, ToolChoice, ToolFormat
+    from .choices import Choices
+    from .tools import ChatReply, ChatStream, ChatTurn, Tool, ToolChoice, ToolFormat
 
 T = TypeVar("T")
 
@@ -106,8 +108,8 @@ def _reclaim(thread: EngineThread) -> None:
         thread.post(Close(abort=True))
 
 
-class QueueReservation:
-    """Queue places held for requests about to be submitted together (`Engine.reserve`).
+class _QueueReservation:
+    """Queue places held for requests about to be submitted together (`Engine._reserve`).
 
     `submit(streams)` gives back as many places and queues the streams in the same breath
     (no other request can be posted in between), so none of them is refused for want of
@@ -118,7 +120,7 @@ class QueueReservation:
     def __init__(self, thread: EngineThread, count: int) -> None:
         self._thread = thread
         self._left = [count]  # shared with the finalizer, which must not hold self
-        self._finalizer = weakref.finalize(self, QueueReservation._give_back, thread, self._left)
+        self._finalizer = weakref.finalize(self, _QueueReservation._give_back, thread, self._left)
 
     @property
     def left(self) -> int:
@@ -147,7 +149,7 @@ class QueueReservation:
         """Give back every place not used (idempotent)."""
         self._give_back(self._thread, self._left)
 
-    def __enter__(self) -> QueueReservation:
+    def __enter__(self) -> _QueueReservation:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -449,16 +451,16 @@ class Engine:
 
         checked = self._params(params, kwargs)
         check_schema_and_tools(bool(tools), checked.json_schema)  # refused before the render is paid
-        turn = self.prepare_chat(
+        turn = self._prepare_chat(
             messages,
             tools=tools,
             tool_choice=tool_choice,
             parallel_tool_calls=parallel_tool_calls,
             add_generation_prompt=add_generation_prompt,
         )
-        return self.stream_turn(turn, checked)
+        return self._stream_turn(turn, checked)
 
-    def prepare_chat(
+    def _prepare_chat(
         self,
         messages: Sequence[ChatMessage | Mapping[str, Any]],
         *,
@@ -468,7 +470,7 @@ class Engine:
         add_generation_prompt: bool = True,
     ) -> ChatTurn:
         """`messages` rendered and constrained once, as `stream_chat` does, into a `ChatTurn` that
-        `stream_turn` streams any number of times: n replies to one conversation render it once.
+        `_stream_turn` streams any number of times: n replies to one conversation render it once.
 
         With this model's chat template, tokens and tool-call format (`tool_format`); `tools`,
         `tool_choice` and `parallel_tool_calls` as in `chat`. This is the request-sized part of a
@@ -491,8 +493,8 @@ class Engine:
             eos_token=self.info.eos_token,
         )
 
-    def stream_turn(self, turn: ChatTurn, params: SamplingParams | None = None, **kwargs: Any) -> ChatStream:
-        """A new stream of the reply to a prepared `turn` (`prepare_chat`), under `params` or
+    def _stream_turn(self, turn: ChatTurn, params: SamplingParams | None = None, **kwargs: Any) -> ChatStream:
+        """A new stream of the reply to a prepared `turn` (`_prepare_chat`), under `params` or
         keyword parameters (as `chat`; checked here): a `ChatStream`, queued when it is first
         iterated or awaited (or at once with `.tokens.submit()`). Call it once per reply wanted.
         A turn with tools cannot also take a `json_schema` (`InvalidRequestError`)."""
@@ -502,6 +504,98 @@ class Engine:
         check_schema_and_tools(turn.lark is not None, checked.json_schema)  # a turn with tools has a grammar
         tokens = self._new_stream(turn.pieces, checked, True, turn.lark, turn.structural_tag)
         return ChatStream(tokens, parse_calls=turn.parse_calls, forced=turn.forced, tool_format=turn.tool_format)
+
+    def stream_n(
+        self, prompts: Sequence[str | Sequence[int]], params: SamplingParams | None = None, *, n: int = 1, **kwargs: Any
+    ) -> Choices[Completion]:
+        """n samples of each of `prompts` (texts or token-id lists) as one request: a `Choices`
+        (`aiobasert.choices`) whose `async for` yields every choice's tokens with its index (prompt
+        p's sample i is choice `p * n + i`) and whose `await` gives the `Completion`s. Every
+        choice's queue place is reserved at once (all or none), each prompt prefilled once, sample i
+        seeded `seed + i`; the first choice that fails cancels the others and raises. Parameters as
+        in `stream`, checked here."""
+        from .choices import Choices, check_n
+
+        if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence) or not prompts:
+            raise InvalidRequestError("prompts must be a non-empty list of prompts (texts or token-id lists)")
+        checked = self._params(params, kwargs)
+        check_n(n)
+        texts = [p if isinstance(p, str) else self._token_ids(p, "prompt", self.info.max_context) for p in prompts]
+        return Choices(
+            lambda p, sample: self._new_stream(texts[p], sample, True), len(texts), checked, n, **self._choices_host()
+        )
+
+    async def generate_n(
+        self, prompt: str | Sequence[int], params: SamplingParams | None = None, *, n: int, **kwargs: Any
+    ) -> list[Completion]:
+        """n completions of `prompt` (`stream_n` of one prompt, awaited whole)."""
+        return await self.stream_n([prompt], params, n=n, **kwargs)
+
+    def stream_chat_n(
+        self,
+        messages: Sequence[ChatMessage | Mapping[str, Any]],
+        params: SamplingParams | None = None,
+        *,
+        n: int,
+        add_generation_prompt: bool = True,
+        tools: Sequence[Tool | Mapping[str, Any]] | None = None,
+        tool_choice: ToolChoice | Mapping[str, Any] | None = None,
+        parallel_tool_calls: bool = True,
+        **kwargs: Any,
+    ) -> Choices[ChatReply]:
+        """n replies to `messages` as one request, as `stream_n` does for a prompt: a `Choices` whose
+        events carry each reply's text and tool-call deltas and whose `await` gives the `ChatReply`s.
+        The conversation is rendered and its tool grammar written once, here, in the caller (every
+        message and tool: request-sized, touching no engine state and no event loop, so a server
+        may call this in a worker thread); tools as in `stream_chat`."""
+        from .choices import Choices, check_n
+        from .tools import check_schema_and_tools
+
+        if tools is not None and (isinstance(tools, (str, bytes, Mapping)) or not isinstance(tools, Sequence)):
+            raise InvalidRequestError(f"tools must be a list of tools, not {type(tools).__name__}")
+        checked = self._params(params, kwargs)
+        check_n(n)
+        check_schema_and_tools(bool(tools), checked.json_schema)  # refused before the render is paid
+        turn = self._prepare_chat(
+            messages,
+            tools=tools,
+            tool_choice=tool_choice,
+            parallel_tool_calls=parallel_tool_calls,
+            add_generation_prompt=add_generation_prompt,
+        )
+        return Choices(lambda _p, sample: self._stream_turn(turn, sample), 1, checked, n, **self._choices_host())
+
+    async def chat_n(
+        self,
+        messages: Sequence[ChatMessage | Mapping[str, Any]],
+        params: SamplingParams | None = None,
+        *,
+        n: int,
+        tools: Sequence[Tool | Mapping[str, Any]] | None = None,
+        tool_choice: ToolChoice | Mapping[str, Any] | None = None,
+        parallel_tool_calls: bool = True,
+        **kwargs: Any,
+    ) -> list[ChatReply]:
+        """n replies to `messages` (`stream_chat_n`, awaited whole)."""
+        choices = self.stream_chat_n(
+            messages,
+            params,
+            n=n,
+            tools=tools,
+            tool_choice=tool_choice,
+            parallel_tool_calls=parallel_tool_calls,
+            **kwargs,
+        )
+        return await choices
+
+    def _choices_host(self) -> dict[str, Any]:
+        """What a `Choices` needs of this engine: its reservation, how many requests it holds at
+        once (lanes and queue), and whether a prefill lands in a prefix cache."""
+        return {
+            "reserve": self._reserve,
+            "room": self.info.max_batch_size + self.config.max_queue,
+            "prefix_cache": self.info.prefix_cache,
+        }
 
     @property
     def chat_template(self) -> str:
@@ -675,11 +769,38 @@ class Engine:
             self._port.cancel(rid)  # cancelled or timed out: free its lane (a no-op once it ended)
             raise
 
-    async def reserve(self, count: int) -> QueueReservation:
+    async def embed_batch(self, inputs: Sequence[str | Sequence[int]]) -> list[np.ndarray]:
+        """`embed` of each of `inputs`, as one request: the queue's room for all of them is taken
+        at once (all or none: `EngineOverloadedError` before any is queued), they are queued
+        together, and the first that fails cancels the others and raises (as `Choices` does)."""
+        if isinstance(inputs, (str, bytes)) or not isinstance(inputs, Sequence) or not inputs:
+            raise InvalidRequestError("inputs must be a non-empty list of texts or token-id lists")
+        vectors: list[np.ndarray | None] = [None] * len(inputs)
+        errors: list[Exception] = []
+        places = await self._reserve(len(inputs)) if len(inputs) > 1 else None
+
+        async def one(i: int, scope: anyio.CancelScope) -> None:
+            try:
+                if places is not None:
+                    places.take(1)  # its place goes back just as `embed` posts it (before it first waits)
+                vectors[i] = await self.embed(inputs[i])
+            except Exception as exc:
+                errors.append(exc)
+                scope.cancel()  # the others' `embed` calls are cancelled: their lanes are freed
+
+        with places if places is not None else contextlib.nullcontext():
+            async with anyio.create_task_group() as tg:
+                for i in range(len(inputs)):
+                    tg.start_soon(one, i, tg.cancel_scope)
+        if errors:
+            raise errors[0]
+        return [v for v in vectors if v is not None]
+
+    async def _reserve(self, count: int) -> _QueueReservation:
         """Hold `count` queue places for requests about to be submitted together (n choices of
         one prompt, a batch), all or none: `EngineOverloadedError` at once, before anything is
         queued or paid for, when the queue has no room for all of them now. Submit the streams
-        with `QueueReservation.submit`; release the rest (`with` block) when done."""
+        with `_QueueReservation.submit`; release the rest (`with` block) when done."""
         if isinstance(count, bool) or not isinstance(count, int) or count < 1:
             raise InvalidRequestError(f"count must be a positive int, got {count!r}")
         self._waker.check()
@@ -704,7 +825,7 @@ class Engine:
             if fut.done() and fut.exception() is None:
                 thread.post(Release(count))
             raise
-        return QueueReservation(thread, count)
+        return _QueueReservation(thread, count)
 
     async def stats(self) -> EngineStats:
         """Lanes, queue and KV-pool occupancy, read on the engine thread."""

@@ -24,7 +24,7 @@ import itertools
 import os
 import weakref
 from collections import deque
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from typing import Any
 
 import anyio
@@ -128,6 +128,7 @@ class TokenStream:
         self._ids: list[int] = []
         self._logprobs: list[float] = []
         self._completion: Completion | None = None
+        self._listener: Callable[[], None] | None = None  # a reader of several streams (`Choices`)
 
     @property
     def request_id(self) -> str:
@@ -168,6 +169,8 @@ class TokenStream:
             self._ended = True
         if self._event is not None:
             self._event.set()
+        if self._listener is not None:
+            self._listener()
 
     # ---- consumer side ------------------------------------------------------------------
 
@@ -193,6 +196,9 @@ class TokenStream:
             await self._wait()
             if self._closed:  # aclose() by another task while we waited: no token after it returned
                 raise StopAsyncIteration
+        return self._pop()
+
+    def _pop(self) -> Token:
         tok = self._buffer.popleft()
         self._text.append(tok.text)
         self._ids.append(tok.id)
@@ -200,6 +206,26 @@ class TokenStream:
             self._logprobs.append(tok.logprob)
         self._ticket.consumed += 1
         return tok
+
+    def _listen(self, wake: Callable[[], None]) -> None:
+        """Call `wake` (on the loop) whenever the engine delivers to this stream: a reader of several
+        streams (`aiobasert.choices.Choices`) waits on one event for all of them, no task per stream."""
+        self._listener = wake
+
+    def _take(self) -> Token | None:
+        """The next token without waiting, None when none is buffered yet; StopAsyncIteration once
+        the stream is over, its error once it failed (after the tokens before the error)."""
+        if self._closed:
+            raise StopAsyncIteration
+        if self._buffer:
+            return self._pop()
+        if self._error is not None:
+            self._closed = True
+            raise self._error
+        if self._ended:
+            self._closed = True
+            raise StopAsyncIteration
+        return None
 
     async def _wait(self) -> None:
         """Until a token is buffered; StopAsyncIteration / the error once the stream is over."""

@@ -51,7 +51,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [  # bottom first; an exact name win
         ),
     ),
     ("thread", ("aiobasert.engine_thread",)),
-    ("engine", ("aiobasert.engine", "aiobasert.group", "aiobasert.fanout")),
+    ("engine", ("aiobasert.engine", "aiobasert.group", "aiobasert.choices")),
     ("package", ("aiobasert",)),  # the public facade (aiobasert/__init__.py)
     ("server", ("aiobasert.server", "aiobasert.server.*")),
     ("cli", ("aiobasert.cli", "aiobasert.__main__")),

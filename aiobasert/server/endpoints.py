@@ -4,28 +4,26 @@ and answers with OpenAI's shapes (whole, or streamed through `events.drive`)."""
 from __future__ import annotations
 
 import base64
-import contextlib
 import functools
 import logging
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
+import anyio
 import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
-from ..engine import Engine, QueueReservation
+from ..choices import MAX_N, Choices
+from ..engine import Engine
 from ..errors import InvalidRequestError
-from ..fanout import MAX_N, prefill_once, sample_params
-from ..streams import TokenStream
 from ..tools import ChatDelta as ChatDeltaSDK
-from ..tools import ChatStream, ChatTurn, TextDelta, ToolCall, ToolCallDelta
-from ..types import SamplingParams, Timing, Token, Usage
+from ..tools import ChatReply, TextDelta, ToolCall, ToolCallDelta
+from ..types import SamplingParams, Token
 from .compat import check_refused
 from .errors import APIError
-from .events import ChunkFormat, OpenAIChunks, collect, drive
 from .http import json_response, read_json
 from .logprobs import chat_logprobs, completion_logprobs
 from .metrics import Metrics, RequestObserver
@@ -79,6 +77,7 @@ from .streaming import (
     SSE_DONE,
     BacklogLimit,
     EventStream,
+    error_event,
     gather,
     sse,
     unless_disconnected,
@@ -86,36 +85,46 @@ from .streaming import (
 from .workers import Workers, is_large
 
 _Choice = TypeVar("_Choice", CompletionChoice, ChatChunkChoice)
+R = TypeVar("R")
 
 
-class _ChoiceChunks(OpenAIChunks, Generic[_Choice]):
-    """The chunks of one streamed choice (`index`; `last` False when it is one of several
-    merged into one response): each endpoint's `_chunk` wraps its choices in its envelope."""
+class _ChoiceChunks(Generic[_Choice]):
+    """The chunks of one streamed choice (`index`) of a response (`response_id`, `created`: the
+    same for all its choices): each endpoint's `_chunk` wraps its choices in its envelope."""
 
-    def __init__(self, served: ServedModel, *, logprobs: bool, index: int = 0, last: bool = True) -> None:
+    def __init__(self, served: ServedModel, *, logprobs: bool, index: int, response_id: str, created: int) -> None:
         self._served = served
         self._index = index
-        self.last = last
         self._logprobs = logprobs
-        self._id = ""
-        self._created = 0
+        self._id = response_id
+        self._created = created
+        self.opened = False
 
     def _chunk(self, choices: list[_Choice], usage: UsageInfo | None = None) -> bytes:
         raise NotImplementedError
 
-    def usage(self, usage: Usage, timing: Timing | None = None) -> bytes:
-        return self._chunk([], UsageInfo.of(usage, [timing] if timing is not None else []))
+    def opening(self) -> bytes | None:
+        """The choice's first chunk, if the format has one (chat: the role delta)."""
+        return None
+
+    async def token(self, tok: Token, deltas: Sequence[ChatDeltaSDK]) -> bytes | None:
+        """The chunk of one token (`deltas`: a chat reply's deltas it completed); None: nothing to send."""
+        raise NotImplementedError
+
+    def closing(self, finish: str, deltas: Sequence[ChatDeltaSDK]) -> bytes | None:
+        """The chunks after the choice's last token, given OpenAI's finish reason."""
+        return None
 
     def usage_chunk(self, usage: UsageInfo) -> bytes:
-        """The usage chunk of a whole multi-choice request."""
+        """The usage chunk of the whole request."""
         return self._chunk([], usage)
 
 
 class _CompletionChunks(_ChoiceChunks[CompletionChoice]):
     """Streamed text completions: the finish reason rides on the last token's chunk."""
 
-    def __init__(self, served: ServedModel, *, logprobs: bool, index: int = 0, last: bool = True) -> None:
-        super().__init__(served, logprobs=logprobs, index=index, last=last)
+    def __init__(self, served: ServedModel, *, logprobs: bool, index: int, response_id: str, created: int) -> None:
+        super().__init__(served, logprobs=logprobs, index=index, response_id=response_id, created=created)
         self._offset = 0
 
     def _chunk(self, choices: list[CompletionChoice], usage: UsageInfo | None = None) -> bytes:
@@ -130,11 +139,7 @@ class _CompletionChunks(_ChoiceChunks[CompletionChoice]):
             )
         )
 
-    def opening(self, request_id: str) -> bytes | None:
-        self._id, self._created = f"cmpl-{request_id}", int(time.time())
-        return None
-
-    async def token(self, tok: Token) -> bytes | None:
+    async def token(self, tok: Token, deltas: Sequence[ChatDeltaSDK]) -> bytes | None:
         lp = None
         if self._logprobs:
             lp = completion_logprobs([tok], await self._served.texts.lookup(self._served.engine, [tok]), self._offset)
@@ -144,9 +149,6 @@ class _CompletionChunks(_ChoiceChunks[CompletionChoice]):
             return self._chunk([CompletionChoice(index=self._index, text=tok.text, logprobs=lp, finish_reason=finish)])
         if tok.text or lp is not None:
             return self._chunk([CompletionChoice(index=self._index, text=tok.text, logprobs=lp, finish_reason=None)])
-        return None
-
-    def closing(self, finish: str, usage: Usage | None) -> bytes | None:
         return None
 
 
@@ -182,11 +184,9 @@ class _ChatChunks(_ChoiceChunks[ChatChunkChoice]):
     """Streamed chat completions: a role delta first, text and tool-call deltas as
     the parser releases them, a finish delta last."""
 
-    def __init__(
-        self, served: ServedModel, chat: ChatStream, *, logprobs: bool, index: int = 0, last: bool = True
-    ) -> None:
-        super().__init__(served, logprobs=logprobs, index=index, last=last)
-        self._chat = chat
+    def __init__(self, served: ServedModel, *, logprobs: bool, index: int, response_id: str, created: int) -> None:
+        super().__init__(served, logprobs=logprobs, index=index, response_id=response_id, created=created)
+        self._called = False  # a tool call was streamed: a normal end finishes with "tool_calls"
 
     def _chunk(self, choices: list[ChatChunkChoice], usage: UsageInfo | None = None) -> bytes:
         return sse(
@@ -203,23 +203,22 @@ class _ChatChunks(_ChoiceChunks[ChatChunkChoice]):
     def _delta(self, delta: ChatDelta, lp: ChoiceLogprobs | None = None, finish: str | None = None) -> bytes:
         return self._chunk([ChatChunkChoice(index=self._index, delta=delta, logprobs=lp, finish_reason=finish)])
 
-    def opening(self, request_id: str) -> bytes | None:
-        self._id, self._created = f"chatcmpl-{request_id}", int(time.time())
+    def opening(self) -> bytes | None:
         return self._delta(ChatDelta(role="assistant", content=""))
 
-    async def token(self, tok: Token) -> bytes | None:
+    async def token(self, tok: Token, deltas: Sequence[ChatDeltaSDK]) -> bytes | None:
         lp = None
         if self._logprobs:
             lp = chat_logprobs([tok], await self._served.texts.lookup(self._served.engine, [tok]))
-        deltas = self._chat.feed(tok)
+        self._called = self._called or any(isinstance(d, ToolCallDelta) for d in deltas)
         if deltas or lp is not None:
             return self._delta(_chat_delta(deltas) if deltas else ChatDelta(content=""), lp)
         return None
 
-    def closing(self, finish: str, usage: Usage | None) -> bytes | None:
-        rest = self._chat.close_parser()
-        head = self._delta(_chat_delta(rest)) if rest else b""
-        return head + self._delta(ChatDelta(), finish=_with_tools(finish, self._chat.tool_calls))
+    def closing(self, finish: str, deltas: Sequence[ChatDeltaSDK]) -> bytes | None:
+        self._called = self._called or any(isinstance(d, ToolCallDelta) for d in deltas)
+        head = self._delta(_chat_delta(deltas)) if deltas else b""
+        return head + self._delta(ChatDelta(), finish="tool_calls" if self._called and finish == "stop" else finish)
 
 
 def _with_tools(finish: str, calls: Sequence[ToolCall]) -> str:
@@ -245,22 +244,12 @@ def _n(n: int | None) -> int:
     return n
 
 
-def _queue_limit(engine: Engine) -> int:
-    """Requests the engine can hold at once: its lanes and its wait queue."""
-    return engine.info.max_batch_size + engine.config.max_queue
-
-
-async def _admit_fanout(engine: Engine, count: int, param: str, *, prompts: int = 1) -> QueueReservation | None:
-    """Refuse a request that would fan out into `count` engine requests before
-    any of them starts: 400 naming `param` when the engine can never hold that
-    many at once, 503 (retry later) when its queue has no room for all of them
-    now. Either way nothing ran. The room is taken in one atomic reservation on
-    the engine thread (requests being prepared and other reservations count), so
-    two fan-outs cannot both pass on one free room and the second fail after
-    queuing half its choices: the places returned are the request's own, released
-    by `with`. A prefill before the samples (`prefill_once`, one per prompt) takes
-    a place of its own. None for a single request (its one Submit is atomic)."""
-    limit = _queue_limit(engine)
+def _check_fanout(engine: Engine, count: int, param: str) -> None:
+    """Refuse a request that fans out into more engine requests (`count`: prompts x n) than the
+    engine can ever hold at once (its lanes and its wait queue), before any of them starts: a 400
+    naming `param`. One with no room for all of them now is refused by `Choices.start` (503,
+    nothing queued: the room is taken in one atomic reservation on the engine thread)."""
+    limit = engine.info.max_batch_size + engine.config.max_queue
     if count > limit:
         raise APIError(
             400,
@@ -268,19 +257,6 @@ async def _admit_fanout(engine: Engine, count: int, param: str, *, prompts: int 
             f"(lanes + queue): send at most {limit} per request",
             param=param,
         )
-    if count == 1:
-        return None
-    warms = prompts if count > prompts and engine.info.prefix_cache else 0
-    return await engine.reserve(min(count + warms, limit))
-
-
-def _submit(places: QueueReservation | None, streams: Sequence[TokenStream]) -> None:
-    """Queue `streams` (one after the other in the FIFO: queued, and admitted, together)."""
-    if places is not None:
-        places.submit(streams)
-    else:
-        for stream in streams:
-            stream.submit()
 
 
 def _include_usage(req: SamplingRequest) -> bool:
@@ -326,43 +302,14 @@ def _chat_plan(req: ChatCompletionRequest) -> _ChatPlan:
     return _ChatPlan(params=params, n=n, logprobs=want_logprobs)
 
 
-class _ChatStarts:
-    """Starts a prepared chat turn's streams and remembers each stream's `ChatStream`
-    (its parser: the streamed deltas and the whole message are read from it)."""
-
-    def __init__(self, engine: Engine, turn: ChatTurn) -> None:
-        self._engine = engine
-        self._turn = turn
-        self._chats: dict[int, ChatStream] = {}
-
-    def start(self, params: SamplingParams) -> TokenStream:
-        try:
-            chat = self._engine.stream_turn(self._turn, params)
-        except InvalidRequestError as exc:
-            raise chat_refusal(exc, "messages") from None
-        self._chats[id(chat.tokens)] = chat
-        return chat.tokens
-
-    def chat(self, stream: TokenStream) -> ChatStream:
-        return self._chats[id(stream)]
-
-
-async def _chat_choice(
-    served: ServedModel, index: int, stream: TokenStream, tokens: list[Token], chat: ChatStream, logprobs: bool
-) -> ChatChoice:
-    """One choice of a whole (unstreamed) chat completion: its tokens fed through the chat's parser."""
-    finish = finish_reason(stream.finish_reason)
-    for tok in tokens:
-        chat.feed(tok)
-    chat.close_parser()
-    calls = chat.tool_calls
-    lp = chat_logprobs(tokens, await served.texts.lookup(served.engine, tokens)) if logprobs else None
-    content = chat.content
+def _chat_choice(index: int, reply: ChatReply, finish: str, lp: ChoiceLogprobs | None) -> ChatChoice:
+    """One choice of a whole (unstreamed) chat completion (`finish`: OpenAI's, before the tools rule)."""
+    calls = reply.tool_calls
     return ChatChoice(
         index=index,
         message=AssistantMessage(
             role="assistant",
-            content=content if content or not calls else None,
+            content=reply.content if reply.content or not calls else None,
             tool_calls=[_tool_call_out(c) for c in calls] or None,
         ),
         logprobs=lp,
@@ -457,88 +404,98 @@ class Service:
 
     # ---- generation ----
 
-    async def _samples(
-        self,
-        request: Request,
-        served: ServedModel,
-        starts: Sequence[Callable[[SamplingParams], TokenStream]],
-        params: SamplingParams,
-        n: int,
-        places: QueueReservation | None,
-    ) -> tuple[list[tuple[TokenStream, list[Token]]], int]:
-        """Run n samples of each prompt (`starts`), each prompt prefilled once;
-        returns (stream, tokens) per choice, prompt-major, and the prompt tokens
-        the prefill requests found cached."""
-        cached = 0
-
-        async def run() -> list[tuple[TokenStream, list[Token]]]:
-            nonlocal cached
-            streams, cached = await self._start_samples(served, starts, params, n, places)
-
-            def one(stream: TokenStream) -> Callable[[], Awaitable[tuple[TokenStream, list[Token]]]]:
-                async def go() -> tuple[TokenStream, list[Token]]:
-                    return stream, await collect(stream, self._observer(served))
-
-                return go
-
-            return await gather([one(st) for st in streams])
-
-        return await unless_disconnected(request.receive, run), cached
-
-    async def _start_samples(
+    async def _choices_events(
         self,
         served: ServedModel,
-        starts: Sequence[Callable[[SamplingParams], TokenStream]],
-        params: SamplingParams,
-        n: int,
-        places: QueueReservation | None,
-    ) -> tuple[list[TokenStream], int]:
-        """The streams of a streamed multi-choice request, all submitted at once
-        (after each prompt's one prefill: one after the other in the FIFO, so they
-        are queued, and admitted, together), and the prefill's cached tokens."""
-        cached = 0
-        streams: list[TokenStream] = []
-        with places or contextlib.nullcontext():  # places not used (a failed prefill) go back
-            for start in starts:
-                if n > 1:
-                    cached += await prefill_once(served.engine, start, params, places)
-                streams += [start(sample_params(params, i)) for i in range(n)]
-            _submit(places, streams)
-        return streams, cached
-
-    def _merged(
-        self,
-        served: ServedModel,
-        streams: Sequence[TokenStream],
-        fmts: Sequence[_CompletionChunks | _ChatChunks],
-        n: int,
-        cached: int,
+        choices: Choices[Any],
+        fmt: Callable[[int, str], _CompletionChunks | _ChatChunks],
         include_usage: bool,
+        user: str | None,
     ) -> EventStream:
-        """One SSE response over several choices: their events as they come, then usage and [DONE]."""
+        """The SSE response of a streamed request: every choice's chunks as they come (`fmt(index,
+        response_id)`), then usage and [DONE]. An error before the first chunk is an HTTP error
+        response; after it, the first failure of any choice (which has cancelled the others, see
+        `aiobasert.choices`) is one in-band error event, then [DONE]."""
+        observers = [self._observer(served) for _ in range(len(choices))]
+        # Started here (places reserved, prompts prefilled, choices queued: a full queue is a 503),
+        # so the response knows its streams and bounds their unsent backlog.
+        await choices.start()
 
-        def tail() -> bytes:
-            usage = fmts[0].usage_chunk(self._usage(streams, n, cached)) if include_usage else b""
-            return usage + SSE_DONE
+        async def events() -> AsyncGenerator[bytes, None]:
+            fmts: list[_CompletionChunks | _ChatChunks] = []
+            sent = False
+            try:
+                try:
+                    async for ev in choices:
+                        if not fmts:  # started: the response's id is its first choice's request id
+                            self._log_user(choices.streams[0].request_id, user)
+                            fmts = [fmt(i, choices.streams[0].request_id) for i in range(len(choices))]
+                        chunks, stream = fmts[ev.index], choices.streams[ev.index]
+                        out = b""
+                        if not chunks.opened:
+                            chunks.opened = True
+                            out += chunks.opening() or b""
+                        if ev.token is not None:
+                            observers[ev.index].token()
+                            out += await chunks.token(ev.token, ev.deltas) or b""
+                        else:
+                            out += chunks.closing(finish_reason(stream.finish_reason), ev.deltas) or b""
+                            observers[ev.index].finished(stream.final)
+                        if out:
+                            sent = True
+                            yield out
+                except Exception as exc:
+                    if not sent:
+                        raise  # becomes an HTTP error response
+                    yield error_event(exc)
+                    yield SSE_DONE
+                    return
+                if include_usage:
+                    yield fmts[0].usage_chunk(self._usage(choices))
+                yield SSE_DONE
+            except (GeneratorExit, anyio.get_cancelled_exc_class()):  # the client went away
+                await self._aborted(choices, observers)
+                raise
+            finally:
+                await choices.aclose()
 
-        observer = self._observer
-        return EventStream(
-            [drive(st, f, include_usage=False, observer=observer(served)) for st, f in zip(streams, fmts, strict=True)],
-            tail,
-            write_timeout=self.write_timeout,
-            streams=streams,
-            backlog=self.backlog,
-        )
+        return EventStream(events(), write_timeout=self.write_timeout, streams=choices.streams, backlog=self.backlog)
+
+    async def _aborted(self, choices: Choices[Any], observers: Sequence[RequestObserver]) -> None:
+        """After a disconnect: cancel every choice and let the metrics see the aborts."""
+        since = time.perf_counter()
+        with anyio.CancelScope(shield=True):
+            await choices.aclose()
+            for observer in observers:
+                await observer.aborted(since)
+
+    async def _whole(
+        self, request: Request, served: ServedModel, choices: Choices[R]
+    ) -> tuple[list[R], list[list[Token]]]:
+        """Every choice of an unstreamed request run to its end (cancelled if the client goes
+        away): each one's result and tokens."""
+        observers = [self._observer(served) for _ in range(len(choices))]
+        tokens: list[list[Token]] = [[] for _ in range(len(choices))]
+
+        async def run() -> list[R]:
+            try:
+                async for ev in choices:
+                    if ev.token is not None:
+                        observers[ev.index].token()
+                        tokens[ev.index].append(ev.token)
+                    else:
+                        observers[ev.index].finished(choices.streams[ev.index].final)
+            except anyio.get_cancelled_exc_class():
+                await self._aborted(choices, observers)
+                raise
+            return await choices
+
+        return await unless_disconnected(request.receive, run), tokens
 
     @staticmethod
-    def _usage(streams: Sequence[TokenStream], n: int, prefill_cached: int) -> UsageInfo:
-        """OpenAI's usage of a multi-choice request: each prompt counted once."""
-        finals = [st.final for st in streams]
-        prompt = sum(f.usage.prompt_tokens for f in finals[::n] if f is not None)
-        completion = sum(f.usage.completion_tokens for f in finals if f is not None)
-        cached = prefill_cached if n > 1 else sum(f.usage.cached_prompt_tokens for f in finals if f is not None)
-        usage = Usage(prompt_tokens=prompt, completion_tokens=completion, cached_prompt_tokens=cached)
-        return UsageInfo.of(usage, [f.timing for f in finals if f is not None])
+    def _usage(choices: Choices[Any]) -> UsageInfo:
+        """OpenAI's usage of a request: each prompt counted once."""
+        return UsageInfo.of(choices.usage, [s.final.timing for s in choices.streams if s.final is not None])
 
     def _log_user(self, rid: str, user: str | None) -> None:
         if user is not None:
@@ -557,67 +514,35 @@ class Service:
         max_tokens = 16 if req.max_tokens is None else req.max_tokens  # OpenAI's default for completions
         params = sampling_params(req, max_tokens=max_tokens, logprobs=top is not None, top_logprobs=top or 0)
         served = self.resolve(req.model)
-        engine = served.engine
-        places = await _admit_fanout(
-            engine, n * len(prompts), "prompt" if len(prompts) > 1 else "n", prompts=len(prompts)
-        )
-        starts = [functools.partial(engine.stream, p) for p in prompts]
-        include_usage = _include_usage(req)
-        if req.stream and n * len(prompts) == 1:
-            stream = engine.stream(prompts[0], params)
-            return self._one_stream(
-                served, stream, _CompletionChunks(served, logprobs=top is not None), include_usage, req.user
-            )
+        _check_fanout(served.engine, n * len(prompts), "prompt" if len(prompts) > 1 else "n")
+        choices = served.engine.stream_n(prompts, params, n=n)
         if req.stream:
-            streams, cached = await self._start_samples(served, starts, params, n, places)
-            self._log_user(streams[0].request_id, req.user)
-            fmts = [
-                _CompletionChunks(served, logprobs=top is not None, index=i, last=False) for i in range(len(streams))
-            ]
-            return self._merged(served, streams, fmts, n, cached, include_usage)
-        results, cached = await self._samples(request, served, starts, params, n, places)
-        return await self._whole_completion(served, results, n, cached, top is not None, req.user)
+            created = int(time.time())
 
-    async def _whole_completion(
-        self,
-        served: ServedModel,
-        results: Sequence[tuple[TokenStream, list[Token]]],
-        n: int,
-        cached: int,
-        logprobs: bool,
-        user: str | None,
-    ) -> Response:
-        """The JSON response of an unstreamed text completion: every choice's text, whole."""
-        self._log_user(results[0][0].request_id, user)
-        choices = []
-        for index, (stream, tokens) in enumerate(results):
+            def fmt(index: int, rid: str) -> _CompletionChunks:
+                return _CompletionChunks(
+                    served, logprobs=top is not None, index=index, response_id=f"cmpl-{rid}", created=created
+                )
+
+            return await self._choices_events(served, choices, fmt, _include_usage(req), req.user)
+        results, tokens = await self._whole(request, served, choices)
+        self._log_user(results[0].request_id, req.user)
+        out = []
+        for index, (done, toks) in enumerate(zip(results, tokens, strict=True)):
             lp = None
-            if logprobs:
-                lp = completion_logprobs(tokens, await served.texts.lookup(served.engine, tokens), 0)
-            text = "".join(t.text for t in tokens)
-            finish = finish_reason(stream.finish_reason)
-            choices.append(CompletionChoice(index=index, text=text, logprobs=lp, finish_reason=finish))
+            if top is not None:
+                lp = completion_logprobs(toks, await served.texts.lookup(served.engine, toks), 0)
+            finish = finish_reason(done.finish_reason)
+            out.append(CompletionChoice(index=index, text=done.text, logprobs=lp, finish_reason=finish))
         return json_response(
             CompletionResponse(
-                id=f"cmpl-{results[0][0].request_id}",
+                id=f"cmpl-{results[0].request_id}",
                 object="text_completion",
                 created=int(time.time()),
                 model=served.name,
-                choices=choices,
-                usage=self._usage([st for st, _ in results], n, cached),
+                choices=out,
+                usage=self._usage(choices),
             )
-        )
-
-    def _one_stream(
-        self, served: ServedModel, stream: TokenStream, fmt: ChunkFormat, include_usage: bool, user: str | None
-    ) -> EventStream:
-        """The SSE response of a streamed request with one choice."""
-        self._log_user(stream.request_id, user)
-        return EventStream(
-            drive(stream, fmt, include_usage=include_usage, observer=self._observer(served)),
-            write_timeout=self.write_timeout,
-            streams=[stream],
-            backlog=self.backlog,
         )
 
     async def chat_completions(self, request: Request) -> Response:
@@ -626,71 +551,58 @@ class Service:
         check_refused("/v1/chat/completions", req)
         plan = _chat_plan(req)
         served = self.resolve(req.model)
-        places = await _admit_fanout(served.engine, plan.n, "n")
-        starts = _ChatStarts(served.engine, await self._chat_turn(served, req, plan, places))
-        if req.stream and plan.n == 1:
-            stream = starts.start(plan.params)
-            fmt = _ChatChunks(served, starts.chat(stream), logprobs=plan.logprobs)
-            return self._one_stream(served, stream, fmt, _include_usage(req), req.user)
+        _check_fanout(served.engine, plan.n, "n")
+        choices = await self._chat_choices(served, req, plan)
         if req.stream:
-            streams, cached = await self._start_samples(served, [starts.start], plan.params, plan.n, places)
-            self._log_user(streams[0].request_id, req.user)
-            fmts = [
-                _ChatChunks(served, starts.chat(st), logprobs=plan.logprobs, index=i, last=False)
-                for i, st in enumerate(streams)
-            ]
-            return self._merged(served, streams, fmts, plan.n, cached, _include_usage(req))
-        results, cached = await self._samples(request, served, [starts.start], plan.params, plan.n, places)
-        return await self._whole_chat(served, results, starts, plan, cached, req.user)
+            created = int(time.time())
 
-    async def _chat_turn(
-        self, served: ServedModel, req: ChatCompletionRequest, plan: _ChatPlan, places: QueueReservation | None
-    ) -> ChatTurn:
-        """The request's rendered prompt and tool setup; its reserved places go back when that fails."""
+            def fmt(index: int, rid: str) -> _ChatChunks:
+                return _ChatChunks(
+                    served, logprobs=plan.logprobs, index=index, response_id=f"chatcmpl-{rid}", created=created
+                )
+
+            return await self._choices_events(served, choices, fmt, _include_usage(req), req.user)
+        replies, tokens = await self._whole(request, served, choices)
+        self._log_user(replies[0].request_id, req.user)
+        out = []
+        for index, (reply, toks) in enumerate(zip(replies, tokens, strict=True)):
+            lp = chat_logprobs(toks, await served.texts.lookup(served.engine, toks)) if plan.logprobs else None
+            finish = finish_reason(choices.streams[index].finish_reason)
+            out.append(_chat_choice(index, reply, finish, lp))
+        return json_response(
+            ChatCompletion(
+                id=f"chatcmpl-{replies[0].request_id}",
+                object="chat.completion",
+                created=int(time.time()),
+                model=served.name,
+                choices=out,
+                usage=self._usage(choices),
+            )
+        )
+
+    async def _chat_choices(
+        self, served: ServedModel, req: ChatCompletionRequest, plan: _ChatPlan
+    ) -> Choices[ChatReply]:
+        """The request's choices, its prompt rendered and tools set up once (request-sized: every
+        message and tool, so in a worker, never on the event loop)."""
         engine = served.engine
         parallel = req.parallel_tool_calls is not False
 
-        def prepare() -> ChatTurn:
-            # request-sized (every message and tool): in a worker, never on the event loop
+        def prepare() -> Choices[ChatReply]:
             tools, choice = request_tools(req.tools, req.tool_choice)
-            return engine.prepare_chat(
-                chat_messages(req.messages), tools=tools, tool_choice=choice, parallel_tool_calls=parallel
+            return engine.stream_chat_n(
+                chat_messages(req.messages),
+                plan.params,
+                n=plan.n,
+                tools=tools,
+                tool_choice=choice,
+                parallel_tool_calls=parallel,
             )
 
         try:
             return await self.workers.run(prepare, large=is_large(len(req.messages), len(req.tools or ())))
-        except BaseException as exc:
-            if places is not None:
-                places.release()
-            if isinstance(exc, InvalidRequestError):
-                raise chat_refusal(exc, "messages") from None
-            raise
-
-    async def _whole_chat(
-        self,
-        served: ServedModel,
-        results: Sequence[tuple[TokenStream, list[Token]]],
-        starts: _ChatStarts,
-        plan: _ChatPlan,
-        cached: int,
-        user: str | None,
-    ) -> Response:
-        """The JSON response of an unstreamed chat request: every choice's message, whole."""
-        self._log_user(results[0][0].request_id, user)
-        choices = [
-            await _chat_choice(served, index, stream, tokens, starts.chat(stream), plan.logprobs)
-            for index, (stream, tokens) in enumerate(results)
-        ]
-        return json_response(
-            ChatCompletion(
-                id=f"chatcmpl-{results[0][0].request_id}",
-                object="chat.completion",
-                created=int(time.time()),
-                model=served.name,
-                choices=choices,
-                usage=self._usage([st for st, _ in results], plan.n, cached),
-            )
-        )
+        except InvalidRequestError as exc:
+            raise chat_refusal(exc, "messages") from None
 
     async def embeddings(self, request: Request) -> Response:
         req = await read_json(request, EmbeddingRequest)
@@ -703,32 +615,29 @@ class Service:
         engine = served.engine
         if req.dimensions is not None and req.dimensions != engine.info.dim:
             raise APIError(400, f"this model's embeddings have {engine.info.dim} dimensions", param="dimensions")
-        places = await _admit_fanout(engine, len(inputs), "input")
+        _check_fanout(engine, len(inputs), "input")
         self._log_user(request.state.request_id, req.user)
         as_base64 = req.encoding_format == "base64"
-        data: list[Embedding | None] = [None] * len(inputs)
-        counts = [0] * len(inputs)
+        # One request to the engine: room for every input taken at once, the first failure cancels the rest
+        vectors = await unless_disconnected(request.receive, lambda: engine.embed_batch(inputs))
 
-        async def one(i: int, text: str | list[int]) -> None:
-            if places is not None:
-                places.take(1)  # its place goes back just as `embed` posts it (before it first waits)
-            vector = await engine.embed(text)
-            counts[i] = len(await engine.encode(text)) if isinstance(text, str) else len(text)
-            value: list[float] | str = (
-                base64.b64encode(vector.astype("<f4").tobytes()).decode("ascii") if as_base64 else vector.tolist()
-            )
-            data[i] = Embedding(object="embedding", index=i, embedding=value)
+        async def count(text: str | list[int]) -> int:
+            return len(await engine.encode(text)) if isinstance(text, str) else len(text)
 
-        # Submitted together, so the engine thread runs them back to back between steps.
-        with places or contextlib.nullcontext():
-            await unless_disconnected(
-                request.receive, lambda: gather(functools.partial(one, i, text) for i, text in enumerate(inputs))
+        counts = await gather(functools.partial(count, text) for text in inputs)
+        data = [
+            Embedding(
+                object="embedding",
+                index=i,
+                embedding=base64.b64encode(v.astype("<f4").tobytes()).decode("ascii") if as_base64 else v.tolist(),
             )
+            for i, v in enumerate(vectors)
+        ]
         total = sum(counts)
         return json_response(
             EmbeddingResponse(
                 object="list",
-                data=[d for d in data if d is not None],
+                data=data,
                 model=served.name,
                 usage=EmbeddingUsage(prompt_tokens=total, total_tokens=total),
             )

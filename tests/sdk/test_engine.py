@@ -542,16 +542,16 @@ async def test_kv_cache_dtype_falls_back_where_the_head_cannot_take_q8(head16_mo
         assert len(await tokens_of(engine, "abc", max_tokens=4, ignore_eos=True)) == 4
 
 
-async def test_reserve_holds_queue_places_all_or_none(tiny_model_path: Path) -> None:
+async def test_the_reservation_holds_queue_places_all_or_none(tiny_model_path: Path) -> None:
     # issue 26 item 7: a fan-out's places are taken in one atomic step on the engine thread, so no
     # other request can take them between the check and the submits (which the old stats-then-
     # submit check allowed); places not used go back.
     async with aiobasert.Engine.open(tiny_model_path, max_batch_size=1, max_queue=2, prefix_cache=False) as engine:
         with pytest.raises(aiobasert.EngineOverloadedError, match="room for 3 of this request's 4"):
-            await engine.reserve(4)  # 1 lane + 2 queue places: never all 4 at once
-        with await engine.reserve(3) as places:
+            await engine._reserve(4)  # 1 lane + 2 queue places: never all 4 at once
+        with await engine._reserve(3) as places:
             with pytest.raises(aiobasert.EngineOverloadedError):
-                await engine.reserve(1)  # every place is held
+                await engine._reserve(1)  # every place is held
             with pytest.raises(aiobasert.EngineOverloadedError):
                 await engine.generate("Hello", max_tokens=2)  # an outsider cannot take one
             streams = [engine.stream("Hello", max_tokens=4, temperature=0) for _ in range(3)]
@@ -559,16 +559,16 @@ async def test_reserve_holds_queue_places_all_or_none(tiny_model_path: Path) -> 
             assert places.left == 0
             done = [await s for s in streams]
         assert [c.finish_reason for c in done] == ["length"] * 3
-        with await engine.reserve(2) as places:
+        with await engine._reserve(2) as places:
             places.submit(streams[:0])
         assert places.left == 0  # released on leaving the block
-        with await engine.reserve(3):  # so all of them are free again
+        with await engine._reserve(3):  # so all of them are free again
             pass
         with anyio.CancelScope() as scope:  # the caller leaves before the places come: they go back
             scope.cancel()
-            await engine.reserve(3)
+            await engine._reserve(3)
         await engine.stats()  # answered after the reservation's answer, which gave its places back
-        with await engine.reserve(3):
+        with await engine._reserve(3):
             pass
         stats = await engine.stats()
         assert stats.requests_cancelled == 0 and stats.requests_failed == 0

@@ -322,27 +322,31 @@ def test_grammar_shapes_and_bad_input() -> None:
         render_tool_chat("", [{"role": "user", "content": 5}], [WEATHER], tool_format=HERMES)
 
 
-async def test_a_prepared_turn_streams_each_reply_as_stream_chat_does(tiny_model_path: Path) -> None:
-    """`Engine.prepare_chat` renders once, `Engine.stream_turn` streams a reply per call (the
-    server's n > 1 chats): each reply is the one `stream_chat` gives for the same seed."""
+async def test_chat_n_replies_are_the_stream_chat_replies_of_seed_plus_i(tiny_model_path: Path) -> None:
+    """`Engine.chat_n` renders the conversation once and samples reply i with seed `seed + i`:
+    each reply is the one `stream_chat` gives for that seed (tokens, calls and all)."""
     sampling = SamplingParams(max_tokens=40, seed=3, temperature=1.0)
+    tools = [WEATHER, TIME]
     async with Engine.open(tiny_model_path, max_batch_size=2) as engine:
-        turn = engine.prepare_chat(MESSAGES, tools=[WEATHER, TIME], tool_choice="required")
-        replies = [
-            await engine.stream_turn(turn, sampling),
-            await engine.stream_turn(turn, max_tokens=40, seed=3, temperature=1.0),
-            await engine.stream_chat(MESSAGES, sampling, tools=[WEATHER, TIME], tool_choice="required"),
+        replies = await engine.chat_n(MESSAGES, sampling, n=3, tools=tools, tool_choice="required")
+        singles = [
+            await engine.stream_chat(
+                MESSAGES, tools=tools, tool_choice="required", max_tokens=40, temperature=1.0, seed=3 + i
+            )
+            for i in range(3)
         ]
-        calls = [[(c.name, c.arguments) for c in r.tool_calls] for r in replies]
-        assert calls[0] and calls[0] == calls[1] == calls[2]
+        for reply, single in zip(replies, singles, strict=True):
+            assert reply.tool_calls  # "required"
+            assert [(c.name, c.arguments) for c in reply.tool_calls] == [
+                (c.name, c.arguments) for c in single.tool_calls
+            ]
+            assert (reply.content, reply.finish_reason) == (single.content, single.finish_reason)
         with pytest.raises(InvalidRequestError, match=r"^json_schema cannot be combined with tools$"):
-            engine.stream_turn(turn, json_schema=True)
+            engine.stream_chat_n(MESSAGES, n=2, tools=[WEATHER], json_schema=True)  # in the caller
         with pytest.raises(InvalidRequestError, match="parallel_tool_calls"):
-            engine.prepare_chat(MESSAGES, tools=[WEATHER], parallel_tool_calls="no")  # type: ignore[arg-type]
-        plain = engine.prepare_chat(MESSAGES)  # no tools: a schema is welcome
-        assert plain.lark is None
-        reply = await engine.stream_turn(plain, max_tokens=8, json_schema={"type": "integer"})
-        assert not reply.tool_calls and reply.finish_reason in ("stop", "length")
+            engine.stream_chat_n(MESSAGES, n=2, tools=[WEATHER], parallel_tool_calls="no")  # type: ignore[arg-type]
+        plain = await engine.chat_n(MESSAGES, n=2, max_tokens=8, json_schema={"type": "integer"})  # no tools
+        assert all(not r.tool_calls and r.finish_reason in ("stop", "length") for r in plain)
 
 
 async def test_bad_tools_and_choices_raise_in_the_caller(tiny_model_path: Path) -> None:
@@ -669,7 +673,7 @@ async def test_tool_turns_print_the_models_own_tokens(tmp_path: Path) -> None:
     async with Engine.open(path, max_batch_size=2) as engine:
         info = engine.info
         assert (info.bos_token, info.eos_token) == (SPECIAL_TOKENS[BOS_ID], SPECIAL_TOKENS[EOS_ID])
-        turn = engine.prepare_chat(MESSAGES, tools=[TIME], tool_choice="auto")
+        turn = engine._prepare_chat(MESSAGES, tools=[TIME], tool_choice="auto")
         assert "".join(p for p, _ in turn.pieces) == info.bos_token + MESSAGES[0]["content"] + info.eos_token + "T"
         plain = await engine.chat(MESSAGES, max_tokens=1)
         tooled = await engine.chat(MESSAGES, tools=[TIME], tool_choice="none", max_tokens=1)

@@ -24,7 +24,6 @@ from openai import OpenAI
 
 import aiobasert
 from aiobasert import Engine, SamplingParams
-from aiobasert.fanout import chat_n, generate_n
 from aiobasert.models.tiny import SPECIAL_TOKENS
 from aiobasert.server._malloc import SERVER_ARENAS
 
@@ -287,7 +286,7 @@ async def test_sdk_n_samples_hit_the_prefix_cache(tiny_model_path: Path) -> None
     async with Engine.open(tiny_model_path, max_batch_size=4) as engine:
         params = SamplingParams(max_tokens=5, temperature=1.0, seed=5)
         await engine.evict_prefix_cache()
-        done = await generate_n(engine, LONG_PROMPT, params, 4)
+        done = await engine.generate_n(LONG_PROMPT, params, n=4)
         prompt_len = done[0].usage.prompt_tokens
         for c in done:  # every sample seeded its KV from the one prefill: at most a page left to prefill
             assert c.usage.cached_prompt_tokens >= prompt_len - 16, c.usage
@@ -295,14 +294,14 @@ async def test_sdk_n_samples_hit_the_prefix_cache(tiny_model_path: Path) -> None
         stats = await engine.stats()
         assert stats.prefix_blocks_cached > 0
         prepared: list[int] = []
-        prepare = engine.prepare_chat
+        prepare = engine._prepare_chat
 
         def counted(*args: Any, **kwargs: Any) -> Any:
             prepared.append(1)
             return prepare(*args, **kwargs)
 
-        engine.prepare_chat = counted  # type: ignore[method-assign]
-        replies = await chat_n(engine, [{"role": "user", "content": LONG_PROMPT}], params, 3)
+        engine._prepare_chat = counted  # type: ignore[method-assign]
+        replies = await engine.chat_n([{"role": "user", "content": LONG_PROMPT}], params, n=3)
         assert all(r.usage.cached_prompt_tokens > 0 for r in replies)
         assert len(prepared) == 1  # the conversation rendered once for its 3 replies (a prefill and 3 samples)
 
