@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 from ._core import ffi as _ffi
 from ._core.embed import TAP_FUNCTIONS, Embedder
 from ._core.intake import Intake, Tokenizer
+from ._core.memory import available_memory
 from ._core.model_file import ModelFile
 from ._core.output import Detokenizer, OutputProcessor
 from ._core.plan import LaneState
@@ -167,6 +168,7 @@ class EngineThread:
             prefill_chunk=cfg.prefill_chunk,
         )
         path = os.fsencode(self.model_path)
+        available = available_memory()  # before the load: what the weights and the pool may take
         # The intake's tokenizer handles first (tokenization and grammar compiles run there): their
         # loads parse the bundle's header while no weights are resident, and the model's own load then
         # shares their tokenizer, so the process peaks at the weights, not the weights plus a header.
@@ -179,6 +181,7 @@ class EngineThread:
                 raise lib.last_error("baseRT_load_model_ex", f"cannot load {self.model_path}")
             self._model = handle
             try:
+                self._check_memory(handle, available)
                 info = self._configure(handle, intake)
             except BaseException:
                 self._free_model()
@@ -295,6 +298,30 @@ class EngineThread:
             bos_token=self._static_str("baseRT_bos_token"),
             eos_token=self._static_str("baseRT_eos_token"),
             engine_threads=self._engine_threads(),
+        )
+
+    def _check_memory(self, handle: int, available: tuple[int, str] | None) -> None:
+        """Refuse a KV pool that, with the weights, is more than the memory available before the load.
+
+        The engine says what it reserved (`kv_cache_capacity_bytes`: the reference engine sizes its
+        pool as max_batch_size + 1 full-context sequences of blocks; another engine sizes its own).
+        Until its blocks are written the reservation costs nothing (untouched pages), so it would
+        open and then be killed for memory later, under load; refused here instead."""
+        if available is None:
+            return
+        ms = _ffi.BaseRTMemoryStats()
+        if not self.lib.baseRT_model_memory_stats(handle, byref(ms)):
+            return
+        pool = int(ms.kv_cache_capacity_bytes)
+        need = max(int(ms.runtime_allocated_bytes), pool)  # the weights, the pool and the engine's scratch
+        free, source = available
+        if need <= free:
+            return
+        cfg = self.cfg
+        raise InvalidConfigError(
+            f"the KV pool for max_batch_size={cfg.max_batch_size} x max_context={cfg.max_context} "
+            f"({_gib(pool)}) plus the weights and scratch ({_gib(need - pool)}) needs {_gib(need)}, more than the "
+            f"{_gib(free)} available ({source}); lower max_batch_size or max_context (or kv_cache_dtype)"
         )
 
     def _kv_bits(self, dtype: str) -> int:
@@ -867,6 +894,10 @@ class EngineThread:
             self.lib.baseRT_free_model(self._model)
             self._model = None
             self.models_freed += 1
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
 def _deliver_batch(batch: list[tuple[Sink, list[Token], Final | None, BaseException | None]]) -> None:
