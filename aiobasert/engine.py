@@ -65,6 +65,11 @@ if TYPE_CHECKING:
 T = TypeVar("T")
 
 
+_CANCELLED_OPEN_WAIT = 120.0
+"""Seconds a cancelled or failed Engine.open waits for its load to stop: one phase of it (a large model's
+weights are the longest), which cannot be interrupted mid-way."""
+
+
 async def _wait_future(fut: concurrent.futures.Future[T], waker: LoopWaker) -> T:
     """Await a concurrent Future without blocking the loop or a worker thread."""
     if not fut.done():
@@ -245,9 +250,15 @@ class Engine:
         try:
             info = await _wait_future(thread.ready, waker)
         except BaseException:
-            # Cancelled (or failed) while loading: nobody will ever hold this
-            # engine, so the thread frees the model as soon as the load is done.
+            # Cancelled (or failed) while loading: nobody will ever hold this engine. The load stops at
+            # its next phase and frees what it built; the open waits for that (shielded: a retry loop
+            # must not stack loads, nor trio's work outlive its scope), within a bound, past which the
+            # thread still ends alone.
+            thread.cancel_load()
             thread.post(Close(abort=True))
+            with anyio.CancelScope(shield=True), anyio.move_on_after(_CANCELLED_OPEN_WAIT):
+                await _wait_future(thread.stopped, waker)
+                await anyio.to_thread.run_sync(thread.join)
             raise
         return cls(thread, waker, info)
 

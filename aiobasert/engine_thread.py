@@ -104,6 +104,7 @@ class EngineThread:
         self._dirty: dict[str, Lane] = {}
         self._closing = False
         self._abort = False
+        self._load_cancelled = threading.Event()  # set by a cancelled Engine.open: the load stops at its next phase
         self.intake: Intake | None = None
         self._reserved = 0  # queue places held for fan-outs about to be submitted (Reserve / Release)
         self.steps = 0
@@ -124,6 +125,10 @@ class EngineThread:
 
     def join(self, timeout: float | None = None) -> None:
         self._thread.join(timeout)
+
+    def cancel_load(self) -> None:
+        """Nobody will hold this engine (its open was cancelled): the load ends at its next phase."""
+        self._load_cancelled.set()
 
     @property
     def alive(self) -> bool:
@@ -176,18 +181,22 @@ class EngineThread:
         try:
             if intake is not None:
                 intake.wait_loaded()
+            self._check_cancelled("the tokenizer")
             handle = lib.baseRT_load_model_ex(path, None, cfg.max_context, byref(opts))
             if not handle:
                 raise lib.last_error("baseRT_load_model_ex", f"cannot load {self.model_path}")
             self._model = handle
             try:
                 self._check_memory(handle, available)
+                self._check_cancelled("the weights and the KV pool")
                 info = self._configure(handle, intake)
+                if intake is not None and cfg.grammar_backend_at_open and self.prep.host_grammar_installed():
+                    self._check_cancelled("the engine's configuration")
+                    self.prep.build_host_grammar(intake)
+                self._check_cancelled("the load")
             except BaseException:
                 self._free_model()
                 raise
-            if intake is not None and cfg.grammar_backend_at_open and self.prep.host_grammar_installed():
-                self.prep.build_host_grammar(intake)
         except BaseException:
             if intake is not None:
                 intake.close()
@@ -299,6 +308,12 @@ class EngineThread:
             eos_token=self._static_str("baseRT_eos_token"),
             engine_threads=self._engine_threads(),
         )
+
+    def _check_cancelled(self, phase: str) -> None:
+        """Between two phases of the load: stop here when its open was cancelled (the phase that ran is
+        not undone by raising; the callers free what it built)."""
+        if self._load_cancelled.is_set():
+            raise EngineClosedError(f"the open was cancelled (after {phase})")
 
     def _check_memory(self, handle: int, available: tuple[int, str] | None) -> None:
         """Refuse a KV pool that, with the weights, is more than the memory available before the load.
