@@ -196,6 +196,7 @@ class Engine:
         max_context: int = 2048,
         prefill_chunk: int = 256,
         prefix_cache: bool = True,
+        prefix_cache_mb: int | None = None,
         max_queue: int = 1024,
         library: str | os.PathLike[str] | None = None,
         thread_check: bool | None = None,
@@ -210,7 +211,7 @@ class Engine:
             first use, then reused), or a cached model's name (`aiobasert list`);
             None = the default model (SmolLM2-135M-Instruct, fetched, converted and
             cached on first use; see `aiobasert.models.cache`).
-        max_batch_size, max_context, prefill_chunk, prefix_cache, max_queue, library, thread_check,
+        max_batch_size, max_context, prefill_chunk, prefix_cache, prefix_cache_mb, max_queue, library, thread_check,
             dtype, kv_cache_dtype, grammar_backend_at_open: the engine's options, as the fields of `EngineConfig` (which
             documents each); `library` may be any path.
         config: all of those in one `EngineConfig` (then leave the keywords out: one given as
@@ -229,6 +230,7 @@ class Engine:
             max_context=max_context,
             prefill_chunk=prefill_chunk,
             prefix_cache=prefix_cache,
+            prefix_cache_mb=prefix_cache_mb,
             max_queue=max_queue,
             library=library,
             thread_check=thread_check,

@@ -229,6 +229,7 @@ class EngineThread:
             self.max_batch_size = min(cfg.max_batch_size, engine_batch)
         self.prefill_budget = max(1, min(cfg.prefill_chunk, engine_chunk))
         self.has_prefix = bool(caps & _ffi.CAP_PREFIX_CACHE) and lib.has("baseRT_prefix_match")
+        self.prefix_bound = self._prefix_bound(handle)
         stride = int(lib.baseRT_batch_logits_stride(handle))
         if stride < 2 * self.vocab_size:
             raise AioBaseRTError(f"engine reports a logits stride of {stride} bytes for vocab {self.vocab_size}")
@@ -308,6 +309,31 @@ class EngineThread:
             eos_token=self._static_str("baseRT_eos_token"),
             engine_threads=self._engine_threads(),
         )
+
+    def _prefix_bound(self, handle: int) -> int | None:
+        """The most blocks the prefix cache keeps (`EngineConfig.prefix_cache_mb`, in the engine's block
+        size), or None where it cannot be held to one (no cache, or an engine without the calls)."""
+        lib = self.lib
+        if not (self.has_prefix and lib.has("baseRT_prefix_evict") and lib.has("baseRT_prefix_cache_stats")):
+            return None
+        ms = _ffi.BaseRTMemoryStats()
+        if not lib.baseRT_model_memory_stats(handle, byref(ms)) or ms.kv_cache_blocks_total <= 0:
+            return None
+        total = int(ms.kv_cache_blocks_total)
+        if self.cfg.prefix_cache_mb is None:
+            return total // 4
+        block_bytes = max(1, int(ms.kv_cache_capacity_bytes) // total)
+        return min(total, self.cfg.prefix_cache_mb * 2**20 // block_bytes)
+
+    def _bound_prefix_cache(self) -> None:
+        """Evict the least recently used cached prefixes past the bound (after a lane's blocks went to
+        the cache or back to the pool; blocks a running lane shares stay until it ends)."""
+        if self.prefix_bound is None:
+            return
+        cached = c_int(0)
+        self.lib.baseRT_prefix_cache_stats(self._model, None, None, None, byref(cached))
+        if cached.value > self.prefix_bound:
+            self.lib.baseRT_prefix_evict(self._model, cached.value - self.prefix_bound)
 
     def _check_cancelled(self, phase: str) -> None:
         """Between two phases of the load: stop here when its open was cancelled (the phase that ran is
@@ -875,6 +901,9 @@ class EngineThread:
         st = lane.state
         # a cancelled, aborted or failed lane's KV is dropped; a finished one's may serve a later prompt
         self._free_sequence(lane, keep_kv=lane.final is not None and lane.final.finish_reason in ("stop", "length"))
+        # bounded when a request ends, not when one is preempted: a preempted lane's KV waits in the cache
+        # for its resume (the batcher counts on it), and is bounded with the rest once it has ended
+        self._bound_prefix_cache()
         if lane.constraint is not None:
             constraint, lane.constraint = lane.constraint, None
             self.prep.close_constraint(constraint, lane.spec.cost.grammar_key)
