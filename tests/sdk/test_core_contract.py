@@ -20,7 +20,7 @@ from typing import Any
 import anyio
 import numpy as np
 import pytest
-from held_calls import HoldLane
+from held_calls import HeldCall, HoldLane
 from lifecycle_model import assert_idle_and_whole, engine_threads
 
 import aiobasert
@@ -39,6 +39,9 @@ from aiobasert import (
     TokenStream,
     WrongEventLoopError,
 )
+from aiobasert._core import loaded as _loaded
+from aiobasert._core.intake import Intake
+from aiobasert.engine_thread import EngineThread
 from aiobasert.models.tiny import bytes_to_unicode, tiny_vocab
 
 pytestmark = pytest.mark.anyio
@@ -372,6 +375,50 @@ async def test_a_cancelled_open_reclaims_its_thread_and_model(tiny_model_path: P
         with anyio.move_on_after(0.001):  # cancelled mid-load too
             await Engine.open(tiny_model_path)
     await wait_until_threads(before)
+
+
+async def test_a_cancelled_open_waits_for_its_load_which_stops_at_the_next_phase(
+    tiny_model_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 37 item 6: each open is cancelled while its load is in its first phase (the tokenizer
+    handles, held); the phase ends when the cancel reaches the engine thread, and the load stops there:
+    the open returns with its thread gone (no wait in the test), no weights ever loaded."""
+    before = engine_threads()
+    configured: list[int] = []
+    real_describe = _loaded._describe
+
+    def describe(*args: Any) -> Any:  # reached only once the weights are loaded
+        configured.append(1)
+        return real_describe(*args)
+
+    monkeypatch.setattr(_loaded, "_describe", describe)
+    holds: list[HeldCall] = []
+    real_cancel = getattr(EngineThread, "cancel_load", None)
+
+    def cancel_load(self: EngineThread) -> None:
+        if real_cancel is not None:
+            real_cancel(self)
+        for held in holds:  # the held phase ends once the cancel has reached the thread
+            held.release()
+
+    monkeypatch.setattr(EngineThread, "cancel_load", cancel_load, raising=False)
+
+    async def opening() -> None:
+        await Engine.open(tiny_model_path)
+
+    with anyio.fail_after(BOUND):
+        for _ in range(4):
+            held = HeldCall(monkeypatch, Intake, "wait_loaded")
+            holds.append(held)
+            try:
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(opening)
+                    await held.wait_entered()
+                    tg.cancel_scope.cancel()
+            finally:
+                held.release()
+            assert engine_threads() == before  # the open returned after its thread ended
+    assert configured == []  # every load stopped before its weights
 
 
 async def test_an_engine_dropped_without_aclose_is_reclaimed(tiny_model_path: Path) -> None:
