@@ -134,7 +134,7 @@ class ResponsesText(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 class ResponsesRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """`POST /v1/responses`. Fields not listed here are refused (400 naming them)."""
 
-    schema_fields: ClassVar[SchemaFields] = SchemaFields("text.format.schema", "tools[{}].parameters")
+    schema_fields: ClassVar[SchemaFields] = SchemaFields("text.format.schema", "tools[{}].parameters", "input")
 
     model: str | None = None
     input: str | list[dict[str, Any]]
