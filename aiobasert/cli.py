@@ -36,6 +36,7 @@ from .group import _parse_models
 from .models import _options as convert_options
 from .models import cache as models
 from .models._gguf_tokenizer import check_bundle_tokenizer
+from .models._options import Dtype
 from .models._progress import ticking
 from .types import KV_CACHE_DTYPES, ChatMessage, SamplingParams, Timing, Usage
 
@@ -81,6 +82,23 @@ def _kv_cache_argument(p: argparse.ArgumentParser) -> None:
                    help="how the KV cache is stored (default auto: the engine's choice, f16 on the reference "
                    "engine as llama.cpp; q8 = Q8_0 blocks, about half of f16; f32 = the reference engine's exact "
                    "pool, twice f16)")  # fmt: skip
+
+
+def _at_least_zero(kind: type[float] | type[int]) -> Any:
+    """An argparse `type` for a count or a duration that may be 0 but not negative (nor NaN): argparse
+    refuses any other in one line under the subcommand's usage."""
+
+    def parse(text: str) -> float | int:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+        if not value >= 0:  # NaN too
+            raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+        return value
+
+    parse.__name__ = kind.__name__  # argparse names the type in its messages
+    return parse
 
 
 def _params(args: argparse.Namespace) -> SamplingParams:
@@ -150,10 +168,19 @@ def _check_listen_address(host: str, port: int) -> None:
             raise SystemExit(f"aiobasert serve: cannot listen on {host}:{port}: {exc.strerror or exc}") from None
 
 
+def _model_file(source: str | None, dtype: Dtype) -> Path:
+    """The file `source` names (`resolve_model`: downloads and conversions first), or one line
+    saying it names none (the engine's own message would carry its C loader's function name)."""
+    resolved = models.resolve_model(source, dtype=dtype)
+    if not resolved.is_file():
+        raise models.ModelNotAvailableError(f"{source}: no such model file, .gguf or cached model NAME")
+    return resolved
+
+
 async def _open(args: argparse.Namespace) -> Engine:
     """The engine for --model: downloads and conversions show their own bars first, then the
     load into the engine (seconds for a real model, silent otherwise) shows its elapsed time."""
-    path = await anyio.to_thread.run_sync(lambda: models.resolve_model(args.model, dtype=args.dtype))
+    path = await anyio.to_thread.run_sync(lambda: _model_file(args.model, args.dtype))
     with ticking(f"loading {path.name}"):
         return await Engine.open(path, config=_engine_config(args, max_batch_size=1))
 
@@ -246,9 +273,7 @@ def _serve(args: argparse.Namespace) -> int:
     # starts; each keeps the name the user gave (a GGUF's stem, not the cache's file name).
     specs: list[tuple[str, str]] = []
     for name, source in named:
-        resolved = models.resolve_model(source or None, dtype=args.dtype)
-        if not resolved.is_file():
-            raise SystemExit(f"aiobasert serve: {source}: no such model file, .gguf or cached model NAME")
+        resolved = _model_file(source or None, args.dtype)
         check_bundle_tokenizer(resolved)  # a refused tokenizer: one line now, not a failed server startup
         specs.append((args.served_model_name or name or resolved.stem, os.fspath(resolved)))
     api_key = args.api_key if args.api_key is not None else os.environ.get("AIOBASERT_API_KEY") or None
@@ -400,12 +425,12 @@ def build_parser() -> argparse.ArgumentParser:
                             "such request pauses no stream (default); --no-grammar-backend-at-open saves its "
                             "memory (~70 MiB for a 49k vocabulary) on a server that serves text alone")  # fmt: skip
     serve.add_argument("--keep-alive", type=float, default=None, help="unload a model after this many idle seconds")
-    serve.add_argument("--write-timeout", type=float, default=30.0,
+    serve.add_argument("--write-timeout", type=_at_least_zero(float), default=30.0,
                        help="drop a streaming client that takes no bytes for this many seconds, aborting its "
                             "generation (default 30; 0 = never)")  # fmt: skip
     serve.add_argument(
         "--response-store-mb",
-        type=int,
+        type=_at_least_zero(int),
         default=64,
         help="memory for stored Responses conversations (previous_response_id), MiB (default 64)",
     )
@@ -421,11 +446,20 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _subcommand(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser:
+    """The parser of subcommand `name` (an alias included)."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            found: argparse.ArgumentParser = action.choices[name]
+            return found
+    raise AssertionError("the parser has no subcommands")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args, rest = parser.parse_known_args(argv)
-    if rest and args.command != "bench":
-        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    if rest and args.command != "bench":  # under the subcommand's usage, which lists its flags
+        _subcommand(parser, args.command).error(f"unrecognized arguments: {' '.join(rest)}")
     try:
         if args.command == "convert":
             from .models import convert  # the GGUF reader, only for this command
