@@ -84,17 +84,17 @@ def _kv_cache_argument(p: argparse.ArgumentParser) -> None:
                    "pool, twice f16)")  # fmt: skip
 
 
-def _at_least_zero(kind: type[float] | type[int]) -> Any:
-    """An argparse `type` for a count or a duration that may be 0 but not negative (nor NaN): argparse
-    refuses any other in one line under the subcommand's usage."""
+def _at_least(kind: type[float] | type[int], low: int = 0) -> Any:
+    """An argparse `type` for a count or a duration of at least `low` (not NaN): argparse refuses
+    any other in one line under the subcommand's usage."""
 
     def parse(text: str) -> float | int:
         try:
             value = kind(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-        if not value >= 0:  # NaN too
-            raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+        if not value >= low:  # NaN too
+            raise argparse.ArgumentTypeError(f"must be >= {low}, got {text}")
         return value
 
     parse.__name__ = kind.__name__  # argparse names the type in its messages
@@ -304,6 +304,9 @@ def _serve(args: argparse.Namespace) -> int:
             write_timeout=write_timeout,
             response_store_bytes=args.response_store_mb * 2**20,
             log_level=args.log_level,
+            max_header_bytes=args.max_header_bytes,
+            header_timeout=args.header_timeout,
+            http=args.http,
         )
         return 0
     ((name, path),) = specs
@@ -316,6 +319,9 @@ def _serve(args: argparse.Namespace) -> int:
         write_timeout=write_timeout,
         response_store_bytes=args.response_store_mb * 2**20,
         log_level=args.log_level,
+        max_header_bytes=args.max_header_bytes,
+        header_timeout=args.header_timeout,
+        http=args.http,
     )
     return 0
 
@@ -425,12 +431,22 @@ def build_parser() -> argparse.ArgumentParser:
                             "such request pauses no stream (default); --no-grammar-backend-at-open saves its "
                             "memory (~70 MiB for a 49k vocabulary) on a server that serves text alone")  # fmt: skip
     serve.add_argument("--keep-alive", type=float, default=None, help="unload a model after this many idle seconds")
-    serve.add_argument("--write-timeout", type=_at_least_zero(float), default=30.0,
+    serve.add_argument("--write-timeout", type=_at_least(float), default=30.0,
                        help="drop a streaming client that takes no bytes for this many seconds, aborting its "
                             "generation (default 30; 0 = never)")  # fmt: skip
+    # the server's defaults (server/connection.py), written out: this module loads without the server extra
+    serve.add_argument("--max-header-bytes", type=_at_least(int, 1024), default=65536,
+                       help="the most bytes a request's line and headers may take; a longer head is answered 431 "
+                            "before the API key is checked (default 65536)")  # fmt: skip
+    serve.add_argument("--header-timeout", type=_at_least(float), default=10.0,
+                       help="seconds a connection has to send a request's line and headers, from its opening or "
+                            "its previous response; a slower one is answered 408 and closed (default 10; 0 = no "
+                            "bound)")  # fmt: skip
+    serve.add_argument("--http", choices=("auto", "httptools", "h11"), default="auto",
+                       help="the HTTP/1.1 parser (default auto: httptools when installed, else h11)")  # fmt: skip
     serve.add_argument(
         "--response-store-mb",
-        type=_at_least_zero(int),
+        type=_at_least(int),
         default=64,
         help="memory for stored Responses conversations (previous_response_id), MiB (default 64)",
     )

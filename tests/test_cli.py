@@ -456,6 +456,8 @@ def test_a_missing_model_file_is_one_line_saying_so(tmp_path: Path, args: list[s
         (["--write-timeout", "nan"], "argument --write-timeout: must be >= 0, got nan"),
         (["--response-store-mb", "-1"], "argument --response-store-mb: must be >= 0, got -1"),
         (["--response-store-mb", "lots"], "argument --response-store-mb: not a number: 'lots'"),
+        (["--max-header-bytes", "100"], "argument --max-header-bytes: must be >= 1024, got 100"),
+        (["--header-timeout", "-1"], "argument --header-timeout: must be >= 0, got -1"),
     ],
 )
 def test_serve_refuses_negative_bounds_in_one_line(tmp_path: Path, flags: list[str], message: str) -> None:
@@ -472,3 +474,14 @@ def test_an_unknown_flag_prints_the_subcommands_usage(tmp_path: Path, command: l
     name = "list" if command[0] == "ls" else command[0]
     assert proc.stderr.startswith(f"usage: aiobasert {name} "), proc.stderr
     assert proc.stderr.rstrip().endswith("error: unrecognized arguments: --bogus"), proc.stderr
+
+
+def test_serve_flag_defaults_are_the_servers() -> None:
+    """The flags' defaults are written out in cli.py (it loads without the server extra): the server's."""
+    from aiobasert.server import app, connection, streaming
+
+    args = cli_module.build_parser().parse_args(["serve"])
+    assert args.max_header_bytes == connection.DEFAULT_MAX_HEADER_BYTES
+    assert args.header_timeout == connection.DEFAULT_HEADER_TIMEOUT_S
+    assert args.write_timeout == streaming.DEFAULT_WRITE_TIMEOUT_S
+    assert args.response_store_mb * 2**20 == app.DEFAULT_STORE_BYTES

@@ -21,6 +21,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ..config import EngineConfig
 from ..errors import AioBaseRTError, InvalidConfigError
+from .connection import DEFAULT_HEADER_TIMEOUT_S, DEFAULT_MAX_HEADER_BYTES, bounded_http_protocol
 from .endpoints import Service
 from .errors import APIError, ClientGone, api_error
 from .oplog import RequestOps, log_config, startup_line
@@ -261,6 +262,9 @@ def serve(
     write_timeout: float | None = DEFAULT_WRITE_TIMEOUT_S,
     response_store_bytes: int = DEFAULT_STORE_BYTES,
     config: EngineConfig | None = None,
+    max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES,
+    header_timeout: float | None = DEFAULT_HEADER_TIMEOUT_S,
+    http: str = "auto",
 ) -> None:
     """Run the server with uvicorn until SIGTERM or Ctrl-C.
 
@@ -273,6 +277,12 @@ def serve(
     error event and `[DONE]`, waiting non-streamed requests a 503); a client
     that does not read its response is cut off after one second.
     `write_timeout`, `response_store_bytes`, `config`: see `create_app`.
+
+    A request's head (request line and headers) may be `max_header_bytes` long (a longer one is
+    answered 431) and must complete within `header_timeout` seconds of the connection's opening or
+    its previous response (else 408; None or 0: no bound), checked before the API key
+    (`bounded_http_protocol`, under an app of your own). `http`: uvicorn's HTTP/1.1 parser,
+    "auto" (httptools when installed, else h11), "httptools" or "h11".
     """
     try:
         import uvicorn
@@ -283,6 +293,7 @@ def serve(
 
     if log_level not in LOG_LEVELS:
         raise ValueError(f"log_level must be one of {', '.join(LOG_LEVELS)}, got {log_level!r}")
+    protocol = bounded_http_protocol(max_header_bytes, header_timeout, http)  # checks them, before any load
     provider = _provider(
         model, model_name=model_name, max_batch_size=max_batch_size, max_context=max_context, config=config
     )
@@ -321,5 +332,7 @@ def serve(
         timeout_graceful_shutdown=1,
         lifespan="on",
         ws="none",
+        http=protocol,
+        h11_max_incomplete_event_size=2 * max_header_bytes,  # h11's own bound (16 KiB unless set), past ours
     )
     _Server(server_config).run()

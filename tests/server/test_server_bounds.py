@@ -17,7 +17,7 @@ from typing import Any
 import anyio
 import httpx
 import pytest
-from loopback import API_KEY, MODEL_NAME, serving
+from loopback import API_KEY, MODEL_NAME, serving, start_uvicorn
 
 import aiobasert.tools
 from aiobasert import Engine
@@ -250,3 +250,65 @@ def test_a_trickle_reader_is_dropped_and_its_generation_cancelled(trickle_model_
     print(f"the trickle reader got {received} bytes before it was dropped")
     assert after["requests_cancelled"] == before["requests_cancelled"] + 1, after
     assert after["requests_finished"] == before["requests_finished"], after  # cut long before max_tokens
+
+
+# ---- the request's head (line and headers): bounded in bytes and in time, before the API key -------
+
+
+def _rss_bytes(pid: int) -> int:
+    status = Path(f"/proc/{pid}/status").read_text()
+    return int(next(line.split()[1] for line in status.splitlines() if line.startswith("VmRSS:"))) * 1024
+
+
+def _answer(sock: socket.socket) -> bytes:
+    """What the server sent before it closed the connection (b"" if it reset it)."""
+    got = b""
+    try:
+        while chunk := sock.recv(65536):
+            got += chunk
+    except ConnectionResetError:
+        pass
+    return got
+
+
+@pytest.mark.parametrize("http", ["httptools", "h11"])
+def test_a_request_head_is_bounded_in_bytes_and_in_time(tiny_model_path: Path, http: str) -> None:
+    """`aiobasert serve` (an API key set): one never-ending header line is cut off after about
+    --max-header-bytes, answered 431 (or reset) before any key is looked at, and the server's memory
+    does not grow by what was sent; a head that stops half-way is answered 408 once --header-timeout
+    passes, a connection that sends nothing is closed; a head just under the bound is served."""
+    proc, _, port = start_uvicorn(
+        ["-m", "aiobasert", "serve", str(tiny_model_path), "--port", "0", "--api-key", API_KEY, "--http", http,
+         "--max-header-bytes", "65536", "--header-timeout", "2"],
+        tiny_model_path,
+    )  # fmt: skip
+    try:
+        # a head just under the bound passes the parser and meets the API key
+        r = httpx.get(f"http://127.0.0.1:{port}/v1/models", headers={"X-Pad": "p" * 60_000})
+        assert r.status_code == 401
+        before = _rss_bytes(proc.pid)
+        sent, cap = 0, 64 * 2**20
+        with socket.create_connection(("127.0.0.1", port), timeout=60) as sock:
+            sock.sendall(b"GET /v1/models HTTP/1.1\r\nHost: x\r\nX-Junk: ")
+            try:
+                while sent < cap:
+                    sock.sendall(b"a" * 2**20)
+                    sent += 2**20
+            except (BrokenPipeError, ConnectionResetError):
+                pass
+            answer = _answer(sock)
+        grown = _rss_bytes(proc.pid) - before
+        # cut off: what went in were the bytes up to the bound and what the two sockets' buffers held
+        assert sent < 24 * 2**20, sent
+        assert grown < 8 * 2**20, (grown, sent)
+        assert answer == b"" or answer.startswith(b"HTTP/1.1 431 "), answer[:200]
+
+        with socket.create_connection(("127.0.0.1", port), timeout=60) as sock:
+            sock.sendall(b"GET /v1/models HTTP/1.1\r\nHost: x\r\nX-Slow: a")  # and nothing more
+            assert _answer(sock).startswith(b"HTTP/1.1 408 ")
+        with socket.create_connection(("127.0.0.1", port), timeout=60) as sock:
+            assert _answer(sock) == b""  # nothing sent: closed
+        assert httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200  # the server serves on
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
