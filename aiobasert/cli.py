@@ -307,6 +307,7 @@ def _serve(args: argparse.Namespace) -> int:
             max_header_bytes=args.max_header_bytes,
             header_timeout=args.header_timeout,
             http=args.http,
+            sse_keepalive=args.sse_keepalive,
         )
         return 0
     ((name, path),) = specs
@@ -322,6 +323,7 @@ def _serve(args: argparse.Namespace) -> int:
         max_header_bytes=args.max_header_bytes,
         header_timeout=args.header_timeout,
         http=args.http,
+        sse_keepalive=args.sse_keepalive,
     )
     return 0
 
@@ -442,6 +444,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="seconds a connection has to send a request's line and headers, from its opening or "
                             "its previous response; a slower one is answered 408 and closed (default 10; 0 = no "
                             "bound)")  # fmt: skip
+    serve.add_argument("--sse-keepalive", type=_at_least(float), default=15.0,
+                       help="seconds a streamed response may send nothing (queued for a lane, preempted) before it "
+                            "sends an SSE comment, so a proxy's idle timeout does not cut it (default 15; 0 = "
+                            "never)")  # fmt: skip
     serve.add_argument("--http", choices=("auto", "httptools", "h11"), default="auto",
                        help="the HTTP/1.1 parser (default auto: httptools when installed, else h11)")  # fmt: skip
     serve.add_argument(

@@ -484,4 +484,5 @@ def test_serve_flag_defaults_are_the_servers() -> None:
     assert args.max_header_bytes == connection.DEFAULT_MAX_HEADER_BYTES
     assert args.header_timeout == connection.DEFAULT_HEADER_TIMEOUT_S
     assert args.write_timeout == streaming.DEFAULT_WRITE_TIMEOUT_S
+    assert args.sse_keepalive == streaming.DEFAULT_SSE_KEEPALIVE_S
     assert args.response_store_mb * 2**20 == app.DEFAULT_STORE_BYTES

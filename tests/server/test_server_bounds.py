@@ -5,18 +5,21 @@ in unsent bytes, and a Responses store that counts the memory it really holds.""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import functools
 import json
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
 import anyio
 import httpx
 import pytest
+from held_calls import HeldLane, HoldLane
 from loopback import API_KEY, MODEL_NAME, serving, start_uvicorn
 
 import aiobasert.tools
@@ -271,14 +274,14 @@ def _answer(sock: socket.socket) -> bytes:
     return got
 
 
-@pytest.mark.parametrize("http", ["httptools", "h11"])
-def test_a_request_head_is_bounded_in_bytes_and_in_time(tiny_model_path: Path, http: str) -> None:
+@pytest.mark.parametrize("parser", ["httptools", "h11"])
+def test_a_request_head_is_bounded_in_bytes_and_in_time(tiny_model_path: Path, parser: str) -> None:
     """`aiobasert serve` (an API key set): one never-ending header line is cut off after about
     --max-header-bytes, answered 431 (or reset) before any key is looked at, and the server's memory
     does not grow by what was sent; a head that stops half-way is answered 408 once --header-timeout
     passes, a connection that sends nothing is closed; a head just under the bound is served."""
     proc, _, port = start_uvicorn(
-        ["-m", "aiobasert", "serve", str(tiny_model_path), "--port", "0", "--api-key", API_KEY, "--http", http,
+        ["-m", "aiobasert", "serve", str(tiny_model_path), "--port", "0", "--api-key", API_KEY, "--http", parser,
          "--max-header-bytes", "65536", "--header-timeout", "2"],
         tiny_model_path,
     )  # fmt: skip
@@ -312,3 +315,63 @@ def test_a_request_head_is_bounded_in_bytes_and_in_time(tiny_model_path: Path, h
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+# ---- SSE keep-alive: a queued or paused stream sends comments, so proxies keep it ----------------------
+
+_STREAMED: list[tuple[str, dict[str, Any]]] = [
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}),
+    ("/v1/completions", {"prompt": "Once", "max_tokens": 4}),
+    ("/v1/responses", {"input": "Hi", "max_output_tokens": 4}),
+]
+
+
+@pytest.mark.parametrize(("path", "body"), _STREAMED, ids=["chat", "completions", "responses"])
+def test_a_queued_stream_sends_keepalive_comments(tiny_model_path: Path, hold_lane: HoldLane, path: str,
+                                                  body: dict[str, Any]) -> None:  # fmt: skip
+    """Every lane held (one, by `hold_lane`) and a keep-alive of 50 ms: a streamed request waiting for
+    the lane gets `: keep-alive` comments before its first event (the response starts with one), then
+    its events; the official client, reading comments among the events, parses the stream whole."""
+    from openai import OpenAI
+
+    opened: list[tuple[Engine, asyncio.AbstractEventLoop]] = []
+
+    @contextlib.asynccontextmanager
+    async def factory() -> AsyncIterator[Engine]:
+        async with Engine.open(tiny_model_path, max_batch_size=1) as engine:
+            opened.append((engine, asyncio.get_running_loop()))
+            yield engine
+
+    app, _ = build_app(SingleEngineProvider(factory, model_name=MODEL_NAME), api_key=API_KEY, sse_keepalive=0.05)
+    with serving(app) as url, httpx.Client(base_url=url, headers=AUTH, timeout=60) as http:
+        ((engine, loop),) = opened
+
+        def hold() -> HeldLane:  # on the server's loop, where the engine lives
+            return asyncio.run_coroutine_threadsafe(hold_lane(engine), loop).result(60)
+
+        held = hold()
+        raw = b""
+        with http.stream("POST", path, json={"model": MODEL_NAME, "stream": True, **body}) as r:
+            assert r.status_code == 200
+            chunks = r.iter_raw()
+            while b"data:" not in raw:
+                raw += next(chunks)
+                if raw.count(b": keep-alive\n\n") >= 2:  # queued a while, and said so
+                    held.release()
+            raw += b"".join(chunks)
+        assert raw.startswith(b": keep-alive\n\n") and raw.index(b": keep-alive") < raw.index(b"data:")
+        events = [e for e in raw.split(b"\n\n") if e and not e.startswith(b":")]
+        assert all(e.startswith((b"data: ", b"event: ")) for e in events), events
+
+        held = hold()
+        client = OpenAI(base_url=f"{url}/v1", api_key=API_KEY, max_retries=0)
+        if path == "/v1/chat/completions":
+            stream: Any = client.chat.completions.create(model=MODEL_NAME, stream=True, **body)  # type: ignore[call-overload]
+        elif path == "/v1/completions":
+            stream = client.completions.create(model=MODEL_NAME, stream=True, **body)  # type: ignore[call-overload]
+        else:
+            stream = client.responses.create(model=MODEL_NAME, stream=True, **body)  # type: ignore[call-overload]
+        held.release()  # the response has started: its first bytes were a comment
+        kinds = [getattr(chunk, "type", None) or chunk.object for chunk in stream]
+        assert kinds and kinds[-1] in ("chat.completion.chunk", "text_completion", "response.incomplete",
+                                       "response.completed"), kinds  # fmt: skip
