@@ -25,6 +25,7 @@ from loopback import API_KEY, MODEL_NAME, serving, start_uvicorn
 import aiobasert.tools
 from aiobasert import Engine
 from aiobasert.chat import MAX_CHAT_MESSAGES
+from aiobasert.errors import InvalidConfigError
 from aiobasert.models.tiny import SPECIAL_TOKENS, build_tiny_model
 from aiobasert.server import create_app
 from aiobasert.server.app import build_app
@@ -366,12 +367,41 @@ def test_a_queued_stream_sends_keepalive_comments(tiny_model_path: Path, hold_la
         held = hold()
         client = OpenAI(base_url=f"{url}/v1", api_key=API_KEY, max_retries=0)
         if path == "/v1/chat/completions":
-            stream: Any = client.chat.completions.create(model=MODEL_NAME, stream=True, **body)  # type: ignore[call-overload]
+            stream: Any = client.chat.completions.create(model=MODEL_NAME, stream=True, **body)
         elif path == "/v1/completions":
-            stream = client.completions.create(model=MODEL_NAME, stream=True, **body)  # type: ignore[call-overload]
+            stream = client.completions.create(model=MODEL_NAME, stream=True, **body)
         else:
-            stream = client.responses.create(model=MODEL_NAME, stream=True, **body)  # type: ignore[call-overload]
+            stream = client.responses.create(model=MODEL_NAME, stream=True, **body)
         held.release()  # the response has started: its first bytes were a comment
         kinds = [getattr(chunk, "type", None) or chunk.object for chunk in stream]
         assert kinds and kinds[-1] in ("chat.completion.chunk", "text_completion", "response.incomplete",
                                        "response.completed"), kinds  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"write_timeout": -5}, "write_timeout must be >= 0"),
+        ({"write_timeout": float("nan")}, "write_timeout must be >= 0"),
+        ({"sse_keepalive": -1}, "sse_keepalive must be >= 0"),
+        ({"response_store_bytes": -1}, "response_store_bytes must be >= 0"),
+    ],
+)
+def test_create_app_refuses_negative_bounds(tiny_model_path: Path, options: dict[str, Any], message: str) -> None:
+    with pytest.raises(InvalidConfigError, match=message):
+        create_app(tiny_model_path, **options)
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"max_header_bytes": 10}, "max_header_bytes must be an integer >= 1024"),
+        ({"header_timeout": -1.0}, "header_timeout must be >= 0"),
+        ({"http": "h2"}, "http must be 'auto', 'httptools' or 'h11'"),
+    ],
+)
+def test_bounded_http_protocol_refuses_bad_bounds(options: dict[str, Any], message: str) -> None:
+    from aiobasert.server import bounded_http_protocol
+
+    with pytest.raises(InvalidConfigError, match=message):
+        bounded_http_protocol(**options)
