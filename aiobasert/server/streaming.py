@@ -223,7 +223,7 @@ class EventStream(Response):
 
         async def counted(message: Message) -> None:
             body = message.get("body")
-            if body:
+            if body and body is not SSE_KEEPALIVE:  # comments would skew the bytes per event
                 self._sent_bytes += len(body)
                 self._sent_events += 1
             await send(message)
