@@ -36,6 +36,7 @@ from .group import _parse_models
 from .models import _options as convert_options
 from .models import cache as models
 from .models._gguf_tokenizer import check_bundle_tokenizer
+from .models._options import Dtype
 from .models._progress import ticking
 from .types import KV_CACHE_DTYPES, ChatMessage, SamplingParams, Timing, Usage
 
@@ -81,6 +82,23 @@ def _kv_cache_argument(p: argparse.ArgumentParser) -> None:
                    help="how the KV cache is stored (default auto: the engine's choice, f16 on the reference "
                    "engine as llama.cpp; q8 = Q8_0 blocks, about half of f16; f32 = the reference engine's exact "
                    "pool, twice f16)")  # fmt: skip
+
+
+def _at_least(kind: type[float] | type[int], low: int = 0) -> Any:
+    """An argparse `type` for a count or a duration of at least `low` (not NaN): argparse refuses
+    any other in one line under the subcommand's usage."""
+
+    def parse(text: str) -> float | int:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+        if not value >= low:  # NaN too
+            raise argparse.ArgumentTypeError(f"must be >= {low}, got {text}")
+        return value
+
+    parse.__name__ = kind.__name__  # argparse names the type in its messages
+    return parse
 
 
 def _params(args: argparse.Namespace) -> SamplingParams:
@@ -151,10 +169,19 @@ def _check_listen_address(host: str, port: int) -> None:
             raise SystemExit(f"aiobasert serve: cannot listen on {host}:{port}: {exc.strerror or exc}") from None
 
 
+def _model_file(source: str | None, dtype: Dtype) -> Path:
+    """The file `source` names (`resolve_model`: downloads and conversions first), or one line
+    saying it names none (the engine's own message would carry its C loader's function name)."""
+    resolved = models.resolve_model(source, dtype=dtype)
+    if not resolved.is_file():
+        raise models.ModelNotAvailableError(f"{source}: no such model file, .gguf or cached model NAME")
+    return resolved
+
+
 async def _open(args: argparse.Namespace) -> Engine:
     """The engine for --model: downloads and conversions show their own bars first, then the
     load into the engine (seconds for a real model, silent otherwise) shows its elapsed time."""
-    path = await anyio.to_thread.run_sync(lambda: models.resolve_model(args.model, dtype=args.dtype))
+    path = await anyio.to_thread.run_sync(lambda: _model_file(args.model, args.dtype))
     with ticking(f"loading {path.name}"):
         return await Engine.open(path, config=_engine_config(args, max_batch_size=1))
 
@@ -247,9 +274,7 @@ def _serve(args: argparse.Namespace) -> int:
     # starts; each keeps the name the user gave (a GGUF's stem, not the cache's file name).
     specs: list[tuple[str, str]] = []
     for name, source in named:
-        resolved = models.resolve_model(source or None, dtype=args.dtype)
-        if not resolved.is_file():
-            raise SystemExit(f"aiobasert serve: {source}: no such model file, .gguf or cached model NAME")
+        resolved = _model_file(source or None, args.dtype)
         check_bundle_tokenizer(resolved)  # a refused tokenizer: one line now, not a failed server startup
         specs.append((args.served_model_name or name or resolved.stem, os.fspath(resolved)))
     api_key = args.api_key if args.api_key is not None else os.environ.get("AIOBASERT_API_KEY") or None
@@ -280,6 +305,10 @@ def _serve(args: argparse.Namespace) -> int:
             write_timeout=write_timeout,
             response_store_bytes=args.response_store_mb * 2**20,
             log_level=args.log_level,
+            max_header_bytes=args.max_header_bytes,
+            header_timeout=args.header_timeout,
+            http=args.http,
+            sse_keepalive=args.sse_keepalive,
         )
         return 0
     ((name, path),) = specs
@@ -292,6 +321,10 @@ def _serve(args: argparse.Namespace) -> int:
         write_timeout=write_timeout,
         response_store_bytes=args.response_store_mb * 2**20,
         log_level=args.log_level,
+        max_header_bytes=args.max_header_bytes,
+        header_timeout=args.header_timeout,
+        http=args.http,
+        sse_keepalive=args.sse_keepalive,
     )
     return 0
 
@@ -404,12 +437,26 @@ def build_parser() -> argparse.ArgumentParser:
                             "such request pauses no stream (default); --no-grammar-backend-at-open saves its "
                             "memory (~70 MiB for a 49k vocabulary) on a server that serves text alone")  # fmt: skip
     serve.add_argument("--keep-alive", type=float, default=None, help="unload a model after this many idle seconds")
-    serve.add_argument("--write-timeout", type=float, default=30.0,
+    serve.add_argument("--write-timeout", type=_at_least(float), default=30.0,
                        help="drop a streaming client that takes no bytes for this many seconds, aborting its "
                             "generation (default 30; 0 = never)")  # fmt: skip
+    # the server's defaults (server/connection.py), written out: this module loads without the server extra
+    serve.add_argument("--max-header-bytes", type=_at_least(int, 1024), default=65536,
+                       help="the most bytes a request's line and headers may take; a longer head is answered 431 "
+                            "before the API key is checked (default 65536)")  # fmt: skip
+    serve.add_argument("--header-timeout", type=_at_least(float), default=10.0,
+                       help="seconds a connection has to send a request's line and headers, from its opening or "
+                            "its previous response; a slower one is answered 408 and closed (default 10; 0 = no "
+                            "bound)")  # fmt: skip
+    serve.add_argument("--sse-keepalive", type=_at_least(float), default=15.0,
+                       help="seconds a streamed response may send nothing (queued for a lane, preempted) before it "
+                            "sends an SSE comment, so a proxy's idle timeout does not cut it (default 15; 0 = "
+                            "never)")  # fmt: skip
+    serve.add_argument("--http", choices=("auto", "httptools", "h11"), default="auto",
+                       help="the HTTP/1.1 parser (default auto: httptools when installed, else h11)")  # fmt: skip
     serve.add_argument(
         "--response-store-mb",
-        type=int,
+        type=_at_least(int),
         default=64,
         help="memory for stored Responses conversations (previous_response_id), MiB (default 64)",
     )
@@ -425,11 +472,20 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _subcommand(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser:
+    """The parser of subcommand `name` (an alias included)."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            found: argparse.ArgumentParser = action.choices[name]
+            return found
+    raise AssertionError("the parser has no subcommands")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args, rest = parser.parse_known_args(argv)
-    if rest and args.command != "bench":
-        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    if rest and args.command != "bench":  # under the subcommand's usage, which lists its flags
+        _subcommand(parser, args.command).error(f"unrecognized arguments: {' '.join(rest)}")
     try:
         if args.command == "convert":
             from .models import convert  # the GGUF reader, only for this command

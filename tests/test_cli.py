@@ -431,3 +431,58 @@ def test_serve_without_the_server_extra_names_it(tiny_model_path: Path) -> None:
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0
     assert proc.stderr == "aiobasert serve needs uvicorn (not installed): pip install 'aiobasert[server]'\n"
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["run", "hi", "--model", "{tmp}/missing.gguf"], "aiobasert: {tmp}/missing.gguf: no such model file"),
+        (["chat", "--model", "{tmp}/missing.base"], "aiobasert: {tmp}/missing.base: no such model file"),
+        (["pull", "{tmp}/missing-path"], "aiobasert: {tmp}/missing-path: no such file, nor a published model's name"),
+    ],
+    ids=["run-gguf", "chat-base", "pull"],
+)
+def test_a_missing_model_file_is_one_line_saying_so(tmp_path: Path, args: list[str], message: str) -> None:
+    proc = cli_with_cache(tmp_path / "cache", *[a.format(tmp=tmp_path) for a in args])
+    assert proc.returncode == 1, proc.stderr
+    assert proc.stderr.startswith(message.format(tmp=tmp_path)) and proc.stderr.count("\n") == 1, proc.stderr
+    assert "baseRT_" not in proc.stderr and "not a GGUF" not in proc.stderr  # no C function name, no wrong kind
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--write-timeout", "-5"], "argument --write-timeout: must be >= 0, got -5"),
+        (["--write-timeout", "nan"], "argument --write-timeout: must be >= 0, got nan"),
+        (["--response-store-mb", "-1"], "argument --response-store-mb: must be >= 0, got -1"),
+        (["--response-store-mb", "lots"], "argument --response-store-mb: not a number: 'lots'"),
+        (["--max-header-bytes", "100"], "argument --max-header-bytes: must be >= 1024, got 100"),
+        (["--header-timeout", "-1"], "argument --header-timeout: must be >= 0, got -1"),
+    ],
+)
+def test_serve_refuses_negative_bounds_in_one_line(tmp_path: Path, flags: list[str], message: str) -> None:
+    proc = cli_with_cache(tmp_path / "cache", "serve", str(tmp_path / "m.base"), "--port", "0", *flags)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.startswith("usage: aiobasert serve ") and message in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("command", [["run", "hi"], ["chat"], ["serve"], ["pull"], ["list"], ["ls"], ["rm", "x"]])
+def test_an_unknown_flag_prints_the_subcommands_usage(tmp_path: Path, command: list[str]) -> None:
+    proc = cli_with_cache(tmp_path / "cache", *command, "--bogus")
+    assert proc.returncode == 2, proc.stderr
+    name = "list" if command[0] == "ls" else command[0]
+    assert proc.stderr.startswith(f"usage: aiobasert {name} "), proc.stderr
+    assert proc.stderr.rstrip().endswith("error: unrecognized arguments: --bogus"), proc.stderr
+
+
+def test_serve_flag_defaults_are_the_servers() -> None:
+    """The flags' defaults are written out in cli.py (it loads without the server extra): the server's."""
+    from aiobasert.server import app, connection, streaming
+
+    args = cli_module.build_parser().parse_args(["serve"])
+    assert args.max_header_bytes == connection.DEFAULT_MAX_HEADER_BYTES
+    assert args.header_timeout == connection.DEFAULT_HEADER_TIMEOUT_S
+    assert args.write_timeout == streaming.DEFAULT_WRITE_TIMEOUT_S
+    assert args.sse_keepalive == streaming.DEFAULT_SSE_KEEPALIVE_S
+    assert args.response_store_mb * 2**20 == app.DEFAULT_STORE_BYTES

@@ -597,6 +597,11 @@ def pull(source: str | os.PathLike[str] | None = None, *, dtype: Dtype = "auto",
     elif os.fspath(source) in PUBLISHED and not Path(source).exists():
         gguf = published_gguf_path(PUBLISHED[os.fspath(source)], progress=progress)
         path = gguf_bundle_path(gguf, dtype=dtype, progress=progress)
+    elif not Path(source).exists():  # a typo or a wrong folder, not a file of the wrong kind
+        raise ModelNotAvailableError(
+            f"{source}: no such file, nor a published model's name ({', '.join(PUBLISHED)}); "
+            "`aiobasert pull` with no argument fetches the demo model"
+        )
     else:
         raise ModelNotAvailableError(
             f"{source}: not a GGUF file, the {SMOLLM2_DISTRIBUTION} wheel or a published model's name "

@@ -35,7 +35,7 @@ disconnects), `events` (the one event driver of every streamed endpoint),
 `endpoints` (the routes' handlers), `responses` (the Responses API and its
 store), `metrics` (Prometheus), `oplog` (request ids, the log line and
 count of every refused or failed request, the startup line, `serve`'s logging),
-`compat` (the field table),
+`compat` (the field table), `connection` (request heads bounded in bytes and time, under the app),
 `app` (wiring, `build_app`, `create_app`, `serve`), `_malloc` (the malloc arenas of the
 `aiobasert serve` process).
 """
@@ -48,6 +48,7 @@ except ModuleNotFoundError as exc:  # pragma: no cover - depends on the install
     raise ModuleNotFoundError(f"aiobasert.server needs {exc.name}: pip install 'aiobasert[server]'") from exc
 
 from .app import build_app, create_app, serve
+from .connection import bounded_http_protocol
 from .errors import APIError
 from .protocol import (
     ChatCompletion,
@@ -79,6 +80,7 @@ __all__ = [
     "ModelList",
     "ServedModel",
     "SingleEngineProvider",
+    "bounded_http_protocol",
     "build_app",
     "create_app",
     "serve",

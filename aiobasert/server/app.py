@@ -21,13 +21,14 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ..config import EngineConfig
 from ..errors import AioBaseRTError, InvalidConfigError
+from .connection import DEFAULT_HEADER_TIMEOUT_S, DEFAULT_MAX_HEADER_BYTES, bounded_http_protocol
 from .endpoints import Service
 from .errors import APIError, ClientGone, api_error
 from .oplog import RequestOps, log_config, startup_line
 from .provider import EngineFactory, EngineProvider, SingleEngineProvider
 from .responses import DEFAULT_STORE_BYTES
 from .router import GroupProvider, ModelRouter
-from .streaming import DEFAULT_WRITE_TIMEOUT_S
+from .streaming import DEFAULT_SSE_KEEPALIVE_S, DEFAULT_WRITE_TIMEOUT_S
 
 logger = logging.getLogger("aiobasert.server")
 
@@ -106,12 +107,23 @@ def build_app(
     write_timeout: float | None = DEFAULT_WRITE_TIMEOUT_S,
     response_store_bytes: int = DEFAULT_STORE_BYTES,
     announce: bool = True,
+    sse_keepalive: float | None = DEFAULT_SSE_KEEPALIVE_S,
 ) -> tuple[Starlette, Service]:
     """The ASGI app over `provider`, and its `Service` (the endpoints).
     `allowed_origins`: CORS origins allowed to call it (None: no CORS headers);
-    `write_timeout`, `response_store_bytes`: see `create_app`; `announce`: log the
+    `write_timeout`, `response_store_bytes`, `sse_keepalive`: see `create_app`; `announce`: log the
     startup line once the models are open (`serve` logs it itself, with its address)."""
-    service = Service(provider, write_timeout=write_timeout, response_store_bytes=response_store_bytes)
+    for name, seconds in (("write_timeout", write_timeout), ("sse_keepalive", sse_keepalive)):
+        if seconds is not None and not seconds >= 0:  # NaN too
+            raise InvalidConfigError(f"{name} must be >= 0 seconds (0 or None: never), got {seconds!r}")
+    if response_store_bytes < 0:
+        raise InvalidConfigError(f"response_store_bytes must be >= 0, got {response_store_bytes}")
+    service = Service(
+        provider,
+        write_timeout=write_timeout,
+        response_store_bytes=response_store_bytes,
+        sse_keepalive=sse_keepalive,
+    )
     routes = [
         Route("/health", service.health, methods=["GET"]),
         Route("/v1/models", service.models, methods=["GET"]),
@@ -211,6 +223,7 @@ def create_app(
     write_timeout: float | None = DEFAULT_WRITE_TIMEOUT_S,
     response_store_bytes: int = DEFAULT_STORE_BYTES,
     config: EngineConfig | None = None,
+    sse_keepalive: float | None = DEFAULT_SSE_KEEPALIVE_S,
 ) -> Starlette:
     """The OpenAI-compatible ASGI app (run it with any ASGI server, e.g. uvicorn).
 
@@ -230,6 +243,9 @@ def create_app(
         wait forever). See docs/fairness.md.
     response_store_bytes: the Responses API store's budget (stored
         conversations' encoded size; oldest dropped first).
+    sse_keepalive: seconds a streamed response may send nothing (queued for a
+        lane, preempted) before it sends an SSE comment, `: keep-alive`, so a
+        proxy's idle timeout does not cut it (None or 0: never).
 
     Under a server of your own, in-flight streams keep the shutdown waiting
     until they finish (uvicorn runs the lifespan shutdown last); use `serve()`
@@ -244,6 +260,7 @@ def create_app(
         allowed_origins=allowed_origins,
         write_timeout=write_timeout,
         response_store_bytes=response_store_bytes,
+        sse_keepalive=sse_keepalive,
     )[0]
 
 
@@ -261,6 +278,10 @@ def serve(
     write_timeout: float | None = DEFAULT_WRITE_TIMEOUT_S,
     response_store_bytes: int = DEFAULT_STORE_BYTES,
     config: EngineConfig | None = None,
+    max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES,
+    header_timeout: float | None = DEFAULT_HEADER_TIMEOUT_S,
+    http: str = "auto",
+    sse_keepalive: float | None = DEFAULT_SSE_KEEPALIVE_S,
 ) -> None:
     """Run the server with uvicorn until SIGTERM or Ctrl-C.
 
@@ -272,7 +293,13 @@ def serve(
     On shutdown, in-flight generations are aborted at once (streams get an
     error event and `[DONE]`, waiting non-streamed requests a 503); a client
     that does not read its response is cut off after one second.
-    `write_timeout`, `response_store_bytes`, `config`: see `create_app`.
+    `write_timeout`, `response_store_bytes`, `config`, `sse_keepalive`: see `create_app`.
+
+    A request's head (request line and headers) may be `max_header_bytes` long (a longer one is
+    answered 431) and must complete within `header_timeout` seconds of the connection's opening or
+    its previous response (else 408; None or 0: no bound), checked before the API key
+    (`bounded_http_protocol`, under an app of your own). `http`: uvicorn's HTTP/1.1 parser,
+    "auto" (httptools when installed, else h11), "httptools" or "h11".
     """
     try:
         import uvicorn
@@ -283,6 +310,7 @@ def serve(
 
     if log_level not in LOG_LEVELS:
         raise ValueError(f"log_level must be one of {', '.join(LOG_LEVELS)}, got {log_level!r}")
+    protocol = bounded_http_protocol(max_header_bytes, header_timeout, http)  # checks them, before any load
     provider = _provider(
         model, model_name=model_name, max_batch_size=max_batch_size, max_context=max_context, config=config
     )
@@ -293,6 +321,7 @@ def serve(
         write_timeout=write_timeout,
         response_store_bytes=response_store_bytes,
         announce=False,
+        sse_keepalive=sse_keepalive,
     )
 
     class _Server(uvicorn.Server):
@@ -321,5 +350,7 @@ def serve(
         timeout_graceful_shutdown=1,
         lifespan="on",
         ws="none",
+        http=protocol,
+        h11_max_incomplete_event_size=2 * max_header_bytes,  # h11's own bound (16 KiB unless set), past ours
     )
     _Server(server_config).run()

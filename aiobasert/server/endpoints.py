@@ -73,6 +73,7 @@ from .protocol import (
 from .provider import EngineProvider, ServedModel
 from .responses import DEFAULT_STORE_BYTES, ResponsesAPI, ResponseStore
 from .streaming import (
+    DEFAULT_SSE_KEEPALIVE_S,
     DEFAULT_WRITE_TIMEOUT_S,
     SSE_DONE,
     BacklogLimit,
@@ -329,6 +330,7 @@ class Service:
         *,
         write_timeout: float | None = DEFAULT_WRITE_TIMEOUT_S,
         response_store_bytes: int = DEFAULT_STORE_BYTES,
+        sse_keepalive: float | None = DEFAULT_SSE_KEEPALIVE_S,
     ) -> None:
         self.provider = provider
         self.backlog = BacklogLimit()
@@ -337,6 +339,7 @@ class Service:
         self.metrics = Metrics()
         self.workers = Workers()
         self.write_timeout = write_timeout if write_timeout is not None and write_timeout > 0 else None  # 0: never
+        self.sse_keepalive = sse_keepalive or None  # 0: never
         self.responses = ResponsesAPI(
             self.resolve,
             self.metrics,
@@ -344,6 +347,7 @@ class Service:
             write_timeout=self.write_timeout,
             workers=self.workers,
             backlog=self.backlog,
+            sse_keepalive=self.sse_keepalive,
         )
 
     def _observer(self, served: ServedModel) -> RequestObserver:
@@ -459,7 +463,13 @@ class Service:
             finally:
                 await choices.aclose()
 
-        return EventStream(events(), write_timeout=self.write_timeout, streams=choices.streams, backlog=self.backlog)
+        return EventStream(
+            events(),
+            write_timeout=self.write_timeout,
+            streams=choices.streams,
+            backlog=self.backlog,
+            keepalive=self.sse_keepalive,
+        )
 
     async def _aborted(self, choices: Choices[Any], observers: Sequence[RequestObserver]) -> None:
         """After a disconnect: cancel every choice and let the metrics see the aborts."""

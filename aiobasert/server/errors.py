@@ -76,14 +76,16 @@ def api_error(exc: BaseException, *, log: bool = True) -> APIError:
     if isinstance(exc, ContextLengthExceededError):
         # OpenAI's wording: LangChain and litellm recognise an overflow by it.
         total = exc.prompt_tokens + exc.max_tokens
+        fields = SCHEMA_FIELDS.get()
+        conversation = fields.conversation if fields is not None else "messages"  # Responses: "input"
         message = (
             f"This model's maximum context length is {exc.max_context} tokens. However, you requested {total} "
-            f"tokens ({exc.prompt_tokens} in the messages, {exc.max_tokens} in the completion). "
+            f"tokens ({exc.prompt_tokens} in the {conversation}, {exc.max_tokens} in the completion). "
             # The code in the text too: openai 3.x keeps only the message in the exception's
             # text, and LangChain maps an overflow by finding this code there.
-            "Please reduce the length of the messages or completion. (context_length_exceeded)"
+            f"Please reduce the length of the {conversation} or completion. (context_length_exceeded)"
         )
-        return APIError(400, message, param="messages", code="context_length_exceeded")
+        return APIError(400, message, param=conversation, code="context_length_exceeded")
     if isinstance(exc, InvalidRequestError):  # includes InvalidSamplingParamsError
         schema = _schema_error(str(exc))
         if schema is not None:

@@ -20,8 +20,10 @@ The library installs no log handler; `aiobasert serve` configures logging.
 from __future__ import annotations
 
 import logging
+import unicodedata
 import uuid
 from collections.abc import Sequence
+from copy import copy
 from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -36,10 +38,36 @@ logger = logging.getLogger("aiobasert.server")
 _MAX_MESSAGE = 300
 """Characters of an error message a log line keeps (a validation message can quote a whole body)."""
 
+MAX_FIELD = 256
+"""Characters of any other client-given field (path, param, request id...) a log line keeps."""
 
-def _one_line(text: str) -> str:
-    text = text.replace("\r", "\\r").replace("\n", "\\n")  # no forged log lines from client text
-    return text if len(text) <= _MAX_MESSAGE else text[:_MAX_MESSAGE] + "..."
+_NAMED = {"\\": "\\\\", "\n": "\\n", "\r": "\\r", "\t": "\\t"}
+# Cc: C0, DEL, C1 (NEL among them); Zl / Zp: U+2028 / U+2029; Cf: bidi overrides, zero-width
+# characters (text that reads other than it is); Cs: a lone surrogate, which no log stream encodes.
+_UNSAFE = frozenset({"Cc", "Cf", "Cs", "Zl", "Zp"})
+
+
+def _escape_char(ch: str, *, spaces: bool) -> str:
+    if ch in _NAMED:
+        return _NAMED[ch]
+    if (ch == " " and spaces) or unicodedata.category(ch) in _UNSAFE:
+        n = ord(ch)
+        return f"\\x{n:02x}" if n < 0x100 else f"\\u{n:04x}" if n < 0x10000 else f"\\U{n:08x}"
+    return ch
+
+
+def escape_field(text: str, *, limit: int = MAX_FIELD, spaces: bool = False) -> str:
+    """`text` (anything a client chose) made safe for one log line: no character that ends a line,
+    or that a terminal or log viewer acts on, survives (they, and the backslash, become Python-style
+    escapes, so distinct texts stay distinct); `spaces`: spaces too, for a field with others after
+    it. Past `limit` characters the rest is cut, and a marker says how many were."""
+    cut = len(text) - limit
+    head = text[:limit] if cut > 0 else text
+    if head.isprintable() and "\\" not in head and not (spaces and " " in head):  # the usual case
+        escaped = head
+    else:
+        escaped = "".join(_escape_char(ch, spaces=spaces) for ch in head)
+    return escaped + (f"...[{cut} more chars]" if cut > 0 else "")
 
 
 class _Witness:
@@ -65,19 +93,20 @@ class _Witness:
         code = detail.code if detail is not None else None
         self.metrics.count_error(status, code)
         refused = status < 500
+        message = why if why is not None else detail.message if detail is not None else "(no detail)"
         logger.log(
             logging.INFO if refused else logging.WARNING,
             "%s %s %s: %d%s type=%s code=%s param=%s request_id=%s: %s",
             "refused" if refused else "failed",
-            self.method,
-            self.path,
+            escape_field(self.method, spaces=True),
+            escape_field(self.path, spaces=True),
             status,
             " in-band" if in_band else "",
             detail.type if detail is not None else None,
-            code,
-            detail.param if detail is not None else None,
-            self.request_id,
-            _one_line(why if why is not None else detail.message if detail is not None else "(no detail)"),
+            None if code is None else escape_field(code, spaces=True),
+            None if detail is None or detail.param is None else escape_field(detail.param, spaces=True),
+            escape_field(self.request_id, spaces=True),
+            escape_field(message, limit=_MAX_MESSAGE),  # the last field: its spaces are its own
         )
 
 
@@ -134,6 +163,25 @@ class RequestOps:
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
+class AccessFormatter(logging.Formatter):
+    """uvicorn's access line (`uvicorn.logging.AccessFormatter`) with its client-given fields, the
+    method and the path (a raw path may carry DEL and bytes 0x80-0x9f, C1 controls once decoded;
+    it may be 60 KB), escaped and capped as `escape_field` does."""
+
+    def __init__(self, fmt: str) -> None:
+        from uvicorn.logging import AccessFormatter as Uvicorn
+
+        super().__init__(fmt)
+        self._uvicorn = Uvicorn(fmt=fmt, use_colors=False)
+
+    def format(self, record: logging.LogRecord) -> str:
+        if isinstance(record.args, tuple) and len(record.args) == 5:  # uvicorn's: addr, method, path, version, status
+            addr, method, path, version, status = record.args
+            record = copy(record)
+            record.args = (addr, escape_field(str(method), spaces=True), escape_field(str(path)), version, status)
+        return self._uvicorn.format(record)
+
+
 def log_config(level: str) -> dict[str, Any]:
     """`aiobasert serve`'s logging (a `logging.config.dictConfig`, applied by uvicorn):
     uvicorn's loggers and `aiobasert`'s at `level`, each line with its time, level and
@@ -147,9 +195,8 @@ def log_config(level: str) -> dict[str, Any]:
         "formatters": {
             "default": {"format": LOG_FORMAT},
             "access": {
-                "()": "uvicorn.logging.AccessFormatter",
+                "()": f"{__name__}.AccessFormatter",
                 "fmt": '%(asctime)s %(levelname)s %(name)s: %(client_addr)s - "%(request_line)s" %(status_code)s',
-                "use_colors": False,
             },
         },
         "handlers": {

@@ -20,10 +20,12 @@ MAX_EMBEDDING_INPUTS = 2048
 
 class SchemaFields(NamedTuple):
     """Where a request body carries JSON Schemas, to name them in errors: the
-    output schema's field, and a tool's `parameters` (a format of the tool's index)."""
+    output schema's field, and a tool's `parameters` (a format of the tool's index);
+    and its conversation's field (a context overflow names it)."""
 
     output: str
     tool: str
+    conversation: str = "messages"
 
 
 class StreamOptions(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):

@@ -45,7 +45,13 @@ from .params import (
 )
 from .protocol import SchemaFields
 from .provider import ServedModel
-from .streaming import DEFAULT_WRITE_TIMEOUT_S, BacklogLimit, EventStream, unless_disconnected
+from .streaming import (
+    DEFAULT_SSE_KEEPALIVE_S,
+    DEFAULT_WRITE_TIMEOUT_S,
+    BacklogLimit,
+    EventStream,
+    unless_disconnected,
+)
 from .workers import Workers, is_large
 
 # ---- request ---------------------------------------------------------------------------------
@@ -134,7 +140,7 @@ class ResponsesText(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 class ResponsesRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """`POST /v1/responses`. Fields not listed here are refused (400 naming them)."""
 
-    schema_fields: ClassVar[SchemaFields] = SchemaFields("text.format.schema", "tools[{}].parameters")
+    schema_fields: ClassVar[SchemaFields] = SchemaFields("text.format.schema", "tools[{}].parameters", "input")
 
     model: str | None = None
     input: str | list[dict[str, Any]]
@@ -659,8 +665,10 @@ class ResponsesAPI:
         write_timeout: float | None = DEFAULT_WRITE_TIMEOUT_S,
         workers: Workers | None = None,
         backlog: BacklogLimit | None = None,
+        sse_keepalive: float | None = DEFAULT_SSE_KEEPALIVE_S,
     ) -> None:
         self._resolve = resolve
+        self._sse_keepalive = sse_keepalive
         self._backlog = backlog if backlog is not None else BacklogLimit()
         self._workers = workers if workers is not None else Workers()
         self._metrics = metrics
@@ -726,6 +734,7 @@ class ResponsesAPI:
                 write_timeout=self._write_timeout,
                 streams=[chat.tokens],
                 backlog=self._backlog,
+                keepalive=self._sse_keepalive,
             )
         tokens = await unless_disconnected(request.receive, functools.partial(collect, chat.tokens, observer))
         finish = finish_reason(chat.tokens.finish_reason)

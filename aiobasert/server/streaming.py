@@ -8,6 +8,7 @@ closes its `TokenStream`, which frees the engine lane before the next step.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import AsyncGenerator, Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TypeVar, cast
@@ -26,6 +27,13 @@ T = TypeVar("T")
 logger = logging.getLogger("aiobasert.server")
 
 SSE_DONE = b"data: [DONE]\n\n"
+
+SSE_KEEPALIVE = b": keep-alive\n\n"
+"""An SSE comment: clients skip it; a proxy sees bytes, so its idle timeout does not cut the stream."""
+
+DEFAULT_SSE_KEEPALIVE_S = 15.0
+"""A streamed response that has sent nothing for this long (queued for a lane, preempted) sends
+`SSE_KEEPALIVE` (nginx's proxy_read_timeout and most load balancers' idle timeouts are 60 s)."""
 
 
 def sse(body: msgspec.Struct) -> bytes:
@@ -124,6 +132,11 @@ class EventStream(Response):
     choice that fails after the start reports in-band, and `tail()` (usage,
     `[DONE]`) ends the stream.
 
+    `keepalive`: while no event has been sent for that many seconds (the request
+    waits for a lane, or was preempted and waits to resume), an SSE comment is sent
+    (`SSE_KEEPALIVE`), starting the response if it has not started (a request that
+    fails after that reports in-band); None or 0: never.
+
     `write_timeout`: a client that takes no bytes for that many seconds is
     dropped: its generators are closed (their lanes freed) and the connection
     is closed without ending the response, so the client sees a cut stream.
@@ -146,10 +159,12 @@ class EventStream(Response):
         write_timeout: float | None = DEFAULT_WRITE_TIMEOUT_S,
         streams: Sequence[TokenStream] = (),
         backlog: BacklogLimit | None = None,
+        keepalive: float | None = DEFAULT_SSE_KEEPALIVE_S,
     ) -> None:
         self._all = [events] if isinstance(events, AsyncGenerator) else list(events)
         self._tail = tail
         self._write_timeout = write_timeout
+        self._keepalive = keepalive or None
         self._streams = list(streams)
         self._backlog = backlog if backlog is not None else BacklogLimit()
         self._sent_bytes = 0
@@ -208,7 +223,7 @@ class EventStream(Response):
 
         async def counted(message: Message) -> None:
             body = message.get("body")
-            if body:
+            if body and body is not SSE_KEEPALIVE:  # comments would skew the bytes per event
                 self._sent_bytes += len(body)
                 self._sent_events += 1
             await send(message)
@@ -227,7 +242,7 @@ class EventStream(Response):
         return bounded
 
     async def _send_events(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if len(self._all) == 1:
+        if len(self._all) == 1 and self._keepalive is None:
             events = self._all[0]
             try:
                 first = await events.__anext__()
@@ -239,7 +254,7 @@ class EventStream(Response):
             await self._start(send, first)
             async for event in events:
                 await send({"type": "http.response.body", "body": event, "more_body": True})
-        elif not await self._merge(scope, receive, send):
+        elif not await self._merge(scope, receive, send):  # keep-alives need the merged loop's timer
             return
         if self._tail is not None:
             await send({"type": "http.response.body", "body": self._tail(), "more_body": True})
@@ -272,7 +287,20 @@ class EventStream(Response):
                     tg.start_soon(pump, events, tx.clone())
             async with rx:
                 try:
-                    async for item in rx:
+                    while True:
+                        item: bytes | Exception | None = None
+                        with anyio.move_on_after(self._keepalive or math.inf):
+                            try:
+                                item = await rx.receive()
+                            except anyio.EndOfStream:
+                                break
+                        if item is None:  # nothing to send for `keepalive` s: a comment, to keep proxies on
+                            if not started:
+                                started = True
+                                await self._start(send, SSE_KEEPALIVE)
+                            else:
+                                await send({"type": "http.response.body", "body": SSE_KEEPALIVE, "more_body": True})
+                            continue
                         if isinstance(item, Exception):
                             if not started:
                                 failed = item

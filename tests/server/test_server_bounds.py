@@ -5,23 +5,27 @@ in unsent bytes, and a Responses store that counts the memory it really holds.""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import functools
 import json
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
 import anyio
 import httpx
 import pytest
-from loopback import API_KEY, MODEL_NAME, serving
+from held_calls import HeldLane, HoldLane
+from loopback import API_KEY, MODEL_NAME, serving, start_uvicorn
 
 import aiobasert.tools._render
 from aiobasert import Engine
 from aiobasert.chat import MAX_CHAT_MESSAGES
+from aiobasert.errors import InvalidConfigError
 from aiobasert.models.tiny import SPECIAL_TOKENS, build_tiny_model
 from aiobasert.server import create_app
 from aiobasert.server.app import build_app
@@ -250,3 +254,154 @@ def test_a_trickle_reader_is_dropped_and_its_generation_cancelled(trickle_model_
     print(f"the trickle reader got {received} bytes before it was dropped")
     assert after["requests_cancelled"] == before["requests_cancelled"] + 1, after
     assert after["requests_finished"] == before["requests_finished"], after  # cut long before max_tokens
+
+
+# ---- the request's head (line and headers): bounded in bytes and in time, before the API key -------
+
+
+def _rss_bytes(pid: int) -> int:
+    status = Path(f"/proc/{pid}/status").read_text()
+    return int(next(line.split()[1] for line in status.splitlines() if line.startswith("VmRSS:"))) * 1024
+
+
+def _answer(sock: socket.socket) -> bytes:
+    """What the server sent before it closed the connection (b"" if it reset it)."""
+    got = b""
+    try:
+        while chunk := sock.recv(65536):
+            got += chunk
+    except ConnectionResetError:
+        pass
+    return got
+
+
+@pytest.mark.parametrize("parser", ["httptools", "h11"])
+def test_a_request_head_is_bounded_in_bytes_and_in_time(tiny_model_path: Path, parser: str) -> None:
+    """`aiobasert serve` (an API key set): one never-ending header line is cut off after about
+    --max-header-bytes, answered 431 (or reset) before any key is looked at, and the server's memory
+    does not grow by what was sent; a head that stops half-way is answered 408 once --header-timeout
+    passes, a connection that sends nothing is closed; a head just under the bound is served."""
+    proc, _, port = start_uvicorn(
+        ["-m", "aiobasert", "serve", str(tiny_model_path), "--port", "0", "--api-key", API_KEY, "--http", parser,
+         "--max-header-bytes", "65536", "--header-timeout", "2"],
+        tiny_model_path,
+    )  # fmt: skip
+    try:
+        # a head just under the bound passes the parser and meets the API key
+        r = httpx.get(f"http://127.0.0.1:{port}/v1/models", headers={"X-Pad": "p" * 60_000})
+        assert r.status_code == 401
+        before = _rss_bytes(proc.pid)
+        sent, cap = 0, 64 * 2**20
+        with socket.create_connection(("127.0.0.1", port), timeout=60) as sock:
+            sock.sendall(b"GET /v1/models HTTP/1.1\r\nHost: x\r\nX-Junk: ")
+            try:
+                while sent < cap:
+                    sock.sendall(b"a" * 2**20)
+                    sent += 2**20
+            except (BrokenPipeError, ConnectionResetError):
+                pass
+            answer = _answer(sock)
+        grown = _rss_bytes(proc.pid) - before
+        # cut off: what went in were the bytes up to the bound and what the two sockets' buffers held
+        assert sent < 24 * 2**20, sent
+        assert grown < 8 * 2**20, (grown, sent)
+        assert answer == b"" or answer.startswith(b"HTTP/1.1 431 "), answer[:200]
+
+        with socket.create_connection(("127.0.0.1", port), timeout=60) as sock:
+            sock.sendall(b"GET /v1/models HTTP/1.1\r\nHost: x\r\nX-Slow: a")  # and nothing more
+            assert _answer(sock).startswith(b"HTTP/1.1 408 ")
+        with socket.create_connection(("127.0.0.1", port), timeout=60) as sock:
+            assert _answer(sock) == b""  # nothing sent: closed
+        assert httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200  # the server serves on
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+# ---- SSE keep-alive: a queued or paused stream sends comments, so proxies keep it ----------------------
+
+_STREAMED: list[tuple[str, dict[str, Any]]] = [
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}),
+    ("/v1/completions", {"prompt": "Once", "max_tokens": 4}),
+    ("/v1/responses", {"input": "Hi", "max_output_tokens": 4}),
+]
+
+
+@pytest.mark.parametrize(("path", "body"), _STREAMED, ids=["chat", "completions", "responses"])
+def test_a_queued_stream_sends_keepalive_comments(tiny_model_path: Path, hold_lane: HoldLane, path: str,
+                                                  body: dict[str, Any]) -> None:  # fmt: skip
+    """Every lane held (one, by `hold_lane`) and a keep-alive of 50 ms: a streamed request waiting for
+    the lane gets `: keep-alive` comments before its first event (the response starts with one), then
+    its events; the official client, reading comments among the events, parses the stream whole."""
+    from openai import OpenAI
+
+    opened: list[tuple[Engine, asyncio.AbstractEventLoop]] = []
+
+    @contextlib.asynccontextmanager
+    async def factory() -> AsyncIterator[Engine]:
+        async with Engine.open(tiny_model_path, max_batch_size=1) as engine:
+            opened.append((engine, asyncio.get_running_loop()))
+            yield engine
+
+    app, _ = build_app(SingleEngineProvider(factory, model_name=MODEL_NAME), api_key=API_KEY, sse_keepalive=0.05)
+    with serving(app) as url, httpx.Client(base_url=url, headers=AUTH, timeout=60) as http:
+        ((engine, loop),) = opened
+
+        def hold() -> HeldLane:  # on the server's loop, where the engine lives
+            return asyncio.run_coroutine_threadsafe(hold_lane(engine), loop).result(60)
+
+        held = hold()
+        raw = b""
+        with http.stream("POST", path, json={"model": MODEL_NAME, "stream": True, **body}) as r:
+            assert r.status_code == 200
+            chunks = r.iter_raw()
+            while b"data:" not in raw:
+                raw += next(chunks)
+                if raw.count(b": keep-alive\n\n") >= 2:  # queued a while, and said so
+                    held.release()
+            raw += b"".join(chunks)
+        assert raw.startswith(b": keep-alive\n\n") and raw.index(b": keep-alive") < raw.index(b"data:")
+        events = [e for e in raw.split(b"\n\n") if e and not e.startswith(b":")]
+        assert all(e.startswith((b"data: ", b"event: ")) for e in events), events
+
+        held = hold()
+        client = OpenAI(base_url=f"{url}/v1", api_key=API_KEY, max_retries=0)
+        if path == "/v1/chat/completions":
+            stream: Any = client.chat.completions.create(model=MODEL_NAME, stream=True, **body)
+        elif path == "/v1/completions":
+            stream = client.completions.create(model=MODEL_NAME, stream=True, **body)
+        else:
+            stream = client.responses.create(model=MODEL_NAME, stream=True, **body)
+        held.release()  # the response has started: its first bytes were a comment
+        kinds = [getattr(chunk, "type", None) or chunk.object for chunk in stream]
+        assert kinds and kinds[-1] in ("chat.completion.chunk", "text_completion", "response.incomplete",
+                                       "response.completed"), kinds  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"write_timeout": -5}, "write_timeout must be >= 0"),
+        ({"write_timeout": float("nan")}, "write_timeout must be >= 0"),
+        ({"sse_keepalive": -1}, "sse_keepalive must be >= 0"),
+        ({"response_store_bytes": -1}, "response_store_bytes must be >= 0"),
+    ],
+)
+def test_create_app_refuses_negative_bounds(tiny_model_path: Path, options: dict[str, Any], message: str) -> None:
+    with pytest.raises(InvalidConfigError, match=message):
+        create_app(tiny_model_path, **options)
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"max_header_bytes": 10}, "max_header_bytes must be an integer >= 1024"),
+        ({"header_timeout": -1.0}, "header_timeout must be >= 0"),
+        ({"http": "h2"}, "http must be 'auto', 'httptools' or 'h11'"),
+    ],
+)
+def test_bounded_http_protocol_refuses_bad_bounds(options: dict[str, Any], message: str) -> None:
+    from aiobasert.server import bounded_http_protocol
+
+    with pytest.raises(InvalidConfigError, match=message):
+        bounded_http_protocol(**options)

@@ -13,12 +13,15 @@ import socket
 import subprocess
 import sys
 import time
+import unicodedata
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 from faults import failing_step
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from loopback import MODEL_NAME, REPO, start_uvicorn, subprocess_env
 from openai import OpenAI
 
@@ -95,6 +98,78 @@ def test_refused_and_failed_requests_are_logged_with_their_reason(
     (mid,) = _lines_of(caplog, "mid-stream")
     assert mid.levelno == logging.WARNING
     assert mid.getMessage().startswith("failed POST /v1/completions: 500 in-band type=server_error code=engine_error ")
+
+
+# Characters that end a line (or that a log viewer acts on) in some reader: C0, DEL, C1, U+2028/2029.
+_LINE_BREAKERS = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029]")
+
+
+def test_client_text_cannot_forge_or_flood_a_log_line(base_url: str, caplog: pytest.LogCaptureFixture) -> None:
+    """A path with %0a (a 401), a JSON field name with a newline (a 400), a request id with a
+    C1 NEL and U+2028, a 60 KB path: each request is one log line, its client text escaped and capped."""
+    caplog.set_level(logging.INFO, logger="aiobasert.server")
+    forged = "2026-01-01 00:00:00,000 INFO aiobasert.server: refused GET /admin: 401"
+    h = {"Authorization": "Bearer k"}
+    with httpx.Client(base_url=base_url, timeout=30) as http:
+        # the path, percent-encoded on the wire and decoded by the server
+        r = http.get("/v1/models%0a" + forged.replace(" ", "%20"), headers={"X-Request-Id": "lf-path"})
+        assert r.status_code == 401
+        body = b'{"model": "tiny", "prompt": "x", "bad\\n' + forged.encode() + b'": 1}'
+        r = http.post("/v1/completions", content=body,
+                      headers={**h, "X-Request-Id": "lf-field", "Content-Type": "application/json"})  # fmt: skip
+        assert r.status_code == 400 and r.json()["error"]["param"] == "bad\n" + forged
+        r = http.get("/v1/nowhere", headers={**h, "X-Request-Id": "lf-id\u0085\u2028x".encode()})
+        assert r.status_code == 404
+        r = http.get("/v1/" + "a" * 60_000, headers={"X-Request-Id": "lf-long"})
+        assert r.status_code == 401
+
+    lines = [r.getMessage() for r in caplog.records if r.name == "aiobasert.server"]
+    assert all(not _LINE_BREAKERS.search(line) for line in lines), lines
+    for rid in ("lf-path", "lf-field", "lf-long"):
+        assert len([line for line in lines if f"request_id={rid}:" in line]) == 1, (rid, lines)
+    (path,) = [line for line in lines if "request_id=lf-path:" in line]
+    assert path.startswith("refused GET /v1/models\\n2026-01-01\\x2000:00:00,000\\x20INFO")
+    (field,) = [line for line in lines if "request_id=lf-field:" in line]
+    assert " param=bad\\n2026-01-01\\x2000:00:00,000" in field
+    (rid,) = [line for line in lines if line.startswith("refused GET /v1/nowhere: 404")]
+    assert "request_id=lf-id\u00c2\\x85\u00e2\\x80\u00a8x:" in rid  # the header's bytes as latin-1: C1 escaped
+    (long,) = [line for line in lines if "request_id=lf-long:" in line]
+    assert f"/v1/{'a' * 252}...[{60_004 - 256} more chars]: 401" in long and len(long) < 1000
+
+
+def _unescape(text: str) -> str:
+    """The inverse of `escape_field` on a text it did not cut (its escapes are Python's)."""
+    return text.encode("latin-1", "backslashreplace").decode("unicode_escape")
+
+
+@given(st.text(max_size=300), st.booleans())
+@settings(max_examples=500, deadline=None)
+def test_escape_field_leaves_one_distinguishable_line(text: str, spaces: bool) -> None:
+    from aiobasert.server.oplog import MAX_FIELD, escape_field
+
+    out = escape_field(text, spaces=spaces)
+    assert not _LINE_BREAKERS.search(out) and all(unicodedata.category(c) not in ("Cs", "Zl", "Zp") for c in out)
+    assert not (spaces and " " in out)
+    if len(text) <= MAX_FIELD:
+        assert _unescape(out) == text  # injective: distinct texts never log alike
+    else:
+        assert out.endswith(f"...[{len(text) - MAX_FIELD} more chars]")
+        assert _unescape(out.rpartition("...[")[0]) == text[:MAX_FIELD]
+
+
+def test_the_access_line_escapes_and_caps_the_raw_path() -> None:
+    from aiobasert.server.oplog import log_config
+
+    config = log_config("info")["formatters"]["access"]
+    factory = config.pop("()")
+    module, _, name = factory.rpartition(".")
+    formatter = getattr(__import__(module, fromlist=[name]), name)(**config)
+    raw = "/v1/x\x85y\x7f" + "b" * 1000  # bytes 0x85 (NEL) and DEL in a raw path, decoded as latin-1
+    record = logging.LogRecord("uvicorn.access", logging.INFO, __file__, 1, '%s - "%s %s HTTP/%s" %d',
+                               ("127.0.0.1:5", "GET", raw, "1.1", 401), None)  # fmt: skip
+    line = formatter.format(record)
+    assert not _LINE_BREAKERS.search(line)
+    assert '"GET /v1/x\\x85y\\x7f' in line and 'more chars] HTTP/1.1" 401' in line
 
 
 def test_the_library_installs_no_log_handler(base_url: str) -> None:

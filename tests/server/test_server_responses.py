@@ -288,6 +288,20 @@ def test_refused_fields_name_the_param(base_url: str, body: dict[str, Any], para
     assert r.json()["error"]["param"] == param
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_context_overflow_names_input(base_url: str, stream: bool) -> None:
+    """The Responses conversation is `input` (chat completions' is `messages`): its overflow names it."""
+    r = httpx.post(
+        f"{base_url}/v1/responses",
+        json={"model": MODEL_NAME, "input": "x", "max_output_tokens": 20000, "stream": stream},
+        headers={"Authorization": f"Bearer {API_KEY}"},
+    )
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert (error["code"], error["param"]) == ("context_length_exceeded", "input")
+    assert "in the input" in error["message"] and "messages" not in error["message"]
+
+
 @pytest.mark.slow
 def test_smollm2_responses_tool_turn_chained(smollm2_path: Path) -> None:
     """SmolLM2 over the Responses API: a forced call, its output sent back with
