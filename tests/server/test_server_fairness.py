@@ -87,3 +87,82 @@ async def test_usage_reports_the_steps_to_the_first_token(untied_model_path: Pat
                     if line.startswith("data: {") and '"usage":{' in line:
                         usage = httpx.Response(200, content=line[6:]).json()["usage"]
             assert usage is not None and usage["first_token_steps"] == 1, usage
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_a_started_stream_ends_beside_sustained_short_requests(
+    untied_model_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Issue 37 item 1, as its repro did it: 2 lanes, a long stream read from its 10th token on
+    # while 6 closed-loop clients send 8-token requests (each HTTP request its own client). Its
+    # 120-token stream got 3 of its 109 tokens in 40 s before (SmolLM2's steps; the tiny model's
+    # are so short that the stream here is 400 tokens, for the clients' HTTP round trips to keep
+    # the queue full); now it ends by its due step (the SDK test: 2 x work + one short request;
+    # here twice that, for the steps the client's reads lag the engine), and the short requests
+    # still pass it (more are served meanwhile than under FIFO, measured in the same run).
+    served: dict[str, int] = {}
+    for mode in ("fifo", "fair"):
+        monkeypatch.setenv("AIOBASERT_ADMISSION", mode)
+        factory = functools.partial(Engine.open, untied_model_path, max_batch_size=2)
+        with serving(create_app(factory)) as url:
+            async with httpx.AsyncClient(base_url=url, timeout=120) as http:
+                count = 0
+                body = {"prompt": "A long story", "max_tokens": LONG, "stream": True, "temperature": 0,
+                        "logit_bias": NO_END, "stream_options": {"include_usage": True}}  # fmt: skip
+                async with anyio.create_task_group() as tg, http.stream("POST", "/v1/completions", json=body) as r:
+                    lines = r.aiter_lines()
+                    seen = 0
+                    while seen < 10:
+                        seen += (await lines.__anext__()).startswith('data: {"id"')
+                    start = (await http.get("/v1/internal/stats")).json()["steps"]
+
+                    async def client(i: int) -> None:
+                        nonlocal count
+                        while True:
+                            short = {"prompt": f"short {i} {count}", "max_tokens": 8, "logit_bias": NO_END}
+                            assert (await http.post("/v1/completions", json=short)).status_code == 200
+                            count += 1
+
+                    for i in range(6):
+                        tg.start_soon(client, i)
+                    usage = None
+                    async for line in lines:
+                        if line.startswith("data: {") and '"usage":{' in line:
+                            usage = httpx.Response(200, content=line[6:]).json()["usage"]
+                    took = (await http.get("/v1/internal/stats")).json()["steps"] - start
+                    tg.cancel_scope.cancel()
+                assert usage is not None and usage["completion_tokens"] == LONG, usage
+                assert took <= 2 * (2 * (LONG + 1) + 9), (mode, took)
+                served[mode] = count
+                stats = (await http.get("/v1/internal/stats")).json()
+                assert (stats["requests_preempted"] > 0) == (mode == "fair"), stats
+    assert served["fair"] > served["fifo"] > 0, served
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_a_burst_of_distinct_prompts_takes_fifos_steps(
+    untied_model_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Issue 37 item 2, as its repro did it: distinct long prompts at once, more than the lanes (it
+    # took 462 engine steps fair, 330 FIFO): requests of like length never take lanes from each
+    # other, so the burst takes FIFO's steps (the issue allows 5% more), measured in the same run.
+    prompts = [" ".join(f"w{(i * 7919 + j) % 1009}" for j in range(150)) for i in range(24)]
+    steps: dict[str, int] = {}
+    for mode in ("fifo", "fair"):
+        monkeypatch.setenv("AIOBASERT_ADMISSION", mode)
+        factory = functools.partial(Engine.open, untied_model_path, max_batch_size=8, max_context=1024)
+        with serving(create_app(factory)) as url:
+            async with httpx.AsyncClient(base_url=url, timeout=120) as http:
+                before = (await http.get("/v1/internal/stats")).json()
+
+                async def one(p: str) -> None:
+                    body = {"prompt": p, "max_tokens": 24, "temperature": 0, "logit_bias": NO_END}
+                    assert (await http.post("/v1/completions", json=body)).status_code == 200
+
+                async with anyio.create_task_group() as tg:
+                    for p in prompts:
+                        tg.start_soon(one, p)
+                after = (await http.get("/v1/internal/stats")).json()
+                steps[mode] = after["steps"] - before["steps"]
+                assert after["requests_preempted"] == 0 and after["live_sequences"] == 0, after
+    assert steps["fair"] <= 1.05 * steps["fifo"], steps
