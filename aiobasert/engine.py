@@ -649,8 +649,9 @@ class Engine:
         """lark: a Lark grammar (llguidance's dialect) constraining the output, e.g.
         the tool-call grammar of `aiobasert.tools`; structural_tag: the same contract
         as an xgrammar structural tag (JSON text), which the engine's own grammar
-        backend builds where it can (else `lark` is used). Both are built on the
-        engine thread at intake, so a bad grammar fails this request in its caller only."""
+        backend builds where it can (else `lark` is used). Both are compiled while
+        the request is prepared (`_core/prepare.py`, on the intake workers, off the engine
+        thread), so a bad grammar fails this request in its caller only."""
         if self._port.closed:
             raise EngineClosedError("the engine is closed")
         spec = RequestSpec(

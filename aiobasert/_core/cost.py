@@ -83,7 +83,7 @@ class Measure:
     grammar: int
     """Characters of grammar source to compile (json_schema's JSON, tool grammars)."""
     grammar_key: bytes | None
-    """The digest its compiled grammar is cached under (aiobasert._core.grammar.GrammarCache)."""
+    """The digest its compiled grammar is cached under (aiobasert._core.grammar_cache.GrammarCache)."""
 
 
 NO_COST = Measure(0, 0, None)

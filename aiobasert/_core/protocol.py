@@ -149,7 +149,7 @@ Done = Callable[[Any, BaseException | None], None]
 
 class Notify(Protocol):
     """How the engine thread reaches the event loop: schedule fn(*args) there,
-    fire-and-forget, from any thread (`_wakeup.LoopWaker.call_soon`)."""
+    fire-and-forget, from any thread (`wakeup.LoopWaker.call_soon`)."""
 
     def __call__(self, fn: Callable[..., object], /, *args: Any) -> None: ...
 

@@ -1,6 +1,6 @@
 """The JSON Schema policy every grammar shares (a request's json_schema, a tool's parameters):
 objects that declare their properties are closed (`closed_objects`). Below both the grammar's
-compile (`prepare.Preparer`) and the tools (aiobasert/tools.py), which apply it."""
+compile (`prepare.Preparer`) and the tools (aiobasert/tools/), which apply it."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """The values of a tool-aware chat turn: tools, calls, deltas, the reply.
 
 No `from __future__ import annotations` here: these Structs are re-exported as
-`aiobasert.tools.X` (their `__module__`), and msgspec resolves string annotations in
+names of `aiobasert.tools` (their `__module__`), and msgspec resolves string annotations in
 that module, which does not hold every name they use; real annotations need no lookup. (The
 methods' return annotations stay strings, so their signatures read as they did.)"""
 
