@@ -70,7 +70,7 @@ LONG_STREAM = {"messages": [{"role": "user", "content": "Hello"}], "max_tokens":
                "stream": True, "logprobs": True, "top_logprobs": 20, "logit_bias": NO_END}  # fmt: skip
 HOSTILE_KINDS = ("slow_reader", "trickle_reader", "disconnect", "abort", "n_over_lanes", "huge_body", "deep_json",
                  "ref_chain", "deep_schema", "big_enum", "bad_fields", "fanout", "store_bytes", "many_messages",
-                 "many_tools", "reader_4k", "fanout_race")  # fmt: skip
+                 "many_tools", "reader_4k", "fanout_race", "sustained_short", "distinct_burst")  # fmt: skip
 
 
 # ---- the server -----------------------------------------------------------------------------
@@ -529,12 +529,61 @@ async def _fanout_race(h: Hostile, rng: random.Random) -> None:
                 tg.start_soon(one, i)
 
 
+async def _sustained_short(h: Hostile, rng: random.Random) -> None:
+    """Issue 37 item 1: a 200-token stream read from its 10th token on, beside 3 closed-loop clients
+    sending 8-token requests until the normal clients are done; then the stream is read to its end.
+    Fair admission used to take its lane at every step (3 of its 109 tokens in 40 s): a stream that
+    never ends is reported as a hostile client not done by the deadline."""
+    body = {"model": "tiny", "prompt": random_text(rng, 4), "max_tokens": 200, "stream": True, "temperature": 0,
+            "logit_bias": NO_END, "stream_options": {"include_usage": True}}  # fmt: skip
+    async with (
+        httpx.AsyncClient(base_url=h.server.url, headers=AUTH, timeout=None) as http,
+        http.stream("POST", "/v1/completions", json=body) as r,
+        anyio.create_task_group() as tg,
+    ):
+        lines = r.aiter_lines()
+        seen = 0
+        while seen < 10:
+            seen += (await lines.__anext__()).startswith("data: {")
+
+        async def client() -> None:
+            while not h.normal_done.is_set():
+                short = {"model": "tiny", "prompt": random_text(rng, 3), "max_tokens": 8, "logit_bias": NO_END}
+                h.check_refusal("a closed-loop 8-token request", await http.post("/v1/completions", json=short),
+                                ok=(200,))  # fmt: skip
+
+        for _ in range(3):
+            tg.start_soon(client)
+        usage = None
+        async for line in lines:
+            if line.startswith("data: {") and '"usage":{' in line:
+                usage = json.loads(line[6:])["usage"]
+        if usage is None or usage["completion_tokens"] != 200:
+            h.problems.append(f"a stream beside sustained short requests ended with usage {usage}")
+
+
+async def _distinct_burst(h: Hostile, rng: random.Random) -> None:
+    """Issue 37 item 2: distinct long prompts at once, more than the lanes (each newcomer used to take a
+    lane back, and the burst ran 2.3x FIFO's steps); each is served whole."""
+    async with httpx.AsyncClient(base_url=h.server.url, headers=AUTH, timeout=None) as http:
+
+        async def one() -> None:
+            body = {"model": "tiny", "prompt": random_text(rng, 100), "max_tokens": 16, "logit_bias": NO_END}
+            h.check_refusal("one of a burst of distinct prompts", await http.post("/v1/completions", json=body),
+                            ok=(200,))  # fmt: skip
+
+        async with anyio.create_task_group() as tg:
+            for _ in range(2 * LANES):
+                tg.start_soon(one)
+
+
 _HOSTILE: dict[str, Callable[[Hostile, random.Random], Awaitable[None]]] = {
     "slow_reader": _slow_reader, "trickle_reader": _trickle_reader, "disconnect": _disconnect, "abort": _abort,
     "n_over_lanes": _n_over_lanes, "huge_body": _huge_body, "deep_json": _deep_json, "ref_chain": _ref_chain_client,
     "deep_schema": _deep_schema_client, "big_enum": _big_enum, "bad_fields": _bad_fields, "fanout": _fanout,
     "store_bytes": _store_bytes, "many_messages": _many_messages, "many_tools": _many_tools,
-    "reader_4k": _reader_4k, "fanout_race": _fanout_race,
+    "reader_4k": _reader_4k, "fanout_race": _fanout_race, "sustained_short": _sustained_short,
+    "distinct_burst": _distinct_burst,
 }  # fmt: skip
 _COUNTS = {"slow_reader": (LANES, LANES + 2), "trickle_reader": (1, 2), "disconnect": (2, 6), "abort": (2, 6),
            "n_over_lanes": (1, 1)}  # fmt: skip
@@ -725,14 +774,17 @@ async def test_hostile_traffic_cannot_stall_starve_or_kill_normal_clients(server
     assert not findings, f"{len(findings)} findings:\n" + "\n".join(f[:1500] for f in findings)
 
 
-_LIKE_NORMAL_STEPS = {"fanout_race": 6 * 4 * (1 + 16)}
-"""Steps of the hostile requests no longer than a normal one (which asks 8-40 tokens), all queued at
-once: six n=4 completions of 16 tokens (each a prompt chunk, then its tokens)."""
+_LIKE_NORMAL_STEPS = {"fanout_race": 6 * 4 * (1 + 16), "sustained_short": 3 * (1 + 8),
+                      "distinct_burst": 2 * LANES * (1 + 16)}  # fmt: skip
+"""Steps of the hostile requests no longer than a normal one (which asks 8-40 tokens) queued at once:
+six n=4 completions of 16 tokens (each a prompt chunk, then its tokens), three closed-loop 8-token
+clients, a burst of 2 x LANES distinct 16-token completions."""
 
 
 def hostile_bound_tokens(kinds: list[str]) -> int:
     """Most tokens the bounded hostile requests can generate (the unbounded ones, clients that never
     read, are exactly what a server must not let count)."""
     per = {"disconnect": 400, "abort": 3 * 600, "n_over_lanes": 2 * LANES * 300, "fanout": 1100 * 16,
-           "store_bytes": 200, "fanout_race": 6 * 5 * 16}  # fmt: skip
+           "store_bytes": 200, "fanout_race": 6 * 5 * 16, "sustained_short": 200 + 3 * 8 * 100,
+           "distinct_burst": 2 * LANES * 16}  # fmt: skip
     return sum(per.get(kind, 0) for kind in kinds)
