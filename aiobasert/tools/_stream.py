@@ -133,6 +133,11 @@ class ChatStream:
         return out + (self._parser.close() if self._parser is not None else [])
 
     @property
+    def reasoning_tokens(self) -> int:
+        """Tokens of the thought so far, its tags included (`Usage.reasoning_tokens` of the reply)."""
+        return self._thought_tokens
+
+    @property
     def reasoning(self) -> str | None:
         """The thought so far; None when there was none."""
         if self._splitter is None or not self._splitter.thought_seen:
@@ -163,7 +168,7 @@ class ChatStream:
             content=self.content,
             tool_calls=self.tool_calls,
             finish_reason=finish_reason_with_tools(final.finish_reason, self.tool_calls),
-            usage=msgspec.structs.replace(final.usage, reasoning_tokens=self._thought_tokens),
+            usage=msgspec.structs.replace(final.usage, reasoning_tokens=self.reasoning_tokens),
             timing=final.timing,
             reasoning=self.reasoning,
         )
