@@ -41,6 +41,7 @@ from .errors import (
     WrongEventLoopError,
 )
 from .group import EngineGroup, ModelStats
+from .reasoning import ReasoningDelta, Thinking
 from .streams import TokenStream
 from .tools import ChatReply, ChatStream, TextDelta, Tool, ToolCall, ToolCallDelta
 from .types import (
@@ -93,10 +94,12 @@ __all__ = [
     "ModelInfo",
     "ModelNotAvailableError",
     "ModelStats",
+    "ReasoningDelta",
     "SamplingParams",
     "StreamBusyError",
     "StreamClosedError",
     "TextDelta",
+    "Thinking",
     "ThreadAffinityError",
     "Timing",
     "Token",

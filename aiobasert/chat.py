@@ -75,6 +75,44 @@ def check_message_count(messages: object) -> None:
         raise InvalidRequestError(f"messages: {len(messages)} messages; at most {MAX_CHAT_MESSAGES} per chat")
 
 
+TEMPLATE_GLOBALS = frozenset(
+    {"messages", "tools", "add_generation_prompt", "bos_token", "eos_token", "raise_exception", "strftime_now"}
+)
+"""The names a chat template is given by the renderer itself: `chat_template_kwargs` may not set them."""
+
+
+def check_template_kwargs(
+    template: str, kwargs: Mapping[str, Any] | None, special_tokens: Iterable[str] = ()
+) -> dict[str, Any]:
+    """`chat_template_kwargs` as the template may be given them, or `InvalidRequestError` naming the
+    key: each must be a variable the template reads (a knob it does not have is refused, never
+    silently ignored), not one the renderer sets itself, and its value JSON (a string in it may
+    not hold a special token's text: the template prints it as framing, where markers are parsed)."""
+    if kwargs is None:
+        return {}
+    if not isinstance(kwargs, Mapping):
+        raise InvalidRequestError(f"chat_template_kwargs must be an object, not {type(kwargs).__name__}")
+    specials = [t for t in special_tokens if t]
+    out: dict[str, Any] = {}
+    for key, value in kwargs.items():
+        if not isinstance(key, str) or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]{0,63}", key):
+            raise InvalidRequestError(f"chat_template_kwargs: {str(key)[:40]!r} is not a template variable name")
+        if key in TEMPLATE_GLOBALS:
+            raise InvalidRequestError(f"chat_template_kwargs.{key}: set by the server itself, not by a request")
+        if re.search(rf"\b{key}\b", template or DEFAULT_TEMPLATE) is None:
+            raise InvalidRequestError(f"chat_template_kwargs.{key}: the model's chat template has no such variable")
+        try:
+            text = json.dumps(value, allow_nan=False)
+        except (TypeError, ValueError):
+            raise InvalidRequestError(f"chat_template_kwargs.{key}: the value must be JSON") from None
+        if len(text) > 65_536:
+            raise InvalidRequestError(f"chat_template_kwargs.{key}: the value is longer than 65,536 characters")
+        if any(t in text for t in specials) or "\\u0000" in text:
+            raise InvalidRequestError(f"chat_template_kwargs.{key}: the value holds a special token's text")
+        out[key] = value
+    return out
+
+
 _SENTINEL = "\x00\x01{}\x01\x00"
 # the sentinel as tojson writes it inside a JSON string, and what it becomes: content i, JSON-escaped
 _ESCAPED_SENTINEL_RE = re.compile(r"\\u0000\\u0001(\d+)\\u0001\\u0000")

@@ -292,7 +292,7 @@ class Choices(Generic[R]):
     def usage(self) -> Usage:
         """The request's usage (OpenAI's rule): completion tokens summed over the choices that
         ended, each prompt's tokens counted once; cached prompt tokens: those the prefill found
-        (n > 1), else those each choice found."""
+        (n > 1), else those each choice found; reasoning tokens: those of every chat choice's thought."""
         finals = [s.final for s in self.streams]
         prompt = sum(f.usage.prompt_tokens for f in finals[:: self._n] if f is not None)
         completion = sum(f.usage.completion_tokens for f in finals if f is not None)
@@ -300,7 +300,10 @@ class Choices(Generic[R]):
             cached = self._prefill_cached
         else:
             cached = sum(f.usage.cached_prompt_tokens for f in finals if f is not None)
-        return Usage(prompt_tokens=prompt, completion_tokens=completion, cached_prompt_tokens=cached)
+        thought = sum(c.reasoning_tokens for c in self._children if isinstance(c, ChatStream))
+        return Usage(
+            prompt_tokens=prompt, completion_tokens=completion, cached_prompt_tokens=cached, reasoning_tokens=thought
+        )
 
     async def aclose(self) -> None:
         """Cancel every choice still running (idempotent; never waits for the engine)."""

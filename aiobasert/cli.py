@@ -29,9 +29,9 @@ import anyio
 import msgspec
 
 from . import __version__
-from .config import EngineConfig
+from .config import MAX_CHAT_TEMPLATE_CHARS, EngineConfig
 from .engine import Engine
-from .errors import AioBaseRTError, ConversionError
+from .errors import AioBaseRTError, ConversionError, InvalidConfigError
 from .group import _parse_models
 from .models import _options as convert_options
 from .models import cache as models
@@ -82,6 +82,8 @@ def _kv_cache_argument(p: argparse.ArgumentParser) -> None:
                    help="how the KV cache is stored (default auto: the engine's choice, f16 on the reference "
                    "engine as llama.cpp; q8 = Q8_0 blocks, about half of f16; f32 = the reference engine's exact "
                    "pool, twice f16)")  # fmt: skip
+    p.add_argument("--chat-template", metavar="FILE", default=None,
+                   help="render chats with this Jinja chat template file instead of the model's own")  # fmt: skip
 
 
 def _at_least(kind: type[float] | type[int], low: int = 0) -> Any:
@@ -126,7 +128,19 @@ def _engine_config(args: argparse.Namespace, *, max_batch_size: int) -> EngineCo
         dtype=args.dtype,
         grammar_backend_at_open=getattr(args, "grammar_backend_at_open", False),
         prefix_cache_mb=getattr(args, "prefix_cache_mb", None),
+        chat_template=_template_file(getattr(args, "chat_template", None)),
     )
+
+
+def _template_file(path: str | None) -> str | None:
+    """`--chat-template FILE`'s text (`InvalidConfigError` naming the flag when it cannot be read)."""
+    if path is None:
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read(MAX_CHAT_TEMPLATE_CHARS + 1)
+    except (OSError, UnicodeDecodeError) as exc:
+        raise InvalidConfigError(f"--chat-template: cannot read {path}: {exc}") from None
 
 
 def _check_run_args(args: argparse.Namespace) -> None:

@@ -58,6 +58,8 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
         which saves its memory (~70 MiB for a 49k vocabulary, ~340 MiB for 262k, numpy's
         included) where no request needs it, at the price of that one pause mid-service
         (docs/fairness.md).
+    chat_template: a Jinja chat template (its text) used instead of the model's own (`--chat-template
+        FILE` reads one from a file); None: the model's, or its family's where it has none.
     """
 
     max_batch_size: int = 8
@@ -71,6 +73,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     dtype: Dtype = "auto"
     kv_cache_dtype: KVCacheDtype = "auto"
     grammar_backend_at_open: bool = True
+    chat_template: str | None = None
 
     def __post_init__(self) -> None:
         for name, low in (("max_batch_size", 1), ("max_context", 2), ("prefill_chunk", 1), ("max_queue", 1)):
@@ -89,8 +92,29 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
                 raise InvalidConfigError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.library is not None and not isinstance(self.library, str):
             raise InvalidConfigError(f"library must be a path (str) or None, not {type(self.library).__name__}")
+        if self.chat_template is not None:
+            _check_template(self.chat_template)
         if self.thread_check is not None and not isinstance(self.thread_check, bool):
             raise InvalidConfigError(f"thread_check must be a bool or None, got {self.thread_check!r}")
+
+
+MAX_CHAT_TEMPLATE_CHARS = 1 << 20
+
+
+def _check_template(template: object) -> None:
+    """A chat template that is text, at most `MAX_CHAT_TEMPLATE_CHARS`, and compiles (Jinja's syntax
+    error named now, not at the first chat)."""
+    if not isinstance(template, str) or not template.strip():
+        raise InvalidConfigError(f"chat_template must be the non-empty text of a Jinja template, got {template!r:.60}")
+    if len(template) > MAX_CHAT_TEMPLATE_CHARS:
+        raise InvalidConfigError(f"chat_template: {len(template)} characters; at most {MAX_CHAT_TEMPLATE_CHARS}")
+    from jinja2 import TemplateSyntaxError
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    try:
+        ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True).parse(template)
+    except TemplateSyntaxError as exc:
+        raise InvalidConfigError(f"chat_template: not a Jinja template: {exc} (line {exc.lineno})") from None
 
 
 _DEFAULTS = EngineConfig()

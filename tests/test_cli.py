@@ -218,6 +218,7 @@ def test_run_into_a_closed_pipe_ends_quietly(tiny_model_path: Path) -> None:
         (["{model}", "--max-batch-size", "0"], "max_batch_size must be an integer"),
         (["{model}", "--kv-cache-dtype", "bf16"], "--kv-cache-dtype: invalid choice: 'bf16'"),
         (["{model}", "--served-model-name", "x", "--model", "y={model}"], "--served-model-name names one model"),
+        (["{model}", "--chat-template", "/no/such.jinja"], "--chat-template: cannot read /no/such.jinja"),
     ],
 )
 def test_serve_refuses_a_bad_command_line_before_starting(

@@ -48,6 +48,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [  # bottom first; an exact name win
             "aiobasert.chat",
             "aiobasert.tools",
             "aiobasert.tools.*",
+            "aiobasert.reasoning",
+            "aiobasert.reasoning.*",
         ),
     ),
     ("thread", ("aiobasert.engine_thread",)),

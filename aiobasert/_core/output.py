@@ -19,6 +19,7 @@ from ..types import FinishReason, Timing, Token, TopLogprob, Usage
 from . import ffi as _ffi
 from .protocol import Final
 from .step import Lane
+from .thought import ThoughtGate
 
 
 class Detokenizer:
@@ -89,7 +90,12 @@ class OutputProcessor:
             # an end token: its own bytes are not output; what is pending is released
             text, finish = self._tail(lane)[0], "stop"
         else:
-            text, hit = lane.stopper.feed(lane.decoder.decode(self._detok.token_bytes(tok)))
+            text = lane.decoder.decode(self._detok.token_bytes(tok))
+            gate = lane.constraint
+            if isinstance(gate, ThoughtGate) and gate.in_thought and not gate.stop_in_thought:
+                hit = False  # a reasoning model's thought: stop strings match only in its answer
+            else:
+                text, hit = lane.stopper.feed(text)
             if hit:
                 finish = "stop"  # the stop string and everything after it are dropped
             elif lane.constraint is not None and lane.constraint.is_finished():

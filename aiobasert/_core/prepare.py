@@ -37,8 +37,9 @@ from . import lazy_numpy
 from .grammar_cache import GrammarCache
 from .intake import Intake, Reroute, TokenIds, Tokenizer, on_costly_worker, run_job
 from .model_file import ModelFile
-from .protocol import Constraint, Embed, Message, Prepared, Prompt, RequestSpec, Submit
+from .protocol import Constraint, Embed, Message, Prepared, Prompt, RequestSpec, Submit, ThoughtSpec
 from .schema import closed_objects
+from .thought import ThoughtGate
 
 if TYPE_CHECKING:  # llguidance (the grammar module): imported on first use only
     from .grammar import GrammarBackend
@@ -99,6 +100,7 @@ class Preparer:
         self.grammar_compiles: Counter[str] = Counter()  # those compiled (not cached)
         self.live_grammars = 0
         self._preparing: dict[str, Preparing] = {}  # by request id
+        self._end_ids: list[int] | None = None  # asked of the engine once, by the first thought gate
 
     @property
     def preparing(self) -> int:
@@ -113,6 +115,7 @@ class Preparer:
         grammar needs neither: its checked ids (or its error) are returned at once instead."""
         spec = msg.spec
         grammar = spec.lark is not None or spec.structural_tag is not None or spec.params.json_schema is not None
+        grammar = grammar or spec.thought is not None  # a thought gate is a (cheap) grammar of its own
         sink = msg.sink
 
         def prepare(tok: Tokenizer) -> PromptAndGrammar | None:
@@ -176,6 +179,10 @@ class Preparer:
 
     def close_constraint(self, constraint: Constraint, key: bytes | None) -> None:
         self.live_grammars -= 1
+        if isinstance(constraint, ThoughtGate):  # the request's own grammar is what the cache keeps
+            if constraint.inner is None:
+                return
+            constraint = constraint.inner
         if key is not None and self.grammars.give_back(key, constraint):  # kept for the next request
             return
         with contextlib.suppress(Exception):  # freeing must not stop the teardown
@@ -208,10 +215,19 @@ class Preparer:
             if text is not None and text.count('"$ref"') > MAX_SCHEMA_REFS:
                 raise InvalidRequestError(f"tools: the tool schemas hold more than {MAX_SCHEMA_REFS} $refs")
         constraint: Constraint | None = None
-        if spec.lark is not None or spec.structural_tag is not None or spec.params.json_schema is not None:
+        source = spec.lark is not None or spec.structural_tag is not None or spec.params.json_schema is not None
+        if source or spec.thought is not None:
             tok.check_fits(_cost.prompt_chars(spec.prompt), self.max_context)  # no grammar for a text that cannot fit
             lazy_numpy.load()  # the engine thread masks a grammar's rows with numpy: imported here, never there
+        if source:
             constraint = self.grammar_of(tok, spec)  # may raise Reroute: nothing is tokenized yet
+        if spec.thought is not None:
+            try:
+                constraint = self.thought_gate(tok, spec.thought, constraint)
+            except BaseException:
+                if constraint is not None:
+                    _discard(constraint, tok)
+                raise
         try:
             prompt = self.tokenize_prompt(tok, spec)
         except BaseException:
@@ -258,6 +274,22 @@ class Preparer:
         if key is not None:
             self.grammars.remember(key, constraint)
         return constraint
+
+    def thought_gate(self, tok: Tokenizer, spec: ThoughtSpec, inner: Constraint | None) -> ThoughtGate:
+        """The lane's thought gate around its grammar (`inner`, or none): the tags' ids read
+        through the worker's tokenizer (each must be one token), the end ids asked of the engine
+        once per engine (only a gate with a grammar after it forbids them in the thought)."""
+        ids = []
+        for tag in (spec.open_tag, spec.close_tag):
+            encoded = tok.encode_list(tag, special=True)
+            if len(encoded) != 1:
+                raise InvalidRequestError(f"thinking: {tag!r} is not one token of this model's vocabulary")
+            ids.append(encoded[0])
+        if inner is not None and self._end_ids is None:
+            from .grammar import engine_end_ids
+
+            self._end_ids = engine_end_ids(tok.lib, tok.handle, self.vocab_size)
+        return ThoughtGate(inner, spec, open_id=ids[0], close_id=ids[1], end_ids=self._end_ids or ())
 
     def build_constraint(self, tok: Tokenizer, schema: Mapping[str, Any] | bool) -> Constraint:
         """The lane's grammar: the engine's own where it has one, else the host backend.

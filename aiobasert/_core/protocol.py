@@ -56,6 +56,24 @@ class Constraint(Protocol):
         ...
 
 
+@dataclass(frozen=True)
+class ThoughtSpec:
+    """A reasoning model's thought in one request, as the engine thread gates it (`thought.ThoughtGate`).
+
+    The thought runs free between `open_tag` and `close_tag` (each one token of the vocabulary);
+    the request's grammar, if any, starts after the close tag, and the turn may not end inside
+    the thought when a grammar follows it (its answer must come)."""
+
+    open_tag: str
+    close_tag: str
+    starts_open: bool
+    """The prompt left the thought open (its first token is already inside it)."""
+    budget: int | None = None
+    """Past this many thought tokens only the close tag may follow."""
+    stop_in_thought: bool = False
+    """Stop strings match inside the thought too (by default only after it)."""
+
+
 @dataclass
 class RequestSpec:
     rid: str
@@ -69,6 +87,8 @@ class RequestSpec:
     """An xgrammar structural tag (JSON text) for the same contract as `lark`: the engine's own
     grammar backend builds it where it can (`baseRT_grammar_create_from_structural_tag`);
     `lark` is the host fallback when it cannot."""
+    thought: ThoughtSpec | None = None
+    """A reasoning model's thought: gated (budget, grammar after it, stop strings outside it)."""
     client: str | None = None
     """Whose request it is, for fair admission (`aiobasert.client_scope`); None: its own."""
     submitted_at: float = field(default_factory=time.monotonic)

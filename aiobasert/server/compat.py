@@ -122,7 +122,19 @@ FIELDS: dict[str, list[Field]] = {
         Field("functions", "refused", "deprecated: use tools", bad=[{"name": "f"}]),
         Field("modalities", "refused", 'only ["text"]', bad=["audio"], allowed=(None, ["text"])),
         Field("prediction", "refused", "", bad={"type": "content", "content": "x"}),
-        Field("reasoning_effort", "refused", "", bad="low"),
+        Field(
+            "reasoning_effort",
+            "honoured",
+            "reasoning models (docs/reasoning.md): none = the template's `enable_thinking` off, any other on; "
+            "400 where the template has no such knob",
+            bad="extreme",
+        ),
+        Field(
+            "chat_template_kwargs",
+            "extension",
+            "variables for the chat template (`enable_thinking`, ...); one the template does not read is a 400",
+            bad={"no_such_knob": True},
+        ),
         Field(
             "service_tier", "refused", "one tier: auto/default accepted", bad="flex", allowed=(None, "auto", "default")
         ),

@@ -19,6 +19,7 @@ from starlette.responses import Response
 from ..choices import MAX_N, Choices
 from ..engine import Engine
 from ..errors import InvalidRequestError
+from ..reasoning import ReasoningDelta
 from ..tools import ChatDelta as ChatDeltaSDK
 from ..tools import ChatReply, TextDelta, ToolCall, ToolCallDelta
 from ..types import SamplingParams, Token
@@ -34,6 +35,7 @@ from .params import (
     finish_reason,
     json_schema_of,
     precount_chat,
+    reasoning_effort,
     refuse_schema_with_tools,
     request_tools,
     sampling_params,
@@ -178,7 +180,9 @@ def _chat_delta(deltas: Sequence[ChatDeltaSDK]) -> ChatDelta:
         else:
             seen.function.arguments = (seen.function.arguments or "") + d.arguments
     out = list(calls.values())
-    return ChatDelta(content=text if text or not out else None, tool_calls=out or None)
+    thought = "".join(d.text for d in deltas if isinstance(d, ReasoningDelta))
+    content = text if text or not (out or thought) else None
+    return ChatDelta(content=content, reasoning_content=thought or None, tool_calls=out or None)
 
 
 class _ChatChunks(_ChoiceChunks[ChatChunkChoice]):
@@ -312,6 +316,7 @@ def _chat_choice(index: int, reply: ChatReply, finish: str, lp: ChoiceLogprobs |
             role="assistant",
             content=reply.content if reply.content or not calls else None,
             tool_calls=[_tool_call_out(c) for c in calls] or None,
+            reasoning_content=reply.reasoning,
         ),
         logprobs=lp,
         finish_reason=_with_tools(finish, calls),
@@ -598,6 +603,8 @@ class Service:
         engine = served.engine
         parallel = req.parallel_tool_calls is not False
 
+        thinking = reasoning_effort(req.reasoning_effort)
+
         def prepare() -> Choices[ChatReply]:
             tools, choice = request_tools(req.tools, req.tool_choice)
             return engine.stream_chat_n(
@@ -607,12 +614,14 @@ class Service:
                 tools=tools,
                 tool_choice=choice,
                 parallel_tool_calls=parallel,
+                thinking=thinking,
+                chat_template_kwargs=req.chat_template_kwargs,
             )
 
         try:
             return await self.workers.run(prepare, large=is_large(len(req.messages), len(req.tools or ())))
         except InvalidRequestError as exc:
-            raise chat_refusal(exc, "messages") from None
+            raise chat_refusal(exc, "messages", thinking="reasoning_effort") from None
 
     async def embeddings(self, request: Request) -> Response:
         req = await read_json(request, EmbeddingRequest)

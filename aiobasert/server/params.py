@@ -11,6 +11,7 @@ import msgspec
 
 from ..chat import MAX_CHAT_MESSAGES
 from ..errors import InvalidRequestError
+from ..reasoning import Thinking
 from ..streams import TokenStream
 from ..tools import MAX_TOOLS, ToolCall, ToolChoice, check_schema_and_tools
 from ..types import FinishReason, SamplingParams, Token
@@ -183,6 +184,11 @@ def chat_messages(messages: Sequence[RequestMessage]) -> list[dict[str, Any]]:
             entry["tool_call_id"] = m.tool_call_id
         if m.name is not None:
             entry["name"] = m.name
+        thought = m.reasoning_content if m.reasoning_content is not None else m.reasoning
+        if thought is not None:
+            if role != "assistant":
+                raise APIError(400, f"messages[{i}]: only assistant turns carry reasoning", param="messages")
+            entry["reasoning_content"] = thought
         out.append(entry)
     return out
 
@@ -204,7 +210,20 @@ async def first_token(stream: TokenStream) -> Token | None:
     return tok
 
 
-def chat_refusal(exc: InvalidRequestError, conversation: str) -> APIError:
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high")
+
+
+def reasoning_effort(effort: object, param: str = "reasoning_effort") -> Thinking | None:
+    """OpenAI's `reasoning_effort` as the SDK's `thinking`: "none" turns thinking off, any other
+    effort on (the chat template's `enable_thinking`; a model without the knob refuses either)."""
+    if effort is None:
+        return None
+    if effort not in REASONING_EFFORTS:
+        raise APIError(400, f"{param} must be one of {', '.join(REASONING_EFFORTS)}", param=param)
+    return Thinking(enabled=effort != "none")
+
+
+def chat_refusal(exc: InvalidRequestError, conversation: str, *, thinking: str | None = None) -> APIError:
     """The 400 of a chat the SDK refused (chat completions, Responses), naming the field it is about
     where the error names none: `tool_choice`, `tools`, or the conversation's field (`conversation`:
     "messages", "input"), which a past tool call in it (aiobasert.tools' render: "tool call ...") is too."""
@@ -212,6 +231,10 @@ def chat_refusal(exc: InvalidRequestError, conversation: str) -> APIError:
     if err.body.error.param is not None:
         return err
     message = str(exc)
+    if message.startswith("thinking") and thinking is not None:  # the SDK's `thinking`: the request's field for it
+        return APIError(400, message, param=thinking)
+    if message.startswith("chat_template_kwargs"):
+        return APIError(400, message, param="chat_template_kwargs")
     if "tool_choice" in message:
         param: str | None = "tool_choice"
     elif message.startswith("tool call"):

@@ -151,6 +151,11 @@ class RequestMessage(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     parsed: Any = None
     audio: Any = None
     function_call: Any = None
+    reasoning_content: str | None = None
+    """A reasoning model's thought in an assistant turn sent back (vLLM's and DeepSeek's name; `reasoning`
+    is the same): given to the chat template, which renders it (Qwen3, for the turns after the last user
+    query) or drops it."""
+    reasoning: str | None = None
 
 
 class FunctionDefinition(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -204,6 +209,9 @@ class ChatCompletionRequest(SamplingRequest, kw_only=True):
     modalities: Any = None
     prediction: Any = None
     reasoning_effort: Any = None
+    """"none": thinking off; "minimal" / "low" / "medium" / "high": on (the template's `enable_thinking`)."""
+    chat_template_kwargs: dict[str, Any] | None = None
+    """More variables for the chat template (vLLM's, llama-server's field): each must be one it reads."""
     service_tier: Any = None
     store: Any = None
     metadata: Any = None
@@ -247,6 +255,11 @@ class PromptTokensDetails(msgspec.Struct, kw_only=True):
     """Prompt tokens served from the engine's prefix cache."""
 
 
+class CompletionTokensDetails(msgspec.Struct, kw_only=True):
+    reasoning_tokens: int
+    """Completion tokens of a reasoning model's thought, its tags included."""
+
+
 class UsageInfo(msgspec.Struct, kw_only=True):
     """Token counts of one request."""
 
@@ -254,6 +267,7 @@ class UsageInfo(msgspec.Struct, kw_only=True):
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails | None = None
+    completion_tokens_details: CompletionTokensDetails | None = None
     first_token_steps: int | None = None
     """Extension: engine steps from the request's arrival at the engine to its first token
     (`Timing.first_token_step - Timing.submitted_step`; of several choices or prompts, the latest), the time to
@@ -268,6 +282,7 @@ class UsageInfo(msgspec.Struct, kw_only=True):
             completion_tokens=usage.completion_tokens,
             total_tokens=usage.total_tokens,
             prompt_tokens_details=PromptTokensDetails(cached_tokens=usage.cached_prompt_tokens),
+            completion_tokens_details=CompletionTokensDetails(reasoning_tokens=usage.reasoning_tokens),
             first_token_steps=max(steps) if steps else None,
         )
 
@@ -320,6 +335,8 @@ class AssistantMessage(msgspec.Struct, kw_only=True, omit_defaults=True):
     role: str
     content: str | None
     tool_calls: list[ToolCallOut] | None = None
+    reasoning_content: str | None = None
+    """A reasoning model's thought (vLLM's, DeepSeek's and llama-server's field); absent without one."""
 
 
 class ChatChoice(msgspec.Struct, kw_only=True):
@@ -357,6 +374,7 @@ class ToolCallDeltaOut(msgspec.Struct, kw_only=True, omit_defaults=True):
 class ChatDelta(msgspec.Struct, kw_only=True, omit_defaults=True):
     role: str | None = None
     content: str | None = None
+    reasoning_content: str | None = None
     tool_calls: list[ToolCallDeltaOut] | None = None
 
 

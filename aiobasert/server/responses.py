@@ -28,7 +28,8 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from ..errors import InvalidRequestError
-from ..tools import ChatStream, TextDelta, ToolCall, ToolCallDelta, template_supports_tools
+from ..reasoning import ReasoningDelta
+from ..tools import ChatDelta, ChatStream, TextDelta, ToolCall, template_supports_tools
 from ..types import SamplingParams, Timing, Token, Usage
 from .compat import check_refused
 from .errors import APIError, in_band_error
@@ -553,8 +554,10 @@ class _ResponseEvents:
         out = b"".join(self._delta(d) for d in self.t.chat.feed(tok))
         return out or None
 
-    def _delta(self, d: TextDelta | ToolCallDelta) -> bytes:
+    def _delta(self, d: ChatDelta) -> bytes:
         t = self.t
+        if isinstance(d, ReasoningDelta):
+            return b""
         if isinstance(d, TextDelta):
             out = b""
             if not t._text_open:

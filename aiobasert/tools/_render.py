@@ -53,6 +53,13 @@ def _message_fields(m: Any, i: int) -> dict[str, Any]:
     for key in ("tool_call_id", "name"):
         if m.get(key) is not None:
             out[key] = str(m[key])
+    # a reasoning model's thought, sent back with its turn (`reasoning_content`, as vLLM and DeepSeek
+    # name it, or `reasoning`): given to the template, which renders it or drops it
+    thought = m.get("reasoning_content", m.get("reasoning"))
+    if thought is not None and out["role"] == "assistant":
+        if not isinstance(thought, str):
+            raise InvalidRequestError(f"message {i}: reasoning_content must be a string")
+        out["reasoning_content"] = encodable_content("assistant", thought, i)
     if out["role"] == "assistant" and isinstance(out["content"], str):  # the model's words fed back
         out["content"] = encodable_content("assistant", out["content"], i)
         if "tool_calls" in out:
@@ -72,11 +79,14 @@ def render_tool_chat(
     add_generation_prompt: bool = True,
     bos_token: str = "",
     eos_token: str = "",
+    template_kwargs: Mapping[str, Any] | None = None,
 ) -> list[tuple[str, bool]]:
     """Render a conversation with tools (and tool turns) into encodable pieces,
     with the model's template when it supports tools, else the default format.
     `tool_format`: how the model writes calls (the template's is
-    `tool_format_for(template)`, `Engine.tool_format`)."""
+    `tool_format_for(template)`, `Engine.tool_format`); `template_kwargs`: more variables for
+    the template (`chat.check_template_kwargs`, e.g. `enable_thinking`)."""
+    extra = dict(template_kwargs or {})
     if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence) or not messages:
         raise InvalidRequestError("messages must be a non-empty list of {role, content} messages")
     check_message_count(messages)
@@ -94,7 +104,7 @@ def render_tool_chat(
     fmt = tool_format
     if template_supports_tools(template):
         msgs = fmt.shape_messages(msgs)
-        return _render_with_template(template, msgs, tools, add_generation_prompt, bos_token, eos_token)
+        return _render_with_template(template, msgs, tools, add_generation_prompt, bos_token, eos_token, extra)
     plain: list[dict[str, Any]] = []
     if tools:
         listing = DEFAULT_TOOL_PROMPT.format(tools="\n".join(json.dumps(t.as_openai()) for t in tools))
@@ -109,15 +119,19 @@ def render_tool_chat(
         elif m.get("tool_calls"):
             parts = [m["content"]] if m["content"] else []
             parts.append(fmt.call_text(m["tool_calls"]))
-            plain.append({"role": m["role"], "content": "\n".join(parts), **_name_of(m)})  # text, then calls
+            plain.append({"role": m["role"], "content": "\n".join(parts), **_name_of(m), **_thought_of(m)})
         else:
-            plain.append({"role": m["role"], "content": m["content"], **_name_of(m)})
+            plain.append({"role": m["role"], "content": m["content"], **_name_of(m), **_thought_of(m)})
     # the template sees each turn's text and `name` (as client text), as with a tool-aware one
-    return _render_with_template(template, plain, [], add_generation_prompt, bos_token, eos_token)
+    return _render_with_template(template, plain, [], add_generation_prompt, bos_token, eos_token, extra)
 
 
 def _name_of(m: dict[str, Any]) -> dict[str, Any]:
     return {"name": m["name"]} if "name" in m else {}
+
+
+def _thought_of(m: dict[str, Any]) -> dict[str, Any]:
+    return {"reasoning_content": m["reasoning_content"]} if "reasoning_content" in m else {}
 
 
 _FORGERY = re.compile(r"<\||\|>|<tool_call>|</tool_call>")
@@ -130,6 +144,7 @@ def _render_with_template(
     add_generation_prompt: bool,
     bos_token: str,
     eos_token: str,
+    template_kwargs: dict[str, Any],
 ) -> list[tuple[str, bool]]:
     # Client text becomes content pieces (never parsed for markers), as in
     # chat.render_chat: message contents, and the free-form strings a template
@@ -158,7 +173,7 @@ def _render_with_template(
                 entry["tool_calls"].append(
                     {"id": protected(c.id), "type": "function", "function": {"name": c.name, "arguments": args}}
                 )
-        for key in ("tool_call_id", "name"):
+        for key in ("tool_call_id", "name", "reasoning_content"):
             if key in m:
                 entry[key] = protected(m[key])
         ctx.append(entry)
@@ -173,4 +188,5 @@ def _render_with_template(
         add_generation_prompt=add_generation_prompt,
         bos_token=bos_token,
         eos_token=eos_token,
+        **template_kwargs,
     )

@@ -7,7 +7,10 @@ from collections import deque
 from collections.abc import Generator, Sequence
 from typing import TYPE_CHECKING, Any
 
+import msgspec
+
 from ..errors import InvalidRequestError, StreamBusyError, WrongEventLoopError
+from ..reasoning import ReasoningDelta, ReasoningFormat, ReasoningSplitter
 from ..types import FinishReason, Token
 from ._format import CallParser, ToolFormat, default_tool_format
 from ._types import ChatDelta, ChatReply, TextDelta, ToolCall
@@ -63,17 +66,31 @@ class _ChatIteration:
 
 
 class ChatStream:
-    """`async for delta in stream` yields `TextDelta` / `ToolCallDelta`;
+    """`async for delta in stream` yields `TextDelta` / `ToolCallDelta` / `ReasoningDelta`;
     `await stream` gives the `ChatReply`. Wraps the turn's `TokenStream`
     (`stream.tokens`); closing one closes the other. Leaving the loop early
     (`break`, an exception) frees the lane at once, as for a `TokenStream`.
     `tool_format`: the model's call format the text is parsed in (default Hermes;
-    `engine.stream_chat` passes `engine.tool_format`)."""
+    `engine.stream_chat` passes `engine.tool_format`). `reasoning`: the model's reasoning format
+    (`engine.reasoning_format`): its thought comes as `ReasoningDelta`s, never as text, and only the
+    answer is parsed for calls (`open_at_start`: the prompt left the thought open)."""
 
     def __init__(
-        self, tokens: TokenStream, *, parse_calls: bool, forced: bool = False, tool_format: ToolFormat | None = None
+        self,
+        tokens: TokenStream,
+        *,
+        parse_calls: bool,
+        forced: bool = False,
+        tool_format: ToolFormat | None = None,
+        reasoning: ReasoningFormat | None = None,
+        open_at_start: bool = False,
     ) -> None:
         self.tokens = tokens
+        self._splitter: ReasoningSplitter | None = None
+        if reasoning is not None:
+            self._splitter = reasoning.splitter(open_at_start=open_at_start)
+        self._thought: list[str] = []
+        self._thought_tokens = 0
         self._parser: CallParser | None = None
         if parse_calls:  # in the model's call format (default Hermes)
             self._parser = (tool_format or default_tool_format()).parser(forced=forced)
@@ -85,14 +102,47 @@ class ChatStream:
 
     def feed(self, tok: Token) -> list[ChatDelta]:
         """The deltas one token completes (for callers that walk the tokens themselves)."""
+        splitter = self._splitter
+        if splitter is None:
+            return self._answer(tok.text)
+        was_in = splitter.in_thought
+        parts = splitter.feed(tok.text)
+        if was_in or splitter.in_thought:  # its tags count as the thought's
+            self._thought_tokens += 1
+        return self._parts(parts)
+
+    def _parts(self, parts: Sequence[tuple[str, str]]) -> list[ChatDelta]:
+        out: list[ChatDelta] = []
+        for kind, text in parts:
+            if kind == "reasoning":
+                self._thought.append(text)
+                out.append(ReasoningDelta(text))
+            else:
+                out.extend(self._answer(text))
+        return out
+
+    def _answer(self, text: str) -> list[ChatDelta]:
         if self._parser is None:
-            self._text.append(tok.text)
-            return [TextDelta(tok.text)] if tok.text else []
-        return self._parser.feed(tok.text)
+            self._text.append(text)
+            return [TextDelta(text)] if text else []
+        return self._parser.feed(text)
 
     def close_parser(self) -> list[ChatDelta]:
         """The deltas held back until the end (call after the last `feed`; idempotent)."""
-        return self._parser.close() if self._parser is not None else []
+        out = self._parts(self._splitter.close()) if self._splitter is not None else []
+        return out + (self._parser.close() if self._parser is not None else [])
+
+    @property
+    def reasoning_tokens(self) -> int:
+        """Tokens of the thought so far, its tags included (`Usage.reasoning_tokens` of the reply)."""
+        return self._thought_tokens
+
+    @property
+    def reasoning(self) -> str | None:
+        """The thought so far; None when there was none."""
+        if self._splitter is None or not self._splitter.thought_seen:
+            return None
+        return "".join(self._thought)
 
     @property
     def content(self) -> str:
@@ -118,8 +168,9 @@ class ChatStream:
             content=self.content,
             tool_calls=self.tool_calls,
             finish_reason=finish_reason_with_tools(final.finish_reason, self.tool_calls),
-            usage=final.usage,
+            usage=msgspec.structs.replace(final.usage, reasoning_tokens=self.reasoning_tokens),
             timing=final.timing,
+            reasoning=self.reasoning,
         )
 
     async def collect(self) -> ChatReply:

@@ -9,7 +9,10 @@ from typing import Any
 
 import msgspec
 
-from ..chat import check_message_count
+from .._core.protocol import ThoughtSpec
+from ..chat import check_message_count, check_template_kwargs
+from ..errors import InvalidRequestError
+from ..reasoning import ReasoningFormat, Thinking
 from ._format import ToolFormat
 from ._input import check_tools, parse_tool_choice, parse_tools
 from ._render import render_tool_chat
@@ -35,6 +38,13 @@ class ChatTurn(msgspec.Struct, frozen=True, kw_only=True):
     forced: bool
     """Only calls may be generated ("required" or a named function)."""
     tool_format: ToolFormat
+    reasoning: ReasoningFormat | None = None
+    """The model's reasoning format (None: it does not reason): the stream separates its thought."""
+    open_at_start: bool = False
+    """The prompt left the thought open: the output starts inside it."""
+    thought: ThoughtSpec | None = None
+    """The thought as the engine gates it (budget, a grammar after it, stop strings outside it), where
+    the model may think in this turn (None: no reasoning format, or the prompt closed the thought)."""
 
 
 def prepare_chat_turn(
@@ -48,14 +58,25 @@ def prepare_chat_turn(
     add_generation_prompt: bool = True,
     bos_token: str = "",
     eos_token: str = "",
+    reasoning: ReasoningFormat | None = None,
+    thinking: Thinking | None = None,
+    template_kwargs: Mapping[str, Any] | None = None,
+    special_tokens: Sequence[str] = (),
 ) -> ChatTurn:
     """Render and constrain one tool-aware chat turn with the model's chat `template`, in its
     tool-call format (`Engine.tool_format`); `bos_token` / `eos_token` are the model's
     (`ModelInfo`), as the template may print them. Bounded before it is paid: more than
     `MAX_CHAT_MESSAGES` messages or `MAX_TOOLS` tools are refused before anything is
-    rendered. Safe to run in a worker thread (it touches no engine and no event loop)."""
+    rendered. Safe to run in a worker thread (it touches no engine and no event loop).
+
+    `reasoning`: the model's reasoning format (`Engine.reasoning_format`); `thinking`: what the turn
+    asks of the thought (on / off through the template's knob, its budget); `template_kwargs`: more
+    variables for the template (`chat_template_kwargs`, checked by `chat.check_template_kwargs`);
+    `special_tokens`: the vocabulary's, which a template variable may not carry."""
     check_message_count(messages)
     check_tools(tools)
+    kwargs = check_template_kwargs(template, template_kwargs, special_tokens)
+    _thinking_knob(template, reasoning, thinking, kwargs)
     fmt = tool_format
     parsed = parse_tools(tools)
     choice = parse_tool_choice(tool_choice, parsed)
@@ -72,7 +93,17 @@ def prepare_chat_turn(
         add_generation_prompt=add_generation_prompt,
         bos_token=bos_token,
         eos_token=eos_token,
+        template_kwargs=kwargs,
     )
+    state = "closed"
+    if reasoning is not None:
+        text, is_content = pieces[-1]
+        state = reasoning.prompt_state("" if is_content else text)
+    thought = None
+    if reasoning is not None and state != "closed":
+        opts = thinking or Thinking()
+        thought = ThoughtSpec(reasoning.open_tag, reasoning.close_tag, starts_open=state == "open",
+                              budget=opts.budget, stop_in_thought=opts.stop_in_thought)  # fmt: skip
     return ChatTurn(
         pieces=pieces,
         lark=lark,
@@ -80,4 +111,31 @@ def prepare_chat_turn(
         parse_calls=choice != "none" and bool(parsed),
         forced=forced,
         tool_format=fmt,
+        reasoning=reasoning,
+        open_at_start=state == "open",
+        thought=thought,
     )
+
+
+def _thinking_knob(
+    template: str, reasoning: ReasoningFormat | None, thinking: Thinking | None, kwargs: dict[str, Any]
+) -> None:
+    """`thinking` written into the template's variables (its `enable_thinking`), or
+    `InvalidRequestError` naming `thinking` where the model cannot do what it asks."""
+    template_kwargs_set = reasoning is not None and reasoning.thinking_knob in kwargs
+    if reasoning is not None and reasoning.has_knob(template):
+        # as llama.cpp: the knob is always given, on unless asked off (DeepSeek-R1's llama.cpp template
+        # reads an absent `enable_thinking` as off, Qwen3's and SmolLM3's as on)
+        kwargs.setdefault(reasoning.thinking_knob, True)
+    if thinking is None:
+        return
+    if reasoning is None and (thinking.enabled or thinking.budget is not None):
+        raise InvalidRequestError("thinking: this model does not reason (its chat template has no thought)")
+    if thinking.enabled is None:
+        return
+    knob = reasoning.thinking_knob if reasoning is not None else "enable_thinking"
+    if reasoning is None or not reasoning.has_knob(template):
+        raise InvalidRequestError(f"thinking: this model's chat template cannot turn thinking on or off (no {knob})")
+    if template_kwargs_set and kwargs.get(knob) != thinking.enabled:
+        raise InvalidRequestError(f"thinking: chat_template_kwargs.{knob} says otherwise")
+    kwargs[knob] = thinking.enabled

@@ -11,6 +11,7 @@ import msgspec
 
 from .._core.schema import closed_objects
 from ..errors import InvalidRequestError
+from ..reasoning import ReasoningDelta
 from ..types import FinishReason, Timing, Usage
 
 
@@ -73,7 +74,7 @@ class TextDelta(msgspec.Struct, frozen=True):
     text: str
 
 
-ChatDelta = TextDelta | ToolCallDelta
+ChatDelta = TextDelta | ToolCallDelta | ReasoningDelta
 
 ToolChoice = Literal["auto", "none", "required"] | str
 """`"auto"`, `"none"`, `"required"`, or the name of the function that must be called."""
@@ -91,6 +92,9 @@ class ChatReply(msgspec.Struct, frozen=True, kw_only=True):
     finish_reason: FinishReason | Literal["tool_calls"]
     usage: Usage
     timing: Timing
+    reasoning: str | None = None
+    """A reasoning model's thought (its tags and edge whitespace left out); None when the turn
+    had none (a model that does not reason, or thinking off). `usage.reasoning_tokens` counts it."""
 
     @property
     def text(self) -> str:

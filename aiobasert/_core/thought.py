@@ -1,0 +1,123 @@
+"""The thought gate: a reasoning model's thought runs free, the request's grammar starts after it.
+
+Structured output and forced tool calls on a reasoning model (docs/reasoning.md): the grammar
+must not forbid the thought (nothing but JSON from the first token would skip it) nor constrain
+it. `ThoughtGate` is the lane's `Constraint` around the request's own (or none), by phase:
+
+- before the thought (a prompt that did not open one): the inner grammar's tokens, and the
+  open tag;
+- inside it: every token, except the end tokens when a grammar follows (the answer must come);
+  past `budget` thought tokens only the close tag (llama-server's `--reasoning-budget`);
+- after the close tag: the inner grammar, from its start.
+
+So the answer is the inner grammar's every time, whatever the thought was. The gate also says
+whether the token just accepted belonged to the thought (`in_thought`), for the stop-string
+matcher: a stop string only ends the turn in the answer unless the request asks otherwise.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from .protocol import Constraint, ThoughtSpec
+
+if TYPE_CHECKING:
+    import numpy as np
+
+_BEFORE, _THOUGHT, _AFTER = 0, 1, 2
+
+
+class ThoughtGate:
+    """A `Constraint` that runs `inner` (or nothing) only after the thought closes (see module)."""
+
+    __slots__ = ("_budget", "_close_id", "_end_ids", "_open_id", "_phase", "_spent", "in_thought", "inner",
+                 "stop_in_thought")  # fmt: skip
+
+    def __init__(
+        self, inner: Constraint | None, spec: ThoughtSpec, *, open_id: int, close_id: int, end_ids: Sequence[int]
+    ) -> None:
+        self.inner = inner
+        self._open_id, self._close_id = open_id, close_id
+        self._end_ids = tuple(end_ids) if inner is not None else ()  # free text may end in its thought
+        self._budget = spec.budget
+        self._phase = _THOUGHT if spec.starts_open else _BEFORE
+        self._spent = 0
+        self.stop_in_thought = spec.stop_in_thought
+        self.in_thought = False
+        """The token last accepted was the thought's (its tags included)."""
+
+    @property
+    def thought_tokens(self) -> int:
+        """Tokens of the thought so far (without its tags)."""
+        return self._spent
+
+    def fill_bitmask(self, out: np.ndarray[Any, Any]) -> bool:
+        if self._phase == _AFTER:
+            return self.inner.fill_bitmask(out) if self.inner is not None else False
+        if self._phase == _THOUGHT:
+            if self._budget is not None and self._spent >= self._budget:
+                _only(out, self._close_id)
+                return True
+            if not self._end_ids:
+                return False
+            out[:] = -1
+            for e in self._end_ids:
+                _clear(out, e)
+            return True
+        if self.inner is None or not self.inner.fill_bitmask(out):
+            return False  # every token may come: the open tag too
+        _set(out, self._open_id)
+        return True
+
+    def accept(self, token: int) -> bool:
+        if self._phase == _AFTER:
+            self.in_thought = False
+            return self.inner.accept(token) if self.inner is not None else True
+        if self._phase == _THOUGHT:
+            self.in_thought = True
+            if token == self._close_id:
+                self._phase = _AFTER
+            else:
+                self._spent += 1
+            return True
+        if token == self._open_id:
+            self._phase, self.in_thought = _THOUGHT, True
+            return True
+        self._phase, self.in_thought = _AFTER, False  # no thought: the answer starts here
+        return self.inner.accept(token) if self.inner is not None else True
+
+    def is_finished(self) -> bool:
+        return self._phase == _AFTER and self.inner is not None and self.inner.is_finished()
+
+    @property
+    def error(self) -> str | None:
+        return self.inner.error if self.inner is not None else None
+
+    def adopt(self, lib: Any) -> None:
+        if self.inner is not None:
+            self.inner.adopt(lib)
+
+    def close(self) -> None:
+        if self.inner is not None:
+            self.inner.close()
+
+
+def _words(out: np.ndarray[Any, Any]) -> Any:
+    return out.view("uint32")  # bit 31 of an int32 word, without a sign
+
+
+def _set(out: np.ndarray[Any, Any], token: int) -> None:
+    words = _words(out)
+    words[token >> 5] |= 1 << (token & 31)
+
+
+def _clear(out: np.ndarray[Any, Any], token: int) -> None:
+    words = _words(out)
+    if (token >> 5) < len(words):
+        words[token >> 5] &= ~(1 << (token & 31)) & 0xFFFFFFFF
+
+
+def _only(out: np.ndarray[Any, Any], token: int) -> None:
+    out[:] = 0
+    _set(out, token)
