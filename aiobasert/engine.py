@@ -48,6 +48,7 @@ from .errors import (
 )
 from .streams import TokenStream, new_request_id
 from .types import (
+    CONSTRAINT_FIELDS,
     Capabilities,
     ChatMessage,
     Completion,
@@ -103,6 +104,14 @@ class _Port:
 
     def check_loop(self) -> None:
         self.waker.check("this engine's stream")
+
+
+def _output_constraint(params: SamplingParams) -> dict[str, Any]:
+    """`check_schema_and_tools`'s arguments for the output constraint `params` sets, if any."""
+    for name in CONSTRAINT_FIELDS:
+        if getattr(params, name) is not None:
+            return {"json_schema": getattr(params, name), "field": name}
+    return {"json_schema": None}
 
 
 def _reclaim(thread: EngineThread) -> None:
@@ -463,7 +472,7 @@ class Engine:
         from .tools import check_schema_and_tools
 
         checked = self._params(params, kwargs)
-        check_schema_and_tools(bool(tools), checked.json_schema)  # refused before the render is paid
+        check_schema_and_tools(bool(tools), **_output_constraint(checked))  # refused before the render is paid
         turn = self._prepare_chat(
             messages,
             tools=tools,
@@ -510,11 +519,12 @@ class Engine:
         """A new stream of the reply to a prepared `turn` (`_prepare_chat`), under `params` or
         keyword parameters (as `chat`; checked here): a `ChatStream`, queued when it is first
         iterated or awaited (or at once with `.tokens.submit()`). Call it once per reply wanted.
-        A turn with tools cannot also take a `json_schema` (`InvalidRequestError`)."""
+        A turn with tools cannot also take an output constraint (`json_schema`, `regex`, `choice`, `grammar`:
+        `InvalidRequestError`)."""
         from .tools import ChatStream, check_schema_and_tools
 
         checked = self._params(params, kwargs)
-        check_schema_and_tools(turn.lark is not None, checked.json_schema)  # a turn with tools has a grammar
+        check_schema_and_tools(turn.lark is not None, **_output_constraint(checked))  # a turn with tools has a grammar
         tokens = self._new_stream(turn.pieces, checked, True, turn.lark, turn.structural_tag)
         return ChatStream(tokens, parse_calls=turn.parse_calls, forced=turn.forced, tool_format=turn.tool_format)
 
@@ -568,7 +578,7 @@ class Engine:
             raise InvalidRequestError(f"tools must be a list of tools, not {type(tools).__name__}")
         checked = self._params(params, kwargs)
         check_n(n)
-        check_schema_and_tools(bool(tools), checked.json_schema)  # refused before the render is paid
+        check_schema_and_tools(bool(tools), **_output_constraint(checked))  # refused before the render is paid
         turn = self._prepare_chat(
             messages,
             tools=tools,
@@ -661,7 +671,7 @@ class Engine:
             lark=lark,
             structural_tag=structural_tag,
             client=current_client(),
-            cost=measure(prompt, params.json_schema, lark, structural_tag),
+            cost=measure(prompt, params, lark, structural_tag),
         )
         return TokenStream(self._port, spec, self)
 
