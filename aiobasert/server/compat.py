@@ -70,6 +70,21 @@ _COMMON = [
     Field("stream", "honoured", "server-sent events", ok=True),
     Field("stream_options", "honoured", "include_usage", ok={"include_usage": True}),
     Field("user", "honoured", "logged with the request id", ok="u1"),
+    Field(
+        "structured_outputs",
+        "extension",
+        "vLLM's: exactly one of `json` (a schema, or its JSON text), `regex`, `choice`, `grammar` (Lark or GBNF), "
+        "`json_object`; grammar-enforced, errors name this field",
+        ok={"choice": ["yes", "no"]},
+        bad={"regex": "(unclosed"},
+    ),
+    Field(
+        "grammar",
+        "extension",
+        "llama.cpp's GBNF (converted to Lark; Lark is read too); a GBNF that cannot be converted is refused",
+        ok='root ::= "yes" | "no"',
+        bad="root ::= (",
+    ),
 ]
 
 FIELDS: dict[str, list[Field]] = {

@@ -33,6 +33,7 @@ from .params import (
     check_chat_size,
     finish_reason,
     json_schema_of,
+    output_constraint,
     precount_chat,
     refuse_schema_with_tools,
     request_tools,
@@ -292,14 +293,24 @@ def _max_completion_tokens(req: ChatCompletionRequest) -> int | None:
 def _chat_plan(req: ChatCompletionRequest) -> _ChatPlan:
     """The request's sampling, choices and tools, each bad field a 400 naming it (in this order)."""
     json_schema = json_schema_of(req.response_format)
+    constraint, source = output_constraint(req)
+    if source is not None and json_schema is not None:
+        raise APIError(400, f"{source} cannot be combined with a JSON response_format", param=source)
     top = _top_logprobs(req)
     n = _n(req.n)
     max_tokens = _max_completion_tokens(req)
     want_logprobs = bool(req.logprobs)
     params = sampling_params(
-        req, max_tokens=max_tokens, logprobs=want_logprobs, top_logprobs=top, json_schema=json_schema
+        req,
+        max_tokens=max_tokens,
+        logprobs=want_logprobs,
+        top_logprobs=top,
+        json_schema=json_schema,
+        constraint=constraint,
     )
     refuse_schema_with_tools(bool(req.tools), json_schema, field="response_format", param="response_format")
+    if source is not None:
+        refuse_schema_with_tools(bool(req.tools), source, field=source, param=source)
     return _ChatPlan(params=params, n=n, logprobs=want_logprobs)
 
 
@@ -522,7 +533,10 @@ class Service:
             raise APIError(400, "prompt must not be empty", param="prompt")
         n = _n(req.n)
         max_tokens = 16 if req.max_tokens is None else req.max_tokens  # OpenAI's default for completions
-        params = sampling_params(req, max_tokens=max_tokens, logprobs=top is not None, top_logprobs=top or 0)
+        constraint, _ = output_constraint(req)
+        params = sampling_params(
+            req, max_tokens=max_tokens, logprobs=top is not None, top_logprobs=top or 0, constraint=constraint
+        )
         served = self.resolve(req.model)
         _check_fanout(served.engine, n * len(prompts), "prompt" if len(prompts) > 1 else "n")
         choices = served.engine.stream_n(prompts, params, n=n)

@@ -18,6 +18,7 @@ from ..errors import (
     EngineOverloadedError,
     InvalidRequestError,
 )
+from ..types import CONSTRAINT_FIELDS
 from .protocol import ErrorDetail, ErrorResponse, SchemaFields
 
 logger = logging.getLogger("aiobasert.server")
@@ -91,6 +92,10 @@ def api_error(exc: BaseException, *, log: bool = True) -> APIError:
         if schema is not None:
             return schema
         match = _SAMPLING_FIELD.match(str(exc)) or _FIELD_FIRST.match(str(exc))
+        fields = SCHEMA_FIELDS.get()
+        if match and match.group(1) in CONSTRAINT_FIELDS and fields is not None and fields.constraint is not None:
+            # the SDK names its own field (regex, choice, ...): the request's is the one it came from
+            return APIError(400, f"{fields.constraint}: {exc}", param=fields.constraint)
         return APIError(400, str(exc), param=match.group(1) if match else None)
     if isinstance(exc, EngineOverloadedError):
         return APIError(503, str(exc), type="server_error", code="engine_overloaded", headers={"Retry-After": "1"})
@@ -117,6 +122,14 @@ SCHEMA_FIELDS: ContextVar[SchemaFields | None] = ContextVar("aiobasert_schema_fi
 """Set by `http.read_json` for the request being served (from its body type's
 `schema_fields`): the engine reports a bad schema only once the request runs,
 through whichever error path its response takes."""
+
+
+def constraint_from(field: str) -> None:
+    """The request's output constraint came from `field` (`structured_outputs`, `grammar`): the
+    engine's errors about it (a bad regex, a grammar that does not compile, an invalid schema) name
+    it, whichever error path its response takes."""
+    fields = SCHEMA_FIELDS.get() or SchemaFields("", "tools[{}].function.parameters")
+    SCHEMA_FIELDS.set(fields._replace(output=field, constraint=field))
 
 
 def _schema_error(message: str) -> APIError | None:
