@@ -735,6 +735,38 @@ class Engine:
         intake.submit(job, done, grammar=False, cost=cost)
         return await _wait_future(fut, self._waker)
 
+    async def count_chat_tokens(
+        self,
+        messages: Sequence[ChatMessage | Mapping[str, Any]],
+        *,
+        tools: Sequence[Tool | Mapping[str, Any]] | None = None,
+        tool_choice: ToolChoice | Mapping[str, Any] | None = None,
+        parallel_tool_calls: bool = True,
+        add_generation_prompt: bool = True,
+    ) -> int:
+        """The prompt tokens `stream_chat` would prefill for this chat (rendered with its tools and
+        `tool_choice`, as it would be), without running it: Anthropic's `count_tokens`. The render
+        runs in a worker thread (it is request-sized), the tokenizing on a tokenizer worker."""
+        import anyio.to_thread
+
+        def render() -> list[tuple[str, bool]]:
+            return self._prepare_chat(
+                messages,
+                tools=tools,
+                tool_choice=tool_choice,
+                parallel_tool_calls=parallel_tool_calls,
+                add_generation_prompt=add_generation_prompt,
+            ).pieces
+
+        pieces = await anyio.to_thread.run_sync(render)
+        if self._thread.intake is None:  # an engine without a tokenizer-only handle: piece by piece
+            counts = [len(await self._ask(Encode(text, not content))) for text, content in pieces]
+            return sum(counts)
+        count: int = await self._on_worker(  # counted whole, past the context window too
+            lambda tok: len(tok.encode_pieces(pieces)), sum(len(t) for t, _ in pieces), Encode("", False)
+        )
+        return count
+
     async def decode(self, ids: Sequence[int]) -> str:
         """Text of token ids (invalid UTF-8 across the whole sequence becomes U+FFFD).
 

@@ -22,6 +22,7 @@ from ..errors import InvalidRequestError
 from ..tools import ChatDelta as ChatDeltaSDK
 from ..tools import ChatReply, TextDelta, ToolCall, ToolCallDelta
 from ..types import SamplingParams, Token
+from .anthropic import MessagesAPI
 from .compat import check_refused
 from .errors import APIError
 from .http import json_response, read_json
@@ -351,6 +352,14 @@ class Service:
         self.workers = Workers()
         self.write_timeout = write_timeout if write_timeout is not None and write_timeout > 0 else None  # 0: never
         self.sse_keepalive = sse_keepalive or None  # 0: never
+        self.messages = MessagesAPI(
+            self.resolve,
+            self.metrics,
+            write_timeout=self.write_timeout,
+            workers=self.workers,
+            backlog=self.backlog,
+            sse_keepalive=self.sse_keepalive,
+        )
         self.responses = ResponsesAPI(
             self.resolve,
             self.metrics,

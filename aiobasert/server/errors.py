@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 import re
 from contextvars import ContextVar
-from typing import Protocol
+from typing import Literal, Protocol
 
 import msgspec
 from starlette.responses import Response
@@ -57,13 +57,57 @@ class APIError(Exception):
         self.body = ErrorResponse(error=ErrorDetail(message=message, type=type, param=param, code=code))
         self.headers = headers
 
-    def response(self) -> Response:
+    def response(self, path: str | None = None) -> Response:
+        """The HTTP response: OpenAI's error body, or Anthropic's for a request to its API's `path`."""
         witness = WITNESS.get()
         if witness is not None:
             witness.answered(self)
+        body = anthropic_error(self) if path in ANTHROPIC_PATHS else self.body
         return Response(
-            msgspec.json.encode(self.body), status_code=self.status, headers=self.headers, media_type="application/json"
+            msgspec.json.encode(body),
+            status_code=self.status,
+            headers=self.headers,
+            media_type="application/json",
         )
+
+
+class ErrorBody(msgspec.Struct, kw_only=True):
+    type: str
+    message: str
+
+
+class ErrorObject(msgspec.Struct, kw_only=True):
+    """Anthropic's error body (and a stream's `error` event)."""
+
+    type: Literal["error"] = "error"
+    error: ErrorBody
+
+
+_ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    415: "invalid_request_error",
+    429: "rate_limit_error",
+}
+
+
+ANTHROPIC_PATHS = frozenset({"/v1/messages", "/v1/messages/count_tokens"})
+"""The routes of Anthropic's Messages API: their errors have its shape."""
+
+
+def anthropic_error(err: APIError) -> ErrorObject:
+    """An `APIError` in Anthropic's shape: its type by the status (`overloaded_error` for a full
+    engine, `api_error` for the server's own failures), the field it names (OpenAI's `param`) in its
+    message where the message does not already name it."""
+    detail = err.body.error
+    kind = _ERROR_TYPES.get(err.status, "overloaded_error" if detail.code == "engine_overloaded" else "api_error")
+    message = detail.message
+    if detail.param and detail.param not in message:
+        message = f"{detail.param}: {message}"
+    return ErrorObject(error=ErrorBody(type=kind, message=message))
 
 
 class ClientGone(Exception):
