@@ -49,6 +49,7 @@ from .errors import (
 )
 from .streams import TokenStream, new_request_id
 from .types import (
+    CONSTRAINT_FIELDS,
     Capabilities,
     ChatMessage,
     Completion,
@@ -105,6 +106,14 @@ class _Port:
 
     def check_loop(self) -> None:
         self.waker.check("this engine's stream")
+
+
+def _output_constraint(params: SamplingParams) -> dict[str, Any]:
+    """`check_schema_and_tools`'s arguments for the output constraint `params` sets, if any."""
+    for name in CONSTRAINT_FIELDS:
+        if getattr(params, name) is not None:
+            return {"json_schema": getattr(params, name), "field": name}
+    return {"json_schema": None}
 
 
 def _reclaim(thread: EngineThread) -> None:
@@ -477,7 +486,7 @@ class Engine:
         from .tools import check_schema_and_tools
 
         checked = self._params(params, kwargs)
-        check_schema_and_tools(bool(tools), checked.json_schema)  # refused before the render is paid
+        check_schema_and_tools(bool(tools), **_output_constraint(checked))  # refused before the render is paid
         turn = self._prepare_chat(
             messages,
             tools=tools,
@@ -534,15 +543,16 @@ class Engine:
         """A new stream of the reply to a prepared `turn` (`_prepare_chat`), under `params` or
         keyword parameters (as `chat`; checked here): a `ChatStream`, queued when it is first
         iterated or awaited (or at once with `.tokens.submit()`). Call it once per reply wanted.
-        A turn with tools cannot also take a `json_schema` (`InvalidRequestError`)."""
+        A turn with tools cannot also take an output constraint (`json_schema`, `regex`, `choice`, `grammar`:
+        `InvalidRequestError`)."""
         from .tools import ChatStream, check_schema_and_tools
 
         checked = self._params(params, kwargs)
-        check_schema_and_tools(turn.lark is not None, checked.json_schema)  # a turn with tools has a grammar
+        check_schema_and_tools(turn.lark is not None, **_output_constraint(checked))  # a turn with tools has a grammar
         thought = turn.thought
         if thought is not None and not (
             turn.lark is not None
-            or checked.json_schema is not None
+            or checked.constrained
             or thought.budget is not None
             or (checked.stop and not thought.stop_in_thought)
         ):
@@ -609,7 +619,7 @@ class Engine:
             raise InvalidRequestError(f"tools must be a list of tools, not {type(tools).__name__}")
         checked = self._params(params, kwargs)
         check_n(n)
-        check_schema_and_tools(bool(tools), checked.json_schema)  # refused before the render is paid
+        check_schema_and_tools(bool(tools), **_output_constraint(checked))  # refused before the render is paid
         turn = self._prepare_chat(
             messages,
             tools=tools,
@@ -721,7 +731,7 @@ class Engine:
             structural_tag=structural_tag,
             thought=thought,
             client=current_client(),
-            cost=measure(prompt, params.json_schema, lark, structural_tag),
+            cost=measure(prompt, params, lark, structural_tag),
         )
         return TokenStream(self._port, spec, self)
 
@@ -784,6 +794,38 @@ class Engine:
 
         intake.submit(job, done, grammar=False, cost=cost)
         return await _wait_future(fut, self._waker)
+
+    async def count_chat_tokens(
+        self,
+        messages: Sequence[ChatMessage | Mapping[str, Any]],
+        *,
+        tools: Sequence[Tool | Mapping[str, Any]] | None = None,
+        tool_choice: ToolChoice | Mapping[str, Any] | None = None,
+        parallel_tool_calls: bool = True,
+        add_generation_prompt: bool = True,
+    ) -> int:
+        """The prompt tokens `stream_chat` would prefill for this chat (rendered with its tools and
+        `tool_choice`, as it would be), without running it: Anthropic's `count_tokens`. The render
+        runs in a worker thread (it is request-sized), the tokenizing on a tokenizer worker."""
+        import anyio.to_thread
+
+        def render() -> list[tuple[str, bool]]:
+            return self._prepare_chat(
+                messages,
+                tools=tools,
+                tool_choice=tool_choice,
+                parallel_tool_calls=parallel_tool_calls,
+                add_generation_prompt=add_generation_prompt,
+            ).pieces
+
+        pieces = await anyio.to_thread.run_sync(render)
+        if self._thread.intake is None:  # an engine without a tokenizer-only handle: piece by piece
+            counts = [len(await self._ask(Encode(text, not content))) for text, content in pieces]
+            return sum(counts)
+        count: int = await self._on_worker(  # counted whole, past the context window too
+            lambda tok: len(tok.encode_pieces(pieces)), sum(len(t) for t, _ in pieces), Encode("", False)
+        )
+        return count
 
     async def decode(self, ids: Sequence[int]) -> str:
         """Text of token ids (invalid UTF-8 across the whole sequence becomes U+FFFD).

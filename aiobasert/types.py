@@ -48,7 +48,15 @@ _MOST_ITEMS: dict[str, tuple[int, str]] = {
     "logit_bias": (1024, "at most 1024 entries"),
     "stop": (16, "at most 16 stop strings"),
     "stop_token_ids": (1024, "at most 1024 token ids"),
+    "choice": (1024, "at most 1024 choices"),
 }
+
+CONSTRAINT_FIELDS = ("json_schema", "regex", "choice", "grammar")
+"""The SamplingParams fields that constrain the output with a grammar: at most one per request."""
+
+MAX_CONSTRAINT_CHARS = 1 << 20
+"""Characters a regex, the choices together or a grammar may have (a json_schema is bounded by
+its values: MAX_SCHEMA_NODES); the compile's own work is bounded by the grammar limits and budget."""
 """The container fields' sizes, checked before anything walks them (normalized, validate)."""
 
 _walked = threading.local()  # .schema: the json_schema normalized() has just walked on this thread
@@ -160,6 +168,15 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     json_schema: dict[str, Any] | bool | None = None
     """Constrain the output to JSON matching this JSON Schema (`True`: any JSON
     value). The lane masks its logits with a grammar every step."""
+    regex: str | None = None
+    """Constrain the output to match this regular expression, whole (Rust `regex` syntax,
+    as llguidance reads it). At most one of json_schema, regex, choice and grammar."""
+    choice: list[str] | None = None
+    """Constrain the output to exactly one of these strings (1..1024 non-empty strings)."""
+    grammar: str | None = None
+    """Constrain the output to this grammar: Lark (llguidance's dialect, `start` its start rule),
+    or llama.cpp's GBNF (`root ::= ...`), converted to Lark; a GBNF the converter cannot read is
+    refused naming `grammar`. Every grammar compiles under the same budget as a json_schema."""
 
     def validate(self, vocab_size: int | None = None) -> None:
         """Raise `InvalidSamplingParamsError` naming the first bad field; token ids
@@ -256,6 +273,26 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
                 except (TypeError, ValueError, RecursionError) as exc:
                     raise bad("json_schema", f"is not JSON-serialisable: {exc}") from None
             _walked.schema = None
+        for name in ("regex", "grammar"):
+            text = getattr(self, name)
+            if text is not None:
+                if not isinstance(text, str) or not text:
+                    raise bad(name, f"{text!r} must be a non-empty string")
+                if len(text) > MAX_CONSTRAINT_CHARS:
+                    raise bad(name, f"is {len(text)} characters; at most {MAX_CONSTRAINT_CHARS}")
+        if self.choice is not None:
+            if not isinstance(self.choice, list) or not self.choice:
+                raise bad("choice", "must be a non-empty list of strings")
+            if len(self.choice) > _MOST_ITEMS["choice"][0]:
+                raise bad("choice", _MOST_ITEMS["choice"][1])
+            for c in self.choice:
+                if not isinstance(c, str) or not c:
+                    raise bad("choice", f"{c!r} must be a non-empty string")
+            if sum(len(c) for c in self.choice) > MAX_CONSTRAINT_CHARS:
+                raise bad("choice", f"the choices hold more than {MAX_CONSTRAINT_CHARS} characters")
+        given = [name for name in CONSTRAINT_FIELDS if getattr(self, name) is not None]
+        if len(given) > 1:
+            raise bad(given[1], f"cannot be combined with {given[0]}: one output constraint per request")
 
     def normalized(self) -> SamplingParams:
         """These params with numpy scalars as Python values, a single `stop` string
@@ -286,7 +323,12 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     @property
     def needs_host_logits(self) -> bool:
         """True when this lane must read its logits row back to the host."""
-        return bool(self.logit_bias) or self.logprobs or self.top_logprobs > 0 or self.json_schema is not None
+        return bool(self.logit_bias) or self.logprobs or self.top_logprobs > 0 or self.constrained
+
+    @property
+    def constrained(self) -> bool:
+        """True when a grammar constrains the output (json_schema, regex, choice or grammar)."""
+        return any(getattr(self, name) is not None for name in CONSTRAINT_FIELDS)
 
 
 class TopLogprob(msgspec.Struct, frozen=True):

@@ -5,7 +5,7 @@ run it, on the tiny model:
 
 - `python`: a snippet with top-level `await` runs in an event loop with `engine` (the tiny
   model, opened) and `messages` defined; a script (`anyio.run(...)`) runs as a program; the
-  OpenAI-client snippet runs against a server on loopback; the Django site is served by
+  OpenAI- and Anthropic-client snippets run against a server on loopback; the Django site is served by
   uvicorn (it needs Django: the `dev` extra has it).
 - `bash`: each command runs (`aiobasert` as `python -m aiobasert`); a `serve` starts, answers
   `/v1/models` and stops on SIGTERM. Leading `pip install ... &&` commands are not run (the
@@ -223,7 +223,7 @@ def run_script(block: Block, models: Models, tmp: Path) -> None:
 
 
 def run_client(block: Block, models: Models, tmp: Path) -> None:
-    """The OpenAI client against `aiobasert serve`'s app on loopback (the block names port 8000)."""
+    """The OpenAI (or Anthropic) client against `aiobasert serve`'s app on loopback (the block names port 8000)."""
     from aiobasert.server import create_app
 
     with serving(create_app(models.tiny, api_key=API_KEY, max_batch_size=4)) as url:
@@ -425,7 +425,7 @@ def test_doc_block(block: Block, models: Models, tmp_path: Path, request: pytest
         check_recording_rules(block, tmp_path)
     elif "get_asgi_application" in block.code:
         run_django_site(block, models, tmp_path)
-    elif "from openai import OpenAI" in block.code:
+    elif "from openai import OpenAI" in block.code or "import anthropic" in block.code:
         run_client(block, models, tmp_path)
     elif "anyio.run(" in block.code:
         run_script(block, models, tmp_path)

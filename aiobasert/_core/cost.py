@@ -89,13 +89,32 @@ class Measure:
 NO_COST = Measure(0, 0, None)
 
 
-def measure(prompt: Any, json_schema: Any, lark: str | None, structural_tag: str | None) -> Measure:
+def constraint_source(params: Any) -> tuple[str, str] | None:
+    """A request's grammar constraint other than a json_schema: its SamplingParams field and its
+    source text (`choice` as JSON), or None. Cheap (O(source)), any thread."""
+    if params.regex is not None:
+        return "regex", params.regex
+    if params.choice is not None:
+        import json
+
+        return "choice", json.dumps(params.choice)
+    if params.grammar is not None:
+        return "grammar", params.grammar
+    return None
+
+
+def measure(prompt: Any, params: Any, lark: str | None, structural_tag: str | None) -> Measure:
+    """`params`: the request's SamplingParams (its json_schema, regex, choice or grammar)."""
     text = prompt_chars(prompt)
     if lark is not None or structural_tag is not None:
         tag, host = (structural_tag or "").encode("utf-8", "replace"), (lark or "").encode("utf-8", "replace")
         source = b"tools\0" + tag + b"\0" + host
         return Measure(text, len(tag) + len(host), hashlib.blake2b(source, digest_size=16).digest())
-    schema = _schema_json(json_schema)
+    other = constraint_source(params)
+    if other is not None:
+        field, code = other[0].encode(), other[1].encode("utf-8", "replace")
+        return Measure(text, len(code), hashlib.blake2b(field + b"\0" + code, digest_size=16).digest())
+    schema = _schema_json(params.json_schema)
     if schema is None:
         return Measure(text, 0, None)
     return Measure(text, len(schema), hashlib.blake2b(b"schema\0" + schema, digest_size=16).digest())

@@ -171,6 +171,21 @@ class GrammarBackend:
             raise InvalidRequestError(f"invalid grammar: {_message(exc)}") from None
         return self._constraint(grammar, "invalid grammar")
 
+    def compile_constraint(self, field: str, source: str) -> JsonSchemaConstraint:
+        """A fresh constraint from a `regex`, a `choice` (its JSON list) or a `grammar` (Lark, or
+        llama.cpp's GBNF converted to Lark by llguidance's converter). Raises `InvalidRequestError`
+        "invalid sampling parameter FIELD: ..." when it does not convert or compile."""
+        what = f"invalid sampling parameter {field}"
+        if field == "regex":
+            grammar = llguidance.LLMatcher.grammar_from_regex(source)
+        elif field == "choice":
+            # each choice a Lark string literal (JSON escapes): exactly one of them, whole
+            lark = "start: " + " | ".join(json.dumps(c) for c in json.loads(source))
+            grammar = llguidance.LLMatcher.grammar_from_lark(lark)
+        else:
+            grammar = llguidance.LLMatcher.grammar_from_lark(_lark_of(source, what))
+        return self._constraint(grammar, what)
+
     def _constraint(self, grammar: str, what: str) -> JsonSchemaConstraint:
         """A matcher over this vocabulary for a compiled llguidance grammar, built once within
         GRAMMAR_LIMITS (with the GIL released); its errors (the grammar's, or a limit it reached)
@@ -181,6 +196,17 @@ class GrammarBackend:
         if matcher.is_error():
             raise InvalidRequestError(f"{what}: {_message(matcher.get_error())}")
         return JsonSchemaConstraint(matcher, self._mask_words)
+
+
+def _lark_of(source: str, what: str) -> str:
+    """A `grammar` as Lark: itself when it reads as Lark, else llama.cpp's GBNF converted
+    (llguidance's converter; what it cannot convert is refused, saying why)."""
+    from llguidance.gbnf_to_lark import any_to_lark
+
+    try:
+        return any_to_lark(source)
+    except Exception as exc:  # the converter's own errors (GbnfToLarkError, and what its parser trips on)
+        raise InvalidRequestError(f"{what}: a GBNF grammar that cannot be converted to Lark: {_message(exc)}") from None
 
 
 def _message(error: object) -> str:

@@ -114,7 +114,7 @@ class Preparer:
         the engine thread (they can take unbounded time and stack). A prompt of ids without a
         grammar needs neither: its checked ids (or its error) are returned at once instead."""
         spec = msg.spec
-        grammar = spec.lark is not None or spec.structural_tag is not None or spec.params.json_schema is not None
+        grammar = spec.lark is not None or spec.structural_tag is not None or spec.params.constrained
         grammar = grammar or spec.thought is not None  # a thought gate is a (cheap) grammar of its own
         sink = msg.sink
 
@@ -215,7 +215,7 @@ class Preparer:
             if text is not None and text.count('"$ref"') > MAX_SCHEMA_REFS:
                 raise InvalidRequestError(f"tools: the tool schemas hold more than {MAX_SCHEMA_REFS} $refs")
         constraint: Constraint | None = None
-        source = spec.lark is not None or spec.structural_tag is not None or spec.params.json_schema is not None
+        source = spec.lark is not None or spec.structural_tag is not None or spec.params.constrained
         if source or spec.thought is not None:
             tok.check_fits(_cost.prompt_chars(spec.prompt), self.max_context)  # no grammar for a text that cannot fit
             lazy_numpy.load()  # the engine thread masks a grammar's rows with numpy: imported here, never there
@@ -248,9 +248,12 @@ class Preparer:
                 return hit
         started = time.monotonic()
         self._backend_built.seconds = 0.0
+        other = None if tools else _cost.constraint_source(spec.params)
         try:
             if tools:
                 constraint = self.build_tag_constraint(tok, spec.structural_tag, spec.lark)
+            elif other is not None:  # regex, choice, grammar: the host backend's (the engine compiles schemas only)
+                constraint = self._counted(None, lambda: self.host_grammar(tok).compile_constraint(*other))
             else:
                 assert spec.params.json_schema is not None
                 constraint = self.build_constraint(tok, spec.params.json_schema)
@@ -263,7 +266,12 @@ class Preparer:
         if took > budget:
             constraint.close()
             # worded as the compilers' own errors, which the server maps to the request's field
-            what = "invalid grammar: the tools' grammar" if tools else "invalid json_schema: its grammar"
+            if tools:
+                what = "invalid grammar: the tools' grammar"
+            elif other is not None:
+                what = f"invalid sampling parameter {other[0]}: its grammar"
+            else:
+                what = "invalid json_schema: its grammar"
             err = InvalidRequestError(
                 f"{what} took {took:.1f} s to compile, over the budget of {budget:g} s (the same grammar is "
                 "refused at once from now on)"

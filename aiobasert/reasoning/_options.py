@@ -1,7 +1,7 @@
 """What a chat turn asks of the model's thought (`Thinking`) and a streamed piece of it (`ReasoningDelta`).
 
-No `from __future__ import annotations`: these Structs are re-exported as `aiobasert.reasoning.X`
-(see aiobasert.tools._types for why)."""
+No `from __future__ import annotations`: these Structs are re-exported as names of
+`aiobasert.reasoning` (see aiobasert.tools._types for why)."""
 
 from typing import Any
 

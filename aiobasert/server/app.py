@@ -59,8 +59,8 @@ class _StartupFailure:
 
 
 class _BearerAuth:
-    """Require `Authorization: Bearer <api_key>` on every path but the operator's
-    unauthenticated ones (/health, /metrics, /version: probes and scrapers)."""
+    """Require `Authorization: Bearer <api_key>` (or Anthropic's `x-api-key: <api_key>`) on every
+    path but the operator's unauthenticated ones (/health, /metrics, /version: probes and scrapers)."""
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
@@ -68,31 +68,34 @@ class _BearerAuth:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["path"] not in _OPEN_PATHS:
-            scheme, _, token = dict(scope["headers"]).get(b"authorization", b"").partition(b" ")
+            headers = dict(scope["headers"])
+            scheme, _, token = headers.get(b"authorization", b"").partition(b" ")
             # RFC 6750 / 7235: the scheme is case-insensitive ("bearer" is as good as "Bearer")
             ok = hmac.compare_digest(token.strip(b" "), self._expected) and scheme.lower() == b"bearer"
+            if not ok and b"x-api-key" in headers:  # the Anthropic SDKs' header, worth the same
+                ok = hmac.compare_digest(headers[b"x-api-key"].strip(b" "), self._expected)
             if not ok:
                 err = APIError(
                     401,
-                    "missing or incorrect API key: send 'Authorization: Bearer <key>'",
+                    "missing or incorrect API key: send 'Authorization: Bearer <key>' or 'x-api-key: <key>'",
                     code="invalid_api_key",
                     headers={"WWW-Authenticate": "Bearer"},
                 )
-                await err.response()(scope, receive, send)
+                await err.response(scope["path"])(scope, receive, send)
                 return
         await self.app(scope, receive, send)
 
 
 async def _on_api_error(request: Request, exc: Exception) -> Response:
     # Unexpected exceptions are logged by Starlette's error middleware, which re-raises them.
-    return api_error(exc, log=False).response()
+    return api_error(exc, log=False).response(request.url.path)
 
 
 async def _on_http_exception(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, HTTPException)
     code = "not_found" if exc.status_code == 404 else None
     headers = dict(exc.headers) if exc.headers else None
-    return APIError(exc.status_code, str(exc.detail), code=code, headers=headers).response()
+    return APIError(exc.status_code, str(exc.detail), code=code, headers=headers).response(request.url.path)
 
 
 async def _on_client_gone(request: Request, exc: Exception) -> Response:
@@ -132,6 +135,8 @@ def build_app(
         Route("/v1/chat/completions", service.chat_completions, methods=["POST"]),
         Route("/v1/embeddings", service.embeddings, methods=["POST"]),
         Route("/v1/responses", service.responses.create, methods=["POST"]),
+        Route("/v1/messages", service.messages.create, methods=["POST"]),
+        Route("/v1/messages/count_tokens", service.messages.count_tokens, methods=["POST"]),
         Route("/v1/internal/stats", service.stats, methods=["GET"]),
         Route("/metrics", service.metrics_text, methods=["GET"]),
         Route("/version", service.version, methods=["GET"]),

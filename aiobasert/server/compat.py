@@ -19,7 +19,10 @@ a served field a different engine request or reply than without it) and every
 `bad` example (expecting 400 naming the field), checks the table lists exactly
 the request structs' fields, and that docs/openai-compat.md carries `render_table()`:
 
-    python -m aiobasert.server.compat      # rewrite the table in docs/openai-compat.md
+    python -m aiobasert.server.compat      # rewrite the tables in docs/openai-compat.md, docs/anthropic-compat.md
+
+Anthropic's Messages API has its table too (`ANTHROPIC_FIELDS`): the same policy, its 400s in
+Anthropic's error shape with the field named in the message.
 """
 
 from __future__ import annotations
@@ -70,6 +73,21 @@ _COMMON = [
     Field("stream", "honoured", "server-sent events", ok=True),
     Field("stream_options", "honoured", "include_usage", ok={"include_usage": True}),
     Field("user", "honoured", "logged with the request id", ok="u1"),
+    Field(
+        "structured_outputs",
+        "extension",
+        "vLLM's: exactly one of `json` (a schema, or its JSON text), `regex`, `choice`, `grammar` (Lark or GBNF), "
+        "`json_object`; grammar-enforced, errors name this field",
+        ok={"choice": ["yes", "no"]},
+        bad={"regex": "(unclosed"},
+    ),
+    Field(
+        "grammar",
+        "extension",
+        "llama.cpp's GBNF (converted to Lark; Lark is read too); a GBNF that cannot be converted is refused",
+        ok='root ::= "yes" | "no"',
+        bad="root ::= (",
+    ),
 ]
 
 FIELDS: dict[str, list[Field]] = {
@@ -221,9 +239,116 @@ FIELDS: dict[str, list[Field]] = {
 }
 
 
+_TOOL = {"name": "get_weather", "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}}}
+_CONVERSATION = [
+    Field(
+        "model",
+        "honoured",
+        "required; resolved by the server's engine provider, the reply names the served model",
+        ok="x",
+    ),
+    Field(
+        "messages",
+        "honoured",
+        "user/assistant turns of text, `tool_use` (assistant), `tool_result` (user: text or text blocks; "
+        '`is_error` renders as "Error: ...") and `thinking` / `redacted_thinking` blocks (dropped from the '
+        "prompt); `image` (and any other block) refused naming the block; a final assistant turn (prefill) "
+        "refused; `cache_control` and `citations` accepted and ignored (hints)",
+        ok=[{"role": "user", "content": [{"type": "text", "text": "Hi there"}]}],
+        bad=[{"role": "user", "content": [{"type": "image", "source": {"type": "url", "url": "http://x"}}]}],
+    ),
+    Field(
+        "system",
+        "honoured",
+        "a string or text blocks: a system turn",
+        ok="Be brief.",
+        bad=[{"type": "image", "source": {}}],
+    ),
+    Field(
+        "tools",
+        "honoured",
+        "client tools (`input_schema` grammar-enforced); server tools (`bash_...`, `web_search_...`) refused",
+        ok=[_TOOL],
+        bad=[{"type": "web_search_20250305", "name": "web_search"}],
+    ),
+    Field(
+        "tool_choice",
+        "honoured",
+        "auto, any (a call is required), tool (that one, exactly once), none; `disable_parallel_tool_use`",
+        ok={"type": "none"},
+        bad={"type": "sometimes"},
+    ),
+    Field(
+        "thinking",
+        "honoured",
+        "`enabled` with `budget_tokens` (the engine closes the thought after that many tokens) on a reasoning "
+        "model, a `thinking` block before the text (`thinking_delta` streamed; `signature` empty); "
+        "`disabled` writes an empty thought into the prompt; `enabled` on a model that does not reason refused",
+        ok={"type": "disabled"},
+        bad={"type": "enabled", "budget_tokens": 1024},
+    ),
+    Field(
+        "mcp_servers",
+        "refused",
+        "[] accepted",
+        bad=[{"type": "url", "url": "http://x", "name": "x"}],
+        allowed=(None, []),
+    ),
+    Field("context_management", "refused", "", bad={"edits": []}),
+    Field("container", "refused", "", bad="c1"),
+]
+
+ANTHROPIC_FIELDS: dict[str, list[Field]] = {
+    "/v1/messages": [
+        *_CONVERSATION,
+        Field("max_tokens", "honoured", "required, as Anthropic's", ok=3, bad=0),
+        Field(
+            "stop_sequences",
+            "honoured",
+            "up to 16; `stop_reason: stop_sequence` and `stop_sequence` name the one that matched",
+            ok=["\n\n"],
+            bad=[""],
+        ),
+        Field(
+            "stream",
+            "honoured",
+            "Anthropic's events: message_start, ping, content_block_*, message_delta, "
+            "message_stop; `error` events in-band",
+            ok=True,
+        ),
+        Field("temperature", "honoured", "default 1", ok=0.5, bad=-1),
+        Field("top_p", "honoured", "", ok=0.9, bad=0),
+        Field("top_k", "honoured", "", ok=5, bad=-1),
+        Field("metadata", "honoured", "`user_id` logged with the request id", ok={"user_id": "u1"}),
+        Field(
+            "output_config",
+            "partial",
+            "`format` (json_schema: grammar-enforced, not with tools); `effort` refused (no reasoning models yet)",
+            ok={"format": {"type": "json_schema", "schema": {"type": "integer"}}},
+            bad={"effort": "high"},
+        ),
+        Field(
+            "cache_control",
+            "partial",
+            "accepted: the engine's prefix cache is automatic (`cache_read_input_tokens` reports its hits)",
+            ok={"type": "ephemeral"},
+        ),
+        Field(
+            "service_tier",
+            "refused",
+            "one tier: auto/standard_only accepted",
+            bad="priority",
+            allowed=(None, "auto", "standard_only"),
+        ),
+    ],
+    "/v1/messages/count_tokens": _CONVERSATION,
+}
+"""The Messages API's fields (docs/anthropic-compat.md; tests/server/test_server_anthropic.py)."""
+
+
 def check_refused(endpoint: str, request: Any) -> None:
     """Raise a 400 naming the first refused field `request` sets to something it asks for."""
-    for f in FIELDS[endpoint]:
+    for f in FIELDS[endpoint] if endpoint in FIELDS else ANTHROPIC_FIELDS[endpoint]:
         if f.status != "refused":
             continue
         value = getattr(request, f.name, None)
@@ -237,26 +362,29 @@ BEGIN = "<!-- compat-table:begin (generated by aiobasert/server/compat.py; check
 END = "<!-- compat-table:end -->"
 
 
-def render_table() -> str:
+def render_table(table: dict[str, list[Field]] = FIELDS) -> str:
+    """`table`'s rows as the docs' markdown table (FIELDS: docs/openai-compat.md; ANTHROPIC_FIELDS:
+    docs/anthropic-compat.md)."""
     lines = [BEGIN, "", "| endpoint | field | | notes |", "|---|---|---|---|"]
-    for endpoint, fields in FIELDS.items():
+    for endpoint, fields in table.items():
         for f in fields:
             lines.append(f"| `{endpoint}` | `{f.name}` | {_STATUS[f.status]} | {f.note} |")
     lines += ["| any | any other field | 400 | the error's `param` names it |", "", END]
     return "\n".join(lines)
 
 
-def update_readme(path: Path) -> bool:
+def update_readme(path: Path, table: dict[str, list[Field]] = FIELDS) -> bool:
     """Rewrite the table section of `path`; True if it changed."""
     text = path.read_text()
     start, end = text.index(BEGIN), text.index(END) + len(END)
-    new = text[:start] + render_table() + text[end:]
+    new = text[:start] + render_table(table) + text[end:]
     if new != text:
         path.write_text(new)
     return new != text
 
 
 if __name__ == "__main__":
-    readme = Path(__file__).resolve().parents[2] / "docs" / "openai-compat.md"
-    changed = update_readme(readme)
-    sys.stdout.write(f"{readme}: {'updated' if changed else 'up to date'}\n")
+    docs = Path(__file__).resolve().parents[2] / "docs"
+    for readme, table in ((docs / "openai-compat.md", FIELDS), (docs / "anthropic-compat.md", ANTHROPIC_FIELDS)):
+        changed = update_readme(readme, table)
+        sys.stdout.write(f"{readme}: {'updated' if changed else 'up to date'}\n")

@@ -23,6 +23,7 @@ from ..reasoning import ReasoningDelta
 from ..tools import ChatDelta as ChatDeltaSDK
 from ..tools import ChatReply, TextDelta, ToolCall, ToolCallDelta
 from ..types import SamplingParams, Token
+from .anthropic import MessagesAPI
 from .compat import check_refused
 from .errors import APIError
 from .http import json_response, read_json
@@ -34,6 +35,7 @@ from .params import (
     check_chat_size,
     finish_reason,
     json_schema_of,
+    output_constraint,
     precount_chat,
     reasoning_effort,
     refuse_schema_with_tools,
@@ -296,14 +298,24 @@ def _max_completion_tokens(req: ChatCompletionRequest) -> int | None:
 def _chat_plan(req: ChatCompletionRequest) -> _ChatPlan:
     """The request's sampling, choices and tools, each bad field a 400 naming it (in this order)."""
     json_schema = json_schema_of(req.response_format)
+    constraint, source = output_constraint(req)
+    if source is not None and json_schema is not None:
+        raise APIError(400, f"{source} cannot be combined with a JSON response_format", param=source)
     top = _top_logprobs(req)
     n = _n(req.n)
     max_tokens = _max_completion_tokens(req)
     want_logprobs = bool(req.logprobs)
     params = sampling_params(
-        req, max_tokens=max_tokens, logprobs=want_logprobs, top_logprobs=top, json_schema=json_schema
+        req,
+        max_tokens=max_tokens,
+        logprobs=want_logprobs,
+        top_logprobs=top,
+        json_schema=json_schema,
+        constraint=constraint,
     )
     refuse_schema_with_tools(bool(req.tools), json_schema, field="response_format", param="response_format")
+    if source is not None:
+        refuse_schema_with_tools(bool(req.tools), source, field=source, param=source)
     return _ChatPlan(params=params, n=n, logprobs=want_logprobs)
 
 
@@ -345,6 +357,14 @@ class Service:
         self.workers = Workers()
         self.write_timeout = write_timeout if write_timeout is not None and write_timeout > 0 else None  # 0: never
         self.sse_keepalive = sse_keepalive or None  # 0: never
+        self.messages = MessagesAPI(
+            self.resolve,
+            self.metrics,
+            write_timeout=self.write_timeout,
+            workers=self.workers,
+            backlog=self.backlog,
+            sse_keepalive=self.sse_keepalive,
+        )
         self.responses = ResponsesAPI(
             self.resolve,
             self.metrics,
@@ -527,7 +547,10 @@ class Service:
             raise APIError(400, "prompt must not be empty", param="prompt")
         n = _n(req.n)
         max_tokens = 16 if req.max_tokens is None else req.max_tokens  # OpenAI's default for completions
-        params = sampling_params(req, max_tokens=max_tokens, logprobs=top is not None, top_logprobs=top or 0)
+        constraint, _ = output_constraint(req)
+        params = sampling_params(
+            req, max_tokens=max_tokens, logprobs=top is not None, top_logprobs=top or 0, constraint=constraint
+        )
         served = self.resolve(req.model)
         _check_fanout(served.engine, n * len(prompts), "prompt" if len(prompts) > 1 else "n")
         choices = served.engine.stream_n(prompts, params, n=n)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 import re
 from contextvars import ContextVar
-from typing import Protocol
+from typing import Literal, Protocol
 
 import msgspec
 from starlette.responses import Response
@@ -18,6 +18,7 @@ from ..errors import (
     EngineOverloadedError,
     InvalidRequestError,
 )
+from ..types import CONSTRAINT_FIELDS
 from .protocol import ErrorDetail, ErrorResponse, SchemaFields
 
 logger = logging.getLogger("aiobasert.server")
@@ -56,13 +57,57 @@ class APIError(Exception):
         self.body = ErrorResponse(error=ErrorDetail(message=message, type=type, param=param, code=code))
         self.headers = headers
 
-    def response(self) -> Response:
+    def response(self, path: str | None = None) -> Response:
+        """The HTTP response: OpenAI's error body, or Anthropic's for a request to its API's `path`."""
         witness = WITNESS.get()
         if witness is not None:
             witness.answered(self)
+        body = anthropic_error(self) if path in ANTHROPIC_PATHS else self.body
         return Response(
-            msgspec.json.encode(self.body), status_code=self.status, headers=self.headers, media_type="application/json"
+            msgspec.json.encode(body),
+            status_code=self.status,
+            headers=self.headers,
+            media_type="application/json",
         )
+
+
+class ErrorBody(msgspec.Struct, kw_only=True):
+    type: str
+    message: str
+
+
+class ErrorObject(msgspec.Struct, kw_only=True):
+    """Anthropic's error body (and a stream's `error` event)."""
+
+    type: Literal["error"] = "error"
+    error: ErrorBody
+
+
+_ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    415: "invalid_request_error",
+    429: "rate_limit_error",
+}
+
+
+ANTHROPIC_PATHS = frozenset({"/v1/messages", "/v1/messages/count_tokens"})
+"""The routes of Anthropic's Messages API: their errors have its shape."""
+
+
+def anthropic_error(err: APIError) -> ErrorObject:
+    """An `APIError` in Anthropic's shape: its type by the status (`overloaded_error` for a full
+    engine, `api_error` for the server's own failures), the field it names (OpenAI's `param`) in its
+    message where the message does not already name it."""
+    detail = err.body.error
+    kind = _ERROR_TYPES.get(err.status, "overloaded_error" if detail.code == "engine_overloaded" else "api_error")
+    message = detail.message
+    if detail.param and detail.param not in message:
+        message = f"{detail.param}: {message}"
+    return ErrorObject(error=ErrorBody(type=kind, message=message))
 
 
 class ClientGone(Exception):
@@ -91,6 +136,10 @@ def api_error(exc: BaseException, *, log: bool = True) -> APIError:
         if schema is not None:
             return schema
         match = _SAMPLING_FIELD.match(str(exc)) or _FIELD_FIRST.match(str(exc))
+        fields = SCHEMA_FIELDS.get()
+        if match and match.group(1) in CONSTRAINT_FIELDS and fields is not None and fields.constraint is not None:
+            # the SDK names its own field (regex, choice, ...): the request's is the one it came from
+            return APIError(400, f"{fields.constraint}: {exc}", param=fields.constraint)
         return APIError(400, str(exc), param=match.group(1) if match else None)
     if isinstance(exc, EngineOverloadedError):
         return APIError(503, str(exc), type="server_error", code="engine_overloaded", headers={"Retry-After": "1"})
@@ -117,6 +166,14 @@ SCHEMA_FIELDS: ContextVar[SchemaFields | None] = ContextVar("aiobasert_schema_fi
 """Set by `http.read_json` for the request being served (from its body type's
 `schema_fields`): the engine reports a bad schema only once the request runs,
 through whichever error path its response takes."""
+
+
+def constraint_from(field: str) -> None:
+    """The request's output constraint came from `field` (`structured_outputs`, `grammar`): the
+    engine's errors about it (a bad regex, a grammar that does not compile, an invalid schema) name
+    it, whichever error path its response takes."""
+    fields = SCHEMA_FIELDS.get() or SchemaFields("", "tools[{}].function.parameters")
+    SCHEMA_FIELDS.set(fields._replace(output=field, constraint=field))
 
 
 def _schema_error(message: str) -> APIError | None:

@@ -15,7 +15,7 @@ from ..reasoning import Thinking
 from ..streams import TokenStream
 from ..tools import MAX_TOOLS, ToolCall, ToolChoice, check_schema_and_tools
 from ..types import FinishReason, SamplingParams, Token
-from .errors import APIError, aborted, api_error
+from .errors import APIError, aborted, api_error, constraint_from
 from .protocol import RequestMessage, ResponseFormat, SamplingRequest
 
 
@@ -26,8 +26,10 @@ def sampling_params(
     logprobs: bool,
     top_logprobs: int,
     json_schema: dict[str, Any] | bool | None = None,
+    constraint: dict[str, Any] | None = None,
 ) -> SamplingParams:
-    """SamplingParams from the OpenAI fields (OpenAI's defaults: temperature 1, top_p 1)."""
+    """SamplingParams from the OpenAI fields (OpenAI's defaults: temperature 1, top_p 1);
+    `constraint`: `output_constraint`'s."""
     bias: dict[int, float] | None = None
     if req.logit_bias:
         bias = {}
@@ -50,8 +52,41 @@ def sampling_params(
         frequency_penalty=req.frequency_penalty or 0.0,
         logprobs=logprobs,
         top_logprobs=top_logprobs,
-        json_schema=json_schema,
+        **{"json_schema": json_schema, **(constraint or {})},  # at most one of them is set (the endpoint checks)
     )
+
+
+def output_constraint(req: SamplingRequest) -> tuple[dict[str, Any], str | None]:
+    """The SamplingParams constraint of vLLM's `structured_outputs` or llama.cpp's `grammar` (one
+    of them), and the field it came from (None: neither): errors about it name that field from
+    now on (`errors.constraint_from`)."""
+    so, gbnf = req.structured_outputs, req.grammar
+    if gbnf is not None:
+        if so is not None:
+            raise APIError(400, "grammar cannot be combined with structured_outputs", param="grammar")
+        constraint_from("grammar")
+        return {"grammar": gbnf}, "grammar"
+    if so is None:
+        return {}, None
+    given: dict[str, Any] = {k: v for k in ("regex", "choice", "grammar") if (v := getattr(so, k)) is not None}
+    if so.json is not None:
+        schema = so.json
+        if isinstance(schema, str):
+            try:
+                schema = json.loads(schema)
+            except ValueError as exc:
+                raise APIError(400, f"structured_outputs.json is not JSON: {exc}", param="structured_outputs") from None
+        given["json_schema"] = schema
+    if so.json_object:
+        given["json_schema"] = {"type": "object"} if "json_schema" not in given else None
+    if len(given) != 1 or None in given.values():
+        raise APIError(
+            400,
+            "structured_outputs takes exactly one of json, regex, choice, grammar and json_object",
+            param="structured_outputs",
+        )
+    constraint_from("structured_outputs")
+    return given, "structured_outputs"
 
 
 def json_schema_of(fmt: ResponseFormat | None) -> dict[str, Any] | bool | None:

@@ -21,11 +21,13 @@ MAX_EMBEDDING_INPUTS = 2048
 class SchemaFields(NamedTuple):
     """Where a request body carries JSON Schemas, to name them in errors: the
     output schema's field, and a tool's `parameters` (a format of the tool's index);
-    and its conversation's field (a context overflow names it)."""
+    and its conversation's field (a context overflow names it); the field an output
+    constraint came from (`structured_outputs`, `grammar`), once the endpoint knows it."""
 
     output: str
     tool: str
     conversation: str = "messages"
+    constraint: str | None = None
 
 
 class StreamOptions(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -52,6 +54,18 @@ class ResponseFormat(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     json_schema: JsonSchemaFormat | None = None
 
 
+class StructuredOutputs(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """vLLM's `structured_outputs`: exactly one of `json` (a JSON Schema, as an object or its JSON
+    text), `regex`, `choice`, `grammar` (Lark, or llama.cpp's GBNF) or `json_object: true`,
+    enforced by constrained decoding (`SamplingParams.json_schema` / `regex` / `choice` / `grammar`)."""
+
+    json: dict[str, Any] | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+
 class SamplingRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """Fields shared by completions and chat completions."""
 
@@ -72,6 +86,10 @@ class SamplingRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    structured_outputs: StructuredOutputs | None = None
+    """Extension (vLLM's): the output follows a JSON Schema, regex, choice or grammar."""
+    grammar: str | None = None
+    """Extension (llama.cpp's): the output follows this GBNF grammar (Lark is read too)."""
 
 
 class CompletionRequest(SamplingRequest, kw_only=True):

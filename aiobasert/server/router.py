@@ -172,7 +172,7 @@ class ModelRouter:
             await self.app(scope, receive, send)
             return
         if not is_json(dict(scope["headers"]).get(b"content-type", b"").decode("latin-1")):
-            await not_json().response()(scope, receive, send)  # refused before any model loads for it
+            await not_json().response(scope["path"])(scope, receive, send)  # refused before any model loads for it
             return
         body = bytearray()
         while True:
@@ -181,7 +181,9 @@ class ModelRouter:
                 return  # gone before the request was read: nothing to answer
             body += message.get("body", b"")
             if len(body) > MAX_BODY_BYTES:
-                await APIError(413, f"request body exceeds {MAX_BODY_BYTES} bytes").response()(scope, receive, send)
+                await APIError(413, f"request body exceeds {MAX_BODY_BYTES} bytes").response(scope["path"])(
+                    scope, receive, send
+                )
                 return
             if not message.get("more_body", False):
                 break
@@ -199,10 +201,10 @@ class ModelRouter:
             lease = group.lease(name)
             await lease.__aenter__()
         except UnknownModelError:
-            await model_not_found(name).response()(scope, receive, send)
+            await model_not_found(name).response(scope["path"])(scope, receive, send)
             return
         except Exception as exc:  # a model that fails to (re)load, a closing group
-            await api_error(exc).response()(scope, receive, send)
+            await api_error(exc).response(scope["path"])(scope, receive, send)
             return
         try:
             await self.app(scope, replay, send)  # the lease lasts the whole response, streams included

@@ -249,7 +249,7 @@ class EventStream(Response):
             except StopAsyncIteration:
                 first = b""
             except Exception as exc:
-                await api_error(exc).response()(scope, receive, send)
+                await api_error(exc).response(scope["path"])(scope, receive, send)
                 return
             await self._start(send, first)
             async for event in events:
@@ -317,7 +317,7 @@ class EventStream(Response):
         if slow:
             raise ClientTooSlow
         if failed is not None:
-            await api_error(failed).response()(scope, receive, send)
+            await api_error(failed).response(scope["path"])(scope, receive, send)
             return False
         if not started:
             await self._start(send, b"")

@@ -84,7 +84,8 @@ def check_schema_and_tools(has_tools: bool, json_schema: object, *, field: str =
     `Engine.stream_turn`) and the server's chat completions and Responses all apply: refused,
     whatever `tool_choice` says. A stream follows one grammar, and a turn with tools has one
     even under "none" (text that spells no call). `field` names the caller's own schema field
-    (`json_schema`, `response_format`, `text.format`); cheap, so checked before anything is paid."""
+    (`json_schema`, `response_format`, `text.format`, or another output constraint: `regex`, `choice`,
+    `grammar`, `structured_outputs`); cheap, so checked before anything is paid."""
     if has_tools and json_schema is not None:
         raise InvalidRequestError(f"{field} cannot be combined with tools")
 

@@ -302,10 +302,11 @@ def test_batcher_feeds_an_embedding_from_the_prefill_budget_and_the_tap_budget()
     b.admit()
     assert not b.should_match_prefix(embed) and b.should_match_prefix(prompt)
     assert not b.should_publish_prefix(embed, 100)
-    # the decode lane: 1; the embed: min(100, budget 64, taps 40) = 40; the prompt: the budget left, 24
-    assert [(st.rid, k) for st, k in b.schedule()] == [("d", 1), ("e", 40), ("p", 24)]
+    # the decode lane: 1; the embed (admitted before the prompt: less work, so more urgent):
+    # min(100, budget 64, taps 40) = 40; the prompt: the budget left, 24
+    assert {st.rid: k for st, k in b.schedule()} == {"d": 1, "e": 40, "p": 24}
     embed.prefilled, prompt.prefilled = 80, 24
-    assert [(st.rid, k) for st, k in b.schedule()] == [("d", 1), ("e", 20), ("p", 44)]
+    assert {st.rid: k for st, k in b.schedule()} == {"d": 1, "e": 20, "p": 44}
 
 
 _FIRST_NUMPY_IMPORT = """
