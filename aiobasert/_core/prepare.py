@@ -105,6 +105,10 @@ class Preparer:
         """Requests handed to the intake workers, not back yet (each holds a queue place)."""
         return len(self._preparing)
 
+    def preparing_ids(self) -> list[str]:
+        """The ids of the requests being prepared now (`aiobasert.testing.snapshot`)."""
+        return [rid for rid, entry in self._preparing.items() if entry.status is RequestStatus.PREPARING]
+
     # ---- on the engine thread -------------------------------------------------------------
 
     def submit(self, msg: Submit) -> tuple[list[int] | None, BaseException | None] | None:
