@@ -191,13 +191,24 @@ class ThreadState(msgspec.Struct, frozen=True, kw_only=True):
     """Times it freed its model handle: 1 once it ended (never 2), 0 before."""
     steps: int
     """Steps taken so far."""
+    requests_finished: int
+    requests_cancelled: int
+    requests_failed: int
+    """The counters of `EngineStats` of those names: after the engine closed, their final values."""
 
 
 def thread_state(engine: Engine) -> ThreadState:
     """Read without a round trip to the engine thread, so also after the engine closed (each
     value is one int or flag the thread writes: each is current, though not all of one instant)."""
     thread = engine._thread
-    return ThreadState(alive=thread.alive, models_freed=thread.models_freed, steps=thread.steps)
+    return ThreadState(
+        alive=thread.alive,
+        models_freed=thread.models_freed,
+        steps=thread.steps,
+        requests_finished=thread.finished,
+        requests_cancelled=thread.cancelled,
+        requests_failed=thread.failed,
+    )
 
 
 class _Holds:

@@ -105,6 +105,7 @@ async def test_thread_state_after_close(tiny_model_path: Path) -> None:
         await engine.aclose()
     closed = thread_state(engine)
     assert not closed.alive and closed.models_freed == 1 and closed.steps >= 2
+    assert (closed.requests_finished, closed.requests_cancelled, closed.requests_failed) == (1, 0, 0)
     with pytest.raises(EngineClosedError):
         await snapshot(engine)
 
