@@ -45,7 +45,8 @@ __all__ = [
 ]
 
 RequestStatus = Literal["preparing", "waiting", "running", "paused"]
-"""Where a live request is: handed to the intake workers (tokenized, its grammar compiled),
+"""Where a live request is: handed to the intake workers (tokenized, its grammar compiled; a
+request cancelled meanwhile stays "preparing" until its preparation returns, holding its place),
 queued for a lane, in a lane (prefilling or generating), or taken out of its lane and waiting
 to resume (docs/fairness.md). A request that ended is in no snapshot."""
 

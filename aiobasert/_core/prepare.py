@@ -106,8 +106,9 @@ class Preparer:
         return len(self._preparing)
 
     def preparing_ids(self) -> list[str]:
-        """The ids of the requests being prepared now (`aiobasert.testing.snapshot`)."""
-        return [rid for rid, entry in self._preparing.items() if entry.status is RequestStatus.PREPARING]
+        """The ids of the requests being prepared now (`aiobasert.testing.snapshot`), those already
+        answered (cancelled) included: each holds its queue place until its preparation returns."""
+        return list(self._preparing)
 
     # ---- on the engine thread -------------------------------------------------------------
 
