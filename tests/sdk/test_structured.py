@@ -503,7 +503,7 @@ async def test_an_object_without_additional_properties_gets_only_its_properties(
         bias = {(await engine.encode(","))[0]: 8.0, (await engine.encode('"'))[0]: 4.0}
         done = await engine.generate("{", json_schema=schema, max_tokens=200, temperature=1.0, seed=1,
                                      logit_bias=bias)  # fmt: skip
-        assert backends(engine) == ({"llguidance": 1} if host else {"engine": 1})
+        assert await backends(engine) == ({"llguidance": 1} if host else {"engine": 1})
         assert done.finish_reason == "stop", done
         assert set(json.loads(done.text)) <= set(schema["properties"])
         jsonschema.validate(json.loads(done.text), schema)
