@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 import pytest
-from held_calls import HeldLane, HoldLane
+from held_calls import HoldLane
 from llama_cpp_files import from_llama_cpp_sdist
 from loopback import API_KEY, MODEL_NAME, serving
 
@@ -32,7 +32,7 @@ from aiobasert.models.cache import (
     published_gguf_path,
     smollm2_gguf_path,
 )
-from aiobasert.models.tiny import build_tiny_model
+from aiobasert.testing import HeldLane, build_tiny_model
 
 if TYPE_CHECKING:  # llguidance: imported by the tests that build a grammar backend only
     from aiobasert._core.grammar import GrammarBackend
@@ -108,14 +108,15 @@ def second_tiny_model_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture
-def hold_lane(monkeypatch: pytest.MonkeyPatch) -> Iterator[HoldLane]:
+def hold_lane() -> Iterator[HoldLane]:
     """`held = await hold_lane(engine)`: a request holding one of the engine's lanes until
-    `held.release()` or `await held.aclose()` (tests.held_calls.HeldLane): the explicit way to keep a
-    lane taken, where a long stream would race generation on a fast or a loaded machine."""
+    `held.release()` or `await held.aclose()` (`aiobasert.testing.HeldLane`): the explicit way to keep
+    a lane taken, where a long stream would race generation on a fast or a loaded machine. The
+    fixture form of `aiobasert.testing.hold_lane`, for a hold that outlives one block."""
     holds: list[HeldLane] = []
 
     async def hold(engine: Engine, prompt: str = "held", max_tokens: int = 8) -> HeldLane:
-        held = HeldLane(monkeypatch, engine, prompt, max_tokens)
+        held = HeldLane(engine, prompt, max_tokens)
         holds.append(held)
         await held.wait_admitted()
         return held

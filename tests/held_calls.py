@@ -1,6 +1,6 @@
 """Holding engine-side work until the test releases it: one call (the stalls of issue 18 made
-deterministic: a slow grammar compile or tokenization, without a slow input), or one lane
-(`HeldLane`: a lane that stays taken, whatever the machine's speed)."""
+deterministic: a slow grammar compile or tokenization, without a slow input). A lane that stays
+taken, whatever the machine's speed, is `aiobasert.testing.hold_lane` (the `hold_lane` fixture)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import anyio
 import pytest
 
 from aiobasert import Engine, TokenStream
-from aiobasert._core.step import StepRunner
+from aiobasert.testing import HeldLane, snapshot, wait_until
 
 
 class HeldCall:
@@ -63,60 +63,12 @@ class HeldCall:
 
 async def assert_engine_steps_on(engine: Engine, running: TokenStream, held: HeldCall, steps: int = 32) -> None:
     """While `held` is held, the engine takes `steps` more steps and `running` gets a token in each."""
-    before, delivered = engine._thread.steps, running._ticket.delivered
-    while engine._thread.steps < before + steps:
-        await anyio.sleep(0.001)
-    assert running._ticket.delivered >= delivered + steps and not held.released
-
-
-class HeldLane:
-    """A request that takes a lane and keeps it until `release()` (or `aclose()`), feeding nothing.
-
-    Its rows are left out of every step (`StepRunner.run`, the C boundary), from its admission
-    on: it stays admitted and prefilling, so it counts as a running lane and the queue waits
-    behind it, it never finishes, and fair admission never takes it back (only a lane that has
-    sampled is taken back). The engine serves every other lane and message as usual. This holds
-    however fast or slow the machine is, unlike a long stream, which ends when its tokens run out.
-    Get one with the `hold_lane` fixture; a hold left over is released at the test's end."""
-
-    def __init__(self, monkeypatch: pytest.MonkeyPatch, engine: Engine, prompt: str, max_tokens: int) -> None:
-        self.stream = engine.stream(prompt, max_tokens=max_tokens, ignore_eos=True)
-        self.admitted, self._released = threading.Event(), threading.Event()
-        rid, real = self.stream.request_id, StepRunner.run
-
-        def run(runner: StepRunner, rows: Any) -> Any:
-            if not self._released.is_set():
-                kept = [(lane, row) for lane, row in rows if row.lane.rid != rid]
-                if len(kept) < len(rows):
-                    self.admitted.set()
-                    if not kept:  # nothing else to run: wait a little rather than spin the engine thread
-                        self._released.wait(0.001)
-                        return []
-                    rows = kept
-            return real(runner, rows)
-
-        monkeypatch.setattr(StepRunner, "run", run)
-
-    async def wait_admitted(self, bound: float = 30) -> None:
-        """Until the engine has given it a lane (it planned its first row)."""
-        self.stream.submit()
-        with anyio.fail_after(bound):
-            while not self.admitted.is_set():
-                await anyio.sleep(0.001)
-
-    def release(self) -> None:
-        """Its rows run again: it prefills and generates its max_tokens."""
-        self._released.set()
-
-    @property
-    def released(self) -> bool:
-        return self._released.is_set()
-
-    async def aclose(self) -> None:
-        """Give the lane back: the request is cancelled (it never ran)."""
-        await self.stream.aclose()
-        self.release()
+    rid = running.request_id
+    before = await snapshot(engine)
+    after = await wait_until(engine, lambda s: s.stats.steps >= before.stats.steps + steps)
+    assert after.requests[rid].generated >= before.requests[rid].generated + steps and not held.released
 
 
 HoldLane = Callable[..., Awaitable[HeldLane]]
-"""The `hold_lane` fixture's type: `held = await hold_lane(engine, prompt="held", max_tokens=8)`."""
+"""The `hold_lane` fixture's type: `held = await hold_lane(engine, prompt="held", max_tokens=8)`
+(an `aiobasert.testing.HeldLane`, released at the test's end)."""

@@ -41,6 +41,7 @@ from aiobasert import (
     StreamClosedError,
     TokenStream,
 )
+from aiobasert.testing import thread_state
 
 BOUND = 30.0
 
@@ -415,7 +416,8 @@ class LifecycleWalk:
             await engine.aclose(abort=True)
         else:
             await engine.aclose(abort=how == "abort")
-        assert engine.closed and not engine._thread.alive and engine._thread.models_freed == 1
+        closed = thread_state(engine)
+        assert engine.closed and not closed.alive and closed.models_freed == 1
         for t in self.tracked:  # every reader has ended, with tokens or a typed error
             if t.has_reader:
                 await t.reader_done.wait()

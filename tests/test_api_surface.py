@@ -1,4 +1,4 @@
-"""The public API, pinned: every name `aiobasert` and `aiobasert.server` export, with the
+"""The public API, pinned: every name `aiobasert`, `aiobasert.server` and `aiobasert.testing` export, with the
 signature of each function and of each public method and field of each class, must equal
 tests/api_surface.txt. A change to the public surface is a deliberate edit of that file
 (regenerate it with `python tests/test_api_surface.py` and say why in CHANGELOG.md);
@@ -17,6 +17,7 @@ import msgspec
 import aiobasert
 import aiobasert.errors
 import aiobasert.server
+import aiobasert.testing
 
 SNAPSHOT = Path(__file__).with_name("api_surface.txt")
 
@@ -63,7 +64,7 @@ def describe(module: ModuleType) -> list[str]:
 
 
 def render() -> str:
-    return "\n".join(describe(aiobasert) + describe(aiobasert.server)) + "\n"
+    return "\n".join(describe(aiobasert) + describe(aiobasert.server) + describe(aiobasert.testing)) + "\n"
 
 
 def test_public_surface_matches_the_snapshot() -> None:

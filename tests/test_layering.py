@@ -55,6 +55,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [  # bottom first; an exact name win
     ("thread", ("aiobasert.engine_thread",)),
     ("engine", ("aiobasert.engine", "aiobasert.group", "aiobasert.choices")),
     ("package", ("aiobasert",)),  # the public facade (aiobasert/__init__.py)
+    # tools for tests of code built on aiobasert: they read the engine's state between steps
+    ("testing", ("aiobasert.testing",)),
     ("server", ("aiobasert.server", "aiobasert.server.*")),
     ("cli", ("aiobasert.cli", "aiobasert.__main__")),
 ]

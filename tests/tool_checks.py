@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 from aiobasert import Engine
+from aiobasert.testing import snapshot
 
 
 def json_complete(text: str) -> bool:
@@ -17,6 +18,6 @@ def json_complete(text: str) -> bool:
     return True
 
 
-def backends(engine: Engine) -> dict[str, int]:
-    """How many grammars each backend ("engine": the structural tag, "llguidance") has compiled."""
-    return dict(engine._thread.prep.grammar_backends)
+async def backends(engine: Engine) -> dict[str, int]:
+    """How many grammars each backend ("engine": the structural tag, "llguidance") has served."""
+    return (await snapshot(engine)).grammar_backends

@@ -107,6 +107,11 @@ class Preparer:
         """Requests handed to the intake workers, not back yet (each holds a queue place)."""
         return len(self._preparing)
 
+    def preparing_ids(self) -> list[str]:
+        """The ids of the requests being prepared now (`aiobasert.testing.snapshot`), those already
+        answered (cancelled) included: each holds its queue place until its preparation returns."""
+        return list(self._preparing)
+
     # ---- on the engine thread -------------------------------------------------------------
 
     def submit(self, msg: Submit) -> tuple[list[int] | None, BaseException | None] | None:

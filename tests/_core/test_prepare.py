@@ -20,6 +20,7 @@ import aiobasert
 from aiobasert._core import ffi
 from aiobasert._core.cost import MAX_DECODE_IDS, QUICK_COST
 from aiobasert.errors import ContextLengthExceededError, InvalidRequestError
+from aiobasert.testing import snapshot, wait_until
 
 # numpy's import held open (its module half initialized in sys.modules) on the worker thread that
 # the first embedding imports it on, while the loop submits plain requests of every shape.
@@ -339,7 +340,7 @@ async def test_the_host_grammar_backend_is_built_at_open(
         assert built == ["aiobasert-grammar-1"]  # at open, on a worker
         done = await engine.generate("x", max_tokens=12, json_schema={"enum": ["red", "green"]})
         assert json.loads(done.text) in ("red", "green")
-        assert dict(engine._thread.prep.grammar_compiles) == {"llguidance": 1} and len(built) == 1
+        assert (await snapshot(engine)).grammar_compiles == {"llguidance": 1} and len(built) == 1
 
 
 @pytest.mark.anyio
@@ -350,7 +351,7 @@ async def test_grammar_backend_at_open_false_leaves_it_to_the_first_request_that
     nor for a schema the engine compiles itself; the first `enum` builds it, once."""
     built = _record_backend_builds(monkeypatch)
     async with aiobasert.Engine.open(tiny_model_path, max_batch_size=2, grammar_backend_at_open=False) as engine:
-        assert built == [] and engine._thread.prep.backend is None
+        assert built == [] and not (await snapshot(engine)).host_grammar_built
         done = await engine.generate("x", max_tokens=12, json_schema={"type": "boolean"})
         assert json.loads(done.text) in (True, False) and built == []  # the engine's own compiler
         for _ in range(2):
@@ -381,14 +382,13 @@ async def test_the_host_grammar_backend_is_built_on_the_costly_worker_where_only
 
         async with anyio.create_task_group() as tg:
             tg.start_soon(host)
-            while not engine._thread.prep.preparing:  # handed to the intake (first in the cheap lane)
-                await anyio.sleep(0.001)
+            await wait_until(engine, lambda s: s.count("preparing") > 0)  # handed to the intake (the cheap lane)
             with anyio.fail_after(30):
                 for schema in ({"type": "integer"}, {"type": "boolean"}, {"type": "integer"}):
                     # cheap-lane schemas the engine compiles: served meanwhile
                     out = await engine.generate("y", max_tokens=12, json_schema=schema)
                     done.append(f"engine {type(json.loads(out.text)).__name__}")
-            assert built == [] and engine._thread.prep.backend is None  # not begun: it waits for the costly lane
+            assert built == [] and not (await snapshot(engine)).host_grammar_built  # waits for the costly lane
             release.set()
         assert done == ["engine int", "engine bool", "engine int", "host"]
         assert built == ["aiobasert-grammar-1"]
@@ -418,11 +418,10 @@ async def test_a_request_moved_to_the_costly_worker_is_tokenized_once(tiny_model
                 assert json.loads(out.text) in ("red", "green")
 
             tg.start_soon(host)
-            while engine._thread.prep.backend is None and not _moved(engine):
-                await anyio.sleep(0.001)
+            await wait_until(engine, lambda s: s.host_grammar_built or _moved(engine))
             release.set()
         after = _texts_encoded_by_worker(engine)
-        assert engine._thread.prep.backend is not None  # built: the request went the costly way
+        assert (await snapshot(engine)).host_grammar_built  # built: the request went the costly way
         encoded = {name: after[name] - before[name] for name in after}
         assert encoded == {"aiobasert-tokenize": 0, "aiobasert-grammar-0": 0, "aiobasert-grammar-1": 1}
 
@@ -454,7 +453,7 @@ async def test_a_grammar_built_for_a_prompt_then_refused_is_freed_on_its_worker(
             await engine.generate("a\x00b", max_tokens=1, json_schema=schema)
         (worker,) = closed  # the kept grammar, taken for it and freed there
         assert worker.startswith("aiobasert-grammar-")
-        assert dict(engine._thread.prep.grammar_compiles) == {"engine": 1}
+        assert (await snapshot(engine)).grammar_compiles == {"engine": 1}
         assert engine._thread.lib.violations == 0
         out = await engine.generate("x", max_tokens=4, json_schema=schema)
         assert isinstance(json.loads(out.text), int) or out.finish_reason == "length"

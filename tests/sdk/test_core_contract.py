@@ -43,6 +43,7 @@ from aiobasert._core import loaded as _loaded
 from aiobasert._core.intake import Intake
 from aiobasert.engine_thread import EngineThread
 from aiobasert.models.tiny import bytes_to_unicode, tiny_vocab
+from aiobasert.testing import thread_state, wait_until
 
 pytestmark = pytest.mark.anyio
 
@@ -102,7 +103,8 @@ async def test_drain_close_cancels_a_lane_whose_stream_is_gone(tiny_model_path: 
         held = await hold_lane(engine)  # the lane cannot end by itself: only the drain's cancel ends it
         await held.stream.aclose()
         await engine.aclose()
-        assert engine._thread.cancelled == 1 and engine._thread.finished == 0
+        closed = thread_state(engine)
+        assert closed.requests_cancelled == 1 and closed.requests_finished == 0
 
 
 async def test_aclose_from_another_task_wakes_the_reader(tiny_model_path: Path, hold_lane: HoldLane) -> None:
@@ -137,7 +139,8 @@ async def test_abort_after_a_timed_out_drain_escalates(tiny_model_path: Path) ->
             await engine.aclose()  # drain: far from done when the timeout hits
         await engine.aclose(abort=True)
     assert s.finish_reason == "aborted" and len(got) < 2000
-    assert not engine._thread.alive and engine._thread.models_freed == 1
+    closed = thread_state(engine)
+    assert not closed.alive and closed.models_freed == 1
 
 
 async def test_leaving_the_block_on_a_timeout_aborts_the_drain(
@@ -163,7 +166,7 @@ async def test_leaving_the_block_on_a_timeout_aborts_the_drain(
         with anyio.move_on_after(0.3) as scope:
             async with engine:
                 pass
-        assert scope.cancelled_caught and engine.closed and not engine._thread.alive
+        assert scope.cancelled_caught and engine.closed and not thread_state(engine).alive
     assert s.finish_reason == "aborted"
 
 
@@ -442,8 +445,8 @@ async def test_a_refused_structured_request_frees_its_grammar(untied_model_path:
         waiting = engine.stream("waits for the lane", max_tokens=3, json_schema=schema)
         waiting.submit()
         with anyio.fail_after(BOUND):
-            while (await engine.stats()).waiting_requests == 0:  # its grammar is built off the engine thread
-                await anyio.sleep(0.001)
+            # its grammar is built off the engine thread, then it waits behind the held lane
+            await wait_until(engine, lambda s: s.status(waiting.request_id) == "waiting", timeout=BOUND)
             for _ in range(3):  # refused on arrival (a full queue), before its grammar is built
                 with pytest.raises(EngineOverloadedError):
                     await engine.generate("refused", max_tokens=3, json_schema=schema)
@@ -704,8 +707,7 @@ async def test_awaiting_a_stream_left_early_raises_even_if_its_request_finished(
         s = engine.stream("finishes unread", max_tokens=6, ignore_eos=True)
         with anyio.fail_after(BOUND):
             first = await s.__anext__()
-            while s.finish_reason is None:  # the request ends; 5 tokens stay unread
-                await anyio.sleep(0.001)
+            await wait_until(engine, lambda _: s.finish_reason is not None)  # the request ends; 5 stay unread
             if leave == "break":
                 async for _ in s:
                     break

@@ -30,6 +30,7 @@ from aiobasert import (
     TokenStream,
 )
 from aiobasert._core.ffi import Library
+from aiobasert.testing import EngineSnapshot, RequestStatus, snapshot, thread_state, wait_until
 
 pytestmark = pytest.mark.anyio
 
@@ -53,8 +54,12 @@ async def reference(path: Path, inputs: list[Any], monkeypatch: pytest.MonkeyPat
         mp.setenv(TAPS_OFF, "0")
         async with Engine.open(path, max_context=2048) as engine:
             out = [await engine.embed(x) for x in inputs]
-            assert engine._thread.embedder.pooler is None  # the fallback really ran
+            assert (await snapshot(engine)).embedding_path == "whole"  # the fallback really ran
             return out
+
+
+def _embeddings(snap: EngineSnapshot, status: RequestStatus) -> int:
+    return sum(1 for r in snap.requests.values() if r.embedding and r.status == status)
 
 
 async def read_all(stream: TokenStream, got: list[int]) -> None:
@@ -121,7 +126,7 @@ async def test_embed_equals_baseRT_embed(untied_model_path: Path, monkeypatch: p
     async with Engine.open(untied_model_path, max_batch_size=4, prefill_chunk=CHUNK, max_context=2048) as engine:
         with anyio.fail_after(BOUND):
             alone = [await engine.embed(x) for x in inputs]
-            assert engine._thread.embedder.pooler is not None  # the chunked path ran
+            assert (await snapshot(engine)).embedding_path == "tapped"  # the chunked path ran
             together: list[np.ndarray | None] = [None] * len(inputs)
 
             async def one(i: int) -> None:
@@ -201,10 +206,10 @@ async def test_close_mid_embed(untied_model_path: Path, abort: bool) -> None:
         async with anyio.create_task_group() as tg:
             tg.start_soon(run, 0)
             tg.start_soon(run, 1)
-            while (s := await engine.stats()).active_lanes == 0 or s.waiting_requests == 0:
-                await anyio.sleep(0.001)
+            await wait_until(engine, lambda s: s.stats.active_lanes > 0 and s.stats.waiting_requests > 0)
             await engine.aclose(abort=abort)
-    assert engine._thread.models_freed == 1 and not engine._thread.alive
+    closed = thread_state(engine)
+    assert closed.models_freed == 1 and not closed.alive
     if abort:
         assert all(isinstance(o, EngineClosedError) for o in outcomes), outcomes
     else:
@@ -231,8 +236,9 @@ async def test_embed_errors_cost_only_their_caller(untied_model_path: Path, hold
                     waiting.append(await engine.embed([7, 8, 9]))
 
                 tg.start_soon(wait_one)
-                while (await engine.stats()).waiting_requests == 0:
-                    await anyio.sleep(0.001)
+                await wait_until(
+                    engine, lambda s: [r.embedding for r in s.requests.values() if r.status == "waiting"] == [True]
+                )
                 with pytest.raises(EngineOverloadedError):
                     await engine.embed([7, 8, 9])
                 assert waiting == []
@@ -261,8 +267,9 @@ async def test_a_failed_step_mid_embed_is_a_typed_error_and_frees_everything(
 
             async with anyio.create_task_group() as tg:
                 tg.start_soon(run)
-                while (await engine.stats()).active_lanes == 0:
-                    await anyio.sleep(0.001)
+                await wait_until(
+                    engine, lambda s: any(r.embedding and r.status == "running" for r in s.requests.values())
+                )
                 assert lib.baseRT_ref_inject_fault(1, 2) == 0  # the second step from now fails
             assert len(outcome) == 1 and "injected fault" in str(outcome[0])
             await assert_idle_and_whole(engine)
@@ -281,7 +288,7 @@ async def test_smollm2_embed_equals_baseRT_embed(smollm2_path: Path, monkeypatch
             await s.__anext__()
             got = await engine.embed(text)
             await s.aclose()
-        assert engine._thread.embedder.pooler is not None
+        assert (await snapshot(engine)).embedding_path == "tapped"
         assert rel_err(got, want) < 1e-3, rel_err(got, want)
         await assert_idle_and_whole(engine)
 

@@ -23,6 +23,7 @@ from aiobasert import (
 from aiobasert._core.ffi import Library
 from aiobasert.chat import DEFAULT_TEMPLATE, GEMMA_TEMPLATE, LLAMA3_TEMPLATE, render_chat
 from aiobasert.models.tiny import build_tiny_model
+from aiobasert.testing import snapshot, thread_state, wait_until
 
 pytestmark = pytest.mark.anyio
 
@@ -335,7 +336,7 @@ async def test_aclose_drain_abort_and_reuse(tiny_model_path: Path) -> None:
     await engine.aclose()  # drain: the in-flight stream finishes
     assert len([t async for t in s1]) == 29 and s1.finish_reason == "length"
     await engine.aclose()  # a second close is a no-op
-    assert engine._thread.models_freed == 1
+    assert thread_state(engine).models_freed == 1
     with pytest.raises(EngineClosedError):
         engine.stream("x")
     with pytest.raises(EngineClosedError):
@@ -347,8 +348,8 @@ async def test_aclose_drain_abort_and_reuse(tiny_model_path: Path) -> None:
     await engine.aclose(abort=True)
     rest = [t async for t in s2]
     assert s2.finish_reason == "aborted" and len(rest) < 999
-    assert engine._thread.models_freed == 1
-    assert not engine._thread.alive
+    closed = thread_state(engine)
+    assert closed.models_freed == 1 and not closed.alive
 
 
 async def test_break_frees_the_lane_at_once(tiny_model_path: Path) -> None:
@@ -375,18 +376,12 @@ async def test_long_prompt_prefills_in_chunks_without_freezing_streams(tiny_mode
         long = engine.stream(long_prompt, max_tokens=3, ignore_eos=True)
         long.submit()
 
-        def snapshot() -> tuple[int, int, bool]:  # taken on the engine thread, between two steps
-            lane = engine._thread.requests.get(long.request_id)
-            return engine._thread.steps, runner._ticket.delivered, lane is not None and lane.state.prefilling
-
-        steps0, runner0, _ = await engine._call(snapshot)  # queued behind the submit
-        steps1, runner1, prefilling = steps0, runner0, True
-        for _ in range(100_000):  # counted in engine steps, not seconds
-            steps1, runner1, prefilling = await engine._call(snapshot)
-            if steps1 - steps0 >= 8:
-                break
-        assert prefilling  # still prefilling after 8+ steps: chunked, not one long stall
-        assert runner1 - runner0 == steps1 - steps0  # the running stream got a token every step
+        first = await snapshot(engine)  # queued behind the submit: taken between two steps
+        last = await wait_until(engine, lambda s: s.stats.steps - first.stats.steps >= 8)  # in steps, not seconds
+        assert last.requests[long.request_id].prefilling  # in its lane after 8+ steps: chunked, not one stall
+        ran = last.stats.steps - first.stats.steps
+        got = last.requests[runner.request_id].generated - first.requests[runner.request_id].generated
+        assert got == ran  # the running stream got a token every step
         await long.aclose()  # cancel mid-prefill
         after = await engine.stats()  # queued behind the cancel: the lane must be gone
         assert after.active_lanes == 1 and after.requests_cancelled == 1

@@ -19,6 +19,7 @@ from aiobasert import (
     InvalidRequestError,
     UnknownModelError,
 )
+from aiobasert.testing import thread_state
 
 pytestmark = pytest.mark.anyio
 
@@ -177,7 +178,7 @@ async def test_leaving_on_a_timeout_aborts_an_unload_drain(tiny_model_path: Path
                 timeout.cancel()
                 await anyio.sleep(0)
     assert s.finish_reason == "aborted" and s._ticket.delivered < 2000
-    assert engine.closed and not engine._thread.alive
+    assert engine.closed and not thread_state(engine).alive
 
 
 @pytest.mark.parametrize("bad", [5, 2.5, ["a"], {"a": 1}, b"a", (1,), object()])

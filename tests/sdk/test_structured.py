@@ -19,6 +19,7 @@ from aiobasert._core.ffi import Library
 from aiobasert._core.grammar import GrammarBackend
 from aiobasert.models.bundle import read_bundle
 from aiobasert.models.tiny import EOS_ID, build_tiny_model
+from aiobasert.testing import thread_state, wait_until
 
 PERSON: dict[str, Any] = {
     "type": "object",
@@ -170,8 +171,7 @@ async def test_100_constrained_generations_batched_with_free_lanes(untied_model_
         async def run_free(j: int) -> None:
             # grammars compile off the engine thread, so a free request no longer waits
             # behind them: start once constrained lanes are in the engine, to share steps
-            while (await engine.stats()).live_grammars == 0:
-                await anyio.sleep(0.001)
+            await wait_until(engine, lambda s: s.stats.live_grammars > 0)
             free[j] = await engine.generate(free_prompts[j], **free_params[j % len(free_params)])
 
         async with anyio.create_task_group() as tg:
@@ -441,8 +441,7 @@ async def test_a_request_cancelled_while_its_grammar_compiles_is_dropped(
             stats = await engine.stats()  # answered while the compile is held
             assert stats.requests_cancelled == 1 and stats.active_lanes == stats.waiting_requests == 0
         with anyio.fail_after(30):  # the late grammar is freed, never run
-            while (await engine.stats()).live_grammars or engine._thread.prep.preparing:
-                await anyio.sleep(0.001)
+            await wait_until(engine, lambda s: s.stats.live_grammars == 0 and s.count("preparing") == 0)
             assert (await engine.stats()).active_lanes == 0
 
 
@@ -462,7 +461,7 @@ async def test_an_abort_does_not_wait_for_a_grammar_compile(
     s.submit()
     async with compile.holding():
         await engine.aclose(abort=True)
-        assert not compile.released and engine._thread.models_freed == 1
+        assert not compile.released and thread_state(engine).models_freed == 1
         with pytest.raises(EngineClosedError):
             await s
 
@@ -504,7 +503,7 @@ async def test_an_object_without_additional_properties_gets_only_its_properties(
         bias = {(await engine.encode(","))[0]: 8.0, (await engine.encode('"'))[0]: 4.0}
         done = await engine.generate("{", json_schema=schema, max_tokens=200, temperature=1.0, seed=1,
                                      logit_bias=bias)  # fmt: skip
-        assert backends(engine) == ({"llguidance": 1} if host else {"engine": 1})
+        assert await backends(engine) == ({"llguidance": 1} if host else {"engine": 1})
         assert done.finish_reason == "stop", done
         assert set(json.loads(done.text)) <= set(schema["properties"])
         jsonschema.validate(json.loads(done.text), schema)

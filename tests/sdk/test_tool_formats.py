@@ -564,7 +564,7 @@ async def test_required_llama_calls_are_llama_json_with_valid_arguments(
             )
             raw, reply = await raw_turn(chat)
             check_llama_turn(raw, reply, {t.name: t for t in tools})
-        assert backends(engine) == {"engine": 1, "llguidance": 1}
+        assert await backends(engine) == {"engine": 1, "llguidance": 1}
 
 
 @pytest.mark.parametrize("seed", [1, 2, 3, 4])
@@ -610,7 +610,7 @@ async def test_auto_llama_turns_are_text_or_calls(llama3_tools_model_path: Path,
             logit_bias={brace: 5.0},
         )
         assert none.tool_calls == [] and not none.content.lstrip().startswith("{")
-        assert backends(engine) == {"llguidance": 2}
+        assert await backends(engine) == {"llguidance": 2}
 
 
 async def test_a_llama_tool_loop_completes(llama3_tools_model_path: Path) -> None:
@@ -670,4 +670,4 @@ async def test_a_gguf_with_llama3s_vocabulary_and_template_calls_in_its_format(
             logit_bias=bias | {(await engine.encode("{"))[0]: 20.0},
         )
         check_llama_turn(*await raw_turn(auto), {"get_weather": WEATHER})
-        assert backends(engine) == {"engine": 1, "llguidance": 2}
+        assert await backends(engine) == {"engine": 1, "llguidance": 2}

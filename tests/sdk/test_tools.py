@@ -457,7 +457,7 @@ async def test_engine_tag_required_and_named(untied_model_path: Path, seed: int)
             seed=seed,
             logit_bias=bias,
         )
-        assert backends(engine) == {"engine": 1}  # the structural tag, not llguidance
+        assert await backends(engine) == {"engine": 1}  # the structural tag, not llguidance
         assert required.tool_calls and required.content == "", required  # calls only
         check_engine_calls(required, allowed={"get_weather", "get_time"})
         named = await engine.chat(
@@ -470,7 +470,7 @@ async def test_engine_tag_required_and_named(untied_model_path: Path, seed: int)
             seed=seed,
             logit_bias=bias,
         )
-        assert backends(engine) == {"engine": 2}
+        assert await backends(engine) == {"engine": 2}
         assert len(named.tool_calls) == 1 and named.content == ""
         assert named.finish_reason == "tool_calls", named  # only an end token may follow the one call
         check_engine_calls(named, allowed={"get_weather"})
@@ -492,13 +492,13 @@ async def test_engine_tag_auto_calls_are_well_formed(untied_model_path: Path, se
             logit_bias=bias,
             parallel_tool_calls=seed % 2 == 0,
         )
-        assert backends(engine) == {"engine": 1}
+        assert await backends(engine) == {"engine": 1}
         check_engine_calls(reply, allowed={"get_weather"})
         if seed % 2:
             assert len(reply.tool_calls) <= 1
         none = await engine.chat(MESSAGES, tools=[E_WEATHER], tool_choice="none", max_tokens=30, seed=seed)
         assert none.tool_calls == [] and "<tool_call>" not in none.content
-        assert backends(engine) == {"engine": 2}  # "none": any_text without <tool_call>
+        assert await backends(engine) == {"engine": 2}  # "none": any_text without <tool_call>
 
 
 async def test_engine_tag_stream_equals_whole(untied_model_path: Path) -> None:
@@ -513,7 +513,7 @@ async def test_engine_tag_stream_equals_whole(untied_model_path: Path) -> None:
         )
         whole = await engine.chat(MESSAGES, **kw)
         deltas = [d async for d in engine.stream_chat(MESSAGES, **kw)]
-        assert backends(engine) == {"engine": 2}
+        assert await backends(engine) == {"engine": 2}
     args: dict[int, list[str]] = {}
     for d in deltas:
         if isinstance(d, ToolCallDelta):
@@ -529,7 +529,7 @@ async def test_unenforceable_schema_falls_back_to_llguidance(tiny_model_path: Pa
         reply = await engine.chat(
             MESSAGES, tools=[WEATHER, E_TIME], tool_choice="required", max_tokens=120, temperature=1.0, seed=3
         )
-        assert backends(engine) == {"llguidance": 1}
+        assert await backends(engine) == {"llguidance": 1}
         assert reply.tool_calls
         if reply.finish_reason != "length":
             check_calls(reply, allowed={"get_weather", "get_time"})
@@ -568,7 +568,7 @@ async def test_engine_tag_lanes_batch_with_free_lanes(untied_model_path: Path) -
                 tg.start_soon(tool_turn, j)
                 if j < len(free_prompts):
                     tg.start_soon(free_turn, j)
-        assert backends(engine) == {"engine": 6}
+        assert await backends(engine) == {"engine": 6}
     steps = []
     for reply in replies:
         assert reply is not None and reply.tool_calls
@@ -607,7 +607,7 @@ async def test_smollm2_engine_tag_calls(smollm2_path: Path) -> None:
         auto = await engine.chat(msgs, tools=[weather], max_tokens=40, temperature=0)
         for c in auto.tool_calls if auto.finish_reason != "length" else auto.tool_calls[:-1]:
             jsonschema.validate(json.loads(c.arguments), weather.parameters)
-        assert backends(engine) == {"engine": 2}
+        assert await backends(engine) == {"engine": 2}
 
 
 async def test_engine_tag_lanes_end_on_stop_strings_and_max_tokens(untied_model_path: Path) -> None:
@@ -621,7 +621,7 @@ async def test_engine_tag_lanes_end_on_stop_strings_and_max_tokens(untied_model_
         stop = first.content[6:8]
         cut = await engine.chat(MESSAGES, stop=[stop], **kw)
         assert cut.finish_reason == "stop" and cut.content == first.content[: first.content.find(stop)]
-        assert backends(engine) == {"engine": 2}
+        assert await backends(engine) == {"engine": 2}
 
 
 # ---- names and ids are client text; ChatStream leaves like a TokenStream; forced calls ---------
@@ -719,7 +719,7 @@ async def test_a_named_choice_calls_once_without_parallel_false(
             MESSAGES, tools=tools, tool_choice="get_time", max_tokens=200, temperature=1.0, seed=seed
         )
         assert len(reply.tool_calls) == 1 and reply.tool_calls[0].name == "get_time"
-        assert backends(engine) == ({"engine": 1} if engine_tag else {"llguidance": 1})
+        assert await backends(engine) == ({"engine": 1} if engine_tag else {"llguidance": 1})
 
 
 async def test_a_forced_call_cut_by_max_tokens_leaks_no_markup(tiny_model_path: Path) -> None:
@@ -885,7 +885,7 @@ async def test_a_forced_call_without_additional_properties_ends(tiny_model_path:
             seed=1,
             logit_bias=bias,
         )
-        assert backends(engine) == {"llguidance": 1}
+        assert await backends(engine) == {"llguidance": 1}
         assert reply.finish_reason == "tool_calls", reply
         (call,) = reply.tool_calls
         assert set(json.loads(call.arguments)) <= {"setup", "rating"}

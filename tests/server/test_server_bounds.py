@@ -19,7 +19,7 @@ from typing import Any
 import anyio
 import httpx
 import pytest
-from held_calls import HeldLane, HoldLane
+from held_calls import HoldLane
 from loopback import API_KEY, MODEL_NAME, serving, start_uvicorn
 
 import aiobasert.tools._render
@@ -30,6 +30,7 @@ from aiobasert.models.tiny import SPECIAL_TOKENS, build_tiny_model
 from aiobasert.server import create_app
 from aiobasert.server.app import build_app
 from aiobasert.server.provider import SingleEngineProvider
+from aiobasert.testing import HeldLane
 from aiobasert.tools import MAX_TOOLS
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
