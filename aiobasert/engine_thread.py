@@ -324,24 +324,26 @@ class EngineThread:
         choose it); the first mismatch (or the lane's end) stops it, and the sequence is rolled
         back to what was accepted: no KV past the output, none past a stop."""
         drafts, lane.drafts = lane.drafts[:fed], []
+        spec = lane.speculation
+        assert spec is not None
+        # counted as they happen: the lane's usage is written when a token in the run ends it
+        spec.drafted += fed
+        spec.verified += 1
+        self.spec_drafted += fed
         accepted = 0
         for j, tok in enumerate(drafts):
             if not self.requests.holds(lane) or lane.generated[-1] != tok:
                 break
             accepted += 1
+            spec.accepted += 1
+            self.spec_accepted += 1
             try:
                 sampled = self.runner.verify_row(lane, first_row + j + 1)
             except AioBaseRTError as exc:
                 self._fail(lane, exc)
                 break
             self._apply_token(lane, sampled)
-        self.spec_drafted += fed
-        self.spec_accepted += accepted
-        if lane.speculation is not None:
-            lane.speculation.drafted += fed
-            lane.speculation.accepted += accepted
-            lane.speculation.verified += 1
-            lane.speculation.observe(accepted, accepted < fed)
+        spec.observe(accepted, accepted < fed)
         if self.requests.holds(lane) and lane.seq is not None:
             self._rollback_drafts(lane)
 
