@@ -300,7 +300,13 @@ class Choices(Generic[R]):
             cached = self._prefill_cached
         else:
             cached = sum(f.usage.cached_prompt_tokens for f in finals if f is not None)
-        return Usage(prompt_tokens=prompt, completion_tokens=completion, cached_prompt_tokens=cached)
+        return Usage(
+            prompt_tokens=prompt,
+            completion_tokens=completion,
+            cached_prompt_tokens=cached,
+            draft_tokens=sum(f.usage.draft_tokens for f in finals if f is not None),
+            accepted_draft_tokens=sum(f.usage.accepted_draft_tokens for f in finals if f is not None),
+        )
 
     async def aclose(self) -> None:
         """Cancel every choice still running (idempotent; never waits for the engine)."""

@@ -50,6 +50,7 @@ def sampling_params(
         logprobs=logprobs,
         top_logprobs=top_logprobs,
         json_schema=json_schema,
+        speculation=req.speculation is not False,
     )
 
 
