@@ -9,7 +9,7 @@ async with aiobasert.Engine.open("model.base") as engine:
 
 from .batcher import client_scope
 from .choices import ChoiceEvent, Choices
-from .config import EngineConfig
+from .config import EngineConfig, SpeculationConfig
 from .engine import Engine
 from .errors import (
     AbiMismatchError,
@@ -96,6 +96,7 @@ __all__ = [
     "ModelStats",
     "ReasoningDelta",
     "SamplingParams",
+    "SpeculationConfig",
     "StreamBusyError",
     "StreamClosedError",
     "TextDelta",

@@ -138,6 +138,12 @@ class Batcher:
         `max_batch_size` lanes of at most `max_context` fit the pool as the engine sized it."""
         self.recomputes = 0
         """Paused requests whose KV was released to make room (`_make_room`)."""
+        self.max_drafts = 7
+        """Draft tokens one decode lane may feed a step (speculative decoding): its 1 + drafts
+        logits rows must fit the engine's scratch of 8 rows a lane."""
+        self.draft_rows = 1 << 30
+        """A step carries draft rows only while it has fewer rows than this (the engine sets it
+        from `SpeculationConfig.max_step_rows`)."""
         self._arrivals = itertools.count()
 
     # ---- admission control ----------------------------------------------------------
@@ -420,6 +426,7 @@ class Batcher:
         start: Callable[[LaneState], None] | None = None,
         preempt: Callable[[LaneState], None] | None = None,
         release: Callable[[LaneState], None] | None = None,
+        draft: Callable[[LaneState, int, int, int], int] | None = None,
     ) -> StepPlan:
         """The next step: admit waiting requests (`admit`, which calls `preempt` for each
         lane it takes back and `release` for each paused request whose KV must go), then
@@ -428,24 +435,40 @@ class Batcher:
         `start` is called for each lane as it is admitted, before any row is
         planned (as vLLM's scheduler allocates KV slots while it schedules): the
         engine creates the lane's sequence there and seeds a cached prefix
-        (advancing `prefilled`), or removes the lane when it cannot start."""
+        (advancing `prefilled`), or removes the lane when it cannot start.
+
+        `draft(lane, cap, rows, lanes)` (speculative decoding) is asked, for each decode lane,
+        how many draft tokens it feeds after its pending token: at most `cap`, in a step that
+        so far carries `rows` rows and `lanes` decode lanes (`schedule`)."""
         admitted = self.admit(preempt, release)
         if start is not None:
             for lane in admitted:
                 start(lane)
         rows: list[PlannedRow] = []
-        for lane, k in self.schedule():
+        for lane, k in self.schedule(draft):
             if lane.embed:
                 rows.append(PlannedRow(lane, "embed", k, False))
             elif lane.prefilling:
                 rows.append(PlannedRow(lane, "prefill", k, lane.prefilled + k == lane.kv_target))
             else:
-                rows.append(PlannedRow(lane, "decode", k, True))
+                rows.append(PlannedRow(lane, "decode", k, True, drafts=k - 1))
         return StepPlan(tuple(admitted), tuple(rows))
 
-    def schedule(self) -> list[tuple[LaneState, int]]:
+    def draft_cap(self, lane: LaneState) -> int:
+        """Draft tokens a decode lane may feed after its pending token: no more than it may
+        still generate after that one (so the KV stays within `kv_need` and the context),
+        and at most `max_drafts` (a lane's logits rows are bounded by the engine's scratch)."""
+        return max(0, min(self.max_drafts, lane.max_new_tokens - lane.generated - 1))
+
+    def schedule(self, draft: Callable[[LaneState, int, int, int], int] | None = None) -> list[tuple[LaneState, int]]:
         """The rows of the next fused step: (lane, tokens fed), 1 for a decode
-        lane, a chunk within the prefill budget for a prefilling one."""
+        lane (1 + its drafts when `draft` gives it some), a chunk within the prefill
+        budget for a prefilling one.
+
+        Prompt chunks are served first; draft rows come out of what is left of the same
+        budget, and only while the step carries fewer than `draft_rows` rows (the per-step
+        speculation policy: a step that is already wide is compute-bound, and a draft row
+        there costs as much as a token it might save)."""
         budget = self.prefill_budget
         taps = self.tap_budget if self.tap_budget is not None else budget
         prefilling = [lane for lane in self.running if lane.prefilling]
@@ -459,9 +482,22 @@ class Batcher:
                 if lane.embed:
                     taps -= chunk
                 chunks[id(lane)] = chunk
+        drafts: dict[int, int] = {}
+        if draft is not None:
+            decoding = [lane for lane in self.running if not lane.prefilling and not lane.embed]
+            rows = len(decoding) + sum(chunks.values())
+            for lane in decoding:
+                cap = min(self.draft_cap(lane), budget, self.draft_rows - rows)
+                if cap <= 0:
+                    continue
+                got = max(0, min(draft(lane, cap, rows, len(decoding)), cap))
+                if got:
+                    drafts[id(lane)] = got
+                    budget -= got
+                    rows += got
         # rows in admission order (the fused call's sequence order)
         return [
-            (lane, chunks[id(lane)] if lane.prefilling else 1)
+            (lane, chunks[id(lane)] if lane.prefilling else 1 + drafts.get(id(lane), 0))
             for lane in self.running
             if not lane.prefilling or id(lane) in chunks
         ]

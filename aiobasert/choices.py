@@ -302,7 +302,12 @@ class Choices(Generic[R]):
             cached = sum(f.usage.cached_prompt_tokens for f in finals if f is not None)
         thought = sum(c.reasoning_tokens for c in self._children if isinstance(c, ChatStream))
         return Usage(
-            prompt_tokens=prompt, completion_tokens=completion, cached_prompt_tokens=cached, reasoning_tokens=thought
+            prompt_tokens=prompt,
+            completion_tokens=completion,
+            cached_prompt_tokens=cached,
+            reasoning_tokens=thought,
+            draft_tokens=sum(f.usage.draft_tokens for f in finals if f is not None),
+            accepted_draft_tokens=sum(f.usage.accepted_draft_tokens for f in finals if f is not None),
         )
 
     async def aclose(self) -> None:

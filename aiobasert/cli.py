@@ -29,7 +29,7 @@ import anyio
 import msgspec
 
 from . import __version__
-from .config import MAX_CHAT_TEMPLATE_CHARS, EngineConfig
+from .config import MAX_CHAT_TEMPLATE_CHARS, EngineConfig, SpeculationConfig
 from .engine import Engine
 from .errors import AioBaseRTError, ConversionError, InvalidConfigError
 from .group import _parse_models
@@ -129,6 +129,7 @@ def _engine_config(args: argparse.Namespace, *, max_batch_size: int) -> EngineCo
         grammar_backend_at_open=getattr(args, "grammar_backend_at_open", False),
         prefix_cache_mb=getattr(args, "prefix_cache_mb", None),
         chat_template=_template_file(getattr(args, "chat_template", None)),
+        speculation=_speculation(args),
     )
 
 
@@ -141,6 +142,14 @@ def _template_file(path: str | None) -> str | None:
             return f.read(MAX_CHAT_TEMPLATE_CHARS + 1)
     except (OSError, UnicodeDecodeError) as exc:
         raise InvalidConfigError(f"--chat-template: cannot read {path}: {exc}") from None
+
+
+def _speculation(args: argparse.Namespace) -> SpeculationConfig | None:
+    """`--speculative ngram` (and `--num-speculative-tokens`): `EngineConfig.speculation`."""
+    method = getattr(args, "speculative", None)
+    if method is None:
+        return None
+    return SpeculationConfig(method=method, num_speculative_tokens=args.num_speculative_tokens)
 
 
 def _check_run_args(args: argparse.Namespace) -> None:
@@ -450,6 +459,15 @@ def build_parser() -> argparse.ArgumentParser:
                        help="build the grammar backend for json_schema and tools as each model loads, so the first "
                             "such request pauses no stream (default); --no-grammar-backend-at-open saves its "
                             "memory (~70 MiB for a 49k vocabulary) on a server that serves text alone")  # fmt: skip
+    serve.add_argument("--speculative", choices=["ngram"], default=None,
+                       help="speculative decoding (docs/speculative.md): ngram = prompt lookup; the same tokens, "
+                            "sooner where the output repeats its input (default: off)")  # fmt: skip
+    serve.add_argument(
+        "--num-speculative-tokens",
+        type=int,
+        default=4,
+        help="with --speculative: drafts a stream verifies in one step at most (1..7, default 4)",
+    )
     serve.add_argument("--keep-alive", type=float, default=None, help="unload a model after this many idle seconds")
     serve.add_argument("--write-timeout", type=_at_least(float), default=30.0,
                        help="drop a streaming client that takes no bytes for this many seconds, aborting its "

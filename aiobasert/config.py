@@ -4,16 +4,70 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Literal
 
 import msgspec
 
 from .errors import InvalidConfigError
 from .types import DTYPES, KV_CACHE_DTYPES, Dtype, KVCacheDtype
 
-__all__ = ["EngineConfig", "config_from"]
+__all__ = ["EngineConfig", "SpeculationConfig", "config_from"]
 
 _INT32_MAX = 2**31 - 1
+
+
+class SpeculationConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Speculative decoding (docs/speculative.md): draft tokens verified inside the fused step.
+
+    The output is token for token what the engine makes without speculation (greedy and seeded
+    requests alike); only its speed changes. A decode lane feeds its pending token and up to
+    `num_speculative_tokens` drafts as rows of one step, and keeps the drafts the model itself
+    would have chosen.
+
+    method: where drafts come from: "ngram" (prompt lookup: what followed the latest earlier
+        occurrence of the lane's last n tokens in its prompt and output; no model).
+    num_speculative_tokens: drafts a lane verifies in one step at most (1..7).
+    prompt_lookup_min, prompt_lookup_max: the n-gram sizes matched, longest first (1..16).
+    adaptive: choose each lane's draft count per step from its acceptance so far and what a
+        row costs the step (measured), down to none where drafts do not pay; False verifies
+        every proposal at full length (for tests and measurements).
+    """
+
+    method: Literal["ngram"] = "ngram"
+    num_speculative_tokens: int = 4
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 4
+    adaptive: bool = True
+
+    def __post_init__(self) -> None:
+        if self.method != "ngram":
+            raise InvalidConfigError(f"speculation.method must be 'ngram', got {self.method!r}")
+        for name, low, high in (
+            ("num_speculative_tokens", 1, 7),
+            ("prompt_lookup_min", 1, 16),
+            ("prompt_lookup_max", 1, 16),
+        ):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+                raise InvalidConfigError(f"speculation.{name} must be an integer in [{low}, {high}], got {value!r}")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise InvalidConfigError(
+                f"speculation.prompt_lookup_min ({self.prompt_lookup_min}) must be <= prompt_lookup_max "
+                f"({self.prompt_lookup_max})"
+            )
+        if not isinstance(self.adaptive, bool):
+            raise InvalidConfigError(f"speculation.adaptive must be a bool, got {self.adaptive!r}")
+
+
+def speculation_from(value: Any) -> SpeculationConfig | None:
+    """`Engine.open`'s `speculation`: a `SpeculationConfig`, a method's name ("ngram") or None (off)."""
+    if value is None or isinstance(value, SpeculationConfig):
+        return value
+    if isinstance(value, str):
+        return SpeculationConfig(method=value)  # type: ignore[arg-type]  # checked by the config
+    raise InvalidConfigError(
+        f"speculation must be a SpeculationConfig, a method name ('ngram') or None, not {type(value).__name__}"
+    )
 
 
 class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -60,6 +114,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
         (docs/fairness.md).
     chat_template: a Jinja chat template (its text) used instead of the model's own (`--chat-template
         FILE` reads one from a file); None: the model's, or its family's where it has none.
+    speculation: speculative decoding (`SpeculationConfig`, docs/speculative.md); None = off.
     """
 
     max_batch_size: int = 8
@@ -74,6 +129,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     kv_cache_dtype: KVCacheDtype = "auto"
     grammar_backend_at_open: bool = True
     chat_template: str | None = None
+    speculation: SpeculationConfig | None = None
 
     def __post_init__(self) -> None:
         for name, low in (("max_batch_size", 1), ("max_context", 2), ("prefill_chunk", 1), ("max_queue", 1)):
@@ -96,6 +152,10 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
             _check_template(self.chat_template)
         if self.thread_check is not None and not isinstance(self.thread_check, bool):
             raise InvalidConfigError(f"thread_check must be a bool or None, got {self.thread_check!r}")
+        if self.speculation is not None and not isinstance(self.speculation, SpeculationConfig):
+            raise InvalidConfigError(
+                f"speculation must be a SpeculationConfig or None, not {type(self.speculation).__name__}"
+            )
 
 
 MAX_CHAT_TEMPLATE_CHARS = 1 << 20

@@ -63,6 +63,7 @@ from ._core.protocol import (
     StreamOutput,
     Submit,
 )
+from ._core.speculate import Drafter, LaneSpec, NgramDrafter, SpecPolicy
 from ._core.step import EmbedLane, Lane, Requests, RowResult, Sampled, StepRunner, TapPooler, internal_error
 from .batcher import Batcher
 from .chat import default_template
@@ -109,6 +110,14 @@ class EngineThread:
         self.cancelled = 0
         self.failed = 0
         self.thread_id: int | None = None
+        spec = cfg.speculation
+        self.drafter: Drafter | None = None
+        """Where draft tokens come from (speculative decoding, `EngineConfig.speculation`); None: off."""
+        self.spec_policy = SpecPolicy(adaptive=spec.adaptive if spec is not None else True)
+        if spec is not None:
+            self.drafter = NgramDrafter(spec.prompt_lookup_min, spec.prompt_lookup_max)
+        self.spec_drafted = 0
+        self.spec_accepted = 0
 
     # ---- loop-side API (thread-safe) --------------------------------------------------
 
@@ -166,7 +175,8 @@ class EngineThread:
                 caps,
                 vocab_size=model.vocab_size,
                 stride=model.logits_stride,
-                max_rows=model.max_batch_size,
+                # a verify lane leaves 1 + drafts logits rows (at most 8 a lane: the engine's scratch)
+                max_rows=model.max_batch_size * (8 if self._speculating(caps) else 1),
                 token_text=self.detok.token_text,
             )
             self.batcher = Batcher(
@@ -180,6 +190,8 @@ class EngineThread:
                 fair=os.environ.get(_FAIRNESS_ENV, "fair") != "fifo",
                 kv_blocks=model.kv_blocks,
             )
+            if cfg.speculation is not None:
+                self.batcher.max_drafts = cfg.speculation.num_speculative_tokens
             # a GGUF without a template (Gemma 3 270M): its family's, by the vocabulary
             # the config's template (`--chat-template`) over the model's own
             self.chat_template = cfg.chat_template or model.chat_template or default_template(model.special_tokens)
@@ -219,6 +231,13 @@ class EngineThread:
             raise
         self.intake = model.intake
 
+    def _speculating(self, caps: Any) -> bool:
+        """Speculation is configured and the engine verifies several rows a lane; an engine
+        without `baseRT_batch_step_fused_logits_rows` decodes plainly (the same tokens)."""
+        if self.drafter is not None and not caps.multi_row_verify:
+            self.drafter = None
+        return self.drafter is not None
+
     def _serve(self) -> None:
         while self._step():
             pass
@@ -246,9 +265,14 @@ class EngineThread:
         if self.batcher.has_runnable_work():
             self.steps += 1
             try:
-                plan = self.batcher.plan(self._start, release=self._release_kv)
+                draft = self._draft if self.drafter is not None else None
+                plan = self.batcher.plan(self._start, release=self._release_kv, draft=draft)
                 if plan.rows:
-                    for result in self.runner.run([(self.requests.of(r.lane), r) for r in plan.rows]):
+                    began = time.perf_counter()
+                    results = self.runner.run([(self.requests.of(r.lane), r) for r in plan.rows])
+                    if draft is not None:  # what a row costs: the speculation policy's measure
+                        self.spec_policy.cost.add(sum(r.tokens for r in plan.rows), time.perf_counter() - began)
+                    for result in results:
                         self._apply(result)
             except Exception as exc:  # last resort: a bug outside any one lane costs the running lanes
                 self._fail_running(internal_error("in the engine step", exc))
@@ -271,6 +295,67 @@ class EngineThread:
             self._embed_chunk_done(lane)
         elif result.sampled is not None:
             self._apply_token(lane, result.sampled)
+            if row.drafts:
+                self._verify(lane, row.drafts, result.first_row)
+
+    def _draft(self, state: LaneState, cap: int, rows: int, lanes: int) -> int:
+        """How many drafts a decode lane feeds this step (`Batcher.schedule` asks), and which
+        (`Lane.drafts`): the drafter's proposal, cut where the policy says a row stops paying."""
+        lane = self.requests.get(state.rid)
+        if not isinstance(lane, Lane) or lane.speculation is None or self.drafter is None:
+            return 0
+        try:
+            proposal = self.drafter.propose(lane, cap)[:cap]
+        except Exception:  # a drafter's bug costs speed, never a request
+            return 0
+        vocab = self.loaded.vocab_size
+        for i, tok in enumerate(proposal):  # an id the engine would refuse would fail the whole step
+            if isinstance(tok, bool) or not isinstance(tok, int) or not 0 <= tok < vocab:
+                proposal = proposal[:i]
+                break
+        k = self.spec_policy.depth(lane.speculation, len(proposal), rows, lanes)
+        lane.drafts = proposal[:k]
+        lane.speculation.shadow = [] if k else proposal  # a proposal not verified is scored for free
+        return k
+
+    def _verify(self, lane: Lane, fed: int, first_row: int) -> None:
+        """The rest of a verify row, after its first token was applied: draft j is accepted
+        when the token chosen at its row equals it, and then row j + 1 gives the next token
+        (chosen with the accepted drafts counted as generated, exactly as a plain step would
+        choose it); the first mismatch (or the lane's end) stops it, and the sequence is rolled
+        back to what was accepted: no KV past the output, none past a stop."""
+        drafts, lane.drafts = lane.drafts[:fed], []
+        spec = lane.speculation
+        assert spec is not None
+        # counted as they happen: the lane's usage is written when a token in the run ends it
+        spec.drafted += fed
+        spec.verified += 1
+        self.spec_drafted += fed
+        accepted = 0
+        for j, tok in enumerate(drafts):
+            if not self.requests.holds(lane) or lane.generated[-1] != tok:
+                break
+            accepted += 1
+            spec.accepted += 1
+            self.spec_accepted += 1
+            try:
+                sampled = self.runner.verify_row(lane, first_row + j + 1)
+            except AioBaseRTError as exc:
+                self._fail(lane, exc)
+                break
+            self._apply_token(lane, sampled)
+        spec.observe(accepted, accepted < fed)
+        if self.requests.holds(lane) and lane.seq is not None:
+            self._rollback_drafts(lane)
+
+    def _rollback_drafts(self, lane: Lane) -> None:
+        """Drop the KV of drafts that were fed but not accepted: the sequence holds the prompt
+        and the output but its last token (which is fed next), as after a plain step."""
+        assert lane.seq is not None
+        keep = len(lane.prompt) + len(lane.generated) - 1
+        rc = self.lib.baseRT_sequence_rollback(lane.seq, keep)
+        if rc != 0:
+            self._fail(lane, self.lib.last_error("baseRT_sequence_rollback"))
 
     def _apply_token(self, lane: Lane, sampled: Sampled) -> None:
         try:
@@ -286,6 +371,8 @@ class EngineThread:
             lane.first_token_step = self.steps
         lane.generated.append(out.token.id)
         lane.state.generated += 1
+        if lane.speculation is not None:
+            lane.speculation.on_token(out.token.id)
         self._emit(lane, out.token)
         if out.finish is not None:
             self._finish(lane, out.finish)
@@ -464,6 +551,8 @@ class EngineThread:
             max_new = self.batcher.resolve_max_tokens(len(prompt), spec.params.max_tokens)
             lane = Lane(spec, msg.sink, msg.ticket, prompt, max_new, constraint)
             lane.submitted_step = self.steps
+            if self.drafter is not None and spec.params.speculation:
+                lane.speculation = LaneSpec()
             self.batcher.enqueue(lane.state, reserved=True)
         except BaseException as exc:
             if constraint is not None:  # refused after its grammar was built: free it
@@ -612,6 +701,8 @@ class EngineThread:
             requests_preempted=self.batcher.preemptions,
             paused_requests=len(self.batcher.paused),
             requests_recomputed=self.batcher.recomputes,
+            spec_draft_tokens=self.spec_drafted,
+            spec_accepted_tokens=self.spec_accepted,
         )
 
     def evict_prefix_cache(self) -> int:
@@ -688,6 +779,8 @@ class EngineThread:
         lib, model = self.lib, self._model
         if lane.seq is not None:
             kv = lane.kv_tokens() if keep_kv else None  # a C array: no request-sized Python list here
+            if kv is not None and lane.speculation is not None:  # ended on an accepted draft: drop the rest
+                lib.baseRT_sequence_rollback(lane.seq, len(kv))
             if kv is not None and self.batcher.should_publish_prefix(lane.state, len(kv)):
                 lib.baseRT_prefix_insert(model, kv, len(kv), lane.seq)  # best effort
             else:

@@ -177,6 +177,9 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     """Constrain the output to this grammar: Lark (llguidance's dialect, `start` its start rule),
     or llama.cpp's GBNF (`root ::= ...`), converted to Lark; a GBNF the converter cannot read is
     refused naming `grammar`. Every grammar compiles under the same budget as a json_schema."""
+    speculation: bool = True
+    """Speculative decoding for this request where the engine has it on
+    (`EngineConfig.speculation`); False opts out. The tokens are the same either way."""
 
     def validate(self, vocab_size: int | None = None) -> None:
         """Raise `InvalidSamplingParamsError` naming the first bad field; token ids
@@ -258,6 +261,7 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
                 token_id("stop_token_ids", tok)
         flag("ignore_eos", self.ignore_eos)
         flag("logprobs", self.logprobs)
+        flag("speculation", self.speculation)
         integer("top_logprobs", self.top_logprobs, 0, 20)
         if self.json_schema is not None:
             if not isinstance(self.json_schema, (dict, bool)):
@@ -368,6 +372,10 @@ class Usage(msgspec.Struct, frozen=True, kw_only=True):
     reasoning_tokens: int = 0
     """Of the completion tokens, those of a reasoning model's thought (its tags included):
     counted by a chat turn that separates the thought (`ChatReply.usage`); 0 elsewhere."""
+    draft_tokens: int = 0
+    """Speculative decoding: draft tokens this request verified (docs/speculative.md)."""
+    accepted_draft_tokens: int = 0
+    """Of those, the ones accepted (each one a token made without a step of its own)."""
 
     @property
     def total_tokens(self) -> int:
@@ -448,6 +456,10 @@ class EngineStats(msgspec.Struct, frozen=True, kw_only=True):
     requests_recomputed: int = 0
     """Paused requests whose KV was released to make room for a resume, each recomputed
     (prompt + output, mostly from the prefix cache) when it resumed (docs/fairness.md)."""
+    spec_draft_tokens: int = 0
+    """Speculative decoding: draft tokens verified, all requests (vLLM's num_draft_tokens)."""
+    spec_accepted_tokens: int = 0
+    """Of those, the ones accepted (vLLM's num_accepted_tokens)."""
 
 
 class Capabilities(msgspec.Struct, frozen=True, kw_only=True):

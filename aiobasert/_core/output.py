@@ -126,6 +126,8 @@ class OutputProcessor:
                 prompt_tokens=lane.state.prompt_len,
                 completion_tokens=len(lane.generated),
                 cached_prompt_tokens=lane.cached,
+                draft_tokens=lane.speculation.drafted if lane.speculation is not None else 0,
+                accepted_draft_tokens=lane.speculation.accepted if lane.speculation is not None else 0,
             ),
             timing=Timing(
                 queued_s=admitted - submitted,

@@ -80,6 +80,14 @@ class PlannedRow:
     tokens: int
     samples: bool
     """A token is sampled from this row: a decode row, or the chunk that ends a prompt."""
+    drafts: int = 0
+    """A decode row's draft tokens fed after its pending token (speculative verification):
+    `tokens` is 1 + drafts, and the step leaves 1 + drafts logits rows for it."""
+
+    @property
+    def out_rows(self) -> int:
+        """Logits rows the step leaves for this lane."""
+        return 1 + self.drafts
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,6 +97,11 @@ class StepPlan:
 
     admitted: tuple[LaneState, ...]
     rows: tuple[PlannedRow, ...]
+
+    @property
+    def drafts(self) -> int:
+        """Draft tokens the step verifies."""
+        return sum(r.drafts for r in self.rows)
 
     def of(self, kind: RowKind) -> tuple[PlannedRow, ...]:
         return tuple(r for r in self.rows if r.kind == kind)

@@ -40,6 +40,7 @@ from ..types import Capabilities, TopLogprob
 from . import ffi as _ffi
 from .plan import LaneState, PlannedRow
 from .protocol import Constraint, Final, RequestSpec, Sink, Ticket
+from .speculate import LaneSpec
 from .stopping import StopStringMatcher
 
 if TYPE_CHECKING:
@@ -101,6 +102,10 @@ class Lane:
         self.prefix_handle = 0
         self.cached = 0
         self.generated: list[int] = []
+        self.speculation: LaneSpec | None = None
+        """Its speculation state (`speculate`); None: this lane does not speculate."""
+        self.drafts: list[int] = []
+        """Draft tokens planned for its next step (fed after its pending token)."""
         self.pending: list[Any] = []  # Tokens produced this step, not yet handed to the loop
         self.final: Final | None = None
         self.error: BaseException | None = None
@@ -137,11 +142,12 @@ class Lane:
         return tail
 
     def next_input(self, k: int) -> list[int]:
-        """The k tokens this lane feeds next: a prompt chunk, or its last sampled token."""
+        """The k tokens this lane feeds next: a prompt chunk, or its last sampled token (and
+        then k - 1 of its drafts)."""
         st = self.state
         if st.prefilling:
             return self._fed(st.prefilled, st.prefilled + k)
-        return self.generated[-1:]
+        return self.generated[-1:] + self.drafts[: k - 1]
 
     def _fed(self, start: int, end: int) -> list[int]:
         """Tokens [start, end) of what it prefills: the prompt, then a recomputed request's
@@ -262,14 +268,18 @@ class RowResult:
     lane: Lane | EmbedLane
     row: PlannedRow
     sampled: Sampled | None = None
-    """The lane's next token (a decode row, or the chunk that ended its prompt)."""
+    """The lane's next token (a decode row, or the chunk that ended its prompt). A verify row's
+    first token: the engine thread picks the tokens of its later rows (`StepRunner.verify_row`)
+    one by one, after applying the ones before (they are chosen with those counted)."""
+    first_row: int = 0
+    """The index of the lane's first logits row in the step (a verify row has 1 + drafts)."""
     pooled: np.ndarray | None = None
     """An embedding chunk: the float64 sum of its rows' final-normed hidden states."""
     error: BaseException | None = None
     """Why this lane failed in this step (it alone, or the whole forward)."""
 
 
-ForwardPath = Literal["sample", "logits", "taps"]
+ForwardPath = Literal["sample", "logits", "taps", "rows"]
 
 
 @dataclass(eq=False)
@@ -286,6 +296,8 @@ class Batch:
     """Some lane samples from host logits rows (grammar, logit bias, logprobs, ...)."""
     tapped: int = 0
     sampling: bool = False
+    drafts: int = 0
+    """Draft tokens verified in this step: the step leaves 1 + drafts logits rows for each such lane."""
 
     def add(
         self, lane: Lane | EmbedLane, row: PlannedRow, chunk: list[int], sampler: _ffi.BaseRTRowSampling | None
@@ -295,6 +307,7 @@ class Batch:
         self.samplers.append(sampler)
         self.sampling = self.sampling or row.samples
         self.host = self.host or (row.samples and lane.host)
+        self.drafts += row.drafts
         if row.kind == "embed":
             self.tapped += row.tokens
 
@@ -302,6 +315,8 @@ class Batch:
         """Which fused call runs the step: the only place that chooses."""
         if self.tapped:
             return "taps"  # embedding chunks need the hidden-state taps; samplers use host rows
+        if self.drafts:
+            return "rows"  # verify rows: several logits rows a lane, sampled from host rows
         if self.host or not self.fusable:
             return "logits"
         return "sample"
@@ -413,6 +428,8 @@ class StepRunner:
         counts = (c_int * n)(*(row.tokens for _, row in batch.rows))
         toks = _ffi.u32_array(batch.feed)
         path = batch.path()
+        out_rows = (c_int * n)(*(row.out_rows for _, row in batch.rows))
+        n_out = n + batch.drafts
         if path == "sample":
             rows_c = (_ffi.BaseRTRowSampling * n)()
             for i, r in enumerate(batch.samplers):
@@ -429,20 +446,25 @@ class StepRunner:
             # out_rows >= 1; an embedding lane's row is ignored), taps of the
             # embedding lanes' chunks. Samplers then use host rows.
             assert self.pooler is not None
-            ones = (c_int * n)(*([1] * n))
             layer = (c_int * 1)(self.pooler.hidden_index)
             trows = (c_int * n)(*(row.tokens if row.kind == "embed" else 0 for _, row in batch.rows))
             lib.check(
-                lib.baseRT_batch_step_fused_logits_rows_taps(model, seqs, n, toks, counts, ones, layer, 1, trows),
+                lib.baseRT_batch_step_fused_logits_rows_taps(model, seqs, n, toks, counts, out_rows, layer, 1, trows),
                 "baseRT_batch_step_fused_logits_rows_taps",
             )
             read = batch.sampling
+        elif path == "rows":
+            lib.check(
+                lib.baseRT_batch_step_fused_logits_rows(model, seqs, n, toks, counts, out_rows),
+                "baseRT_batch_step_fused_logits_rows",
+            )
+            read = True
         else:
             lib.check(
                 lib.baseRT_batch_step_fused_logits(model, seqs, n, toks, counts), "baseRT_batch_step_fused_logits"
             )
             read = True
-        if read and lib.baseRT_read_batch_logits(model, n, self._logits_ptr) < 0:
+        if read and lib.baseRT_read_batch_logits(model, n_out, self._logits_ptr) < 0:
             raise lib.last_error("baseRT_read_batch_logits")
         return None
 
@@ -451,6 +473,7 @@ class StepRunner:
         results: list[RowResult] = []
         taps_error = self._read_taps(batch.tapped) if batch.tapped else None
         taps_at = 0
+        at = 0  # the lane's first logits row
         for i, (lane, row) in enumerate(batch.rows):
             if row.kind == "embed":
                 results.append(RowResult(lane, row, error=taps_error) if taps_error else self._pool(lane, row, taps_at))
@@ -460,17 +483,29 @@ class StepRunner:
             elif fused is not None:
                 results.append(RowResult(lane, row, sampled=Sampled(int(fused[i]))))
             else:
-                results.append(self._sample(lane, row, i))
+                results.append(self._sample(lane, row, at))
+            at += row.out_rows
         return results
 
     def _sample(self, lane: Lane | EmbedLane, row: PlannedRow, i: int) -> RowResult:
         try:
             assert isinstance(lane, Lane)
-            return RowResult(lane, row, sampled=self._sample_host_row(lane, i))
+            return RowResult(lane, row, sampled=self._sample_host_row(lane, i), first_row=i)
         except AioBaseRTError as exc:  # this lane's sampling failed: only this lane ends
             return RowResult(lane, row, error=exc)
         except Exception as exc:
             return RowResult(lane, row, error=internal_error("sampling", exc))
+
+    def verify_row(self, lane: Lane, i: int) -> Sampled:
+        """The token of logits row `i` of the last step (a verify row's later row), chosen as a
+        plain step would choose it from the lane as it is now: its drafts before this row are
+        in `lane.generated` (penalties, seed position, grammar state). Raises the lane's error."""
+        try:
+            return self._sample_host_row(lane, i)
+        except AioBaseRTError:
+            raise
+        except Exception as exc:
+            raise internal_error("sampling", exc) from exc
 
     def _read_taps(self, n_rows: int) -> AioBaseRTError | None:
         """Copy the step's tapped rows into the pooler's buffer; the error costs the embedding lanes only."""

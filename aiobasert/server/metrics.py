@@ -22,6 +22,8 @@ vLLM's meanings where vLLM has the metric.
 | `aiobasert_kv_cache_bytes` (gauge, labelled `kv_cache_dtype`) | `vllm:cache_config_info`'s `cache_dtype` |
 | `aiobasert_prefix_cache_hits_total` / `_queries_total` (counters, tokens) | `vllm:prefix_cache_hits` / `_queries` |
 | `aiobasert_num_preemptions_total` (counter) | `vllm:num_preemptions_total` (lanes taken back, docs/fairness.md) |
+| `aiobasert_spec_decode_num_draft_tokens_total` (counter) | `vllm:spec_decode_num_draft_tokens` |
+| `aiobasert_spec_decode_num_accepted_tokens_total` (counter) | `vllm:spec_decode_num_accepted_tokens` |
 | `aiobasert_event_loop_lag_seconds` (histogram) | none: how late the server's loop wakes |
 | `aiobasert_abort_latency_seconds` (histogram) | none: client disconnect to lane freed |
 | `aiobasert_build_info` (gauge, 1: `version`, `engine_version`, `abi`) | `vllm:cache_config_info`-style info |
@@ -226,6 +228,19 @@ class Metrics:
             registry=r,
         )
         self._preempted: dict[str, int] = {}  # the engine's count at the last scrape, by model
+        self.spec_drafted = Counter(
+            "aiobasert_spec_decode_num_draft_tokens",
+            "Speculative decoding: draft tokens verified.",
+            label,
+            registry=r,
+        )
+        self.spec_accepted = Counter(
+            "aiobasert_spec_decode_num_accepted_tokens",
+            "Speculative decoding: draft tokens accepted.",
+            label,
+            registry=r,
+        )
+        self._spec: dict[str, tuple[int, int]] = {}  # the engine's counts at the last scrape, by model
         self.abort = Histogram(
             "aiobasert_abort_latency_seconds",
             "Client disconnect to its engine lane freed.",
@@ -271,6 +286,11 @@ class Metrics:
             if s.requests_preempted >= last:  # (a reloaded engine counts from 0 again)
                 self.preemptions.labels(name).inc(s.requests_preempted - last)
             self._preempted[name] = s.requests_preempted
+            drafted, accepted = self._spec.get(name, (0, 0))
+            if s.spec_draft_tokens >= drafted and s.spec_accepted_tokens >= accepted:
+                self.spec_drafted.labels(name).inc(s.spec_draft_tokens - drafted)
+                self.spec_accepted.labels(name).inc(s.spec_accepted_tokens - accepted)
+            self._spec[name] = (s.spec_draft_tokens, s.spec_accepted_tokens)
         if versions:
             self.build_info.engine_versions = versions
         return Response(generate_latest(_WithoutCreated(self.registry)), media_type=CONTENT_TYPE_LATEST)

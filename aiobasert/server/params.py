@@ -53,6 +53,7 @@ def sampling_params(
         logprobs=logprobs,
         top_logprobs=top_logprobs,
         **{"json_schema": json_schema, **(constraint or {})},  # at most one of them is set (the endpoint checks)
+        speculation=req.speculation is not False,
     )
 
 

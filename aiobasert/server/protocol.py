@@ -77,6 +77,8 @@ class SamplingRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """Extension: keep the k most likely tokens (0 = off)."""
     min_p: float | None = None
     """Extension: drop tokens below min_p * p(most likely)."""
+    speculation: bool | None = None
+    """Extension: false opts this request out of speculative decoding (docs/speculative.md)."""
     stop: str | list[str] | None = None
     seed: int | None = None
     logit_bias: dict[str, float] | None = None
@@ -286,6 +288,10 @@ class UsageInfo(msgspec.Struct, kw_only=True):
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails | None = None
     completion_tokens_details: CompletionTokensDetails | None = None
+    draft_tokens: int | None = None
+    """Extension (speculative decoding, docs/speculative.md): draft tokens verified; absent when none."""
+    accepted_draft_tokens: int | None = None
+    """Extension: of those, the ones accepted."""
     first_token_steps: int | None = None
     """Extension: engine steps from the request's arrival at the engine to its first token
     (`Timing.first_token_step - Timing.submitted_step`; of several choices or prompts, the latest), the time to
@@ -302,6 +308,8 @@ class UsageInfo(msgspec.Struct, kw_only=True):
             prompt_tokens_details=PromptTokensDetails(cached_tokens=usage.cached_prompt_tokens),
             completion_tokens_details=CompletionTokensDetails(reasoning_tokens=usage.reasoning_tokens),
             first_token_steps=max(steps) if steps else None,
+            draft_tokens=usage.draft_tokens or None,
+            accepted_draft_tokens=usage.accepted_draft_tokens if usage.draft_tokens else None,
         )
 
 

@@ -1,0 +1,92 @@
+"""Speculative decoding on vs off, side by side in one run (issue 36, docs/speculative.md).
+
+For each prompt set (input-grounded: rewrite a passage with one change, quote it; and free text)
+and each number of concurrent streams (1 / 4 / 16), the same greedy requests run on an engine
+without speculation and on one with n-gram speculation (the default adaptive policy), one after
+the other in this process: tok/s, engine steps, drafted / accepted tokens, and whether the
+outputs are identical (they must be). llama-server's `--spec-type ngram` on the same GGUF is not
+run here (building llama-server takes ~20 minutes on this machine): left for bench/vs_llama_server.py.
+
+    python bench/speculative.py            # SmolLM2-135M (the demo model)
+    python bench/speculative.py --tiny     # a tiny random model (steps and acceptance, not speed)
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import time
+from typing import Any
+
+from common import add_model_arguments, bench_model
+
+from aiobasert import Engine, SpeculationConfig
+
+PASSAGE = (
+    "The lighthouse stood on the northern cliff for two hundred years. Every night the keeper climbed "
+    "the spiral stairs, trimmed the wick and polished the great lens, so that ships passing the rocks "
+    "could find their way into the harbour. When the storm of 1893 broke the windows, the keeper kept "
+    "the light burning with his own coat held against the wind."
+)
+GROUNDED = [
+    f"Rewrite the following passage, changing only 'northern' to 'southern'. Passage: {PASSAGE}\nRewritten passage:",
+    f"Quote the passage below exactly, then say in one sentence what it is about.\n\n{PASSAGE}\n\nQuote:",
+    f"Copy this text word for word:\n{PASSAGE}\nCopy:",
+    f"{PASSAGE}\nRepeat the second sentence of the passage above verbatim:",
+]
+FREE = [
+    "Write a short story about a robot who learns to paint.",
+    "Explain why the sky is blue to a ten year old.",
+    "List five ideas for a weekend trip and say why each is fun.",
+    "What are the benefits of learning a second language?",
+]
+
+
+async def run(model: str, spec: SpeculationConfig | None, prompts: list[str], streams: int, max_tokens: int) -> dict:
+    async with Engine.open(model, max_batch_size=streams, max_context=1024, speculation=spec) as engine:
+        await engine.generate("warm up", max_tokens=4)  # first-step costs out of the timing
+        before = await engine.stats()
+        jobs = [prompts[i % len(prompts)] for i in range(streams)]
+        began = time.perf_counter()
+        outs = await asyncio.gather(*(engine.generate(p, max_tokens=max_tokens, ignore_eos=True) for p in jobs))
+        wall = time.perf_counter() - began
+        after = await engine.stats()
+    tokens = sum(len(o.token_ids) for o in outs)
+    drafted = after.spec_draft_tokens - before.spec_draft_tokens
+    accepted = after.spec_accepted_tokens - before.spec_accepted_tokens
+    return {
+        "tok_s": tokens / wall,
+        "steps": after.steps - before.steps,
+        "drafted": drafted,
+        "accepted": accepted,
+        "ids": [o.token_ids for o in outs],
+    }
+
+
+async def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_model_arguments(ap)
+    ap.add_argument("--model", default=None, help="a bundle or GGUF (default: the demo SmolLM2-135M)")
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--streams", type=int, nargs="*", default=[1, 4, 16])
+    ap.add_argument("--draft", type=int, default=4, help="num_speculative_tokens")
+    args = ap.parse_args()
+    model = bench_model(args.tiny, args.model)
+    spec = SpeculationConfig(num_speculative_tokens=args.draft)
+    print(f"model {model}, max_tokens {args.max_tokens}, ngram k<={args.draft} (adaptive)")
+    print(f"{'prompts':9} {'streams':>7} {'off tok/s':>10} {'on tok/s':>9} {'ratio':>6} {'steps off/on':>13} "
+          f"{'drafted':>8} {'accept':>7} same")  # fmt: skip
+    for name, prompts in (("grounded", GROUNDED), ("free", FREE)):
+        for streams in args.streams:
+            off: dict[str, Any] = await run(model, None, prompts, streams, args.max_tokens)
+            on: dict[str, Any] = await run(model, spec, prompts, streams, args.max_tokens)
+            rate = on["accepted"] / on["drafted"] if on["drafted"] else 0.0
+            print(
+                f"{name:9} {streams:>7} {off['tok_s']:>10.1f} {on['tok_s']:>9.1f} {on['tok_s'] / off['tok_s']:>6.2f} "
+                f"{off['steps']:>6}/{on['steps']:<6} {on['drafted']:>8} {rate:>7.2f} {on['ids'] == off['ids']}",
+                flush=True,
+            )
+
+
+if __name__ == "__main__":
+    asyncio.run(main())

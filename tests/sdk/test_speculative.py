@@ -1,0 +1,251 @@
+"""Speculative decoding (issue 36): drafts verified inside the fused step give token for token
+the output of plain decoding, whatever the drafts are, and n-gram drafts are really accepted.
+
+Each comparison runs the same requests on an engine without speculation and on engines that
+speculate with (a) prompt lookup, verifying every proposal at full length, (b) an oracle that
+proposes the reference continuation with random corruption (long accepted runs through stop
+strings, stop ids and max_tokens, then a rejection), (c) a drafter proposing garbage (ids out
+of the vocabulary included). All on the real reference engine; asyncio and trio."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from aiobasert import Engine, InvalidConfigError, SamplingParams
+from aiobasert._core.speculate import DraftSource, LaneSpec, NgramDrafter, StepCost
+from aiobasert.config import EngineConfig, SpeculationConfig
+
+pytestmark = pytest.mark.anyio
+
+BOUND = 60.0
+FULL = SpeculationConfig(adaptive=False, num_speculative_tokens=5)
+
+
+class Garbage:
+    """Proposes random ids, some outside the vocabulary: every one must cost speed only."""
+
+    def __init__(self, vocab: int, seed: int) -> None:
+        self.vocab = vocab
+        self.rng = random.Random(seed)
+
+    def propose(self, lane: DraftSource, k: int) -> list[int]:
+        return [self.rng.randrange(-2, self.vocab + 3) for _ in range(self.rng.randrange(0, k + 1))]
+
+
+class Oracle:
+    """Proposes the reference continuation of the lane's prompt, corrupted at a random depth."""
+
+    def __init__(self, reference: dict[tuple[int, ...], list[int]], seed: int) -> None:
+        self.reference = reference
+        self.rng = random.Random(seed)
+
+    def propose(self, lane: DraftSource, k: int) -> list[int]:
+        ref = self.reference.get(tuple(int(t) for t in lane.prompt))
+        if ref is None:
+            return []
+        done = len(lane.generated)
+        out = list(ref[done : done + k])
+        if out and self.rng.random() < 0.5:
+            out[self.rng.randrange(len(out))] ^= 1  # a wrong draft somewhere
+        return out
+
+
+Job = tuple[list[int], dict[str, Any]]
+Outcome = list[tuple[Any, ...]]
+
+
+async def run_all(engine: Engine, jobs: Sequence[Job]) -> list[Outcome]:
+    """Every job at once (batched as the engine batches them): each one's tokens, as yielded."""
+    results: list[Outcome] = [[] for _ in jobs]
+
+    async def one(i: int) -> None:
+        ids, params = jobs[i]
+        async for tok in engine.stream(ids, **params):
+            tops = [(t.id, t.logprob) for t in tok.top_logprobs] if tok.top_logprobs else None
+            results[i].append((tok.id, tok.text, tok.index, tok.logprob, tops, tok.finish_reason))
+
+    with anyio.fail_after(BOUND):
+        async with anyio.create_task_group() as tg:
+            for i in range(len(jobs)):
+                tg.start_soon(one, i)
+    return results
+
+
+words = st.sampled_from(["the", "cat", "sat", "on", "mat", "a", "b", "ab", " ", "\n", "x", "yz"])
+prompt_text = st.lists(words, min_size=1, max_size=30).map(" ".join)
+params_st = st.fixed_dictionaries(
+    {"max_tokens": st.integers(1, 24)},
+    optional={
+        "temperature": st.sampled_from([0.0, 0.7, 1.3]),
+        "seed": st.integers(0, 2**32),
+        "top_k": st.integers(0, 20),
+        "top_p": st.sampled_from([1.0, 0.9, 0.5]),
+        "min_p": st.sampled_from([0.0, 0.05]),
+        "repeat_penalty": st.sampled_from([1.0, 1.3]),
+        "presence_penalty": st.sampled_from([0.0, 0.5]),
+        "frequency_penalty": st.sampled_from([0.0, 0.4]),
+        "logit_bias": st.dictionaries(st.integers(0, 300), st.floats(-5, 5), max_size=3),
+        "stop": st.lists(st.sampled_from(["a", "t", "ca", "e", " s", "zz"]), max_size=2),
+        "stop_token_ids": st.lists(st.integers(0, 400), max_size=3),
+        "logprobs": st.booleans(),
+        "top_logprobs": st.integers(0, 3),
+        "ignore_eos": st.booleans(),
+    },
+)
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+async def test_speculation_gives_the_plain_output(tiny_model_path: Path, data: st.DataObject) -> None:
+    n_jobs = data.draw(st.integers(1, 4))
+    texts = data.draw(st.lists(prompt_text, min_size=n_jobs, max_size=n_jobs, unique=True))
+    params = [data.draw(params_st) for _ in range(n_jobs)]
+    for p in params:  # a seeded request, so sampled output is reproducible
+        p.setdefault("seed", 7)
+    batch = data.draw(st.sampled_from([1, 2, 4]))  # 2 with 4 jobs: lanes are taken back (paused)
+    chunk = data.draw(st.sampled_from([5, 64]))
+    opts: dict[str, Any] = dict(max_batch_size=batch, max_context=96, prefill_chunk=chunk)
+    opts["grammar_backend_at_open"] = False  # no grammar here: opens in ms, not half a second
+    async with Engine.open(tiny_model_path, **opts) as plain:
+        jobs = [(await plain.encode(t), p) for t, p in zip(texts, params, strict=True)]
+        want = await run_all(plain, jobs)
+    reference = {tuple(ids): [tok[0] for tok in out] for (ids, _), out in zip(jobs, want, strict=True)}
+    seed = data.draw(st.integers(0, 1000))
+    for drafter in ("ngram", "oracle", "garbage"):
+        async with Engine.open(tiny_model_path, speculation=FULL, **opts) as engine:
+            if drafter == "oracle":
+                engine._thread.drafter = Oracle(reference, seed)
+            elif drafter == "garbage":
+                engine._thread.drafter = Garbage(engine.info.vocab_size, seed)
+            got = await run_all(engine, jobs)
+            stats = await engine.stats()
+        assert got == want, drafter
+        assert stats.live_sequences == 0 and stats.kv_blocks_used == stats.prefix_blocks_cached
+        if drafter == "oracle" and any(len(out) > 2 for out in want):  # a decode step with room for drafts
+            assert stats.spec_draft_tokens > 0
+
+
+async def test_an_echoed_prompt_is_drafted_and_accepted(tiny_model_path: Path) -> None:
+    """The random tiny model loops, so its output repeats: prompt lookup drafts it and the drafts are
+    accepted (counted in usage, stats and steps), the output unchanged."""
+    prompt = "the cat sat on the mat the cat sat on the mat the cat"
+    async with Engine.open(tiny_model_path) as plain:
+        want = await plain.generate(prompt, max_tokens=48, ignore_eos=True)
+        plain_steps = (await plain.stats()).steps
+    async with Engine.open(tiny_model_path, speculation=FULL) as engine:
+        got = await engine.generate(prompt, max_tokens=48, ignore_eos=True)
+        stats = await engine.stats()
+        off = await engine.generate(prompt, max_tokens=48, ignore_eos=True, speculation=False)
+        after = await engine.stats()
+    assert got.token_ids == want.token_ids and got.text == want.text
+    assert got.usage.accepted_draft_tokens > 0
+    assert got.usage.draft_tokens >= got.usage.accepted_draft_tokens
+    assert stats.spec_accepted_tokens == got.usage.accepted_draft_tokens
+    assert stats.steps < plain_steps  # accepted drafts are tokens made without a step of their own
+    # the per-request opt-out: the same tokens, no drafts
+    assert off.token_ids == want.token_ids and off.usage.draft_tokens == 0
+    assert after.spec_draft_tokens == stats.spec_draft_tokens
+
+
+async def test_a_draft_past_a_stop_is_neither_delivered_nor_kept(tiny_model_path: Path) -> None:
+    """An oracle drafts the whole reference output at once: the stop comes inside an accepted run,
+    and nothing after it is delivered or left in the KV (the published prefix is prompt + output)."""
+    async with Engine.open(tiny_model_path) as plain:
+        for text in ("a b a b a b a b", "the cat", "x yz x yz", "on a mat"):
+            ids = await plain.encode(text)
+            ref = await plain.generate(ids, max_tokens=30, ignore_eos=True)
+            # a stop id that first comes a few tokens in: it ends an accepted run
+            late = [t for j, t in enumerate(ref.token_ids) if j >= 3 and t not in ref.token_ids[:j]]
+            if late:
+                break
+        stop_id = late[0]
+        want = await plain.generate(ids, max_tokens=30, ignore_eos=True, stop_token_ids=[stop_id])
+    async with Engine.open(tiny_model_path, speculation=FULL) as engine:
+        engine._thread.drafter = Oracle({tuple(ids): ref.token_ids}, 0)
+        engine._thread.drafter.rng.random = lambda: 1.0  # type: ignore[method-assign]  # never corrupt
+        got = await engine.generate(ids, max_tokens=30, ignore_eos=True, stop_token_ids=[stop_id])
+        stats = await engine.stats()
+    assert got.token_ids == want.token_ids and got.finish_reason == want.finish_reason == "stop"
+    assert got.usage.accepted_draft_tokens > 0
+    assert stats.live_sequences == 0
+
+
+async def test_json_schema_output_is_the_same_speculated(tiny_model_path: Path) -> None:
+    """A grammar lane: each row is masked with the drafts before it accepted by the matcher."""
+    params = dict(max_tokens=40, json_schema={"type": "object", "properties": {"a": {"type": "integer"}}})
+    async with Engine.open(tiny_model_path) as plain:
+        ids = await plain.encode("json please")
+        want = await plain.generate(ids, **params)
+    async with Engine.open(tiny_model_path, speculation=FULL) as engine:
+        engine._thread.drafter = Oracle({tuple(ids): want.token_ids}, 1)
+        got = await engine.generate(ids, **params)
+    assert got.token_ids == want.token_ids and got.finish_reason == want.finish_reason
+    assert got.usage.accepted_draft_tokens > 0
+
+
+async def test_n_choices_are_the_same_speculated(tiny_model_path: Path) -> None:
+    async with Engine.open(tiny_model_path) as plain:
+        want = await plain.generate_n("a b a b a b", n=3, max_tokens=20, temperature=0.9, seed=11, logprobs=True)
+    async with Engine.open(tiny_model_path, speculation=FULL) as engine:
+        got = await engine.generate_n("a b a b a b", n=3, max_tokens=20, temperature=0.9, seed=11, logprobs=True)
+    assert [c.token_ids for c in got] == [c.token_ids for c in want]
+    assert [c.logprobs for c in got] == [c.logprobs for c in want]
+
+
+# ---- the parts ----------------------------------------------------------------------------------
+
+
+class _Lane:
+    def __init__(self, prompt: list[int], generated: list[int]) -> None:
+        self.prompt = prompt
+        self.generated = generated
+        self.speculation: LaneSpec | None = LaneSpec()
+
+
+def test_ngram_drafter_proposes_what_followed_the_latest_match() -> None:
+    d = NgramDrafter(2, 3)
+    lane = _Lane([1, 2, 3, 4, 5, 9, 2, 3, 4, 7, 8], [2, 3])
+    assert d.propose(lane, 3) == [4, 7, 8]  # the latest [2, 3] was followed by 4, 7, 8
+    lane.generated.append(4)
+    assert d.propose(lane, 2) == [7, 8]  # the longest match first: [2, 3, 4]
+    loop = _Lane([5, 6, 5, 6], [5])
+    assert d.propose(loop, 4) == [6, 5, 6, 5]  # a loop continues with its period
+    assert d.propose(_Lane([1, 2, 3], [4]), 4) == []
+
+
+def test_step_cost_fit_and_policy_depth() -> None:
+    cost = StepCost()
+    for rows in (1, 2, 5, 1, 8, 3):
+        cost.add(rows, 0.010 + 0.001 * rows)
+    fit = cost.fit()
+    assert fit is not None
+    assert fit[0] == pytest.approx(0.010, rel=1e-6) and fit[1] == pytest.approx(0.001, rel=1e-6)
+    assert cost.row_cost(1, 1) == pytest.approx(0.001 / 0.011)  # one stream: a row is nearly free
+    wide = StepCost()
+    for rows in (8, 16, 12, 9):
+        wide.add(rows, 0.001 * rows)  # compute-bound: a row costs a token
+    assert wide.row_cost(16, 16) == pytest.approx(1.0)
+
+
+def test_speculation_config_is_checked() -> None:
+    assert EngineConfig(speculation=SpeculationConfig()).speculation == SpeculationConfig(method="ngram")
+    for bad in (
+        dict(num_speculative_tokens=0),
+        dict(num_speculative_tokens=8),
+        dict(prompt_lookup_min=3, prompt_lookup_max=2),
+        dict(method="eagle"),
+    ):
+        with pytest.raises(InvalidConfigError, match="speculation"):
+            SpeculationConfig(**bad)
+    with pytest.raises(InvalidConfigError, match="speculation"):
+        Engine.open("x.base", speculation=3)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="speculation"):
+        SamplingParams(speculation=1).validate()  # type: ignore[arg-type]
