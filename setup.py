@@ -39,7 +39,7 @@ except ImportError:  # an older setuptools (`setup.py build_ext --inplace` in an
         bdist_wheel = None  # type: ignore[assignment,misc]
 
 NATIVE_SOURCES = sorted(glob.glob(os.path.join("native", "src", "*.c")))
-LIB_ENV = "BASERT_LIB_PATH"  # aiobasert._core.ffi.LIB_ENV: the engine library used at run time
+LIB_ENV = "BASERT_LIB_PATH"  # aiobasert._ffi.LIB_ENV: the engine library used at run time
 
 
 def c_compiler() -> str | None:

@@ -13,8 +13,8 @@ from typing import TYPE_CHECKING, Any, Literal, TypeVar, cast, overload
 
 import anyio
 
-from ._core import ffi as _ffi
-from ._core import lazy_numpy
+from . import _ffi
+from . import _lazy_numpy as lazy_numpy
 from ._core.cost import MAX_DECODE_IDS, measure
 from ._core.intake import Tokenizer
 from ._core.protocol import (

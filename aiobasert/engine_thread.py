@@ -34,7 +34,7 @@ from collections.abc import Callable, Sequence
 from ctypes import byref, c_int
 from typing import TYPE_CHECKING, Any
 
-from ._core import ffi as _ffi
+from . import _ffi
 from ._core import loaded as _loaded
 from ._core.embed import Embedder
 from ._core.intake import Intake, Tokenizer

@@ -10,7 +10,7 @@ from typing import Any, Literal, get_args
 
 import msgspec
 
-from ._core import lazy_numpy
+from . import _lazy_numpy as lazy_numpy
 from .errors import InvalidSamplingParamsError
 
 FinishReason = Literal["stop", "length", "aborted"]

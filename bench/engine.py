@@ -32,7 +32,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from aiobasert._core import ffi as _ffi
+from aiobasert import _ffi
 from aiobasert.models.cache import default_model_path, gguf_bundle_path, is_gguf, smollm2_gguf_path
 
 PROMPT = "Once upon a time, in a land far away, there lived a"

@@ -446,7 +446,7 @@ def our_perplexity(lib: Any, model: int, ids: list[int], n_ctx: int, bos: int | 
 
 def ppl_worker(spec: dict[str, Any]) -> dict[str, Any]:
     """(c): the held-out text tokenized by our engine, scored from its logits."""
-    from aiobasert._core.ffi import BaseRTLoadOptions, load_library
+    from aiobasert._ffi import BaseRTLoadOptions, load_library
 
     lib = load_library()
     opts = BaseRTLoadOptions(struct_size=ctypes.sizeof(BaseRTLoadOptions), paged_kv=1, max_batch_size=1,

@@ -25,8 +25,7 @@ import anyio
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from aiobasert import Engine
-from aiobasert._core import ffi as _ffi
+from aiobasert import Engine, _ffi
 from bench.common import add_model_arguments, bench_model
 
 PROMPT = "Once upon a time, in a land far away, there lived"

@@ -43,7 +43,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from aiobasert._core import ffi as _ffi
+from aiobasert import _ffi
 from aiobasert.models.tiny import build_tiny_model
 
 

@@ -23,7 +23,7 @@ from loopback import API_KEY, MODEL_NAME, serving
 import aiobasert.models.bundle
 import aiobasert.models.convert
 from aiobasert import Engine
-from aiobasert._core.ffi import Library, load_library
+from aiobasert._ffi import Library, load_library
 from aiobasert.models.cache import (
     GEMMA3_270M,
     ModelNotAvailableError,

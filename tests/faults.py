@@ -7,7 +7,7 @@ import contextlib
 import ctypes
 from collections.abc import Iterator
 
-from aiobasert._core.ffi import load_library
+from aiobasert._ffi import load_library
 
 FAULT_STEP = 1
 """`baseRT_ref_inject_fault`'s kind: the n-th engine step from now fails."""

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from aiobasert._core.ffi import BaseRTLoadOptions, Library
+from aiobasert._ffi import BaseRTLoadOptions, Library
 
 OK = 0
 

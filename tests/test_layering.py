@@ -3,7 +3,7 @@ no module imports from a layer above its own, and no modules import each other i
 
 Every import counts: at module level, inside a function (imported on first use) and under
 `TYPE_CHECKING`; a name is an arrow to the module that defines it (`from . import ffi` is an arrow
-to `_core.ffi`, `from .. import Engine` one to the package). The layers, bottom first, are `LAYERS`;
+to `_ffi`, `from .. import Engine` one to the package). The layers, bottom first, are `LAYERS`;
 every module of the package must be placed in exactly one. The first test checks the real tree;
 the others feed the checker small synthetic packages, so a checker that can no longer fail (a
 parse that misses relative or lazy imports, a cycle search that finds nothing) fails here.
@@ -31,8 +31,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [  # bottom first; an exact name win
             "aiobasert.errors",
             "aiobasert.types",
             "aiobasert.config",
-            "aiobasert._core.ffi",
-            "aiobasert._core.lazy_numpy",
+            "aiobasert._ffi",
+            "aiobasert._lazy_numpy",
         ),
     ),
     # model files: the bundle format, conversion, the cache (read by the engine's machinery)
@@ -150,7 +150,7 @@ def test_aiobasert_is_layered_without_cycles() -> None:
     assert "aiobasert._core.plan" in report.edges["aiobasert.batcher"]
     assert "aiobasert._core.plan" in report.edges["aiobasert._core.step"]
     assert "aiobasert._core.prepare" in report.edges["aiobasert.engine_thread"]
-    assert "aiobasert._core.ffi" in report.edges["aiobasert._core.embed"]  # `from . import ffi as _ffi`
+    assert "aiobasert._ffi" in report.edges["aiobasert._core.embed"]  # `from .. import _ffi`
     assert "aiobasert.chat" in report.edges["aiobasert.engine_thread"]  # imported on first use
 
 

@@ -99,7 +99,7 @@ def test_source_build_without_a_compiler_fails_with_one_line(unpacked: Path, tmp
 def test_source_build_without_a_compiler_but_basert_lib_path_is_pure_python(unpacked: Path, tmp_path: Path,
                                                                             no_compiler_bin: Path) -> None:  # fmt: skip
     """The real libbaseRT's users (Mac, GB10) install without compiling the reference engine."""
-    from aiobasert._core.ffi import load_library
+    from aiobasert._ffi import load_library
 
     env = _without_compiler(str(no_compiler_bin)) | {"BASERT_LIB_PATH": str(load_library().path)}
     proc = _build(["--wheel"], unpacked, tmp_path / "out", env=env)

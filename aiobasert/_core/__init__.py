@@ -11,13 +11,15 @@ from the package above it (tests/test_layering.py).
 - `schema`: the JSON Schema policy every grammar shares (objects closed).
 - `model_file`: the model's bundle as the host reads it (its tokenizer, its final norm), parsed once.
 - `embed`: which path pools embeddings (hidden-state taps, or one baseRT_embed call).
-- `lazy_numpy`: numpy imported on first use, never seen half imported.
 - `plan`: what one step does (`LaneState`, `PlannedRow`, `StepPlan`): plain data the batcher fills.
 - `step`: one fused batch step (prepare -> forward -> collect) and the lanes it runs.
 - `output`: a sampled token becomes stream output (text, stops, finish).
 - `wakeup`: hands each step's output back to the loop that opened the engine.
 - `grammar`: constrained decoding (the engine's grammars, llguidance on the host).
 - `stopping`: stop strings, never split or leaked.
-- `ffi` (+ `ffi_api.pyi`): the ctypes mirror of the C ABI, typed.
+
+The base layer below it (beside errors.py, types.py, config.py) holds `aiobasert/_ffi.py` (+
+`_ffi_api.pyi`: the ctypes mirror of the C ABI, typed) and `aiobasert/_lazy_numpy.py` (numpy
+imported on first use, never seen half imported).
 
 Nothing here is public."""

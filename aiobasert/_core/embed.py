@@ -16,8 +16,8 @@ from collections.abc import Sequence
 from ctypes import c_float, c_int
 from typing import TYPE_CHECKING, Any
 
+from .. import _ffi
 from ..errors import EngineError, ErrorCode
-from . import ffi as _ffi
 from .model_file import ModelFile
 from .step import TapPooler
 

@@ -39,8 +39,8 @@ from collections.abc import Callable, Sequence
 from ctypes import c_char_p, c_int, c_uint32
 from typing import Any
 
+from .. import _ffi
 from ..errors import AioBaseRTError, InvalidRequestError
-from . import ffi as _ffi
 from .cost import MAX_ENCODE_IDS, QUICK_COST, Lane, check_fits, lane_of
 from .output import Detokenizer
 from .protocol import Done

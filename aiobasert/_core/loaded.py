@@ -3,7 +3,7 @@
 The engine thread calls `load` (on itself: the handle is that thread's from then on) and serves the
 `LoadedModel` it gets: the handle, the intake workers, the limits the engine took effect with, and
 `Capabilities`. Every "does this library / model have X" is asked here, once, at load (the only
-module besides `ffi` that calls `lib.has`: tests/_core/test_loaded.py checks it), so an optional
+module besides `_ffi` that calls `lib.has`: tests/_core/test_loaded.py checks it), so an optional
 function missing from a library decides its fallback in one place, and a user can ask the same
 question (`engine.capabilities`).
 """
@@ -17,10 +17,10 @@ from ctypes import byref, create_string_buffer, sizeof
 from dataclasses import dataclass
 from typing import Any
 
+from .. import _ffi
 from ..config import EngineConfig
 from ..errors import AioBaseRTError, EngineClosedError, InvalidConfigError
 from ..types import Capabilities, ModelInfo
-from . import ffi as _ffi
 from .intake import Intake
 from .memory import available_memory
 

@@ -14,9 +14,9 @@ import ctypes
 import time
 from dataclasses import dataclass
 
+from .. import _ffi
 from ..errors import InvalidRequestError
 from ..types import FinishReason, Timing, Token, TopLogprob, Usage
-from . import ffi as _ffi
 from .protocol import Final
 from .step import Lane
 from .thought import ThoughtGate

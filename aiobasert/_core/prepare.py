@@ -29,11 +29,11 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from .. import _ffi
+from .. import _lazy_numpy as lazy_numpy
 from ..errors import AioBaseRTError, ContextLengthExceededError, InvalidRequestError
 from ..types import MAX_SCHEMA_REFS, Capabilities
 from . import cost as _cost
-from . import ffi as _ffi
-from . import lazy_numpy
 from .grammar_cache import GrammarCache
 from .intake import Intake, Reroute, TokenIds, Tokenizer, on_costly_worker, run_job
 from .model_file import ModelFile

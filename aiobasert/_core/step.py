@@ -35,9 +35,9 @@ from ctypes import byref, c_float, c_int, c_int32, c_uint32, c_void_p
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
+from .. import _ffi
 from ..errors import AioBaseRTError, EngineError, InternalError, InvalidRequestError
 from ..types import Capabilities, TopLogprob
-from . import ffi as _ffi
 from .plan import LaneState, PlannedRow
 from .protocol import Constraint, Final, RequestSpec, Sink, Ticket
 from .speculate import LaneSpec

@@ -69,7 +69,7 @@ def check_bundle_tokenizer(path: str | os.PathLike[str]) -> None:
     """Build only the bundle's tokenizer in the engine (no weights are read) and raise the engine's typed
     error when it refuses it: `serve` checks this before its server starts, so a bundle converted by an
     older aiobasert with a tokenizer the engine no longer runs is one line, not a failed startup."""
-    from .._core.ffi import load_library
+    from .._ffi import load_library
 
     lib = load_library()
     model = lib.baseRT_load_tokenizer_only(os.fsencode(path))

@@ -48,8 +48,8 @@ from collections.abc import Iterable, Sequence
 import anyio
 from starlette.responses import Response
 
-from .._core.ffi import SUPPORTED_ABI
 from .._core.protocol import Final
+from .._ffi import SUPPORTED_ABI
 from ..engine import Engine
 
 try:

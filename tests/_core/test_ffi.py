@@ -9,8 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from aiobasert import AbiMismatchError, Engine, InvalidFormatError, LibraryError, ModelFileNotFoundError
-from aiobasert._core import ffi as _ffi
+from aiobasert import AbiMismatchError, Engine, InvalidFormatError, LibraryError, ModelFileNotFoundError, _ffi
 
 pytestmark = pytest.mark.anyio
 
@@ -68,6 +67,6 @@ async def test_bad_model_files_raise_typed_errors_naming_the_file(tmp_path: Path
 
 
 def test_the_typed_stub_is_current() -> None:
-    """mypy checks every lib.baseRT_* call against aiobasert/_core/ffi_api.pyi: it must say what _SIGNATURES says."""
-    regenerate = "python -c 'from aiobasert._core.ffi import write_stub; write_stub()'"
+    """mypy checks every lib.baseRT_* call against aiobasert/_ffi_api.pyi: it must say what _SIGNATURES says."""
+    regenerate = "python -c 'from aiobasert._ffi import write_stub; write_stub()'"
     assert _ffi.STUB_PATH.read_text() == _ffi.render_stub(), f"run: {regenerate}"

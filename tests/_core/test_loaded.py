@@ -12,13 +12,12 @@ from pathlib import Path
 import pytest
 
 import aiobasert
-from aiobasert import Capabilities, Engine
-from aiobasert._core import ffi as _ffi
-from aiobasert._core.ffi import Library
+from aiobasert import Capabilities, Engine, _ffi
 from aiobasert._core.loaded import TAP_FUNCTIONS, probe
+from aiobasert._ffi import Library
 
 PACKAGE = Path(aiobasert.__file__).parent
-ASKERS = {"_core/loaded.py", "_core/ffi.py"}  # the modules that may call `lib.has(...)`
+ASKERS = {"_core/loaded.py", "_ffi.py"}  # the modules that may call `lib.has(...)`
 
 
 def _raw(lib: Library) -> ctypes.CDLL:

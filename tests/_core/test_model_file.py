@@ -17,7 +17,7 @@ import aiobasert
 async def test_the_grammar_backend_and_the_embed_path_share_one_read_of_the_bundle(
     tiny_model_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from aiobasert._core import ffi
+    from aiobasert import _ffi as ffi
     from aiobasert.models import bundle
 
     reads: list[str] = []

@@ -17,7 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import aiobasert
-from aiobasert._core import ffi
+from aiobasert import _ffi as ffi
 from aiobasert._core.cost import MAX_DECODE_IDS, QUICK_COST
 from aiobasert.errors import ContextLengthExceededError, InvalidRequestError
 from aiobasert.testing import snapshot, wait_until

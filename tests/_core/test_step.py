@@ -10,10 +10,10 @@ from typing import Any
 import pytest
 
 from aiobasert import Capabilities, InternalError, SamplingParams
-from aiobasert._core.ffi import Library
 from aiobasert._core.plan import LaneState, PlannedRow
 from aiobasert._core.protocol import RequestSpec, Ticket
 from aiobasert._core.step import Lane, StepRunner
+from aiobasert._ffi import Library
 
 
 class _Sink:

@@ -21,7 +21,7 @@ from tiny_gguf import ARCH_GGUFS, DIM, FFN, HEAD_DIM, HEADS, KV_HEADS, LAYERS, w
 from tokenizers import Tokenizer, pre_tokenizers
 from tokenizers.models import BPE
 
-from aiobasert._core.ffi import Library
+from aiobasert._ffi import Library
 from aiobasert.models import cache as models
 from aiobasert.models import convert as convert_module
 from aiobasert.models.bundle import Bundle, read_bundle

@@ -33,7 +33,7 @@ from gguf import GGUFReader
 from oracle import LlamaForward, gguf_oracle
 
 from aiobasert import Engine
-from aiobasert._core.ffi import load_library
+from aiobasert._ffi import load_library
 from aiobasert.models.cache import resolve_model
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -31,7 +31,7 @@ from tokenizer_corpus import corpus
 from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers, trainers
 
 import aiobasert.models.convert
-from aiobasert._core.ffi import Library
+from aiobasert._ffi import Library
 from aiobasert.chat import render_chat
 from aiobasert.models._gguf_tokenizer import SUPPORTED_PRE, tokenizer_refusal
 from aiobasert.models._hf_tokenizer import hf_tokenizer_json

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 from raw_abi import error, load
 
-from aiobasert._core.ffi import BaseRTModelConfig, Library
+from aiobasert._ffi import BaseRTModelConfig, Library
 
 # Entry points the SDK's mirror does not declare, with their C signatures.
 _U32P, _INTP = POINTER(c_uint32), POINTER(c_int)

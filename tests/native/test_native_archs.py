@@ -18,7 +18,7 @@ import pytest
 from quantized import quantize_bundle
 from raw_abi import coded_error, load, step_logits
 
-from aiobasert._core.ffi import BaseRTModelConfig, Library
+from aiobasert._ffi import BaseRTModelConfig, Library
 from aiobasert.models.bundle import read_bundle, write_bundle
 from aiobasert.models.convert import convert_gguf
 from aiobasert.models.tiny import build_tiny_model, llama3_rope_factors

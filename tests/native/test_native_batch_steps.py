@@ -4,7 +4,7 @@ sequences, batched steps, the prefix cache and the single-sequence API.
 The invariants the SDK relies on are checked bit for bit: a lane's logits do not
 depend on what else is in its batch, on how its prompt was chunked, or on
 whether its prefix came from the cache. Values are checked against the numpy
-oracle (tests/oracle.py). The library is the one aiobasert._core.ffi finds (the
+oracle (tests/oracle.py). The library is the one aiobasert._ffi finds (the
 bundled build, or $BASERT_LIB_PATH).
 """
 
@@ -23,7 +23,7 @@ import numpy.typing as npt
 import pytest
 from raw_abi import ints, u32
 
-from aiobasert._core.ffi import (
+from aiobasert._ffi import (
     TOKEN_CALLBACK,
     BaseRTGenerationStats,
     BaseRTLoadOptions,

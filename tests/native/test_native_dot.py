@@ -17,7 +17,7 @@ import numpy as np
 import numpy.typing as npt
 import pytest
 
-from aiobasert._core.ffi import Library
+from aiobasert._ffi import Library
 
 F32, F16 = 0, 1  # weight.h's RT_W_F32 / RT_W_F16
 

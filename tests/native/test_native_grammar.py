@@ -16,7 +16,7 @@ from raw_abi import coded_error as error
 from raw_abi import encode
 
 from aiobasert import Engine
-from aiobasert._core.ffi import Library
+from aiobasert._ffi import Library
 from aiobasert.models.bundle import read_bundle
 from aiobasert.models.tiny import EOS_ID
 

@@ -50,7 +50,7 @@ def expected_kernels(cap: str | None, flags: set[str]) -> str:
 
 
 def chosen_kernels(env: dict[str, str]) -> str:
-    code = "from aiobasert._core.ffi import load_library; print(load_library().baseRT_ref_kernels().decode())"
+    code = "from aiobasert._ffi import load_library; print(load_library().baseRT_ref_kernels().decode())"
     out = subprocess.run(
         [sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120, check=True
     )
@@ -64,7 +64,7 @@ import hashlib, sys
 from pathlib import Path
 sys.path.insert(0, "tests")
 from raw_abi import load, step_logits
-from aiobasert._core.ffi import load_library
+from aiobasert._ffi import load_library
 lib = load_library()
 print(lib.baseRT_ref_kernels().decode())
 for path in sys.argv[1:]:

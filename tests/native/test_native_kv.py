@@ -22,7 +22,7 @@ import pytest
 import raw_abi
 from raw_abi import step_logits
 
-from aiobasert._core.ffi import BaseRTLoadOptions, BaseRTMemoryStats, Library
+from aiobasert._ffi import BaseRTLoadOptions, BaseRTMemoryStats, Library
 
 OK, INVALID_ARGUMENT = 0, 2
 

@@ -2,7 +2,7 @@
 errors, config and capabilities, the tokenizer surface, decode streams, and the
 host-side logits-row operations (sampling, argmax, logprobs, masks).
 
-The library is the one aiobasert._core.ffi finds (the bundled build, or $BASERT_LIB_PATH).
+The library is the one aiobasert._ffi finds (the bundled build, or $BASERT_LIB_PATH).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from aiobasert._core.ffi import (
+from aiobasert._ffi import (
     CAP_HOST_LOGITS,
     CAP_PAGED_KV,
     CAP_PREFIX_CACHE,
@@ -707,7 +707,7 @@ def test_tokenizer_sharing_under_concurrent_random_loads_frees_and_rewrites(
 TOKENIZER_RSS = """
 import ctypes, json, os, re, sys
 from pathlib import Path
-from aiobasert._core import ffi as _ffi
+from aiobasert import _ffi
 lib = _ffi.load_library()
 def rss():
     return int(re.search(r"VmRSS:\\s+(\\d+)", Path("/proc/self/status").read_text())[1]) * 1024
@@ -960,7 +960,7 @@ def test_fault_injection(lib: Library, raw: ctypes.CDLL, paged: int) -> None:
 def test_fault_injection_from_environment(lib: Library, tiny_path: Path) -> None:
     script = (
         "import os, sys\n"
-        "from aiobasert._core.ffi import BaseRTLoadOptions, load_library\n"
+        "from aiobasert._ffi import BaseRTLoadOptions, load_library\n"
         "import ctypes\n"
         "lib = load_library(sys.argv[1])\n"
         "o = BaseRTLoadOptions(struct_size=ctypes.sizeof(BaseRTLoadOptions), paged_kv=1)\n"

@@ -27,7 +27,7 @@ import raw_abi
 from quantized import quantize_bundle
 from raw_abi import ints, step_logits, u32
 
-from aiobasert._core.ffi import BaseRTMemoryStats, Library
+from aiobasert._ffi import BaseRTMemoryStats, Library
 from aiobasert.models import cache as models
 from aiobasert.models.bundle import read_bundle
 from aiobasert.models.convert import convert_gguf
@@ -435,7 +435,7 @@ import ctypes, json, re, sys
 sys.path.insert(0, "tests")
 from pathlib import Path
 from raw_abi import load
-from aiobasert._core import ffi as _ffi
+from aiobasert import _ffi
 lib = _ffi.load_library()
 def status(key):
     return int(re.search(key + r":\\s+(\\d+)", Path("/proc/self/status").read_text())[1]) * 1024

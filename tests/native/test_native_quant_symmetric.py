@@ -17,7 +17,7 @@ import raw_abi
 from quantized import asymmetric_twin
 from raw_abi import step_logits
 
-from aiobasert._core.ffi import BaseRTMemoryStats, Library
+from aiobasert._ffi import BaseRTMemoryStats, Library
 from aiobasert.models.bundle import read_bundle
 from aiobasert.models.convert import convert_gguf
 from tests.tiny_gguf import write_gguf

@@ -25,7 +25,7 @@ import pytest
 from quantized import quantize_bundle
 from raw_abi import error, ints, u32
 
-from aiobasert._core.ffi import TOKEN_CALLBACK, BaseRTLoadOptions, BaseRTMemoryStats, BaseRTSamplingConfig, Library
+from aiobasert._ffi import TOKEN_CALLBACK, BaseRTLoadOptions, BaseRTMemoryStats, BaseRTSamplingConfig, Library
 from aiobasert.models.tiny import build_tiny_model
 
 OK, INVALID_ARGUMENT, INVALID_FORMAT, OUT_OF_MEMORY = 0, 2, 4, 6

@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 from raw_abi import coded_error as error
 from raw_abi import encode
 
-from aiobasert._core.ffi import Library
+from aiobasert._ffi import Library
 from aiobasert.models.bundle import read_bundle
 from aiobasert.models.tiny import EOS_ID
 

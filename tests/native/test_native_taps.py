@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from raw_abi import error, ints, u32
 
-from aiobasert._core.ffi import BaseRTLoadOptions, BaseRTMemoryStats, Library
+from aiobasert._ffi import BaseRTLoadOptions, BaseRTMemoryStats, Library
 from aiobasert.models.bundle import read_bundle
 from aiobasert.models.tiny import build_tiny_model
 

@@ -22,7 +22,7 @@ from oracle import prompt
 from quantized import quantize_bundle
 from raw_abi import error, load, step_logits, u32
 
-from aiobasert._core.ffi import Library
+from aiobasert._ffi import Library
 from aiobasert.models.tiny import build_tiny_model
 
 THREAD_COUNTS = range(1, 17)

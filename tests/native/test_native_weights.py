@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from aiobasert._core.ffi import BaseRTLoadOptions, BaseRTMemoryStats, Library
+from aiobasert._ffi import BaseRTLoadOptions, BaseRTMemoryStats, Library
 from aiobasert.models.tiny import build_tiny_model
 
 

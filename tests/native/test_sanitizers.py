@@ -125,7 +125,7 @@ def sanitized_env(request: pytest.FixtureRequest) -> dict[str, str]:
 
 def _kernels(env: dict[str, str]) -> str:
     """The kernel sets the engine chooses in a process with `env` ("float=avx2-fma quant=avx2", ...)."""
-    code = "from aiobasert._core.ffi import load_library; print(load_library().baseRT_ref_kernels().decode())"
+    code = "from aiobasert._ffi import load_library; print(load_library().baseRT_ref_kernels().decode())"
     return subprocess.run(
         [sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300, check=True
     ).stdout.strip()

@@ -29,7 +29,7 @@ from aiobasert import (
     InvalidRequestError,
     TokenStream,
 )
-from aiobasert._core.ffi import Library
+from aiobasert._ffi import Library
 from aiobasert.testing import EngineSnapshot, RequestStatus, snapshot, thread_state, wait_until
 
 pytestmark = pytest.mark.anyio

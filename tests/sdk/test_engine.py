@@ -20,7 +20,7 @@ from aiobasert import (
     InvalidRequestError,
     InvalidSamplingParamsError,
 )
-from aiobasert._core.ffi import Library
+from aiobasert._ffi import Library
 from aiobasert.chat import DEFAULT_TEMPLATE, GEMMA_TEMPLATE, LLAMA3_TEMPLATE, render_chat
 from aiobasert.models.tiny import build_tiny_model
 from aiobasert.testing import snapshot, thread_state, wait_until

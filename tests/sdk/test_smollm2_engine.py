@@ -17,8 +17,7 @@ import tokenizers
 from oracle import gguf_oracle
 from tokenizer_corpus import corpus
 
-from aiobasert import Engine
-from aiobasert._core import ffi as _ffi
+from aiobasert import Engine, _ffi
 from aiobasert.models import cache as models
 from aiobasert.models._hf_tokenizer import hf_tokenizer_json
 from aiobasert.models.bundle import read_bundle

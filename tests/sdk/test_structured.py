@@ -15,8 +15,8 @@ import pytest
 from held_calls import HeldCall, assert_engine_steps_on
 
 from aiobasert import Completion, Engine, InvalidRequestError
-from aiobasert._core.ffi import Library
 from aiobasert._core.grammar import GrammarBackend
+from aiobasert._ffi import Library
 from aiobasert.models.bundle import read_bundle
 from aiobasert.models.tiny import EOS_ID, build_tiny_model
 from aiobasert.testing import thread_state, wait_until

@@ -20,7 +20,7 @@ from openai import OpenAI
 from prometheus_client.parser import text_string_to_metric_families
 
 import aiobasert
-from aiobasert._core.ffi import SUPPORTED_ABI, load_library
+from aiobasert._ffi import SUPPORTED_ABI, load_library
 from aiobasert.models.tiny import SPECIAL_TOKENS
 
 NO_END = {str(t): -100 for t in range(len(SPECIAL_TOKENS))}

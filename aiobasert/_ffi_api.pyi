@@ -1,12 +1,12 @@
 """Typed signatures of every libbaseRT function the SDK declares: a stub generated from
-`aiobasert._core.ffi._SIGNATURES` by its `write_stub()` (tests/_core/test_ffi.py checks it is current).
+`aiobasert._ffi._SIGNATURES` by its `write_stub()` (tests/_core/test_ffi.py checks it is current).
 Pointers, arrays and callbacks are `Any` here: ctypes checks them against argtypes at the call."""
 
 from _ctypes import _CArgObject, _CData
 from ctypes import Array, c_char
 from typing import Any
 
-from . import ffi as _ffi
+from . import _ffi
 
 # a handle (int or None), or a buffer (a ctypes object, byref) where C takes a void *
 _Pointer = int | None | _CData | _CArgObject

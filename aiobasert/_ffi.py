@@ -34,7 +34,7 @@ from ctypes import (
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..errors import AbiMismatchError, EngineError, LibraryError, ThreadAffinityError, engine_error
+from .errors import AbiMismatchError, EngineError, LibraryError, ThreadAffinityError, engine_error
 
 SUPPORTED_ABI = 1
 LIB_ENV = "BASERT_LIB_PATH"
@@ -293,7 +293,7 @@ _THREAD_FREE = {"baseRT_version_string", "baseRT_abi_version", "baseRT_strerror"
 def bundled_library_path() -> Path:
     """The reference engine built into this package by `pip install`."""
     name = "libbaseRT.dylib" if sys.platform == "darwin" else "libbaseRT.so"
-    return Path(__file__).resolve().parent.parent / "_native" / name
+    return Path(__file__).resolve().parent / "_native" / name
 
 
 def _candidates(explicit: str | os.PathLike[str] | None) -> list[tuple[str, str]]:
@@ -317,7 +317,7 @@ def _candidates(explicit: str | os.PathLike[str] | None) -> list[tuple[str, str]
 
 
 if TYPE_CHECKING:
-    from .ffi_api import LibraryFunctions
+    from ._ffi_api import LibraryFunctions
 else:
     LibraryFunctions = object
 
@@ -468,7 +468,7 @@ def c_str(text: str) -> bytes:
     return data
 
 
-# ---- the typed stub of the functions (aiobasert/_core/ffi_api.pyi) -----------------------
+# ---- the typed stub of the functions (aiobasert/_ffi_api.pyi) -----------------------
 
 _INT_TYPES = (c_int, c_uint, c_int32, c_uint32, c_long, c_size_t, c_uint64)
 
@@ -492,18 +492,18 @@ def _stub_type(ctype: Any, *, result: bool = False) -> str:
 
 
 def render_stub() -> str:
-    """The text of aiobasert/_core/ffi_api.pyi: one typed method per entry of _SIGNATURES, so mypy
+    """The text of aiobasert/_ffi_api.pyi: one typed method per entry of _SIGNATURES, so mypy
     checks every `lib.baseRT_*` call (the runtime object is `Library`, through __getattr__)."""
     lines = [
         '"""Typed signatures of every libbaseRT function the SDK declares: a stub generated from',
-        "`aiobasert._core.ffi._SIGNATURES` by its `write_stub()` (tests/_core/test_ffi.py checks it is current).",
+        "`aiobasert._ffi._SIGNATURES` by its `write_stub()` (tests/_core/test_ffi.py checks it is current).",
         'Pointers, arrays and callbacks are `Any` here: ctypes checks them against argtypes at the call."""',
         "",
         "from _ctypes import _CArgObject, _CData",
         "from ctypes import Array, c_char",
         "from typing import Any",
         "",
-        "from . import ffi as _ffi",
+        "from . import _ffi",
         "",
         "# a handle (int or None), or a buffer (a ctypes object, byref) where C takes a void *",
         "_Pointer = int | None | _CData | _CArgObject",
@@ -519,9 +519,9 @@ def render_stub() -> str:
     return "\n".join(lines) + "\n"
 
 
-STUB_PATH = Path(__file__).with_name("ffi_api.pyi")
+STUB_PATH = Path(__file__).with_name("_ffi_api.pyi")
 
 
 def write_stub() -> None:
-    """Regenerate aiobasert/_core/ffi_api.pyi after a change to _SIGNATURES."""
+    """Regenerate aiobasert/_ffi_api.pyi after a change to _SIGNATURES."""
     STUB_PATH.write_text(render_stub())
