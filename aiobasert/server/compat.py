@@ -58,6 +58,14 @@ _COMMON = [
     Field("top_p", "honoured", "", ok=0.9, bad=0),
     Field("top_k", "extension", "keep the k most likely tokens", ok=5, bad=-1),
     Field("min_p", "extension", "drop tokens below min_p × p(top)", ok=0.1, bad=2),
+    Field(
+        "speculation",
+        "extension",
+        "false opts this request out of speculative decoding where the server runs it (docs/speculative.md); "
+        "the tokens are the same either way",
+        ok=False,
+        bad="x",
+    ),
     Field("stop", "honoured", "string or up to 16 strings", ok=["\n\n"], bad=[""]),
     Field("seed", "honoured", "same seed, same tokens, whatever else is batched", ok=7, bad=-1),
     Field("logit_bias", "honoured", "token id → bias in [-100, 100]", ok={"5": 1.0}, bad={"x": 1}),
