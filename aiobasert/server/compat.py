@@ -214,6 +214,13 @@ FIELDS: dict[str, list[Field]] = {
         Field("max_output_tokens", "honoured", "", ok=3, bad=0),
         Field("temperature", "honoured", "default 1", ok=0.5, bad=-1),
         Field("top_p", "honoured", "", ok=0.9, bad=0),
+        Field(
+            "logit_bias",
+            "extension",
+            "token id → bias in [-100, 100], as chat completions'",
+            ok={"5": 1.0},
+            bad={"x": 1},
+        ),
         Field("stream", "honoured", "the Responses event stream", ok=True),
         Field("store", "honoured", "false: not continuable", ok=False),
         Field("metadata", "honoured", "echoed on the response", ok={"k": "v"}),
@@ -233,7 +240,14 @@ FIELDS: dict[str, list[Field]] = {
             bad=["reasoning.encrypted_content"],
             allowed=(None, []),
         ),
-        Field("reasoning", "refused", "no reasoning models", bad={"effort": "high"}),
+        Field(
+            "reasoning",
+            "partial",
+            "reasoning models (docs/reasoning.md): `effort` none = the template's `enable_thinking` off, any other "
+            "on (400 where the template has no such knob); `summary` accepted, none generated; a model that "
+            "does not reason refuses it",
+            bad={"summary": "verbose"},
+        ),
         Field("background", "refused", "false accepted", bad=True, allowed=(None, False)),
         Field("conversation", "refused", "use previous_response_id", bad="conv_1"),
         Field("prompt", "refused", "no stored prompts", bad={"id": "pmpt_1"}),

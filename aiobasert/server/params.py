@@ -30,14 +30,7 @@ def sampling_params(
 ) -> SamplingParams:
     """SamplingParams from the OpenAI fields (OpenAI's defaults: temperature 1, top_p 1);
     `constraint`: `output_constraint`'s."""
-    bias: dict[int, float] | None = None
-    if req.logit_bias:
-        bias = {}
-        for key, value in req.logit_bias.items():
-            try:
-                bias[int(key)] = value
-            except ValueError:
-                raise APIError(400, f"logit_bias key {key!r} is not a token id", param="logit_bias") from None
+    bias = logit_bias(req.logit_bias)
     stop = [req.stop] if isinstance(req.stop, str) else (req.stop or None)
     return SamplingParams(
         max_tokens=max_tokens,
@@ -55,6 +48,19 @@ def sampling_params(
         **{"json_schema": json_schema, **(constraint or {})},  # at most one of them is set (the endpoint checks)
         speculation=req.speculation is not False,
     )
+
+
+def logit_bias(raw: dict[str, float] | None) -> dict[int, float] | None:
+    """OpenAI's `logit_bias` (token ids as JSON keys) as SamplingParams takes it."""
+    if not raw:
+        return None
+    bias: dict[int, float] = {}
+    for key, value in raw.items():
+        try:
+            bias[int(key)] = value
+        except ValueError:
+            raise APIError(400, f"logit_bias key {key!r} is not a token id", param="logit_bias") from None
+    return bias
 
 
 def output_constraint(req: SamplingRequest) -> tuple[dict[str, Any], str | None]:

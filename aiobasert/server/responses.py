@@ -28,7 +28,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from ..errors import InvalidRequestError
-from ..reasoning import ReasoningDelta
+from ..reasoning import ReasoningDelta, Thinking
 from ..tools import ChatDelta, ChatStream, TextDelta, ToolCall, template_supports_tools
 from ..types import SamplingParams, Timing, Token, Usage
 from .compat import check_refused
@@ -40,7 +40,9 @@ from .params import (
     chat_refusal,
     check_chat_size,
     finish_reason,
+    logit_bias,
     precount_responses,
+    reasoning_effort,
     refuse_schema_with_tools,
     request_tools,
 )
@@ -108,6 +110,37 @@ class InputFunctionOutput(
     status: str | None = None
 
 
+class InputReasoningText(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """A `reasoning_text` part of a replayed reasoning item: the thought itself."""
+
+    type: Literal["reasoning_text"]
+    text: str
+
+
+class InputReasoning(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, tag="reasoning", tag_field="type"):
+    """A reasoning item the model wrote earlier (replayed by the client): its `content` texts are the
+    thought of the assistant turn that follows, given to the template as the chat completions
+    `reasoning` field is (rendered or dropped as the template does). A `summary` is not the thought
+    and never reaches the prompt; `encrypted_content` is not served (nothing here is encrypted)."""
+
+    id: str | None = None
+    summary: list[dict[str, Any]] = msgspec.field(default_factory=list)
+    content: list[InputReasoningText] | None = None
+    encrypted_content: None = None
+    status: str | None = None
+
+
+class ResponsesReasoning(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """`reasoning`: `effort` "none" turns a reasoning model's thinking off (the template's
+    `enable_thinking`), any other effort on; `summary` is accepted but no summary is generated
+    (a reasoning item's `summary` is always empty: its `content` carries the whole thought)."""
+
+    effort: str | None = None
+    summary: Literal["auto", "concise", "detailed"] | None = None
+    generate_summary: Literal["auto", "concise", "detailed"] | None = None
+    """Deprecated alias of `summary`."""
+
+
 class ResponsesFunctionTool(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """A function tool (the only kind served): its arguments always validate
     against `parameters` (the output grammar enforces it), so `strict` changes nothing."""
@@ -154,6 +187,8 @@ class ResponsesRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
     max_output_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
+    logit_bias: dict[str, float] | None = None
+    """An extension (OpenAI's Responses API has none): token id -> bias, as chat completions'."""
     stream: bool = False
     store: bool | None = None
     """False: the response is not stored (it cannot be continued)."""
@@ -164,11 +199,12 @@ class ResponsesRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
     text: ResponsesText | None = None
     truncation: Literal["disabled"] | None = None
     """Only "disabled" (the default): a conversation longer than the context is refused."""
+    reasoning: ResponsesReasoning | None = None
+    """A reasoning model's thinking on or off (docs/reasoning.md); refused by a model that does not reason."""
     # Known OpenAI fields this server does not serve: accepted when they ask for
     # nothing (null, [], false, the default), else a 400 naming them (compat.py).
     include: list[str] | None = None
     """Extra output data; the Agents SDK sends `[]` on every call."""
-    reasoning: Any = None
     background: Any = None
     conversation: Any = None
     prompt: Any = None
@@ -196,6 +232,22 @@ class OutputMessage(msgspec.Struct, kw_only=True):
     content: list[OutputText]
 
 
+class ReasoningText(msgspec.Struct, kw_only=True):
+    type: Literal["reasoning_text"] = "reasoning_text"
+    text: str
+
+
+class OutputReasoning(msgspec.Struct, kw_only=True):
+    """A reasoning model's thought, before the message or calls it led to. `summary` is always
+    empty (no summary is generated); `content` holds the thought, its tags left out."""
+
+    id: str
+    type: Literal["reasoning"] = "reasoning"
+    summary: list[Any] = msgspec.field(default_factory=list)
+    content: list[ReasoningText]
+    status: str
+
+
 class OutputFunctionCall(msgspec.Struct, kw_only=True):
     id: str
     type: Literal["function_call"] = "function_call"
@@ -205,7 +257,7 @@ class OutputFunctionCall(msgspec.Struct, kw_only=True):
     status: str
 
 
-OutputItem = OutputMessage | OutputFunctionCall
+OutputItem = OutputReasoning | OutputMessage | OutputFunctionCall
 
 
 class InputTokensDetails(msgspec.Struct, kw_only=True):
@@ -231,7 +283,7 @@ class ResponseUsage(msgspec.Struct, kw_only=True):
             input_tokens=usage.prompt_tokens,
             input_tokens_details=InputTokensDetails(cached_tokens=usage.cached_prompt_tokens),
             output_tokens=usage.completion_tokens,
-            output_tokens_details=OutputTokensDetails(),
+            output_tokens_details=OutputTokensDetails(reasoning_tokens=usage.reasoning_tokens),
             total_tokens=usage.total_tokens,
         )
 
@@ -261,6 +313,7 @@ class ResponseObject(msgspec.Struct, kw_only=True):
     user: str | None
     store: bool
     text: Any
+    reasoning: Any = None
     truncation: str = "disabled"
     error: Any = None
     incomplete_details: IncompleteDetails | None = None
@@ -353,6 +406,8 @@ def _rendered(message: dict[str, Any], keep_ids: bool) -> dict[str, Any]:
         ]
     if keep_ids and message.get("tool_call_id") is not None:
         out["tool_call_id"] = message["tool_call_id"]
+    if message.get("reasoning_content") is not None:  # the template renders or drops it
+        out["reasoning_content"] = message["reasoning_content"]
     return out
 
 
@@ -374,11 +429,12 @@ def tag_of(response_id: str) -> str | None:
 # ---- request -> engine -----------------------------------------------------------------------
 
 
-InputItem = InputMessage | InputFunctionCall | InputFunctionOutput
+InputItem = InputMessage | InputFunctionCall | InputFunctionOutput | InputReasoning
 _ITEM_TYPES: dict[str, type[InputItem]] = {
     "message": InputMessage,
     "function_call": InputFunctionCall,
     "function_call_output": InputFunctionOutput,
+    "reasoning": InputReasoning,
 }
 
 
@@ -397,23 +453,45 @@ def _input_messages(raw_items: str | Sequence[dict[str, Any]]) -> list[dict[str,
     if isinstance(raw_items, str):
         return [{"role": "user", "content": raw_items}]
     out: list[dict[str, Any]] = []
+    # A reasoning item's thought belongs to the assistant turn after it (OpenAI's order: reasoning,
+    # then the message or calls it led to); one with nothing after it is a turn of its own.
+    thought: list[str] | None = None
     for i, raw in enumerate(raw_items):
         item = _input_item(raw, i)
+        if isinstance(item, InputReasoning):
+            if thought is None:
+                thought = []
+            thought += [part.text for part in item.content or ()]
+            continue
+        owns_thought = isinstance(item, InputFunctionCall) or (
+            isinstance(item, InputMessage) and item.role == "assistant"
+        )
+        if thought is not None and not owns_thought:
+            out.append({"role": "assistant", "content": "", "reasoning_content": "\n".join(thought)})
+            thought = None
         if isinstance(item, InputMessage):
             text = item.content if isinstance(item.content, str) else "\n".join(p.text for p in item.content)
             out.append({"role": "system" if item.role == "developer" else item.role, "content": text})
+            if thought is not None:  # an assistant message: the thought was its own
+                out[-1]["reasoning_content"] = "\n".join(thought)
+                thought = None
         elif isinstance(item, InputFunctionCall):
             try:  # arguments the model could never have written: the input's fault, on every template
                 json.loads(item.arguments)
             except ValueError:
                 raise APIError(400, f"input[{i}].arguments is not JSON", param="input") from None
             call = ToolCall(id=item.call_id, name=item.name, arguments=item.arguments)
-            if out and out[-1]["role"] == "assistant" and "tool_calls" in out[-1]:
+            if thought is None and out and out[-1]["role"] == "assistant" and "tool_calls" in out[-1]:
                 out[-1]["tool_calls"].append(call)  # consecutive calls are one assistant turn
             else:
                 out.append({"role": "assistant", "content": "", "tool_calls": [call]})
+                if thought is not None:
+                    out[-1]["reasoning_content"] = "\n".join(thought)
+                    thought = None
         else:
             out.append({"role": "tool", "tool_call_id": item.call_id, "content": _output_text(item.output, i)})
+    if thought is not None:
+        out.append({"role": "assistant", "content": "", "reasoning_content": "\n".join(thought)})
     return out
 
 
@@ -450,6 +528,18 @@ def _json_schema(text: ResponsesText | None) -> dict[str, Any] | bool | None:
     return fmt.schema
 
 
+def _thinking(reasoning: ResponsesReasoning | None, reasons: bool) -> Thinking | None:
+    """The SDK's `thinking` for a request's `reasoning` (`reasons`: the model has a reasoning format).
+    On a model that does not reason, a `reasoning` that asks for anything is refused by name."""
+    if reasoning is None:
+        return None
+    thinking = reasoning_effort(reasoning.effort, "reasoning.effort")  # a bad effort is named first
+    if not reasons and (thinking is not None or reasoning.summary or reasoning.generate_summary):
+        param = "reasoning.effort" if thinking is not None else "reasoning"
+        raise APIError(400, f"{param}: this model does not reason (it has no reasoning format)", param=param)
+    return thinking
+
+
 class _Turn:
     """One response in the making: its ids, the model's items as they stream,
     and the final Response object."""
@@ -471,7 +561,9 @@ class _Turn:
         self.id = response_id
         self.created = time.time()
         self.msg_id = _new_id("msg")
+        self.rs_id = _new_id("rs")
         self.items: list[OutputItem] = []
+        self._thought: list[str] | None = None  # the streamed thought ([] once its item closed)
         self._seq = 0
         self._text_open = False
         self._calls: dict[int, int] = {}  # call index -> output index, while the call streams
@@ -483,6 +575,12 @@ class _Turn:
         (the openai SDK's `responses.stream()` refuses a repeated one)."""
         self._order[item_id] = index = len(self._order)
         return index
+
+    def usage(self, usage: Usage | None) -> Usage | None:
+        """The turn's usage with its thought counted (the token stream's own does not split it)."""
+        if usage is None:
+            return None
+        return msgspec.structs.replace(usage, reasoning_tokens=self.chat.reasoning_tokens)
 
     def response(self, status: str, usage: Usage | None, finish: str | None) -> ResponseObject:
         req = self.req
@@ -506,16 +604,20 @@ class _Turn:
             user=req.user,
             store=req.store is not False,
             text=msgspec.to_builtins(req.text) if req.text is not None else {"format": {"type": "text"}},
+            reasoning=msgspec.to_builtins(req.reasoning) if req.reasoning is not None else None,
             incomplete_details=incomplete,
             usage=ResponseUsage.of(usage) if usage is not None else None,
         )
 
     def finish(self, usage: Usage | None, finish: str) -> ResponseObject:
         """The final items and Response; stores the conversation for the next turn."""
-        content, calls = self.chat.content, self.chat.tool_calls
+        content, calls, thought = self.chat.content, self.chat.tool_calls, self.chat.reasoning
         status = "incomplete" if finish == "length" else "completed"
         items: list[OutputItem] = []
-        if content or not calls:
+        if thought:  # a turn cut inside its thought is that thought alone (as OpenAI answers it)
+            thought_status = "incomplete" if finish == "length" and not (content or calls) else "completed"
+            items.append(OutputReasoning(id=self.rs_id, content=[ReasoningText(text=thought)], status=thought_status))
+        if content or not (calls or thought):
             items.append(OutputMessage(id=self.msg_id, status=status, content=[OutputText(text=content)]))
         for i, call in enumerate(calls):
             item_id = self._call_ids.get(i) or _new_id("fc")
@@ -528,9 +630,11 @@ class _Turn:
             turn: dict[str, Any] = {"role": "assistant", "content": content}
             if calls:
                 turn["tool_calls"] = calls
+            if thought:
+                turn["reasoning_content"] = thought
             keep_ids = _renders_ids(self.served.engine.chat_template)
             self.store.put(self.id, [*self.conversation, turn], self.served.name, keep_ids=keep_ids)
-        return self.response(status, usage, finish)
+        return self.response(status, self.usage(usage), finish)
 
     # ---- streaming events ----
 
@@ -557,9 +661,9 @@ class _ResponseEvents:
     def _delta(self, d: ChatDelta) -> bytes:
         t = self.t
         if isinstance(d, ReasoningDelta):
-            return b""
+            return self._thought(d.text)
+        out = self._close_thought()  # the thought ends where the answer or a call starts
         if isinstance(d, TextDelta):
-            out = b""
             if not t._text_open:
                 t._text_open = True
                 index = t.announce(t.msg_id)
@@ -580,7 +684,6 @@ class _ResponseEvents:
                 delta=d.text,
                 logprobs=[],
             )
-        out = b""
         if d.id is not None:  # a new call: close the previous one
             out += self._close_call(d.index - 1)
             t._call_ids[d.index] = _new_id("fc")
@@ -589,11 +692,52 @@ class _ResponseEvents:
                 id=t._call_ids[d.index], call_id=d.id, name=d.name or "", arguments="", status="in_progress"
             )
             return out + t.event("response.output_item.added", output_index=index, item=call)
-        return t.event(
+        return out + t.event(
             "response.function_call_arguments.delta",
             item_id=t._call_ids[d.index],
             output_index=t._calls[d.index],
             delta=d.arguments,
+        )
+
+    def _thought(self, text: str) -> bytes:
+        """A delta of the thought: its reasoning item and content part opened first."""
+        t = self.t
+        out = b""
+        if t._thought is None:
+            t._thought = []
+            index = t.announce(t.rs_id)
+            item = OutputReasoning(id=t.rs_id, content=[], status="in_progress")
+            out += t.event("response.output_item.added", output_index=index, item=item)
+            out += t.event(
+                "response.content_part.added",
+                item_id=t.rs_id,
+                output_index=index,
+                content_index=0,
+                part=ReasoningText(text=""),
+            )
+        t._thought.append(text)
+        return out + t.event(
+            "response.reasoning_text.delta",
+            item_id=t.rs_id,
+            output_index=t._order[t.rs_id],
+            content_index=0,
+            delta=text,
+        )
+
+    def _close_thought(self, status: str = "completed") -> bytes:
+        """The thought's closing events, once, when it has one open."""
+        t = self.t
+        if not t._thought:
+            return b""
+        text = "".join(t._thought)
+        t._thought = []  # closed: the splitter gives one thought a turn, before the answer
+        index = t._order[t.rs_id]
+        part = ReasoningText(text=text)
+        item = OutputReasoning(id=t.rs_id, content=[part], status=status)
+        return (
+            t.event("response.reasoning_text.done", item_id=t.rs_id, output_index=index, content_index=0, text=text)
+            + t.event("response.content_part.done", item_id=t.rs_id, output_index=index, content_index=0, part=part)
+            + t.event("response.output_item.done", output_index=index, item=item)
         )
 
     def _close_call(self, index: int) -> bytes:
@@ -612,6 +756,9 @@ class _ResponseEvents:
     def closing(self, finish: str, usage: Usage | None) -> bytes | None:
         t = self.t
         out = b"".join(self._delta(d) for d in t.chat.close_parser())
+        # cut inside the thought (max_output_tokens): the thought is the turn's only item
+        only = finish == "length" and not t._text_open and not t._calls
+        out += self._close_thought("incomplete" if only else "completed")
         for index in sorted(t._calls):
             out += self._close_call(index)
         final = t.finish(usage, finish)
@@ -713,22 +860,26 @@ class ResponsesAPI:
             max_tokens=req.max_output_tokens,
             temperature=1.0 if req.temperature is None else req.temperature,
             top_p=1.0 if req.top_p is None else req.top_p,
+            logit_bias=logit_bias(req.logit_bias),
             json_schema=schema,
         )
         served: ServedModel = self._resolve(req.model)
         check_chat_size(len(messages), len(req.tools or ()), "input")  # the stored conversation counts too
         engine = served.engine
         parallel = req.parallel_tool_calls is not False
+        thinking = _thinking(req.reasoning, engine.reasoning_format is not None)
 
         def start() -> ChatStream:
             # request-sized (every message and tool): in a worker, never on the event loop
             tools, choice = request_tools(req.tools, req.tool_choice)
-            return engine.stream_chat(messages, params, tools=tools, tool_choice=choice, parallel_tool_calls=parallel)
+            return engine.stream_chat(
+                messages, params, tools=tools, tool_choice=choice, parallel_tool_calls=parallel, thinking=thinking
+            )
 
         try:
             chat = await self._workers.run(start, large=is_large(len(messages), len(req.tools or ())))
         except InvalidRequestError as exc:
-            raise chat_refusal(exc, "input") from None
+            raise chat_refusal(exc, "input", thinking="reasoning.effort") from None
         turn = _Turn(req, served, chat, conversation, self.store, self.new_id())
         observer = self._metrics.observer(served.name, served.engine)
         if req.stream:

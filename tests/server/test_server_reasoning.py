@@ -19,6 +19,7 @@ from openai import OpenAI
 
 from aiobasert import Engine
 from aiobasert.server import create_app
+from aiobasert.server.responses import ResponseStore
 from aiobasert.tools import ChatReply
 
 USER = [{"role": "user", "content": "What is 2 + 2?"}]
@@ -154,3 +155,173 @@ def test_a_model_that_does_not_reason_refuses_the_knobs_by_name(
     with pytest.raises(openai.BadRequestError) as err:
         plain_client.chat.completions.create(model=MODEL_NAME, messages=USER, max_tokens=2, **extra)  # type: ignore[arg-type]
     assert err.value.body["param"] == param  # type: ignore[index]
+
+
+# ---- the Responses API (`POST /v1/responses`): reasoning items and the `reasoning` option ----
+
+
+def _respond(client: OpenAI, close_bias: dict[str, int], **extra: Any) -> Any:
+    # `logit_bias` is this server's extension to the Responses API (its chat completions field)
+    body = {"logit_bias": close_bias, **extra.pop("extra_body", {})}
+    return client.responses.create(
+        model=MODEL_NAME, input=USER, max_output_tokens=16, temperature=0, extra_body=body, **extra
+    )
+
+
+def test_responses_reasoning_item_comes_before_the_message(
+    client: OpenAI, close_bias: dict[str, int], sdk_reply: ChatReply
+) -> None:
+    out = _respond(client, close_bias)
+    thought, message = out.output
+    assert thought.type == "reasoning" and thought.id.startswith("rs_")
+    assert thought.summary == []  # no summary is generated: `content` is the whole thought
+    assert [(c.type, c.text) for c in thought.content] == [("reasoning_text", sdk_reply.reasoning)]
+    assert message.type == "message" and out.output_text == sdk_reply.content
+    assert out.usage.output_tokens_details.reasoning_tokens == sdk_reply.usage.reasoning_tokens > 0
+
+
+def test_responses_stream_carries_the_thought_as_reasoning_text_events(
+    client: OpenAI, close_bias: dict[str, int], sdk_reply: ChatReply
+) -> None:
+    kinds: list[tuple[str, int | None]] = []
+    deltas: list[str] = []
+    done = final = None
+    with client.responses.stream(
+        model=MODEL_NAME,
+        input=USER,  # type: ignore[arg-type]
+        max_output_tokens=16,
+        temperature=0,
+        extra_body={"logit_bias": close_bias},
+    ) as stream:
+        for event in stream:
+            kinds.append((event.type, getattr(event, "output_index", None)))
+            if event.type == "response.reasoning_text.delta":
+                deltas.append(event.delta)
+            elif event.type == "response.reasoning_text.done":
+                done = event.text
+            elif event.type in ("response.completed", "response.incomplete"):  # 16 tokens may cut the answer
+                final = event.response
+    assert final is not None
+    assert "".join(deltas) == done == sdk_reply.reasoning
+    first_text = kinds.index(("response.output_text.delta", 1))
+    thought_events = [k for k, index in kinds[:first_text] if index == 0 and k != "response.reasoning_text.delta"]
+    assert thought_events == [
+        "response.output_item.added",
+        "response.content_part.added",
+        "response.reasoning_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+    ]
+    assert [item.type for item in final.output] == ["reasoning", "message"]
+    assert final.output[0].content[0].text == sdk_reply.reasoning  # type: ignore[union-attr,index]
+    assert final.output_text == sdk_reply.content
+    assert final.usage is not None
+    assert final.usage.output_tokens_details.reasoning_tokens == sdk_reply.usage.reasoning_tokens
+
+
+def test_responses_thought_cut_by_max_output_tokens_is_the_only_item(client: OpenAI) -> None:
+    out = client.responses.create(model=MODEL_NAME, input=USER, max_output_tokens=4, temperature=0)  # type: ignore[arg-type]
+    assert out.status == "incomplete"
+    assert [(item.type, item.status) for item in out.output] == [("reasoning", "incomplete")]
+    assert out.usage is not None and out.usage.output_tokens_details.reasoning_tokens == 4
+
+
+def test_responses_reasoning_effort_turns_thinking_on_and_off(client: OpenAI, close_bias: dict[str, int]) -> None:
+    off = _respond(client, close_bias, reasoning={"effort": "none"})
+    assert [item.type for item in off.output] == ["message"]  # the prompt closed the thought
+    assert off.output_text == _ask(client, close_bias, reasoning_effort="none").choices[0].message.content
+    assert off.reasoning is not None and off.reasoning.effort == "none"  # echoed
+    on = _respond(client, close_bias, reasoning={"effort": "high", "summary": "auto"})
+    assert [item.type for item in on.output] == ["reasoning", "message"]
+    assert on.output[0].summary == []  # type: ignore[union-attr]  # accepted, none generated
+
+
+@pytest.mark.parametrize(
+    ("reasoning", "param"),
+    [({"effort": "extreme"}, "reasoning.effort"), ({"summary": "verbose"}, "reasoning"), ({"mode": "x"}, "reasoning")],
+)
+def test_responses_bad_reasoning_is_refused_by_name(
+    client: OpenAI, close_bias: dict[str, int], reasoning: dict[str, Any], param: str
+) -> None:
+    with pytest.raises(openai.BadRequestError) as err:
+        _respond(client, close_bias, extra_body={"reasoning": reasoning})
+    assert err.value.body["param"] == param  # type: ignore[index]
+
+
+@pytest.mark.parametrize(
+    ("reasoning", "param"),
+    [
+        ({"effort": "low"}, "reasoning.effort"),
+        ({"effort": "none"}, "reasoning.effort"),
+        ({"summary": "auto"}, "reasoning"),
+    ],
+)
+def test_responses_reasoning_on_a_model_that_does_not_reason_is_refused_by_name(
+    plain_client: OpenAI, reasoning: dict[str, Any], param: str
+) -> None:
+    with pytest.raises(openai.BadRequestError) as err:
+        plain_client.responses.create(model=MODEL_NAME, input="hi", max_output_tokens=2, reasoning=reasoning)  # type: ignore[arg-type]
+    assert err.value.body["param"] == param  # type: ignore[index]
+    plain_client.responses.create(model=MODEL_NAME, input="hi", max_output_tokens=2, reasoning={})  # asks nothing
+
+
+THOUGHT = "two and two make four"
+REPLAYED: list[Any] = [
+    {"role": "user", "content": "What is 2 + 2?"},
+    {"type": "reasoning", "id": "rs_1", "summary": [], "content": [{"type": "reasoning_text", "text": THOUGHT}]},
+    {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "4"}]},
+]
+AS_CHAT = [*USER, {"role": "assistant", "content": "4", "reasoning_content": THOUGHT}]
+
+
+@pytest.fixture(scope="module")
+def qwen3_client(asgi_server: Callable[[Any], str], qwen3_think_model_path: Path) -> Iterator[OpenAI]:
+    """A server on the tiny model with Qwen3's template, which renders a thought sent back after the last
+    user message (R1's drops every one)."""
+    url = asgi_server(create_app(qwen3_think_model_path, api_key=API_KEY, model_name=MODEL_NAME, max_batch_size=1))
+    with OpenAI(base_url=f"{url}/v1", api_key=API_KEY, max_retries=0) as c:
+        yield c
+
+
+def _prompt_tokens(model: Path, messages: list[Any]) -> int:
+    async def count() -> int:
+        async with Engine.open(model, max_batch_size=1) as engine:
+            return (await engine.stream_chat(messages, max_tokens=1)).usage.prompt_tokens
+
+    return anyio.run(count)
+
+
+def test_responses_reasoning_item_sent_back_is_rendered_as_the_template_does(
+    client: OpenAI, qwen3_client: OpenAI, served_model: Path, qwen3_think_model_path: Path
+) -> None:
+    for api, model in ((qwen3_client, qwen3_think_model_path), (client, served_model)):
+        with_thought = api.responses.create(model=MODEL_NAME, input=REPLAYED, max_output_tokens=1)
+        without = api.responses.create(model=MODEL_NAME, input=[REPLAYED[0], REPLAYED[2]], max_output_tokens=1)
+        assert with_thought.usage is not None and without.usage is not None
+        # the SDK's chat with the thought as the assistant turn's `reasoning_content` is the oracle
+        assert with_thought.usage.input_tokens == _prompt_tokens(model, AS_CHAT)
+        rendered = with_thought.usage.input_tokens > without.usage.input_tokens
+        assert rendered == (model == qwen3_think_model_path)  # Qwen3 renders it, R1 drops it
+
+
+def test_responses_previous_response_id_replays_the_thought(
+    client: OpenAI, qwen3_client: OpenAI, close_bias: dict[str, int]
+) -> None:
+    first = _respond(client, close_bias)
+    (thought, message) = first.output
+    replayed = [*USER, thought.model_dump(exclude_none=True), message.model_dump(exclude_none=True)]
+    follow = {"role": "user", "content": "and 3 + 3?"}
+    chained = client.responses.create(
+        model=MODEL_NAME, previous_response_id=first.id, input=[follow], max_output_tokens=1
+    )
+    by_hand = client.responses.create(model=MODEL_NAME, input=[*replayed, follow], max_output_tokens=1)
+    assert chained.usage is not None and by_hand.usage is not None
+    assert chained.usage.input_tokens == by_hand.usage.input_tokens
+
+
+def test_the_responses_store_keeps_the_thought_for_the_template() -> None:
+    # R1's template drops a thought, so the chained turn above cannot show it kept: the store itself does
+    store = ResponseStore()
+    store.put("resp_1", [*USER, {"role": "assistant", "content": "4", "reasoning_content": THOUGHT}], MODEL_NAME)
+    found = store.get("resp_1")
+    assert found is not None and found[0][-1] == {"role": "assistant", "content": "4", "reasoning_content": THOUGHT}
