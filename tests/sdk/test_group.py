@@ -177,7 +177,7 @@ async def test_leaving_on_a_timeout_aborts_an_unload_drain(tiny_model_path: Path
                     await anyio.sleep(0.001)
                 timeout.cancel()
                 await anyio.sleep(0)
-    assert s.finish_reason == "aborted" and s._ticket.delivered < 2000
+    assert s.finish_reason == "aborted" and s._ticket.delivered < 2000  # private: tokens the engine made
     assert engine.closed and not thread_state(engine).alive
 
 
