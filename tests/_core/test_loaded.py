@@ -43,7 +43,7 @@ async def test_capabilities_are_what_the_library_reports(
         return all(hasattr(raw, n) for n in names)
 
     async with Engine.open(tiny_model_path, max_batch_size=2, prefix_cache=prefix_cache) as engine:
-        handle = engine._thread._model
+        handle = engine._thread._model  # private on purpose: the raw C probes on the engine's own handle (C boundary)
         flags, taps_ok, capacity = await engine._call(
             lambda: (
                 raw.baseRT_capabilities(handle),

@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 
 import aiobasert
+from aiobasert.testing import snapshot
 
 
 @pytest.mark.anyio
@@ -35,6 +36,7 @@ async def test_the_grammar_backend_and_the_embed_path_share_one_read_of_the_bund
         done = await engine.generate("x", max_tokens=12, json_schema={"type": "boolean"})
         assert done.text in ("true", "false")
         assert len(await engine.embed("a cat")) == engine.info.dim
-        assert engine._thread.embedder.pooler is not None  # the tapped path: its probe read the final norm
+        assert (await snapshot(engine)).embedding_path == "tapped"  # its probe read the final norm
+        # private on purpose: that the preparer and the embedder share one parsed file has no public view
         assert engine._thread.prep.model_file is engine._thread.embedder.model_file
     assert len(reads) == 1

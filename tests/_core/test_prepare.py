@@ -109,7 +109,7 @@ async def test_a_prompt_that_cannot_fit_is_refused_without_tokenizing_it(long_un
     more than the vocabulary's longest) is refused with ContextLengthExceededError and never tokenized;
     one just inside the bound is tokenized and counted exactly."""
     async with aiobasert.Engine.open(long_untied_model_path, max_batch_size=2, max_context=8192) as engine:
-        intake = engine._thread.intake
+        intake = engine._thread.intake  # private on purpose: "never tokenized" is counted on the workers
         assert intake is not None
         before = intake.texts_encoded()
         huge = "ab " * 1_000_000  # 3 MB: at least 230,000 tokens (the longest token is 13 bytes)
@@ -207,28 +207,28 @@ async def test_the_same_grammar_is_compiled_once(tiny_model_path: Path) -> None:
                  "required": ["a", "b"], "additionalProperties": False}  # fmt: skip
     enum = {"enum": [1, 22, "x"]}  # the engine's compiler does not take enums: llguidance's does
     async with aiobasert.Engine.open(tiny_model_path, max_batch_size=2) as engine:
-        thread = engine._thread
         for _ in range(3):
             done = await engine.generate("x", max_tokens=60, json_schema=schema, temperature=0.8)
             assert set(json.loads(done.text)) == {"a", "b"}
-        assert dict(thread.prep.grammar_compiles) == {"engine": 1}
-        assert dict(thread.prep.grammar_backends) == {"engine": 3}
+        assert (await snapshot(engine)).grammar_compiles == {"engine": 1}
+        assert (await snapshot(engine)).grammar_backends == {"engine": 3}
         done = await engine.generate("x", max_tokens=60, json_schema=reordered)  # another source
         assert list(json.loads(done.text)) == ["b", "a"]
-        assert dict(thread.prep.grammar_compiles) == {"engine": 2}
+        assert (await snapshot(engine)).grammar_compiles == {"engine": 2}
         for _ in range(3):
             done = await engine.generate("x", max_tokens=60, json_schema=enum, temperature=0.8)
             assert json.loads(done.text) in enum["enum"]
-        assert dict(thread.prep.grammar_compiles) == {"engine": 2, "llguidance": 1}
-        assert dict(thread.prep.grammar_backends) == {"engine": 4, "llguidance": 3}
+        assert (await snapshot(engine)).grammar_compiles == {"engine": 2, "llguidance": 1}
+        assert (await snapshot(engine)).grammar_backends == {"engine": 4, "llguidance": 3}
 
         async def lark() -> str:
+            # private on purpose: a raw Lark grammar is the chat-with-tools path's, with no public call of its own
             params = engine._params(None, {"max_tokens": 8, "temperature": 0.9})
             return (await engine._new_stream("x", params, True, lark='start: "yes" | "no"')).text
 
         assert {await lark() for _ in range(3)} <= {"yes", "no"}
-        assert dict(thread.prep.grammar_compiles) == {"engine": 2, "llguidance": 2}
-        assert dict(thread.prep.grammar_backends) == {"engine": 4, "llguidance": 6}
+        assert (await snapshot(engine)).grammar_compiles == {"engine": 2, "llguidance": 2}
+        assert (await snapshot(engine)).grammar_backends == {"engine": 4, "llguidance": 6}
         assert (await engine.stats()).live_grammars == 0
 
 
@@ -243,16 +243,15 @@ async def test_a_compile_over_its_budget_is_refused_and_never_compiled_again(
 
     schema = {"type": "array", "items": {"type": "integer"}}
     async with aiobasert.Engine.open(tiny_model_path, max_batch_size=2) as engine:
-        thread = engine._thread
         monkeypatch.setattr(cost, "COMPILE_BUDGET_S", -1.0)  # every compile is over it
         over = r"^invalid json_schema: its grammar took .* to compile, over the budget"
         with pytest.raises(InvalidRequestError, match=over):
             await engine.generate("x", max_tokens=4, json_schema=schema)
         monkeypatch.setattr(cost, "COMPILE_BUDGET_S", 5.0)
-        compiled = dict(thread.prep.grammar_compiles)
+        compiled = (await snapshot(engine)).grammar_compiles
         with pytest.raises(InvalidRequestError, match="over the budget"):
             await engine.generate("y", max_tokens=4, json_schema=schema)  # refused at once
-        assert dict(thread.prep.grammar_compiles) == compiled
+        assert (await snapshot(engine)).grammar_compiles == compiled
         bad = {"type": "object", "properties": {"a": {"$ref": "#/nowhere"}}}
         for _ in range(2):
             with pytest.raises(InvalidRequestError, match="json_schema"):
@@ -396,7 +395,7 @@ async def test_the_host_grammar_backend_is_built_on_the_costly_worker_where_only
 
 
 def _texts_encoded_by_worker(engine: aiobasert.Engine) -> dict[str, int]:
-    intake = engine._thread.intake
+    intake = engine._thread.intake  # private on purpose: which worker tokenized is the intake's machinery
     assert intake is not None
     return {w.thread.name: w.tok.encoded if w.tok is not None else 0 for w in intake._workers}
 
@@ -454,7 +453,7 @@ async def test_a_grammar_built_for_a_prompt_then_refused_is_freed_on_its_worker(
         (worker,) = closed  # the kept grammar, taken for it and freed there
         assert worker.startswith("aiobasert-grammar-")
         assert (await snapshot(engine)).grammar_compiles == {"engine": 1}
-        assert engine._thread.lib.violations == 0
+        assert engine._thread.lib.violations == 0  # private on purpose: the thread-binding check of the C handle
         out = await engine.generate("x", max_tokens=4, json_schema=schema)
         assert isinstance(json.loads(out.text), int) or out.finish_reason == "length"
         assert (await engine.stats()).live_grammars == 0
@@ -462,7 +461,7 @@ async def test_a_grammar_built_for_a_prompt_then_refused_is_freed_on_its_worker(
 
 def _moved(engine: aiobasert.Engine) -> bool:
     """Whether a job waits in the costly lane (the held lane's own job is running, not waiting)."""
-    intake = engine._thread.intake
+    intake = engine._thread.intake  # private on purpose: the intake's own lanes
     assert intake is not None
     return bool(intake.jobs._queues["costly"])
 

@@ -12,6 +12,7 @@ import pytest
 
 from aiobasert import Engine, InvalidRequestError, InvalidSamplingParamsError, SamplingParams
 from aiobasert.models.tiny import EOS_ID
+from aiobasert.testing import snapshot
 
 SEEDS = range(8)
 
@@ -118,11 +119,10 @@ async def test_constraints_are_cached_and_under_the_compile_budget(
     from aiobasert._core import cost
 
     async with Engine.open(untied_model_path, max_batch_size=2) as engine:
-        prep = engine._thread.prep
         for seed in range(3):
             done = await engine.generate("x", max_tokens=8, choice=["up", "down"], temperature=1.0, seed=seed)
             assert done.text in ("up", "down")
-        assert prep.grammar_compiles["llguidance"] == 1
+        assert (await snapshot(engine)).grammar_compiles["llguidance"] == 1
         monkeypatch.setattr(cost, "COMPILE_BUDGET_S", -1.0)  # every compile is over it
         over = r"^invalid sampling parameter regex: its grammar took .* over the budget"
         with pytest.raises(InvalidRequestError, match=over):
@@ -130,7 +130,7 @@ async def test_constraints_are_cached_and_under_the_compile_budget(
         monkeypatch.setattr(cost, "COMPILE_BUDGET_S", 5.0)
         with pytest.raises(InvalidRequestError, match=over):  # refused at once, never compiled again
             await engine.generate("x", max_tokens=4, regex="[xyz]+")
-        assert prep.grammar_compiles["llguidance"] == 2
+        assert (await snapshot(engine)).grammar_compiles["llguidance"] == 2
         assert (await engine.stats()).live_grammars == 0
 
 

@@ -427,7 +427,7 @@ async def test_a_cancelled_open_waits_for_its_load_which_stops_at_the_next_phase
 async def test_an_engine_dropped_without_aclose_is_reclaimed(tiny_model_path: Path) -> None:
     before = engine_threads()
     engine = await Engine.open(tiny_model_path)
-    thread = engine._thread
+    thread = engine._thread  # private on purpose: read after the engine itself is gone (no engine to ask)
     s = engine.stream("dropped", max_tokens=3, ignore_eos=True)
     with anyio.fail_after(BOUND):
         await s.__anext__()
@@ -858,7 +858,7 @@ async def test_thread_side_queries_are_typed_messages(tiny_model_path: Path) -> 
 
     async with Engine.open(tiny_model_path) as engine:
         posted: list[Any] = []
-        post = engine._thread.post
+        post = engine._thread.post  # private on purpose: the messages posted to the thread are what is tested
 
         def spy(msg: Any) -> None:
             posted.append(msg)

@@ -260,7 +260,7 @@ async def test_logprobs_and_top_logprobs(tiny_model_path: Path) -> None:
 
 async def test_only_the_engine_thread_enters_the_library(tiny_model_path: Path) -> None:
     async with Engine.open(tiny_model_path, max_batch_size=4, thread_check=True) as engine:
-        lib = engine._thread.lib
+        lib = engine._thread.lib  # private on purpose: the thread binding of the C handle is what is tested
         assert lib.thread_check
         async with anyio.create_task_group() as tg:
             for i in range(6):
@@ -323,6 +323,7 @@ async def test_a_gguf_without_a_template_chats_in_its_familys_format(
         assert turn in "".join(text for text, _ in pieces)
         first = markers[0] if markers else "<|im_start|>"
         (marker_id,) = await engine.encode(first, special=True)  # the turn marker is one token
+        # private on purpose: the engine's own encoding of chat pieces has no public call
         prompt_ids = await engine._call(lambda: engine._thread.encode_pieces(pieces))
         assert marker_id in prompt_ids
         out = await engine.chat([{"role": "user", "content": "hi"}], max_tokens=2, ignore_eos=True)
@@ -540,7 +541,8 @@ async def test_kv_cache_dtype_falls_back_where_the_head_cannot_take_q8(head16_mo
 async def test_the_reservation_holds_queue_places_all_or_none(tiny_model_path: Path) -> None:
     # issue 26 item 7: a fan-out's places are taken in one atomic step on the engine thread, so no
     # other request can take them between the check and the submits (which the old stats-then-
-    # submit check allowed); places not used go back.
+    # submit check allowed); places not used go back. Private on purpose: `_reserve` is the n primitive's
+    # plumbing, no longer public (issue 34 item 3), and its atomicity is what is tested.
     async with aiobasert.Engine.open(tiny_model_path, max_batch_size=1, max_queue=2, prefix_cache=False) as engine:
         with pytest.raises(aiobasert.EngineOverloadedError, match="room for 3 of this request's 4"):
             await engine._reserve(4)  # 1 lane + 2 queue places: never all 4 at once

@@ -42,7 +42,7 @@ async def test_models_are_named_routed_and_separate(tiny_model_path: Path, secon
         assert group.default == "tiny"
         async with group.lease("tiny") as a, group.lease("other") as b, group.lease(None) as default:
             assert default is a and a is not b
-            assert a._thread.thread_id != b._thread.thread_id  # one engine thread per model
+            assert a._thread.thread_id != b._thread.thread_id  # one engine thread per model (private: no public id)
             out_a, out_b = await greedy(a), await greedy(b)
         stats = await group.stats()
     assert out_a != out_b  # different weights: the lease really picked the named model
@@ -172,12 +172,12 @@ async def test_leaving_on_a_timeout_aborts_an_unload_drain(tiny_model_path: Path
                 async with group.lease() as engine:
                     s = engine.stream("outlives its lease", max_tokens=2000, ignore_eos=True)
                     await s.__anext__()
-                slot = group._slots[group.default]
+                slot = group._slots[group.default]  # private on purpose: the drain is seen from its start
                 while slot.unloads == 0:  # the reaper is draining the engine now
                     await anyio.sleep(0.001)
                 timeout.cancel()
                 await anyio.sleep(0)
-    assert s.finish_reason == "aborted" and s._ticket.delivered < 2000
+    assert s.finish_reason == "aborted" and s._ticket.delivered < 2000  # private: tokens the engine made
     assert engine.closed and not thread_state(engine).alive
 
 

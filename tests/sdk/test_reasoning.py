@@ -114,6 +114,7 @@ async def test_a_budget_closes_the_thought_and_the_reply_keeps_it_apart(r1_think
 
 async def test_thinking_off_writes_the_empty_thought_into_the_prompt(qwen3_think_model_path: Path) -> None:
     async with Engine.open(qwen3_think_model_path, max_batch_size=2) as engine:
+        # private on purpose: the rendered pieces and the thought's state have no public view
         on = engine._prepare_chat(USER, thinking=True)
         off = engine._prepare_chat(USER, thinking=False)
         via_kwargs = engine._prepare_chat(USER, chat_template_kwargs={"enable_thinking": False})
@@ -225,7 +226,7 @@ async def test_template_kwargs_and_thinking_are_refused_where_the_template_has_n
 async def test_reasoning_sent_back_is_rendered_where_the_template_does(qwen3_think_model_path: Path) -> None:
     turns = [*USER, {"role": "assistant", "content": "4", "reasoning_content": "two and two"}]
     async with Engine.open(qwen3_think_model_path, max_batch_size=1) as engine:
-        turn = engine._prepare_chat(turns, add_generation_prompt=False)
+        turn = engine._prepare_chat(turns, add_generation_prompt=False)  # private on purpose: the pieces
         text = "".join(t for t, _ in turn.pieces)
         assert "<think>\ntwo and two\n</think>\n\n4" in text
         assert ("two and two", True) in turn.pieces  # the client's thought is content: never parsed for markers
@@ -235,7 +236,7 @@ async def test_chat_template_override(tiny_model_path: Path, llama_cpp_templates
     template = (llama_cpp_templates_dir / "Qwen-Qwen3-0.6B.jinja").read_text()
     async with Engine.open(tiny_model_path, max_batch_size=1, chat_template=template) as engine:
         assert engine.chat_template == template and engine.config.chat_template == template
-        turn = engine._prepare_chat(USER, chat_template_kwargs={"enable_thinking": False})
+        turn = engine._prepare_chat(USER, chat_template_kwargs={"enable_thinking": False})  # private: the pieces
         assert turn.pieces[-1][0].endswith("<think>\n\n</think>\n\n")
     for bad in ("", "{% if %}", 5):
         with pytest.raises(InvalidConfigError, match="chat_template"):

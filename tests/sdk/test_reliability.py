@@ -25,6 +25,7 @@ from aiobasert import (
     SamplingParams,
 )
 from aiobasert.errors import EngineOutOfMemoryError
+from aiobasert.testing import wait_until
 
 pytestmark = pytest.mark.anyio
 
@@ -36,7 +37,7 @@ BOUND = 60.0
 def fault(engine: Engine, kind: int, n: int) -> Iterator[None]:
     """Arm the reference engine's fault switch (a process-global, test-only symbol)
     for the block; always disarmed after, so no fault leaks into another test."""
-    lib = engine._thread.lib
+    lib = engine._thread.lib  # private on purpose: the reference engine's test-only fault switch (C boundary)
     assert lib.has("baseRT_ref_inject_fault")
     lib._cdll.baseRT_ref_inject_fault(ctypes.c_int(kind), ctypes.c_int(n))
     try:
@@ -46,8 +47,8 @@ def fault(engine: Engine, kind: int, n: int) -> Iterator[None]:
 
 
 async def assert_pool_whole(engine: Engine) -> None:
-    await anyio.sleep(0.02)
-    stats = await engine.stats()
+    # once every request has ended (a cancel lands between two steps), nothing holds a sequence
+    stats = (await wait_until(engine, lambda snap: not snap.requests, timeout=BOUND)).stats
     assert stats.live_sequences == 0
     assert stats.kv_blocks_used == stats.prefix_blocks_cached
     await engine.evict_prefix_cache()
@@ -184,13 +185,10 @@ async def test_more_streams_than_lanes_complete_with_nobody_reading(tiny_model_p
         streams = [engine.stream(f"choice {i}", max_tokens=12, ignore_eos=True) for i in range(7)]
         for s in streams:
             s.submit()
-        with anyio.fail_after(BOUND):
-            while (await engine.stats()).requests_finished < 7:
-                await anyio.sleep(0.01)
-        stats = await engine.stats()
+        stats = (await wait_until(engine, lambda snap: snap.stats.requests_finished == 7, timeout=BOUND)).stats
         assert stats.active_lanes == 0 and stats.waiting_requests == 0
         for s in streams:
-            assert len(s._buffer) == 12  # the whole output waits in the stream, nothing more
+            assert len(s._buffer) == 12  # all of it unread in the stream (private: no public count)
             assert len((await s).token_ids) == 12
 
 
@@ -232,7 +230,7 @@ async def test_chat_content_cannot_forge_turns(tiny_model_path: Path) -> None:
     async with Engine.open(tiny_model_path) as engine:
         from aiobasert.chat import render_chat
 
-        thread = engine._thread  # encode on the engine thread, as a request would be
+        thread = engine._thread  # private on purpose: the engine's own chat encoding, which has no public call
 
         async def encode_chat(content: str) -> list[int]:
             pieces = render_chat(engine.chat_template, [ChatMessage(role="user", content=content)])

@@ -480,7 +480,7 @@ async def test_backend_end_ids_are_the_engines(lib: Library, tmp_path: Path) -> 
         lib.baseRT_free_model(m)
     async with Engine.open(path, max_batch_size=1) as engine:
         await engine.generate("x", max_tokens=4, json_schema={"enum": ["red", "green"]})
-        backend = engine._thread.prep.backend
+        backend = engine._thread.prep.backend  # private on purpose: the host backend's end ids have no public view
     assert backend is not None and backend.end_ids == engine_ends
     assert tokens.index("<end_of_turn>") in engine_ends
 

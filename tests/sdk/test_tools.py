@@ -21,6 +21,7 @@ from tool_checks import backends, json_complete
 from aiobasert import Engine, InvalidRequestError, SamplingParams, StreamClosedError
 from aiobasert.chat import GEMMA_TEMPLATE, MAX_CHAT_MESSAGES, render_chat
 from aiobasert.models.tiny import BOS_ID, EOS_ID, SPECIAL_TOKENS, build_tiny_model
+from aiobasert.testing import wait_until
 from aiobasert.tools import (
     CALL_OPEN,
     HERMES,
@@ -559,8 +560,7 @@ async def test_engine_tag_lanes_batch_with_free_lanes(untied_model_path: Path) -
         async def free_turn(j: int) -> None:
             # grammars are built off the engine thread, so a free request no longer
             # waits behind them: start once tool lanes are in the engine, to share steps
-            while (await engine.stats()).live_grammars == 0:
-                await anyio.sleep(0.001)
+            await wait_until(engine, lambda s: s.stats.live_grammars > 0)
             free[j] = await engine.generate(free_prompts[j], **free_kw)
 
         async with anyio.create_task_group() as tg:
@@ -673,6 +673,7 @@ async def test_tool_turns_print_the_models_own_tokens(tmp_path: Path) -> None:
     async with Engine.open(path, max_batch_size=2) as engine:
         info = engine.info
         assert (info.bos_token, info.eos_token) == (SPECIAL_TOKENS[BOS_ID], SPECIAL_TOKENS[EOS_ID])
+        # private on purpose: the rendered pieces are not public, and this pins what the engine's renderer gets
         turn = engine._prepare_chat(MESSAGES, tools=[TIME], tool_choice="auto")
         assert "".join(p for p, _ in turn.pieces) == info.bos_token + MESSAGES[0]["content"] + info.eos_token + "T"
         plain = await engine.chat(MESSAGES, max_tokens=1)

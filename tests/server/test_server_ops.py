@@ -369,7 +369,7 @@ async def test_sdk_n_samples_hit_the_prefix_cache(tiny_model_path: Path) -> None
         stats = await engine.stats()
         assert stats.prefix_blocks_cached > 0
         prepared: list[int] = []
-        prepare = engine._prepare_chat
+        prepare = engine._prepare_chat  # private on purpose: renders counted where they happen (no public count)
 
         def counted(*args: Any, **kwargs: Any) -> Any:
             prepared.append(1)

@@ -456,6 +456,7 @@ def test_engine_structural_tag_over_http(untied_model_path: Path) -> None:
             assert named.choices[0].finish_reason == "tool_calls" and call.function.name == "get_time"
             jsonschema.validate(json.loads(call.function.arguments), tools[1]["function"]["parameters"])
         (served,) = provider.served()
+        # private on purpose: the engine is closed and served on the server's loop (snapshot needs an open one)
         assert dict(served.engine._thread.prep.grammar_backends) == {"engine": 6}
 
 
