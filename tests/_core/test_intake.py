@@ -16,8 +16,8 @@ import pytest
 
 from aiobasert import ContextLengthExceededError, InternalError, InvalidRequestError
 from aiobasert._core.cost import QUICK_COST
-from aiobasert._core.ffi import Library
 from aiobasert._core.intake import Intake, Reroute, Tokenizer, _Lanes, on_costly_worker, run_job
+from aiobasert._ffi import Library
 
 
 @pytest.fixture

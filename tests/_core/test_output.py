@@ -11,11 +11,11 @@ from typing import Any
 import pytest
 
 from aiobasert import InvalidRequestError, SamplingParams
-from aiobasert._core.ffi import Library
 from aiobasert._core.intake import Tokenizer
 from aiobasert._core.output import Detokenizer, OutputProcessor
 from aiobasert._core.protocol import RequestSpec, Ticket
 from aiobasert._core.step import Lane
+from aiobasert._ffi import Library
 from aiobasert.types import FinishReason
 
 
