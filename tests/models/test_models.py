@@ -295,7 +295,11 @@ def test_pull_list_rm(tmp_path: Path, cache: Path) -> None:
     assert models.list_models() == [] and not Path(entry.path).exists()
     assert not Path(entry.path).with_suffix(".json").exists()
 
-    refused = run_cli("pull", str(tmp_path / "notes.txt"))
+    notes = tmp_path / "notes.txt"
+    gone = run_cli("pull", str(notes))  # issue 37 item 8: a missing path is said to be missing
+    assert gone.returncode == 1 and "no such file" in gone.stderr and "not a GGUF" not in gone.stderr
+    notes.write_text("not a model")
+    refused = run_cli("pull", str(notes))
     assert refused.returncode == 1 and "not a GGUF file" in refused.stderr
 
     # --dtype on pull and run: one bundle per dtype, named and listed by it
