@@ -20,7 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from aiobasert import Engine, InvalidConfigError, SamplingParams
-from aiobasert._core.speculate import DraftSource, LaneSpec, NgramDrafter, StepCost
+from aiobasert._core.speculate import DraftSource, LaneSpec, NgramDrafter, SpecPolicy, StepCost
 from aiobasert.config import EngineConfig, SpeculationConfig
 
 pytestmark = pytest.mark.anyio
@@ -233,6 +233,56 @@ def test_step_cost_fit_and_policy_depth() -> None:
     for rows in (8, 16, 12, 9):
         wide.add(rows, 0.001 * rows)  # compute-bound: a row costs a token
     assert wide.row_cost(16, 16) == pytest.approx(1.0)
+
+
+def _compute_bound() -> SpecPolicy:
+    """A policy whose fitted step is 10 ms + 1 ms a row: at 16 lanes a row costs 16/26 of a token."""
+    policy = SpecPolicy()
+    for rows in (8, 16, 12, 9, 16, 20):
+        policy.cost.add(rows, 0.010 + 0.001 * rows)
+    return policy
+
+
+def test_a_lane_no_draft_pays_for_is_only_probed() -> None:
+    """Free text at a wide batch: the drafter is not run for the lane each step, only one step in
+    `probe_every`, and not while its last proposal is still being scored as a shadow."""
+    policy = _compute_bound()
+    st = LaneSpec()  # the prior p = 0.4: below 1.5 x 16/26
+    asked = [policy.ask(st, 16, 16) for _ in range(12)]
+    assert asked == [False, False, False, True] * 3
+    st.shadow = [5, 6]
+    assert not any(policy.ask(st, 16, 16) for _ in range(8))
+    st.shadow = []
+    assert policy.ask(st, 16, 16)
+    good = LaneSpec(prior_hits=30.0, prior_misses=0.5)  # a lane whose drafts are accepted: asked every step
+    assert all(policy.ask(good, 16, 16) for _ in range(5))
+    assert all(SpecPolicy(adaptive=False).ask(st, 16, 16) for _ in range(5))
+
+
+def test_the_first_lane_to_draft_pays_the_verify_overhead() -> None:
+    """A verifying step costs more than its rows (host sampling, rollbacks): the first lane to
+    draft in a step drafts only when its expected accepted drafts cover that too."""
+    policy = SpecPolicy()
+    for rows in (1, 2, 5, 1, 8, 3):
+        policy.cost.add(rows, 0.010 + 0.001 * rows)  # a row costs 1/11 of a token at one lane
+    st = LaneSpec(prior_hits=1.0, prior_misses=1.0)  # p = 0.5
+    assert policy.depth(st, 4, 1, 1) == 2  # 0.5^2 > 1.5 / 11 > 0.5^3
+    assert policy.depth(st, 4, 1, 1, first=True) == 2  # 0.75 - 2/11 > 2/11 (the prior overhead, 2 rows)
+    policy.cost.overhead_rows = 8.0
+    assert policy.depth(st, 4, 1, 1, first=True) == 0  # 0.75 - 2/11 < 8/11
+    assert policy.depth(st, 4, 1, 1) == 2  # a later lane shares a step that verifies anyway
+    # measured on verifying steps, in rows, each counted at most 8 rows; back to the prior over plain ones
+    cost = StepCost()
+    for rows in (1, 2, 5, 1, 8, 3):
+        cost.add(rows, 0.010 + 0.001 * rows)
+    for _ in range(40):
+        cost.add(4, 0.010 + 0.001 * 4 + 0.003, verified=True)
+    assert cost.overhead_rows == pytest.approx(3.0, abs=1e-3)
+    cost.add(4, 1.0, verified=True)
+    assert cost.overhead_rows == pytest.approx(0.8 * 3.0 + 0.2 * 8.0, abs=1e-3)
+    for _ in range(300):
+        cost.add(2, 0.012)
+    assert cost.overhead_rows == pytest.approx(cost.prior_overhead, abs=0.02)
 
 
 def test_speculation_config_is_checked() -> None:
