@@ -301,7 +301,7 @@ class EngineThread:
         elif result.sampled is not None:
             self._apply_token(lane, result.sampled)
             if row.drafts:
-                self._verify(lane, row.drafts, result.first_row)
+                self._verify(lane, row.drafts, result.first_row, result.verified)
 
     def _draft(self, state: LaneState, cap: int, rows: int, lanes: int) -> int:
         """How many drafts a decode lane feeds this step (`Batcher.schedule` asks), and which
@@ -327,7 +327,7 @@ class EngineThread:
         lane.speculation.shadow = [] if k else proposal  # a proposal not verified is scored for free
         return k
 
-    def _verify(self, lane: Lane, fed: int, first_row: int) -> None:
+    def _verify(self, lane: Lane, fed: int, first_row: int, verified: tuple[int, ...] | None = None) -> None:
         """The rest of a verify row, after its first token was applied: draft j is accepted
         when the token chosen at its row equals it, and then row j + 1 gives the next token
         (chosen with the accepted drafts counted as generated, exactly as a plain step would
@@ -347,6 +347,9 @@ class EngineThread:
             accepted += 1
             spec.accepted += 1
             self.spec_accepted += 1
+            if verified is not None:  # sampled in the engine with drafts[:j + 1] counted as generated
+                self._apply_token(lane, Sampled(verified[j]))
+                continue
             try:
                 sampled = self.runner.verify_row(lane, first_row + j + 1)
             except AioBaseRTError as exc:

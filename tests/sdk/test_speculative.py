@@ -155,6 +155,40 @@ async def test_an_echoed_prompt_is_drafted_and_accepted(tiny_model_path: Path) -
     assert after.spec_draft_tokens == stats.spec_draft_tokens
 
 
+async def test_verify_rows_without_host_needs_are_sampled_in_the_engine(tiny_model_path: Path) -> None:
+    """A verifying step samples its lanes that need no host rows (greedy, or seeded with penalties)
+    in the engine, every verify row in one call, as the fused-sample path would: no row of theirs
+    is sampled on the host. A lane that asks for logprobs still is. The tokens are the same."""
+    prompt = "the cat sat on the mat the cat sat on the mat the cat"
+    cases: list[dict[str, Any]] = [
+        dict(max_tokens=40, ignore_eos=True),
+        dict(max_tokens=40, ignore_eos=True, temperature=0.8, seed=3, presence_penalty=0.5, min_p=0.05),
+        dict(max_tokens=40, ignore_eos=True, logprobs=True, top_logprobs=2),
+    ]
+    async with Engine.open(tiny_model_path) as plain:
+        want = [await plain.generate(prompt, **c) for c in cases]
+    async with Engine.open(tiny_model_path, speculation=FULL) as engine:
+        runner = engine._thread.runner
+        host_rows = 0
+        sample_host_row = runner._sample_host_row
+
+        def counted(lane: Any, i: int) -> Any:
+            nonlocal host_rows
+            host_rows += 1
+            return sample_host_row(lane, i)
+
+        runner._sample_host_row = counted  # type: ignore[method-assign]
+        for case, ref in zip(cases, want, strict=True):
+            host_rows = 0
+            got = await engine.generate(prompt, **case)
+            assert got.token_ids == ref.token_ids and got.logprobs == ref.logprobs
+            assert got.usage.draft_tokens > 0
+            if case.get("logprobs"):
+                assert host_rows >= len(got.token_ids) - 1  # every token after the first, from host rows
+            else:
+                assert host_rows == 0
+
+
 async def test_a_draft_past_a_stop_is_neither_delivered_nor_kept(tiny_model_path: Path) -> None:
     """An oracle drafts the whole reference output at once: the stop comes inside an accepted run,
     and nothing after it is delivered or left in the KV (the published prefix is prompt + output)."""
