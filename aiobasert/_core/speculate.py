@@ -121,16 +121,20 @@ class NgramDrafter:
             return int(prompt[i]) if i < n_prompt else out[i - n_prompt]
 
         # index every n-gram that ends before the last token (the last n tokens are the query:
-        # indexing them first would find themselves)
-        index = st.index
-        for end in range(max(st.indexed, 1), total):
-            for n in range(self.n_min, self.n_max + 1):
-                if end - n < 0:
-                    break
-                index[tuple(at(j) for j in range(end - n, end))] = end
+        # indexing them first would find themselves); from one list of the tokens it needs, by
+        # slices (a step adds one token: a few tuples, no per-token calls)
+        index, n_min, n_max = st.index, self.n_min, self.n_max
+        start = max(st.indexed, 1)
+        base = max(start - n_max, 0)
+        window = [at(j) for j in range(base, total)]
+        for end in range(start, total):
+            e = end - base
+            for n in range(n_min, min(n_max, end) + 1):
+                index[tuple(window[e - n : e])] = end
         st.indexed = max(st.indexed, total)
-        for n in range(min(self.n_max, total - 1), self.n_min - 1, -1):
-            after = index.get(tuple(at(j) for j in range(total - n, total)))
+        e = total - base
+        for n in range(min(n_max, total - 1), n_min - 1, -1):
+            after = index.get(tuple(window[e - n : e]) if n <= e else tuple(at(j) for j in range(total - n, total)))
             if after is not None:
                 # what followed, and where it runs into the end, the same period again (a loop
                 # of period `total - after` continues as it went)

@@ -255,6 +255,35 @@ def test_ngram_drafter_proposes_what_followed_the_latest_match() -> None:
     assert d.propose(_Lane([1, 2, 3], [4]), 4) == []
 
 
+def _latest_match(seq: list[int], k: int, n_min: int, n_max: int) -> list[int]:
+    """Prompt lookup by a scan: the longest suffix (n_max down to n_min) that occurred earlier,
+    and what followed its latest earlier occurrence (its period repeated)."""
+    total = len(seq)
+    for n in range(min(n_max, total - 1), n_min - 1, -1):
+        ends = [end for end in range(n, total) if seq[end - n : end] == seq[total - n :]]
+        if ends:
+            after = ends[-1]
+            return [seq[after + i % (total - after)] for i in range(k)]
+    return []
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    prompt=st.lists(st.integers(0, 4), min_size=1, max_size=30),
+    out=st.lists(st.integers(0, 4), max_size=30),
+    every=st.integers(1, 5),
+)
+def test_the_incremental_ngram_index_finds_what_a_scan_finds(prompt: list[int], out: list[int], every: int) -> None:
+    """The index is extended as the lane generates (asked every `every` tokens, as the policy
+    probes a lane): each proposal is the one a scan of the whole context gives."""
+    d = NgramDrafter(2, 4)
+    lane = _Lane(prompt, [])
+    for i, tok in enumerate(out):
+        lane.generated.append(tok)
+        if i % every == 0:
+            assert d.propose(lane, 4) == _latest_match(prompt + lane.generated, 4, 2, 4)
+
+
 def test_step_cost_fit_and_policy_depth() -> None:
     cost = StepCost()
     for rows in (1, 2, 5, 1, 8, 3):
