@@ -7,7 +7,9 @@ each lane's next token, in three parts: `prepare` (the FFI arrays), `forward`
 per lane, which the engine thread applies: nothing here writes a lane). It
 samples in the engine (`baseRT_batch_step_fused_sample`) when every sampling
 lane's parameters allow, else from host logits rows (grammar masks, logit
-bias, logprobs, penalties on greedy lanes).
+bias, logprobs, penalties on greedy lanes). A step that verifies drafts
+samples the lanes that need no host rows in the engine too (`sample_rows`),
+and reads rows back only for the others.
 
 An embedding is an `EmbedLane`: a step that carries one of its chunks runs as
 `baseRT_batch_step_fused_logits_rows_taps`, tapping the final pre-norm hidden
