@@ -118,6 +118,8 @@ class EngineThread:
             self.drafter = NgramDrafter(spec.prompt_lookup_min, spec.prompt_lookup_max)
         self.spec_drafted = 0
         self.spec_accepted = 0
+        self._step_drafts = 0
+        """Draft tokens planned so far in the step being planned (`_draft`)."""
 
     # ---- loop-side API (thread-safe) --------------------------------------------------
 
@@ -266,14 +268,17 @@ class EngineThread:
             self.steps += 1
             try:
                 draft = self._draft if self.drafter is not None else None
+                self._step_drafts = 0
                 plan = self.batcher.plan(self._start, release=self._release_kv, draft=draft)
                 if plan.rows:
                     began = time.perf_counter()
                     results = self.runner.run([(self.requests.of(r.lane), r) for r in plan.rows])
-                    if draft is not None:  # what a row costs: the speculation policy's measure
-                        self.spec_policy.cost.add(sum(r.tokens for r in plan.rows), time.perf_counter() - began)
                     for result in results:
                         self._apply(result)
+                    if draft is not None:  # what a row costs (verify rows' sampling and rollback included)
+                        self.spec_policy.cost.add(
+                            sum(r.tokens for r in plan.rows), time.perf_counter() - began, plan.drafts > 0
+                        )
             except Exception as exc:  # last resort: a bug outside any one lane costs the running lanes
                 self._fail_running(internal_error("in the engine step", exc))
         self._deliver()
@@ -296,7 +301,7 @@ class EngineThread:
         elif result.sampled is not None:
             self._apply_token(lane, result.sampled)
             if row.drafts:
-                self._verify(lane, row.drafts, result.first_row)
+                self._verify(lane, row.drafts, result.first_row, result.verified)
 
     def _draft(self, state: LaneState, cap: int, rows: int, lanes: int) -> int:
         """How many drafts a decode lane feeds this step (`Batcher.schedule` asks), and which
@@ -304,6 +309,8 @@ class EngineThread:
         lane = self.requests.get(state.rid)
         if not isinstance(lane, Lane) or lane.speculation is None or self.drafter is None:
             return 0
+        if not self.spec_policy.ask(lane.speculation, rows, lanes):
+            return 0  # its shadow (if any) is still scored as it generates
         try:
             proposal = self.drafter.propose(lane, cap)[:cap]
         except Exception:  # a drafter's bug costs speed, never a request
@@ -313,12 +320,14 @@ class EngineThread:
             if isinstance(tok, bool) or not isinstance(tok, int) or not 0 <= tok < vocab:
                 proposal = proposal[:i]
                 break
-        k = self.spec_policy.depth(lane.speculation, len(proposal), rows, lanes)
+        first = not self._step_drafts  # the first lane to draft in the step pays its verify overhead
+        k = self.spec_policy.depth(lane.speculation, len(proposal), rows, lanes, first)
+        self._step_drafts += k
         lane.drafts = proposal[:k]
         lane.speculation.shadow = [] if k else proposal  # a proposal not verified is scored for free
         return k
 
-    def _verify(self, lane: Lane, fed: int, first_row: int) -> None:
+    def _verify(self, lane: Lane, fed: int, first_row: int, verified: tuple[int, ...] | None = None) -> None:
         """The rest of a verify row, after its first token was applied: draft j is accepted
         when the token chosen at its row equals it, and then row j + 1 gives the next token
         (chosen with the accepted drafts counted as generated, exactly as a plain step would
@@ -338,6 +347,9 @@ class EngineThread:
             accepted += 1
             spec.accepted += 1
             self.spec_accepted += 1
+            if verified is not None:  # sampled in the engine with drafts[:j + 1] counted as generated
+                self._apply_token(lane, Sampled(verified[j]))
+                continue
             try:
                 sampled = self.runner.verify_row(lane, first_row + j + 1)
             except AioBaseRTError as exc:

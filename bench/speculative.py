@@ -9,6 +9,7 @@ run here (building llama-server takes ~20 minutes on this machine): left for ben
 
     python bench/speculative.py            # SmolLM2-135M (the demo model)
     python bench/speculative.py --tiny     # a tiny random model (steps and acceptance, not speed)
+    python bench/speculative.py --repeat 3 --prompts free   # medians of 3 interleaved off/on pairs
 """
 
 from __future__ import annotations
@@ -47,20 +48,27 @@ async def run(model: str, spec: SpeculationConfig | None, prompts: list[str], st
         await engine.generate("warm up", max_tokens=4)  # first-step costs out of the timing
         before = await engine.stats()
         jobs = [prompts[i % len(prompts)] for i in range(streams)]
-        began = time.perf_counter()
+        began, cpu = time.perf_counter(), time.process_time()
         outs = await asyncio.gather(*(engine.generate(p, max_tokens=max_tokens, ignore_eos=True) for p in jobs))
         wall = time.perf_counter() - began
+        cpu = time.process_time() - cpu
         after = await engine.stats()
     tokens = sum(len(o.token_ids) for o in outs)
     drafted = after.spec_draft_tokens - before.spec_draft_tokens
     accepted = after.spec_accepted_tokens - before.spec_accepted_tokens
     return {
         "tok_s": tokens / wall,
+        "tok_cpu_s": tokens / cpu,  # per CPU second of this process: less at the mercy of other load
         "steps": after.steps - before.steps,
         "drafted": drafted,
         "accepted": accepted,
         "ids": [o.token_ids for o in outs],
     }
+
+
+def median_run(runs: list[dict]) -> dict:
+    """The run with the median tok/s (its own steps and draft counts with it)."""
+    return sorted(runs, key=lambda r: r["tok_s"])[len(runs) // 2]
 
 
 async def main() -> None:
@@ -70,20 +78,30 @@ async def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--streams", type=int, nargs="*", default=[1, 4, 16])
     ap.add_argument("--draft", type=int, default=4, help="num_speculative_tokens")
+    ap.add_argument("--repeat", type=int, default=1, help="off/on pairs per row, interleaved; medians reported")
+    ap.add_argument("--prompts", nargs="*", choices=["grounded", "free"], default=["grounded", "free"])
     args = ap.parse_args()
     model = bench_model(args.tiny, args.model)
     spec = SpeculationConfig(num_speculative_tokens=args.draft)
     print(f"model {model}, max_tokens {args.max_tokens}, ngram k<={args.draft} (adaptive)")
     print(f"{'prompts':9} {'streams':>7} {'off tok/s':>10} {'on tok/s':>9} {'ratio':>6} {'steps off/on':>13} "
-          f"{'drafted':>8} {'accept':>7} same")  # fmt: skip
+          f"{'drafted':>8} {'accept':>7} {'cpu ratio':>9} same")  # fmt: skip
     for name, prompts in (("grounded", GROUNDED), ("free", FREE)):
+        if name not in args.prompts:
+            continue
         for streams in args.streams:
-            off: dict[str, Any] = await run(model, None, prompts, streams, args.max_tokens)
-            on: dict[str, Any] = await run(model, spec, prompts, streams, args.max_tokens)
+            # off and on alternate, so load from elsewhere on a shared machine hits both alike
+            offs, ons = [], []
+            for _ in range(args.repeat):
+                offs.append(await run(model, None, prompts, streams, args.max_tokens))
+                ons.append(await run(model, spec, prompts, streams, args.max_tokens))
+            off: dict[str, Any] = median_run(offs)
+            on: dict[str, Any] = median_run(ons)
             rate = on["accepted"] / on["drafted"] if on["drafted"] else 0.0
             print(
                 f"{name:9} {streams:>7} {off['tok_s']:>10.1f} {on['tok_s']:>9.1f} {on['tok_s'] / off['tok_s']:>6.2f} "
-                f"{off['steps']:>6}/{on['steps']:<6} {on['drafted']:>8} {rate:>7.2f} {on['ids'] == off['ids']}",
+                f"{off['steps']:>6}/{on['steps']:<6} {on['drafted']:>8} {rate:>7.2f} "
+                f"{on['tok_cpu_s'] / off['tok_cpu_s']:>9.2f} {on['ids'] == off['ids']}",
                 flush=True,
             )
 

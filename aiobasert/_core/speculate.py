@@ -16,6 +16,10 @@ are: a draft source and the policy below only decide how fast it comes.
   as a + b x rows; at one stream a row is nearly free, in a wide compute-bound step it costs
   as much as a token). Proposals a lane does not verify are still checked against the tokens
   it then generates (`LaneSpec.shadow`), so its acceptance keeps being measured for free.
+  A row must pay `margin` times its estimated cost (the fit is noisy on a shared machine, and a
+  step that verifies pays for rollbacks and row sampling a plain step does not), and a lane
+  whose estimate makes every draft a loss is not even asked for a proposal, except one step in
+  `probe_every` (its shadow keeps p current).
 """
 
 from __future__ import annotations
@@ -50,9 +54,9 @@ class Drafter(Protocol):
 class LaneSpec:
     """One lane's speculation state: its n-gram index and its acceptance history."""
 
-    __slots__ = ("accepted", "drafted", "hits", "index", "indexed", "misses", "shadow", "verified")
+    __slots__ = ("accepted", "drafted", "hits", "idle", "index", "indexed", "misses", "shadow", "verified")
 
-    def __init__(self, prior_hits: float = 1.5, prior_misses: float = 1.0) -> None:
+    def __init__(self, prior_hits: float = 1.0, prior_misses: float = 1.5) -> None:
         self.index: dict[tuple[int, ...], int] = {}
         """n-gram -> the position just after its latest occurrence (`NgramDrafter`)."""
         self.indexed = 0
@@ -62,6 +66,8 @@ class LaneSpec:
         """Decayed counts of drafts accepted / rejected (verified or shadowed): p = hits / (hits + misses)."""
         self.shadow: list[int] = []
         """A proposal not verified: checked against the tokens the lane generates next."""
+        self.idle = 0
+        """Steps since the drafter was last asked (`SpecPolicy.ask`)."""
         self.drafted = 0
         self.accepted = 0
         self.verified = 0
@@ -115,16 +121,20 @@ class NgramDrafter:
             return int(prompt[i]) if i < n_prompt else out[i - n_prompt]
 
         # index every n-gram that ends before the last token (the last n tokens are the query:
-        # indexing them first would find themselves)
-        index = st.index
-        for end in range(max(st.indexed, 1), total):
-            for n in range(self.n_min, self.n_max + 1):
-                if end - n < 0:
-                    break
-                index[tuple(at(j) for j in range(end - n, end))] = end
+        # indexing them first would find themselves); from one list of the tokens it needs, by
+        # slices (a step adds one token: a few tuples, no per-token calls)
+        index, n_min, n_max = st.index, self.n_min, self.n_max
+        start = max(st.indexed, 1)
+        base = max(start - n_max, 0)
+        window = [at(j) for j in range(base, total)]
+        for end in range(start, total):
+            e = end - base
+            for n in range(n_min, min(n_max, end) + 1):
+                index[tuple(window[e - n : e])] = end
         st.indexed = max(st.indexed, total)
-        for n in range(min(self.n_max, total - 1), self.n_min - 1, -1):
-            after = index.get(tuple(at(j) for j in range(total - n, total)))
+        e = total - base
+        for n in range(min(n_max, total - 1), n_min - 1, -1):
+            after = index.get(tuple(window[e - n : e]) if n <= e else tuple(at(j) for j in range(total - n, total)))
             if after is not None:
                 # what followed, and where it runs into the end, the same period again (a loop
                 # of period `total - after` continues as it went)
@@ -134,13 +144,27 @@ class NgramDrafter:
 
 
 class StepCost:
-    """The step's time as a + b x rows, fitted by decayed least squares over the steps run."""
+    """The step's time as a + b x rows, fitted by decayed least squares over the plain steps
+    run, and what a step that verifies drafts costs beyond that (`overhead_rows`: its rows are
+    sampled one lane at a time and its lanes rolled back; measured, as a number of rows, over
+    the verifying steps)."""
 
-    def __init__(self, decay: float = 0.97) -> None:
+    def __init__(self, decay: float = 0.97, overhead_rows: float = 2.0) -> None:
         self.decay = decay
         self._n = self._x = self._y = self._xx = self._xy = 0.0
+        self.prior_overhead = self.overhead_rows = overhead_rows
+        """A verifying step's own cost, in rows: measured on verifying steps, each counted at
+        most 8 rows (the first one also faults in the logits scratch), and drifting back to the
+        prior over plain steps (a high estimate would otherwise stop the steps that measure it)."""
 
-    def add(self, rows: int, seconds: float) -> None:
+    def add(self, rows: int, seconds: float, verified: bool = False) -> None:
+        if verified:  # the fit stays that of plain steps; the excess is the verify overhead
+            fit = self.fit()
+            if fit is not None and fit[1] > 0:
+                extra = (seconds - (fit[0] + fit[1] * rows)) / fit[1]
+                self.overhead_rows = 0.8 * self.overhead_rows + 0.2 * min(max(extra, 0.0), 8.0)
+            return
+        self.overhead_rows += 0.02 * (self.prior_overhead - self.overhead_rows)
         d = self.decay
         self._n = self._n * d + 1.0
         self._x = self._x * d + rows
@@ -175,19 +199,43 @@ class StepCost:
 class SpecPolicy:
     """How many of a proposal's drafts a lane verifies this step (0 = none)."""
 
-    def __init__(self, adaptive: bool = True) -> None:
+    def __init__(self, adaptive: bool = True, margin: float = 1.5, probe_every: int = 4) -> None:
         self.adaptive = adaptive
         self.cost = StepCost()
+        self.margin = margin
+        """A draft row is verified only when its expected yield is `margin` x its estimated cost."""
+        self.probe_every = probe_every
+        """A lane no draft pays for is asked for a proposal (scored as a shadow) this often."""
 
-    def depth(self, st: LaneSpec, proposed: int, rows: int, lanes: int) -> int:
-        """The largest i <= `proposed` with p^i above the row's cost (each deeper draft is
-        accepted only if every one before it was)."""
+    def ask(self, st: LaneSpec, rows: int, lanes: int) -> bool:
+        """Whether to run the drafter for a lane this step: when even its first draft could pay,
+        and otherwise one step in `probe_every` (a proposal then is a shadow, which keeps p
+        current) and never while a shadow is still being scored. Proposing costs host time
+        every step a lane is asked; at 16 lanes of free text almost none pays."""
+        if not self.adaptive:
+            return True
+        if st.p > self.margin * self.cost.row_cost(rows, max(lanes, 1)):
+            st.idle = 0
+            return True
+        st.idle += 1
+        if st.shadow or st.idle < self.probe_every:
+            return False
+        st.idle = 0
+        return True
+
+    def depth(self, st: LaneSpec, proposed: int, rows: int, lanes: int, first: bool = False) -> int:
+        """The largest i <= `proposed` with p^i above `margin` x the row's cost c (each deeper draft
+        is accepted only if every one before it was). The `first` lane to draft in a step also pays
+        the step's verify overhead: its expected accepted drafts (p + p^2 + ... + p^i) less the
+        rows' cost (i x c) must exceed overhead_rows x c, else it drafts nothing."""
         if not self.adaptive or proposed <= 0:
             return proposed
         c = self.cost.row_cost(rows, max(lanes, 1))
+        bar = self.margin * c
         p = st.p
-        if p <= c or p <= 0.0:
+        if p <= bar or p <= 0.0:
             return 0
-        if p >= 1.0 or c <= 0.0:
-            return proposed
-        return max(0, min(proposed, int(math.log(c) / math.log(p))))
+        k = proposed if p >= 1.0 or bar <= 0.0 else max(0, min(proposed, int(math.log(bar) / math.log(p))))
+        if first and k and sum(p**i for i in range(1, k + 1)) - k * c <= self.cost.overhead_rows * c:
+            return 0
+        return k

@@ -7,7 +7,9 @@ each lane's next token, in three parts: `prepare` (the FFI arrays), `forward`
 per lane, which the engine thread applies: nothing here writes a lane). It
 samples in the engine (`baseRT_batch_step_fused_sample`) when every sampling
 lane's parameters allow, else from host logits rows (grammar masks, logit
-bias, logprobs, penalties on greedy lanes).
+bias, logprobs, penalties on greedy lanes). A step that verifies drafts
+samples the lanes that need no host rows in the engine too (`sample_rows`),
+and reads rows back only for the others.
 
 An embedding is an `EmbedLane`: a step that carries one of its chunks runs as
 `baseRT_batch_step_fused_logits_rows_taps`, tapping the final pre-norm hidden
@@ -131,12 +133,13 @@ class Lane:
     def rid(self) -> str:
         return self.spec.rid
 
-    def history(self) -> list[int]:
-        """Recent tokens the penalties look at: prompt tail + output."""
+    def history(self, drafts: Sequence[int] = ()) -> list[int]:
+        """Recent tokens the penalties look at: prompt tail + output (+ `drafts`, counted as
+        generated: a verify row's history)."""
         window = self.spec.params.penalty_window
         if window <= 0:
             return []
-        tail = self.generated[-window:]
+        tail = (self.generated + list(drafts))[-window:] if drafts else self.generated[-window:]
         if len(tail) < window:
             tail = list(self.prompt[-(window - len(tail)) :]) + tail
         return tail
@@ -273,6 +276,9 @@ class RowResult:
     one by one, after applying the ones before (they are chosen with those counted)."""
     first_row: int = 0
     """The index of the lane's first logits row in the step (a verify row has 1 + drafts)."""
+    verified: tuple[int, ...] | None = None
+    """A verify row sampled in the engine: the tokens of its later rows, each chosen with the
+    drafts before it counted as generated (used while they are accepted); None: from host rows."""
     pooled: np.ndarray | None = None
     """An embedding chunk: the float64 sum of its rows' final-normed hidden states."""
     error: BaseException | None = None
@@ -316,7 +322,7 @@ class Batch:
         if self.tapped:
             return "taps"  # embedding chunks need the hidden-state taps; samplers use host rows
         if self.drafts:
-            return "rows"  # verify rows: several logits rows a lane, sampled from host rows
+            return "rows"  # verify rows: several logits rows a lane (`StepRunner.sample_rows`)
         if self.host or not self.fusable:
             return "logits"
         return "sample"
@@ -336,21 +342,22 @@ def cpu_sampling_config(p: Any, seed32: int) -> _ffi.BaseRTSamplingConfig:
     )
 
 
-def row_sampling(lane: Lane, keep: list[Any]) -> _ffi.BaseRTRowSampling:
-    """The engine row sampler's parameters for lane's next token."""
+def row_sampling(lane: Lane, keep: list[Any], drafts: Sequence[int] = ()) -> _ffi.BaseRTRowSampling:
+    """The engine row sampler's parameters for lane's next token (after `drafts`, were they
+    accepted: a verify row's later row)."""
     p = lane.spec.params
     rs = _ffi.BaseRTRowSampling(
         temperature=p.temperature,
         top_p=p.top_p,
         min_p=p.min_p,
         top_k=p.top_k,
-        seed=mix32(lane.seed, len(lane.generated)),
+        seed=mix32(lane.seed, len(lane.generated) + len(drafts)),
         repeat_penalty=p.repeat_penalty,
         presence_penalty=p.presence_penalty,
         frequency_penalty=p.frequency_penalty,
     )
     if lane.penalized and p.temperature > 0:
-        hist = _ffi.u32_array(lane.history())
+        hist = _ffi.u32_array(lane.history(drafts))
         keep.append(hist)
         rs.history = ctypes.cast(hist, ctypes.POINTER(c_uint32))
         rs.history_count = len(hist)
@@ -458,7 +465,9 @@ class StepRunner:
                 lib.baseRT_batch_step_fused_logits_rows(model, seqs, n, toks, counts, out_rows),
                 "baseRT_batch_step_fused_logits_rows",
             )
-            read = True
+            # lanes without host needs are sampled in the engine (`sample_rows`): no readback
+            # unless some lane samples from host rows
+            read = batch.host or not self.caps.row_sampler
         else:
             lib.check(
                 lib.baseRT_batch_step_fused_logits(model, seqs, n, toks, counts), "baseRT_batch_step_fused_logits"
@@ -472,6 +481,7 @@ class StepRunner:
         """Each lane's result of the forward: sampled ids, pooled tap rows, or its own error."""
         results: list[RowResult] = []
         taps_error = self._read_taps(batch.tapped) if batch.tapped else None
+        engine_rows = self.sample_rows(batch) if batch.drafts and self.caps.row_sampler else {}
         taps_at = 0
         at = 0  # the lane's first logits row
         for i, (lane, row) in enumerate(batch.rows):
@@ -482,10 +492,51 @@ class StepRunner:
                 results.append(RowResult(lane, row))
             elif fused is not None:
                 results.append(RowResult(lane, row, sampled=Sampled(int(fused[i]))))
+            elif (got := engine_rows.get(i)) is not None:
+                results.append(got)
             else:
                 results.append(self._sample(lane, row, at))
             at += row.out_rows
         return results
+
+    def sample_rows(self, batch: Batch) -> dict[int, RowResult]:
+        """A verifying step's lanes that need no host rows (no grammar, logit bias, logprobs,
+        greedy penalties), sampled in the engine as `baseRT_batch_step_fused_sample` would:
+        every logits row of each, row j with the lane's drafts before it counted as generated
+        (its seed position and penalty history; they are used only while those drafts are
+        accepted). One `baseRT_sample_logits_rows` call per run of consecutive such rows;
+        the other lanes' rows are left to the host. By batch index; a failed call leaves its
+        lanes to the host path (which reports their error)."""
+        out: dict[int, RowResult] = {}
+        runs: list[tuple[int, list[tuple[int, Lane, PlannedRow]]]] = []  # (first row, lanes)
+        at = 0
+        for i, (lane, row) in enumerate(batch.rows):
+            if row.samples and isinstance(lane, Lane) and not lane.host:
+                if runs and runs[-1][0] + sum(r.out_rows for _, _, r in runs[-1][1]) == at:
+                    runs[-1][1].append((i, lane, row))
+                else:
+                    runs.append((at, [(i, lane, row)]))
+            at += row.out_rows
+        keep: list[Any] = []
+        for first, lanes in runs:
+            samplers = [
+                row_sampling(lane, keep, lane.drafts[:j]) for _, lane, row in lanes for j in range(row.out_rows)
+            ]
+            n_rows = len(samplers)
+            rows_c = (_ffi.BaseRTRowSampling * n_rows)(*samplers)
+            toks = (c_uint32 * n_rows)()
+            if self.lib.baseRT_sample_logits_rows(self.model, first, n_rows, rows_c, toks) != 0:
+                if not batch.host:  # the host path needs the rows the forward did not read back
+                    if self.lib.baseRT_read_batch_logits(self.model, at, self._logits_ptr) < 0:
+                        raise self.lib.last_error("baseRT_read_batch_logits")
+                    batch.host = True
+                continue
+            j = 0
+            for i, lane, row in lanes:
+                got = [int(t) for t in toks[j : j + row.out_rows]]
+                out[i] = RowResult(lane, row, sampled=Sampled(got[0]), verified=tuple(got[1:]))
+                j += row.out_rows
+        return out
 
     def _sample(self, lane: Lane | EmbedLane, row: PlannedRow, i: int) -> RowResult:
         try:

@@ -20,7 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from aiobasert import Engine, InvalidConfigError, SamplingParams
-from aiobasert._core.speculate import DraftSource, LaneSpec, NgramDrafter, StepCost
+from aiobasert._core.speculate import DraftSource, LaneSpec, NgramDrafter, SpecPolicy, StepCost
 from aiobasert.config import EngineConfig, SpeculationConfig
 
 pytestmark = pytest.mark.anyio
@@ -155,6 +155,40 @@ async def test_an_echoed_prompt_is_drafted_and_accepted(tiny_model_path: Path) -
     assert after.spec_draft_tokens == stats.spec_draft_tokens
 
 
+async def test_verify_rows_without_host_needs_are_sampled_in_the_engine(tiny_model_path: Path) -> None:
+    """A verifying step samples its lanes that need no host rows (greedy, or seeded with penalties)
+    in the engine, every verify row in one call, as the fused-sample path would: no row of theirs
+    is sampled on the host. A lane that asks for logprobs still is. The tokens are the same."""
+    prompt = "the cat sat on the mat the cat sat on the mat the cat"
+    cases: list[dict[str, Any]] = [
+        dict(max_tokens=40, ignore_eos=True),
+        dict(max_tokens=40, ignore_eos=True, temperature=0.8, seed=3, presence_penalty=0.5, min_p=0.05),
+        dict(max_tokens=40, ignore_eos=True, logprobs=True, top_logprobs=2),
+    ]
+    async with Engine.open(tiny_model_path) as plain:
+        want = [await plain.generate(prompt, **c) for c in cases]
+    async with Engine.open(tiny_model_path, speculation=FULL) as engine:
+        runner = engine._thread.runner
+        host_rows = 0
+        sample_host_row = runner._sample_host_row
+
+        def counted(lane: Any, i: int) -> Any:
+            nonlocal host_rows
+            host_rows += 1
+            return sample_host_row(lane, i)
+
+        runner._sample_host_row = counted  # type: ignore[method-assign]
+        for case, ref in zip(cases, want, strict=True):
+            host_rows = 0
+            got = await engine.generate(prompt, **case)
+            assert got.token_ids == ref.token_ids and got.logprobs == ref.logprobs
+            assert got.usage.draft_tokens > 0
+            if case.get("logprobs"):
+                assert host_rows >= len(got.token_ids) - 1  # every token after the first, from host rows
+            else:
+                assert host_rows == 0
+
+
 async def test_a_draft_past_a_stop_is_neither_delivered_nor_kept(tiny_model_path: Path) -> None:
     """An oracle drafts the whole reference output at once: the stop comes inside an accepted run,
     and nothing after it is delivered or left in the KV (the published prefix is prompt + output)."""
@@ -221,6 +255,35 @@ def test_ngram_drafter_proposes_what_followed_the_latest_match() -> None:
     assert d.propose(_Lane([1, 2, 3], [4]), 4) == []
 
 
+def _latest_match(seq: list[int], k: int, n_min: int, n_max: int) -> list[int]:
+    """Prompt lookup by a scan: the longest suffix (n_max down to n_min) that occurred earlier,
+    and what followed its latest earlier occurrence (its period repeated)."""
+    total = len(seq)
+    for n in range(min(n_max, total - 1), n_min - 1, -1):
+        ends = [end for end in range(n, total) if seq[end - n : end] == seq[total - n :]]
+        if ends:
+            after = ends[-1]
+            return [seq[after + i % (total - after)] for i in range(k)]
+    return []
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    prompt=st.lists(st.integers(0, 4), min_size=1, max_size=30),
+    out=st.lists(st.integers(0, 4), max_size=30),
+    every=st.integers(1, 5),
+)
+def test_the_incremental_ngram_index_finds_what_a_scan_finds(prompt: list[int], out: list[int], every: int) -> None:
+    """The index is extended as the lane generates (asked every `every` tokens, as the policy
+    probes a lane): each proposal is the one a scan of the whole context gives."""
+    d = NgramDrafter(2, 4)
+    lane = _Lane(prompt, [])
+    for i, tok in enumerate(out):
+        lane.generated.append(tok)
+        if i % every == 0:
+            assert d.propose(lane, 4) == _latest_match(prompt + lane.generated, 4, 2, 4)
+
+
 def test_step_cost_fit_and_policy_depth() -> None:
     cost = StepCost()
     for rows in (1, 2, 5, 1, 8, 3):
@@ -233,6 +296,56 @@ def test_step_cost_fit_and_policy_depth() -> None:
     for rows in (8, 16, 12, 9):
         wide.add(rows, 0.001 * rows)  # compute-bound: a row costs a token
     assert wide.row_cost(16, 16) == pytest.approx(1.0)
+
+
+def _compute_bound() -> SpecPolicy:
+    """A policy whose fitted step is 10 ms + 1 ms a row: at 16 lanes a row costs 16/26 of a token."""
+    policy = SpecPolicy()
+    for rows in (8, 16, 12, 9, 16, 20):
+        policy.cost.add(rows, 0.010 + 0.001 * rows)
+    return policy
+
+
+def test_a_lane_no_draft_pays_for_is_only_probed() -> None:
+    """Free text at a wide batch: the drafter is not run for the lane each step, only one step in
+    `probe_every`, and not while its last proposal is still being scored as a shadow."""
+    policy = _compute_bound()
+    st = LaneSpec()  # the prior p = 0.4: below 1.5 x 16/26
+    asked = [policy.ask(st, 16, 16) for _ in range(12)]
+    assert asked == [False, False, False, True] * 3
+    st.shadow = [5, 6]
+    assert not any(policy.ask(st, 16, 16) for _ in range(8))
+    st.shadow = []
+    assert policy.ask(st, 16, 16)
+    good = LaneSpec(prior_hits=30.0, prior_misses=0.5)  # a lane whose drafts are accepted: asked every step
+    assert all(policy.ask(good, 16, 16) for _ in range(5))
+    assert all(SpecPolicy(adaptive=False).ask(st, 16, 16) for _ in range(5))
+
+
+def test_the_first_lane_to_draft_pays_the_verify_overhead() -> None:
+    """A verifying step costs more than its rows (host sampling, rollbacks): the first lane to
+    draft in a step drafts only when its expected accepted drafts cover that too."""
+    policy = SpecPolicy()
+    for rows in (1, 2, 5, 1, 8, 3):
+        policy.cost.add(rows, 0.010 + 0.001 * rows)  # a row costs 1/11 of a token at one lane
+    st = LaneSpec(prior_hits=1.0, prior_misses=1.0)  # p = 0.5
+    assert policy.depth(st, 4, 1, 1) == 2  # 0.5^2 > 1.5 / 11 > 0.5^3
+    assert policy.depth(st, 4, 1, 1, first=True) == 2  # 0.75 - 2/11 > 2/11 (the prior overhead, 2 rows)
+    policy.cost.overhead_rows = 8.0
+    assert policy.depth(st, 4, 1, 1, first=True) == 0  # 0.75 - 2/11 < 8/11
+    assert policy.depth(st, 4, 1, 1) == 2  # a later lane shares a step that verifies anyway
+    # measured on verifying steps, in rows, each counted at most 8 rows; back to the prior over plain ones
+    cost = StepCost()
+    for rows in (1, 2, 5, 1, 8, 3):
+        cost.add(rows, 0.010 + 0.001 * rows)
+    for _ in range(40):
+        cost.add(4, 0.010 + 0.001 * 4 + 0.003, verified=True)
+    assert cost.overhead_rows == pytest.approx(3.0, abs=1e-3)
+    cost.add(4, 1.0, verified=True)
+    assert cost.overhead_rows == pytest.approx(0.8 * 3.0 + 0.2 * 8.0, abs=1e-3)
+    for _ in range(300):
+        cost.add(2, 0.012)
+    assert cost.overhead_rows == pytest.approx(cost.prior_overhead, abs=0.02)
 
 
 def test_speculation_config_is_checked() -> None:
