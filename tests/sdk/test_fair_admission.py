@@ -167,7 +167,9 @@ async def test_a_preempted_request_cancelled_while_it_waits_frees_everything(unt
         start = (await engine.stats()).steps
         while (await engine.stats()).steps < start + 5:  # it has sampled since its admission
             await anyio.sleep(0.005)
-        second = engine.stream("another client", max_tokens=200, ignore_eos=True)
+        # short enough to take the lane back (it needs under half the first's slack), long enough to
+        # still run while the first is cancelled
+        second = engine.stream("another client", max_tokens=700, ignore_eos=True)
         await second.__anext__()  # it took the lane back: the first is paused, its sequence kept
         s = await engine.stats()
         assert s.requests_preempted == 1 and s.waiting_requests == s.paused_requests == 1
@@ -179,7 +181,9 @@ async def test_a_preempted_request_cancelled_while_it_waits_frees_everything(unt
         await second.aclose()
         while (s := await engine.stats()).live_sequences or s.active_lanes:
             await anyio.sleep(0.005)
-        assert s.requests_cancelled == 2 and s.kv_blocks_used <= s.prefix_blocks_cached
+        # the second is cancelled, or finished first on a fast machine: either way nothing is held
+        assert s.requests_cancelled + s.requests_finished == 2 and s.requests_cancelled >= 1
+        assert s.kv_blocks_used <= s.prefix_blocks_cached
 
 
 async def _sustained_short_clients(engine: Engine, clients: int) -> tuple[Completion, int]:
