@@ -280,7 +280,7 @@ class Batcher:
             assert new is not None
             if paused is None or self._fits(self.kv_need(new)):
                 return new
-            if self._fits(self.kv_need(new) - self._paused_kv) and self._release_paused(self.kv_need(new), release):
+            if self._release_paused(self.kv_need(new), release):
                 return new
         assert paused is not None
         return paused
@@ -291,7 +291,7 @@ class Batcher:
         latest paused ones (they resume by recomputing prompt + output, mostly from the prefix
         cache, as vLLM preempts by recompute when its KV blocks run out). With no paused KV
         left the resume goes ahead: `max_batch_size` lanes fit the pool as the engine sized it."""
-        self._release_paused(self.kv_need(lane) - lane.kv_kept, release, keep=lane)
+        self._release_paused(self.kv_need(lane) - lane.kv_kept, release, keep=lane, partly=True)
 
     def _fits(self, extra: int) -> bool:
         """The pool holds `extra` more blocks beside every running request at its longest and
@@ -378,10 +378,7 @@ class Batcher:
                 v = max(urgent, key=lambda v: (v in fit, self.slack(v), held[v.owner], v.arrival))
                 # an urgent request is not kept waiting by paused requests' KV: theirs is released
                 # (the latest paused first) when that makes room, as vLLM recomputes under pressure
-                if v in fit or (
-                    self._fits(swap[id(v)] - self._paused_kv + w.kv_kept)
-                    and self._release_paused(swap[id(v)], release, keep=w)
-                ):
+                if v in fit or self._release_paused(swap[id(v)], release, keep=w):
                     return w, v
             if not w.started:
                 fair = [v for v in fit if v.owner != w.owner and held[v.owner] >= held[w.owner] + 2]
@@ -390,11 +387,21 @@ class Batcher:
         return None
 
     def _release_paused(
-        self, extra: int, release: Callable[[LaneState], None] | None, keep: LaneState | None = None
+        self,
+        extra: int,
+        release: Callable[[LaneState], None] | None,
+        keep: LaneState | None = None,
+        *,
+        partly: bool = False,
     ) -> bool:
         """Release paused requests' KV, the latest paused first (never `keep`'s), until `extra`
-        more blocks fit (`_fits`); whether they fit. The engine's `release` publishes the KV to
-        the prefix cache and frees the sequence; the request resumes by recomputing it."""
+        more blocks fit (`_fits`); whether they fit. Nothing is released when releasing all of it
+        would not do, unless `partly` (a resume goes ahead anyway). The engine's `release`
+        publishes the KV to the prefix cache and frees the sequence; the request resumes by
+        recomputing it."""
+        releasable = sum(x.kv_kept for x in self.paused if x is not keep)
+        if not partly and not self._fits(extra - releasable):
+            return False
         for other in reversed(self.paused):
             if self._fits(extra):
                 return True
