@@ -385,6 +385,18 @@ def server_options() -> dict[str, Any]:
     return {"api_key": API_KEY, "model_name": MODEL_NAME, "max_batch_size": 4}
 
 
+@pytest.fixture
+def tok(lib: Library, tiny_model_path: Path) -> Iterator[Any]:
+    """A tokenizer-only handle of the tiny model (`_core.intake.Tokenizer`), closed after the test."""
+    from aiobasert._core.intake import Tokenizer
+
+    tok = Tokenizer.load(lib, str(tiny_model_path))
+    try:
+        yield tok
+    finally:
+        tok.close()
+
+
 @pytest.fixture(scope="module")
 def base_url(asgi_server: Callable[[Any], str], served_model: Path, server_options: dict[str, Any]) -> str:
     """The OpenAI-compatible server on `served_model` with `server_options`, on loopback."""

@@ -8,7 +8,6 @@ from __future__ import annotations
 import ctypes
 import queue
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -18,15 +17,6 @@ from aiobasert import ContextLengthExceededError, InternalError, InvalidRequestE
 from aiobasert._core.cost import QUICK_COST
 from aiobasert._core.intake import Intake, Reroute, Tokenizer, _Lanes, on_costly_worker, run_job
 from aiobasert._ffi import Library
-
-
-@pytest.fixture
-def tok(lib: Library, tiny_model_path: Path) -> Iterator[Tokenizer]:
-    tok = Tokenizer.load(lib, str(tiny_model_path))
-    try:
-        yield tok
-    finally:
-        tok.close()
 
 
 def test_encode_text_is_an_exact_c_array_of_the_ids(tok: Tokenizer) -> None:

@@ -4,8 +4,6 @@ of the tiny model: every byte and every end-of-sequence answer comes from the re
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -15,7 +13,6 @@ from aiobasert._core.intake import Tokenizer
 from aiobasert._core.output import Detokenizer, OutputProcessor
 from aiobasert._core.protocol import RequestSpec, Ticket
 from aiobasert._core.step import Lane
-from aiobasert._ffi import Library
 from aiobasert.types import FinishReason
 
 
@@ -25,15 +22,6 @@ class _Sink:
 
     def deliver(self, *args: Any) -> None:
         raise AssertionError("nothing is delivered here")
-
-
-@pytest.fixture
-def tok(lib: Library, tiny_model_path: Path) -> Iterator[Tokenizer]:
-    tok = Tokenizer.load(lib, str(tiny_model_path))
-    try:
-        yield tok
-    finally:
-        tok.close()
 
 
 def _out(tok: Tokenizer) -> OutputProcessor:
