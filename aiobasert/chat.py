@@ -17,7 +17,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from functools import lru_cache
 from typing import Any
 
-from jinja2 import TemplateError
+from jinja2 import TemplateError, nodes
+from jinja2.ext import Extension
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from .errors import InvalidRequestError
@@ -145,9 +146,29 @@ def _strftime_now(fmt: str) -> str:
     return time.strftime(fmt)
 
 
+class _GenerationTag(Extension):
+    """`{% generation %}...{% endgeneration %}`: HF transformers marks the assistant's tokens with it
+    (for training masks); rendering, it is its body. Templates that use it (LFM2, GLM, Kimi ...)
+    render as they do in transformers and llama.cpp."""
+
+    tags = {"generation"}  # noqa: RUF012  (jinja2's own class attribute)
+
+    def parse(self, parser: Any) -> Any:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+    def _body(self, caller: Any) -> str:
+        return str(caller())
+
+
 @lru_cache(maxsize=8)
 def _compile(template: str) -> Any:
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    # As HF transformers compiles a chat template: trimmed blocks, `{% break %}` / `{% continue %}`,
+    # the generation tag, its tojson, raise_exception and strftime_now.
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols", _GenerationTag]
+    )
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
     env.filters["tojson"] = _tojson
@@ -224,6 +245,42 @@ def sentinel(i: int, content: str = "") -> str:
     return lead + _SENTINEL.format(i) + trail
 
 
+# StepFun's template (its tool preamble names it): llama.cpp trims every message's text before
+# rendering, as leftover whitespace drives the model into reasoning loops (llama.cpp #24181).
+_TRIMMED_TEMPLATE_MARK = "You have access to the following functions in JSONSchema format"
+_SYSTEM_PROBE = "\x00system-probe\x00"
+
+
+@lru_cache(maxsize=32)
+def supports_system_role(template: str) -> bool:
+    """Whether the template prints a system message's text (llama.cpp's capability check: a system
+    and a user message rendered, the system text looked for). Gemma 2's raises instead."""
+    probe = [{"role": "system", "content": _SYSTEM_PROBE}, {"role": "user", "content": "u"}]
+    try:
+        rendered = _compile(template).render(messages=probe, add_generation_prompt=True, bos_token="", eos_token="")
+    except InvalidRequestError:  # the template's own raise_exception: it refuses a system message
+        return False
+    except Exception:  # it needs variables only a real request sets: no verdict,
+        return True  # and the real render says what it lacks
+    return _SYSTEM_PROBE in rendered
+
+
+def _as_llama_cpp_renders(template: str, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The conversation as llama.cpp hands it to a template (common/chat.cpp's workarounds), so a
+    prompt renders byte for byte as its `/apply-template` does: a template without a system role
+    gets the system text in front of the next message (joined by a newline; alone, it is dropped)
+    instead of refusing the request, and StepFun's gets every text trimmed."""
+    if _TRIMMED_TEMPLATE_MARK in template:
+        messages = [{**m, "content": m["content"].strip()} if isinstance(m.get("content"), str) else m
+                    for m in messages]  # fmt: skip
+    if messages and messages[0].get("role") == "system" and not supports_system_role(template):
+        first, rest = messages[0], messages[1:]
+        if rest and isinstance(rest[0].get("content"), str) and isinstance(first.get("content"), str):
+            rest = [{**rest[0], "content": first["content"] + "\n" + rest[0]["content"]}, *rest[1:]]
+        messages = rest
+    return messages
+
+
 def render_with_sentinels(
     template: str,
     messages: list[dict[str, Any]],
@@ -239,6 +296,7 @@ def render_with_sentinels(
     framing (parsed for markers), each content a piece that never is (its outer
     whitespace, outside the marker, is framing: plain whitespace either way). `context`
     goes to the template too (e.g. `tools`)."""
+    messages = _as_llama_cpp_renders(template or DEFAULT_TEMPLATE, messages)
     try:
         rendered = _compile(template or DEFAULT_TEMPLATE).render(
             messages=messages,
@@ -247,8 +305,12 @@ def render_with_sentinels(
             eos_token=eos_token,
             **context,
         )
-    except TemplateError as exc:
-        raise InvalidRequestError(f"chat template failed: {exc}") from None
+    except InvalidRequestError:
+        raise  # the template's own raise_exception
+    except (TemplateError, TypeError, ValueError, LookupError, AttributeError, ArithmeticError) as exc:
+        # a template's own fault on this conversation (iterating a missing field, a bad index ...)
+        # is the request's error, named, never a server fault
+        raise InvalidRequestError(f"chat template failed: {type(exc).__name__}: {exc}") from None
     pieces: list[tuple[str, bool]] = []
     pos = 0
     for match in _SENTINEL_RE.finditer(rendered):

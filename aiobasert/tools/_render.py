@@ -180,13 +180,16 @@ def _render_with_template(
     tool_dicts = [t.as_openai() for t in tools]
     if _FORGERY.search(json.dumps(tool_dicts)):
         raise InvalidRequestError("tool definitions must not contain chat markers")
+    # no tools: `tools` left undefined, as llama.cpp renders it (Hermes' templates test
+    # `tools is defined` and would iterate a None)
+    tool_context = {"tools": tool_dicts} if tool_dicts else {}
     return render_with_sentinels(
         template,
         ctx,
         contents,
-        tools=tool_dicts or None,
         add_generation_prompt=add_generation_prompt,
         bos_token=bos_token,
         eos_token=eos_token,
+        **tool_context,
         **template_kwargs,
     )
