@@ -156,6 +156,14 @@ FIELDS: dict[str, list[Field]] = {
             bad="extreme",
         ),
         Field(
+            "reasoning_budget_tokens",
+            "extension",
+            "llama-server's: the most tokens the thought may take, then the engine closes it and the answer "
+            "follows (docs/reasoning.md); -1 = the server's `--reasoning-budget`; 400 on a model that does not reason",
+            bad=-2,
+        ),
+        Field("thinking_token_budget", "alias", "vLLM's name of `reasoning_budget_tokens`", bad="many"),
+        Field(
             "chat_template_kwargs",
             "extension",
             "variables for the chat template (`enable_thinking`, ...); one the template does not read is a 400",

@@ -44,6 +44,7 @@ from .params import (
     precount_responses,
     reasoning_effort,
     refuse_schema_with_tools,
+    request_thinking,
     request_tools,
 )
 from .protocol import SchemaFields
@@ -816,9 +817,12 @@ class ResponsesAPI:
         workers: Workers | None = None,
         backlog: BacklogLimit | None = None,
         sse_keepalive: float | None = DEFAULT_SSE_KEEPALIVE_S,
+        reasoning_budget: int = -1,
     ) -> None:
         self._resolve = resolve
         self._sse_keepalive = sse_keepalive
+        self._reasoning_budget = reasoning_budget
+        """The server's `--reasoning-budget` (params.request_thinking)."""
         self._backlog = backlog if backlog is not None else BacklogLimit()
         self._workers = workers if workers is not None else Workers()
         self._metrics = metrics
@@ -867,7 +871,9 @@ class ResponsesAPI:
         check_chat_size(len(messages), len(req.tools or ()), "input")  # the stored conversation counts too
         engine = served.engine
         parallel = req.parallel_tool_calls is not False
-        thinking = _thinking(req.reasoning, engine.reasoning_format is not None)
+        thinking = request_thinking(
+            _thinking(req.reasoning, engine.reasoning_format is not None), None, self._reasoning_budget, engine
+        )
 
         def start() -> ChatStream:
             # request-sized (every message and tool): in a worker, never on the event loop
