@@ -306,7 +306,8 @@ def request_thinking(
     request that turns thinking on (an effort, the template's knob in `chat_template_kwargs`) is not
     turned off by a default of 0, and one that turns it off gets no budget. A model that does not
     reason ignores the default (there is nothing to bound) and refuses a request's budget (the SDK,
-    naming `thinking`: the caller names the field)."""
+    naming `thinking`: the caller names the field); so does a model whose thought the engine cannot
+    gate (Harmony: `ReasoningFormat.tags_are_tokens`)."""
     if budget is not None and budget[1] is not None:
         name, tokens = budget
         try:
@@ -315,6 +316,8 @@ def request_thinking(
             raise APIError(400, f"{name}: a reasoning budget needs thinking on", param=name) from None
     fmt = engine.reasoning_format
     if fmt is None or default_budget < 0 or (thinking is not None and thinking.budget is not None):
+        return thinking
+    if not fmt.tags_are_tokens:  # a thought the engine cannot gate (Harmony): the default cannot bound it
         return thinking
     enabled = thinking.enabled if thinking is not None else None
     knob = (template_kwargs or {}).get(fmt.thinking_knob)

@@ -454,3 +454,21 @@ def test_the_responses_store_keeps_the_thought_for_the_template() -> None:
     store.put("resp_1", [*USER, {"role": "assistant", "content": "4", "reasoning_content": THOUGHT}], MODEL_NAME)
     found = store.get("resp_1")
     assert found is not None and found[0][-1] == {"role": "assistant", "content": "4", "reasoning_content": THOUGHT}
+
+
+def test_a_harmony_model_over_http(asgi_server: Callable[[Any], str], harmony_model_path: Path) -> None:
+    """gpt-oss's Harmony framing: a server budget is ignored (the engine cannot gate that thought yet), a
+    request's budget and tools are refused by name."""
+    app = create_app(harmony_model_path, api_key=API_KEY, model_name=MODEL_NAME, max_batch_size=1, reasoning_budget=3)
+    ask: Any = {"model": MODEL_NAME, "messages": USER, "max_tokens": 4, "temperature": 0}
+    with OpenAI(base_url=f"{asgi_server(app)}/v1", api_key=API_KEY, max_retries=0) as c:
+        out = c.chat.completions.create(**ask)
+        assert out.usage is not None and out.usage.completion_tokens >= 1
+        tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+        for extra, param in (
+            ({"extra_body": {"reasoning_budget_tokens": 4}}, "reasoning_budget_tokens"),
+            ({"tools": [tool]}, "tools"),
+        ):
+            with pytest.raises(openai.BadRequestError) as err:
+                c.chat.completions.create(**ask, **extra)
+            assert err.value.body["param"] == param  # type: ignore[index]
