@@ -152,7 +152,8 @@ FIELDS: dict[str, list[Field]] = {
             "reasoning_effort",
             "honoured",
             "reasoning models (docs/reasoning.md): none = the template's `enable_thinking` off, any other on; "
-            "400 where the template has no such knob",
+            "400 where the template has no such knob; a template that reads `reasoning_effort` (gpt-oss) gets "
+            "low / medium / high",
             bad="extreme",
         ),
         Field(

@@ -33,12 +33,12 @@ from .params import (
     chat_messages,
     chat_refusal,
     check_chat_size,
+    effort_for,
     finish_reason,
     json_schema_of,
     output_constraint,
     precount_chat,
     reasoning_budget,
-    reasoning_effort,
     refuse_schema_with_tools,
     request_thinking,
     request_tools,
@@ -637,9 +637,8 @@ class Service:
         budget = reasoning_budget(
             {"reasoning_budget_tokens": req.reasoning_budget_tokens, "thinking_token_budget": req.thinking_token_budget}
         )
-        thinking = request_thinking(
-            reasoning_effort(req.reasoning_effort), budget, self.reasoning_budget, engine, req.chat_template_kwargs
-        )
+        effort, template_kwargs = effort_for(req.reasoning_effort, engine, req.chat_template_kwargs)
+        thinking = request_thinking(effort, budget, self.reasoning_budget, engine, template_kwargs)
         named = budget[0] if budget is not None and budget[1] is not None else "reasoning_effort"
 
         def prepare() -> Choices[ChatReply]:
@@ -652,7 +651,7 @@ class Service:
                 tool_choice=choice,
                 parallel_tool_calls=parallel,
                 thinking=thinking,
-                chat_template_kwargs=req.chat_template_kwargs,
+                chat_template_kwargs=template_kwargs,
             )
 
         try:

@@ -4,6 +4,7 @@ messages, and the engine's finish reasons as OpenAI's."""
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -270,6 +271,28 @@ def reasoning_effort(effort: object, param: str = "reasoning_effort") -> Thinkin
 
 REASONING_BUDGET_FIELDS = ("reasoning_budget_tokens", "thinking_token_budget")
 """A request's reasoning budget, by its peers' names: llama-server's and vLLM's (the same number)."""
+
+
+TEMPLATE_EFFORTS = ("low", "medium", "high")
+
+
+def effort_for(
+    effort: object, engine: Engine, template_kwargs: Mapping[str, Any] | None, param: str = "reasoning_effort"
+) -> tuple[Thinking | None, Mapping[str, Any] | None]:
+    """A request's effort as the SDK's `thinking` and the template's variables: on a reasoning model
+    whose template reads `reasoning_effort` itself (gpt-oss's: `Reasoning: low`), the effort goes to
+    the template, as vLLM and llama-server give it (low / medium / high; any other is a 400 naming
+    `param`, and so is a `chat_template_kwargs.reasoning_effort` that says otherwise); elsewhere it
+    turns thinking on or off (`reasoning_effort`)."""
+    fmt = engine.reasoning_format
+    if effort is None or fmt is None or re.search(r"\breasoning_effort\b", engine.chat_template) is None:
+        return reasoning_effort(effort, param), template_kwargs
+    if effort not in TEMPLATE_EFFORTS:
+        raise APIError(400, f"{param}: this model's chat template takes {', '.join(TEMPLATE_EFFORTS)}", param=param)
+    given = (template_kwargs or {}).get("reasoning_effort", effort)
+    if given != effort:
+        raise APIError(400, f"{param}: chat_template_kwargs.reasoning_effort says otherwise", param=param)
+    return None, {**(template_kwargs or {}), "reasoning_effort": effort}
 
 
 def reasoning_budget(fields: Mapping[str, object]) -> tuple[str, int | None] | None:

@@ -39,6 +39,7 @@ from .metrics import Metrics
 from .params import (
     chat_refusal,
     check_chat_size,
+    effort_for,
     finish_reason,
     logit_bias,
     precount_responses,
@@ -871,15 +872,23 @@ class ResponsesAPI:
         check_chat_size(len(messages), len(req.tools or ()), "input")  # the stored conversation counts too
         engine = served.engine
         parallel = req.parallel_tool_calls is not False
-        thinking = request_thinking(
-            _thinking(req.reasoning, engine.reasoning_format is not None), None, self._reasoning_budget, engine
-        )
+        thinking = _thinking(req.reasoning, engine.reasoning_format is not None)
+        template_kwargs = None
+        if req.reasoning is not None and req.reasoning.effort is not None:  # gpt-oss's template takes it itself
+            thinking, template_kwargs = effort_for(req.reasoning.effort, engine, None, "reasoning.effort")
+        thinking = request_thinking(thinking, None, self._reasoning_budget, engine)
 
         def start() -> ChatStream:
             # request-sized (every message and tool): in a worker, never on the event loop
             tools, choice = request_tools(req.tools, req.tool_choice)
             return engine.stream_chat(
-                messages, params, tools=tools, tool_choice=choice, parallel_tool_calls=parallel, thinking=thinking
+                messages,
+                params,
+                tools=tools,
+                tool_choice=choice,
+                parallel_tool_calls=parallel,
+                thinking=thinking,
+                chat_template_kwargs=template_kwargs,
             )
 
         try:

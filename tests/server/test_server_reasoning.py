@@ -456,14 +456,51 @@ def test_the_responses_store_keeps_the_thought_for_the_template() -> None:
     assert found is not None and found[0][-1] == {"role": "assistant", "content": "4", "reasoning_content": THOUGHT}
 
 
+def _harmony_replies(model: Path) -> dict[str, str]:
+    """The SDK's answers with gpt-oss's template given each effort (`Reasoning: low` in its system message)."""
+
+    async def replies() -> dict[str, str]:
+        async with Engine.open(model, max_batch_size=1) as engine:
+            out = {}
+            for effort in ("low", "medium", "high"):
+                kwargs = {"reasoning_effort": effort}
+                out[effort] = (
+                    await engine.stream_chat(USER, max_tokens=6, temperature=0, chat_template_kwargs=kwargs)
+                ).content
+            return out
+
+    return anyio.run(replies)
+
+
 def test_a_harmony_model_over_http(asgi_server: Callable[[Any], str], harmony_model_path: Path) -> None:
-    """gpt-oss's Harmony framing: a server budget is ignored (the engine cannot gate that thought yet), a
-    request's budget and tools are refused by name."""
+    """gpt-oss's Harmony framing: `reasoning_effort` (and Responses' `reasoning.effort`) goes to its template,
+    which reads it (as vLLM and llama-server give it); a server budget is ignored (the engine cannot gate that
+    thought yet); a request's budget and tools are refused by name."""
+    expected = _harmony_replies(harmony_model_path)
+    assert len(set(expected.values())) == 3  # the effort changes the prompt, so the random model's answer
     app = create_app(harmony_model_path, api_key=API_KEY, model_name=MODEL_NAME, max_batch_size=1, reasoning_budget=3)
-    ask: Any = {"model": MODEL_NAME, "messages": USER, "max_tokens": 4, "temperature": 0}
+    ask: Any = {"model": MODEL_NAME, "messages": USER, "max_tokens": 6, "temperature": 0}
     with OpenAI(base_url=f"{asgi_server(app)}/v1", api_key=API_KEY, max_retries=0) as c:
-        out = c.chat.completions.create(**ask)
-        assert out.usage is not None and out.usage.completion_tokens >= 1
+        assert c.chat.completions.create(**ask).choices[0].message.content == expected["medium"]  # the default
+        for effort, content in expected.items():
+            assert c.chat.completions.create(**ask, reasoning_effort=effort).choices[0].message.content == content
+            response = c.responses.create(
+                model=MODEL_NAME,
+                input=USER,
+                max_output_tokens=6,
+                temperature=0,
+                reasoning={"effort": effort},  # type: ignore[arg-type]
+            )
+            assert response.output_text == content
+        for bad in ("none", "minimal"):
+            with pytest.raises(openai.BadRequestError) as err:
+                c.chat.completions.create(**ask, reasoning_effort=bad)
+            assert err.value.body["param"] == "reasoning_effort"  # type: ignore[index]
+        with pytest.raises(openai.BadRequestError) as err:
+            c.chat.completions.create(
+                **ask, reasoning_effort="low", extra_body={"chat_template_kwargs": {"reasoning_effort": "high"}}
+            )
+        assert err.value.body["param"] == "reasoning_effort"  # type: ignore[index]
         tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
         for extra, param in (
             ({"extra_body": {"reasoning_budget_tokens": 4}}, "reasoning_budget_tokens"),
