@@ -269,10 +269,6 @@ def reasoning_effort(effort: object, param: str = "reasoning_effort") -> Thinkin
     return Thinking(enabled=effort != "none")
 
 
-REASONING_BUDGET_FIELDS = ("reasoning_budget_tokens", "thinking_token_budget")
-"""A request's reasoning budget, by its peers' names: llama-server's and vLLM's (the same number)."""
-
-
 TEMPLATE_EFFORTS = ("low", "medium", "high")
 
 
@@ -293,6 +289,10 @@ def effort_for(
     if given != effort:
         raise APIError(400, f"{param}: chat_template_kwargs.reasoning_effort says otherwise", param=param)
     return None, {**(template_kwargs or {}), "reasoning_effort": effort}
+
+
+REASONING_BUDGET_FIELDS = ("reasoning_budget_tokens", "thinking_token_budget")
+"""A request's reasoning budget, by its peers' names: llama-server's and vLLM's (the same number)."""
 
 
 def reasoning_budget(fields: Mapping[str, object]) -> tuple[str, int | None] | None:
