@@ -305,6 +305,9 @@ def _serve(args: argparse.Namespace) -> int:
     if args.ray:
         from .server.ray_serve import run_ray
 
+        if args.reasoning_budget != -1:  # its replicas build their own apps: refused rather than not applied
+            raise SystemExit("aiobasert serve: --reasoning-budget is not served with --ray yet")
+
         run_ray(
             [f"{name}={path}" for name, path in specs],
             replicas=args.replicas,
@@ -332,6 +335,7 @@ def _serve(args: argparse.Namespace) -> int:
             header_timeout=args.header_timeout,
             http=args.http,
             sse_keepalive=args.sse_keepalive,
+            reasoning_budget=args.reasoning_budget,
         )
         return 0
     ((name, path),) = specs
@@ -348,6 +352,7 @@ def _serve(args: argparse.Namespace) -> int:
         header_timeout=args.header_timeout,
         http=args.http,
         sse_keepalive=args.sse_keepalive,
+        reasoning_budget=args.reasoning_budget,
     )
     return 0
 
@@ -468,6 +473,11 @@ def build_parser() -> argparse.ArgumentParser:
         default=4,
         help="with --speculative: drafts a stream verifies in one step at most (1..7, default 4)",
     )
+    serve.add_argument("--reasoning-budget", type=_at_least(int, -1), default=-1, metavar="N",
+                       help="reasoning models (docs/reasoning.md): the most tokens a thought may take before the "
+                            "engine closes it, for a request that sets none (its reasoning_budget_tokens, "
+                            "reasoning_effort or Anthropic thinking override it); -1 = no bound (default), 0 = "
+                            "thinking off, as llama-server's")  # fmt: skip
     serve.add_argument("--keep-alive", type=float, default=None, help="unload a model after this many idle seconds")
     serve.add_argument("--write-timeout", type=_at_least(float), default=30.0,
                        help="drop a streaming client that takes no bytes for this many seconds, aborting its "

@@ -224,6 +224,19 @@ def r1_think_model_path(tmp_path_factory: pytest.TempPathFactory, llama_cpp_temp
     return think_model(tmp_path_factory, template, "r1")
 
 
+# Harmony's framing markers (gpt-oss), appended to the tiny vocabulary as control tokens.
+HARMONY_MARKERS = ("<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|return|>", "<|call|>", "<|constrain|>")
+
+
+@pytest.fixture(scope="session")
+def harmony_model_path(tmp_path_factory: pytest.TempPathFactory, llama_cpp_templates_dir: Path) -> Path:
+    """gpt-oss's own template (llama.cpp's copy) on the tiny model with Harmony's markers: the generation
+    prompt ends in `<|start|>assistant`, the model names its channel itself."""
+    template = (llama_cpp_templates_dir / "openai-gpt-oss-120b.jinja").read_text()
+    return build_tiny_model(tmp_path_factory.mktemp("harmony") / "tiny.base", tied=False,
+                            extra_tokens=tuple((m, 3) for m in HARMONY_MARKERS), chat_template=template)  # fmt: skip
+
+
 @pytest.fixture(scope="session")
 def llama3_think_model_path(tmp_path_factory: pytest.TempPathFactory, llama_cpp_templates_dir: Path) -> Path:
     """Llama 3.1's template (bare-JSON calls) with its generation prompt opening a `<think>`, as

@@ -487,3 +487,15 @@ def test_serve_flag_defaults_are_the_servers() -> None:
     assert args.write_timeout == streaming.DEFAULT_WRITE_TIMEOUT_S
     assert args.sse_keepalive == streaming.DEFAULT_SSE_KEEPALIVE_S
     assert args.response_store_mb * 2**20 == app.DEFAULT_STORE_BYTES
+    assert args.reasoning_budget == -1  # create_app's default: no bound
+
+
+def test_serve_reasoning_budget_flag(capsys: pytest.CaptureFixture[str]) -> None:
+    """`--reasoning-budget N` as llama-server's: -1 no bound, 0 thinking off, N tokens; below -1 is refused
+    under the subcommand's usage."""
+    parser = cli_module.build_parser()
+    assert parser.parse_args(["serve", "--reasoning-budget", "0"]).reasoning_budget == 0
+    assert parser.parse_args(["serve", "--reasoning-budget", "256"]).reasoning_budget == 256
+    with pytest.raises(SystemExit):
+        parser.parse_args(["serve", "--reasoning-budget", "-2"])
+    assert "--reasoning-budget: must be >= -1" in capsys.readouterr().err

@@ -10,6 +10,10 @@ it. `ThoughtGate` is the lane's `Constraint` around the request's own (or none),
   past `budget` thought tokens only the close tag (llama-server's `--reasoning-budget`);
 - after the close tag: the inner grammar, from its start.
 
+A tag may be several tokens (Harmony's thought opens with `<|channel|>analysis<|message|>` and
+closes, the answer's header included, with `<|end|><|start|>assistant<|channel|>final<|message|>`):
+its first token is the model's choice as above, the rest is then forced token by token.
+
 So the answer is the inner grammar's every time, whatever the thought was. The gate also says
 whether the token just accepted belonged to the thought (`in_thought`), for the stop-string
 matcher: a stop string only ends the turn in the answer unless the request asks otherwise.
@@ -31,18 +35,27 @@ _BEFORE, _THOUGHT, _AFTER = 0, 1, 2
 class ThoughtGate:
     """A `Constraint` that runs `inner` (or nothing) only after the thought closes (see module)."""
 
-    __slots__ = ("_budget", "_close_id", "_end_ids", "_open_id", "_phase", "_spent", "in_thought", "inner",
+    __slots__ = ("_budget", "_close", "_end_ids", "_forced", "_open", "_phase", "_spent", "in_thought", "inner",
                  "stop_in_thought")  # fmt: skip
 
     def __init__(
-        self, inner: Constraint | None, spec: ThoughtSpec, *, open_id: int, close_id: int, end_ids: Sequence[int]
+        self,
+        inner: Constraint | None,
+        spec: ThoughtSpec,
+        *,
+        open_id: int | Sequence[int],
+        close_id: int | Sequence[int],
+        end_ids: Sequence[int],
     ) -> None:
         self.inner = inner
-        self._open_id, self._close_id = open_id, close_id
+        self._open = _tag(open_id, "open")
+        self._close = _tag(close_id, "close")
         self._end_ids = tuple(end_ids) if inner is not None else ()  # free text may end in its thought
         self._budget = spec.budget
         self._phase = _THOUGHT if spec.starts_open else _BEFORE
         self._spent = 0
+        self._forced: tuple[int, ...] = ()
+        """The rest of a tag whose first token was taken, forced in order (then `_phase` is where it leads)."""
         self.stop_in_thought = spec.stop_in_thought
         self.in_thought = False
         """The token last accepted was the thought's (its tags included)."""
@@ -53,11 +66,14 @@ class ThoughtGate:
         return self._spent
 
     def fill_bitmask(self, out: np.ndarray[Any, Any]) -> bool:
+        if self._forced:
+            _only(out, self._forced[0])
+            return True
         if self._phase == _AFTER:
             return self.inner.fill_bitmask(out) if self.inner is not None else False
         if self._phase == _THOUGHT:
             if self._budget is not None and self._spent >= self._budget:
-                _only(out, self._close_id)
+                _only(out, self._close[0])
                 return True
             if not self._end_ids:
                 return False
@@ -67,28 +83,34 @@ class ThoughtGate:
             return True
         if self.inner is None or not self.inner.fill_bitmask(out):
             return False  # every token may come: the open tag too
-        _set(out, self._open_id)
+        _set(out, self._open[0])
         return True
 
     def accept(self, token: int) -> bool:
+        if self._forced:
+            self.in_thought = True  # a tag's token: the thought's
+            if token != self._forced[0]:
+                return False  # only under a mask that was not applied: the tag is broken
+            self._forced = self._forced[1:]
+            return True
         if self._phase == _AFTER:
             self.in_thought = False
             return self.inner.accept(token) if self.inner is not None else True
         if self._phase == _THOUGHT:
             self.in_thought = True
-            if token == self._close_id:
-                self._phase = _AFTER
+            if token == self._close[0]:
+                self._phase, self._forced = _AFTER, self._close[1:]
             else:
                 self._spent += 1
             return True
-        if token == self._open_id:
-            self._phase, self.in_thought = _THOUGHT, True
+        if token == self._open[0]:
+            self._phase, self._forced, self.in_thought = _THOUGHT, self._open[1:], True
             return True
         self._phase, self.in_thought = _AFTER, False  # no thought: the answer starts here
         return self.inner.accept(token) if self.inner is not None else True
 
     def is_finished(self) -> bool:
-        return self._phase == _AFTER and self.inner is not None and self.inner.is_finished()
+        return not self._forced and self._phase == _AFTER and self.inner is not None and self.inner.is_finished()
 
     @property
     def error(self) -> str | None:
@@ -101,6 +123,13 @@ class ThoughtGate:
     def close(self) -> None:
         if self.inner is not None:
             self.inner.close()
+
+
+def _tag(ids: int | Sequence[int], which: str) -> tuple[int, ...]:
+    tag = (ids,) if isinstance(ids, int) else tuple(ids)
+    if not tag:
+        raise ValueError(f"the thought's {which} tag has no tokens")
+    return tag
 
 
 def _words(out: np.ndarray[Any, Any]) -> Any:

@@ -42,9 +42,9 @@ class ReasoningSplitter(ABC):
 
 
 class ReasoningFormat(ABC):
-    """One family's way of marking a thought. `open_tag` / `close_tag` are each one token of
-    the model's vocabulary: the engine forces the close tag (a reasoning budget) and switches a
-    constraint on after it (structured output after thought) by those tokens' ids."""
+    """One family's way of marking a thought. Where `tags_are_tokens`, `open_tag` / `close_tag` are
+    each one token of the model's vocabulary: the engine forces the close tag (a reasoning budget)
+    and switches a constraint on after it (structured output after thought) by those tokens' ids."""
 
     name: str
     """The registry's key (`registered_reasoning_formats`)."""
@@ -52,6 +52,13 @@ class ReasoningFormat(ABC):
     close_tag: str
     thinking_knob: str = "enable_thinking"
     """The chat-template variable that turns thinking on and off (HF and llama.cpp name it so)."""
+    tags_are_tokens: bool = True
+    """`open_tag` and `close_tag` are one token each, so the engine's thought gate can take the thought
+    (a budget, a grammar after it, stop strings outside it). False (Harmony's multi-token headers): the
+    thought runs ungated, a budget is refused by name."""
+    tool_calls: bool = True
+    """The model's tool calls are read by its tool format. False (Harmony's commentary channel): a turn
+    with tools is refused by name."""
 
     @abstractmethod
     def detect(self, template: str, special_tokens: frozenset[str]) -> bool:

@@ -22,7 +22,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from ..errors import InvalidRequestError
-from ..reasoning import ReasoningDelta, Thinking
+from ..reasoning import MAX_REASONING_BUDGET, ReasoningDelta, Thinking
 from ..tools import ChatStream, TextDelta, ToolCall, ToolCallDelta
 from ..types import SamplingParams, Timing, Token, Usage
 from .compat import check_refused
@@ -30,7 +30,7 @@ from .errors import APIError, anthropic_error, in_band_error
 from .events import collect, drive
 from .http import json_response, read_json
 from .metrics import Metrics
-from .params import chat_refusal, check_chat_size, finish_reason, refuse_schema_with_tools
+from .params import chat_refusal, check_chat_size, finish_reason, refuse_schema_with_tools, request_thinking
 from .protocol import SchemaFields
 from .provider import ServedModel
 from .streaming import (
@@ -371,8 +371,10 @@ def _thinking(req: _Conversation, reasoning: bool) -> Thinking | None:
         return Thinking(enabled=False) if reasoning else None
     if t.type != "enabled":
         raise APIError(400, f"thinking.type: {t.type!r} is not one of 'enabled', 'disabled'", param="thinking.type")
-    if t.budget_tokens is None or isinstance(t.budget_tokens, bool) or t.budget_tokens < 1:
-        raise APIError(400, "thinking.budget_tokens: a positive integer is required", param="thinking.budget_tokens")
+    if t.budget_tokens is None or not 1 <= t.budget_tokens <= MAX_REASONING_BUDGET:
+        raise APIError(
+            400, "thinking.budget_tokens: an integer from 1 to 2**30 is required", param="thinking.budget_tokens"
+        )
     if not reasoning:
         raise APIError(400, "thinking: this model does not reason (it has no reasoning format)", param="thinking")
     return Thinking(enabled=True, budget=t.budget_tokens)
@@ -573,9 +575,12 @@ class MessagesAPI:
         workers: Workers | None = None,
         backlog: BacklogLimit | None = None,
         sse_keepalive: float | None = DEFAULT_SSE_KEEPALIVE_S,
+        reasoning_budget: int = -1,
     ) -> None:
         self._resolve = resolve
         self._metrics = metrics
+        self._reasoning_budget = reasoning_budget
+        """The server's `--reasoning-budget` (params.request_thinking), for a request without `thinking`."""
         self._write_timeout = write_timeout
         self._workers = workers if workers is not None else Workers()
         self._backlog = backlog if backlog is not None else BacklogLimit()
@@ -588,7 +593,9 @@ class MessagesAPI:
         params = _sampling(req)
         served: ServedModel = self._resolve(req.model)
         engine = served.engine
-        thinking = _thinking(req, engine.reasoning_format is not None)
+        thinking = request_thinking(
+            _thinking(req, engine.reasoning_format is not None), None, self._reasoning_budget, engine
+        )
 
         def start() -> ChatStream:
             # request-sized (every message and tool): in a worker, never on the event loop

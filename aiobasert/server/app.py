@@ -21,6 +21,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ..config import EngineConfig
 from ..errors import AioBaseRTError, InvalidConfigError
+from ..reasoning import MAX_REASONING_BUDGET
 from .connection import DEFAULT_HEADER_TIMEOUT_S, DEFAULT_MAX_HEADER_BYTES, bounded_http_protocol
 from .endpoints import Service
 from .errors import APIError, ClientGone, api_error
@@ -111,21 +112,26 @@ def build_app(
     response_store_bytes: int = DEFAULT_STORE_BYTES,
     announce: bool = True,
     sse_keepalive: float | None = DEFAULT_SSE_KEEPALIVE_S,
+    reasoning_budget: int = -1,
 ) -> tuple[Starlette, Service]:
     """The ASGI app over `provider`, and its `Service` (the endpoints).
     `allowed_origins`: CORS origins allowed to call it (None: no CORS headers);
-    `write_timeout`, `response_store_bytes`, `sse_keepalive`: see `create_app`; `announce`: log the
+    `write_timeout`, `response_store_bytes`, `sse_keepalive`, `reasoning_budget`: see `create_app`; `announce`: log the
     startup line once the models are open (`serve` logs it itself, with its address)."""
     for name, seconds in (("write_timeout", write_timeout), ("sse_keepalive", sse_keepalive)):
         if seconds is not None and not seconds >= 0:  # NaN too
             raise InvalidConfigError(f"{name} must be >= 0 seconds (0 or None: never), got {seconds!r}")
     if response_store_bytes < 0:
         raise InvalidConfigError(f"response_store_bytes must be >= 0, got {response_store_bytes}")
+    b = reasoning_budget
+    if isinstance(b, bool) or not isinstance(b, int) or not -1 <= b <= MAX_REASONING_BUDGET:
+        raise InvalidConfigError(f"reasoning_budget must be an integer from -1 (no bound) to 2**30, got {b!r}")
     service = Service(
         provider,
         write_timeout=write_timeout,
         response_store_bytes=response_store_bytes,
         sse_keepalive=sse_keepalive,
+        reasoning_budget=reasoning_budget,
     )
     routes = [
         Route("/health", service.health, methods=["GET"]),
@@ -229,6 +235,7 @@ def create_app(
     response_store_bytes: int = DEFAULT_STORE_BYTES,
     config: EngineConfig | None = None,
     sse_keepalive: float | None = DEFAULT_SSE_KEEPALIVE_S,
+    reasoning_budget: int = -1,
 ) -> Starlette:
     """The OpenAI-compatible ASGI app (run it with any ASGI server, e.g. uvicorn).
 
@@ -251,6 +258,11 @@ def create_app(
     sse_keepalive: seconds a streamed response may send nothing (queued for a
         lane, preempted) before it sends an SSE comment, `: keep-alive`, so a
         proxy's idle timeout does not cut it (None or 0: never).
+    reasoning_budget: the thought's token budget on a reasoning model for a request that sets
+        none (llama-server's `--reasoning-budget`): -1 no bound, 0 thinking off, N the engine
+        closes the thought after N tokens. A request's `reasoning_budget_tokens` /
+        `thinking_token_budget` (chat completions), `reasoning_effort` / `reasoning.effort` or
+        Anthropic's `thinking` overrides it (docs/reasoning.md).
 
     Under a server of your own, in-flight streams keep the shutdown waiting
     until they finish (uvicorn runs the lifespan shutdown last); use `serve()`
@@ -266,6 +278,7 @@ def create_app(
         write_timeout=write_timeout,
         response_store_bytes=response_store_bytes,
         sse_keepalive=sse_keepalive,
+        reasoning_budget=reasoning_budget,
     )[0]
 
 
@@ -287,6 +300,7 @@ def serve(
     header_timeout: float | None = DEFAULT_HEADER_TIMEOUT_S,
     http: str = "auto",
     sse_keepalive: float | None = DEFAULT_SSE_KEEPALIVE_S,
+    reasoning_budget: int = -1,
 ) -> None:
     """Run the server with uvicorn until SIGTERM or Ctrl-C.
 
@@ -298,7 +312,7 @@ def serve(
     On shutdown, in-flight generations are aborted at once (streams get an
     error event and `[DONE]`, waiting non-streamed requests a 503); a client
     that does not read its response is cut off after one second.
-    `write_timeout`, `response_store_bytes`, `config`, `sse_keepalive`: see `create_app`.
+    `write_timeout`, `response_store_bytes`, `config`, `sse_keepalive`, `reasoning_budget`: see `create_app`.
 
     A request's head (request line and headers) may be `max_header_bytes` long (a longer one is
     answered 431) and must complete within `header_timeout` seconds of the connection's opening or
@@ -327,6 +341,7 @@ def serve(
         response_store_bytes=response_store_bytes,
         announce=False,
         sse_keepalive=sse_keepalive,
+        reasoning_budget=reasoning_budget,
     )
 
     class _Server(uvicorn.Server):

@@ -152,9 +152,18 @@ FIELDS: dict[str, list[Field]] = {
             "reasoning_effort",
             "honoured",
             "reasoning models (docs/reasoning.md): none = the template's `enable_thinking` off, any other on; "
-            "400 where the template has no such knob",
+            "400 where the template has no such knob; a template that reads `reasoning_effort` (gpt-oss) gets "
+            "low / medium / high",
             bad="extreme",
         ),
+        Field(
+            "reasoning_budget_tokens",
+            "extension",
+            "llama-server's: the most tokens the thought may take, then the engine closes it and the answer "
+            "follows (docs/reasoning.md); -1 = the server's `--reasoning-budget`; 400 on a model that does not reason",
+            bad=-2,
+        ),
+        Field("thinking_token_budget", "alias", "vLLM's name of `reasoning_budget_tokens`", bad="many"),
         Field(
             "chat_template_kwargs",
             "extension",

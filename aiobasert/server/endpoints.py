@@ -33,12 +33,14 @@ from .params import (
     chat_messages,
     chat_refusal,
     check_chat_size,
+    effort_for,
     finish_reason,
     json_schema_of,
     output_constraint,
     precount_chat,
-    reasoning_effort,
+    reasoning_budget,
     refuse_schema_with_tools,
+    request_thinking,
     request_tools,
     sampling_params,
 )
@@ -348,8 +350,12 @@ class Service:
         write_timeout: float | None = DEFAULT_WRITE_TIMEOUT_S,
         response_store_bytes: int = DEFAULT_STORE_BYTES,
         sse_keepalive: float | None = DEFAULT_SSE_KEEPALIVE_S,
+        reasoning_budget: int = -1,
     ) -> None:
         self.provider = provider
+        self.reasoning_budget = reasoning_budget
+        """The server's `--reasoning-budget` (params.request_thinking): what a request that says nothing of
+        its thought gets (-1: no bound, 0: thinking off, N: N tokens)."""
         self.backlog = BacklogLimit()
         """The bound on every streamed response's backlog (a slow client's unsent events)."""
         self.created = int(time.time())
@@ -364,6 +370,7 @@ class Service:
             workers=self.workers,
             backlog=self.backlog,
             sse_keepalive=self.sse_keepalive,
+            reasoning_budget=reasoning_budget,
         )
         self.responses = ResponsesAPI(
             self.resolve,
@@ -373,6 +380,7 @@ class Service:
             workers=self.workers,
             backlog=self.backlog,
             sse_keepalive=self.sse_keepalive,
+            reasoning_budget=reasoning_budget,
         )
 
     def _observer(self, served: ServedModel) -> RequestObserver:
@@ -626,7 +634,12 @@ class Service:
         engine = served.engine
         parallel = req.parallel_tool_calls is not False
 
-        thinking = reasoning_effort(req.reasoning_effort)
+        budget = reasoning_budget(
+            {"reasoning_budget_tokens": req.reasoning_budget_tokens, "thinking_token_budget": req.thinking_token_budget}
+        )
+        effort, template_kwargs = effort_for(req.reasoning_effort, engine, req.chat_template_kwargs)
+        thinking = request_thinking(effort, budget, self.reasoning_budget, engine, template_kwargs)
+        named = budget[0] if budget is not None and budget[1] is not None else "reasoning_effort"
 
         def prepare() -> Choices[ChatReply]:
             tools, choice = request_tools(req.tools, req.tool_choice)
@@ -638,13 +651,13 @@ class Service:
                 tool_choice=choice,
                 parallel_tool_calls=parallel,
                 thinking=thinking,
-                chat_template_kwargs=req.chat_template_kwargs,
+                chat_template_kwargs=template_kwargs,
             )
 
         try:
             return await self.workers.run(prepare, large=is_large(len(req.messages), len(req.tools or ())))
         except InvalidRequestError as exc:
-            raise chat_refusal(exc, "messages", thinking="reasoning_effort") from None
+            raise chat_refusal(exc, "messages", thinking=named) from None
 
     async def embeddings(self, request: Request) -> Response:
         req = await read_json(request, EmbeddingRequest)

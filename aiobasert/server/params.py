@@ -4,19 +4,23 @@ messages, and the engine's finish reasons as OpenAI's."""
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
-from typing import Any
+import re
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
 from ..chat import MAX_CHAT_MESSAGES
 from ..errors import InvalidRequestError
-from ..reasoning import Thinking
+from ..reasoning import MAX_REASONING_BUDGET, Thinking
 from ..streams import TokenStream
 from ..tools import MAX_TOOLS, ToolCall, ToolChoice, check_schema_and_tools
 from ..types import FinishReason, SamplingParams, Token
 from .errors import APIError, aborted, api_error, constraint_from
 from .protocol import RequestMessage, ResponseFormat, SamplingRequest
+
+if TYPE_CHECKING:
+    from ..engine import Engine
 
 
 def sampling_params(
@@ -263,6 +267,92 @@ def reasoning_effort(effort: object, param: str = "reasoning_effort") -> Thinkin
     if effort not in REASONING_EFFORTS:
         raise APIError(400, f"{param} must be one of {', '.join(REASONING_EFFORTS)}", param=param)
     return Thinking(enabled=effort != "none")
+
+
+TEMPLATE_EFFORTS = ("low", "medium", "high")
+
+
+def effort_for(
+    effort: object, engine: Engine, template_kwargs: Mapping[str, Any] | None, param: str = "reasoning_effort"
+) -> tuple[Thinking | None, Mapping[str, Any] | None]:
+    """A request's effort as the SDK's `thinking` and the template's variables: on a reasoning model
+    whose template reads `reasoning_effort` itself (gpt-oss's: `Reasoning: low`), the effort goes to
+    the template, as vLLM and llama-server give it (low / medium / high; any other is a 400 naming
+    `param`, and so is a `chat_template_kwargs.reasoning_effort` that says otherwise); elsewhere it
+    turns thinking on or off (`reasoning_effort`)."""
+    fmt = engine.reasoning_format
+    if effort is None or fmt is None or re.search(r"\breasoning_effort\b", engine.chat_template) is None:
+        return reasoning_effort(effort, param), template_kwargs
+    if effort not in TEMPLATE_EFFORTS:
+        raise APIError(400, f"{param}: this model's chat template takes {', '.join(TEMPLATE_EFFORTS)}", param=param)
+    given = (template_kwargs or {}).get("reasoning_effort", effort)
+    if given != effort:
+        raise APIError(400, f"{param}: chat_template_kwargs.reasoning_effort says otherwise", param=param)
+    return None, {**(template_kwargs or {}), "reasoning_effort": effort}
+
+
+REASONING_BUDGET_FIELDS = ("reasoning_budget_tokens", "thinking_token_budget")
+"""A request's reasoning budget, by its peers' names: llama-server's and vLLM's (the same number)."""
+
+
+def reasoning_budget(fields: Mapping[str, object]) -> tuple[str, int | None] | None:
+    """The reasoning budget a request gives (`fields`: its `REASONING_BUDGET_FIELDS` by name), as
+    (the field that gave it, its tokens): None where it gives none. -1 is "the server's default"
+    (llama-server's meaning: its `--reasoning-budget`), so its tokens are None. Wrong types,
+    numbers below -1 or above 2**30, and both fields with different numbers are 400s naming the field."""
+    given: tuple[str, int | None] | None = None
+    for name in REASONING_BUDGET_FIELDS:
+        value = fields.get(name)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or not -1 <= value <= MAX_REASONING_BUDGET:
+            raise APIError(
+                400, f"{name} must be an integer from -1 (the server's default) to 2**30, got {value!r}", param=name
+            )
+        tokens = None if value == -1 else value
+        if given is not None and given[1] != tokens:
+            raise APIError(400, f"{name} says otherwise than {given[0]}", param=name)
+        given = given or (name, tokens)
+    return given
+
+
+def request_thinking(
+    thinking: Thinking | None,
+    budget: tuple[str, int | None] | None,
+    default_budget: int,
+    engine: Engine,
+    template_kwargs: Mapping[str, Any] | None = None,
+) -> Thinking | None:
+    """The SDK's `thinking` for one request: what it asks (`thinking`: from its effort, or Anthropic's
+    `thinking`; `budget`: `reasoning_budget`'s) over the server's `--reasoning-budget` (`default_budget`:
+    -1 unbounded, 0 thinking off, N tokens), which fills in only what the request leaves unsaid: a
+    request that turns thinking on (an effort, the template's knob in `chat_template_kwargs`) is not
+    turned off by a default of 0, and one that turns it off gets no budget. A model that does not
+    reason ignores the default (there is nothing to bound) and refuses a request's budget (the SDK,
+    naming `thinking`: the caller names the field); so does a model whose thought the engine cannot
+    gate (Harmony: `ReasoningFormat.tags_are_tokens`)."""
+    if budget is not None and budget[1] is not None:
+        name, tokens = budget
+        try:
+            return Thinking(enabled=thinking.enabled if thinking is not None else None, budget=tokens)
+        except InvalidRequestError:  # only a budget with thinking turned off
+            raise APIError(400, f"{name}: a reasoning budget needs thinking on", param=name) from None
+    fmt = engine.reasoning_format
+    if fmt is None or default_budget < 0 or (thinking is not None and thinking.budget is not None):
+        return thinking
+    if not fmt.tags_are_tokens:  # a thought the engine cannot gate (Harmony): the default cannot bound it
+        return thinking
+    enabled = thinking.enabled if thinking is not None else None
+    knob = (template_kwargs or {}).get(fmt.thinking_knob)
+    if enabled is False or knob is False:
+        return thinking
+    if default_budget > 0:
+        return Thinking(enabled=enabled, budget=default_budget)
+    if enabled or knob is not None:  # the request turned thinking on: a default of 0 does not turn it off
+        return thinking
+    # 0: thinking off (llama-server's `--reasoning-budget 0`): through the template's knob where it has
+    # one, else a thought closed at once (a template that always opens one, without a knob)
+    return Thinking(enabled=False) if fmt.has_knob(engine.chat_template) else Thinking(budget=0)
 
 
 def chat_refusal(exc: InvalidRequestError, conversation: str, *, thinking: str | None = None) -> APIError:

@@ -232,6 +232,11 @@ class ChatCompletionRequest(SamplingRequest, kw_only=True):
     """"none": thinking off; "minimal" / "low" / "medium" / "high": on (the template's `enable_thinking`)."""
     chat_template_kwargs: dict[str, Any] | None = None
     """More variables for the chat template (vLLM's, llama-server's field): each must be one it reads."""
+    reasoning_budget_tokens: Any = None
+    """The most tokens the thought may take (llama-server's field; -1: the server's `--reasoning-budget`):
+    past it the engine closes the thought and the answer follows (params.reasoning_budget checks it)."""
+    thinking_token_budget: Any = None
+    """vLLM's name of `reasoning_budget_tokens`."""
     service_tier: Any = None
     store: Any = None
     metadata: Any = None

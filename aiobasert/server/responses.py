@@ -39,11 +39,13 @@ from .metrics import Metrics
 from .params import (
     chat_refusal,
     check_chat_size,
+    effort_for,
     finish_reason,
     logit_bias,
     precount_responses,
     reasoning_effort,
     refuse_schema_with_tools,
+    request_thinking,
     request_tools,
 )
 from .protocol import SchemaFields
@@ -816,9 +818,12 @@ class ResponsesAPI:
         workers: Workers | None = None,
         backlog: BacklogLimit | None = None,
         sse_keepalive: float | None = DEFAULT_SSE_KEEPALIVE_S,
+        reasoning_budget: int = -1,
     ) -> None:
         self._resolve = resolve
         self._sse_keepalive = sse_keepalive
+        self._reasoning_budget = reasoning_budget
+        """The server's `--reasoning-budget` (params.request_thinking)."""
         self._backlog = backlog if backlog is not None else BacklogLimit()
         self._workers = workers if workers is not None else Workers()
         self._metrics = metrics
@@ -868,12 +873,22 @@ class ResponsesAPI:
         engine = served.engine
         parallel = req.parallel_tool_calls is not False
         thinking = _thinking(req.reasoning, engine.reasoning_format is not None)
+        template_kwargs = None
+        if req.reasoning is not None and req.reasoning.effort is not None:  # gpt-oss's template takes it itself
+            thinking, template_kwargs = effort_for(req.reasoning.effort, engine, None, "reasoning.effort")
+        thinking = request_thinking(thinking, None, self._reasoning_budget, engine)
 
         def start() -> ChatStream:
             # request-sized (every message and tool): in a worker, never on the event loop
             tools, choice = request_tools(req.tools, req.tool_choice)
             return engine.stream_chat(
-                messages, params, tools=tools, tool_choice=choice, parallel_tool_calls=parallel, thinking=thinking
+                messages,
+                params,
+                tools=tools,
+                tool_choice=choice,
+                parallel_tool_calls=parallel,
+                thinking=thinking,
+                chat_template_kwargs=template_kwargs,
             )
 
         try:

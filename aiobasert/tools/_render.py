@@ -155,6 +155,8 @@ def _render_with_template(
     contents: list[str] = []
 
     def protected(text: str) -> str:
+        if not text:  # nothing to forge; and a template's `if message.content` must see it empty (gpt-oss's)
+            return ""
         contents.append(text)
         return sentinel(len(contents) - 1, text)
 
@@ -176,6 +178,8 @@ def _render_with_template(
         for key in ("tool_call_id", "name", "reasoning_content"):
             if key in m:
                 entry[key] = protected(m[key])
+        if "reasoning_content" in m:
+            entry["thinking"] = entry["reasoning_content"]  # gpt-oss's template (Harmony) reads it by this name
         ctx.append(entry)
     tool_dicts = [t.as_openai() for t in tools]
     if _FORGERY.search(json.dumps(tool_dicts)):

@@ -79,6 +79,10 @@ def prepare_chat_turn(
     _thinking_knob(template, reasoning, thinking, kwargs)
     fmt = tool_format
     parsed = parse_tools(tools)
+    if parsed and reasoning is not None and not reasoning.tool_calls:
+        raise InvalidRequestError(
+            f"tools: this model's tool calls ({reasoning.name} framing) are not read yet; send the turn without tools"
+        )
     choice = parse_tool_choice(tool_choice, parsed)
     forced = choice != "none" and choice != "auto"
     if forced and choice != "required":
@@ -100,7 +104,7 @@ def prepare_chat_turn(
         text, is_content = pieces[-1]
         state = reasoning.prompt_state("" if is_content else text)
     thought = None
-    if reasoning is not None and state != "closed":
+    if reasoning is not None and state != "closed" and reasoning.tags_are_tokens:
         opts = thinking or Thinking()
         thought = ThoughtSpec(reasoning.open_tag, reasoning.close_tag, starts_open=state == "open",
                               budget=opts.budget, stop_in_thought=opts.stop_in_thought)  # fmt: skip
@@ -131,6 +135,11 @@ def _thinking_knob(
         return
     if reasoning is None and (thinking.enabled or thinking.budget is not None):
         raise InvalidRequestError("thinking: this model does not reason (its chat template has no thought)")
+    if reasoning is not None and not reasoning.tags_are_tokens and thinking.budget is not None:
+        raise InvalidRequestError(
+            f"thinking.budget: this model's thought ({reasoning.name} framing) cannot be bounded yet: its "
+            "tags are not single tokens"
+        )
     if thinking.enabled is None:
         return
     knob = reasoning.thinking_knob if reasoning is not None else "enable_thinking"

@@ -18,7 +18,7 @@ import msgspec
 import pytest
 from loopback import API_KEY, MODEL_NAME, REPO, serving
 
-from aiobasert import Engine
+from aiobasert import Engine, Thinking
 from aiobasert.server import create_app
 from aiobasert.server.anthropic import CountTokensRequest, MessagesRequest
 from aiobasert.server.compat import _UNSET, ANTHROPIC_FIELDS, render_table
@@ -295,3 +295,23 @@ def test_thinking_blocks_from_a_reasoning_model(r1_think_model_path: Path) -> No
         assert [b.type for b in off.content] == ["text"]
         with pytest.raises(anthropic.BadRequestError, match="budget_tokens"):
             c.messages.create(thinking={"type": "enabled"}, **kw)
+
+
+def test_the_server_reasoning_budget_bounds_a_request_without_thinking(r1_think_model_path: Path) -> None:
+    # `serve --reasoning-budget 3`: a request without `thinking` gets the SDK's Thinking(budget=3) thought;
+    # `thinking.budget_tokens` overrides it, `disabled` turns it off
+    async def sdk(budget: int) -> str | None:
+        async with Engine.open(r1_think_model_path, max_batch_size=1) as engine:
+            reply = await engine.stream_chat(ASK, max_tokens=12, temperature=0, thinking=Thinking(budget=budget))
+            return reply.reasoning
+
+    bounded, longer = asyncio.run(sdk(3)), asyncio.run(sdk(6))
+    assert bounded and longer and bounded != longer
+    factory = functools.partial(Engine.open, r1_think_model_path, max_batch_size=1)
+    app = create_app(factory, api_key=API_KEY, reasoning_budget=3)
+    with serving(app) as url, anthropic.Anthropic(base_url=url, api_key=API_KEY, max_retries=0) as c:
+        kw: Any = {"model": "tiny", "max_tokens": 12, "messages": ASK, "extra_body": GREEDY}
+        assert c.messages.create(**kw).content[0].thinking == bounded  # type: ignore[union-attr]
+        asked = c.messages.create(thinking={"type": "enabled", "budget_tokens": 6}, **kw)
+        assert asked.content[0].thinking == longer  # type: ignore[union-attr]
+        assert [b.type for b in c.messages.create(thinking={"type": "disabled"}, **kw).content] == ["text"]

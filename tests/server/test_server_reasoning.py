@@ -1,5 +1,6 @@
 """Reasoning models over HTTP: `reasoning_content` (whole and streamed), the thought sent back, `reasoning_effort`
-and `chat_template_kwargs` honoured or refused by name, `usage.completion_tokens_details.reasoning_tokens`.
+and `chat_template_kwargs` honoured or refused by name, `usage.completion_tokens_details.reasoning_tokens`, the
+reasoning budget (a request's `reasoning_budget_tokens` / `thinking_token_budget`, the server's `reasoning_budget`).
 
 The server serves a tiny model with DeepSeek-R1-Distill's template (its prompt opens the thought) and the
 tags as tokens; a small `logit_bias` on `</think>` makes the random model close its thought after a few
@@ -17,7 +18,8 @@ import pytest
 from loopback import API_KEY, MODEL_NAME
 from openai import OpenAI
 
-from aiobasert import Engine
+from aiobasert import Engine, Thinking
+from aiobasert.errors import InvalidConfigError
 from aiobasert.server import create_app
 from aiobasert.server.responses import ResponseStore
 from aiobasert.tools import ChatReply
@@ -147,6 +149,8 @@ def plain_client(asgi_server: Callable[[Any], str], tiny_model_path: Path) -> It
         ({"reasoning_effort": "low"}, "reasoning_effort"),
         ({"reasoning_effort": "none"}, "reasoning_effort"),
         ({"extra_body": {"chat_template_kwargs": {"enable_thinking": True}}}, "chat_template_kwargs"),
+        ({"extra_body": {"reasoning_budget_tokens": 4}}, "reasoning_budget_tokens"),
+        ({"extra_body": {"thinking_token_budget": 0}}, "thinking_token_budget"),
     ],
 )
 def test_a_model_that_does_not_reason_refuses_the_knobs_by_name(
@@ -155,6 +159,131 @@ def test_a_model_that_does_not_reason_refuses_the_knobs_by_name(
     with pytest.raises(openai.BadRequestError) as err:
         plain_client.chat.completions.create(model=MODEL_NAME, messages=USER, max_tokens=2, **extra)  # type: ignore[arg-type]
     assert err.value.body["param"] == param  # type: ignore[index]
+
+
+# ---- the reasoning budget: per request (llama-server's and vLLM's field) and the server's default ----
+
+BUDGET = 5
+
+
+def _sdk_budget_reply(model: Path, budget: int) -> ChatReply:
+    async def reply() -> ChatReply:
+        async with Engine.open(model, max_batch_size=1) as engine:
+            return await engine.stream_chat(USER, max_tokens=24, temperature=0, thinking=Thinking(budget=budget))
+
+    return anyio.run(reply)
+
+
+@pytest.fixture(scope="module")
+def sdk_budget_reply(served_model: Path) -> ChatReply:
+    """The SDK's reply under `Thinking(budget=BUDGET)`: without a bias the random model thinks on, so the
+    engine closes the thought at the budget (its tokens and the close tag it wrote) and the answer follows."""
+    got = _sdk_budget_reply(served_model, BUDGET)
+    assert got.usage.reasoning_tokens == BUDGET + 1 and got.reasoning and got.content
+    return got
+
+
+@pytest.mark.parametrize("field", ["reasoning_budget_tokens", "thinking_token_budget"])
+def test_a_request_budget_closes_the_thought_and_the_answer_follows(
+    client: OpenAI, sdk_budget_reply: ChatReply, field: str
+) -> None:
+    ask: Any = {"model": MODEL_NAME, "messages": USER, "max_tokens": 24, "temperature": 0}
+    out = client.chat.completions.create(**ask, extra_body={field: BUDGET})
+    message = out.choices[0].message
+    assert (message.reasoning_content, message.content) == (sdk_budget_reply.reasoning, sdk_budget_reply.content)  # type: ignore[attr-defined]
+    assert out.usage is not None and out.usage.completion_tokens_details is not None
+    assert out.usage.completion_tokens_details.reasoning_tokens == BUDGET + 1
+    thought, text, usage = [], [], None
+    chunks = client.chat.completions.create(
+        **ask, stream=True, stream_options={"include_usage": True}, extra_body={field: BUDGET}
+    )
+    for chunk in chunks:
+        usage = chunk.usage or usage
+        for choice in chunk.choices:
+            thought.append(getattr(choice.delta, "reasoning_content", None) or "")
+            text.append(choice.delta.content or "")
+    assert ("".join(thought), "".join(text)) == (sdk_budget_reply.reasoning, sdk_budget_reply.content)
+    assert usage is not None and usage.completion_tokens_details is not None
+    assert usage.completion_tokens_details.reasoning_tokens == BUDGET + 1
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"reasoning_budget_tokens": -2}, "reasoning_budget_tokens"),
+        ({"reasoning_budget_tokens": "5"}, "reasoning_budget_tokens"),
+        ({"reasoning_budget_tokens": True}, "reasoning_budget_tokens"),
+        ({"reasoning_budget_tokens": 2.5}, "reasoning_budget_tokens"),
+        ({"thinking_token_budget": 2**31}, "thinking_token_budget"),
+        ({"reasoning_budget_tokens": 4, "thinking_token_budget": 5}, "thinking_token_budget"),
+        ({"reasoning_budget_tokens": 4, "reasoning_effort": "none"}, "reasoning_budget_tokens"),
+    ],
+)
+def test_bad_reasoning_budgets_are_refused_by_name(client: OpenAI, body: dict[str, Any], param: str) -> None:
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model=MODEL_NAME, messages=USER, max_tokens=2, extra_body=body)  # type: ignore[arg-type]
+    assert err.value.body["param"] == param  # type: ignore[index]
+
+
+@pytest.fixture(scope="module")
+def budget_client(asgi_server: Callable[[Any], str], served_model: Path) -> Iterator[OpenAI]:
+    """A server whose `--reasoning-budget` is BUDGET."""
+    app = create_app(served_model, api_key=API_KEY, model_name=MODEL_NAME, max_batch_size=1, reasoning_budget=BUDGET)
+    with OpenAI(base_url=f"{asgi_server(app)}/v1", api_key=API_KEY, max_retries=0) as c:
+        yield c
+
+
+def _reasoning_tokens(out: Any) -> int:
+    return out.usage.completion_tokens_details.reasoning_tokens if out.usage.completion_tokens_details else 0
+
+
+def test_the_server_budget_is_the_default_and_a_request_overrides_it(
+    budget_client: OpenAI, served_model: Path, sdk_budget_reply: ChatReply
+) -> None:
+    ask: Any = {"model": MODEL_NAME, "messages": USER, "max_tokens": 24, "temperature": 0}
+    default = budget_client.chat.completions.create(**ask)
+    assert default.choices[0].message.reasoning_content == sdk_budget_reply.reasoning  # type: ignore[attr-defined]
+    assert _reasoning_tokens(default) == BUDGET + 1
+    assert default.choices[0].message.content == sdk_budget_reply.content
+    same = budget_client.chat.completions.create(**ask, extra_body={"reasoning_budget_tokens": -1})  # the default
+    assert _reasoning_tokens(same) == BUDGET + 1
+    assert _reasoning_tokens(budget_client.chat.completions.create(**ask, extra_body={"thinking_token_budget": 2})) == 3
+    off = budget_client.chat.completions.create(**ask, reasoning_effort="none")
+    assert getattr(off.choices[0].message, "reasoning_content", None) is None and _reasoning_tokens(off) == 0
+    on = budget_client.chat.completions.create(**ask, reasoning_effort="high")  # on, still bounded by the default
+    assert _reasoning_tokens(on) == BUDGET + 1
+    response = budget_client.responses.create(model=MODEL_NAME, input=USER, max_output_tokens=24, temperature=0)  # type: ignore[arg-type]
+    assert response.usage is not None and response.usage.output_tokens_details.reasoning_tokens == BUDGET + 1
+    assert response.output_text == sdk_budget_reply.content
+
+
+def test_a_server_budget_of_zero_turns_thinking_off_unless_a_request_turns_it_on(
+    asgi_server: Callable[[Any], str], served_model: Path
+) -> None:
+    app = create_app(served_model, api_key=API_KEY, model_name=MODEL_NAME, max_batch_size=1, reasoning_budget=0)
+    ask: Any = {"model": MODEL_NAME, "messages": USER, "max_tokens": 8, "temperature": 0}
+    with OpenAI(base_url=f"{asgi_server(app)}/v1", api_key=API_KEY, max_retries=0) as c:
+        off = c.chat.completions.create(**ask)
+        assert getattr(off.choices[0].message, "reasoning_content", None) is None and _reasoning_tokens(off) == 0
+        explicit_off = c.chat.completions.create(**ask, reasoning_effort="none")
+        assert off.choices[0].message.content == explicit_off.choices[0].message.content  # as llama-server's 0
+        assert _reasoning_tokens(c.chat.completions.create(**ask, reasoning_effort="high")) == 8  # unbounded
+        kwargs_on = {"chat_template_kwargs": {"enable_thinking": True}}
+        assert _reasoning_tokens(c.chat.completions.create(**ask, extra_body=kwargs_on)) == 8
+        assert _reasoning_tokens(c.chat.completions.create(**ask, extra_body={"reasoning_budget_tokens": 2})) == 3
+
+
+def test_a_plain_model_ignores_the_server_budget(asgi_server: Callable[[Any], str], tiny_model_path: Path) -> None:
+    app = create_app(tiny_model_path, api_key=API_KEY, model_name=MODEL_NAME, max_batch_size=1, reasoning_budget=3)
+    with OpenAI(base_url=f"{asgi_server(app)}/v1", api_key=API_KEY, max_retries=0) as c:
+        out = c.chat.completions.create(model=MODEL_NAME, messages=USER, max_tokens=4, temperature=0)  # type: ignore[arg-type]
+        assert out.usage is not None and out.usage.completion_tokens == 4 and _reasoning_tokens(out) == 0
+
+
+@pytest.mark.parametrize("budget", [-2, 2**31, True, 1.5])
+def test_create_app_refuses_a_bad_reasoning_budget(tiny_model_path: Path, budget: Any) -> None:
+    with pytest.raises(InvalidConfigError, match="reasoning_budget"):
+        create_app(tiny_model_path, reasoning_budget=budget)
 
 
 # ---- the Responses API (`POST /v1/responses`): reasoning items and the `reasoning` option ----
@@ -325,3 +454,58 @@ def test_the_responses_store_keeps_the_thought_for_the_template() -> None:
     store.put("resp_1", [*USER, {"role": "assistant", "content": "4", "reasoning_content": THOUGHT}], MODEL_NAME)
     found = store.get("resp_1")
     assert found is not None and found[0][-1] == {"role": "assistant", "content": "4", "reasoning_content": THOUGHT}
+
+
+def _harmony_replies(model: Path) -> dict[str, str]:
+    """The SDK's answers with gpt-oss's template given each effort (`Reasoning: low` in its system message)."""
+
+    async def replies() -> dict[str, str]:
+        async with Engine.open(model, max_batch_size=1) as engine:
+            out = {}
+            for effort in ("low", "medium", "high"):
+                kwargs = {"reasoning_effort": effort}
+                out[effort] = (
+                    await engine.stream_chat(USER, max_tokens=6, temperature=0, chat_template_kwargs=kwargs)
+                ).content
+            return out
+
+    return anyio.run(replies)
+
+
+def test_a_harmony_model_over_http(asgi_server: Callable[[Any], str], harmony_model_path: Path) -> None:
+    """gpt-oss's Harmony framing: `reasoning_effort` (and Responses' `reasoning.effort`) goes to its template,
+    which reads it (as vLLM and llama-server give it); a server budget is ignored (the engine cannot gate that
+    thought yet); a request's budget and tools are refused by name."""
+    expected = _harmony_replies(harmony_model_path)
+    assert len(set(expected.values())) == 3  # the effort changes the prompt, so the random model's answer
+    app = create_app(harmony_model_path, api_key=API_KEY, model_name=MODEL_NAME, max_batch_size=1, reasoning_budget=3)
+    ask: Any = {"model": MODEL_NAME, "messages": USER, "max_tokens": 6, "temperature": 0}
+    with OpenAI(base_url=f"{asgi_server(app)}/v1", api_key=API_KEY, max_retries=0) as c:
+        assert c.chat.completions.create(**ask).choices[0].message.content == expected["medium"]  # the default
+        for effort, content in expected.items():
+            assert c.chat.completions.create(**ask, reasoning_effort=effort).choices[0].message.content == content
+            response = c.responses.create(
+                model=MODEL_NAME,
+                input=USER,
+                max_output_tokens=6,
+                temperature=0,
+                reasoning={"effort": effort},  # type: ignore[arg-type]
+            )
+            assert response.output_text == content
+        for bad in ("none", "minimal"):
+            with pytest.raises(openai.BadRequestError) as err:
+                c.chat.completions.create(**ask, reasoning_effort=bad)
+            assert err.value.body["param"] == "reasoning_effort"  # type: ignore[index]
+        with pytest.raises(openai.BadRequestError) as err:
+            c.chat.completions.create(
+                **ask, reasoning_effort="low", extra_body={"chat_template_kwargs": {"reasoning_effort": "high"}}
+            )
+        assert err.value.body["param"] == "reasoning_effort"  # type: ignore[index]
+        tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+        for extra, param in (
+            ({"extra_body": {"reasoning_budget_tokens": 4}}, "reasoning_budget_tokens"),
+            ({"tools": [tool]}, "tools"),
+        ):
+            with pytest.raises(openai.BadRequestError) as err:
+                c.chat.completions.create(**ask, **extra)
+            assert err.value.body["param"] == param  # type: ignore[index]
