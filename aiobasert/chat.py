@@ -213,8 +213,10 @@ def render_chat(
     add_generation_prompt: bool = True,
     bos_token: str = "",
     eos_token: str = "",
+    continue_final_message: bool = False,
 ) -> list[tuple[str, bool]]:
-    """Render `messages` into (text, is_content) pieces for `baseRT_encode_pieces`."""
+    """Render `messages` into (text, is_content) pieces for `baseRT_encode_pieces`;
+    `continue_final_message`: see `render_with_sentinels`."""
     if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence) or not messages:
         raise InvalidRequestError("messages must be a non-empty list of {role, content} messages")
     check_message_count(messages)
@@ -226,6 +228,7 @@ def render_chat(
         add_generation_prompt=add_generation_prompt,
         bos_token=bos_token,
         eos_token=eos_token,
+        continue_final_message=continue_final_message,
     )
 
 
@@ -281,6 +284,31 @@ def _as_llama_cpp_renders(template: str, messages: list[dict[str, Any]]) -> list
     return messages
 
 
+def _final_sentinel(messages: list[dict[str, Any]]) -> tuple[str, str]:
+    """(the marker, the whitespace after it) of the final message's content, which must be an
+    assistant turn's text for a turn to be continued."""
+    last = messages[-1] if messages else {}
+    content = last.get("content")
+    if last.get("role") != "assistant" or not isinstance(content, str):
+        raise InvalidRequestError("continue_final_message: the last message must be an assistant turn with text")
+    match = _SENTINEL_RE.search(content)
+    if match is None:
+        raise InvalidRequestError("continue_final_message: the last message must be an assistant turn with text")
+    return match.group(0), content[match.end() :]
+
+
+def _cut_after(rendered: str, marker: str, trail: str) -> str:
+    """The rendered prompt up to the final message's text (its own trailing whitespace kept where
+    the template printed it): the turn's end marker and anything after it dropped."""
+    at = rendered.rfind(marker)
+    if at < 0:
+        raise InvalidRequestError(
+            "continue_final_message: the chat template does not print the final assistant turn's text"
+        )
+    cut = at + len(marker)
+    return rendered[: cut + len(trail)] if rendered.startswith(trail, cut) else rendered[:cut]
+
+
 def render_with_sentinels(
     template: str,
     messages: list[dict[str, Any]],
@@ -289,18 +317,26 @@ def render_with_sentinels(
     add_generation_prompt: bool,
     bos_token: str,
     eos_token: str,
+    continue_final_message: bool = False,
     **context: Any,
 ) -> list[tuple[str, bool]]:
     """Render `messages` (whose contents are `sentinel(i, contents[i])` placeholders)
     and split the result into (text, is_content) pieces: the template's own text is
     framing (parsed for markers), each content a piece that never is (its outer
     whitespace, outside the marker, is framing: plain whitespace either way). `context`
-    goes to the template too (e.g. `tools`)."""
+    goes to the template too (e.g. `tools`).
+
+    `continue_final_message`: the last message is an assistant turn the model goes on writing (a
+    prefill: Anthropic's final assistant turn, vLLM's `continue_final_message`): rendered without a
+    generation prompt and cut right after its text, as llama.cpp continues one."""
+    if not isinstance(continue_final_message, bool):
+        raise InvalidRequestError(f"continue_final_message must be a bool, not {type(continue_final_message).__name__}")
+    final = _final_sentinel(messages) if continue_final_message else None
     messages = _as_llama_cpp_renders(template or DEFAULT_TEMPLATE, messages)
     try:
         rendered = _compile(template or DEFAULT_TEMPLATE).render(
             messages=messages,
-            add_generation_prompt=add_generation_prompt,
+            add_generation_prompt=add_generation_prompt and final is None,
             bos_token=bos_token,
             eos_token=eos_token,
             **context,
@@ -311,6 +347,8 @@ def render_with_sentinels(
         # a template's own fault on this conversation (iterating a missing field, a bad index ...)
         # is the request's error, named, never a server fault
         raise InvalidRequestError(f"chat template failed: {type(exc).__name__}: {exc}") from None
+    if final is not None:
+        rendered = _cut_after(rendered, *final)
     pieces: list[tuple[str, bool]] = []
     pos = 0
     for match in _SENTINEL_RE.finditer(rendered):

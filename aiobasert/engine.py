@@ -398,6 +398,7 @@ class Engine:
         params: SamplingParams | None = None,
         *,
         add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
         tools: None = None,
         tool_choice: None = None,
         parallel_tool_calls: bool = True,
@@ -411,6 +412,7 @@ class Engine:
         params: SamplingParams | None = None,
         *,
         add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
         tools: Sequence[Tool | Mapping[str, Any]],
         tool_choice: ToolChoice | Mapping[str, Any] | None = None,
         parallel_tool_calls: bool = True,
@@ -423,6 +425,7 @@ class Engine:
         params: SamplingParams | None = None,
         *,
         add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
         tools: Sequence[Tool | Mapping[str, Any]] | None = None,
         tool_choice: ToolChoice | Mapping[str, Any] | None = None,
         parallel_tool_calls: bool = True,
@@ -442,12 +445,17 @@ class Engine:
         Either way the reply reads the same: `.text` (a `ChatReply`'s `content`),
         `.finish_reason`, `.usage`, `.timing`, `.request_id`, and what the stream
         yields has `.text` too (a `Token`, a `TextDelta`).
+
+        `continue_final_message`: the last message is an assistant turn the model goes on
+        writing (a prefill, as vLLM's option and Anthropic's final assistant turn): no generation
+        prompt, the prompt cut right after its text; the reply holds only what follows.
         """
         if tools is not None or tool_choice is not None:
             return self.stream_chat(
                 messages,
                 params,
                 add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
                 tools=tools,
                 tool_choice=tool_choice,
                 parallel_tool_calls=parallel_tool_calls,
@@ -459,6 +467,7 @@ class Engine:
             add_generation_prompt=add_generation_prompt,
             bos_token=self.info.bos_token,
             eos_token=self.info.eos_token,
+            continue_final_message=continue_final_message,
         )
         return self._new_stream(pieces, self._params(params, kwargs), True)
 
@@ -468,6 +477,7 @@ class Engine:
         params: SamplingParams | None = None,
         *,
         add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
         tools: Sequence[Tool | Mapping[str, Any]] | None = None,
         tool_choice: ToolChoice | Mapping[str, Any] | None = None,
         parallel_tool_calls: bool = True,
@@ -497,6 +507,7 @@ class Engine:
             tool_choice=tool_choice,
             parallel_tool_calls=parallel_tool_calls,
             add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
             thinking=thinking,
             chat_template_kwargs=chat_template_kwargs,
         )
@@ -510,6 +521,7 @@ class Engine:
         tool_choice: ToolChoice | Mapping[str, Any] | None = None,
         parallel_tool_calls: bool = True,
         add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
         thinking: bool | Thinking | None = None,
         chat_template_kwargs: Mapping[str, Any] | None = None,
     ) -> ChatTurn:
@@ -541,6 +553,7 @@ class Engine:
             thinking=Thinking.of(thinking),
             template_kwargs=chat_template_kwargs,
             special_tokens=self._thread.loaded.special_tokens,
+            continue_final_message=continue_final_message,
         )
 
     def _stream_turn(self, turn: ChatTurn, params: SamplingParams | None = None, **kwargs: Any) -> ChatStream:
@@ -604,6 +617,7 @@ class Engine:
         *,
         n: int,
         add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
         tools: Sequence[Tool | Mapping[str, Any]] | None = None,
         tool_choice: ToolChoice | Mapping[str, Any] | None = None,
         parallel_tool_calls: bool = True,
@@ -630,6 +644,7 @@ class Engine:
             tool_choice=tool_choice,
             parallel_tool_calls=parallel_tool_calls,
             add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
             thinking=thinking,
             chat_template_kwargs=chat_template_kwargs,
         )
@@ -641,6 +656,7 @@ class Engine:
         params: SamplingParams | None = None,
         *,
         n: int,
+        continue_final_message: bool = False,
         tools: Sequence[Tool | Mapping[str, Any]] | None = None,
         tool_choice: ToolChoice | Mapping[str, Any] | None = None,
         parallel_tool_calls: bool = True,
@@ -653,6 +669,7 @@ class Engine:
             messages,
             params,
             n=n,
+            continue_final_message=continue_final_message,
             tools=tools,
             tool_choice=tool_choice,
             parallel_tool_calls=parallel_tool_calls,
@@ -807,6 +824,7 @@ class Engine:
         tool_choice: ToolChoice | Mapping[str, Any] | None = None,
         parallel_tool_calls: bool = True,
         add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
     ) -> int:
         """The prompt tokens `stream_chat` would prefill for this chat (rendered with its tools and
         `tool_choice`, as it would be), without running it: Anthropic's `count_tokens`. The render
@@ -820,6 +838,7 @@ class Engine:
                 tool_choice=tool_choice,
                 parallel_tool_calls=parallel_tool_calls,
                 add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
             ).pieces
 
         pieces = await anyio.to_thread.run_sync(render)

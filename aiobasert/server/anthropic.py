@@ -283,19 +283,27 @@ def _image(where: str) -> APIError:
     return APIError(400, f"{where}: image blocks are not supported: this server's models read text only", param=where)
 
 
+def is_prefill(req: _Conversation) -> bool:
+    """Whether the conversation ends in an assistant turn the model is to continue."""
+    return bool(req.messages) and req.messages[-1].role == "assistant"
+
+
 def chat_messages(req: _Conversation) -> list[dict[str, Any]]:
     """The SDK's chat messages (`Engine.stream_chat`) of an Anthropic conversation."""
     if not req.messages:
         raise APIError(400, "messages: at least one message is required", param="messages")
-    if req.messages[-1].role == "assistant":
-        # Anthropic continues a final assistant turn (a prefill); the chat templates here render
-        # only a new turn after it, which is not that
-        raise APIError(
-            400,
-            f"messages[{len(req.messages) - 1}]: a final assistant turn (a prefill) is not supported: "
-            "end with a user turn",
-            param="messages",
-        )
+    if is_prefill(req):
+        # Anthropic continues a final assistant turn (a prefill), and refuses one that ends in
+        # whitespace or holds a tool call; the reply is what follows it
+        last, where = req.messages[-1], f"messages[{len(req.messages) - 1}]"
+        if not isinstance(last.content, str) and any(isinstance(b, ToolUseBlock) for b in last.content):
+            raise APIError(400, f"{where}: a final assistant turn with a tool_use block cannot be continued",
+                           param=where)  # fmt: skip
+        text = last.content if isinstance(last.content, str) else "".join(
+            b.text for b in last.content if isinstance(b, TextBlock)
+        )  # fmt: skip
+        if text != text.rstrip():
+            raise APIError(400, f"{where}: final assistant content cannot end with trailing whitespace", param=where)
     out: list[dict[str, Any]] = []
     if req.system:
         out.append({"role": "system", "content": _texts(req.system, "system")})
@@ -377,6 +385,9 @@ def _thinking(req: _Conversation, reasoning: bool) -> Thinking | None:
         )
     if not reasoning:
         raise APIError(400, "thinking: this model does not reason (it has no reasoning format)", param="thinking")
+    if is_prefill(req):  # as Anthropic: a continued answer has no thought before it
+        raise APIError(400, "thinking: a final assistant turn (a prefill) cannot be continued with thinking enabled",
+                       param="thinking")  # fmt: skip
     return Thinking(enabled=True, budget=t.budget_tokens)
 
 
@@ -602,8 +613,9 @@ class MessagesAPI:
             messages = chat_messages(req)
             tools, choice, parallel = chat_tools(req)
             return engine.stream_chat(
-                messages, params, tools=tools, tool_choice=choice, parallel_tool_calls=parallel, thinking=thinking
-            )
+                messages, params, tools=tools, tool_choice=choice, parallel_tool_calls=parallel, thinking=thinking,
+                continue_final_message=is_prefill(req),
+            )  # fmt: skip
 
         try:
             chat = await self._workers.run(start, large=is_large(len(req.messages), len(req.tools or ())))
@@ -642,8 +654,9 @@ class MessagesAPI:
         tools, choice, parallel = chat_tools(req)
         try:
             count = await served.engine.count_chat_tokens(
-                messages, tools=tools, tool_choice=choice, parallel_tool_calls=parallel
-            )
+                messages, tools=tools, tool_choice=choice, parallel_tool_calls=parallel,
+                continue_final_message=is_prefill(req),
+            )  # fmt: skip
         except InvalidRequestError as exc:
             raise chat_refusal(exc, "messages") from None
         return json_response(TokenCount(input_tokens=count))

@@ -165,6 +165,20 @@ FIELDS: dict[str, list[Field]] = {
         ),
         Field("thinking_token_budget", "alias", "vLLM's name of `reasoning_budget_tokens`", bad="many"),
         Field(
+            "add_generation_prompt",
+            "extension",
+            "vLLM's: false renders the conversation without opening the assistant's turn",
+            ok=False,
+            bad="no",
+        ),
+        Field(
+            "continue_final_message",
+            "extension",
+            "vLLM's: the final assistant message is continued (a prefill; with add_generation_prompt false), "
+            "the reply holds what follows it",
+            bad="yes",
+        ),
+        Field(
             "chat_template_kwargs",
             "extension",
             "variables for the chat template (`enable_thinking`, ...); one the template does not read is a 400",
@@ -283,8 +297,9 @@ _CONVERSATION = [
         "honoured",
         "user/assistant turns of text, `tool_use` (assistant), `tool_result` (user: text or text blocks; "
         '`is_error` renders as "Error: ...") and `thinking` / `redacted_thinking` blocks (dropped from the '
-        "prompt); `image` (and any other block) refused naming the block; a final assistant turn (prefill) "
-        "refused; `cache_control` and `citations` accepted and ignored (hints)",
+        "prompt); `image` (and any other block) refused naming the block; a final assistant turn of text is "
+        "continued (a prefill: the reply is what follows it; trailing whitespace, a `tool_use` in it or "
+        "thinking enabled refused, as Anthropic); `cache_control` and `citations` accepted and ignored (hints)",
         ok=[{"role": "user", "content": [{"type": "text", "text": "Hi there"}]}],
         bad=[{"role": "user", "content": [{"type": "image", "source": {"type": "url", "url": "http://x"}}]}],
     ),

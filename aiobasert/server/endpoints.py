@@ -253,6 +253,21 @@ def _n(n: int | None) -> int:
     return n
 
 
+def _continuation(req: ChatCompletionRequest) -> tuple[bool, bool]:
+    """(add_generation_prompt, continue_final_message) of a chat completion, as vLLM and llama-server
+    take them: booleans, and a continued final message only with add_generation_prompt false."""
+    for name in ("add_generation_prompt", "continue_final_message"):
+        value = getattr(req, name)
+        if value is not None and not isinstance(value, bool):
+            raise APIError(400, f"{name} must be a boolean, not {type(value).__name__}", param=name)
+    add_prompt = req.add_generation_prompt is not False
+    continue_final = req.continue_final_message is True
+    if continue_final and add_prompt:
+        raise APIError(400, "continue_final_message: set add_generation_prompt to false with it (as vLLM)",
+                       param="continue_final_message")  # fmt: skip
+    return add_prompt, continue_final
+
+
 def _check_fanout(engine: Engine, count: int, param: str) -> None:
     """Refuse a request that fans out into more engine requests (`count`: prompts x n) than the
     engine can ever hold at once (its lanes and its wait queue), before any of them starts: a 400
@@ -640,6 +655,7 @@ class Service:
         effort, template_kwargs = effort_for(req.reasoning_effort, engine, req.chat_template_kwargs)
         thinking = request_thinking(effort, budget, self.reasoning_budget, engine, template_kwargs)
         named = budget[0] if budget is not None and budget[1] is not None else "reasoning_effort"
+        add_prompt, continue_final = _continuation(req)
 
         def prepare() -> Choices[ChatReply]:
             tools, choice = request_tools(req.tools, req.tool_choice)
@@ -647,6 +663,8 @@ class Service:
                 chat_messages(req.messages),
                 plan.params,
                 n=plan.n,
+                add_generation_prompt=add_prompt,
+                continue_final_message=continue_final,
                 tools=tools,
                 tool_choice=choice,
                 parallel_tool_calls=parallel,

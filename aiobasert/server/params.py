@@ -365,8 +365,9 @@ def chat_refusal(exc: InvalidRequestError, conversation: str, *, thinking: str |
     message = str(exc)
     if message.startswith("thinking") and thinking is not None:  # the SDK's `thinking`: the request's field for it
         return APIError(400, message, param=thinking)
-    if message.startswith("chat_template_kwargs"):
-        return APIError(400, message, param="chat_template_kwargs")
+    for field in ("chat_template_kwargs", "continue_final_message"):
+        if message.startswith(field):
+            return APIError(400, message, param=field)
     if "tool_choice" in message:
         param: str | None = "tool_choice"
     elif message.startswith("tool call"):

@@ -237,6 +237,10 @@ class ChatCompletionRequest(SamplingRequest, kw_only=True):
     past it the engine closes the thought and the answer follows (params.reasoning_budget checks it)."""
     thinking_token_budget: Any = None
     """vLLM's name of `reasoning_budget_tokens`."""
+    add_generation_prompt: Any = None
+    """vLLM's: false renders the conversation without opening the assistant's turn (default true)."""
+    continue_final_message: Any = None
+    """vLLM's: the final assistant message is continued (a prefill), with add_generation_prompt false."""
     service_tier: Any = None
     store: Any = None
     metadata: Any = None

@@ -80,12 +80,14 @@ def render_tool_chat(
     bos_token: str = "",
     eos_token: str = "",
     template_kwargs: Mapping[str, Any] | None = None,
+    continue_final_message: bool = False,
 ) -> list[tuple[str, bool]]:
     """Render a conversation with tools (and tool turns) into encodable pieces,
     with the model's template when it supports tools, else the default format.
     `tool_format`: how the model writes calls (the template's is
     `tool_format_for(template)`, `Engine.tool_format`); `template_kwargs`: more variables for
-    the template (`chat.check_template_kwargs`, e.g. `enable_thinking`)."""
+    the template (`chat.check_template_kwargs`, e.g. `enable_thinking`); `continue_final_message`:
+    the final assistant turn is continued (`chat.render_with_sentinels`)."""
     extra = dict(template_kwargs or {})
     if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence) or not messages:
         raise InvalidRequestError("messages must be a non-empty list of {role, content} messages")
@@ -104,7 +106,9 @@ def render_tool_chat(
     fmt = tool_format
     if template_supports_tools(template):
         msgs = fmt.shape_messages(msgs)
-        return _render_with_template(template, msgs, tools, add_generation_prompt, bos_token, eos_token, extra)
+        return _render_with_template(
+            template, msgs, tools, add_generation_prompt, bos_token, eos_token, extra, continue_final_message
+        )
     plain: list[dict[str, Any]] = []
     if tools:
         listing = DEFAULT_TOOL_PROMPT.format(tools="\n".join(json.dumps(t.as_openai()) for t in tools))
@@ -123,7 +127,9 @@ def render_tool_chat(
         else:
             plain.append({"role": m["role"], "content": m["content"], **_name_of(m), **_thought_of(m)})
     # the template sees each turn's text and `name` (as client text), as with a tool-aware one
-    return _render_with_template(template, plain, [], add_generation_prompt, bos_token, eos_token, extra)
+    return _render_with_template(
+        template, plain, [], add_generation_prompt, bos_token, eos_token, extra, continue_final_message
+    )
 
 
 def _name_of(m: dict[str, Any]) -> dict[str, Any]:
@@ -145,6 +151,7 @@ def _render_with_template(
     bos_token: str,
     eos_token: str,
     template_kwargs: dict[str, Any],
+    continue_final_message: bool = False,
 ) -> list[tuple[str, bool]]:
     # Client text becomes content pieces (never parsed for markers), as in
     # chat.render_chat: message contents, and the free-form strings a template
@@ -194,6 +201,7 @@ def _render_with_template(
         add_generation_prompt=add_generation_prompt,
         bos_token=bos_token,
         eos_token=eos_token,
+        continue_final_message=continue_final_message,
         **tool_context,
         **template_kwargs,
     )

@@ -62,6 +62,7 @@ def prepare_chat_turn(
     thinking: Thinking | None = None,
     template_kwargs: Mapping[str, Any] | None = None,
     special_tokens: Sequence[str] = (),
+    continue_final_message: bool = False,
 ) -> ChatTurn:
     """Render and constrain one tool-aware chat turn with the model's chat `template`, in its
     tool-call format (`Engine.tool_format`); `bos_token` / `eos_token` are the model's
@@ -72,7 +73,9 @@ def prepare_chat_turn(
     `reasoning`: the model's reasoning format (`Engine.reasoning_format`); `thinking`: what the turn
     asks of the thought (on / off through the template's knob, its budget); `template_kwargs`: more
     variables for the template (`chat_template_kwargs`, checked by `chat.check_template_kwargs`);
-    `special_tokens`: the vocabulary's, which a template variable may not carry."""
+    `special_tokens`: the vocabulary's, which a template variable may not carry;
+    `continue_final_message`: the last message is an assistant turn the model goes on writing (a
+    prefill), rendered without a generation prompt and cut after its text."""
     check_message_count(messages)
     check_tools(tools)
     kwargs = check_template_kwargs(template, template_kwargs, special_tokens)
@@ -98,9 +101,16 @@ def prepare_chat_turn(
         bos_token=bos_token,
         eos_token=eos_token,
         template_kwargs=kwargs,
+        continue_final_message=continue_final_message,
     )
     state = "closed"
-    if reasoning is not None:
+    if reasoning is not None and continue_final_message:
+        # the model goes on with the turn's text: in its thought if the template opened one just
+        # before it, else in its answer (it does not open a thought mid-answer)
+        last = max((i for i, (_, is_content) in enumerate(pieces) if is_content), default=len(pieces))
+        framing = [text for text, is_content in pieces[:last] if not is_content]
+        state = "open" if framing and reasoning.prompt_state(framing[-1]) == "open" else "closed"
+    elif reasoning is not None:
         text, is_content = pieces[-1]
         state = reasoning.prompt_state("" if is_content else text)
     thought = None

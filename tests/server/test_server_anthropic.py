@@ -159,6 +159,26 @@ def test_stop_sequences(claude: anthropic.Anthropic, stream: bool) -> None:
 # ---- errors ----------------------------------------------------------------------------------
 
 
+def test_a_final_assistant_turn_is_continued(claude: anthropic.Anthropic) -> None:
+    # Anthropic's prefill: the reply goes on from the assistant's text (the prompt cut right after it)
+    turns: list[Any] = [*ASK, {"role": "assistant", "content": [{"type": "text", "text": "In Paris it is"}]}]
+    message = claude.messages.create(model=MODEL_NAME, max_tokens=6, messages=turns, extra_body=GREEDY)
+    assert message.stop_reason in ("end_turn", "max_tokens") and message.usage.output_tokens > 0
+    count = claude.messages.count_tokens(model=MODEL_NAME, messages=turns)
+    assert count.input_tokens == message.usage.input_tokens + (message.usage.cache_read_input_tokens or 0)
+    later = claude.messages.count_tokens(model=MODEL_NAME, messages=[*turns, {"role": "user", "content": "ok"}])
+    assert count.input_tokens < later.input_tokens
+    # refused as Anthropic refuses them, naming the turn
+    with pytest.raises(anthropic.BadRequestError, match="trailing whitespace"):
+        claude.messages.create(
+            model=MODEL_NAME, max_tokens=4, messages=[*ASK, {"role": "assistant", "content": "It is "}]
+        )
+    calls = [{"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "Paris", "unit": "C"}}]
+    with pytest.raises(anthropic.BadRequestError, match=r"messages\[1\]: a final assistant turn with a tool_use"):
+        claude.messages.create(model=MODEL_NAME, max_tokens=4, tools=TOOLS,  # type: ignore[arg-type]
+                               messages=[*ASK, {"role": "assistant", "content": calls}])  # fmt: skip
+
+
 def test_errors_have_anthropics_shape_and_name_the_field(claude: anthropic.Anthropic, base_url: str) -> None:
     with pytest.raises(anthropic.BadRequestError, match="max_tokens"):
         claude.messages.create(model=MODEL_NAME, messages=ASK, max_tokens=0)

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import httpx
 import openai
 import pytest
 from loopback import API_KEY, MODEL_NAME
@@ -509,3 +510,32 @@ def test_a_harmony_model_over_http(asgi_server: Callable[[Any], str], harmony_mo
             with pytest.raises(openai.BadRequestError) as err:
                 c.chat.completions.create(**ask, **extra)
             assert err.value.body["param"] == param  # type: ignore[index]
+
+
+def test_a_final_assistant_message_is_continued_as_the_answer(client: OpenAI, base_url: str) -> None:
+    # vLLM's continue_final_message (with add_generation_prompt false): the reply goes on from the
+    # assistant's text; on this reasoning model that text is the answer, so no thought is reopened
+    turns = [*USER, {"role": "assistant", "content": "The answer is"}]
+    cont = {"continue_final_message": True, "add_generation_prompt": False}
+    r = client.chat.completions.create(model=MODEL_NAME, messages=turns, max_tokens=6, temperature=0,  # type: ignore[arg-type]
+                                       extra_body=cont)  # fmt: skip
+    assert r.usage is not None and r.usage.completion_tokens > 0
+    assert not getattr(r.choices[0].message, "reasoning_content", None)
+    closed = client.chat.completions.create(model=MODEL_NAME, messages=turns, max_tokens=1)  # type: ignore[arg-type]
+    assert closed.usage is not None and r.usage.prompt_tokens < closed.usage.prompt_tokens  # cut, no new turn
+    for extra, param in (
+        ({"continue_final_message": True}, "continue_final_message"),  # as vLLM: add_generation_prompt false too
+        ({"continue_final_message": "yes", "add_generation_prompt": False}, "continue_final_message"),
+        ({"add_generation_prompt": 0}, "add_generation_prompt"),
+    ):
+        with pytest.raises(openai.BadRequestError) as caught:
+            client.chat.completions.create(model=MODEL_NAME, messages=turns, max_tokens=1, extra_body=extra)  # type: ignore[arg-type]
+        assert caught.value.body["param"] == param, caught.value.body  # type: ignore[index]
+    with pytest.raises(openai.BadRequestError) as caught:  # nothing to continue
+        client.chat.completions.create(model=MODEL_NAME, messages=USER, max_tokens=1, extra_body=cont)  # type: ignore[arg-type]
+    assert caught.value.body["param"] == "continue_final_message"  # type: ignore[index]
+    # Anthropic's prefill refuses thinking with it, as Anthropic does
+    body = {"model": MODEL_NAME, "max_tokens": 4, "messages": turns,
+            "thinking": {"type": "enabled", "budget_tokens": 16}}  # fmt: skip
+    refused = httpx.post(f"{base_url}/v1/messages", json=body, headers={"x-api-key": API_KEY})
+    assert refused.status_code == 400 and "prefill" in refused.text, refused.text
