@@ -41,7 +41,6 @@ from ._core.intake import Intake, Tokenizer
 from ._core.loaded import LoadedModel
 from ._core.model_file import ModelFile
 from ._core.output import Detokenizer, OutputProcessor
-from ._core.plan import LaneState
 from ._core.prepare import Preparer, RequestStatus
 from ._core.protocol import (
     Ask,
@@ -63,6 +62,7 @@ from ._core.protocol import (
     StreamOutput,
     Submit,
 )
+from ._core.request import Request
 from ._core.speculate import Drafter, LaneSpec, NgramDrafter, SpecPolicy
 from ._core.step import EmbedLane, Lane, Requests, RowResult, Sampled, StepRunner, TapPooler, internal_error
 from .batcher import Batcher
@@ -303,7 +303,7 @@ class EngineThread:
             if row.drafts:
                 self._verify(lane, row.drafts, result.first_row, result.verified)
 
-    def _draft(self, state: LaneState, cap: int, rows: int, lanes: int) -> int:
+    def _draft(self, state: Request, cap: int, rows: int, lanes: int) -> int:
         """How many drafts a decode lane feeds this step (`Batcher.schedule` asks), and which
         (`Lane.drafts`): the drafter's proposal, cut where the policy says a row stops paying."""
         lane = self.requests.get(state.rid)
@@ -724,7 +724,7 @@ class EngineThread:
 
     # ---- lane lifecycle ---------------------------------------------------------------
 
-    def _start(self, state: LaneState) -> None:
+    def _start(self, state: Request) -> None:
         """A lane was admitted (`Batcher.plan`): its engine sequence, before its first row."""
         req = self.requests.of(state)
         if isinstance(req, EmbedLane):
@@ -777,7 +777,7 @@ class EngineThread:
         if cached.value > bound:
             self.lib.baseRT_prefix_evict(self._model, cached.value - bound)
 
-    def _release_kv(self, state: LaneState) -> None:
+    def _release_kv(self, state: Request) -> None:
         """A paused request's KV must make room (`Batcher._make_room`): it goes to the prefix
         cache (so its recompute prefills little) and its sequence is freed; the request keeps
         its output, stream and grammar state, and resumes from prompt + output."""

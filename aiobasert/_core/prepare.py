@@ -50,7 +50,7 @@ PromptAndGrammar = tuple[TokenIds | list[int], Constraint | None]
 
 class RequestStatus(enum.Enum):
     """Where a request handed to its preparation stands (as vLLM v1's `RequestStatus`; once it has
-    a lane, its `plan.LaneState` says whether it waits or runs)."""
+    a lane, its `plan.Request` says whether it waits or runs)."""
 
     PREPARING = enum.auto()
     """On the intake workers; its queue place is held."""

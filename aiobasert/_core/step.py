@@ -40,8 +40,9 @@ from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 from .. import _ffi
 from ..errors import AioBaseRTError, EngineError, InternalError, InvalidRequestError
 from ..types import Capabilities, TopLogprob
-from .plan import LaneState, PlannedRow
+from .plan import PlannedRow
 from .protocol import Constraint, Final, RequestSpec, Sink, Ticket
+from .request import Request
 from .speculate import LaneSpec
 from .stopping import StopStringMatcher
 
@@ -83,7 +84,7 @@ class Lane:
         arr: ctypes.Array[c_uint32] = prompt if isinstance(prompt, ctypes.Array) else _ffi.u32_array(prompt)
         self.prompt_arr = arr
         self.prompt: Sequence[int] = arr  # type: ignore[assignment]  # a uint32 array reads as ints
-        self.state = LaneState(rid=spec.rid, prompt_len=len(prompt), max_new_tokens=max_new, client=spec.client)
+        self.state = Request(rid=spec.rid, prompt_len=len(prompt), max_new_tokens=max_new, client=spec.client)
         p = spec.params
         self.seed = p.seed if p.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
         self.penalized = p.repeat_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
@@ -154,7 +155,7 @@ class Lane:
 
     def _fed(self, start: int, end: int) -> list[int]:
         """Tokens [start, end) of what it prefills: the prompt, then a recomputed request's
-        output so far (`LaneState.replay`), without concatenating the whole prompt."""
+        output so far (`Request.replay`), without concatenating the whole prompt."""
         n = len(self.prompt)
         head = list(self.prompt[start : min(end, n)]) if start < n else []
         if end > n:
@@ -230,7 +231,7 @@ class EmbedLane:
         self.rid = rid
         self.ids = ids
         self.done = done  # (result, error) callback, run on the loop
-        self.state = LaneState(rid=rid, prompt_len=len(ids), max_new_tokens=0, embed=True, client=client)
+        self.state = Request(rid=rid, prompt_len=len(ids), max_new_tokens=0, embed=True, client=client)
         self.seq: int | None = None
         self.total = np.zeros(dim, dtype=np.float64)
         self.finite = True
@@ -670,7 +671,7 @@ class Requests:
         """`req` is still registered (not ended since it was planned)."""
         return self._by_id.get(req.rid) is req
 
-    def of(self, state: LaneState) -> Lane | EmbedLane:
+    def of(self, state: Request) -> Lane | EmbedLane:
         return self._by_id[state.rid]
 
     def lanes(self) -> list[Lane]:
