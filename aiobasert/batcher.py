@@ -63,7 +63,7 @@ from collections import Counter, deque
 from collections.abc import Callable, Iterator
 
 from ._core.plan import PlannedRow, StepPlan
-from ._core.request import Request
+from ._core.request import Request, RequestStatus
 from .errors import ContextLengthExceededError, EngineOverloadedError, InvalidRequestError
 
 _CLIENT: contextvars.ContextVar[str | None] = contextvars.ContextVar("aiobasert_client", default=None)
@@ -187,17 +187,19 @@ class Batcher:
         """Queue a lane; `reserved`: its room was checked when it arrived (before preparing it)."""
         if not reserved:
             self.check_room()
+        lane.move(RequestStatus.WAITING)
         lane.arrival = next(self._arrivals)
         lane.due = self.step + self.stretch * self.work(lane)
         self.waiting.append(lane)
 
     def remove(self, lane: Request) -> None:
-        """Forget a lane (finished, cancelled or failed), wherever it is."""
-        if lane.admitted:
+        """Forget a request about to end (finished, cancelled or failed), wherever its status
+        says it is (the engine thread then finishes it)."""
+        if lane.status is RequestStatus.RUNNING:
             self.running.remove(lane)
             if self.fair:
                 self._running_need -= self.kv_need(lane)
-        elif lane.pauses and lane in self.paused:
+        elif lane.status is RequestStatus.PAUSED:
             self.paused.remove(lane)
             self._paused_kv -= lane.kv_kept
             lane.kv_kept = 0
@@ -205,8 +207,8 @@ class Batcher:
             self.waiting.remove(lane)
 
     def holds(self, lane: Request) -> bool:
-        """The lane is running, paused or waiting here."""
-        return lane.admitted or lane in self.paused or lane in self.waiting
+        """The request is running, paused or waiting here (its status says so)."""
+        return lane.queued
 
     def should_match_prefix(self, lane: Request) -> bool:
         # a match always leaves one token to prefill, so it needs > one page; an
@@ -298,7 +300,7 @@ class Batcher:
         return self.kv_blocks is not None and self._running_need + self._paused_kv + extra <= self.kv_blocks
 
     def _place(self, lane: Request) -> Request:
-        lane.admitted = lane.started = True
+        lane.move(RequestStatus.RUNNING)
         lane.ran_from = self.step
         self.running.append(lane)
         if self.fair:
@@ -419,7 +421,7 @@ class Batcher:
         it stopped, with nothing to recompute."""
         self.running.remove(lane)
         self._running_need -= self.kv_need(lane)
-        lane.admitted = False
+        lane.move(RequestStatus.PAUSED)
         lane.pauses += 1
         lane.paused_at = self.step
         lane.kv_kept = self.kv_held(lane)

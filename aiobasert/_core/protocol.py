@@ -151,6 +151,20 @@ class StreamOutput:
         self.sink.deliver(self.tokens, self.final, self.error)
 
 
+@dataclass(slots=True)
+class EmbedOutput:
+    """An embedding's end, handed to the loop with the rest of its step (`Done`)."""
+
+    done: Done
+    result: Any
+    """The float32 vector (a numpy array), or None when it failed."""
+    error: BaseException | None
+
+    def deliver(self) -> None:
+        """Runs on the event loop."""
+        self.done(self.result, self.error)
+
+
 @dataclass
 class Submit:
     spec: RequestSpec

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from aiobasert._core.request import Request
+from aiobasert._core.request import Request, RequestStatus
 from aiobasert.batcher import Batcher
 from aiobasert.errors import ContextLengthExceededError, EngineOverloadedError
 
@@ -110,7 +110,9 @@ def test_prefix_policy() -> None:
     assert b.should_match_prefix(lane("l", 17))
     done = lane("d", 20)
     assert b.should_publish_prefix(done, 20)
-    done.cancelled = True
+    b.enqueue(done)
+    b.remove(done)
+    done.move(RequestStatus.FINISHED_ABORTED)  # cancelled: its KV is not published
     assert not b.should_publish_prefix(done, 20)
 
 
