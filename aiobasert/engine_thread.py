@@ -487,7 +487,7 @@ class EngineThread:
             self._end(req, RequestStatus.FINISHED_ABORTED, tell=False)
 
     def _on_prepared(self, msg: Prepared) -> None:
-        req = self.prep.returned(msg.msg.spec.rid if isinstance(msg.msg, Submit) else msg.msg.rid)
+        req = self.prep.returned(msg.msg.rid)
         if req.status.is_finished:  # answered while it was prepared: it held its queue place until now
             self.requests.pop(req.rid)
         if isinstance(msg.msg, Submit):
@@ -514,10 +514,8 @@ class EngineThread:
             if req.status is RequestStatus.PREPARING:
                 closed = EngineClosedError("the engine was closed before the request started")
                 prep = self.prep.message(req.rid)
-                if isinstance(prep, Submit):
-                    self._notify(prep.sink.deliver, [], None, closed)
-                elif prep is not None:
-                    self._notify(prep.done, None, closed)
+                if prep is not None:
+                    self._notify(prep.answer, closed)
             else:
                 closed = EngineClosedError("the engine was closed before the embedding finished")
             self._end(req, RequestStatus.FINISHED_ABORTED, error=closed)
@@ -539,9 +537,9 @@ class EngineThread:
 
     def _on_submit(self, msg: Submit) -> None:
         """A request goes to its preparation, refused first when the engine closes or its queue is full."""
-        req = self._arrive(msg.spec.rid, embed=False)
+        req = self._arrive(msg.rid, embed=False)
         if not isinstance(req, Request):
-            self._notify(msg.sink.deliver, [], None, req)
+            self._notify(msg.answer, req)
             return
         checked = self.prep.submit(msg, req)
         if checked is not None:  # a prompt of ids, nothing to prepare: straight into the FIFO
@@ -584,7 +582,7 @@ class EngineThread:
             if constraint is not None:  # refused after its grammar was built: free it
                 self.prep.close_constraint(constraint, spec.cost.grammar_key)
             err = exc if isinstance(exc, AioBaseRTError) else internal_error("at intake", exc)
-            self._notify(msg.sink.deliver, [], None, err)
+            self._notify(msg.answer, err)
             if not dropped:
                 self._end(req, RequestStatus.FINISHED_ERROR)
             if not isinstance(exc, Exception):
@@ -598,7 +596,7 @@ class EngineThread:
         """A text input is tokenized by the intake workers first; ids go straight on."""
         req = self._arrive(msg.rid, embed=True)
         if not isinstance(req, Request):
-            self._notify(msg.done, None, req)
+            self._notify(msg.answer, req)
             return
         if isinstance(msg.source, str):
             self.prep.submit_embed(msg, msg.source, req)
@@ -629,7 +627,7 @@ class EngineThread:
             self.batcher.enqueue(req, reserved=True)
         except BaseException as exc:
             err = exc if isinstance(exc, AioBaseRTError) else internal_error("at intake", exc)
-            self._notify(msg.done, None, err)
+            self._notify(msg.answer, err)
             self._end(req, RequestStatus.FINISHED_ERROR)
             if not isinstance(exc, Exception):
                 raise
@@ -737,7 +735,7 @@ class EngineThread:
             return
         lane.seq = seq
         self.live_sequences += 1
-        if match is not None and isinstance(lane, Lane):
+        if match is not None:  # a generation (an embedding pools every row: it matches no prefix)
             rc = lib.baseRT_sequence_seed_prefix(seq, match.blocks, match.n_blocks, match.matched_tokens)
             if rc == 0:
                 lane.prefix_handle = int(match.handle)

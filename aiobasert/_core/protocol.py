@@ -171,6 +171,15 @@ class Submit:
     sink: Sink
     ticket: Ticket
 
+    @property
+    def rid(self) -> str:
+        return self.spec.rid
+
+    def answer(self, error: BaseException) -> None:
+        """Runs on the event loop: the request ends with `error` before it had a lane (refused,
+        or the engine closed while it was prepared)."""
+        self.sink.deliver([], None, error)
+
 
 @dataclass
 class Cancel:
@@ -253,6 +262,10 @@ class Embed:
     done: Done
     client: str | None = None
     """Whose request it is, for fair admission (as `RequestSpec.client`)."""
+
+    def answer(self, error: BaseException) -> None:
+        """Runs on the event loop: as `Submit.answer`."""
+        self.done(None, error)
 
 
 @dataclass
