@@ -53,14 +53,16 @@ async def test_a_generation_is_preparing_waiting_running_paused_running_then_gon
                 await held.stream  # its end frees the lane
             snap = await wait_until(engine, lambda x: x.status(rid) == "running" and x.requests[rid].generated >= 5)
             assert snap.stats.active_lanes == 1 and snap.stats.waiting_requests == 0
-            # a shorter request of another client takes the lane back: the first is paused, its KV kept
-            second = engine.stream("another client", max_tokens=40, ignore_eos=True)
-            second.submit()
-            snap = await status_is(engine, rid, "paused")
-            assert snap.status(second.request_id) == "running" and snap.count("paused") == 1
-            assert snap.stats.paused_requests == snap.stats.waiting_requests == 1 and snap.stats.live_sequences == 2
-            assert len([t async for t in second]) == 40  # its end gives the lane back: the first resumes
-            await status_is(engine, rid, "running")
+            # a shorter request takes the lane back (it is held there, feeding nothing, so the
+            # pause lasts until it is released): the first is paused, its sequence and KV kept
+            async with hold_lane(engine, prompt="another client", max_tokens=40) as second:
+                snap = await status_is(engine, rid, "paused")
+                assert snap.status(second.stream.request_id) == "running" and snap.count("paused") == 1
+                assert snap.stats.paused_requests == snap.stats.waiting_requests == 1
+                assert snap.stats.live_sequences == 2
+                second.release()
+                assert len([t async for t in second.stream]) == 40  # its end gives the lane back
+            await status_is(engine, rid, "running")  # the first resumes
             tokens = [t async for t in s]
             assert len(tokens) == 1500 and s.finish_reason == "length"
             assert (await snapshot(engine)).status(rid) is None  # finished: gone
@@ -72,8 +74,8 @@ async def test_a_generation_is_preparing_waiting_running_paused_running_then_gon
 async def test_an_embedding_is_preparing_waiting_running_then_gone(
     untied_model_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    text = " ".join(f"word{i}" for i in range(100))  # hundreds of tokens: a chunk a step for many steps
-    async with Engine.open(untied_model_path, max_batch_size=1, prefill_chunk=2) as engine:
+    text = " ".join(f"word{i}" for i in range(300))  # ~1200 tokens, a token a step: it runs for many steps
+    async with Engine.open(untied_model_path, max_batch_size=1, prefill_chunk=1) as engine:
         with anyio.fail_after(BOUND):
             want = await engine.embed(text)  # the embedding path is decided (and the input fits)
             got: list[np.ndarray] = []
@@ -177,13 +179,11 @@ async def test_a_paused_request_cancelled_frees_its_kept_sequence(untied_model_p
             first.submit()
             rid = first.request_id
             await wait_until(engine, lambda s: s.status(rid) == "running" and s.requests[rid].generated >= 5)
-            second = engine.stream("another client", max_tokens=700, ignore_eos=True)
-            second.submit()
-            snap = await status_is(engine, rid, "paused")
-            assert snap.stats.live_sequences == 2  # paused, its sequence and KV kept
-            await first.aclose()
-            snap = await status_is(engine, rid, None)
-            assert snap.stats.paused_requests == 0 and snap.stats.live_sequences == 1
-            assert snap.status(second.request_id) == "running" and snap.stats.requests_cancelled == 1
-            await second.aclose()
+            async with hold_lane(engine, prompt="another client") as second:  # takes the lane back, held there
+                snap = await status_is(engine, rid, "paused")
+                assert snap.stats.live_sequences == 2  # paused, its sequence and KV kept
+                await first.aclose()
+                snap = await status_is(engine, rid, None)
+                assert snap.stats.paused_requests == 0 and snap.stats.live_sequences == 1
+                assert snap.status(second.stream.request_id) == "running" and snap.stats.requests_cancelled == 1
         await nothing_held(engine)
