@@ -28,7 +28,7 @@ The engine thread asks `plan()` once per step and carries the `StepPlan` out
   and the other paused requests' KV, `kv_blocks`: no step ever runs out), and it
   resumes in a lane where it stopped. Only when a resume or an urgent request
   would not fit is the KV of the latest paused requests released: they resume
-  by recomputing prompt + output (`LaneState.replay`), mostly from the prefix
+  by recomputing prompt + output (`Request.replay`), mostly from the prefix
   cache (`_release_paused`, as vLLM recomputes when its KV blocks run out).
   `fair=False` is plain FIFO (the bench's baseline). The wait queue is bounded
   (`max_queue` requests waiting for a lane; those the next admission places do
@@ -47,7 +47,7 @@ The engine thread asks `plan()` once per step and carries the `StepPlan` out
   and a cancel lands between chunks (tabbyAPI #383).
 * Prefix-cache seeding is tried at admission for prompts longer than a page;
   the KV of a finished lane (prompt + output) is published for reuse.
-* An embedding is a lane too (`LaneState.embed`): admitted like any
+* An embedding is a lane too (`Request.embed`): admitted like any
   request (never preempted), its input fed in chunks from the same prefill budget (and at most
   `tap_budget` tapped rows a step), done when all of it is fed.
   A long embedding thus costs running streams one chunk per step, never a
@@ -62,7 +62,8 @@ import itertools
 from collections import Counter, deque
 from collections.abc import Callable, Iterator
 
-from ._core.plan import LaneState, PlannedRow, StepPlan
+from ._core.plan import PlannedRow, StepPlan
+from ._core.request import Request, RequestStatus
 from .errors import ContextLengthExceededError, EngineOverloadedError, InvalidRequestError
 
 _CLIENT: contextvars.ContextVar[str | None] = contextvars.ContextVar("aiobasert_client", default=None)
@@ -119,21 +120,21 @@ class Batcher:
         """Tapped rows one step may carry (the engine's tap capacity); None = unbounded."""
         self.fair = fair
         self.stretch = max(1, stretch)
-        """A request is due `stretch` times its work (`work`) after it arrives (`LaneState.due`)."""
+        """A request is due `stretch` times its work (`work`) after it arrives (`Request.due`)."""
         self.kv_blocks = kv_blocks
         """The KV pool's blocks (None: unknown, and no lane is ever taken back)."""
         self.step = 0
         """Plans made: the batcher's clock, in engine steps."""
         self.preemptions = 0
-        self.waiting: deque[LaneState] = deque()
+        self.waiting: deque[Request] = deque()
         """New requests, in arrival order."""
-        self.paused: deque[LaneState] = deque()
+        self.paused: deque[Request] = deque()
         """Requests taken out of their lane with their KV kept, in the order they were paused."""
-        self.running: list[LaneState] = []
+        self.running: list[Request] = []
         self._running_need = 0
         """KV blocks the running requests may reach at their longest (`kv_need`; fair mode)."""
         self._paused_kv = 0
-        """KV blocks the paused requests keep (`LaneState.kv_kept`). A pause is only made while
+        """KV blocks the paused requests keep (`Request.kv_kept`). A pause is only made while
         `_running_need + _paused_kv` stays within `kv_blocks` (`_fits`); with none paused,
         `max_batch_size` lanes of at most `max_context` fit the pool as the engine sized it."""
         self.recomputes = 0
@@ -182,37 +183,39 @@ class Batcher:
                 f"request queue is full ({self.max_queue} waiting for a lane); retry later or raise max_queue"
             )
 
-    def enqueue(self, lane: LaneState, *, reserved: bool = False) -> None:
+    def enqueue(self, lane: Request, *, reserved: bool = False) -> None:
         """Queue a lane; `reserved`: its room was checked when it arrived (before preparing it)."""
         if not reserved:
             self.check_room()
+        lane.move(RequestStatus.WAITING)
         lane.arrival = next(self._arrivals)
         lane.due = self.step + self.stretch * self.work(lane)
         self.waiting.append(lane)
 
-    def remove(self, lane: LaneState) -> None:
-        """Forget a lane (finished, cancelled or failed), wherever it is."""
-        if lane.admitted:
+    def remove(self, lane: Request) -> None:
+        """Forget a request about to end (finished, cancelled or failed), wherever its status
+        says it is (the engine thread then finishes it)."""
+        if lane.status is RequestStatus.RUNNING:
             self.running.remove(lane)
             if self.fair:
                 self._running_need -= self.kv_need(lane)
-        elif lane.pauses and lane in self.paused:
+        elif lane.status is RequestStatus.PAUSED:
             self.paused.remove(lane)
             self._paused_kv -= lane.kv_kept
             lane.kv_kept = 0
         else:
             self.waiting.remove(lane)
 
-    def holds(self, lane: LaneState) -> bool:
-        """The lane is running, paused or waiting here."""
-        return lane.admitted or lane in self.paused or lane in self.waiting
+    def holds(self, lane: Request) -> bool:
+        """The request is running, paused or waiting here (its status says so)."""
+        return lane.queued
 
-    def should_match_prefix(self, lane: LaneState) -> bool:
+    def should_match_prefix(self, lane: Request) -> bool:
         # a match always leaves one token to prefill, so it needs > one page; an
         # embedding pools every row's hidden state, so it cannot skip any
         return self.prefix_cache and not lane.embed and lane.kv_target > self.page_size
 
-    def should_publish_prefix(self, lane: LaneState, kv_tokens: int) -> bool:
+    def should_publish_prefix(self, lane: Request, kv_tokens: int) -> bool:
         return self.prefix_cache and not lane.cancelled and not lane.embed and kv_tokens >= self.page_size
 
     # ---- the plan ---------------------------------------------------------------------
@@ -222,9 +225,9 @@ class Batcher:
 
     def admit(
         self,
-        preempt: Callable[[LaneState], None] | None = None,
-        release: Callable[[LaneState], None] | None = None,
-    ) -> list[LaneState]:
+        preempt: Callable[[Request], None] | None = None,
+        release: Callable[[Request], None] | None = None,
+    ) -> list[Request]:
         """Move waiting requests into lanes: free ones first (`_next_for_free_lane`), then
         ones taken back (`_take_back`). `preempt` is called for each lane taken back (the
         engine keeps its sequence: its KV stays for the resume); `release` for each paused
@@ -233,7 +236,7 @@ class Batcher:
         engine then creates the new lanes' sequences (and seeds cached prefixes) before
         `schedule()` (`plan()` does both)."""
         self.step += 1
-        admitted: list[LaneState] = []
+        admitted: list[Request] = []
         if not self.fair:
             while self.waiting and len(self.running) < self.max_batch_size:
                 admitted.append(self._place(self.waiting.popleft()))
@@ -263,15 +266,13 @@ class Batcher:
             admitted.append(self._place(lane))
         return admitted
 
-    def _next_for_free_lane(
-        self, held: Counter[tuple[str, str]], release: Callable[[LaneState], None] | None
-    ) -> LaneState:
+    def _next_for_free_lane(self, held: Counter[tuple[str, str]], release: Callable[[Request], None] | None) -> Request:
         """Who gets a free lane: the waiting request, new or paused, of the client holding the
         fewest lanes, then the most urgent (least slack), then the earliest. A new one only
         where it fits the pool beside the paused requests' KV (some of it released if that
         makes it fit), else the first paused one."""
 
-        def order(x: LaneState) -> tuple[int, int, int]:
+        def order(x: Request) -> tuple[int, int, int]:
             return held[x.owner], self.slack(x), x.arrival
 
         new = min(self.waiting, key=order, default=None)
@@ -285,7 +286,7 @@ class Batcher:
         assert paused is not None
         return paused
 
-    def _make_room(self, lane: LaneState, release: Callable[[LaneState], None] | None) -> None:
+    def _make_room(self, lane: Request, release: Callable[[Request], None] | None) -> None:
         """Before a paused `lane` resumes: while the pool cannot hold the running requests at
         their longest, `lane` at its longest and the paused requests' KV, release the KV of the
         latest paused ones (they resume by recomputing prompt + output, mostly from the prefix
@@ -298,40 +299,40 @@ class Batcher:
         every paused request's KV (the invariant that keeps any step from running out)."""
         return self.kv_blocks is not None and self._running_need + self._paused_kv + extra <= self.kv_blocks
 
-    def _place(self, lane: LaneState) -> LaneState:
-        lane.admitted = lane.started = True
+    def _place(self, lane: Request) -> Request:
+        lane.move(RequestStatus.RUNNING)
         lane.ran_from = self.step
         self.running.append(lane)
         if self.fair:
             self._running_need += self.kv_need(lane)
         return lane
 
-    def kv_need(self, lane: LaneState) -> int:
+    def kv_need(self, lane: Request) -> int:
         """KV blocks a request may hold at its longest (prompt + every output token but the
         last), plus one for the private copy of a shared block it may write."""
         return -(-(lane.prompt_len + lane.max_new_tokens) // self.page_size) + 1
 
-    def kv_held(self, lane: LaneState) -> int:
+    def kv_held(self, lane: Request) -> int:
         """KV blocks a running request holds at most now (prompt + output but its last token)."""
         return -(-(lane.prompt_len + lane.generated) // self.page_size) + 1
 
-    def work(self, lane: LaneState) -> int:
+    def work(self, lane: Request) -> int:
         """Steps a request holds a lane for at most, from its arrival: its prompt's chunks,
         then its output (an embedding: its chunks)."""
         return -(-lane.prompt_len // self.prefill_budget) + lane.max_new_tokens
 
-    def left(self, lane: LaneState) -> int:
+    def left(self, lane: Request) -> int:
         """Steps it still needs a lane for: what is left of its prompt (or, recomputed, of its
         prompt + output) in chunks, then the output it may still generate."""
         chunks = -(-(lane.kv_target - lane.prefilled) // self.prefill_budget)
         return chunks + lane.max_new_tokens - lane.generated
 
-    def slack(self, lane: LaneState) -> int:
+    def slack(self, lane: Request) -> int:
         """Steps it can still wait and be done when due: its due step, less now, less `left`.
         Constant while it runs; it falls by one each step it waits."""
         return lane.due - self.step - self.left(lane)
 
-    def _takeable(self, lane: LaneState) -> bool:
+    def _takeable(self, lane: Request) -> bool:
         """A lane may be taken back: a generation that sampled since its latest admission (so
         every admission makes progress) and is not done."""
         if lane.embed or lane.prefilling or lane.generated >= lane.max_new_tokens:
@@ -339,8 +340,8 @@ class Batcher:
         return self.step > lane.ran_from
 
     def _take_back(
-        self, held: Counter[tuple[str, str]], release: Callable[[LaneState], None] | None = None
-    ) -> tuple[LaneState, LaneState] | None:
+        self, held: Counter[tuple[str, str]], release: Callable[[Request], None] | None = None
+    ) -> tuple[Request, Request] | None:
         """With every lane taken: the first waiting request (new or paused, in the order a free
         lane would take them) that may take a lane back, and that lane; None when none may.
 
@@ -389,8 +390,8 @@ class Batcher:
     def _release_paused(
         self,
         extra: int,
-        release: Callable[[LaneState], None] | None,
-        keep: LaneState | None = None,
+        release: Callable[[Request], None] | None,
+        keep: Request | None = None,
         *,
         partly: bool = False,
     ) -> bool:
@@ -415,12 +416,12 @@ class Batcher:
             self.recomputes += 1
         return self._fits(extra)
 
-    def _pause(self, lane: LaneState) -> None:
+    def _pause(self, lane: Request) -> None:
         """Out of its lane, its sequence (and so its KV) kept: it resumes in a free lane where
         it stopped, with nothing to recompute."""
         self.running.remove(lane)
         self._running_need -= self.kv_need(lane)
-        lane.admitted = False
+        lane.move(RequestStatus.PAUSED)
         lane.pauses += 1
         lane.paused_at = self.step
         lane.kv_kept = self.kv_held(lane)
@@ -430,10 +431,10 @@ class Batcher:
 
     def plan(
         self,
-        start: Callable[[LaneState], None] | None = None,
-        preempt: Callable[[LaneState], None] | None = None,
-        release: Callable[[LaneState], None] | None = None,
-        draft: Callable[[LaneState, int, int, int], int] | None = None,
+        start: Callable[[Request], None] | None = None,
+        preempt: Callable[[Request], None] | None = None,
+        release: Callable[[Request], None] | None = None,
+        draft: Callable[[Request, int, int, int], int] | None = None,
     ) -> StepPlan:
         """The next step: admit waiting requests (`admit`, which calls `preempt` for each
         lane it takes back and `release` for each paused request whose KV must go), then
@@ -461,13 +462,13 @@ class Batcher:
                 rows.append(PlannedRow(lane, "decode", k, True, drafts=k - 1))
         return StepPlan(tuple(admitted), tuple(rows))
 
-    def draft_cap(self, lane: LaneState) -> int:
+    def draft_cap(self, lane: Request) -> int:
         """Draft tokens a decode lane may feed after its pending token: no more than it may
         still generate after that one (so the KV stays within `kv_need` and the context),
         and at most `max_drafts` (a lane's logits rows are bounded by the engine's scratch)."""
         return max(0, min(self.max_drafts, lane.max_new_tokens - lane.generated - 1))
 
-    def schedule(self, draft: Callable[[LaneState, int, int, int], int] | None = None) -> list[tuple[LaneState, int]]:
+    def schedule(self, draft: Callable[[Request, int, int, int], int] | None = None) -> list[tuple[Request, int]]:
         """The rows of the next fused step: (lane, tokens fed), 1 for a decode
         lane (1 + its drafts when `draft` gives it some), a chunk within the prefill
         budget for a prefilling one.

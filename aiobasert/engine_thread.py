@@ -9,13 +9,17 @@ active lane, passes each lane's token through `_core.output.OutputProcessor`
 one wake-up. With nothing to do it blocks on the inbox: no spinning, and a new
 request wakes it at once.
 
-A request is prepared first (`_core.prepare.Preparer`: its prompt tokenized and
-its grammar compiled on the intake workers, never here) and becomes a lane when
-it comes back. An embedding is a lane as well (`EmbedLane`): its input is fed
-chunk by chunk in those same steps and pooled from hidden-state taps
-(`_core.embed.Embedder` decides that path), so it never stalls the running
-streams. This module is the lanes' one writer: their admission, tokens, end
-and freeing.
+Each request has one record from its arrival to its end (`_core.request.Request`,
+in `Requests`), whose status says where it is: preparing (`_core.prepare.Preparer`:
+its prompt tokenized and its grammar compiled on the intake workers, never here),
+waiting, running, paused, then finished with its reason. Prepared, it gets a lane.
+An embedding is the same record of the pooling kind, with a lane as well
+(`EmbedLane`): its input is fed chunk by chunk in those same steps and pooled from
+hidden-state taps (`_core.embed.Embedder` decides that path), so it never stalls
+the running streams, and it is admitted, released, ended and delivered as a
+generation is. This module is the lanes' one writer: `_admit` (its sequence, when
+the batcher gives it a lane), `_release` (all it holds in the engine) and `_end`
+(its one way out, whatever the reason), each one function for every kind.
 
 Teardown order matters: a lane's engine sequence is freed (rolled back first
 when it was cancelled) before its bookkeeping is dropped, never after. A
@@ -30,6 +34,7 @@ import os
 import queue
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from ctypes import byref, c_int
 from typing import TYPE_CHECKING, Any
@@ -41,8 +46,7 @@ from ._core.intake import Intake, Tokenizer
 from ._core.loaded import LoadedModel
 from ._core.model_file import ModelFile
 from ._core.output import Detokenizer, OutputProcessor
-from ._core.plan import LaneState
-from ._core.prepare import Preparer, RequestStatus
+from ._core.prepare import Preparer
 from ._core.protocol import (
     Ask,
     Call,
@@ -63,6 +67,7 @@ from ._core.protocol import (
     StreamOutput,
     Submit,
 )
+from ._core.request import Request, RequestStatus
 from ._core.speculate import Drafter, LaneSpec, NgramDrafter, SpecPolicy
 from ._core.step import EmbedLane, Lane, Requests, RowResult, Sampled, StepRunner, TapPooler, internal_error
 from .batcher import Batcher
@@ -74,7 +79,7 @@ from .errors import (
     EngineOverloadedError,
     InvalidRequestError,
 )
-from .types import EngineStats, FinishReason, ModelInfo, Token
+from .types import EngineStats, ModelInfo, Token
 
 if TYPE_CHECKING:  # numpy (embeddings): imported on first use only
     import numpy as np
@@ -96,8 +101,8 @@ class EngineThread:
         self.stopped: concurrent.futures.Future[None] = concurrent.futures.Future()
         self._thread = threading.Thread(target=self._main, name="aiobasert-engine", daemon=True)
         self._model: int | None = None
-        self.requests = Requests()  # every request with a lane (queued or running), generation or embedding
-        self._dirty: dict[str, Lane] = {}
+        self.requests = Requests()  # every request the thread holds, from its arrival to its end
+        self._dirty: dict[str, Lane | EmbedLane] = {}  # lanes with output for this step's delivery
         self._closing = False
         self._abort = False
         self._load_cancelled = threading.Event()  # set by a cancelled Engine.open: the load stops at its next phase
@@ -106,9 +111,8 @@ class EngineThread:
         self.steps = 0
         self.models_freed = 0
         self.live_sequences = 0
-        self.finished = 0
-        self.cancelled = 0
-        self.failed = 0
+        self.ended: Counter[RequestStatus] = Counter()
+        """Generations ended, by their final status (`EngineStats.requests_finished` & co.)."""
         self.thread_id: int | None = None
         spec = cfg.speculation
         self.drafter: Drafter | None = None
@@ -139,6 +143,21 @@ class EngineThread:
     @property
     def alive(self) -> bool:
         return self._thread.is_alive()
+
+    @property
+    def finished(self) -> int:
+        """Generations that ended on a stop or at their length."""
+        return self.ended[RequestStatus.FINISHED_STOPPED] + self.ended[RequestStatus.FINISHED_LENGTH]
+
+    @property
+    def cancelled(self) -> int:
+        """Generations cancelled (their reader left) or aborted by the close."""
+        return self.ended[RequestStatus.FINISHED_ABORTED]
+
+    @property
+    def failed(self) -> int:
+        """Generations that failed once they had a lane."""
+        return self.ended[RequestStatus.FINISHED_ERROR]
 
     # ---- main loop: load, then serve ------------------------------------------------------
 
@@ -250,7 +269,7 @@ class EngineThread:
         """One engine step, as vLLM v1's `EngineCore.step` (schedule -> execute -> update):
 
         1. drain the inbox: requests, cancels, queries, close (blocks when idle);
-        2. plan: the batcher admits waiting requests (`_start` creates their
+        2. plan: the batcher admits waiting requests (`_admit` creates their
            sequences) and picks each running lane's row (`plan.StepPlan`);
         3. run: `StepRunner.run` = prepare -> ONE fused forward -> collect;
         4. apply: each lane's `RowResult` is applied here, the lanes' one writer
@@ -259,17 +278,16 @@ class EngineThread:
 
         False once the engine is closed (drained, or aborted)."""
         idle = not self.batcher.has_runnable_work()
-        busy = bool(self.requests or self.prep.preparing)
-        self._drain(block=idle and not (self._closing and not busy))
+        self._drain(block=idle and not (self._closing and not self.requests))
         # a drain serves the requests still being prepared too; an abort has answered them
-        if self._closing and (self._abort or not (self.prep.preparing or self.requests)):
+        if self._closing and (self._abort or not self.requests):
             return False
         if self.batcher.has_runnable_work():
             self.steps += 1
             try:
                 draft = self._draft if self.drafter is not None else None
                 self._step_drafts = 0
-                plan = self.batcher.plan(self._start, release=self._release_kv, draft=draft)
+                plan = self.batcher.plan(self._admit, release=self._release_kv, draft=draft)
                 if plan.rows:
                     began = time.perf_counter()
                     results = self.runner.run([(self.requests.of(r.lane), r) for r in plan.rows])
@@ -287,26 +305,26 @@ class EngineThread:
     def _apply(self, result: RowResult) -> None:
         """Apply one lane's part of the step (the engine thread is the only writer of a lane)."""
         lane, row = result.lane, result.row
-        if not self.requests.holds(lane):  # ended earlier in this step
+        if lane.state.status.is_finished:  # ended earlier in this step
             return
         if result.error is not None:
-            self._end(lane, result.error)
+            self._end(lane.state, RequestStatus.FINISHED_ERROR, error=result.error)
             return
         if row.kind != "decode":
             lane.state.prefilled += row.tokens
         if isinstance(lane, EmbedLane):
             if result.pooled is not None:
                 lane.add(result.pooled)
-            self._embed_chunk_done(lane)
+            self._pooled(lane)
         elif result.sampled is not None:
             self._apply_token(lane, result.sampled)
             if row.drafts:
                 self._verify(lane, row.drafts, result.first_row, result.verified)
 
-    def _draft(self, state: LaneState, cap: int, rows: int, lanes: int) -> int:
+    def _draft(self, state: Request, cap: int, rows: int, lanes: int) -> int:
         """How many drafts a decode lane feeds this step (`Batcher.schedule` asks), and which
         (`Lane.drafts`): the drafter's proposal, cut where the policy says a row stops paying."""
-        lane = self.requests.get(state.rid)
+        lane = self.requests.lane(state.rid)
         if not isinstance(lane, Lane) or lane.speculation is None or self.drafter is None:
             return 0
         if not self.spec_policy.ask(lane.speculation, rows, lanes):
@@ -342,7 +360,7 @@ class EngineThread:
         self.spec_drafted += fed
         accepted = 0
         for j, tok in enumerate(drafts):
-            if not self.requests.holds(lane) or lane.generated[-1] != tok:
+            if lane.state.status.is_finished or lane.generated[-1] != tok:
                 break
             accepted += 1
             spec.accepted += 1
@@ -353,11 +371,11 @@ class EngineThread:
             try:
                 sampled = self.runner.verify_row(lane, first_row + j + 1)
             except AioBaseRTError as exc:
-                self._fail(lane, exc)
+                self._end(lane.state, RequestStatus.FINISHED_ERROR, error=exc)
                 break
             self._apply_token(lane, sampled)
         spec.observe(accepted, accepted < fed)
-        if self.requests.holds(lane) and lane.seq is not None:
+        if not lane.state.status.is_finished and lane.seq is not None:
             self._rollback_drafts(lane)
 
     def _rollback_drafts(self, lane: Lane) -> None:
@@ -367,16 +385,16 @@ class EngineThread:
         keep = len(lane.prompt) + len(lane.generated) - 1
         rc = self.lib.baseRT_sequence_rollback(lane.seq, keep)
         if rc != 0:
-            self._fail(lane, self.lib.last_error("baseRT_sequence_rollback"))
+            self._end(lane.state, RequestStatus.FINISHED_ERROR, error=self.lib.last_error("baseRT_sequence_rollback"))
 
     def _apply_token(self, lane: Lane, sampled: Sampled) -> None:
         try:
             out = self.output.process(lane, sampled.token, sampled.logprob, sampled.top_logprobs)
         except AioBaseRTError as exc:
-            self._fail(lane, exc)
+            self._end(lane.state, RequestStatus.FINISHED_ERROR, error=exc)
             return
         except Exception as exc:  # a bug in one lane's output costs that lane only
-            self._fail(lane, internal_error("processing the output", exc))
+            self._end(lane.state, RequestStatus.FINISHED_ERROR, error=internal_error("processing the output", exc))
             return
         if not lane.generated:
             lane.first_token_at = time.monotonic()
@@ -387,22 +405,11 @@ class EngineThread:
             lane.speculation.on_token(out.token.id)
         self._emit(lane, out.token)
         if out.finish is not None:
-            self._finish(lane, out.finish)
-
-    def _end(self, req: Lane | EmbedLane, error: BaseException | None) -> None:
-        """End a request with its error, or (None) because it was cancelled."""
-        if isinstance(req, EmbedLane):
-            self._end_embed(req, None, error)
-        elif error is None:
-            self._cancel(req)
-        else:
-            self._fail(req, error)
+            self._end(lane.state, RequestStatus.finished(out.finish))
 
     def _fail_running(self, exc: AioBaseRTError) -> None:
-        for state in list(self.batcher.running):
-            req = self.requests.get(state.rid)
-            if req is not None:
-                self._end(req, exc)
+        for req in list(self.batcher.running):
+            self._end(req, RequestStatus.FINISHED_ERROR, error=exc)
 
     # ---- the inbox: each message by its type -------------------------------------------------
 
@@ -473,20 +480,20 @@ class EngineThread:
         return count
 
     def _on_cancel(self, msg: Cancel) -> None:
+        """The request's reader left: it ends now, wherever it is (still prepared: its
+        preparation's result is dropped when it returns)."""
         req = self.requests.get(msg.rid)
-        if req is not None:  # an embedding's caller is gone: free the lane, nobody to tell
-            self._end(req, None)
-        prep = self.prep.cancel(msg.rid)
-        if isinstance(prep, Submit):  # cancelled while it is prepared: counted now, dropped on return
-            self.cancelled += 1
+        if req is not None and not req.status.is_finished:
+            self._end(req, RequestStatus.FINISHED_ABORTED, tell=False)
 
     def _on_prepared(self, msg: Prepared) -> None:
-        req = msg.msg
-        dropped = self.prep.returned(req.spec.rid if isinstance(req, Submit) else req.rid) is RequestStatus.ABANDONED
-        if isinstance(req, Submit):
-            self._enqueue(req, msg.result, msg.error, dropped=dropped)
+        req = self.prep.returned(msg.msg.rid)
+        if req.status.is_finished:  # answered while it was prepared: it held its queue place until now
+            self.requests.pop(req.rid)
+        if isinstance(msg.msg, Submit):
+            self._enqueue(req, msg.msg, msg.result, msg.error)
         else:
-            self._enqueue_embed(req, msg.result, msg.error, dropped=dropped)
+            self._enqueue_embed(req, msg.msg, msg.result, msg.error)
 
     def _on_close(self, msg: Close) -> None:
         self._closing = True
@@ -495,50 +502,55 @@ class EngineThread:
         # waits for its reader).
         for lane in self.requests.lanes():
             if not lane.sink.alive():
-                self._cancel(lane)
+                self._end(lane.state, RequestStatus.FINISHED_ABORTED, tell=False)
         if msg.abort:
             self._abort = True
-            for lane in self.requests.lanes():
-                self._finish(lane, "aborted")
-            self._abort_embeds()
-            self._abort_preparing()
+            self._abort_all()
 
-    def _abort_preparing(self) -> None:
-        """Answer the requests still being prepared now: an abort waits for no compile."""
-        closed = EngineClosedError("the engine was closed before the request started")
-        for prep in self.prep.abandon_all():
-            self.cancelled += 1
-            if isinstance(prep, Submit):
-                self._notify(prep.sink.deliver, [], None, closed)
+    def _abort_all(self) -> None:
+        """End every live request now, those still being prepared included (an abort waits for no
+        compile): a generation with its "aborted" finish, an embedding with EngineClosedError."""
+        for req in self.requests.live():
+            if req.status is RequestStatus.PREPARING:
+                closed = EngineClosedError("the engine was closed before the request started")
+                prep = self.prep.message(req.rid)
+                if prep is not None:
+                    self._notify(prep.answer, closed)
             else:
-                self._notify(prep.done, None, closed)
-
-    def _cancel(self, lane: Lane) -> None:
-        lane.state.cancelled = True
-        self.cancelled += 1
-        self._release(lane)
+                closed = EngineClosedError("the engine was closed before the embedding finished")
+            self._end(req, RequestStatus.FINISHED_ABORTED, error=closed)
 
     # ---- requests in, through their preparation (`_core.prepare`), out as lanes ---------------
 
-    def _on_submit(self, msg: Submit) -> None:
-        """A request goes to its preparation, refused first when the engine closes or its queue is full."""
+    def _arrive(self, rid: str, *, embed: bool) -> Request | AioBaseRTError:
+        """A request's record, PREPARING, once its queue place is held; why it is refused when the
+        engine closes or its queue is full."""
         if self._closing:
-            self._notify(msg.sink.deliver, [], None, EngineClosedError("the engine is closing"))
-            return
+            return EngineClosedError("the engine is closing")
         try:  # refused before any work is spent on it; its queue slot is held while it is prepared
             self.batcher.check_room(self.prep.preparing + self._reserved)
         except EngineOverloadedError as exc:
-            self._notify(msg.sink.deliver, [], None, exc)
+            return exc
+        req = Request(rid=rid, prompt_len=0, max_new_tokens=0, embed=embed)
+        self.requests.add(req)
+        return req
+
+    def _on_submit(self, msg: Submit) -> None:
+        """A request goes to its preparation, refused first when the engine closes or its queue is full."""
+        req = self._arrive(msg.rid, embed=False)
+        if not isinstance(req, Request):
+            self._notify(msg.answer, req)
             return
-        checked = self.prep.submit(msg)
+        checked = self.prep.submit(msg, req)
         if checked is not None:  # a prompt of ids, nothing to prepare: straight into the FIFO
             ids, error = checked
-            self._enqueue(msg, (ids, None), error, dropped=False)
+            self._enqueue(req, msg, (ids, None), error)
 
-    def _enqueue(self, msg: Submit, prepared: Any, error: BaseException | None, *, dropped: bool) -> None:
-        """A prepared request joins the FIFO queue (or is answered with its error). `dropped`: it was
-        answered (its Cancel came and was counted, or an abort) while it was prepared."""
+    def _enqueue(self, req: Request, msg: Submit, prepared: Any, error: BaseException | None) -> None:
+        """A prepared request joins the FIFO queue (or is answered with its error). A request
+        answered while it was prepared (cancelled, or an abort) is finished: its result is dropped."""
         spec = msg.spec
+        dropped = req.status.is_finished
         constraint: Constraint | None = None
         try:
             if error is not None:
@@ -547,7 +559,7 @@ class EngineThread:
                 raise error
             if prepared is None:  # its reader had left before the work began
                 if not dropped:
-                    self.cancelled += 1
+                    self._end(req, RequestStatus.FINISHED_ABORTED, tell=False)
                 return
             prompt, constraint = prepared
             if constraint is not None:
@@ -558,45 +570,42 @@ class EngineThread:
                 if constraint is not None:
                     self.prep.close_constraint(constraint, spec.cost.grammar_key)
                 if not dropped:
-                    self.cancelled += 1
+                    self._end(req, RequestStatus.FINISHED_ABORTED, tell=False)
                 return
             max_new = self.batcher.resolve_max_tokens(len(prompt), spec.params.max_tokens)
-            lane = Lane(spec, msg.sink, msg.ticket, prompt, max_new, constraint)
+            lane = Lane(spec, msg.sink, msg.ticket, prompt, max_new, constraint, state=req)
             lane.submitted_step = self.steps
             if self.drafter is not None and spec.params.speculation:
                 lane.speculation = LaneSpec()
-            self.batcher.enqueue(lane.state, reserved=True)
+            self.batcher.enqueue(req, reserved=True)
         except BaseException as exc:
             if constraint is not None:  # refused after its grammar was built: free it
                 self.prep.close_constraint(constraint, spec.cost.grammar_key)
             err = exc if isinstance(exc, AioBaseRTError) else internal_error("at intake", exc)
-            self._notify(msg.sink.deliver, [], None, err)
+            self._notify(msg.answer, err)
+            if not dropped:
+                self._end(req, RequestStatus.FINISHED_ERROR)
             if not isinstance(exc, Exception):
                 raise
             return
-        self.requests.add(lane)
+        self.requests.attach(lane)
 
     # ---- embeddings in, as lanes (`_core.embed`: their paths) -------------------------------
 
     def _on_embed(self, msg: Embed) -> None:
         """A text input is tokenized by the intake workers first; ids go straight on."""
-        try:
-            if self._closing:
-                raise EngineClosedError("the engine is closing")
-            self.batcher.check_room(self.prep.preparing + self._reserved)  # its queue slot is held while it is prepared
-        except AioBaseRTError as exc:
-            self._notify(msg.done, None, exc)
+        req = self._arrive(msg.rid, embed=True)
+        if not isinstance(req, Request):
+            self._notify(msg.answer, req)
             return
         if isinstance(msg.source, str):
-            self.prep.submit_embed(msg, msg.source)
+            self.prep.submit_embed(msg, msg.source, req)
         else:
-            self._enqueue_embed(msg, list(msg.source), None, dropped=False)
+            self._enqueue_embed(req, msg, list(msg.source), None)
 
-    def _enqueue_embed(
-        self, msg: Embed, ids: Sequence[int] | None, error: BaseException | None, *, dropped: bool
-    ) -> None:
+    def _enqueue_embed(self, req: Request, msg: Embed, ids: Sequence[int] | None, error: BaseException | None) -> None:
         """Validate an embedding and queue it as a lane (or, without taps, run it now)."""
-        if dropped:  # cancelled or aborted while it was tokenized: already answered
+        if req.status.is_finished:  # cancelled or aborted while it was tokenized: already answered
             return
         try:
             if error is not None:
@@ -612,16 +621,18 @@ class EngineThread:
                 )
             if self._embed_path() is None:  # one atomic forward, between two steps (as before taps)
                 self._notify(msg.done, self.embedder.embed(ids), None)
+                self._end(req, RequestStatus.FINISHED_STOPPED)
                 return
-            lane = EmbedLane(msg.rid, ids, self.loaded.info.dim, msg.done, msg.client)
-            self.batcher.enqueue(lane.state, reserved=True)
+            lane = EmbedLane(msg.rid, ids, self.loaded.info.dim, msg.done, msg.client, state=req)
+            self.batcher.enqueue(req, reserved=True)
         except BaseException as exc:
             err = exc if isinstance(exc, AioBaseRTError) else internal_error("at intake", exc)
-            self._notify(msg.done, None, err)
+            self._notify(msg.answer, err)
+            self._end(req, RequestStatus.FINISHED_ERROR)
             if not isinstance(exc, Exception):
                 raise
             return
-        self.requests.add(lane)
+        self.requests.attach(lane)
 
     def _embed_path(self) -> TapPooler | None:
         """The tapped (chunked) embedding path the step runner pools with, or None for one baseRT_embed call."""
@@ -629,48 +640,21 @@ class EngineThread:
         self.runner.pooler = pooler
         return pooler
 
-    def _admit_embed(self, lane: EmbedLane) -> None:
-        seq = self.lib.baseRT_sequence_create(self._model)
-        if not seq:
-            self._end_embed(lane, None, self.lib.last_error("baseRT_sequence_create"))
-            return
-        lane.seq = seq
-        self.live_sequences += 1
-
-    def _embed_chunk_done(self, lane: EmbedLane) -> None:
+    def _pooled(self, lane: EmbedLane) -> None:
+        """An embedding's chunk was pooled: once all of its input is, it ends with its mean."""
         if lane.state.prefilling:
             return
         if lane.finite:
-            self._end_embed(lane, lane.result(), None)
+            self._end(lane.state, RequestStatus.FINISHED_STOPPED, result=lane.mean())
             return
-        # The tapped hidden state overflowed f16: this input needs the f32 path.
-        self._free_embed(lane)
+        # The tapped hidden state overflowed f16: this input needs the f32 path (its sequence freed first).
+        self._free_sequence(lane, keep_kv=False)
         try:
-            result, error = self.embedder.embed(lane.ids), None
+            result = self.embedder.embed(lane.ids)
         except AioBaseRTError as exc:
-            result, error = None, exc
-        self._notify(lane.done, result, error)
-
-    def _end_embed(self, lane: EmbedLane, result: np.ndarray | None, error: BaseException | None) -> None:
-        """Free the embedding's lane, then hand its result or error to the caller (none when cancelled)."""
-        self._free_embed(lane)
-        if result is not None or error is not None:
-            self._notify(lane.done, result, error)
-
-    def _free_embed(self, lane: EmbedLane) -> None:
-        if lane.seq is not None:
-            self.lib.baseRT_sequence_rollback(lane.seq, 0)
-            self.lib.baseRT_sequence_free(lane.seq)
-            lane.seq = None
-            self.live_sequences -= 1
-        st = lane.state
-        if self.batcher.holds(st):
-            self.batcher.remove(st)
-        self.requests.pop(lane.rid)
-
-    def _abort_embeds(self) -> None:
-        for lane in self.requests.embeds():
-            self._end_embed(lane, None, EngineClosedError("the engine was closed before the embedding finished"))
+            self._end(lane.state, RequestStatus.FINISHED_ERROR, error=exc)
+            return
+        self._end(lane.state, RequestStatus.FINISHED_STOPPED, result=result)
 
     # ---- queries answered between steps (engine thread) ----------------------------------
 
@@ -696,10 +680,11 @@ class EngineThread:
         cached = c_int(0)
         if self.loaded.prefix_stats:
             self.lib.baseRT_prefix_cache_stats(self._model, None, None, None, byref(cached))
+        live = Counter(req.status for req in self.requests.records())
         return EngineStats(
             steps=self.steps,
-            active_lanes=len(self.batcher.running),
-            waiting_requests=len(self.batcher.waiting) + len(self.batcher.paused),
+            active_lanes=live[RequestStatus.RUNNING],
+            waiting_requests=live[RequestStatus.WAITING] + live[RequestStatus.PAUSED],
             live_sequences=self.live_sequences,
             live_grammars=self.prep.live_grammars,
             kv_blocks_total=int(ms.kv_cache_blocks_total),
@@ -711,7 +696,7 @@ class EngineThread:
             kv_cache_bytes=int(ms.kv_cache_capacity_bytes),
             engine_bytes=int(ms.runtime_allocated_bytes),
             requests_preempted=self.batcher.preemptions,
-            paused_requests=len(self.batcher.paused),
+            paused_requests=live[RequestStatus.PAUSED],
             requests_recomputed=self.batcher.recomputes,
             spec_draft_tokens=self.spec_drafted,
             spec_accepted_tokens=self.spec_accepted,
@@ -722,19 +707,14 @@ class EngineThread:
             return 0
         return int(self.lib.baseRT_prefix_evict(self._model, 1 << 30))
 
-    # ---- lane lifecycle ---------------------------------------------------------------
+    # ---- a request's life: admitted, released, ended (one function each, every kind) -----
 
-    def _start(self, state: LaneState) -> None:
-        """A lane was admitted (`Batcher.plan`): its engine sequence, before its first row."""
-        req = self.requests.of(state)
-        if isinstance(req, EmbedLane):
-            self._admit_embed(req)
-        else:
-            self._admit(req)
-
-    def _admit(self, lane: Lane) -> None:
+    def _admit(self, req: Request) -> None:
+        """A request was given a lane (`Batcher.plan`): its engine sequence, before its first row
+        (a paused one resumes with the sequence it kept; one whose KV was released gets a new one,
+        seeded from the prefix cache where the batcher says so)."""
         lib, model = self.lib, self._model
-        st = lane.state
+        lane = self.requests.of(req)
         if lane.seq is not None:  # a paused request resumes: its sequence and KV were kept
             return
         resumed = lane.admitted_step >= 0  # recomputed: its first admission's timing and usage stay
@@ -742,8 +722,8 @@ class EngineThread:
             lane.admitted_step = self.steps
             lane.admitted_at = time.monotonic()
         match = None
-        if self.batcher.should_match_prefix(st):
-            match = lib.baseRT_prefix_match(model, lane.fed_array(), st.kv_target)
+        if self.batcher.should_match_prefix(req):
+            match = lib.baseRT_prefix_match(model, lane.fed_array(), req.kv_target)
             if not match.handle:
                 match = None
         seq = lib.baseRT_sequence_create(model)
@@ -751,17 +731,17 @@ class EngineThread:
             err = lib.last_error("baseRT_sequence_create")
             if match is not None:
                 lib.baseRT_prefix_release(model, match.handle)
-            self._fail(lane, err)
+            self._end(req, RequestStatus.FINISHED_ERROR, error=err)
             return
         lane.seq = seq
         self.live_sequences += 1
-        if match is not None:
+        if match is not None:  # a generation (an embedding pools every row: it matches no prefix)
             rc = lib.baseRT_sequence_seed_prefix(seq, match.blocks, match.n_blocks, match.matched_tokens)
             if rc == 0:
                 lane.prefix_handle = int(match.handle)
-                st.prefilled = int(match.matched_tokens)
+                req.prefilled = int(match.matched_tokens)
                 if not resumed:
-                    lane.cached = st.prefilled
+                    lane.cached = req.prefilled
             else:
                 lib.baseRT_prefix_release(model, match.handle)
 
@@ -777,15 +757,13 @@ class EngineThread:
         if cached.value > bound:
             self.lib.baseRT_prefix_evict(self._model, cached.value - bound)
 
-    def _release_kv(self, state: LaneState) -> None:
+    def _release_kv(self, state: Request) -> None:
         """A paused request's KV must make room (`Batcher._make_room`): it goes to the prefix
         cache (so its recompute prefills little) and its sequence is freed; the request keeps
         its output, stream and grammar state, and resumes from prompt + output."""
-        lane = self.requests.of(state)
-        assert isinstance(lane, Lane)  # the batcher never pauses an embedding
-        self._free_sequence(lane, keep_kv=True)
+        self._free_sequence(self.requests.of(state), keep_kv=True)
 
-    def _free_sequence(self, lane: Lane, *, keep_kv: bool) -> None:
+    def _free_sequence(self, lane: Lane | EmbedLane, *, keep_kv: bool) -> None:
         """Free a lane's engine sequence and its prefix-cache lock. `keep_kv`: its KV goes to the
         prefix cache where the batcher publishes it (else it is rolled back first)."""
         lib, model = self.lib, self._model
@@ -809,49 +787,64 @@ class EngineThread:
         lane.ticket.delivered += 1
         self._dirty[lane.rid] = lane
 
-    def _finish(self, lane: Lane, reason: FinishReason) -> None:
-        lane.final = self.output.final(lane, reason, self.steps)
-        if reason == "aborted":
-            self.cancelled += 1
-        else:
-            self.finished += 1
-        self._dirty[lane.rid] = lane
-        self._release(lane)
-
-    def _fail(self, lane: Lane, exc: BaseException) -> None:
-        self.failed += 1
-        lane.error = exc
-        self._dirty[lane.rid] = lane
-        self._release(lane)
-
-    def _release(self, lane: Lane) -> None:
-        """Return everything a lane holds in the engine, then forget the lane."""
-        st = lane.state
-        # a cancelled, aborted or failed lane's KV is dropped; a finished one's may serve a later prompt
-        self._free_sequence(lane, keep_kv=lane.final is not None and lane.final.finish_reason in ("stop", "length"))
+    def _release(self, lane: Lane | EmbedLane) -> None:
+        """Return everything an ended request's lane holds in the engine: its sequence (a
+        generation's KV that stopped or ran to its length may serve a later prompt; a cancelled,
+        aborted or failed one's, and an embedding's, is dropped) and its grammar."""
+        self._free_sequence(lane, keep_kv=lane.state.status.finish_reason in ("stop", "length"))
         # bounded when a request ends: a paused request's KV is its sequence's, not the cache's
         self._bound_prefix_cache()
         if lane.constraint is not None:
             constraint, lane.constraint = lane.constraint, None
-            self.prep.close_constraint(constraint, lane.spec.cost.grammar_key)
-        if self.batcher.holds(st):
-            self.batcher.remove(st)
-        self.requests.pop(lane.rid)
+            self.prep.close_constraint(constraint, lane.grammar_key)
+
+    def _end(
+        self,
+        req: Request,
+        status: RequestStatus,
+        *,
+        error: BaseException | None = None,
+        result: np.ndarray | None = None,
+        tell: bool = True,
+    ) -> None:
+        """The one way a request ends, wherever it is and whatever the reason (`status`): out
+        of the batcher's queues, finished, its lane released, its end handed to the loop with
+        the step's other output (a generation's final or error, an embedding's `result` or
+        `error`; nothing when not `tell`: its reader left), and forgotten. A request without a
+        lane (still prepared, or refused at intake) is answered by its caller; one whose
+        preparation is still out stays held, finished, until it returns (its queue place).
+
+        Generations are counted by their final status; one refused at intake is refused, not
+        failed (it never had a lane)."""
+        lane = self.requests.lane(req.rid)
+        if self.batcher.holds(req):
+            self.batcher.remove(req)
+        req.move(status)
+        if not req.embed and (lane is not None or status is not RequestStatus.FINISHED_ERROR):
+            self.ended[status] += 1
+        if lane is not None:
+            self._release(lane)
+            if tell:
+                if isinstance(lane, EmbedLane):
+                    lane.result, lane.error = result, error
+                elif status is RequestStatus.FINISHED_ERROR:
+                    lane.error = error
+                else:
+                    lane.final = self.output.final(lane, status.finish_reason or "aborted", self.steps)
+                self._dirty[lane.rid] = lane
+        if not self.prep.holds(req.rid):
+            self.requests.pop(req.rid)
 
     def _deliver(self) -> None:
         """One wake-up of the loop for everything this step produced."""
         if not self._dirty:
             return
-        batch = [StreamOutput(lane.sink, lane.pending, lane.final, lane.error) for lane in self._dirty.values()]
-        for lane in self._dirty.values():
-            lane.pending = []
+        batch = [lane.output() for lane in self._dirty.values()]
         self._dirty = {}
         self._notify(_deliver_batch, batch)
 
     def _shutdown(self) -> None:
-        for lane in self.requests.lanes():
-            self._finish(lane, "aborted")
-        self._abort_embeds()
+        self._abort_all()
         self._deliver()
         self.prep.grammars.close()  # the kept engine grammars, before the workers free the handles they came from
         if self.intake is not None:

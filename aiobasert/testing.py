@@ -18,13 +18,14 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable
 from typing import Any, Literal
 
 import anyio
 import msgspec
 
-from ._core.step import EmbedLane, StepRunner, TapPooler
+from ._core import request as _request
+from ._core.step import StepRunner, TapPooler
 from .engine import Engine
 from .models.tiny import build_tiny_model
 from .streams import TokenStream
@@ -101,26 +102,31 @@ class EngineSnapshot(msgspec.Struct, frozen=True, kw_only=True):
         return sum(1 for r in self.requests.values() if r.status == status)
 
 
+_STATUS: dict[_request.RequestStatus, RequestStatus] = {
+    _request.RequestStatus.PREPARING: "preparing",
+    _request.RequestStatus.WAITING: "waiting",
+    _request.RequestStatus.RUNNING: "running",
+    _request.RequestStatus.PAUSED: "paused",
+}
+
+
 def _take(engine: Engine) -> EngineSnapshot:
     """On the engine thread, between two steps: nothing here changes while it is read."""
     thread = engine._thread
-    prep, batcher = thread.prep, thread.batcher
-    requests = {rid: RequestSnapshot(request_id=rid, status="preparing") for rid in prep.preparing_ids()}
-    queues: Sequence[tuple[RequestStatus, Any]] = (
-        ("waiting", batcher.waiting),
-        ("paused", batcher.paused),
-        ("running", batcher.running),
-    )
-    for status, states in queues:
-        for st in states:
-            requests[st.rid] = RequestSnapshot(
-                request_id=st.rid,
-                status=status,
-                embedding=isinstance(thread.requests.get(st.rid), EmbedLane),
-                prompt_tokens=st.prompt_len,
-                prefilled=st.prefilled,
-                generated=st.generated,
-            )
+    prep = thread.prep
+    requests = {
+        # the engine holds a finished request only while its preparation is still out (it was
+        # answered meanwhile, and holds its queue place until that returns): still "preparing"
+        req.rid: RequestSnapshot(
+            request_id=req.rid,
+            status=_STATUS.get(req.status, "preparing"),
+            embedding=req.embed,
+            prompt_tokens=req.prompt_len,
+            prefilled=req.prefilled,
+            generated=req.generated,
+        )
+        for req in thread.requests.records()
+    }
     pooler = thread.embedder.pooler
     path: EmbeddingPath = "tapped" if isinstance(pooler, TapPooler) else "whole" if pooler is None else "undecided"
     return EngineSnapshot(

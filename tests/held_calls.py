@@ -30,11 +30,11 @@ class HeldCall:
         self.entered, self.gate = threading.Event(), threading.Event()
         real = getattr(cls, name)
 
-        def held(obj: Any, *args: Any) -> Any:
+        def held(obj: Any, *args: Any, **kwargs: Any) -> Any:
             if when is None or when(args):
                 self.entered.set()
                 self.gate.wait(120)  # bounded, in case the hold is on the engine thread itself
-            return real(obj, *args)
+            return real(obj, *args, **kwargs)
 
         monkeypatch.setattr(cls, name, held)
 

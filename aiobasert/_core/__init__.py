@@ -11,7 +11,8 @@ from the package above it (tests/test_layering.py).
 - `schema`: the JSON Schema policy every grammar shares (objects closed).
 - `model_file`: the model's bundle as the host reads it (its tokenizer, its final norm), parsed once.
 - `embed`: which path pools embeddings (hidden-state taps, or one baseRT_embed call).
-- `plan`: what one step does (`LaneState`, `PlannedRow`, `StepPlan`): plain data the batcher fills.
+- `request`: the engine thread's record of one request (`Request`), which the batcher reads and writes.
+- `plan`: what one step does (`PlannedRow`, `StepPlan`): plain data the batcher fills.
 - `step`: one fused batch step (prepare -> forward -> collect) and the lanes it runs.
 - `output`: a sampled token becomes stream output (text, stops, finish).
 - `wakeup`: hands each step's output back to the loop that opened the engine.

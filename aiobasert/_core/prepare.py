@@ -8,9 +8,10 @@ a lane (aiobasert/engine_thread.py, the lanes' one writer).
 
 What runs where:
 
-* on the engine thread: `submit` / `submit_embed` (hand the work over; a prompt of ids with no
-  grammar needs none and is checked at once), `cancel` / `abandon_all` / `returned` (each request
-  being prepared has a `RequestStatus`), `adopt` / `close_constraint` (a grammar's life on the thread);
+* on the engine thread: `submit` / `submit_embed` (hand the work over with the request's record,
+  `request.Request`; a prompt of ids with no grammar needs none and is checked at once), `returned`
+  (its record back: its status says whether it was answered meanwhile), `adopt` /
+  `close_constraint` (a grammar's life on the thread);
 * on an intake worker: `prepare` (the prompt's ids and the grammar), the grammar from the cache or
   compiled within `cost.COMPILE_BUDGET_S`, the host (llguidance) backend built once per engine from
   the engine's `ModelFile`.
@@ -20,7 +21,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
-import enum
 import importlib.util
 import threading
 import time
@@ -38,6 +38,7 @@ from .grammar_cache import GrammarCache
 from .intake import Intake, Reroute, TokenIds, Tokenizer, on_costly_worker, run_job
 from .model_file import ModelFile
 from .protocol import Constraint, Embed, Message, Prepared, Prompt, RequestSpec, Submit, ThoughtSpec
+from .request import Request
 from .schema import closed_objects
 from .thought import ThoughtGate
 
@@ -48,23 +49,13 @@ PromptAndGrammar = tuple[TokenIds | list[int], Constraint | None]
 """A prepared request: its prompt's ids and its grammar (None without one)."""
 
 
-class RequestStatus(enum.Enum):
-    """Where a request handed to its preparation stands (as vLLM v1's `RequestStatus`; once it has
-    a lane, its `plan.LaneState` says whether it waits or runs)."""
-
-    PREPARING = enum.auto()
-    """On the intake workers; its queue place is held."""
-    ABANDONED = enum.auto()
-    """Answered while it was prepared (cancelled, or the engine aborted: counted then): what its
-    preparation returns is dropped (a grammar freed), nobody is told again."""
-
-
 @dataclass(slots=True)
 class Preparing:
-    """A request handed to the intake workers and not back yet."""
+    """A request handed to the intake workers and not back yet: its message and its record (a
+    record that finished meanwhile was answered: what its preparation returns is dropped)."""
 
     msg: Submit | Embed
-    status: RequestStatus = RequestStatus.PREPARING
+    request: Request
 
 
 class Preparer:
@@ -107,14 +98,19 @@ class Preparer:
         """Requests handed to the intake workers, not back yet (each holds a queue place)."""
         return len(self._preparing)
 
-    def preparing_ids(self) -> list[str]:
-        """The ids of the requests being prepared now (`aiobasert.testing.snapshot`), those already
-        answered (cancelled) included: each holds its queue place until its preparation returns."""
-        return list(self._preparing)
+    def holds(self, rid: str) -> bool:
+        """The request's preparation is out (answered meanwhile or not: it holds its queue place
+        until its preparation returns)."""
+        return rid in self._preparing
+
+    def message(self, rid: str) -> Submit | Embed | None:
+        """The message of a request being prepared, to answer it before its preparation returns."""
+        entry = self._preparing.get(rid)
+        return None if entry is None else entry.msg
 
     # ---- on the engine thread -------------------------------------------------------------
 
-    def submit(self, msg: Submit) -> tuple[list[int] | None, BaseException | None] | None:
+    def submit(self, msg: Submit, request: Request) -> tuple[list[int] | None, BaseException | None] | None:
         """Hand the request to the intake workers: tokenizing and grammar compiles never run on
         the engine thread (they can take unbounded time and stack). A prompt of ids without a
         grammar needs neither: its checked ids (or its error) are returned at once instead."""
@@ -132,18 +128,20 @@ class Preparer:
             except AioBaseRTError as exc:
                 return None, exc
         cost = spec.cost.text + (0 if spec.cost.grammar_key in self.grammars else spec.cost.grammar)
-        self._off_thread(msg, prepare, grammar=grammar, cost=cost)
+        self._off_thread(msg, request, prepare, grammar=grammar, cost=cost)
         return None
 
-    def submit_embed(self, msg: Embed, text: str) -> None:
+    def submit_embed(self, msg: Embed, text: str, request: Request) -> None:
         """An embedding's text input is tokenized by the intake workers."""
         limit = self.max_context
         self._off_thread(
-            msg, lambda tok: tok.encode_text(text, special=False, limit=limit), grammar=False, cost=len(text)
+            msg, request, lambda tok: tok.encode_text(text, special=False, limit=limit), grammar=False, cost=len(text)
         )
 
-    def _off_thread(self, msg: Submit | Embed, job: Callable[[Tokenizer], Any], *, grammar: bool, cost: int) -> None:
-        self._preparing[msg.rid if isinstance(msg, Embed) else msg.spec.rid] = Preparing(msg)
+    def _off_thread(
+        self, msg: Submit | Embed, request: Request, job: Callable[[Tokenizer], Any], *, grammar: bool, cost: int
+    ) -> None:
+        self._preparing[request.rid] = Preparing(msg, request)
         if self.intake is not None:
             self.intake.submit(
                 job, lambda result, error: self._post(Prepared(msg, result, error)), grammar=grammar, cost=cost
@@ -153,29 +151,10 @@ class Preparer:
         result, error = run_job(job, self._inline)
         self._post(Prepared(msg, result, error))
 
-    def cancel(self, rid: str) -> Submit | Embed | None:
-        """The request `rid` is cancelled while it is prepared: its message, or None when it is
-        not being prepared (or was answered already)."""
-        entry = self._preparing.get(rid)
-        if entry is None or entry.status is RequestStatus.ABANDONED:
-            return None
-        entry.status = RequestStatus.ABANDONED
-        return entry.msg
-
-    def abandon_all(self) -> list[Submit | Embed]:
-        """Every request still being prepared, each abandoned now (an abort answers them and waits
-        for no compile)."""
-        out = []
-        for entry in self._preparing.values():
-            if entry.status is RequestStatus.PREPARING:
-                entry.status = RequestStatus.ABANDONED
-                out.append(entry.msg)
-        return out
-
-    def returned(self, rid: str) -> RequestStatus:
-        """The request's preparation came back (`protocol.Prepared`): how it stood then."""
-        entry = self._preparing.pop(rid)
-        return entry.status
+    def returned(self, rid: str) -> Request:
+        """The request's preparation came back (`protocol.Prepared`): its record (finished when it
+        was answered meanwhile)."""
+        return self._preparing.pop(rid).request
 
     def adopt(self, constraint: Constraint) -> None:
         """A prepared grammar goes live on the engine thread."""

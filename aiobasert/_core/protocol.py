@@ -151,11 +151,34 @@ class StreamOutput:
         self.sink.deliver(self.tokens, self.final, self.error)
 
 
+@dataclass(slots=True)
+class EmbedOutput:
+    """An embedding's end, handed to the loop with the rest of its step (`Done`)."""
+
+    done: Done
+    result: Any
+    """The float32 vector (a numpy array), or None when it failed."""
+    error: BaseException | None
+
+    def deliver(self) -> None:
+        """Runs on the event loop."""
+        self.done(self.result, self.error)
+
+
 @dataclass
 class Submit:
     spec: RequestSpec
     sink: Sink
     ticket: Ticket
+
+    @property
+    def rid(self) -> str:
+        return self.spec.rid
+
+    def answer(self, error: BaseException) -> None:
+        """Runs on the event loop: the request ends with `error` before it had a lane (refused,
+        or the engine closed while it was prepared)."""
+        self.sink.deliver([], None, error)
 
 
 @dataclass
@@ -239,6 +262,10 @@ class Embed:
     done: Done
     client: str | None = None
     """Whose request it is, for fair admission (as `RequestSpec.client`)."""
+
+    def answer(self, error: BaseException) -> None:
+        """Runs on the event loop: as `Submit.answer`."""
+        self.done(None, error)
 
 
 @dataclass

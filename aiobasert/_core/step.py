@@ -1,6 +1,7 @@
 """One fused batch step and its sampling (engine thread only).
 
-`Lane` is the engine thread's record of one request; `StepRunner.run` feeds
+`Lane` is what the engine thread keeps to run one generation (its `request.Request` says where
+it stands); `StepRunner.run` feeds
 every planned row (`plan.StepPlan`) through ONE fused forward and samples
 each lane's next token, in three parts: `prepare` (the FFI arrays), `forward`
 (the one fused call; `Batch.path` picks which) and `collect` (a `RowResult`
@@ -40,8 +41,9 @@ from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 from .. import _ffi
 from ..errors import AioBaseRTError, EngineError, InternalError, InvalidRequestError
 from ..types import Capabilities, TopLogprob
-from .plan import LaneState, PlannedRow
-from .protocol import Constraint, Final, RequestSpec, Sink, Ticket
+from .plan import PlannedRow
+from .protocol import Constraint, Done, EmbedOutput, Final, RequestSpec, Sink, StreamOutput, Ticket
+from .request import Request
 from .speculate import LaneSpec
 from .stopping import StopStringMatcher
 
@@ -64,7 +66,8 @@ def internal_error(where: str, exc: BaseException) -> InternalError:
 
 
 class Lane:
-    """Engine-thread bookkeeping of one request."""
+    """Engine-thread bookkeeping of one generation: its sampling, output and sequence. Its record
+    (`state`, the `request.Request` made when it reached the engine thread) says where it stands."""
 
     def __init__(
         self,
@@ -74,16 +77,19 @@ class Lane:
         prompt: Sequence[int],
         max_new: int,
         constraint: Constraint | None = None,
+        state: Request | None = None,
     ) -> None:
         self.spec = spec
         self.constraint = constraint
+        self.grammar_key = spec.cost.grammar_key
         self.sink = sink
         self.ticket = ticket
         # tokenized prompts come as C arrays (intake.TokenIds) and are fed as they are
         arr: ctypes.Array[c_uint32] = prompt if isinstance(prompt, ctypes.Array) else _ffi.u32_array(prompt)
         self.prompt_arr = arr
         self.prompt: Sequence[int] = arr  # type: ignore[assignment]  # a uint32 array reads as ints
-        self.state = LaneState(rid=spec.rid, prompt_len=len(prompt), max_new_tokens=max_new, client=spec.client)
+        self.state = state if state is not None else Request(rid=spec.rid, prompt_len=0, max_new_tokens=0)
+        self.state.prompt_len, self.state.max_new_tokens, self.state.client = len(prompt), max_new, spec.client
         p = spec.params
         self.seed = p.seed if p.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
         self.penalized = p.repeat_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
@@ -154,7 +160,7 @@ class Lane:
 
     def _fed(self, start: int, end: int) -> list[int]:
         """Tokens [start, end) of what it prefills: the prompt, then a recomputed request's
-        output so far (`LaneState.replay`), without concatenating the whole prompt."""
+        output so far (`Request.replay`), without concatenating the whole prompt."""
         n = len(self.prompt)
         head = list(self.prompt[start : min(end, n)]) if start < n else []
         if end > n:
@@ -180,6 +186,13 @@ class Lane:
         ctypes.memmove(arr, self.prompt_arr, p * ctypes.sizeof(ctypes.c_uint32))
         arr[p:] = out  # type: ignore[assignment]  # ctypes takes ints for c_uint32 slots
         return arr
+
+    def output(self) -> StreamOutput:
+        """What this step produced for its stream (the tokens since the last delivery, and how it
+        ended when it did), handed to the loop with the rest of the step (the tokens taken)."""
+        out = StreamOutput(self.sink, self.pending, self.final, self.error)
+        self.pending = []
+        return out
 
 
 class TapPooler:
@@ -220,20 +233,41 @@ class TapPooler:
 
 
 class EmbedLane:
-    """Engine-thread bookkeeping of one chunked embedding."""
+    """Engine-thread bookkeeping of one chunked embedding: the same record (`state`, of the
+    pooling kind) and sequence as a generation's `Lane`, its input pooled instead of sampled."""
 
     host = False  # it samples nothing, so it never needs a host logits row
+    constraint = None  # nor any grammar
+    grammar_key = None
+    speculation = None
+    cached = 0  # nor a cached prefix: every row's hidden state is pooled
+    prefix_handle = 0
 
-    def __init__(self, rid: str, ids: Sequence[int], dim: int, done: Any, client: str | None = None) -> None:
+    def __init__(
+        self,
+        rid: str,
+        ids: Sequence[int],
+        dim: int,
+        done: Done,
+        client: str | None = None,
+        state: Request | None = None,
+    ) -> None:
         import numpy as np
 
         self.rid = rid
         self.ids = ids
         self.done = done  # (result, error) callback, run on the loop
-        self.state = LaneState(rid=rid, prompt_len=len(ids), max_new_tokens=0, embed=True, client=client)
+        self.state = state if state is not None else Request(rid=rid, prompt_len=0, max_new_tokens=0, embed=True)
+        self.state.prompt_len, self.state.max_new_tokens, self.state.client = len(ids), 0, client
         self.seq: int | None = None
+        self.admitted_step = -1
+        self.admitted_at = 0.0
         self.total = np.zeros(dim, dtype=np.float64)
         self.finite = True
+        self.result: np.ndarray | None = None
+        """The embedding, once it ended pooled."""
+        self.error: BaseException | None = None
+        """Why it failed (or what its caller is told when the engine aborted it)."""
 
     def next_input(self, k: int) -> list[int]:
         """The next chunk of the input to pool."""
@@ -248,10 +282,22 @@ class EmbedLane:
         self.finite = self.finite and bool(np.isfinite(part).all())
         self.total += part
 
-    def result(self) -> np.ndarray:
+    def mean(self) -> np.ndarray:
         """The mean over all rows, as baseRT_embed rounds it: float64 sum / n, then float32."""
         out: np.ndarray = (self.total / len(self.ids)).astype("float32")
         return out
+
+    def kv_tokens(self) -> ctypes.Array[ctypes.c_uint32]:
+        """The input fed so far (an embedding's KV is never published: `Batcher.should_publish_prefix`)."""
+        return _ffi.u32_array(self.ids[: self.state.prefilled])
+
+    def fed_array(self) -> ctypes.Array[ctypes.c_uint32]:
+        """All it feeds: its input (an embedding never matches a cached prefix: it pools every row)."""
+        return _ffi.u32_array(self.ids)
+
+    def output(self) -> EmbedOutput:
+        """Its result or error, handed to the loop with the rest of the step."""
+        return EmbedOutput(self.done, self.result, self.error)
 
 
 class Sampled(NamedTuple):
@@ -650,34 +696,48 @@ class StepRunner:
 
 
 class Requests:
-    """The engine thread's registry of every request holding (or queued for) a
-    lane, by request id. An embedding is one kind of request (`EmbedLane`),
-    generation the other (`Lane`): one place to look either up."""
+    """The engine thread's registry of every request it holds, by id: its record
+    (`request.Request`, from its arrival) and, once it is prepared, the lane that runs it (a
+    generation's `Lane` or an embedding's `EmbedLane`). One place to look either up."""
 
     def __init__(self) -> None:
-        self._by_id: dict[str, Lane | EmbedLane] = {}
+        self._records: dict[str, Request] = {}
+        self._lanes: dict[str, Lane | EmbedLane] = {}
 
-    def add(self, req: Lane | EmbedLane) -> None:
-        self._by_id[req.rid] = req
+    def add(self, req: Request) -> None:
+        """A request reaches the engine thread (it is prepared next)."""
+        self._records[req.rid] = req
 
-    def get(self, rid: str) -> Lane | EmbedLane | None:
-        return self._by_id.get(rid)
+    def attach(self, lane: Lane | EmbedLane) -> None:
+        """The lane that runs a prepared request."""
+        self._records[lane.rid] = lane.state
+        self._lanes[lane.rid] = lane
+
+    def get(self, rid: str) -> Request | None:
+        return self._records.get(rid)
+
+    def lane(self, rid: str) -> Lane | EmbedLane | None:
+        return self._lanes.get(rid)
 
     def pop(self, rid: str) -> None:
-        self._by_id.pop(rid, None)
+        self._records.pop(rid, None)
+        self._lanes.pop(rid, None)
 
-    def holds(self, req: Lane | EmbedLane) -> bool:
-        """`req` is still registered (not ended since it was planned)."""
-        return self._by_id.get(req.rid) is req
+    def of(self, state: Request) -> Lane | EmbedLane:
+        return self._lanes[state.rid]
 
-    def of(self, state: LaneState) -> Lane | EmbedLane:
-        return self._by_id[state.rid]
+    def records(self) -> list[Request]:
+        """Every request held, in arrival order (a request answered while it is prepared is
+        held, finished, until its preparation returns: it holds its queue place)."""
+        return list(self._records.values())
+
+    def live(self) -> list[Request]:
+        """The requests not finished yet."""
+        return [r for r in self._records.values() if not r.status.is_finished]
 
     def lanes(self) -> list[Lane]:
-        return [r for r in self._by_id.values() if isinstance(r, Lane)]
-
-    def embeds(self) -> list[EmbedLane]:
-        return [r for r in self._by_id.values() if isinstance(r, EmbedLane)]
+        """The generations holding a lane (queued or running)."""
+        return [r for r in self._lanes.values() if isinstance(r, Lane)]
 
     def __len__(self) -> int:
-        return len(self._by_id)
+        return len(self._records)

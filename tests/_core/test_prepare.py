@@ -577,35 +577,47 @@ _OPS = st.lists(st.tuples(st.sampled_from(["submit", "cancel", "abort", "return"
 @settings(max_examples=80, deadline=None)
 @given(ops=_OPS)
 def test_a_request_being_prepared_has_one_status(lib: Any, tiny_model_path: Path, tokenizer: Any, ops: Any) -> None:
-    """A model of RequestStatus (which replaced three fields: a count, a dict, a set): a request handed
-    to its preparation is PREPARING until a Cancel or an abort makes it ABANDONED (once: a second cancel
-    or an abort finds nothing to answer), and its return says how it stood; the count of requests being
-    prepared (each holds a queue place) is the number not back yet."""
+    """A model of a request's preparation, whose status is its record's (`request.Request`): a
+    request handed to its preparation is held until it returns, answered meanwhile or not (a
+    Cancel or an abort finishes its record once: a second cancel or an abort finds nothing to
+    answer), and its return hands back the record whose status says how it stood; the count of
+    requests being prepared (each holds a queue place) is the number not back yet."""
     from aiobasert._core.model_file import ModelFile
-    from aiobasert._core.prepare import Preparer, RequestStatus
+    from aiobasert._core.prepare import Preparer
     from aiobasert._core.protocol import Embed, Message, Prepared
+    from aiobasert._core.request import Request, RequestStatus
     from aiobasert.types import Capabilities
 
     posted: list[Message] = []
     prep = Preparer(lib, ModelFile(tiny_model_path), caps=Capabilities(), grammar_reset=False, vocab_size=256,
                     max_context=64, intake=None, inline=tokenizer, post=posted.append)  # fmt: skip
     model: dict[str, RequestStatus] = {}
+    records: dict[str, Request] = {}
+
+    def answer(rid: str) -> bool:  # as the engine thread's `_end` does: once, while it is preparing
+        req = records.get(rid)
+        if req is None or req.status.is_finished:
+            return False
+        req.move(RequestStatus.FINISHED_ABORTED)
+        return True
+
     for op, i in ops:
         rid = f"r{i}"
         if op == "submit" and rid not in model:  # a request id is unique while the request lives
-            prep.submit_embed(Embed(rid, "a cat", lambda *_: None), "a cat")
+            records[rid] = Request(rid=rid, prompt_len=0, max_new_tokens=0, embed=True)
+            prep.submit_embed(Embed(rid, "a cat", lambda *_: None), "a cat", records[rid])
             model[rid] = RequestStatus.PREPARING
         elif op == "cancel":
-            got = prep.cancel(rid)
-            assert (got is not None) == (model.get(rid) is RequestStatus.PREPARING)
+            assert answer(rid) == (model.get(rid) is RequestStatus.PREPARING)
             if rid in model:
-                model[rid] = RequestStatus.ABANDONED
+                model[rid] = RequestStatus.FINISHED_ABORTED
         elif op == "abort":
-            answered = [m.rid for m in prep.abandon_all() if isinstance(m, Embed)]
+            answered = [r for r in records if prep.holds(r) and answer(r)]
             assert answered == [r for r, s in model.items() if s is RequestStatus.PREPARING]
-            model = dict.fromkeys(model, RequestStatus.ABANDONED)
+            assert all(isinstance(prep.message(r), Embed) for r in answered)
+            model = dict.fromkeys(model, RequestStatus.FINISHED_ABORTED)
         elif op == "return" and rid in model:
-            assert prep.returned(rid) is model.pop(rid)
-        assert prep.preparing == len(model)
-    # the inline path posted each request's prepared ids back, as the workers do
+            assert prep.returned(rid).status is model.pop(rid)
+            del records[rid]
+        assert prep.preparing == len(model) and all(prep.holds(r) for r in model)
     assert all(isinstance(m, Prepared) and m.error is None and len(m.result) > 0 for m in posted)

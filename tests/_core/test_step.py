@@ -10,8 +10,9 @@ from typing import Any
 import pytest
 
 from aiobasert import Capabilities, InternalError, SamplingParams
-from aiobasert._core.plan import LaneState, PlannedRow
+from aiobasert._core.plan import PlannedRow
 from aiobasert._core.protocol import RequestSpec, Ticket
+from aiobasert._core.request import Request
 from aiobasert._core.step import Lane, StepRunner
 from aiobasert._ffi import Library
 
@@ -81,7 +82,7 @@ def test_a_lane_not_ready_to_step_fails_alone_before_the_forward(lib: Library) -
 
 
 def test_lane_state_is_what_the_plan_reads() -> None:
-    st = LaneState(rid="r", prompt_len=5, max_new_tokens=3, prefilled=5, generated=2)
+    st = Request(rid="r", prompt_len=5, max_new_tokens=3, prefilled=5, generated=2)
     assert not st.prefilling and st.kv_target == 5
     st.rewind()  # its KV released while paused: prompt + output fed again
     assert st.prefilling and st.kv_target == 7 and st.prefilled == 0

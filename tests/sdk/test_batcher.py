@@ -8,13 +8,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from aiobasert._core.plan import LaneState
+from aiobasert._core.request import Request, RequestStatus
 from aiobasert.batcher import Batcher
 from aiobasert.errors import ContextLengthExceededError, EngineOverloadedError
 
 
-def lane(rid: str, prompt: int, max_new: int = 8) -> LaneState:
-    return LaneState(rid=rid, prompt_len=prompt, max_new_tokens=max_new)
+def lane(rid: str, prompt: int, max_new: int = 8) -> Request:
+    return Request(rid=rid, prompt_len=prompt, max_new_tokens=max_new)
 
 
 def make(**kw: int | bool) -> Batcher:
@@ -110,7 +110,9 @@ def test_prefix_policy() -> None:
     assert b.should_match_prefix(lane("l", 17))
     done = lane("d", 20)
     assert b.should_publish_prefix(done, 20)
-    done.cancelled = True
+    b.enqueue(done)
+    b.remove(done)
+    done.move(RequestStatus.FINISHED_ABORTED)  # cancelled: its KV is not published
     assert not b.should_publish_prefix(done, 20)
 
 
@@ -126,7 +128,7 @@ def test_plan_admits_then_plans_rows_after_start_ran() -> None:
         b.enqueue(x)
     started: list[str] = []
 
-    def start(st: LaneState) -> None:
+    def start(st: Request) -> None:
         started.append(st.rid)
         if st is seeded:
             st.prefilled = 16  # a cached prefix of one page
@@ -145,9 +147,9 @@ def test_plan_admits_then_plans_rows_after_start_ran() -> None:
 
 def test_plan_rows_kinds_and_sampling() -> None:
     b = Batcher(max_batch_size=4, max_context=4096, prefill_budget=30, tap_budget=8)
-    dec = LaneState(rid="d", prompt_len=3, max_new_tokens=5, prefilled=3)
-    emb = LaneState(rid="e", prompt_len=20, max_new_tokens=0, embed=True)
-    long = LaneState(rid="l", prompt_len=50, max_new_tokens=5)
+    dec = Request(rid="d", prompt_len=3, max_new_tokens=5, prefilled=3)
+    emb = Request(rid="e", prompt_len=20, max_new_tokens=0, embed=True)
+    long = Request(rid="l", prompt_len=50, max_new_tokens=5)
     for x in (dec, emb, long):
         b.enqueue(x)
     plan = b.plan()
@@ -174,7 +176,7 @@ def test_plan_properties(prompts: list[tuple[int, bool, int]], lanes: int, budge
     b = Batcher(max_batch_size=lanes, max_context=4096, prefill_budget=budget, max_queue=64, tap_budget=taps)
     states = []
     for i, (n, embed, done) in enumerate(prompts):
-        x = LaneState(rid=str(i), prompt_len=n, max_new_tokens=4, embed=embed, prefilled=min(done, n))
+        x = Request(rid=str(i), prompt_len=n, max_new_tokens=4, embed=embed, prefilled=min(done, n))
         if embed and x.prefilled == n:
             x.prefilled = 0  # an embedding with nothing left to feed has ended
         states.append(x)
@@ -200,14 +202,14 @@ def test_plan_properties(prompts: list[tuple[int, bool, int]], lanes: int, budge
 # ---- fair admission and preemption (docs/fairness.md) -----------------------------------
 
 
-def keyed(rid: str, client: str | None, prompt: int = 3, max_new: int = 400) -> LaneState:
-    return LaneState(rid=rid, prompt_len=prompt, max_new_tokens=max_new, client=client)
+def keyed(rid: str, client: str | None, prompt: int = 3, max_new: int = 400) -> Request:
+    return Request(rid=rid, prompt_len=prompt, max_new_tokens=max_new, client=client)
 
 
-def run_steps(b: Batcher, n: int, preempt: Callable[[LaneState], None] | None = None) -> list[LaneState]:
+def run_steps(b: Batcher, n: int, preempt: Callable[[Request], None] | None = None) -> list[Request]:
     """n plans, every row applied as the engine would (prefill advances, a sampling row
     generates one token); returns the lanes admitted along the way."""
-    admitted: list[LaneState] = []
+    admitted: list[Request] = []
     for _ in range(n):
         plan = b.plan(preempt=preempt)
         admitted += plan.admitted
@@ -470,7 +472,7 @@ def test_a_long_request_beside_sustained_short_ones_is_done_when_due() -> None:
 
 def test_embeddings_are_never_preempted_and_fifo_mode_never_preempts() -> None:
     b = make(max_batch_size=1, max_queue=8)
-    emb = LaneState(rid="e", prompt_len=10_000, max_new_tokens=0, embed=True, client="A")
+    emb = Request(rid="e", prompt_len=10_000, max_new_tokens=0, embed=True, client="A")
     b.enqueue(emb)
     run_steps(b, 1)
     b.enqueue(keyed("x", None, max_new=1))
@@ -511,7 +513,7 @@ def test_fair_admission_model(
     )  # fmt: skip
     states = [keyed(str(i), c, prompt=p, max_new=n) for i, (c, p, n, _) in enumerate(reqs)]
     arrive = sorted(range(len(reqs)), key=lambda i: reqs[i][3])
-    done: list[LaneState] = []
+    done: list[Request] = []
     work = sum(p + n for _, p, n, _ in reqs)
     for step in range(1, 40 * work + 200):
         while arrive and reqs[arrive[0]][3] < step:
@@ -520,9 +522,9 @@ def test_fair_admission_model(
         def held(owner: tuple[str, str]) -> int:
             return sum(1 for y in b.running if y.owner == owner)
 
-        taken: list[LaneState] = []
+        taken: list[Request] = []
 
-        def preempt(v: LaneState, taken: list[LaneState] = taken) -> None:
+        def preempt(v: Request, taken: list[Request] = taken) -> None:
             taken.append(v)
             assert not v.embed and not v.prefilling and b.step > v.ran_from
             assert any(

@@ -297,13 +297,13 @@ async def test_smollm2_embed_equals_baseRT_embed(smollm2_path: Path, monkeypatch
 
 
 def test_batcher_feeds_an_embedding_from_the_prefill_budget_and_the_tap_budget() -> None:
-    from aiobasert._core.plan import LaneState
+    from aiobasert._core.request import Request
     from aiobasert.batcher import Batcher
 
     b = Batcher(max_batch_size=4, max_context=4096, prefill_budget=64, tap_budget=40, prefix_cache=True)
-    decode = LaneState(rid="d", prompt_len=1, max_new_tokens=100, prefilled=1)
-    embed = LaneState(rid="e", prompt_len=100, max_new_tokens=0, embed=True)
-    prompt = LaneState(rid="p", prompt_len=100, max_new_tokens=10)
+    decode = Request(rid="d", prompt_len=1, max_new_tokens=100, prefilled=1)
+    embed = Request(rid="e", prompt_len=100, max_new_tokens=0, embed=True)
+    prompt = Request(rid="p", prompt_len=100, max_new_tokens=10)
     for st in (decode, embed, prompt):
         b.enqueue(st)
     b.admit()
