@@ -29,7 +29,7 @@ import anyio
 import msgspec
 
 from . import __version__
-from .config import MAX_CHAT_TEMPLATE_CHARS, EngineConfig, SpeculationConfig
+from .config import MAX_CHAT_TEMPLATE_CHARS, SPECULATION_METHODS, EngineConfig, SpeculationConfig
 from .engine import Engine
 from .errors import AioBaseRTError, ConversionError, InvalidConfigError
 from .group import _parse_models
@@ -145,11 +145,17 @@ def _template_file(path: str | None) -> str | None:
 
 
 def _speculation(args: argparse.Namespace) -> SpeculationConfig | None:
-    """`--speculative ngram` (and `--num-speculative-tokens`): `EngineConfig.speculation`."""
+    """`--speculative ngram` / `--draft-model PATH` (which implies `--speculative draft`), and
+    `--num-speculative-tokens`: `EngineConfig.speculation`."""
     method = getattr(args, "speculative", None)
+    draft = getattr(args, "draft_model", None)
+    if draft is not None and method in (None, "draft"):
+        method = "draft"
+    elif draft is not None:
+        raise InvalidConfigError(f"--draft-model is a draft model for --speculative draft, not {method}")
     if method is None:
         return None
-    return SpeculationConfig(method=method, num_speculative_tokens=args.num_speculative_tokens)
+    return SpeculationConfig(method=method, draft_model=draft, num_speculative_tokens=args.num_speculative_tokens)
 
 
 def _check_run_args(args: argparse.Namespace) -> None:
@@ -464,9 +470,13 @@ def build_parser() -> argparse.ArgumentParser:
                        help="build the grammar backend for json_schema and tools as each model loads, so the first "
                             "such request pauses no stream (default); --no-grammar-backend-at-open saves its "
                             "memory (~70 MiB for a 49k vocabulary) on a server that serves text alone")  # fmt: skip
-    serve.add_argument("--speculative", choices=["ngram"], default=None,
-                       help="speculative decoding (docs/speculative.md): ngram = prompt lookup; the same tokens, "
-                            "sooner where the output repeats its input (default: off)")  # fmt: skip
+    serve.add_argument("--speculative", choices=list(SPECULATION_METHODS), default=None,
+                       help="speculative decoding (docs/speculative.md): ngram = prompt lookup; draft = a draft "
+                            "model (--draft-model); mtp, eagle3, dflash, dspark = the engine's own speculators "
+                            "(refused by an engine without them); the same tokens, sooner (default: off)")  # fmt: skip
+    serve.add_argument("--draft-model", default=None, metavar="PATH",
+                       help="a draft model with the served model's vocabulary (.base, GGUF or cached name); "
+                            "implies --speculative draft")  # fmt: skip
     serve.add_argument(
         "--num-speculative-tokens",
         type=int,

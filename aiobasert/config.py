@@ -15,6 +15,10 @@ __all__ = ["EngineConfig", "SpeculationConfig", "config_from"]
 
 _INT32_MAX = 2**31 - 1
 
+SpeculationMethod = Literal["ngram", "draft", "mtp", "eagle3", "dflash", "dspark"]
+SPECULATION_METHODS: tuple[str, ...] = ("ngram", "draft", "mtp", "eagle3", "dflash", "dspark")
+"""`SpeculationConfig.method`: prompt lookup, a draft model, and the engine's own speculators."""
+
 
 class SpeculationConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """Speculative decoding (docs/speculative.md): draft tokens verified inside the fused step.
@@ -25,7 +29,14 @@ class SpeculationConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknow
     would have chosen.
 
     method: where drafts come from: "ngram" (prompt lookup: what followed the latest earlier
-        occurrence of the lane's last n tokens in its prompt and output; no model).
+        occurrence of the lane's last n tokens in its prompt and output; no model); "draft" (a
+        smaller model with the target's vocabulary, `draft_model`, run beside it: vLLM's draft
+        model, llama.cpp's `-md`); "mtp", "eagle3", "dflash", "dspark" (the engine's own
+        speculators: refused at open by an engine without them, `UnsupportedError` naming what
+        it lacks).
+    draft_model: the draft model for method="draft" (or an engine speculator's sidecar): a `.base`
+        bundle, a GGUF (converted into the cache once) or a cached model's name; its vocabulary
+        must be the target's (refused at open otherwise, naming this field).
     num_speculative_tokens: drafts a lane verifies in one step at most (1..7).
     prompt_lookup_min, prompt_lookup_max: the n-gram sizes matched, longest first (1..16).
     adaptive: choose each lane's draft count per step from its acceptance so far and what a
@@ -33,15 +44,24 @@ class SpeculationConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknow
         every proposal at full length (for tests and measurements).
     """
 
-    method: Literal["ngram"] = "ngram"
+    method: SpeculationMethod = "ngram"
+    draft_model: str | None = None
     num_speculative_tokens: int = 4
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 4
     adaptive: bool = True
 
     def __post_init__(self) -> None:
-        if self.method != "ngram":
-            raise InvalidConfigError(f"speculation.method must be 'ngram', got {self.method!r}")
+        if self.method not in SPECULATION_METHODS:
+            raise InvalidConfigError(f"speculation.method must be one of {SPECULATION_METHODS}, got {self.method!r}")
+        if self.draft_model is not None and (not isinstance(self.draft_model, str) or not self.draft_model):
+            raise InvalidConfigError(f"speculation.draft_model must be a non-empty path, got {self.draft_model!r}")
+        if self.method == "draft" and self.draft_model is None:
+            raise InvalidConfigError("speculation.draft_model is required with method='draft' (the draft model's path)")
+        if self.method == "ngram" and self.draft_model is not None:
+            raise InvalidConfigError(
+                "speculation.draft_model is a draft model's path: use it with method='draft' (method is 'ngram')"
+            )
         for name, low, high in (
             ("num_speculative_tokens", 1, 7),
             ("prompt_lookup_min", 1, 16),
@@ -60,7 +80,8 @@ class SpeculationConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknow
 
 
 def speculation_from(value: Any) -> SpeculationConfig | None:
-    """`Engine.open`'s `speculation`: a `SpeculationConfig`, a method's name ("ngram") or None (off)."""
+    """`Engine.open`'s `speculation`: a `SpeculationConfig`, a method's name ("ngram"; "mtp" etc.
+    with their defaults) or None (off)."""
     if value is None or isinstance(value, SpeculationConfig):
         return value
     if isinstance(value, str):

@@ -9,7 +9,7 @@ import threading
 import weakref
 from collections.abc import Callable, Generator, Mapping, Sequence
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, Literal, TypeVar, cast, overload
+from typing import TYPE_CHECKING, Any, TypeVar, cast, overload
 
 import anyio
 
@@ -38,7 +38,7 @@ from ._core.protocol import (
 from ._core.wakeup import LoopWaker
 from .batcher import current_client
 from .chat import render_chat
-from .config import EngineConfig, SpeculationConfig, config_from, speculation_from
+from .config import EngineConfig, SpeculationConfig, SpeculationMethod, config_from, speculation_from
 from .engine_thread import EngineThread
 from .errors import (
     ContextLengthExceededError,
@@ -217,7 +217,7 @@ class Engine:
         kv_cache_dtype: KVCacheDtype = "auto",
         grammar_backend_at_open: bool = True,
         chat_template: str | None = None,
-        speculation: SpeculationConfig | Literal["ngram"] | None = None,
+        speculation: SpeculationConfig | SpeculationMethod | None = None,
         config: EngineConfig | None = None,
     ) -> _EngineOpener:
         """Load a model; use as `async with Engine.open(...) as engine` or `await Engine.open(...)`.
@@ -229,8 +229,9 @@ class Engine:
         max_batch_size, max_context, prefill_chunk, prefix_cache, prefix_cache_mb, max_queue, library, thread_check,
             dtype, kv_cache_dtype, grammar_backend_at_open, chat_template: the engine's options, as the fields
             of `EngineConfig` (which documents each); `library` may be any path.
-        speculation: speculative decoding (docs/speculative.md): a `SpeculationConfig`, "ngram" (its
-            defaults), or None (off).
+        speculation: speculative decoding (docs/speculative.md): a `SpeculationConfig` (a draft
+            model: `SpeculationConfig(method="draft", draft_model=PATH)`), "ngram" (its defaults),
+            or None (off).
         config: all of those in one `EngineConfig` (then leave the keywords out: one given as
             well is refused). `engine.config` is the config the engine was opened with.
 

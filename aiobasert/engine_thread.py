@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING, Any
 
 from . import _ffi
 from ._core import loaded as _loaded
+from ._core.draft_model import DraftModelDrafter, open_drafter
 from ._core.embed import Embedder
 from ._core.intake import Intake, Tokenizer
 from ._core.loaded import LoadedModel
@@ -68,7 +69,7 @@ from ._core.protocol import (
     Submit,
 )
 from ._core.request import Request, RequestStatus
-from ._core.speculate import Drafter, LaneSpec, NgramDrafter, SpecPolicy
+from ._core.speculate import Drafter, LaneSpec, SpecPolicy
 from ._core.step import EmbedLane, Lane, Requests, RowResult, Sampled, StepRunner, TapPooler, internal_error
 from .batcher import Batcher
 from .chat import default_template
@@ -118,8 +119,6 @@ class EngineThread:
         self.drafter: Drafter | None = None
         """Where draft tokens come from (speculative decoding, `EngineConfig.speculation`); None: off."""
         self.spec_policy = SpecPolicy(adaptive=spec.adaptive if spec is not None else True)
-        if spec is not None:
-            self.drafter = NgramDrafter(spec.prompt_lookup_min, spec.prompt_lookup_max)
         self.spec_drafted = 0
         self.spec_accepted = 0
         self._step_drafts = 0
@@ -188,6 +187,7 @@ class EngineThread:
         self.loaded = model
         self._model = handle
         try:
+            self.drafter = open_drafter(lib, model, cfg)  # a draft model loads here, beside the target
             self.detok = Detokenizer(lib, handle)
             self.output = OutputProcessor(lib, handle, self.detok)
             self.runner = StepRunner(
@@ -256,6 +256,8 @@ class EngineThread:
         """Speculation is configured and the engine verifies several rows a lane; an engine
         without `baseRT_batch_step_fused_logits_rows` decodes plainly (the same tokens)."""
         if self.drafter is not None and not caps.multi_row_verify:
+            if isinstance(self.drafter, DraftModelDrafter):
+                self.drafter.close()  # its model, loaded for nothing
             self.drafter = None
         return self.drafter is not None
 
@@ -287,6 +289,8 @@ class EngineThread:
             try:
                 draft = self._draft if self.drafter is not None else None
                 self._step_drafts = 0
+                if isinstance(self.drafter, DraftModelDrafter):  # the draft model's steps, all lanes at once
+                    self.drafter.before_plan(self._draft_caps(), self.spec_policy)
                 plan = self.batcher.plan(self._admit, release=self._release_kv, draft=draft)
                 if plan.rows:
                     began = time.perf_counter()
@@ -320,6 +324,11 @@ class EngineThread:
             self._apply_token(lane, result.sampled)
             if row.drafts:
                 self._verify(lane, row.drafts, result.first_row, result.verified)
+
+    def _draft_caps(self) -> list[tuple[Lane, int]]:
+        """The running generation lanes and how many drafts each may feed (`Batcher.draft_cap`)."""
+        lanes = (self.requests.lane(st.rid) for st in self.batcher.running)
+        return [(lane, self.batcher.draft_cap(lane.state)) for lane in lanes if isinstance(lane, Lane)]
 
     def _draft(self, state: Request, cap: int, rows: int, lanes: int) -> int:
         """How many drafts a decode lane feeds this step (`Batcher.schedule` asks), and which
@@ -700,6 +709,7 @@ class EngineThread:
             requests_recomputed=self.batcher.recomputes,
             spec_draft_tokens=self.spec_drafted,
             spec_accepted_tokens=self.spec_accepted,
+            draft_live_sequences=self.drafter.live if isinstance(self.drafter, DraftModelDrafter) else 0,
         )
 
     def evict_prefix_cache(self) -> int:
@@ -778,6 +788,8 @@ class EngineThread:
             lib.baseRT_sequence_free(lane.seq)
             lane.seq = None
             self.live_sequences -= 1
+        if isinstance(self.drafter, DraftModelDrafter) and lane.speculation is not None:
+            self.drafter.release(lane.speculation)  # its draft sequence goes with it
         if lane.prefix_handle:
             lib.baseRT_prefix_unlock(model, lane.prefix_handle)
             lane.prefix_handle = 0
@@ -854,6 +866,8 @@ class EngineThread:
         self._free_model()
 
     def _free_model(self) -> None:
+        if isinstance(self.drafter, DraftModelDrafter):
+            self.drafter.close()
         if self._model is not None:
             self.lib.baseRT_free_model(self._model)
             self._model = None

@@ -460,6 +460,9 @@ class EngineStats(msgspec.Struct, frozen=True, kw_only=True):
     """Speculative decoding: draft tokens verified, all requests (vLLM's num_draft_tokens)."""
     spec_accepted_tokens: int = 0
     """Of those, the ones accepted (vLLM's num_accepted_tokens)."""
+    draft_live_sequences: int = 0
+    """Sequences of the draft model held (speculation with method="draft"): one a lane that
+    drafts, freed with the lane's own sequence (0 when there is no draft model)."""
 
 
 class Capabilities(msgspec.Struct, frozen=True, kw_only=True):

@@ -10,6 +10,11 @@ run here (building llama-server takes ~20 minutes on this machine): left for ben
     python bench/speculative.py            # SmolLM2-135M (the demo model)
     python bench/speculative.py --tiny     # a tiny random model (steps and acceptance, not speed)
     python bench/speculative.py --repeat 3 --prompts free   # medians of 3 interleaved off/on pairs
+    python bench/speculative.py --pair f16   # SmolLM2 f16 target: off, ngram and the demo q4 as its draft model
+    python bench/speculative.py --draft-model d.base --sources draft   # any draft model for --model
+
+With a draft model (`--pair` or `--draft-model`) each row is one source (ngram, draft) beside the
+same off run: the draft model's own steps are part of the on run's time.
 """
 
 from __future__ import annotations
@@ -44,6 +49,7 @@ FREE = [
 
 
 async def run(model: str, spec: SpeculationConfig | None, prompts: list[str], streams: int, max_tokens: int) -> dict:
+    """One engine, `streams` greedy requests at once: tok/s, steps, drafts, the outputs."""
     async with Engine.open(model, max_batch_size=streams, max_context=1024, speculation=spec) as engine:
         await engine.generate("warm up", max_tokens=4)  # first-step costs out of the timing
         before = await engine.stats()
@@ -80,30 +86,51 @@ async def main() -> None:
     ap.add_argument("--draft", type=int, default=4, help="num_speculative_tokens")
     ap.add_argument("--repeat", type=int, default=1, help="off/on pairs per row, interleaved; medians reported")
     ap.add_argument("--prompts", nargs="*", choices=["grounded", "free"], default=["grounded", "free"])
+    ap.add_argument("--pair", choices=["f16", "q8"], default=None,
+                    help="SmolLM2 in this dtype as the target, the demo q4 as its draft model")  # fmt: skip
+    ap.add_argument("--draft-model", default=None, help="a draft model for --model (method='draft')")
+    ap.add_argument("--sources", nargs="*", choices=["ngram", "draft"], default=None,
+                    help="sources run beside off (default: ngram, and draft given a draft model)")  # fmt: skip
     args = ap.parse_args()
-    model = bench_model(args.tiny, args.model)
-    spec = SpeculationConfig(num_speculative_tokens=args.draft)
-    print(f"model {model}, max_tokens {args.max_tokens}, ngram k<={args.draft} (adaptive)")
-    print(f"{'prompts':9} {'streams':>7} {'off tok/s':>10} {'on tok/s':>9} {'ratio':>6} {'steps off/on':>13} "
-          f"{'drafted':>8} {'accept':>7} {'cpu ratio':>9} same")  # fmt: skip
+    draft_model = args.draft_model
+    if args.pair:
+        from aiobasert.models.cache import default_model_path, gguf_bundle_path, smollm2_gguf_path
+
+        model = str(gguf_bundle_path(smollm2_gguf_path(), dtype=args.pair))
+        draft_model = draft_model or str(default_model_path())
+    else:
+        model = bench_model(args.tiny, args.model)
+    sources = args.sources or (["ngram", "draft"] if draft_model else ["ngram"])
+    specs = {
+        "ngram": SpeculationConfig(num_speculative_tokens=args.draft),
+        "draft": SpeculationConfig(method="draft", draft_model=draft_model, num_speculative_tokens=args.draft)
+        if draft_model
+        else None,
+    }
+    print(f"model {model}, max_tokens {args.max_tokens}, k<={args.draft} (adaptive), draft model {draft_model}")
+    print(f"{'prompts':9} {'source':6} {'streams':>7} {'off tok/s':>10} {'on tok/s':>9} {'ratio':>6} "
+          f"{'steps off/on':>13} {'drafted':>8} {'accept':>7} {'cpu ratio':>9} same")  # fmt: skip
     for name, prompts in (("grounded", GROUNDED), ("free", FREE)):
         if name not in args.prompts:
             continue
         for streams in args.streams:
-            # off and on alternate, so load from elsewhere on a shared machine hits both alike
-            offs, ons = [], []
+            # off and each source alternate, so load from elsewhere on a shared machine hits all alike
+            offs: list[dict[str, Any]] = []
+            ons: dict[str, list[dict[str, Any]]] = {src: [] for src in sources}
             for _ in range(args.repeat):
                 offs.append(await run(model, None, prompts, streams, args.max_tokens))
-                ons.append(await run(model, spec, prompts, streams, args.max_tokens))
+                for src in sources:
+                    ons[src].append(await run(model, specs[src], prompts, streams, args.max_tokens))
             off: dict[str, Any] = median_run(offs)
-            on: dict[str, Any] = median_run(ons)
-            rate = on["accepted"] / on["drafted"] if on["drafted"] else 0.0
-            print(
-                f"{name:9} {streams:>7} {off['tok_s']:>10.1f} {on['tok_s']:>9.1f} {on['tok_s'] / off['tok_s']:>6.2f} "
-                f"{off['steps']:>6}/{on['steps']:<6} {on['drafted']:>8} {rate:>7.2f} "
-                f"{on['tok_cpu_s'] / off['tok_cpu_s']:>9.2f} {on['ids'] == off['ids']}",
-                flush=True,
-            )
+            for src in sources:
+                on: dict[str, Any] = median_run(ons[src])
+                rate = on["accepted"] / on["drafted"] if on["drafted"] else 0.0
+                print(
+                    f"{name:9} {src:6} {streams:>7} {off['tok_s']:>10.1f} {on['tok_s']:>9.1f} "
+                    f"{on['tok_s'] / off['tok_s']:>6.2f} {off['steps']:>6}/{on['steps']:<6} {on['drafted']:>8} "
+                    f"{rate:>7.2f} {on['tok_cpu_s'] / off['tok_cpu_s']:>9.2f} {on['ids'] == off['ids']}",
+                    flush=True,
+                )
 
 
 if __name__ == "__main__":

@@ -19,8 +19,9 @@ import pytest
 from loopback import sigterm_and_wait
 from tiny_gguf import write_gguf
 
-from aiobasert import Completion
+from aiobasert import Completion, InvalidConfigError
 from aiobasert import cli as cli_module
+from aiobasert.config import SpeculationConfig
 from aiobasert.models import convert
 
 
@@ -499,3 +500,16 @@ def test_serve_reasoning_budget_flag(capsys: pytest.CaptureFixture[str]) -> None
     with pytest.raises(SystemExit):
         parser.parse_args(["serve", "--reasoning-budget", "-2"])
     assert "--reasoning-budget: must be >= -1" in capsys.readouterr().err
+
+
+def test_serve_draft_model_flag_implies_the_method() -> None:
+    """`--draft-model PATH` is speculation from a draft model (issue 36); `--speculative` names the others."""
+
+    def spec(*flags: str) -> SpeculationConfig | None:
+        return cli_module._speculation(cli_module.build_parser().parse_args(["serve", "m.base", *flags]))
+
+    drafted = SpeculationConfig(method="draft", draft_model="d.base", num_speculative_tokens=3)
+    assert spec("--draft-model", "d.base", "--num-speculative-tokens", "3") == drafted
+    assert spec("--speculative", "mtp") == SpeculationConfig(method="mtp")
+    with pytest.raises(InvalidConfigError, match="--draft-model"):
+        spec("--speculative", "ngram", "--draft-model", "d.base")

@@ -54,7 +54,7 @@ class Drafter(Protocol):
 class LaneSpec:
     """One lane's speculation state: its n-gram index and its acceptance history."""
 
-    __slots__ = ("accepted", "drafted", "hits", "idle", "index", "indexed", "misses", "shadow", "verified")
+    __slots__ = ("accepted", "draft", "drafted", "hits", "idle", "index", "indexed", "misses", "shadow", "verified")
 
     def __init__(self, prior_hits: float = 1.0, prior_misses: float = 1.5) -> None:
         self.index: dict[tuple[int, ...], int] = {}
@@ -72,6 +72,8 @@ class LaneSpec:
         self.accepted = 0
         self.verified = 0
         """Draft tokens fed, accepted, and verify rows run (usage and stats)."""
+        self.draft: object = None
+        """Its draft model's sequence (`draft_model.DraftSeq`), for a draft-model drafter."""
 
     @property
     def p(self) -> float:
@@ -222,6 +224,13 @@ class SpecPolicy:
             return False
         st.idle = 0
         return True
+
+    def may_ask(self, st: LaneSpec, rows: int, lanes: int) -> bool:
+        """Whether `ask` could say yes this step, without counting it (a batched drafter
+        runs before the plan asks: `draft_model.DraftModelDrafter.prepare`)."""
+        if not self.adaptive or st.p > self.margin * self.cost.row_cost(rows, max(lanes, 1)):
+            return True
+        return not st.shadow and st.idle + 1 >= self.probe_every
 
     def depth(self, st: LaneSpec, proposed: int, rows: int, lanes: int, first: bool = False) -> int:
         """The largest i <= `proposed` with p^i above `margin` x the row's cost c (each deeper draft

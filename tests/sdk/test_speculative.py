@@ -5,7 +5,9 @@ Each comparison runs the same requests on an engine without speculation and on e
 speculate with (a) prompt lookup, verifying every proposal at full length, (b) an oracle that
 proposes the reference continuation with random corruption (long accepted runs through stop
 strings, stop ids and max_tokens, then a rejection), (c) a drafter proposing garbage (ids out
-of the vocabulary included). All on the real reference engine; asyncio and trio."""
+of the vocabulary included), (d) a draft model: the target's own weights (nearly every greedy
+draft accepted) or other random weights with the same vocabulary (few accepted). All on the
+real reference engine; asyncio and trio."""
 
 from __future__ import annotations
 
@@ -104,7 +106,9 @@ params_st = st.fixed_dictionaries(
 
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
-async def test_speculation_gives_the_plain_output(tiny_model_path: Path, data: st.DataObject) -> None:
+async def test_speculation_gives_the_plain_output(
+    tiny_model_path: Path, second_tiny_model_path: Path, data: st.DataObject
+) -> None:
     n_jobs = data.draw(st.integers(1, 4))
     texts = data.draw(st.lists(prompt_text, min_size=n_jobs, max_size=n_jobs, unique=True))
     params = [data.draw(params_st) for _ in range(n_jobs)]
@@ -119,8 +123,12 @@ async def test_speculation_gives_the_plain_output(tiny_model_path: Path, data: s
         want = await run_all(plain, jobs)
     reference = {tuple(ids): [tok[0] for tok in out] for (ids, _), out in zip(jobs, want, strict=True)}
     seed = data.draw(st.integers(0, 1000))
-    for drafter in ("ngram", "oracle", "garbage"):
-        async with Engine.open(tiny_model_path, speculation=FULL, **opts) as engine:
+    same = data.draw(st.booleans())  # the draft model: the target's weights, or other ones
+    draft = SpeculationConfig(
+        method="draft", draft_model=str(tiny_model_path if same else second_tiny_model_path), adaptive=False
+    )
+    for drafter in ("ngram", "oracle", "garbage", "draft"):
+        async with Engine.open(tiny_model_path, speculation=draft if drafter == "draft" else FULL, **opts) as engine:
             if drafter == "oracle":
                 engine._thread.drafter = Oracle(reference, seed)
             elif drafter == "garbage":
@@ -129,7 +137,8 @@ async def test_speculation_gives_the_plain_output(tiny_model_path: Path, data: s
             stats = await engine.stats()
         assert got == want, drafter
         assert stats.live_sequences == 0 and stats.kv_blocks_used == stats.prefix_blocks_cached
-        if drafter == "oracle" and any(len(out) > 2 for out in want):  # a decode step with room for drafts
+        assert stats.draft_live_sequences == 0  # every draft sequence went with its lane
+        if drafter in ("oracle", "draft") and any(len(out) > 2 for out in want):  # a decode step with room for drafts
             assert stats.spec_draft_tokens > 0
 
 

@@ -103,11 +103,19 @@ class Server:
 
 
 @pytest.fixture
-def server(long_untied_model_path: Path) -> Iterator[Server]:
+def speculative() -> str | None:
+    """The server's `--speculative` method (None: off); the test parametrizes it."""
+    return None
+
+
+@pytest.fixture
+def server(long_untied_model_path: Path, speculative: str | None) -> Iterator[Server]:
     """`aiobasert serve` on the untied tiny model (its greedy output varies) with an 8k window, LANES lanes."""
     model = long_untied_model_path
     args = [sys.executable, "-m", "aiobasert", "serve", str(model), "--port", "0", "--api-key", KEY,
             "--served-model-name", "tiny", "--max-batch-size", str(LANES), "--max-context", "8192"]  # fmt: skip
+    if speculative is not None:
+        args += ["--speculative", speculative]
     proc = subprocess.Popen(args, stderr=subprocess.PIPE, text=True, cwd=REPO, env=subprocess_env(model))
     assert proc.stderr is not None
     lines = Lines(proc.stderr)
@@ -626,9 +634,15 @@ async def _settled(server: Server, http: httpx.AsyncClient, wall_s: float) -> di
     return await _stats(http)
 
 
-@pytest.mark.parametrize("anyio_backend", ["asyncio", "trio"])
+@pytest.mark.parametrize(
+    ("anyio_backend", "speculative"),
+    # every check again with speculative decoding on (issue 36): the same answers, nothing held
+    [("asyncio", None), ("trio", None), pytest.param("asyncio", "ngram", marks=pytest.mark.slow)],
+)
 @pytest.mark.parametrize("seed", SEEDS)
-async def test_hostile_traffic_cannot_stall_starve_or_kill_normal_clients(server: Server, seed: int) -> None:
+async def test_hostile_traffic_cannot_stall_starve_or_kill_normal_clients(
+    server: Server, seed: int, speculative: str | None
+) -> None:
     test_start = time.monotonic()
     rng = random.Random(seed)
     normal = _normal_plan(rng)
@@ -740,6 +754,8 @@ async def test_hostile_traffic_cannot_stall_starve_or_kill_normal_clients(server
             findings.append(f"held at idle: {after}")
         if after["kv_blocks_used"] > after["prefix_blocks_cached"]:  # only the prefix cache may hold KV
             findings.append(f"KV blocks held at idle beyond the prefix cache's: {after}")
+        if speculative is not None and not after["spec_draft_tokens"]:  # it really verified drafts
+            findings.append(f"--speculative {speculative} verified no draft: {after}")
         gauges = {k: v for k, v in (await _gauges(http)).items() if "requests_" in k or "kv_" in k}
         if not gauges["aiobasert_num_requests_running"] == gauges["aiobasert_num_requests_waiting"] == 0:
             findings.append(f"/metrics at idle: {gauges}")

@@ -58,3 +58,17 @@ def test_speculation_field_is_typed(base_url: str) -> None:
     body = {"model": MODEL_NAME, "prompt": "x", "max_tokens": 2, "speculation": "yes"}
     r = httpx.post(f"{base_url}/v1/completions", json=body, headers=headers, timeout=30)
     assert r.status_code == 400 and "speculation" in r.text
+
+
+def test_a_draft_model_is_served(asgi_server: Any, tiny_model_path: Path) -> None:
+    """A server with a draft model (`--draft-model`: the target's own weights here, so its greedy
+    drafts are accepted) answers with the plain tokens and counts the drafts in `usage`."""
+    from aiobasert.server import create_app
+
+    plain = _complete(asgi_server(create_app(tiny_model_path, api_key=API_KEY, model_name=MODEL_NAME)))
+    spec = SpeculationConfig(method="draft", draft_model=str(tiny_model_path), adaptive=False)
+    config = EngineConfig(max_batch_size=2, speculation=spec)
+    url = asgi_server(create_app(tiny_model_path, api_key=API_KEY, model_name=MODEL_NAME, config=config))
+    got = _complete(url)
+    assert got["choices"][0]["text"] == plain["choices"][0]["text"]
+    assert got["usage"]["accepted_draft_tokens"] >= 0.9 * got["usage"]["draft_tokens"] > 0

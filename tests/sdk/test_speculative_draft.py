@@ -1,0 +1,216 @@
+"""Speculation from a draft model (issue 36, 2b) and the engine's own speculators (2c).
+
+A draft model is a second model handle beside the target's, on the engine thread: its sequences
+are stepped for every drafting lane at once, rolled back to what the target accepted, and freed
+with the lane's own sequence (`EngineStats.draft_live_sequences`). Its vocabulary must be the
+target's (refused at open by name). The engine's own speculators (MTP, EAGLE-3, DFlash, DSpark)
+are refused by name where the engine lacks them (the reference engine does). All on the real
+reference engine with tiny models the suite builds; asyncio and trio."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+
+from aiobasert import Engine, InvalidConfigError, ModelFileNotFoundError, UnsupportedError
+from aiobasert._core.draft_model import DraftModel, best_depth
+from aiobasert._ffi import Library
+from aiobasert.config import SpeculationConfig
+from aiobasert.models.tiny import build_tiny_model
+from aiobasert.testing import snapshot, wait_until
+
+pytestmark = pytest.mark.anyio
+
+PROMPT = "the cat sat on the mat and a b ab x yz"
+
+
+def draft(path: Path, **kw: Any) -> SpeculationConfig:
+    return SpeculationConfig(method="draft", draft_model=str(path), adaptive=False, **kw)
+
+
+async def test_a_draft_with_the_targets_weights_is_accepted(tiny_model_path: Path) -> None:
+    """The target drafting for itself (greedy): every draft is the token the target picks, so
+    nearly all are accepted and the output comes in far fewer steps; the tokens are the plain ones."""
+    async with Engine.open(tiny_model_path) as plain:
+        want = await plain.generate(PROMPT, max_tokens=40, ignore_eos=True, logprobs=True, top_logprobs=2)
+        plain_steps = (await plain.stats()).steps
+    async with Engine.open(tiny_model_path, speculation=draft(tiny_model_path, num_speculative_tokens=4)) as engine:
+        got = await engine.generate(PROMPT, max_tokens=40, ignore_eos=True, logprobs=True, top_logprobs=2)
+        stats = await engine.stats()
+    assert got.token_ids == want.token_ids and got.logprobs == want.logprobs
+    assert got.finish_reason == want.finish_reason
+    assert got.usage.draft_tokens >= 20
+    assert got.usage.accepted_draft_tokens >= 0.9 * got.usage.draft_tokens  # the draft path is the one used
+    assert stats.steps < plain_steps / 2
+    assert stats.live_sequences == 0 and stats.draft_live_sequences == 0
+
+
+async def test_a_draft_with_other_weights_gives_the_plain_output(
+    tiny_model_path: Path, second_tiny_model_path: Path
+) -> None:
+    """Other random weights, the same vocabulary: few drafts accepted, the same tokens (greedy and
+    seeded, several lanes at once)."""
+    cases: list[dict[str, Any]] = [
+        dict(max_tokens=30, ignore_eos=True),
+        dict(max_tokens=30, ignore_eos=True, temperature=0.8, seed=5),
+        dict(max_tokens=12, stop=["a"], logprobs=True),
+    ]
+    async with Engine.open(tiny_model_path, max_batch_size=4) as plain:
+        want = [await plain.generate(f"{PROMPT} {i}", **c) for i, c in enumerate(cases)]
+    async with Engine.open(tiny_model_path, max_batch_size=4, speculation=draft(second_tiny_model_path)) as engine:
+        got: list[Any] = [None] * len(cases)
+
+        async def one(i: int) -> None:
+            got[i] = await engine.generate(f"{PROMPT} {i}", **cases[i])
+
+        async with anyio.create_task_group() as tg:
+            for i in range(len(cases)):
+                tg.start_soon(one, i)
+        stats = await engine.stats()
+    for g, w in zip(got, want, strict=True):
+        assert g.token_ids == w.token_ids and g.logprobs == w.logprobs and g.finish_reason == w.finish_reason
+    assert stats.spec_draft_tokens > 0
+    assert stats.spec_accepted_tokens < stats.spec_draft_tokens
+    assert stats.draft_live_sequences == 0
+
+
+async def test_a_draft_of_another_vocabulary_is_refused_by_name(tiny_model_path: Path, tmp_path: Path) -> None:
+    other = build_tiny_model(tmp_path / "bytes.base", vocab="bytes")
+    with pytest.raises(InvalidConfigError, match=r"speculation\.draft_model.*another vocabulary.*vocab_size"):
+        await Engine.open(tiny_model_path, speculation=draft(other))
+    extra = build_tiny_model(tmp_path / "extra.base", extra_tokens=[("<|extra|>", 3)])
+    with pytest.raises(InvalidConfigError, match=r"speculation\.draft_model"):
+        await Engine.open(tiny_model_path, speculation=draft(extra))
+
+
+async def test_a_missing_draft_model_is_refused_by_name(tiny_model_path: Path, tmp_path: Path) -> None:
+    with pytest.raises(ModelFileNotFoundError, match=r"speculation\.draft_model: .*missing\.base"):
+        await Engine.open(tiny_model_path, speculation=draft(tmp_path / "missing.base"))
+
+
+async def test_an_engine_that_cannot_verify_frees_its_draft_model(
+    tiny_model_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without `baseRT_batch_step_fused_logits_rows` the engine decodes plainly (the same tokens):
+    the draft model it loaded is freed at open, not held for nothing."""
+    has = Library.has
+    rows = "baseRT_batch_step_fused_logits_rows"
+    monkeypatch.setattr(Library, "has", lambda self, name: name != rows and has(self, name))
+    freed: list[int] = []
+    free = DraftModel.free
+    monkeypatch.setattr(DraftModel, "free", lambda self: (freed.append(self.handle), free(self))[1])
+    async with Engine.open(tiny_model_path, speculation=draft(tiny_model_path)) as engine:
+        assert engine._thread.drafter is None and freed
+        out = await engine.generate(PROMPT, max_tokens=6)
+    assert out.usage.draft_tokens == 0
+
+
+async def test_cancel_mid_stream_frees_both_sequences(tiny_model_path: Path) -> None:
+    """A stream cancelled while it drafts: its sequence and its draft sequence are both freed."""
+    async with Engine.open(tiny_model_path, speculation=draft(tiny_model_path)) as engine:
+        stream = engine.stream(PROMPT, max_tokens=400, ignore_eos=True)
+        seen = 0
+        async for _ in stream:
+            seen += 1
+            if seen == 12:
+                snap = await snapshot(engine)
+                assert snap.stats.live_sequences == 1 and snap.stats.draft_live_sequences == 1
+                assert snap.stats.spec_draft_tokens > 0
+                break
+        await stream.aclose()
+        snap = await wait_until(engine, lambda s: s.stats.live_sequences == 0, steps=50)
+        assert snap.stats.draft_live_sequences == 0 and snap.stats.requests_cancelled == 1
+
+
+async def test_prefix_cache_with_a_draft_model(tiny_model_path: Path) -> None:
+    """A prompt served again takes its prefix from the target's cache; the draft catches up from
+    the lane's tokens. The plain output, drafts accepted, and no draft sequence left."""
+    params = dict(max_tokens=24, ignore_eos=True)
+    async with Engine.open(tiny_model_path) as plain:
+        want = await plain.generate(PROMPT, **params)
+    async with Engine.open(tiny_model_path, speculation=draft(tiny_model_path)) as engine:
+        first = await engine.generate(PROMPT, **params)
+        again = await engine.generate(PROMPT, **params)
+        stats = await engine.stats()
+    assert first.token_ids == again.token_ids == want.token_ids
+    assert again.usage.cached_prompt_tokens > 0 and again.usage.accepted_draft_tokens > 0
+    assert stats.live_sequences == 0 and stats.draft_live_sequences == 0
+
+
+@pytest.mark.parametrize("prefix_cache", [True, False])
+async def test_a_paused_lane_resumes_with_its_draft(tiny_model_path: Path, prefix_cache: bool) -> None:
+    """One lane, a long request drafting in it, and newcomers that take it back (paused) one
+    after the other: the long one resumes with the plain output; a paused lane's draft sequence
+    is freed (the draft pool is the running lanes') and catches up when it runs again."""
+    opts: dict[str, Any] = dict(max_batch_size=1, prefix_cache=prefix_cache, prefill_chunk=16)
+    params = dict(max_tokens=120, ignore_eos=True, temperature=0.7, seed=3)
+    async with Engine.open(tiny_model_path, **opts) as plain:
+        want = await plain.generate(PROMPT, **params)
+    async with Engine.open(tiny_model_path, speculation=draft(tiny_model_path), **opts) as engine:
+        got: list[Any] = []
+        async with anyio.create_task_group() as tg:
+
+            async def long() -> None:
+                got.append(await engine.generate(PROMPT, **params))
+
+            tg.start_soon(long)
+            await wait_until(engine, lambda s: s.stats.draft_live_sequences == 1 and s.stats.spec_draft_tokens > 0)
+            for _ in range(3):  # each newcomer takes the lane back
+                await engine.generate("hi", max_tokens=3, temperature=0)
+                while (await engine.stats()).waiting_requests:
+                    await anyio.sleep(0.005)
+        stats = await engine.stats()
+    assert stats.requests_preempted >= 1
+    assert got[0].token_ids == want.token_ids
+    assert got[0].usage.accepted_draft_tokens > 0
+    assert stats.live_sequences == 0 and stats.draft_live_sequences == 0
+
+
+@pytest.mark.parametrize("method", ["mtp", "eagle3", "dflash", "dspark"])
+async def test_engine_speculators_are_refused_by_name_where_the_engine_lacks_them(
+    tiny_model_path: Path, method: str
+) -> None:
+    """The reference engine has no MTP heads, EAGLE-3 or block drafters: asking for one is an
+    error naming the method and what the engine lacks, never plain decoding in silence."""
+    with pytest.raises(UnsupportedError, match=rf"speculation\.method='{method}'.*does not export"):
+        await Engine.open(tiny_model_path, speculation=method)  # type: ignore[arg-type]
+
+
+def test_draft_config_is_checked() -> None:
+    with pytest.raises(InvalidConfigError, match=r"speculation\.draft_model is required"):
+        SpeculationConfig(method="draft")
+    with pytest.raises(InvalidConfigError, match=r"speculation\.draft_model.*method='draft'"):
+        SpeculationConfig(draft_model="d.base")
+    with pytest.raises(InvalidConfigError, match=r"speculation\.method"):
+        SpeculationConfig(method="medusa")  # type: ignore[arg-type]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])  # real weights: one backend is enough
+async def test_smollm2_q4_drafts_for_its_f16_bundle(smollm2_path: Path, smollm2_f16_path: Path) -> None:
+    """Real weights: the demo q4 bundle drafting for the f16 bundle of the same model gives the f16
+    model's own greedy output, with most drafts accepted (the two differ only in rounding)."""
+    prompt = "Explain why the sky is blue to a ten year old."
+    async with Engine.open(smollm2_f16_path, max_batch_size=2) as plain:
+        want = await plain.generate(prompt, max_tokens=48, ignore_eos=True)
+    spec = SpeculationConfig(method="draft", draft_model=str(smollm2_path), adaptive=False)
+    async with Engine.open(smollm2_f16_path, max_batch_size=2, speculation=spec) as engine:
+        got = await engine.generate(prompt, max_tokens=48, ignore_eos=True)
+        stats = await engine.stats()
+    assert got.token_ids == want.token_ids
+    assert got.usage.accepted_draft_tokens >= 0.5 * got.usage.draft_tokens > 0
+    assert stats.draft_live_sequences == 0
+
+
+def test_the_draft_length_pays_for_the_draft_models_steps() -> None:
+    """The adaptive policy drafts only as far as the draft model's own steps pay: a draft as costly
+    as the target (the target drafting for itself) is not run; a cheap one with a high acceptance
+    drafts deep; a low acceptance drafts nothing."""
+    assert best_depth([0.95], 4, 1.0) == 0
+    assert best_depth([0.9], 4, 0.25) == 4
+    assert 1 <= best_depth([0.7], 4, 0.4) < 4
+    assert best_depth([0.2, 0.3], 4, 0.3) == 0
+    assert best_depth([], 4, 0.1) == best_depth([0.9], 0, 0.1) == 0
