@@ -9,6 +9,7 @@ feed. Also run under ASan + UBSan by tests/native/test_sanitizers.py."""
 from __future__ import annotations
 
 import ctypes
+import json
 import os
 from collections.abc import Sequence
 from ctypes import c_void_p
@@ -334,3 +335,16 @@ def test_bad_handles_are_refused(lib: Library, model_path: Path) -> None:
         assert lib.baseRT_get_speculation(t) is False
     finally:
         lib.baseRT_free_model(t)
+
+
+def test_the_descriptor_lists_them(lib: Library, model: int) -> None:
+    """The descriptor's `implemented` (what the library exports) names the three, and its "speculation"
+    says what the reference engine does and does not do (no drafts of its own; verification served)."""
+    d = json.loads(lib.baseRT_capability_descriptor(model))
+    names = {"baseRT_batch_step_fused_rows_argmax", "baseRT_set_speculation", "baseRT_get_speculation"}
+    assert names <= set(d["implemented"])
+    caps = d["capabilities"]
+    assert (
+        caps["speculation"].startswith("unsupported") and "baseRT_batch_step_fused_rows_argmax" in caps["speculation"]
+    )
+    assert caps["verify_rows"] is True
