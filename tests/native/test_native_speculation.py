@@ -153,12 +153,9 @@ def test_rows_argmax_is_the_argmax_of_the_logits_rows(
         # the rows stay readable, as after the logits variant (lanes in order, rows ascending)
         assert host_argmax(lib, model, read_rows(lib, model, sum(out_rows))) == got
         # the lanes advanced by their whole feed, as with the logits variant
-        lengths = [len(p) + len(f) for p, f in zip(prompts, feeds, strict=True)]
         more = [[3]] * len(prompts)
-        assert host_argmax(lib, model, logits_rows(lib, model, a, more, [1] * len(a))) == host_argmax(
-            lib, model, logits_rows(lib, model, b, more, [1] * len(b))
-        )
-        assert all(n <= CONTEXT for n in lengths)
+        after_a = logits_rows(lib, model, a, more, [1] * len(a))
+        assert after_a.tobytes() == logits_rows(lib, model, b, more, [1] * len(b)).tobytes()
     finally:
         free(lib, a + b)
 
