@@ -232,12 +232,15 @@ _SIGNATURES: dict[str, tuple[Any, list[Any], bool]] = {
     "baseRT_read_tap_rows": (c_int, [c_void_p, c_int, c_int, c_void_p], False),
     "baseRT_tap_rows_capacity": (c_int, [c_void_p], False),
     "baseRT_model_supports_taps": (c_int, [c_void_p], False),
-    # speculative decoding's entry points (`loaded.Capabilities` says which a library has; nothing drives them yet)
+    # speculative decoding's entry points (`loaded.Capabilities` says which a library has): greedy verify
+    # steps run rows_argmax (`step.StepRunner`); the speculator heads are named and refused, not driven yet
     "baseRT_batch_step_fused_rows_argmax": (
         c_int,
         [c_void_p, POINTER(c_void_p), c_int, _u32p, _intp, _intp, _intp, c_int, _intp, _u32p],
         False,
     ),
+    "baseRT_set_speculation": (None, [c_void_p, c_bool], False),
+    "baseRT_get_speculation": (c_bool, [c_void_p], False),
     "baseRT_has_speculator": (c_int, [c_void_p], False),
     "baseRT_speculator_kind": (c_int, [c_void_p, c_char_p, c_int], False),
     "baseRT_load_speculator_head": (c_void_p, [c_void_p], False),

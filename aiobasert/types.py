@@ -502,7 +502,12 @@ class Capabilities(msgspec.Struct, frozen=True, kw_only=True):
     """Several logits rows per lane from one forward (`baseRT_batch_step_fused_logits_rows`):
     what a speculative verify needs."""
     rows_argmax: bool = False
-    """Greedy multi-row verify without a logits read-back (`baseRT_batch_step_fused_rows_argmax`)."""
+    """Greedy multi-row verify without a logits read-back (`baseRT_batch_step_fused_rows_argmax`):
+    a verify step whose lanes are all greedy with no host needs runs it (else, or where the engine
+    refuses it, the logits-rows path)."""
+    speculation_switch: bool = False
+    """The per-handle speculation flag can be set and read back (`baseRT_set_speculation`,
+    `baseRT_get_speculation`): the engine's own speculation inside its generate calls."""
     prefix_cache: bool = False
     """Prompt KV shared between requests (`BASERT_CAP_PREFIX_CACHE` and `baseRT_prefix_match`),
     as the engine was opened (`prefix_cache=False` turns it off)."""

@@ -118,6 +118,7 @@ def probe(lib: _ffi.Library, handle: int) -> Capabilities:
         tap_capacity=capacity,
         multi_row_verify=steps and has("baseRT_batch_step_fused_logits_rows"),
         rows_argmax=steps and has("baseRT_batch_step_fused_rows_argmax"),
+        speculation_switch=steps and has("baseRT_set_speculation") and has("baseRT_get_speculation"),
         prefix_cache=steps and bool(flags & _ffi.CAP_PREFIX_CACHE) and has("baseRT_prefix_match"),
         grammar_compiler=has("baseRT_grammar_create_from_schema") and bitmask,
         structural_tag=has("baseRT_grammar_create_from_structural_tag") and bitmask,

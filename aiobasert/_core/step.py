@@ -10,7 +10,9 @@ samples in the engine (`baseRT_batch_step_fused_sample`) when every sampling
 lane's parameters allow, else from host logits rows (grammar masks, logit
 bias, logprobs, penalties on greedy lanes). A step that verifies drafts
 samples the lanes that need no host rows in the engine too (`sample_rows`),
-and reads rows back only for the others.
+and reads rows back only for the others; where every lane of it is greedy with
+no host needs, the engine argmaxes its rows itself
+(`baseRT_batch_step_fused_rows_argmax`: no rows sampled or read back).
 
 An embedding is an `EmbedLane`: a step that carries one of its chunks runs as
 `baseRT_batch_step_fused_logits_rows_taps`, tapping the final pre-norm hidden
@@ -39,7 +41,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
 from .. import _ffi
-from ..errors import AioBaseRTError, EngineError, InternalError, InvalidRequestError
+from ..errors import AioBaseRTError, EngineError, ErrorCode, InternalError, InvalidRequestError
 from ..types import Capabilities, TopLogprob
 from .plan import PlannedRow
 from .protocol import Constraint, Done, EmbedOutput, Final, RequestSpec, Sink, StreamOutput, Ticket
@@ -331,7 +333,7 @@ class RowResult:
     """Why this lane failed in this step (it alone, or the whole forward)."""
 
 
-ForwardPath = Literal["sample", "logits", "taps", "rows"]
+ForwardPath = Literal["sample", "logits", "taps", "rows", "argmax"]
 
 
 @dataclass(eq=False)
@@ -350,6 +352,12 @@ class Batch:
     sampling: bool = False
     drafts: int = 0
     """Draft tokens verified in this step: the step leaves 1 + drafts logits rows for each such lane."""
+    argmax: bool = False
+    """The engine can argmax a verify step's rows (`baseRT_batch_step_fused_rows_argmax`, not refused)."""
+    greedy: bool = True
+    """Every lane that samples is greedy with no host needs: its rows' argmax is its tokens."""
+    argmaxed: ctypes.Array[c_uint32] | None = None
+    """The rows_argmax tokens, once the forward ran it (sum(out_rows), lanes in order)."""
 
     def add(
         self, lane: Lane | EmbedLane, row: PlannedRow, chunk: list[int], sampler: _ffi.BaseRTRowSampling | None
@@ -359,6 +367,8 @@ class Batch:
         self.samplers.append(sampler)
         self.sampling = self.sampling or row.samples
         self.host = self.host or (row.samples and lane.host)
+        if row.samples and not (isinstance(lane, Lane) and not lane.host and lane.spec.params.temperature == 0):
+            self.greedy = False
         self.drafts += row.drafts
         if row.kind == "embed":
             self.tapped += row.tokens
@@ -368,6 +378,8 @@ class Batch:
         if self.tapped:
             return "taps"  # embedding chunks need the hidden-state taps; samplers use host rows
         if self.drafts:
+            if self.argmax and self.greedy:
+                return "argmax"  # greedy verify rows: the engine argmaxes them, nothing read back
             return "rows"  # verify rows: several logits rows a lane (`StepRunner.sample_rows`)
         if self.host or not self.fusable:
             return "logits"
@@ -436,6 +448,10 @@ class StepRunner:
         self._mask: np.ndarray | None = None
         self._token_text = token_text  # id -> str, for top_logprobs
         self.pooler: TapPooler | None = None  # set once the engine thread trusts the tapped embed path
+        self.argmax_refused = False
+        """The engine refused rows_argmax (UNSUPPORTED) once: greedy verify steps read rows from then on."""
+        self.argmax_steps = 0
+        """Verify steps the engine argmaxed (`baseRT_batch_step_fused_rows_argmax`)."""
 
     def run(self, rows: Sequence[tuple[Lane | EmbedLane, PlannedRow]]) -> list[RowResult]:
         """One step over `rows`: prepare -> forward (ONE fused call) -> collect.
@@ -457,7 +473,7 @@ class StepRunner:
 
     def prepare(self, rows: Sequence[tuple[Lane | EmbedLane, PlannedRow]]) -> tuple[Batch, list[RowResult]]:
         """The fused call's inputs; the lanes that cannot be marshalled fail alone, before the forward."""
-        batch = Batch(fusable=self.caps.fused_sample)
+        batch = Batch(fusable=self.caps.fused_sample, argmax=self.caps.rows_argmax and not self.argmax_refused)
         failed: list[RowResult] = []
         for lane, row in rows:
             try:
@@ -483,6 +499,19 @@ class StepRunner:
         path = batch.path()
         out_rows = (c_int * n)(*(row.out_rows for _, row in batch.rows))
         n_out = n + batch.drafts
+        if path == "argmax":
+            ids = (c_uint32 * n_out)()
+            rc = lib.baseRT_batch_step_fused_rows_argmax(model, seqs, n, toks, counts, out_rows, None, 0, None, ids)
+            if rc == 0:
+                self.argmax_steps += 1
+                batch.argmaxed = ids
+                return None
+            if rc != ErrorCode.UNSUPPORTED:
+                raise lib.last_error("baseRT_batch_step_fused_rows_argmax", f"returned {rc}")
+            # this model verifies through host logits (a bundle the engine cannot argmax): remembered,
+            # and this step runs on the logits rows (a refused step changed no sequence)
+            self.argmax_refused = True
+            path = "rows"
         if path == "sample":
             rows_c = (_ffi.BaseRTRowSampling * n)()
             for i, r in enumerate(batch.samplers):
@@ -527,7 +556,8 @@ class StepRunner:
         """Each lane's result of the forward: sampled ids, pooled tap rows, or its own error."""
         results: list[RowResult] = []
         taps_error = self._read_taps(batch.tapped) if batch.tapped else None
-        engine_rows = self.sample_rows(batch) if batch.drafts and self.caps.row_sampler else {}
+        ids = batch.argmaxed
+        engine_rows = self.sample_rows(batch) if batch.drafts and self.caps.row_sampler and ids is None else {}
         taps_at = 0
         at = 0  # the lane's first logits row
         for i, (lane, row) in enumerate(batch.rows):
@@ -538,6 +568,9 @@ class StepRunner:
                 results.append(RowResult(lane, row))
             elif fused is not None:
                 results.append(RowResult(lane, row, sampled=Sampled(int(fused[i]))))
+            elif ids is not None:  # greedy: row j's argmax is the token after the lane's drafts[:j]
+                toks = tuple(int(t) for t in ids[at : at + row.out_rows])
+                results.append(RowResult(lane, row, sampled=Sampled(toks[0]), first_row=at, verified=toks[1:]))
             elif (got := engine_rows.get(i)) is not None:
                 results.append(got)
             else:

@@ -394,6 +394,33 @@ int baseRT_batch_step_fused_logits_rows_taps(baseRT_model_t model, baseRT_sequen
                      out_rows, tap_layers, n_tap_layers, tap_rows);
 }
 
+/* Greedy verify: rows_step's forward (taps included when asked for), then each
+ * requested row argmaxed as the greedy paths do (rt_argmax_f32 on the
+ * f16-rounded row: lowest index wins ties, exactly baseRT_argmax_logits_row
+ * on the row read back). Out token j of lane i is the greedy choice after the
+ * lane's (in_token_counts[i] - out_rows[i] + j)-th fed token: with out_rows =
+ * in_token_counts, after its j-th. The rows stay in the host logits buffer
+ * as after baseRT_batch_step_fused_logits_rows. */
+int baseRT_batch_step_fused_rows_argmax(baseRT_model_t model, baseRT_sequence_t *seqs, int n_seqs,
+                                        const uint32_t *in_tokens, const int *in_token_counts, const int *out_rows,
+                                        const int *tap_layers, int n_tap_layers, const int *tap_rows,
+                                        uint32_t *out_tokens) {
+    static const char fn[] = "baseRT_batch_step_fused_rows_argmax";
+    rt_model *m = rt_runtime_model(model, fn);
+    if (!m) return rt_last_error_code();
+    if (!out_tokens) {
+        rt_set_error(BASERT_ERR_INVALID_ARGUMENT, "%s: out_tokens is NULL", fn);
+        return BASERT_ERR_INVALID_ARGUMENT;
+    }
+    int rc = rows_step(model, fn, seqs, n_seqs, in_tokens, in_token_counts, out_rows, tap_layers, n_tap_layers,
+                       tap_rows);
+    if (rc != BASERT_OK) return rc;
+    rt_runtime *rt = m->rt;
+    int vocab = (int)m->cfg.vocab_size;
+    for (int i = 0; i < rt->logits_rows; i++) out_tokens[i] = rt_argmax_f32(rt->logits + (size_t)i * vocab, vocab);
+    return BASERT_OK;
+}
+
 int baseRT_tap_rows_capacity(baseRT_model_t model) {
     rt_model *m = rt_runtime_model(model, "baseRT_tap_rows_capacity");
     if (!m) return -rt_last_error_code();

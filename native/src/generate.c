@@ -11,6 +11,7 @@
 #include "sampling.h"
 #include "tokenizer.h"
 
+#include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
@@ -289,6 +290,24 @@ int baseRT_get_position(baseRT_model_t model) {
     if (!m) return -1;
     rt_clear_error();
     return m->rt->def->length;
+}
+
+/* The speculation flag is per handle and only stored: this engine's generate
+ * calls do no n-gram prediction (their output is the same either way), so a
+ * server can scope a request's `speculation` override with set/get and the
+ * tokens never depend on it. */
+void baseRT_set_speculation(baseRT_model_t model, bool enabled) {
+    rt_model *m = rt_runtime_model(model, "baseRT_set_speculation");
+    if (!m) return;
+    atomic_store(&m->speculation, enabled);
+    rt_clear_error();
+}
+
+bool baseRT_get_speculation(baseRT_model_t model) {
+    rt_model *m = rt_runtime_model(model, "baseRT_get_speculation");
+    if (!m) return false;
+    rt_clear_error();
+    return atomic_load(&m->speculation);
 }
 
 int baseRT_embed(baseRT_model_t model, const uint32_t *tokens, int n_tokens, float *out_embedding, int max_dims) {

@@ -278,7 +278,14 @@ static char *rt_build_capability_descriptor(const rt_model *m) {
     /* grammar.c: generic JSON, {"type": X} and one-level properties/required schemas; triggered_tags,
      * tags_with_separator and any_text structural tags; other keywords, formats and GBNF are UNSUPPORTED */
     put_capability(&b, "grammar", NULL);
-    put_capability(&b, "speculation", "unsupported: the reference engine has no speculative decoding");
+    /* Speculative VERIFICATION is served (multi-row steps, rows_argmax: "verify_rows"); what
+     * "speculation" names -- the engine predicting drafts itself inside its generate calls
+     * (baseRT_set_speculation's n-gram mode) -- is not: the flag is stored and reported only. */
+    put_capability(&b, "speculation",
+                   "unsupported: the reference engine predicts no drafts of its own (baseRT_set_speculation is "
+                   "stored and reported, its generate calls are unchanged); drafts a caller feeds are verified by "
+                   "baseRT_batch_step_fused_logits_rows and baseRT_batch_step_fused_rows_argmax");
+    put_capability(&b, "verify_rows", paged);
     put_capability(&b, "lora", "unsupported: the reference engine does not load adapters");
     put_capability(&b, "vision", "unsupported: text-only llama architecture");
     put_capability(&b, "audio", "unsupported: text-only llama architecture");

@@ -119,6 +119,12 @@ typedef struct rt_model {
     /* The API call whose token callback is running on this model (NULL when
      * none): the runtime refuses re-entrant use from inside it (rt_model_busy). */
     const char *in_callback;
+    /* baseRT_set_speculation's flag (default false). Stored and reported only:
+     * the reference engine's generate calls do no n-gram prediction of their
+     * own (speculative decoding is the caller's, verified through the
+     * multi-row steps). Atomic: a server may read it while another thread
+     * sets it. */
+    _Atomic bool speculation;
 } rt_model;
 
 /* Validate a handle; sets INVALID_ARGUMENT naming `fn` and returns NULL when bad. */

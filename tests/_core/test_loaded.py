@@ -65,6 +65,7 @@ async def test_capabilities_are_what_the_library_reports(
             tap_capacity=capacity if taps else 0,
             multi_row_verify=exports("baseRT_batch_step_fused_logits_rows"),
             rows_argmax=exports("baseRT_batch_step_fused_rows_argmax"),
+            speculation_switch=exports("baseRT_set_speculation", "baseRT_get_speculation"),
             prefix_cache=bool(flags & _ffi.CAP_PREFIX_CACHE) and exports("baseRT_prefix_match"),
             grammar_compiler=exports("baseRT_grammar_create_from_schema", "baseRT_grammar_fill_bitmask"),
             structural_tag=exports("baseRT_grammar_create_from_structural_tag", "baseRT_grammar_fill_bitmask"),
@@ -77,8 +78,9 @@ async def test_capabilities_are_what_the_library_reports(
         # only if the library lacked them too
         assert caps.sequences and caps.fused_sample and caps.row_sampler and caps.mask_row and caps.taps
         assert caps.multi_row_verify and caps.grammar_compiler and caps.structural_tag and caps.tokenizer_handles
+        assert caps.rows_argmax and caps.speculation_switch
         assert caps.prefix_cache is prefix_cache is engine.info.prefix_cache
-        assert not (caps.rows_argmax or caps.speculator_head or caps.drafter or caps.eagle3)
+        assert not (caps.speculator_head or caps.drafter or caps.eagle3)
 
 
 def test_a_tokenizer_only_load_has_the_tokenizer_only_capabilities(lib: Library, tiny_model_path: Path) -> None:

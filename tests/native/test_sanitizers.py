@@ -31,6 +31,7 @@ SUITES = [
     "tests/native/test_native_quant.py",
     "tests/native/test_native_quant_symmetric.py",
     "tests/native/test_native_taps.py",
+    "tests/native/test_native_speculation.py",
     "tests/native/test_native_threads.py",
     "tests/sdk/test_embed_scheduling.py",
     "tests/sdk/test_engine.py",

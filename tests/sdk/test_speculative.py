@@ -204,6 +204,71 @@ async def test_verify_rows_without_host_needs_are_sampled_in_the_engine(tiny_mod
                 assert host_rows == 0
 
 
+class RefusingArgmax:
+    """The library, but baseRT_batch_step_fused_rows_argmax answers UNSUPPORTED (a bundle the engine
+    verifies through host logits only)."""
+
+    def __init__(self, lib: Any) -> None:
+        self._lib = lib
+        self.calls = 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._lib, name)
+
+    def baseRT_batch_step_fused_rows_argmax(self, *args: Any) -> int:
+        self.calls += 1
+        return 5  # BASERT_ERR_UNSUPPORTED
+
+
+async def test_greedy_verify_steps_are_argmaxed_in_the_engine(tiny_model_path: Path) -> None:
+    """A verify step whose lanes are all greedy with no host needs runs
+    `baseRT_batch_step_fused_rows_argmax` (counted by the runner): no row is sampled, in the engine
+    or on the host, and the tokens are the plain ones. A sampled lane or one asking for logprobs
+    takes the logits rows instead. A refusal (UNSUPPORTED) is remembered: the logits rows from
+    then on, the same tokens."""
+    prompt = "the cat sat on the mat the cat sat on the mat the cat"
+    greedy: dict[str, Any] = dict(max_tokens=40, ignore_eos=True)
+    others: list[dict[str, Any]] = [
+        dict(greedy, temperature=0.8, seed=3),
+        dict(greedy, logprobs=True),
+        dict(greedy, repeat_penalty=1.3),  # greedy penalties are sampled on the host
+    ]
+    async with Engine.open(tiny_model_path) as plain:
+        want = await plain.generate(prompt, **greedy)
+        want_others = [await plain.generate(prompt, **c) for c in others]
+    async with Engine.open(tiny_model_path, speculation=FULL) as engine:
+        runner = engine._thread.runner
+        assert engine.capabilities.rows_argmax and runner.argmax_steps == 0
+        sampled_rows = 0
+        sample_rows, sample_host_row = runner.sample_rows, runner._sample_host_row
+
+        def counted_rows(batch: Any) -> Any:
+            nonlocal sampled_rows
+            sampled_rows += 1
+            return sample_rows(batch)
+
+        def counted_host(lane: Any, i: int) -> Any:
+            nonlocal sampled_rows
+            sampled_rows += 1
+            return sample_host_row(lane, i)
+
+        runner.sample_rows = counted_rows  # type: ignore[method-assign]
+        runner._sample_host_row = counted_host  # type: ignore[method-assign]
+        got = await engine.generate(prompt, **greedy)
+        assert got.token_ids == want.token_ids and got.usage.accepted_draft_tokens > 0
+        steps = runner.argmax_steps
+        assert steps > 0 and sampled_rows == 0
+        for case, ref in zip(others, want_others, strict=True):
+            out = await engine.generate(prompt, **case)
+            assert out.token_ids == ref.token_ids and out.usage.draft_tokens > 0, case
+        assert runner.argmax_steps == steps and sampled_rows > 0  # none of those was argmaxed
+        refusing = RefusingArgmax(runner.lib)
+        runner.lib = refusing  # type: ignore[assignment]
+        again = await engine.generate(prompt, **greedy)
+        assert again.token_ids == want.token_ids and again.usage.draft_tokens > 0
+        assert refusing.calls == 1 and runner.argmax_refused and runner.argmax_steps == steps
+
+
 async def test_a_draft_past_a_stop_is_neither_delivered_nor_kept(tiny_model_path: Path) -> None:
     """An oracle drafts the whole reference output at once: the stop comes inside an accepted run,
     and nothing after it is delivered or left in the KV (the published prefix is prompt + output)."""
