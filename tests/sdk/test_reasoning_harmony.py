@@ -148,8 +148,9 @@ def test_harmony_is_known_from_gpt_oss_template_and_its_markers(llama_cpp_templa
 async def test_a_harmony_model_streams_its_thought_apart(harmony_model_path: Path) -> None:
     """On the tiny model: with gpt-oss's template (the model names its channel) the random model writes no
     header, so its text is all answer (fail open); with the template changed so the generation prompt opens
-    the analysis channel, its text is all thought, up to the `<|end|>` a bias makes it write (the reference
-    engine ends the turn there: `<|end|>` is in its end-of-generation set)."""
+    the analysis channel, its text is thought up to the `<|end|>` a bias makes it write, and the turn goes on
+    after it (Harmony's `<|end|>` ends a message, not the turn: the reference engine does not stop on it where
+    the vocabulary has `<|return|>` / `<|call|>`); the unframed text after it is the answer."""
     params = {"max_tokens": 16, "temperature": 0}
     async with Engine.open(harmony_model_path, max_batch_size=1) as engine:
         assert engine.reasoning_format is HARMONY
@@ -168,10 +169,14 @@ async def test_a_harmony_model_streams_its_thought_apart(harmony_model_path: Pat
         stream = engine.stream_chat(USER, **params)
         deltas = [d async for d in stream]
         reply = await stream
-    assert raw.token_ids[-1] == end and len(raw.token_ids) > 1  # the bias closed the thought mid-reply
-    assert reply.reasoning == raw.text == "".join(d.text for d in deltas if isinstance(d, ReasoningDelta))
-    assert reply.content == "" and not any(isinstance(d, TextDelta) for d in deltas)
-    assert reply.usage.reasoning_tokens == reply.usage.completion_tokens == len(raw.token_ids)
+    assert 0 < raw.token_ids.index(end) < len(raw.token_ids) - 1  # the bias closed the thought mid-reply ...
+    assert raw.finish_reason == "length"  # ... and the turn went on: <|end|> ends a message, not the turn
+    at = raw.token_ids.index(end)
+    assert reply.reasoning == "".join(d.text for d in deltas if isinstance(d, ReasoningDelta))
+    assert reply.reasoning == raw.text[: raw.text.index("<|end|>")]
+    assert reply.usage.reasoning_tokens == at + 1  # the thought's tokens and its end
+    assert reply.content == "".join(d.text for d in deltas if isinstance(d, TextDelta))
+    assert reply.content and not reply.content.startswith("<|end|>")
 
 
 async def _prompt(engine: Engine) -> str:
