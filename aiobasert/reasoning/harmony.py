@@ -13,11 +13,14 @@ neither, nor are headers and markers (as llama.cpp's gpt-oss parser: tests/test-
 are this splitter's oracle). Text outside any framing (a model that ignores it) is the answer, so
 nothing generated is lost. Bodies are kept as written: Harmony pads nothing.
 
-The thought is not one tag but a header of several tokens, so the engine's thought gate (budget,
-grammar after the thought, stop strings outside it), which switches on one open and one close
-token, does not take it yet: `tags_are_tokens` is False and a budget is refused by name. Tool
-calls (the `commentary` channel addressed `to=functions.NAME`) are not read by any tool format
-yet, so `tool_calls` is False and a turn with tools is refused by name.
+The thought is not one tag but a header of several tokens; the engine's thought gate (budget,
+grammar after the thought, stop strings outside it) takes it all the same (`_core/thought.py`):
+past a budget it writes `<|end|>` and the final channel's header (`answer_tag`) itself, so the
+answer follows. Without a grammar it forces nothing else (`reopens`): `<|channel|>` may start
+any channel, and after an analysis message the model writes what it likes (another one counts
+against the same budget). Tool calls (the `commentary` channel addressed `to=functions.NAME`)
+are not read by any tool format yet, so `tool_calls` is False and a turn with tools is refused
+by name.
 
 The seed header's decode streams (`baseRT_decode_stream_*`) turn Harmony framing into reasoning
 spans on the real engine, but they report text, not span kinds, and the SDK decodes its output
@@ -145,15 +148,15 @@ class HarmonySplitter(ReasoningSplitter):
 
 
 class Harmony(ReasoningFormat):
-    """gpt-oss's channels: `open_tag` / `close_tag` are the analysis header and its end, several
-    tokens (`tags_are_tokens` False)."""
+    """gpt-oss's channels: `open_tag` / `close_tag` are the analysis header and its end, the open tag
+    several tokens; a thought the engine closes is followed by the final channel's header (`answer_tag`)."""
 
     name = "harmony"
     open_tag = CHANNEL + "analysis" + MESSAGE
     close_tag = END
     answer_tag = START + "assistant" + CHANNEL + "final" + MESSAGE
     """What follows a closed thought when the answer comes (the gate's closing sequence, with `close_tag`)."""
-    tags_are_tokens = False
+    reopens = True
     tool_calls = False
 
     def detect(self, template: str, special_tokens: frozenset[str]) -> bool:

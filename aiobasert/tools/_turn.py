@@ -117,7 +117,8 @@ def prepare_chat_turn(
     if reasoning is not None and state != "closed" and reasoning.tags_are_tokens:
         opts = thinking or Thinking()
         thought = ThoughtSpec(reasoning.open_tag, reasoning.close_tag, starts_open=state == "open",
-                              budget=opts.budget, stop_in_thought=opts.stop_in_thought)  # fmt: skip
+                              budget=opts.budget, stop_in_thought=opts.stop_in_thought,
+                              answer_tag=reasoning.answer_tag, reopens=reasoning.reopens)  # fmt: skip
     return ChatTurn(
         pieces=pieces,
         lark=lark,
@@ -147,8 +148,8 @@ def _thinking_knob(
         raise InvalidRequestError("thinking: this model does not reason (its chat template has no thought)")
     if reasoning is not None and not reasoning.tags_are_tokens and thinking.budget is not None:
         raise InvalidRequestError(
-            f"thinking.budget: this model's thought ({reasoning.name} framing) cannot be bounded yet: its "
-            "tags are not single tokens"
+            f"thinking.budget: this model's thought ({reasoning.name} framing) cannot be bounded: its "
+            "tags are not tokens of its vocabulary"
         )
     if thinking.enabled is None:
         return
