@@ -64,8 +64,7 @@ class ReasoningFormat(ABC):
     """The thought is one channel among a turn's messages (Harmony): the model may open it again after
     closing it, and the engine forces neither its open tag nor what follows a close the model wrote."""
     tool_calls: bool = True
-    """The model's tool calls are read by its tool format. False (Harmony's commentary channel): a turn
-    with tools is refused by name."""
+    """The model's tool calls are read by its tool format. False: a turn with tools is refused by name."""
 
     @abstractmethod
     def detect(self, template: str, special_tokens: frozenset[str]) -> bool:

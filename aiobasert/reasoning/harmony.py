@@ -19,8 +19,8 @@ past a budget it writes `<|end|>` and the final channel's header (`answer_tag`) 
 answer follows. Without a grammar it forces nothing else (`reopens`): `<|channel|>` may start
 any channel, and after an analysis message the model writes what it likes (another one counts
 against the same budget). Tool calls (the `commentary` channel addressed `to=functions.NAME`)
-are not read by any tool format yet, so `tool_calls` is False and a turn with tools is refused
-by name.
+are read by the Harmony tool format (aiobasert/tools/harmony.py), which reads the framed text
+itself; this splitter leaves them out of the thought and the answer.
 
 The seed header's decode streams (`baseRT_decode_stream_*`) turn Harmony framing into reasoning
 spans on the real engine, but they report text, not span kinds, and the SDK decodes its output
@@ -30,7 +30,7 @@ itself (token bytes), so this parser is what separates the thought on every engi
 from __future__ import annotations
 
 import itertools
-from typing import Literal
+from typing import Any, Literal
 
 from ._format import Part, ReasoningFormat, ReasoningSplitter, register_reasoning_format
 
@@ -114,6 +114,7 @@ class HarmonySplitter(ReasoningSplitter):
                 self._kind = _kind(self._header)
                 self._seen = self._seen or self._kind == "reasoning"
                 self._state = _BODY
+                self._opened(out)
                 continue
             if self._state == _BODY:
                 hits = [(i, m) for m in _ENDS if (i := buf.find(m)) >= 0]
@@ -121,6 +122,7 @@ class HarmonySplitter(ReasoningSplitter):
                     at, marker = min(hits)
                     self._emit(out, buf[:at])
                     self._state = _BETWEEN
+                    self._ended(out)
                     buf = buf[at + len(marker) :]
                     continue
                 keep = _held_prefix(buf, _ENDS)
@@ -132,15 +134,29 @@ class HarmonySplitter(ReasoningSplitter):
             return out
         return out
 
-    def _emit(self, out: list[Part], text: str) -> None:
+    def _emit(self, out: list[Any], text: str) -> None:
         if text and self._kind != "call":  # a call's body (its arguments) is neither thought nor answer
             out.append((self._kind, text))
+
+    def _opened(self, out: list[Any]) -> None:
+        """A message's header is complete (`_header`, `_kind`): a hook for a reader of calls (tools/harmony.py)."""
+
+    def _ended(self, out: list[Any]) -> None:
+        """The message's body ended (its end marker, or the output's end): a hook as `_opened`."""
+
+    @property
+    def header(self) -> str:
+        """The header of the message being read (or last read)."""
+        return self._header
 
     def close(self) -> list[Part]:
         held, self._held = self._held, ""
         out: list[Part] = []
         if self._state in (_BODY, _RAW):
             self._emit(out, held)  # a marker's start the turn ended on is text after all
+            if self._state == _BODY:
+                self._state = _BETWEEN
+                self._ended(out)  # cut off (max_tokens) inside a body
         elif self._state == _OPENING and held.strip():
             self._kind = "content"
             self._emit(out, held)
@@ -157,7 +173,6 @@ class Harmony(ReasoningFormat):
     answer_tag = START + "assistant" + CHANNEL + "final" + MESSAGE
     """What follows a closed thought when the answer comes (the gate's closing sequence, with `close_tag`)."""
     reopens = True
-    tool_calls = False
 
     def detect(self, template: str, special_tokens: frozenset[str]) -> bool:
         # the template writes channels, and the framing markers are tokens

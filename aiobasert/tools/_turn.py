@@ -84,7 +84,7 @@ def prepare_chat_turn(
     parsed = parse_tools(tools)
     if parsed and reasoning is not None and not reasoning.tool_calls:
         raise InvalidRequestError(
-            f"tools: this model's tool calls ({reasoning.name} framing) are not read yet; send the turn without tools"
+            f"tools: this model's tool calls ({reasoning.name} framing) are not read; send the turn without tools"
         )
     choice = parse_tool_choice(tool_choice, parsed)
     forced = choice != "none" and choice != "auto"
@@ -118,7 +118,7 @@ def prepare_chat_turn(
         opts = thinking or Thinking()
         thought = ThoughtSpec(reasoning.open_tag, reasoning.close_tag, starts_open=state == "open",
                               budget=opts.budget, stop_in_thought=opts.stop_in_thought,
-                              answer_tag=reasoning.answer_tag, reopens=reasoning.reopens)  # fmt: skip
+                              answer_tag=_answer_tag(reasoning, fmt, lark), reopens=reasoning.reopens)  # fmt: skip
     return ChatTurn(
         pieces=pieces,
         lark=lark,
@@ -130,6 +130,14 @@ def prepare_chat_turn(
         open_at_start=state == "open",
         thought=thought,
     )
+
+
+def _answer_tag(reasoning: ReasoningFormat, fmt: ToolFormat, lark: str | None) -> str:
+    """What the engine writes after the thought's close tag: the tool format's own opening where its call
+    grammar follows (Harmony's: the grammar names the channel, final or a call's), else the answer's header."""
+    if lark is not None and fmt.after_thought is not None and reasoning.answer_tag:
+        return fmt.after_thought
+    return reasoning.answer_tag
 
 
 def _thinking_knob(

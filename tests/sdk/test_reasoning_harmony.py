@@ -1,7 +1,7 @@
 """gpt-oss's Harmony framing as a reasoning format (aiobasert/reasoning/harmony.py): the analysis channel is the
 thought, the final (and commentary) channel the answer, calls and framing neither; detected from gpt-oss's own
-template and the markers as tokens; a reasoning budget closes the thought with the final channel's header; tools
-refused by name (not served yet).
+template and the markers as tokens; a reasoning budget closes the thought with the final channel's header (tool
+calls: tests/sdk/test_tools_harmony.py).
 
 The splitter's oracle is llama.cpp's tests/test-chat.cpp gpt-oss cases, and a property: however a rendered turn is
 cut into deltas, the same thought and answer come out. The tiny model has Harmony's markers as control tokens and
@@ -19,7 +19,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from aiobasert import Engine, InvalidRequestError
+from aiobasert import Engine
 from aiobasert.reasoning import HARMONY, THINK, ReasoningDelta, Thinking, reasoning_format_for
 from aiobasert.tools import TextDelta, prepare_chat_turn
 
@@ -194,13 +194,6 @@ async def _prompt(engine: Engine) -> str:
         reasoning=engine.reasoning_format,
     )
     return "".join(text for text, _ in turn.pieces)
-
-
-async def test_tools_are_refused_by_name_on_harmony(harmony_model_path: Path) -> None:
-    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
-    async with Engine.open(harmony_model_path, max_batch_size=1) as engine:
-        with pytest.raises(InvalidRequestError, match=r"^tools: .*harmony"):
-            engine.stream_chat(USER, tools=[tool], max_tokens=2)
 
 
 def _opening(template: str) -> str:

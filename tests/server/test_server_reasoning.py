@@ -8,6 +8,7 @@ tokens (at temperature 0: the same every time). The SDK's reply on the same mode
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -476,7 +477,8 @@ def _harmony_replies(model: Path) -> dict[str, str]:
 def test_a_harmony_model_over_http(asgi_server: Callable[[Any], str], harmony_model_path: Path) -> None:
     """gpt-oss's Harmony framing: `reasoning_effort` (and Responses' `reasoning.effort`) goes to its template,
     which reads it (as vLLM and llama-server give it); a budget (the server's, a request's) bounds only a thought
-    the model opens (the random model names no channel: its replies are unchanged); tools are refused by name."""
+    the model opens (the random model names no channel: its replies are unchanged); a tool call comes after the
+    thought (aiobasert/tools/harmony.py)."""
     expected = _harmony_replies(harmony_model_path)
     assert len(set(expected.values())) == 3  # the effort changes the prompt, so the random model's answer
     app = create_app(harmony_model_path, api_key=API_KEY, model_name=MODEL_NAME, max_batch_size=1, reasoning_budget=3)
@@ -505,10 +507,15 @@ def test_a_harmony_model_over_http(asgi_server: Callable[[Any], str], harmony_mo
         for field in ("reasoning_budget_tokens", "thinking_token_budget"):
             bounded = c.chat.completions.create(**ask, extra_body={field: 4}).choices[0].message.content
             assert bounded == expected["medium"]
-        tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
-        with pytest.raises(openai.BadRequestError) as err:
-            c.chat.completions.create(**ask, tools=[tool])  # type: ignore[list-item]
-        assert err.value.body["param"] == "tools"  # type: ignore[index]
+        schema = {"type": "object", "properties": {"n": {"enum": [1, 2, 3]}}, "required": ["n"]}
+        tool = {"type": "function", "function": {"name": "f", "parameters": schema}}
+        called = c.chat.completions.create(**{**ask, "max_tokens": 60}, tools=[tool], tool_choice="required",
+                                           extra_body={"reasoning_budget_tokens": 2})  # fmt: skip
+        message = called.choices[0].message
+        assert called.choices[0].finish_reason == "tool_calls" and message.tool_calls is not None
+        (call,) = message.tool_calls
+        assert call.function.name == "f" and json.loads(call.function.arguments)["n"] in (1, 2, 3)  # type: ignore[union-attr]
+        assert message.reasoning_content is not None  # type: ignore[attr-defined]
 
 
 def test_a_harmony_thought_is_bounded_over_http(
