@@ -516,6 +516,25 @@ def test_a_harmony_model_over_http(asgi_server: Callable[[Any], str], harmony_mo
         (call,) = message.tool_calls
         assert call.function.name == "f" and json.loads(call.function.arguments)["n"] in (1, 2, 3)  # type: ignore[union-attr]
         assert message.reasoning_content is not None  # type: ignore[attr-defined]
+        # streamed: the thought as reasoning_content deltas, the call's id and name, then its arguments
+        chunks = list(
+            c.chat.completions.create(
+                **{**ask, "max_tokens": 60},
+                tools=[tool],
+                tool_choice="required",
+                stream=True,
+                extra_body={"reasoning_budget_tokens": 2},
+            )
+        )
+        deltas = [ch.choices[0].delta for ch in chunks if ch.choices]
+        thought = "".join(getattr(d, "reasoning_content", None) or "" for d in deltas)
+        parts = [t for d in deltas for t in d.tool_calls or ()]
+        assert thought == message.reasoning_content  # type: ignore[attr-defined]
+        assert parts[0].function is not None and parts[0].function.name == "f" and parts[0].id
+        assert "".join(p.function.arguments or "" for p in parts if p.function) == call.function.arguments  # type: ignore[union-attr]
+        assert [ch.choices[0].finish_reason for ch in chunks if ch.choices and ch.choices[0].finish_reason] == [
+            "tool_calls"
+        ]
 
 
 def test_a_harmony_thought_is_bounded_over_http(
