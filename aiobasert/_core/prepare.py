@@ -269,14 +269,15 @@ class Preparer:
 
     def thought_gate(self, tok: Tokenizer, spec: ThoughtSpec, inner: Constraint | None) -> ThoughtGate:
         """The lane's thought gate around its grammar (`inner`, or none): the tags' ids read
-        through the worker's tokenizer (each must be one token), the end ids asked of the engine
+        through the worker's tokenizer (markers as their tokens; the close tag followed by the
+        answer's header where the format has one: Harmony's), the end ids asked of the engine
         once per engine (only a gate with a grammar after it forbids them in the thought)."""
         ids = []
-        for tag in (spec.open_tag, spec.close_tag):
+        for tag in (spec.open_tag, spec.close_tag + spec.answer_tag):
             encoded = tok.encode_list(tag, special=True)
-            if len(encoded) != 1:
+            if not encoded or (not spec.answer_tag and len(encoded) != 1):
                 raise InvalidRequestError(f"thinking: {tag!r} is not one token of this model's vocabulary")
-            ids.append(encoded[0])
+            ids.append(encoded)
         if inner is not None and self._end_ids is None:
             from .grammar import engine_end_ids
 

@@ -60,7 +60,8 @@ class Constraint(Protocol):
 class ThoughtSpec:
     """A reasoning model's thought in one request, as the engine thread gates it (`thought.ThoughtGate`).
 
-    The thought runs free between `open_tag` and `close_tag` (each one token of the vocabulary);
+    The thought runs free between `open_tag` and `close_tag` (each one token of the vocabulary, or
+    Harmony's headers of several: the rest of a tag is forced once its first token is taken);
     the request's grammar, if any, starts after the close tag, and the turn may not end inside
     the thought when a grammar follows it (its answer must come)."""
 
@@ -69,9 +70,16 @@ class ThoughtSpec:
     starts_open: bool
     """The prompt left the thought open (its first token is already inside it)."""
     budget: int | None = None
-    """Past this many thought tokens only the close tag may follow."""
+    """Past this many thought tokens only the close tag (then `answer_tag`) may follow."""
     stop_in_thought: bool = False
     """Stop strings match inside the thought too (by default only after it)."""
+    answer_tag: str = ""
+    """What the engine writes after the close tag where it closes the thought (Harmony's final header:
+    the answer's channel), or where the model closes it and a grammar follows."""
+    reopens: bool = False
+    """The thought is one channel among a turn's messages (Harmony): without a grammar after it, its
+    open tag is recognised where the model writes it whole (never forced), a close the model writes
+    itself forces nothing after it, and a later message may open it again (the budget counts them all)."""
 
 
 @dataclass

@@ -14,6 +14,13 @@ A tag may be several tokens (Harmony's thought opens with `<|channel|>analysis<|
 closes, the answer's header included, with `<|end|><|start|>assistant<|channel|>final<|message|>`):
 its first token is the model's choice as above, the rest is then forced token by token.
 
+A thought that is one channel among a turn's messages (Harmony, `ThoughtSpec.reopens`) with no
+grammar after it forces nothing the model chose: its open tag is only recognised when the model
+writes it whole (`<|channel|>` may start any channel's header), a close the model writes itself
+leaves the next message to the model (another thought, a call, the answer), and the budget counts
+every analysis message. Only past the budget does the gate write: the close tag and the answer's
+header, so the final channel follows.
+
 So the answer is the inner grammar's every time, whatever the thought was. The gate also says
 whether the token just accepted belonged to the thought (`in_thought`), for the stop-string
 matcher: a stop string only ends the turn in the answer unless the request asks otherwise.
@@ -35,8 +42,8 @@ _BEFORE, _THOUGHT, _AFTER = 0, 1, 2
 class ThoughtGate:
     """A `Constraint` that runs `inner` (or nothing) only after the thought closes (see module)."""
 
-    __slots__ = ("_budget", "_close", "_end_ids", "_forced", "_open", "_phase", "_spent", "in_thought", "inner",
-                 "stop_in_thought")  # fmt: skip
+    __slots__ = ("_budget", "_close", "_end_ids", "_forced", "_matched", "_open", "_phase", "_reopens", "_spent",
+                 "in_thought", "inner", "stop_in_thought")  # fmt: skip
 
     def __init__(
         self,
@@ -56,6 +63,10 @@ class ThoughtGate:
         self._spent = 0
         self._forced: tuple[int, ...] = ()
         """The rest of a tag whose first token was taken, forced in order (then `_phase` is where it leads)."""
+        self._reopens = spec.reopens and inner is None
+        """The open tag is recognised, not forced, and the thought may open again (see module)."""
+        self._matched = 0
+        """Where `_reopens`: how many of the open tag's tokens the output ends in (before the thought)."""
         self.stop_in_thought = spec.stop_in_thought
         self.in_thought = False
         """The token last accepted was the thought's (its tags included)."""
@@ -98,16 +109,36 @@ class ThoughtGate:
             return self.inner.accept(token) if self.inner is not None else True
         if self._phase == _THOUGHT:
             self.in_thought = True
-            if token == self._close[0]:
+            if self._reopens and self._forced_close:
+                self._phase, self._forced = _BEFORE, self._close[1:]  # the engine's close: the answer follows
+            elif self._reopens and token == self._close[0]:
+                self._phase = _BEFORE  # the model's own close: what comes next is the model's
+            elif token == self._close[0]:
                 self._phase, self._forced = _AFTER, self._close[1:]
             else:
                 self._spent += 1
             return True
+        if self._reopens:
+            return self._match_open(token)
         if token == self._open[0]:
             self._phase, self._forced, self.in_thought = _THOUGHT, self._open[1:], True
             return True
         self._phase, self.in_thought = _AFTER, False  # no thought: the answer starts here
         return self.inner.accept(token) if self.inner is not None else True
+
+    @property
+    def _forced_close(self) -> bool:
+        """The budget is spent: the token being accepted is the close tag's first, under the gate's mask."""
+        return self._budget is not None and self._spent >= self._budget
+
+    def _match_open(self, token: int) -> bool:
+        """Before a thought that reopens: the open tag is the thought's only once written whole."""
+        opening, m = self._open, self._matched
+        m = m + 1 if token == opening[m] else int(token == opening[0])
+        if m == len(opening):
+            self._phase, m = _THOUGHT, 0
+        self._matched, self.in_thought = m, self._phase == _THOUGHT
+        return True
 
     def is_finished(self) -> bool:
         return not self._forced and self._phase == _AFTER and self.inner is not None and self.inner.is_finished()

@@ -43,8 +43,9 @@ class ReasoningSplitter(ABC):
 
 class ReasoningFormat(ABC):
     """One family's way of marking a thought. Where `tags_are_tokens`, `open_tag` / `close_tag` are
-    each one token of the model's vocabulary: the engine forces the close tag (a reasoning budget)
-    and switches a constraint on after it (structured output after thought) by those tokens' ids."""
+    written in the model's special tokens (one each, or Harmony's headers of several): the engine
+    forces the close tag (a reasoning budget) and switches a constraint on after it (structured
+    output after thought) by those tokens' ids."""
 
     name: str
     """The registry's key (`registered_reasoning_formats`)."""
@@ -53,12 +54,17 @@ class ReasoningFormat(ABC):
     thinking_knob: str = "enable_thinking"
     """The chat-template variable that turns thinking on and off (HF and llama.cpp name it so)."""
     tags_are_tokens: bool = True
-    """`open_tag` and `close_tag` are one token each, so the engine's thought gate can take the thought
-    (a budget, a grammar after it, stop strings outside it). False (Harmony's multi-token headers): the
-    thought runs ungated, a budget is refused by name."""
+    """`open_tag` and `close_tag` (with `answer_tag`) are tokens of the vocabulary, so the engine's thought
+    gate can take the thought (a budget, a grammar after it, stop strings outside it). False: the thought
+    runs ungated, a budget is refused by name."""
+    answer_tag: str = ""
+    """What follows the close tag when the engine closes the thought (a budget) or a grammar follows it:
+    the answer's header where the answer has one (Harmony's final channel); empty for `<think>`."""
+    reopens: bool = False
+    """The thought is one channel among a turn's messages (Harmony): the model may open it again after
+    closing it, and the engine forces neither its open tag nor what follows a close the model wrote."""
     tool_calls: bool = True
-    """The model's tool calls are read by its tool format. False (Harmony's commentary channel): a turn
-    with tools is refused by name."""
+    """The model's tool calls are read by its tool format. False: a turn with tools is refused by name."""
 
     @abstractmethod
     def detect(self, template: str, special_tokens: frozenset[str]) -> bool:

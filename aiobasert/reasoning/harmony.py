@@ -13,11 +13,14 @@ neither, nor are headers and markers (as llama.cpp's gpt-oss parser: tests/test-
 are this splitter's oracle). Text outside any framing (a model that ignores it) is the answer, so
 nothing generated is lost. Bodies are kept as written: Harmony pads nothing.
 
-The thought is not one tag but a header of several tokens, so the engine's thought gate (budget,
-grammar after the thought, stop strings outside it), which switches on one open and one close
-token, does not take it yet: `tags_are_tokens` is False and a budget is refused by name. Tool
-calls (the `commentary` channel addressed `to=functions.NAME`) are not read by any tool format
-yet, so `tool_calls` is False and a turn with tools is refused by name.
+The thought is not one tag but a header of several tokens; the engine's thought gate (budget,
+grammar after the thought, stop strings outside it) takes it all the same (`_core/thought.py`):
+past a budget it writes `<|end|>` and the final channel's header (`answer_tag`) itself, so the
+answer follows. Without a grammar it forces nothing else (`reopens`): `<|channel|>` may start
+any channel, and after an analysis message the model writes what it likes (another one counts
+against the same budget). Tool calls (the `commentary` channel addressed `to=functions.NAME`)
+are read by the Harmony tool format (aiobasert/tools/harmony.py), which reads the framed text
+itself; this splitter leaves them out of the thought and the answer.
 
 The seed header's decode streams (`baseRT_decode_stream_*`) turn Harmony framing into reasoning
 spans on the real engine, but they report text, not span kinds, and the SDK decodes its output
@@ -27,7 +30,7 @@ itself (token bytes), so this parser is what separates the thought on every engi
 from __future__ import annotations
 
 import itertools
-from typing import Literal
+from typing import Any, Literal
 
 from ._format import Part, ReasoningFormat, ReasoningSplitter, register_reasoning_format
 
@@ -111,6 +114,7 @@ class HarmonySplitter(ReasoningSplitter):
                 self._kind = _kind(self._header)
                 self._seen = self._seen or self._kind == "reasoning"
                 self._state = _BODY
+                self._opened(out)
                 continue
             if self._state == _BODY:
                 hits = [(i, m) for m in _ENDS if (i := buf.find(m)) >= 0]
@@ -118,6 +122,7 @@ class HarmonySplitter(ReasoningSplitter):
                     at, marker = min(hits)
                     self._emit(out, buf[:at])
                     self._state = _BETWEEN
+                    self._ended(out)
                     buf = buf[at + len(marker) :]
                     continue
                 keep = _held_prefix(buf, _ENDS)
@@ -129,15 +134,29 @@ class HarmonySplitter(ReasoningSplitter):
             return out
         return out
 
-    def _emit(self, out: list[Part], text: str) -> None:
+    def _emit(self, out: list[Any], text: str) -> None:
         if text and self._kind != "call":  # a call's body (its arguments) is neither thought nor answer
             out.append((self._kind, text))
+
+    def _opened(self, out: list[Any]) -> None:
+        """A message's header is complete (`_header`, `_kind`): a hook for a reader of calls (tools/harmony.py)."""
+
+    def _ended(self, out: list[Any]) -> None:
+        """The message's body ended (its end marker, or the output's end): a hook as `_opened`."""
+
+    @property
+    def header(self) -> str:
+        """The header of the message being read (or last read)."""
+        return self._header
 
     def close(self) -> list[Part]:
         held, self._held = self._held, ""
         out: list[Part] = []
         if self._state in (_BODY, _RAW):
             self._emit(out, held)  # a marker's start the turn ended on is text after all
+            if self._state == _BODY:
+                self._state = _BETWEEN
+                self._ended(out)  # cut off (max_tokens) inside a body
         elif self._state == _OPENING and held.strip():
             self._kind = "content"
             self._emit(out, held)
@@ -145,16 +164,15 @@ class HarmonySplitter(ReasoningSplitter):
 
 
 class Harmony(ReasoningFormat):
-    """gpt-oss's channels: `open_tag` / `close_tag` are the analysis header and its end, several
-    tokens (`tags_are_tokens` False)."""
+    """gpt-oss's channels: `open_tag` / `close_tag` are the analysis header and its end, the open tag
+    several tokens; a thought the engine closes is followed by the final channel's header (`answer_tag`)."""
 
     name = "harmony"
     open_tag = CHANNEL + "analysis" + MESSAGE
     close_tag = END
     answer_tag = START + "assistant" + CHANNEL + "final" + MESSAGE
     """What follows a closed thought when the answer comes (the gate's closing sequence, with `close_tag`)."""
-    tags_are_tokens = False
-    tool_calls = False
+    reopens = True
 
     def detect(self, template: str, special_tokens: frozenset[str]) -> bool:
         # the template writes channels, and the framing markers are tokens

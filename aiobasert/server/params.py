@@ -330,7 +330,8 @@ def request_thinking(
     turned off by a default of 0, and one that turns it off gets no budget. A model that does not
     reason ignores the default (there is nothing to bound) and refuses a request's budget (the SDK,
     naming `thinking`: the caller names the field); so does a model whose thought the engine cannot
-    gate (Harmony: `ReasoningFormat.tags_are_tokens`)."""
+    gate (`ReasoningFormat.tags_are_tokens` False). On Harmony (gpt-oss) a default of 0 closes the thought
+    at once (its template has no knob): the engine writes the final channel's header after it."""
     if budget is not None and budget[1] is not None:
         name, tokens = budget
         try:
@@ -340,7 +341,7 @@ def request_thinking(
     fmt = engine.reasoning_format
     if fmt is None or default_budget < 0 or (thinking is not None and thinking.budget is not None):
         return thinking
-    if not fmt.tags_are_tokens:  # a thought the engine cannot gate (Harmony): the default cannot bound it
+    if not fmt.tags_are_tokens:  # a thought the engine cannot gate: the default cannot bound it
         return thinking
     enabled = thinking.enabled if thinking is not None else None
     knob = (template_kwargs or {}).get(fmt.thinking_knob)

@@ -14,7 +14,9 @@ async for delta in engine.stream_chat(messages, tools=[weather]):
 Each model calls tools in its family's format, chosen once from its chat template
 (`tool_format_for`, `engine.tool_format`): Llama 3.x's templates ask for
 bare JSON, ``{"name": "get_weather", "parameters": {"city":"Paris"}}`` as the
-whole reply (`llama3_json`); every other model uses the Hermes / Qwen format (`hermes`)::
+whole reply (`llama3_json`); gpt-oss's (Harmony) a commentary message
+``<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city":"Paris"}<|call|>``
+(`harmony`); every other model uses the Hermes / Qwen format (`hermes`)::
 
     <tool_call>
     {"name": "get_weather", "arguments": {"city":"Paris"}}
@@ -48,7 +50,7 @@ Arguments always validate against the tool's JSON Schema, and hold only the prop
 it declares (`closed_objects`: an absent `additionalProperties` is read as false). The grammar masks
 the lane's logits row each step, so tool lanes keep batching with free lanes.
 
-The package: one module per call format (`hermes`, `llama3_json`), each a `ToolFormat`
+The package: one module per call format (`hermes`, `llama3_json`, `harmony`), each a `ToolFormat`
 registered when the package imports it below, so a new family is one new module; and the
 pieces every format shares, private: `_types` (tools, calls, deltas, the reply), `_input`
 (tools and `tool_choice` normalised and bounded), `_format` (the `ToolFormat` interface and
@@ -75,6 +77,7 @@ from ._render import DEFAULT_TOOL_PROMPT, render_tool_chat
 from ._stream import ChatStream, finish_reason_with_tools
 from ._turn import ChatTurn, prepare_chat_turn
 from ._types import ChatDelta, ChatReply, TextDelta, Tool, ToolCall, ToolCallDelta, ToolChoice
+from .harmony import HARMONY_TOOLS, HarmonyCallParser, HarmonyToolFormat
 
 # the formats, one module each: importing one registers it (the order is the order `tool_format_for` asks them in)
 from .hermes import CALL_CLOSE, CALL_OPEN, HERMES, HermesFormat, ToolCallParser, tool_grammar, tool_structural_tag
@@ -84,6 +87,7 @@ __all__ = [
     "CALL_CLOSE",
     "CALL_OPEN",
     "DEFAULT_TOOL_PROMPT",
+    "HARMONY_TOOLS",
     "HERMES",
     "LLAMA3_JSON",
     "MAX_TOOLS",
@@ -92,6 +96,8 @@ __all__ = [
     "ChatReply",
     "ChatStream",
     "ChatTurn",
+    "HarmonyCallParser",
+    "HarmonyToolFormat",
     "HermesFormat",
     "Llama3JsonFormat",
     "Llama3JsonParser",

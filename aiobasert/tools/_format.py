@@ -40,6 +40,13 @@ class ToolFormat(ABC):
     """The registry's key (`registered_tool_formats`)."""
     trigger: str
     """What starts a call in the generated text."""
+    reads_framing: bool = False
+    """The parser reads the whole output, the reasoning format's framing included (Harmony's channels, where
+    a call is a message of its own), not only the answer the reasoning splitter leaves (`turn_parser`)."""
+    after_thought: str | None = None
+    """Where a reasoning model's thought comes first: what the engine writes after the thought's close tag
+    before this format's grammar starts (Harmony's `<|start|>assistant`: the grammar names the channel), in
+    place of the reasoning format's `answer_tag`. None: the reasoning format's."""
 
     def detect(self, template: str) -> bool:
         """Whether a chat `template` teaches its model this format (`tool_format_for` asks each
@@ -59,10 +66,20 @@ class ToolFormat(ABC):
     def parser(self, *, forced: bool = False) -> CallParser:
         """A fresh incremental parser of one turn (`forced`: only calls were allowed)."""
 
+    def turn_parser(self, *, forced: bool = False, open_at_start: bool = False) -> CallParser:
+        """The parser of one turn as a chat stream builds it: `parser`, and where the format
+        `reads_framing`, one told whether the prompt left the thought open (default: `parser`)."""
+        return self.parser(forced=forced)
+
     @abstractmethod
     def call_text(self, calls: Sequence[ToolCall]) -> str:
         """A past assistant turn's calls as the model writes them, for a template that
         does not render `tool_calls` itself."""
+
+    def shape_tools(self, tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """The tools (`Tool.as_openai` each) as the model's own template expects them, when it
+        renders tools itself (default: unchanged)."""
+        return tools
 
     def shape_messages(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """The conversation as the model's own template expects it, when it renders tools

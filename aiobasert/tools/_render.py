@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import msgspec
@@ -107,8 +107,9 @@ def render_tool_chat(
     if template_supports_tools(template):
         msgs = fmt.shape_messages(msgs)
         return _render_with_template(
-            template, msgs, tools, add_generation_prompt, bos_token, eos_token, extra, continue_final_message
-        )
+            template, msgs, tools, add_generation_prompt, bos_token, eos_token, extra, continue_final_message,
+            shape_tools=fmt.shape_tools,
+        )  # fmt: skip
     plain: list[dict[str, Any]] = []
     if tools:
         listing = DEFAULT_TOOL_PROMPT.format(tools="\n".join(json.dumps(t.as_openai()) for t in tools))
@@ -152,6 +153,7 @@ def _render_with_template(
     eos_token: str,
     template_kwargs: dict[str, Any],
     continue_final_message: bool = False,
+    shape_tools: Callable[[list[dict[str, Any]]], list[dict[str, Any]]] | None = None,
 ) -> list[tuple[str, bool]]:
     # Client text becomes content pieces (never parsed for markers), as in
     # chat.render_chat: message contents, and the free-form strings a template
@@ -189,6 +191,8 @@ def _render_with_template(
             entry["thinking"] = entry["reasoning_content"]  # gpt-oss's template (Harmony) reads it by this name
         ctx.append(entry)
     tool_dicts = [t.as_openai() for t in tools]
+    if shape_tools is not None:
+        tool_dicts = shape_tools(tool_dicts)
     if _FORGERY.search(json.dumps(tool_dicts)):
         raise InvalidRequestError("tool definitions must not contain chat markers")
     # no tools: `tools` left undefined, as llama.cpp renders it (Hermes' templates test

@@ -92,8 +92,12 @@ class ChatStream:
         self._thought: list[str] = []
         self._thought_tokens = 0
         self._parser: CallParser | None = None
+        self._framed = False
+        """The parser reads the whole output (framing included), the splitter gives only the thought."""
         if parse_calls:  # in the model's call format (default Hermes)
-            self._parser = (tool_format or default_tool_format()).parser(forced=forced)
+            fmt = tool_format or default_tool_format()
+            self._parser = fmt.turn_parser(forced=forced, open_at_start=open_at_start)
+            self._framed = fmt.reads_framing and self._splitter is not None
         self._text: list[str] = []
         self._reply: ChatReply | None = None
 
@@ -109,7 +113,10 @@ class ChatStream:
         parts = splitter.feed(tok.text)
         if was_in or splitter.in_thought:  # its tags count as the thought's
             self._thought_tokens += 1
-        return self._parts(parts)
+        out = self._parts(parts)
+        if self._framed and self._parser is not None:
+            out += self._parser.feed(tok.text)
+        return out
 
     def _parts(self, parts: Sequence[tuple[str, str]]) -> list[ChatDelta]:
         out: list[ChatDelta] = []
@@ -117,7 +124,7 @@ class ChatStream:
             if kind == "reasoning":
                 self._thought.append(text)
                 out.append(ReasoningDelta(text))
-            else:
+            elif not self._framed:  # else the parser reads the answer itself, from the framed text
                 out.extend(self._answer(text))
         return out
 

@@ -84,7 +84,7 @@ def prepare_chat_turn(
     parsed = parse_tools(tools)
     if parsed and reasoning is not None and not reasoning.tool_calls:
         raise InvalidRequestError(
-            f"tools: this model's tool calls ({reasoning.name} framing) are not read yet; send the turn without tools"
+            f"tools: this model's tool calls ({reasoning.name} framing) are not read; send the turn without tools"
         )
     choice = parse_tool_choice(tool_choice, parsed)
     forced = choice != "none" and choice != "auto"
@@ -117,7 +117,8 @@ def prepare_chat_turn(
     if reasoning is not None and state != "closed" and reasoning.tags_are_tokens:
         opts = thinking or Thinking()
         thought = ThoughtSpec(reasoning.open_tag, reasoning.close_tag, starts_open=state == "open",
-                              budget=opts.budget, stop_in_thought=opts.stop_in_thought)  # fmt: skip
+                              budget=opts.budget, stop_in_thought=opts.stop_in_thought,
+                              answer_tag=_answer_tag(reasoning, fmt, lark), reopens=reasoning.reopens)  # fmt: skip
     return ChatTurn(
         pieces=pieces,
         lark=lark,
@@ -129,6 +130,14 @@ def prepare_chat_turn(
         open_at_start=state == "open",
         thought=thought,
     )
+
+
+def _answer_tag(reasoning: ReasoningFormat, fmt: ToolFormat, lark: str | None) -> str:
+    """What the engine writes after the thought's close tag: the tool format's own opening where its call
+    grammar follows (Harmony's: the grammar names the channel, final or a call's), else the answer's header."""
+    if lark is not None and fmt.after_thought is not None and reasoning.answer_tag:
+        return fmt.after_thought
+    return reasoning.answer_tag
 
 
 def _thinking_knob(
@@ -147,8 +156,8 @@ def _thinking_knob(
         raise InvalidRequestError("thinking: this model does not reason (its chat template has no thought)")
     if reasoning is not None and not reasoning.tags_are_tokens and thinking.budget is not None:
         raise InvalidRequestError(
-            f"thinking.budget: this model's thought ({reasoning.name} framing) cannot be bounded yet: its "
-            "tags are not single tokens"
+            f"thinking.budget: this model's thought ({reasoning.name} framing) cannot be bounded: its "
+            "tags are not tokens of its vocabulary"
         )
     if thinking.enabled is None:
         return

@@ -1191,12 +1191,21 @@ static int add_config_eos_ids(const bundle *b, rt_model *m, size_t n_tokens) {
 
 /* The GGUF's end-of-turn / end-of-message ids, then every family's end markers by their text, whatever
  * their token type (llama.cpp's end-of-generation set: Gemma's GGUFs store <end_of_turn> as a normal
- * token). */
+ * token).
+ *
+ * Harmony (gpt-oss): <|end|> ends one message inside the turn (the analysis channel, and the final one
+ * follows), <|return|> ends the turn and <|call|> ends it with a tool call. A vocabulary with either of
+ * those is Harmony's, and its <|end|> is no stop (not even as the GGUF's end-of-turn id: llama.cpp drops it
+ * from its set as well); elsewhere (Phi-3) <|end|> ends the turn. */
 static bool add_end_of_turn_ids(rt_model *m, const tokenizer_fields *f) {
+    bool harmony = bpe_token_id(m->tok, "<|return|>") >= 0 || bpe_token_id(m->tok, "<|call|>") >= 0;
+    int32_t message_end = harmony ? bpe_token_id(m->tok, "<|end|>") : -1;
     static const char *const EOG_KEYS[] = {"tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"};
     for (size_t i = 0; i < sizeof EOG_KEYS / sizeof *EOG_KEYS; i++) {
         uint32_t id;
-        if (token_id_below(json_get(f->tk, EOG_KEYS[i]), f->n_tokens, &id) && !add_eos_id(m, id)) return false;
+        if (token_id_below(json_get(f->tk, EOG_KEYS[i]), f->n_tokens, &id) && (int64_t)id != message_end &&
+            !add_eos_id(m, id))
+            return false;
     }
     static const char *const STOP_MARKERS[] = {
         "<|endoftext|>", "<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end_of_text|>", "<end_of_turn>",
@@ -1204,7 +1213,7 @@ static bool add_end_of_turn_ids(rt_model *m, const tokenizer_fields *f) {
     };
     for (size_t i = 0; i < sizeof STOP_MARKERS / sizeof *STOP_MARKERS; i++) {
         int32_t id = bpe_token_id(m->tok, STOP_MARKERS[i]);
-        if (id >= 0 && !add_eos_id(m, (uint32_t)id)) return false;
+        if (id >= 0 && id != message_end && !add_eos_id(m, (uint32_t)id)) return false;
     }
     return true;
 }

@@ -85,3 +85,57 @@ def test_any_walk_among_the_allowed_tokens_keeps_the_tags_whole_and_the_budget(
         assert picked[at : at + close_len] == closing[: len(picked) - at]
     elif budget is not None:
         assert body + budget >= len(picked)  # the budget had not run out yet
+
+
+def _channels_gate(budget: int | None, starts_open: bool = False) -> ThoughtGate:
+    """Harmony without a grammar (`ThoughtSpec.reopens`): 40 41 42 is `<|channel|>analysis<|message|>`,
+    43.. the close with the final header (`<|end|><|start|>assistant<|channel|>final<|message|>`)."""
+    spec = ThoughtSpec("o", "c", starts_open=starts_open, budget=budget, answer_tag="a", reopens=True)
+    return ThoughtGate(None, spec, open_id=[40, 41, 42], close_id=[43, 44, 45, 46], end_ids=[])
+
+
+def test_a_channel_thought_is_recognised_not_forced() -> None:
+    gate = _channels_gate(budget=3)
+    assert gate.accept(40) and not gate.in_thought  # `<|channel|>` may start any channel ...
+    assert len(_allowed(gate)) == VOCAB and gate.accept(7)  # ... `final` (7), say: no thought
+    assert gate.accept(42) and gate.accept(5) and gate.thought_tokens == 0 and not gate.in_thought
+    for token in (40, 40, 41, 42):  # a header written whole (after a false start) opens the thought
+        assert len(_allowed(gate)) == VOCAB and gate.accept(token)
+    assert gate.in_thought and gate.accept(5) and gate.accept(6) and gate.thought_tokens == 2
+    assert gate.accept(43) and gate.in_thought  # the model's own `<|end|>` ...
+    assert len(_allowed(gate)) == VOCAB and gate.accept(44) and not gate.in_thought  # ... forces nothing after it
+    for token in (40, 41, 42):  # another analysis message: the same budget
+        assert gate.accept(token)
+    assert gate.accept(5) and gate.thought_tokens == 3
+    for token in (43, 44, 45, 46):  # spent: the close and the final header, token by token
+        assert _allowed(gate) == [token] and gate.accept(token) and gate.in_thought
+    assert len(_allowed(gate)) == VOCAB and gate.accept(9) and not gate.in_thought  # the answer
+
+
+def test_a_channel_thought_the_prompt_opened_with_budget_0_closes_at_once() -> None:
+    gate = _channels_gate(budget=0, starts_open=True)
+    for token in (43, 44, 45, 46):
+        assert _allowed(gate) == [token] and gate.accept(token)
+    assert len(_allowed(gate)) == VOCAB and gate.accept(9) and gate.thought_tokens == 0
+
+
+@given(budget=st.none() | st.integers(0, 6), starts_open=st.booleans(), data=st.data())
+def test_any_walk_of_a_channel_thought_keeps_its_budget_and_forces_only_past_it(
+    budget: int | None, starts_open: bool, data: st.DataObject
+) -> None:
+    """Whatever the model picks (header tokens often), the thought stays within its budget, and the gate
+    narrows the choice only to write the whole close sequence once the budget is spent."""
+    gate = _channels_gate(budget, starts_open)
+    closing, forcing = [43, 44, 45, 46], 0
+    for _ in range(30):
+        allowed = _allowed(gate)
+        token = data.draw(st.sampled_from([40, 41, 42, 43, 5]) if len(allowed) == VOCAB else st.just(allowed[0]))
+        if len(allowed) != VOCAB:
+            assert budget is not None and gate.thought_tokens == budget
+            assert allowed == [closing[forcing]]
+            forcing = (forcing + 1) % len(closing)
+        else:
+            assert forcing == 0  # a close the gate started is written whole
+        assert gate.accept(token)
+    if budget is not None:
+        assert gate.thought_tokens <= budget

@@ -527,6 +527,36 @@ def test_special_metadata(lib: Library, raw: ctypes.CDLL, model: int) -> None:
     assert raw.baseRT_chat_template(model) == b"chatml"
 
 
+@pytest.mark.parametrize(
+    ("markers", "end_stops"),
+    [
+        (("<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|return|>", "<|call|>"), False),  # Harmony
+        (("<|start|>", "<|message|>", "<|end|>", "<|call|>"), False),  # either turn end makes it Harmony's
+        (("<|user|>", "<|assistant|>", "<|end|>"), True),  # Phi-3: <|end|> ends the turn
+    ],
+)
+def test_harmony_message_end_is_no_stop(
+    lib: Library, tmp_path: Path, markers: tuple[str, ...], end_stops: bool
+) -> None:
+    """Harmony's <|end|> closes one message of the turn (the analysis channel, the final one follows), so a
+    vocabulary with <|return|> or <|call|> stops on those, not on it (as llama.cpp drops it from its
+    end-of-generation set), even where the GGUF names it the end-of-turn token; elsewhere it is a stop."""
+    extra = tuple((mk, 3) for mk in markers)
+    header, _ = read_bundle(build_tiny_model(tmp_path / "a.base", extra_tokens=extra))
+    tokens = header["tokenizer"]["tokenizer.ggml.tokens"]
+    ids = {mk: tokens.index(mk) for mk in markers}
+    keys = {"tokenizer.ggml.eot_token_id": ids["<|end|>"]}
+    m = lib.baseRT_load_tokenizer_only(os.fsencode(build_tiny_model(tmp_path / "b.base", extra_tokens=extra,
+                                                                     tokenizer_keys=keys)))  # fmt: skip
+    assert m, error(lib)
+    try:
+        stops = {mk for mk, i in ids.items() if lib.baseRT_is_eos_token(m, i)}
+    finally:
+        lib.baseRT_free_model(m)
+    assert ("<|end|>" in stops) == end_stops
+    assert stops - {"<|end|>"} == {mk for mk in markers if mk in ("<|return|>", "<|call|>")}
+
+
 def test_add_bos_prepends_once(lib: Library, tiny_path: Path, tmp_path: Path) -> None:
     header, blob = read_bundle(tiny_path)
     header["tokenizer"]["tokenizer.ggml.add_bos_token"] = True

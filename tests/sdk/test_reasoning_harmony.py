@@ -1,6 +1,7 @@
 """gpt-oss's Harmony framing as a reasoning format (aiobasert/reasoning/harmony.py): the analysis channel is the
 thought, the final (and commentary) channel the answer, calls and framing neither; detected from gpt-oss's own
-template and the markers as tokens; tools and a budget refused by name (not served yet).
+template and the markers as tokens; a reasoning budget closes the thought with the final channel's header (tool
+calls: tests/sdk/test_tools_harmony.py).
 
 The splitter's oracle is llama.cpp's tests/test-chat.cpp gpt-oss cases, and a property: however a rendered turn is
 cut into deltas, the same thought and answer come out. The tiny model has Harmony's markers as control tokens and
@@ -9,13 +10,16 @@ gpt-oss's template (llama.cpp's copy)."""
 from __future__ import annotations
 
 import itertools
+import json
 from pathlib import Path
+from typing import Any
 
+import jsonschema
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from aiobasert import Engine, InvalidRequestError
+from aiobasert import Engine
 from aiobasert.reasoning import HARMONY, THINK, ReasoningDelta, Thinking, reasoning_format_for
 from aiobasert.tools import TextDelta, prepare_chat_turn
 
@@ -148,8 +152,9 @@ def test_harmony_is_known_from_gpt_oss_template_and_its_markers(llama_cpp_templa
 async def test_a_harmony_model_streams_its_thought_apart(harmony_model_path: Path) -> None:
     """On the tiny model: with gpt-oss's template (the model names its channel) the random model writes no
     header, so its text is all answer (fail open); with the template changed so the generation prompt opens
-    the analysis channel, its text is all thought, up to the `<|end|>` a bias makes it write (the reference
-    engine ends the turn there: `<|end|>` is in its end-of-generation set)."""
+    the analysis channel, its text is thought up to the `<|end|>` a bias makes it write, and the turn goes on
+    after it (Harmony's `<|end|>` ends a message, not the turn: the reference engine does not stop on it where
+    the vocabulary has `<|return|>` / `<|call|>`); the unframed text after it is the answer."""
     params = {"max_tokens": 16, "temperature": 0}
     async with Engine.open(harmony_model_path, max_batch_size=1) as engine:
         assert engine.reasoning_format is HARMONY
@@ -168,10 +173,14 @@ async def test_a_harmony_model_streams_its_thought_apart(harmony_model_path: Pat
         stream = engine.stream_chat(USER, **params)
         deltas = [d async for d in stream]
         reply = await stream
-    assert raw.token_ids[-1] == end and len(raw.token_ids) > 1  # the bias closed the thought mid-reply
-    assert reply.reasoning == raw.text == "".join(d.text for d in deltas if isinstance(d, ReasoningDelta))
-    assert reply.content == "" and not any(isinstance(d, TextDelta) for d in deltas)
-    assert reply.usage.reasoning_tokens == reply.usage.completion_tokens == len(raw.token_ids)
+    assert 0 < raw.token_ids.index(end) < len(raw.token_ids) - 1  # the bias closed the thought mid-reply ...
+    assert raw.finish_reason == "length"  # ... and the turn went on: <|end|> ends a message, not the turn
+    at = raw.token_ids.index(end)
+    assert reply.reasoning == "".join(d.text for d in deltas if isinstance(d, ReasoningDelta))
+    assert reply.reasoning == raw.text[: raw.text.index("<|end|>")]
+    assert reply.usage.reasoning_tokens == at + 1  # the thought's tokens and its end
+    assert reply.content == "".join(d.text for d in deltas if isinstance(d, TextDelta))
+    assert reply.content and not reply.content.startswith("<|end|>")
 
 
 async def _prompt(engine: Engine) -> str:
@@ -187,15 +196,82 @@ async def _prompt(engine: Engine) -> str:
     return "".join(text for text, _ in turn.pieces)
 
 
-async def test_tools_and_a_budget_are_refused_by_name_on_harmony(harmony_model_path: Path) -> None:
-    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+def _opening(template: str) -> str:
+    """gpt-oss's template with its generation prompt opening the analysis channel: the model's output is thought
+    from its first token (the random tiny model never writes the header itself)."""
+    opening = "<|start|>assistant\n{%- endif -%}"
+    assert opening in template
+    return template.replace(opening, "<|start|>assistant<|channel|>analysis<|message|>\n{%- endif -%}")
+
+
+FINAL = "<|end|><|start|>assistant<|channel|>final<|message|>"
+
+
+@pytest.mark.parametrize("budget", [0, 1, 3])
+async def test_a_budget_closes_a_harmony_thought_and_the_final_channel_follows(
+    harmony_model_path: Path, budget: int
+) -> None:
+    """Past the budget the engine writes `<|end|>` and the final channel's header itself (as it writes `</think>`
+    for a `<think>` model): the thought has `budget` tokens (a bias makes each one `a`), the answer is what the
+    model writes on the final channel, and the thought's tokens are counted with its end (`<|end|>`), as a
+    `<think>` model's with its tags."""
+    async with Engine.open(harmony_model_path, max_batch_size=1) as plain:
+        template = _opening(plain.chat_template)
+    async with Engine.open(harmony_model_path, max_batch_size=1, chat_template=template) as engine:
+        final = await engine.encode(FINAL, special=True)
+        (a,) = await engine.encode("a")
+        params: dict[str, Any] = {"max_tokens": 16, "temperature": 0, "logit_bias": {a: 100}}
+        stream = engine.stream_chat(USER, thinking=Thinking(budget=budget), **params)
+        ids, deltas = [], []
+        async for tok in stream.tokens:  # the tokens, and the deltas each completes
+            ids.append(tok.id)
+            deltas += stream.feed(tok)
+        deltas += stream.close_parser()
+        reply = stream.reply()
+        unbounded = await engine.stream_chat(USER, **params)
+    assert ids == [a] * budget + final + [a] * (16 - budget - len(final))
+    assert (reply.reasoning, reply.content) == ("a" * budget, "a" * (16 - budget - len(final)))
+    assert reply.reasoning == "".join(d.text for d in deltas if isinstance(d, ReasoningDelta))
+    assert reply.content == "".join(d.text for d in deltas if isinstance(d, TextDelta))
+    assert reply.usage.reasoning_tokens == budget + 1
+    assert reply.usage.completion_tokens == 16 and reply.finish_reason == "length"
+    # unbounded, the biased model never closes its thought: all of it is reasoning
+    assert (unbounded.reasoning, unbounded.content) == ("a" * 16, "")
+    assert unbounded.usage.reasoning_tokens == 16
+
+
+async def test_a_budget_forces_nothing_on_a_harmony_model_that_does_not_think(harmony_model_path: Path) -> None:
+    """With gpt-oss's own template the model names its channel: `<|channel|>` may open any channel, so the gate
+    never forces `analysis` after it (a bias makes the model write nothing but `<|channel|>`), and a budget
+    leaves the reply as it was. Stop strings still match in the answer."""
     async with Engine.open(harmony_model_path, max_batch_size=1) as engine:
-        with pytest.raises(InvalidRequestError, match=r"^tools: .*harmony"):
-            engine.stream_chat(USER, tools=[tool], max_tokens=2)
-        with pytest.raises(InvalidRequestError, match=r"^thinking.budget: .*harmony"):
-            engine.stream_chat(USER, thinking=Thinking(budget=4), max_tokens=2)
-        reply = await engine.stream_chat(USER, max_tokens=4, stop=["a"])  # served: stop strings match anywhere
+        channel = (await engine.encode("<|channel|>", special=True))[0]
+        params: dict[str, Any] = {"max_tokens": 6, "temperature": 0, "logit_bias": {channel: 100}}
+        for budget in (None, 0, 2):
+            stream = engine.stream_chat(USER, thinking=Thinking(budget=budget), **params)
+            assert [tok.id async for tok in stream.tokens] == [channel] * 6
+        reply = await engine.stream_chat(USER, max_tokens=4, stop=["a"], thinking=Thinking(budget=1))
         assert reply.usage.completion_tokens <= 4
+
+
+SCHEMA = {"type": "object", "properties": {"answer": {"enum": [3, 4, 5]}}, "required": ["answer"]}
+
+
+@pytest.mark.parametrize("seed", range(3))
+async def test_json_schema_starts_on_the_final_channel_after_a_harmony_thought(
+    harmony_model_path: Path, seed: int
+) -> None:
+    """With a grammar after the thought the engine writes the final channel's header after `<|end|>` (the
+    grammar starts there), and the turn cannot end inside the thought."""
+    async with Engine.open(harmony_model_path, max_batch_size=1) as plain:
+        template = _opening(plain.chat_template)
+    async with Engine.open(harmony_model_path, max_batch_size=1, chat_template=template) as engine:
+        reply = await engine.stream_chat(
+            USER, max_tokens=64, seed=seed, json_schema=SCHEMA, thinking=Thinking(budget=3 + seed)
+        )
+    assert reply.reasoning is not None and reply.usage.reasoning_tokens == 4 + seed
+    assert reply.finish_reason == "stop"
+    jsonschema.validate(json.loads(reply.content), SCHEMA)
 
 
 def test_a_thought_sent_back_reaches_gpt_oss_template_as_thinking(llama_cpp_templates_dir: Path) -> None:

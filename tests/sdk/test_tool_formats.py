@@ -85,6 +85,7 @@ MESSAGES: list[dict[str, Any]] = [{"role": "user", "content": "What is the weath
         ("HuggingFaceTB-SmolLM3-3B.jinja", "hermes"),
         ("NousResearch-Hermes-3-Llama-3.1-8B-tool_use.jinja", "hermes"),  # Llama 3.1 weights, Hermes calls
         ("meetkai-functionary-medium-v3.1.jinja", "hermes"),  # <|python_tag|>, but not the JSON instruction
+        ("openai-gpt-oss-120b.jinja", "harmony"),
     ],
 )
 def test_each_models_template_gives_its_format(llama_cpp_templates_dir: Path, template: str, expected: str) -> None:
@@ -99,7 +100,7 @@ def test_templates_without_tools_get_the_default_format() -> None:
 
 
 def test_the_tool_modules_import_one_way() -> None:
-    """aiobasert.tools is a package: one module per call format (hermes, llama3_json), the pieces
+    """aiobasert.tools is a package: one module per call format (hermes, llama3_json, harmony), the pieces
     every format shares in `_` modules. A format module builds on the shared ones only, the
     shared ones know no format (they reach one through the registry), and the package imports
     each format (which registers it). Nothing in it imports the engine, which hands its template,
@@ -109,7 +110,7 @@ def test_the_tool_modules_import_one_way() -> None:
     package = {m: t for m, t in graph.items() if m == "aiobasert.tools" or m.startswith("aiobasert.tools.")}
     tools = {m: t for m, t in package.items() if m != "aiobasert.tools"}
     formats = {m for m in tools if not m.rpartition(".")[2].startswith("_")}
-    assert formats == {"aiobasert.tools.hermes", "aiobasert.tools.llama3_json"}
+    assert formats == {"aiobasert.tools.hermes", "aiobasert.tools.llama3_json", "aiobasert.tools.harmony"}
     assert {(m, t) for m, targets in tools.items() for t in targets if t in formats} == set()
     assert formats <= graph["aiobasert.tools"]
     assert [m for m, t in package.items() if "aiobasert.engine" in t] == []
@@ -124,7 +125,7 @@ def test_each_format_module_registers_one_format() -> None:
     modules = {p.stem for p in (PACKAGE / "tools").glob("*.py") if not p.stem.startswith("_")}
     assert sorted(type(f).__module__ for f in formats.values()) == sorted(f"aiobasert.tools.{m}" for m in modules)
     assert all(isinstance(f, ToolFormat) and f.name == name for name, f in formats.items())
-    assert list(formats) == ["hermes", "llama3_json"]  # the order tool_format_for asks them in
+    assert list(formats) == ["harmony", "hermes", "llama3_json"]  # the order tool_format_for asks them in
     with pytest.raises(ValueError, match="'hermes' is already registered"):
         register_tool_format(HermesFormat())
     assert registered_tool_formats() == formats
@@ -225,22 +226,30 @@ def test_every_formats_structural_tag_frames_its_calls_as_it_writes_them(fmt: To
 @pytest.mark.parametrize("fmt", FORMATS, ids=lambda fmt: fmt.name)
 @pytest.mark.parametrize("choice", ["auto", "required", "get_time"])
 def test_every_formats_grammar_admits_the_calls_it_writes(
-    tiny_model_path: Path, host_grammar: Callable[..., GrammarBackend], fmt: ToolFormat, choice: str
+    tiny_model_path: Path,
+    harmony_model_path: Path,
+    host_grammar: Callable[..., GrammarBackend],
+    fmt: ToolFormat,
+    choice: str,
 ) -> None:
     """What a format writes for its calls is what its grammar admits (fed token by token through the
     compiled Lark grammar, what the engine masks with), and a call of another tool than the named
-    one is refused."""
+    one is refused. A format whose grammar starts after the thought (`after_thought`: Harmony's, on a
+    vocabulary with its markers) is fed what follows that opening; it has one call a turn."""
     from aiobasert.models.bundle import read_bundle
 
-    vocab = len(read_bundle(tiny_model_path).tokenizer["tokenizer.ggml.tokens"])
-    backend = host_grammar(tiny_model_path, vocab_size=vocab)
+    model = harmony_model_path if fmt.after_thought is not None else tiny_model_path
+    vocab = len(read_bundle(model).tokenizer["tokenizer.ggml.tokens"])
+    backend = host_grammar(model, vocab_size=vocab)
     weather = ToolCall(id="c1", name="get_weather", arguments='{"city":"Rom","days":2}')
     time = ToolCall(id="c2", name="get_time", arguments='{"tz":"UTC"}')
-    for calls, ok in [([time], True), ([weather, time], choice != "get_time")]:
+    one_call_a_turn = fmt.after_thought is not None
+    for calls, ok in [([time], True), ([weather, time], choice != "get_time" and not one_call_a_turn)]:
         lark = fmt.grammar([WEATHER, E_TIME], choice)
         assert lark is not None
         constraint = backend.compile_lark(lark)
-        accepted = all(constraint.accept(t) for t in backend._tokenizer.tokenize_str(fmt.call_text(calls)))
+        text = fmt.call_text(calls).removeprefix(fmt.after_thought or "")
+        accepted = all(constraint.accept(t) for t in backend._tokenizer.tokenize_str(text))
         assert accepted == ok, (calls, constraint.error)
 
 

@@ -8,6 +8,7 @@ tokens (at temperature 0: the same every time). The SDK's reply on the same mode
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -475,8 +476,9 @@ def _harmony_replies(model: Path) -> dict[str, str]:
 
 def test_a_harmony_model_over_http(asgi_server: Callable[[Any], str], harmony_model_path: Path) -> None:
     """gpt-oss's Harmony framing: `reasoning_effort` (and Responses' `reasoning.effort`) goes to its template,
-    which reads it (as vLLM and llama-server give it); a server budget is ignored (the engine cannot gate that
-    thought yet); a request's budget and tools are refused by name."""
+    which reads it (as vLLM and llama-server give it); a budget (the server's, a request's) bounds only a thought
+    the model opens (the random model names no channel: its replies are unchanged); a tool call comes after the
+    thought (aiobasert/tools/harmony.py)."""
     expected = _harmony_replies(harmony_model_path)
     assert len(set(expected.values())) == 3  # the effort changes the prompt, so the random model's answer
     app = create_app(harmony_model_path, api_key=API_KEY, model_name=MODEL_NAME, max_batch_size=1, reasoning_budget=3)
@@ -502,14 +504,71 @@ def test_a_harmony_model_over_http(asgi_server: Callable[[Any], str], harmony_mo
                 **ask, reasoning_effort="low", extra_body={"chat_template_kwargs": {"reasoning_effort": "high"}}
             )
         assert err.value.body["param"] == "reasoning_effort"  # type: ignore[index]
-        tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
-        for extra, param in (
-            ({"extra_body": {"reasoning_budget_tokens": 4}}, "reasoning_budget_tokens"),
-            ({"tools": [tool]}, "tools"),
-        ):
-            with pytest.raises(openai.BadRequestError) as err:
-                c.chat.completions.create(**ask, **extra)
-            assert err.value.body["param"] == param  # type: ignore[index]
+        for field in ("reasoning_budget_tokens", "thinking_token_budget"):
+            bounded = c.chat.completions.create(**ask, extra_body={field: 4}).choices[0].message.content
+            assert bounded == expected["medium"]
+        schema = {"type": "object", "properties": {"n": {"enum": [1, 2, 3]}}, "required": ["n"]}
+        tool = {"type": "function", "function": {"name": "f", "parameters": schema}}
+        called = c.chat.completions.create(**{**ask, "max_tokens": 60}, tools=[tool], tool_choice="required",
+                                           extra_body={"reasoning_budget_tokens": 2})  # fmt: skip
+        message = called.choices[0].message
+        assert called.choices[0].finish_reason == "tool_calls" and message.tool_calls is not None
+        (call,) = message.tool_calls
+        assert call.function.name == "f" and json.loads(call.function.arguments)["n"] in (1, 2, 3)  # type: ignore[union-attr]
+        assert message.reasoning_content is not None  # type: ignore[attr-defined]
+        # streamed: the thought as reasoning_content deltas, the call's id and name, then its arguments
+        chunks = list(
+            c.chat.completions.create(
+                **{**ask, "max_tokens": 60},
+                tools=[tool],
+                tool_choice="required",
+                stream=True,
+                extra_body={"reasoning_budget_tokens": 2},
+            )
+        )
+        deltas = [ch.choices[0].delta for ch in chunks if ch.choices]
+        thought = "".join(getattr(d, "reasoning_content", None) or "" for d in deltas)
+        parts = [t for d in deltas for t in d.tool_calls or ()]
+        assert thought == message.reasoning_content  # type: ignore[attr-defined]
+        assert parts[0].function is not None and parts[0].function.name == "f" and parts[0].id
+        assert "".join(p.function.arguments or "" for p in parts if p.function) == call.function.arguments  # type: ignore[union-attr]
+        assert [ch.choices[0].finish_reason for ch in chunks if ch.choices and ch.choices[0].finish_reason] == [
+            "tool_calls"
+        ]
+
+
+def test_a_harmony_thought_is_bounded_over_http(
+    asgi_server: Callable[[Any], str], llama_cpp_templates_dir: Path, tmp_path: Path
+) -> None:
+    """gpt-oss's template with its generation prompt opening the analysis channel (a bias makes every token `a`):
+    the server's `--reasoning-budget` and a request's `reasoning_budget_tokens` close the thought after that many
+    tokens, and the final channel's answer follows (the engine writes `<|end|>` and its header); a budget of 0
+    closes it at once."""
+    from aiobasert.models.tiny import build_tiny_model
+
+    template = (llama_cpp_templates_dir / "openai-gpt-oss-120b.jinja").read_text()
+    opening = "<|start|>assistant\n{%- endif -%}"
+    assert opening in template
+    template = template.replace(opening, "<|start|>assistant<|channel|>analysis<|message|>\n{%- endif -%}")
+    markers = ("<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|return|>", "<|call|>", "<|constrain|>")
+    model = build_tiny_model(tmp_path / "tiny.base", tied=False, extra_tokens=tuple((m, 3) for m in markers),
+                             chat_template=template)  # fmt: skip
+
+    async def ids() -> tuple[int, int]:
+        async with Engine.open(model, max_batch_size=1) as engine:
+            (a,) = await engine.encode("a")
+            return a, len(await engine.encode("<|end|><|start|>assistant<|channel|>final<|message|>", special=True))
+
+    a, header = anyio.run(ids)
+    app = create_app(model, api_key=API_KEY, model_name=MODEL_NAME, max_batch_size=1, reasoning_budget=3)
+    ask: Any = {"model": MODEL_NAME, "messages": USER, "max_tokens": 16, "temperature": 0, "logit_bias": {a: 100}}
+    with OpenAI(base_url=f"{asgi_server(app)}/v1", api_key=API_KEY, max_retries=0) as c:
+        for extra, budget in (({}, 3), ({"reasoning_budget_tokens": 1}, 1), ({"thinking_token_budget": 0}, 0)):
+            r = c.chat.completions.create(**ask, extra_body=extra)
+            message: Any = r.choices[0].message
+            assert (message.reasoning_content, message.content) == ("a" * budget, "a" * (16 - budget - header))
+            assert r.usage is not None and r.usage.completion_tokens_details is not None
+            assert r.usage.completion_tokens_details.reasoning_tokens == budget + 1
 
 
 def test_a_final_assistant_message_is_continued_as_the_answer(client: OpenAI, base_url: str) -> None:
