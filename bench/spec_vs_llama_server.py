@@ -1,6 +1,7 @@
 """Speculative decoding, aiobasert serve against llama-server side by side in one run (issue 36 item 6).
 
-The same GGUF, the same greedy `/v1/completions` requests from the same httpx client, the same
+The same GGUF, the same greedy `/v1/chat/completions` requests (each server renders the GGUF's
+chat template) from the same httpx client, the same
 thread count, four servers per row, one at a time (the order rotates every row, so load from
 elsewhere falls on all alike):
 
@@ -14,8 +15,9 @@ lookup is for) and free text (where it cannot pay, and must not cost); 1 / 4 / 1
 server: tok/s (every generated token / the level's wall time), TTFT p50, peak RSS, the tokens each
 stream made, drafted and accepted tokens (ours: usage's `draft_tokens` / `accepted_draft_tokens`;
 llama-server: its `timings.draft_n` / `draft_n_accepted`). Neither gets ignore_eos (aiobasert's HTTP
-API has none): a copy ends where the model ends it, in both. Ratios printed: our ngram / our off
-(what speculation buys us), our ngram / llama ngram (against the peer).
+API has none): a reply ends where the model ends it, in both (the token counts are printed).
+Ratios printed: our ngram / our off (what speculation buys us), our ngram / llama ngram (against
+the peer).
 
 A draft model (`-md`) is not compared here: llama-server needs the target and the draft as GGUFs,
 and the demo ships one (Q4_1); bench/speculative.py --pair measures our draft-model speculation.
@@ -79,8 +81,8 @@ class Level:
 
 
 async def one_stream(client: httpx.AsyncClient, url: str, prompt: str, max_tokens: int) -> Stream:
-    body = {"model": "bench", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
-            "stream_options": {"include_usage": True}}  # fmt: skip
+    body = {"model": "bench", "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
+            "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
     t0 = time.perf_counter()
     ttft: float | None = None
     chunks, usage, timings = 0, None, None
@@ -97,7 +99,7 @@ async def one_stream(client: httpx.AsyncClient, url: str, prompt: str, max_token
             if "error" in obj:
                 raise BenchError(f"POST {url}: error event {obj['error']}")
             for choice in obj.get("choices") or []:
-                if choice.get("text"):
+                if (choice.get("delta") or {}).get("content"):
                     chunks += 1
                     if ttft is None:
                         ttft = time.perf_counter() - t0
@@ -134,7 +136,7 @@ def make_server(config: str, streams: int, args: argparse.Namespace, logdir: Pat
 
 
 async def level(client: httpx.AsyncClient, server: Server, prompts: list[str], streams: int, max_tokens: int) -> Level:
-    url = server.base + "/v1/completions"
+    url = server.base + "/v1/chat/completions"
     t0 = time.perf_counter()
     results = await asyncio.gather(*(one_stream(client, url, prompts[i % len(prompts)], max_tokens)
                                      for i in range(streams)))  # fmt: skip
@@ -164,7 +166,7 @@ async def bench(args: argparse.Namespace) -> list[tuple[str, int, dict[str, Leve
                         server.start()
                         try:
                             await server.wait_ready(client, args.start_timeout)
-                            await one_stream(client, server.base + "/v1/completions", "Warm up:", 4)
+                            await one_stream(client, server.base + "/v1/chat/completions", "Warm up:", 4)
                             runs[config].append(await level(client, server, prompts, streams, args.max_tokens))
                         except (httpx.HTTPError, ValueError) as exc:
                             raise BenchError(f"{config} at {streams} streams failed: {exc!r}. Log {server.log}:\n"
