@@ -972,7 +972,8 @@ class Engine:
         return stats
 
     async def evict_prefix_cache(self) -> int:
-        """Drop every unlocked cached prefix; returns the KV blocks freed."""
+        """Drop every unlocked cached prefix; returns the KV blocks freed (the target's: a draft
+        model's cache, speculation method="draft", is emptied too, its blocks not counted)."""
         evicted: int = await self._ask(EvictPrefixCache())
         return evicted
 

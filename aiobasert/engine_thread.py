@@ -710,9 +710,12 @@ class EngineThread:
             spec_draft_tokens=self.spec_drafted,
             spec_accepted_tokens=self.spec_accepted,
             draft_live_sequences=self.drafter.live if isinstance(self.drafter, DraftModelDrafter) else 0,
+            draft_cached_tokens=self.drafter.reused if isinstance(self.drafter, DraftModelDrafter) else 0,
         )
 
     def evict_prefix_cache(self) -> int:
+        if isinstance(self.drafter, DraftModelDrafter):  # the draft model's cache goes too (its blocks not counted)
+            self.drafter.evict_cache()
         if not self.loaded.prefix_evict:
             return 0
         return int(self.lib.baseRT_prefix_evict(self._model, 1 << 30))
@@ -789,7 +792,8 @@ class EngineThread:
             lane.seq = None
             self.live_sequences -= 1
         if isinstance(self.drafter, DraftModelDrafter) and lane.speculation is not None:
-            self.drafter.release(lane.speculation)  # its draft sequence goes with it
+            # its draft sequence goes with it, its KV to the draft's prefix cache when the lane's goes to the target's
+            self.drafter.release(lane.speculation, publish=keep_kv and not lane.state.cancelled)
         if lane.prefix_handle:
             lib.baseRT_prefix_unlock(model, lane.prefix_handle)
             lane.prefix_handle = 0

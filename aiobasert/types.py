@@ -463,6 +463,10 @@ class EngineStats(msgspec.Struct, frozen=True, kw_only=True):
     draft_live_sequences: int = 0
     """Sequences of the draft model held (speculation with method="draft"): one a lane that
     drafts, freed with the lane's own sequence (0 when there is no draft model)."""
+    draft_cached_tokens: int = 0
+    """Tokens the draft model's sequences took from its own prefix cache instead of prefilling them
+    (speculation with method="draft" and `EngineConfig.prefix_cache`): a prompt, or a chat's history,
+    served again catches up on the draft from there (docs/speculative.md)."""
 
 
 class Capabilities(msgspec.Struct, frozen=True, kw_only=True):

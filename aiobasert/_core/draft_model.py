@@ -18,20 +18,29 @@ A draft sequence is rolled back with the target's, lazily: at its next `prepare`
 what still matches the lane's tokens (the accepted drafts stay, so nothing is prefilled twice). It
 is freed with the lane's sequence (`release`: finish, cancel, failure, a pause that releases KV,
 preemption); a resumed or recomputed lane's draft catches up from its tokens again.
+
+The draft handle has a prefix cache of its own where the target has one (`EngineConfig.prefix_cache`,
+bounded as the target's by `prefix_cache_mb`, in the draft's blocks): a new draft sequence is
+seeded with the longest cached prefix of the lane's tokens (`baseRT_prefix_match`,
+`baseRT_sequence_seed_prefix`), and a released one publishes its KV of the lane's tokens
+(`baseRT_prefix_insert`) when its lane finished or paused, as the target's does; what the cache
+keeps past its bound is evicted after each publish. Drafts only change speed: the target's tokens
+are the same with a cached draft prefix or without.
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
 import time
 from collections.abc import Sequence
-from ctypes import byref, c_int, c_uint32, c_void_p, sizeof
+from ctypes import byref, c_int, c_uint32, c_void_p, memmove, sizeof
 from typing import TYPE_CHECKING, Any, Protocol
 
 from .. import _ffi
 from ..config import EngineConfig
 from ..errors import AioBaseRTError, InvalidConfigError, UnsupportedError
-from .loaded import LoadedModel, _static_str, kv_bits, probe
+from .loaded import LoadedModel, _prefix_bound, _static_str, kv_bits, probe
 from .speculate import Drafter, LaneSpec, NgramDrafter, SpecPolicy
 
 if TYPE_CHECKING:
@@ -98,7 +107,19 @@ def open_drafter(lib: _ffi.Library, target: LoadedModel, cfg: EngineConfig) -> D
 class DraftModel:
     """A loaded draft model: the engine thread's second handle."""
 
-    def __init__(self, lib: _ffi.Library, handle: int, path: str, *, vocab_size: int, budget: int, lanes: int) -> None:
+    def __init__(
+        self,
+        lib: _ffi.Library,
+        handle: int,
+        path: str,
+        *,
+        vocab_size: int,
+        budget: int,
+        lanes: int,
+        prefix: bool = False,
+        bound: int | None = None,
+        page_size: int = 16,
+    ) -> None:
         self.lib = lib
         self.handle = handle
         self.path = path
@@ -107,6 +128,13 @@ class DraftModel:
         """Tokens one draft step feeds at most (the draft's prefill chunk)."""
         self.lanes = lanes
         """Sequences one draft step carries at most."""
+        self.prefix = prefix
+        """The draft handle has a prefix cache (`Capabilities.prefix_cache` of its load)."""
+        self.bound = bound
+        """The most blocks its prefix cache keeps at rest (`EngineConfig.prefix_cache_mb` in the
+        draft's blocks; None: no bound can be held, as for the target's)."""
+        self.page_size = page_size
+        """KV tokens per block: a prefix shorter than one block is never cached."""
 
     def free(self) -> None:
         if self.handle:
@@ -125,7 +153,7 @@ def load_draft(lib: _ffi.Library, source: str, target: LoadedModel, cfg: EngineC
         kv_bits=kv_bits(lib, cfg.kv_cache_dtype),
         paged_kv=1,
         max_batch_size=target.max_batch_size,
-        prefix_cache=0,  # a draft sequence catches up from the lane's tokens: nothing to share
+        prefix_cache=int(cfg.prefix_cache),  # its own: a prompt served again is not prefilled again on it
         prefill_chunk=cfg.prefill_chunk,
     )
     handle = lib.baseRT_load_model_ex(os.fsencode(path), None, target.max_context, byref(opts))
@@ -140,6 +168,7 @@ def load_draft(lib: _ffi.Library, source: str, target: LoadedModel, cfg: EngineC
         lib.baseRT_get_config_into(handle, byref(mc), sizeof(mc))
         check_vocabulary(lib, handle, path, int(mc.vocab_size), target)
         chunk = int(lib.baseRT_max_prefill_chunk(handle)) or cfg.prefill_chunk
+        evict = lib.has("baseRT_prefix_evict") and lib.has("baseRT_prefix_cache_stats")
         return DraftModel(
             lib,
             handle,
@@ -147,6 +176,9 @@ def load_draft(lib: _ffi.Library, source: str, target: LoadedModel, cfg: EngineC
             vocab_size=int(mc.vocab_size),
             budget=max(1, min(cfg.prefill_chunk, chunk)),
             lanes=target.max_batch_size,
+            prefix=caps.prefix_cache and lib.has("baseRT_sequence_seed_prefix"),
+            bound=_prefix_bound(lib, handle, cfg, caps, evict),
+            page_size=int(lib.baseRT_page_size(handle)) or 16,
         )
     except BaseException:
         lib.baseRT_free_model(handle)
@@ -195,10 +227,14 @@ def _bundle_tokens(path: str) -> list[Any] | None:
 class DraftSeq:
     """A lane's draft sequence: the draft model's KV of the lane's tokens (and the drafts fed)."""
 
-    __slots__ = ("n", "proposal", "proposal_at", "seq", "tail")
+    __slots__ = ("lane", "match", "n", "proposal", "proposal_at", "seq", "tail")
 
-    def __init__(self, seq: int) -> None:
+    def __init__(self, seq: int, lane: DraftLane | None = None) -> None:
         self.seq = seq
+        self.lane = lane
+        """The lane it drafts for (its tokens are published to the draft's prefix cache at release)."""
+        self.match = 0
+        """The draft prefix-cache match it was seeded from (unlocked at release); 0: none."""
         self.n = 0
         """Tokens in the draft's KV."""
         self.tail: list[int] = []
@@ -218,6 +254,11 @@ class DraftModelDrafter:
         """The lanes holding a draft sequence, by id (of their `LaneSpec`)."""
         self.steps = 0
         """Fused steps of the draft model run."""
+        self.fed = 0
+        """Tokens fed to the draft model (catch-up feeds and drafts)."""
+        self.reused = 0
+        """Tokens draft sequences took from the draft's prefix cache instead of being fed
+        (`EngineStats.draft_cached_tokens`)."""
         self.draft_s: float | None = None
         """A drafting step of the draft model (a row or two a lane), seconds (decayed mean)."""
         self.plain_s: float | None = None
@@ -304,12 +345,13 @@ class DraftModelDrafter:
         up to the lane's tokens (within the draft's feed budget; a lane that cannot catch up this
         step proposes nothing), then the lanes that want drafts step together, one row each.
         A held draft sequence whose lane is not `running` (paused) is freed first: the draft's
-        pool is sized for the running lanes, and a resumed lane catches up again."""
+        pool is sized for the running lanes; its KV goes to the draft's prefix cache, so a
+        resumed lane catches up from there."""
         if len(self.held) > len(running):
             keep = {id(st) for st in running}
             for key, held in list(self.held.items()):
                 if key not in keep:
-                    self.release(held)
+                    self.release(held, publish=True)
         m = self.model
         budget = m.budget
         feeds: list[tuple[DraftLane, DraftSeq, list[int], int, int]] = []  # lane, seq, feed, real, want
@@ -319,7 +361,7 @@ class DraftModelDrafter:
             st = lane.speculation
             if st is None:
                 continue
-            ds = self._seq(st)
+            ds = self._seq(st, lane)
             if ds is None:
                 break  # no sequence left in the draft's pool: the lanes after this one draft nothing
             prompt, out = lane.prompt, lane.generated
@@ -329,7 +371,7 @@ class DraftModelDrafter:
             def at(i: int, prompt: Sequence[int] = prompt, out: list[int] = out, n: int = n_prompt) -> int:
                 return int(prompt[i]) if i < n else out[i - n]
 
-            self._reconcile(ds, real, at)
+            self._reconcile(ds, real, at, n_prompt + len(out))
             if want and ds.n >= real:  # everything is in: feed the last token again for its logits
                 self._rollback(ds, real - 1)
             lag = real - ds.n
@@ -371,6 +413,7 @@ class DraftModelDrafter:
         rows = (_ffi.BaseRTRowSampling * n)()  # temperature 0: argmax
         out = (c_uint32 * n)()
         self.steps += 1
+        self.fed += len(toks)
         began = time.perf_counter()
         rc = lib.baseRT_batch_step_fused_sample(m.handle, seqs, n, toks, counts, rows, out)
         took = time.perf_counter() - began
@@ -380,15 +423,17 @@ class DraftModelDrafter:
             lib.last_error("baseRT_batch_step_fused_sample")  # read (and so cleared) on this thread
             for ds, _ in batch:  # what the failed step wrote is unknown: start these over
                 self._rollback(ds, 0)
+            self.evict_cache()  # cached draft blocks never cost a lane its drafts
             return None
         return [int(t) for t in out]
 
-    def _reconcile(self, ds: DraftSeq, real: int, at: Any) -> None:
+    def _reconcile(self, ds: DraftSeq, real: int, at: Any, known: int) -> None:
         """Roll the draft back to what still matches the lane's tokens: the drafts the target
-        accepted stay, the rest go."""
+        accepted stay, the rest go. Without drafts, its KV is of the lane's own tokens: it may be
+        ahead of a prompt the target still prefills (a cached prefix), never past the `known` ones."""
         if not ds.tail:
-            if ds.n > real:
-                self._rollback(ds, real)
+            if ds.n > known:
+                self._rollback(ds, known)
             return
         base = ds.n - len(ds.tail)
         keep = 0
@@ -411,30 +456,133 @@ class DraftModelDrafter:
         ds.n = length
         ds.tail = []
 
-    def _seq(self, st: LaneSpec) -> DraftSeq | None:
+    def _seq(self, st: LaneSpec, lane: DraftLane) -> DraftSeq | None:
+        """The lane's draft sequence; a new one is seeded from the draft's prefix cache."""
         if isinstance(st.draft, DraftSeq):
             return st.draft
-        seq = self.model.lib.baseRT_sequence_create(self.model.handle)
+        m, lib = self.model, self.model.lib
+        seq = lib.baseRT_sequence_create(m.handle)
         if not seq:
-            self.model.lib.last_error("baseRT_sequence_create")
+            lib.last_error("baseRT_sequence_create")  # read (and so cleared) on this thread
+            if self.evict_cache():  # cached blocks never refuse a lane its draft sequence
+                seq = lib.baseRT_sequence_create(m.handle)
+                if not seq:
+                    lib.last_error("baseRT_sequence_create")
+        if not seq:
             return None
-        st.draft = DraftSeq(int(seq))
+        ds = st.draft = DraftSeq(int(seq), lane)
         self.held[id(st)] = st
-        return st.draft
+        self._seed(ds, lane)
+        return ds
 
-    def release(self, st: LaneSpec) -> None:
-        """Free a lane's draft sequence (its target sequence is being freed)."""
+    def _seed(self, ds: DraftSeq, lane: DraftLane) -> None:
+        """Seed a new draft sequence with the longest prefix of the lane's tokens the draft's
+        prefix cache holds (the protocol of the target's: match, seed, unlock at release)."""
+        m, lib = self.model, self.model.lib
+        known = len(lane.prompt) + len(lane.generated)
+        if not m.prefix or known <= m.page_size:  # a match leaves one token: it needs > one block
+            return
+        match = lib.baseRT_prefix_match(m.handle, lane_tokens(lane, known), known)
+        if not match.handle:
+            return
+        if lib.baseRT_sequence_seed_prefix(ds.seq, match.blocks, match.n_blocks, match.matched_tokens) != 0:
+            lib.last_error("baseRT_sequence_seed_prefix")
+            lib.baseRT_prefix_release(m.handle, match.handle)
+            return
+        ds.match = int(match.handle)
+        ds.n = int(match.matched_tokens)
+        self.reused += ds.n
+
+    def release(self, st: LaneSpec, *, publish: bool = False) -> None:
+        """Free a lane's draft sequence (its target sequence is being freed). `publish`: its KV
+        of the lane's tokens goes to the draft's prefix cache first (the lane finished, or paused),
+        and the cache is then held to its bound."""
         ds = st.draft
-        if isinstance(ds, DraftSeq):
-            st.draft = None
-            del self.held[id(st)]
-            lib = self.model.lib
-            lib.baseRT_sequence_rollback(ds.seq, 0)
-            lib.baseRT_sequence_free(ds.seq)
+        if not isinstance(ds, DraftSeq):
+            return
+        st.draft = None
+        del self.held[id(st)]
+        m, lib = self.model, self.model.lib
+        lane, ds.lane = ds.lane, None
+        published = False
+        if publish and m.prefix and lane is not None and not lane.state.cancelled:
+            valid = self._valid(ds, lane)
+            if valid > m.page_size:
+                if valid < ds.n:  # drafts the target did not take: not the lane's KV
+                    lib.baseRT_sequence_rollback(ds.seq, valid)
+                lib.baseRT_prefix_insert(m.handle, lane_tokens(lane, valid), valid, ds.seq)  # best effort
+                published = True
+        lib.baseRT_sequence_rollback(ds.seq, 0)
+        lib.baseRT_sequence_free(ds.seq)
+        if ds.match:
+            lib.baseRT_prefix_unlock(m.handle, ds.match)
+            ds.match = 0
+        if published:
+            self._bound()
+
+    @staticmethod
+    def _valid(ds: DraftSeq, lane: DraftLane) -> int:
+        """How much of the draft's KV is of the lane's tokens: all but the drafts the lane did
+        not make."""
+        prompt, out = lane.prompt, lane.generated
+        known = len(prompt) + len(out)
+        base = min(ds.n - len(ds.tail), known)
+        keep = 0
+        for i, tok in enumerate(ds.tail):
+            at = base + i
+            if at >= known or (int(prompt[at]) if at < len(prompt) else out[at - len(prompt)]) != tok:
+                break
+            keep += 1
+        return base + keep
+
+    def _bound(self) -> None:
+        """Evict the least recently used cached draft prefixes past the bound (as the target's
+        cache, `EngineConfig.prefix_cache_mb`)."""
+        m = self.model
+        if m.bound is None:
+            return
+        cached = c_int(0)
+        m.lib.baseRT_prefix_cache_stats(m.handle, None, None, None, byref(cached))
+        if cached.value > m.bound:
+            m.lib.baseRT_prefix_evict(m.handle, cached.value - m.bound)
+
+    def evict_cache(self) -> bool:
+        """Empty the draft's prefix cache (what no live draft sequence shares): the draft's pool
+        was short, or `Engine.evict_prefix_cache`. True if a block went back to the pool."""
+        m = self.model
+        if not m.prefix or not m.lib.has("baseRT_prefix_evict"):
+            return False
+        return int(m.lib.baseRT_prefix_evict(m.handle, 1 << 30)) > 0
+
+    def kv_blocks(self) -> tuple[int, int]:
+        """The draft pool's blocks in use and those its prefix cache holds (engine thread only;
+        at idle the two are equal: no draft sequence holds any)."""
+        m = self.model
+        ms = _ffi.BaseRTMemoryStats()
+        if not m.lib.baseRT_model_memory_stats(m.handle, byref(ms)):
+            return -1, -1
+        cached = c_int(0)
+        if m.prefix and m.lib.has("baseRT_prefix_cache_stats"):
+            m.lib.baseRT_prefix_cache_stats(m.handle, None, None, None, byref(cached))
+        return int(ms.kv_cache_blocks_used), int(cached.value)
 
     def close(self) -> None:
         """Free the draft model (every lane's draft sequence was released with its lane)."""
         self.model.free()
+
+
+def lane_tokens(lane: DraftLane, n: int) -> ctypes.Array[c_uint32]:
+    """The lane's first `n` tokens (its prompt, then its output) as a C array; a prompt that is a
+    C array is copied, not read token by token."""
+    prompt = lane.prompt
+    p = min(n, len(prompt))
+    arr = (c_uint32 * n)()
+    if isinstance(prompt, ctypes.Array):
+        memmove(arr, prompt, p * sizeof(c_uint32))
+    else:
+        arr[:p] = [int(t) for t in prompt[:p]]  # type: ignore[assignment]  # ctypes takes ints
+    arr[p:] = lane.generated[: n - p]  # type: ignore[assignment]
+    return arr
 
 
 def best_depth(ps: Sequence[float], cap: int, ratio: float) -> int:

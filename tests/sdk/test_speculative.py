@@ -6,8 +6,9 @@ speculate with (a) prompt lookup, verifying every proposal at full length, (b) a
 proposes the reference continuation with random corruption (long accepted runs through stop
 strings, stop ids and max_tokens, then a rejection), (c) a drafter proposing garbage (ids out
 of the vocabulary included), (d) a draft model: the target's own weights (nearly every greedy
-draft accepted) or other random weights with the same vocabulary (few accepted). All on the
-real reference engine; asyncio and trio."""
+draft accepted) or other random weights with the same vocabulary (few accepted), each request run
+twice (the second from the draft's prefix cache). All on the real reference engine; asyncio and
+trio."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from aiobasert import Engine, InvalidConfigError, SamplingParams
+from aiobasert._core.draft_model import DraftModelDrafter
 from aiobasert._core.speculate import DraftSource, LaneSpec, NgramDrafter, SpecPolicy, StepCost
 from aiobasert.config import EngineConfig, SpeculationConfig
 
@@ -134,8 +136,14 @@ async def test_speculation_gives_the_plain_output(
             elif drafter == "garbage":
                 engine._thread.drafter = Garbage(engine.info.vocab_size, seed)
             got = await run_all(engine, jobs)
+            again = await run_all(engine, jobs) if drafter == "draft" else got  # from the draft's prefix cache
             stats = await engine.stats()
-        assert got == want, drafter
+            if drafter == "draft":  # no draft block held at idle but the draft cache's, within its bound
+                d = engine._thread.drafter
+                assert isinstance(d, DraftModelDrafter)
+                used, cached = await engine._call(d.kv_blocks)
+                assert used == cached and (d.model.bound is None or cached <= d.model.bound)
+        assert got == want and again == want, drafter
         assert stats.live_sequences == 0 and stats.kv_blocks_used == stats.prefix_blocks_cached
         assert stats.draft_live_sequences == 0  # every draft sequence went with its lane
         # a decode step with room for drafts: one lane at a time, or a budget no prompt chunk

@@ -2,10 +2,12 @@
 
 A draft model is a second model handle beside the target's, on the engine thread: its sequences
 are stepped for every drafting lane at once, rolled back to what the target accepted, and freed
-with the lane's own sequence (`EngineStats.draft_live_sequences`). Its vocabulary must be the
-target's (refused at open by name). The engine's own speculators (MTP, EAGLE-3, DFlash, DSpark)
-are refused by name where the engine lacks them (the reference engine does). All on the real
-reference engine with tiny models the suite builds; asyncio and trio."""
+with the lane's own sequence (`EngineStats.draft_live_sequences`), their KV published to the draft's
+own prefix cache when the lane finished or paused (`EngineStats.draft_cached_tokens`, bounded by
+`prefix_cache_mb`). Its vocabulary must be the target's (refused at open by name). The engine's
+own speculators (MTP, EAGLE-3, DFlash, DSpark) are refused by name where the engine lacks them (the
+reference engine does). All on the real reference engine with tiny models the suite builds; asyncio
+and trio."""
 
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ import anyio
 import pytest
 
 from aiobasert import Engine, InvalidConfigError, ModelFileNotFoundError, UnsupportedError
-from aiobasert._core.draft_model import DraftModel, best_depth
+from aiobasert._core.draft_model import DraftModel, DraftModelDrafter, best_depth
 from aiobasert._ffi import Library
 from aiobasert.config import SpeculationConfig
 from aiobasert.models.tiny import build_tiny_model
@@ -27,8 +29,36 @@ pytestmark = pytest.mark.anyio
 PROMPT = "the cat sat on the mat and a b ab x yz"
 
 
+LONG = 300
+"""A long prompt's tokens (more than one prefill chunk of the default 256)."""
+
+
 def draft(path: Path, **kw: Any) -> SpeculationConfig:
     return SpeculationConfig(method="draft", draft_model=str(path), adaptive=False, **kw)
+
+
+async def long_prompt(engine: Engine) -> list[int]:
+    ids = list(await engine.encode(PROMPT))
+    return (ids * (LONG // len(ids) + 1))[:LONG]
+
+
+def drafter_of(engine: Engine) -> DraftModelDrafter:
+    d = engine._thread.drafter
+    assert isinstance(d, DraftModelDrafter)
+    return d
+
+
+async def draft_counts(engine: Engine) -> tuple[int, int]:
+    """Tokens fed to the draft model so far, and its steps (read on the engine thread)."""
+    d = drafter_of(engine)
+    return await engine._call(lambda: (d.fed, d.steps))
+
+
+async def draft_kv(engine: Engine) -> tuple[int, int, int | None]:
+    """The draft pool's blocks in use, those its prefix cache holds, and the cache's bound."""
+    d = drafter_of(engine)
+    used, cached = await engine._call(d.kv_blocks)
+    return used, cached, d.model.bound
 
 
 async def test_a_draft_with_the_targets_weights_is_accepted(tiny_model_path: Path) -> None:
@@ -109,20 +139,66 @@ async def test_an_engine_that_cannot_verify_frees_its_draft_model(
 
 
 async def test_cancel_mid_stream_frees_both_sequences(tiny_model_path: Path) -> None:
-    """A stream cancelled while it drafts: its sequence and its draft sequence are both freed."""
+    """A stream cancelled while it drafts (its draft seeded from the draft's prefix cache): its
+    sequence and its draft sequence are both freed, and the draft pool holds only the cache's
+    blocks (within its bound): the cancelled lane's draft KV is not published."""
     async with Engine.open(tiny_model_path, speculation=draft(tiny_model_path)) as engine:
-        stream = engine.stream(PROMPT, max_tokens=400, ignore_eos=True)
+        prompt = await long_prompt(engine)
+        await engine.generate(prompt, max_tokens=4, ignore_eos=True)  # its draft KV goes to the cache
+        _, cached_before, _ = await draft_kv(engine)
+        stream = engine.stream(prompt, max_tokens=400, ignore_eos=True)
         seen = 0
         async for _ in stream:
             seen += 1
             if seen == 12:
                 snap = await snapshot(engine)
                 assert snap.stats.live_sequences == 1 and snap.stats.draft_live_sequences == 1
-                assert snap.stats.spec_draft_tokens > 0
+                assert snap.stats.spec_draft_tokens > 0 and snap.stats.draft_cached_tokens > 0
                 break
         await stream.aclose()
         snap = await wait_until(engine, lambda s: s.stats.live_sequences == 0, steps=50)
         assert snap.stats.draft_live_sequences == 0 and snap.stats.requests_cancelled == 1
+        used, cached, bound = await draft_kv(engine)
+    assert bound is not None and 0 < cached == cached_before <= bound
+    assert used == cached  # no draft sequence holds a block
+
+
+@pytest.mark.parametrize(("prefix_cache", "prefix_cache_mb"), [(True, None), (True, 0), (False, None)])
+async def test_a_repeated_prompt_catches_up_on_the_draft_from_its_cache(
+    tiny_model_path: Path, prefix_cache: bool, prefix_cache_mb: int | None
+) -> None:
+    """A long prompt served twice: the second request's draft sequence is seeded from the draft's
+    own prefix cache (all the prompt's whole blocks but the last token's), so it feeds the draft
+    model only the rest, in fewer draft steps; the tokens are the plain ones. Without a prefix
+    cache, or with a bound of 0 (nothing kept once a request ends), it feeds the prompt again."""
+    params = dict(max_tokens=16, ignore_eos=True)
+    opts: dict[str, Any] = dict(prefix_cache=prefix_cache, prefix_cache_mb=prefix_cache_mb)
+    async with Engine.open(tiny_model_path, **opts) as plain:
+        prompt = await long_prompt(plain)
+        want = await plain.generate(prompt, **params)
+    async with Engine.open(tiny_model_path, speculation=draft(tiny_model_path), **opts) as engine:
+        first = await engine.generate(prompt, **params)
+        fed1, steps1 = await draft_counts(engine)
+        mid = await engine.stats()
+        again = await engine.generate(prompt, **params)
+        fed2, steps2 = await draft_counts(engine)
+        stats = await engine.stats()
+        used, cached, bound = await draft_kv(engine)
+    assert first.token_ids == again.token_ids == want.token_ids
+    assert first.usage.accepted_draft_tokens > 0 and again.usage.accepted_draft_tokens > 0
+    assert mid.draft_cached_tokens == 0 and stats.draft_live_sequences == 0
+    assert used == cached and (bound is None or cached <= bound)
+    reused = stats.draft_cached_tokens
+    if prefix_cache and prefix_cache_mb is None:
+        assert reused == (LONG - 1) // 16 * 16  # every whole block of the prompt but the last token's
+        # the second feeds the prompt's tail and its drafts (the first: the whole prompt and as many
+        # drafts, the same tokens), and catches up in one draft step where the first took two
+        assert fed2 - fed1 <= fed1 - reused + 8
+        assert steps2 - steps1 < steps1
+        assert cached > 0
+    else:
+        assert reused == 0 and cached == 0
+        assert fed2 - fed1 >= fed1 - 16  # the prompt fed again
 
 
 async def test_prefix_cache_with_a_draft_model(tiny_model_path: Path) -> None:
@@ -163,10 +239,14 @@ async def test_a_paused_lane_resumes_with_its_draft(tiny_model_path: Path, prefi
                 while (await engine.stats()).waiting_requests:
                     await anyio.sleep(0.005)
         stats = await engine.stats()
+        used, cached, bound = await draft_kv(engine)
     assert stats.requests_preempted >= 1
     assert got[0].token_ids == want.token_ids
     assert got[0].usage.accepted_draft_tokens > 0
     assert stats.live_sequences == 0 and stats.draft_live_sequences == 0
+    # a paused lane's draft KV went to the draft's cache, and its resume took it from there
+    assert (stats.draft_cached_tokens > 0) == prefix_cache
+    assert used == cached and (bound is None or cached <= bound)
 
 
 @pytest.mark.parametrize("method", ["mtp", "eagle3", "dflash", "dspark"])
