@@ -580,8 +580,8 @@ def lane_tokens(lane: DraftLane, n: int) -> ctypes.Array[c_uint32]:
     if isinstance(prompt, ctypes.Array):
         memmove(arr, prompt, p * sizeof(c_uint32))
     else:
-        arr[:p] = [int(t) for t in prompt[:p]]  # type: ignore[assignment]  # ctypes takes ints
-    arr[p:] = lane.generated[: n - p]  # type: ignore[assignment]
+        arr[:p] = [int(t) for t in prompt[:p]]
+    arr[p:] = lane.generated[: n - p]  # type: ignore[assignment]  # ctypes takes ints for c_uint32 slots
     return arr
 
 
