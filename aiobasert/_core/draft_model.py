@@ -256,6 +256,8 @@ class DraftModelDrafter:
         """Fused steps of the draft model run."""
         self.fed = 0
         """Tokens fed to the draft model (catch-up feeds and drafts)."""
+        self.refused = 0
+        """Draft steps the engine refused (their drafts dropped, their sequences started over)."""
         self.reused = 0
         """Tokens draft sequences took from the draft's prefix cache instead of being fed
         (`EngineStats.draft_cached_tokens`)."""
@@ -421,6 +423,7 @@ class DraftModelDrafter:
             self.draft_s = took if self.draft_s is None else 0.8 * self.draft_s + 0.2 * took
         if rc != 0:
             lib.last_error("baseRT_batch_step_fused_sample")  # read (and so cleared) on this thread
+            self.refused += 1
             for ds, _ in batch:  # what the failed step wrote is unknown: start these over
                 self._rollback(ds, 0)
             self.evict_cache()  # cached draft blocks never cost a lane its drafts

@@ -216,6 +216,41 @@ async def test_prefix_cache_with_a_draft_model(tiny_model_path: Path) -> None:
     assert stats.live_sequences == 0 and stats.draft_live_sequences == 0
 
 
+async def test_a_full_draft_cache_never_costs_a_lane_its_drafts(tiny_model_path: Path) -> None:
+    """A draft cache allowed the whole draft pool (`prefix_cache_mb` past it) and filled by earlier
+    requests: two lanes then need most of the pool at once, and the engine evicts cached draft
+    blocks to fit their steps. No draft step or sequence is refused, both lanes draft, the tokens
+    are the plain ones, and at idle the draft pool holds only its cache."""
+    opts: dict[str, Any] = dict(max_batch_size=2, max_context=96, prefix_cache_mb=1 << 20)
+    params = dict(max_tokens=48, ignore_eos=True)
+    async with Engine.open(tiny_model_path, **opts) as plain:
+        ids = list(await plain.encode(PROMPT))
+        fill = [[(t + i) % 200 for t in ids * 2] for i in range(6)]  # distinct 42-token prompts
+        pair = [ids * 2, list(reversed(ids)) * 2]
+        want = [await plain.generate(p, **params) for p in pair]
+    async with Engine.open(tiny_model_path, speculation=draft(tiny_model_path), **opts) as engine:
+        for p in fill:
+            await engine.generate(p, max_tokens=40, ignore_eos=True)
+        _, full, bound = await draft_kv(engine)
+        got: list[Any] = [None, None]
+
+        async def one(i: int) -> None:
+            got[i] = await engine.generate(pair[i], **params)
+
+        async with anyio.create_task_group() as tg:
+            for i in range(2):
+                tg.start_soon(one, i)
+        used, cached, _ = await draft_kv(engine)
+        d = drafter_of(engine)
+        refused, live = await engine._call(lambda: (d.refused, d.live))
+    # the cache held the pool but what two lanes of 90 tokens need (6 blocks of 16 each): they fit by eviction
+    assert bound is not None and full > bound - 12
+    for g, w in zip(got, want, strict=True):
+        assert g.token_ids == w.token_ids and g.usage.accepted_draft_tokens > 0
+    assert refused == 0 and live == 0
+    assert used == cached <= bound
+
+
 @pytest.mark.parametrize("prefix_cache", [True, False])
 async def test_a_paused_lane_resumes_with_its_draft(tiny_model_path: Path, prefix_cache: bool) -> None:
     """One lane, a long request drafting in it, and newcomers that take it back (paused) one
