@@ -17,7 +17,8 @@ asks `propose` as it asks any drafter, and the verify path is the one of every s
 A draft sequence is rolled back with the target's, lazily: at its next `prepare` its KV is cut to
 what still matches the lane's tokens (the accepted drafts stay, so nothing is prefilled twice). It
 is freed with the lane's sequence (`release`: finish, cancel, failure, a pause that releases KV,
-preemption); a resumed or recomputed lane's draft catches up from its tokens again.
+preemption); a resumed or recomputed lane's draft catches up from its tokens again, from the
+draft's prefix cache where it holds them (below).
 
 The draft handle has a prefix cache of its own where the target has one (`EngineConfig.prefix_cache`,
 bounded as the target's by `prefix_cache_mb`, in the draft's blocks): a new draft sequence is
