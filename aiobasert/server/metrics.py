@@ -24,6 +24,7 @@ vLLM's meanings where vLLM has the metric.
 | `aiobasert_num_preemptions_total` (counter) | `vllm:num_preemptions_total` (lanes taken back, docs/fairness.md) |
 | `aiobasert_spec_decode_num_draft_tokens_total` (counter) | `vllm:spec_decode_num_draft_tokens` |
 | `aiobasert_spec_decode_num_accepted_tokens_total` (counter) | `vllm:spec_decode_num_accepted_tokens` |
+| `aiobasert_draft_prefix_cache_hits_total` (counter, tokens) | none: `EngineStats.draft_cached_tokens` |
 | `aiobasert_event_loop_lag_seconds` (histogram) | none: how late the server's loop wakes |
 | `aiobasert_abort_latency_seconds` (histogram) | none: client disconnect to lane freed |
 | `aiobasert_build_info` (gauge, 1: `version`, `engine_version`, `abi`) | `vllm:cache_config_info`-style info |
@@ -241,6 +242,13 @@ class Metrics:
             registry=r,
         )
         self._spec: dict[str, tuple[int, int]] = {}  # the engine's counts at the last scrape, by model
+        self.draft_cached = Counter(
+            "aiobasert_draft_prefix_cache_hits",
+            "Speculative decoding from a draft model: prompt tokens its sequences took from its own prefix cache.",
+            label,
+            registry=r,
+        )
+        self._draft_cached: dict[str, int] = {}  # the engine's count at the last scrape, by model
         self.abort = Histogram(
             "aiobasert_abort_latency_seconds",
             "Client disconnect to its engine lane freed.",
@@ -291,6 +299,10 @@ class Metrics:
                 self.spec_drafted.labels(name).inc(s.spec_draft_tokens - drafted)
                 self.spec_accepted.labels(name).inc(s.spec_accepted_tokens - accepted)
             self._spec[name] = (s.spec_draft_tokens, s.spec_accepted_tokens)
+            last = self._draft_cached.get(name, 0)
+            if s.draft_cached_tokens >= last:
+                self.draft_cached.labels(name).inc(s.draft_cached_tokens - last)
+            self._draft_cached[name] = s.draft_cached_tokens
         if versions:
             self.build_info.engine_versions = versions
         return Response(generate_latest(_WithoutCreated(self.registry)), media_type=CONTENT_TYPE_LATEST)

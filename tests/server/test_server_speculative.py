@@ -72,3 +72,9 @@ def test_a_draft_model_is_served(asgi_server: Any, tiny_model_path: Path) -> Non
     got = _complete(url)
     assert got["choices"][0]["text"] == plain["choices"][0]["text"]
     assert got["usage"]["accepted_draft_tokens"] >= 0.9 * got["usage"]["draft_tokens"] > 0
+    # a long prompt served twice: the second's draft sequence starts from the draft's own prefix cache
+    long = " ".join([PROMPT] * 6)
+    assert _metric(url, "aiobasert_draft_prefix_cache_hits_total") == 0
+    first, again = _complete(url, prompt=long), _complete(url, prompt=long)
+    assert first["choices"][0]["text"] == again["choices"][0]["text"]
+    assert _metric(url, "aiobasert_draft_prefix_cache_hits_total") >= 32
