@@ -216,6 +216,29 @@ async def test_prefix_cache_with_a_draft_model(tiny_model_path: Path) -> None:
     assert stats.live_sequences == 0 and stats.draft_live_sequences == 0
 
 
+async def test_a_chats_next_turn_takes_its_history_from_the_draft_cache(tiny_model_path: Path) -> None:
+    """A chat's second turn: its draft sequence starts from the draft's cache with at least the
+    first turn's whole prompt (published with the reply when the first turn finished); the replies
+    are the plain ones."""
+    system = {"role": "system", "content": " ".join([PROMPT] * 5)}
+    turn1: list[dict[str, str]] = [system, {"role": "user", "content": "tell me about the cat"}]
+    params = dict(max_tokens=24, temperature=0)
+
+    async def talk(engine: Engine) -> tuple[Any, Any, int]:
+        first = await engine.chat(turn1, **params)
+        before = (await engine.stats()).draft_cached_tokens
+        history = [*turn1, {"role": "assistant", "content": first.text}, {"role": "user", "content": "and the mat?"}]
+        second = await engine.chat(history, **params)
+        return first, second, (await engine.stats()).draft_cached_tokens - before
+
+    async with Engine.open(tiny_model_path) as plain:
+        want1, want2, _ = await talk(plain)
+    async with Engine.open(tiny_model_path, speculation=draft(tiny_model_path)) as engine:
+        got1, got2, reused = await talk(engine)
+    assert (got1.token_ids, got2.token_ids) == (want1.token_ids, want2.token_ids)
+    assert reused >= got1.usage.prompt_tokens // 16 * 16 > 0
+
+
 async def test_a_full_draft_cache_never_costs_a_lane_its_drafts(tiny_model_path: Path) -> None:
     """A draft cache allowed the whole draft pool (`prefix_cache_mb` past it) and filled by earlier
     requests: two lanes then need most of the pool at once, and the engine evicts cached draft
