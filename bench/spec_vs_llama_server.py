@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import statistics
 import sys
@@ -48,6 +47,7 @@ from vs_llama_server import (
     ROOT,
     BenchError,
     Server,
+    StreamResult,
     _stop_all,
     build_llama_server,
     free_port,
@@ -55,19 +55,11 @@ from vs_llama_server import (
     llama_server_version,
     our_model,
 )
+from vs_llama_server import one_stream as stream_request
 
 from aiobasert.models.cache import smollm2_gguf_path
 
 CONFIGS = ("aiobasert off", "aiobasert ngram", "llama off", "llama ngram")
-
-
-@dataclass
-class Stream:
-    ttft: float
-    tokens: int
-    drafted: int
-    accepted: int
-    end: float
 
 
 @dataclass
@@ -80,38 +72,19 @@ class Level:
     peak_rss_mb: float
 
 
-async def one_stream(client: httpx.AsyncClient, url: str, prompt: str, max_tokens: int) -> Stream:
+async def one_stream(client: httpx.AsyncClient, url: str, prompt: str, max_tokens: int) -> StreamResult:
+    """One greedy chat request, streamed (bench/vs_llama_server.py's client)."""
     body = {"model": "bench", "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
             "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
-    t0 = time.perf_counter()
-    ttft: float | None = None
-    chunks, usage, timings = 0, None, None
-    async with client.stream("POST", url, json=body) as resp:
-        if resp.status_code != 200:
-            raise BenchError(f"POST {url}: HTTP {resp.status_code}: {(await resp.aread())[:300]!r}")
-        async for line in resp.aiter_lines():
-            if not line.startswith("data:"):
-                continue
-            data = line[5:].strip()
-            if data == "[DONE]":
-                break
-            obj = json.loads(data)
-            if "error" in obj:
-                raise BenchError(f"POST {url}: error event {obj['error']}")
-            for choice in obj.get("choices") or []:
-                if (choice.get("delta") or {}).get("content"):
-                    chunks += 1
-                    if ttft is None:
-                        ttft = time.perf_counter() - t0
-            usage = obj.get("usage") or usage
-            timings = obj.get("timings") or timings
-    end = time.perf_counter()
-    tokens = int(usage["completion_tokens"]) if usage else chunks
-    if timings is not None:  # llama-server
-        drafted, accepted = int(timings.get("draft_n", 0)), int(timings.get("draft_n_accepted", 0))
-    else:
-        drafted, accepted = int(usage.get("draft_tokens") or 0), int(usage.get("accepted_draft_tokens") or 0)
-    return Stream(ttft if ttft is not None else end - t0, tokens, drafted, accepted, end)
+    return await stream_request(client, url, body)
+
+
+def drafts(r: StreamResult) -> tuple[int, int]:
+    """(drafted, accepted) as each server reports them: llama-server's timings, our usage extensions."""
+    if r.timings is not None:
+        return int(r.timings.get("draft_n", 0)), int(r.timings.get("draft_n_accepted", 0))
+    usage = r.usage or {}
+    return int(usage.get("draft_tokens") or 0), int(usage.get("accepted_draft_tokens") or 0)
 
 
 def make_server(config: str, streams: int, args: argparse.Namespace, logdir: Path) -> Server:
@@ -142,8 +115,9 @@ async def level(client: httpx.AsyncClient, server: Server, prompts: list[str], s
                                      for i in range(streams)))  # fmt: skip
     wall = max(r.end for r in results) - t0
     tokens = [r.tokens for r in results]
+    counts = [drafts(r) for r in results]
     return Level(sum(tokens) / wall, statistics.median(r.ttft for r in results), tokens,
-                 sum(r.drafted for r in results), sum(r.accepted for r in results), server.peak_rss_mb())  # fmt: skip
+                 sum(d for d, _ in counts), sum(a for _, a in counts), server.peak_rss_mb())  # fmt: skip
 
 
 async def bench(args: argparse.Namespace) -> list[tuple[str, int, dict[str, Level]]]:

@@ -71,7 +71,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 import httpx
 
@@ -341,12 +341,14 @@ class StreamResult:
     usage_counted: bool
     finish: str | None
     end: float
+    usage: dict[str, Any] | None = None  # the last usage object sent (extensions included)
+    timings: dict[str, Any] | None = None  # llama-server's `timings` (its draft counts among them)
 
 
 async def one_stream(client: httpx.AsyncClient, url: str, body: dict[str, object]) -> StreamResult:
     t0 = time.perf_counter()
     ttft: float | None = None
-    chunks, usage, finish = 0, None, None
+    chunks, usage, finish, timings = 0, None, None, None
     async with client.stream("POST", url, json=body) as resp:
         if resp.status_code != 200:
             raise BenchError(f"POST {url}: HTTP {resp.status_code}: {(await resp.aread())[:300]!r}")
@@ -360,15 +362,16 @@ async def one_stream(client: httpx.AsyncClient, url: str, body: dict[str, object
             if "error" in obj:
                 raise BenchError(f"POST {url}: error event {obj['error']}")
             for choice in obj.get("choices") or []:
-                if choice.get("text"):
+                if choice.get("text") or (choice.get("delta") or {}).get("content"):  # completions, chat
                     chunks += 1
                     if ttft is None:
                         ttft = time.perf_counter() - t0
                 finish = choice.get("finish_reason") or finish
             usage = obj.get("usage") or usage
+            timings = obj.get("timings") or timings
     end = time.perf_counter()
     tokens = int(usage["completion_tokens"]) if usage else chunks
-    return StreamResult(ttft if ttft is not None else end - t0, tokens, usage is not None, finish, end)
+    return StreamResult(ttft if ttft is not None else end - t0, tokens, usage is not None, finish, end, usage, timings)
 
 
 def request_body(prompt: str, max_tokens: int, extra: dict[str, object]) -> dict[str, object]:

@@ -42,7 +42,7 @@ from .. import _ffi
 from ..config import EngineConfig
 from ..errors import AioBaseRTError, InvalidConfigError, UnsupportedError
 from .loaded import LoadedModel, _prefix_bound, _static_str, kv_bits, probe
-from .speculate import Drafter, LaneSpec, NgramDrafter, SpecPolicy
+from .speculate import Drafter, DraftSource, LaneSpec, NgramDrafter, SpecPolicy
 
 if TYPE_CHECKING:
     from .request import Request
@@ -65,17 +65,8 @@ REFRESH_EVERY = 16
 """Where drafting pays, one step in this many is a plain step (its time kept current)."""
 
 
-class DraftLane(Protocol):
-    """What the draft model reads of a lane (`step.Lane`)."""
-
-    @property
-    def prompt(self) -> Sequence[int]: ...
-
-    @property
-    def generated(self) -> list[int]: ...
-
-    @property
-    def speculation(self) -> LaneSpec | None: ...
+class DraftLane(DraftSource, Protocol):
+    """What the draft model reads of a lane (`step.Lane`): a drafter's view and its record."""
 
     @property
     def state(self) -> Request: ...
