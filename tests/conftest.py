@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import anyio
+import hypothesis
 import pytest
 from held_calls import HoldLane
 from llama_cpp_files import from_llama_cpp_sdist
@@ -36,6 +37,11 @@ from aiobasert.testing import HeldLane, build_tiny_model
 
 if TYPE_CHECKING:  # llguidance: imported by the tests that build a grammar backend only
     from aiobasert._core.grammar import GrammarBackend
+
+# No timed assertions: hypothesis's per-example deadline (200 ms) is one, and a loaded CI machine
+# missed it (a 5 ms example took 654 ms once); the suite's timeout still bounds every test.
+hypothesis.settings.register_profile("suite", deadline=None)
+hypothesis.settings.load_profile("suite")
 
 
 @pytest.fixture(scope="session")

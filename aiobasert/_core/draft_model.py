@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from .. import _ffi
 from ..config import EngineConfig
 from ..errors import AioBaseRTError, InvalidConfigError, UnsupportedError
-from .loaded import LoadedModel, _prefix_bound, _static_str, kv_bits, probe
+from .loaded import LoadedModel, _prefix_bound, _static_str, kv_bits, prefix_upkeep, probe
 from .speculate import Drafter, DraftSource, LaneSpec, NgramDrafter, SpecPolicy
 
 if TYPE_CHECKING:
@@ -109,6 +109,8 @@ class DraftModel:
         budget: int,
         lanes: int,
         prefix: bool = False,
+        stats: bool = False,
+        evict: bool = False,
         bound: int | None = None,
         page_size: int = 16,
     ) -> None:
@@ -122,6 +124,8 @@ class DraftModel:
         """Sequences one draft step carries at most."""
         self.prefix = prefix
         """The draft handle has a prefix cache (`Capabilities.prefix_cache` of its load)."""
+        self.stats, self.evict = stats, evict
+        """It can count and evict its cached blocks (`loaded.prefix_upkeep`)."""
         self.bound = bound
         """The most blocks its prefix cache keeps at rest (`EngineConfig.prefix_cache_mb` in the
         draft's blocks; None: no bound can be held, as for the target's)."""
@@ -160,7 +164,7 @@ def load_draft(lib: _ffi.Library, source: str, target: LoadedModel, cfg: EngineC
         lib.baseRT_get_config_into(handle, byref(mc), sizeof(mc))
         check_vocabulary(lib, handle, path, int(mc.vocab_size), target)
         chunk = int(lib.baseRT_max_prefill_chunk(handle)) or cfg.prefill_chunk
-        evict = lib.has("baseRT_prefix_evict") and lib.has("baseRT_prefix_cache_stats")
+        stats, evict = prefix_upkeep(lib, caps)
         return DraftModel(
             lib,
             handle,
@@ -168,8 +172,10 @@ def load_draft(lib: _ffi.Library, source: str, target: LoadedModel, cfg: EngineC
             vocab_size=int(mc.vocab_size),
             budget=max(1, min(cfg.prefill_chunk, chunk)),
             lanes=target.max_batch_size,
-            prefix=caps.prefix_cache and lib.has("baseRT_sequence_seed_prefix"),
-            bound=_prefix_bound(lib, handle, cfg, caps, evict),
+            prefix=caps.prefix_cache,
+            stats=stats,
+            evict=evict,
+            bound=_prefix_bound(lib, handle, cfg, caps, stats and evict),
             page_size=int(lib.baseRT_page_size(handle)) or 16,
         )
     except BaseException:
@@ -545,7 +551,7 @@ class DraftModelDrafter:
         """Empty the draft's prefix cache (what no live draft sequence shares): the draft's pool
         was short, or `Engine.evict_prefix_cache`. True if a block went back to the pool."""
         m = self.model
-        if not m.prefix or not m.lib.has("baseRT_prefix_evict"):
+        if not m.evict:
             return False
         return int(m.lib.baseRT_prefix_evict(m.handle, 1 << 30)) > 0
 
@@ -557,7 +563,7 @@ class DraftModelDrafter:
         if not m.lib.baseRT_model_memory_stats(m.handle, byref(ms)):
             return -1, -1
         cached = c_int(0)
-        if m.prefix and m.lib.has("baseRT_prefix_cache_stats"):
+        if m.stats:
             m.lib.baseRT_prefix_cache_stats(m.handle, None, None, None, byref(cached))
         return int(ms.kv_cache_blocks_used), int(cached.value)
 

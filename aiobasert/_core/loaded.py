@@ -202,6 +202,14 @@ def _gib(n: int) -> str:
     return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
+def prefix_upkeep(lib: _ffi.Library, caps: Capabilities) -> tuple[bool, bool]:
+    """(stats, evict): a handle with `caps` can count its prefix cache's blocks
+    (`baseRT_prefix_cache_stats`) and evict them (`baseRT_prefix_evict`); the target's and a
+    draft model's handle alike."""
+    on = caps.prefix_cache
+    return on and lib.has("baseRT_prefix_cache_stats"), on and lib.has("baseRT_prefix_evict")
+
+
 def _prefix_bound(lib: _ffi.Library, handle: int, cfg: EngineConfig, caps: Capabilities, evict: bool) -> int | None:
     """The most blocks the prefix cache keeps (`EngineConfig.prefix_cache_mb`, in the engine's block
     size; default a quarter of the pool), or None where it cannot be held to one (no cache, or an
@@ -221,6 +229,7 @@ def _prefix_bound(lib: _ffi.Library, handle: int, cfg: EngineConfig, caps: Capab
 def _describe(lib: _ffi.Library, handle: int, path: str, cfg: EngineConfig, intake: Intake | None) -> LoadedModel:
     """The loaded model's limits, as the engine took effect, and its capabilities."""
     caps = probe(lib, handle)
+    stats, evict = prefix_upkeep(lib, caps)
     if not caps.sequences:
         raise AioBaseRTError(
             f"{path}: the engine cannot create sequences for this model "
@@ -275,11 +284,9 @@ def _describe(lib: _ffi.Library, handle: int, path: str, cfg: EngineConfig, inta
         norm_eps=float(mc.norm_eps),
         chat_template=template.decode("utf-8", "replace"),
         special_tokens=tuple(t.decode("utf-8", "replace") for t in lib.special_tokens(handle)),
-        prefix_stats=caps.prefix_cache and lib.has("baseRT_prefix_cache_stats"),
-        prefix_evict=caps.prefix_cache and lib.has("baseRT_prefix_evict"),
-        prefix_bound=_prefix_bound(
-            lib, handle, cfg, caps, lib.has("baseRT_prefix_evict") and lib.has("baseRT_prefix_cache_stats")
-        ),
+        prefix_stats=stats,
+        prefix_evict=evict,
+        prefix_bound=_prefix_bound(lib, handle, cfg, caps, stats and evict),
         grammar_reset=lib.has("baseRT_grammar_reset"),
     )
 
