@@ -163,15 +163,17 @@ def _render_with_template(
     # would not survive: they must not carry marker-like text instead.
     contents: list[str] = []
 
-    def protected(text: str) -> str:
-        if not text:  # nothing to forge; and a template's `if message.content` must see it empty (gpt-oss's)
+    def protected(text: str, *, marked: bool = False) -> str:
+        if not text and not marked:  # nothing to forge; a template's `if message.content` must see it empty (gpt-oss's)
             return ""
         contents.append(text)
         return sentinel(len(contents) - 1, text)
 
     ctx: list[dict[str, Any]] = []
-    for m in msgs:
-        entry: dict[str, Any] = {"role": m["role"], "content": protected(m["content"])}
+    for i, m in enumerate(msgs):
+        # a continued final turn's text is marked even when empty: the prompt is cut right after it
+        marked = continue_final_message and i == len(msgs) - 1
+        entry: dict[str, Any] = {"role": m["role"], "content": protected(m["content"], marked=marked)}
         if m.get("tool_calls"):
             entry["tool_calls"] = []
             for c in m["tool_calls"]:
