@@ -103,6 +103,12 @@ def render_tool_chat(
             "\x00" in c.id for c in m.get("tool_calls", ())
         ):
             raise InvalidRequestError(f"message {i} contains a NUL character")
+    if continue_final_message and msgs[-1].get("tool_calls"):
+        # its calls follow its text (or are it): a prompt cut after the text would drop them in silence
+        raise InvalidRequestError(
+            "continue_final_message: the final assistant turn has tool calls, which follow its text: "
+            "only a turn of text can be continued"
+        )
     fmt = tool_format
     if template_supports_tools(template):
         msgs = fmt.shape_messages(msgs)

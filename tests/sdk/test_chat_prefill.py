@@ -13,7 +13,7 @@ from aiobasert import Engine
 from aiobasert.chat import render_chat
 from aiobasert.errors import InvalidRequestError
 from aiobasert.reasoning import reasoning_format_for
-from aiobasert.tools import tool_format_for
+from aiobasert.tools import ToolCall, tool_format_for
 from aiobasert.tools._turn import prepare_chat_turn
 
 ASK: list[dict[str, Any]] = [{"role": "user", "content": "Say yes."}, {"role": "assistant", "content": "Yes, and "}]
@@ -109,6 +109,25 @@ def test_an_empty_final_turn_is_continued_from_its_header(
     plain = render_chat(text, turns, continue_final_message=True, bos_token="<s>", eos_token="</s>")
     assert prompt == "".join(t for t, _ in plain)
     assert prompt.endswith(header), prompt[-80:]
+
+
+@pytest.mark.parametrize(
+    "template",
+    ["Qwen-Qwen2.5-7B-Instruct.jinja", "openai-gpt-oss-120b.jinja", "meta-llama-Llama-3.1-8B-Instruct.jinja", ""],
+)
+@pytest.mark.parametrize("content", ["Let me check", ""])
+def test_a_final_turn_with_tool_calls_is_refused_not_cut(
+    llama_cpp_templates_dir: Path, template: str, content: str
+) -> None:
+    # The turn's calls follow its text (Hermes' <tool_call>, gpt-oss's commentary message, the default
+    # format's call text): a prompt cut after the text would drop them in silence (gpt-oss even renders
+    # the text as the thought); refused by name as Anthropic refuses a final tool_use
+    text = (llama_cpp_templates_dir / template).read_text() if template else ""
+    call = ToolCall(id="call_1", name="get_weather", arguments='{"city": "Paris"}')
+    turns = [{"role": "user", "content": "Weather?"}, {"role": "assistant", "content": content, "tool_calls": [call]}]
+    with pytest.raises(InvalidRequestError, match=r"^continue_final_message: .*tool call"):
+        rendered(text, turns, continue_final_message=True)
+    assert rendered(text, turns)  # the same turn as history renders
 
 
 @pytest.mark.anyio
