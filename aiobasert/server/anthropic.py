@@ -284,8 +284,16 @@ def _image(where: str) -> APIError:
 
 
 def is_prefill(req: _Conversation) -> bool:
-    """Whether the conversation ends in an assistant turn the model is to continue."""
-    return bool(req.messages) and req.messages[-1].role == "assistant"
+    """Whether the conversation ends in an assistant turn the model is to continue: one with text or a
+    tool call (refused). An empty final assistant turn, which Anthropic takes ("non-empty content except
+    for the optional final assistant message"), continues nothing: it is left out (`chat_messages`)."""
+    if not req.messages or req.messages[-1].role != "assistant":
+        return False
+    content = req.messages[-1].content
+    if isinstance(content, str):
+        return bool(content)
+    return not all((isinstance(b, TextBlock) and not b.text) or isinstance(b, (ThinkingBlock, RedactedThinkingBlock))
+                   for b in content)  # fmt: skip
 
 
 def chat_messages(req: _Conversation) -> list[dict[str, Any]]:
@@ -307,7 +315,10 @@ def chat_messages(req: _Conversation) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
     if req.system:
         out.append({"role": "system", "content": _texts(req.system, "system")})
-    for i, m in enumerate(req.messages):
+    messages = req.messages
+    if messages[-1].role == "assistant" and not is_prefill(req):
+        messages = messages[:-1]  # an empty final assistant turn: nothing to continue
+    for i, m in enumerate(messages):
         blocks: Sequence[Block] = [TextBlock(text=m.content)] if isinstance(m.content, str) else m.content
         texts: list[str] = []
         calls: list[ToolCall] = []

@@ -598,3 +598,26 @@ def test_a_final_assistant_message_is_continued_as_the_answer(client: OpenAI, ba
             "thinking": {"type": "enabled", "budget_tokens": 16}}  # fmt: skip
     refused = httpx.post(f"{base_url}/v1/messages", json=body, headers={"x-api-key": API_KEY})
     assert refused.status_code == 400 and "prefill" in refused.text, refused.text
+
+
+def test_an_empty_final_assistant_turn_is_no_prefill_over_messages(base_url: str) -> None:
+    # Anthropic takes an empty final assistant turn (its content may be empty, the others' not): nothing is
+    # continued, so on this model the prompt still opens the thought and the reply is the plain one (the
+    # turn was continued, which dropped the thought the generation prompt opens; with thinking enabled,
+    # it was refused as a prefill)
+    headers = {"x-api-key": API_KEY}
+    body: dict[str, Any] = {"model": MODEL_NAME, "max_tokens": 8, "temperature": 0, "messages": USER}
+    empty = {**body, "messages": [*USER, {"role": "assistant", "content": ""}]}
+
+    def prompt(r: httpx.Response) -> tuple[Any, int]:
+        assert r.status_code == 200, r.text
+        usage = r.json()["usage"]
+        return r.json()["content"], usage["input_tokens"] + (usage.get("cache_read_input_tokens") or 0)
+
+    want = prompt(httpx.post(f"{base_url}/v1/messages", json=body, headers=headers, timeout=60))
+    assert want[0][0]["type"] == "thinking"
+    assert prompt(httpx.post(f"{base_url}/v1/messages", json=empty, headers=headers, timeout=60)) == want
+    thinking = {"thinking": {"type": "enabled", "budget_tokens": 4}, "max_tokens": 16}
+    r = httpx.post(f"{base_url}/v1/messages", json={**empty, **thinking}, headers=headers, timeout=60)
+    want_thinking = httpx.post(f"{base_url}/v1/messages", json={**body, **thinking}, headers=headers, timeout=60)
+    assert r.status_code == want_thinking.status_code, (r.text, want_thinking.text)
