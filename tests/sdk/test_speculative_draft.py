@@ -201,6 +201,16 @@ async def test_engine_speculators_are_refused_by_name_where_the_engine_lacks_the
         await Engine.open(tiny_model_path, speculation=method)  # type: ignore[arg-type]
 
 
+async def test_a_draft_model_path_may_be_a_path(tiny_model_path: Path) -> None:
+    # as Engine.open takes the model's path: a pathlib.Path was refused as "must be a non-empty path"
+    spec = SpeculationConfig(method="draft", draft_model=tiny_model_path)  # type: ignore[arg-type]
+    assert spec == SpeculationConfig(method="draft", draft_model=str(tiny_model_path))
+    async with Engine.open(tiny_model_path, speculation=spec) as engine:
+        assert (await engine.generate(PROMPT, max_tokens=4)).usage.completion_tokens == 4
+    with pytest.raises(InvalidConfigError, match=r"speculation\.draft_model must be a non-empty path"):
+        SpeculationConfig(method="draft", draft_model=b"d.base")  # type: ignore[arg-type]
+
+
 def test_draft_config_is_checked() -> None:
     with pytest.raises(InvalidConfigError, match=r"speculation\.draft_model is required"):
         SpeculationConfig(method="draft")
