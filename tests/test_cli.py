@@ -220,6 +220,11 @@ def test_run_into_a_closed_pipe_ends_quietly(tiny_model_path: Path) -> None:
         (["{model}", "--kv-cache-dtype", "bf16"], "--kv-cache-dtype: invalid choice: 'bf16'"),
         (["{model}", "--served-model-name", "x", "--model", "y={model}"], "--served-model-name names one model"),
         (["{model}", "--chat-template", "/no/such.jinja"], "--chat-template: cannot read /no/such.jinja"),
+        # flags that would be dropped in silence: speculation without a method, or under --ray (its replicas
+        # open their engines without it)
+        (["{model}", "--num-speculative-tokens", "3"], "--num-speculative-tokens is for --speculative or"),
+        (["{model}", "--ray", "--speculative", "ngram"], "--speculative / --draft-model are not served with --ray"),
+        (["{model}", "--ray", "--draft-model", "{model}"], "--speculative / --draft-model are not served with --ray"),
     ],
 )
 def test_serve_refuses_a_bad_command_line_before_starting(
