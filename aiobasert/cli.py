@@ -153,9 +153,12 @@ def _speculation(args: argparse.Namespace) -> SpeculationConfig | None:
         method = "draft"
     elif draft is not None:
         raise InvalidConfigError(f"--draft-model is a draft model for --speculative draft, not {method}")
+    depth = getattr(args, "num_speculative_tokens", None)
     if method is None:
+        if depth is not None:  # never a flag ignored in silence
+            raise InvalidConfigError("--num-speculative-tokens is for --speculative or --draft-model, given neither")
         return None
-    return SpeculationConfig(method=method, draft_model=draft, num_speculative_tokens=args.num_speculative_tokens)
+    return SpeculationConfig(method=method, draft_model=draft, num_speculative_tokens=4 if depth is None else depth)
 
 
 def _check_run_args(args: argparse.Namespace) -> None:
@@ -313,6 +316,8 @@ def _serve(args: argparse.Namespace) -> int:
 
         if args.reasoning_budget != -1:  # its replicas build their own apps: refused rather than not applied
             raise SystemExit("aiobasert serve: --reasoning-budget is not served with --ray yet")
+        if config.speculation is not None:  # nor do they take the engine's speculation
+            raise SystemExit("aiobasert serve: --speculative / --draft-model are not served with --ray yet")
 
         run_ray(
             [f"{name}={path}" for name, path in specs],
@@ -480,7 +485,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--num-speculative-tokens",
         type=int,
-        default=4,
+        default=None,
         help="with --speculative: drafts a stream verifies in one step at most (1..7, default 4)",
     )
     serve.add_argument("--reasoning-budget", type=_at_least(int, -1), default=-1, metavar="N",

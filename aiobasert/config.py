@@ -34,8 +34,9 @@ class SpeculationConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknow
         model, llama.cpp's `-md`); "mtp", "eagle3", "dflash", "dspark" (the engine's own
         speculators: refused at open by an engine without them, `UnsupportedError` naming what
         it lacks).
-    draft_model: the draft model for method="draft" (or an engine speculator's sidecar): a `.base`
-        bundle, a GGUF (converted into the cache once) or a cached model's name; its vocabulary
+    draft_model: the draft model for method="draft" (or an engine speculator's sidecar): the path (a
+        str or `os.PathLike`, kept as a str) of a `.base` bundle or a GGUF (converted into the cache
+        once), or a cached model's name; its vocabulary
         must be the target's (refused at open otherwise, naming this field).
     num_speculative_tokens: drafts a lane verifies in one step at most (1..7).
     prompt_lookup_min, prompt_lookup_max: the n-gram sizes matched, longest first (1..16).
@@ -54,8 +55,12 @@ class SpeculationConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknow
     def __post_init__(self) -> None:
         if self.method not in SPECULATION_METHODS:
             raise InvalidConfigError(f"speculation.method must be one of {SPECULATION_METHODS}, got {self.method!r}")
+        if isinstance(self.draft_model, os.PathLike):  # a Path, as Engine.open takes the model's
+            msgspec.structs.force_setattr(self, "draft_model", os.fspath(self.draft_model))
         if self.draft_model is not None and (not isinstance(self.draft_model, str) or not self.draft_model):
-            raise InvalidConfigError(f"speculation.draft_model must be a non-empty path, got {self.draft_model!r}")
+            raise InvalidConfigError(
+                f"speculation.draft_model must be a non-empty path (str or os.PathLike), got {self.draft_model!r}"
+            )
         if self.method == "draft" and self.draft_model is None:
             raise InvalidConfigError("speculation.draft_model is required with method='draft' (the draft model's path)")
         if self.method == "ngram" and self.draft_model is not None:

@@ -220,6 +220,11 @@ def test_run_into_a_closed_pipe_ends_quietly(tiny_model_path: Path) -> None:
         (["{model}", "--kv-cache-dtype", "bf16"], "--kv-cache-dtype: invalid choice: 'bf16'"),
         (["{model}", "--served-model-name", "x", "--model", "y={model}"], "--served-model-name names one model"),
         (["{model}", "--chat-template", "/no/such.jinja"], "--chat-template: cannot read /no/such.jinja"),
+        # flags that would be dropped in silence: speculation without a method, or under --ray (its replicas
+        # open their engines without it)
+        (["{model}", "--num-speculative-tokens", "3"], "--num-speculative-tokens is for --speculative or"),
+        (["{model}", "--ray", "--speculative", "ngram"], "--speculative / --draft-model are not served with --ray"),
+        (["{model}", "--ray", "--draft-model", "{model}"], "--speculative / --draft-model are not served with --ray"),
     ],
 )
 def test_serve_refuses_a_bad_command_line_before_starting(
@@ -513,3 +518,24 @@ def test_serve_draft_model_flag_implies_the_method() -> None:
     assert spec("--speculative", "mtp") == SpeculationConfig(method="mtp")
     with pytest.raises(InvalidConfigError, match="--draft-model"):
         spec("--speculative", "ngram", "--draft-model", "d.base")
+
+
+@pytest.mark.parametrize("which", ["missing", "not-a-model", "other-vocabulary"])
+def test_serve_a_bad_draft_model_is_one_line(tmp_path: Path, tiny_model_path: Path, which: str) -> None:
+    # `serve --draft-model` with a draft that cannot be one: one line naming the flag's field and the
+    # file, no traceback, a non-zero exit (never a server that starts without its draft)
+    from aiobasert.models.tiny import build_tiny_model
+
+    if which == "missing":
+        path = tmp_path / "missing.base"
+    elif which == "not-a-model":
+        path = tmp_path / "notes.base"
+        path.write_text("not a model\n")
+    else:
+        path = build_tiny_model(tmp_path / "bytes.base", vocab="bytes")
+    proc = subprocess.run([sys.executable, "-m", "aiobasert", "serve", str(tiny_model_path), "--port", "0",
+                           "--draft-model", str(path)], capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert proc.returncode != 0, proc.stderr
+    assert "Traceback" not in proc.stderr and 'File "' not in proc.stderr, proc.stderr
+    lines = [ln for ln in proc.stderr.splitlines() if "speculation.draft_model" in ln]
+    assert len(lines) == 1 and path.name in lines[0], proc.stderr

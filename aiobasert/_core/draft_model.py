@@ -108,6 +108,7 @@ class DraftModel:
         vocab_size: int,
         budget: int,
         lanes: int,
+        context: int,
         prefix: bool = False,
         stats: bool = False,
         evict: bool = False,
@@ -118,6 +119,8 @@ class DraftModel:
         self.handle = handle
         self.path = path
         self.vocab_size = vocab_size
+        self.context = context
+        """Positions a draft sequence holds: the target's context, or the draft's own window where shorter."""
         self.budget = budget
         """Tokens one draft step feeds at most (the draft's prefill chunk)."""
         self.lanes = lanes
@@ -172,6 +175,7 @@ def load_draft(lib: _ffi.Library, source: str, target: LoadedModel, cfg: EngineC
             vocab_size=int(mc.vocab_size),
             budget=max(1, min(cfg.prefill_chunk, chunk)),
             lanes=target.max_batch_size,
+            context=int(mc.max_seq_len) or target.max_context,
             prefix=caps.prefix_cache,
             stats=stats,
             evict=evict,
@@ -361,12 +365,16 @@ class DraftModelDrafter:
             st = lane.speculation
             if st is None:
                 continue
-            ds = self._seq(st, lane)
-            if ds is None:
-                break  # no sequence left in the draft's pool: the lanes after this one draft nothing
             prompt, out = lane.prompt, lane.generated
             n_prompt = len(prompt)
             real = lane.state.prefilled if lane.state.prefilling else n_prompt + len(out)
+            if real >= m.context:  # past the draft's window (shorter than the target's): it drafts no more
+                self.release(st)
+                continue
+            want = min(want, m.context - real)  # its drafts fed back stay inside the window
+            ds = self._seq(st, lane)
+            if ds is None:
+                break  # no sequence left in the draft's pool: the lanes after this one draft nothing
 
             def at(i: int, prompt: Sequence[int] = prompt, out: list[int] = out, n: int = n_prompt) -> int:
                 return int(prompt[i]) if i < n else out[i - n]

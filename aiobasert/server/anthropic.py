@@ -15,7 +15,7 @@ import json
 import logging
 import os
 from collections.abc import Sequence
-from typing import Any, ClassVar, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 import msgspec
 from starlette.requests import Request
@@ -41,6 +41,9 @@ from .streaming import (
     unless_disconnected,
 )
 from .workers import Workers, is_large
+
+if TYPE_CHECKING:
+    from ..engine import Engine
 
 logger = logging.getLogger("aiobasert.server")
 
@@ -284,8 +287,16 @@ def _image(where: str) -> APIError:
 
 
 def is_prefill(req: _Conversation) -> bool:
-    """Whether the conversation ends in an assistant turn the model is to continue."""
-    return bool(req.messages) and req.messages[-1].role == "assistant"
+    """Whether the conversation ends in an assistant turn the model is to continue: one with text or a
+    tool call (refused). An empty final assistant turn, which Anthropic takes ("non-empty content except
+    for the optional final assistant message"), continues nothing: it is left out (`chat_messages`)."""
+    if not req.messages or req.messages[-1].role != "assistant":
+        return False
+    content = req.messages[-1].content
+    if isinstance(content, str):
+        return bool(content)
+    return not all((isinstance(b, TextBlock) and not b.text) or isinstance(b, (ThinkingBlock, RedactedThinkingBlock))
+                   for b in content)  # fmt: skip
 
 
 def chat_messages(req: _Conversation) -> list[dict[str, Any]]:
@@ -307,7 +318,10 @@ def chat_messages(req: _Conversation) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
     if req.system:
         out.append({"role": "system", "content": _texts(req.system, "system")})
-    for i, m in enumerate(req.messages):
+    messages = req.messages
+    if messages[-1].role == "assistant" and not is_prefill(req):
+        messages = messages[:-1]  # an empty final assistant turn: nothing to continue
+    for i, m in enumerate(messages):
         blocks: Sequence[Block] = [TextBlock(text=m.content)] if isinstance(m.content, str) else m.content
         texts: list[str] = []
         calls: list[ToolCall] = []
@@ -367,28 +381,34 @@ def chat_tools(req: _Conversation) -> tuple[list[dict[str, Any]] | None, Any, bo
     return tools, choice, parallel
 
 
-def _thinking(req: _Conversation, reasoning: bool) -> Thinking | None:
-    """The SDK's `Thinking` for a request's `thinking` (`reasoning`: the model has a reasoning
-    format). "disabled" on a model that does not reason is what it does anyway: nothing to ask."""
+def _thinking(req: _Conversation, engine: Engine) -> Thinking | None:
+    """The SDK's `Thinking` for a request's `thinking` on `engine`'s model. "disabled" on a model that does
+    not reason is what it does anyway: nothing to ask. On a model that thinks without being asked (no
+    `enable_thinking` in its template: gpt-oss, DeepSeek-R1's distills) "enabled" is its budget only, and
+    "disabled" a thought closed at once (a budget of 0, as the server's `--reasoning-budget 0` there)."""
     t = req.thinking
     if t is None:
         return None
+    fmt = engine.reasoning_format
+    knob = fmt is not None and fmt.has_knob(engine.chat_template)
     if t.type == "disabled":
         if t.budget_tokens is not None:
             raise APIError(400, "thinking.budget_tokens: only with type 'enabled'", param="thinking.budget_tokens")
-        return Thinking(enabled=False) if reasoning else None
+        if fmt is None:
+            return None
+        return Thinking(budget=0) if not knob and fmt.tags_are_tokens else Thinking(enabled=False)
     if t.type != "enabled":
         raise APIError(400, f"thinking.type: {t.type!r} is not one of 'enabled', 'disabled'", param="thinking.type")
     if t.budget_tokens is None or not 1 <= t.budget_tokens <= MAX_REASONING_BUDGET:
         raise APIError(
             400, "thinking.budget_tokens: an integer from 1 to 2**30 is required", param="thinking.budget_tokens"
         )
-    if not reasoning:
+    if fmt is None:
         raise APIError(400, "thinking: this model does not reason (it has no reasoning format)", param="thinking")
     if is_prefill(req):  # as Anthropic: a continued answer has no thought before it
         raise APIError(400, "thinking: a final assistant turn (a prefill) cannot be continued with thinking enabled",
                        param="thinking")  # fmt: skip
-    return Thinking(enabled=True, budget=t.budget_tokens)
+    return Thinking(enabled=True if knob else None, budget=t.budget_tokens)
 
 
 def _sampling(req: MessagesRequest) -> SamplingParams:
@@ -604,9 +624,7 @@ class MessagesAPI:
         params = _sampling(req)
         served: ServedModel = self._resolve(req.model)
         engine = served.engine
-        thinking = request_thinking(
-            _thinking(req, engine.reasoning_format is not None), None, self._reasoning_budget, engine
-        )
+        thinking = request_thinking(_thinking(req, engine), None, self._reasoning_budget, engine)
 
         def start() -> ChatStream:
             # request-sized (every message and tool): in a worker, never on the event loop
@@ -649,7 +667,7 @@ class MessagesAPI:
         check_chat_size(len(req.messages), len(req.tools or ()), "messages")
         check_refused("/v1/messages/count_tokens", req)
         served: ServedModel = self._resolve(req.model)
-        _thinking(req, served.engine.reasoning_format is not None)  # refused as /v1/messages would
+        _thinking(req, served.engine)  # refused as /v1/messages would
         messages = chat_messages(req)
         tools, choice, parallel = chat_tools(req)
         try:

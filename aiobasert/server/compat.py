@@ -329,7 +329,9 @@ _CONVERSATION = [
         "honoured",
         "`enabled` with `budget_tokens` (the engine closes the thought after that many tokens) on a reasoning "
         "model, a `thinking` block before the text (`thinking_delta` streamed; `signature` empty); "
-        "`disabled` writes an empty thought into the prompt; `enabled` on a model that does not reason refused",
+        "`disabled` writes an empty thought into the prompt (on a model without `enable_thinking`, gpt-oss's or "
+        "DeepSeek-R1's, `enabled` is the budget alone and `disabled` closes the thought at once); `enabled` on a "
+        "model that does not reason refused",
         ok={"type": "disabled"},
         bad={"type": "enabled", "budget_tokens": 1024},
     ),

@@ -103,6 +103,12 @@ def render_tool_chat(
             "\x00" in c.id for c in m.get("tool_calls", ())
         ):
             raise InvalidRequestError(f"message {i} contains a NUL character")
+    if continue_final_message and msgs[-1].get("tool_calls"):
+        # its calls follow its text (or are it): a prompt cut after the text would drop them in silence
+        raise InvalidRequestError(
+            "continue_final_message: the final assistant turn has tool calls, which follow its text: "
+            "only a turn of text can be continued"
+        )
     fmt = tool_format
     if template_supports_tools(template):
         msgs = fmt.shape_messages(msgs)
@@ -163,15 +169,17 @@ def _render_with_template(
     # would not survive: they must not carry marker-like text instead.
     contents: list[str] = []
 
-    def protected(text: str) -> str:
-        if not text:  # nothing to forge; and a template's `if message.content` must see it empty (gpt-oss's)
+    def protected(text: str, *, marked: bool = False) -> str:
+        if not text and not marked:  # nothing to forge; a template's `if message.content` must see it empty (gpt-oss's)
             return ""
         contents.append(text)
         return sentinel(len(contents) - 1, text)
 
     ctx: list[dict[str, Any]] = []
-    for m in msgs:
-        entry: dict[str, Any] = {"role": m["role"], "content": protected(m["content"])}
+    for i, m in enumerate(msgs):
+        # a continued final turn's text is marked even when empty: the prompt is cut right after it
+        marked = continue_final_message and i == len(msgs) - 1
+        entry: dict[str, Any] = {"role": m["role"], "content": protected(m["content"], marked=marked)}
         if m.get("tool_calls"):
             entry["tool_calls"] = []
             for c in m["tool_calls"]:

@@ -92,6 +92,15 @@ def prepare_chat_turn(
         parallel = False  # a named function is called exactly once (as OpenAI and vLLM do)
     lark = fmt.grammar(parsed, choice, parallel=parallel)
     tag = fmt.structural_tag(parsed, choice, parallel=parallel)
+    if continue_final_message and fmt.after_thought is not None and parsed:
+        # a format whose calls are messages of their own (Harmony): its grammar opens a message
+        # (`<|channel|>` ...), which cannot follow inside the continued final answer's body
+        if forced:
+            raise InvalidRequestError(
+                f"tool_choice: {choice!r} cannot be met when the final answer is continued "
+                f"(continue_final_message): this model's tool calls ({fmt.name}) are messages of their own"
+            )
+        lark, tag = None, None
     pieces = render_tool_chat(
         template,
         messages,

@@ -10,9 +10,10 @@ from typing import Any
 import pytest
 
 from aiobasert import Engine
+from aiobasert.chat import render_chat
 from aiobasert.errors import InvalidRequestError
 from aiobasert.reasoning import reasoning_format_for
-from aiobasert.tools import tool_format_for
+from aiobasert.tools import ToolCall, tool_format_for
 from aiobasert.tools._turn import prepare_chat_turn
 
 ASK: list[dict[str, Any]] = [{"role": "user", "content": "Say yes."}, {"role": "assistant", "content": "Yes, and "}]
@@ -86,3 +87,59 @@ async def test_the_engine_continues_the_turn(untied_model_path: Path) -> None:
             engine.stream_chat(ASK[:1], continue_final_message=True)
         n = await engine.chat_n(ASK, n=2, continue_final_message=True, max_tokens=3)
         assert [r.usage.prompt_tokens for r in n] == [cont, cont]
+
+
+@pytest.mark.parametrize(
+    ("template", "header"),
+    [
+        ("Qwen-Qwen2.5-7B-Instruct.jinja", "<|im_start|>assistant\n"),
+        ("meta-llama-Llama-3.1-8B-Instruct.jinja", "<|start_header_id|>assistant<|end_header_id|>\n\n"),
+        ("openai-gpt-oss-120b.jinja", "<|start|>assistant<|channel|>final<|message|>"),
+        ("", "<|im_start|>assistant\n"),  # the default ChatML
+    ],
+)
+def test_an_empty_final_turn_is_continued_from_its_header(
+    llama_cpp_templates_dir: Path, template: str, header: str
+) -> None:
+    # An empty assistant turn continued: the prompt is that turn's header, as `Engine.chat`'s plain
+    # renderer gives it (the tool-aware renderer, `stream_chat`'s, refused it as "not a turn with text")
+    text = (llama_cpp_templates_dir / template).read_text() if template else ""
+    turns = [{"role": "user", "content": "Say yes."}, {"role": "assistant", "content": ""}]
+    prompt = "".join(t for t, _ in rendered(text, turns, continue_final_message=True))
+    plain = render_chat(text, turns, continue_final_message=True, bos_token="<s>", eos_token="</s>")
+    assert prompt == "".join(t for t, _ in plain)
+    assert prompt.endswith(header), prompt[-80:]
+
+
+@pytest.mark.parametrize(
+    "template",
+    ["Qwen-Qwen2.5-7B-Instruct.jinja", "openai-gpt-oss-120b.jinja", "meta-llama-Llama-3.1-8B-Instruct.jinja", ""],
+)
+@pytest.mark.parametrize("content", ["Let me check", ""])
+def test_a_final_turn_with_tool_calls_is_refused_not_cut(
+    llama_cpp_templates_dir: Path, template: str, content: str
+) -> None:
+    # The turn's calls follow its text (Hermes' <tool_call>, gpt-oss's commentary message, the default
+    # format's call text): a prompt cut after the text would drop them in silence (gpt-oss even renders
+    # the text as the thought); refused by name as Anthropic refuses a final tool_use
+    text = (llama_cpp_templates_dir / template).read_text() if template else ""
+    call = ToolCall(id="call_1", name="get_weather", arguments='{"city": "Paris"}')
+    turns = [{"role": "user", "content": "Weather?"}, {"role": "assistant", "content": content, "tool_calls": [call]}]
+    with pytest.raises(InvalidRequestError, match=r"^continue_final_message: .*tool call"):
+        rendered(text, turns, continue_final_message=True)
+    assert rendered(text, turns)  # the same turn as history renders
+
+
+@pytest.mark.anyio
+async def test_the_engine_continues_an_empty_turn_on_both_paths(untied_model_path: Path) -> None:
+    # `chat` (plain) and `stream_chat` (the tool-aware renderer, the server's) give the same prompt
+    empty = [ASK[0], {"role": "assistant", "content": ""}]
+    async with Engine.open(untied_model_path) as engine:
+        plain = await engine.chat(empty, continue_final_message=True, max_tokens=3, temperature=0)
+        reply = await engine.stream_chat(empty, continue_final_message=True, max_tokens=3, temperature=0)
+        assert (
+            reply.usage.prompt_tokens
+            == plain.usage.prompt_tokens
+            == await engine.count_chat_tokens(empty, continue_final_message=True)
+        )
+        assert reply.content == plain.text

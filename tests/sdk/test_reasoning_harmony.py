@@ -290,3 +290,60 @@ def test_a_thought_sent_back_reaches_gpt_oss_template_as_thinking(llama_cpp_temp
     )
     prompt = "".join(text for text, _ in turn.pieces)
     assert "<|start|>assistant<|channel|>analysis<|message|>I should call f<|end|>" in prompt
+
+
+async def test_speculation_gives_the_plain_harmony_turns(harmony_model_path: Path) -> None:
+    """The thought gate's tags of several tokens (forced one by one), its budget, the call grammar after the
+    thought and a json_schema on the final channel, verified as draft rows: n-gram drafts and a draft model
+    (the target's weights) give the replies of plain decoding, greedy and seeded, several lanes at once."""
+    import anyio
+
+    from aiobasert.config import SpeculationConfig
+
+    user = [{"role": "user", "content": "What is the weather in Paris? the cat sat on the mat the cat sat"}]
+    city = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8}}, "required": ["city"]}
+    weather = {"type": "function", "function": {"name": "get_weather", "parameters": city}}
+
+    async def replies(spec: SpeculationConfig | None) -> list[Any]:
+        out: list[Any] = [None] * 5
+        async with Engine.open(harmony_model_path, max_batch_size=4, speculation=spec) as engine:
+            (a,) = await engine.encode("a")
+            (channel,) = await engine.encode("<|channel|>", special=True)
+            bias = {channel: 8.0, a: 3.0}  # the random model opens channels and fills them
+            cases: list[dict[str, Any]] = [
+                dict(tools=[weather], tool_choice="required", thinking=Thinking(budget=3), seed=1, temperature=1.0),
+                dict(tools=[weather], thinking=Thinking(budget=2), temperature=0.0, logprobs=True, top_logprobs=2),
+                dict(
+                    json_schema={"type": "object", "properties": {"n": {"enum": [1, 2]}}, "required": ["n"]},
+                    thinking=Thinking(budget=4),
+                    temperature=0.0,
+                    logit_bias={channel: 5.0},
+                ),
+                dict(thinking=Thinking(budget=5), temperature=0.0, logit_bias=bias, stop=["aa"]),
+                dict(thinking=Thinking(budget=5), temperature=0.7, seed=4, logit_bias=bias),
+            ]
+
+            async def one(i: int) -> None:
+                r = await engine.stream_chat(user, max_tokens=60, **cases[i])
+                calls = [(c.name, c.arguments) for c in r.tool_calls]
+                out[i] = (
+                    r.content,
+                    r.reasoning,
+                    calls,
+                    r.finish_reason,
+                    r.usage.completion_tokens,
+                    r.usage.draft_tokens,
+                )
+
+            async with anyio.create_task_group() as tg:
+                for i in range(len(cases)):
+                    tg.start_soon(one, i)
+        return out
+
+    want = await replies(None)
+    assert any(w[1] for w in want) and any(w[2] for w in want)  # thoughts and calls among them
+    for spec in (SpeculationConfig(adaptive=False, num_speculative_tokens=5),
+                 SpeculationConfig(method="draft", draft_model=str(harmony_model_path), adaptive=False)):  # fmt: skip
+        got = await replies(spec)
+        assert [g[:5] for g in got] == [w[:5] for w in want], spec.method
+        assert sum(g[5] for g in got) > 0  # drafts were verified

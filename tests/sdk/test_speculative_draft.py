@@ -307,6 +307,28 @@ async def test_a_paused_lane_resumes_with_its_draft(tiny_model_path: Path, prefi
     assert used == cached and (bound is None or cached <= bound)
 
 
+async def test_a_draft_with_a_shorter_window_stops_drafting_at_its_end(tiny_model_path: Path, tmp_path: Path) -> None:
+    """A draft model whose context window (48) is shorter than the lanes the target runs (256): it
+    drafts while a lane fits its window, then no more (as vLLM stops speculating past the draft's
+    max_model_len). It was stepped every step past its window, each step failing after a catch-up
+    feed from the start: the same tokens, at a draft prefill's cost a step."""
+    window = 48
+    short = build_tiny_model(tmp_path / "short.base", max_position_embeddings=window)  # the tiny model's weights
+    opts: dict[str, Any] = dict(max_context=256, prefill_chunk=16)
+    params = dict(max_tokens=150, ignore_eos=True)
+    async with Engine.open(tiny_model_path, **opts) as plain:
+        want = await plain.generate(PROMPT, **params)
+    async with Engine.open(tiny_model_path, speculation=draft(short), **opts) as engine:
+        got = await engine.generate(PROMPT, **params)
+        drafter = engine._thread.drafter
+        steps = getattr(drafter, "steps", None)
+        stats = await engine.stats()
+    assert got.token_ids == want.token_ids and len(got.token_ids) == 150
+    assert got.usage.accepted_draft_tokens > 0  # it drafted inside its window
+    assert steps is not None and steps < window, steps  # and was not run past it
+    assert stats.live_sequences == 0 and stats.draft_live_sequences == 0
+
+
 @pytest.mark.parametrize("method", ["mtp", "eagle3", "dflash", "dspark"])
 async def test_engine_speculators_are_refused_by_name_where_the_engine_lacks_them(
     tiny_model_path: Path, method: str
@@ -315,6 +337,16 @@ async def test_engine_speculators_are_refused_by_name_where_the_engine_lacks_the
     error naming the method and what the engine lacks, never plain decoding in silence."""
     with pytest.raises(UnsupportedError, match=rf"speculation\.method='{method}'.*does not export"):
         await Engine.open(tiny_model_path, speculation=method)  # type: ignore[arg-type]
+
+
+async def test_a_draft_model_path_may_be_a_path(tiny_model_path: Path) -> None:
+    # as Engine.open takes the model's path: a pathlib.Path was refused as "must be a non-empty path"
+    spec = SpeculationConfig(method="draft", draft_model=tiny_model_path)  # type: ignore[arg-type]
+    assert spec == SpeculationConfig(method="draft", draft_model=str(tiny_model_path))
+    async with Engine.open(tiny_model_path, speculation=spec) as engine:
+        assert (await engine.generate(PROMPT, max_tokens=4)).usage.completion_tokens == 4
+    with pytest.raises(InvalidConfigError, match=r"speculation\.draft_model must be a non-empty path"):
+        SpeculationConfig(method="draft", draft_model=b"d.base")  # type: ignore[arg-type]
 
 
 def test_draft_config_is_checked() -> None:

@@ -215,3 +215,24 @@ async def test_auto_is_a_call_or_the_final_answer_and_none_the_answer(harmony_mo
             none, _ = await _turn(engine, tool_choice="none", **params)
             assert none.tool_calls == [] and none.reasoning is not None and "<|" not in none.content
     assert kinds == {"call", "answer"}
+
+
+def test_a_continued_final_answer_is_not_made_to_open_a_message(llama_cpp_templates_dir: Path) -> None:
+    """A prefill on gpt-oss continues the final channel's body (`...<|channel|>final<|message|>The`): the call
+    grammar, which opens a new message (`<|channel|>` then final or a call), cannot follow there; it made the
+    model write a channel header inside its answer. "auto" and "none" continue the answer free; a call that
+    must come cannot, and is refused by name."""
+    from aiobasert.errors import InvalidRequestError
+    from aiobasert.tools._turn import prepare_chat_turn
+
+    template = (llama_cpp_templates_dir / "openai-gpt-oss-120b.jinja").read_text()
+    turns = [*USER, {"role": "assistant", "content": "The weather"}]
+    for choice in ("auto", "none"):
+        turn = prepare_chat_turn(template, turns, tool_format=HARMONY_TOOLS, tools=[WEATHER], tool_choice=choice,
+                                 parallel=True, reasoning=HARMONY, continue_final_message=True)  # fmt: skip
+        assert "".join(t for t, _ in turn.pieces).endswith("<|channel|>final<|message|>The weather")
+        assert turn.lark is None and turn.thought is None and not turn.forced
+    for choice in ("required", "get_weather"):
+        with pytest.raises(InvalidRequestError, match=r"^tool_choice: .*continue"):
+            prepare_chat_turn(template, turns, tool_format=HARMONY_TOOLS, tools=[WEATHER], tool_choice=choice,
+                              parallel=True, reasoning=HARMONY, continue_final_message=True)  # fmt: skip

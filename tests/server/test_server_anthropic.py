@@ -179,6 +179,23 @@ def test_a_final_assistant_turn_is_continued(claude: anthropic.Anthropic) -> Non
                                messages=[*ASK, {"role": "assistant", "content": calls}])  # fmt: skip
 
 
+@pytest.mark.parametrize("final", ["", [], [{"type": "text", "text": ""}]])
+def test_an_empty_final_assistant_turn_is_no_prefill(claude: anthropic.Anthropic, final: Any) -> None:
+    # Anthropic takes an empty final assistant turn ("all messages must have non-empty content except
+    # for the optional final assistant message"): nothing to continue, the reply is the plain one (it
+    # was a 400 naming continue_final_message, a field Anthropic's API does not have)
+    kw: dict[str, Any] = dict(model=MODEL_NAME, max_tokens=6, extra_body=GREEDY)
+    want = claude.messages.create(messages=ASK, **kw)
+    got = claude.messages.create(messages=[*ASK, {"role": "assistant", "content": final}], **kw)
+
+    def prompt(m: Any) -> int:  # prefilled or read from the prefix cache
+        return int(m.usage.input_tokens + (m.usage.cache_read_input_tokens or 0))
+
+    assert (_text(got), got.stop_reason, prompt(got)) == (_text(want), want.stop_reason, prompt(want))
+    count = claude.messages.count_tokens(model=MODEL_NAME, messages=[*ASK, {"role": "assistant", "content": final}])
+    assert count.input_tokens == claude.messages.count_tokens(model=MODEL_NAME, messages=ASK).input_tokens
+
+
 def test_errors_have_anthropics_shape_and_name_the_field(claude: anthropic.Anthropic, base_url: str) -> None:
     with pytest.raises(anthropic.BadRequestError, match="max_tokens"):
         claude.messages.create(model=MODEL_NAME, messages=ASK, max_tokens=0)

@@ -598,3 +598,61 @@ def test_a_final_assistant_message_is_continued_as_the_answer(client: OpenAI, ba
             "thinking": {"type": "enabled", "budget_tokens": 16}}  # fmt: skip
     refused = httpx.post(f"{base_url}/v1/messages", json=body, headers={"x-api-key": API_KEY})
     assert refused.status_code == 400 and "prefill" in refused.text, refused.text
+
+
+def test_an_empty_final_assistant_turn_is_no_prefill_over_messages(base_url: str) -> None:
+    # Anthropic takes an empty final assistant turn (its content may be empty, the others' not): nothing is
+    # continued, so on this model the prompt still opens the thought and the reply is the plain one (the
+    # turn was continued, which dropped the thought the generation prompt opens; with thinking enabled,
+    # it was refused as a prefill)
+    headers = {"x-api-key": API_KEY}
+    body: dict[str, Any] = {"model": MODEL_NAME, "max_tokens": 8, "temperature": 0, "messages": USER}
+    empty = {**body, "messages": [*USER, {"role": "assistant", "content": ""}]}
+
+    def prompt(r: httpx.Response) -> tuple[Any, int]:
+        assert r.status_code == 200, r.text
+        usage = r.json()["usage"]
+        return r.json()["content"], usage["input_tokens"] + (usage.get("cache_read_input_tokens") or 0)
+
+    want = prompt(httpx.post(f"{base_url}/v1/messages", json=body, headers=headers, timeout=60))
+    assert want[0][0]["type"] == "thinking"
+    assert prompt(httpx.post(f"{base_url}/v1/messages", json=empty, headers=headers, timeout=60)) == want
+    thinking = {"thinking": {"type": "enabled", "budget_tokens": 4}, "max_tokens": 16}
+    r = httpx.post(f"{base_url}/v1/messages", json={**empty, **thinking}, headers=headers, timeout=60)
+    want_thinking = httpx.post(f"{base_url}/v1/messages", json={**body, **thinking}, headers=headers, timeout=60)
+    assert r.status_code == want_thinking.status_code, (r.text, want_thinking.text)
+
+
+def test_anthropic_thinking_bounds_a_harmony_thought(
+    asgi_server: Callable[[Any], str], llama_cpp_templates_dir: Path, tmp_path: Path
+) -> None:
+    """/v1/messages on gpt-oss (no `enable_thinking`: it thinks anyway): `thinking: enabled` with `budget_tokens`
+    bounds the analysis channel (it was refused: "cannot turn thinking on or off") and `disabled` closes the thought
+    at once, as the server's `--reasoning-budget 0` does on this model. The SDK's replies are the oracle."""
+    from aiobasert.models.tiny import build_tiny_model
+
+    template = (llama_cpp_templates_dir / "openai-gpt-oss-120b.jinja").read_text()
+    opening = "<|start|>assistant\n{%- endif -%}"
+    template = template.replace(opening, "<|start|>assistant<|channel|>analysis<|message|>\n{%- endif -%}")
+    markers = ("<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|return|>", "<|call|>", "<|constrain|>")
+    model = build_tiny_model(tmp_path / "tiny.base", tied=False, extra_tokens=tuple((m, 3) for m in markers),
+                             chat_template=template)  # fmt: skip
+
+    async def oracle() -> list[ChatReply]:
+        async with Engine.open(model, max_batch_size=1) as engine:
+            return [await engine.stream_chat(USER, max_tokens=16, temperature=0, thinking=Thinking(budget=b))
+                    for b in (3, 0)]  # fmt: skip
+
+    bounded, closed = anyio.run(oracle)
+    assert bounded.reasoning and bounded.usage.reasoning_tokens == 3 + 1 and not closed.reasoning
+    url = asgi_server(create_app(model, api_key=API_KEY, model_name=MODEL_NAME, max_batch_size=1))
+    body: dict[str, Any] = {"model": MODEL_NAME, "max_tokens": 16, "temperature": 0, "messages": USER}
+    for thinking, want in (({"type": "enabled", "budget_tokens": 3}, bounded), ({"type": "disabled"}, closed)):
+        r = httpx.post(f"{url}/v1/messages", json={**body, "thinking": thinking}, headers={"x-api-key": API_KEY})
+        assert r.status_code == 200, r.text
+        blocks = {b["type"]: b for b in r.json()["content"]}
+        assert blocks.get("thinking", {}).get("thinking", "") == (want.reasoning or "")
+        assert blocks["text"]["text"] == want.content
+        count = {k: body[k] for k in ("model", "messages")} | {"thinking": thinking}
+        r = httpx.post(f"{url}/v1/messages/count_tokens", json=count, headers={"x-api-key": API_KEY})
+        assert r.status_code == 200, r.text
