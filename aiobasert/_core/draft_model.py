@@ -158,7 +158,8 @@ def load_draft(lib: _ffi.Library, source: str, target: LoadedModel, cfg: EngineC
     handle = lib.baseRT_load_model_ex(os.fsencode(path), None, target.max_context, byref(opts))
     if not handle:  # the engine's error (its type and code), naming the field it came from
         err = lib.last_error("baseRT_load_model_ex", f"cannot load {path}")
-        raise type(err)(f"speculation.draft_model: {err.message}", code=err.raw_code, function=err.function)
+        said = err.message.removeprefix(f"{err.function}: ") if err.function else err.message  # named once
+        raise type(err)(f"speculation.draft_model: {said}", code=err.raw_code, function=err.function)
     try:
         caps = probe(lib, handle)
         if not (caps.sequences and caps.fused_sample):

@@ -117,8 +117,9 @@ async def test_a_draft_of_another_vocabulary_is_refused_by_name(tiny_model_path:
 
 
 async def test_a_missing_draft_model_is_refused_by_name(tiny_model_path: Path, tmp_path: Path) -> None:
-    with pytest.raises(ModelFileNotFoundError, match=r"speculation\.draft_model: .*missing\.base"):
+    with pytest.raises(ModelFileNotFoundError, match=r"speculation\.draft_model: .*missing\.base") as caught:
         await Engine.open(tiny_model_path, speculation=draft(tmp_path / "missing.base"))
+    assert str(caught.value).count("baseRT_load_model_ex") == 1  # the engine's function named once
 
 
 async def test_an_engine_that_cannot_verify_frees_its_draft_model(
