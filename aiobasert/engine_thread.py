@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Any
 
 from . import _ffi
 from ._core import loaded as _loaded
-from ._core.draft_model import DraftModelDrafter, open_drafter
+from ._core.draft_model import open_drafter
 from ._core.embed import Embedder
 from ._core.intake import Intake, Tokenizer
 from ._core.loaded import LoadedModel
@@ -256,8 +256,7 @@ class EngineThread:
         """Speculation is configured and the engine verifies several rows a lane; an engine
         without `baseRT_batch_step_fused_logits_rows` decodes plainly (the same tokens)."""
         if self.drafter is not None and not caps.multi_row_verify:
-            if isinstance(self.drafter, DraftModelDrafter):
-                self.drafter.close()  # its model, loaded for nothing
+            self.drafter.close()  # a draft model, loaded for nothing
             self.drafter = None
         return self.drafter is not None
 
@@ -289,8 +288,8 @@ class EngineThread:
             try:
                 draft = self._draft if self.drafter is not None else None
                 self._step_drafts = 0
-                if isinstance(self.drafter, DraftModelDrafter):  # the draft model's steps, all lanes at once
-                    self.drafter.before_plan(self._draft_caps(), self.spec_policy)
+                if self.drafter is not None:  # a draft model's steps, all lanes at once
+                    self.drafter.before_plan(self._draft_caps, self.spec_policy)
                 plan = self.batcher.plan(self._admit, release=self._release_kv, draft=draft)
                 if plan.rows:
                     began = time.perf_counter()
@@ -709,12 +708,12 @@ class EngineThread:
             requests_recomputed=self.batcher.recomputes,
             spec_draft_tokens=self.spec_drafted,
             spec_accepted_tokens=self.spec_accepted,
-            draft_live_sequences=self.drafter.live if isinstance(self.drafter, DraftModelDrafter) else 0,
-            draft_cached_tokens=self.drafter.reused if isinstance(self.drafter, DraftModelDrafter) else 0,
+            draft_live_sequences=self.drafter.live if self.drafter is not None else 0,
+            draft_cached_tokens=self.drafter.reused if self.drafter is not None else 0,
         )
 
     def evict_prefix_cache(self) -> int:
-        if isinstance(self.drafter, DraftModelDrafter):  # the draft model's cache goes too (its blocks not counted)
+        if self.drafter is not None:  # a draft model's cache goes too (its blocks not counted)
             self.drafter.evict_cache()
         if not self.loaded.prefix_evict:
             return 0
@@ -791,7 +790,7 @@ class EngineThread:
             lib.baseRT_sequence_free(lane.seq)
             lane.seq = None
             self.live_sequences -= 1
-        if isinstance(self.drafter, DraftModelDrafter) and lane.speculation is not None:
+        if self.drafter is not None and lane.speculation is not None:
             # its draft sequence goes with it, its KV to the draft's prefix cache when the lane's goes to the target's
             self.drafter.release(lane.speculation, publish=keep_kv and not lane.state.cancelled)
         if lane.prefix_handle:
@@ -870,7 +869,7 @@ class EngineThread:
         self._free_model()
 
     def _free_model(self) -> None:
-        if isinstance(self.drafter, DraftModelDrafter):
+        if self.drafter is not None:
             self.drafter.close()
         if self._model is not None:
             self.lib.baseRT_free_model(self._model)

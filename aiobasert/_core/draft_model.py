@@ -34,18 +34,15 @@ from __future__ import annotations
 import ctypes
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from ctypes import byref, c_int, c_uint32, c_void_p, memmove, sizeof
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any
 
 from .. import _ffi
 from ..config import EngineConfig
 from ..errors import AioBaseRTError, InvalidConfigError, UnsupportedError
 from .loaded import LoadedModel, _prefix_bound, _static_str, kv_bits, prefix_upkeep, probe
-from .speculate import Drafter, DraftSource, LaneSpec, NgramDrafter, SpecPolicy
-
-if TYPE_CHECKING:
-    from .request import Request
+from .speculate import Drafter, DraftLane, LaneSpec, NgramDrafter, SpecPolicy
 
 SPECULATOR_NEEDS = {
     "mtp": ("speculator_head", "an embedded MTP speculator head (baseRT_load_speculator_head, baseRT_mtp_chain)"),
@@ -63,13 +60,6 @@ PROBE_EVERY = 16
 acceptance kept current at the cost of its catching up with that lane."""
 REFRESH_EVERY = 16
 """Where drafting pays, one step in this many is a plain step (its time kept current)."""
-
-
-class DraftLane(DraftSource, Protocol):
-    """What the draft model reads of a lane (`step.Lane`): a drafter's view and its record."""
-
-    @property
-    def state(self) -> Request: ...
 
 
 def open_drafter(lib: _ffi.Library, target: LoadedModel, cfg: EngineConfig) -> Drafter | None:
@@ -248,7 +238,7 @@ class DraftSeq:
         """The lane's token count `proposal` follows (a proposal serves that step only)."""
 
 
-class DraftModelDrafter:
+class DraftModelDrafter(Drafter):
     """Greedy drafts from a draft model, batched across lanes (see the module's docstring)."""
 
     def __init__(self, model: DraftModel) -> None:
@@ -289,11 +279,12 @@ class DraftModelDrafter:
             return []
         return ds.proposal[:k]
 
-    def before_plan(self, lanes: Sequence[tuple[DraftLane, int]], policy: SpecPolicy) -> None:
-        """This step's drafts, before the plan asks for them: `lanes` are the running lanes and
-        how many drafts each may feed (`draft_candidates`). With the adaptive policy, the draft
+    def before_plan(self, running: Callable[[], Sequence[tuple[DraftLane, int]]], policy: SpecPolicy) -> None:
+        """This step's drafts, before the plan asks for them: `running()` gives the running lanes
+        and how many drafts each may feed (`draft_candidates`). With the adaptive policy, the draft
         length is also cut to what pays for the draft model's own steps and the verify rows
         (`best_depth`, from the times measured here)."""
+        lanes = running()
         self._measure(time.perf_counter())
         wanted = draft_candidates(lanes, policy)
         if policy.adaptive:

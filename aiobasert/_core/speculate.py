@@ -25,8 +25,11 @@ are: a draft source and the policy below only decide how fast it comes.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
-from typing import Protocol
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from .request import Request
 
 
 class DraftSource(Protocol):
@@ -42,13 +45,46 @@ class DraftSource(Protocol):
     def speculation(self) -> LaneSpec | None: ...
 
 
-class Drafter(Protocol):
-    """A source of draft tokens (engine thread only)."""
+class DraftLane(DraftSource, Protocol):
+    """What a drafter that steps all lanes at once reads of a lane (`step.Lane`): a drafter's
+    view and its record."""
+
+    @property
+    def state(self) -> Request: ...
+
+
+class Drafter:
+    """A source of draft tokens (engine thread only): `propose`. The hooks after it are for a
+    drafter holding state of its own in the engine (a draft model: its sequences, its prefix
+    cache, `draft_model.DraftModelDrafter`); they do nothing here, so the engine thread calls
+    them whatever the drafter."""
+
+    reused = 0
+    """Tokens its sequences took from its own prefix cache (`EngineStats.draft_cached_tokens`)."""
 
     def propose(self, lane: DraftSource, k: int) -> list[int]:
         """Up to `k` token ids that may follow the lane's prompt + output (its last output
         token included); [] when it has no guess. Any ids are safe: wrong ones only cost rows."""
-        ...
+        raise NotImplementedError
+
+    def before_plan(self, lanes: Callable[[], Sequence[tuple[DraftLane, int]]], policy: SpecPolicy) -> None:
+        """Before each step's plan asks for drafts: `lanes()` gives the running lanes and the drafts
+        each may feed (called only by a drafter that drafts for all of them at once)."""
+
+    def release(self, spec: LaneSpec, *, publish: bool = False) -> None:
+        """The lane's target sequence is being freed (`publish`: its KV goes to the prefix cache)."""
+
+    def evict_cache(self) -> bool:
+        """Empty its own prefix cache (`Engine.evict_prefix_cache`); True if anything was freed."""
+        return False
+
+    def close(self) -> None:
+        """The engine closes, or will not speculate after all."""
+
+    @property
+    def live(self) -> int:
+        """Sequences of its own held (`EngineStats.draft_live_sequences`)."""
+        return 0
 
 
 class LaneSpec:
@@ -100,7 +136,7 @@ class LaneSpec:
             self.observe(0, True)
 
 
-class NgramDrafter:
+class NgramDrafter(Drafter):
     """Prompt lookup: propose what followed the latest earlier occurrence of the lane's last
     n tokens (n from `n_max` down to `n_min`, the longest match first).
 

@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 
 from aiobasert import Engine, InvalidConfigError, SamplingParams
 from aiobasert._core.draft_model import DraftModelDrafter
-from aiobasert._core.speculate import DraftSource, LaneSpec, NgramDrafter, SpecPolicy, StepCost
+from aiobasert._core.speculate import Drafter, DraftSource, LaneSpec, NgramDrafter, SpecPolicy, StepCost
 from aiobasert.config import EngineConfig, SpeculationConfig
 
 pytestmark = pytest.mark.anyio
@@ -33,7 +33,7 @@ BOUND = 60.0
 FULL = SpeculationConfig(adaptive=False, num_speculative_tokens=5)
 
 
-class Garbage:
+class Garbage(Drafter):
     """Proposes random ids, some outside the vocabulary: every one must cost speed only."""
 
     def __init__(self, vocab: int, seed: int) -> None:
@@ -44,7 +44,7 @@ class Garbage:
         return [self.rng.randrange(-2, self.vocab + 3) for _ in range(self.rng.randrange(0, k + 1))]
 
 
-class Oracle:
+class Oracle(Drafter):
     """Proposes the reference continuation of the lane's prompt, corrupted at a random depth."""
 
     def __init__(self, reference: dict[tuple[int, ...], list[int]], seed: int) -> None:
