@@ -10,6 +10,7 @@ import os
 from pathlib import Path
 
 import pytest
+from test_layering import parse_python
 
 import aiobasert
 from aiobasert import Capabilities, Engine, _ffi
@@ -120,7 +121,7 @@ def _askers(root: Path) -> set[str]:
     """The modules under `root` that call `<something>.has(...)`."""
     found = set()
     for path in root.rglob("*.py"):
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        for node in ast.walk(parse_python(path.read_text(), str(path))):
             if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "has":
                 found.add(path.relative_to(root).as_posix())
     return found

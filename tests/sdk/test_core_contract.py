@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 from held_calls import HeldCall, HoldLane
 from lifecycle_model import assert_idle_and_whole, engine_threads
+from test_layering import parse_python
 
 import aiobasert
 from aiobasert import (
@@ -820,7 +821,7 @@ def test_only_the_engine_thread_writes_a_lanes_lifecycle() -> None:
     for path in sorted([*package.glob("*.py"), *(package / "_core").glob("*.py")]):
         if path.name == "engine_thread.py":
             continue
-        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        for node in ast.walk(parse_python(path.read_text(encoding="utf-8"), str(path))):
             targets: list[ast.expr] = []
             if isinstance(node, ast.Assign):
                 targets = list(node.targets)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import random
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import anyio
 import pytest
@@ -111,32 +111,54 @@ params_st = st.fixed_dictionaries(
 )
 
 
-@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(data=st.data())
-async def test_speculation_gives_the_plain_output(
-    tiny_model_path: Path, second_tiny_model_path: Path, data: st.DataObject
-) -> None:
-    n_jobs = data.draw(st.integers(1, 4))
-    texts = data.draw(st.lists(prompt_text, min_size=n_jobs, max_size=n_jobs, unique=True))
-    params = [data.draw(params_st) for _ in range(n_jobs)]
+class SpecCase(NamedTuple):
+    """One run of the property test, drawn whole before its coroutine runs (a draw inside it that overruns
+    hypothesis's buffer raises StopTest, a BaseException, through anyio's runner task)."""
+
+    texts: list[str]
+    params: list[dict[str, Any]]
+    batch: int
+    chunk: int
+    seed: int
+    same: bool
+    cancel: tuple[int, int] | None
+
+
+@st.composite
+def spec_cases(draw: st.DrawFn) -> SpecCase:
+    n_jobs = draw(st.integers(1, 4))
+    texts = draw(st.lists(prompt_text, min_size=n_jobs, max_size=n_jobs, unique=True))
+    params = [draw(params_st) for _ in range(n_jobs)]
     for p in params:  # a seeded request, so sampled output is reproducible
         p.setdefault("seed", 7)
-    batch = data.draw(st.sampled_from([1, 2, 4]))  # 2 with 4 jobs: lanes are taken back (paused)
-    chunk = data.draw(st.sampled_from([5, 64]))
+    return SpecCase(
+        texts,
+        params,
+        batch=draw(st.sampled_from([1, 2, 4])),  # 2 with 4 jobs: lanes are taken back (paused)
+        chunk=draw(st.sampled_from([5, 64])),
+        seed=draw(st.integers(0, 1000)),
+        same=draw(st.booleans()),  # the draft model: the target's weights, or other ones
+        # one reader may cancel its stream after a few tokens (more may be delivered before the
+        # cancel lands): the others' output is unchanged, and its own is the plain output's start
+        cancel=draw(st.none() | st.tuples(st.integers(0, n_jobs - 1), st.integers(1, 6))),
+    )
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(case=spec_cases())
+async def test_speculation_gives_the_plain_output(
+    tiny_model_path: Path, second_tiny_model_path: Path, case: SpecCase
+) -> None:
+    texts, params, batch, chunk, seed, same, cancel = case
     opts: dict[str, Any] = dict(max_batch_size=batch, max_context=96, prefill_chunk=chunk)
     opts["grammar_backend_at_open"] = False  # no grammar here: opens in ms, not half a second
     async with Engine.open(tiny_model_path, **opts) as plain:
         jobs = [(await plain.encode(t), p) for t, p in zip(texts, params, strict=True)]
         want = await run_all(plain, jobs)
     reference = {tuple(ids): [tok[0] for tok in out] for (ids, _), out in zip(jobs, want, strict=True)}
-    seed = data.draw(st.integers(0, 1000))
-    same = data.draw(st.booleans())  # the draft model: the target's weights, or other ones
     draft = SpeculationConfig(
         method="draft", draft_model=str(tiny_model_path if same else second_tiny_model_path), adaptive=False
     )
-    # one reader may cancel its stream after a few tokens (more may be delivered before the
-    # cancel lands): the others' output is unchanged, and its own is the plain output's start
-    cancel = data.draw(st.none() | st.tuples(st.integers(0, n_jobs - 1), st.integers(1, 6)))
     cut = dict([cancel]) if cancel else {}
     for drafter in ("ngram", "oracle", "garbage", "draft"):
         async with Engine.open(tiny_model_path, speculation=draft if drafter == "draft" else FULL, **opts) as engine:
