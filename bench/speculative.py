@@ -2,14 +2,16 @@
 
 For each prompt set (input-grounded: rewrite a passage with one change, quote it; and free text)
 and each number of concurrent streams (1 / 4 / 16), the same greedy requests run on an engine
-without speculation and on one with n-gram speculation (the default adaptive policy), one after
-the other in this process: tok/s, engine steps, drafted / accepted tokens, and whether the
-outputs are identical (they must be). llama-server's `--spec-type ngram` on the same GGUF is not
-run here (building llama-server takes ~20 minutes on this machine): left for bench/vs_llama_server.py.
+without speculation and on one with n-gram speculation (the default adaptive policy), both open
+in this process, taking turns (the order reversed every repetition): tok/s, engine steps,
+drafted / accepted tokens, and whether the outputs are identical (they must be). The ratio is
+the median over repetitions of on / off tok/s of back-to-back runs, with its quartiles: on a
+shared machine a single run's tok/s moves by more than speculation's cost where it does not pay.
+llama-server side by side: bench/spec_vs_llama_server.py.
 
     python bench/speculative.py            # SmolLM2-135M (the demo model)
     python bench/speculative.py --tiny     # a tiny random model (steps and acceptance, not speed)
-    python bench/speculative.py --repeat 3 --prompts free   # medians of 3 interleaved off/on pairs
+    python bench/speculative.py --repeat 3 --prompts free   # the median of 3 off/on pairs
     python bench/speculative.py --pair f16   # SmolLM2 f16 target: off, ngram and the demo q4 as its draft model
     python bench/speculative.py --draft-model d.base --sources draft   # any draft model for --model
 
@@ -21,6 +23,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import statistics
 import time
 from typing import Any
 
@@ -48,17 +52,15 @@ FREE = [
 ]
 
 
-async def run(model: str, spec: SpeculationConfig | None, prompts: list[str], streams: int, max_tokens: int) -> dict:
-    """One engine, `streams` greedy requests at once: tok/s, steps, drafts, the outputs."""
-    async with Engine.open(model, max_batch_size=streams, max_context=1024, speculation=spec) as engine:
-        await engine.generate("warm up", max_tokens=4)  # first-step costs out of the timing
-        before = await engine.stats()
-        jobs = [prompts[i % len(prompts)] for i in range(streams)]
-        began, cpu = time.perf_counter(), time.process_time()
-        outs = await asyncio.gather(*(engine.generate(p, max_tokens=max_tokens, ignore_eos=True) for p in jobs))
-        wall = time.perf_counter() - began
-        cpu = time.process_time() - cpu
-        after = await engine.stats()
+async def run(engine: Engine, prompts: list[str], streams: int, max_tokens: int) -> dict:
+    """`streams` greedy requests at once on an open engine: tok/s, steps, drafts, the outputs."""
+    before = await engine.stats()
+    jobs = [prompts[i % len(prompts)] for i in range(streams)]
+    began, cpu = time.perf_counter(), time.process_time()
+    outs = await asyncio.gather(*(engine.generate(p, max_tokens=max_tokens, ignore_eos=True) for p in jobs))
+    wall = time.perf_counter() - began
+    cpu = time.process_time() - cpu
+    after = await engine.stats()
     tokens = sum(len(o.token_ids) for o in outs)
     drafted = after.spec_draft_tokens - before.spec_draft_tokens
     accepted = after.spec_accepted_tokens - before.spec_accepted_tokens
@@ -70,6 +72,11 @@ async def run(model: str, spec: SpeculationConfig | None, prompts: list[str], st
         "accepted": accepted,
         "ids": [o.token_ids for o in outs],
     }
+
+
+def quartiles(xs: list[float]) -> tuple[float, float, float]:
+    q = statistics.quantiles(xs, n=4, method="inclusive") if len(xs) > 1 else [xs[0]] * 3
+    return q[0], q[1], q[2]
 
 
 def median_run(runs: list[dict]) -> dict:
@@ -109,26 +116,37 @@ async def main() -> None:
     }
     print(f"model {model}, max_tokens {args.max_tokens}, k<={args.draft} (adaptive), draft model {draft_model}")
     print(f"{'prompts':9} {'source':6} {'streams':>7} {'off tok/s':>10} {'on tok/s':>9} {'ratio':>6} "
-          f"{'steps off/on':>13} {'drafted':>8} {'accept':>7} {'cpu ratio':>9} same")  # fmt: skip
+          f"{'quartiles':>11} {'steps off/on':>13} {'drafted':>8} {'accept':>7} {'cpu ratio':>9} same")  # fmt: skip
     for name, prompts in (("grounded", GROUNDED), ("free", FREE)):
         if name not in args.prompts:
             continue
         for streams in args.streams:
-            # off and each source alternate, so load from elsewhere on a shared machine hits all alike
-            offs: list[dict[str, Any]] = []
-            ons: dict[str, list[dict[str, Any]]] = {src: [] for src in sources}
-            for _ in range(args.repeat):
-                offs.append(await run(model, None, prompts, streams, args.max_tokens))
+            # off and each source open side by side in this process and take turns, the order reversed
+            # every repetition (ABBA), so load from elsewhere on a shared machine hits all alike; each
+            # repetition gives one on / off ratio of back-to-back runs, and the median of those is quoted
+            opts: dict[str, Any] = dict(max_batch_size=streams, max_context=1024)
+            async with contextlib.AsyncExitStack() as stack:
+                engines = {"off": await stack.enter_async_context(Engine.open(model, **opts))}
                 for src in sources:
-                    ons[src].append(await run(model, specs[src], prompts, streams, args.max_tokens))
-            off: dict[str, Any] = median_run(offs)
+                    engines[src] = await stack.enter_async_context(Engine.open(model, speculation=specs[src], **opts))
+                for engine in engines.values():  # first-step costs out of the timing
+                    await engine.generate("warm up", max_tokens=4)
+                runs: dict[str, list[dict[str, Any]]] = {key: [] for key in engines}
+                for i in range(args.repeat):
+                    for key in list(engines)[:: 1 if i % 2 == 0 else -1]:
+                        runs[key].append(await run(engines[key], prompts, streams, args.max_tokens))
+            off: dict[str, Any] = median_run(runs["off"])
             for src in sources:
-                on: dict[str, Any] = median_run(ons[src])
+                on: dict[str, Any] = median_run(runs[src])
+                pairs = [b["tok_s"] / a["tok_s"] for a, b in zip(runs["off"], runs[src], strict=True)]
+                cpu = [b["tok_cpu_s"] / a["tok_cpu_s"] for a, b in zip(runs["off"], runs[src], strict=True)]
+                lo, med, hi = quartiles(pairs)
                 rate = on["accepted"] / on["drafted"] if on["drafted"] else 0.0
+                same = all(r["ids"] == runs["off"][0]["ids"] for r in runs["off"] + runs[src])
                 print(
                     f"{name:9} {src:6} {streams:>7} {off['tok_s']:>10.1f} {on['tok_s']:>9.1f} "
-                    f"{on['tok_s'] / off['tok_s']:>6.2f} {off['steps']:>6}/{on['steps']:<6} {on['drafted']:>8} "
-                    f"{rate:>7.2f} {on['tok_cpu_s'] / off['tok_cpu_s']:>9.2f} {on['ids'] == off['ids']}",
+                    f"{med:>6.2f} {lo:>5.2f}-{hi:<5.2f} {off['steps']:>6}/{on['steps']:<6} {on['drafted']:>8} "
+                    f"{rate:>7.2f} {statistics.median(cpu):>9.2f} {same}",
                     flush=True,
                 )
 
