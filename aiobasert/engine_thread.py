@@ -30,6 +30,7 @@ costs that request only; the thread itself never dies of a request.
 from __future__ import annotations
 
 import concurrent.futures
+import logging
 import os
 import queue
 import threading
@@ -69,7 +70,7 @@ from ._core.protocol import (
     Submit,
 )
 from ._core.request import Request, RequestStatus
-from ._core.speculate import Drafter, LaneSpec, SpecPolicy
+from ._core.speculate import Drafter, SpecPolicy
 from ._core.step import EmbedLane, Lane, Requests, RowResult, Sampled, StepRunner, TapPooler, internal_error
 from .batcher import Batcher
 from .chat import default_template
@@ -87,6 +88,9 @@ if TYPE_CHECKING:  # numpy (embeddings): imported on first use only
 
 _FAIRNESS_ENV = "AIOBASERT_ADMISSION"
 """Set to fifo for plain FIFO admission without preemption: the baseline of bench/fair_admission.py."""
+
+
+log = logging.getLogger("aiobasert")
 
 
 class EngineThread:
@@ -289,7 +293,7 @@ class EngineThread:
                 draft = self._draft if self.drafter is not None else None
                 self._step_drafts = 0
                 if self.drafter is not None:  # a draft model's steps, all lanes at once
-                    self.drafter.before_plan(self._draft_caps, self.spec_policy)
+                    self._before_plan(self.drafter)
                 plan = self.batcher.plan(self._admit, release=self._release_kv, draft=draft)
                 if plan.rows:
                     began = time.perf_counter()
@@ -301,7 +305,7 @@ class EngineThread:
                             sum(r.tokens for r in plan.rows), time.perf_counter() - began, plan.drafts > 0
                         )
             except Exception as exc:  # last resort: a bug outside any one lane costs the running lanes
-                self._fail_running(internal_error("in the engine step", exc))
+                self._fail_running(internal_error("in the engine step", exc), waiting=True)
         self._deliver()
         return True
 
@@ -383,6 +387,7 @@ class EngineThread:
                 break
             self._apply_token(lane, sampled)
         spec.observe(accepted, accepted < fed)
+        self.spec_policy.observe(accepted, accepted < fed)
         if not lane.state.status.is_finished and lane.seq is not None:
             self._rollback_drafts(lane)
 
@@ -415,9 +420,28 @@ class EngineThread:
         if out.finish is not None:
             self._end(lane.state, RequestStatus.finished(out.finish))
 
-    def _fail_running(self, exc: AioBaseRTError) -> None:
-        for req in list(self.batcher.running):
+    def _fail_running(self, exc: AioBaseRTError, *, waiting: bool = False) -> None:
+        """End the running requests with `exc`; with `waiting`, where none was running (the step
+        failed before any lane ran, and would again every step while they wait: a busy loop no
+        reply ends), the waiting ones too."""
+        ended = list(self.batcher.running)
+        if waiting and not ended:
+            ended = [*self.batcher.waiting, *self.batcher.paused]
+        for req in ended:
             self._end(req, RequestStatus.FINISHED_ERROR, error=exc)
+
+    def _before_plan(self, drafter: Drafter) -> None:
+        """The drafter's work before the plan; a drafter that fails there is closed and the engine
+        decodes on without speculation (drafts only change speed: no request is lost to one)."""
+        try:
+            drafter.before_plan(self._draft_caps, self.spec_policy)
+        except Exception:
+            log.exception("the drafter failed; speculative decoding is off for this engine from here on")
+            self.drafter = None
+            try:
+                drafter.close()
+            except Exception:
+                log.exception("closing the failed drafter")
 
     # ---- the inbox: each message by its type -------------------------------------------------
 
@@ -584,7 +608,7 @@ class EngineThread:
             lane = Lane(spec, msg.sink, msg.ticket, prompt, max_new, constraint, state=req)
             lane.submitted_step = self.steps
             if self.drafter is not None and spec.params.speculation:
-                lane.speculation = LaneSpec()
+                lane.speculation = self.spec_policy.new_lane()
             self.batcher.enqueue(req, reserved=True)
         except BaseException as exc:
             if constraint is not None:  # refused after its grammar was built: free it

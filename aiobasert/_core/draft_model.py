@@ -60,6 +60,60 @@ PROBE_EVERY = 16
 acceptance kept current at the cost of its catching up with that lane."""
 REFRESH_EVERY = 16
 """Where drafting pays, one step in this many is a plain step (its time kept current)."""
+CATCH_UP = 8
+"""A draft step feeding a lane more tokens than this is a catch-up (the draft model's prefill of
+a lane's prompt, or of its tokens since it last drafted): a lane's cost once, left out of the
+drafting steps' measured rate (`Throughput`), which is that of drafting as it goes on."""
+RETRY_EVERY = 64
+"""Where drafting was measured to make fewer tokens a second than plain steps, it is tried again
+(one drafting step, its rate measured anew) after this many steps; meanwhile the draft model does
+nothing (no probe, no catch-up: a lane's catch-up is the draft model's prefill of its tokens)."""
+
+
+class Throughput:
+    """Tokens a lane makes per second over one kind of engine step (decayed)."""
+
+    __slots__ = ("n", "seconds", "tokens")
+
+    def __init__(self) -> None:
+        self.tokens = self.seconds = 0.0
+        self.n = 0
+
+    def add(self, tokens: float, seconds: float, decay: float = 0.8) -> None:
+        self.tokens = self.tokens * decay + tokens
+        self.seconds = self.seconds * decay + seconds
+        self.n += 1
+
+    @property
+    def rate(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+class MeasuredGain:
+    """Whether drafting is measured to pay: a lane's tokens per second over the drafting steps (the
+    target's verify step, the draft model's steps and the host around them) against the plain
+    decode steps'. `best_depth` predicts from a model of the costs; this is what the steps then
+    made, so a cost the model leaves out (the host, a draft step dearer than measured, a verify
+    step dearer than the fit) still stops drafting that does not pay."""
+
+    def __init__(self) -> None:
+        self.drafting = Throughput()
+        self.plain = Throughput()
+        self.vetoed = 0
+        """Steps since drafting was last measured to lose (`RETRY_EVERY`); 0: it is not."""
+
+    def loses(self) -> bool:
+        """Whether drafting made fewer tokens a second than plain steps (by `MARGIN`), unless a
+        retry is due (every `RETRY_EVERY` asks: one drafting step measures it anew; the plain
+        steps meanwhile keep the other rate current)."""
+        if self.drafting.n < 3 or self.plain.n < 2 or self.drafting.rate >= (1.0 + MARGIN) * self.plain.rate:
+            self.vetoed = 0
+            return False
+        self.vetoed += 1
+        if self.vetoed >= RETRY_EVERY:
+            self.vetoed = 0
+            return False
+        return True
 
 
 def open_drafter(lib: _ffi.Library, target: LoadedModel, cfg: EngineConfig) -> Drafter | None:
@@ -258,19 +312,25 @@ class DraftModelDrafter(Drafter):
         """A drafting step of the draft model (a row or two a lane), seconds (decayed mean)."""
         self.plain_s: float | None = None
         """An engine step without drafts (the target's step, the host around it), seconds."""
-        self.row_s: float | None = None
-        """What a verified draft row adds to an engine step, seconds."""
         self._ended: float | None = None
         self._last: list[tuple[LaneSpec, int]] = []
         """The lanes that drafted in the last step, and their drafted count before it."""
+        self._accepted_before = 0
+        """Their accepted drafts before the last step."""
+        self._decoding = 0
+        """Lanes decoding in the last step (0: a prompt was being prefilled; not measured)."""
+        self._took = 0.0
+        """The draft model's time before the last step (its steps and the host around them), less
+        its catch-up feeds (`CATCH_UP`)."""
+        self._catch_up_s = 0.0
+        self.gain = MeasuredGain()
+        """Tokens a lane made per second, drafting and not."""
         self._drafting = 0
         """Steps with lanes that could draft (`REFRESH_EVERY`)."""
         self._idle = 0
         """Steps since the draft model last drafted (`PROBE_EVERY`)."""
         self._probed = 0
         """Probes run (the next probes the next lane)."""
-        self._pays = True
-        """Drafting paid when last weighed (prompts being prefilled catch up meanwhile)."""
 
     def propose(self, lane: Any, k: int) -> list[int]:
         st = lane.speculation
@@ -284,46 +344,65 @@ class DraftModelDrafter(Drafter):
         and how many drafts each may feed (`draft_candidates`). With the adaptive policy, the draft
         length is also cut to what pays for the draft model's own steps and the verify rows
         (`best_depth`, from the times measured here)."""
+        began = time.perf_counter()
         lanes = running()
-        self._measure(time.perf_counter())
+        self._measure(began)
+        self._catch_up_s = 0.0
         wanted = draft_candidates(lanes, policy)
         if policy.adaptive:
-            wanted = self._weigh(wanted)
+            wanted = self._weigh(wanted, policy, max(len(lanes), 1))
         self.prepare(wanted, [ln.speculation for ln, _ in lanes if ln.speculation])
         self._last = [(st, st.drafted) for ln, w in wanted if w and (st := ln.speculation) is not None]
+        self._accepted_before = sum(st.accepted for st, _ in self._last)
+        prefilling = any(ln.state.prefilling for ln, _ in lanes)
+        self._decoding = 0 if prefilling else len(lanes)
         self._ended = time.perf_counter()
+        self._took = self._ended - began - self._catch_up_s
 
     def _measure(self, now: float) -> None:
-        """The engine's step since the last drafts (the target's step and the host around it; an
-        idle wait counts at most 3x the mean): a plain step's time, or what each verified draft
-        row added to it."""
-        if self._ended is None:
+        """The last step's time (the target's step and the host around it since the last drafts,
+        and its drafting steps), if all its lanes were decoding: a plain step's time (`plain_s`),
+        and a lane's tokens per second in drafting and plain steps (`Throughput`). A step with a
+        prompt's rows, or one that ended in an idle wait, is not measured."""
+        if self._ended is None or not self._decoding:
             return
         gap = now - self._ended
-        rows = sum(st.drafted - before for st, before in self._last)
-        if not self._last:
-            self.plain_s = gap if self.plain_s is None else 0.8 * self.plain_s + 0.2 * min(gap, 3 * self.plain_s)
-        elif rows > 0 and self.plain_s is not None:
-            per_row = max(0.0, gap - self.plain_s) / rows
-            self.row_s = per_row if self.row_s is None else 0.8 * self.row_s + 0.2 * min(per_row, 3 * self.row_s + 1e-4)
+        if self.plain_s is not None and gap > 4 * (self.plain_s + self._took):
+            return
+        if self._last:
+            accepted = sum(st.accepted for st, _ in self._last) - self._accepted_before
+            self.gain.drafting.add(1.0 + accepted / self._decoding, gap + self._took)
+        else:
+            self.plain_s = gap if self.plain_s is None else 0.8 * self.plain_s + 0.2 * gap
+            self.gain.plain.add(1.0, gap)
 
-    def _weigh(self, wanted: list[tuple[DraftLane, int]]) -> list[tuple[DraftLane, int]]:
+    def _weigh(self, wanted: list[tuple[DraftLane, int]], policy: SpecPolicy, rows: int) -> list[tuple[DraftLane, int]]:
         """Cut the draft length to what pays (`best_depth`); none before the times are measured
-        (one plain step measures the step), and a plain step now and then keeps that current."""
+        (one plain step measures the step), and a plain step now and then keeps that current.
+        One more draft costs a draft-model step for the drafting lanes and a verify row each: the
+        target's row cost is its steps' fit (b seconds a row, `StepCost`), at one stream nearly
+        nothing, on a compute-bound target (an f16 model on CPU) about as much as a token."""
         decode = [(ln, w) for ln, w in wanted if w]
-        if not decode:  # prompts catch up ahead of their first drafts only while drafting pays
-            return wanted if self._pays else []
+        if not decode:  # no prompt catches up ahead of its first drafts: they may never pay
+            return []
         self._drafting += 1
         if self.plain_s is None or self._drafting % REFRESH_EVERY == 0:
             return []
         if self.draft_s is None:  # not measured yet: draft at full length once
             return wanted
         ps = [ln.speculation.p for ln, _ in decode if ln.speculation is not None]
-        ratio = (self.draft_s + len(decode) * (self.row_s or 0.0)) / self.plain_s
-        k = best_depth(ps, max(w for _, w in decode), ratio)
-        self._pays = k > 0
+        fit = policy.cost.fit()
+        # a plain step: the target's fit at this step's rows (the measured step includes the host
+        # and whatever else the machine did then); unfitted, the measured one and its lanes' share
+        plain, row_s = (fit[0] + fit[1] * rows, fit[1]) if fit is not None else (self.plain_s, self.plain_s / rows)
+        plain = max(plain, 1e-6)
+        ratio = (self.draft_s + len(decode) * row_s) / plain
+        fixed = policy.cost.overhead_rows * row_s / plain  # a verifying step's own cost (rollbacks, rows path)
+        k = best_depth(ps, max(w for _, w in decode), ratio, fixed)
+        vetoed = k > 0 and self.gain.loses()
+        k = 0 if vetoed else k
         self._idle = 0 if k else self._idle + 1
-        if self._idle >= PROBE_EVERY:  # one lane's draft now and then keeps the acceptance current
+        if self._idle >= PROBE_EVERY and not vetoed:  # one lane's draft now and then keeps the acceptance current
             self._idle = 0
             probe = decode[self._probed % len(decode)]
             self._probed += 1
@@ -382,7 +461,10 @@ class DraftModelDrafter(Drafter):
             feeds.append((lane, ds, [at(i) for i in range(ds.n, ds.n + take)], real, want if take == lag else 0))
         if not feeds:
             return
+        began = time.perf_counter()
         tokens = self._step([(ds, feed) for _, ds, feed, _, _ in feeds])
+        if max(len(feed) for _, _, feed, _, _ in feeds) > CATCH_UP:  # a lane's prefill: not the rate's
+            self._catch_up_s += time.perf_counter() - began
         drafting: list[tuple[DraftSeq, int, int]] = []  # seq, want, real
         for (_, ds, feed, real, want), tok in zip(feeds, tokens or [], strict=False):
             ds.n += len(feed)
@@ -586,17 +668,18 @@ def lane_tokens(lane: DraftLane, n: int) -> ctypes.Array[c_uint32]:
     return arr
 
 
-def best_depth(ps: Sequence[float], cap: int, ratio: float) -> int:
+def best_depth(ps: Sequence[float], cap: int, ratio: float, fixed: float = 0.0) -> int:
     """The draft length (0..cap) that makes the most tokens per second when `ps` are the drafting
-    lanes' per-draft acceptance and one more draft (a draft model step for all lanes, a verify row
-    a lane) costs `ratio` x a plain engine step: each lane makes 1 + p + p^2 + ... + p^k tokens in
-    1 + k x ratio steps' time, against 1 token in 1 without drafts (by `MARGIN` at least)."""
+    lanes' per-draft acceptance, one more draft (a draft model step for all lanes, a verify row
+    a lane) costs `ratio` x a plain engine step and a step that verifies `fixed` x one more: each
+    lane makes 1 + p + p^2 + ... + p^k tokens in 1 + fixed + k x ratio steps' time, against 1
+    token in 1 without drafts (by `MARGIN` at least)."""
     if not ps or cap <= 0:
         return 0
     best, best_rate = 0, 1.0 + MARGIN
     for k in range(1, cap + 1):
         made = sum(1.0 + sum(p**i for i in range(1, k + 1)) for p in ps) / len(ps)
-        rate = made / (1.0 + k * ratio)
+        rate = made / (1.0 + fixed + k * ratio)
         if rate > best_rate:
             best, best_rate = k, rate
     return best

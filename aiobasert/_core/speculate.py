@@ -244,6 +244,21 @@ class SpecPolicy:
         """A draft row is verified only when its expected yield is `margin` x its estimated cost."""
         self.probe_every = probe_every
         """A lane no draft pays for is asked for a proposal (scored as a shadow) this often."""
+        self.pooled = LaneSpec()
+        """Every lane's verified drafts, decayed more slowly than a lane's: a new lane's prior.
+        How often drafts are accepted is as much the drafter's and the traffic's as a lane's (a
+        draft model of the target's own weights agrees with it on any prompt): a lane that
+        started from a fixed prior lower than that did not draft before it had ended."""
+
+    def new_lane(self) -> LaneSpec:
+        """A new lane's state, its p the pooled acceptance (as 2.5 drafts' worth of evidence,
+        kept within 0.05..0.95 so that either way a lane's own drafts soon outweigh it)."""
+        p = min(max(self.pooled.p, 0.05), 0.95)
+        return LaneSpec(prior_hits=2.5 * p, prior_misses=2.5 * (1.0 - p))
+
+    def observe(self, accepted: int, rejected: bool) -> None:
+        """A lane's verified run (`LaneSpec.observe`), into the pooled estimate."""
+        self.pooled.observe(accepted, rejected, decay=0.98)
 
     def ask(self, st: LaneSpec, rows: int, lanes: int) -> bool:
         """Whether to run the drafter for a lane this step: when even its first draft could pay,

@@ -265,3 +265,29 @@ def test_sampling_params_validate_names_the_field() -> None:
     with pytest.raises(ValueError, match="top_p"):
         SamplingParams(top_p=0).validate()
     SamplingParams(temperature=0.7, top_p=0.9, seed=3, stop=["\n"]).validate(vocab_size=100)
+
+
+async def test_a_step_that_fails_before_any_lane_runs_fails_the_waiting_requests(
+    tiny_model_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The step's last resort ends the running requests with an InternalError; where none runs (it
+    failed before admitting any), the waiting ones: they would otherwise wait, the step failing
+    the same way every time round, a busy loop no reply ends. The engine serves on after it."""
+    async with Engine.open(tiny_model_path, max_batch_size=2) as engine:
+        thread = engine._thread
+        plan = thread.batcher.plan
+        broken = [True]  # the plan fails every step until the request has its answer
+
+        def failing(*args: Any, **kwargs: Any) -> Any:
+            if broken[0]:
+                raise RuntimeError("a bug in the plan")
+            return plan(*args, **kwargs)
+
+        monkeypatch.setattr(thread.batcher, "plan", failing)
+        with anyio.fail_after(BOUND):
+            with pytest.raises(aiobasert.InternalError, match="a bug in the plan"):
+                await engine.generate("waits", max_tokens=4)
+            broken[0] = False
+            out = await engine.generate("served", max_tokens=4, ignore_eos=True)
+        assert len(out.token_ids) == 4
+        await assert_pool_whole(engine)

@@ -310,6 +310,40 @@ async def test_greedy_verify_steps_are_argmaxed_in_the_engine(tiny_model_path: P
         assert refusing.calls == 1 and runner.argmax_refused and runner.argmax_steps == steps
 
 
+class Broken(Garbage):
+    """Raises in its hook before the plan, after a few steps of drafting garbage."""
+
+    def __init__(self, vocab: int, after: int) -> None:
+        super().__init__(vocab, seed=1)
+        self.after = after
+        self.closed = False
+
+    def before_plan(self, lanes: Any, policy: SpecPolicy) -> None:
+        self.after -= 1
+        if self.after < 0:
+            raise RuntimeError("a drafter's bug")
+
+    def close(self) -> None:
+        self.closed = True
+
+
+async def test_a_drafter_that_fails_turns_speculation_off_and_loses_nothing(tiny_model_path: Path) -> None:
+    """A drafter raising where it runs for all lanes at once (a draft model's steps) costs speed,
+    never a request: it is closed, the streams go on plainly with their plain output, and the next
+    requests are served (a failure there once failed the running lanes, then spun on the waiting
+    ones with no reply)."""
+    params = {"max_tokens": 24, "ignore_eos": True}
+    async with Engine.open(tiny_model_path, max_batch_size=2) as plain:
+        jobs = [(await plain.encode(f"fail {i}"), params) for i in range(3)]
+        want = await run_all(plain, jobs)
+    async with Engine.open(tiny_model_path, max_batch_size=2, speculation=FULL) as engine:
+        broken = Broken(engine.info.vocab_size, after=5)
+        engine._thread.drafter = broken
+        assert await run_all(engine, jobs) == want  # bounded: run_all fails after BOUND
+        assert broken.closed and engine._thread.drafter is None
+        assert await run_all(engine, jobs[:1]) == want[:1]
+
+
 async def test_a_draft_past_a_stop_is_neither_delivered_nor_kept(tiny_model_path: Path) -> None:
     """An oracle drafts the whole reference output at once: the stop comes inside an accepted run,
     and nothing after it is delivered or left in the KV (the published prefix is prompt + output)."""

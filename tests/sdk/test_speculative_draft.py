@@ -18,7 +18,8 @@ import anyio
 import pytest
 
 from aiobasert import Engine, InvalidConfigError, ModelFileNotFoundError, UnsupportedError
-from aiobasert._core.draft_model import DraftModel, DraftModelDrafter, best_depth
+from aiobasert._core.draft_model import RETRY_EVERY, DraftModel, DraftModelDrafter, MeasuredGain, best_depth
+from aiobasert._core.speculate import SpecPolicy
 from aiobasert._ffi import Library
 from aiobasert.config import SpeculationConfig
 from aiobasert.models.tiny import build_tiny_model
@@ -385,3 +386,42 @@ def test_the_draft_length_pays_for_the_draft_models_steps() -> None:
     assert 1 <= best_depth([0.7], 4, 0.4) < 4
     assert best_depth([0.2, 0.3], 4, 0.3) == 0
     assert best_depth([], 4, 0.1) == best_depth([0.9], 0, 0.1) == 0
+    assert best_depth([0.9], 4, 0.25, fixed=0.0) > best_depth([0.9], 4, 0.25, fixed=2.0)  # a verify step's own cost
+
+
+def test_drafting_measured_to_lose_stops_and_is_retried() -> None:
+    """Whatever `best_depth` predicts, drafting whose steps made fewer tokens a second than plain
+    steps (by the margin) stops; it is tried again every RETRY_EVERY asks, and measured anew."""
+    gain = MeasuredGain()
+    assert not gain.loses()  # nothing measured: the prediction stands
+    for _ in range(5):
+        gain.plain.add(1.0, 0.020)  # a lane's token every 20 ms
+        gain.drafting.add(1.8, 0.040)  # 1.8 tokens in 40 ms: 0.9x
+    assert gain.loses() and gain.vetoed == 1
+    asked = [gain.loses() for _ in range(RETRY_EVERY - 1)]
+    assert all(asked[:-1]) and not asked[-1]  # the retry
+    for _ in range(3):
+        gain.drafting.add(2.6, 0.040)  # the retry measures 1.3x: drafting pays again
+    assert not gain.loses() and gain.vetoed == 0
+    gain.drafting.add(1.05, 0.020)  # within the margin is not enough
+    for _ in range(3):
+        gain.drafting.add(1.05, 0.020)
+    assert gain.loses()
+
+
+def test_a_new_lane_starts_from_the_pooled_acceptance() -> None:
+    """A new lane's prior is the engine's recent acceptance (a draft model of the target's weights
+    is accepted on any prompt; a lane starting at a fixed 0.4 did not draft before it ended), kept
+    within 0.05..0.95 so that its own drafts soon outweigh it."""
+    policy = SpecPolicy()
+    assert policy.new_lane().p == pytest.approx(0.4)
+    for _ in range(50):
+        policy.observe(4, False)
+    good = policy.new_lane()
+    assert good.p == pytest.approx(0.95)
+    good.observe(0, True)
+    good.observe(0, True)
+    assert good.p < 0.5  # two misses of its own outweigh the prior
+    for _ in range(200):
+        policy.observe(0, True)
+    assert policy.new_lane().p == pytest.approx(0.05)
