@@ -121,6 +121,7 @@ class SpecCase(NamedTuple):
     chunk: int
     seed: int
     same: bool
+    adaptive: bool
     cancel: tuple[int, int] | None
 
 
@@ -138,6 +139,7 @@ def spec_cases(draw: st.DrawFn) -> SpecCase:
         chunk=draw(st.sampled_from([5, 64])),
         seed=draw(st.integers(0, 1000)),
         same=draw(st.booleans()),  # the draft model: the target's weights, or other ones
+        adaptive=draw(st.booleans()),  # the draft model's policy (it drafts less, or not at all)
         # one reader may cancel its stream after a few tokens (more may be delivered before the
         # cancel lands): the others' output is unchanged, and its own is the plain output's start
         cancel=draw(st.none() | st.tuples(st.integers(0, n_jobs - 1), st.integers(1, 6))),
@@ -149,7 +151,7 @@ def spec_cases(draw: st.DrawFn) -> SpecCase:
 async def test_speculation_gives_the_plain_output(
     tiny_model_path: Path, second_tiny_model_path: Path, case: SpecCase
 ) -> None:
-    texts, params, batch, chunk, seed, same, cancel = case
+    texts, params, batch, chunk, seed, same, adaptive, cancel = case
     opts: dict[str, Any] = dict(max_batch_size=batch, max_context=96, prefill_chunk=chunk)
     opts["grammar_backend_at_open"] = False  # no grammar here: opens in ms, not half a second
     async with Engine.open(tiny_model_path, **opts) as plain:
@@ -157,7 +159,7 @@ async def test_speculation_gives_the_plain_output(
         want = await run_all(plain, jobs)
     reference = {tuple(ids): [tok[0] for tok in out] for (ids, _), out in zip(jobs, want, strict=True)}
     draft = SpeculationConfig(
-        method="draft", draft_model=str(tiny_model_path if same else second_tiny_model_path), adaptive=False
+        method="draft", draft_model=str(tiny_model_path if same else second_tiny_model_path), adaptive=adaptive
     )
     cut = dict([cancel]) if cancel else {}
     for drafter in ("ngram", "oracle", "garbage", "draft"):
@@ -170,6 +172,7 @@ async def test_speculation_gives_the_plain_output(
             # the draft model runs every job again, from its prefix cache (a cancelled one's draft KV was dropped)
             again = await run_all(engine, jobs) if drafter == "draft" else want
             stats = await engine.stats()
+            assert engine._thread.drafter is not None  # never closed as failed: a drafter's bug is hidden so
             if drafter == "draft":  # no draft block held at idle but the draft cache's, within its bound
                 d = engine._thread.drafter
                 assert isinstance(d, DraftModelDrafter)
@@ -185,7 +188,7 @@ async def test_speculation_gives_the_plain_output(
         roomy = batch == 1 or chunk == 64
         for (ids, _), out in zip(jobs, expected, strict=True):
             catch_up = -(-(len(ids) + len(out)) // chunk) if drafter == "draft" else 0
-            if drafter in ("oracle", "draft") and roomy and len(out) > 2 + catch_up:
+            if (drafter == "oracle" or (drafter == "draft" and not adaptive)) and roomy and len(out) > 2 + catch_up:
                 assert stats.spec_draft_tokens > 0
 
 
