@@ -2,8 +2,8 @@
 
 For each prompt set (input-grounded: rewrite a passage with one change, quote it; and free text)
 and each number of concurrent streams (1 / 4 / 16), the same greedy requests run on an engine
-without speculation and on one with n-gram speculation (the default adaptive policy), both open
-in this process, taking turns (the order reversed every repetition): tok/s, engine steps,
+without speculation and on one with n-gram speculation (the default adaptive policy), each run
+on an engine of its own, taking turns (the order reversed every repetition): tok/s, engine steps,
 drafted / accepted tokens, and whether the outputs are identical (they must be). The ratio is
 the median over repetitions of on / off tok/s of back-to-back runs, with its quartiles: on a
 shared machine a single run's tok/s moves by more than speculation's cost where it does not pay.
@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import statistics
 import time
 from typing import Any
@@ -52,8 +51,16 @@ FREE = [
 ]
 
 
-async def run(engine: Engine, prompts: list[str], streams: int, max_tokens: int) -> dict:
-    """`streams` greedy requests at once on an open engine: tok/s, steps, drafts, the outputs."""
+async def run(model: str, spec: SpeculationConfig | None, prompts: list[str], streams: int, max_tokens: int) -> dict:
+    """One engine, opened for this run alone, `streams` greedy requests at once: tok/s, steps, drafts,
+    the outputs. (Two engines open in one process do not run alike: the second opened was 5-16%
+    faster than the first on identical work, so each run has the process to itself.)"""
+    async with Engine.open(model, max_batch_size=streams, max_context=1024, speculation=spec) as engine:
+        await engine.generate("warm up", max_tokens=4)  # first-step costs out of the timing
+        return await measure(engine, prompts, streams, max_tokens)
+
+
+async def measure(engine: Engine, prompts: list[str], streams: int, max_tokens: int) -> dict:
     before = await engine.stats()
     jobs = [prompts[i % len(prompts)] for i in range(streams)]
     began, cpu = time.perf_counter(), time.process_time()
@@ -121,20 +128,14 @@ async def main() -> None:
         if name not in args.prompts:
             continue
         for streams in args.streams:
-            # off and each source open side by side in this process and take turns, the order reversed
-            # every repetition (ABBA), so load from elsewhere on a shared machine hits all alike; each
-            # repetition gives one on / off ratio of back-to-back runs, and the median of those is quoted
-            opts: dict[str, Any] = dict(max_batch_size=streams, max_context=1024)
-            async with contextlib.AsyncExitStack() as stack:
-                engines = {"off": await stack.enter_async_context(Engine.open(model, **opts))}
-                for src in sources:
-                    engines[src] = await stack.enter_async_context(Engine.open(model, speculation=specs[src], **opts))
-                for engine in engines.values():  # first-step costs out of the timing
-                    await engine.generate("warm up", max_tokens=4)
-                runs: dict[str, list[dict[str, Any]]] = {key: [] for key in engines}
-                for i in range(args.repeat):
-                    for key in list(engines)[:: 1 if i % 2 == 0 else -1]:
-                        runs[key].append(await run(engines[key], prompts, streams, args.max_tokens))
+            # off and each source take turns, the order reversed every repetition (ABBA), so load from
+            # elsewhere on a shared machine hits all alike; each repetition gives one on / off ratio of
+            # back-to-back runs, and the median of those is quoted
+            configs: dict[str, SpeculationConfig | None] = {"off": None, **{src: specs[src] for src in sources}}
+            runs: dict[str, list[dict[str, Any]]] = {key: [] for key in configs}
+            for i in range(args.repeat):
+                for key in list(configs)[:: 1 if i % 2 == 0 else -1]:
+                    runs[key].append(await run(model, configs[key], prompts, streams, args.max_tokens))
             off: dict[str, Any] = median_run(runs["off"])
             for src in sources:
                 on: dict[str, Any] = median_run(runs[src])
