@@ -53,8 +53,9 @@ FREE = [
 
 async def run(model: str, spec: SpeculationConfig | None, prompts: list[str], streams: int, max_tokens: int) -> dict:
     """One engine, opened for this run alone, `streams` greedy requests at once: tok/s, steps, drafts,
-    the outputs. (Two engines open in one process do not run alike: the second opened was 5-16%
-    faster than the first on identical work, so each run has the process to itself.)"""
+    the outputs. Each run has the process to itself: of two identical engines open side by side,
+    one ran 0-40% faster than the other in some runs on this loaded machine (not in others; the
+    cause is not known), which would be read as speculation's gain or loss."""
     async with Engine.open(model, max_batch_size=streams, max_context=1024, speculation=spec) as engine:
         await engine.generate("warm up", max_tokens=4)  # first-step costs out of the timing
         return await measure(engine, prompts, streams, max_tokens)
