@@ -339,7 +339,8 @@ class EngineThread:
         lane = self.requests.lane(state.rid)
         if not isinstance(lane, Lane) or lane.speculation is None or self.drafter is None:
             return 0
-        if not self.spec_policy.ask(lane.speculation, rows, lanes):
+        weighed = self.drafter.weighed
+        if not weighed and not self.spec_policy.ask(lane.speculation, rows, lanes):
             return 0  # its shadow (if any) is still scored as it generates
         try:
             proposal = self.drafter.propose(lane, cap)[:cap]
@@ -351,7 +352,7 @@ class EngineThread:
                 proposal = proposal[:i]
                 break
         first = not self._step_drafts  # the first lane to draft in the step pays its verify overhead
-        k = self.spec_policy.depth(lane.speculation, len(proposal), rows, lanes, first)
+        k = len(proposal) if weighed else self.spec_policy.depth(lane.speculation, len(proposal), rows, lanes, first)
         self._step_drafts += k
         lane.drafts = proposal[:k]
         lane.speculation.shadow = [] if k else proposal  # a proposal not verified is scored for free

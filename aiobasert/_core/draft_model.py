@@ -295,6 +295,8 @@ class DraftSeq:
 class DraftModelDrafter(Drafter):
     """Greedy drafts from a draft model, batched across lanes (see the module's docstring)."""
 
+    weighed = True  # `_weigh` cuts the drafts to what pays, its own steps and the verify rows counted
+
     def __init__(self, model: DraftModel) -> None:
         self.model = model
         self.held: dict[int, LaneSpec] = {}

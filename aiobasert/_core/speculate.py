@@ -61,6 +61,10 @@ class Drafter:
 
     reused = 0
     """Tokens its sequences took from its own prefix cache (`EngineStats.draft_cached_tokens`)."""
+    weighed = False
+    """Its proposals are already as long as pays, verify rows included (a drafter that runs for all
+    lanes before the plan and weighs its own steps, `before_plan`): the row policy
+    (`SpecPolicy.ask` / `depth`) is not asked again, as it would drop drafts whose cost is spent."""
 
     def propose(self, lane: DraftSource, k: int) -> list[int]:
         """Up to `k` token ids that may follow the lane's prompt + output (its last output

@@ -425,3 +425,17 @@ def test_a_new_lane_starts_from_the_pooled_acceptance() -> None:
     for _ in range(200):
         policy.observe(0, True)
     assert policy.new_lane().p == pytest.approx(0.05)
+
+
+async def test_the_row_policy_does_not_cut_a_draft_models_drafts(
+    tiny_model_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The draft model's drafts are as long as its own weighing says (`_weigh`: its steps and the verify
+    rows counted): the row policy, which prices verify rows alone, is not asked again. It was, and at
+    4 streams and up it dropped most drafts the draft model had spent its steps on."""
+    monkeypatch.setattr(SpecPolicy, "ask", lambda *a, **k: False)
+    monkeypatch.setattr(SpecPolicy, "depth", lambda *a, **k: 0)
+    spec = draft(tiny_model_path, num_speculative_tokens=4)
+    async with Engine.open(tiny_model_path, speculation=spec) as engine:
+        got = await engine.generate(PROMPT, max_tokens=40, ignore_eos=True)
+    assert got.usage.draft_tokens >= 20 and got.usage.accepted_draft_tokens >= 0.9 * got.usage.draft_tokens
