@@ -42,7 +42,7 @@ from .. import _ffi
 from ..config import EngineConfig
 from ..errors import AioBaseRTError, InvalidConfigError, UnsupportedError
 from .loaded import LoadedModel, _prefix_bound, _static_str, kv_bits, prefix_upkeep, probe
-from .speculate import Drafter, DraftLane, LaneSpec, NgramDrafter, SpecPolicy
+from .speculate import Drafter, DraftLane, LaneSpec, NgramDrafter, SpecPolicy, StepCost
 
 SPECULATOR_NEEDS = {
     "mtp": ("speculator_head", "an embedded MTP speculator head (baseRT_load_speculator_head, baseRT_mtp_chain)"),
@@ -312,6 +312,10 @@ class DraftModelDrafter(Drafter):
         (`EngineStats.draft_cached_tokens`)."""
         self.draft_s: float | None = None
         """A drafting step of the draft model (a row or two a lane), seconds (decayed mean)."""
+        self.draft_cost = StepCost()
+        """The draft model's steps as a + b x rows (every step, catch-ups included): a drafting
+        step of n lanes is priced at its n rows, not at the mean of steps of every width (a
+        one-lane probe read 8 ms where a 16-lane step took 20)."""
         self.plain_s: float | None = None
         """An engine step without drafts (the target's step, the host around it), seconds."""
         self._ended: float | None = None
@@ -398,7 +402,9 @@ class DraftModelDrafter(Drafter):
         # and whatever else the machine did then); unfitted, the measured one and its lanes' share
         plain, row_s = (fit[0] + fit[1] * rows, fit[1]) if fit is not None else (self.plain_s, self.plain_s / rows)
         plain = max(plain, 1e-6)
-        ratio = (self.draft_s + len(decode) * row_s) / plain
+        draft_fit = self.draft_cost.fit()
+        draft_step = draft_fit[0] + draft_fit[1] * len(decode) if draft_fit is not None else self.draft_s
+        ratio = (draft_step + len(decode) * row_s) / plain
         fixed = policy.cost.overhead_rows * row_s / plain  # a verifying step's own cost (rollbacks, rows path)
         k = best_depth(ps, max(w for _, w in decode), ratio, fixed)
         vetoed = k > 0 and self.gain.loses()
@@ -501,6 +507,7 @@ class DraftModelDrafter(Drafter):
         began = time.perf_counter()
         rc = lib.baseRT_batch_step_fused_sample(m.handle, seqs, n, toks, counts, rows, out)
         took = time.perf_counter() - began
+        self.draft_cost.add(len(toks), took)
         if len(toks) <= 2 * n:  # a drafting step, not a prompt's catch-up (which `best_depth` does not weigh)
             self.draft_s = took if self.draft_s is None else 0.8 * self.draft_s + 0.2 * took
         if rc != 0:
