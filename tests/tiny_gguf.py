@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -295,12 +296,16 @@ def quantize_k(
     return out.reshape(rows, -1).astype(np.uint8)
 
 
-def k_mix_gguf(src: Path, dst: Path) -> Path:
-    """A llama.cpp-style Q4_K_M type mix of the llama GGUF `src`, requantized from its values with
-    :func:`quantize_k` and gguf-py: llama.cpp's per-tensor choice (llama_tensor_get_type for
-    LLAMA_FTYPE_MOSTLY_Q4_K_M: attn_v / ffn_down Q6_K in the use_more_bits layers, else Q4_K; the
-    output / tied embedding Q6_K), with its fallback for rows that are not whole 256-value blocks
-    (Q4_K -> Q5_0, Q6_K -> Q8_0: SmolLM2's 576-wide rows)."""
+def retyped_gguf(
+    src: Path,
+    dst: Path,
+    pick: Callable[[str, np.ndarray[Any, np.dtype[np.float32]]], gguf.GGMLQuantizationType],
+    file_type: gguf.LlamaFileType | None = None,
+) -> Path:
+    """`src` rewritten to `dst` with every matrix dequantized (gguf-py) and stored in the GGML type `pick(name,
+    values)` chooses (F16, F32, Q4_0 ..., K-quants by :func:`quantize_k`); 1-D tensors (norms, biases) in F32,
+    as llama.cpp's converter keeps them. Every metadata field is copied (architecture, hyperparameters,
+    tokenizer, chat template), `general.file_type` replaced by `file_type` when given."""
     reader = gguf.GGUFReader(src)
     arch = str(bytes(reader.fields["general.architecture"].parts[-1]), "utf-8")
     writer = gguf.GGUFWriter(dst, arch)
@@ -308,7 +313,9 @@ def k_mix_gguf(src: Path, dst: Path) -> Path:
         if name.startswith("GGUF.") or name == "general.architecture":
             continue
         kind = field.types[0]
-        if kind == gguf.GGUFValueType.ARRAY:
+        if name == "general.file_type" and file_type is not None:
+            writer.add_key_value(name, int(file_type), kind)
+        elif kind == gguf.GGUFValueType.ARRAY:
             item = field.types[1]
             if item == gguf.GGUFValueType.STRING:
                 value: Any = [str(bytes(field.parts[i]), "utf-8") for i in field.data]
@@ -319,22 +326,16 @@ def k_mix_gguf(src: Path, dst: Path) -> Path:
             writer.add_key_value(name, str(bytes(field.parts[field.data[0]]), "utf-8"), kind)
         else:
             writer.add_key_value(name, field.parts[field.data[0]].tolist()[0], kind)
-    n_layers = int(reader.fields[f"{arch}.block_count"].parts[-1][0])
-
-    def more_bits(i: int) -> bool:
-        return i < n_layers // 8 or i >= 7 * n_layers // 8 or (i - n_layers // 8) % 3 == 2
-
+    if file_type is not None and "general.file_type" not in reader.fields:
+        writer.add_file_type(int(file_type))
     for t in reader.tensors:
         values = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32)
-        if values.ndim == 1:
+        qtype = Q.F32 if values.ndim == 1 else pick(t.name, values)
+        if qtype == Q.F32:
             writer.add_tensor(t.name, values)
-            continue
-        parts = t.name.split(".")
-        more = len(parts) == 4 and parts[2] in ("attn_v", "ffn_down") and more_bits(int(parts[1]))
-        qtype = Q.Q6_K if more or t.name in ("token_embd.weight", "output.weight") else Q.Q4_K
-        if values.shape[1] % 256:
-            qtype = Q.Q8_0 if qtype == Q.Q6_K else Q.Q5_0
-        if qtype in K_BLOCKS:
+        elif qtype == Q.F16:
+            writer.add_tensor(t.name, values.astype(np.float16))
+        elif qtype in K_BLOCKS:
             writer.add_tensor(t.name, quantize_k(values, qtype), raw_dtype=qtype)
         else:
             writer.add_tensor(t.name, gguf.quants.quantize(values, qtype), raw_dtype=qtype)
@@ -343,6 +344,37 @@ def k_mix_gguf(src: Path, dst: Path) -> Path:
     writer.write_tensors_to_file()
     writer.close()
     return dst
+
+
+def f16_gguf(src: Path, dst: Path) -> Path:
+    """An F16 GGUF of the GGUF `src` (llama.cpp's `--outtype f16` layout: matrices F16, 1-D tensors F32),
+    its values gguf-py's dequantization of `src`'s blocks: the same model, unquantized, every metadata field
+    kept (bench/spec_vs_llama_server.py's draft-model target, drafted for by `src` itself)."""
+    return retyped_gguf(src, dst, lambda _name, _values: Q.F16, gguf.LlamaFileType.MOSTLY_F16)
+
+
+def k_mix_gguf(src: Path, dst: Path) -> Path:
+    """A llama.cpp-style Q4_K_M type mix of the llama GGUF `src`, requantized from its values with
+    :func:`quantize_k` and gguf-py: llama.cpp's per-tensor choice (llama_tensor_get_type for
+    LLAMA_FTYPE_MOSTLY_Q4_K_M: attn_v / ffn_down Q6_K in the use_more_bits layers, else Q4_K; the
+    output / tied embedding Q6_K), with its fallback for rows that are not whole 256-value blocks
+    (Q4_K -> Q5_0, Q6_K -> Q8_0: SmolLM2's 576-wide rows)."""
+    reader = gguf.GGUFReader(src)
+    arch = str(bytes(reader.fields["general.architecture"].parts[-1]), "utf-8")
+    n_layers = int(reader.fields[f"{arch}.block_count"].parts[-1][0])
+
+    def more_bits(i: int) -> bool:
+        return i < n_layers // 8 or i >= 7 * n_layers // 8 or (i - n_layers // 8) % 3 == 2
+
+    def pick(name: str, values: np.ndarray[Any, np.dtype[np.float32]]) -> gguf.GGMLQuantizationType:
+        parts = name.split(".")
+        more = len(parts) == 4 and parts[2] in ("attn_v", "ffn_down") and more_bits(int(parts[1]))
+        qtype = Q.Q6_K if more or name in ("token_embd.weight", "output.weight") else Q.Q4_K
+        if values.shape[1] % 256:
+            qtype = Q.Q8_0 if qtype == Q.Q6_K else Q.Q5_0
+        return qtype
+
+    return retyped_gguf(src, dst, pick)
 
 
 def real_blocks_gguf(src: Path, dst: Path, *, dim: int = 1024, ffn: int = 2048) -> Path:
