@@ -58,6 +58,12 @@ are measured on a shared machine."""
 PROBE_EVERY = 16
 """Where drafting does not pay, one lane (in turn) still drafts one token this often: the draft's
 acceptance kept current at the cost of its catching up with that lane."""
+PAYBACK = 16
+"""Drafting starts (lanes catch up on the draft model) only where the predicted gain pays for the
+catch-up within this many steps: a request's remaining length is not known."""
+PROBE_P = 0.95
+"""A probe runs only where drafts accepted this often would pay: where the costs alone rule drafting
+out, its acceptance is not worth a lane's catch-up to learn."""
 REFRESH_EVERY = 16
 """Where drafting pays, one step in this many is a plain step (its time kept current)."""
 CATCH_UP = 8
@@ -354,7 +360,7 @@ class DraftModelDrafter(Drafter):
         lanes = running()
         self._measure(began)
         self._catch_up_s = 0.0
-        wanted = draft_candidates(lanes, policy)
+        wanted = draft_candidates(lanes)
         if policy.adaptive:
             wanted = self._weigh(wanted, policy, max(len(lanes), 1))
         self.prepare(wanted, [ln.speculation for ln, _ in lanes if ln.speculation])
@@ -406,16 +412,34 @@ class DraftModelDrafter(Drafter):
         draft_step = draft_fit[0] + draft_fit[1] * len(decode) if draft_fit is not None else self.draft_s
         ratio = (draft_step + len(decode) * row_s) / plain
         fixed = policy.cost.overhead_rows * row_s / plain  # a verifying step's own cost (rollbacks, rows path)
-        k = best_depth(ps, max(w for _, w in decode), ratio, fixed)
+        cap = max(w for _, w in decode)
+        k = best_depth(ps, cap, ratio, fixed)
+        if k and draft_fit is not None:  # lanes that lag (a prompt, or tokens since they last drafted)
+            # first catch up: the draft model's prefill of their tokens, paid back within PAYBACK steps
+            lag = sum(self._lag(ln) for ln, _ in decode)
+            gain = plain * (1.0 - 1.0 / depth_rate(ps, k, ratio, fixed))  # seconds a step saves
+            if lag > CATCH_UP * len(decode) and draft_fit[0] + draft_fit[1] * lag > PAYBACK * gain:
+                k = 0
         vetoed = k > 0 and self.gain.loses()
         k = 0 if vetoed else k
         self._idle = 0 if k else self._idle + 1
-        if self._idle >= PROBE_EVERY and not vetoed:  # one lane's draft now and then keeps the acceptance current
+        # one lane's draft now and then keeps the acceptance current, where it is what stops drafting
+        # (a probe catches that lane up: the draft model's prefill of its tokens since it last drafted)
+        acceptance_bound = not k and not vetoed and best_depth([PROBE_P] * len(ps), cap, ratio, fixed) > 0
+        if self._idle >= PROBE_EVERY and acceptance_bound:
             self._idle = 0
             probe = decode[self._probed % len(decode)]
             self._probed += 1
             return [(probe[0], 1)]
         return [(ln, min(w, k)) for ln, w in wanted] if k else []
+
+    @staticmethod
+    def _lag(lane: DraftLane) -> int:
+        """The lane's tokens its draft sequence lacks (all of them where it has none yet)."""
+        st = lane.speculation
+        ds = st.draft if st is not None else None
+        have = ds.n if isinstance(ds, DraftSeq) else 0
+        return max(len(lane.prompt) + len(lane.generated) - have, 0)
 
     @property
     def live(self) -> int:
@@ -687,26 +711,25 @@ def best_depth(ps: Sequence[float], cap: int, ratio: float, fixed: float = 0.0) 
         return 0
     best, best_rate = 0, 1.0 + MARGIN
     for k in range(1, cap + 1):
-        made = sum(1.0 + sum(p**i for i in range(1, k + 1)) for p in ps) / len(ps)
-        rate = made / (1.0 + fixed + k * ratio)
+        rate = depth_rate(ps, k, ratio, fixed)
         if rate > best_rate:
             best, best_rate = k, rate
     return best
 
 
-def draft_candidates(lanes: Sequence[tuple[DraftLane, int]], policy: SpecPolicy) -> list[tuple[DraftLane, int]]:
-    """The lanes a batched drafter prepares this step: decode lanes the policy may ask (their
-    cap), then prefilling ones (their prompts catch up meanwhile). `lanes` are the running
-    lanes, (lane, cap)."""
-    decode: list[tuple[DraftLane, int]] = []
-    prefill: list[tuple[DraftLane, int]] = []
-    running = sum(1 for lane, _ in lanes if not lane.state.prefilling)
-    for lane, cap in lanes:
-        st = lane.speculation
-        if st is None:
-            continue
-        if lane.state.prefilling:
-            prefill.append((lane, 0))
-        elif cap > 0 and policy.may_ask(st, running, running):
-            decode.append((lane, cap))
-    return decode + prefill
+def depth_rate(ps: Sequence[float], k: int, ratio: float, fixed: float = 0.0) -> float:
+    """Tokens a lane makes drafting `k` per plain step's time (`best_depth`): 1.0 makes as many as
+    not drafting."""
+    if not ps:
+        return 1.0
+    made = sum(1.0 + sum(p**i for i in range(1, k + 1)) for p in ps) / len(ps)
+    return made / (1.0 + fixed + k * ratio)
+
+
+def draft_candidates(lanes: Sequence[tuple[DraftLane, int]]) -> list[tuple[DraftLane, int]]:
+    """The lanes a batched drafter may prepare this step: decode lanes (their cap), then
+    prefilling ones (0: a prompt's catch-up only). `lanes` are the running lanes, (lane, cap).
+    How far each drafts is the drafter's own weighing (`DraftModelDrafter._weigh`)."""
+    speculating = [(lane, cap) for lane, cap in lanes if lane.speculation is not None]
+    decode = [(lane, cap) for lane, cap in speculating if not lane.state.prefilling and cap > 0]
+    return decode + [(lane, 0) for lane, _ in speculating if lane.state.prefilling]

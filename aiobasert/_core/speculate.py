@@ -280,13 +280,6 @@ class SpecPolicy:
         st.idle = 0
         return True
 
-    def may_ask(self, st: LaneSpec, rows: int, lanes: int) -> bool:
-        """Whether `ask` could say yes this step, without counting it (a batched drafter
-        runs before the plan asks: `draft_model.DraftModelDrafter.prepare`)."""
-        if not self.adaptive or st.p > self.margin * self.cost.row_cost(rows, max(lanes, 1)):
-            return True
-        return not st.shadow and st.idle + 1 >= self.probe_every
-
     def depth(self, st: LaneSpec, proposed: int, rows: int, lanes: int, first: bool = False) -> int:
         """The largest i <= `proposed` with p^i above `margin` x the row's cost c (each deeper draft
         is accepted only if every one before it was). The `first` lane to draft in a step also pays
