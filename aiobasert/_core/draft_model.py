@@ -62,6 +62,9 @@ PAYBACK = 16
 """Drafting starts (lanes catch up on the draft model) only where the predicted gain pays for the
 catch-up within this many steps: a request's remaining length is not known."""
 PROBE_P = 0.95
+PROBE_LAG = 64
+"""A probe catches its lane up first (the draft model's prefill of what it lacks): a lane lacking
+more than this many tokens is not probed (a 145-token catch-up cost 100 ms to learn one draft)."""
 """A probe runs only where drafts accepted this often would pay: where the costs alone rule drafting
 out, its acceptance is not worth a lane's catch-up to learn."""
 REFRESH_EVERY = 16
@@ -400,8 +403,8 @@ class DraftModelDrafter(Drafter):
         self._drafting += 1
         if self.plain_s is None or self._drafting % REFRESH_EVERY == 0:
             return []
-        if self.draft_s is None:  # not measured yet: draft at full length once
-            return wanted
+        if self.draft_s is None:  # not measured yet: one lane drafts at full length once, the one
+            return [min(decode, key=lambda lw: self._lag(lw[0]))]  # with least to catch up
         ps = [ln.speculation.p for ln, _ in decode if ln.speculation is not None]
         fit = policy.cost.fit()
         # a plain step: the target's fit at this step's rows (the measured step includes the host
@@ -428,9 +431,11 @@ class DraftModelDrafter(Drafter):
         acceptance_bound = not k and not vetoed and best_depth([PROBE_P] * len(ps), cap, ratio, fixed) > 0
         if self._idle >= PROBE_EVERY and acceptance_bound:
             self._idle = 0
-            probe = decode[self._probed % len(decode)]
-            self._probed += 1
-            return [(probe[0], 1)]
+            # a probe is a lane's catch-up first: only a lane with little to catch up is probed
+            near = [ln for ln, _ in decode if self._lag(ln) <= PROBE_LAG]
+            if near:
+                self._probed += 1
+                return [(near[self._probed % len(near)], 1)]
         return [(ln, min(w, k)) for ln, w in wanted] if k else []
 
     @staticmethod
