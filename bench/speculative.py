@@ -57,7 +57,10 @@ async def run(model: str, spec: SpeculationConfig | None, prompts: list[str], st
     one ran 0-40% faster than the other in some runs on this loaded machine (not in others; the
     cause is not known), which would be read as speculation's gain or loss."""
     async with Engine.open(model, max_batch_size=streams, max_context=1024, speculation=spec) as engine:
-        await engine.generate("warm up", max_tokens=4)  # first-step costs out of the timing
+        # a warm-up round of the same width on other prompts: first-step costs out of the timing, and
+        # the policy's first measurements made (a draft step's time, the step fit), as a server's are
+        # after its first requests: a run of a second or so would otherwise weigh them as its own
+        await asyncio.gather(*(engine.generate(f"Warm up {i}:", max_tokens=16) for i in range(streams)))
         return await measure(engine, prompts, streams, max_tokens)
 
 

@@ -58,13 +58,11 @@ are measured on a shared machine."""
 PROBE_EVERY = 16
 """Where drafting does not pay, one lane (in turn) still drafts one token this often: the draft's
 acceptance kept current at the cost of its catching up with that lane."""
-PAYBACK = 16
+HORIZON = 128
 """Drafting starts (lanes catch up on the draft model) only where the predicted gain pays for the
-catch-up within this many steps: a request's remaining length is not known."""
+catch-up within the tokens the lanes have left to make, counted to this many at most (a request
+often ends well before its max_tokens)."""
 PROBE_P = 0.95
-PROBE_LAG = 64
-"""A probe catches its lane up first (the draft model's prefill of what it lacks): a lane lacking
-more than this many tokens is not probed (a 145-token catch-up cost 100 ms to learn one draft)."""
 """A probe runs only where drafts accepted this often would pay: where the costs alone rule drafting
 out, its acceptance is not worth a lane's catch-up to learn."""
 REFRESH_EVERY = 16
@@ -417,25 +415,32 @@ class DraftModelDrafter(Drafter):
         fixed = policy.cost.overhead_rows * row_s / plain  # a verifying step's own cost (rollbacks, rows path)
         cap = max(w for _, w in decode)
         k = best_depth(ps, cap, ratio, fixed)
-        if k and draft_fit is not None:  # lanes that lag (a prompt, or tokens since they last drafted)
-            # first catch up: the draft model's prefill of their tokens, paid back within PAYBACK steps
-            lag = sum(self._lag(ln) for ln, _ in decode)
+
+        def repays(lanes: Sequence[DraftLane], ps: Sequence[float], k: int) -> bool:
+            """Whether drafting k pays back the lanes' catch-up first (the draft model's prefill of
+            what they lack: a prompt, or the tokens since they last drafted) within what they have
+            left to make (at most HORIZON tokens: how long a request runs is not known)."""
+            lag = sum(self._lag(ln) for ln in lanes)
+            if draft_fit is None or lag <= CATCH_UP * len(lanes):
+                return True
+            left = sum(ln.state.max_new_tokens - ln.state.generated for ln in lanes) / len(lanes)
             gain = plain * (1.0 - 1.0 / depth_rate(ps, k, ratio, fixed))  # seconds a step saves
-            if lag > CATCH_UP * len(decode) and draft_fit[0] + draft_fit[1] * lag > PAYBACK * gain:
-                k = 0
+            return draft_fit[0] + draft_fit[1] * lag <= min(left, HORIZON) * gain
+
+        if k and not repays([ln for ln, _ in decode], ps, k):
+            k = 0
         vetoed = k > 0 and self.gain.loses()
         k = 0 if vetoed else k
         self._idle = 0 if k else self._idle + 1
         # one lane's draft now and then keeps the acceptance current, where it is what stops drafting
-        # (a probe catches that lane up: the draft model's prefill of its tokens since it last drafted)
-        acceptance_bound = not k and not vetoed and best_depth([PROBE_P] * len(ps), cap, ratio, fixed) > 0
-        if self._idle >= PROBE_EVERY and acceptance_bound:
+        # (drafts accepted PROBE_P of the time would pay) and the lane's catch-up would be repaid then
+        hoped = best_depth([PROBE_P] * len(ps), cap, ratio, fixed) if not k and not vetoed else 0
+        if self._idle >= PROBE_EVERY and hoped:
             self._idle = 0
-            # a probe is a lane's catch-up first: only a lane with little to catch up is probed
-            near = [ln for ln, _ in decode if self._lag(ln) <= PROBE_LAG]
+            near = [ln for ln, _ in decode if repays([ln], [PROBE_P], hoped)]
             if near:
                 self._probed += 1
-                return [(near[self._probed % len(near)], 1)]
+                return [(min(near, key=self._lag), hoped)]  # at the hoped depth: k observations for one catch-up
         return [(ln, min(w, k)) for ln, w in wanted] if k else []
 
     @staticmethod
