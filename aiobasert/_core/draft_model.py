@@ -63,6 +63,11 @@ HORIZON = 128
 catch-up within the tokens the lanes have left to make, counted to this many at most (a request
 often ends well before its max_tokens)."""
 PROBE_P = 0.95
+PROBE_BUDGET = 0.02
+"""Probes take at most this share of the engine's time: what they learn (a lane's acceptance) is
+worth less than they cost where drafting would only break even (4 streams of the f16 / q4 pair:
+0.88x with probes every 16 steps, drafting never starting)."""
+SPENT_DECAY = 0.995
 """A probe runs only where drafts accepted this often would pay: where the costs alone rule drafting
 out, its acceptance is not worth a lane's catch-up to learn."""
 REFRESH_EVERY = 16
@@ -343,7 +348,12 @@ class DraftModelDrafter(Drafter):
         self._idle = 0
         """Steps since the draft model last drafted (`PROBE_EVERY`)."""
         self._probed = 0
-        """Probes run (the next probes the next lane)."""
+        """Probes run."""
+        self._probing = False
+        self._probe_s = 0.0
+        self._spent = 0.0
+        """The probes' time and the engine's (the target's steps and the draft model's), decayed
+        alike (`PROBE_BUDGET`)."""
 
     def propose(self, lane: Any, k: int) -> list[int]:
         st = lane.speculation
@@ -371,6 +381,11 @@ class DraftModelDrafter(Drafter):
         self._decoding = 0 if prefilling else len(lanes)
         self._ended = time.perf_counter()
         self._took = self._ended - began - self._catch_up_s
+        self._spent = self._spent * SPENT_DECAY + (self._ended - began)
+        if self._probing:  # what the probe cost: its lane's catch-up and drafts
+            self._probe_s += self._ended - began
+            self._probing = False
+        self._probe_s *= SPENT_DECAY
 
     def _measure(self, now: float) -> None:
         """The last step's time (the target's step and the host around it since the last drafts,
@@ -380,6 +395,7 @@ class DraftModelDrafter(Drafter):
         if self._ended is None or not self._decoding:
             return
         gap = now - self._ended
+        self._spent += gap
         if self.plain_s is not None and gap > 4 * (self.plain_s + self._took):
             return
         if self._last:
@@ -435,11 +451,12 @@ class DraftModelDrafter(Drafter):
         # one lane's draft now and then keeps the acceptance current, where it is what stops drafting
         # (drafts accepted PROBE_P of the time would pay) and the lane's catch-up would be repaid then
         hoped = best_depth([PROBE_P] * len(ps), cap, ratio, fixed) if not k and not vetoed else 0
-        if self._idle >= PROBE_EVERY and hoped:
+        if self._idle >= PROBE_EVERY and hoped and self._probe_s <= PROBE_BUDGET * self._spent:
             self._idle = 0
             near = [ln for ln, _ in decode if repays([ln], [PROBE_P], hoped)]
             if near:
                 self._probed += 1
+                self._probing = True
                 return [(min(near, key=self._lag), hoped)]  # at the hoped depth: k observations for one catch-up
         return [(ln, min(w, k)) for ln, w in wanted] if k else []
 
