@@ -373,7 +373,8 @@ class DraftModelDrafter(Drafter):
         self._catch_up_s = 0.0
         wanted = draft_candidates(lanes)
         if policy.adaptive:
-            wanted = self._weigh(wanted, policy, max(len(lanes), 1))
+            prefilling = any(ln.state.prefilling for ln, _ in lanes)
+            wanted = self._weigh(wanted, policy, max(len(lanes), 1), prefilling)
         self.prepare(wanted, [ln.speculation for ln, _ in lanes if ln.speculation])
         self._last = [(st, st.drafted) for ln, w in wanted if w and (st := ln.speculation) is not None]
         self._accepted_before = sum(st.accepted for st, _ in self._last)
@@ -405,7 +406,9 @@ class DraftModelDrafter(Drafter):
             self.plain_s = gap if self.plain_s is None else 0.8 * self.plain_s + 0.2 * gap
             self.gain.plain.add(1.0, gap)
 
-    def _weigh(self, wanted: list[tuple[DraftLane, int]], policy: SpecPolicy, rows: int) -> list[tuple[DraftLane, int]]:
+    def _weigh(
+        self, wanted: list[tuple[DraftLane, int]], policy: SpecPolicy, rows: int, prefilling: bool = False
+    ) -> list[tuple[DraftLane, int]]:
         """Cut the draft length to what pays (`best_depth`); none before the times are measured
         (one plain step measures the step), and a plain step now and then keeps that current.
         One more draft costs a draft-model step for the drafting lanes and a verify row each: the
@@ -439,6 +442,8 @@ class DraftModelDrafter(Drafter):
             lag = sum(self._lag(ln) for ln in lanes)
             if draft_fit is None or lag <= CATCH_UP * len(lanes):
                 return True
+            if prefilling:  # a step carrying prompt chunks is long whatever drafts: no catch-up then
+                return False
             left = sum(ln.state.max_new_tokens - ln.state.generated for ln in lanes) / len(lanes)
             gain = plain * (1.0 - 1.0 / depth_rate(ps, k, ratio, fixed))  # seconds a step saves
             return draft_fit[0] + draft_fit[1] * lag <= min(left, HORIZON) * gain
