@@ -456,13 +456,16 @@ class DraftModelDrafter(Drafter):
         # one lane's draft now and then keeps the acceptance current, where it is what stops drafting
         # (drafts accepted PROBE_P of the time would pay) and the lane's catch-up would be repaid then
         hoped = best_depth([PROBE_P] * len(ps), cap, ratio, fixed) if not k and not vetoed else 0
-        if self._idle >= PROBE_EVERY and hoped and self._probe_s <= PROBE_BUDGET * self._spent:
+        if self._idle >= PROBE_EVERY and hoped and draft_fit is not None:
             self._idle = 0
             near = [ln for ln, _ in decode if repays([ln], [PROBE_P], hoped)]
-            if near:
+            lane = min(near, key=self._lag) if near else None
+            # its cost (the catch-up, then a draft step a draft) within the budget, counted before it runs
+            cost = draft_fit[0] + draft_fit[1] * self._lag(lane) + hoped * draft_step if lane is not None else 0.0
+            if lane is not None and self._probe_s + cost <= PROBE_BUDGET * self._spent:
                 self._probed += 1
                 self._probing = True
-                return [(min(near, key=self._lag), hoped)]  # at the hoped depth: k observations for one catch-up
+                return [(lane, hoped)]  # at the hoped depth: k observations for one catch-up
         return [(ln, min(w, k)) for ln, w in wanted] if k else []
 
     @staticmethod
