@@ -228,7 +228,6 @@ class Metrics:
             label,
             registry=r,
         )
-        self._preempted: dict[str, int] = {}  # the engine's count at the last scrape, by model
         self.spec_drafted = Counter(
             "aiobasert_spec_decode_num_draft_tokens",
             "Speculative decoding: draft tokens verified.",
@@ -241,14 +240,14 @@ class Metrics:
             label,
             registry=r,
         )
-        self._spec: dict[str, tuple[int, int]] = {}  # the engine's counts at the last scrape, by model
         self.draft_cached = Counter(
             "aiobasert_draft_prefix_cache_hits",
             "Speculative decoding from a draft model: prompt tokens its sequences took from its own prefix cache.",
             label,
             registry=r,
         )
-        self._draft_cached: dict[str, int] = {}  # the engine's count at the last scrape, by model
+        self._totals: dict[tuple[Counter, str], int] = {}
+        """The engine's running totals at the last scrape, by counter and model (`_advance`)."""
         self.abort = Histogram(
             "aiobasert_abort_latency_seconds",
             "Client disconnect to its engine lane freed.",
@@ -256,6 +255,14 @@ class Metrics:
             buckets=_FAST,
             registry=r,
         )
+
+    def _advance(self, counter: Counter, model: str, total: int) -> None:
+        """Move `counter` on by what the engine's running `total` gained since the last scrape (a
+        reloaded engine counts from 0 again: that scrape adds nothing, the next count from there)."""
+        last = self._totals.get((counter, model), 0)
+        if total >= last:
+            counter.labels(model).inc(total - last)
+        self._totals[(counter, model)] = total
 
     def observer(self, model: str, engine: Engine) -> RequestObserver:
         return RequestObserver(self, model, engine)
@@ -290,19 +297,10 @@ class Metrics:
             live = max(0, s.kv_blocks_used - s.prefix_blocks_cached)
             self.kv_usage.labels(name).set(live / s.kv_blocks_total if s.kv_blocks_total else 0.0)
             self.kv_bytes.labels(name, engine.info.kv_cache_dtype).set(s.kv_cache_bytes)
-            last = self._preempted.get(name, 0)
-            if s.requests_preempted >= last:  # (a reloaded engine counts from 0 again)
-                self.preemptions.labels(name).inc(s.requests_preempted - last)
-            self._preempted[name] = s.requests_preempted
-            drafted, accepted = self._spec.get(name, (0, 0))
-            if s.spec_draft_tokens >= drafted and s.spec_accepted_tokens >= accepted:
-                self.spec_drafted.labels(name).inc(s.spec_draft_tokens - drafted)
-                self.spec_accepted.labels(name).inc(s.spec_accepted_tokens - accepted)
-            self._spec[name] = (s.spec_draft_tokens, s.spec_accepted_tokens)
-            last = self._draft_cached.get(name, 0)
-            if s.draft_cached_tokens >= last:
-                self.draft_cached.labels(name).inc(s.draft_cached_tokens - last)
-            self._draft_cached[name] = s.draft_cached_tokens
+            self._advance(self.preemptions, name, s.requests_preempted)
+            self._advance(self.spec_drafted, name, s.spec_draft_tokens)
+            self._advance(self.spec_accepted, name, s.spec_accepted_tokens)
+            self._advance(self.draft_cached, name, s.draft_cached_tokens)
         if versions:
             self.build_info.engine_versions = versions
         return Response(generate_latest(_WithoutCreated(self.registry)), media_type=CONTENT_TYPE_LATEST)
