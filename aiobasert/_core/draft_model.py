@@ -63,13 +63,14 @@ HORIZON = 128
 catch-up within the tokens the lanes have left to make, counted to this many at most (a request
 often ends well before its max_tokens)."""
 PROBE_P = 0.95
+"""A probe runs only where drafts accepted this often would pay: where the costs alone rule drafting
+out, its acceptance is not worth a lane's catch-up to learn."""
 PROBE_BUDGET = 0.02
 """Probes take at most this share of the engine's time: what they learn (a lane's acceptance) is
 worth less than they cost where drafting would only break even (4 streams of the f16 / q4 pair:
 0.88x with probes every 16 steps, drafting never starting)."""
 SPENT_DECAY = 0.995
-"""A probe runs only where drafts accepted this often would pay: where the costs alone rule drafting
-out, its acceptance is not worth a lane's catch-up to learn."""
+"""The decay a step of the probes' and the engine's time (`PROBE_BUDGET`)."""
 REFRESH_EVERY = 16
 """Where drafting pays, one step in this many is a plain step (its time kept current)."""
 CATCH_UP = 8
@@ -347,8 +348,6 @@ class DraftModelDrafter(Drafter):
         """Steps with lanes that could draft (`REFRESH_EVERY`)."""
         self._idle = 0
         """Steps since the draft model last drafted (`PROBE_EVERY`)."""
-        self._probed = 0
-        """Probes run."""
         self._probing = False
         self._probe_s = 0.0
         self._spent = 0.0
@@ -372,13 +371,12 @@ class DraftModelDrafter(Drafter):
         self._measure(began)
         self._catch_up_s = 0.0
         wanted = draft_candidates(lanes)
+        prefilling = any(ln.state.prefilling for ln, _ in lanes)
         if policy.adaptive:
-            prefilling = any(ln.state.prefilling for ln, _ in lanes)
             wanted = self._weigh(wanted, policy, max(len(lanes), 1), prefilling)
         self.prepare(wanted, [ln.speculation for ln, _ in lanes if ln.speculation])
         self._last = [(st, st.drafted) for ln, w in wanted if w and (st := ln.speculation) is not None]
         self._accepted_before = sum(st.accepted for st, _ in self._last)
-        prefilling = any(ln.state.prefilling for ln, _ in lanes)
         self._decoding = 0 if prefilling else len(lanes)
         self._ended = time.perf_counter()
         self._took = self._ended - began - self._catch_up_s
@@ -463,7 +461,6 @@ class DraftModelDrafter(Drafter):
             # its cost (the catch-up, then a draft step a draft) within the budget, counted before it runs
             cost = draft_fit[0] + draft_fit[1] * self._lag(lane) + hoped * draft_step if lane is not None else 0.0
             if lane is not None and self._probe_s + cost <= PROBE_BUDGET * self._spent:
-                self._probed += 1
                 self._probing = True
                 return [(lane, hoped)]  # at the hoped depth: k observations for one catch-up
         return [(ln, min(w, k)) for ln, w in wanted] if k else []
